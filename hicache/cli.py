@@ -1,0 +1,81 @@
+"""The ``hicache`` command line: one sub-command per module, imported only when used.
+
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Errors a user
+caused (``UsageError``, ``LayoutError``) print one line and exit 2; nothing else is swallowed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from hicache.errors import UsageError
+from hicache.layout import LayoutError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("hicache.planner_cli", "capacity plan: tokens that fit per stage, device and host pools"),
+    "serve": ("hicache.serve_cli", "run the per-GPU host-offload daemon"),
+    "demo": ("hicache.demo", "daemon + simulated DSV4 worker replaying a multi-turn workload"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "pin": ("hicache.bench.pin", "bring up the pinned host arena vs torch's pinned allocator"),
+    "transfer": ("hicache.bench.transfer", "GPU<->host copy paths vs the PCIe limit and peers"),
+    "control": ("hicache.bench.control", "control-plane latency of a live daemon (CPU mode)"),
+    "fuzz": ("hicache.bench.fuzz", "hostile messages against a live daemon"),
+    "soak": ("hicache.bench.soak", "sustained mixed load from many clients, with checksums"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(_module=module)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        p.set_defaults(_missing=f"'{name}' is not available in this build")
+        return
+    mod.add_arguments(p)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module, help_) in COMMANDS.items():
+        if wanted in (name, None, "-h", "--help"):
+            _add(sub, name, module, help_)
+        else:
+            sub.add_parser(name, help=help_)
+    bench = sub.add_parser("bench", help="benchmarks (pin, transfer, control, fuzz, soak)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    wanted_b = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, (module, help_) in BENCHES.items():
+        if wanted == "bench" and wanted_b in (name, None, "-h", "--help"):
+            _add(bsub, name, module, help_)
+        else:
+            bsub.add_parser(name, help=help_)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    prog = "hicache " + " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
+    if getattr(args, "_missing", None):
+        print(f"{prog}: error: {args._missing}", file=sys.stderr)
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (UsageError, LayoutError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

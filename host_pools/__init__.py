@@ -1,0 +1,1 @@
+"""hicache.host_pools"""

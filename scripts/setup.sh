@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv with everything hicache needs; idempotent. Installs libnuma headers when root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.hicache-setup"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+echo "[setup] creating $VENV (first run takes a minute or two)"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@"; }
+pip install --upgrade pip setuptools wheel >/dev/null
+# torch first, pinned to the CPU build that lies on this machine's disk; elsewhere any >=2.11.
+if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  pip install "torch==2.13.0" || pip install "torch>=2.11"
+fi
+pip install -e ".[test]"
+# Optional NUMA binding: needs libnuma headers, Cython and no build isolation (numa 1.4.6).
+if ! "$VENV/bin/python" -c 'import numa' 2>/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libnuma-dev >/dev/null 2>&1; then
+    echo "[setup] installing libnuma-dev (root)"
+    (apt-get update -qq && apt-get install -y -qq libnuma-dev) >/dev/null 2>&1 \
+      || echo "[setup] WARNING: could not install libnuma-dev; NUMA binding will be off"
+  fi
+  if pip install Cython && pip install --no-build-isolation "numa==1.4.6" 2>/dev/null; then
+    echo "[setup] numa installed: the host pool binds to the GPU's NUMA node"
+  else
+    echo "[setup] WARNING: numa package not installed; host pools will not be NUMA-bound (logged at start-up)"
+  fi
+fi
+touch "$stamp"
+echo "[setup] ready: $VENV"
