@@ -55,6 +55,14 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
             raise LayoutError(f"num_layers must be positive, got {self.num_layers}")
+        if self.num_mtp_layers < 0:
+            raise LayoutError(f"num_mtp_layers must not be negative, got {self.num_mtp_layers}")
+        for dim in ("hidden_size", "num_heads", "nope_dim", "rope_dim", "window",
+                    "index_n_heads", "index_head_dim", "index_topk"):
+            if getattr(self, dim) <= 0:
+                raise LayoutError(f"{dim} must be positive, got {getattr(self, dim)}")
+        if self.index_head_dim % 2:
+            raise LayoutError(f"index_head_dim {self.index_head_dim} must be even (fp4 packs two)")
         if len(self.compress_ratios) != self.num_layers:
             raise LayoutError(
                 f"compress_ratios has {len(self.compress_ratios)} entries, "
@@ -67,7 +75,10 @@ class ModelSpec:
             )
         for i, r in enumerate(self.compress_ratios + self.mtp_compress_ratios):
             if r not in VALID_RATIOS:
-                raise LayoutError(f"layer {i}: compress ratio {r} is not one of {VALID_RATIOS}")
+                where = f" (MTP layer {i - self.num_layers})" if i >= self.num_layers else ""
+                raise LayoutError(
+                    f"layer {i}{where}: compress ratio {r} is not one of {VALID_RATIOS}"
+                )
         if self.indexer_dtype not in ("fp8", "fp4"):
             raise LayoutError(f"indexer_dtype must be 'fp8' or 'fp4', got {self.indexer_dtype!r}")
         if self.nope_dim % 64:
@@ -109,11 +120,35 @@ class ModelSpec:
             raise LayoutError(f"unknown model fields: {sorted(unknown)}")
         try:
             d = dict(d)
-            d["compress_ratios"] = tuple(int(x) for x in d["compress_ratios"])
-            d["mtp_compress_ratios"] = tuple(int(x) for x in d.get("mtp_compress_ratios", ()))
+            d["compress_ratios"] = _int_tuple(d["compress_ratios"], "compress_ratios")
+            d["mtp_compress_ratios"] = _int_tuple(d.get("mtp_compress_ratios", ()),
+                                                  "mtp_compress_ratios")
+            for k, v in d.items():
+                if k not in ("name", "indexer_dtype") and not isinstance(v, tuple):
+                    d[k] = _as_int(v, k)
             return ModelSpec(**d)
-        except (KeyError, TypeError) as e:
+        except KeyError as e:
+            raise LayoutError(f"bad model spec: missing field {e}") from None
+        except TypeError as e:
             raise LayoutError(f"bad model spec: {e}") from None
+
+
+def _as_int(v: Any, what: str) -> int:
+    """``v`` as an int; bools, fractions and non-numeric strings are refused."""
+    if isinstance(v, bool) or not isinstance(v, (int, str)) and not (
+        isinstance(v, float) and v.is_integer()
+    ):
+        raise LayoutError(f"{what} must be an integer, got {v!r}")
+    try:
+        return int(v)
+    except ValueError:
+        raise LayoutError(f"{what} must be an integer, got {v!r}") from None
+
+
+def _int_tuple(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise LayoutError(f"{what} must be a list of integers, got {v!r}")
+    return tuple(_as_int(x, f"{what}[{i}]") for i, x in enumerate(v))
 
 
 def _flash_ratios(n: int) -> tuple[int, ...]:
@@ -159,9 +194,14 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec
             raise LayoutError(f"config has none of {keys}")
         return default
 
-    n = int(pick("num_hidden_layers", "num_layers"))
-    n_mtp = int(pick("num_nextn_predict_layers", "num_mtp_layers", default=0))
-    ratios = [int(r) for r in pick("compress_ratios")]
+    def pick_int(*keys: str, default: Any = None) -> int:
+        return _as_int(pick(*keys, default=default), keys[0])
+
+    n = pick_int("num_hidden_layers", "num_layers")
+    n_mtp = pick_int("num_nextn_predict_layers", "num_mtp_layers", default=0)
+    if n <= 0 or n_mtp < 0:
+        raise LayoutError(f"config has {n} layers and {n_mtp} MTP layers")
+    ratios = list(_int_tuple(pick("compress_ratios"), "compress_ratios"))
     if len(ratios) == n + n_mtp:
         target, mtp = ratios[:n], ratios[n:]
     elif len(ratios) == n:
@@ -171,19 +211,19 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec
             f"compress_ratios has {len(ratios)} entries; expected {n} layers"
             + (f" or {n + n_mtp} with MTP" if n_mtp else "")
         )
-    rope = int(pick("qk_rope_head_dim", "rope_head_dim", default=64))
-    head_dim = int(pick("head_dim", "kv_lora_rank", default=512))
+    rope = pick_int("qk_rope_head_dim", "rope_head_dim", default=64)
+    head_dim = pick_int("head_dim", "kv_lora_rank", default=512)
     idx_dtype = str(pick("index_dtype", "indexer_dtype", default="fp8"))
     return ModelSpec(
         name=str(cfg.get("name", name)), num_layers=n, compress_ratios=tuple(target),
         num_mtp_layers=n_mtp, mtp_compress_ratios=tuple(mtp),
-        hidden_size=int(pick("hidden_size", default=4096)),
-        num_heads=int(pick("num_attention_heads", default=64)),
+        hidden_size=pick_int("hidden_size", default=4096),
+        num_heads=pick_int("num_attention_heads", default=64),
         nope_dim=head_dim - rope, rope_dim=rope,
-        window=int(pick("sliding_window", "window_size", default=128)),
-        index_n_heads=int(pick("index_n_heads", default=64)),
-        index_head_dim=int(pick("index_head_dim", default=128)),
-        index_topk=int(pick("index_topk", default=512)),
+        window=pick_int("sliding_window", "window_size", default=128),
+        index_n_heads=pick_int("index_n_heads", default=64),
+        index_head_dim=pick_int("index_head_dim", default=128),
+        index_topk=pick_int("index_topk", default=512),
         indexer_dtype=idx_dtype,
     )
 
@@ -199,7 +239,7 @@ def load_model(preset_name: str | None = None, config_path: str | None = None) -
             cfg = json.load(f)
     except OSError as e:
         raise LayoutError(f"cannot read config {config_path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LayoutError(f"config {config_path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise LayoutError(f"config {config_path} must hold a JSON object")
@@ -380,6 +420,11 @@ class Layout:
             raise LayoutError(f"swa_mode must be 'paged' or 'ring', got {self.swa_mode!r}")
         if self.c128_state not in ("online", "offline"):
             raise LayoutError(f"c128_state must be 'online' or 'offline', got {self.c128_state!r}")
+        if self.swa_mode == "ring" and self.model.window > self.model.page_size:
+            raise LayoutError(
+                f"ring SWA mode keeps one {self.model.page_size}-token row per request and layer; "
+                f"window {self.model.window} does not fit in it"
+            )
         object.__setattr__(self, "pools", self._build())
 
     @property

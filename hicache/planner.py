@@ -1,0 +1,430 @@
+"""Capacity planner: how many full tokens fit per pipeline stage, and the pool rows that follow.
+
+Contract (pure functions over ``hicache.layout`` and ``hicache.host_pools.sizing``; no I/O, no
+torch):
+
+* ``plan(PlanInputs) -> Plan``. Every figure is exact integer or ``Fraction`` arithmetic, so the
+  same inputs always give the same numbers.
+* Per stage, device bytes split in two kinds:
+
+  - **token-scaled** bytes per page of 256 full tokens: every pool of index space ``page``
+    (C4 KV, C4 indexer, C128 KV), plus in paged SWA mode ``swa_ratio`` x every pool of space
+    ``swa_page`` (SWA KV and the two C4 compress states, which live per SWA page);
+  - **fixed** bytes per request slot: every pool of space ``req_slot`` (the C128 state; in
+    ring SWA mode also the SWA ring row and the C4 state ring rows of each layer).
+
+  ``pages = floor((budget - fixed * request_slots) / token_scaled_bytes_per_page)``;
+  ``token_capacity = pages * 256``. A worker's capacity is the minimum over its stages.
+* Request slots per DP worker: ``max_running``, doubled on a PD decode worker (slots that are
+  pre-allocated for incoming transfers while ``max_running`` requests decode).
+* Host rows mirror device rows byte for byte and are proportional to them per index space;
+  ``hicache.host_pools.sizing.host_rows`` computes them (the rule the daemon sizes its arena
+  with), so a plan and a running daemon agree to the row.
+* Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
+  that names the numbers involved.
+
+MLA has one KV head, so every TP rank holds the full KV pools: the budget is per GPU and TP
+changes nothing per rank. PP divides the layers; DP multiplies workers.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Any, Sequence
+
+from hicache.errors import UsageError
+from hicache.host_pools import sizing as host_sizing
+from hicache.layout import (
+    INDEX_SPACES, Layout, ModelSpec, build_layout, check_bounds, stage_bounds,
+)
+
+PD_ROLES = ("none", "prefill", "decode")
+SWA_MODES = ("paged", "ring")
+DECODE_SLOT_FACTOR = 2  # a PD decode worker keeps as many slots again for incoming transfers
+DEFAULT_MAX_RUNNING = 256
+DEFAULT_SWA_RATIO = Fraction(4, 5)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,  # as host_pools.sizing reads them
+}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+# --------------------------------------------------------------------------- input parsing
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes from ``"107374182400"``, ``"100GiB"``, ``"80GB"``, ``"1.5TiB"`` (floored to a byte).
+
+    Decimal units: KB MB GB TB; binary units: KiB MiB GiB TiB, or K M G T (case-insensitive).
+    """
+    s = str(text).strip()
+    if s.startswith("-"):
+        raise UsageError(f"{what} must not be negative, got {text!r}")
+    m = _SIZE_RE.match(s)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise UsageError(
+            f"{what}: cannot read {text!r} as a size; use bytes or a number with one of "
+            "KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10), e.g. 100GiB"
+        )
+    try:
+        value = Decimal(m.group(1).replace("_", ""))
+    except InvalidOperation:
+        raise UsageError(f"{what}: cannot read {text!r} as a size") from None
+    return int(value * _UNITS[unit])
+
+
+def parse_fraction(text: str, what: str) -> Fraction:
+    """A non-negative ratio from ``"0.8"``, ``"4"``, ``"4:1"`` or ``"3/4"``."""
+    s = str(text).strip()
+    try:
+        if ":" in s:
+            a, b = s.split(":", 1)
+            value = Fraction(a.strip()) / Fraction(b.strip())
+        else:
+            value = Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"{what}: cannot read {text!r} as a number or a ratio like 4:1") from None
+    if value < 0:
+        raise UsageError(f"{what} must not be negative, got {text!r}")
+    return value
+
+
+def parse_count(text: Any, what: str, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` from a string or int."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise UsageError(f"{what} must be an integer, got {text!r}") from None
+    if value < minimum:
+        kind = "positive" if minimum == 1 else f"at least {minimum}"
+        raise UsageError(f"{what} must be {kind}, got {value}")
+    return value
+
+
+def parse_bounds(text: str) -> tuple[tuple[int, int], ...]:
+    """Explicit stage bounds ``"0:22,22:43"`` -> ``((0, 22), (22, 43))``."""
+    bounds = []
+    for part in str(text).split(","):
+        try:
+            a, b = part.split(":")
+            bounds.append((int(a), int(b)))
+        except ValueError:
+            raise UsageError(
+                f"stage bounds: cannot read {part.strip()!r}; give START:END per stage, "
+                "comma-separated, e.g. 0:22,22:43"
+            ) from None
+    return tuple(bounds)
+
+
+def human_bytes(n: int | float | Fraction) -> str:
+    """``107374182400`` -> ``"100.00 GiB"``."""
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024:
+            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.2f} {unit}"
+        v /= 1024
+    return f"{v:,.2f} TiB"
+
+
+# --------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on. ``mtp``/``indexer`` of ``None`` keep the model's own."""
+
+    model: ModelSpec
+    kv_mem: int  # KV budget per GPU, bytes
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    max_running: int = DEFAULT_MAX_RUNNING  # per DP worker
+    pd_role: str = "none"
+    swa_mode: str = "paged"
+    mtp: bool | None = None
+    indexer: str | None = None
+    c128_state: str = "online"
+    swa_ratio: Fraction = DEFAULT_SWA_RATIO  # paged SWA tokens / full tokens
+    host_mem: int | None = None  # host budget per GPU, bytes
+    host_ratio: Fraction | None = None  # host rows : device rows
+    bounds: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "max_running"):
+            value = getattr(self, name)
+            if value < 1:
+                raise UsageError(f"{name.replace('_', '-')} must be positive, got {value}")
+        if self.kv_mem < 0:
+            raise UsageError(f"kv-mem must not be negative, got {self.kv_mem}")
+        if self.pd_role not in PD_ROLES:
+            raise UsageError(f"pd-role must be one of {', '.join(PD_ROLES)}, got {self.pd_role!r}")
+        if self.swa_mode not in SWA_MODES:
+            raise UsageError(f"swa-mode must be paged or ring, got {self.swa_mode!r}")
+        if not 0 < self.swa_ratio <= 1:
+            raise UsageError(
+                f"swa-full-tokens-ratio must be in (0, 1], got {float(self.swa_ratio)}"
+            )
+        if self.host_mem is not None and self.host_ratio is not None:
+            raise UsageError("give host-mem or host-ratio, not both")
+        if self.host_mem is not None and self.host_mem < 0:
+            raise UsageError(f"host-mem must not be negative, got {self.host_mem}")
+        if self.mtp and self.model.num_mtp_layers == 0:
+            raise UsageError(f"--mtp asked for, but model {self.model.name} has no MTP layers")
+        if self.bounds is not None and len(self.bounds) != self.pp:
+            raise UsageError(f"{len(self.bounds)} stage bounds given for pp {self.pp}")
+
+    @property
+    def use_mtp(self) -> bool:
+        return self.model.num_mtp_layers > 0 if self.mtp is None else self.mtp
+
+    @property
+    def effective_model(self) -> ModelSpec:
+        if self.indexer is None or self.indexer == self.model.indexer_dtype:
+            return self.model
+        return self.model.with_options(indexer_dtype=self.indexer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name, "kv_mem": self.kv_mem, "tp": self.tp, "pp": self.pp,
+            "dp": self.dp, "max_running": self.max_running, "pd_role": self.pd_role,
+            "swa_mode": self.swa_mode, "mtp": self.use_mtp,
+            "indexer": self.effective_model.indexer_dtype, "c128_state": self.c128_state,
+            "swa_full_tokens_ratio": float(self.swa_ratio), "host_mem": self.host_mem,
+            "host_ratio": None if self.host_ratio is None else float(self.host_ratio),
+            "stage_bounds": None if self.bounds is None else [list(b) for b in self.bounds],
+        }
+
+
+# --------------------------------------------------------------------------- per-stage rules
+def request_slots(max_running: int, pd_role: str) -> int:
+    """Request slots per DP worker: ``max_running``, x2 on a PD decode worker."""
+    return max_running * (DECODE_SLOT_FACTOR if pd_role == "decode" else 1)
+
+
+def page_cost(layout: Layout, swa_ratio: Fraction) -> Fraction:
+    """Token-scaled device bytes per page of 256 full tokens."""
+    return layout.row_bytes("page") + swa_ratio * layout.row_bytes("swa_page")
+
+
+def fixed_bytes_per_request(layout: Layout) -> int:
+    """Device bytes one request slot costs whatever its length (rings and C128 state)."""
+    return layout.row_bytes("req_slot")
+
+
+def one_request_bytes(layout: Layout) -> int:
+    """Smallest budget that runs one request: its fixed bytes plus one row of every page space."""
+    return fixed_bytes_per_request(layout) + layout.row_bytes("page") + layout.row_bytes("swa_page")
+
+
+def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction) -> int | None:
+    """Full-token pages that fit beside ``slots`` request slots; ``None`` = no token-scaled pool."""
+    need = one_request_bytes(layout)
+    where = f"stage {layout.stage.pp_rank} [{layout.stage.start}, {layout.stage.end})"
+    if budget < need:
+        raise UsageError(
+            f"KV budget {budget:,} B is too small for one request on {where} "
+            f"({layout.swa_mode} SWA): one request needs {need:,} B"
+        )
+    cost = page_cost(layout, swa_ratio)
+    fixed = fixed_bytes_per_request(layout) * slots
+    if budget - fixed < max(cost, 1):  # fixed > 0 here: one request fits, so slots > 1
+        most = math.floor((budget - math.ceil(cost)) / fixed_bytes_per_request(layout))
+        raise UsageError(
+            f"KV budget {budget:,} B on {where} ({layout.swa_mode} SWA) leaves no token page "
+            f"after the fixed state of {slots} request slots ({fixed:,} B); "
+            f"at most {most} slots fit"
+        )
+    return None if cost == 0 else math.floor((budget - fixed) / cost)
+
+
+def device_rows(layout: Layout, pages: int, slots: int, swa_ratio: Fraction) -> dict[str, int]:
+    """Rows per index space present on this stage, for ``pages`` full-token pages."""
+    rows = {"page": pages, "swa_page": math.floor(pages * swa_ratio), "req_slot": slots}
+    return {s: rows[s] for s in INDEX_SPACES if layout.space_pools(s)}
+
+
+def rows_bytes(layout: Layout, rows: dict[str, int]) -> int:
+    """Bytes of ``rows`` row ids per index space, over every pool and layer."""
+    return sum(n * layout.row_bytes(space) for space, n in rows.items())
+
+
+def host_rows(
+    layout: Layout, device: dict[str, int],
+    host_bytes: int | None = None, ratio: Fraction | None = None,
+) -> dict[str, int]:
+    """Host rows per space, proportional to the device rows; ``{}`` when no host size is given."""
+    if host_bytes is None and ratio is None:
+        return {}
+    return host_sizing.host_rows(layout, device, host_bytes=host_bytes,
+                                 ratio=None if ratio is None else float(ratio))
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its pools, its own capacity and the rows of the worker's capacity."""
+
+    layout: Layout
+    budget: int
+    slots: int
+    swa_ratio: Fraction
+    pages: int | None  # what this stage alone could hold; None = unbounded
+    device_rows: dict[str, int] = field(default_factory=dict)
+    host_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def token_capacity(self) -> int | None:
+        return None if self.pages is None else self.pages * self.layout.model.page_size
+
+    @property
+    def bytes_per_full_token(self) -> Fraction:
+        return page_cost(self.layout, self.swa_ratio) / self.layout.model.page_size
+
+    @property
+    def fixed_bytes_per_request(self) -> int:
+        return fixed_bytes_per_request(self.layout)
+
+    @property
+    def device_bytes(self) -> int:
+        return rows_bytes(self.layout, self.device_rows)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host arena bytes of ``host_rows``, alignment padding included."""
+        return host_sizing.arena_bytes(self.layout, self.host_rows) if self.host_rows else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        lay, st = self.layout, self.layout.stage
+        return {
+            "pp_rank": st.pp_rank,
+            "start_layer": st.start,
+            "end_layer": st.end,
+            "mtp_layers": len(st.layers("swa")) - (st.end - st.start),
+            "pools": [
+                {"name": p.name, "index": p.index, "dtype": p.dtype,
+                 "tokens_per_page": p.tokens_per_page, "page_bytes": p.page_bytes,
+                 "scale_offset": p.scale_offset, "ring": p.ring, "num_layers": p.num_layers,
+                 "layers": list(p.layers)}
+                for p in lay.pools.values()
+            ],
+            "row_bytes": {s: lay.row_bytes(s) for s in INDEX_SPACES if lay.space_pools(s)},
+            "bytes_per_full_token": float(self.bytes_per_full_token),
+            "fixed_bytes_per_request": self.fixed_bytes_per_request,
+            "fixed_bytes": self.fixed_bytes_per_request * self.slots,
+            "one_request_bytes": one_request_bytes(lay),
+            "token_capacity": self.token_capacity,
+            "device_rows": dict(self.device_rows),
+            "device_bytes": self.device_bytes,
+            "unused_bytes": self.budget - self.device_bytes,
+            "host_rows": dict(self.host_rows),
+            "host_bytes": self.host_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    request_slots: int
+    stages: list[StagePlan]
+    paged_capacity: int | None  # tokens per DP worker, min over stages
+    ring_capacity: int | None
+    warnings: list[str]
+
+    @property
+    def token_capacity(self) -> int | None:
+        return self.ring_capacity if self.inputs.swa_mode == "ring" else self.paged_capacity
+
+    @property
+    def ring_vs_paged(self) -> float | None:
+        if not self.paged_capacity or self.ring_capacity is None:
+            return None
+        return self.ring_capacity / self.paged_capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        i, cap = self.inputs, self.token_capacity
+        m = i.effective_model
+        return {
+            "inputs": i.to_dict(),
+            "model": {"name": m.name, "num_layers": m.num_layers,
+                      "num_mtp_layers": m.num_mtp_layers,
+                      "compress_ratios": list(m.compress_ratios),
+                      "mtp_compress_ratios": list(m.mtp_compress_ratios)},
+            "gpus": i.tp * i.pp * i.dp,
+            "request_slots": self.request_slots,
+            "stages": [s.to_dict() for s in self.stages],
+            "token_capacity": cap,
+            "total_token_capacity": None if cap is None else cap * i.dp,
+            "paged_token_capacity": self.paged_capacity,
+            "ring_token_capacity": self.ring_capacity,
+            "ring_vs_paged_capacity_ratio": self.ring_vs_paged,
+            "warnings": list(self.warnings),
+        }
+
+
+# --------------------------------------------------------------------------- planning
+def stage_layouts(inputs: PlanInputs, swa_mode: str) -> list[Layout]:
+    model = inputs.effective_model
+    if inputs.bounds is None:
+        bounds: Sequence[tuple[int, int]] = stage_bounds(model.num_layers, inputs.pp)
+    else:
+        check_bounds(model.num_layers, inputs.bounds)
+        bounds = inputs.bounds
+    return [
+        build_layout(model, inputs.pp, r, bounds=bounds, swa_mode=swa_mode,
+                     c128_state=inputs.c128_state, mtp=inputs.use_mtp)
+        for r in range(inputs.pp)
+    ]
+
+
+def _min_pages(pages: Sequence[int | None]) -> int | None:
+    bounded = [p for p in pages if p is not None]
+    return min(bounded) if bounded else None
+
+
+def mode_capacity(inputs: PlanInputs, swa_mode: str) -> int | None:
+    """Tokens per DP worker in ``swa_mode`` (min over stages); raises when nothing fits."""
+    slots = request_slots(inputs.max_running, inputs.pd_role)
+    pages = _min_pages([capacity_pages(lay, inputs.kv_mem, slots, inputs.swa_ratio)
+                        for lay in stage_layouts(inputs, swa_mode)])
+    return None if pages is None else pages * inputs.model.page_size
+
+
+def _swa_warning(layout: Layout, rows: dict[str, int], slots: int) -> str | None:
+    """Paged SWA: each running request needs the pages its window can straddle."""
+    if "swa_page" not in rows:
+        return None
+    m = layout.model
+    need = slots * (math.ceil(m.window / m.page_size) + 1)
+    if rows["swa_page"] >= need:
+        return None
+    return (f"stage {layout.stage.pp_rank}: paged SWA pool has {rows['swa_page']} pages, fewer "
+            f"than the {need} that {slots} request slots need for their window; raise "
+            "--swa-full-tokens-ratio or the budget")
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    """The capacity plan of ``inputs`` (see the module docstring)."""
+    slots = request_slots(inputs.max_running, inputs.pd_role)
+    layouts = stage_layouts(inputs, inputs.swa_mode)
+    own = [capacity_pages(lay, inputs.kv_mem, slots, inputs.swa_ratio) for lay in layouts]
+    worker = _min_pages(own)  # the PP ranks agree on the smallest stage
+    stages, warnings = [], []
+    for lay, pages in zip(layouts, own):
+        dev = device_rows(lay, worker or 0, slots, inputs.swa_ratio)
+        host = host_rows(lay, dev, inputs.host_mem, inputs.host_ratio)
+        stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host))
+        w = _swa_warning(lay, dev, slots)
+        if w:
+            warnings.append(w)
+    capacity = {inputs.swa_mode: None if worker is None else worker * inputs.model.page_size}
+    other = "ring" if inputs.swa_mode == "paged" else "paged"
+    try:
+        capacity[other] = mode_capacity(inputs, other)
+    except UsageError as e:
+        capacity[other] = None
+        warnings.append(f"{other} SWA mode does not fit these inputs: {e}")
+    return Plan(inputs, slots, stages, capacity["paged"], capacity["ring"], warnings)

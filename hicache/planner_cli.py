@@ -1,0 +1,170 @@
+"""``hicache plan``: token capacity per pipeline stage, device and host pool rows.
+
+Every value is read as a string and checked here, so a bad one ends as one ``UsageError`` line
+(exit 2) instead of argparse's usage block. See ``hicache.planner`` for the rules.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from hicache.errors import UsageError
+from hicache.layout import PRESETS, load_model
+from hicache.planner import (
+    DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
+    parse_bounds, parse_count, parse_fraction, parse_size, plan,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Let "-5GiB" reach our own checks as a value (argparse only knows "-5" and "-.5").
+    if hasattr(p, "_negative_number_matcher"):
+        p._negative_number_matcher = re.compile(r"^-\.?\d")
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")
+    src.add_argument("--config", metavar="FILE", help="a Hugging Face style config.json")
+    p.add_argument("--kv-mem", metavar="SIZE", help="KV memory budget per GPU: bytes or e.g. "
+                   "100GiB, 80GB, 512MiB (required)")
+    p.add_argument("--tp", default="1", metavar="N", help="tensor parallel size (KV pools are "
+                   "replicated per TP rank: MLA has one KV head) [1]")
+    p.add_argument("--pp", default=None, metavar="N", help="pipeline stages, even split [1]")
+    p.add_argument("--stage-bounds", metavar="S:E,...", help="explicit [start,end) target layers "
+                   "per stage, e.g. 0:22,22:43 (MTP layers go to the last stage)")
+    p.add_argument("--dp", default="1", metavar="N", help="data parallel workers [1]")
+    p.add_argument("--max-running", default=str(DEFAULT_MAX_RUNNING), metavar="N",
+                   help=f"max running requests per DP worker [{DEFAULT_MAX_RUNNING}]")
+    p.add_argument("--pd-role", default="none", metavar="ROLE", help="none | prefill | decode; "
+                   "decode keeps 2 x max-running request slots (incoming transfers) [none]")
+    p.add_argument("--swa-mode", default="paged", metavar="MODE", help="paged (SWA pages, "
+                   "token-scaled) | ring (one SWA ring per request slot) [paged]")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                   help="MTP draft layers and 16-slot C4 state rings [the model's own]")
+    p.add_argument("--indexer", metavar="DTYPE", help="fp8 | fp4 C4 indexer keys [the model's]")
+    p.add_argument("--c128-state", default="online", metavar="KIND",
+                   help="online (1 row per request) | offline (128-slot ring) [online]")
+    p.add_argument("--swa-full-tokens-ratio", default="0.8", metavar="R",
+                   help="paged SWA: SWA pool tokens / full-token pool tokens, in (0, 1] [0.8]")
+    host = p.add_argument_group("host pool (at most one)")
+    host.add_argument("--host-mem", metavar="SIZE",
+                      help="host budget per GPU: bytes or e.g. 400GiB")
+    host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:
+    if value is not None and value not in choices:
+        raise UsageError(f"{flag} must be one of {' | '.join(choices)}, got {value!r}")
+    return value
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Check every argument and build the planner's inputs; raises ``UsageError``."""
+    if (args.preset is None) == (args.config is None):
+        raise UsageError("give exactly one of --preset NAME or --config FILE")
+    if args.kv_mem is None:
+        raise UsageError("--kv-mem is required (KV budget per GPU, e.g. 100GiB)")
+    model = load_model(args.preset, args.config)
+    bounds = parse_bounds(args.stage_bounds) if args.stage_bounds else None
+    pp = parse_count(args.pp, "--pp") if args.pp is not None else len(bounds or [(0, 0)])
+    if bounds is not None and len(bounds) != pp:
+        raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp says {pp}")
+    if args.host_mem is not None and args.host_ratio is not None:
+        raise UsageError("give --host-mem or --host-ratio, not both")
+    return PlanInputs(
+        model=model,
+        kv_mem=parse_size(args.kv_mem, "--kv-mem"),
+        tp=parse_count(args.tp, "--tp"),
+        pp=pp,
+        dp=parse_count(args.dp, "--dp"),
+        max_running=parse_count(args.max_running, "--max-running"),
+        pd_role=_choice(args.pd_role, PD_ROLES, "--pd-role") or "none",
+        swa_mode=_choice(args.swa_mode, SWA_MODES, "--swa-mode") or "paged",
+        mtp=args.mtp,
+        indexer=_choice(args.indexer, ("fp8", "fp4"), "--indexer"),
+        c128_state=_choice(args.c128_state, ("online", "offline"), "--c128-state") or "online",
+        swa_ratio=parse_fraction(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
+        host_mem=None if args.host_mem is None else parse_size(args.host_mem, "--host-mem"),
+        host_ratio=None if args.host_ratio is None else parse_fraction(args.host_ratio,
+                                                                      "--host-ratio"),
+        bounds=bounds,
+    )
+
+
+# --------------------------------------------------------------------------- human output
+def _n(v: int | None) -> str:
+    return "unbounded" if v is None else f"{v:,}"
+
+
+def _rows(rows: dict[str, int]) -> str:
+    return ", ".join(f"{space} {n:,}" for space, n in rows.items())
+
+
+def _header(pl: Plan) -> list[str]:
+    i, m = pl.inputs, pl.inputs.effective_model
+    gpus = i.tp * i.pp * i.dp
+    counts = {r: sum(1 for x in m.compress_ratios if x == r) for r in (0, 4, 128)}
+    role = f", pd-role {i.pd_role}" if i.pd_role != "none" else ""
+    swa = (f"paged (SWA tokens = {float(i.swa_ratio):g} x full tokens)" if i.swa_mode == "paged"
+           else "ring (one SWA ring per request slot)")
+    return [
+        f"model     {m.name}: {m.num_layers} layers ({counts[4]} C4, {counts[128]} C128, "
+        f"{counts[0]} SWA-only) + {m.num_mtp_layers} MTP",
+        f"budget    {human_bytes(i.kv_mem)} ({i.kv_mem:,} B) KV per GPU; TP {i.tp} x PP {i.pp} "
+        f"x DP {i.dp} = {gpus} GPU{'s' if gpus > 1 else ''} (KV replicated on each TP rank)",
+        f"requests  max-running {i.max_running}{role} -> {pl.request_slots} request slots "
+        "per DP worker",
+        f"modes     SWA {swa}; MTP {'on' if i.use_mtp else 'off'}; indexer {m.indexer_dtype}; "
+        f"C128 state {i.c128_state}",
+    ]
+
+
+def _stage_lines(s: StagePlan, host_asked: bool) -> list[str]:
+    lay, st = s.layout, s.layout.stage
+    mtp = len(st.layers("swa")) - (st.end - st.start)
+    title = f"stage {st.pp_rank}: layers [{st.start}, {st.end})" + (f" + {mtp} MTP" if mtp else "")
+    out = ["", title,
+           f"  {'pool':<17}{'rows of':<10}{'tok/row':>8}{'row bytes':>11}{'layers':>8}"
+           f"{'ring':>6}{'bytes/row id':>14}"]
+    for p in lay.pools.values():
+        out.append(f"  {p.name:<17}{p.index:<10}{p.tokens_per_page or '-':>8}{p.page_bytes:>11,}"
+                   f"{p.num_layers:>8}{p.ring:>6}{p.page_bytes * p.num_layers:>14,}")
+    fixed = s.fixed_bytes_per_request
+    out += [
+        f"  bytes per full token     {float(s.bytes_per_full_token):,.2f}",
+        f"  fixed bytes per request  {fixed:,} (x {s.slots} slots = {fixed * s.slots:,})",
+        f"  token capacity           {_n(s.token_capacity)}",
+        f"  device rows              {_rows(s.device_rows)} = {human_bytes(s.device_bytes)}",
+    ]
+    if host_asked:
+        out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}")
+    return out
+
+
+def format_plan(pl: Plan) -> str:
+    i = pl.inputs
+    lines = _header(pl)
+    for s in pl.stages:
+        lines += _stage_lines(s, i.host_mem is not None or i.host_ratio is not None)
+    cap = pl.token_capacity
+    lines += ["",
+              f"capacity  {_n(cap)} tokens per DP worker (min over stages)"
+              + ("" if cap is None else f"; x DP {i.dp} = {cap * i.dp:,}")]
+    ratio = pl.ring_vs_paged
+    lines.append(f"paged vs ring, same inputs: paged {_n(pl.paged_capacity)} | ring "
+                 f"{_n(pl.ring_capacity)} tokens"
+                 + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
+    lines += [f"warning: {w}" for w in pl.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = plan(inputs_from_args(args))
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(result))
+    return 0
+

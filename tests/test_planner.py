@@ -1,0 +1,319 @@
+"""The capacity planner and ``hicache plan``: formulas, PP/DP/TP, host rows, bad inputs."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+from hicache.errors import UsageError
+from hicache.host_pools.sizing import arena_bytes
+from hicache.layout import build_layout, preset
+from hicache.planner import (
+    PlanInputs, capacity_pages, fixed_bytes_per_request, host_rows, one_request_bytes,
+    page_cost, parse_bounds, parse_count, parse_fraction, parse_size, plan, request_slots,
+)
+
+FLASH, PRO = preset("dsv4-flash"), preset("dsv4-pro")
+GiB = 2**30
+FLASH_PAGE = 21 * 37_440 + 21 * 8_448 + 20 * 1_728  # 998,208 B per 256 full tokens
+FLASH_SWA_PAGE = 44 * 149_760 + 21 * 131_072 + 21 * 32_768  # SWA + C4 states, MTP ring 16
+FLASH_C128 = 20 * 3 * 512 * 4
+
+
+# --------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize("text,expect", [
+    ("1024", 1024), ("100GiB", 100 * GiB), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20),
+    ("1.5GiB", 3 * 2**29), ("2 TiB", 2 * 2**40), ("64kb", 64_000), ("1_000", 1000), ("0", 0),
+    ("100gib", 100 * GiB), ("7B", 7), ("16G", 16 * GiB), ("512M", 512 * 2**20),
+])
+def test_parse_size(text, expect):
+    assert parse_size(text) == expect
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10XB", "GiB", "1.2.3GiB", "1e9", "-1GiB", "-5"])
+def test_parse_size_refuses(text):
+    with pytest.raises(UsageError):
+        parse_size(text, "--kv-mem")
+
+
+def test_parse_other_values():
+    assert parse_fraction("0.8", "r") == Fraction(4, 5) and parse_fraction("4:1", "r") == 4
+    assert parse_fraction("3/4", "r") == Fraction(3, 4)
+    assert parse_bounds("0:22,22:43") == ((0, 22), (22, 43))
+    assert parse_count("8", "--tp") == 8
+    for bad in (lambda: parse_fraction("x", "r"), lambda: parse_fraction("1:0", "r"),
+                lambda: parse_fraction("-1", "r"), lambda: parse_bounds("0-22"),
+                lambda: parse_count("2.5", "--tp"), lambda: parse_count("0", "--tp")):
+        with pytest.raises(UsageError):
+            bad()
+
+
+# --------------------------------------------------------------------------- formulas
+def test_request_slots_decode_doubles():
+    assert request_slots(256, "none") == request_slots(256, "prefill") == 256
+    assert request_slots(256, "decode") == 512
+
+
+def test_flash_bytes_per_full_token():
+    ring = build_layout(FLASH, swa_mode="ring")
+    assert page_cost(ring, Fraction(4, 5)) / 256 == Fraction(389_925, 100)  # 3,899.25
+    fp4 = build_layout(FLASH.with_options(indexer_dtype="fp4"), swa_mode="ring")
+    assert page_cost(fp4, Fraction(1)) == 21 * 37_440 + 21 * 4_352 + 20 * 1_728
+    paged = build_layout(FLASH)
+    assert page_cost(paged, Fraction(4, 5)) == FLASH_PAGE + Fraction(4, 5) * FLASH_SWA_PAGE
+    assert float(page_cost(paged, Fraction(4, 5)) / 256) == 35_243.25
+
+
+def test_fixed_bytes_per_request():
+    assert fixed_bytes_per_request(build_layout(FLASH)) == FLASH_C128
+    assert fixed_bytes_per_request(build_layout(FLASH, swa_mode="ring")) == FLASH_SWA_PAGE + FLASH_C128
+    offline = build_layout(FLASH, c128_state="offline")
+    assert fixed_bytes_per_request(offline) == 20 * 128 * 2 * 512 * 4
+    no_mtp = build_layout(FLASH, swa_mode="ring", mtp=False)  # 43 SWA layers, ring of 8
+    assert fixed_bytes_per_request(no_mtp) == 43 * 149_760 + 21 * (65_536 + 16_384) + FLASH_C128
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+@pytest.mark.parametrize("budget", [100 * GiB, 80 * 10**9, 3 * GiB])
+def test_capacity_formula_is_tight(mode, budget):
+    lay, r = build_layout(FLASH, swa_mode=mode), Fraction(4, 5)
+    pages = capacity_pages(lay, budget, 256, r)
+    fixed, cost = fixed_bytes_per_request(lay) * 256, page_cost(lay, r)
+    assert pages == math.floor((budget - fixed) / cost)
+    assert fixed + pages * cost <= budget < fixed + (pages + 1) * cost
+    p = plan(PlanInputs(FLASH, budget, swa_mode=mode))
+    assert p.token_capacity == pages * 256 and p.token_capacity % 256 == 0
+    s = p.stages[0]
+    assert s.device_bytes <= budget and s.device_rows["page"] == pages
+    assert s.device_rows["req_slot"] == 256
+    if mode == "paged":
+        assert s.device_rows["swa_page"] == math.floor(pages * r)
+    else:
+        assert "swa_page" not in s.device_rows
+
+
+def test_flash_100gib_numbers():
+    p = plan(PlanInputs(FLASH, 100 * GiB))
+    budget = 100 * GiB
+    paged = math.floor((budget - 256 * FLASH_C128) / (FLASH_PAGE + Fraction(4, 5) * FLASH_SWA_PAGE))
+    ring = (budget - 256 * (FLASH_SWA_PAGE + FLASH_C128)) // FLASH_PAGE
+    assert (p.paged_capacity, p.ring_capacity) == (paged * 256, ring * 256)
+    assert p.ring_vs_paged == ring / paged > 1
+
+
+def test_ring_advantage_shrinks_with_many_requests():
+    few = plan(PlanInputs(FLASH, 100 * GiB, max_running=64)).ring_vs_paged
+    many = plan(PlanInputs(FLASH, 100 * GiB, max_running=4096)).ring_vs_paged
+    assert few > many
+    assert plan(PlanInputs(FLASH, 100 * GiB, swa_ratio=Fraction(1, 10))).ring_vs_paged < few
+
+
+def test_pp_capacity_is_min_over_stages_and_rows_follow_it():
+    p = plan(PlanInputs(PRO, 80 * 10**9, pp=4, swa_mode="ring"))
+    caps = [s.token_capacity for s in p.stages]
+    assert p.token_capacity == min(caps) and len(set(caps)) > 1
+    assert all(s.device_rows["page"] * 256 == p.token_capacity for s in p.stages)
+    assert all(s.device_bytes <= 80 * 10**9 for s in p.stages)
+    assert [s.layout.pool("swa_kv").num_layers for s in p.stages] == [16, 15, 15, 16]
+
+
+def test_explicit_bounds_and_swa_only_stage():
+    p = plan(PlanInputs(FLASH, 10 * GiB, pp=2, bounds=((0, 2), (2, 43)), swa_mode="ring"))
+    assert p.stages[0].token_capacity is None  # no token-scaled pool: SWA rings only
+    assert p.token_capacity == p.stages[1].token_capacity
+    assert p.stages[0].device_rows == {"req_slot": 256}
+
+
+def test_tp_changes_nothing_per_rank_dp_multiplies_workers():
+    base = plan(PlanInputs(FLASH, 100 * GiB)).to_dict()
+    wide = plan(PlanInputs(FLASH, 100 * GiB, tp=8, dp=4)).to_dict()
+    assert wide["token_capacity"] == base["token_capacity"]
+    assert wide["total_token_capacity"] == 4 * base["token_capacity"] and wide["gpus"] == 32
+
+
+def test_decode_role_reserves_more_slots():
+    none = plan(PlanInputs(FLASH, 100 * GiB, swa_mode="ring"))
+    dec = plan(PlanInputs(FLASH, 100 * GiB, swa_mode="ring", pd_role="decode"))
+    assert dec.request_slots == 512 and dec.token_capacity < none.token_capacity
+
+
+def test_host_rows_by_ratio_and_by_bytes():
+    lay = build_layout(FLASH)
+    dev = {"page": 1000, "swa_page": 800, "req_slot": 256}
+    assert host_rows(lay, dev, ratio=Fraction(4)) == {"page": 4000, "swa_page": 3200, "req_slot": 1024}
+    assert host_rows(lay, dev) == {}
+    p = plan(PlanInputs(FLASH, 100 * GiB, host_mem=400 * GiB))
+    s = p.stages[0]
+    assert s.host_bytes == arena_bytes(s.layout, s.host_rows) <= 400 * GiB
+    k = Fraction(400 * GiB, s.device_bytes)  # proportional, a little under for region alignment
+    for space, n in s.host_rows.items():
+        assert 0.999 * s.device_rows[space] * k <= n <= s.device_rows[space] * k
+    assert plan(PlanInputs(FLASH, 100 * GiB, host_ratio=Fraction(2))).stages[0].host_rows == {
+        space: 2 * n for space, n in s.device_rows.items()}
+
+
+def test_host_budget_too_small_is_a_usage_error():
+    with pytest.raises(UsageError, match="host budget"):
+        plan(PlanInputs(FLASH, 100 * GiB, host_mem=2**20))
+
+
+def test_budget_errors_name_the_numbers():
+    lay = build_layout(FLASH)
+    need = one_request_bytes(lay)
+    assert need == FLASH_C128 + FLASH_PAGE + FLASH_SWA_PAGE
+    with pytest.raises(UsageError, match=f"one request needs {need:,} B"):
+        plan(PlanInputs(FLASH, need - 1, max_running=1))
+    plan(PlanInputs(FLASH, need, max_running=1))
+    with pytest.raises(UsageError, match=r"at most (\d+) slots fit") as e:
+        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=1000))
+    most = int(e.value.args[0].rsplit("at most ", 1)[1].split()[0])
+    plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=most))
+    with pytest.raises(UsageError):
+        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=most + 1))
+
+
+def test_other_mode_that_does_not_fit_is_a_warning():
+    p = plan(PlanInputs(FLASH, GiB, swa_mode="paged", max_running=1000))
+    assert p.ring_capacity is None and p.ring_vs_paged is None
+    assert any("ring SWA mode does not fit" in w for w in p.warnings)
+
+
+def test_small_paged_swa_pool_warns():
+    p = plan(PlanInputs(FLASH, 2 * GiB, max_running=256, swa_ratio=Fraction(1, 10)))
+    assert any("paged SWA pool has" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"tp": 0}, "tp must be positive"), ({"max_running": -1}, "max-running must be positive"),
+    ({"kv_mem": -1}, "must not be negative"), ({"pd_role": "both"}, "pd-role"),
+    ({"swa_ratio": Fraction(0)}, r"in \(0, 1\]"), ({"host_mem": 1, "host_ratio": Fraction(1)}, "not both"),
+    ({"bounds": ((0, 43),), "pp": 2}, "1 stage bounds given for pp 2"),
+])
+def test_plan_inputs_validation(kw, msg):
+    with pytest.raises(UsageError, match=msg):
+        PlanInputs(**{"model": FLASH, "kv_mem": GiB, **kw})
+
+
+# --------------------------------------------------------------------------- CLI
+def _json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_flash_100gib_ring_beats_paged(capsys):
+    d = _json(capsys, "--preset", "dsv4-flash", "--kv-mem", "100GiB")
+    assert d["ring_vs_paged_capacity_ratio"] > 1
+    assert d["request_slots"] == 256 and d["inputs"]["max_running"] == 256
+    (s,) = d["stages"]
+    assert (s["start_layer"], s["end_layer"], s["bytes_per_full_token"]) == (0, 43, 35_243.25)
+    assert s["fixed_bytes_per_request"] == FLASH_C128 and s["token_capacity"] == d["token_capacity"]
+    pools = {p["name"]: p for p in s["pools"]}
+    assert pools["swa_kv"]["num_layers"] == 44 and pools["c4_kv"]["page_bytes"] == 37_440
+    for p in s["pools"]:
+        assert {"name", "tokens_per_page", "page_bytes", "num_layers"} <= set(p)
+    assert d["ring_vs_paged_capacity_ratio"] == d["ring_token_capacity"] / d["paged_token_capacity"]
+
+
+def test_cli_json_ring_mode_3899_25_and_options(capsys):
+    d = _json(capsys, "--preset", "dsv4-flash", "--kv-mem", "80GB", "--swa-mode", "ring",
+              "--no-mtp", "--indexer", "fp4", "--c128-state", "offline", "--pp", "2",
+              "--tp", "8", "--dp", "2", "--pd-role", "decode", "--host-ratio", "2:1")
+    assert d["inputs"]["mtp"] is False and d["inputs"]["indexer"] == "fp4" and d["request_slots"] == 512
+    assert [(s["start_layer"], s["end_layer"]) for s in d["stages"]] == [(0, 22), (22, 43)]
+    assert all(s["host_rows"]["page"] == 2 * s["device_rows"]["page"] for s in d["stages"])
+    d = _json(capsys, "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--swa-mode", "ring")
+    assert d["stages"][0]["bytes_per_full_token"] == 3_899.25
+
+
+def test_cli_stage_bounds_and_config(capsys, tmp_path):
+    d = _json(capsys, "--preset", "dsv4-pro", "--kv-mem", "80GB", "--stage-bounds", "0:10,10:61")
+    assert [len(s["pools"][0]["layers"]) for s in d["stages"]] == [10, 52]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "compress_ratios": [0, 4, 128, 4],
+                               "num_nextn_predict_layers": 0}))
+    d = _json(capsys, "--config", str(cfg), "--kv-mem", "1GiB")
+    assert d["model"]["num_mtp_layers"] == 0 and d["inputs"]["mtp"] is False
+
+
+def test_cli_human_table(capsys):
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--host-mem", "200GiB"]) == 0
+    out = capsys.readouterr().out
+    for text in ("stage 0: layers [0, 43) + 1 MTP", "bytes per full token     35,243.25",
+                 "swa_kv", "c128_state", "host rows", "ring/paged ="):
+        assert text in out
+
+
+def _bad_config(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"num_hidden_layers": 3, "compress_ratios": [0, 4, 16]}))
+    return str(p)
+
+
+BAD = [
+    (["--preset", "dsv4-huge", "--kv-mem", "1GiB"], "unknown preset 'dsv4-huge'"),
+    (["--preset", "dsv4-flash", "--kv-mem", "8MiB"], "one request needs 11,151,168 B"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "ring", "--max-running", "999"],
+     "at most 105 slots fit"),
+    (["--preset", "dsv4-flash", "--kv-mem", "100GiB", "--pp", "44"], "pp size 44 is larger than the 43"),
+    (["--config", "BAD", "--kv-mem", "1GiB"], "layer 2: compress ratio 16 is not one of"),
+    (["--config", "MISSING", "--kv-mem", "1GiB"], "cannot read config"),
+    (["--preset", "dsv4-flash", "--kv-mem", "100 gigs"], "cannot read '100 gigs' as a size"),
+    (["--preset", "dsv4-flash", "--kv-mem", "-5GiB"], "must not be negative"),
+    (["--preset", "dsv4-flash", "--kv-mem=-5GiB"], "must not be negative"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--tp", "-1"], "--tp must be positive"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--max-running", "-3"], "--max-running must be positive"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--dp", "two"], "--dp must be an integer"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--host-mem", "-1GiB"], "--host-mem must not be negative"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-full-tokens-ratio", "1.5"], r"in (0, 1]"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "sliding"], "--swa-mode must be one of"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--indexer", "int4"], "--indexer must be one of"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--stage-bounds", "0:10,11:43"], "do not continue"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--stage-bounds", "0:43", "--pp", "2"],
+     "--stage-bounds gives 1 stages, --pp says 2"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--host-mem", "1GiB", "--host-ratio", "2"], "not both"),
+    (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--host-mem", "1MiB"], "host budget 1.00 MiB is too small"),
+    (["--preset", "dsv4-flash"], "--kv-mem is required"),
+    (["--kv-mem", "1GiB"], "exactly one of --preset NAME or --config FILE"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", BAD, ids=[m for _, m in BAD])
+def test_cli_bad_inputs_one_line_exit_2(capsys, tmp_path, argv, msg):
+    argv = [_bad_config(tmp_path) if a == "BAD" else str(tmp_path / "nope.json") if a == "MISSING"
+            else a for a in argv]
+    assert main(["plan", *argv]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hicache plan: error: ")
+    assert msg in lines[0]
+
+
+def test_mtp_on_a_model_without_mtp_is_refused(capsys, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "compress_ratios": [4, 128]}))
+    assert main(["plan", "--config", str(cfg), "--kv-mem", "1GiB", "--mtp"]) == 2
+    assert "has no MTP layers" in capsys.readouterr().err
+
+
+def _hicache_exe() -> list[str]:
+    exe = Path(sys.executable).parent / "hicache"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "hicache.cli"]
+
+
+def test_subprocess_plan_no_traceback(tmp_path):
+    bad = subprocess.run([*_hicache_exe(), "plan", "--config", _bad_config(tmp_path), "--kv-mem",
+                          "1GiB"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "compress ratio 16" in bad.stderr
+    ok = subprocess.run([*_hicache_exe(), "plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB",
+                         "--json"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ring_vs_paged_capacity_ratio"] > 1
