@@ -1,0 +1,31 @@
+"""Errors raised by the host pools; each carries a one-line message fit to print as is.
+
+* ``PoolError`` — base: a bad argument or a refused operation; state is unchanged by it.
+* ``PoolExhausted`` — not enough free rows in an index space (a normal, retryable refusal).
+* ``ArenaError`` — mapping, registration or use of a closed arena.
+* ``CapacityError`` — a size the machine cannot hold (also a ``UsageError``: the user fixes it).
+* ``InvariantError`` — bookkeeping found inconsistent by ``check_invariants`` (a bug, not input).
+"""
+from __future__ import annotations
+
+from hicache.errors import HicacheError, UsageError
+
+
+class PoolError(HicacheError):
+    """A host-pool operation was refused; nothing was changed."""
+
+
+class PoolExhausted(PoolError):
+    """An index space has fewer free rows than asked for."""
+
+
+class ArenaError(PoolError):
+    """The pinned arena could not be mapped, registered or used."""
+
+
+class CapacityError(PoolError, UsageError):
+    """A requested host size does not fit the memory or budget available."""
+
+
+class InvariantError(PoolError):
+    """Allocator bookkeeping is inconsistent (free and used rows disagree)."""

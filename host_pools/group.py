@@ -1,0 +1,173 @@
+"""``HostPoolGroup``: every host pool of one stage in one arena, allocated all-or-nothing.
+
+Contract:
+
+* ``HostPoolGroup(layout, rows, arena=None, *, device_index=None, arena_options=None,
+  allocator_factory=RowAllocator)``: one ``HostPool`` per ``layout.pools`` entry at the offsets
+  of ``sizing.plan_regions`` (layer-major, regions 4 KiB-aligned), one ``RowAllocator`` per used
+  index space. Without ``arena`` it maps its own of exactly ``sizing.arena_bytes`` (registered
+  for ``device_index``, chunk cuts at region starts) and closes it in ``close()``.
+* ``alloc(counts, owner) -> {space: int64 tensor}``: every space or none. Capacity is checked
+  for all spaces first; if an allocator still fails midway, the spaces already taken are given
+  back, leaving every free list exactly as before. The owner ``(client_id, request)`` is
+  recorded inside the same call (seed 004: bookkeeping lives in the allocation).
+* ``free(rows_by_space, owner)``: validated for every space, then applied: all or nothing.
+* ``free_owner(client_id, request=None) -> int``: rows freed over all spaces (a reaped client).
+* ``pool(name)``, ``buffer_infos()`` (per pool, per layer ``(ptr, nbytes, item_bytes)``),
+  ``usage()``, ``check_invariants()``, ``close()`` / context manager.
+
+Thread-safe: one lock serializes every call. ``allocator_factory(num_rows, space)`` is the
+seam tests use to inject a failing allocator.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hicache.layout import Layout
+
+from .allocator import Owner, RowAllocator, RowsLike, check_owner
+from .arena import PinnedArena
+from .errors import PoolError, PoolExhausted
+from .paged_pool import BufferInfo, HostPool
+from .sizing import arena_bytes, check_rows, plan_regions, used_spaces
+
+
+class HostPoolGroup:
+    """The host tier of one pipeline stage: pools, allocators and their owners."""
+
+    def __init__(
+        self, layout: Layout, rows: Mapping[str, int], arena: PinnedArena | None = None, *,
+        device_index: int | None = None, arena_options: Mapping[str, Any] | None = None,
+        allocator_factory: Callable[[int, str], RowAllocator] = RowAllocator,
+    ) -> None:
+        self.layout = layout
+        self.rows = check_rows(layout, rows)
+        self.spaces = used_spaces(layout)
+        regions = plan_regions(layout, self.rows)
+        need = arena_bytes(layout, self.rows)
+        self._owns_arena = arena is None
+        if arena is None:
+            arena = PinnedArena(need, device_index, cut_hints=[r.offset for r in regions],
+                                **dict(arena_options or {}))
+        elif arena.closed or arena.nbytes < need:
+            raise PoolError(f"the arena ({'closed' if arena.closed else arena.nbytes} bytes) "
+                            f"cannot hold this stage's pools: {need} bytes needed")
+        self.arena = arena
+        self.arena_bytes = need
+        try:
+            starts = {r.pool: r.offset for r in regions if r.layer == 0}
+            self.pools: dict[str, HostPool] = {
+                name: HostPool(spec, self.rows[spec.index], arena, starts[name])
+                for name, spec in layout.pools.items()
+            }
+            self.allocators: dict[str, RowAllocator] = {
+                s: allocator_factory(self.rows[s], s) for s in self.spaces
+            }
+        except BaseException:
+            self.close()
+            raise
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ allocation
+    def _check_counts(self, counts: Mapping[str, int]) -> dict[str, int]:
+        if not isinstance(counts, Mapping):
+            raise PoolError(f"counts must map index space -> rows, got {type(counts).__name__}")
+        unknown = sorted(set(counts) - set(self.spaces))
+        if unknown:
+            raise PoolError(f"no pool of this stage uses spaces {unknown}; "
+                            f"spaces are {self.spaces}")
+        for s, n in counts.items():
+            self.allocators[s].check_alloc(n)
+        return {s: int(counts[s]) for s in self.spaces if s in counts}
+
+    def alloc(self, counts: Mapping[str, int], owner: Owner) -> dict[str, torch.Tensor]:
+        """Rows in every asked space, owned by ``owner``, or an exception and no change."""
+        owner = check_owner(owner)
+        with self._lock:
+            want = self._check_counts(counts)
+            taken: dict[str, torch.Tensor] = {}
+            try:
+                for s, n in want.items():
+                    taken[s] = self.allocators[s].alloc(n, owner)
+            except BaseException:
+                for s in reversed(list(taken)):  # undo in reverse: free lists end up identical
+                    self.allocators[s].free(taken[s], owner)
+                raise
+            return taken
+
+    def free(self, rows_by_space: Mapping[str, RowsLike], owner: Owner) -> int:
+        """Free rows in several spaces, all or none. Returns the number of rows freed."""
+        owner = check_owner(owner)
+        if not isinstance(rows_by_space, Mapping):
+            raise PoolError("rows must map index space -> rows")
+        with self._lock:
+            unknown = sorted(set(rows_by_space) - set(self.spaces))
+            if unknown:
+                raise PoolError(f"no pool of this stage uses spaces {unknown}")
+            checked = {s: self.allocators[s].check_free(r, owner)
+                       for s, r in rows_by_space.items()}
+            for s, arr in checked.items():
+                self.allocators[s]._release(arr)
+            return sum(int(a.size) for a in checked.values())
+
+    def free_owner(self, client_id: str, request: str | None = None) -> int:
+        """Free everything ``client_id`` holds (one request, or all when ``request`` is None)."""
+        with self._lock:
+            return sum(a.free_owner(client_id, request) for a in self.allocators.values())
+
+    def rows_of(self, client_id: str, request: str | None = None) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return {s: a.rows_of(client_id, request) for s, a in self.allocators.items()}
+
+    # ------------------------------------------------------------------ inspection
+    def pool(self, name: str) -> HostPool:
+        try:
+            return self.pools[name]
+        except KeyError:
+            raise PoolError(f"no host pool {name!r}; pools are {sorted(self.pools)}") from None
+
+    def buffer_infos(self) -> dict[str, list[BufferInfo]]:
+        """Per pool, per local layer: ``(host ptr, nbytes, item_bytes)``."""
+        return {name: p.buffer_infos() for name, p in self.pools.items()}
+
+    def usage(self) -> dict[str, Any]:
+        with self._lock:
+            spaces = {s: a.stats() for s, a in self.allocators.items()}
+            pools = {}
+            for name, p in self.pools.items():
+                used = spaces[p.spec.index]["used"]
+                per_row = p.spec.page_bytes * p.spec.num_layers
+                pools[name] = {"space": p.spec.index, "layers": p.spec.num_layers,
+                               "rows": p.num_rows, "used_rows": used,
+                               "bytes": p.data_bytes, "used_bytes": used * per_row}
+            return {"arena_bytes": self.arena_bytes, "spaces": spaces, "pools": pools}
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` on inconsistent bookkeeping, ``PoolError`` on bad views."""
+        with self._lock:
+            for a in self.allocators.values():
+                a.check_invariants()
+            for name, p in self.pools.items():
+                want = (p.num_rows, p.spec.page_bytes)
+                if len(p.layers) != p.spec.num_layers or any(
+                        tuple(t.shape) != want for t in p.layers):
+                    raise PoolError(f"pool {name}: layer views do not match its spec")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Drop the views; close the arena if this group mapped it. Idempotent."""
+        self.pools = {}
+        if self._owns_arena and getattr(self, "arena", None) is not None:
+            self.arena.close()
+
+    def __enter__(self) -> "HostPoolGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["HostPoolGroup", "PoolError", "PoolExhausted"]

@@ -1,0 +1,169 @@
+"""Host sizing: byte strings, the arena's region plan, and host rows from a budget or a ratio.
+
+Contract (pure arithmetic, no torch):
+
+* ``parse_bytes("16GiB") -> int`` and ``format_bytes(n) -> str``. Binary units: ``K``/``KiB``,
+  ``M``/``MiB``, ``G``/``GiB``, ``T``/``TiB``; decimal units: ``KB``, ``MB``, ``GB``, ``TB``.
+* ``plan_regions(layout, rows)``: the arena is **layer-major per pool**: for every pool (in
+  ``layout.pools`` order) and every layer it owns (local order), one region of
+  ``rows[pool.index] * pool.page_bytes`` bytes, each region starting on a ``REGION_ALIGN``
+  (4 KiB) boundary. ``arena_bytes(layout, rows)`` is the end of the last region, so
+  ``arena_bytes == sum of region bytes + alignment padding`` with padding < 4 KiB per region.
+* ``host_rows(layout, device_rows, host_bytes=None, ratio=None)``: rows per index space,
+  proportional to the device rows: from a byte budget (``arena_bytes(rows) <= host_bytes``
+  guaranteed) or from a host:device ratio. Too small a budget raises ``CapacityError``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from hicache.errors import UsageError
+from hicache.layout import INDEX_SPACES, Layout
+
+from .errors import CapacityError
+
+REGION_ALIGN = 4096  # every layer region starts page-aligned (registration chunks cut there)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"16GiB"``, ``"1.5G"``, ``"512MiB"``, ``"4096"`` -> bytes. Raises ``UsageError``."""
+    if isinstance(text, bool):
+        raise UsageError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise UsageError(f"size must not be negative, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(
+            f"not a size: {text!r} (use e.g. 16GiB, 512MiB, 2G; G = GiB, GB = 10^9 bytes)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size, e.g. ``16.00 GiB``."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        x /= 1024
+        if abs(x) < 1024 or unit == "TiB":
+            break
+    return f"{x:.2f} {unit}"
+
+
+def align_up(n: int, a: int = REGION_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Region:
+    """One layer of one pool in the arena: ``nbytes = rows * item_bytes`` at ``offset``."""
+
+    pool: str
+    layer: int  # local layer id within the pool
+    offset: int
+    nbytes: int
+    item_bytes: int  # bytes of one row (page_bytes)
+
+
+def used_spaces(layout: Layout) -> list[str]:
+    """Index spaces that at least one pool of this stage uses, in ``INDEX_SPACES`` order."""
+    return [s for s in INDEX_SPACES if layout.space_pools(s)]
+
+
+def check_rows(layout: Layout, rows: Mapping[str, int]) -> dict[str, int]:
+    """Rows given for exactly the spaces this layout uses, each a positive int."""
+    if not isinstance(rows, Mapping):
+        raise UsageError(f"rows must map index space -> row count, got {type(rows).__name__}")
+    want = used_spaces(layout)
+    unknown = sorted(set(rows) - set(INDEX_SPACES))
+    if unknown:
+        raise UsageError(f"unknown index spaces {unknown}; spaces are {list(INDEX_SPACES)}")
+    extra = sorted(set(rows) - set(want))
+    missing = [s for s in want if s not in rows]
+    if extra or missing:
+        raise UsageError(
+            f"rows must be given for the spaces this stage uses {want}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; no pool uses {extra}" if extra else "")
+        )
+    out = {}
+    for s in want:
+        n = rows[s]
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise UsageError(f"rows for space {s!r} must be a positive int, got {n!r}")
+        out[s] = n
+    return out
+
+
+def plan_regions(layout: Layout, rows: Mapping[str, int]) -> list[Region]:
+    """The arena's regions, in address order (see the module docstring)."""
+    rows = check_rows(layout, rows)
+    regions, end = [], 0
+    for spec in layout.pools.values():
+        n = rows[spec.index] * spec.page_bytes
+        for local in range(spec.num_layers):
+            off = align_up(end)
+            regions.append(Region(spec.name, local, off, n, spec.page_bytes))
+            end = off + n
+    return regions
+
+
+def arena_bytes(layout: Layout, rows: Mapping[str, int]) -> int:
+    """Exact arena size for ``rows``: sum of regions plus < 4 KiB alignment each."""
+    regions = plan_regions(layout, rows)
+    return regions[-1].offset + regions[-1].nbytes if regions else 0
+
+
+def host_rows(
+    layout: Layout, device_rows: Mapping[str, int], host_bytes: int | None = None,
+    ratio: float | None = None,
+) -> dict[str, int]:
+    """Host rows per used space, proportional to ``device_rows``; exactly one of the two limits.
+
+    Spaces in ``device_rows`` that no pool of this stage uses are ignored.
+    """
+    if (host_bytes is None) == (ratio is None):
+        raise UsageError("give exactly one of host_bytes or ratio")
+    unknown = sorted(set(device_rows) - set(INDEX_SPACES))
+    if unknown:
+        raise UsageError(f"unknown index spaces {unknown}; spaces are {list(INDEX_SPACES)}")
+    want = used_spaces(layout)
+    dev = check_rows(layout, {s: device_rows[s] for s in want if s in device_rows})
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0 \
+                or not math.isfinite(ratio):
+            raise UsageError(f"host:device ratio must be a positive number, got {ratio!r}")
+        rows = {s: math.floor(dev[s] * ratio) for s in want}
+        small = [s for s in want if rows[s] < 1]
+        if small:
+            raise CapacityError(f"ratio {ratio} leaves no host rows in spaces {small}")
+        return rows
+    if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
+        raise UsageError(f"host_bytes must be a positive int, got {host_bytes!r}")
+    n_regions = sum(p.num_layers for p in layout.pools.values())
+    per_unit = sum(dev[s] * layout.row_bytes(s) for s in want)  # bytes of one device-sized set
+    budget = host_bytes - n_regions * (REGION_ALIGN - 1)  # worst-case alignment padding
+    rows = {s: max(0, budget) * dev[s] // per_unit for s in want}
+    if any(r < 1 for r in rows.values()):
+        one_each = sum(layout.row_bytes(s) for s in want) + n_regions * (REGION_ALIGN - 1)
+        raise CapacityError(
+            f"host budget {format_bytes(host_bytes)} is too small for this stage: rows in "
+            f"proportion to the device pools need at least one row per space "
+            f"({format_bytes(one_each)} minimum with alignment; got rows {rows})"
+        )
+    assert arena_bytes(layout, rows) <= host_bytes
+    return rows
