@@ -1,0 +1,256 @@
+"""The one entry point of the copy paths: check a request, then pick a path and launch it.
+
+* ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
+  layer: the staged path (few-CTA gather + copy-engine DMA) when the host side comes in long
+  runs of consecutive rows and its indices are on the CPU, else the zero-copy kernel.
+* ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
+  a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
+  to ``copy_rows`` instead.
+
+Buffers are ``LayerTable`` s (preferred: their pointer tables are cached) or lists of per-layer
+``[rows, row_bytes]`` uint8 tensors. Index tensors are 1-D int64, on the CPU or on the kernel's
+GPU. Every check (lengths, dtype, device, bounds, row sizes, layer shapes) raises
+``TransferError`` before anything is launched; bounds of GPU-resident indices cost one sync.
+Duplicate destination indices are not rejected: which source wins is unspecified.
+
+``impl``: ``"auto"``, ``"zero_copy"`` (Triton, reads/writes pinned host memory directly),
+``"staged"`` (device↔host rows only), ``"reference"`` (torch; the CPU path), ``"triton"`` (an
+alias of zero_copy, also valid on CPU under ``TRITON_INTERPRET=1``). ``ctas`` is the SM budget
+(persistent grid). ``stream``: a ``torch.cuda.Stream`` to run on (default: the current one).
+Each call returns the name of the path it used.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .reference import copy_rows_ref, copy_tokens_ref
+from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
+
+__all__ = ["copy_rows", "copy_tokens", "LayerTable", "TokenFormat", "TransferError",
+           "DEFAULT_CTAS", "IMPLS"]
+
+DEFAULT_CTAS = 4
+IMPLS = ("auto", "zero_copy", "triton", "staged", "reference")
+# staged pays off when host runs are at least this many bytes long on average
+STAGED_MIN_RUN_BYTES = 2 << 20
+
+
+def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
+    if not isinstance(idx, torch.Tensor):
+        raise TransferError(f"{name}: expected a torch.Tensor of int64, got {type(idx).__name__}")
+    if idx.dtype != torch.int64:
+        raise TransferError(f"{name}: expected dtype torch.int64, got {idx.dtype}")
+    if idx.dim() != 1:
+        raise TransferError(f"{name}: expected a 1-D tensor, got shape {tuple(idx.shape)}")
+    if n is not None and idx.numel() != n:
+        raise TransferError(f"{name} has {idx.numel()} entries, the source list has {n}")
+    return idx
+
+
+def _check_pair(src: LayerTable, dst: LayerTable) -> None:
+    if src.num_layers != dst.num_layers:
+        raise TransferError(f"source has {src.num_layers} layers, destination {dst.num_layers}")
+    if src.row_bytes != dst.row_bytes:
+        raise TransferError(f"source rows are {src.row_bytes} B, destination rows "
+                            f"{dst.row_bytes} B")
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise TransferError(f"source on {src.device}, destination on {dst.device}: one GPU only")
+
+
+def _kernel_device(src: LayerTable, dst: LayerTable, impl: str) -> Optional[torch.device]:
+    """The GPU a kernel runs on; None for CPU-only buffers (reference or interpreter)."""
+    dev = src.device if src.is_cuda else (dst.device if dst.is_cuda else None)
+    if dev is not None and impl != "reference":
+        for t in (src, dst):
+            if not t.is_cuda and not _pinned(t):
+                raise TransferError(f"{t.name} is host memory the GPU cannot address (not "
+                                    f"pinned/registered): register it, or use impl='reference'")
+    return dev
+
+
+def _pinned(t: LayerTable) -> bool:
+    cached = getattr(t, "_pinned", None)
+    if cached is None:
+        cached = all(x.is_pinned() for x in t.layers)
+        t._pinned = cached
+    return cached
+
+
+def _check_bounds(pairs: list[tuple[str, torch.Tensor, int]]) -> None:
+    """0 <= idx < limit for each (name, idx, limit); one host sync for GPU-resident indices."""
+    pairs = [p for p in pairs if p[1].numel()]
+    if not pairs:
+        return
+    stats = torch.stack([torch.stack([i.min(), i.max()]).cpu() if i.is_cuda else
+                         torch.stack([i.min(), i.max()]) for _, i, _ in pairs]).tolist()
+    for (name, _, limit), (lo, hi) in zip(pairs, stats):
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise TransferError(f"{name}: index {bad} out of range [0, {limit})")
+
+
+def _to(idx: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """Indices on the kernel's device, copied on the current stream without blocking the
+    host: a copy from pageable memory would first wait for the whole stream to drain, so CPU
+    indices go through pinned memory (torch's pinned cache keeps it until the copy is done)."""
+    if device is None or idx.device == device:
+        return idx
+    if idx.is_cuda:
+        raise TransferError(f"index tensor on {idx.device}, kernel runs on {device}")
+    if not idx.is_pinned():
+        idx = idx.pin_memory()
+    return idx.to(device, non_blocking=True)
+
+
+def _resolve(impl: str, device: Optional[torch.device]) -> str:
+    if impl not in IMPLS:
+        raise TransferError(f"impl {impl!r} is not one of {IMPLS}")
+    if impl == "triton":
+        impl = "zero_copy"
+    if impl == "auto":
+        return "zero_copy" if device is not None else "reference"
+    return impl
+
+
+def _stream_ctx(stream: Optional["torch.cuda.Stream"], device: Optional[torch.device]):
+    if stream is None or device is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def _check_ctas(ctas: int) -> int:
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1:
+        raise TransferError(f"ctas must be a positive int, got {ctas!r}")
+    return ctas
+
+
+def _staged_ok(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> Optional[torch.Tensor]:
+    """Run starts when the staged path applies and pays off, else None."""
+    from .staged import plan_runs
+
+    if src.is_cuda == dst.is_cuda or host_idx.is_cuda or host_idx.numel() == 0:
+        return None
+    host = dst if src.is_cuda else src
+    if not host.contiguous_rows():
+        return None
+    runs = plan_runs(host_idx)
+    if host_idx.numel() * host.row_bytes < STAGED_MIN_RUN_BYTES * runs.numel():
+        return None
+    return runs
+
+
+def _staged_required(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> torch.Tensor:
+    from .staged import plan_runs
+
+    if src.is_cuda == dst.is_cuda:
+        raise TransferError("staged path needs one device and one host buffer")
+    if host_idx.is_cuda:
+        raise TransferError("staged path needs the host-side indices on the CPU")
+    if not (dst if src.is_cuda else src).contiguous_rows():
+        raise TransferError("staged path needs host rows packed back to back")
+    return plan_runs(host_idx)
+
+
+def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Tensor, *,
+              ctas: int = DEFAULT_CTAS, impl: str = "auto",
+              stream: Optional["torch.cuda.Stream"] = None) -> str:
+    """dst[l][dst_idx[i]] = src[l][src_idx[i]] for every layer l; returns the path used."""
+    src, dst = as_table(src, "source"), as_table(dst, "destination")
+    _check_pair(src, dst)
+    _check_index("src_idx", src_idx, None)
+    _check_index("dst_idx", dst_idx, src_idx.numel())
+    ctas = _check_ctas(ctas)
+    device = _kernel_device(src, dst, impl)
+    path = _resolve(impl, device)
+    _check_bounds([("src_idx", src_idx, src.rows), ("dst_idx", dst_idx, dst.rows)])
+    if src_idx.numel() == 0:
+        return "rows_" + path
+    runs = None
+    if path in ("zero_copy", "staged") and device is not None:
+        host_idx = dst_idx if src.is_cuda else src_idx
+        if path == "staged":
+            runs = _staged_required(src, dst, host_idx)
+        elif impl == "auto":
+            runs = _staged_ok(src, dst, host_idx)
+            path = "zero_copy" if runs is None else "staged"
+    elif path == "staged":
+        raise TransferError("staged path needs a GPU: one device and one host buffer")
+    if path == "reference":
+        copy_rows_ref(src.layers, dst.layers, src_idx, dst_idx)
+        return "rows_" + path
+    kdev = device if device is not None else torch.device("cpu")
+    with _stream_ctx(stream, device):
+        if path == "staged":
+            from .staged import copy_rows_staged
+            # only the device side's indices go to the GPU; the host side's plan the DMAs
+            if src.is_cuda:
+                copy_rows_staged(src, dst, _to(src_idx, device), dst_idx, dst_idx, runs, ctas=ctas)
+            else:
+                copy_rows_staged(src, dst, src_idx, _to(dst_idx, device), src_idx, runs, ctas=ctas)
+        else:
+            s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
+            from .rows import launch_rows, rows_config
+            from .tokens import tokens_config
+            launch_rows(src.table(kdev), dst.table(kdev), s_idx, d_idx,
+                        num_layers=src.num_layers, row_bytes=src.row_bytes,
+                        src_stride=src.stride, dst_stride=dst.stride,
+                        align=min(src.align, dst.align), ctas=ctas,
+                        cfg=rows_config(src.is_cuda, dst.is_cuda),
+                        small_cfg=tokens_config(src.is_cuda, dst.is_cuda))
+    return "rows_" + path
+
+
+def _whole_pages(tok: torch.Tensor, P: int) -> Optional[torch.Tensor]:
+    """Page ids when CPU token ids are whole pages in slot order, else None."""
+    if tok.is_cuda or tok.numel() % P:
+        return None
+    pages = tok.view(-1, P)
+    first = pages[:, :1]
+    if bool((first % P != 0).any()):
+        return None
+    if not bool((pages - first == torch.arange(P, dtype=torch.int64)).all()):
+        return None
+    return (first.flatten() // P).contiguous()
+
+
+def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.Tensor,
+                fmt: TokenFormat, *, ctas: int = DEFAULT_CTAS, impl: str = "auto",
+                stream: Optional["torch.cuda.Stream"] = None) -> str:
+    """Copy token ``src_tok[i]`` (value and scale) to token ``dst_tok[i]`` in every layer."""
+    if not isinstance(fmt, TokenFormat):
+        raise TransferError(f"fmt: expected a TokenFormat, got {type(fmt).__name__}")
+    src, dst = as_table(src, "source"), as_table(dst, "destination")
+    _check_pair(src, dst)
+    if src.row_bytes != fmt.page_bytes:
+        raise TransferError(f"rows are {src.row_bytes} B, token format pages are "
+                            f"{fmt.page_bytes} B")
+    _check_index("src_tok", src_tok, None)
+    _check_index("dst_tok", dst_tok, src_tok.numel())
+    ctas = _check_ctas(ctas)
+    device = _kernel_device(src, dst, impl)
+    path = _resolve(impl, device)
+    if path == "staged":
+        raise TransferError("staged path copies whole rows only; token copies are zero_copy")
+    P = fmt.tokens_per_page
+    _check_bounds([("src_tok", src_tok, src.rows * P), ("dst_tok", dst_tok, dst.rows * P)])
+    if src_tok.numel() == 0:
+        return "tokens_" + path
+    if impl == "auto":
+        sp, dp = _whole_pages(src_tok, P), _whole_pages(dst_tok, P)
+        if sp is not None and dp is not None:
+            return copy_rows(src, dst, sp, dp, ctas=ctas, impl=impl, stream=stream)
+    if path == "reference":
+        copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
+        return "tokens_" + path
+    kdev = device if device is not None else torch.device("cpu")
+    from .tokens import launch_tokens, tokens_config
+    with _stream_ctx(stream, device):
+        s_tok, d_tok = _to(src_tok, device), _to(dst_tok, device)
+        launch_tokens(src.table(kdev), dst.table(kdev), s_tok, d_tok, fmt,
+                      num_layers=src.num_layers, src_stride=src.stride, dst_stride=dst.stride,
+                      align=min(src.align, dst.align), ctas=ctas,
+                      cfg=tokens_config(src.is_cuda, dst.is_cuda))
+    return "tokens_" + path

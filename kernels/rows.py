@@ -1,0 +1,142 @@
+"""Zero-copy row copy: row ``src_idx[i]`` of every layer to row ``dst_idx[i]`` of that layer, all
+layers of a pool in one launch, on a persistent grid of ``ctas`` CTAs.
+
+Each layer's base address comes from an int64 pointer table (``LayerTable``); host buffers are
+pinned, so the GPU reads or writes them directly over PCIe (UVA). A row is cut into pieces of
+``CH`` bytes; one loop iteration of a CTA moves ``G`` consecutive pieces (layer-major, then
+index, then piece), issuing all ``G * CH`` loads before the stores, so the bytes in flight per
+CTA, which bound PCIe read throughput, are set by ``G * CH``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_loops() -> bool:
+    """Whether kernels may loop with runtime bounds (the persistent grid). Always on a GPU;
+    under TRITON_INTERPRET some Triton/NumPy pairs (3.6 with NumPy 2.x) cannot, and then the
+    launchers fall back to one step per program (same step code, no CTA budget)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return True
+    try:
+        out = torch.zeros(4, dtype=torch.int32)
+        _probe_loop[(2,)](out, 4)
+        return out.tolist() == [1, 1, 1, 1]
+    except Exception:
+        return False
+
+
+@triton.jit
+def _probe_loop(out, n):
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        tl.store(out + i, 1)
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """Launch shape: ``pieces`` per iteration of ``piece_bytes`` each, ``num_warps`` per CTA."""
+
+    piece_bytes: int = 2048
+    pieces: int = 16
+    num_warps: int = 16
+    load_cache: str = ""  # Triton cache_modifier of the loads ("", ".cg", ".cv", ...)
+    store_cache: str = ""  # ... and of the stores ("", ".cs", ".wt", ...)
+
+
+@triton.jit
+def _rows_step(it, src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride, dst_stride,
+               RB: tl.constexpr, PPR: tl.constexpr, CH: tl.constexpr, G: tl.constexpr,
+               ALIGN: tl.constexpr, LOAD_CM: tl.constexpr, STORE_CM: tl.constexpr):
+    """Move pieces it*G .. it*G+G-1 (piece = layer-major, then index, then CH-byte chunk)."""
+    cols = tl.arange(0, CH)
+    p = tl.arange(0, G).to(tl.int64) + it * G
+    live = p < total_pieces
+    chunk = p % PPR
+    r = p // PPR
+    layer = r // n
+    i = r - layer * n
+    s_row = tl.load(src_idx + i, mask=live, other=0)
+    d_row = tl.load(dst_idx + i, mask=live, other=0)
+    s_base = tl.load(src_tab + layer, mask=live, other=0) + s_row * src_stride + chunk * CH
+    d_base = tl.load(dst_tab + layer, mask=live, other=0) + d_row * dst_stride + chunk * CH
+    s_ptr = s_base.to(tl.pointer_type(tl.uint8))
+    d_ptr = d_base.to(tl.pointer_type(tl.uint8))
+    if ALIGN > 1:
+        s_ptr = tl.multiple_of(s_ptr, ALIGN)
+        d_ptr = tl.multiple_of(d_ptr, ALIGN)
+    lim = RB - chunk * CH
+    m = live[:, None] & (cols[None, :] < lim[:, None])
+    v = tl.load(s_ptr[:, None] + cols[None, :], mask=m, cache_modifier=LOAD_CM)
+    tl.store(d_ptr[:, None] + cols[None, :], v, mask=m, cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _rows_kernel(src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride, dst_stride,
+                 RB: tl.constexpr, PPR: tl.constexpr, CH: tl.constexpr, G: tl.constexpr,
+                 ALIGN: tl.constexpr, LOAD_CM: tl.constexpr, STORE_CM: tl.constexpr,
+                 PERSISTENT: tl.constexpr):
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        for it in range(pid, tl.cdiv(total_pieces, G), tl.num_programs(0)):
+            _rows_step(it, src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride,
+                       dst_stride, RB, PPR, CH, G, ALIGN, LOAD_CM, STORE_CM)
+    else:  # one step per program: only for interpreters without runtime loop bounds
+        _rows_step(pid, src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride,
+                   dst_stride, RB, PPR, CH, G, ALIGN, LOAD_CM, STORE_CM)
+
+
+def launch_rows(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_idx: torch.Tensor,
+                dst_idx: torch.Tensor, *, num_layers: int, row_bytes: int, src_stride: int,
+                dst_stride: int, align: int, ctas: int, cfg: RowsConfig = RowsConfig(),
+                small_cfg: "TokensConfig | None" = None) -> None:
+    """Launch one copy of ``len(src_idx)`` rows x ``num_layers`` layers on the current stream.
+
+    Tables and indices must already sit on the device the kernel runs on (CPU under the
+    Triton interpreter); nothing is checked here (``dispatch`` does it). Small rows that pad
+    badly to a power of two go to the token kernel (launch shape ``small_cfg``).
+    """
+    n = int(src_idx.numel())
+    if n == 0 or num_layers == 0:
+        return
+    if row_bytes < cfg.piece_bytes and 4 * row_bytes < 3 * triton.next_power_of_2(row_bytes):
+        # a small row that pads badly to a power of two (584 -> 1024): the token kernel moves
+        # it as a power-of-two head plus a short tail (512 + 72)
+        from .tables import TokenFormat
+        from .tokens import TokensConfig, launch_tokens
+
+        fmt = TokenFormat(1, row_bytes, 0, row_bytes, row_bytes)
+        launch_tokens(src_tab, dst_tab, src_idx, dst_idx, fmt, num_layers=num_layers,
+                      src_stride=src_stride, dst_stride=dst_stride, align=align, ctas=ctas,
+                      cfg=small_cfg or TokensConfig())
+        return
+    ch = min(cfg.piece_bytes, triton.next_power_of_2(row_bytes))
+    ppr = triton.cdiv(row_bytes, ch)
+    total = num_layers * n * ppr
+    g = min(cfg.pieces, triton.next_power_of_2(total))
+    persistent = runtime_loops()
+    steps = triton.cdiv(total, g)
+    grid = (max(1, min(int(ctas), steps)) if persistent else steps,)
+    _rows_kernel[grid](src_tab, dst_tab, src_idx, dst_idx, n, total, src_stride, dst_stride,
+                       RB=row_bytes, PPR=ppr, CH=ch, G=g, ALIGN=min(align, ch), LOAD_CM=cfg.load_cache,
+                       STORE_CM=cfg.store_cache, PERSISTENT=persistent, num_warps=cfg.num_warps)
+
+
+# Launch shapes per direction (src on GPU, dst on GPU), chosen by `hicache bench transfer
+# --tune` on an H200; anything not listed uses RowsConfig().
+ROWS_CONFIGS: dict[tuple[bool, bool], RowsConfig] = {
+    (True, False): RowsConfig(piece_bytes=2048, pieces=32, num_warps=32),  # device -> host
+    (False, True): RowsConfig(piece_bytes=2048, pieces=32, num_warps=32),  # host -> device
+}
+
+
+def rows_config(src_cuda: bool, dst_cuda: bool) -> RowsConfig:
+    """The launch shape for a direction."""
+    return ROWS_CONFIGS.get((src_cuda, dst_cuda), RowsConfig())
+

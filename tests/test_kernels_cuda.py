@@ -1,0 +1,189 @@
+"""The copy paths on a GPU, byte for byte: every path and direction, every destination byte
+(slots and everything around them) and the untouched source. Skips without CUDA."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_kernels_ref import (FORMATS, assert_same, expected_rows, expected_tokens,  # noqa: E402
+                              layers, pair_sets)
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DIRS = {"d2h": ("cuda", "cpu"), "h2d": ("cpu", "cuda"), "d2d": ("cuda", "cuda")}
+
+
+def _bufs(where: str, n_layers: int, rows: int, row_bytes: int, seed: int):
+    if where == "cuda":
+        return layers(n_layers, rows, row_bytes, seed, device="cuda")
+    return layers(n_layers, rows, row_bytes, seed, pin=True)
+
+
+@pytest.mark.parametrize("impl", ["zero_copy", "staged", "auto"])
+@pytest.mark.parametrize("direction", sorted(DIRS))
+@pytest.mark.parametrize("row_bytes", [37_440, 149_760, 65_536, 16_384, 6_144, 1_728, 584])
+def test_rows(impl, direction, row_bytes):
+    from hicache.kernels import dispatch
+
+    if impl == "staged" and direction == "d2d":
+        pytest.skip("staged is device<->host only")
+    s_where, d_where = DIRS[direction]
+    src, dst = _bufs(s_where, 3, 12, row_bytes, 1), _bufs(d_where, 3, 10, row_bytes, 2)
+    src0 = [t.cpu().clone() for t in src]
+    sets = pair_sets(12, 10, 1, 3)
+    sets["runs"] = (torch.tensor([0, 1, 2, 7, 8, 11]), torch.tensor([4, 5, 6, 7, 0, 1]))
+    for k, (si, di) in sets.items():
+        before = [t.cpu().clone() for t in dst]
+        # host-side indices stay on the CPU (staged plans its DMAs from them); device-side
+        # indices go in as CUDA tensors on d2h, as CPU tensors elsewhere
+        si_arg = si.cuda() if direction == "d2h" else si
+        path = dispatch.copy_rows(src, dst, si_arg, di, ctas=2, impl=impl)
+        torch.cuda.synchronize()
+        assert path == ("rows_staged" if impl == "staged" else "rows_zero_copy")
+        assert_same(dst, expected_rows(src0, before, si, di), f"{k} via {path}")
+    assert_same(src, src0, "source changed")
+
+
+@pytest.mark.parametrize("direction", sorted(DIRS))
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_tokens(direction, fmt_name):
+    from hicache.kernels import dispatch
+
+    fmt = FORMATS[fmt_name]
+    P = fmt.tokens_per_page
+    s_where, d_where = DIRS[direction]
+    src, dst = _bufs(s_where, 3, 5, fmt.page_bytes, 4), _bufs(d_where, 3, 4, fmt.page_bytes, 5)
+    src0 = [t.cpu().clone() for t in src]
+    for ctas in (1, 4):
+        for k, (si, di) in pair_sets(5 * P, 4 * P, P, 6 + ctas).items():
+            before = [t.cpu().clone() for t in dst]
+            path = dispatch.copy_tokens(src, dst, si.cuda(), di.cuda(), fmt, ctas=ctas,
+                                        impl="zero_copy")
+            torch.cuda.synchronize()
+            assert path == "tokens_zero_copy"
+            assert_same(dst, expected_tokens(src0, before, si, di, fmt), f"{k} ctas={ctas}")
+    assert_same(src, src0, "source changed")
+
+
+def test_whole_pages_use_the_row_path_on_gpu():
+    from hicache.kernels import dispatch
+
+    fmt = FORMATS["c4_mla_64"]
+    src, dst = _bufs("cuda", 2, 4, fmt.page_bytes, 1), _bufs("cpu", 2, 4, fmt.page_bytes, 2)
+    before = [t.clone() for t in dst]
+    si = torch.cat([torch.arange(128, 192), torch.arange(0, 64)])
+    di = torch.cat([torch.arange(0, 64), torch.arange(192, 256)])
+    path = dispatch.copy_tokens(src, dst, si, di, fmt)
+    torch.cuda.synchronize()
+    assert path.startswith("rows_")
+    assert_same(dst, expected_rows(src, before, torch.tensor([2, 0]), torch.tensor([0, 3])))
+
+
+def test_staged_chunks_and_runs_across_chunk_boundaries():
+    """Tiny staging chunks: many chunks on both side streams, runs split by chunk edges."""
+    from hicache.kernels import staged
+    from hicache.kernels.tables import LayerTable
+
+    rb = 6_144
+    for direction in ("d2h", "h2d"):
+        dev = LayerTable(_bufs("cuda", 5, 40, rb, 7))
+        host = LayerTable(_bufs("cpu", 5, 40, rb, 8))
+        src, dst = (dev, host) if direction == "d2h" else (host, dev)
+        src0 = [t.cpu().clone() for t in src.layers]
+        before = [t.cpu().clone() for t in dst.layers]
+        g = torch.Generator().manual_seed(9)
+        dev_idx = torch.randperm(40, generator=g)[:23]
+        host_idx = torch.cat([torch.arange(3, 10), torch.tensor([20]), torch.arange(25, 40)])
+        runs = staged.plan_runs(host_idx)
+        assert runs.tolist() == [0, 7, 8]
+        cfg = staged.StagedConfig(chunk_bytes=5 * rb)  # 5 rows per chunk, one layer each
+        s_idx, d_idx = (dev_idx, host_idx) if direction == "d2h" else (host_idx, dev_idx)
+        staged.copy_rows_staged(src, dst, s_idx.cuda() if direction == "d2h" else s_idx,
+                                d_idx.cuda() if direction == "h2d" else d_idx,
+                                host_idx, runs, ctas=1, cfg=cfg)
+        torch.cuda.synchronize()
+        assert_same(dst.layers, expected_rows(src0, before, s_idx, d_idx), direction)
+        assert_same(src.layers, src0, "source changed")
+
+
+def test_caller_stream_is_used():
+    from hicache.kernels import dispatch
+
+    src, dst = _bufs("cuda", 2, 64, 37_440, 1), _bufs("cpu", 2, 64, 37_440, 2)
+    before = [t.clone() for t in dst]
+    si, di = torch.randperm(64)[:40], torch.arange(10, 50)
+    s = torch.cuda.Stream()
+    for impl in ("zero_copy", "staged"):  # compile and allocate staging first
+        dispatch.copy_rows(src, [t.clone().pin_memory() for t in dst], si.cuda(), di, ctas=4,
+                           impl=impl, stream=s)
+    s.synchronize()
+    gate = torch.cuda.Event()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(1_000_000_000)  # keep the caller's stream busy (~0.5 s)
+        gate.record(s)
+    for impl in ("zero_copy", "staged"):
+        dispatch.copy_rows(src, dst, si.cuda(), di, ctas=4, impl=impl, stream=s)
+    # nothing ran ahead of the sleeping stream; afterwards every byte is in place
+    assert not gate.query()
+    assert_same(dst, before, "copied before the caller's stream got there")
+    s.synchronize()
+    assert gate.query()
+    assert_same(dst, expected_rows(src, before, si, di))
+
+
+def test_dsv4_sized_rows_and_tokens_against_reference():
+    """61 layers of C4 page rows and tokens, zero-copy and staged, vs the torch reference."""
+    from hicache.kernels import dispatch
+    from hicache.kernels.reference import copy_rows_ref, copy_tokens_ref
+
+    fmt = FORMATS["c4_mla_64"]
+    dev = _bufs("cuda", 61, 192, fmt.page_bytes, 1)
+    host = [torch.zeros(192, fmt.page_bytes, dtype=torch.uint8).pin_memory() for _ in range(61)]
+    ref = [torch.zeros(192, fmt.page_bytes, dtype=torch.uint8) for _ in range(61)]
+    g = torch.Generator().manual_seed(0)
+    si, di = torch.randperm(192, generator=g)[:150], torch.randperm(192, generator=g)[:150]
+    dispatch.copy_rows(dev, host, si.cuda(), di.cuda(), impl="zero_copy")
+    copy_rows_ref(dev, ref, si, di)
+    torch.cuda.synchronize()
+    assert_same(host, ref, "rows zero-copy d2h")
+    back = [torch.zeros_like(t) for t in dev]
+    dispatch.copy_rows(host, back, torch.arange(30, 180), si, impl="staged")
+    ref_back = [torch.zeros_like(t) for t in dev]
+    copy_rows_ref(host, ref_back, torch.arange(30, 180), si)
+    torch.cuda.synchronize()
+    assert_same(back, [t.cpu() for t in ref_back], "rows staged h2d")
+    ts, td = torch.randperm(192 * 64, generator=g)[:5000], torch.randperm(192 * 64, generator=g)[:5000]
+    dispatch.copy_tokens(dev, host, ts.cuda(), td.cuda(), fmt, impl="zero_copy")
+    copy_tokens_ref(dev, ref, ts, td, fmt)
+    torch.cuda.synchronize()
+    assert_same(host, ref, "tokens d2h")
+    dispatch.copy_tokens(host, back, td.cuda(), ts.cuda(), fmt, impl="zero_copy")
+    copy_tokens_ref(host, ref_back, td, ts, fmt)
+    torch.cuda.synchronize()
+    assert_same(back, [t.cpu() for t in ref_back], "tokens h2d")
+
+
+def test_unpinned_host_memory_is_refused():
+    from hicache.kernels import dispatch
+    from hicache.kernels.tables import TransferError
+
+    src = _bufs("cuda", 2, 4, 64, 1)
+    dst = layers(2, 4, 64, 2)  # plain pageable memory
+    with pytest.raises(TransferError, match="not pinned"):
+        dispatch.copy_rows(src, dst, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_cuda_index_on_wrong_device_or_bounds():
+    from hicache.kernels import dispatch
+    from hicache.kernels.tables import TransferError
+
+    src, dst = _bufs("cuda", 2, 4, 64, 1), _bufs("cpu", 2, 4, 64, 2)
+    before = [t.clone() for t in dst]
+    with pytest.raises(TransferError, match=r"index 4 out of range"):
+        dispatch.copy_rows(src, dst, torch.tensor([4]).cuda(), torch.tensor([0]).cuda())
+    assert_same(dst, before)

@@ -1,0 +1,239 @@
+"""CPU tests of the copy paths: the torch reference against a naive byte-offset oracle, the
+dispatcher, and every index check. The helpers here are shared with the interpreter and CUDA
+test modules (``make_case``, ``expected_after``, ``INDEX_SETS``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.kernels import dispatch
+from hicache.kernels.reference import copy_rows_ref, copy_tokens_ref
+from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
+
+FORMATS = {
+    "swa_mla_256": TokenFormat.mla(256),
+    "c4_mla_64": TokenFormat.mla(64),
+    "c128_mla_2": TokenFormat.mla(2),
+    "indexer_fp8_64": TokenFormat.packed(64, 128, 4),
+    "indexer_fp4_64": TokenFormat.packed(64, 64, 4),
+}
+ROW_SIZES = [37_440, 149_760, 65_536, 16_384, 6_144, 1_728, 584, 100]
+
+
+def layers(n_layers: int, rows: int, row_bytes: int, seed: int, device="cpu", pin=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_layers):
+        t = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g)
+        if pin:
+            t = t.pin_memory()
+        out.append(t.to(device))
+    return out
+
+
+def index_sets(units: int, P: int, seed: int) -> dict[str, list[int]]:
+    """Named duplicate-free index sets over ``units`` slots with ``P`` slots per page."""
+    g = torch.Generator().manual_seed(seed)
+    n_rand = min(units, 3 * P + 5, 40)
+    return {
+        "one": [units // 2],
+        "last_of_page": [P - 1, units - 1] if units > P else [units - 1],
+        "crossing_pages": list(range(max(0, P - 2), min(units, P + 2))) if units > P else [0, units - 1],
+        "random": torch.randperm(units, generator=g)[:n_rand].tolist(),
+    }
+
+
+def pair_sets(src_units: int, dst_units: int, P: int, seed: int) -> dict[str, tuple]:
+    """Source and destination index lists of equal length for every named set."""
+    s = index_sets(src_units, P, seed)
+    d = index_sets(dst_units, P, seed + 1)
+    out = {}
+    for k in s:
+        n = min(len(s[k]), len(d[k]))
+        # the destination uses the other side's pattern reversed: slots move, not just copy
+        out[k] = (torch.tensor(s[k][:n], dtype=torch.int64),
+                  torch.tensor(d[k][::-1][:n], dtype=torch.int64))
+    return out
+
+
+def expected_rows(src, dst_before, s_idx, d_idx):
+    """Naive oracle: a loop over indices, one row at a time."""
+    exp = [d.detach().cpu().clone() for d in dst_before]
+    for l, s in enumerate(src):
+        s = s.cpu()
+        for a, b in zip(s_idx.tolist(), d_idx.tolist()):
+            exp[l][b] = s[a]
+    return exp
+
+
+def expected_tokens(src, dst_before, s_tok, d_tok, fmt: TokenFormat):
+    """Naive oracle: explicit byte offsets of each token's value and scale."""
+    P, vb, sb, off = fmt.tokens_per_page, fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
+    exp = [d.detach().cpu().clone() for d in dst_before]
+    for l, s in enumerate(src):
+        s = s.cpu()
+        for a, b in zip(s_tok.tolist(), d_tok.tolist()):
+            sp, ss, dp, ds = a // P, a % P, b // P, b % P
+            exp[l][dp, ds * vb:(ds + 1) * vb] = s[sp, ss * vb:(ss + 1) * vb]
+            exp[l][dp, off + ds * sb: off + (ds + 1) * sb] = s[sp, off + ss * sb: off + (ss + 1) * sb]
+    return exp
+
+
+def assert_same(got, exp, what=""):
+    for l, (g, e) in enumerate(zip(got, exp)):
+        g = g.cpu()
+        if not torch.equal(g, e):
+            diff = (g != e).nonzero()
+            raise AssertionError(f"{what} layer {l}: {diff.shape[0]} bytes differ, first at "
+                                 f"{diff[0].tolist()}")
+
+
+# ----------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("row_bytes", [37_440, 6_144, 584, 100])
+def test_rows_reference_matches_oracle(row_bytes):
+    src = layers(3, 9, row_bytes, 1)
+    dst = layers(3, 7, row_bytes, 2)
+    src0 = [t.clone() for t in src]
+    for name, (si, di) in pair_sets(9, 7, 1, 3).items():
+        before = [t.clone() for t in dst]
+        copy_rows_ref(src, dst, si, di)
+        assert_same(dst, expected_rows(src, before, si, di), name)
+    assert_same(src, src0, "source changed")
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_tokens_reference_matches_oracle(fmt_name):
+    fmt = FORMATS[fmt_name]
+    P = fmt.tokens_per_page
+    src = layers(2, 4, fmt.page_bytes, 4)
+    dst = layers(2, 3, fmt.page_bytes, 5)
+    src0 = [t.clone() for t in src]
+    for name, (si, di) in pair_sets(4 * P, 3 * P, P, 6).items():
+        before = [t.clone() for t in dst]
+        copy_tokens_ref(src, dst, si, di, fmt)
+        assert_same(dst, expected_tokens(src, before, si, di, fmt), name)
+    assert_same(src, src0, "source changed")
+
+
+def test_token_format_presets():
+    assert TokenFormat.mla(256).page_bytes == 149_760 and TokenFormat.mla(256).scale_offset == 147_456
+    assert TokenFormat.mla(64).page_bytes == 37_440 and TokenFormat.mla(64).scale_offset == 36_864
+    assert TokenFormat.mla(2).page_bytes == 1_728 and TokenFormat.mla(2).scale_offset == 1_152
+    assert TokenFormat.packed(64, 128, 4).page_bytes == 8_448
+    assert TokenFormat.packed(64, 64, 4).page_bytes == 4_352
+    with pytest.raises(TransferError, match="overlap"):
+        TokenFormat(64, 576, 8, 100, 37_440)
+    with pytest.raises(TransferError, match="page_bytes"):
+        TokenFormat(64, 576, 8, 36_864, 37_000)
+
+
+# ----------------------------------------------------------------------------- dispatch (CPU)
+def test_dispatch_cpu_uses_reference_for_rows_and_tokens():
+    fmt = FORMATS["c4_mla_64"]
+    src, dst = layers(2, 4, fmt.page_bytes, 7), layers(2, 4, fmt.page_bytes, 8)
+    before = [t.clone() for t in dst]
+    si, di = torch.tensor([3, 70, 130]), torch.tensor([255, 0, 64])
+    assert dispatch.copy_tokens(src, dst, si, di, fmt) == "tokens_reference"
+    assert_same(dst, expected_tokens(src, before, si, di, fmt))
+    before = [t.clone() for t in dst]
+    assert dispatch.copy_rows(LayerTable(src), LayerTable(dst), torch.tensor([1, 2]),
+                              torch.tensor([3, 0])) == "rows_reference"
+    assert_same(dst, expected_rows(src, before, torch.tensor([1, 2]), torch.tensor([3, 0])))
+
+
+def test_dispatch_sends_whole_pages_to_rows():
+    fmt = FORMATS["c128_mla_2"]
+    src, dst = layers(2, 5, fmt.page_bytes, 9), layers(2, 5, fmt.page_bytes, 10)
+    before = [t.clone() for t in dst]
+    si, di = torch.tensor([4, 5, 0, 1]), torch.tensor([2, 3, 8, 9])  # pages 2,0 -> 1,4
+    assert dispatch.copy_tokens(src, dst, si, di, fmt) == "rows_reference"
+    assert_same(dst, expected_rows(src, before, torch.tensor([2, 0]), torch.tensor([1, 4])))
+    # same tokens out of slot order are not whole pages
+    before = [t.clone() for t in dst]
+    si2, di2 = torch.tensor([5, 4]), torch.tensor([2, 3])
+    assert dispatch.copy_tokens(src, dst, si2, di2, fmt) == "tokens_reference"
+    assert_same(dst, expected_tokens(src, before, si2, di2, fmt))
+
+
+def test_dispatch_empty_request_is_a_no_op():
+    src, dst = layers(2, 3, 64, 1), layers(2, 3, 64, 2)
+    before = [t.clone() for t in dst]
+    e = torch.zeros(0, dtype=torch.int64)
+    assert dispatch.copy_rows(src, dst, e, e) == "rows_reference"
+    assert_same(dst, before)
+
+
+# ----------------------------------------------------------------------------- index checks
+def _bufs(rows=4, row_bytes=64, n_layers=2):
+    return layers(n_layers, rows, row_bytes, 1), layers(n_layers, rows, row_bytes, 2)
+
+
+BAD_ROWS = [
+    ("lengths", dict(src_idx=torch.tensor([0, 1]), dst_idx=torch.tensor([0])), "has 1 entries"),
+    ("dtype", dict(src_idx=torch.tensor([0], dtype=torch.int32), dst_idx=torch.tensor([0])), "int64"),
+    ("not a tensor", dict(src_idx=[0], dst_idx=torch.tensor([0])), "torch.Tensor"),
+    ("2-D", dict(src_idx=torch.zeros(1, 1, dtype=torch.int64), dst_idx=torch.tensor([0])), "1-D"),
+    ("src high", dict(src_idx=torch.tensor([4]), dst_idx=torch.tensor([0])), r"index 4 out of range \[0, 4\)"),
+    ("dst negative", dict(src_idx=torch.tensor([0]), dst_idx=torch.tensor([-1])), "index -1 out of range"),
+    ("ctas", dict(src_idx=torch.tensor([0]), dst_idx=torch.tensor([0]), ctas=0), "ctas"),
+    ("impl", dict(src_idx=torch.tensor([0]), dst_idx=torch.tensor([0]), impl="magic"), "impl"),
+    ("staged on cpu", dict(src_idx=torch.tensor([0]), dst_idx=torch.tensor([0]), impl="staged"), "GPU"),
+]
+
+
+@pytest.mark.parametrize("name,kw,msg", BAD_ROWS, ids=[b[0] for b in BAD_ROWS])
+def test_row_index_checks(name, kw, msg):
+    src, dst = _bufs()
+    before = [t.clone() for t in dst]
+    with pytest.raises(TransferError, match=msg):
+        dispatch.copy_rows(src, dst, **kw)
+    assert_same(dst, before, "nothing may change on a refused request")
+
+
+BAD_BUFFERS = [
+    ("layer count", lambda: (layers(2, 4, 64, 1), layers(3, 4, 64, 2)), "layers"),
+    ("row size", lambda: (layers(2, 4, 64, 1), layers(2, 4, 32, 2)), "rows are 64 B"),
+    ("layer shapes differ", lambda: (layers(1, 4, 64, 1) + layers(1, 5, 64, 1), layers(2, 4, 64, 2)), "differs"),
+    ("dtype", lambda: ([torch.zeros(4, 16, dtype=torch.int32)] * 2, layers(2, 4, 64, 2)), "uint8"),
+    ("1-D layer", lambda: ([torch.zeros(64, dtype=torch.uint8)] * 2, layers(2, 4, 64, 2)), "2-D"),
+    ("no layers", lambda: ([], []), "no layers"),
+    ("strided bytes", lambda: ([torch.zeros(4, 128, dtype=torch.uint8)[:, ::2]] * 2, layers(2, 4, 64, 2)), "dense"),
+]
+
+
+@pytest.mark.parametrize("name,make,msg", BAD_BUFFERS, ids=[b[0] for b in BAD_BUFFERS])
+def test_buffer_checks(name, make, msg):
+    src, dst = make()
+    with pytest.raises(TransferError, match=msg):
+        dispatch.copy_rows(src, dst, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_token_index_checks():
+    fmt = FORMATS["c128_mla_2"]
+    src, dst = layers(2, 3, fmt.page_bytes, 1), layers(2, 3, fmt.page_bytes, 2)
+    before = [t.clone() for t in dst]
+    with pytest.raises(TransferError, match=r"index 6 out of range \[0, 6\)"):
+        dispatch.copy_tokens(src, dst, torch.tensor([6]), torch.tensor([0]), fmt)
+    with pytest.raises(TransferError, match="has 2 entries"):
+        dispatch.copy_tokens(src, dst, torch.tensor([1]), torch.tensor([0, 1]), fmt)
+    with pytest.raises(TransferError, match="int64"):
+        dispatch.copy_tokens(src, dst, torch.tensor([1.0]), torch.tensor([0]), fmt)
+    with pytest.raises(TransferError, match="TokenFormat"):
+        dispatch.copy_tokens(src, dst, torch.tensor([1]), torch.tensor([0]), (2, 576, 8))
+    with pytest.raises(TransferError, match="token format pages are 37440"):
+        dispatch.copy_tokens(src, dst, torch.tensor([1]), torch.tensor([0]), FORMATS["c4_mla_64"])
+    with pytest.raises(TransferError, match="whole rows only"):
+        dispatch.copy_tokens(src, dst, torch.tensor([1]), torch.tensor([0]), fmt, impl="staged")
+    assert_same(dst, before)
+
+
+def test_transfer_error_is_a_value_error():
+    assert issubclass(TransferError, ValueError)
+
+
+def test_layer_table_caches_pointer_table():
+    t = LayerTable(layers(3, 2, 32, 0))
+    a = t.table(torch.device("cpu"))
+    assert a is t.table(torch.device("cpu"))
+    assert a.tolist() == [x.data_ptr() for x in t.layers]
+    assert t.contiguous_rows() and t.rows == 2 and t.row_bytes == 32
