@@ -1,0 +1,319 @@
+"""``hicache demo``: a daemon and a simulated DSV4 worker replaying a multi-turn workload.
+
+Starts ``hicache serve`` in a subprocess (CPU mode without a GPU) on a private ipc socket with
+a metrics port, runs ``hicache.simulator.Worker`` against it over a workload (the built-in
+multi-turn generator, or ``--trace FILE`` in the Mooncake format), verifies every byte read
+from the cache, and reports hits by tier against a device-only replay, bytes moved, GB/s and
+latencies. ``--json`` prints one JSON object on stdout; progress goes to stderr. Exit status 0
+when every checked byte matched, 1 otherwise, 2 for a usage error.
+
+SWA mode ``auto``: paged for the built-in workload (each radix page then carries an SWA page
+row, 1.6 MiB per page on dsv4-tiny, and both are backed up and loaded), ring for traces (a
+page carries only its full-token row, 138 KiB; SWA and compression states live per request
+slot). A Mooncake trace references ~240k pages: in paged mode that is ~0.4 TB of copies and a
+host tier larger than this machine's memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from hicache.errors import UsageError
+from hicache.radix import POLICIES
+
+GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8}
+TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16}
+READY_TIMEOUT_S = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", metavar="FILE",
+                   help="replay a Mooncake-format trace (JSONL: timestamp, input_length, "
+                        "output_length, hash_ids of 512-token blocks) instead of the built-in "
+                        "multi-turn generator")
+    w.add_argument("--requests", type=int, metavar="N",
+                   help=f"requests to run (default {GENERATOR_DEFAULTS['requests']} generated; "
+                        "a trace: all of it)")
+    w.add_argument("--seed", type=int, default=0, help="generator and page-content seed")
+    m = p.add_argument_group("simulated worker")
+    m.add_argument("--preset", default="dsv4-tiny", help="model preset (default dsv4-tiny)")
+    m.add_argument("--swa-mode", choices=("auto", "paged", "ring"), default="auto",
+                   help="SWA pool mode (default auto: paged for the generator, ring for traces)")
+    m.add_argument("--device-pages", type=int, metavar="N",
+                   help=f"device page rows (default {GENERATOR_DEFAULTS['device_pages']}; "
+                        f"{TRACE_DEFAULTS['device_pages']} with a trace)")
+    hg = m.add_mutually_exclusive_group()
+    hg.add_argument("--host-pages", type=int, metavar="N", help="host pages of the tier")
+    hg.add_argument("--host-ratio", type=float, metavar="R",
+                    help=f"host pages = R x device pages (default "
+                         f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
+                         "with a trace)")
+    m.add_argument("--policy", choices=POLICIES, default="write_through",
+                   help="write policy of the radix tree (default write_through)")
+    m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
+                                                    "or cuda:N")
+    m.add_argument("--preempt-every", type=int, default=10, metavar="N",
+                   help="swap a request's slot state out and back every N requests (0 = off)")
+    m.add_argument("--no-verify-hits", action="store_true",
+                   help="verify loaded pages only, not device hits")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    o.add_argument("--metrics-port", type=int, default=0,
+                   help="daemon /metrics port (default: a free port)")
+    o.add_argument("--demo-metrics-port", type=int, default=0,
+                   help="the worker's hicache_demo_* /metrics port (default: a free port)")
+    o.add_argument("--progress-seconds", type=float, default=5.0,
+                   help="seconds between progress lines on stderr (0 = none)")
+
+
+# ------------------------------------------------------------------------------ helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _err(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
+    """Workload, worker config and a one-line description; UsageError on bad flags."""
+    from hicache.layout import PRESETS
+    from hicache.simulator import WorkerConfig
+    from hicache.workload import multi_turn, read_trace
+
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    if args.requests is not None and args.requests <= 0:
+        raise UsageError(f"--requests must be positive, got {args.requests}")
+    defaults = TRACE_DEFAULTS if args.trace else GENERATOR_DEFAULTS
+    if args.trace:
+        reqs = read_trace(args.trace, limit=args.requests)
+        what = f"trace {args.trace} ({len(reqs)} requests)"
+    else:
+        reqs = multi_turn(args.requests or GENERATOR_DEFAULTS["requests"], seed=args.seed)
+        what = f"built-in multi-turn workload ({len(reqs)} requests, seed {args.seed})"
+    device_pages = args.device_pages or defaults["device_pages"]
+    if device_pages <= 0:
+        raise UsageError(f"--device-pages must be positive, got {device_pages}")
+    need = max(r.total_pages for r in reqs)
+    if need > device_pages:
+        big = max(reqs, key=lambda r: r.total_pages)
+        raise UsageError(f"request {big.rid} needs {need} device page rows "
+                         f"({big.input_tokens} + {big.output_tokens} tokens) but --device-pages "
+                         f"is {device_pages}; raise --device-pages")
+    if args.host_pages is not None:
+        host_pages = args.host_pages
+    else:
+        ratio = args.host_ratio if args.host_ratio is not None else defaults["host_ratio"]
+        if not ratio > 0:
+            raise UsageError(f"--host-ratio must be positive, got {ratio}")
+        host_pages = int(device_pages * ratio)
+    if host_pages <= 0:
+        raise UsageError(f"the host tier needs at least one page, got {host_pages}")
+    swa = args.swa_mode if args.swa_mode != "auto" else ("ring" if args.trace else "paged")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    elif device != "cpu" and not device.startswith("cuda:"):
+        raise UsageError(f"--device must be auto, cpu or cuda:N, got {device!r}")
+    if args.preempt_every < 0:
+        raise UsageError("--preempt-every must be >= 0")
+    cfg = WorkerConfig(preset=args.preset, swa_mode=swa, device_pages=device_pages,
+                       host_pages=host_pages, req_slots=4, policy=args.policy, seed=args.seed,
+                       device=device, verify_hits=not args.no_verify_hits,
+                       preempt_every=args.preempt_every)
+    return reqs, cfg, what
+
+
+class DaemonProc:
+    """``hicache serve`` in a subprocess on a private socket; stopped on ``close``."""
+
+    def __init__(self, cfg: Any, metrics_port: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="hc-demo-", dir="/tmp")  # short: ipc path limit
+        self.address = f"ipc://{self.dir}/d.sock"
+        self.metrics_port = metrics_port
+        rows = cfg.device_rows()
+        ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
+        cmd = [sys.executable, "-m", "hicache.cli", "serve", "--device", cfg.device,
+               "--preset", cfg.preset, "--swa-mode", cfg.swa_mode,
+               "--device-rows", ",".join(f"{s}={n}" for s, n in rows.items()),
+               "--host-ratio", repr(ratio), "--socket", self.address,
+               "--metrics-port", str(metrics_port), "--heartbeat-timeout", "60"]
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def output(self, tail: int = 4000) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-tail:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        from hicache.client import Client, DaemonUnreachable
+
+        deadline = time.monotonic() + timeout
+        with Client(self.address, timeout=0.5, name="demo-probe") as c:
+            while True:
+                if self.proc.poll() is not None:
+                    out = self.output()
+                    last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["(no output)"]
+                    raise UsageError(f"the daemon exited with status {self.proc.returncode}: "
+                                     f"{last[0]}\n--- daemon output ---\n{out}")
+                try:
+                    c.heartbeat(timeout=0.5)
+                    return
+                except DaemonUnreachable:
+                    if time.monotonic() > deadline:
+                        raise UsageError(f"the daemon did not answer within {timeout:g} s; "
+                                         f"output:\n{self.output()}") from None
+
+    def close(self, client: Any = None) -> int | None:
+        try:
+            if self.proc.poll() is None and client is not None:
+                try:
+                    client.shutdown(timeout=5.0)
+                except Exception:  # noqa: BLE001 - fall through to signals
+                    pass
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            return self.proc.returncode
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Progress:
+    def __init__(self, total: int, every_s: float) -> None:
+        self.total, self.every, self.t0 = total, every_s, time.monotonic()
+        self.next = self.t0 + every_s
+
+    def __call__(self, worker: Any, done: int) -> None:
+        if self.every <= 0:
+            return
+        now = time.monotonic()
+        if now < self.next and done != self.total:
+            return
+        self.next = now + self.every
+        r = worker.result
+        tot = max(1, r.input_tokens)
+        hs = worker.hooks.stats if worker.hooks is not None else None
+        moved = (f"  backed up {_gib(hs.bytes['backup'])}, loaded {_gib(hs.bytes['load'])}"
+                 if hs else "")
+        _err(f"{done}/{self.total} requests  hits: device {100 * r.device_hit_tokens / tot:.1f}% "
+             f"host {100 * r.host_hit_tokens / tot:.1f}% (device-only "
+             f"{100 * r.device_only_hit_tokens / tot:.1f}%){moved}  {now - self.t0:.0f} s")
+
+
+def _human(s: dict[str, Any], what: str) -> str:
+    tot = max(1, s["input_tokens"])
+
+    def pct(n: int) -> str:
+        return f"{n:>14,} tokens ({100 * n / tot:5.1f}%)"
+
+    c = s["config"]
+    lines = [
+        f"hicache demo: {what}",
+        f"  worker: {c['preset']} swa={c['swa_mode']} on {c['device']}, {c['device_pages']} "
+        f"device pages, {c['host_pages']} host pages, policy {c['policy']}, "
+        f"{s['page_bytes']:,} B per page",
+        f"  requests:              {s['requests']:,} ({s['input_tokens']:,} input tokens) "
+        f"in {s['seconds']:.1f} s",
+        f"  prefix hit on device:  {pct(s['device_hit_tokens'])}",
+        f"  prefix hit on host:    {pct(s['host_hit_tokens'])}",
+        f"  missed (computed):     {pct(s['miss_tokens'])}",
+        f"  device-only replay:    {pct(s['device_only_hit_tokens'])} hit",
+        f"  prefill tokens saved:  {s['prefill_tokens_saved']:,} by the host tier",
+        f"  backed up:             {_gib(s['bytes_backed_up'])} in {s['backup_ops']:,} ops "
+        f"({s['pages_backed_up']:,} pages), {s['backup_gbps']:.2f} GB/s copy, latency "
+        f"p50 {s['backup_latency_ms_p50']:.2f} ms p99 {s['backup_latency_ms_p99']:.2f} ms",
+        f"  loaded:                {_gib(s['bytes_loaded'])} in {s['load_ops']:,} ops "
+        f"({s['pages_loaded']:,} pages), {s['load_gbps']:.2f} GB/s copy, latency "
+        f"p50 {s['load_latency_ms_p50']:.2f} ms p99 {s['load_latency_ms_p99']:.2f} ms",
+        f"  request-state swaps:   {s['state_swaps']:,}",
+    ]
+    if s["host_tier_lost"]:
+        lines.append(f"  host tier lost:        {s['host_tier_lost']} time(s); fell back to "
+                     "recompute")
+    verdict = "true" if s["verified"] else "FALSE"
+    lines.append(f"  verified:              {verdict} ({_gib(s['verified_bytes'])} checked, "
+                 f"{s['mismatched_bytes']:,} bytes differ)")
+    if s["first_mismatch"]:
+        lines.append(f"  first mismatch:        {s['first_mismatch']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ entry point
+def run(args: argparse.Namespace) -> int:
+    reqs, cfg, what = _resolve(args)
+    from hicache.client import Client
+    from hicache.simulator import DemoMetrics, Worker
+
+    if cfg.device == "cpu" and (os.cpu_count() or 1) <= 4:
+        import torch
+
+        torch.set_num_threads(1)  # leave the daemon's copy thread a core of its own
+    metrics_port = args.metrics_port or _free_port()
+    daemon = DaemonProc(cfg, metrics_port)
+    client = None
+    worker = None
+    try:
+        _err(f"starting daemon ({cfg.preset}, swa={cfg.swa_mode}, {cfg.device}, "
+             f"{cfg.device_pages} device pages, {cfg.host_pages} host pages) on {daemon.address}")
+        daemon.wait_ready()
+        demo_metrics = DemoMetrics()
+        demo_port = demo_metrics.serve_http(args.demo_metrics_port or _free_port())
+        _err(f"daemon metrics: http://127.0.0.1:{metrics_port}/metrics   worker metrics: "
+             f"http://127.0.0.1:{demo_port}/metrics")
+        client = Client(daemon.address, timeout=cfg.timeout, name="hicache-demo")
+        worker = Worker(cfg, client, demo_metrics)
+        _err(f"replaying {what}")
+        worker.run(reqs, Progress(len(reqs), args.progress_seconds))
+        summary = worker.summary()
+        summary["workload"] = what
+        summary["daemon_metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
+        summary["worker_metrics_url"] = f"http://127.0.0.1:{demo_port}/metrics"
+    finally:
+        if worker is not None:
+            worker.close()
+        rc = daemon.close(client)
+        if client is not None:
+            client.close()
+    if rc not in (0, None):
+        _err(f"daemon exited with status {rc}; its last output:\n{daemon.output(1500)}")
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(_human(summary, what), flush=True)
+    return 0 if summary["verified"] else 1

@@ -1,0 +1,78 @@
+"""`hicache demo` end to end: a daemon subprocess, the simulated worker, the JSON report."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("requests", "device_hit_tokens", "host_hit_tokens", "miss_tokens",
+        "device_only_hit_tokens", "bytes_backed_up", "bytes_loaded", "verified")
+
+
+def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--device", "cpu",
+                           "--progress-seconds", "0", *args], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def report(p: subprocess.CompletedProcess) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    for k in KEYS:
+        assert k in out, k
+    return out
+
+
+def test_small_generated_demo_verifies_every_byte():
+    p = demo("--requests", "40", "--device-pages", "40", "--host-pages", "160", "--json")
+    s = report(p)
+    assert s["verified"] is True and s["mismatched_bytes"] == 0
+    assert s["requests"] == 40 and s["config"]["swa_mode"] == "paged"
+    assert s["device_hit_tokens"] + s["host_hit_tokens"] + s["miss_tokens"] == s["input_tokens"]
+    assert s["host_hit_tokens"] > 0 and s["bytes_loaded"] > 0 and s["bytes_backed_up"] > 0
+    assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
+    assert s["state_swaps"] > 0
+    assert "metrics" in p.stderr and "http://127.0.0.1:" in p.stderr
+
+
+def test_trace_demo_with_a_small_trace(tmp_path):
+    lines = []
+    for turn in range(6):  # 4 conversations sharing a 2-block system prompt, growing each turn
+        for conv in range(4):
+            ids = [0, 1] + [100 * conv + k for k in range(2, 3 + 2 * turn)]
+            lines.append(json.dumps({"timestamp": 10 * len(lines), "input_length": 512 * len(ids),
+                                     "output_length": 20, "hash_ids": ids}))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    s = report(demo("--trace", str(trace), "--device-pages", "32", "--host-pages", "128",
+                    "--policy", "write_back", "--json"))
+    assert s["verified"] is True and s["requests"] == 24
+    assert s["config"]["swa_mode"] == "ring" and s["config"]["policy"] == "write_back"
+    assert s["host_hit_tokens"] > 0
+    assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
+
+
+def test_malformed_trace_is_a_usage_error_with_line_number(tmp_path, capsys):
+    from hicache.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    ok = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]})
+    trace.write_text(ok + "\n" + ok + "\n" + ok.replace("[1, 2]", '[1, "x"]') + "\n")
+    assert main(["demo", "--trace", str(trace)]) == 2  # refused before any daemon starts
+    err = capsys.readouterr().err
+    assert f"hicache demo: error: {trace}:3: hash_ids must be a list of integers" in err
+
+
+def test_device_tier_too_small_for_a_request(tmp_path, capsys):
+    from hicache.cli import main
+
+    trace = tmp_path / "big.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 512 * 40, "output_length": 1,
+                                 "hash_ids": list(range(40))}) + "\n")
+    assert main(["demo", "--trace", str(trace), "--device-pages", "16"]) == 2
+    assert "raise --device-pages" in capsys.readouterr().err

@@ -1,0 +1,303 @@
+"""Radix tree policies, eviction order, locks and failure handling, with fake tier hooks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hicache.hooks import HostExhausted, HostUnavailable, TransferFailed
+from hicache.radix import DeviceFull, RadixTree, RowFreeList
+
+
+class FakeHooks:
+    """A host tier in a dict: content moves with the pages, so loads can be checked."""
+
+    def __init__(self, capacity: int = 1000, device: dict | None = None, async_backup=False):
+        self.capacity = capacity
+        self.free_rows = list(range(capacity))
+        self.host: dict[int, object] = {}  # host row -> content
+        self.device = {} if device is None else device  # device row -> content
+        self.calls: list[tuple] = []
+        self.async_backup = async_backup
+        self.pending: dict[int, tuple] = {}
+        self.next_ticket = 0
+        self.fail: str | None = None  # None | "unreachable" | "transfer"
+
+    def _check(self):
+        if self.fail == "unreachable":
+            raise HostUnavailable("daemon unreachable (fake)")
+
+    def host_alloc(self, n):
+        self._check()
+        self.calls.append(("alloc", n))
+        if n > len(self.free_rows):
+            raise HostExhausted(f"{n} > {len(self.free_rows)} free")
+        rows, self.free_rows = self.free_rows[:n], self.free_rows[n:]
+        return rows
+
+    def host_free(self, handles):
+        self._check()
+        self.calls.append(("free", list(handles)))
+        for h in handles:
+            assert h not in self.free_rows, f"double free of host row {h}"
+            self.host.pop(h, None)
+        self.free_rows.extend(handles)
+
+    def backup(self, rows, handles):
+        self._check()
+        if self.fail == "transfer":
+            raise TransferFailed("fake")
+        self.calls.append(("backup", list(rows), list(handles)))
+        t = self.next_ticket
+        self.next_ticket += 1
+        job = lambda: [self.host.__setitem__(h, self.device[r]) for r, h in zip(rows, handles)]
+        if self.async_backup:
+            self.pending[t] = job
+        else:
+            job()
+        return t
+
+    def load(self, handles, rows):
+        self._check()
+        if self.fail == "transfer":
+            raise TransferFailed("fake")
+        self.calls.append(("load", list(handles), list(rows)))
+        for h, r in zip(handles, rows):
+            self.device[r] = self.host[h]
+        t = self.next_ticket
+        self.next_ticket += 1
+        return t
+
+    def wait(self, ticket):
+        self._check()
+        job = self.pending.pop(ticket, None)
+        if job:
+            job()
+
+    def done(self, ticket):
+        self._check()
+        return ticket not in self.pending
+
+    def finish_all(self):
+        for t in list(self.pending):
+            self.pending.pop(t)()
+
+    def count(self, verb):
+        return sum(len(c[1]) if verb != "alloc" else c[1] for c in self.calls if c[0] == verb)
+
+
+def run_request(tree: RadixTree, keys, device: dict | None = None, extra_rows=0):
+    """prepare -> compute misses (write their content) -> release; returns the prefix."""
+    prefix = tree.prepare(keys)
+    if device is not None:  # every prefix page must hold its own content now
+        for node in prefix.nodes:
+            assert device[node.device] == node.key, (node.key, device[node.device])
+    rows = tree.alloc_device(len(keys) - prefix.pages + extra_rows)
+    if device is not None:
+        for k, r in zip(keys[prefix.pages:], rows):
+            device[r] = k
+    tree.release(prefix, keys, rows[: len(keys) - prefix.pages])
+    if extra_rows:
+        tree.free_device(rows[len(keys) - prefix.pages:])
+    tree.check()
+    return prefix
+
+
+def seq(prefix, n):
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def test_device_only_hits_and_lru_leaf_first():
+    tree = RadixTree(8)
+    a = seq("a", 4)
+    run_request(tree, a)
+    p = run_request(tree, a + seq("b", 2))
+    assert (p.device_pages, p.host_pages) == (4, 0)
+    # 6 pages on device; a new 4-page request needs 2 evicted: the leaves b1 then b0 go first
+    run_request(tree, seq("c", 4))
+    assert tree.match(a + seq("b", 2)) == (4, 0)
+    assert tree.device_pages == 8
+    run_request(tree, seq("d", 2))  # now the oldest leaves are a3, a2 (a is older than c)
+    assert tree.match(a) == (2, 0)
+    assert tree.match(seq("c", 4)) == (4, 0)
+    assert tree.stats.dropped_pages == 4
+
+
+def test_parent_keeps_device_copy_while_children_have_one():
+    tree = RadixTree(6)
+    run_request(tree, seq("a", 2) + seq("x", 2))
+    run_request(tree, seq("a", 2) + seq("y", 2))  # a0 a1 shared, oldest by insertion
+    run_request(tree, seq("z", 2))  # needs 2 rows: must be the x leaves, never a0/a1
+    assert tree.match(seq("a", 2) + seq("y", 2)) == (4, 0)
+    assert tree.match(seq("a", 2) + seq("x", 2)) == (2, 0)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_host_tier_hit_loads_the_right_content(policy):
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(8, hooks, policy=policy)
+    a = seq("a", 6)
+    run_request(tree, a, dev)
+    assert hooks.count("backup") == (6 if policy == "write_through" else 0)
+    run_request(tree, seq("b", 6), dev)  # evicts a's device copies (backed up first under write_back)
+    assert hooks.count("backup") == (12 if policy == "write_through" else 4)
+    assert tree.match(a) == (2, 4)
+    p = run_request(tree, a + seq("c", 1), dev)
+    assert (p.device_pages, p.host_pages) == (2, 4)
+    assert [k for k, _ in p.loaded] == a[p.device_pages:]
+    assert tree.stats.loaded_pages == p.host_pages
+
+
+def test_write_back_backs_up_only_on_eviction_and_leaf_first():
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(4, hooks, policy="write_back")
+    run_request(tree, seq("a", 4), dev)
+    assert hooks.count("backup") == 0
+    run_request(tree, seq("b", 2), dev)
+    backed = [c for c in hooks.calls if c[0] == "backup"]
+    assert len(backed) == 1  # one command for the whole eviction batch, leaves first
+    assert [hooks.host[h] for h in backed[0][2]] == ["a3", "a2"]
+    assert tree.match(seq("a", 4)) == (2, 2)  # a2, a3 now host-only below a0, a1
+
+
+def test_selective_backs_up_on_second_use():
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(16, hooks, policy="write_through_selective")
+    a = seq("a", 3)
+    run_request(tree, a, dev)
+    assert hooks.count("backup") == 0
+    run_request(tree, a + seq("b", 2), dev)  # second use of a*: backed up; b* used once
+    assert hooks.count("backup") == 3
+    run_request(tree, a + seq("b", 2), dev)
+    assert hooks.count("backup") == 5
+
+
+def test_running_request_pages_are_never_evicted():
+    tree = RadixTree(4)
+    keys = seq("a", 3)
+    prefix = tree.prepare(keys)
+    rows = tree.alloc_device(3)
+    tree.release(prefix, keys, rows)
+    locked = tree.prepare(keys)  # the running request holds a0..a2
+    assert locked.device_pages == 3
+    with pytest.raises(DeviceFull):
+        tree.alloc_device(2)
+    assert tree.device.available() == 1
+    got = tree.alloc_device(1)
+    tree.free_device(got)
+    tree.release(locked, keys, [])
+    tree.check()
+    rows = tree.alloc_device(4)  # now everything can go
+    assert len(rows) == 4 and tree.device_pages == 0
+
+
+def test_backup_in_flight_pins_pages_until_done():
+    dev: dict = {}
+    hooks = FakeHooks(async_backup=True, device=dev)
+    tree = RadixTree(4, hooks, policy="write_through")
+    run_request(tree, seq("a", 4), dev)
+    assert hooks.pending and tree.host_pages == 4
+    # an eviction has to wait for the in-flight backup, then finds backed-up pages
+    run_request(tree, seq("b", 2), dev)
+    assert 0 not in hooks.pending
+    assert tree.match(seq("a", 4)) == (2, 2)
+    tree.check()
+
+
+def test_host_capacity_lru_and_exhaustion_drop_instead_of_fail():
+    dev: dict = {}
+    hooks = FakeHooks(capacity=4, device=dev)
+    tree = RadixTree(4, hooks, policy="write_through", host_capacity=4)
+    for name in "abc":
+        run_request(tree, seq(name, 4), dev)
+    assert tree.host_pages == 4 and tree.stats.host_evicted_pages == 8
+    assert tree.match(seq("c", 4)) == (4, 0)
+    assert tree.match(seq("a", 4)) == (0, 0)
+    # a daemon that refuses although the tree thinks there is room: the page is dropped
+    hooks2 = FakeHooks(capacity=1, device=dev)
+    tree2 = RadixTree(4, hooks2, policy="write_back")
+    run_request(tree2, seq("a", 3), dev)
+    run_request(tree2, seq("b", 3), dev)  # evicts a2, a1, a0; host refuses 3 pages even after LRU
+    assert tree2.stats.backup_dropped_pages >= 1
+    assert tree2.match(seq("a", 3))[1] <= 1
+    tree2.check()
+
+
+def test_daemon_unreachable_falls_back_to_recompute():
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(4, hooks, policy="write_through")
+    run_request(tree, seq("a", 4), dev)
+    run_request(tree, seq("b", 4), dev)
+    assert tree.match(seq("a", 4)) == (0, 4)
+    tree.drain()
+    hooks.fail = "unreachable"
+    p = run_request(tree, seq("a", 4), dev)  # load fails: recompute, no exception
+    assert (p.device_pages, p.host_pages) == (0, 0)
+    assert tree.stats.host_offline == 1 and tree.stats.load_failed_pages == 4
+    assert not tree.host_online and tree.host_pages == 0
+    run_request(tree, seq("c", 4), dev)  # keeps serving device-only, no hook calls
+    assert tree.stats.host_offline == 1
+
+
+def test_daemon_lost_with_backups_in_flight():
+    dev: dict = {}
+    hooks = FakeHooks(device=dev, async_backup=True)
+    tree = RadixTree(4, hooks, policy="write_through")
+    run_request(tree, seq("a", 4), dev)
+    hooks.fail = "unreachable"
+    p = run_request(tree, seq("a", 2) + seq("b", 2), dev)
+    assert p.device_pages == 2 and tree.stats.host_offline == 1
+    assert tree.host_pages == 0 and not hooks.pending == {}  # nothing waited on forever
+
+
+def test_transfer_failure_drops_suspect_copies():
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(4, hooks)
+    run_request(tree, seq("a", 4), dev)
+    run_request(tree, seq("b", 4), dev)
+    hooks.fail = "transfer"
+    p = run_request(tree, seq("a", 4), dev)
+    assert p.host_pages == 0 and tree.stats.transfer_failures >= 1
+    assert tree.host_online
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("seed, fault", [(0, None), (1, None), (2, "transfer"), (3, "unreachable")])
+def test_random_workload_keeps_invariants_and_content(policy, seed, fault):
+    rnd = random.Random(seed)
+    dev: dict = {}
+    hooks = FakeHooks(capacity=40, device=dev, async_backup=bool(seed % 2))
+    tree = RadixTree(RowFreeList(24), hooks, policy=policy, host_capacity=30 + seed)
+    shared = [seq(f"s{i}.", rnd.randint(1, 6)) for i in range(4)]
+    convs: list[list[str]] = []
+    for step in range(150):
+        if convs and rnd.random() < 0.6:
+            conv = rnd.choice(convs)
+        else:
+            conv = list(rnd.choice(shared))
+            convs.append(conv)
+        conv += seq(f"t{step}.", rnd.randint(1, 4))
+        keys = conv[: rnd.randint(1, 12)] if len(conv) > 12 else list(conv)
+        run_request(tree, keys, dev, extra_rows=rnd.randint(0, 1))
+        if rnd.random() < 0.2:
+            tree.poll()
+        if fault == "transfer":  # a failed transfer now and then
+            hooks.fail = "transfer" if rnd.random() < 0.1 else None
+        elif fault == "unreachable" and step == 100:
+            hooks.fail = "unreachable"
+    tree.drain()
+    tree.check()
+    assert all(n.io == 0 and n.lock == 0 for n in tree.nodes())
+    s = tree.stats
+    assert s.device_hit_pages > 0
+    assert s.host_hit_pages > 0
+    if fault == "unreachable":
+        assert s.host_offline == 1 and tree.host_pages == 0
+    else:
+        assert (s.transfer_failures > 0) == (fault == "transfer")
+        assert len(hooks.free_rows) + tree.host_pages == hooks.capacity  # no host row leaks

@@ -1,0 +1,165 @@
+"""The simulated worker and the client hooks, against a live CPU-mode daemon (conftest fixture)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from hicache.hooks import ClientHooks, HostExhausted, HostUnavailable
+from hicache.layout import build_layout, preset
+from hicache.page_content import PageContent
+from hicache.radix import RadixTree
+from hicache.simulator import Worker, WorkerConfig
+from hicache.workload import multi_turn
+
+TINY_ROWS = "page=16,swa_page=16,req_slot=4"
+
+
+def tiny_daemon(factory, rows=TINY_ROWS, ratio="4", swa="paged"):
+    return factory(preset="dsv4-tiny", device_rows=rows, host=("--host-ratio", ratio),
+                   extra=("--swa-mode", swa))
+
+
+def test_page_content_catches_any_wrong_byte():
+    layout = build_layout(preset("dsv4-tiny"))
+    pc = PageContent(layout, seed=1)
+    spec = layout.pool("c4_kv")
+    buf = torch.zeros(8, spec.page_bytes, dtype=torch.uint8)
+    rows, ids = torch.tensor([1, 5, 6]), torch.tensor([10, 11, 12])
+    pc.fill("c4_kv", 0, buf, rows, ids)
+    assert pc.mismatches("c4_kv", 0, buf, rows, ids) == 0
+    assert pc.mismatches("c4_kv", 1, buf, rows, ids) > 0  # another layer's content differs
+    assert pc.mismatches("c4_kv", 0, buf, rows, torch.tensor([10, 12, 11])) > 0  # swapped pages
+    buf[5, spec.scale_offset + 3] ^= 0x40
+    assert pc.mismatches("c4_kv", 0, buf, rows, ids) == 1
+    assert PageContent(layout, seed=1).mismatches("c4_kv", 0, buf, rows[:1], ids[:1]) == 0
+
+
+def test_device_only_worker_accounts_every_token():
+    cfg = WorkerConfig(device_pages=64, host_pages=0)
+    w = Worker(cfg)  # no daemon: device tier only
+    try:
+        reqs = multi_turn(40, seed=1)
+        r = w.run(reqs)
+        assert r.requests == 40
+        assert r.device_hit_tokens + r.host_hit_tokens + r.miss_tokens == r.input_tokens
+        assert r.host_hit_tokens == 0 and r.device_hit_tokens == r.device_only_hit_tokens > 0
+        assert w.summary()["verified"] and r.verified_bytes > 0
+    finally:
+        w.close()
+
+
+def test_worker_against_daemon_loads_and_verifies(daemon_factory):
+    d = tiny_daemon(daemon_factory)
+    with d.client(timeout=20) as c:
+        cfg = WorkerConfig(device_pages=16, host_pages=64, preempt_every=5)
+        w = Worker(cfg, c)
+        try:
+            reqs = multi_turn(40, seed=2, system_pages=(2, 4), user_pages=(1, 2),
+                              answer_pages=(1, 1), max_pages=14, active_sessions=6)
+            r = w.run(reqs)
+            s = w.summary()
+        finally:
+            w.close()
+    assert s["verified"], s["first_mismatch"]
+    assert s["host_hit_tokens"] > 0 and s["pages_loaded"] > 0
+    assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
+    assert s["bytes_loaded"] == s["pages_loaded"] * s["page_bytes"]
+    assert s["bytes_backed_up"] == s["pages_backed_up"] * s["page_bytes"]
+    assert s["state_swaps"] == 8 and s["state_swap_failures"] == 0
+    assert r.verified_bytes >= s["bytes_loaded"]
+    w.tree.check()
+
+
+def test_client_hooks_round_trip_and_exhaustion(daemon_factory):
+    d = tiny_daemon(daemon_factory, ratio="0.5")  # 8 host pages per space
+    layout = build_layout(preset("dsv4-tiny"))
+    from hicache.device_pools import DevicePools
+
+    pools = DevicePools(layout, {"page": 16, "swa_page": 16, "req_slot": 4})
+    pc = PageContent(layout)
+    try:
+        with d.client(timeout=20) as c:
+            c.register(pools)
+            hooks = ClientHooks(c, ["page", "swa_page"])
+            handles = hooks.host_alloc(3)
+            assert len(handles) == 3 and all(len(h) == 2 for h in handles)
+            src, ids = torch.tensor([0, 1, 2]), torch.tensor([7, 8, 9])
+            for spec in layout.space_pools("page") + layout.space_pools("swa_page"):
+                for layer, buf in enumerate(pools.layers[spec.name]):
+                    pc.fill(spec.name, layer, buf, src, ids)
+            hooks.wait(hooks.backup([0, 1, 2], handles))
+            t = hooks.load(handles, [10, 11, 12])
+            hooks.wait(t)
+            assert hooks.done(t)
+            for spec in layout.space_pools("page") + layout.space_pools("swa_page"):
+                for layer, buf in enumerate(pools.layers[spec.name]):
+                    assert pc.mismatches(spec.name, layer, buf, torch.tensor([10, 11, 12]),
+                                         ids) == 0
+            with pytest.raises(HostExhausted):
+                hooks.host_alloc(6)  # 8 - 3 left: all or nothing
+            hooks.host_free(handles)
+            assert len(hooks.host_alloc(8)) == 8
+            assert hooks.stats.bytes["load"] == 3 * (layout.row_bytes("page")
+                                                     + layout.row_bytes("swa_page"))
+    finally:
+        pools.close()
+
+
+def test_dead_daemon_falls_back_to_recompute_without_hanging(daemon_factory):
+    d = tiny_daemon(daemon_factory)
+    reqs = multi_turn(30, seed=4, system_pages=(2, 3), user_pages=(1, 2), answer_pages=(1, 1),
+                      max_pages=12, active_sessions=6)
+    with d.client(timeout=1.0) as c:
+        cfg = WorkerConfig(device_pages=16, host_pages=64, timeout=1.0)
+        w = Worker(cfg, c)
+        try:
+            w.run(reqs[:15])
+            assert w.tree.host_pages > 0
+            d.stop(signal.SIGKILL)
+            t0 = time.monotonic()
+            w.run(reqs[15:])  # the tree notices within one timeout and recomputes
+            assert time.monotonic() - t0 < 15
+            s = w.summary()
+        finally:
+            w.close()
+    assert s["host_tier_lost"] == 1 and s["requests"] == 30
+    assert w.tree.host_pages == 0 and not w.tree.host_online
+    assert s["verified"]
+    w.tree.check()
+
+
+def test_tree_drops_pages_when_daemon_pool_is_smaller_than_told(daemon_factory):
+    d = tiny_daemon(daemon_factory, ratio="0.25")  # 4 host pages, the tree believes 64
+    layout = build_layout(preset("dsv4-tiny"))
+    from hicache.device_pools import DevicePools
+
+    pools = DevicePools(layout, {"page": 16, "swa_page": 16, "req_slot": 4})
+    try:
+        with d.client(timeout=20) as c:
+            c.register(pools)
+            tree = RadixTree(16, ClientHooks(c, ["page", "swa_page"]), policy="write_back",
+                             host_capacity=64)
+            for name in "abcd":  # each evicts the previous request's 6 pages
+                keys = [f"{name}{i}" for i in range(6)]
+                p = tree.prepare(keys)
+                rows = tree.alloc_device(6 - p.pages)
+                tree.release(p, keys, rows)
+                tree.check()
+            assert tree.stats.backup_dropped_pages > 0  # refused, dropped: no request failed
+            assert tree.host_online and tree.host_pages <= 4
+    finally:
+        pools.close()
+
+
+def test_hooks_report_unreachable_daemon():
+    from hicache.client import Client
+
+    with Client("ipc:///tmp/hicache-test-nobody-here.sock", timeout=0.3) as c:
+        hooks = ClientHooks(c, ["page"])
+        t0 = time.monotonic()
+        with pytest.raises(HostUnavailable):
+            hooks.host_alloc(1)
+        assert time.monotonic() - t0 < 3
