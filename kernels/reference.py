@@ -16,8 +16,30 @@ import torch
 from .tables import TokenFormat
 
 
+_WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
 def _on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     return idx if idx.device == device else idx.to(device)
+
+
+def _word(*sizes: int) -> int:
+    """Largest of 8, 4, 2, 1 dividing every size: the widest element all offsets align to."""
+    for w in (8, 4, 2):
+        if all(x % w == 0 for x in sizes):
+            return w
+    return 1
+
+
+def _wide(t: torch.Tensor, w: int) -> torch.Tensor:
+    """``t`` viewed as ``w``-byte words (same bytes). Indexing uint8 rows byte-wise in torch's
+    CPU kernels runs at a few MB/s; whole words run at memory speed."""
+    if w == 1:
+        return t
+    try:
+        return t.view(_WIDE[w])
+    except RuntimeError:  # misaligned storage offset: stay byte-wise, still correct
+        return t
 
 
 def copy_rows_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
@@ -27,17 +49,26 @@ def copy_rows_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
         return
     s_idx = _on(src_idx, src[0].device)
     d_idx = _on(dst_idx, dst[0].device)
+    w = _word(src[0].shape[1])
     for s, d in zip(src, dst):
-        rows = s.index_select(0, s_idx)
-        d.index_copy_(0, d_idx, rows.to(d.device))
+        ws, wd = _wide(s, w), _wide(d, w)
+        if ws.dtype != wd.dtype:
+            ws, wd = s, d
+        wd.index_copy_(0, d_idx, ws.index_select(0, s_idx).to(d.device))
 
 
 def _token_views(t: torch.Tensor, fmt: TokenFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, P, value_bytes] and [rows, P, scale_bytes] views of one layer's page rows."""
+    """[rows, P, value words] and [rows, P, scale words] views of one layer's page rows,
+    in the widest word that every offset of the format aligns to."""
     P = fmt.tokens_per_page
-    values = t[:, : P * fmt.value_bytes].view(t.shape[0], P, fmt.value_bytes)
-    scales = t[:, fmt.scale_offset: fmt.scale_offset + P * fmt.scale_bytes]
-    return values, scales.view(t.shape[0], P, fmt.scale_bytes)
+    w = _word(fmt.value_bytes, fmt.scale_bytes or 8, fmt.scale_offset, fmt.page_bytes)
+    t = _wide(t, w)
+    if t.dtype == torch.uint8:
+        w = 1
+    vw, sw, so = fmt.value_bytes // w, fmt.scale_bytes // w, fmt.scale_offset // w
+    values = t[:, : P * vw].view(t.shape[0], P, vw)
+    scales = t[:, so: so + P * sw]
+    return values, scales.view(t.shape[0], P, sw)
 
 
 def copy_tokens_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
