@@ -1,0 +1,213 @@
+"""Open a worker's device buffers (shm files in CPU mode, CUDA IPC handles on GPU) as tensors.
+
+``open_buffers(layout, device_rows, buffers, mode, device, shm_dirs)`` checks every handle
+against the layout (one per owned layer, ``rows`` = the worker's rows of the pool's space,
+``row_bytes`` = ``page_bytes``) *before* opening anything, then returns ``DeviceBuffers``:
+``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: shm paths
+must be regular files owned by this user inside an allowed directory, CUDA handles must name the
+GPU this daemon serves (by UUID). ``close()`` drops every mapping the daemon holds; a mapping
+still used by an in-flight operation is released when that operation lets go of it.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import mmap
+import os
+import stat
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hicache.layout import Layout, LayoutError
+from hicache.protocol import ProtocolError
+
+
+def _bad(msg: str) -> ProtocolError:
+    return ProtocolError("bad_handle", msg)
+
+
+def _int(h: Mapping[str, Any], k: str, where: str) -> int:
+    v = h.get(k)
+    if type(v) is not int or v < 0:
+        raise _bad(f"{where}: {k!r} must be a non-negative int")
+    return v
+
+
+def _b64(h: Mapping[str, Any], k: str, where: str, optional: bool = False) -> bytes | None:
+    v = h.get(k)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > 4096:
+        raise _bad(f"{where}: {k!r} must be a base64 string")
+    try:
+        return base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(f"{where}: {k!r} is not valid base64") from None
+
+
+class DeviceBuffers:
+    """The opened per-layer device buffers of one registered worker."""
+
+    def __init__(self, layers: dict[str, list[torch.Tensor]], mode: str,
+                 keep: Sequence[Any] = ()) -> None:
+        self.layers = layers
+        self.mode = mode
+        self._keep = list(keep)  # mmaps / storages whose lifetime the tensors depend on
+
+    def close(self) -> None:
+        self.layers = {}
+        self._keep = []
+
+
+def check_shapes(layout: Layout, device_rows: Mapping[str, int],
+                 buffers: Mapping[str, Any]) -> None:
+    if not isinstance(buffers, dict):
+        raise ProtocolError("bad_field", "buffers must map pool -> list of handles")
+    counts = {}
+    for pool, hs in buffers.items():
+        if not isinstance(hs, list):
+            raise ProtocolError("bad_field", f"buffers[{pool!r}] must be a list of handles")
+        counts[pool] = len(hs)
+    try:
+        layout.check_buffers(counts)
+    except LayoutError as e:
+        raise ProtocolError("layout_mismatch", str(e)) from None
+    for name, spec in layout.pools.items():
+        rows = device_rows.get(spec.index)
+        if rows is None or rows <= 0:
+            raise ProtocolError("bad_field", f"device_rows has no positive row count for space "
+                                             f"{spec.index!r} (pool {name})")
+        for i, h in enumerate(buffers[name]):
+            where = f"buffers[{name}][{i}]"
+            if not isinstance(h, dict):
+                raise _bad(f"{where} must be an object")
+            if h.get("rows") != rows or h.get("row_bytes") != spec.page_bytes:
+                raise _bad(f"{where}: shape [{h.get('rows')}, {h.get('row_bytes')}] but pool "
+                           f"{name} needs [{rows}, {spec.page_bytes}] (device_rows[{spec.index}] "
+                           f"x page_bytes)")
+
+
+def open_buffers(layout: Layout, device_rows: Mapping[str, int], buffers: Mapping[str, Any],
+                 mode: str, device: torch.device, shm_dirs: Sequence[str]) -> DeviceBuffers:
+    check_shapes(layout, device_rows, buffers)
+    if mode == "cpu":
+        if device.type != "cpu":
+            raise ProtocolError("unsupported", f"this daemon serves {device}; register CUDA IPC "
+                                               f"handles (mode 'cuda'), not shm files")
+        return _open_shm(layout, buffers, shm_dirs)
+    if mode == "cuda":
+        if device.type != "cuda":
+            raise ProtocolError("unsupported", "this daemon runs in CPU mode; register shm "
+                                               "buffers (mode 'cpu')")
+        return _open_cuda(layout, buffers, device)
+    raise ProtocolError("bad_field", f"mode must be 'cpu' or 'cuda', got {mode[:32]!r}")
+
+
+# ----------------------------------------------------------------------------- CPU: shm files
+def _check_path(path: Any, shm_dirs: Sequence[str], where: str) -> str:
+    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
+        raise _bad(f"{where}: 'path' must be a file path")
+    real = os.path.realpath(path)
+    roots = [os.path.realpath(d) for d in shm_dirs]
+    if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
+        raise _bad(f"{where}: {path} is not inside an allowed shm directory {list(shm_dirs)}")
+    return real
+
+
+def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str]) -> DeviceBuffers:
+    files: dict[str, tuple[mmap.mmap, torch.Tensor, int]] = {}
+    plan = []
+    for name in layout.pools:  # validate every handle and stat every file before mapping
+        for i, h in enumerate(buffers[name]):
+            where = f"buffers[{name}][{i}]"
+            if h.get("kind") != "shm":
+                raise _bad(f"{where}: kind must be 'shm' in CPU mode")
+            path = _check_path(h.get("path"), shm_dirs, where)
+            off = _int(h, "offset", where)
+            plan.append((name, path, off, h["rows"], h["row_bytes"], where))
+            if path not in files:
+                files[path] = None  # type: ignore[assignment]
+    sizes = {}
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _bad(f"cannot open {path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _bad(f"{path} is not a regular file")
+            if st.st_uid != os.getuid():
+                raise _bad(f"{path} belongs to uid {st.st_uid}, not to this daemon's user")
+            sizes[path] = st.st_size
+            for name, p, off, rows, rb, where in plan:
+                if p == path and off + rows * rb > st.st_size:
+                    raise _bad(f"{where}: bytes [{off}, {off + rows * rb}) run past the end of "
+                               f"{path} ({st.st_size} bytes)")
+            mm = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        files[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), st.st_size)
+    layers: dict[str, list[torch.Tensor]] = {}
+    for name, path, off, rows, rb, _ in plan:
+        base = files[path][1]
+        layers.setdefault(name, []).append(base[off: off + rows * rb].view(rows, rb))
+    return DeviceBuffers(layers, "cpu", keep=[f[0] for f in files.values()])
+
+
+# ----------------------------------------------------------------------------- GPU: CUDA IPC
+def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device) -> DeviceBuffers:
+    from hicache.device_pools import device_uuid
+
+    my_uuid = device_uuid(device.index)
+    decoded = []
+    for name in layout.pools:
+        for i, h in enumerate(buffers[name]):
+            where = f"buffers[{name}][{i}]"
+            if h.get("kind") != "cuda_ipc":
+                raise _bad(f"{where}: kind must be 'cuda_ipc' in GPU mode")
+            uuid = h.get("uuid")
+            if my_uuid and uuid and uuid != my_uuid:
+                raise _bad(f"{where}: buffer is on GPU {uuid}, this daemon serves {my_uuid}")
+            rec = dict(
+                handle=_b64(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
+                storage_offset=_int(h, "storage_offset", where),
+                ref_counter=_b64(h, "ref_counter", where, optional=True),
+                ref_counter_offset=_int(h, "ref_counter_offset", where),
+                event=_b64(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
+                offset=_int(h, "offset", where), rows=h["rows"], row_bytes=h["row_bytes"])
+            if rec["offset"] + rec["rows"] * rec["row_bytes"] > rec["storage_bytes"]:
+                raise _bad(f"{where}: layer bytes run past the end of its storage")
+            decoded.append((name, where, rec))
+    storages: dict[tuple[bytes, int], Any] = {}
+    layers: dict[str, list[torch.Tensor]] = {}
+    with torch.cuda.device(device):
+        for name, where, r in decoded:
+            key = (r["handle"], r["storage_offset"])
+            st = storages.get(key)
+            if st is None:
+                try:
+                    st = torch.UntypedStorage._new_shared_cuda(
+                        device.index, r["handle"], r["storage_bytes"], r["storage_offset"],
+                        r["ref_counter"], r["ref_counter_offset"], r["event"], r["event_sync"])
+                except Exception as e:  # noqa: BLE001 - report, never crash the daemon
+                    raise _bad(f"{where}: cannot open the CUDA IPC handle ({e}); is the "
+                               f"worker's memory from expandable_segments or another GPU?") from None
+                storages[key] = st
+            t = torch.empty(0, dtype=torch.uint8, device=device)
+            t.set_(st, r["offset"], (r["rows"], r["row_bytes"]), (r["row_bytes"], 1))
+            layers.setdefault(name, []).append(t)
+    return DeviceBuffers(layers, "cuda", keep=list(storages.values()))
+
+
+def open_events(handles: Sequence[str], device: torch.device) -> list[Any]:
+    """Interprocess CUDA events from base64 handles (the engine records them, we wait)."""
+    out = []
+    for i, h in enumerate(handles):
+        raw = _b64({"h": h}, "h", f"events[{i}]")
+        try:
+            out.append(torch.cuda.Event.from_ipc_handle(device, raw))
+        except Exception as e:  # noqa: BLE001
+            raise _bad(f"events[{i}]: cannot open the IPC event ({e})") from None
+    return out

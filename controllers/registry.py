@@ -1,0 +1,104 @@
+"""Clients of one daemon: who they are, when they were last heard, their worker and their acks.
+
+A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id string owns host rows.
+``touch(ident, now)`` finds or adds it (refusing beyond ``max_clients``); ``silent(now, timeout)``
+lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
+kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
+Single-threaded: only the server thread calls in here.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.protocol import ProtocolError
+
+from .device_buffers import DeviceBuffers
+
+
+@dataclass(eq=False)
+class Worker:
+    """A registered worker's device side: buffers, events and load-event sets."""
+
+    name: str | None
+    tp_rank: int
+    device_rows: dict[str, int]
+    buffers: DeviceBuffers
+    tables: dict[str, Any]  # pool -> LayerTable of device buffers
+    events: list[Any] = field(default_factory=list)  # engine's IPC events (backup waits)
+    load_events: list[list[Any]] = field(default_factory=list)  # [set][stage layer] IPC events
+    load_event_handles: list[list[str]] = field(default_factory=list)
+    next_set: int = 0
+
+    def close(self) -> None:
+        self.tables = {}
+        self.events = []
+        self.load_events = []
+        self.buffers.close()
+
+
+@dataclass(eq=False)
+class ClientState:
+    cid: str
+    ident: bytes
+    last_seen: float
+    worker: Worker | None = None
+    acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
+    in_flight: int = 0  # operations of this client not yet completed
+    closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
+
+
+class Registry:
+    def __init__(self, max_clients: int, retention: int) -> None:
+        self.max_clients = max_clients
+        self.retention = retention
+        self.clients: dict[bytes, ClientState] = {}
+        self.dropped_acks = 0
+
+    def touch(self, ident: bytes, now: float) -> ClientState:
+        c = self.clients.get(ident)
+        if c is None:
+            if len(self.clients) >= self.max_clients:
+                raise ProtocolError("too_many_clients", f"the daemon already tracks "
+                                                        f"{self.max_clients} clients")
+            c = ClientState(ident.decode("utf-8", "replace"), ident, now)
+            self.clients[ident] = c
+        c.last_seen = now
+        return c
+
+    def silent(self, now: float, timeout: float) -> list[ClientState]:
+        return [c for c in self.clients.values() if now - c.last_seen > timeout]
+
+    def remove(self, c: ClientState) -> None:
+        self.clients.pop(c.ident, None)
+        if c.worker is not None:
+            c.worker.close()
+            c.worker = None
+        c.acks.clear()
+
+    def workers(self) -> int:
+        return sum(1 for c in self.clients.values() if c.worker is not None)
+
+    def retain(self, c: ClientState, op_id: int, ack: dict[str, Any], pushed: bool) -> int:
+        """Keep ``ack`` for poll_acks (newest ``retention``). Returns how many acks that had
+        *not* been pushed were dropped to make room (lost acks)."""
+        c.acks[op_id] = (ack, pushed)
+        lost = 0
+        while len(c.acks) > self.retention:
+            _, (_, was_pushed) = c.acks.popitem(last=False)
+            lost += not was_pushed
+        self.dropped_acks += lost
+        return lost
+
+    def take_acks(self, c: ClientState, ops: list[int] | None, limit: int) -> list[dict[str, Any]]:
+        out = []
+        if ops is None:
+            while c.acks and len(out) < limit:
+                out.append(c.acks.popitem(last=False)[1][0])
+        else:
+            for op in ops[:limit]:
+                a = c.acks.pop(op, None)
+                if a is not None:
+                    out.append(a[0])
+        return out

@@ -1,0 +1,474 @@
+"""Client library of the hicache daemon: typed methods over the wire protocol, with timeouts.
+
+``Client(address, timeout=5.0)`` opens one DEALER socket and no thread: every call sends one
+request and polls for its reply (acks pushed meanwhile are kept). A daemon that does not answer
+within the timeout raises ``DaemonUnreachable`` (never a hang); a refused command raises
+``CommandRefused`` with the daemon's error code and message.
+
+Transfers return an ``Op``; ``wait_ack(op, timeout)`` returns its ``Ack`` (pushed by the daemon,
+or fetched with ``poll_acks`` if a push went missing). On GPU, ``wait_layer(op, layer, stream)``
+makes ``stream`` wait for one layer of a load (interprocess events, no host sync); in CPU mode
+it waits for the whole op's ack. Any call counts as a heartbeat; an idle engine calls
+``maybe_heartbeat()`` from its loop (it sends only when a third of the daemon's timeout passed).
+
+Imports are light: zmq and the protocol; torch only for GPU events.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import zmq
+
+from hicache import protocol as P
+from hicache.errors import HicacheError
+
+ACK_KEEP = 65536  # acks kept client-side until consumed
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+
+
+class DaemonUnreachable(HicacheError, TimeoutError):
+    """The daemon did not answer within the timeout (not running, stuck, or wrong address)."""
+
+
+class CommandRefused(HicacheError):
+    """The daemon refused a command; nothing changed on its side."""
+
+    def __init__(self, command: str, code: str, message: str) -> None:
+        super().__init__(f"{command} refused ({code}): {message}")
+        self.command = command
+        self.code = code
+        self.message = message
+
+
+class TransferFailed(HicacheError):
+    """An operation completed with status error (the ack says why)."""
+
+    def __init__(self, ack: "Ack") -> None:
+        err = ack.error or {}
+        super().__init__(f"op {ack.op} ({ack.kind}) failed: {err.get('message', 'unknown')}")
+        self.ack = ack
+
+
+class AckTimeout(HicacheError, TimeoutError):
+    """The daemon answers, but the operation did not complete within the timeout."""
+
+
+@dataclass
+class Ack:
+    op: int
+    kind: str
+    status: str
+    pools: dict[str, dict[str, Any]]
+    bytes: int
+    seconds: float
+    exec_seconds: float
+    path: str
+    error: dict[str, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def from_wire(cls, h: Mapping[str, Any]) -> "Ack":
+        pools = {p: {"rows": v[0], "bytes": v[1], "seconds": v[2] * 1e-9}
+                 for p, v in h.get("pools", {}).items()}
+        return cls(int(h["op"]), str(h.get("kind", "")), str(h.get("status", "error")), pools,
+                   int(h.get("bytes", 0)), h.get("ns", 0) * 1e-9, h.get("exec_ns", 0) * 1e-9,
+                   str(h.get("path", "")), h.get("error"))
+
+
+@dataclass
+class Op:
+    """A submitted operation: its id, its ack when it completed before the reply, and (GPU
+    loads) the set of per-layer events it records."""
+
+    op_id: int
+    kind: str
+    ack: Ack | None = None
+    event_set: int | None = None
+    host_row: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Items = Mapping[str, tuple]  # pool or space -> (src ids, dst ids[, "token"])
+
+
+def _default_address() -> str:
+    addr = os.environ.get("HICACHE_SOCKET")
+    if addr:
+        return addr
+    from hicache.config import default_socket
+
+    return default_socket(os.environ.get("HICACHE_DEVICE", "cpu"))
+
+
+def _as_ids(x: Any) -> Any:
+    """Anything index-like -> something ``protocol.pack_index`` takes (torch tensors included)."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return x.detach().to("cpu").contiguous().numpy().astype("int64", copy=False)
+    return x
+
+
+class Client:
+    def __init__(self, address: str | None = None, timeout: float = 5.0,
+                 name: str | None = None, *, curve_server_key: str | None = None,
+                 curve_secret_key: str | None = None) -> None:
+        """``curve_server_key``: the daemon's public key file; ``curve_secret_key``: this
+        client's secret key file (``zmq.auth`` certificate format). Both or neither."""
+        self.address = address or _default_address()
+        self.timeout = float(timeout)
+        tag = (name or "client").replace("/", "_")[:48]
+        self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        s = self._sock
+        s.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        if (curve_server_key is None) != (curve_secret_key is None):
+            s.close(0)
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key")
+        if curve_server_key is not None:
+            from zmq import auth as zmq_auth
+
+            server_public, _ = zmq_auth.load_certificate(curve_server_key)
+            public, secret = zmq_auth.load_certificate(curve_secret_key)
+            if not secret:
+                s.close(0)
+                raise ValueError(f"{curve_secret_key} holds no secret key")
+            s.curve_serverkey = server_public
+            s.curve_publickey = public
+            s.curve_secretkey = secret
+        s.connect(self.address)
+        self._pollin = [(s, _POLLIN)]
+        self._ids = itertools.count(1)
+        self._acks: OrderedDict[int, Ack] = OrderedDict()
+        self._last_send = 0.0
+        self.heartbeat_interval = 3.0
+        self.registered: dict[str, Any] | None = None
+        self.stage_layers: list[int] = []
+        self._layer_pos: dict[int, int] = {}
+        self._load_events: list[list[Any]] = []
+        self.backup_events: list[Any] = []  # GPU: engine-side IPC events for backup waits
+        self._device: Any = None
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(0)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _keep_ack(self, h: Mapping[str, Any]) -> Ack:
+        a = Ack.from_wire(h)
+        self._acks[a.op] = a
+        while len(self._acks) > ACK_KEEP:
+            self._acks.popitem(last=False)
+        return a
+
+    def _recv(self, wait_ms: int) -> tuple[dict[str, Any], list[Any]] | None:
+        s = self._sock
+        if not zmq.zmq_poll(self._pollin, wait_ms if wait_ms > 0 else 0):
+            return None
+        try:
+            return P.decode_reply(s.recv_multipart(_NOBLOCK))
+        except zmq.Again:
+            return None
+
+    def call(self, cmd: str, fields: dict[str, Any] | None = None, arrays: Iterable[Any] = (),
+             timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """Send one command, return (reply header, reply index arrays). Raw access; prefer the
+        typed methods."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        rid = next(self._ids)
+        frames = P.encode_request(cmd, rid, fields, arrays)
+        s = self._sock
+        try:
+            s.send_multipart(frames, _NOBLOCK)
+        except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
+            if not zmq.zmq_poll([(s, _POLLOUT)], max(1, int(timeout * 1000))):
+                raise DaemonUnreachable(f"{cmd}: cannot reach the hicache daemon at "
+                                        f"{self.address} within {timeout:g} s") from None
+            try:
+                s.send_multipart(frames, _NOBLOCK)
+            except zmq.Again:
+                raise DaemonUnreachable(f"{cmd}: the connection to {self.address} is gone "
+                                        f"or full") from None
+        self._last_send = time.monotonic()
+        while True:
+            left = deadline - time.monotonic()
+            got = self._recv(max(1, int(left * 1000))) if left > 0 else None
+            if got is None:
+                if time.monotonic() >= deadline:
+                    raise DaemonUnreachable(f"{cmd}: no reply from the hicache daemon at "
+                                            f"{self.address} within {timeout:g} s")
+                continue
+            h, arr = got
+            if h.get("k") == "ack":
+                self._keep_ack(h)
+                continue
+            if h.get("id") != rid:
+                continue  # a late reply to a call that already timed out
+            if not h.get("ok"):
+                err = h.get("error") or {}
+                raise CommandRefused(cmd, str(err.get("code", "unknown")),
+                                     str(err.get("message", "")))
+            if "ack" in h:
+                self._keep_ack(h["ack"])
+            return h, arr
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self, full: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Tell the daemon we are alive; ``full`` adds its layout, host rows and stage layers."""
+        h, _ = self.call("heartbeat", {"full": True} if full else None, timeout=timeout)
+        self.heartbeat_interval = max(0.1, float(h.get("heartbeat_timeout", 9.0)) / 3)
+        return h
+
+    def maybe_heartbeat(self) -> bool:
+        """Heartbeat only if nothing was sent for ``heartbeat_interval``; True when sent."""
+        if time.monotonic() - self._last_send < self.heartbeat_interval:
+            return False
+        self.heartbeat()
+        return True
+
+    # ------------------------------------------------------------------ registration
+    def register(self, pools: Any = None, *, layout: Mapping[str, Any] | None = None,
+                 device_rows: Mapping[str, int] | None = None,
+                 buffers: Mapping[str, list] | None = None, mode: str | None = None,
+                 tp_rank: int = 0, events: int | Sequence[Any] = 0,
+                 name: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Register a worker's device pools: a ``DevicePools`` or the raw fields. ``events`` (GPU):
+        a count of interprocess events to create (``self.backup_events``) or events/handles."""
+        if pools is not None:
+            layout = pools.layout.to_dict()
+            device_rows = dict(pools.rows)
+            buffers = pools.handles()
+            mode = pools.mode
+            self._device = pools.device
+        if layout is None or device_rows is None or buffers is None or mode is None:
+            raise ValueError("register needs pools, or layout, device_rows, buffers and mode")
+        handles: list[str] = []
+        if events:
+            if mode != "cuda":
+                raise ValueError("events are CUDA interprocess events; CPU mode has none")
+            from hicache.device_pools import _b64, make_ipc_events
+
+            if isinstance(events, int):
+                self.backup_events, handles = make_ipc_events(events, self._device or "cuda")
+            else:
+                self.backup_events = [e for e in events if not isinstance(e, str)]
+                handles = [e if isinstance(e, str) else _b64(e.ipc_handle()) for e in events]
+        fields = {"layout": dict(layout), "device_rows": dict(device_rows),
+                  "buffers": dict(buffers), "mode": mode, "tp_rank": tp_rank, "name": name}
+        if handles:
+            fields["events"] = handles
+        h, _ = self.call("register", fields, timeout=timeout)
+        self.registered = h
+        self.stage_layers = list(h.get("stage_layers", []))
+        self._layer_pos = {g: i for i, g in enumerate(self.stage_layers)}
+        if mode == "cuda" and h.get("load_events"):
+            import base64
+
+            import torch
+
+            dev = torch.device(self._device or "cuda")
+            self._load_events = [[torch.cuda.Event.from_ipc_handle(dev, base64.b64decode(x))
+                                  for x in s] for s in h["load_events"]]
+        return h
+
+    def unregister(self, timeout: float | None = None) -> dict[str, Any]:
+        h, _ = self.call("unregister", timeout=timeout)
+        self.registered = None
+        self._load_events = []
+        return h
+
+    # ------------------------------------------------------------------ host rows
+    def alloc(self, counts: Mapping[str, int], request: str | None = None,
+              timeout: float | None = None) -> dict[str, list[int]]:
+        h, arr = self.call("alloc", {"counts": dict(counts), "request": request}, timeout=timeout)
+        return {s: list(arr[i]) for s, i in h["rows"].items()}
+
+    def free(self, rows: Mapping[str, Any], request: str | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        spaces = list(rows)
+        h, _ = self.call("free", {"rows": {s: i for i, s in enumerate(spaces)},
+                                  "request": request},
+                         [_as_ids(rows[s]) for s in spaces], timeout=timeout)
+        return h
+
+    def reset(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("reset", timeout=timeout)[0]
+
+    # ------------------------------------------------------------------ transfers
+    @staticmethod
+    def _items(items: Items) -> tuple[list[dict[str, Any]], list[Any]]:
+        frames: list[Any] = []
+        seen: dict[int, int] = {}
+
+        def frame(x: Any) -> int:
+            k = id(x)
+            if k not in seen:
+                seen[k] = len(frames)
+                frames.append(_as_ids(x))
+            return seen[k]
+
+        out = []
+        for key, spec in items.items():
+            src, dst = spec[0], spec[1]
+            it: dict[str, Any] = {"space" if key in ("page", "swa_page", "req_slot") else "pool": key,
+                                  "src": frame(src), "dst": frame(dst)}
+            if len(spec) > 2 and spec[2] != "row":
+                it["unit"] = spec[2]
+            out.append(it)
+        return out, frames
+
+    def _op(self, kind: str, h: Mapping[str, Any]) -> Op:
+        ack = self._acks.pop(h["op"], None) if "ack" in h else None
+        return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"))
+
+    def backup(self, items: Items, *, wait_event: int | None = None,
+               timeout: float | None = None) -> Op:
+        """Device rows -> host rows. ``items``: {pool or space: (device ids, host ids[, unit])};
+        unit "token" copies token ids of token-format pools. ``wait_event`` (GPU): index of the
+        backup event the engine recorded after writing the KV."""
+        its, frames = self._items(items)
+        fields: dict[str, Any] = {"items": its}
+        if wait_event is not None:
+            fields["wait_event"] = wait_event
+        return self._op("backup", self.call("backup", fields, frames, timeout=timeout)[0])
+
+    def load(self, items: Items, *, timeout: float | None = None) -> Op:
+        """Host rows -> device rows. ``items``: {pool or space: (host ids, device ids[, unit])}."""
+        its, frames = self._items(items)
+        return self._op("load", self.call("load", {"items": its}, frames, timeout=timeout)[0])
+
+    def swap_out(self, slot: int, *, request: str | None = None, host_row: int | None = None,
+                 wait_event: int | None = None, timeout: float | None = None) -> Op:
+        """Copy request slot ``slot`` of every req_slot pool to a host row (allocated for
+        ``request`` unless ``host_row`` is given); ``op.host_row`` names it."""
+        f: dict[str, Any] = {"slot": slot, "request": request}
+        if host_row is not None:
+            f["host_row"] = host_row
+        if wait_event is not None:
+            f["wait_event"] = wait_event
+        return self._op("swap_out", self.call("swap_out", f, timeout=timeout)[0])
+
+    def swap_in(self, host_row: int, slot: int, *, release: bool = True,
+                request: str | None = None, timeout: float | None = None) -> Op:
+        """Copy a swapped-out request back into ``slot`` (any slot); ``release`` frees the host
+        row once the copy has read it."""
+        f = {"host_row": host_row, "slot": slot, "release": release, "request": request}
+        return self._op("swap_in", self.call("swap_in", f, timeout=timeout)[0])
+
+    def clear_slot(self, slots: Sequence[int], *, draft: Mapping[str, Any] | None = None,
+                   timeout: float | None = None) -> Op:
+        """Zero every req_slot pool row of ``slots`` (a fresh request), or with ``draft``
+        (``seq_lens``, ``accept_lens``, ``num_draft``) void unaccepted MTP draft positions."""
+        f: dict[str, Any] = {"slots": [int(s) for s in slots]}
+        if draft is not None:
+            f["draft"] = {k: (list(v) if isinstance(v, (list, tuple)) else v)
+                          for k, v in draft.items()}
+        return self._op("clear_slot", self.call("clear_slot", f, timeout=timeout)[0])
+
+    # ------------------------------------------------------------------ completion
+    def poll_acks(self, ops: Sequence[int] | None = None, max: int = 1024,
+                  timeout: float | None = None) -> list[Ack]:
+        """Acks the daemon still holds (all, or those of ``ops``), plus any pushed ones."""
+        f: dict[str, Any] = {"max": max}
+        if ops is not None:
+            f["ops"] = [int(o) for o in ops]
+        h, _ = self.call("poll_acks", f, timeout=timeout)
+        for a in h.get("acks", []):
+            self._keep_ack(a)
+        self.drain()
+        out = list(self._acks.values()) if ops is None else \
+            [self._acks[o] for o in ops if o in self._acks]
+        for a in out:
+            self._acks.pop(a.op, None)
+        return out
+
+    def drain(self) -> int:
+        """Read pushed acks that already arrived (no wait). Returns how many."""
+        n = 0
+        while True:
+            got = self._recv(0)
+            if got is None:
+                return n
+            if got[0].get("k") == "ack":
+                self._keep_ack(got[0])
+                n += 1
+
+    def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
+        """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
+        ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time."""
+        if isinstance(op, Op) and op.ack is not None:  # completed inline, ack came in the reply
+            if check and not op.ack.ok:
+                raise TransferFailed(op.ack)
+            return op.ack
+        op_id = op.op_id if isinstance(op, Op) else int(op)
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        next_poll = time.monotonic() + min(0.5, timeout / 2)
+        while True:
+            a = self._acks.pop(op_id, None)
+            if a is not None:
+                if check and not a.ok:
+                    raise TransferFailed(a)
+                return a
+            now = time.monotonic()
+            if now >= deadline:
+                raise AckTimeout(f"op {op_id} did not complete within {timeout:g} s")
+            if now >= next_poll:  # a lost push, or a long wait: ask (also a heartbeat)
+                h, _ = self.call("poll_acks", {"ops": [op_id], "max": 1},
+                                 timeout=max(0.1, deadline - now))
+                for x in h.get("acks", []):
+                    self._keep_ack(x)
+                next_poll = time.monotonic() + 0.5
+                continue
+            got = self._recv(max(1, int(min(deadline, next_poll) * 1000 - now * 1000)))
+            if got is not None and got[0].get("k") == "ack":
+                self._keep_ack(got[0])
+
+    def wait_layer(self, op: Op, layer: int, stream: Any = None,
+                   timeout: float | None = None) -> None:
+        """Make ``stream`` (GPU; default the current stream) wait for global ``layer`` of load
+        ``op``. CPU mode (no events): waits for the op's ack."""
+        if op.event_set is None or not self._load_events:
+            self.wait_ack(op, timeout)
+            return
+        import torch
+
+        pos = self._layer_pos.get(layer)
+        if pos is None:
+            raise ValueError(f"layer {layer} is not on this stage ({self.stage_layers})")
+        ev = self._load_events[op.event_set][pos]
+        (stream or torch.cuda.current_stream()).wait_event(ev)
+
+    # ------------------------------------------------------------------ inspection / control
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("stats", timeout=timeout)[0]
+
+    def buffer_infos(self, timeout: float | None = None) -> dict[str, list[tuple[int, int, int]]]:
+        h, _ = self.call("buffer_infos", timeout=timeout)
+        return {k: [tuple(x) for x in v] for k, v in h["pools"].items()}
+
+    def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("shutdown", timeout=timeout)[0]

@@ -1,0 +1,289 @@
+"""The hicache metric catalog: every Prometheus metric, its labels and the question it answers.
+
+``Metrics(registry=None)`` holds the whole catalog and exports it through one collector in its
+own ``CollectorRegistry`` (never the global one, so two daemons, or a daemon and a demo, in one
+process do not collide). Hot paths use the small recording methods (``inc``, ``set``,
+``observe``, ``command``, ``transfer``): a dict update under one lock, well under a microsecond.
+``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply), ``exposition()``
+the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
+
+docs/metrics.md is generated from ``CATALOG`` (``python -m hicache.metrics``).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from bisect import bisect_left
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                   5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+GBPS_MIN_BYTES = 1 << 20  # ops smaller than this do not update the GB/s gauge (timer noise)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # without the hicache_ prefix, without _total
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+    question: str
+
+
+CATALOG: tuple[MetricDef, ...] = (
+    # --- data path
+    MetricDef("transfer_bytes", "counter", ("direction", "pool", "path"),
+              "Bytes copied between device and host pools.",
+              "How much KV did we offload (backup/swap_out) or bring back (load/swap_in), per "
+              "pool and copy path?"),
+    MetricDef("transfer_rows", "counter", ("direction", "pool", "path"),
+              "Row ids (or token ids for token-granular items) copied.",
+              "How many pages / slots moved, and is the mix page-aligned or token-granular?"),
+    MetricDef("transfer_ops", "counter", ("direction", "status"),
+              "Transfer operations completed, by direction and status (ok | error).",
+              "How many backups, loads, swaps and clears ran, and how many failed?"),
+    MetricDef("transfer_seconds", "histogram", ("direction",),
+              "Seconds from accepting an operation to its completion (queueing included).",
+              "How long does the engine wait for an ack, and does it grow under load?"),
+    MetricDef("transfer_last_gbps", "gauge", ("direction",),
+              f"Achieved GB/s (1e9 B/s) of the last operation of at least {GBPS_MIN_BYTES} bytes "
+              "(execution time, queueing excluded).",
+              "Are copies running near the PCIe / memory-copy limit?"),
+    MetricDef("transfers_in_flight", "gauge", ("direction",),
+              "Operations accepted but not yet completed.",
+              "Is the transfer engine keeping up, or is work piling up?"),
+    MetricDef("fallbacks", "counter", ("what",),
+              "Times a fallback path was taken (each is also logged once).",
+              "Did the daemon silently run a slower path than configured? (it should not)"),
+    # --- host pools
+    MetricDef("host_rows", "gauge", ("space", "state"),
+              "Host rows per index space by state: used, free, pending_free (freed by the client "
+              "while an operation still used them).",
+              "How full is the host tier, and is anything stuck waiting to be freed?"),
+    MetricDef("host_pool_bytes", "gauge", ("pool",),
+              "Host bytes reserved for each pool (all layers).",
+              "Where does the pinned host memory go?"),
+    MetricDef("pinned_bytes", "gauge", (),
+              "Bytes of the host arena (pinned on GPU, plain shared memory in CPU mode).",
+              "How much host memory does this daemon hold?"),
+    MetricDef("pin_seconds", "gauge", (),
+              "Seconds spent bringing the host arena up (map, first touch, register).",
+              "Why did start-up take so long?"),
+    MetricDef("pin_gibps", "gauge", (),
+              "GiB/s of the arena bring-up.",
+              "Is pinning as fast as expected on this machine (NUMA, huge pages)?"),
+    # --- control plane
+    MetricDef("commands", "counter", ("command", "status"),
+              "Commands handled, by name and status (ok | error).",
+              "What is the engine asking for, and how often is it refused?"),
+    MetricDef("command_seconds", "histogram", ("command",),
+              "Seconds from receiving a command to sending its reply.",
+              "Is the control plane adding latency to the engine's step?"),
+    MetricDef("errors", "counter", ("kind",),
+              "Errors by kind: protocol error codes for refused commands, 'transfer' for failed "
+              "copies, 'internal' for daemon bugs.",
+              "What goes wrong, and is it the client or the daemon?"),
+    MetricDef("clients_connected", "gauge", (),
+              "Clients the daemon currently tracks (seen and not reaped or unregistered).",
+              "How many engine processes talk to this daemon?"),
+    MetricDef("workers_registered", "gauge", (),
+              "Clients with registered device pools.",
+              "Is the serving worker attached?"),
+    MetricDef("clients_reaped", "counter", (),
+              "Clients reaped after missing heartbeats (their rows freed, mappings closed).",
+              "Did a worker die or hang without saying goodbye?"),
+    MetricDef("acks_dropped", "counter", (),
+              "Acks that could not be pushed (client gone or its queue full) and were then "
+              "dropped from the bounded retention before the client polled them.",
+              "Did a client lose completion notices?"),
+)
+
+
+class Metrics:
+    """All hicache metrics of one daemon (or demo), exported through one collector registered in
+    a dedicated ``CollectorRegistry``.
+
+    Values live in plain dicts keyed by label tuples; a record takes one uncontended lock and a
+    dict update (well under a microsecond, where prometheus-client's own metric objects cost
+    1-3 us each). ``collect()`` builds the exposition families from a copy taken under the lock.
+    """
+
+    PREFIX = "hicache_"
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.defs = {d.name: d for d in CATALOG}
+        self._values: dict[str, dict[tuple[str, ...], float]] = {
+            d.name: {} for d in CATALOG if d.kind != "histogram"}
+        # histogram: labels -> [count per bucket (non-cumulative, +Inf last), sum]
+        self._hist: dict[str, dict[tuple[str, ...], list]] = {
+            d.name: {} for d in CATALOG if d.kind == "histogram"}
+        for d in CATALOG:  # unlabelled series exist from the start (0), as Prometheus expects
+            if not d.labels and d.kind != "histogram":
+                self._values[d.name][()] = 0.0
+        self._lock = threading.Lock()
+        self._http: Any = None
+        self.registry.register(_Collector(self))
+
+    # ---------------------------------------------------------------- recording
+    def inc(self, name: str, amount: float = 1, *labels: str) -> None:
+        d = self._values[name]
+        with self._lock:
+            d[labels] = d.get(labels, 0.0) + amount
+
+    def set(self, name: str, value: float, *labels: str) -> None:
+        d = self._values[name]
+        with self._lock:
+            d[labels] = float(value)
+
+    def observe(self, name: str, value: float, *labels: str) -> None:
+        d = self._hist[name]
+        i = bisect_left(LATENCY_BUCKETS, value)
+        with self._lock:
+            h = d.get(labels)
+            if h is None:
+                h = d[labels] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+            h[0][i] += 1
+            h[1] += value
+
+    def command(self, cmd: str, ok: bool, seconds: float, code: str | None = None) -> None:
+        i = bisect_left(LATENCY_BUCKETS, seconds)
+        cmds, hist = self._values["commands"], self._hist["command_seconds"]
+        key, hkey = (cmd, "ok" if ok else "error"), (cmd,)
+        with self._lock:
+            cmds[key] = cmds.get(key, 0.0) + 1
+            h = hist.get(hkey)
+            if h is None:
+                h = hist[hkey] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+            h[0][i] += 1
+            h[1] += seconds
+            if not ok:
+                errs, ek = self._values["errors"], (code or "internal",)
+                errs[ek] = errs.get(ek, 0.0) + 1
+
+    def transfer(self, direction: str, ok: bool, seconds: float, exec_seconds: float,
+                 per_pool: dict[str, tuple[int, int]], path: str) -> None:
+        """One completed op: per_pool = {pool: (rows, bytes)}."""
+        v = self._values
+        ops, rows_d, bytes_d = v["transfer_ops"], v["transfer_rows"], v["transfer_bytes"]
+        hist = self._hist["transfer_seconds"]
+        i = bisect_left(LATENCY_BUCKETS, seconds)
+        okey, hkey = (direction, "ok" if ok else "error"), (direction,)
+        total = 0
+        with self._lock:
+            ops[okey] = ops.get(okey, 0.0) + 1
+            h = hist.get(hkey)
+            if h is None:
+                h = hist[hkey] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+            h[0][i] += 1
+            h[1] += seconds
+            if not ok:
+                errs = v["errors"]
+                errs[("transfer",)] = errs.get(("transfer",), 0.0) + 1
+                return
+            for pool, (rows, nbytes) in per_pool.items():
+                k = (direction, pool, path)
+                rows_d[k] = rows_d.get(k, 0.0) + rows
+                bytes_d[k] = bytes_d.get(k, 0.0) + nbytes
+                total += nbytes
+            if total >= GBPS_MIN_BYTES and exec_seconds > 0:
+                v["transfer_last_gbps"][(direction,)] = total / exec_seconds / 1e9
+
+    def in_flight(self, direction: str, delta: int) -> None:
+        self.inc("transfers_in_flight", delta, direction)
+
+    def fallback(self, what: str) -> None:
+        self.inc("fallbacks", 1, what)
+
+    def value(self, name: str, *labels: str) -> float:
+        """Current value of a counter or gauge sample (0 when never recorded)."""
+        return self._values[name].get(labels, 0.0)
+
+    # ---------------------------------------------------------------- export
+    def families(self) -> list[Any]:
+        with self._lock:
+            values = {k: list(v.items()) for k, v in self._values.items()}
+            hists = {k: [(lab, list(h[0]), h[1]) for lab, h in v.items()]
+                     for k, v in self._hist.items()}
+        out = []
+        for d in CATALOG:
+            name = self.PREFIX + d.name
+            if d.kind == "counter":
+                fam = CounterMetricFamily(name, d.help, labels=d.labels)
+                for lab, v in values[d.name]:
+                    fam.add_metric(list(lab), v)
+            elif d.kind == "gauge":
+                fam = GaugeMetricFamily(name, d.help, labels=d.labels)
+                for lab, v in values[d.name]:
+                    fam.add_metric(list(lab), v)
+            else:
+                fam = HistogramMetricFamily(name, d.help, labels=d.labels)
+                for lab, counts, total in hists[d.name]:
+                    cum, buckets = 0, []
+                    for le, n in zip((*LATENCY_BUCKETS, math.inf), counts):
+                        cum += n
+                        buckets.append((floatToGoString(le), cum))
+                    fam.add_metric(list(lab), buckets, total)
+            out.append(fam)
+        return out
+
+    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        """{sample name: [{"labels": {...}, "value": v}]}; histograms give only _sum and _count."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for fam in self.families():
+            for s in fam.samples:
+                if s.name.endswith("_bucket") or s.name.endswith("_created"):
+                    continue
+                v = s.value
+                if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+                    v = None
+                out.setdefault(s.name, []).append({"labels": dict(s.labels), "value": v})
+        return out
+
+    def exposition(self) -> str:
+        """The Prometheus text format of everything (what /metrics serves)."""
+        return generate_latest(self.registry).decode()
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Start the /metrics endpoint on a daemon thread; returns the bound port."""
+        res = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = res[0] if isinstance(res, tuple) else None
+        return int(self._http.server_port) if self._http is not None else port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Any]:
+        return self.metrics.families()
+
+    def describe(self) -> Iterable[Any]:
+        return self.metrics.families()
+
+
+def markdown() -> str:
+    """The metric table of docs/metrics.md."""
+    rows = ["| metric | type | labels | question it answers |", "|---|---|---|---|"]
+    for d in CATALOG:
+        name = Metrics.PREFIX + d.name + ("_total" if d.kind == "counter" else "")
+        cell = f"{d.question} <br>{d.help}".replace("|", "\\|")
+        rows.append(f"| `{name}` | {d.kind} | {', '.join(d.labels) or '—'} | {cell} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())

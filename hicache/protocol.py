@@ -1,0 +1,339 @@
+"""hicache wire protocol v1: frames, command schemas, size caps and error codes (a leaf module).
+
+A message is a list of ZMQ frames. Frame 0 is a UTF-8 JSON object (the header); frames 1.. are
+raw little-endian int64 index arrays that the header refers to by position (0 = frame 1).
+Nothing received is ever unpickled or evaluated: headers go through ``json.loads`` and a typed
+schema check (``check_fields``), index frames through a length check and a ``memoryview`` cast.
+
+* request  ``{"v": 1, "cmd": NAME, "id": INT, ...fields}`` + index frames
+* reply    ``{"v": 1, "k": "reply", "id": INT, "ok": true, ...fields}`` + index frames, or
+           ``{"v": 1, "k": "reply", "id": INT, "ok": false, "error": {"code", "message"}}``
+* ack      ``{"v": 1, "k": "ack", "op": INT, "status": "ok"|"error", ...}`` (pushed, no reply)
+
+See docs/protocol.md for every command, its fields and its reply.
+"""
+from __future__ import annotations
+
+import array
+import json
+import sys
+from typing import Any, Iterable, Sequence
+
+VERSION = 1
+
+# ------------------------------------------------------------------------------- size caps
+MAX_HEADER_BYTES = 1 << 20  # registration of a 62-layer stage with CUDA IPC handles is ~60 KiB
+MAX_INDEX_BYTES = 16 << 20  # one index frame: 2 Mi int64 ids
+MAX_INDEX_FRAMES = 64  # index frames per message
+MAX_MESSAGE_BYTES = 64 << 20  # all frames of one message together
+MAX_ITEMS = 256  # transfer items per backup/load
+MAX_NAME_LEN = 128  # client names, request ids, pool and space names
+MAX_LIST_LEN = 4096  # any JSON list in a header (slots, op ids, handles per pool ...)
+MAX_DEPTH = 8  # JSON nesting depth accepted in a header
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; ``code`` is one of ``ERROR_CODES``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+ERROR_CODES = {
+    "bad_frame": "a frame is missing, too large, or not a whole number of int64 ids",
+    "bad_header": "frame 0 is not a JSON object with v, cmd and id",
+    "bad_version": "the protocol version is not supported",
+    "unknown_command": "no such command",
+    "bad_field": "a field is missing, unknown, of the wrong type or out of range",
+    "not_registered": "the command needs a registered worker",
+    "already_registered": "this client already registered a worker",
+    "layout_mismatch": "the worker's layout differs from the layout the daemon serves",
+    "bad_handle": "a device buffer or event handle cannot be opened",
+    "bad_rows": "row ids out of range, duplicated destinations, or length mismatch",
+    "not_owner": "host rows not allocated to this client (or request)",
+    "busy": "host rows are being freed",
+    "no_space": "not enough free host rows",
+    "too_many_clients": "the daemon's client table is full",
+    "unsupported": "the command is valid but not available in this mode",
+    "shutting_down": "the daemon is stopping",
+    "internal": "a bug in the daemon; the message says where",
+}
+
+# ------------------------------------------------------------------------------- schemas
+# A field spec: (types, required). ``int`` excludes bool. ``"frame"`` = index of an index frame.
+# ``"str_int_map"`` = {str: int>=0}. Nested structures (items, buffers, draft) are shape-checked
+# here and value-checked by the daemon's handlers.
+_T = {
+    "int": (int,), "bool": (bool,), "str": (str,), "dict": (dict,), "list": (list,),
+    "frame": (int,), "str_int_map": (dict,), "int_list": (list,), "str_list": (list,),
+    "opt_str": (str, type(None)), "opt_int": (int, type(None)), "opt_int_list": (list, type(None)),
+}
+
+SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
+    "heartbeat": {"full": ("bool", False)},
+    "register": {"layout": ("dict", True), "device_rows": ("str_int_map", True),
+                 "buffers": ("dict", True), "mode": ("str", True), "tp_rank": ("int", False),
+                 "events": ("str_list", False), "name": ("opt_str", False)},
+    "unregister": {},
+    "alloc": {"counts": ("str_int_map", True), "request": ("opt_str", False)},
+    "free": {"rows": ("str_int_map", True), "request": ("opt_str", False)},
+    "backup": {"items": ("list", True), "wait_event": ("opt_int", False)},
+    "load": {"items": ("list", True)},
+    "swap_out": {"slot": ("int", True), "request": ("opt_str", False),
+                 "host_row": ("opt_int", False), "wait_event": ("opt_int", False)},
+    "swap_in": {"host_row": ("int", True), "slot": ("int", True), "release": ("bool", False),
+                "request": ("opt_str", False)},
+    "clear_slot": {"slots": ("int_list", True), "draft": ("dict", False)},
+    "poll_acks": {"ops": ("opt_int_list", False), "max": ("int", False)},
+    "stats": {"check": ("bool", False)},
+    "buffer_infos": {},
+    "reset": {},
+    "shutdown": {},
+}
+COMMANDS = tuple(SCHEMAS)
+_FREE_FORM = ("register", "clear_slot")  # commands with free-form JSON objects in their fields
+ITEM_FIELDS = {"pool": str, "space": str, "src": int, "dst": int, "unit": str}
+UNITS = ("row", "token")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _depth(x: Any, d: int = 0) -> int:
+    if d > MAX_DEPTH:
+        return d
+    if isinstance(x, dict):
+        return max((_depth(v, d + 1) for v in x.values()), default=d + 1)
+    if isinstance(x, list):
+        if len(x) > MAX_LIST_LEN:
+            raise ProtocolError("bad_field", f"a list has {len(x)} entries; at most {MAX_LIST_LEN}")
+        return max((_depth(v, d + 1) for v in x), default=d + 1)
+    return d
+
+
+def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
+    """Type-check the fields of a request header against ``SCHEMAS[cmd]``; raise ProtocolError."""
+    schema = SCHEMAS[cmd]
+    for k in h:
+        if k not in schema and k not in ("v", "cmd", "id"):
+            raise ProtocolError("bad_field", f"{cmd}: unknown field {k!r}")
+    for k, (kind, required) in schema.items():
+        if k not in h:
+            if required:
+                raise ProtocolError("bad_field", f"{cmd}: missing field {k!r}")
+            continue
+        v = h[k]
+        if not isinstance(v, _T[kind]) or (type(v) is bool and kind in ("int", "frame", "opt_int")):
+            raise ProtocolError("bad_field", f"{cmd}: field {k!r} must be {kind}, "
+                                             f"got {type(v).__name__}")
+        if kind == "str_int_map":
+            if len(v) > MAX_LIST_LEN:
+                raise ProtocolError("bad_field", f"{cmd}: field {k!r} has too many keys")
+            for kk, vv in v.items():
+                if not _is_int(vv) or vv < 0:
+                    raise ProtocolError("bad_field",
+                                        f"{cmd}: {k}[{kk!r}] must be a non-negative int")
+        elif kind in ("int_list", "opt_int_list") and v is not None:
+            if len(v) > MAX_LIST_LEN or not all(_is_int(x) for x in v):
+                raise ProtocolError("bad_field", f"{cmd}: field {k!r} must be a list of at most "
+                                                 f"{MAX_LIST_LEN} ints")
+        elif kind == "str_list":
+            if len(v) > MAX_LIST_LEN or not all(isinstance(x, str) for x in v):
+                raise ProtocolError("bad_field", f"{cmd}: field {k!r} must be a list of strings")
+        elif kind in ("str", "opt_str") and isinstance(v, str) and len(v) > MAX_NAME_LEN \
+                and k in ("request", "name", "mode"):
+            raise ProtocolError("bad_field", f"{cmd}: field {k!r} is longer than {MAX_NAME_LEN}")
+    used: set[int] = set()
+    if cmd in ("backup", "load"):
+        check_items(h["items"], n_frames)
+        for it in h["items"]:
+            used.update((it["src"], it["dst"]))
+    elif cmd == "free":
+        for space, f in h["rows"].items():
+            if f >= n_frames:
+                raise ProtocolError("bad_frame", f"free: rows[{space!r}] names frame {f} but "
+                                                 f"the message has {n_frames} index frames")
+            used.add(f)
+    if len(used) != n_frames:  # every index frame must be named by the header
+        raise ProtocolError("bad_frame", f"{cmd}: {n_frames - len(used)} of {n_frames} index "
+                                         f"frames are not referenced by the header")
+
+
+def check_items(items: list, n_frames: int) -> None:
+    """Shape of backup/load items: ``{"pool"|"space": NAME, "src": FRAME, "dst": FRAME,
+    "unit": "row"|"token"}``; frames must exist."""
+    if not items:
+        raise ProtocolError("bad_field", "items is empty")
+    if len(items) > MAX_ITEMS:
+        raise ProtocolError("bad_field", f"{len(items)} items; at most {MAX_ITEMS}")
+    for i, it in enumerate(items):
+        if not isinstance(it, dict):
+            raise ProtocolError("bad_field", f"items[{i}] must be an object")
+        for k, v in it.items():
+            t = ITEM_FIELDS.get(k)
+            if t is None:
+                raise ProtocolError("bad_field", f"items[{i}]: unknown field {k!r}")
+            if type(v) is not t:
+                raise ProtocolError("bad_field", f"items[{i}].{k} must be {t.__name__}")
+        if ("pool" in it) == ("space" in it):
+            raise ProtocolError("bad_field", f"items[{i}] needs exactly one of 'pool' or 'space'")
+        for k in ("src", "dst"):
+            if k not in it:
+                raise ProtocolError("bad_field", f"items[{i}] is missing {k!r}")
+            if not 0 <= it[k] < n_frames:
+                raise ProtocolError("bad_frame", f"items[{i}].{k} names frame {it[k]} but the "
+                                                 f"message has {n_frames} index frames")
+        if it.get("unit", "row") not in UNITS:
+            raise ProtocolError("bad_field", f"items[{i}].unit must be one of {UNITS}")
+
+
+# ------------------------------------------------------------------------------- index frames
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_index(ids: Any) -> bytes:
+    """Little-endian int64 bytes of ``ids`` (a sequence of ints, an ``array('q')``, bytes of
+    int64, or anything with ``.tobytes()`` of int64 such as a numpy array)."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        b = bytes(ids)
+        if len(b) % 8:
+            raise ProtocolError("bad_frame", f"index bytes of length {len(b)} are not int64s")
+        return b
+    if isinstance(ids, array.array) and ids.typecode == "q":
+        a = ids
+    elif hasattr(ids, "tobytes") and str(getattr(ids, "dtype", "")) == "int64":
+        if _LITTLE:
+            return ids.tobytes()
+        a = array.array("q")
+        a.frombytes(ids.tobytes())
+    else:
+        a = array.array("q", ids)
+    if not _LITTLE:
+        a = array.array("q", a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_index(buf: Any) -> Sequence[int]:
+    """Validate one index frame and view it as int64 (zero-copy on little-endian hosts)."""
+    mv = memoryview(buf)
+    n = mv.nbytes
+    if n % 8:
+        raise ProtocolError("bad_frame", f"index frame of {n} bytes is not a whole number of int64")
+    if n > MAX_INDEX_BYTES:
+        raise ProtocolError("bad_frame", f"index frame of {n} bytes exceeds {MAX_INDEX_BYTES}")
+    if _LITTLE:
+        return mv.cast("B").cast("q")
+    a = array.array("q", mv.tobytes())
+    a.byteswap()
+    return a
+
+
+# ------------------------------------------------------------------------------- messages
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def _dumps(obj: dict[str, Any]) -> bytes:
+    return _ENCODE(obj).encode()
+
+
+def encode_request(cmd: str, req_id: int, fields: dict[str, Any] | None = None,
+                   arrays: Iterable[Any] = ()) -> list[bytes]:
+    h = {"v": VERSION, "cmd": cmd, "id": req_id}
+    if fields:
+        h.update(fields)
+    return [_dumps(h), *(pack_index(a) for a in arrays)]
+
+
+def encode_reply(req_id: int, fields: dict[str, Any] | None = None,
+                 arrays: Iterable[Any] = ()) -> list[bytes]:
+    h = {"v": VERSION, "k": "reply", "id": req_id, "ok": True}
+    if fields:
+        h.update(fields)
+    return [_dumps(h), *(pack_index(a) for a in arrays)]
+
+
+def encode_error(req_id: int | None, code: str, message: str) -> list[bytes]:
+    return [_dumps({"v": VERSION, "k": "reply", "id": req_id, "ok": False,
+                    "error": {"code": code, "message": message}})]
+
+
+def encode_ack(ack: dict[str, Any]) -> list[bytes]:
+    h = {"v": VERSION, "k": "ack"}
+    h.update(ack)
+    return [_dumps(h)]
+
+
+def _loads(frame: Any, what: str) -> dict[str, Any]:
+    n = len(frame)
+    if n > MAX_HEADER_BYTES:
+        raise ProtocolError("bad_frame", f"{what} of {n} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        h = json.loads(frame.decode() if isinstance(frame, bytes) else bytes(frame).decode())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError("bad_header", f"{what} is not JSON: {str(e)[:200]}") from None
+    if not isinstance(h, dict):
+        raise ProtocolError("bad_header", f"{what} must be a JSON object")
+    return h
+
+
+def check_sizes(frames: Sequence[Any]) -> None:
+    if not frames:
+        raise ProtocolError("bad_frame", "empty message")
+    if len(frames) - 1 > MAX_INDEX_FRAMES:
+        raise ProtocolError("bad_frame", f"{len(frames) - 1} index frames; at most "
+                                         f"{MAX_INDEX_FRAMES}")
+    total = 0
+    for f in frames:
+        total += len(f)
+    if total > MAX_MESSAGE_BYTES:
+        raise ProtocolError("bad_frame", f"message of {total} bytes exceeds {MAX_MESSAGE_BYTES}")
+
+
+def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence[int]]]:
+    """Header + index views of one request, fully type-checked; raises ProtocolError.
+
+    The error's request id (when the header had one) is in ``request_id(frames[0])``.
+    """
+    check_sizes(frames)
+    h = _loads(frames[0], "header")
+    v = h.get("v")
+    if v != VERSION:
+        raise ProtocolError("bad_version", f"protocol version {v!r} is not supported; "
+                                           f"this daemon speaks v{VERSION}")
+    rid = h.get("id")
+    if not _is_int(rid):
+        raise ProtocolError("bad_header", "header field 'id' must be an int")
+    cmd = h.get("cmd")
+    if not isinstance(cmd, str) or cmd not in SCHEMAS:
+        raise ProtocolError("unknown_command", f"unknown command {str(cmd)[:64]!r}; "
+                                               f"commands are {', '.join(COMMANDS)}")
+    if cmd in _FREE_FORM and _depth(h) > MAX_DEPTH:
+        raise ProtocolError("bad_header", f"header nests deeper than {MAX_DEPTH}")
+    arrays = [unpack_index(f) for f in frames[1:]]
+    check_fields(cmd, h, len(arrays))
+    return h, arrays
+
+
+def request_id(frame: Any) -> int | None:
+    """Best-effort request id of a (possibly bad) header, for the error reply."""
+    try:
+        if len(frame) <= MAX_HEADER_BYTES:
+            rid = json.loads(bytes(frame)).get("id")
+            return rid if _is_int(rid) else None
+    except Exception:  # noqa: BLE001 - any garbage: no id
+        pass
+    return None
+
+
+def decode_reply(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence[int]]]:
+    """Header + index views of a daemon message (a reply or an ack)."""
+    check_sizes(frames)
+    h = _loads(frames[0], "reply header")
+    if h.get("v") != VERSION:
+        raise ProtocolError("bad_version", f"daemon speaks protocol {h.get('v')!r}, "
+                                           f"this client v{VERSION}")
+    return h, [unpack_index(f) for f in frames[1:]]

@@ -1,0 +1,431 @@
+"""CPU end-to-end: a real ``hicache serve`` subprocess, shared-memory device pools of the
+DSV4-Flash layout (8 page rows, 4 SWA rows, 4 request slots), the client library.
+
+Every transfer test checks every byte: copied rows equal their source, untouched rows keep
+their content. Refused commands must leave the daemon's state exactly as it was.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from hicache import protocol as P
+from hicache.client import Client, CommandRefused, DaemonUnreachable
+from hicache.device_pools import DevicePools
+from hicache.errors import UsageError
+from hicache.kernels.reference import copy_tokens_ref
+from hicache.kernels.tables import TokenFormat
+from hicache.layout import build_layout, preset
+
+ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
+FLASH = build_layout(preset("dsv4-flash"))
+
+
+def fill(pools: DevicePools, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layers in pools.layers.values():
+        for t in layers:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+
+
+def snap(pools: DevicePools) -> dict[str, list[torch.Tensor]]:
+    return {k: [t.clone() for t in v] for k, v in pools.layers.items()}
+
+
+@pytest.fixture
+def worker(shared_daemon):
+    """A registered client with random-filled Flash device pools."""
+    pools = DevicePools(FLASH, ROWS)
+    fill(pools, 1)
+    c = shared_daemon.client(name="worker")
+    c.register(pools)
+    yield c, pools
+    try:
+        c.unregister()
+    except (CommandRefused, DaemonUnreachable):
+        pass
+    c.close()
+    pools.close()
+
+
+def usage(c: Client) -> dict:
+    s = c.stats()
+    return {sp: (v["used"], v["free"]) for sp, v in s["host"]["spaces"].items()}
+
+
+# ----------------------------------------------------------------------------- page-aligned rows
+def test_backup_overwrite_load_every_pool(worker):
+    c, pools = worker
+    host = c.alloc({"page": 3, "swa_page": 2, "req_slot": 2}, request="r1")
+    src = {"page": [1, 5, 7], "swa_page": [0, 3], "req_slot": [2, 1]}
+    dst = {"page": [0, 2, 6], "swa_page": [2, 1], "req_slot": [0, 3]}
+    before = snap(pools)
+    acks = [c.wait_ack(c.backup({sp: (src[sp], host[sp])})) for sp in src]
+    assert all(a.ok for a in acks)
+    assert set().union(*(a.pools for a in acks)) == set(FLASH.pools)
+    fill(pools, 2)  # overwrite every device byte
+    after_overwrite = snap(pools)
+    op = c.load({sp: (host[sp], dst[sp]) for sp in src})
+    ack = c.wait_ack(op)
+    assert ack.ok and ack.bytes == sum(
+        len(src[p.index]) * p.page_bytes * p.num_layers for p in FLASH.pools.values())
+    for name, spec in FLASH.pools.items():
+        sp = spec.index
+        for layer, (t, old, over) in enumerate(zip(pools.layers[name], before[name],
+                                                   after_overwrite[name])):
+            for s_row, d_row in zip(src[sp], dst[sp]):
+                assert torch.equal(t[d_row], old[s_row]), (name, layer, s_row, d_row)
+            untouched = [r for r in range(ROWS[sp]) if r not in dst[sp]]
+            assert torch.equal(t[untouched], over[untouched]), (name, layer)
+    c.free(host, request="r1")
+
+
+def test_many_rows_async_path_and_push(worker):
+    """Above the inline threshold: the worker thread copies, the ack is pushed and retained."""
+    c, pools = worker
+    host = c.alloc({"swa_page": 4})["swa_page"]
+    before = snap(pools)
+    op = c.backup({"swa_page": ([3, 2, 1, 0], host)})
+    assert op.ack is None  # 4 SWA rows of 44 layers: far above the inline limit
+    ack = c.wait_ack(op, timeout=30)
+    assert ack.ok and ack.path
+    fill(pools, 3)
+    c.wait_ack(c.load({"swa_page": (host, [0, 1, 2, 3])}), timeout=30)
+    for name in ("swa_kv", "c4_state", "c4_indexer_state"):
+        for t, old in zip(pools.layers[name], before[name]):
+            assert torch.equal(t, old.flip(0))
+    c.free({"swa_page": host})
+
+
+def test_poll_acks_returns_retained_ack(worker):
+    c, _ = worker
+    host = c.alloc({"swa_page": 2})["swa_page"]
+    op = c.backup({"swa_page": ([0, 1], host)})
+    deadline = time.monotonic() + 20
+    got = []
+    while not got and time.monotonic() < deadline:
+        got = [a for a in c.poll_acks() if a.op == op.op_id]
+        time.sleep(0.01)
+    assert got and got[0].ok and got[0].kind == "backup"
+    c.free({"swa_page": host})
+
+
+# ----------------------------------------------------------------------------- token granular
+@pytest.mark.parametrize("pool", ["c4_kv", "swa_kv", "c128_kv", "c4_indexer"])
+def test_token_granular_backup_and_load(worker, pool):
+    c, pools = worker
+    spec = FLASH.pool(pool)
+    P_ = spec.tokens_per_page
+    fmt = TokenFormat.from_spec(spec)
+    host_pages = c.alloc({spec.index: 2})[spec.index]
+    rng = np.random.default_rng(5)
+    n_dev = ROWS[spec.index] * P_
+    n = min(5, P_ * 2)
+    dev_tok = rng.choice(n_dev, n, replace=False).astype(np.int64)
+    host_tok = np.array([host_pages[i % 2] * P_ + (i * 3) % P_ for i in range(n)],
+                        dtype=np.int64)
+    host_tok = np.unique(host_tok)[:n]
+    dev_tok = dev_tok[:host_tok.size]
+    before = snap(pools)
+    c.wait_ack(c.backup({pool: (dev_tok, host_tok, "token")}))
+    fill(pools, 9)
+    over = snap(pools)
+    back = rng.choice(n_dev, host_tok.size, replace=False).astype(np.int64)
+    c.wait_ack(c.load({pool: (host_tok, back, "token")}))
+    expect = [t.clone() for t in over[pool]]
+    copy_tokens_ref(before[pool], expect, torch.from_numpy(dev_tok), torch.from_numpy(back), fmt)
+    for t, e in zip(pools.layers[pool], expect):
+        assert torch.equal(t, e)
+    c.free({spec.index: host_pages})
+
+
+# ----------------------------------------------------------------------------- request state
+def test_swap_out_clear_swap_in(worker):
+    c, pools = worker
+    state_pools = [p.name for p in FLASH.space_pools("req_slot")]
+    before = snap(pools)
+    used0 = usage(c)
+    out = c.swap_out(1, request="req-a")
+    assert c.wait_ack(out).ok and out.host_row is not None
+    c.wait_ack(c.clear_slot([1]))
+    for name in state_pools:
+        for t in pools.layers[name]:
+            assert not t[1].any()
+    inn = c.swap_in(out.host_row, 3, request="req-a")
+    c.wait_ack(inn)
+    for name in state_pools:
+        for t, old in zip(pools.layers[name], before[name]):
+            assert torch.equal(t[3], old[1])
+            assert torch.equal(t[0], old[0]) and torch.equal(t[2], old[2])
+    assert usage(c) == used0  # release=True gave the host row back
+
+
+def test_clear_slot_draft_rule_offline(daemon_factory):
+    d = daemon_factory(extra=("--c128-state", "offline"), metrics=False)
+    lay = build_layout(preset("dsv4-flash"), c128_state="offline")
+    with DevicePools(lay, ROWS) as pools, d.client() as c:
+        fill(pools, 4)
+        before = snap(pools)
+        c.register(pools)
+        c.wait_ack(c.clear_slot([2], draft={"seq_lens": [126], "accept_lens": [1],
+                                            "num_draft": 4}))
+        for t, old in zip(pools.layers["c128_state"], before["c128_state"]):
+            ring = t[2].view(torch.float32).view(128, -1)
+            half = ring.shape[1] // 2
+            for pos in range(128):
+                if pos in (127, 0, 1):  # (126 + k) % 128 for k = 1, 2, 3
+                    assert not ring[pos, :half].any()
+                    assert torch.isneginf(ring[pos, half:]).all()
+                else:
+                    assert torch.equal(t[2].view(128, -1)[pos], old[2].view(128, -1)[pos])
+            assert torch.equal(t[[0, 1, 3]], old[[0, 1, 3]])
+
+
+# ----------------------------------------------------------------------------- refusals
+def _state(c: Client, pools: DevicePools) -> tuple:
+    s = c.stats()
+    return ({sp: (v["used"], v["free"], v["owners"]) for sp, v in s["host"]["spaces"].items()},
+            s["pending_free"], snap(pools))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and all(
+        torch.equal(x, y) for k in a[2] for x, y in zip(a[2][k], b[2][k]))
+
+
+def test_refused_commands_change_nothing(shared_daemon, worker):
+    c, pools = worker
+    host = c.alloc({"page": 2, "swa_page": 1})
+    with shared_daemon.client(name="other") as other:
+        theirs = other.alloc({"page": 1})["page"]
+        state0 = _state(c, pools)
+        bad = [
+            ("bad_rows", lambda: c.backup({"c128_kv": ([100], host["page"][:1])})),
+            ("bad_rows", lambda: c.backup({"page": ([0, 1], host["page"][:1])})),
+            ("bad_rows", lambda: c.load({"c4_kv": (host["page"], [3, 3])})),
+            ("bad_rows", lambda: c.load({"c4_kv": ([-1, 0], [0, 1])})),
+            ("not_owner", lambda: c.backup({"page": ([0], theirs)})),
+            ("not_owner", lambda: c.load({"page": ([15], [0])})),
+            ("bad_field", lambda: c.backup({"no_such_pool": ([0], host["page"][:1])})),
+            ("bad_field", lambda: c.backup({"c4_state": ([0], host["swa_page"], "token")})),
+            ("bad_field", lambda: c.backup({"c4_kv": ([0], host["page"][:1]),
+                                            "page": ([1], host["page"][1:])})),
+            ("no_space", lambda: c.alloc({"page": 10_000})),
+            ("bad_field", lambda: c.alloc({"nowhere": 1})),
+            ("not_owner", lambda: c.free({"page": theirs})),
+            ("bad_rows", lambda: c.free({"page": [host["page"][0]] * 2})),
+            ("bad_rows", lambda: c.swap_out(99)),
+            ("bad_rows", lambda: c.swap_in(0, 99)),
+            ("not_owner", lambda: c.swap_in(7, 0)),
+            ("bad_rows", lambda: c.clear_slot([1, 1])),
+            ("bad_field", lambda: c.clear_slot([1], draft={"seq_lens": [1], "num_draft": 2})),
+            ("already_registered", lambda: c.register(DevicePools(FLASH, ROWS))),
+            ("bad_field", lambda: c.poll_acks(max=0)),
+        ]
+        for code, fn in bad:
+            with pytest.raises(CommandRefused) as e:
+                fn()
+            assert e.value.code == code, (code, e.value)
+            assert _state(c, pools)[:2] == state0[:2], code
+        assert _same(_state(c, pools), state0)
+        # a second free of the same rows is a double free, and still nothing changes
+        c.free({"page": host["page"]})
+        with pytest.raises(CommandRefused) as e:
+            c.free({"page": host["page"]})
+        assert e.value.code == "not_owner"
+        other.free({"page": theirs})
+    c.free({"swa_page": host["swa_page"]})
+
+
+def test_unregistered_and_mismatched_workers_are_refused(shared_daemon):
+    with shared_daemon.client() as c:
+        with pytest.raises(CommandRefused) as e:
+            c.backup({"page": ([0], [0])})
+        assert e.value.code == "not_registered"
+        other_stage = build_layout(preset("dsv4-flash"), pp_size=2, pp_rank=1)
+        with DevicePools(other_stage, ROWS) as pools:
+            with pytest.raises(CommandRefused) as e:
+                c.register(pools)
+            assert e.value.code == "layout_mismatch" and "stage" in e.value.message
+        with DevicePools(FLASH, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools:
+            h = pools.handles()
+            h["c4_kv"][0] = dict(h["c4_kv"][0], path="/etc/passwd")
+            with pytest.raises(CommandRefused) as e:
+                c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=h, mode="cpu")
+            assert e.value.code == "bad_handle"
+        assert not c.heartbeat()["registered"]
+
+
+def test_malformed_frames_get_error_replies(shared_daemon):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(shared_daemon.address)
+    cases = [
+        ([b"not json"], "bad_header"),
+        ([b"[1,2]"], "bad_header"),
+        ([b'{"v":9,"cmd":"stats","id":1}'], "bad_version"),
+        ([b'{"v":1,"cmd":"pickle","id":2}'], "unknown_command"),
+        ([b'{"v":1,"cmd":"stats","id":3,"x":1}'], "bad_field"),
+        ([b'{"v":1,"cmd":"alloc","id":4,"counts":{"page":true}}'], "bad_field"),
+        ([b'{"v":1,"cmd":"free","id":5,"rows":{"page":0}}', b"123"], "bad_frame"),
+        ([b'{"v":1,"cmd":"free","id":6,"rows":{"page":3}}', b"\0" * 8], "bad_frame"),
+        ([b'{"v":1,"cmd":"stats","id":7}'] + [b""] * (P.MAX_INDEX_FRAMES + 1), "bad_frame"),
+        ([b'{"v":1,"cmd":"register","id":8,"layout":' + b"[" * 50 + b"]" * 50 + b"}"],
+         "bad_header"),
+    ]
+    try:
+        for frames, code in cases:
+            s.send_multipart(frames)
+            assert s.poll(5000)
+            h, _ = P.decode_reply(s.recv_multipart())
+            assert h["ok"] is False and h["error"]["code"] == code, (frames[0][:60], h)
+        s.send_multipart(P.encode_request("heartbeat", 99))  # still serving
+        assert s.poll(5000) and P.decode_reply(s.recv_multipart())[0]["id"] == 99
+    finally:
+        s.close(0)
+
+
+# ----------------------------------------------------------------------------- freeing, reaping
+def test_free_of_rows_in_flight_is_deferred(worker):
+    c, pools = worker
+    host = c.alloc({"swa_page": 4})["swa_page"]
+    free0 = usage(c)["swa_page"][1]
+    op = c.backup({"swa_page": ([0, 1, 2, 3], host)})
+    r = c.free({"swa_page": host})
+    ack = c.wait_ack(op, timeout=30)
+    assert ack.ok
+    if r["deferred"]:  # the copy was still running: rows are freed once it ended
+        with pytest.raises(CommandRefused) as e:
+            c.free({"swa_page": host})
+        assert e.value.code in ("busy", "not_owner")
+    deadline = time.monotonic() + 5
+    while usage(c)["swa_page"][1] != free0 + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert usage(c)["swa_page"][1] == free0 + 4
+
+
+def test_silent_client_is_reaped(daemon_factory):
+    d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
+    with d.client() as quiet, d.client() as watcher:
+        quiet.alloc({"page": 5})
+        assert watcher.stats()["host"]["spaces"]["page"]["used"] == 5
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            s = watcher.stats()  # the watcher keeps talking, the quiet one does not
+            if s["host"]["spaces"]["page"]["used"] == 0:
+                break
+            time.sleep(0.2)
+        assert s["host"]["spaces"]["page"]["used"] == 0
+        reaped = s["metrics"]["hicache_clients_reaped_total"][0]["value"]
+        assert reaped >= 1
+        # the reaped client is a stranger now: its next call starts a fresh entry
+        assert not quiet.heartbeat()["registered"]
+
+
+def test_dead_daemon_raises_daemon_unreachable(tmp_path):
+    t0 = time.monotonic()
+    with Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.3) as c:
+        with pytest.raises(DaemonUnreachable):
+            c.heartbeat()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_sigterm_shuts_down_cleanly(daemon_factory):
+    d = daemon_factory(metrics=False)
+    path = d.address[len("ipc://"):]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with d.client() as c, DevicePools(FLASH, ROWS) as pools:
+        c.register(pools)
+        host = c.alloc({"swa_page": 4})["swa_page"]
+        c.backup({"swa_page": ([0, 1, 2, 3], host)})  # in flight while we stop
+        assert d.stop(signal.SIGTERM) == 0
+        assert "stopped" in d.output()
+        assert not os.path.exists(path)
+        with pytest.raises(DaemonUnreachable):
+            c.heartbeat(timeout=0.3)
+
+
+def test_shutdown_command(daemon_factory):
+    d = daemon_factory(metrics=False)
+    with d.client() as c:
+        assert c.shutdown()["stopping"]
+    d.proc.wait(20)
+    assert d.proc.returncode == 0
+
+
+# ----------------------------------------------------------------------------- serve config
+def test_serve_refuses_bad_addresses_and_settings(tmp_path):
+    from hicache.config import check_address, load_config
+
+    assert check_address("tcp://127.0.0.1:5555") == "tcp"
+    assert check_address("tcp://[::1]:5555") == "tcp"
+    assert check_address("ipc:///tmp/x.sock") == "ipc"
+    for addr, allow in [("tcp://10.0.0.1:5555", False), ("tcp://0.0.0.0:5555", True),
+                        ("udp://x", False), ("ipc://@abstract", False)]:
+        with pytest.raises(UsageError):
+            check_address(addr, allow)
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[serve]\npreset = "dsv4-flash"\nhost_mem = "1GiB"\n'
+                    'metrics_port = 9000\ndevice_rows = { page = 8, swa_page = 4, req_slot = 4 }\n')
+    cfg = load_config({"metrics_port": 9002}, str(toml), env={"HICACHE_METRICS_PORT": "9001",
+                                                              "HICACHE_HOST_MEM": "2GiB"})
+    assert cfg.metrics_port == 9002 and cfg.host_mem == 2 << 30 and cfg.device_rows == ROWS
+    with pytest.raises(UsageError):
+        load_config({"host_mem": "1GiB", "host_ratio": 2.0}, env={})
+    with pytest.raises(UsageError):
+        load_config(env={"HICACHE_DEVICE": "tpu"})
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--preset", "dsv4-flash",
+                        "--host-mem", "1GiB", "--device-rows", "page=8,swa_page=4,req_slot=4",
+                        "--socket", "tcp://192.0.2.1:5555"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "loopback" in r.stderr
+
+
+# ----------------------------------------------------------------------------- transfer engine
+def test_cpu_engine_merges_queued_ops_and_keeps_order():
+    """Ops queued behind a long one are merged per pool (distinct destinations) or run in
+    order (overlapping destinations); every byte lands where the FIFO order says."""
+    import threading
+
+    from hicache.controllers.transfer_engine import Ids, Item, Op, TransferEngine
+    from hicache.kernels.tables import LayerTable
+
+    woke = threading.Event()
+    eng = TransferEngine(torch.device("cpu"), woke.set, inline_max_bytes=0)
+    big_src = LayerTable([torch.randint(0, 256, (64, 1 << 20), dtype=torch.uint8)], "bs")
+    big_dst = LayerTable([torch.zeros(64, 1 << 20, dtype=torch.uint8)], "bd")
+    src = LayerTable([torch.randint(0, 256, (16, 64), dtype=torch.uint8) for _ in range(3)], "s")
+    dst = LayerTable([torch.zeros(16, 64, dtype=torch.uint8) for _ in range(3)], "d")
+
+    def op(i, s_ids, d_ids, s=src, d=dst):
+        it = Item("p", s, d, Ids.of(s_ids), Ids.of(d_ids), None, (0, 1, 2), len(s_ids) * 64)
+        return Op(i, "c", "backup", [it], nbytes=it.nbytes)
+
+    ops = [op(0, list(range(64)), list(range(64)), big_src, big_dst)]  # keeps the worker busy
+    ops += [op(i, [i], [i]) for i in range(1, 9)]  # distinct destinations: mergeable
+    ops += [op(9, [10], [3]), op(10, [11], [3])]  # same destination twice: last one wins
+    for o in ops:
+        eng.submit(o)
+    done: list = []
+    deadline = time.monotonic() + 30
+    while len(done) < len(ops) and time.monotonic() < deadline:
+        woke.wait(0.5)
+        woke.clear()
+        done += eng.take_completed()
+    assert eng.close()
+    assert len(done) == len(ops) and all(o.ok for o in done)
+    assert eng.merged_ops >= 1
+    assert torch.equal(big_dst.layers[0], big_src.layers[0])
+    for s_t, d_t in zip(src.layers, dst.layers):
+        for i in (1, 2, 4, 5, 6, 7, 8):
+            assert torch.equal(d_t[i], s_t[i])
+        assert torch.equal(d_t[3], s_t[11])

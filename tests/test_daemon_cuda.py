@@ -1,0 +1,154 @@
+"""GPU end-to-end: this test process is the engine. It owns real CUDA pools of the DSV4-Flash
+layout and shares them with a ``hicache serve --device cuda:0`` subprocess through CUDA IPC.
+
+* backup waits on the engine's interprocess event: the engine writes the KV on its own stream
+  behind a long GPU sleep, records the event and sends the backup at once; the host copy must
+  hold the new bytes.
+* load is consumed layer by layer: for each stage layer the engine's stream waits on that
+  layer's interprocess event and then copies the layer's destination rows into a scratch
+  buffer; every scratch byte must equal what was backed up (a read before the event would see
+  the zeros the rows held before the load).
+
+Skipped without CUDA. The daemon is a separate interpreter (subprocess, not fork).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hicache.device_pools import DevicePools  # noqa: E402
+from hicache.kernels.reference import copy_tokens_ref  # noqa: E402
+from hicache.kernels.tables import TokenFormat  # noqa: E402
+from hicache.layout import build_layout, preset  # noqa: E402
+
+ROWS = {"page": 64, "swa_page": 16, "req_slot": 8}
+ROWS_ARG = "page=64,swa_page=16,req_slot=8"
+FLASH = build_layout(preset("dsv4-flash"))
+DEV = torch.device("cuda:0")
+
+
+@pytest.fixture(scope="module")
+def gpu(tmp_path_factory):
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path_factory.mktemp("gpu"), device="cuda:0", device_rows=ROWS_ARG,
+                     host=("--host-ratio", "2"), metrics=False, ready_timeout=120)
+    torch.cuda.set_device(DEV)
+    pools = DevicePools(FLASH, ROWS, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for layers in pools.layers.values():
+        for t in layers:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV, generator=g))
+    c = d.client(timeout=60)
+    c.register(pools, events=2)
+    yield d, c, pools
+    c.close()
+    d.stop()
+    pools.close()
+
+
+def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
+    d, c, pools = gpu
+    engine = torch.cuda.Stream(DEV)
+    host = c.alloc({"page": 32, "swa_page": 8})
+    src = {"page": list(range(0, 64, 2)), "swa_page": list(range(0, 16, 2))}
+    dst = {"page": list(range(1, 64, 2)), "swa_page": list(range(1, 16, 2))}
+    moved = {n: s for n, s in FLASH.pools.items() if s.index in src}
+    torch.cuda.synchronize()
+    # 1) the engine writes new KV behind a long GPU sleep, records its event, backs up at once
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        for name, spec in moved.items():
+            idx = torch.tensor(src[spec.index], device=DEV)
+            for li, t in enumerate(pools.layers[name]):
+                t.index_fill_(0, idx, (li * 7 + len(name)) % 251 + 1)
+        c.backup_events[0].record(engine)
+    op = c.backup({"page": (src["page"], host["page"]),
+                   "swa_page": (src["swa_page"], host["swa_page"])}, wait_event=0)
+    assert c.wait_ack(op, timeout=120).ok
+    engine.synchronize()
+    expect = {name: [t[torch.tensor(src[spec.index], device=DEV)].clone()
+                     for t in pools.layers[name]] for name, spec in moved.items()}
+    # 2) destination rows hold zeros; load them back; read each layer after its event only.
+    #    Odd rows: many runs -> one kernel per (pool, layer); a block of consecutive rows:
+    #    one cudaMemcpyAsync per (pool, layer).
+    block = {"page": list(range(32, 64)), "swa_page": list(range(8, 16))}
+    for dst, path in ((dst, "layered_zero_copy"), (block, "layered_memcpy")):
+        for name, spec in moved.items():
+            for t in pools.layers[name]:
+                t[torch.tensor(dst[spec.index], device=DEV)] = 0
+        torch.cuda.synchronize()
+        op = c.load({"page": (host["page"], dst["page"]),
+                     "swa_page": (host["swa_page"], dst["swa_page"])})
+        assert op.event_set is not None
+        scratch = {}
+        with torch.cuda.stream(engine):
+            for layer in c.stage_layers:
+                c.wait_layer(op, layer, engine)
+                for name, spec in moved.items():
+                    if layer in spec.layers:
+                        li = spec.layers.index(layer)
+                        idx = torch.tensor(dst[spec.index], device=DEV)
+                        scratch[(name, li)] = pools.layers[name][li].index_select(0, idx)
+        engine.synchronize()
+        ack = c.wait_ack(op, timeout=120)
+        assert ack.ok and ack.path == path
+        for name, spec in moved.items():
+            for li in range(spec.num_layers):
+                assert torch.equal(scratch[(name, li)], expect[name][li]), (name, li, path)
+    c.free(host)
+
+
+def test_token_granular_and_request_swap_on_gpu(gpu):
+    d, c, pools = gpu
+    spec = FLASH.pool("c4_kv")
+    fmt = TokenFormat.from_spec(spec)
+    P = spec.tokens_per_page
+    pages = c.alloc({"page": 2})["page"]
+    dev_tok = torch.tensor([5, 70, 133, 200, 255], dtype=torch.int64)
+    host_tok = torch.tensor([pages[0] * P + 1, pages[0] * P + 9, pages[1] * P,
+                             pages[1] * P + 33, pages[1] * P + 63], dtype=torch.int64)
+    back = torch.tensor([300, 301, 17, 64, 511], dtype=torch.int64)
+    torch.cuda.synchronize()
+    before = [t.clone() for t in pools.layers["c4_kv"]]
+    c.wait_ack(c.backup({"c4_kv": (dev_tok, host_tok, "token")}), timeout=60)
+    op = c.load({"c4_kv": (host_tok, back, "token")})
+    c.wait_ack(op, timeout=60)
+    torch.cuda.synchronize()
+    cpu_expect = [t.cpu().clone() for t in before]
+    copy_tokens_ref([t.cpu() for t in before], cpu_expect, dev_tok, back, fmt)
+    for t, e in zip(pools.layers["c4_kv"], cpu_expect):
+        assert torch.equal(t.cpu(), e)
+    c.free({"page": pages})
+    # request state: swap slot 2 out, clear it, swap it into slot 5
+    state = [p.name for p in FLASH.space_pools("req_slot")]
+    old = {n: [t[2].clone() for t in pools.layers[n]] for n in state}
+    out = c.swap_out(2, request="r")
+    c.wait_ack(out, timeout=60)
+    c.wait_ack(c.clear_slot([2]), timeout=60)
+    torch.cuda.synchronize()
+    assert all(not t[2].any() for n in state for t in pools.layers[n])
+    c.wait_ack(c.swap_in(out.host_row, 5, request="r"), timeout=60)
+    torch.cuda.synchronize()
+    for n in state:
+        for t, o in zip(pools.layers[n], old[n]):
+            assert torch.equal(t[5], o)
+
+
+def test_expandable_segments_are_refused_clearly():
+    code = ("import torch; from hicache.device_pools import DevicePools; "
+            "from hicache.layout import build_layout, preset; "
+            "DevicePools(build_layout(preset('dsv4-tiny')), "
+            "{'page': 2, 'swa_page': 2, 'req_slot': 2}, device='cuda:0')")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode != 0 and "expandable_segments" in r.stderr

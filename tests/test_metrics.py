@@ -1,0 +1,94 @@
+"""The metric catalog: exposition, snapshot, registry isolation, docs coverage, and a live
+daemon's /metrics endpoint fetched over HTTP."""
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.device_pools import DevicePools
+from hicache.layout import build_layout, preset
+from hicache.metrics import CATALOG, LATENCY_BUCKETS, Metrics, markdown
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def exported_name(d) -> str:
+    return "hicache_" + d.name + ("_total" if d.kind == "counter" else "")
+
+
+def test_catalog_names_are_prefixed_unique_and_documented():
+    names = [d.name for d in CATALOG]
+    assert len(names) == len(set(names))
+    text = DOCS.read_text()
+    for d in CATALOG:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", d.name)
+        assert d.question.strip() and d.help.strip()
+        assert f"`{exported_name(d)}`" in text, f"docs/metrics.md misses {exported_name(d)}"
+    assert markdown().count("\n") == len(CATALOG) + 1
+
+
+def test_recording_and_exposition_round_trip():
+    m = Metrics()
+    m.command("backup", True, 3e-5)
+    m.command("backup", False, 2e-3, "bad_rows")
+    m.transfer("load", True, 0.01, 0.004, {"c4_kv": (4, 4 << 20), "c128_kv": (4, 8192)}, "numpy")
+    m.transfer("backup", False, 0.01, 0.01, {"c4_kv": (1, 10)}, "numpy")
+    m.set("host_rows", 7, "page", "used")
+    m.in_flight("load", 2)
+    m.in_flight("load", -1)
+    m.fallback("numa_first_touch")
+    fams = {f.name: f for f in text_string_to_metric_families(m.exposition())}
+    cmds = {(s.labels["command"], s.labels["status"]): s.value
+            for s in fams["hicache_commands"].samples if s.name.endswith("_total")}
+    assert cmds == {("backup", "ok"): 1.0, ("backup", "error"): 1.0}
+    errs = {s.labels["kind"]: s.value for s in fams["hicache_errors"].samples
+            if s.name.endswith("_total")}
+    assert errs == {"bad_rows": 1.0, "transfer": 1.0}
+    by_pool = {s.labels["pool"]: s.value for s in fams["hicache_transfer_bytes"].samples
+               if s.name.endswith("_total")}
+    assert by_pool == {"c4_kv": float(4 << 20), "c128_kv": 8192.0}
+    gbps = [s.value for s in fams["hicache_transfer_last_gbps"].samples]
+    assert abs(gbps[0] - ((4 << 20) + 8192) / 0.004 / 1e9) < 1e-9
+    hist = [s for s in fams["hicache_command_seconds"].samples if s.name.endswith("_bucket")]
+    assert len(hist) == len(LATENCY_BUCKETS) + 1
+    counts = [s.value for s in hist]
+    assert counts == sorted(counts) and counts[-1] == 2.0  # cumulative, +Inf = count
+    le_3e5 = next(s.value for s in hist if s.labels["le"] == "5e-05")
+    assert le_3e5 == 1.0
+    assert [s.value for s in fams["hicache_transfers_in_flight"].samples] == [1.0]
+    snap = m.snapshot()
+    assert snap["hicache_host_rows"] == [{"labels": {"space": "page", "state": "used"},
+                                          "value": 7.0}]
+    assert snap["hicache_command_seconds_count"][0]["value"] == 2.0
+
+
+def test_each_metrics_has_its_own_registry():
+    a, b = Metrics(), Metrics()
+    a.inc("clients_reaped")
+    assert a.value("clients_reaped") == 1.0 and b.value("clients_reaped") == 0.0
+    assert "hicache_clients_reaped_total 0.0" in b.exposition()
+
+
+def test_live_daemon_serves_metrics_over_http(shared_daemon):
+    lay = build_layout(preset("dsv4-flash"))
+    with DevicePools(lay, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools, \
+            shared_daemon.client() as c:
+        c.register(pools)
+        rows = c.alloc({"page": 1})["page"]
+        c.wait_ack(c.backup({"c128_kv": ([0], rows)}))
+        c.stats()  # refreshes the gauges
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{shared_daemon.metrics_port}/metrics", timeout=10).read().decode()
+        c.unregister()
+    fams = {f.name: f for f in text_string_to_metric_families(body)}
+    for d in CATALOG:
+        assert "hicache_" + d.name in fams, d.name
+    ops = {(s.labels["direction"], s.labels["status"]): s.value
+           for s in fams["hicache_transfer_ops"].samples if s.name.endswith("_total")}
+    assert ops[("backup", "ok")] >= 1
+    assert "hicache_transfer_bytes_total{direction=\"backup\"" in body
+    assert any(s.labels.get("space") == "page" for s in fams["hicache_host_rows"].samples)
+    assert fams["hicache_pinned_bytes"].samples[0].value > 0
