@@ -444,7 +444,13 @@ def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     if h.get("check"):  # the allocators' own invariant check (O(rows): for tests and fuzzing)
         try:
             st.group.check_invariants()
-            out["invariants"] = "ok"
+            # and no row outlives its client (a reaped client's rows wait only for its ops)
+            known = {x.cid for x in st.registry.clients.values()}
+            known.update(x.cid for _, x in st.ops.values())
+            stray = sorted({o[0] for a in st.group.allocators.values() for o in a.owners()}
+                           - known)
+            out["invariants"] = "ok" if not stray else \
+                f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"
         except PoolError as e:
             out["invariants"] = f"{type(e).__name__}: {e}"
     return out, []

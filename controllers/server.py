@@ -2,12 +2,13 @@
 
 One thread owns the socket. Each turn: handle the requests waiting (decode -> handler ->
 reply, up to ``BATCH``), deliver the acks of operations the engine completed (the engine wakes
-the loop through a pipe), and at most every ``HOUSEKEEPING_S`` reap clients silent for longer
-than the heartbeat timeout and refresh the gauges. While the engine is idle the loop waits on
-the socket alone. With ``spin_us`` > 0 it busy-polls that long after the last request before
-blocking again: CPU traded for the wake-up latency of the next request (worth it on a dedicated
-core, a loss on an oversubscribed one). Nothing per command is logged (the hot path stays
-lean); failures are counted in metrics, and internal errors are logged with their traceback.
+the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
+timeout when that is shorter) reap clients silent for longer than the heartbeat timeout and
+refresh the gauges. While the engine is idle the loop waits on the socket alone. With
+``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
+traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
+oversubscribed one). Nothing per command is logged (the hot path stays lean); failures are
+counted in metrics, and internal errors are logged with their traceback.
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ class Server:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stop = False
         self._next_house = 0.0
+        # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
+        self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
         state.deliver = self._deliver
 
@@ -118,7 +121,7 @@ class Server:
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
-                self._next_house = now + HOUSEKEEPING_S
+                self._next_house = now + self.house_s
                 self._housekeeping(now)
             if spin and time.perf_counter() - last < spin:
                 # busy-poll a short while after traffic: no sleep / wake-up between requests

@@ -456,33 +456,39 @@ class TransferEngine:
             op = q.get()
             if op is None:
                 return
-            batch = [op]
-            while True:  # take what is queued now and merge runs of the same kind
-                try:
-                    nxt = q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    q.put(None)
-                    break
-                batch.append(nxt)
-            run: list[Op] = []
-            dsts: list[set[int]] = []  # destinations per item of the current run
-            for op in batch:
-                key = _merge_key(op)
-                if run and (key is None or key != _merge_key(run[0]) or not _disjoint(dsts, op)):
-                    self._run_cpu(run)
-                    run, dsts = [], []
-                if key is None:
-                    self._run_cpu([op])
-                    continue
-                run.append(op)
-                if not dsts:
-                    dsts = [set() for _ in op.items]
-                for d, it in zip(dsts, op.items):
-                    d.update(it.dst_ids.list())
-            if run:
+            self._cpu_batch(op, q)
+            # hold no op while idle: its buffers would keep a gone worker's mapping alive
+            op = None
+
+    def _cpu_batch(self, op: Op, q: queue.SimpleQueue) -> None:
+        """Run ``op`` and whatever is queued behind it, merging runs of the same kind."""
+        batch = [op]
+        while True:  # take what is queued now and merge runs of the same kind
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                q.put(None)
+                break
+            batch.append(nxt)
+        run: list[Op] = []
+        dsts: list[set[int]] = []  # destinations per item of the current run
+        for op in batch:
+            key = _merge_key(op)
+            if run and (key is None or key != _merge_key(run[0]) or not _disjoint(dsts, op)):
                 self._run_cpu(run)
+                run, dsts = [], []
+            if key is None:
+                self._run_cpu([op])
+                continue
+            run.append(op)
+            if not dsts:
+                dsts = [set() for _ in op.items]
+            for d, it in zip(dsts, op.items):
+                d.update(it.dst_ids.list())
+        if run:
+            self._run_cpu(run)
 
     # ------------------------------------------------------------------ GPU mode
     def _launch_gpu(self, op: Op) -> None:
@@ -569,6 +575,7 @@ class TransferEngine:
                 op.ok, op.error = False, f"{type(e).__name__}: {e}"
             op.t_end = time.perf_counter()
             self._finish([op])
+            op = None  # hold no op while idle (see _cpu_worker)
 
 
 RUN_COPY_MAX = 4  # per-layer loads: up to this many runs of consecutive rows go by memcpy

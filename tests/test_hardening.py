@@ -1,0 +1,323 @@
+"""Endpoint hardening. Each test pins one rule and fails when that rule is removed:
+socket directory 0700 / socket 0600, one daemon per socket, TCP only on loopback unless allowed
+and then only with CURVE, CURVE refusing clients without an allowed key, frame size caps,
+shm paths confined to the allowed directories, a bounded client table, no pickle / eval."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from hicache import protocol as P
+from hicache.client import Client, DaemonUnreachable
+from hicache.config import check_address
+from hicache.errors import UsageError
+from hicache.fuzzing import DaemonRunner, RawPeer, ShmBuffers, private_address
+from hicache.layout import build_layout, preset
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = {"page": 8, "swa_page": 4, "req_slot": 4}
+MAX_CLIENTS = 24  # the shared daemon's client table
+
+
+def _serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
+                           "--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=4,req_slot=4",
+                           "--host-ratio", "2", *args], cwd=str(ROOT), env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One daemon for the tests that only send messages to it."""
+    addr, d = private_address("hch-")
+    r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0,
+                     env={"HICACHE_MAX_CLIENTS": str(MAX_CLIENTS)})
+    r.start()
+    yield r
+    r.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(r: DaemonRunner) -> bool:
+    with Client(r.address, timeout=5) as c:
+        return bool(c.heartbeat()["t"]) and r.alive()
+
+
+# ----------------------------------------------------------------------------- unix socket
+def test_socket_directory_0700_and_socket_0600():
+    base = tempfile.mkdtemp(prefix="hch-", dir="/tmp")
+    sub = os.path.join(base, "run", "hicache")  # the daemon creates both levels
+    addr = f"ipc://{sub}/d.sock"
+    r = DaemonRunner(addr, log_path=os.path.join(base, "daemon.log"))
+    try:
+        old = os.umask(0o022)  # a permissive umask must not leak into the modes
+        try:
+            r.start()
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(os.stat(sub).st_mode) == 0o700
+        st = os.stat(f"{sub}/d.sock")
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    finally:
+        r.stop()
+        gone = not os.path.exists(f"{sub}/d.sock")
+        shutil.rmtree(base, ignore_errors=True)
+    assert gone  # removed on shutdown
+
+
+def test_default_socket_lives_in_a_private_runtime_dir():
+    xdg = tempfile.mkdtemp(prefix="hch-xdg-", dir="/tmp")
+    addr = f"ipc://{xdg}/hicache/cpu.sock"
+    r = DaemonRunner(addr, socket_flag=False, env={"XDG_RUNTIME_DIR": xdg},
+                     log_path=os.path.join(xdg, "daemon.log"))
+    try:
+        r.start()
+        assert stat.S_IMODE(os.stat(f"{xdg}/hicache").st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(f"{xdg}/hicache/cpu.sock").st_mode) == 0o600
+        p = _serve("--socket", addr, timeout=60)  # a second daemon on a live socket
+        assert p.returncode == 2 and "already serves" in p.stderr, p.stderr
+        assert _alive(r)
+    finally:
+        r.stop()
+        shutil.rmtree(xdg, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- TCP and CURVE
+@pytest.mark.parametrize("addr", ["tcp://0.0.0.0:5577", "tcp://10.1.2.3:5577", "tcp://[::]:5577",
+                                  "tcp://example.com:5577", "tcp://*:5577"])
+def test_non_loopback_tcp_needs_allow_remote_and_curve(addr):
+    with pytest.raises(UsageError):
+        check_address(addr)
+    with pytest.raises(UsageError, match="CURVE"):
+        check_address(addr, allow_remote=True)
+    assert check_address(addr, allow_remote=True, curve=True) == "tcp"
+    assert check_address("tcp://127.0.0.1:5577") == "tcp"
+    assert check_address("tcp://[::1]:5577") == "tcp"
+
+
+def test_serve_refuses_non_loopback_tcp_quickly():
+    port = _free_port()
+    t = time.monotonic()
+    p = _serve("--socket", f"tcp://0.0.0.0:{port}")
+    assert p.returncode == 2 and "not a loopback address" in p.stderr, p.stderr
+    p2 = _serve("--socket", f"tcp://0.0.0.0:{port}", "--allow-remote")
+    assert p2.returncode == 2 and "CURVE" in p2.stderr, p2.stderr
+    assert time.monotonic() - t < 60
+    assert len([x for x in p2.stderr.splitlines() if x.strip()]) == 1
+
+
+@pytest.fixture(scope="module")
+def keys():
+    import zmq.auth
+
+    d = Path(tempfile.mkdtemp(prefix="hch-keys-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    for sub in ("server", "clients", "allowed", "stranger"):
+        (d / sub).mkdir(mode=0o700)
+    zmq.auth.create_certificates(d / "server", "server")
+    zmq.auth.create_certificates(d / "clients", "worker")
+    zmq.auth.create_certificates(d / "stranger", "stranger")
+    shutil.copy(d / "clients" / "worker.key", d / "allowed" / "worker.key")
+    for f in d.rglob("*.key_secret"):
+        os.chmod(f, 0o600)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_curve_daemon_accepts_only_allowed_client_keys(keys):
+    port = _free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    good = {"curve_server_key": str(keys / "server" / "server.key"),
+            "curve_secret_key": str(keys / "clients" / "worker.key_secret")}
+    r = DaemonRunner(addr, extra=("--curve-secret-key", str(keys / "server" / "server.key_secret"),
+                                  "--curve-clients", str(keys / "allowed")),
+                     client_kw=good, log_path=str(keys / "daemon.log"))
+    try:
+        r.start(ready_timeout=45)
+        with Client(addr, timeout=5, **good) as c:
+            assert c.heartbeat()["registered"] is False
+        with Client(addr, timeout=0.5) as c:  # no keys at all
+            with pytest.raises(DaemonUnreachable):
+                c.heartbeat()
+        stranger = {"curve_server_key": str(keys / "server" / "server.key"),
+                    "curve_secret_key": str(keys / "stranger" / "stranger.key_secret")}
+        with Client(addr, timeout=0.5, **stranger) as c:  # a key the daemon does not list
+            with pytest.raises(DaemonUnreachable):
+                c.heartbeat()
+        raw = zmq.Context.instance().socket(zmq.DEALER)  # plain ZMTP, raw bytes
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(addr)
+        raw.send_multipart(P.encode_request("stats", 1))
+        assert raw.poll(500, zmq.POLLIN) == 0
+        raw.close(0)
+        with Client(addr, timeout=5, **good) as c:
+            assert c.stats()["clients"] >= 1
+    finally:
+        r.stop()
+
+
+def test_curve_secret_key_must_be_private(keys, tmp_path):
+    loose = tmp_path / "server.key_secret"
+    shutil.copy(keys / "server" / "server.key_secret", loose)
+    os.chmod(loose, 0o644)
+    p = _serve("--socket", f"tcp://127.0.0.1:{_free_port()}", "--curve-secret-key", str(loose),
+               "--curve-clients", str(keys / "allowed"))
+    assert p.returncode == 2 and "readable by other users" in p.stderr, p.stderr
+    p2 = _serve("--socket", f"tcp://127.0.0.1:{_free_port()}", "--curve-secret-key",
+                str(keys / "server" / "server.key_secret"))  # keys without an allow list
+    assert p2.returncode == 2 and "curve" in p2.stderr.lower(), p2.stderr
+
+
+# ----------------------------------------------------------------------------- frame caps
+def _reply(peer: RawPeer, frames: list[bytes], timeout: float = 10.0) -> dict | None:
+    peer.send(frames)
+    return peer.reply(timeout)
+
+
+def test_oversize_header_refused_daemon_keeps_serving(shared):
+    p = RawPeer(shared.address, "caps")
+    try:
+        head = P.encode_request("stats", 9, {"pad": "x" * (P.MAX_HEADER_BYTES + 1)})[0]
+        h = _reply(p, [head])
+        assert h is not None and h["ok"] is False
+        assert h["error"]["code"] == "bad_frame" and str(P.MAX_HEADER_BYTES) in h["error"]["message"]
+        assert p.call("heartbeat")["ok"]
+    finally:
+        p.close()
+    assert _alive(shared)
+
+
+def test_too_many_index_frames_refused(shared):
+    p = RawPeer(shared.address, "caps")
+    try:
+        frames = P.encode_request("stats", 3) + [b"\0" * 8] * (P.MAX_INDEX_FRAMES + 1)
+        h = _reply(p, frames)
+        assert h is not None and h["error"]["code"] == "bad_frame"
+        assert str(P.MAX_INDEX_FRAMES) in h["error"]["message"]
+    finally:
+        p.close()
+
+
+def test_index_frame_over_the_protocol_cap_gets_an_error_reply(shared):
+    p = RawPeer(shared.address, "caps")
+    try:
+        big = b"\0" * (P.MAX_INDEX_BYTES + 8)
+        items = [{"space": "page", "src": 0, "dst": 1}]
+        h = _reply(p, P.encode_request("backup", 4, {"items": items}) + [big, b"\0" * 8])
+        assert h is not None, "no reply: the transport dropped a frame the protocol should refuse"
+        assert h["error"]["code"] == "bad_frame" and str(P.MAX_INDEX_BYTES) in h["error"]["message"]
+    finally:
+        p.close()
+    assert _alive(shared)
+
+
+def test_message_over_the_total_cap_refused(shared):
+    p = RawPeer(shared.address, "caps")
+    try:
+        chunk = b"\0" * P.MAX_INDEX_BYTES
+        n = P.MAX_MESSAGE_BYTES // P.MAX_INDEX_BYTES + 1
+        h = _reply(p, P.encode_request("stats", 5) + [chunk] * n, timeout=30)
+        assert h is not None and h["error"]["code"] == "bad_frame"
+        assert str(P.MAX_MESSAGE_BYTES) in h["error"]["message"]
+    finally:
+        p.close()
+    assert _alive(shared)
+
+
+def test_frame_beyond_the_transport_limit_drops_only_that_peer(shared):
+    from hicache.controllers.server import TRANSPORT_MAX_FRAME
+
+    bystander = Client(shared.address, timeout=5, name="bystander")
+    bystander.heartbeat()
+    p = RawPeer(shared.address, "huge")
+    try:
+        h = _reply(p, P.encode_request("stats", 6) + [b"\0" * (TRANSPORT_MAX_FRAME + 8)],
+                   timeout=2.0)
+        assert h is None  # the daemon never buffered it: the peer was disconnected
+        assert bystander.stats()["ok"]
+    finally:
+        p.close()
+        bystander.close()
+    assert _alive(shared)
+
+
+# ----------------------------------------------------------------------------- registration
+@pytest.mark.parametrize("what", ["outside", "symlink", "fifo", "traversal"])
+def test_shm_handles_confined_to_allowed_dirs(shared, what, tmp_path):
+    lay = build_layout(preset("dsv4-tiny"))
+    extra = None
+    with ShmBuffers(lay, DEV, tag="conf") as b:
+        fields = b.register_fields()
+        if what == "outside":  # a regular file of ours, outside /dev/shm
+            target = tmp_path / "dev.bin"
+            shutil.copy(b.path, target)
+            path = str(target)
+        elif what == "symlink":  # inside /dev/shm, but pointing outside
+            target = tmp_path / "dev.bin"
+            shutil.copy(b.path, target)
+            path = extra = f"/dev/shm/hicache-dev-link-{os.getpid()}"
+            os.symlink(target, path)
+        elif what == "fifo":
+            path = extra = f"/dev/shm/hicache-dev-fifo-{os.getpid()}"
+            os.mkfifo(path, 0o600)
+        else:
+            path = "/dev/shm/../../" + str(tmp_path / "nope").lstrip("/")
+        for hs in fields["buffers"].values():
+            for h in hs:
+                h["path"] = path
+        p = RawPeer(shared.address, "conf")
+        try:
+            p.send(P.encode_request("register", 8, fields))
+            h = p.reply(10)
+            assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
+        finally:
+            p.close()
+            if extra:
+                os.unlink(extra)
+    assert _alive(shared)
+
+
+def test_client_table_is_bounded(shared):
+    peers = []
+    try:
+        codes = []
+        for i in range(MAX_CLIENTS + 2):
+            p = RawPeer(shared.address, f"many{i}")
+            peers.append(p)
+            p.send(P.encode_request("heartbeat", 1))
+            h = p.reply(10)
+            assert h is not None
+            codes.append("ok" if h["ok"] else h["error"]["code"])
+        assert "too_many_clients" in codes
+        assert codes.count("ok") <= MAX_CLIENTS
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_nothing_received_is_unpickled_or_evaluated():
+    pat = re.compile(r"\b(pickle|marshal|shelve|dill)\b|\beval\(|\bexec\(|yaml\.load\(")
+    files = [ROOT / "hicache" / "protocol.py", ROOT / "hicache" / "client.py",
+             *sorted((ROOT / "controllers").glob("*.py"))]
+    hits = [f"{f.name}:{i + 1}: {line.strip()}" for f in files
+            for i, line in enumerate(f.read_text().splitlines()) if pat.search(line)]
+    assert not hits, hits

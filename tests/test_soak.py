@@ -1,0 +1,54 @@
+"""Sustained mixed load from several client processes, every load checked (a short run; the
+8 x 50,000 figure comes from ``hicache bench soak``)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from hicache.bench.soak import SOAK_DAEMON_ROWS, run_soak
+from hicache.fuzzing import DaemonRunner, daemon_check, private_address
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_short_soak_no_lost_acks_no_corruption():
+    addr, d = private_address("hcs-")
+    r = DaemonRunner(addr, device_rows=SOAK_DAEMON_ROWS, host=("--host-ratio", "4"),
+                     heartbeat_timeout=30.0, log_path=os.path.join(d, "daemon.log"))
+    r.start()
+    try:
+        rep = run_soak(addr, 3, 500, seed=4, window=4, quota=40, rss=r.rss)
+        from hicache.client import Client
+
+        with Client(addr, timeout=10) as c:  # every client unregistered: nothing left in use
+            chk = daemon_check(c, {"page": 0, "swa_page": 0, "req_slot": 0})
+    finally:
+        r.stop()
+        out = r.output()
+        shutil.rmtree(d, ignore_errors=True)
+    assert rep["clients_missing"] == 0 and rep["ops"] == 1500, rep["problems"]
+    assert rep["lost_acks"] == 0 and rep["failed_ops"] == 0, rep["problems"]
+    assert rep["corrupted_pages"] == 0 and rep["refused"] == 0, rep["problems"]
+    assert rep["loads"] > 100 and rep["backups"] > 100 and rep["frees"] > 10
+    assert rep["verified_pages"] >= rep["loads"]
+    assert rep["rss_growth_pct"] is not None
+    assert chk["ok"], chk["problems"]
+    assert "Traceback" not in out
+
+
+def test_bench_soak_cli_json():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "soak", "--clients", "2",
+                        "--ops", "150", "--unit", "c128_kv", "--json"], cwd=str(ROOT), env=env,
+                       capture_output=True, text=True, timeout=180)
+    rep = json.loads(p.stdout)
+    for k in ("clients", "ops", "lost_acks", "corrupted_pages", "rss_growth_pct", "ops_per_s",
+              "seconds"):
+        assert k in rep, k
+    assert rep["clients"] == 2 and rep["ops"] == 300
+    assert rep["lost_acks"] == 0 and rep["corrupted_pages"] == 0, rep["problems"]
+    # a 300-op run is all warm-up, so its RSS figure (and the exit status) is not judged here
