@@ -10,7 +10,14 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/
 fi
 echo "[setup] creating $VENV (first run takes a minute or two)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@"; }
+pip() {  # quiet pip; drops the "Location ... is ignored" noise some images' pip.conf causes
+  local log rc=0
+  log=$(mktemp)
+  "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@" >"$log" 2>&1 || rc=$?
+  grep -v "WARNING: Location" "$log" || true
+  rm -f "$log"
+  return "$rc"
+}
 pip install --upgrade pip setuptools wheel >/dev/null
 # torch first, pinned to the CPU build that lies on this machine's disk; elsewhere any >=2.11.
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
