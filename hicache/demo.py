@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
+from hicache.daemon_process import DaemonProcess
 from hicache.errors import UsageError
 from hicache.radix import POLICIES
 
@@ -143,75 +141,28 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     return reqs, cfg, what
 
 
-class DaemonProc:
-    """``hicache serve`` in a subprocess on a private socket; stopped on ``close``."""
+def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
+    """``hicache serve`` for ``cfg`` on a private socket (not started yet)."""
+    ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
+    return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=cfg.device_rows(),
+                         host=("--host-ratio", repr(ratio)), heartbeat_timeout=60,
+                         metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode),
+                         new_session=True, ready_timeout=READY_TIMEOUT_S)
 
-    def __init__(self, cfg: Any, metrics_port: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="hc-demo-", dir="/tmp")  # short: ipc path limit
-        self.address = f"ipc://{self.dir}/d.sock"
-        self.metrics_port = metrics_port
-        rows = cfg.device_rows()
-        ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
-        cmd = [sys.executable, "-m", "hicache.cli", "serve", "--device", cfg.device,
-               "--preset", cfg.preset, "--swa-mode", cfg.swa_mode,
-               "--device-rows", ",".join(f"{s}={n}" for s, n in rows.items()),
-               "--host-ratio", repr(ratio), "--socket", self.address,
-               "--metrics-port", str(metrics_port), "--heartbeat-timeout", "60"]
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
 
-    def output(self, tail: int = 4000) -> str:
+def _close_daemon(daemon: DaemonProcess, client: Any = None) -> int | None:
+    """Ask the daemon to shut down through ``client`` if there is one, then signals."""
+    if daemon.alive() and client is not None:
         try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()[-tail:]
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        from hicache.client import Client, DaemonUnreachable
-
-        deadline = time.monotonic() + timeout
-        with Client(self.address, timeout=0.5, name="demo-probe") as c:
-            while True:
-                if self.proc.poll() is not None:
-                    out = self.output()
-                    last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["(no output)"]
-                    raise UsageError(f"the daemon exited with status {self.proc.returncode}: "
-                                     f"{last[0]}\n--- daemon output ---\n{out}")
-                try:
-                    c.heartbeat(timeout=0.5)
-                    return
-                except DaemonUnreachable:
-                    if time.monotonic() > deadline:
-                        raise UsageError(f"the daemon did not answer within {timeout:g} s; "
-                                         f"output:\n{self.output()}") from None
-
-    def close(self, client: Any = None) -> int | None:
+            client.shutdown(timeout=5.0)
+        except Exception:  # noqa: BLE001 - fall through to signals
+            pass
         try:
-            if self.proc.poll() is None and client is not None:
-                try:
-                    client.shutdown(timeout=5.0)
-                except Exception:  # noqa: BLE001 - fall through to signals
-                    pass
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    pass
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-            return self.proc.returncode
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            assert daemon.proc is not None
+            daemon.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    return daemon.close()
 
 
 class Progress:
@@ -285,13 +236,16 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)  # leave the daemon's copy thread a core of its own
     metrics_port = args.metrics_port or _free_port()
-    daemon = DaemonProc(cfg, metrics_port)
+    daemon = _daemon(cfg, metrics_port)
     client = None
     worker = None
     try:
         _err(f"starting daemon ({cfg.preset}, swa={cfg.swa_mode}, {cfg.device}, "
              f"{cfg.device_pages} device pages, {cfg.host_pages} host pages) on {daemon.address}")
-        daemon.wait_ready()
+        try:
+            daemon.start()
+        except RuntimeError as e:
+            raise UsageError(str(e)) from None
         demo_metrics = DemoMetrics()
         demo_port = demo_metrics.serve_http(args.demo_metrics_port or _free_port())
         _err(f"daemon metrics: http://127.0.0.1:{metrics_port}/metrics   worker metrics: "
@@ -307,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if worker is not None:
             worker.close()
-        rc = daemon.close(client)
+        rc = _close_daemon(daemon, client)
         if client is not None:
             client.close()
     if rc not in (0, None):

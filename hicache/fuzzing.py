@@ -25,9 +25,6 @@ import mmap
 import os
 import random
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +34,7 @@ import numpy as np
 import zmq
 
 from hicache import protocol as P
+from hicache.daemon_process import DaemonProcess
 from hicache.layout import Layout, build_layout, preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +43,9 @@ _M64 = (1 << 64) - 1
 
 
 # ----------------------------------------------------------------------------- daemon process
-class DaemonRunner:
-    """``hicache serve --device cpu`` on ``address``; ``start()`` waits until it answers."""
+class DaemonRunner(DaemonProcess):
+    """``hicache serve --device cpu`` on ``address`` (log level warning, run from the checkout);
+    ``start()`` waits until it answers. The shared ``DaemonProcess`` with this module's defaults."""
 
     def __init__(self, address: str, *, preset_name: str = "dsv4-tiny",
                  device_rows: str = "page=16,swa_page=8,req_slot=4",
@@ -56,98 +55,10 @@ class DaemonRunner:
                  client_kw: Mapping[str, Any] | None = None) -> None:
         """``socket_flag=False``: no ``--socket`` (the daemon picks its default, which must be
         ``address``). ``client_kw``: extra ``Client`` arguments of the readiness probe (keys)."""
-        self.client_kw = dict(client_kw or {})
-        self.address = address
-        self.cmd = [sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu", "--preset",
-                    preset_name, "--device-rows", device_rows, *host,
-                    *(("--socket", address) if socket_flag else ()),
-                    "--heartbeat-timeout", str(heartbeat_timeout), "--log-level", "warning",
-                    *extra]
-        self.log_path = Path(log_path) if log_path else None
-        self.env = dict(os.environ)
-        self.env.update(env or {})
-        self.env["PYTHONPATH"] = str(ROOT) + (os.pathsep + self.env["PYTHONPATH"]
-                                              if self.env.get("PYTHONPATH") else "")
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def output(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")
-
-    def start(self, ready_timeout: float = 90.0) -> "DaemonRunner":
-        from hicache.client import Client, DaemonUnreachable
-
-        if self.alive():
-            raise RuntimeError("the daemon is already running")
-        out: Any = subprocess.DEVNULL
-        if self.log_path is not None:
-            out = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=str(ROOT), env=self.env)
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()
-        self.starts += 1
-        deadline = time.monotonic() + ready_timeout
-        with Client(self.address, timeout=0.5, name="ready-probe", **self.client_kw) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n"
-                                       f"{self.output()[-3000:]}")
-                try:
-                    c.heartbeat(timeout=0.5)
-                    return self
-                except DaemonUnreachable:
-                    if time.monotonic() > deadline:
-                        self.kill()
-                        raise RuntimeError(f"daemon not ready within {ready_timeout} s:\n"
-                                           f"{self.output()[-3000:]}") from None
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: no shutdown path runs."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM and wait; SIGKILL if it does not stop in time. The exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def rss(self) -> int:
-        import psutil
-
-        assert self.proc is not None
-        return int(psutil.Process(self.proc.pid).memory_info().rss)
-
-    def maps_path(self, path: str) -> bool:
-        """True when the daemon still maps ``path`` (Linux /proc; False elsewhere)."""
-        if self.proc is None:
-            return False
-        try:
-            with open(f"/proc/{self.proc.pid}/maps") as f:
-                return any(path in line for line in f)
-        except OSError:
-            return False
+        super().__init__(address, device="cpu", preset=preset_name, device_rows=device_rows,
+                         host=host, heartbeat_timeout=heartbeat_timeout, log_level="warning",
+                         extra=extra, env=env, log_path=log_path, socket_flag=socket_flag,
+                         cwd=ROOT, ready_timeout=90.0, probe_kw=client_kw)
 
 
 def private_address(prefix: str = "hcr-") -> tuple[str, str]:

@@ -14,12 +14,11 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
+
+from hicache.daemon_process import DaemonProcess
 
 TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
 ROWS = "page=8,swa_page=4,req_slot=4"
@@ -145,25 +144,11 @@ def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
 
 
 # ----------------------------------------------------------------------------- the daemon
-def _start_daemon(address: str, spin_us: float = 0.0) -> subprocess.Popen:
-    from hicache.client import Client, DaemonUnreachable
-
-    cmd = [sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu", "--preset",
-           "dsv4-flash", "--device-rows", ROWS, "--host-ratio", "4", "--socket", address,
-           "--log-level", "warning", "--spin-us", str(spin_us)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    with Client(address, timeout=0.5) as c:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("daemon exited: " + proc.stderr.read().decode()[-2000:])
-            try:
-                c.heartbeat(timeout=0.5)
-                return proc
-            except DaemonUnreachable:
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError("daemon did not come up within 60 s") from None
+def _start_daemon(address: str, spin_us: float = 0.0) -> DaemonProcess:
+    return DaemonProcess(address, device="cpu", preset="dsv4-flash", device_rows=ROWS,
+                         host=("--host-ratio", "4"), heartbeat_timeout=None,
+                         log_level="warning", extra=("--spin-us", str(spin_us)),
+                         pipe=True).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,12 +189,8 @@ def run(args: argparse.Namespace) -> int:
             if srv.is_alive():
                 srv.terminate()
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None:
+            proc.stop(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
     report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us, "rows": rows,
               "echo": echo, "targets": TARGETS}
