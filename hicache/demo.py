@@ -150,8 +150,9 @@ def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
                          new_session=True, ready_timeout=READY_TIMEOUT_S)
 
 
-def _close_daemon(daemon: DaemonProcess, client: Any = None) -> int | None:
-    """Ask the daemon to shut down through ``client`` if there is one, then signals."""
+def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None, str]:
+    """Ask the daemon to shut down through ``client`` if there is one, then signals.
+    Returns its exit status and the tail of its output (read before its directory goes)."""
     if daemon.alive() and client is not None:
         try:
             client.shutdown(timeout=5.0)
@@ -162,7 +163,10 @@ def _close_daemon(daemon: DaemonProcess, client: Any = None) -> int | None:
             daemon.proc.wait(30)
         except subprocess.TimeoutExpired:
             pass
-    return daemon.close()
+    if daemon.alive():
+        daemon.stop(timeout=30)
+    tail = daemon.output(1500)
+    return daemon.close(), tail
 
 
 class Progress:
@@ -261,11 +265,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if worker is not None:
             worker.close()
-        rc = _close_daemon(daemon, client)
+        rc, tail = _close_daemon(daemon, client)
         if client is not None:
             client.close()
     if rc not in (0, None):
-        _err(f"daemon exited with status {rc}; its last output:\n{daemon.output(1500)}")
+        _err(f"daemon exited with status {rc}; its last output:\n{tail}")
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
