@@ -35,6 +35,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- client processes
+def _timed(step: Any, ops: int, warmup: int, barrier: Any) -> tuple[list[int], float, float]:
+    """Run ``step`` ``warmup`` times, wait at the barrier, then time ``ops`` calls (ns each)."""
+    for _ in range(warmup):
+        step()
+    lat = [0] * ops
+    pc = time.perf_counter_ns
+    barrier.wait()
+    t_start = time.perf_counter()
+    for i in range(ops):
+        t0 = pc()
+        step()
+        lat[i] = pc() - t0
+    return lat, t_start, time.perf_counter()
+
+
 def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
     from hicache.client import Client
     from hicache.device_pools import DevicePools
@@ -46,20 +61,9 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
         c.register(pools)
         row = c.alloc({"page": 1})["page"]
         items = {"c128_kv": ([3], row)}
-        for _ in range(warmup):
-            c.wait_ack(c.backup(items))
-        lat = [0] * ops
-        pc = time.perf_counter_ns
-        barrier.wait()
-        t_start = time.perf_counter()
-        for i in range(ops):
-            t0 = pc()
-            c.wait_ack(c.backup(items))
-            lat[i] = pc() - t0
-        t_end = time.perf_counter()
+        out.put(_timed(lambda: c.wait_ack(c.backup(items)), ops, warmup, barrier))
         c.unregister()
     pools.close()
-    out.put((lat, t_start, t_end))
 
 
 def _echo_server(address: str, ready: Any) -> None:
@@ -86,22 +90,13 @@ def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) ->
     s.connect(address)
     msg = [b'{"v":1,"cmd":"backup","id":1,"items":[{"pool":"c128_kv","src":0,"dst":1}]}',
            b"\x03" + b"\0" * 7, b"\0" * 8]
-    for _ in range(warmup):
+    def step() -> None:
         s.send_multipart(msg)
         s.recv_multipart()
-    lat = [0] * ops
-    pc = time.perf_counter_ns
-    barrier.wait()
-    t_start = time.perf_counter()
-    for i in range(ops):
-        t0 = pc()
-        s.send_multipart(msg)
-        s.recv_multipart()
-        lat[i] = pc() - t0
-    t_end = time.perf_counter()
+
+    out.put(_timed(step, ops, warmup, barrier))
     s.close(0)
     ctx.term()
-    out.put((lat, t_start, t_end))
 
 
 def _cpu_s(pid: int | None) -> float:
