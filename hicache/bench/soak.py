@@ -505,6 +505,18 @@ def _unreachable_calls(w: RadixWorker, timeout: float) -> list[tuple[str, float,
     return out
 
 
+def _push_to_host(w: RadixWorker, tag: str, filler: str, it: int) -> list[tuple]:
+    """Compute four pages ``tag``, back them up, then push them off the device with two
+    requests of ``filler`` pages: afterwards they are host-tier hits. Returns their keys."""
+    keys = [(tag, it, j) for j in range(4)]
+    w.request(keys)
+    w.tree.drain()
+    for j in range(2):
+        w.request([(filler, it, j, x) for x in range(4)])
+        w.tree.drain()
+    return keys
+
+
 def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 0,
                  preset_name: str = "dsv4-tiny", slack: float = 0.25,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -525,12 +537,7 @@ def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 
         w.register()
         for it in range(n):
             # pages on the host tier: A is computed, backed up, then pushed off the device
-            a = [("a", it, j) for j in range(4)]
-            w.request(a)
-            w.tree.drain()
-            for j in range(2):
-                w.request([("b", it, j, x) for x in range(4)])
-                w.tree.drain()
+            a = _push_to_host(w, "a", "b", it)
             if w.tree.match(a)[1] == 0:
                 failures.append(f"iteration {it}: no host hit set up")
             runner.kill()
@@ -568,12 +575,7 @@ def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 
             w.register()
             w.tree.reset_host_tier()
             before = (w.tree.stats.backed_up_pages, w.tree.stats.loaded_pages)
-            c = [("c", it, j) for j in range(4)]
-            w.request(c)
-            w.tree.drain()
-            for j in range(2):
-                w.request([("d", it, j, x) for x in range(4)])
-                w.tree.drain()
+            c = _push_to_host(w, "c", "d", it)
             w.request(c)  # a host hit again, loaded and verified
             if w.tree.stats.backed_up_pages > before[0] and w.tree.stats.loaded_pages > before[1]:
                 reregistered += 1
