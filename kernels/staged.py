@@ -4,11 +4,16 @@ the device side plus copy-engine DMAs on the host side.
 Device→host: the ``rows`` kernel gathers a chunk of device rows into a device staging buffer,
 then one ``cudaMemcpyAsync`` per run of consecutive host rows (per layer) moves the chunk to the
 host. Host→device: the DMAs fill the staging buffer, then the kernel scatters it into device
-rows. Chunks rotate over ``buffers`` side streams with one staging buffer each, so chunk ``k``'s
-DMA overlaps the gathers (scatters) of the next chunks; the caller's stream waits for all of
-them at the end. The copy engines carry the PCIe traffic, so the SM cost is only the gather's
-CTAs. Chunks are balanced (equal rows per chunk) and span several layers when one layer's rows
-are smaller than a chunk, to keep the launches per call few.
+rows. Each caller stream has a lane: ONE kernel stream (so the SM cost is exactly ``ctas`` CTAs
+at any moment: kernels of consecutive chunks never overlap), ``dma_streams`` DMA streams used
+round robin, and ``buffers`` staging buffers handed between kernel and DMAs by per-buffer
+events. Chunk ``k``'s DMA overlaps the kernel of chunk ``k + 1``; the caller's stream waits for
+all of them at the end. Measured on an H200 (C4 rows, 4 CTAs): one DMA stream per lane reached
+0.97-0.98 of the link per direction but only ~0.8 with a backup and a swap-in at once; three
+reached 0.96-0.97 per direction and the both-directions limit together; kernels on several
+streams (the first design) exceeded the CTA budget and lost 3-5% on H2D. Chunks are balanced
+(equal rows per chunk) and span several layers when one layer's rows are smaller than a chunk,
+to keep the launches per call few.
 
 Worth it only when host rows come in runs (an allocator that hands out consecutive rows):
 ``plan_runs`` measures that and ``dispatch`` falls back to the zero-copy kernel otherwise.
@@ -26,11 +31,12 @@ from .tables import LayerTable, _pow2_align
 
 @dataclass(frozen=True)
 class StagedConfig:
-    """``chunk_bytes`` of staging per buffer, ``buffers`` buffers (and side streams) per
-    caller stream, and the launch shape of the gather/scatter kernel."""
+    """``chunk_bytes`` of staging per buffer, ``buffers`` buffers and ``dma_streams`` DMA
+    streams per caller stream, and the launch shape of the gather/scatter kernel."""
 
     chunk_bytes: int = 32 << 20
     buffers: int = 3
+    dma_streams: int = 3
     rows: RowsConfig = RowsConfig(piece_bytes=2048, pieces=64, num_warps=32)
 
 
@@ -45,10 +51,16 @@ def plan_runs(host_idx: torch.Tensor) -> torch.Tensor:
 
 
 class _Lane:
-    """Per (device, caller stream, shape): side streams, staging buffers, their tables."""
+    """Per (device, caller stream, shape): a kernel stream, DMA streams, staging buffers with
+    their hand-over events (``filled``: the producer is done; ``free``: the consumer is done)
+    and cached pointer tables."""
 
-    def __init__(self, device: torch.device, nbytes: int, buffers: int):
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(buffers)]
+    def __init__(self, device: torch.device, nbytes: int, buffers: int, dma_streams: int = 1):
+        self.kernel = torch.cuda.Stream(device=device)
+        self.dmas = [torch.cuda.Stream(device=device) for _ in range(dma_streams)]
+        self.filled = [torch.cuda.Event() for _ in range(buffers)]
+        self.free = [torch.cuda.Event() for _ in range(buffers)]
+        self.used = [False] * buffers  # whether ``free[b]`` has been recorded yet
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(buffers)]
         self.pos = torch.arange(max(1, nbytes // 64), dtype=torch.int64, device=device)
         self._tabs: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -79,10 +91,10 @@ _LANES: dict[tuple, _Lane] = {}
 
 
 def _lane(device: torch.device, stream: torch.cuda.Stream, cfg: StagedConfig) -> _Lane:
-    key = (device, stream.cuda_stream, cfg.chunk_bytes, cfg.buffers)
+    key = (device, stream.cuda_stream, cfg.chunk_bytes, cfg.buffers, cfg.dma_streams)
     lane = _LANES.get(key)
     if lane is None:
-        lane = _LANES[key] = _Lane(device, cfg.chunk_bytes, cfg.buffers)
+        lane = _LANES[key] = _Lane(device, cfg.chunk_bytes, cfg.buffers, cfg.dma_streams)
     return lane
 
 
@@ -139,23 +151,33 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
     host_layers = host_tab.layers
     ready = torch.cuda.Event()
     ready.record(caller)
-    for s in lane.streams:
-        s.wait_event(ready)
-    nb, k = len(lane.streams), 0
+    ks = lane.kernel
+    ks.wait_event(ready)
+    for ds in lane.dmas:
+        ds.wait_event(ready)
+    nb, k = len(lane.bufs), 0
     for l0 in range(0, L, kl):
         nl = min(kl, L - l0)
         tab_l = dev_table[l0:l0 + nl]
         for ci, i0 in enumerate(range(0, n, c)):
             cnt = min(c, n - i0)
             b = k % nb
+            ds = lane.dmas[k % len(lane.dmas)]
+            # d2h: the kernel fills a buffer, the DMAs empty it; h2d: the other way round
+            prod, cons = (ks, ds) if d2h else (ds, ks)
             k += 1
             stab = lane.table(b, nl, slab)
             idx_c, pos_c = dev_idx[i0:i0 + cnt], pos[:cnt]
-            with torch.cuda.stream(lane.streams[b]):
+            if lane.used[b]:  # the buffer's last consumer must be done before it is refilled
+                prod.wait_event(lane.free[b])
+            with torch.cuda.stream(ks):
                 if d2h:
                     launch_rows(tab_l, stab, idx_c, pos_c, num_layers=nl, row_bytes=rb,
                                 src_stride=dev_tab.stride, dst_stride=rb, align=align,
                                 ctas=ctas, cfg=cfg.rows)
+                    lane.filled[b].record(ks)
+                    ds.wait_event(lane.filled[b])
+            with torch.cuda.stream(ds):
                 for li in range(nl):
                     host_layer = host_layers[l0 + li]
                     base = li * slab
@@ -165,9 +187,15 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
                             host_layer[h: h + ln].copy_(sv, non_blocking=True)
                         else:
                             sv.copy_(host_layer[h: h + ln], non_blocking=True)
-                if not d2h:
+            if not d2h:
+                lane.filled[b].record(ds)
+                ks.wait_event(lane.filled[b])
+                with torch.cuda.stream(ks):
                     launch_rows(stab, tab_l, pos_c, idx_c, num_layers=nl, row_bytes=rb,
                                 src_stride=rb, dst_stride=dev_tab.stride, align=align,
                                 ctas=ctas, cfg=cfg.rows)
-    for s in lane.streams:
-        caller.wait_stream(s)
+            lane.free[b].record(cons)
+            lane.used[b] = True
+    caller.wait_stream(ks)
+    for ds in lane.dmas:
+        caller.wait_stream(ds)

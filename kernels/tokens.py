@@ -137,7 +137,7 @@ def launch_tokens(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_tok: torch.T
 # Launch shapes per direction (src on GPU, dst on GPU), chosen by `hicache bench transfer
 # --tune` on an H200; anything not listed uses TokensConfig().
 TOKENS_CONFIGS: dict[tuple[bool, bool], TokensConfig] = {
-    (True, False): TokensConfig(tokens=128, num_warps=16),  # device -> host
+    (True, False): TokensConfig(tokens=128, num_warps=32),  # device -> host
     (False, True): TokensConfig(tokens=128, num_warps=32),  # host -> device
 }
 

@@ -289,25 +289,22 @@ class _GpuBench:
         Ad, Bd = [x.to(self.dev) for x in A], [x.to(self.dev) for x in B]
         import threading
 
+        def mover(src, dst, idx, idx_d, stream):
+            def move(c):
+                if peer is not None:
+                    with torch.cuda.stream(stream):
+                        peer(src.table(self.dev), dst.table(self.dev), idx_d[0], idx_d[1],
+                             row_bytes, self.L, c)
+                elif fmt is not None:
+                    dispatch.copy_tokens(src, dst, idx[0], idx[1], fmt, ctas=c, impl=impl,
+                                         stream=stream)
+                else:
+                    dispatch.copy_rows(src, dst, idx[0], idx[1], ctas=c, impl=impl, stream=stream)
+            return move
+
+        backup = mover(dev_t, host_t, A, Ad, sa)
+        swap_in = mover(host_t, dev_t, B, Bd, sb)
         for ctas in self.budgets:
-            def backup(c):
-                if peer is not None:
-                    with torch.cuda.stream(sa):
-                        peer(dev_t.table(self.dev), host_t.table(self.dev), Ad[0], Ad[1], row_bytes, self.L, c)
-                elif fmt is not None:
-                    dispatch.copy_tokens(dev_t, host_t, A[0], A[1], fmt, ctas=c, impl=impl, stream=sa)
-                else:
-                    dispatch.copy_rows(dev_t, host_t, A[0], A[1], ctas=c, impl=impl, stream=sa)
-
-            def swap_in(c):
-                if peer is not None:
-                    with torch.cuda.stream(sb):
-                        peer(host_t.table(self.dev), dev_t.table(self.dev), Bd[0], Bd[1], row_bytes, self.L, c)
-                elif fmt is not None:
-                    dispatch.copy_tokens(host_t, dev_t, B[0], B[1], fmt, ctas=c, impl=impl, stream=sb)
-                else:
-                    dispatch.copy_rows(host_t, dev_t, B[0], B[1], ctas=c, impl=impl, stream=sb)
-
             def fn(c=ctas):
                 # one issuing thread per direction, as a transfer engine with a backup and a
                 # swap-in worker would run them
