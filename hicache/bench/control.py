@@ -21,6 +21,11 @@ from typing import Any
 from hicache.daemon_process import DaemonProcess
 
 TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
+# The bare echo the targets were set against (issue #5, a 2-core machine): the targets are
+# 1.83x its p50, 3.6x its p99 and 0.34x its 4-client rate. ``vs_echo`` in the report gives the
+# same ratios for the daemon against the echo measured in the same run, so machines whose
+# wake-ups cost more than the anchor's can be compared on the daemon's own overhead.
+ANCHOR_ECHO = {"p50_us_1": 82.0, "p99_us_1": 139.0, "commands_per_s_4": 29_700.0}
 ROWS = "page=8,swa_page=4,req_slot=4"
 
 
@@ -146,6 +151,20 @@ def _start_daemon(address: str, spin_us: float = 0.0) -> DaemonProcess:
                          pipe=True).start()
 
 
+def _vs_echo(rows: list[dict[str, Any]], echo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Daemon / echo ratios per client count (latency: lower is better; rate: higher)."""
+    by_n = {e["clients"]: e for e in echo}
+    out = []
+    for r in rows:
+        e = by_n.get(r["clients"])
+        if e:
+            out.append({"clients": r["clients"],
+                        "p50": round(r["p50_us"] / e["p50_us"], 2),
+                        "p99": round(r["p99_us"] / e["p99_us"], 2),
+                        "rate": round(r["commands_per_s"] / e["commands_per_s"], 2)})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache.errors import UsageError
 
@@ -188,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
             proc.stop(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
     report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us, "rows": rows,
-              "echo": echo, "targets": TARGETS}
+              "echo": echo, "targets": TARGETS, "anchor_echo": ANCHOR_ECHO,
+              "vs_echo": _vs_echo(rows, echo)}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -207,5 +227,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r['clients']:>7} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} "
               f"{r['commands_per_s']:>11.0f} {cpu:>11}{cmp}")
     print(f"  targets: 1 client p50 <= {TARGETS['p50_us_1']:.0f} us, p99 <= "
-          f"{TARGETS['p99_us_1']:.0f} us; 4 clients >= {TARGETS['commands_per_s_4']:.0f}/s")
+          f"{TARGETS['p99_us_1']:.0f} us; 4 clients >= {TARGETS['commands_per_s_4']:.0f}/s "
+          f"(set against an echo of {ANCHOR_ECHO['p50_us_1']:.0f} / "
+          f"{ANCHOR_ECHO['p99_us_1']:.0f} us and {ANCHOR_ECHO['commands_per_s_4']:.0f}/s with 4: "
+          f"1.83x / 3.6x / 0.34x of it)")
+    for v in report["vs_echo"]:
+        print(f"  daemon / echo, {v['clients']} client(s): p50 {v['p50']:.2f}x  p99 "
+              f"{v['p99']:.2f}x  rate {v['rate']:.2f}x")
     return 0

@@ -1,0 +1,41 @@
+"""``hicache bench control`` end to end on a short run: a live daemon, client processes, the
+echo baseline, the JSON keys the issue asks for, and a clear error on bad arguments."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hicache.bench.control import _vs_echo
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "control", *args],
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_short_run_reports_rows_echo_and_ratios():
+    p = _bench("--clients", "1,2", "--ops", "60", "--warmup", "5", "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert [r["clients"] for r in rep["rows"]] == [1, 2]
+    for r in rep["rows"] + rep["echo"]:
+        assert r["ops"] == 60 * r["clients"]
+        assert 0 < r["p50_us"] <= r["p99_us"] and r["commands_per_s"] > 0
+        assert r["server_cpu_us_per_cmd"] >= 0
+    assert [v["clients"] for v in rep["vs_echo"]] == [1, 2]
+    assert set(rep["targets"]) == {"p50_us_1", "p99_us_1", "commands_per_s_4"}
+
+
+def test_ratios_are_daemon_over_echo():
+    rows = [{"clients": 1, "p50_us": 300.0, "p99_us": 600.0, "commands_per_s": 2000.0}]
+    echo = [{"clients": 1, "p50_us": 200.0, "p99_us": 800.0, "commands_per_s": 4000.0},
+            {"clients": 4, "p50_us": 1.0, "p99_us": 1.0, "commands_per_s": 1.0}]
+    assert _vs_echo(rows, echo) == [{"clients": 1, "p50": 1.5, "p99": 0.75, "rate": 0.5}]
+    assert _vs_echo(rows, []) == []
+
+
+def test_bad_clients_is_a_clear_usage_error():
+    p = _bench("--clients", "one", "--ops", "20")
+    assert p.returncode != 0
+    assert "--clients" in p.stderr and "Traceback" not in p.stderr
