@@ -10,8 +10,11 @@ round robin, and ``buffers`` staging buffers handed between kernel and DMAs by p
 events. Chunk ``k``'s DMA overlaps the kernel of chunk ``k + 1``; the caller's stream waits for
 all of them at the end. Measured on an H200 (C4 rows, 4 CTAs): one DMA stream per lane reached
 0.97-0.98 of the link per direction but only ~0.8 with a backup and a swap-in at once; three
-reached 0.96-0.97 per direction and the both-directions limit together; kernels on several
-streams (the first design) exceeded the CTA budget and lost 3-5% on H2D. Chunks are balanced
+reach 0.96-0.98 per direction and 0.95-0.99 of the both-directions limit together; kernels on
+several streams (the first design) exceeded the CTA budget and lost 3-5% on H2D. Host issue
+time matters when two directions are issued at once, so the loop switches streams directly
+and uploads the staging pointer tables before the call (on the caller's stream, before the
+event both lane streams wait on). Chunks are balanced
 (equal rows per chunk) and span several layers when one layer's rows are smaller than a chunk,
 to keep the launches per call few.
 
@@ -149,35 +152,39 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
     align = min(dev_tab.align, _pow2_align(rb, slab))
     dev_table = dev_tab.table(device)
     host_layers = host_tab.layers
+    nb, nd, k = len(lane.bufs), len(lane.dmas), 0
+    # staging pointer tables, uploaded (once, then cached) on the caller's stream before
+    # ``ready``: the kernel stream must never read a table whose upload it does not wait for
+    stabs = {(b, nl): lane.table(b, nl, slab) for b in range(nb) for nl in {kl, L % kl or kl}}
     ready = torch.cuda.Event()
     ready.record(caller)
     ks = lane.kernel
     ks.wait_event(ready)
     for ds in lane.dmas:
         ds.wait_event(ready)
-    nb, k = len(lane.bufs), 0
-    for l0 in range(0, L, kl):
-        nl = min(kl, L - l0)
-        tab_l = dev_table[l0:l0 + nl]
-        for ci, i0 in enumerate(range(0, n, c)):
-            cnt = min(c, n - i0)
-            b = k % nb
-            ds = lane.dmas[k % len(lane.dmas)]
-            # d2h: the kernel fills a buffer, the DMAs empty it; h2d: the other way round
-            prod, cons = (ks, ds) if d2h else (ds, ks)
-            k += 1
-            stab = lane.table(b, nl, slab)
-            idx_c, pos_c = dev_idx[i0:i0 + cnt], pos[:cnt]
-            if lane.used[b]:  # the buffer's last consumer must be done before it is refilled
-                prod.wait_event(lane.free[b])
-            with torch.cuda.stream(ks):
+    chunks = [(dev_idx[i0:i0 + c], pos[:min(c, n - i0)]) for i0 in range(0, n, c)]
+    set_stream = torch.cuda.set_stream
+    try:  # streams are switched directly (a context manager per chunk costs more host time)
+        for l0 in range(0, L, kl):
+            nl = min(kl, L - l0)
+            tab_l = dev_table[l0:l0 + nl]
+            for ci, (idx_c, pos_c) in enumerate(chunks):
+                b = k % nb
+                ds = lane.dmas[k % nd]
+                k += 1
+                stab = stabs[b, nl]
+                # d2h: the kernel fills a buffer, the DMAs empty it; h2d: the other way round
+                prod, cons = (ks, ds) if d2h else (ds, ks)
+                if lane.used[b]:  # the buffer's last consumer must be done before a refill
+                    prod.wait_event(lane.free[b])
                 if d2h:
+                    set_stream(ks)
                     launch_rows(tab_l, stab, idx_c, pos_c, num_layers=nl, row_bytes=rb,
                                 src_stride=dev_tab.stride, dst_stride=rb, align=align,
                                 ctas=ctas, cfg=cfg.rows)
                     lane.filled[b].record(ks)
                     ds.wait_event(lane.filled[b])
-            with torch.cuda.stream(ds):
+                set_stream(ds)
                 for li in range(nl):
                     host_layer = host_layers[l0 + li]
                     base = li * slab
@@ -187,15 +194,17 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
                             host_layer[h: h + ln].copy_(sv, non_blocking=True)
                         else:
                             sv.copy_(host_layer[h: h + ln], non_blocking=True)
-            if not d2h:
-                lane.filled[b].record(ds)
-                ks.wait_event(lane.filled[b])
-                with torch.cuda.stream(ks):
+                if not d2h:
+                    lane.filled[b].record(ds)
+                    ks.wait_event(lane.filled[b])
+                    set_stream(ks)
                     launch_rows(stab, tab_l, pos_c, idx_c, num_layers=nl, row_bytes=rb,
                                 src_stride=rb, dst_stride=dev_tab.stride, align=align,
                                 ctas=ctas, cfg=cfg.rows)
-            lane.free[b].record(cons)
-            lane.used[b] = True
+                lane.free[b].record(cons)
+                lane.used[b] = True
+    finally:
+        set_stream(caller)
     caller.wait_stream(ks)
     for ds in lane.dmas:
         caller.wait_stream(ds)

@@ -7,6 +7,13 @@ are two separate byte ranges of the page row, so each is copied to its own place
 iteration of a CTA moves ``T`` tokens of one layer: the value as a power-of-two head plus a
 masked tail (576 = 512 + 64), the scale as one masked vector, all loads issued before the
 stores. Persistent grid of ``ctas`` CTAs; per-layer pointer tables as in ``rows``.
+
+Line alignment (``TokensConfig.align_side``): a 576-B value starts 64 B into a 128-B line for
+every other slot, so a fixed 512 + 64 split costs such a token six PCIe requests, two of them
+for halves of the same line. When the tail is exactly 64 B, the kernel moves it as the value's
+first 64 B instead whenever that puts the 512-B head on a 128-B line of the host side (the side
+``align_side`` names), so every value costs five requests. Measured on an H200 (32k random
+tokens, 4 CTAs): D2H 0.86-0.87 -> 0.89-0.90 of the link, H2D 0.867 -> 0.884.
 """
 from __future__ import annotations
 
@@ -22,10 +29,12 @@ from .tables import TokenFormat, _pow2_align
 
 @dataclass(frozen=True)
 class TokensConfig:
-    """Launch shape: ``tokens`` per iteration per CTA, ``num_warps`` per CTA."""
+    """Launch shape: ``tokens`` per iteration per CTA, ``num_warps`` per CTA, and the side whose
+    128-B lines value heads are aligned to (0 none, 1 source, 2 destination; see above)."""
 
     tokens: int = 32
     num_warps: int = 8
+    align_side: int = 0
 
 
 @triton.jit
@@ -45,7 +54,7 @@ def _typed(addr, SE: tl.constexpr):
 def _tokens_step(it, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, dst_stride,
                  P: tl.constexpr, VB: tl.constexpr, SB: tl.constexpr, SOFF: tl.constexpr,
                  V1: tl.constexpr, V2: tl.constexpr, SE: tl.constexpr, NS: tl.constexpr,
-                 T: tl.constexpr, ALIGN: tl.constexpr):
+                 T: tl.constexpr, ALIGN: tl.constexpr, FLIP: tl.constexpr):
     """Move tokens it*T .. it*T+T-1 (layer-major, then index)."""
     c1 = tl.arange(0, V1)
     q = tl.arange(0, T).to(tl.int64) + it * T
@@ -65,12 +74,23 @@ def _tokens_step(it, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, d
     d_slot = dt % P
     s_val = s_ptr + s_slot * VB
     d_val = d_ptr + d_slot * VB
+    if FLIP > 0:  # tail first where that puts the head on a 128-B line of the FLIP side
+        if FLIP == 1:
+            hv = s_page + s_slot * VB
+        else:
+            hv = d_page + d_slot * VB
+        first = (hv // V2) % 2
+        h_off = (first * V2)[:, None]
+        t_off = (V1 - first * V1)[:, None]
+    else:
+        h_off = 0
+        t_off = V1
     m1 = live[:, None] & (c1[None, :] < VB)
-    v1 = tl.load(s_val[:, None] + c1[None, :], mask=m1)
+    v1 = tl.load(s_val[:, None] + h_off + c1[None, :], mask=m1)
     if V2 > 0:
-        c2 = V1 + tl.arange(0, V2)
-        m2 = live[:, None] & (c2[None, :] < VB)
-        v2 = tl.load(s_val[:, None] + c2[None, :], mask=m2)
+        c2 = tl.arange(0, V2)
+        m2 = live[:, None] & (c2[None, :] < VB - V1)
+        v2 = tl.load(s_val[:, None] + t_off + c2[None, :], mask=m2)
     if NS > 0:
         c3 = tl.arange(0, NS)
         m3 = live[:, None] & (c3[None, :] < SB // SE)
@@ -78,9 +98,9 @@ def _tokens_step(it, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, d
         if ALIGN > 1:
             s_sc = tl.multiple_of(s_sc, SE)
         v3 = tl.load(s_sc[:, None] + c3[None, :], mask=m3)
-    tl.store(d_val[:, None] + c1[None, :], v1, mask=m1)
+    tl.store(d_val[:, None] + h_off + c1[None, :], v1, mask=m1)
     if V2 > 0:
-        tl.store(d_val[:, None] + c2[None, :], v2, mask=m2)
+        tl.store(d_val[:, None] + t_off + c2[None, :], v2, mask=m2)
     if NS > 0:
         d_sc = _typed(d_page + SOFF + d_slot * SB, SE)
         if ALIGN > 1:
@@ -92,15 +112,16 @@ def _tokens_step(it, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, d
 def _tokens_kernel(src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, dst_stride,
                    P: tl.constexpr, VB: tl.constexpr, SB: tl.constexpr, SOFF: tl.constexpr,
                    V1: tl.constexpr, V2: tl.constexpr, SE: tl.constexpr, NS: tl.constexpr,
-                   T: tl.constexpr, ALIGN: tl.constexpr, PERSISTENT: tl.constexpr):
+                   T: tl.constexpr, ALIGN: tl.constexpr, FLIP: tl.constexpr,
+                   PERSISTENT: tl.constexpr):
     pid = tl.program_id(0)
     if PERSISTENT:
         for it in range(pid, tl.cdiv(total, T), tl.num_programs(0)):
             _tokens_step(it, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride,
-                         dst_stride, P, VB, SB, SOFF, V1, V2, SE, NS, T, ALIGN)
+                         dst_stride, P, VB, SB, SOFF, V1, V2, SE, NS, T, ALIGN, FLIP)
     else:  # one step per program: only for interpreters without runtime loop bounds
         _tokens_step(pid, src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride,
-                     dst_stride, P, VB, SB, SOFF, V1, V2, SE, NS, T, ALIGN)
+                     dst_stride, P, VB, SB, SOFF, V1, V2, SE, NS, T, ALIGN, FLIP)
 
 
 def _split(value_bytes: int) -> tuple[int, int]:
@@ -125,20 +146,22 @@ def launch_tokens(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_tok: torch.T
     ns = triton.next_power_of_2(fmt.scale_bytes // se) if fmt.scale_bytes else 0
     total = num_layers * n
     t = min(cfg.tokens, triton.next_power_of_2(total))
+    flip = cfg.align_side if v2 == 64 and v1 + v2 == fmt.value_bytes else 0
     persistent = runtime_loops()
     steps = triton.cdiv(total, t)
     grid = (max(1, min(int(ctas), steps)) if persistent else steps,)
     _tokens_kernel[grid](src_tab, dst_tab, src_tok, dst_tok, n, total, src_stride, dst_stride,
                          P=fmt.tokens_per_page, VB=fmt.value_bytes, SB=fmt.scale_bytes,
                          SOFF=fmt.scale_offset, V1=v1, V2=v2, SE=se, NS=ns, T=t,
-                         ALIGN=align, PERSISTENT=persistent, num_warps=cfg.num_warps)
+                         ALIGN=align, FLIP=flip, PERSISTENT=persistent,
+                         num_warps=cfg.num_warps)
 
 
 # Launch shapes per direction (src on GPU, dst on GPU), chosen by `hicache bench transfer
 # --tune` on an H200; anything not listed uses TokensConfig().
 TOKENS_CONFIGS: dict[tuple[bool, bool], TokensConfig] = {
-    (True, False): TokensConfig(tokens=128, num_warps=32),  # device -> host
-    (False, True): TokensConfig(tokens=128, num_warps=32),  # host -> device
+    (True, False): TokensConfig(tokens=128, num_warps=32, align_side=2),  # device -> host
+    (False, True): TokensConfig(tokens=128, num_warps=32, align_side=1),  # host -> device
 }
 
 

@@ -19,6 +19,8 @@ sys.path.insert(0, HERE)
 ROW_CASES = [37_440, 149_760, 65_536, 6_144, 1_728, 584, 100]
 TOKEN_CASES = ["swa_mla_256", "c4_mla_64", "c128_mla_2", "indexer_fp8_64", "indexer_fp4_64"]
 CASES = ([f"rows_{rb}" for rb in ROW_CASES] + [f"tokens_{f}" for f in TOKEN_CASES]
+         + [f"tokens_line_aligned_{side}_{f}" for side in (1, 2)
+            for f in ("c4_mla_64", "swa_mla_256")]
          + ["tokens_whole_pages_go_to_rows", "rows_unaligned_view"])
 
 
@@ -50,6 +52,27 @@ def _run_case(name: str) -> None:
                 assert dispatch.copy_tokens(src, dst, si, di, fmt, ctas=ctas,
                                             impl="triton") == "tokens_zero_copy"
                 assert_same(dst, expected_tokens(src, before, si, di, fmt), f"{k} ctas={ctas}")
+        assert_same(src, src0, "source changed")
+    elif name.startswith("tokens_line_aligned_"):
+        # the GPU launch shapes move the 64-B tail first where that aligns the head to the
+        # host side's 128-B lines; CPU dispatch never picks them, so launch them directly
+        from hicache.kernels.tables import LayerTable
+        from hicache.kernels.tokens import TokensConfig, launch_tokens
+
+        side, fname = int(name.split("_")[3]), name.split("_", 4)[4]
+        fmt = FORMATS[fname]
+        P = fmt.tokens_per_page
+        src, dst = layers(2, 4, fmt.page_bytes, 9), layers(2, 3, fmt.page_bytes, 10)
+        src0 = [t.clone() for t in src]
+        s_t, d_t = LayerTable(src, "source"), LayerTable(dst, "destination")
+        cpu = torch.device("cpu")
+        for k, (si, di) in pair_sets(4 * P, 3 * P, P, 11).items():
+            before = [t.clone() for t in dst]
+            launch_tokens(s_t.table(cpu), d_t.table(cpu), si, di, fmt, num_layers=2,
+                          src_stride=s_t.stride, dst_stride=d_t.stride,
+                          align=min(s_t.align, d_t.align), ctas=2,
+                          cfg=TokensConfig(tokens=16, num_warps=4, align_side=side))
+            assert_same(dst, expected_tokens(src, before, si, di, fmt), f"{k} side={side}")
         assert_same(src, src0, "source changed")
     elif name == "tokens_whole_pages_go_to_rows":
         fmt = FORMATS["c4_mla_64"]
