@@ -10,6 +10,7 @@ all clients. The same clients against a bare pyzmq ROUTER echo give the limit of
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -66,6 +67,10 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
         c.register(pools)
         row = c.alloc({"page": 1})["page"]
         items = {"c128_kv": ([3], row)}
+        # this process imported torch (the echo client did not): keep the cyclic GC from
+        # re-scanning it mid-run, as serving engines do after warm-up (the daemon does too)
+        gc.collect()
+        gc.freeze()
         out.put(_timed(lambda: c.wait_ack(c.backup(items)), ops, warmup, barrier))
         c.unregister()
     pools.close()
