@@ -146,7 +146,10 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
     lane = _lane(device, caller, cfg)
     c = _balanced(n, min(cfg.chunk_bytes // rb, lane.pos.numel()))
     kl = _balanced(L, cfg.chunk_bytes // (n * rb)) if c == n else 1
-    slab = c * rb
+    # one layer's slab of a staging buffer: a fixed share of it (512-B aligned) rather than
+    # c * rb, so the pointer tables are keyed by (buffer, layers) alone and their cache stays
+    # bounded however call sizes vary (cached tables are never freed: a kernel may read them)
+    slab = max(c * rb, cfg.chunk_bytes // kl // 512 * 512)
     pieces = _run_pieces(runs, host_idx, n, c)
     pos = lane.pos
     align = min(dev_tab.align, _pow2_align(rb, slab))
