@@ -237,3 +237,17 @@ def test_layer_table_caches_pointer_table():
     assert a is t.table(torch.device("cpu"))
     assert a.tolist() == [x.data_ptr() for x in t.layers]
     assert t.contiguous_rows() and t.rows == 2 and t.row_bytes == 32
+
+
+def test_tune_staged_variants_are_well_formed():
+    """The staged shapes ``bench transfer --tune`` sweeps (GPU only) are built by keyword: each
+    field holds the type it names, so a config that gains a field cannot shift the others."""
+    from hicache.bench.transfer import staged_variants
+    from hicache.kernels.rows import RowsConfig
+    from hicache.kernels.staged import StagedConfig
+
+    vs = staged_variants()
+    assert StagedConfig() in vs and len(set(vs)) == len(vs)
+    for v in vs:
+        assert isinstance(v.rows, RowsConfig)
+        assert all(type(x) is int and x > 0 for x in (v.chunk_bytes, v.buffers, v.dma_streams))

@@ -337,7 +337,7 @@ class _GpuBench:
         (Row zero-copy shapes were swept before: every shape with >= 32 KiB in flight per CTA
         sits on the same plateau at 4 CTAs.)"""
         torch = self.torch
-        from hicache.kernels import rows as R, staged as S, tokens as T
+        from hicache.kernels import staged as S, tokens as T
         from hicache.kernels.tables import TokenFormat
 
         stream = torch.cuda.Stream(self.dev)
@@ -360,11 +360,7 @@ class _GpuBench:
                     secs = self._time(fn, [stream])
                     self.tune.append(self._record("tune tokens c4", "tokens", direction, ctas,
                                                   f"zc T{cfg.tokens} w{cfg.num_warps}", nbytes, secs, None))
-        variants = [S.StagedConfig(32 << 20, 2, R.RowsConfig(2048, 64, 32)),
-                    S.StagedConfig(32 << 20, 3, R.RowsConfig(2048, 64, 32)),
-                    S.StagedConfig(32 << 20, 3, R.RowsConfig(2048, 16, 16)),
-                    S.StagedConfig(16 << 20, 3, R.RowsConfig(2048, 64, 32)),
-                    S.StagedConfig(64 << 20, 3, R.RowsConfig(2048, 64, 32))]
+        variants = staged_variants()
         for row_bytes, n in ((C4_ROW, 512), (SWA_ROW, 256)):
             dev_t, host_t = self._views(self.dev_arena, row_bytes), self._views(self.host_arena, row_bytes)
             dev_idx, host_idx = self._indices(dev_t.rows, n, True, 0)
@@ -383,7 +379,8 @@ class _GpuBench:
                         r = cfg.rows
                         self.tune.append(self._record(
                             f"tune staged {row_bytes}", "rows", direction, ctas,
-                            f"staged {cfg.chunk_bytes >> 20}MBx{cfg.buffers} g{r.pieces}w{r.num_warps}",
+                            f"staged {cfg.chunk_bytes >> 20}MBx{cfg.buffers} dma{cfg.dma_streams} "
+                            f"g{r.pieces}w{r.num_warps}",
                             nbytes, secs, None))
 
     def run(self) -> dict[str, Any]:
@@ -447,6 +444,17 @@ class _GpuBench:
                 g(lambda: self._case("swa page rows", "rows", SWA_ROW, 256, False, "peer", peer=peer))
             g(lambda: self._case("tokens 584 B contiguous", "rows", TOKEN584, 32768, False, "peer", peer=peer))
             g(lambda: self._both("c4 page rows", C4_ROW, 512, False, "peer", peer=peer))
+
+
+def staged_variants() -> list:
+    """The staged-path shapes ``--tune`` sweeps (keywords: the config gained fields)."""
+    from hicache.kernels.rows import RowsConfig
+    from hicache.kernels.staged import StagedConfig
+
+    wide, narrow = RowsConfig(2048, 64, 32), RowsConfig(2048, 16, 16)
+    return [StagedConfig(chunk_bytes=mb << 20, buffers=b, dma_streams=d, rows=r)
+            for mb, b, d, r in ((32, 3, 3, wide), (32, 3, 1, wide), (32, 2, 2, wide),
+                                (32, 3, 3, narrow), (16, 3, 3, wide), (64, 3, 3, wide))]
 
 
 def peer_name() -> str:
