@@ -14,9 +14,8 @@ reach 0.96-0.98 per direction and 0.95-0.99 of the both-directions limit togethe
 several streams (the first design) exceeded the CTA budget and lost 3-5% on H2D. Host issue
 time matters when two directions are issued at once, so the loop switches streams directly
 and uploads the staging pointer tables before the call (on the caller's stream, before the
-event both lane streams wait on). Chunks are balanced
-(equal rows per chunk) and span several layers when one layer's rows are smaller than a chunk,
-to keep the launches per call few.
+event both lane streams wait on). Chunks are balanced (equal rows per chunk) and span several
+layers when one layer's rows are smaller than a chunk, to keep the launches per call few.
 
 Worth it only when host rows come in runs (an allocator that hands out consecutive rows):
 ``plan_runs`` measures that and ``dispatch`` falls back to the zero-copy kernel otherwise.
@@ -58,7 +57,7 @@ class _Lane:
     their hand-over events (``filled``: the producer is done; ``free``: the consumer is done)
     and cached pointer tables."""
 
-    def __init__(self, device: torch.device, nbytes: int, buffers: int, dma_streams: int = 1):
+    def __init__(self, device: torch.device, nbytes: int, buffers: int, dma_streams: int):
         self.kernel = torch.cuda.Stream(device=device)
         self.dmas = [torch.cuda.Stream(device=device) for _ in range(dma_streams)]
         self.filled = [torch.cuda.Event() for _ in range(buffers)]
