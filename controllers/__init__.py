@@ -2,7 +2,7 @@
 
 Follow one BACKUP from the frame to the kernel:
 
-* ``server``          — ROUTER loop: decode (``hicache.protocol``), dispatch, reply, push acks,
+* ``server``          — ROUTER loop: decode (``hicache.core.protocol``), dispatch, reply, push acks,
   reap silent clients.
 * ``handlers``        — one function per command; validates everything, then acts.
 * ``state``           — daemon state and the life of an operation (start -> finish -> ack).

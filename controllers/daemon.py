@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from hicache.config import ServeConfig, check_address, check_curve, default_socket
-from hicache.errors import UsageError
+from hicache.core.config import ServeConfig, check_address, check_curve, default_socket
+from hicache.core.errors import UsageError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.host_pools.sizing import format_bytes, host_rows
-from hicache.metrics import Metrics
+from hicache.core.sizes import format_bytes, host_rows
+from hicache.controllers.metrics import Metrics
 
 from .registry import Registry
 from .server import Server
@@ -53,7 +53,7 @@ def _prepare_ipc(address: str) -> None:
 def _answers(address: str) -> bool:
     import zmq
 
-    from hicache import protocol as P
+    from hicache.core import protocol as P
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)

@@ -10,8 +10,6 @@ still used by an in-flight operation is released when that operation lets go of 
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import mmap
 import os
 import stat
@@ -19,8 +17,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hicache.layout import Layout, LayoutError
-from hicache.protocol import ProtocolError
+from hicache.core.ipc import decode_b64, device_uuid
+from hicache.core.layout import Layout, LayoutError
+from hicache.core.protocol import ProtocolError
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -34,16 +33,14 @@ def _int(h: Mapping[str, Any], k: str, where: str) -> int:
     return v
 
 
-def _b64(h: Mapping[str, Any], k: str, where: str, optional: bool = False) -> bytes | None:
+def _handle_bytes(h: Mapping[str, Any], k: str, where: str, optional: bool = False) -> bytes | None:
     v = h.get(k)
     if v is None and optional:
         return None
-    if not isinstance(v, str) or len(v) > 4096:
-        raise _bad(f"{where}: {k!r} must be a base64 string")
     try:
-        return base64.b64decode(v, validate=True)
-    except (binascii.Error, ValueError):
-        raise _bad(f"{where}: {k!r} is not valid base64") from None
+        return decode_b64(repr(k), v)
+    except ValueError as e:
+        raise _bad(f"{where}: {e}") from None
 
 
 class DeviceBuffers:
@@ -158,8 +155,6 @@ def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str
 
 # ----------------------------------------------------------------------------- GPU: CUDA IPC
 def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device) -> DeviceBuffers:
-    from hicache.device_pools import device_uuid
-
     my_uuid = device_uuid(device.index)
     decoded = []
     for name in layout.pools:
@@ -171,11 +166,11 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
             if my_uuid and uuid and uuid != my_uuid:
                 raise _bad(f"{where}: buffer is on GPU {uuid}, this daemon serves {my_uuid}")
             rec = dict(
-                handle=_b64(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
+                handle=_handle_bytes(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
                 storage_offset=_int(h, "storage_offset", where),
-                ref_counter=_b64(h, "ref_counter", where, optional=True),
+                ref_counter=_handle_bytes(h, "ref_counter", where, optional=True),
                 ref_counter_offset=_int(h, "ref_counter_offset", where),
-                event=_b64(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
+                event=_handle_bytes(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
                 offset=_int(h, "offset", where), rows=h["rows"], row_bytes=h["row_bytes"])
             if rec["offset"] + rec["rows"] * rec["row_bytes"] > rec["storage_bytes"]:
                 raise _bad(f"{where}: layer bytes run past the end of its storage")
@@ -205,7 +200,7 @@ def open_events(handles: Sequence[str], device: torch.device) -> list[Any]:
     """Interprocess CUDA events from base64 handles (the engine records them, we wait)."""
     out = []
     for i, h in enumerate(handles):
-        raw = _b64({"h": h}, "h", f"events[{i}]")
+        raw = _handle_bytes({"h": h}, "h", f"events[{i}]")
         try:
             out.append(torch.cuda.Event.from_ipc_handle(device, raw))
         except Exception as e:  # noqa: BLE001

@@ -12,11 +12,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hicache import __version__
+from hicache.core.version import __version__
 from hicache.host_pools.errors import PoolError, PoolExhausted
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
-from hicache.layout import Layout, LayoutError, PoolSpec
-from hicache.protocol import MAX_NAME_LEN, VERSION, ProtocolError
+from hicache.core.ipc import make_ipc_events
+from hicache.core.layout import Layout, LayoutError, PoolSpec
+from hicache.core.protocol import MAX_NAME_LEN, VERSION, ProtocolError
 
 from .device_buffers import open_buffers, open_events
 from .registry import ClientState, Worker
@@ -154,8 +155,6 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         events = open_events(events_h, st.device) if events_h else []
         load_events, load_handles = [], []
         if mode == "cuda":
-            from hicache.device_pools import make_ipc_events
-
             for _ in range(st.load_event_sets):
                 evs, hs = make_ipc_events(len(st.stage_layers), st.device)
                 load_events.append(evs)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.protocol import ProtocolError
+from hicache.core.protocol import ProtocolError
 
 from .device_buffers import DeviceBuffers
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import zmq
 
-from hicache import protocol as P
-from hicache.errors import UsageError
+from hicache.core import protocol as P
+from hicache.core.errors import UsageError
 
 from .handlers import HANDLERS
 from .registry import ClientState

@@ -23,8 +23,8 @@ import torch
 from hicache.host_pools.errors import PoolError
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
-from hicache.layout import Layout
-from hicache.metrics import Metrics
+from hicache.core.layout import Layout
+from hicache.controllers.metrics import Metrics
 
 from .registry import ClientState, Registry
 from .row_tracker import RowTracker

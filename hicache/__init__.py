@@ -9,7 +9,7 @@ checkout root is added to this package's search path so those names still resolv
 """
 import os as _os
 
-__version__ = "0.1.0"
+from hicache.core.version import __version__  # noqa: F401
 
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(

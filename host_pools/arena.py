@@ -39,7 +39,7 @@ import torch
 from .cuda_host import CudaHostRegistrar, HostRegistrar
 from .errors import ArenaError, CapacityError
 from .numa_node import Placement, plan_placement
-from .sizing import format_bytes
+from hicache.core.sizes import format_bytes
 
 log = logging.getLogger("hicache.host_pools")
 

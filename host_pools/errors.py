@@ -3,12 +3,15 @@
 * ``PoolError`` — base: a bad argument or a refused operation; state is unchanged by it.
 * ``PoolExhausted`` — not enough free rows in an index space (a normal, retryable refusal).
 * ``ArenaError`` — mapping, registration or use of a closed arena.
-* ``CapacityError`` — a size the machine cannot hold (also a ``UsageError``: the user fixes it).
+* ``CapacityError`` — a size the machine cannot hold: ``hicache.core.errors.CapacityError``
+  (a ``UsageError``), re-exported here because the arena raises it.
 * ``InvariantError`` — bookkeeping found inconsistent by ``check_invariants`` (a bug, not input).
 """
 from __future__ import annotations
 
-from hicache.errors import HicacheError, UsageError
+from hicache.core.errors import CapacityError, HicacheError
+
+__all__ = ["PoolError", "PoolExhausted", "ArenaError", "CapacityError", "InvariantError"]
 
 
 class PoolError(HicacheError):
@@ -21,10 +24,6 @@ class PoolExhausted(PoolError):
 
 class ArenaError(PoolError):
     """The pinned arena could not be mapped, registered or used."""
-
-
-class CapacityError(PoolError, UsageError):
-    """A requested host size does not fit the memory or budget available."""
 
 
 class InvariantError(PoolError):

@@ -26,13 +26,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hicache.layout import Layout
+from hicache.core.layout import Layout
 
 from .allocator import Owner, RowAllocator, RowsLike, check_owner
 from .arena import PinnedArena
 from .errors import PoolError, PoolExhausted
 from .paged_pool import BufferInfo, HostPool
-from .sizing import arena_bytes, check_rows, plan_regions, used_spaces
+from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
 
 
 class HostPoolGroup:

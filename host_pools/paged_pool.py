@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from hicache.layout import PoolSpec
+from hicache.core.layout import PoolSpec
 
 from .arena import PinnedArena
 from .errors import PoolError
-from .sizing import REGION_ALIGN, align_up
+from hicache.core.sizes import REGION_ALIGN, align_up
 
 BufferInfo = tuple[int, int, int]  # (ptr, nbytes, item_bytes)
 

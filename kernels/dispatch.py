@@ -27,7 +27,10 @@ from typing import Optional
 import torch
 
 from .reference import copy_rows_ref, copy_tokens_ref
+from .rows import launch_rows, pads_badly, rows_config
+from .staged import copy_rows_staged, plan_runs
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
+from .tokens import launch_tokens, tokens_config
 
 __all__ = ["copy_rows", "copy_tokens", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
@@ -131,7 +134,6 @@ def _check_ctas(ctas: int) -> int:
 
 def _staged_ok(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> Optional[torch.Tensor]:
     """Run starts when the staged path applies and pays off, else None."""
-    from .staged import plan_runs
 
     if src.is_cuda == dst.is_cuda or host_idx.is_cuda or host_idx.numel() == 0:
         return None
@@ -145,7 +147,6 @@ def _staged_ok(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> Opti
 
 
 def _staged_required(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> torch.Tensor:
-    from .staged import plan_runs
 
     if src.is_cuda == dst.is_cuda:
         raise TransferError("staged path needs one device and one host buffer")
@@ -186,7 +187,6 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
     kdev = device if device is not None else torch.device("cpu")
     with _stream_ctx(stream, device):
         if path == "staged":
-            from .staged import copy_rows_staged
             # only the device side's indices go to the GPU; the host side's plan the DMAs
             if src.is_cuda:
                 copy_rows_staged(src, dst, _to(src_idx, device), dst_idx, dst_idx, runs, ctas=ctas)
@@ -194,15 +194,25 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
                 copy_rows_staged(src, dst, src_idx, _to(dst_idx, device), src_idx, runs, ctas=ctas)
         else:
             s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
-            from .rows import launch_rows, rows_config
-            from .tokens import tokens_config
-            launch_rows(src.table(kdev), dst.table(kdev), s_idx, d_idx,
-                        num_layers=src.num_layers, row_bytes=src.row_bytes,
-                        src_stride=src.stride, dst_stride=dst.stride,
-                        align=min(src.align, dst.align), ctas=ctas,
-                        cfg=rows_config(src.is_cuda, dst.is_cuda),
-                        small_cfg=tokens_config(src.is_cuda, dst.is_cuda))
+            launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
     return "rows_" + path
+
+
+def launch_row_copy(src: LayerTable, dst: LayerTable, s_idx: torch.Tensor, d_idx: torch.Tensor,
+                    kdev: torch.device, ctas: int) -> None:
+    """The zero-copy row kernel for every layer of ``src``/``dst`` (indices already on
+    ``kdev``); rows that pad badly to a power of two go through the token kernel instead."""
+    cfg = rows_config(src.is_cuda, dst.is_cuda)
+    align = min(src.align, dst.align)
+    rb = src.row_bytes
+    if pads_badly(rb, cfg):
+        launch_tokens(src.table(kdev), dst.table(kdev), s_idx, d_idx, TokenFormat(1, rb, 0, rb, rb),
+                      num_layers=src.num_layers, src_stride=src.stride, dst_stride=dst.stride,
+                      align=align, ctas=ctas, cfg=tokens_config(src.is_cuda, dst.is_cuda))
+        return
+    launch_rows(src.table(kdev), dst.table(kdev), s_idx, d_idx, num_layers=src.num_layers,
+                row_bytes=rb, src_stride=src.stride, dst_stride=dst.stride, align=align,
+                ctas=ctas, cfg=cfg)
 
 
 def _whole_pages(tok: torch.Tensor, P: int) -> Optional[torch.Tensor]:
@@ -260,7 +270,6 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
         copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
-    from .tokens import launch_tokens, tokens_config
     with _stream_ctx(stream, device):
         s_tok, d_tok = _host_order(_to(src_tok, device), _to(dst_tok, device), src, dst)
         launch_tokens(src.table(kdev), dst.table(kdev), s_tok, d_tok, fmt,

@@ -9,34 +9,13 @@ CTA, which bound PCIe read throughput, are set by ``G * CH``.
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.lru_cache(maxsize=None)
-def runtime_loops() -> bool:
-    """Whether kernels may loop with runtime bounds (the persistent grid). Always on a GPU;
-    under TRITON_INTERPRET some Triton/NumPy pairs (3.6 with NumPy 2.x) cannot, and then the
-    launchers fall back to one step per program (same step code, no CTA budget)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return True
-    try:
-        out = torch.zeros(4, dtype=torch.int32)
-        _probe_loop[(2,)](out, 4)
-        return out.tolist() == [1, 1, 1, 1]
-    except Exception:
-        return False
-
-
-@triton.jit
-def _probe_loop(out, n):
-    for i in range(tl.program_id(0), n, tl.num_programs(0)):
-        tl.store(out + i, 1)
+from .grid import runtime_loops
 
 
 @dataclass(frozen=True)
@@ -92,29 +71,23 @@ def _rows_kernel(src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride
                    dst_stride, RB, PPR, CH, G, ALIGN, LOAD_CM, STORE_CM)
 
 
+def pads_badly(row_bytes: int, cfg: RowsConfig = RowsConfig()) -> bool:
+    """A small row that pads badly to a power of two (584 -> 1024): the token kernel moves it
+    better, as a power-of-two head plus a short tail (512 + 72)."""
+    return row_bytes < cfg.piece_bytes and 4 * row_bytes < 3 * triton.next_power_of_2(row_bytes)
+
+
 def launch_rows(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_idx: torch.Tensor,
                 dst_idx: torch.Tensor, *, num_layers: int, row_bytes: int, src_stride: int,
-                dst_stride: int, align: int, ctas: int, cfg: RowsConfig = RowsConfig(),
-                small_cfg: "TokensConfig | None" = None) -> None:
+                dst_stride: int, align: int, ctas: int, cfg: RowsConfig = RowsConfig()) -> None:
     """Launch one copy of ``len(src_idx)`` rows x ``num_layers`` layers on the current stream.
 
     Tables and indices must already sit on the device the kernel runs on (CPU under the
-    Triton interpreter); nothing is checked here (``dispatch`` does it). Small rows that pad
-    badly to a power of two go to the token kernel (launch shape ``small_cfg``).
+    Triton interpreter); nothing is checked here (``dispatch`` does it, and sends small rows
+    that ``pads_badly`` to the token kernel).
     """
     n = int(src_idx.numel())
     if n == 0 or num_layers == 0:
-        return
-    if row_bytes < cfg.piece_bytes and 4 * row_bytes < 3 * triton.next_power_of_2(row_bytes):
-        # a small row that pads badly to a power of two (584 -> 1024): the token kernel moves
-        # it as a power-of-two head plus a short tail (512 + 72)
-        from .tables import TokenFormat
-        from .tokens import TokensConfig, launch_tokens
-
-        fmt = TokenFormat(1, row_bytes, 0, row_bytes, row_bytes)
-        launch_tokens(src_tab, dst_tab, src_idx, dst_idx, fmt, num_layers=num_layers,
-                      src_stride=src_stride, dst_stride=dst_stride, align=align, ctas=ctas,
-                      cfg=small_cfg or TokensConfig())
         return
     ch = min(cfg.piece_bytes, triton.next_power_of_2(row_bytes))
     ppr = triton.cdiv(row_bytes, ch)

@@ -61,7 +61,7 @@ class TokenFormat:
 
     @classmethod
     def from_spec(cls, spec: object) -> "TokenFormat":
-        """From anything with the ``PoolSpec`` attributes of ``hicache.layout``."""
+        """From anything with the ``PoolSpec`` attributes of ``hicache.core.layout``."""
         return cls(int(spec.tokens_per_page), int(spec.value_bytes), int(spec.scale_bytes),
                    int(spec.scale_offset), int(spec.page_bytes))
 

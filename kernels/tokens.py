@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import runtime_loops
+from .grid import runtime_loops
 from .tables import TokenFormat, _pow2_align
 
 

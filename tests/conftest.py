@@ -9,8 +9,8 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 
 ``shared_daemon`` is the same default daemon shared by a whole test module.
 
-``DaemonProcess`` is ``hicache.daemon_process.DaemonProcess``: ``.address``, ``.metrics_port``,
-``.proc``, ``.output()`` (stdout+stderr so far), ``.client(**kw)`` (a ``hicache.client.Client``),
+``DaemonProcess`` is ``hicache.engine.daemon_process.DaemonProcess``: ``.address``, ``.metrics_port``,
+``.proc``, ``.output()`` (stdout+stderr so far), ``.client(**kw)`` (a ``hicache.engine.client.Client``),
 ``.stop(sig=SIGTERM) -> returncode``.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from hicache.daemon_process import DaemonProcess
+from hicache.engine.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = "page=8,swa_page=4,req_slot=4"

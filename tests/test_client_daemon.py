@@ -17,13 +17,13 @@ import pytest
 import torch
 import zmq
 
-from hicache import protocol as P
-from hicache.client import Client, CommandRefused, DaemonUnreachable
-from hicache.device_pools import DevicePools
-from hicache.errors import UsageError
+from hicache.core import protocol as P
+from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
+from hicache.engine.device_pools import DevicePools
+from hicache.core.errors import UsageError
 from hicache.kernels.reference import copy_tokens_ref
 from hicache.kernels.tables import TokenFormat
-from hicache.layout import build_layout, preset
+from hicache.core.layout import build_layout, preset
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
 FLASH = build_layout(preset("dsv4-flash"))
@@ -364,7 +364,7 @@ def test_shutdown_command(daemon_factory):
 
 # ----------------------------------------------------------------------------- serve config
 def test_serve_refuses_bad_addresses_and_settings(tmp_path):
-    from hicache.config import check_address, load_config
+    from hicache.core.config import check_address, load_config
 
     assert check_address("tcp://127.0.0.1:5555") == "tcp"
     assert check_address("tcp://[::1]:5555") == "tcp"

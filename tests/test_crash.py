@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from hicache.bench.soak import crash_clients, crash_daemon
-from hicache.fuzzing import DaemonRunner, private_address
+from hicache.fuzz.runner import DaemonRunner, private_address
 
 
 @pytest.fixture

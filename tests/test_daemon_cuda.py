@@ -24,10 +24,10 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from hicache.device_pools import DevicePools  # noqa: E402
+from hicache.engine.device_pools import DevicePools  # noqa: E402
 from hicache.kernels.reference import copy_tokens_ref  # noqa: E402
 from hicache.kernels.tables import TokenFormat  # noqa: E402
-from hicache.layout import build_layout, preset  # noqa: E402
+from hicache.core.layout import build_layout, preset  # noqa: E402
 
 ROWS = {"page": 64, "swa_page": 16, "req_slot": 8}
 ROWS_ARG = "page=64,swa_page=16,req_slot=8"
@@ -144,8 +144,8 @@ def test_token_granular_and_request_swap_on_gpu(gpu):
 
 
 def test_expandable_segments_are_refused_clearly():
-    code = ("import torch; from hicache.device_pools import DevicePools; "
-            "from hicache.layout import build_layout, preset; "
+    code = ("import torch; from hicache.engine.device_pools import DevicePools; "
+            "from hicache.core.layout import build_layout, preset; "
             "DevicePools(build_layout(preset('dsv4-tiny')), "
             "{'page': 2, 'swa_page': 2, 'req_slot': 2}, device='cuda:0')")
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")

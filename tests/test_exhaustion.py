@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hicache.bench.soak import RadixWorker
-from hicache.client import Client, CommandRefused
-from hicache.fuzzing import DaemonRunner, ShmBuffers, daemon_check, metric_total, private_address
-from hicache.layout import build_layout, preset
+from hicache.engine.client import Client, CommandRefused
+from hicache.fuzz.runner import DaemonRunner, ShmBuffers, daemon_check, metric_total, private_address
+from hicache.core.layout import build_layout, preset
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DEVICE = "page=8,swa_page=8,req_slot=4"  # x --host-ratio 0.25: host rows 2, 2 and 1

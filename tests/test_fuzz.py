@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache import protocol as P
-from hicache.fuzzing import DaemonRunner, Hostile, RawPeer, daemon_check, private_address, run_fuzz
+from hicache.core import protocol as P
+from hicache.fuzz.runner import DaemonRunner, Hostile, RawPeer, daemon_check, private_address, run_fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_any_header_gets_an_answer(runner, prop_peer, cmd, fields, frames):
 
 
 def test_property_run_left_daemon_consistent(runner, prop_peer):
-    from hicache.client import Client
+    from hicache.engine.client import Client
 
     with Client(runner.address, timeout=10) as c:
         chk = daemon_check(c)

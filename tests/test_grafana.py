@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from hicache.metrics import CATALOG, Metrics
-from hicache.simulator import DEMO_CATALOG, DemoMetrics
+from hicache.controllers.metrics import CATALOG, Metrics
+from hicache.sim.simulator import DEMO_CATALOG, DemoMetrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(HERE, "..", "grafana", "dashboard.json")

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from hicache import protocol as P
-from hicache.client import Client, DaemonUnreachable
-from hicache.config import check_address
-from hicache.errors import UsageError
-from hicache.fuzzing import DaemonRunner, RawPeer, ShmBuffers, private_address
-from hicache.layout import build_layout, preset
+from hicache.core import protocol as P
+from hicache.engine.client import Client, DaemonUnreachable
+from hicache.core.config import check_address
+from hicache.core.errors import UsageError
+from hicache.fuzz.runner import DaemonRunner, RawPeer, ShmBuffers, private_address
+from hicache.core.layout import build_layout, preset
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = {"page": 8, "swa_page": 4, "req_slot": 4}
@@ -316,7 +316,7 @@ def test_client_table_is_bounded(shared):
 
 def test_nothing_received_is_unpickled_or_evaluated():
     pat = re.compile(r"\b(pickle|marshal|shelve|dill)\b|\beval\(|\bexec\(|yaml\.load\(")
-    files = [ROOT / "hicache" / "protocol.py", ROOT / "hicache" / "client.py",
+    files = [ROOT / "hicache" / "core" / "protocol.py", ROOT / "hicache" / "engine" / "client.py",
              *sorted((ROOT / "controllers").glob("*.py"))]
     hits = [f"{f.name}:{i + 1}: {line.strip()}" for f in files
             for i, line in enumerate(f.read_text().splitlines()) if pat.search(line)]

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hicache.errors import UsageError
+from hicache.core.errors import UsageError
 from hicache.host_pools import arena as arena_mod
 from hicache.host_pools import numa_node
 from hicache.host_pools.arena import PAGE, PinnedArena, chunk_plan
@@ -105,7 +105,7 @@ def test_refuses_more_than_available():
     avail = psutil.virtual_memory().available
     with pytest.raises(CapacityError, match="available") as e:
         PinnedArena(avail + (1 << 30), None)
-    assert isinstance(e.value, UsageError) and isinstance(e.value, PoolError)
+    assert isinstance(e.value, UsageError)  # a user-fixable size, reported as one line
     with pytest.raises(CapacityError, match="reserve"):  # the reserve counts too
         PinnedArena(MiB, None, reserve_bytes=avail)
 

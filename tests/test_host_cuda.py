@@ -9,7 +9,7 @@ import torch
 from hicache.host_pools.arena import PinnedArena
 from hicache.host_pools.errors import ArenaError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.layout import build_layout, preset
+from hicache.core.layout import build_layout, preset
 
 pytestmark = [
     pytest.mark.cuda,

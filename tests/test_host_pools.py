@@ -8,13 +8,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.errors import UsageError
+from hicache.core.errors import UsageError
 from hicache.host_pools.allocator import RowAllocator
 from hicache.host_pools.errors import CapacityError, InvariantError, PoolError, PoolExhausted
 from hicache.host_pools.group import HostPoolGroup
-from hicache.host_pools.sizing import (REGION_ALIGN, arena_bytes, format_bytes, host_rows,
+from hicache.core.sizes import (REGION_ALIGN, arena_bytes, format_bytes, host_rows,
                                        parse_bytes, plan_regions)
-from hicache.layout import INDEX_SPACES, build_layout, preset
+from hicache.core.layout import INDEX_SPACES, build_layout, preset
 
 A, B = ("a", None), ("b", "r1")
 TINY = preset("dsv4-tiny")

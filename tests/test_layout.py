@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.layout import (
+from hicache.core.layout import (
     INDEX_SPACES, Layout, LayoutError, ModelSpec, PRESETS, StageMap, all_stages, build_layout,
     check_bounds, load_model, mla_page_bytes, model_from_hf_config, preset, stage_bounds,
 )

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.device_pools import DevicePools
-from hicache.layout import build_layout, preset
-from hicache.metrics import CATALOG, LATENCY_BUCKETS, Metrics, markdown
+from hicache.engine.device_pools import DevicePools
+from hicache.core.layout import build_layout, preset
+from hicache.controllers.metrics import CATALOG, LATENCY_BUCKETS, Metrics, markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from hicache.cli import main
-from hicache.errors import UsageError
-from hicache.host_pools.sizing import arena_bytes
-from hicache.layout import build_layout, preset
-from hicache.planner import (
+from hicache.core.errors import UsageError
+from hicache.core.sizes import arena_bytes
+from hicache.core.layout import build_layout, preset
+from hicache.core.planner import (
     PlanInputs, capacity_pages, fixed_bytes_per_request, host_rows, one_request_bytes,
     page_cost, parse_bounds, parse_count, parse_fraction, parse_size, plan, request_slots,
 )

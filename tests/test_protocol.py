@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache import protocol as P
+from hicache.core import protocol as P
 
 
 def codes(frames) -> str:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from hicache.hooks import HostExhausted, HostUnavailable, TransferFailed
-from hicache.radix import DeviceFull, RadixTree, RowFreeList
+from hicache.engine.hooks import HostExhausted, HostUnavailable, TransferFailed
+from hicache.engine.radix import DeviceFull, RadixTree, RowFreeList
 
 
 class FakeHooks:

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from hicache.hooks import ClientHooks, HostExhausted, HostUnavailable
-from hicache.layout import build_layout, preset
-from hicache.page_content import PageContent
-from hicache.radix import RadixTree
-from hicache.simulator import Worker, WorkerConfig
-from hicache.workload import multi_turn
+from hicache.engine.hooks import ClientHooks, HostExhausted, HostUnavailable
+from hicache.core.layout import build_layout, preset
+from hicache.sim.page_content import PageContent
+from hicache.engine.radix import RadixTree
+from hicache.sim.simulator import Worker, WorkerConfig
+from hicache.sim.workload import multi_turn
 
 TINY_ROWS = "page=16,swa_page=16,req_slot=4"
 
@@ -76,7 +76,7 @@ def test_worker_against_daemon_loads_and_verifies(daemon_factory):
 def test_client_hooks_round_trip_and_exhaustion(daemon_factory):
     d = tiny_daemon(daemon_factory, ratio="0.5")  # 8 host pages per space
     layout = build_layout(preset("dsv4-tiny"))
-    from hicache.device_pools import DevicePools
+    from hicache.engine.device_pools import DevicePools
 
     pools = DevicePools(layout, {"page": 16, "swa_page": 16, "req_slot": 4})
     pc = PageContent(layout)
@@ -134,7 +134,7 @@ def test_dead_daemon_falls_back_to_recompute_without_hanging(daemon_factory):
 def test_tree_drops_pages_when_daemon_pool_is_smaller_than_told(daemon_factory):
     d = tiny_daemon(daemon_factory, ratio="0.25")  # 4 host pages, the tree believes 64
     layout = build_layout(preset("dsv4-tiny"))
-    from hicache.device_pools import DevicePools
+    from hicache.engine.device_pools import DevicePools
 
     pools = DevicePools(layout, {"page": 16, "swa_page": 16, "req_slot": 4})
     try:
@@ -155,7 +155,7 @@ def test_tree_drops_pages_when_daemon_pool_is_smaller_than_told(daemon_factory):
 
 
 def test_hooks_report_unreachable_daemon():
-    from hicache.client import Client
+    from hicache.engine.client import Client
 
     with Client("ipc:///tmp/hicache-test-nobody-here.sock", timeout=0.3) as c:
         hooks = ClientHooks(c, ["page"])

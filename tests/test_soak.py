@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from hicache.bench.soak import SOAK_DAEMON_ROWS, run_soak
-from hicache.fuzzing import DaemonRunner, daemon_check, private_address
+from hicache.fuzz.runner import DaemonRunner, daemon_check, private_address
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_short_soak_no_lost_acks_no_corruption():
     r.start()
     try:
         rep = run_soak(addr, 3, 500, seed=4, window=4, quota=40, rss=r.rss)
-        from hicache.client import Client
+        from hicache.engine.client import Client
 
         with Client(addr, timeout=10) as c:  # every client unregistered: nothing left in use
             chk = daemon_check(c, {"page": 0, "swa_page": 0, "req_slot": 0})

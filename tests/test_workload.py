@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from hicache.errors import UsageError
-from hicache.workload import multi_turn, read_trace
+from hicache.core.errors import UsageError
+from hicache.sim.workload import multi_turn, read_trace
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                      "synthetic_trace.jsonl")

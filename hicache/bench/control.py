@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from hicache.daemon_process import DaemonProcess
+from hicache.engine.daemon_process import DaemonProcess
 
 TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
 # The bare echo the targets were set against (issue #5, a 2-core machine): the targets are
@@ -57,9 +57,9 @@ def _timed(step: Any, ops: int, warmup: int, barrier: Any) -> tuple[list[int], f
 
 
 def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
-    from hicache.client import Client
-    from hicache.device_pools import DevicePools
-    from hicache.layout import build_layout, preset
+    from hicache.engine.client import Client
+    from hicache.engine.device_pools import DevicePools
+    from hicache.core.layout import build_layout, preset
 
     pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
                                                               "req_slot": 4})
@@ -171,7 +171,7 @@ def _vs_echo(rows: list[dict[str, Any]], echo: list[dict[str, Any]]) -> list[dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache.errors import UsageError
+    from hicache.core.errors import UsageError
 
     try:
         counts = [int(x) for x in str(args.clients).split(",") if x.strip()]

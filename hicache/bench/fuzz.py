@@ -1,7 +1,7 @@
 """``hicache bench fuzz``: malformed and hostile messages against a live CPU-mode daemon.
 
 Starts a daemon subprocess (CPU mode, ``--preset``, small pools) on a private ipc socket, then
-``hicache.fuzzing.run_fuzz``: a victim backs up rows with known content, an attacker, an
+``hicache.fuzz.runner.run_fuzz``: a victim backs up rows with known content, an attacker, an
 unregistered stranger and an unregistered-again ghost send ``--messages`` hostile messages
 (random bytes, truncated and extra frames, wrong types, huge counts, negative, duplicate and
 out-of-range ids, unknown pools, mismatched lengths, double frees, use after free, commands
@@ -39,9 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache.errors import UsageError
-    from hicache.fuzzing import DaemonRunner, private_address, run_fuzz
-    from hicache.layout import build_layout, preset
+    from hicache.core.errors import UsageError
+    from hicache.fuzz.runner import DaemonRunner, private_address, run_fuzz
+    from hicache.core.layout import build_layout, preset
 
     if args.messages < 1 or args.reply_timeout <= 0:
         raise UsageError("--messages must be positive and --reply-timeout above 0")

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from hicache.errors import UsageError
+from hicache.core.errors import UsageError
 
 GiB = 1 << 30
 
@@ -93,7 +93,7 @@ def _torch_pin(size: int, device_index: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from hicache.host_pools.arena import PinnedArena, available_bytes, default_reserve
-    from hicache.host_pools.sizing import format_bytes, parse_bytes
+    from hicache.core.sizes import format_bytes, parse_bytes
 
     size = parse_bytes(args.size)
     chunk = parse_bytes(args.chunk)

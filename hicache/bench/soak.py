@@ -72,9 +72,9 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
                  max_rows: int, window: int, quota: int, counter: Any, go: Any, release: Any,
                  out: Any) -> None:
     """One soak client process (see the module docstring); puts its counters on ``out``."""
-    from hicache.client import AckTimeout, Client, CommandRefused, DaemonUnreachable
-    from hicache.fuzzing import Pattern, ShmBuffers, mix64
-    from hicache.layout import INDEX_SPACES, build_layout, preset
+    from hicache.engine.client import AckTimeout, Client, CommandRefused, DaemonUnreachable
+    from hicache.fuzz.runner import Pattern, ShmBuffers, mix64
+    from hicache.core.layout import INDEX_SPACES, build_layout, preset
 
     layout = build_layout(preset(preset_name))
     space = unit if unit in INDEX_SPACES else layout.pool(unit).index
@@ -283,9 +283,9 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
 def crash_child() -> None:
     """Entry of a client process that is killed on purpose: register, allocate, print
     ``ready <shm path>``, then stream backups and loads until killed (at most 120 s)."""
-    from hicache.client import Client
-    from hicache.fuzzing import Pattern, ShmBuffers, mix64
-    from hicache.layout import build_layout, preset
+    from hicache.engine.client import Client
+    from hicache.fuzz.runner import Pattern, ShmBuffers, mix64
+    from hicache.core.layout import build_layout, preset
 
     address, preset_name, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     layout = build_layout(preset(preset_name))
@@ -319,8 +319,8 @@ def crash_clients(runner: Any, n: int, *, heartbeat_timeout: float, seed: int = 
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Kill ``n`` busy clients with SIGKILL; see the module docstring. ``runner``: the
     ``DaemonRunner`` (started with that heartbeat timeout)."""
-    from hicache.fuzzing import Victim, daemon_check
-    from hicache.layout import build_layout, preset
+    from hicache.fuzz.runner import Victim, daemon_check
+    from hicache.core.layout import build_layout, preset
 
     layout = build_layout(preset(preset_name))
     rng = random.Random(seed)
@@ -433,10 +433,10 @@ class RadixWorker:
 
     def __init__(self, address: str, layout: Any, call_timeout: float, seed: int,
                  pages: int = 8) -> None:
-        from hicache.client import Client
-        from hicache.fuzzing import Pattern, ShmBuffers
-        from hicache.hooks import ClientHooks
-        from hicache.radix import RadixTree
+        from hicache.engine.client import Client
+        from hicache.fuzz.runner import Pattern, ShmBuffers
+        from hicache.engine.hooks import ClientHooks
+        from hicache.engine.radix import RadixTree
 
         self.spaces = [s for s in ("page", "swa_page") if layout.space_pools(s)]
         self.pages = pages
@@ -457,7 +457,7 @@ class RadixWorker:
         self.client.register(**self.bufs.register_fields())
 
     def _salts(self, keys: list[Any]) -> list[int]:
-        from hicache.fuzzing import mix64
+        from hicache.fuzz.runner import mix64
 
         return [mix64(self.seed, hash(k) & 0xFFFFFFFF) for k in keys]
 
@@ -522,7 +522,7 @@ def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Kill the daemon ``n`` times under a working radix worker; see the module docstring.
     ``runner`` must not be running yet (it is started, killed and restarted here)."""
-    from hicache.layout import build_layout, preset
+    from hicache.core.layout import build_layout, preset
 
     layout = build_layout(preset(preset_name))
     calls = over = wrong = 0
@@ -600,8 +600,8 @@ def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 
 
 # ============================================================================ command line
 def run(args: argparse.Namespace) -> int:
-    from hicache.errors import UsageError
-    from hicache.fuzzing import DaemonRunner, private_address
+    from hicache.core.errors import UsageError
+    from hicache.fuzz.runner import DaemonRunner, private_address
 
     if args.crash_clients < 0 or args.crash_daemon < 0 or (args.crash_clients and args.crash_daemon):
         raise UsageError("give at most one of --crash-clients N and --crash-daemon N")
@@ -609,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
             or not 0 <= args.warmup < 1:
         raise UsageError("--clients, --ops, --window, --max-rows must be positive; "
                          "--warmup in [0, 1)")
-    from hicache.layout import INDEX_SPACES, LayoutError, build_layout, preset
+    from hicache.core.layout import INDEX_SPACES, LayoutError, build_layout, preset
 
     layout = build_layout(preset(args.preset))
     try:

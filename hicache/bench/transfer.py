@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from hicache.errors import UsageError
+from hicache.core.errors import UsageError
 
 BUDGETS = (1, 2, 4, 8, 16, 0)  # 0 = all SMs
 C4_ROW, SWA_ROW, STATE_ROW, TOKEN584 = 37_440, 149_760, 65_536, 584

@@ -1,7 +1,7 @@
 """``hicache plan``: token capacity per pipeline stage, device and host pool rows.
 
 Every value is read as a string and checked here, so a bad one ends as one ``UsageError`` line
-(exit 2) instead of argparse's usage block. See ``hicache.planner`` for the rules.
+(exit 2) instead of argparse's usage block. See ``hicache.core.planner`` for the rules.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import json
 import re
 import sys
 
-from hicache.errors import UsageError
-from hicache.layout import PRESETS, load_model
-from hicache.planner import (
+from hicache.core.errors import UsageError
+from hicache.core.layout import PRESETS, load_model
+from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
     parse_bounds, parse_count, parse_fraction, parse_size, plan,
 )

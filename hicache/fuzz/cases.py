@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hicache import protocol as P
-from hicache.layout import Layout
+from hicache.core import protocol as P
+from hicache.core.layout import Layout
 
 
 @dataclass

@@ -8,8 +8,8 @@
 * ``daemon_check(client)`` — the invariant checks through ``stats`` (what any test can ask).
 
 The parts live in their own modules and are re-exported here, so callers import from
-``hicache.fuzzing`` only: ``hicache.fuzz_peers`` (``ShmBuffers``, ``Pattern``, ``mix64``,
-``RawPeer``, ``Victim``), ``hicache.fuzz_messages`` (``Hostile``), ``hicache.fuzz_cases``
+``hicache.fuzz.runner`` only: ``hicache.fuzz.peers`` (``ShmBuffers``, ``Pattern``, ``mix64``,
+``RawPeer``, ``Victim``), ``hicache.fuzz.messages`` (``Hostile``), ``hicache.fuzz.cases``
 (``Case``, ``World``, ``Deferred``).
 
 Nothing here is imported by the daemon; everything talks to it through the wire protocol.
@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from hicache.daemon_process import DaemonProcess
-from hicache.fuzz_cases import Case, Deferred, World
-from hicache.fuzz_messages import Hostile
-from hicache.fuzz_peers import ALIGN, Pattern, RawPeer, ShmBuffers, Victim, _space_rows, mix64
-from hicache.layout import Layout, build_layout, preset
+from hicache.engine.daemon_process import DaemonProcess
+from hicache.fuzz.cases import Case, Deferred, World
+from hicache.fuzz.messages import Hostile
+from hicache.fuzz.peers import ALIGN, Pattern, RawPeer, ShmBuffers, Victim, _space_rows, mix64
+from hicache.core.layout import Layout, build_layout, preset
 
 __all__ = ["ALIGN", "ROOT", "Case", "DaemonRunner", "Deferred", "Hostile", "Pattern", "RawPeer",
            "ShmBuffers", "Victim", "World", "daemon_check", "metric_total", "mix64",
@@ -70,7 +70,7 @@ def daemon_check(client: Any, expect_used: Mapping[str, int] | None = None) -> d
     ``expect_used``; nothing pending a free; ``stats`` with ``check`` runs the pool group's
     ``check_invariants`` (free and owned rows partition each space, owner counts exact) when
     the daemon offers it. Returns {"ok": bool, "problems": [...], "spaces": ..., "deep": ...}."""
-    from hicache.client import CommandRefused
+    from hicache.engine.client import CommandRefused
 
     problems: list[str] = []
     deep: Any = "unavailable"

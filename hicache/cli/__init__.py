@@ -10,13 +10,13 @@ import importlib
 import sys
 from typing import Sequence
 
-from hicache.errors import UsageError
-from hicache.layout import LayoutError
+from hicache.core.errors import UsageError
+from hicache.core.layout import LayoutError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("hicache.planner_cli", "capacity plan: tokens that fit per stage, device and host pools"),
-    "serve": ("hicache.serve_cli", "run the per-GPU host-offload daemon"),
-    "demo": ("hicache.demo", "daemon + simulated DSV4 worker replaying a multi-turn workload"),
+    "plan": ("hicache.cli.plan", "capacity plan: tokens that fit per stage, device and host pools"),
+    "serve": ("hicache.cli.serve", "run the per-GPU host-offload daemon"),
+    "demo": ("hicache.sim.demo", "daemon + simulated DSV4 worker replaying a multi-turn workload"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "pin": ("hicache.bench.pin", "bring up the pinned host arena vs torch's pinned allocator"),

@@ -1,6 +1,6 @@
 """The tier hooks: how a radix tree asks a host tier to allocate, back up, load and free pages.
 
-Contract. A tree (``hicache.radix.RadixTree``, or an engine's own radix cache) never talks to
+Contract. A tree (``hicache.engine.radix.RadixTree``, or an engine's own radix cache) never talks to
 the daemon directly; it calls one object with these verbs, one radix page per element:
 
 * ``host_alloc(n) -> list[handle]`` — ``n`` host page handles, all or none. A handle is opaque
@@ -18,7 +18,7 @@ Failures the tree understands (and nothing else):
   host tier as empty and recomputes (never retries forever, never hangs).
 * ``TransferFailed`` — one transfer failed; its pages' host copies are not trusted.
 
-``ClientHooks`` implements the verbs on ``hicache.client.Client``: one host handle is a tuple
+``ClientHooks`` implements the verbs on ``hicache.engine.client.Client``: one host handle is a tuple
 of host rows, one per index space a radix page uses (``page``, plus ``swa_page`` in paged SWA
 mode), allocated together; a backup or load is one command with one item per space.
 """
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from hicache.errors import HicacheError
+from hicache.core.errors import HicacheError
 
 
 class HostTierError(HicacheError):
@@ -89,7 +89,7 @@ class HookStats:
 
 
 class ClientHooks:
-    """``TierHooks`` over a registered ``hicache.client.Client`` (see the module docstring).
+    """``TierHooks`` over a registered ``hicache.engine.client.Client`` (see the module docstring).
 
     ``spaces``: the index spaces one radix page uses, e.g. ``("page", "swa_page")``; device row
     ``r`` of a page is row ``r`` in every one of them. ``wait_event`` (GPU): index of the
@@ -112,8 +112,8 @@ class ClientHooks:
 
     # errors: translate the client's exceptions into the three the tree understands
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        from hicache.client import (AckTimeout, CommandRefused, DaemonUnreachable)
-        from hicache.client import TransferFailed as ClientTransferFailed
+        from hicache.engine.client import (AckTimeout, CommandRefused, DaemonUnreachable)
+        from hicache.engine.client import TransferFailed as ClientTransferFailed
 
         try:
             return fn(*args, **kw)
@@ -182,7 +182,7 @@ class ClientHooks:
 
     def done(self, ticket: Ticket) -> bool:
         """Non-blocking: reads acks that already arrived, never waits for one."""
-        from hicache.client import AckTimeout
+        from hicache.engine.client import AckTimeout
 
         if ticket.ack is not None:
             return True

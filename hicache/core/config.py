@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from hicache.errors import UsageError
-from hicache.layout import INDEX_SPACES
+from hicache.core.errors import UsageError
+from hicache.core.layout import INDEX_SPACES
 
 ENV_PREFIX = "HICACHE_"
 
@@ -61,8 +61,8 @@ class ServeConfig:
     def cuda_index(self) -> int | None:
         return None if self.device == "cpu" else int(self.device.split(":")[1])
 
-    def layout(self):  # -> hicache.layout.Layout
-        from hicache.layout import build_layout, load_model
+    def layout(self):  # -> hicache.core.layout.Layout
+        from hicache.core.layout import build_layout, load_model
 
         if self.preset is None and self.model_config is None:
             raise UsageError("no model given: use --preset NAME or --config config.json")
@@ -118,7 +118,7 @@ def parse_device_rows(v: Any) -> dict[str, int]:
 
 
 def _parse_bytes(v: Any) -> int:
-    from hicache.host_pools.sizing import parse_bytes
+    from hicache.core.sizes import parse_bytes
 
     n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v))
     if n <= 0:

@@ -124,8 +124,8 @@ class DaemonProcess:
         return text[-tail:] if tail else text
 
     def client(self, **kw: Any) -> Any:
-        """A ``hicache.client.Client`` on the daemon's address (``timeout`` 10 s by default)."""
-        from hicache.client import Client
+        """A ``hicache.engine.client.Client`` on the daemon's address (``timeout`` 10 s by default)."""
+        from hicache.engine.client import Client
 
         kw.setdefault("timeout", 10.0)
         return Client(self.address, **kw)
@@ -170,7 +170,7 @@ class DaemonProcess:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        from hicache.client import Client, DaemonUnreachable
+        from hicache.engine.client import Client, DaemonUnreachable
 
         assert self.proc is not None
         kw = {"name": "ready-probe", **self.probe_kw}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.layout import Layout
+from hicache.core.layout import Layout
 
 _WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64

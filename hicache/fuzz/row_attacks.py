@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hicache import protocol as P
-from hicache.fuzz_cases import (BAD_FIELD, BAD_ROWS, INT64_MAX, INT64_MIN, NOT_OWNER, NOT_REG,
+from hicache.core import protocol as P
+from hicache.fuzz.cases import (BAD_FIELD, BAD_ROWS, INT64_MAX, INT64_MIN, NOT_OWNER, NOT_REG,
                                 Case, Deferred, MessageBuilder, _ids)
 
 

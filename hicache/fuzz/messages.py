@@ -11,9 +11,9 @@ import random
 import secrets
 from typing import Any, Sequence
 
-from hicache import protocol as P
-from hicache.fuzz_cases import BAD_FIELD, BAD_FRAME, NOT_REG, Case, E, World, _ids, _json
-from hicache.fuzz_row_attacks import RowAttacks
+from hicache.core import protocol as P
+from hicache.fuzz.cases import BAD_FIELD, BAD_FRAME, NOT_REG, Case, E, World, _ids, _json
+from hicache.fuzz.row_attacks import RowAttacks
 
 
 class Hostile(RowAttacks):

@@ -1,7 +1,7 @@
 """``hicache demo``: a daemon and a simulated DSV4 worker replaying a multi-turn workload.
 
 Starts ``hicache serve`` in a subprocess (CPU mode without a GPU) on a private ipc socket with
-a metrics port, runs ``hicache.simulator.Worker`` against it over a workload (the built-in
+a metrics port, runs ``hicache.sim.simulator.Worker`` against it over a workload (the built-in
 multi-turn generator, or ``--trace FILE`` in the Mooncake format), verifies every byte read
 from the cache, and reports hits by tier against a device-only replay, bytes moved, GB/s and
 latencies. ``--json`` prints one JSON object on stdout; progress goes to stderr. Exit status 0
@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any
 
-from hicache.daemon_process import DaemonProcess
-from hicache.errors import UsageError
-from hicache.radix import POLICIES
+from hicache.engine.daemon_process import DaemonProcess
+from hicache.core.errors import UsageError
+from hicache.engine.radix import POLICIES
 
 GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8}
 TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16}
@@ -91,9 +91,9 @@ def _gib(n: float) -> str:
 
 def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     """Workload, worker config and a one-line description; UsageError on bad flags."""
-    from hicache.layout import PRESETS
-    from hicache.simulator import WorkerConfig
-    from hicache.workload import multi_turn, read_trace
+    from hicache.core.layout import PRESETS
+    from hicache.sim.simulator import WorkerConfig
+    from hicache.sim.workload import multi_turn, read_trace
 
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
@@ -232,8 +232,8 @@ def _human(s: dict[str, Any], what: str) -> str:
 # ------------------------------------------------------------------------------ entry point
 def run(args: argparse.Namespace) -> int:
     reqs, cfg, what = _resolve(args)
-    from hicache.client import Client
-    from hicache.simulator import DemoMetrics, Worker
+    from hicache.engine.client import Client
+    from hicache.sim.simulator import DemoMetrics, Worker
 
     if cfg.device == "cpu" and (os.cpu_count() or 1) <= 4:
         import torch

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-from hicache.errors import UsageError
+from hicache.core.errors import UsageError
 
 PAGE_TOKENS = 256
 TRACE_BLOCK_TOKENS = 512

@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import base64
 import mmap
 import os
 import secrets
@@ -26,113 +25,14 @@ from typing import Any, Mapping
 
 import torch
 
-from hicache.layout import Layout
+from hicache.core.ipc import SHM_PREFIX, check_ipc_allocator, export_buffers
+from hicache.core.layout import Layout
 
 ALIGN = 4096
 
 
-def _b64(b: bytes | None) -> str | None:
-    return None if b is None else base64.b64encode(bytes(b)).decode()
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-# ----------------------------------------------------------------------------- CUDA IPC
-def check_ipc_allocator() -> None:
-    """Raise RuntimeError when torch's CUDA allocator hands out memory CUDA IPC cannot share."""
-    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        try:
-            conf += "," + str(getter())
-        except Exception:  # noqa: BLE001 - informational only
-            pass
-    norm = conf.replace(" ", "").lower()
-    if "expandable_segments:true" in norm or "expandable_segments:1" in norm:
-        raise RuntimeError(
-            "device pools come from expandable_segments (PYTORCH_CUDA_ALLOC_CONF="
-            f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}); CUDA IPC cannot share that "
-            "memory with the hicache daemon. Start the worker without expandable_segments:True.")
-    try:
-        backend = torch.cuda.get_allocator_backend()
-    except Exception:  # noqa: BLE001
-        backend = "native"
-    if backend != "native":
-        raise RuntimeError(f"torch's CUDA allocator backend is {backend!r}; hicache shares "
-                           f"device pools through CUDA IPC, which needs the 'native' backend")
-
-
-def _segment_is_expandable(t: torch.Tensor) -> bool:
-    """Best effort: does the allocator segment holding ``t`` come from expandable segments?"""
-    try:
-        ptr = t.data_ptr()
-        for seg in torch.cuda.memory_snapshot():
-            base, size = seg.get("address", 0), seg.get("total_size", 0)
-            if base <= ptr < base + size:
-                return bool(seg.get("is_expandable", False))
-    except Exception:  # noqa: BLE001
-        pass
-    return False
-
-
-def device_uuid(index: int) -> str:
-    try:
-        return str(torch.cuda.get_device_properties(index).uuid)
-    except Exception:  # noqa: BLE001 - older torch: no uuid
-        return ""
-
-
-def export_buffer(t: torch.Tensor, _shared: dict[int, tuple] | None = None) -> dict[str, Any]:
-    """Wire handle of one per-layer buffer: a 2-D contiguous CUDA tensor ``[rows, row_bytes]``
-    (any dtype; it is shared as bytes). ``_shared`` caches the storage's IPC export so that the
-    layers of one allocation share one handle (one mapping and one ref counter in the daemon)."""
-    if t.dim() != 2 or not t.is_contiguous():
-        raise ValueError(f"a buffer must be a contiguous 2-D tensor, got shape {tuple(t.shape)} "
-                         f"strides {t.stride()}")
-    rows, row_bytes = int(t.shape[0]), int(t.shape[1]) * t.element_size()
-    if t.device.type != "cuda":
-        raise ValueError("export_buffer shares CUDA tensors; CPU pools use DevicePools.handles()")
-    storage = t.untyped_storage()
-    key = storage.data_ptr()
-    exp = None if _shared is None else _shared.get(key)
-    if exp is None:
-        check_ipc_allocator()
-        if _segment_is_expandable(t):
-            raise RuntimeError("this buffer lives in an expandable segment; CUDA IPC cannot "
-                               "share it (start the worker without expandable_segments:True)")
-        exp = storage._share_cuda_()
-        if _shared is not None:
-            _shared[key] = exp
-    (dev, handle, storage_bytes, storage_offset, ref_handle, ref_offset, ev_handle, ev_sync) = exp
-    return {
-        "kind": "cuda_ipc", "uuid": device_uuid(t.device.index), "device": int(dev),
-        "handle": _b64(handle), "storage_bytes": int(storage_bytes),
-        "storage_offset": int(storage_offset), "ref_counter": _b64(ref_handle),
-        "ref_counter_offset": int(ref_offset), "event": _b64(ev_handle),
-        "event_sync": bool(ev_sync), "offset": int(t.storage_offset()) * t.element_size(),
-        "rows": rows, "row_bytes": row_bytes,
-    }
-
-
-def export_buffers(layers: dict[str, list[torch.Tensor]]) -> dict[str, list[dict[str, Any]]]:
-    """Handles of every pool's layers; one IPC export per underlying allocation."""
-    shared: dict[int, tuple] = {}
-    return {name: [export_buffer(t, shared) for t in ts] for name, ts in layers.items()}
-
-
-def make_ipc_events(n: int, device: torch.device | str) -> tuple[list[Any], list[str]]:
-    """``n`` interprocess CUDA events on ``device`` and their base64 IPC handles."""
-    dev = torch.device(device)
-    events, handles = [], []
-    with torch.cuda.device(dev):
-        for _ in range(n):
-            ev = torch.cuda.Event(interprocess=True)
-            ev.record(torch.cuda.current_stream(dev))  # give the event a device and a state
-            events.append(ev)
-            handles.append(_b64(ev.ipc_handle()))
-    return events, handles
 
 
 # ----------------------------------------------------------------------------- shm files
@@ -185,7 +85,7 @@ class DevicePools:
                 end = _align(end + nbytes)
         if not os.path.isdir(shm_dir):
             raise ValueError(f"shared-memory directory {shm_dir} does not exist")
-        path = os.path.join(shm_dir, f"hicache-dev-{os.getpid()}-{secrets.token_hex(6)}")
+        path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(end, ALIGN))

@@ -23,8 +23,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import zmq
 
-from hicache import protocol as P
-from hicache.layout import Layout
+from hicache.core import protocol as P
+from hicache.core.layout import Layout
 
 ALIGN = 4096
 _M64 = (1 << 64) - 1
@@ -236,7 +236,7 @@ class Victim:
     def __init__(self, address: str, layout: Layout, dev_rows: Mapping[str, int], *,
                  seed: int = 0, share: int = 3, timeout: float = 10.0,
                  name: str = "victim") -> None:
-        from hicache.client import Client
+        from hicache.engine.client import Client
 
         self.layout = layout
         self.dev_rows = _space_rows(layout, dev_rows)

@@ -1,6 +1,6 @@
 """Capacity planner: how many full tokens fit per pipeline stage, and the pool rows that follow.
 
-Contract (pure functions over ``hicache.layout`` and ``hicache.host_pools.sizing``; no I/O, no
+Contract (pure functions over ``hicache.core.layout`` and ``hicache.core.sizes``; no I/O, no
 torch):
 
 * ``plan(PlanInputs) -> Plan``. Every figure is exact integer or ``Fraction`` arithmetic, so the
@@ -18,7 +18,7 @@ torch):
 * Request slots per DP worker: ``max_running``, doubled on a PD decode worker (slots that are
   pre-allocated for incoming transfers while ``max_running`` requests decode).
 * Host rows mirror device rows byte for byte and are proportional to them per index space;
-  ``hicache.host_pools.sizing.host_rows`` computes them (the rule the daemon sizes its arena
+  ``hicache.core.sizes.host_rows`` computes them (the rule the daemon sizes its arena
   with), so a plan and a running daemon agree to the row.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
   that names the numbers involved.
@@ -35,9 +35,9 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, Sequence
 
-from hicache.errors import UsageError
-from hicache.host_pools import sizing as host_sizing
-from hicache.layout import (
+from hicache.core.errors import UsageError
+from hicache.core import sizes as host_sizing
+from hicache.core.layout import (
     INDEX_SPACES, Layout, ModelSpec, build_layout, check_bounds, stage_bounds,
 )
 

@@ -42,8 +42,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Sequence
 
-from hicache.errors import HicacheError
-from hicache.hooks import HostExhausted, HostTierError, HostUnavailable, TierHooks
+from hicache.core.errors import HicacheError
+from hicache.engine.hooks import HostExhausted, HostTierError, HostUnavailable, TierHooks
 
 PAGE_TOKENS = 256
 POLICIES = ("write_through", "write_through_selective", "write_back")

@@ -7,7 +7,7 @@ process do not collide). Hot paths use the small recording methods (``inc``, ``s
 ``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply), ``exposition()``
 the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
 
-docs/metrics.md is generated from ``CATALOG`` (``python -m hicache.metrics``).
+docs/metrics.md is generated from ``CATALOG`` (``python -m hicache.controllers.metrics``).
 """
 from __future__ import annotations
 
@@ -19,22 +19,12 @@ from typing import Any
 from bisect import bisect_left
 from typing import Iterable
 
+from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-                   5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 GBPS_MIN_BYTES = 1 << 20  # ops smaller than this do not update the GB/s gauge (timer noise)
-
-
-@dataclass(frozen=True)
-class MetricDef:
-    name: str  # without the hicache_ prefix, without _total
-    kind: str  # counter | gauge | histogram
-    labels: tuple[str, ...]
-    help: str
-    question: str
 
 
 CATALOG: tuple[MetricDef, ...] = (

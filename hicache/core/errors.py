@@ -7,3 +7,7 @@ class HicacheError(Exception):
 
 class UsageError(HicacheError, ValueError):
     """Bad command-line input or configuration; the CLI prints it as one line and exits 2."""
+
+
+class CapacityError(UsageError):
+    """A requested size does not fit the memory or budget available (the user fixes it)."""

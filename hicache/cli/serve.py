@@ -1,7 +1,7 @@
 """``hicache serve``: run the per-GPU host-offload daemon until SIGTERM / SIGINT / ``shutdown``.
 
 Settings come from defaults < ``--config-file`` (TOML) < ``HICACHE_*`` environment < flags
-(see ``hicache.config``). Start-up pins the whole host pool, so an overcommit fails here.
+(see ``hicache.core.config``). Start-up pins the whole host pool, so an overcommit fails here.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ FLAG_NAMES = ("device", "socket", "allow_remote", "heartbeat_timeout", "metrics_
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache.config import load_config
+    from hicache.core.config import load_config
 
     flags: dict[str, Any] = {k: getattr(args, k, None) for k in FLAG_NAMES}
     cfg = load_config(flags, getattr(args, "config_file", None))

@@ -1,7 +1,7 @@
 """Simulated DSV4 worker: device pools, a radix tree over them, and the daemon as host tier.
 
 ``Worker(cfg, client)`` allocates the device pools of the layout (CUDA tensors on a GPU,
-shared-memory CPU tensors otherwise) through ``hicache.device_pools``, registers them with the
+shared-memory CPU tensors otherwise) through ``hicache.engine.device_pools``, registers them with the
 daemon, and runs requests (``run_request`` / ``run``):
 
 1. match the prefix in the radix tree: device hits, then host hits, which the tree loads into
@@ -28,14 +28,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hicache.device_pools import DevicePools
-from hicache.errors import HicacheError
-from hicache.hooks import ClientHooks
-from hicache.layout import Layout, build_layout, preset
-from hicache.metrics import LATENCY_BUCKETS, MetricDef
-from hicache.page_content import PageContent
-from hicache.radix import PAGE_TOKENS, RadixTree
-from hicache.workload import Request
+from hicache.engine.device_pools import DevicePools
+from hicache.core.errors import HicacheError
+from hicache.engine.hooks import ClientHooks
+from hicache.core.layout import Layout, build_layout, preset
+from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
+from hicache.sim.page_content import PageContent
+from hicache.engine.radix import PAGE_TOKENS, RadixTree
+from hicache.sim.workload import Request
 
 DEMO_CATALOG: tuple[MetricDef, ...] = (
     MetricDef("demo_requests", "counter", (),
@@ -299,7 +299,7 @@ class Worker:
                 self.content.fill(spec.name, layer, buf, torch.tensor([src]), ids)
         if self.cuda:
             torch.cuda.synchronize()
-        from hicache.client import AckTimeout, DaemonUnreachable
+        from hicache.engine.client import AckTimeout, DaemonUnreachable
 
         try:
             op = self.client.swap_out(src, request=f"r{req.rid}", timeout=self.cfg.timeout)

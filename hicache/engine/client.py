@@ -26,8 +26,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import zmq
 
-from hicache import protocol as P
-from hicache.errors import HicacheError
+from hicache.core import protocol as P
+from hicache.core.errors import HicacheError
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -107,7 +107,7 @@ def _default_address() -> str:
     addr = os.environ.get("HICACHE_SOCKET")
     if addr:
         return addr
-    from hicache.config import default_socket
+    from hicache.core.config import default_socket
 
     return default_socket(os.environ.get("HICACHE_DEVICE", "cpu"))
 
@@ -269,13 +269,13 @@ class Client:
         if events:
             if mode != "cuda":
                 raise ValueError("events are CUDA interprocess events; CPU mode has none")
-            from hicache.device_pools import _b64, make_ipc_events
+            from hicache.core.ipc import encode_b64, make_ipc_events
 
             if isinstance(events, int):
                 self.backup_events, handles = make_ipc_events(events, self._device or "cuda")
             else:
                 self.backup_events = [e for e in events if not isinstance(e, str)]
-                handles = [e if isinstance(e, str) else _b64(e.ipc_handle()) for e in events]
+                handles = [e if isinstance(e, str) else encode_b64(e.ipc_handle()) for e in events]
         fields = {"layout": dict(layout), "device_rows": dict(device_rows),
                   "buffers": dict(buffers), "mode": mode, "tp_rank": tp_rank, "name": name}
         if handles:

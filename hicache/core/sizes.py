@@ -20,10 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from hicache.errors import UsageError
-from hicache.layout import INDEX_SPACES, Layout
-
-from .errors import CapacityError
+from hicache.core.errors import CapacityError, UsageError
+from hicache.core.layout import INDEX_SPACES, Layout
 
 REGION_ALIGN = 4096  # every layer region starts page-aligned (registration chunks cut there)
 
