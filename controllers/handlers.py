@@ -22,7 +22,7 @@ from hicache.core.protocol import MAX_NAME_LEN, VERSION, ProtocolError
 from .device_buffers import open_buffers, open_events
 from .registry import ClientState, Worker
 from .state import DaemonState
-from .transfer_engine import ClearSpec, ClearTarget, Ids, Item, Op
+from .ops import ClearSpec, ClearTarget, Ids, Item, Operation
 
 Reply = tuple[dict[str, Any], list[Any]]
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
@@ -274,7 +274,7 @@ def _rows_of(parts: list[Any]) -> Any:
     return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
 
-def _ack_fields(op: Op, ack: dict | None, extra: dict | None = None) -> dict[str, Any]:
+def _ack_fields(op: Operation, ack: dict | None, extra: dict | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"op": op.op_id}
     if ack is not None:
         out["ack"] = ack
@@ -287,12 +287,12 @@ def backup(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     w = _worker(c)
     wait = _wait_event(st, w, h.get("wait_event"))
     items, host, nbytes = _items(st, c, w, h, arrays, to_host=True)
-    op = Op(st.next_op_id(), c.cid, "backup", items, host, wait_event=wait, nbytes=nbytes)
+    op = Operation(st.next_op_id(), c.cid, "backup", items, host, wait_event=wait, nbytes=nbytes)
     return _ack_fields(op, st.start(c, op)), []
 
 
 def _wait_event(st: DaemonState, w: Worker, k: int | None) -> Any:
-    if k is None or not st.engine.cuda:
+    if k is None or not st.scheduler.cuda:
         return None  # CPU mode: the engine's writes are visible before it sends the command
     if not 0 <= k < len(w.events):
         raise _err("bad_field", f"wait_event {k}: the worker registered {len(w.events)} events")
@@ -302,9 +302,9 @@ def _wait_event(st: DaemonState, w: Worker, k: int | None) -> Any:
 def load(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     w = _worker(c)
     items, host, nbytes = _items(st, c, w, h, arrays, to_host=False)
-    op = Op(st.next_op_id(), c.cid, "load", items, host, nbytes=nbytes)
+    op = Operation(st.next_op_id(), c.cid, "load", items, host, nbytes=nbytes)
     extra = {}
-    if st.engine.cuda:
+    if st.scheduler.cuda:
         s = w.next_set
         w.next_set = (s + 1) % len(w.load_events)
         op.layer_events, op.stage_layers = w.load_events[s], st.stage_layers
@@ -356,7 +356,7 @@ def swap_out(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         except PoolExhausted as e:
             raise _err("no_space", str(e)) from None
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=True)
-    op = Op(st.next_op_id(), c.cid, "swap_out", items, [("req_slot", np.array([row]), True)],
+    op = Operation(st.next_op_id(), c.cid, "swap_out", items, [("req_slot", np.array([row]), True)],
             wait_event=wait, nbytes=nbytes)
     return _ack_fields(op, st.start(c, op), {"host_row": row}), []
 
@@ -375,8 +375,8 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     if request is not None and owner != (c.cid, request):
         raise _err("not_owner", f"host_row {row} belongs to request {owner[1]!r}, not {request!r}")
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)
-    op = Op(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)], nbytes=nbytes)
-    if st.engine.cuda:
+    op = Operation(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)], nbytes=nbytes)
+    if st.scheduler.cuda:
         s = w.next_set
         w.next_set = (s + 1) % len(w.load_events)
         op.layer_events, op.stage_layers = w.load_events[s], st.stage_layers
@@ -384,7 +384,7 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
         st.tracker.defer({"req_slot": rows}, owner)  # freed as soon as the copy has read it
     ack = st.start(c, op)
     st.release_ready()
-    return _ack_fields(op, ack, {"event_set": s} if st.engine.cuda else None), []
+    return _ack_fields(op, ack, {"event_set": s} if st.scheduler.cuda else None), []
 
 
 def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
@@ -405,7 +405,7 @@ def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Re
                for p in pools]
     clear = ClearSpec(targets, [] if spec_draft else list(slots), spec_draft)
     nbytes = 0 if spec_draft else sum(p.page_bytes * p.num_layers for p in pools) * len(slots)
-    op = Op(st.next_op_id(), c.cid, "clear_slot", [], [], clear=clear, nbytes=nbytes)
+    op = Operation(st.next_op_id(), c.cid, "clear_slot", [], [], clear=clear, nbytes=nbytes)
     return _ack_fields(op, st.start(c, op)), []
 
 
@@ -436,8 +436,8 @@ def poll_acks(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     st.refresh_gauges()
     out = {"device": str(st.device), "clients": len(st.registry.clients),
-           "workers": st.registry.workers(), "in_flight": st.engine.in_flight,
-           "merged_ops": st.engine.merged_ops, "host": st.group.usage(),
+           "workers": st.registry.workers(), "in_flight": st.scheduler.in_flight,
+           "merged_ops": st.scheduler.merged_ops, "host": st.group.usage(),
            "pending_free": {s: st.tracker.pending_rows(s) for s in st.host_rows},
            "metrics": st.metrics.snapshot()}
     if h.get("check"):  # the allocators' own invariant check (O(rows): for tests and fuzzing)

@@ -390,17 +390,18 @@ def test_serve_refuses_bad_addresses_and_settings(tmp_path):
     assert r.returncode == 2 and "loopback" in r.stderr
 
 
-# ----------------------------------------------------------------------------- transfer engine
+# ----------------------------------------------------------------------------- scheduler
 def test_cpu_engine_merges_queued_ops_and_keeps_order():
     """Ops queued behind a long one are merged per pool (distinct destinations) or run in
     order (overlapping destinations); every byte lands where the FIFO order says."""
     import threading
 
-    from hicache.controllers.transfer_engine import Ids, Item, Op, TransferEngine
+    from hicache.controllers.ops import Ids, Item, Operation
+    from hicache.controllers.scheduler import Scheduler
     from hicache.kernels.tables import LayerTable
 
     woke = threading.Event()
-    eng = TransferEngine(torch.device("cpu"), woke.set, inline_max_bytes=0)
+    eng = Scheduler(torch.device("cpu"), woke.set, inline_max_bytes=0)
     big_src = LayerTable([torch.randint(0, 256, (64, 1 << 20), dtype=torch.uint8)], "bs")
     big_dst = LayerTable([torch.zeros(64, 1 << 20, dtype=torch.uint8)], "bd")
     src = LayerTable([torch.randint(0, 256, (16, 64), dtype=torch.uint8) for _ in range(3)], "s")
@@ -408,7 +409,7 @@ def test_cpu_engine_merges_queued_ops_and_keeps_order():
 
     def op(i, s_ids, d_ids, s=src, d=dst):
         it = Item("p", s, d, Ids.of(s_ids), Ids.of(d_ids), None, (0, 1, 2), len(s_ids) * 64)
-        return Op(i, "c", "backup", [it], nbytes=it.nbytes)
+        return Operation(i, "c", "backup", [it], nbytes=it.nbytes)
 
     ops = [op(0, list(range(64)), list(range(64)), big_src, big_dst)]  # keeps the worker busy
     ops += [op(i, [i], [i]) for i in range(1, 9)]  # distinct destinations: mergeable
