@@ -22,7 +22,7 @@ import zmq
 from hicache.core import protocol as P
 from hicache.core.errors import UsageError
 
-from .handlers import HANDLERS
+from .handlers import HANDLERS, error_code
 from .registry import ClientState
 from .state import DaemonState
 
@@ -171,15 +171,16 @@ class Server:
                 raise P.ProtocolError("shutting_down", "the daemon is stopping")
             fields, out = HANDLERS[cmd](st, c, h, arrays)
             reply = P.encode_reply(rid, fields, out)
-        except P.ProtocolError as e:
-            code = e.code
+        except Exception as e:  # noqa: BLE001 - every failure gets an error reply
+            code = error_code(e)
             if rid is None and body:
                 rid = P.request_id(body[0])
-            reply = P.encode_error(rid, e.code, e.message)
-        except Exception as e:  # noqa: BLE001 - a daemon bug: answer, log, keep serving
-            code = "internal"
-            log.exception("command %s (id %s) failed", cmd, rid)
-            reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
+            if code is not None:  # a refusal: the command changed nothing
+                reply = P.encode_error(rid, code, str(e))
+            else:  # a daemon bug: answer, log, keep serving
+                code = "internal"
+                log.exception("command %s (id %s) failed", cmd, rid)
+                reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
         try:
             self.sock.send_multipart([ident, *reply], _NOBLOCK)
         except zmq.ZMQError:

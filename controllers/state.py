@@ -24,10 +24,13 @@ import torch
 from hicache.host_pools.errors import PoolError
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
-from hicache.core.layout import Layout
+from hicache.core.layout import Layout, LayoutError, PoolSpec
+from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .registry import ClientState, Registry
+
+OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 from .row_tracker import RowTracker
 from .ops import Operation
 from .scheduler import Scheduler
@@ -66,6 +69,62 @@ class DaemonState:
 
     def next_op_id(self) -> int:
         return next(self._op_ids)
+
+    # ------------------------------------------------------------------ named checks
+    def check_space(self, space: str) -> str:
+        if space not in self.host_rows:
+            raise ProtocolError("bad_field", f"unknown index space {space[:64]!r}; this stage "
+                                             f"uses {sorted(self.host_rows)}")
+        return space
+
+    def pool_spec(self, name: str) -> PoolSpec:
+        try:
+            return self.layout.pool(name)
+        except LayoutError as e:
+            raise ProtocolError("bad_field", str(e)[:300]) from None
+
+    def check_owned(self, cid: str, space: str, rows: Any, what: str) -> None:
+        """Every row (a list or an int64 array) allocated to client ``cid`` (any request) and
+        not pending free; ``not_owner`` / ``busy`` otherwise."""
+        alloc = self.group.allocators[space]
+        if len(rows) <= OWNER_LOOP_MAX:
+            for r in list(rows):
+                o = alloc.owner_of(r)
+                if o is None or o[0] != cid:
+                    raise ProtocolError("not_owner", f"{what}: host row {r} of space {space} is "
+                                        f"{'not allocated' if o is None else 'not yours'}")
+        else:
+            rows = np.asarray(rows)
+            ok = np.isin(rows, alloc.rows_of(cid).numpy())
+            if not ok.all():
+                raise ProtocolError("not_owner", f"{what}: host row {int(rows[~ok][0])} of space "
+                                                 f"{space} is not allocated to this client")
+        if self.tracker.busy(space, rows):
+            raise ProtocolError("busy", f"{what}: host rows of space {space} are being freed")
+
+    def owner_of(self, space: str, row: int) -> tuple[str, str | None] | None:
+        return self.group.allocators[space].owner_of(row)
+
+    def alloc_rows(self, counts: dict[str, int], owner: tuple[str, str | None]) -> dict[str, Any]:
+        """Rows in every space of ``counts`` for ``owner``, all or none (``no_space``)."""
+        for space in counts:
+            self.check_space(space)
+        return self.group.alloc(counts, owner)
+
+    def check_free(self, rows: dict[str, np.ndarray], owner: tuple[str, str | None]
+                   ) -> dict[str, np.ndarray]:
+        """Rows of every space that ``owner`` may free now (none pending already)."""
+        out = {}
+        for space, r in rows.items():
+            out[space] = self.group.allocators[self.check_space(space)].check_free(r, owner)
+            if out[space].size and self.tracker.busy(space, out[space]):
+                raise ProtocolError("busy", f"free: rows of space {space} already have a free "
+                                            f"pending")
+        return out
+
+    def free_after_use(self, rows: dict[str, np.ndarray], owner: tuple[str, str | None]) -> None:
+        """Free ``rows`` once the operations using them (the next one included) completed."""
+        self.tracker.defer(rows, owner)
 
     # ------------------------------------------------------------------ operations
     def start(self, c: ClientState, op: Operation) -> dict[str, Any] | None:
@@ -170,6 +229,32 @@ class DaemonState:
         self.registry.remove(c)
         log.warning("client %s %s: %d host rows freed%s, device mappings closed", c.cid, why,
                     n, " (more when its in-flight ops end)" if deferred else "")
+
+    # ------------------------------------------------------------------ reports
+    def report(self, check: bool) -> dict[str, Any]:
+        """The ``stats`` reply; with ``check``, the allocators' invariant check (O(rows))."""
+        self.refresh_gauges()
+        out = {"device": str(self.device), "clients": len(self.registry.clients),
+               "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
+               "merged_ops": self.scheduler.merged_ops, "host": self.group.usage(),
+               "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
+               "metrics": self.metrics.snapshot()}
+        if check:
+            try:
+                self.group.check_invariants()
+                # and no row outlives its client (a reaped client's rows wait only for its ops)
+                known = {x.cid for x in self.registry.clients.values()}
+                known.update(x.cid for _, x in self.ops.values())
+                stray = sorted({o[0] for a in self.group.allocators.values() for o in a.owners()}
+                               - known)
+                out["invariants"] = "ok" if not stray else \
+                    f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"
+            except PoolError as e:
+                out["invariants"] = f"{type(e).__name__}: {e}"
+        return out
+
+    def buffer_infos(self) -> dict[str, list[list[int]]]:
+        return {k: [list(x) for x in v] for k, v in self.group.buffer_infos().items()}
 
     # ------------------------------------------------------------------ gauges
     def refresh_gauges(self) -> None:
