@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from hicache.kernels.dispatch import warm_up
+
 from .copy_plan import disjoint, issue_gpu, merge, merge_key, run_clear, run_cpu_item
 from .ops import Operation
 
@@ -53,6 +55,7 @@ class Scheduler:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self.merged_ops = 0
         if self.cuda:
+            warm_up(device)  # the first load must not wait for Triton's compiler
             self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
             self._last: dict[str, Operation | None] = {"backup": None, "load": None}
             for k in ("backup", "load"):

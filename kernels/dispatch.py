@@ -7,9 +7,11 @@
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead.
 * ``copy_by_layer(parts, layer_order, on_layer)`` — rows and tokens of many buffers, layer by
-  layer in ``layer_order``: ONE launch per layer for every buffer of that layer (byte-range
-  segments, ``segments``), descriptors and offsets uploaded once; ``on_layer(i)`` runs right
-  after layer ``i``'s launch is issued (the daemon records layer ``i``'s event there). Parts come
+  layer in ``layer_order``: one launch covers every buffer of its layers (byte-range
+  segments, ``segments``); launches cover 1, 1, 2, 4, 8, ... layers (``layer_groups``), so
+  layer 0 goes alone and first; descriptors and offsets are uploaded once; ``on_layer(i)`` runs
+  right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
+  there). Parts come
   from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
   validated (``check_layer_part`` does the checks other entry points do).
 
@@ -325,8 +327,38 @@ def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     dev = device if device.type == "cuda" else None
     with _stream_ctx(stream, dev):
         plan.to(device)
-        for i, (lo, hi) in enumerate(plan.layers):
-            launch_segments(plan, lo, hi, ctas)
+        for a, b in layer_groups(len(plan.layers)):
+            launch_segments(plan, plan.layers[a][0], plan.layers[b - 1][1], ctas)
             if on_layer is not None:
-                on_layer(i)
+                for i in range(a, b):
+                    on_layer(i)
     return "by_layer"
+
+
+def layer_groups(n: int) -> list[tuple[int, int]]:
+    """Layers ``[a, b)`` issued as one launch: 1, 1, 2, 4, 8, ... layers, so layer 0 is ready
+    after its own copy, layer i no later than about twice its own turn, and the host issues
+    O(log n) launches per load instead of n (a Python-issued launch costs tens of us)."""
+    out, a, size = [], 0, 1
+    while a < n:
+        b = min(n, a + size)
+        out.append((a, b))
+        size = 1 if a == 0 else size * 2
+        a = b
+    return out
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the segment kernel's variants (8- and 16-byte words) on ``device`` now, so no
+    load waits for Triton's compiler."""
+    layers = 20
+    a = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
+    b = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
+    ta, tb = LayerTable(a), LayerTable(b)
+    for fmt in (None, TokenFormat(1, 56, 8, 56, 64)):  # 16-byte rows; 8-byte pieces
+        part = layer_part(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
+        plan = SegmentPlan.build([part], list(range(layers))).to(device)
+        launch_segments(plan, 0, 1, 1)
+        launch_segments(plan, 0, len(plan.desc), 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

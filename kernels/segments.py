@@ -82,10 +82,15 @@ class SegmentPlan:
         pos = {g: i for i, g in enumerate(layer_order)}
         offs_s: list[np.ndarray] = []
         offs_d: list[np.ndarray] = []
-        per_layer: list[list[tuple[int, ...]]] = [[] for _ in layer_order]
+        blocks: list[np.ndarray] = []  # rows: layer position, src, dst, nbytes, off, n, align
         start = 0
-        nbytes = 0
         for part in parts:
+            try:
+                lpos = np.array([pos[g] for g in part.layers], dtype=np.int64)
+            except KeyError as e:
+                raise ValueError(f"layer {e.args[0]} is not in this stage's layer order") from None
+            sp = np.asarray(part.src_ptrs, dtype=np.int64)
+            dp = np.asarray(part.dst_ptrs, dtype=np.int64)
             for rb, so, do in part.ranges:
                 n = int(so.size)
                 if n == 0:
@@ -94,25 +99,29 @@ class SegmentPlan:
                 offs_d.append(np.asarray(do, dtype=np.int64))
                 # offsets are multiples of this (ids * stride, or slot * size + offset)
                 a_off = _pow2_align(rb, int(np.bitwise_or.reduce(so)), int(np.bitwise_or.reduce(do)))
-                for sp, dp, g in zip(part.src_ptrs, part.dst_ptrs, part.layers):
-                    if g not in pos:
-                        raise ValueError(f"layer {g} is not in this stage's layer order")
-                    per_layer[pos[g]].append((sp, dp, rb, start, n, min(a_off, _pow2_align(sp, dp))))
-                    nbytes += rb * n
+                low = np.bitwise_or(sp, dp) & -np.bitwise_or(sp, dp)  # lowest set bit of both
+                al = np.minimum(np.minimum(low, 16), a_off)
+                if int(al.min()) < 8:
+                    raise ValueError(f"a range of {rb} B at these offsets/addresses is not "
+                                     f"8-byte aligned; segments move 8-byte words")
+                k = len(lpos)
+                blocks.append(np.stack([lpos, sp, dp, np.full(k, rb), np.full(k, start),
+                                        np.full(k, n), al], axis=1))
                 start += n
-        rows: list[tuple[int, ...]] = []
-        layers: list[tuple[int, int]] = []
-        pre = 0  # pieces before each segment, over the whole plan (any [lo, hi) is one launch)
-        for segs in per_layer:
-            lo = len(rows)
-            for sp, dp, rb, off, n, al in segs:
-                rows.append((sp, dp, rb, off, n, al, pre, 0))
-                pre += n * triton.cdiv(rb, CH)
-            layers.append((lo, len(rows)))
-        desc = np.array(rows, dtype=np.int64).reshape(-1, DESC_COLS)
         empty = np.zeros(0, dtype=np.int64)
-        return cls(desc, np.concatenate(offs_s) if offs_s else empty,
-                   np.concatenate(offs_d) if offs_d else empty, layers, nbytes)
+        if not blocks:
+            return cls(np.zeros((0, DESC_COLS), dtype=np.int64), empty, empty,
+                       [(0, 0)] * len(layer_order), 0)
+        rows = np.concatenate(blocks)
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        pieces = rows[:, 5] * ((rows[:, 3] + CH - 1) // CH)
+        desc = np.zeros((len(rows), DESC_COLS), dtype=np.int64)
+        desc[:, 0:6] = rows[:, 1:7]
+        desc[:, 6] = np.cumsum(pieces) - pieces  # pieces before each segment, over the plan
+        bounds = np.searchsorted(rows[:, 0], np.arange(len(layer_order) + 1))
+        layers = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(layer_order))]
+        return cls(desc, np.concatenate(offs_s), np.concatenate(offs_d), layers,
+                   int((rows[:, 3] * rows[:, 5]).sum()))
 
     def to(self, device: torch.device) -> "SegmentPlan":
         """Upload once (one pinned buffer, one non-blocking copy on the current stream)."""
@@ -132,60 +141,79 @@ class SegmentPlan:
     def pieces(self, lo: int, hi: int) -> int:
         if hi <= lo:
             return 0
-        last = self.desc[hi - 1]
-        first_pre = int(self.desc[lo, 6])
-        return int(last[6]) - first_pre + int(last[4]) * triton.cdiv(int(last[2]), CH)
+        return self._pre[hi] - self._pre[lo]
 
     def align(self, lo: int, hi: int) -> int:
-        return int(self.desc[lo:hi, 5].min()) if hi > lo else 16
+        return min(self._align[lo:hi], default=16)
+
+    @property
+    def _pre(self) -> list[int]:
+        """Piece prefix of every segment and the total, as Python ints (cached)."""
+        pre = self.__dict__.get("_pre_l")
+        if pre is None:
+            d = self.desc
+            ends = (d[:, 6] + d[:, 4] * ((d[:, 2] + CH - 1) // CH)).tolist() if len(d) else []
+            pre = d[:, 6].tolist() + ends[-1:] if len(d) else [0]
+            self.__dict__["_pre_l"] = pre
+            self.__dict__["_align_l"] = d[:, 5].tolist()
+        return pre
+
+    @property
+    def _align(self) -> list[int]:
+        self._pre
+        return self.__dict__["_align_l"]
 
 
 @triton.jit
-def _seg_step(it, desc, soff, doff, seg_lo, nseg, base_pre, total,
-              CH: tl.constexpr, G: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr):
-    cols = tl.arange(0, CH)
-    p = tl.arange(0, G).to(tl.int64) + it * G + base_pre
-    live = p < total + base_pre
-    lo = tl.zeros([G], dtype=tl.int64)
-    hi = tl.zeros([G], dtype=tl.int64) + nseg
-    for _ in tl.static_range(LOG):  # last segment whose piece prefix <= p (binary search)
-        mid = (lo + hi) // 2
-        right = tl.load(desc + (seg_lo + mid) * 8 + 6, mask=live, other=0) <= p
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    row = desc + (seg_lo + lo) * 8
-    sb = tl.load(row, mask=live, other=0)
-    db = tl.load(row + 1, mask=live, other=0)
-    rb = tl.load(row + 2, mask=live, other=1)
-    off0 = tl.load(row + 3, mask=live, other=0)
-    pre = tl.load(row + 6, mask=live, other=0)
-    q = p - pre
+def _seg_step(it, desc, soff, doff, sgi, CHE: tl.constexpr, G: tl.constexpr,
+              VEC: tl.constexpr):
+    """Move pieces it*G .. it*G+G-1 of segment ``sgi``: each up to CHE 8-byte words of one
+    range. The segment's fields are scalars; only the range offsets are gathered per piece."""
+    CH: tl.constexpr = CHE * 8
+    row = desc + sgi * 8
+    sb = tl.load(row)
+    db = tl.load(row + 1)
+    rb = tl.load(row + 2)
+    off0 = tl.load(row + 3)
+    n = tl.load(row + 4)
     ppr = (rb + CH - 1) // CH
-    r = q // ppr
-    c = q - r * ppr
+    cols = tl.arange(0, CHE)
+    p = tl.arange(0, G).to(tl.int64) + it * G
+    live = p < n * ppr
+    r = p // ppr
+    c = p - r * ppr
     s = tl.load(soff + off0 + r, mask=live, other=0)
     d = tl.load(doff + off0 + r, mask=live, other=0)
-    s_ptr = (sb + s + c * CH).to(tl.pointer_type(tl.uint8))
-    d_ptr = (db + d + c * CH).to(tl.pointer_type(tl.uint8))
-    if ALIGN > 1:
-        s_ptr = tl.multiple_of(s_ptr, ALIGN)
-        d_ptr = tl.multiple_of(d_ptr, ALIGN)
-    lim = rb - c * CH
+    s_ptr = (sb + s + c * CH).to(tl.pointer_type(tl.int64))
+    d_ptr = (db + d + c * CH).to(tl.pointer_type(tl.int64))
+    # words left in this range's piece; every range is a multiple of 8 * VEC bytes, so masks
+    # are constant over VEC words and loads stay 8 * VEC bytes wide
+    lim = tl.multiple_of((rb - c * CH) // 8, VEC)
+    if VEC > 1:
+        s_ptr = tl.multiple_of(s_ptr, 8 * VEC)
+        d_ptr = tl.multiple_of(d_ptr, 8 * VEC)
     m = live[:, None] & (cols[None, :] < lim[:, None])
     v = tl.load(s_ptr[:, None] + cols[None, :], mask=m)
     tl.store(d_ptr[:, None] + cols[None, :], v, mask=m)
 
 
 @triton.jit
-def _seg_kernel(desc, soff, doff, seg_lo, nseg, base_pre, total, CH: tl.constexpr,
-                G: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr,
-                PERSISTENT: tl.constexpr):
+def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, CHE: tl.constexpr, G: tl.constexpr,
+                VEC: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Persistent: every CTA walks the segments in order and takes every num_programs-th
+    iteration of each (no search, no barrier between segments). Otherwise one program per
+    (segment, iteration) of a 2-D grid (interpreters without runtime loop bounds)."""
+    CH: tl.constexpr = CHE * 8
     pid = tl.program_id(0)
     if PERSISTENT:
-        for it in range(pid, tl.cdiv(total, G), tl.num_programs(0)):
-            _seg_step(it, desc, soff, doff, seg_lo, nseg, base_pre, total, CH, G, LOG, ALIGN)
+        nprog = tl.num_programs(0)
+        for sgi in range(seg_lo, seg_hi):
+            row = desc + sgi * 8
+            pieces = tl.load(row + 4) * ((tl.load(row + 2) + CH - 1) // CH)
+            for it in range(pid, tl.cdiv(pieces, G), nprog):
+                _seg_step(it, desc, soff, doff, sgi, CHE, G, VEC)
     else:
-        _seg_step(pid, desc, soff, doff, seg_lo, nseg, base_pre, total, CH, G, LOG, ALIGN)
+        _seg_step(tl.program_id(1), desc, soff, doff, seg_lo + pid, CHE, G, VEC)
 
 
 def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
@@ -195,11 +223,12 @@ def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
         return
     assert plan.dev is not None, "upload the plan first (plan.to(device))"
     desc, soff, doff = plan.dev
-    nseg = hi - lo
-    log = max(1, (nseg - 1).bit_length())
-    persistent = runtime_loops()
-    steps = triton.cdiv(total, G)
-    grid = (max(1, min(int(ctas), steps)) if persistent else steps,)
-    _seg_kernel[grid](desc, soff, doff, lo, nseg, int(plan.desc[lo, 6]), total, CH=CH, G=G,
-                      LOG=log, ALIGN=min(16, plan.align(lo, hi)), PERSISTENT=persistent,
-                      num_warps=NUM_WARPS)
+    vec = 2 if plan.align(lo, hi) >= 16 else 1
+    if runtime_loops():
+        grid: tuple[int, ...] = (max(1, min(int(ctas), triton.cdiv(total, G))),)
+        persistent = True
+    else:
+        most = max(plan._pre[k + 1] - plan._pre[k] for k in range(lo, hi))
+        grid, persistent = (hi - lo, triton.cdiv(most, G)), False
+    _seg_kernel[grid](desc, soff, doff, lo, hi, CHE=CH // 8, G=G, VEC=vec,
+                      PERSISTENT=persistent, num_warps=NUM_WARPS)

@@ -40,7 +40,9 @@ from hicache.kernels.dispatch import copy_by_layer, layer_part
 from hicache.kernels.tables import LayerTable
 
 PAGE_TOKENS = 256
-INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
+INPROC_CTAS = 4
+ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
+REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)  # the daemon's default CTA budget; the in-process copy uses the same
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
 
 
@@ -226,10 +228,15 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             c.free(bop.rows)
         c.free(host)
     med = {k: _median(v) for k, v in out.items()}
+    reply_ms = _median(REPLY) * 1e3 if REPLY else None
+    issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
+    REPLY.clear()
+    ISSUE.clear()
     summary = {
         "pages": n, "bytes": nbytes,
         "load_first_ms": med["load_first"] * 1e3, "load_last_ms": med["load_last"] * 1e3,
         "load_ack_ms": med["load_ack"] * 1e3, "backup_ack_ms": med["backup_ack"] * 1e3,
+        "load_reply_ms": reply_ms, "inproc_issue_ms": issue_ms,
         "load_gbps": nbytes / med["load_last"] / 1e9,
         "backup_gbps": nbytes / med["backup_ack"] / 1e9,
         "load_ratio": nbytes / med["load_last"] / 1e9 / limit["h2d"] if cuda else None,
@@ -253,6 +260,7 @@ def _timed_load(c: Client, host: dict[str, list[int]], dst: dict[str, list[int]]
     start = torch.cuda.Event(enable_timing=True)
     start.record(stream)
     op = c.load({sp: (host[sp], dst[sp]) for sp in host})
+    REPLY.append(time.perf_counter() - t0)
     ready = []
     for g in c.stage_layers:
         c.wait_layer(op, g, stream)
@@ -280,7 +288,9 @@ def _inproc(local: Any, layout: Layout, host: dict[str, list[int]], dst: dict[st
     torch.cuda.synchronize(dev)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
+    t0 = time.perf_counter()
     copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS)
+    ISSUE.append(time.perf_counter() - t0)
     e.record()
     e.synchronize()
     return s.elapsed_time(e) * 1e-3
