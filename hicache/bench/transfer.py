@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Optional
 
 from hicache.bench.transfer_support import (_pinned, _triton_version, _unpin, cpu_bench,
-                                            peer_name, plot, print_table)
+                                            peer_name, plot, print_table, staged_variants)
 from hicache.core.errors import UsageError
 
 BUDGETS = (1, 2, 4, 8, 16, 0)  # 0 = all SMs
@@ -446,14 +446,3 @@ class _GpuBench:
                 g(lambda: self._case("swa page rows", "rows", SWA_ROW, 256, False, "peer", peer=peer))
             g(lambda: self._case("tokens 584 B contiguous", "rows", TOKEN584, 32768, False, "peer", peer=peer))
             g(lambda: self._both("c4 page rows", C4_ROW, 512, False, "peer", peer=peer))
-
-
-def staged_variants() -> list:
-    """The staged-path shapes ``--tune`` sweeps (keywords: the config gained fields)."""
-    from hicache.kernels.rows import RowsConfig
-    from hicache.kernels.staged import StagedConfig
-
-    wide, narrow = RowsConfig(2048, 64, 32), RowsConfig(2048, 16, 16)
-    return [StagedConfig(chunk_bytes=mb << 20, buffers=b, dma_streams=d, rows=r)
-            for mb, b, d, r in ((32, 3, 3, wide), (32, 3, 1, wide), (32, 2, 2, wide),
-                                (32, 3, 3, narrow), (16, 3, 3, wide), (64, 3, 3, wide))]

@@ -18,6 +18,17 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def staged_variants() -> list:
+    """The staged-path shapes ``--tune`` sweeps (keywords: the config gained fields)."""
+    from hicache.kernels.rows import RowsConfig
+    from hicache.kernels.staged import StagedConfig
+
+    wide, narrow = RowsConfig(2048, 64, 32), RowsConfig(2048, 16, 16)
+    return [StagedConfig(chunk_bytes=mb << 20, buffers=b, dma_streams=d, rows=r)
+            for mb, b, d, r in ((32, 3, 3, wide), (32, 3, 1, wide), (32, 2, 2, wide),
+                                (32, 3, 3, narrow), (16, 3, 3, wide), (64, 3, 3, wide))]
+
+
 def peer_name() -> str:
     return "sglang-0.4.6"
 
