@@ -20,6 +20,7 @@ from hicache.core.layout import Layout, LayoutError, PoolSpec
 from hicache.core.protocol import MAX_NAME_LEN, VERSION, ProtocolError
 
 from .device_buffers import open_buffers, open_events
+from .host_access import check_readable
 from .registry import ClientState, Worker
 from .state import DaemonState
 from .transfer_engine import ClearSpec, ClearTarget, Ids, Item, Op
@@ -218,7 +219,7 @@ def free(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 def _items(st: DaemonState, c: ClientState, w: Worker, h: dict, arrays: Sequence,
            to_host: bool) -> tuple[list[Item], list[tuple[str, np.ndarray, bool]], int]:
     ids_cache: dict[int, Ids] = {}
-    checked: set[tuple] = set()
+    checked: dict[tuple, Any] = {}  # (src, dst, space, P) -> host rows touched
     seen_pools: set[str] = set()
     items: list[Item] = []
     host: dict[str, list[Any]] = {}
@@ -255,7 +256,9 @@ def _items(st: DaemonState, c: ClientState, w: Worker, h: dict, arrays: Sequence
                 pages = _host_pages(host_ids, P)
                 _owned(st, c, space, pages, f"items[{i}]")
                 host.setdefault(space, []).append(pages)
-                checked.add(key)
+                checked[key] = pages
+            if not to_host:
+                check_readable(st.group, spec.name, checked[key], f"items[{i}]")
             dev_t, host_t = w.tables[spec.name], st.host_tables[spec.name]
             nbytes = src.n * spec.num_layers * (spec.token_bytes if token else spec.page_bytes)
             total += nbytes
@@ -292,8 +295,11 @@ def backup(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 
 def _wait_event(st: DaemonState, w: Worker, k: int | None) -> Any:
-    if k is None or not st.engine.cuda:
-        return None  # CPU mode: the engine's writes are visible before it sends the command
+    if k is None:
+        return None
+    if not st.engine.cuda:  # the engine's writes are visible before it sends the command
+        raise _err("unsupported", "wait_event: CPU mode has no interprocess events; send the "
+                                  "command once the device rows are written")
     if not 0 <= k < len(w.events):
         raise _err("bad_field", f"wait_event {k}: the worker registered {len(w.events)} events")
     return w.events[k]
@@ -374,6 +380,8 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     request = _request(h)
     if request is not None and owner != (c.cid, request):
         raise _err("not_owner", f"host_row {row} belongs to request {owner[1]!r}, not {request!r}")
+    for spec in pools:
+        check_readable(st.group, spec.name, rows, "host_row")
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)
     op = Op(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)], nbytes=nbytes)
     if st.engine.cuda:
@@ -401,12 +409,23 @@ def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Re
     spec_draft = None
     if draft is not None:
         spec_draft = _draft(draft, slots)
+        _draft_applies(pools)
     targets = [ClearTarget(p.name, w.tables[p.name], p.ring, p.dtype == "fp32_state")
                for p in pools]
     clear = ClearSpec(targets, [] if spec_draft else list(slots), spec_draft)
     nbytes = 0 if spec_draft else sum(p.page_bytes * p.num_layers for p in pools) * len(slots)
     op = Op(st.next_op_id(), c.cid, "clear_slot", [], [], clear=clear, nbytes=nbytes)
     return _ack_fields(op, st.start(c, op)), []
+
+
+def _draft_applies(pools: list[PoolSpec]) -> None:
+    """The draft rule rewrites ring entries of fp32 state pools: refuse it where there are none
+    (it would change nothing and ack ok)."""
+    if not any(p.dtype == "fp32_state" and p.ring > 1 for p in pools):
+        raise _err("unsupported", "clear_slot draft=: this stage's request-slot pools ("
+                                  + ", ".join(p.name for p in pools) + ") hold no ring state "
+                                  "(paged SWA with online C128 state), so the MTP draft rule "
+                                  "has nothing to void; clear whole slots instead")
 
 
 def _draft(d: dict, slots: list[int]) -> list[tuple[int, list[int]]]:

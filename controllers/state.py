@@ -26,6 +26,7 @@ from hicache.kernels.tables import LayerTable
 from hicache.core.layout import Layout
 from hicache.controllers.metrics import Metrics
 
+from .host_access import begin_writes, end_writes, host_table
 from .registry import ClientState, Registry
 from .row_tracker import RowTracker
 from .transfer_engine import Op, TransferEngine
@@ -49,8 +50,8 @@ class DaemonState:
         self.shm_dirs = shm_dirs
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
-        self.host_tables = {name: LayerTable(p.layers, f"host:{name}")
-                            for name, p in group.pools.items()}
+        self.host_tables: dict[str, LayerTable] = {name: host_table(p)
+                                                   for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Op, ClientState]] = {}
@@ -67,7 +68,9 @@ class DaemonState:
         """Run or submit ``op``. Returns its ack when it ran inline (CPU mode, small, engine
         idle: nothing else can touch its rows meanwhile, so no in-flight bookkeeping; metrics
         are recorded after the reply went out), else None (the ack is pushed later)."""
+        begin_writes(self.group, op)
         if self.engine.run_inline(op):
+            end_writes(self.group, op)
             self.post.append(op)
             return self._ack(op)
         if self.engine.cuda and self.tracker.hazard(op.host):
@@ -93,6 +96,7 @@ class DaemonState:
         """Bookkeeping of one completed asynchronous op; returns its ack."""
         _, c = self.ops.pop(op.op_id)
         self.engine.forget(op)
+        end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
         c.in_flight -= 1
         self.metrics.in_flight(op.kind, -1)
