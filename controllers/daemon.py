@@ -116,7 +116,8 @@ class Daemon:
         self.metrics = Metrics()
         self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
                                    arena_options={"numa_node": numa,
-                                                  "touch_threads": cfg.touch_threads})
+                                                  "touch_threads": cfg.touch_threads},
+                                   zero_on_free=cfg.zero_on_free)
         self.server: Server | None = None
         self.engine: TransferEngine | None = None
         try:

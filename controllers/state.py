@@ -186,8 +186,17 @@ class DaemonState:
             m.set("host_rows", a.used_rows - pend, s, "used")
             m.set("host_rows", a.free_rows, s, "free")
             m.set("host_rows", pend, s, "pending_free")
+        self._run_gauges()
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
+
+    def _run_gauges(self) -> None:
+        """Free-run gauges of each index space (how consecutive new host rows will be)."""
+        for s, a in self.group.allocators.items():
+            st = a.stats()
+            self.metrics.set("host_free_runs", st["free_runs"], s)
+            self.metrics.set("host_free_run_mean_rows", st["mean_free_run"], s)
+            self.metrics.set("host_fragmentation_ratio", st["fragmentation"], s)
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -5,8 +5,9 @@ Contract (one instance per index space; pools of a space share its row ids; call
 * ``alloc(n, owner) -> torch.int64 tensor`` of ``n`` distinct free rows, owned by ``owner`` from
   that moment (the owner is written in the same step: bookkeeping lives in the allocation).
   Rows come in runs: the free rows are kept as maximal runs of consecutive ids, indexed by
-  size class (``floor(log2(length))``). A request takes the lowest-starting run of the
-  smallest class whose runs all hold it (then a fitting run of the class below); only when no
+  size class (``floor(log2(length))``). A request of ``n`` rows takes a fitting run of its
+  own class (the tightest fit, among the first few of that class), else the lowest-starting
+  run of the smallest larger class (where every run fits); only when no
   single run holds ``n`` rows does it take the largest runs first. So one request's rows are
   consecutive whenever a free run can hold them. Raises ``PoolExhausted`` when fewer than
   ``n`` rows are free. O(n + runs touched + classes).
@@ -160,15 +161,21 @@ class RowAllocator:
         """Take ``n`` rows out of the free runs (``n`` <= free rows); returns the pieces
         ``(start, length)``: one piece whenever some run holds ``n`` rows."""
         top = len(self._classes)
-        for c in range((n - 1).bit_length(), top):  # every run of class c holds >= 2**c >= n
+        c = n.bit_length() - 1  # the tightest class: runs of [2**c, 2**(c+1)), some >= n
+        h = self._classes[c]
+        if h:
+            for s in h[:_SCAN]:
+                if self._live(c, s) and self._by_start[s] >= n:
+                    self._take(s, n)
+                    return [(s, n)]
+        for c in range(c + 1, top):  # every run of a larger class holds n: lowest start
             s = self._top(c)
             if s is not None:
                 self._take(s, n)
                 return [(s, n)]
-        c = n.bit_length() - 1  # this class mixes runs shorter and longer than n
-        if 0 <= c < top:
-            for s in self._classes[c][:_SCAN]:
-                if self._live(c, s) and self._by_start[s] >= n:
+        if len(h) > _SCAN:  # the rest of the tightest class, before splitting the request
+            for s in h[_SCAN:]:
+                if self._live(n.bit_length() - 1, s) and self._by_start[s] >= n:
                     self._take(s, n)
                     return [(s, n)]
         pieces, need = [], n  # no single run holds n: largest runs first
