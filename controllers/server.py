@@ -31,9 +31,15 @@ HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
+# libzmq's MAXMSGSIZE bounds each frame, not the multipart message: the frame count and the
+# message total are checked by ``_recv`` as frames are taken off the socket, before any decode.
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
+# complete messages queued per peer before libzmq stops reading that peer's connection
+TRANSPORT_RCVHWM = 8
+_KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class Server:
@@ -47,7 +53,7 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
         self.sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
         self.auth: Any = None
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
             from zmq.auth.thread import ThreadAuthenticator
@@ -147,23 +153,50 @@ class Server:
     def _request(self) -> None:
         """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
         cheaper than a poll per request when several clients are busy)."""
-        recv, handle = self.sock.recv_multipart, self._handle
+        recv, handle = self._recv, self._handle
         for _ in range(BATCH):
             try:
-                frames = recv(_NOBLOCK)
+                frames, err = recv()
             except zmq.Again:
                 return
-            handle(frames)
+            handle(frames, err)
             if self.state.stopping:
                 return
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _recv(self) -> tuple[list[bytes], str | None]:
+        """One message, frame by frame: at most the identity, a header and
+        ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept; the rest is
+        taken off the socket and dropped at once. Returns (frames, why the message is refused
+        or None). Raises ``zmq.Again`` when no message waits."""
+        sock = self.sock
+        recv, more = sock.recv, sock.get
+        frames = [recv(_NOBLOCK)]
+        n = total = 0
+        over = False
+        while more(_RCVMORE):
+            # index frames zero-copy (a zmq.Frame exposes its buffer); the header as bytes
+            f = recv(_NOBLOCK, copy=n == 0)
+            n += 1
+            total += len(f)
+            if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
+                over = True
+            if not over:
+                frames.append(f)
+        if not over:
+            return frames, None
+        if n > _KEEP - 1:
+            return frames[:2], f"{n - 1} index frames; at most {P.MAX_INDEX_FRAMES}"
+        return frames[:2], f"message of {total} bytes exceeds {P.MAX_MESSAGE_BYTES}"
+
+    def _handle(self, frames: list[bytes], refused: str | None = None) -> None:
         t0 = time.perf_counter()
         st = self.state
         ident, body = frames[0], frames[1:]
         cmd, rid, code = "invalid", None, None
         try:
             c = st.registry.touch(ident, time.monotonic())
+            if refused is not None:
+                raise P.ProtocolError("bad_frame", refused)
             h, arrays = P.decode_request(body)
             cmd, rid = h["cmd"], h["id"]
             if st.stopping and cmd != "shutdown":
