@@ -216,7 +216,7 @@ class Daemon:
         st.deliver_completed()
         if self.server is not None:
             self.server.refuse_pending()
-        for c in list(st.registry.clients.values()):
+        for c in [*st.registry.clients.values(), *st.registry.retiring.values()]:
             st.registry.remove(c)  # closes device mappings
         log.info("shutdown: drained in %.3f s", time.monotonic() - t0)
         self._teardown()

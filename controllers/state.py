@@ -104,6 +104,7 @@ class DaemonState:
             self.release_ready()
         if c.closing and c.in_flight == 0:
             self._free_all(c)
+            self._retired(c)
         self._account(op)
         return self._ack(op)
 
@@ -173,10 +174,25 @@ class DaemonState:
         return 0, True
 
     def reap(self, c: ClientState, why: str) -> None:
-        n, deferred = self.release_client(c)
-        self.registry.remove(c)
-        log.warning("client %s %s: %d host rows freed%s, device mappings closed", c.cid, why,
-                    n, " (more when its in-flight ops end)" if deferred else "")
+        """Reap without waiting (the loop keeps serving): with nothing in flight, free its
+        rows and close its mappings now; else retire it and let ``finish`` do both when its
+        last operation ends."""
+        if c.in_flight == 0:
+            n = self._free_all(c)
+            self.registry.remove(c)
+            log.warning("client %s %s: %d host rows freed, device mappings closed", c.cid, why, n)
+            return
+        c.closing = True
+        self.registry.retire(c)
+        log.warning("client %s %s: %d operations still running; its rows and device mappings "
+                    "go when they end", c.cid, why, c.in_flight)
+
+    def _retired(self, c: ClientState) -> None:
+        """The last operation of a retiring (reaped) client ended: close its mappings."""
+        if self.registry.retiring.get(c.ident) is c:
+            self.registry.remove(c)
+            log.warning("client %s: its in-flight operations ended; rows freed, device "
+                        "mappings closed", c.cid)
 
     # ------------------------------------------------------------------ gauges
     def refresh_gauges(self) -> None:
