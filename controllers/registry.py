@@ -8,7 +8,8 @@ kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
 A reaped client with operations still in flight is *retiring* (``retire``): it no longer counts
 as connected and gets no acks, but its rows and device mappings stay until its last operation
 ends (``remove`` then); meanwhile its identity is refused (``busy``), so a reconnecting peer
-can neither use nor lose what the old one held.
+can neither use nor lose what the old one held. Under CURVE a client is bound to the name of
+the key that created it (``touch``): another key presenting its routing identity is refused.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ClientState:
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
     closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
+    key: str | None = None  # CURVE: the name of the key this client is bound to
 
 
 class Registry:
@@ -62,8 +64,14 @@ class Registry:
         self.retiring: dict[bytes, ClientState] = {}
         self.dropped_acks = 0
 
-    def touch(self, ident: bytes, now: float) -> ClientState:
+    def touch(self, ident: bytes, now: float, key: str | None = None) -> ClientState:
+        """The client of routing identity ``ident``; ``key``: the CURVE key name the message
+        came with (None without CURVE). A client is bound to the key that created it: another
+        key using its identity is refused (``not_owner``) and changes nothing."""
         c = self.clients.get(ident)
+        if c is not None and c.key != key:
+            raise ProtocolError("not_owner", f"client {c.cid[:64]} is bound to CURVE key "
+                                             f"{c.key!r}; this message came with key {key!r}")
         if c is None:
             if ident in self.retiring:
                 raise ProtocolError("busy", "this client was reaped and its operations are "
@@ -71,7 +79,7 @@ class Registry:
             if len(self.clients) >= self.max_clients:
                 raise ProtocolError("too_many_clients", f"the daemon already tracks "
                                                         f"{self.max_clients} clients")
-            c = ClientState(ident.decode("utf-8", "replace"), ident, now)
+            c = ClientState(ident.decode("utf-8", "replace"), ident, now, key=key)
             self.clients[ident] = c
         c.last_seen = now
         return c

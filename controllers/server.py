@@ -7,7 +7,8 @@ timeout when that is shorter) reap clients silent for longer than the heartbeat 
 refresh the gauges. While the engine is idle the loop waits on the socket alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
-oversubscribed one). Nothing per command is logged (the hot path stays lean); failures are
+oversubscribed one). Under CURVE each client key has a name (its file in the clients directory)
+and a client is bound to the key that first spoke for it (``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
 counted in metrics, and internal errors are logged with their traceback.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -42,6 +44,35 @@ _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
 
 
+def key_names(directory: str) -> dict[bytes, str]:
+    """CURVE client identities of the daemon's config: each public key file ``NAME.key`` in the
+    clients directory makes its key (z85, as ``zmq.auth`` loads it) act as client ``NAME``."""
+    import zmq.auth
+
+    out: dict[bytes, str] = {}
+    for path in sorted(Path(directory).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(path))
+        out[public] = path.stem
+    return out
+
+
+def _named_authenticator(ctx: zmq.Context, clients: str) -> Any:
+    """A ZAP handler (thread) that admits the listed keys and names each message's sender
+    (``User-Id``) by its key's file name."""
+    from zmq.auth.thread import ThreadAuthenticator
+    from zmq.utils import z85
+
+    names = key_names(clients)
+
+    class Named(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            key = z85.encode(client_public_key) if len(client_public_key) == 32 \
+                else client_public_key
+            return names.get(key, "")
+
+    return Named(ctx)
+
+
 class Server:
     def __init__(self, state: DaemonState, address: str, spin_us: float = 0.0,
                  curve: tuple[bytes, bytes, str] | None = None) -> None:
@@ -55,11 +86,10 @@ class Server:
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
         self.sock.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
         self.auth: Any = None
+        self.user: str | None = None  # CURVE: name of the key that sent the current message
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
-            from zmq.auth.thread import ThreadAuthenticator
-
             public, secret, clients = curve
-            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth = _named_authenticator(self.ctx, clients)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=clients)
             self.sock.curve_secretkey = secret
@@ -175,7 +205,10 @@ class Server:
         over = False
         while more(_RCVMORE):
             # index frames zero-copy (a zmq.Frame exposes its buffer); the header as bytes
-            f = recv(_NOBLOCK, copy=n == 0)
+            f = recv(_NOBLOCK, copy=n == 0 and not self.auth)
+            if n == 0 and self.auth:  # the key's name, set by our ZAP handler: who sent this
+                self.user = f.get("User-Id")
+                f = f.bytes
             n += 1
             total += len(f)
             if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
@@ -194,7 +227,7 @@ class Server:
         ident, body = frames[0], frames[1:]
         cmd, rid, code = "invalid", None, None
         try:
-            c = st.registry.touch(ident, time.monotonic())
+            c = st.registry.touch(ident, time.monotonic(), self.user)
             if refused is not None:
                 raise P.ProtocolError("bad_frame", refused)
             h, arrays = P.decode_request(body)
