@@ -43,7 +43,8 @@ Owner = Tuple[str, Union[str, None]]  # (client_id, request id or None)
 RowsLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 FREE = -1
 _SHOW = 8  # rows named in an error message
-_SCAN = 64  # runs of the class below examined for a fit before splitting a request
+_SCAN = 64  # runs of the tightest class examined first for a fit
+_SMALL = 16  # up to this many rows, plain loops instead of numpy calls
 
 
 def check_owner(owner: Any) -> Owner:
@@ -76,6 +77,14 @@ def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
     """``(start, length)`` of the maximal runs of consecutive ids in ``rows`` (sorted first)."""
     if rows.size == 0:
         return []
+    if rows.size <= _SMALL:  # a plain loop beats numpy's per-call overhead here
+        out: list[tuple[int, int]] = []
+        for r in sorted(rows.tolist()):
+            if out and out[-1][0] + out[-1][1] == r:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((r, 1))
+        return out
     s = np.sort(rows)
     brk = np.flatnonzero(np.diff(s) != 1) + 1
     starts = np.concatenate(([0], brk))
@@ -268,8 +277,16 @@ class RowAllocator:
             return
         if self.on_release is not None:
             self.on_release(arr)
-        ids, counts = np.unique(self._owner[arr], return_counts=True)
-        for oid, c in zip(ids.tolist(), counts.tolist()):
+        held = self._owner[arr]
+        if arr.size <= _SMALL:
+            tally: dict[int, int] = {}
+            for oid in held.tolist():
+                tally[oid] = tally.get(oid, 0) + 1
+            pairs = list(tally.items())
+        else:
+            ids, counts = np.unique(held, return_counts=True)
+            pairs = list(zip(ids.tolist(), counts.tolist()))
+        for oid, c in pairs:
             self._counts[oid] -= c
             if self._counts[oid] == 0:
                 self._forget(oid)
