@@ -57,7 +57,7 @@ class Peer:
     def call(self, cmd: str, fields: dict | None = None, arrays=()) -> dict:
         self.rid += 1
         self.s.send_multipart(P.encode_request(cmd, self.rid, fields, arrays))
-        assert self.s.poll(10_000, zmq.POLLIN), f"{cmd}: no reply"
+        assert self.s.poll(30_000, zmq.POLLIN), f"{cmd}: no reply"
         while True:
             h, arrays_ = P.decode_reply(self.s.recv_multipart())
             if h.get("k") == "reply":
