@@ -21,6 +21,10 @@ Ring SWA mode: the SWA tail goes to ring positions ``pos % window`` of the reque
 Byte figures: ``page_bytes`` (compressed rows of one page), ``checkpoint_bytes`` (bytes a
 checkpoint moves), ``checkpoint_host_bytes`` (what it occupies on the host: one host row of its
 space, since host pools mirror device rows), ``full_page_bytes`` (a full mirror of one page).
+``host_tier(host_bytes, mirror, pages_per_ckpt)`` splits a host budget into page rows and
+checkpoint rows (one checkpoint row per ``pages_per_ckpt`` page rows; the daemon's arena has
+fixed regions per space, so the split is chosen up front; alignment padding, < 4 KiB per
+layer region, is left out).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from hicache.core.layout import Layout, LayoutError, PoolSpec
 STATE_SLOTS = ("ring", "overlap")
 MIRRORS = ("full", "checkpoints")
 C4_RATIO = 4
+DEFAULT_PAGES_PER_CKPT = 32  # host tier split: one checkpoint row per this many page rows
 
 
 @dataclass(frozen=True)
@@ -150,3 +155,20 @@ class ResumeModel:
             "page_bytes": self.page_bytes, "checkpoint_bytes": self.checkpoint_bytes,
             "checkpoint_host_bytes": self.checkpoint_host_bytes,
         }
+
+    def host_tier(self, host_bytes: int, mirror: str,
+                  pages_per_ckpt: int = DEFAULT_PAGES_PER_CKPT) -> tuple[int, int]:
+        """(page rows, checkpoint rows) that ``host_bytes`` of host tier holds under ``mirror``."""
+        if mirror not in MIRRORS:
+            raise LayoutError(f"mirror must be one of {MIRRORS}, got {mirror!r}")
+        if pages_per_ckpt < 1:
+            raise LayoutError(f"pages per checkpoint must be >= 1, got {pages_per_ckpt}")
+        if mirror == "full":
+            self.load_bytes(1, "full")  # refuses ring mode with its reason
+            return host_bytes // self.full_page_bytes, 0
+        K = pages_per_ckpt
+        pages = host_bytes * K // (K * self.page_bytes + self.checkpoint_host_bytes)
+        if pages >= K:
+            return pages, pages // K
+        rest = host_bytes - self.checkpoint_host_bytes  # a small tier: one checkpoint row
+        return (rest // self.page_bytes, 1) if rest >= self.page_bytes else (0, 0)

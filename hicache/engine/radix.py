@@ -12,7 +12,8 @@ hashable the engine uses), at most one device row, at most one host handle and, 
 * ``alloc_device(n) -> rows`` — device rows for the pages the engine computes, evicting least
   recently used device copies when the pool is short.
 * ``release(prefix, keys, rows, slot=None)`` — the request finished: its new pages enter the
-  tree, the last page it wrote (and every ``checkpoint_every``-th) becomes a checkpoint, the
+  tree, the last page it wrote (and every ``checkpoint_every``-th, and with ``checkpoint_branch``
+  the deepest cached page it had to recompute) becomes a checkpoint, the
   prefix is unlocked and the write policy runs. ``free_device(rows)`` returns rows not cached.
 
 Mirrors. ``full`` (default): a page copy carries every pool (SWA and states included), so
@@ -79,6 +80,7 @@ class RadixTree(Transfers):
         mirror: str = "full",
         device_ckpts: bool = True,
         checkpoint_every: int = 0,
+        checkpoint_branch: bool = False,
         host_ckpt_capacity: int | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -87,12 +89,14 @@ class RadixTree(Transfers):
             raise ValueError(f"mirror must be one of {MIRRORS}, got {mirror!r}")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        if mirror == "full" and (checkpoint_every or host_ckpt_capacity is not None
-                                 or not device_ckpts):
+        if mirror == "full" and (checkpoint_every or checkpoint_branch
+                                 or host_ckpt_capacity is not None or not device_ckpts):
             raise ValueError("a full mirror makes every page a checkpoint: checkpoint_every, "
-                             "host_ckpt_capacity and device_ckpts=False do not apply")
-        if not device_ckpts and checkpoint_every:
-            raise ValueError("checkpoint_every needs device checkpoints (paged SWA): a ring "
+                             "checkpoint_branch, host_ckpt_capacity and device_ckpts=False "
+                             "do not apply")
+        if not device_ckpts and (checkpoint_every or checkpoint_branch):
+            raise ValueError("checkpoint_every / checkpoint_branch need device checkpoints "
+                             "(paged SWA): a ring "
                              "holds one window per request slot, so only the last page it "
                              "wrote can be checkpointed at release")
         self.device = RowFreeList(device) if isinstance(device, int) else device
@@ -104,6 +108,7 @@ class RadixTree(Transfers):
         self.ckpt_mode = mirror == "checkpoints"
         self.device_ckpts = device_ckpts
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_branch = checkpoint_branch
         self.host_ckpt_capacity = host_ckpt_capacity
         self.host_online = hooks is not None
         self.root = Node(None, None)
@@ -300,13 +305,19 @@ class RadixTree(Transfers):
     def free_device(self, rows: Iterable[int]) -> None:
         self.device.free(rows)
 
-    def checkpoint_indices(self, written_from: int, pages: int) -> list[int]:
-        """Indices (0-based) of the pages a request that wrote ``[written_from, pages)`` checkpoints."""
+    def checkpoint_indices(self, written_from: int, pages: int, cached: int = 0) -> list[int]:
+        """Indices (0-based) of the pages a request that wrote ``[written_from, pages)``
+        checkpoints: its last page, every ``checkpoint_every``-th, and with
+        ``checkpoint_branch`` the deepest cached page it recomputed (``cached`` pages were in
+        the tree past its resume point: later requests sharing them resume there)."""
         if not self.ckpt_mode or pages <= written_from:
             return []
         every = self.checkpoint_every
-        out = [i for i in range(written_from, pages - 1) if every and (i + 1) % every == 0]
-        return out + [pages - 1]
+        out = {i for i in range(written_from, pages - 1) if every and (i + 1) % every == 0}
+        if self.checkpoint_branch and written_from < cached <= pages:
+            out.add(cached - 1)
+        out.add(pages - 1)
+        return sorted(out)
 
     def release(self, prefix: Prefix, keys: Sequence[Hashable], rows: Sequence[int],
                 slot: int | None = None) -> None:
@@ -314,7 +325,8 @@ class RadixTree(Transfers):
         new_keys = keys[prefix.pages:]
         if len(new_keys) != len(rows):
             raise ValueError(f"{len(new_keys)} new pages but {len(rows)} rows given")
-        bounds = set(self.checkpoint_indices(prefix.pages, len(keys)))
+        bounds = set(self.checkpoint_indices(prefix.pages, len(keys),
+                                             prefix.pages + prefix.unresumable_pages))
         if bounds and not self.device_ckpts and slot is None and self.host_online:
             raise ValueError("ring SWA mode backs a checkpoint up from a request slot: "
                              "pass release(..., slot=...)")
