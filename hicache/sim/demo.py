@@ -29,8 +29,9 @@ from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS, ResumeModel
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
 
-GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8}
-TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16}
+GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8, "pages_per_ckpt": 8}
+TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16,
+                  "pages_per_ckpt": DEFAULT_PAGES_PER_CKPT}
 READY_TIMEOUT_S = 180.0
 
 
@@ -71,9 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--checkpoint-branch", action=argparse.BooleanOptionalAction, default=True,
                    help="also checkpoint the deepest cached page a request had to recompute "
                         "(paged SWA; default on)")
-    m.add_argument("--pages-per-checkpoint", type=int, default=DEFAULT_PAGES_PER_CKPT,
-                   metavar="K", help=f"host tier split: one checkpoint row per K page rows "
-                                     f"(default {DEFAULT_PAGES_PER_CKPT})")
+    m.add_argument("--pages-per-checkpoint", type=int, metavar="K",
+                   help=f"host tier split: one checkpoint row per K page rows (default "
+                        f"{GENERATOR_DEFAULTS['pages_per_ckpt']} for the generator's short "
+                        f"sessions, {TRACE_DEFAULTS['pages_per_ckpt']} with a trace)")
     m.add_argument("--policy", choices=POLICIES, default="write_through",
                    help="write policy of the radix tree (default write_through)")
     m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
@@ -149,6 +151,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         raise UsageError(f"request {big.rid} needs {need} device page rows "
                          f"({big.input_tokens} + {big.output_tokens} tokens) but --device-pages "
                          f"is {device_pages}; raise --device-pages")
+    if args.pages_per_checkpoint is None:
+        args.pages_per_checkpoint = defaults["pages_per_ckpt"]
     if args.pages_per_checkpoint < 1:
         raise UsageError(f"--pages-per-checkpoint must be >= 1, got {args.pages_per_checkpoint}")
     host_ckpts = None
