@@ -171,6 +171,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     if args.mirror == "checkpoints" and host_ckpts is None:
         host_ckpts = max(1, host_pages // args.pages_per_checkpoint)
     device = args.device
+    if args.dry or args.sweep_host:  # nothing runs on a device: no torch import either
+        device = "cpu" if device == "auto" else device
     if device == "auto":
         import torch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -136,8 +137,9 @@ def run_sweep(args: argparse.Namespace, reqs: list, cfg: WorkerConfig, what: str
     result = sweep(cfg, reqs, sizes, args.pages_per_checkpoint)
     result["workload"] = what
     if args.plot:
-        plot(result, args.plot, f"{what}; {cfg.preset} {cfg.swa_mode} SWA, "
-                                f"{cfg.device_pages:,} device pages")
+        name = os.path.basename(args.trace) if args.trace else "built-in workload"
+        plot(result, args.plot, f"{name}: {len(reqs)} requests, {cfg.preset} {cfg.swa_mode} "
+                                f"SWA, {cfg.device_pages:,} device pages")
         result["plot"] = args.plot
     print(json.dumps(result) if args.json else _table(result), flush=True)
     return 0
