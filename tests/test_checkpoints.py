@@ -258,3 +258,23 @@ def test_resume_model_of_dsv4_flash():
         ResumeModel(lay, state_slots="half")
     odd = preset("dsv4-tiny").with_options(window=96)
     assert ResumeModel(build_layout(odd, swa_mode="ring")).ring_positions(1)[:2] == [64, 65]
+
+
+def test_plan_reports_the_host_tier_under_both_mirrors(capsys):
+    from hicache.cli import main
+    from hicache.core.host_tier import host_tier_by_mirror
+    from hicache.core.planner import PlanInputs
+
+    flash = preset("dsv4-flash")
+    t = host_tier_by_mirror(PlanInputs(flash, 100 << 30, host_mem=64 << 30))
+    assert t["full"]["pages"] == (64 << 30) // 11_028_288
+    ck = t["checkpoints"]
+    assert ck["pages"] * 998_208 + ck["checkpoints"] * 10_030_080 <= 64 << 30
+    assert ck["checkpoints"] == ck["pages"] // 32 and t["checkpoints_vs_full"] >= 5
+    ring = host_tier_by_mirror(PlanInputs(flash, 100 << 30, swa_mode="ring", host_mem=64 << 30))
+    assert "paged SWA" in ring["full"]["error"] and ring["checkpoints"]["pages"] > 0
+    assert host_tier_by_mirror(PlanInputs(flash, 100 << 30)) is None
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--host-mem", "64GiB",
+                 "--pages-per-checkpoint", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "per host GiB" in out and "one checkpoint per 16 pages" in out

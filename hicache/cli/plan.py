@@ -11,10 +11,10 @@ import re
 import sys
 
 from hicache.core.errors import UsageError
+from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
-    DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, host_tier_by_mirror,
-    human_bytes,
+    DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
     parse_bounds, parse_count, parse_fraction, parse_size, plan,
 )
 
@@ -186,7 +186,9 @@ def _mirror_lines(pl: Plan) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     result = plan(inputs_from_args(args))
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
+        d = result.to_dict()
+        d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)
+        json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(result))

@@ -20,10 +20,8 @@ torch):
 * Host rows mirror device rows byte for byte and are proportional to them per index space;
   ``hicache.core.sizes.host_rows`` computes them (the rule the daemon sizes its arena
   with), so a plan and a running daemon agree to the row.
-* ``host_tier_by_mirror(inputs)``: with a host budget, the host tier's page rows, checkpoint
-  rows and cached tokens per host GiB under each mirror (``hicache.core.resume``): a full
-  mirror stores every pool of every page; checkpoints store compressed rows per page plus one
-  checkpoint row per ``pages_per_checkpoint`` pages. Min over stages, like the device capacity.
+* The host tier by mirror (full vs checkpoints, ``pages_per_checkpoint``) is
+  ``hicache.core.host_tier.host_tier_by_mirror``.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
   that names the numbers involved.
 
@@ -40,7 +38,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from hicache.core.errors import UsageError
-from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS, ResumeModel
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core import sizes as host_sizing
 from hicache.core.layout import (
     INDEX_SPACES, Layout, ModelSpec, build_layout, check_bounds, stage_bounds,
@@ -371,7 +369,6 @@ class Plan:
             "paged_token_capacity": self.paged_capacity,
             "ring_token_capacity": self.ring_capacity,
             "ring_vs_paged_capacity_ratio": self.ring_vs_paged,
-            "host_tier_by_mirror": host_tier_by_mirror(i),
             "warnings": list(self.warnings),
         }
 
@@ -440,26 +437,3 @@ def plan(inputs: PlanInputs) -> Plan:
         warnings.append(f"{other} SWA mode does not fit these inputs: {e}")
     return Plan(inputs, slots, stages, capacity["paged"], capacity["ring"], warnings)
 
-
-def host_tier_by_mirror(inputs: PlanInputs) -> dict[str, Any] | None:
-    """Host tier under each mirror for ``inputs.host_mem`` (see the module docstring)."""
-    if inputs.host_mem is None:
-        return None
-    out: dict[str, Any] = {}
-    layouts = stage_layouts(inputs, inputs.swa_mode)
-    for mirror in MIRRORS:
-        if mirror == "full" and inputs.swa_mode != "paged":
-            out[mirror] = {"error": "a full mirror needs paged SWA (ring mode pages have no "
-                                    "SWA rows; their hits are not resumable)"}
-            continue
-        tiers = [ResumeModel(lay).host_tier(inputs.host_mem, mirror, inputs.pages_per_checkpoint)
-                 for lay in layouts]
-        pages, ckpts = min(t[0] for t in tiers), min(t[1] for t in tiers)
-        tokens = pages * inputs.model.page_size
-        out[mirror] = {"pages": pages, "checkpoints": ckpts, "cached_tokens": tokens,
-                       "cached_tokens_per_host_gib": round(tokens * 2**30 / inputs.host_mem)
-                       if inputs.host_mem else 0}
-    full, ck = out.get("full", {}), out["checkpoints"]
-    if full.get("cached_tokens"):
-        out["checkpoints_vs_full"] = round(ck["cached_tokens"] / full["cached_tokens"], 2)
-    return out

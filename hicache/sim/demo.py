@@ -26,6 +26,7 @@ from typing import Any
 
 from hicache.core.errors import UsageError
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS, ResumeModel
+from hicache.sim.sizing import host_tier_rows, planned_device_pages
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
 
@@ -190,31 +191,6 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
                        host_ckpts=host_ckpts if args.mirror == "checkpoints" else None)
     cfg.check()
     return reqs, cfg, what
-
-
-def planned_device_pages(preset_name: str, kv_mem: str, swa: str) -> int:
-    """Radix pages a device of ``kv_mem`` holds, as the planner sizes it: one row of every page
-    space per radix page (paged SWA: min of page and SWA page rows)."""
-    from hicache.core.layout import preset
-    from hicache.core.planner import PlanInputs, parse_size, plan
-
-    pl = plan(PlanInputs(preset(preset_name), parse_size(kv_mem, "--kv-mem"), swa_mode=swa))
-    rows = pl.stages[0].device_rows
-    return min(n for s, n in rows.items() if s in ("page", "swa_page"))
-
-
-def host_tier_rows(preset_name: str, host_mem: str, swa: str, mirror: str,
-                   pages_per_ckpt: int) -> tuple[int, int | None]:
-    """(host page rows, host checkpoint rows) of ``host_mem`` under ``mirror``."""
-    from hicache.core.layout import LayoutError, build_layout, preset
-    from hicache.core.planner import parse_size
-
-    r = ResumeModel(build_layout(preset(preset_name), swa_mode=swa))
-    try:
-        pages, ckpts = r.host_tier(parse_size(host_mem, "--host-mem"), mirror, pages_per_ckpt)
-    except LayoutError as e:
-        raise UsageError(str(e)) from None
-    return pages, (ckpts if mirror == "checkpoints" else None)
 
 
 def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:

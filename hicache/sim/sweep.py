@@ -22,6 +22,7 @@ from hicache.core.errors import UsageError
 from hicache.core.planner import human_bytes, parse_size
 from hicache.sim.dry import DryReplay
 from hicache.sim.replay import WorkerConfig
+from hicache.sim.sizing import host_tier_rows
 
 GIB = 2**30
 
@@ -53,8 +54,6 @@ def _dry(cfg: WorkerConfig, reqs: list, host: bool = True) -> dict[str, Any]:
 
 def sweep(cfg: WorkerConfig, reqs: list, sizes: list[int], pages_per_ckpt: int) -> dict[str, Any]:
     """Every figure of the sweep (see the module docstring), JSON-able."""
-    from hicache.sim.demo import host_tier_rows
-
     mirrors = ["full", "checkpoints"] if cfg.swa_mode == "paged" else ["checkpoints"]
     base = {m: _dry(dataclasses.replace(cfg, mirror=m, checkpoint_every=0 if m == "full"
                                         else cfg.checkpoint_every, host_ckpts=None),
