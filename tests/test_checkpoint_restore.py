@@ -55,6 +55,8 @@ def _scramble(w: Worker, pool: str, row: int) -> None:
     for buf in w.pools.layers[pool]:
         noise = torch.randint(0, 256, (buf.shape[1],), dtype=torch.uint8, generator=g)
         buf[row].copy_(noise.to(buf.device))
+    if w.cuda:
+        torch.cuda.synchronize()  # the daemon's copies run on its own streams
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -104,6 +106,7 @@ def test_ring_checkpoint_restores_into_the_request_slot_rings(daemon_factory, de
             for name, bufs in want.items():
                 for layer, buf in enumerate(bufs):
                     w.pools.layers[name][layer].copy_(buf)
+            w._written()  # GPU: the backup event the daemon's BACKUP waits on
             pages, ck = h.host_alloc(1), h.host_alloc(1, kind="ckpt")
             h.wait(h.backup([2], pages, ckpts=[(1, ck[0], depth)]))
             for name in w.pools.layers:
