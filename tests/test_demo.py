@@ -71,6 +71,10 @@ def test_mirror_full_in_ring_mode_and_plot_without_sweep_are_refused(tmp_path, c
     assert "--mirror full needs paged SWA" in capsys.readouterr().err
     assert main(["demo", "--dry", "--plot", str(tmp_path / "x.png")]) == 2
     assert "give --sweep-host too" in capsys.readouterr().err
+    assert main(["demo", "--state-slots", "overlap"]) == 2  # refused before a daemon starts
+    assert "use it with --dry" in capsys.readouterr().err
+    assert main(["demo", "--state-slots", "overlap", "--dry", "--requests", "20",
+                 "--progress-seconds", "0"]) == 0
 
 
 def test_host_sweep_sized_by_memory(tmp_path):

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"host tier split: one checkpoint row per K page rows (default "
                         f"{GENERATOR_DEFAULTS['pages_per_ckpt']} for the generator's short "
                         f"sessions, {TRACE_DEFAULTS['pages_per_ckpt']} with a trace)")
+    m.add_argument("--state-slots", choices=("ring", "overlap"), default="ring",
+                   help="what a checkpoint keeps of the C4 compress states: the whole ring row "
+                        "(default) or the overlap slots only (byte model: --dry and sweeps)")
     m.add_argument("--policy", choices=POLICIES, default="write_through",
                    help="write policy of the radix tree (default write_through)")
     m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
@@ -188,8 +191,12 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
                        preempt_every=args.preempt_every, mirror=args.mirror,
                        checkpoint_every=args.checkpoint_every,
                        checkpoint_branch=args.checkpoint_branch,
-                       host_ckpts=host_ckpts if args.mirror == "checkpoints" else None)
+                       host_ckpts=host_ckpts if args.mirror == "checkpoints" else None,
+                       state_slots=args.state_slots)
     cfg.check()
+    why = cfg.resume().copyable
+    if why and not (args.dry or args.sweep_host):
+        raise UsageError(f"--state-slots {args.state_slots}: {why}; use it with --dry")
     return reqs, cfg, what
 
 
