@@ -131,6 +131,18 @@ _TABLE: tuple[Command, ...] = (
     Command("shutdown", {}, ("stopping",), False, "shutdown", "stop the daemon"),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _TABLE}
+
+
+def markdown_table() -> str:
+    """docs/protocol.md's command table, from ``COMMANDS`` (a test keeps the doc in step)."""
+    out = ["| command | fields (`?` optional) | reply | ack | what it does |",
+           "|---|---|---|---|---|"]
+    for c in _TABLE:
+        fields = ", ".join(f"`{k}{'' if req else '?'}`: {kind}"
+                           for k, (kind, req) in c.fields.items()) or "—"
+        out.append(f"| `{c.name}` | {fields} | {', '.join(c.reply)} | "
+                   f"{'yes' if c.acks else 'no'} | {c.summary} |")
+    return "\n".join(out)
 _FREE_FORM = ("register", "clear_slot")  # commands with free-form JSON objects in their fields
 ITEM_FIELDS = {"pool": str, "space": str, "src": int, "dst": int, "unit": str}
 UNITS = ("row", "token")
@@ -380,3 +392,7 @@ def decode_reply(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence[i
         raise ProtocolError("bad_version", f"daemon speaks protocol {h.get('v')!r}, "
                                            f"this client v{VERSION}")
     return h, [unpack_index(f) for f in frames[1:]]
+
+
+if __name__ == "__main__":
+    print(markdown_table())
