@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             report["daemon_log"] = log
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    ok = bool(report.get("ok")) and code == 0 and report["daemon_tracebacks"] == 0
+    ok = bool(report.get("ok")) and runner.clean_exit(code) and report["daemon_tracebacks"] == 0
     report["ok"] = ok
     if args.json:
         print(json.dumps(report))
