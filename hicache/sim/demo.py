@@ -56,8 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"host pages = R x device pages (default "
                          f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
                          "with a trace)")
-    m.add_argument("--policy", choices=POLICIES, default="write_through",
-                   help="write policy of the radix tree (default write_through)")
+    m.add_argument("--write-policy", dest="policy", choices=POLICIES, default="write_through",
+                   help="write policy of the radix tree (default write_through; serve's "
+                        "--write-policy)")
+    m.add_argument("--policy", dest="policy", choices=POLICIES, help=argparse.SUPPRESS)
     m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
                                                     "or cuda:N")
     m.add_argument("--preempt-every", type=int, default=10, metavar="N",
