@@ -39,13 +39,16 @@ from .transfer_engine import TransferEngine
 log = logging.getLogger("hicache.daemon")
 
 
-def _prepare_ipc(address: str) -> None:
-    """Create the socket's directory (0700 when we create it) and refuse a live socket."""
+def _prepare_ipc(address: str) -> str | None:
+    """Create the socket's directory (0700 when we create it) and refuse a live socket.
+    Returns the directory when this call created it."""
     path = address[len("ipc://"):]
     d = os.path.dirname(os.path.abspath(path))
+    made = None
     try:
         if not os.path.isdir(d):
             os.makedirs(d, mode=0o700, exist_ok=True)
+            made = d
         st = os.stat(d)
     except OSError as e:
         raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "
@@ -61,6 +64,7 @@ def _prepare_ipc(address: str) -> None:
         if _answers(address):
             raise UsageError(f"another daemon already serves {address}")
         os.unlink(path)  # stale socket file of a dead daemon
+    return made
 
 
 def _check_tcp_port(address: str) -> None:
@@ -153,13 +157,23 @@ class Daemon:
             torch.cuda.set_device(self.device)  # never a context on another GPU
         self.address = cfg.socket or default_socket(cfg.device)
         curve = _curve_keys(cfg) if check_curve(cfg) else None
-        if check_address(self.address, cfg.allow_remote, curve is not None) == "ipc":
-            _prepare_ipc(self.address)
-        else:
+        ipc = check_address(self.address, cfg.allow_remote, curve is not None) == "ipc"
+        if not ipc:
             _check_tcp_port(self.address)
         numa = _numa_node(cfg)
-        log.info("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
-                 ", ".join(f"{s}={n}" for s, n in self.rows.items()))
+        made = _prepare_ipc(self.address) if ipc else None
+        try:
+            self._bring_up(cfg, numa, curve)
+        except BaseException:
+            if made is not None:  # a failed start leaves no folder of ours behind
+                try:
+                    os.rmdir(made)
+                except OSError:
+                    pass
+            raise
+
+    def _bring_up(self, cfg: ServeConfig, numa: int | str | None, curve: Any) -> None:
+        """Metrics endpoint, host arena, transfer engine, state and server, in that order."""
         self.metrics = Metrics()
         self.metrics_port = 0
         if cfg.metrics_port:
@@ -169,6 +183,8 @@ class Daemon:
                 raise UsageError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                                  f"{cfg.metrics_addr}:{cfg.metrics_port}: {e.strerror}") from None
         # --- the host arena (mapped, touched, pinned)
+        log.info("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
+                 ", ".join(f"{s}={n}" for s, n in self.rows.items()))
         try:
             self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
                                        arena_options={"numa_node": numa,

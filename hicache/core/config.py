@@ -34,7 +34,8 @@ from hicache.core.planner import (
 from hicache.core.sizes import check_host_larger, format_bytes, host_rows, parse_bytes
 
 ENV_PREFIX = "HICACHE_"
-WRITE_POLICIES = ("write_through", "write_back")  # hicache.engine.radix.POLICIES (a test checks)
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # = engine.radix
+# .POLICIES (a test checks)
 
 
 @dataclass
@@ -172,7 +173,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("force", _H, "accept a host tier not larger than the device pools"),
     Setting("numa_node", _H, "auto (the GPU's node), off, or a node number"),
     Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
-    Setting("write_policy", _E, "write_through or write_back: the radix cache's default write "
+    Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
+            "radix cache's default write "
             "policy for engines of this daemon"),
 )
 BOOL_FIELDS = ("allow_remote", "mtp", "force")
