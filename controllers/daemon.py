@@ -183,7 +183,7 @@ class Daemon:
                 raise UsageError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                                  f"{cfg.metrics_addr}:{cfg.metrics_port}: {e.strerror}") from None
         # --- the host arena (mapped, touched, pinned)
-        log.info("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
+        log.debug("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
                  ", ".join(f"{s}={n}" for s, n in self.rows.items()))
         try:
             self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
