@@ -20,7 +20,9 @@ Contract of ``DaemonProcess``:
   ``shutdown`` command).
 * Parent death: with ``exit_with_parent=True`` (the default) the daemon gets ``--parent-pid``
   of this process and stops in order (and unlinks its socket) within a second of this process
-  dying, SIGKILL included (``hicache.cli.lifecycle.exit_with_parent``).
+  dying, SIGKILL included (``hicache.cli.lifecycle.exit_with_parent``). Linux delivers the
+  parent-death signal when the launching *thread* exits: start the daemon from a thread that
+  outlives it (the main thread), or pass ``exit_with_parent=False``.
 * ``client(**kw)``, ``alive()``, ``pid``, ``rss()``, ``output(tail)``, ``maps_path(path)``; as a
   context manager it starts on entry and ``close()``s (stop + private directory removed) on exit.
 
