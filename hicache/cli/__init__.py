@@ -94,11 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"{prog}: error: {args._missing}", file=sys.stderr)
         return 2
-    lifecycle.install()
+    old = lifecycle.install()
     try:
         try:
             return int(importlib.import_module(args._module).run(args) or 0)
         finally:
+            lifecycle.restore(old)
             sys.stdout.flush()
     except (UsageError, LayoutError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

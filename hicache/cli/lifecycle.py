@@ -2,7 +2,7 @@
 
 Contract:
 
-* ``install()`` (called once by ``hicache.cli.main``): SIGINT, SIGTERM and SIGHUP raise
+* ``install()`` (called by ``hicache.cli.main``, undone by ``restore`` when it returns): SIGINT, SIGTERM and SIGHUP raise
   ``Interrupted(signum)`` in the main thread, so every ``finally`` of the running command runs
   (children stopped, shared memory unlinked, private folders removed). Only the first signal
   raises; later ones are ignored so that clean-up is not itself interrupted. ``main`` then prints
@@ -60,13 +60,19 @@ def _raise(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
-def install() -> None:
-    """Route SIGINT / SIGTERM / SIGHUP to ``Interrupted`` (main thread only)."""
+def install() -> dict[int, Any]:
+    """Route SIGINT / SIGTERM / SIGHUP to ``Interrupted`` (main thread only); returns the
+    previous handlers for ``restore``."""
     _fired.clear()
     if threading.current_thread() is not threading.main_thread():
-        return
-    for s in SIGNALS:
-        signal.signal(s, _raise)
+        return {}
+    return {s: signal.signal(s, _raise) for s in SIGNALS}
+
+
+def restore(old: dict[int, Any]) -> None:
+    """Put back the handlers ``install`` replaced (``main`` called in-process, e.g. by tests)."""
+    for s, h in old.items():
+        signal.signal(s, h)
 
 
 class on_signals:
