@@ -267,11 +267,14 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str) -> None:
                              f"{', '.join(sorted(FIELDS))}")
         if v is None:
             continue
-        what = "--" + name.replace("_", "-") if source == "command line" else key
+        what = ("--" + name.replace("_", "-") if source == "command line" else
+                ENV_PREFIX + name.upper() if source == "environment" else key)
         try:
             setattr(cfg, name, _convert(name, v, what))
+        except UsageError as e:  # already names the setting
+            raise UsageError(f"{source}: {e}") from None
         except (ValueError, TypeError) as e:
-            raise UsageError(f"{source}: bad value for {key}: {e}") from None
+            raise UsageError(f"{source}: bad value for {what}: {e}") from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:
