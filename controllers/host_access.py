@@ -24,7 +24,7 @@ import numpy as np
 
 from hicache.core.protocol import ProtocolError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.host_pools.paged_pool import HostPool
+from hicache.host_pools.paged_pool import PagedHostPool
 from hicache.kernels.tables import LayerTable
 
 WRITES = ("backup", "swap_out")  # operation kinds that write host rows
@@ -61,7 +61,7 @@ def end_writes(group: HostPoolGroup, op: Any) -> None:
             group.end_write(pool, rows, op.ok)
 
 
-def host_table(pool: HostPool) -> LayerTable:
+def host_table(pool: PagedHostPool) -> LayerTable:
     """The pool's layers with the device addresses the GPU must use (host ones under UVA)."""
     dev = pool.device_ptrs()
     name = f"host:{pool.name}"
