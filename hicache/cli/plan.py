@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from hicache.core.errors import UsageError
+from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host.add_argument("--host-mem", metavar="SIZE",
                       help="host budget per GPU: bytes or e.g. 400GiB")
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
+    host.add_argument("--pages-per-checkpoint", default="32", metavar="K",
+                      help="checkpoints mirror: one host checkpoint row per K page rows [32]")
     p.add_argument("--force", action="store_true",
                    help="accept a host tier not larger than the device pools")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -103,6 +106,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         host_ratio=None if args.host_ratio is None else parse_fraction(args.host_ratio,
                                                                       "--host-ratio"),
         bounds=bounds,
+        pages_per_checkpoint=parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
     )
 
 
@@ -223,10 +227,30 @@ def format_plan(pl: Plan, args: argparse.Namespace) -> str:
     lines.append(f"paged vs ring, same inputs: paged {_n(pl.paged_capacity)} | ring "
                  f"{_n(pl.ring_capacity)} tokens"
                  + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
+    lines += _mirror_lines(pl)
     lines += [f"warning: {w}" for w in pl.warnings]
     lines.append("serve lines: one daemon per GPU of each stage; add --device cuda:N (the "
                  "default is cpu) and --metrics-port")
     return "\n".join(lines)
+
+
+def _mirror_lines(pl: Plan) -> list[str]:
+    tiers = host_tier_by_mirror(pl.inputs)
+    if tiers is None:
+        return []
+    out = ["", f"host tier of {human_bytes(pl.inputs.host_mem or 0)} by mirror (min over stages):"]
+    for mirror in ("full", "checkpoints"):
+        t = tiers[mirror]
+        if "error" in t:
+            out.append(f"  {mirror:<12} n/a: {t['error']}")
+            continue
+        ck = f", {t['checkpoints']:,} checkpoints" if mirror == "checkpoints" else ""
+        out.append(f"  {mirror:<12} {t['pages']:,} pages{ck} = {t['cached_tokens']:,} cached "
+                   f"tokens, {t['cached_tokens_per_host_gib']:,} per host GiB")
+    if "checkpoints_vs_full" in tiers:
+        out.append(f"  checkpoints hold {tiers['checkpoints_vs_full']:.2f}x the tokens of a full "
+                   f"mirror (one checkpoint per {pl.inputs.pages_per_checkpoint} pages)")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     check_host(result, args)
     if args.json:
         d = result.to_dict()
+        d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)
         for s, sd in zip(result.stages, d["stages"]):
             sd["host_token_capacity"] = host_tokens(s) if s.host_rows else None
             sd["serve_command"] = serve_command(result, args, s.layout.stage.pp_rank)

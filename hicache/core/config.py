@@ -73,6 +73,7 @@ class ServeConfig:
     max_clients: int = 64
     ack_retention: int = 4096  # acks kept per client for poll_acks
     shm_dirs: tuple[str, ...] = ("/dev/shm",)  # CPU mode: where device-pool files may live
+    zero_on_free: bool = False  # zero a host row's bytes when it is freed (reads need a write anyway)
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     parent_pid: int | None = None  # exit when this process is gone (launchers set it)
@@ -172,12 +173,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host_ratio", _H, "host rows = ratio x device rows (instead of --host-mem)"),
     Setting("force", _H, "accept a host tier not larger than the device pools"),
     Setting("numa_node", _H, "auto (the GPU's node), off, or a node number"),
+    Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "
+                                "their owner backs something up into them either way)"),
     Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
             "radix cache's default write "
             "policy for engines of this daemon"),
 )
-BOOL_FIELDS = ("allow_remote", "mtp", "force")
+BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free")
 assert {s.name for s in SETTINGS} == set(FIELDS), "every field needs a SETTINGS entry"
 
 
