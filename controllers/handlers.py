@@ -440,6 +440,8 @@ def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
            "merged_ops": st.engine.merged_ops, "host": st.group.usage(),
            "pending_free": {s: st.tracker.pending_rows(s) for s in st.host_rows},
            "metrics": st.metrics.snapshot()}
+    if st.l3 is not None:
+        out["l3"] = st.l3.summary()
     if h.get("check"):  # the allocators' own invariant check (O(rows): for tests and fuzzing)
         try:
             st.group.check_invariants()

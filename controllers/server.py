@@ -22,7 +22,8 @@ import zmq
 from hicache.core import protocol as P
 from hicache.core.errors import UsageError
 
-from .handlers import HANDLERS
+from .handlers import HANDLERS as _CORE_HANDLERS
+from .l3_handlers import L3_HANDLERS
 from .registry import ClientState
 from .state import DaemonState
 
@@ -32,6 +33,7 @@ BATCH = 32  # requests handled per wake-up before completions and housekeeping g
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
+HANDLERS = {**_CORE_HANDLERS, **L3_HANDLERS}  # the daemon's command table (protocol.SCHEMAS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 
@@ -114,7 +116,7 @@ class Server:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        st, sock, eng = self.state, self.sock, self.state.engine
+        st, sock = self.state, self.sock
         items, zmq_poll = [(sock, _POLLIN)], zmq.zmq_poll
         spin = self.spin_s
         last = 0.0
@@ -128,10 +130,10 @@ class Server:
                 if zmq_poll(items, 0):
                     self._request()
                     last = time.perf_counter()
-                elif not eng.idle():
+                elif not st.idle():
                     st.deliver_completed()
                 continue
-            if eng.idle():  # nothing can complete: wait on the socket alone (cheaper)
+            if st.idle():  # nothing can complete: wait on the socket alone (cheaper)
                 if zmq_poll(items, 100):
                     self._request()
                     last = time.perf_counter()

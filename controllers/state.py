@@ -55,6 +55,9 @@ class DaemonState:
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Op, ClientState]] = {}
         self.stopping = False
+        self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
+        self.l3_ns = ""  # the namespace of this stage's L3 objects
+        self.l3_ops: dict[int, Any] = {}  # op id -> L3 job in flight
         self.post: list[Op] = []  # inline ops whose accounting waits until the reply is sent
         # the server sets this: push one ack to its client (or drop it if the client is gone)
         self.deliver: Callable[[ClientState, dict[str, Any]], None] = lambda c, ack: None
@@ -120,9 +123,18 @@ class DaemonState:
             ack["error"] = {"code": "transfer_failed", "message": op.error or "unknown error"}
         return ack
 
+    def idle(self) -> bool:
+        """No transfer and no L3 job in flight (nothing can complete)."""
+        return self.engine.idle() and not self.l3_ops
+
     def deliver_completed(self) -> int:
-        """Finish every op the engine completed since the last call and deliver its ack."""
+        """Finish every op the engine (and the L3 client) completed since the last call and
+        deliver its ack."""
         n = 0
+        if self.l3_ops:
+            from .l3_handlers import finish_l3
+
+            n += finish_l3(self)
         for op in self.engine.take_completed():
             c = self.ops[op.op_id][1]
             self.deliver(c, self.finish(op))
@@ -187,7 +199,7 @@ class DaemonState:
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not self.engine.idle() and time.monotonic() < deadline:
+        while not self.idle() and time.monotonic() < deadline:
             if not self.deliver_completed():
                 time.sleep(0.001)
-        return self.engine.idle()
+        return self.idle()

@@ -49,12 +49,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                          "page=4096,swa_page=512,req_slot=64")
     h.add_argument("--numa-node", help="auto (GPU's node), off, or a node number")
     h.add_argument("--touch-threads", type=int, help="threads first-touching the arena")
+    t = p.add_argument_group("L3 tier (Mooncake Store; needs the 'l3' extra)")
+    t.add_argument("--l3", choices=("off", "mooncake"), help="L3 tier (default off)")
+    t.add_argument("--l3-master", help="mooncake_master address HOST:PORT")
+    t.add_argument("--l3-metadata", help="metadata server URL, e.g. "
+                                         "http://127.0.0.1:8080/metadata")
+    t.add_argument("--l3-protocol", choices=("tcp", "rdma"), help="transfer protocol "
+                                                                   "(default tcp)")
+    t.add_argument("--l3-rdma-devices", help="RDMA devices for --l3-protocol rdma")
+    t.add_argument("--l3-local-host", help="address this daemon's store client advertises "
+                                           "(default 127.0.0.1)")
+    t.add_argument("--l3-segment", help="memory this daemon contributes to the store, e.g. "
+                                        "4GiB (default 0: pages live in other members' segments)")
 
 
 FLAG_NAMES = ("device", "socket", "allow_remote", "heartbeat_timeout", "metrics_port",
               "metrics_addr", "log_level", "preset", "config", "pp_size", "pp_rank", "swa_mode",
               "c128_state", "mtp", "host_mem", "host_ratio", "device_rows", "numa_node",
-              "touch_threads", "spin_us", "curve_secret_key", "curve_clients")
+              "touch_threads", "spin_us", "curve_secret_key", "curve_clients", "l3", "l3_master",
+              "l3_metadata", "l3_protocol", "l3_rdma_devices", "l3_local_host", "l3_segment")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,13 @@ class ServeConfig:
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     log_level: str = "info"
+    l3: str = "off"  # "off" or "mooncake"
+    l3_master: str | None = None  # HOST:PORT of mooncake_master
+    l3_metadata: str | None = None  # http://HOST:PORT/metadata (or P2PHANDSHAKE)
+    l3_protocol: str = "tcp"  # tcp | rdma
+    l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
+    l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
+    l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
 
     @property
     def cuda_index(self) -> int | None:
@@ -129,6 +136,13 @@ def _parse_bytes(v: Any) -> int:
 def _convert(name: str, v: Any) -> Any:
     if name in ("host_mem", "inline_max_bytes"):
         return _parse_bytes(v)
+    if name == "l3_segment":
+        from hicache.core.sizes import parse_bytes
+
+        n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v))
+        if n < 0:
+            raise ValueError("must not be negative")
+        return n
     if name == "device_rows":
         return parse_device_rows(v)
     if name == "shm_dirs":
@@ -248,9 +262,31 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"numa_node must be 'auto', 'off' or a node number, got {cfg.numa_node!r}")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise UsageError(f"log_level must be debug, info, warning or error, got {cfg.log_level!r}")
+    _validate_l3(cfg)
     curve = check_curve(cfg)
     if cfg.socket is not None:
         check_address(cfg.socket, cfg.allow_remote, curve)
+
+
+def _validate_l3(cfg: ServeConfig) -> None:
+    if cfg.l3 not in ("off", "mooncake"):
+        raise UsageError(f"l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
+    given = [n for n in ("l3_master", "l3_metadata") if getattr(cfg, n)]
+    if cfg.l3 == "off":
+        if given or cfg.l3_segment:
+            raise UsageError(f"{', '.join(given or ['l3_segment'])} given but l3 is off "
+                             f"(add --l3 mooncake)")
+        return
+    if not cfg.l3_master or not re.match(r"^[^:\s]+:\d{1,5}$", cfg.l3_master):
+        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT, got {cfg.l3_master!r}")
+    md = cfg.l3_metadata
+    if not md or not (md == "P2PHANDSHAKE" or re.match(r"^https?://[^\s/]+/\S*$", md)):
+        raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
+                         f"P2PHANDSHAKE), got {md!r}")
+    if cfg.l3_protocol not in ("tcp", "rdma"):
+        raise UsageError(f"l3_protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
+    if cfg.l3_rdma_devices and cfg.l3_protocol != "rdma":
+        raise UsageError("l3_rdma_devices applies to --l3-protocol rdma only")
 
 
 def check_curve(cfg: ServeConfig) -> bool:

@@ -56,7 +56,8 @@ ERROR_CODES = {
     "busy": "host rows are being freed",
     "no_space": "not enough free host rows",
     "too_many_clients": "the daemon's client table is full",
-    "unsupported": "the command is valid but not available in this mode",
+    "unsupported": "the command is valid but not available in this mode (e.g. L3 commands "
+                   "on a daemon without --l3)",
     "shutting_down": "the daemon is stopping",
     "internal": "a bug in the daemon; the message says where",
 }
@@ -91,6 +92,10 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "buffer_infos": {},
     "reset": {},
     "shutdown": {},
+    "l3_query": {"keys": ("str_list", True)},
+    "l3_prefetch": {"keys": ("str_list", True), "rows": ("str_int_map", True),
+                    "deadline_ms": ("int", False)},
+    "l3_put": {"keys": ("str_list", True), "rows": ("str_int_map", True)},
 }
 COMMANDS = tuple(SCHEMAS)
 _FREE_FORM = ("register", "clear_slot")  # commands with free-form JSON objects in their fields
@@ -151,10 +156,10 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
         check_items(h["items"], n_frames)
         for it in h["items"]:
             used.update((it["src"], it["dst"]))
-    elif cmd == "free":
+    elif cmd in ("free", "l3_prefetch", "l3_put"):
         for space, f in h["rows"].items():
             if f >= n_frames:
-                raise ProtocolError("bad_frame", f"free: rows[{space!r}] names frame {f} but "
+                raise ProtocolError("bad_frame", f"{cmd}: rows[{space!r}] names frame {f} but "
                                                  f"the message has {n_frames} index frames")
             used.add(f)
     if len(used) != n_frames:  # every index frame must be named by the header
