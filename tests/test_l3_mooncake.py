@@ -211,12 +211,22 @@ def test_master_down_then_back(tmp_path, store):
     assert not w.c.stats()["l3"]["online"]
     assert w.c.l3_query(keys, timeout=2) == 0  # offline: an immediate miss
     store.start_master()
-    back = wait_online(w.c, timeout=10)  # within 10 s of the master's return
-    # the restarted master lost its objects: writes and reads work again
-    assert w.put(keys, [0, 1])["written"] == 2
+    t_back = time.monotonic()
+    online = wait_online(w.c, timeout=10)  # within 10 s of the master's return
+    # the restarted master lost its objects; writes work again once the storage member has
+    # re-mounted its segment (until then they are counted 'full' misses, never errors)
+    tries = []
+    while time.monotonic() - t_back < 10:
+        r = w.put(keys, [0, 1])
+        tries.append(r)
+        if r["written"] == 2:
+            break
+        time.sleep(0.25)
+    writes = time.monotonic() - t_back
+    assert tries[-1]["written"] == 2, tries
     assert w.get(keys, [4, 5]) == 2
     assert metric(w.c, "hicache_l3_transitions_total", to="offline") >= 1
-    print(f"L3 back online {back:.2f} s after the master restarted")
+    print(f"L3 online {online:.2f} s, writes stored {writes:.2f} s after the master restarted")
     w.close()
     d.close()
 
