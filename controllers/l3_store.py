@@ -16,7 +16,8 @@ Contract of ``MooncakeL3(settings, arena, fmt, metrics, wake)``:
   appended to ``completed`` and ``wake()`` is called; the daemon's server thread takes it from
   there (``take_completed``). Workers touch only the arena rows of their job, which the server
   thread keeps marked in flight until then.
-* Batches are at most ``BATCH_PAGES`` pages. Reads and writes go straight between the arena and
+* Batches are at most ``BATCH_PAGES`` pages, and one Mooncake call carries at most
+  ``SLICES_PER_CALL`` buffers (a DSV4-Flash page is 149: 6 pages per call). Reads and writes go straight between the arena and
   the store (``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``: the header from
   a registered slab, the page from its arena rows). Puts skip keys that exist.
 * ``close()`` stops the threads (waiting up to ``timeout``) and closes the store.
@@ -40,6 +41,9 @@ from .metrics import Metrics
 
 log = logging.getLogger("hicache.l3")
 BATCH_PAGES = 128
+# Mooncake's TCP transport queues at most 1024 transfers per peer (plus 1024 awaiting admission)
+# and fails a batch that overflows them: one call carries at most this many buffers.
+SLICES_PER_CALL = 1024
 MISS_CODES = (-704, -703, -710, -712)  # not found, replica not ready / gone
 OFFLINE_CODES = (-900, -901, -103, -601)  # RPC failed / timed out, client unknown to the master
 FULL_CODES = (-10, -101, -1700)  # no space: Mooncake's eviction will make room; a skipped write
@@ -97,6 +101,8 @@ class MooncakeL3:
         self.store_class = store_class or load_store_class()
         self.arena_ptr, self.arena_bytes = arena.ptr, arena.nbytes
         self.obj_bytes = F.HEADER_BYTES + fmt.payload_bytes
+        pieces = 1 + len(fmt.pieces({s: 0 for s in fmt.spaces})[0])
+        self.call_pages = max(1, min(BATCH_PAGES, SLICES_PER_CALL // pieces))
         self.store: Any = None
         self.online = False
         self.state = "connecting"
@@ -110,6 +116,7 @@ class MooncakeL3:
         self._lock = threading.Lock()
         self._backoff = 0.25
         self._next_probe = 0.0
+        self._codes_seen: set[int] = set()
         self._threads = [threading.Thread(target=self._connector, name="l3-connect", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
                                            daemon=True) for k in ("read", "write")]
@@ -181,6 +188,9 @@ class MooncakeL3:
                                          self.settings.master)
 
     def _failed(self, code: int, what: str) -> None:
+        if code not in self._codes_seen:  # each Mooncake error code is logged once
+            self._codes_seen.add(code)
+            log.warning("L3: %s returned Mooncake code %d", what, code)
         if code in OFFLINE_CODES:
             self._set_online(False, f"{what} returned {code}")
 
@@ -260,11 +270,11 @@ class MooncakeL3:
         hdr = self._headers["read"]
         base = hdr.ctypes.data
         n = len(job.keys)
-        for b0 in range(0, n, BATCH_PAGES):
+        for b0 in range(0, n, self.call_pages):
             if time.monotonic() > job.deadline:
                 job.misses["deadline"] = n - b0
                 return
-            keys = job.keys[b0:b0 + BATCH_PAGES]
+            keys = job.keys[b0:b0 + self.call_pages]
             ptrs, sizes = [], []
             for j in range(len(keys)):
                 p, s = self.fmt.pieces(job.rows[b0 + j])
@@ -287,10 +297,8 @@ class MooncakeL3:
         if rc < 0:
             if rc in MISS_CODES:
                 return "miss"
-            if rc in OFFLINE_CODES:
-                self._failed(rc, "batch_get")
-                return "offline"
-            return "corrupt"  # wrong size for our buffers, and the like
+            self._failed(rc, "batch_get")
+            return "offline" if rc in OFFLINE_CODES else "corrupt"  # wrong size for our buffers, and the like
         if rc != self.obj_bytes or F.check_header(hdr, key, self.fmt.payload_bytes) is not None:
             return "corrupt"
         if F.header_checksum(hdr) != self.fmt.checksum(rows):
@@ -300,8 +308,8 @@ class MooncakeL3:
     def _put(self, job: L3Job) -> None:
         hdr = self._headers["write"]
         base = hdr.ctypes.data
-        for b0 in range(0, len(job.keys), BATCH_PAGES):
-            keys = job.keys[b0:b0 + BATCH_PAGES]
+        for b0 in range(0, len(job.keys), self.call_pages):
+            keys = job.keys[b0:b0 + self.call_pages]
             there = self._exists(keys)
             if there is None:
                 job.misses["offline" if not self.online else "error"] = len(job.keys) - b0

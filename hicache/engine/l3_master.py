@@ -145,6 +145,7 @@ class LocalStore:
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.member_port = free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hc-l3-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **loopback_env(), **(env or {})}
         self.master: subprocess.Popen | None = None
         self.member: subprocess.Popen | None = None
