@@ -14,7 +14,8 @@ holds the daemon's loop, and the client bounds its own wait.
 * ``l3_put {keys, rows}``: writes the pages of those host rows in the background, skipping keys
   that exist; the ack's ``written`` / ``skipped``.
 
-While a job runs, its rows count as in flight (a free is deferred until the job ends).
+While a job runs, its rows count as in flight (a free is deferred until the job ends);
+``DaemonState.finish_l3`` ends that and builds the ack.
 """
 from __future__ import annotations
 
@@ -107,35 +108,6 @@ def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     keys = _keys(st, h["keys"])
     rows, host = _rows(st, c, h, arrays, len(keys), writes=False)
     return _start(st, c, L3Job("put", keys, rows), host)
-
-
-def finish_l3(st: DaemonState) -> int:
-    """Server thread: bookkeeping and ack of every L3 job that finished; returns how many."""
-    if st.l3 is None:
-        return 0
-    n = 0
-    for job in st.l3.take_completed():
-        op_id, c, host = job.tag
-        st.l3_ops.pop(op_id, None)
-        st.tracker.end(host)
-        c.in_flight -= 1
-        if st.tracker.deferred:
-            st.release_ready()
-        if c.closing and c.in_flight == 0:
-            st.group.free_owner(c.cid)
-            c.closing = False
-        st.deliver(c, _ack(op_id, job))
-        n += 1
-    return n
-
-
-def _ack(op_id: int, job: L3Job) -> dict[str, Any]:
-    l3 = {"hits": job.hits, "misses": job.misses}
-    if job.kind == "put":
-        l3 = {"written": job.written, "skipped": job.skipped, "misses": job.misses}
-    ns = int((job.t_end - job.t_submit) * 1e9)
-    return {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok", "bytes": job.nbytes,
-            "ns": ns, "exec_ns": ns, "path": "mooncake", "pools": {}, "l3": l3}
 
 
 L3_HANDLERS = {"l3_query": l3_query, "l3_prefetch": l3_prefetch, "l3_put": l3_put}

@@ -132,12 +132,31 @@ class DaemonState:
         deliver its ack."""
         n = 0
         if self.l3_ops:
-            from .l3_handlers import finish_l3
-
-            n += finish_l3(self)
+            n += self.finish_l3()
         for op in self.engine.take_completed():
             c = self.ops[op.op_id][1]
             self.deliver(c, self.finish(op))
+            n += 1
+        return n
+
+    def finish_l3(self) -> int:
+        """Bookkeeping and ack of every L3 job that finished; returns how many."""
+        n = 0
+        for job in self.l3.take_completed():
+            op_id, c, host = job.tag
+            self.l3_ops.pop(op_id, None)
+            self.tracker.end(host)
+            c.in_flight -= 1
+            if self.tracker.deferred:
+                self.release_ready()
+            if c.closing and c.in_flight == 0:
+                self._free_all(c)
+            res = {"written": job.written, "skipped": job.skipped} if job.kind == "put" else \
+                {"hits": job.hits}
+            ns = int((job.t_end - job.t_submit) * 1e9)
+            self.deliver(c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
+                             "bytes": job.nbytes, "ns": ns, "exec_ns": ns, "path": "mooncake",
+                             "pools": {}, "l3": {**res, "misses": job.misses}})
             n += 1
         return n
 
