@@ -115,6 +115,7 @@ class Prefix:
     host_pages: int  # pages loaded from host (now on device)
     loaded: list[tuple[Hashable, int]] = field(default_factory=list)  # (key, device row)
     load_failed_pages: int = 0  # host hits recomputed because the host tier failed
+    l3_pages: int = 0  # of host_pages: pages the L3 tier supplied (fetched at match time)
 
     @property
     def pages(self) -> int:
@@ -139,6 +140,8 @@ class TreeStats:
     host_offline: int = 0  # times the host tier was lost (daemon unreachable)
     load_failed_pages: int = 0  # host hits recomputed because a load failed
     transfer_failures: int = 0
+    l3_hit_pages: int = 0  # pages fetched from L3 into the host tier at match time
+    l3_put_pages: int = 0  # pages handed to L3 after their backup (written or skipped there)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -216,6 +219,8 @@ class RadixTree:
             else:
                 break
             node = child
+        l3_nodes = self._l3_fetch(node, keys[len(dev_nodes) + len(host_nodes):])
+        host_nodes += l3_nodes
         for n in dev_nodes:
             n.lock += 1
         prefix = Prefix(dev_nodes, len(dev_nodes), 0)
@@ -226,6 +231,7 @@ class RadixTree:
         self._touch(prefix.nodes)
         self.stats.device_hit_pages += prefix.device_pages
         self.stats.host_hit_pages += prefix.host_pages
+        prefix.l3_pages = sum(1 for n in l3_nodes if n in prefix.nodes)
         self.stats.miss_pages += len(keys) - prefix.pages
         if self.policy == "write_through_selective":
             self._backup([n for n in prefix.nodes
@@ -376,6 +382,7 @@ class RadixTree:
             for n in reversed(nodes):  # nodes run root to leaf: add leaves first
                 self._host_lru[n] = None
             self.stats.backed_up_pages += len(nodes)
+            self._l3_put(nodes)
             return
         handles = [n.host for n in nodes]
         for n in nodes:
@@ -663,3 +670,49 @@ class RadixTree:
         assert dev == len(self._dev_lru), (dev, len(self._dev_lru))
         assert host == len(self._host_lru), (host, len(self._host_lru))
         assert dev + self.device.available() <= self.device.capacity
+
+    # ------------------------------------------------------------------ L3 tier (optional)
+    # Hooks with ``l3 = True`` also offer ``l3_query(keys) -> n``, ``l3_prefetch(keys,
+    # handles) -> n`` and ``l3_put(keys, handles)`` (``ClientHooks(l3=True)``). At match time
+    # the pages after the tree's own prefix that L3 holds are fetched into new host handles and
+    # become host-only nodes, loaded like any host hit; after a backup, pages go to L3 too.
+    def _l3_fetch(self, parent: Node, keys: Sequence[Hashable]) -> list[Node]:
+        if not keys or not self.host_online or not getattr(self.hooks, "l3", False) or \
+                keys[0] in parent.children:
+            return []
+        hooks: Any = self.hooks
+        try:
+            n = hooks.l3_query(list(keys))
+            handles = self._host_alloc(n) if n else None
+            if not handles:
+                return []
+            got = hooks.l3_prefetch(list(keys[:n]), handles)
+        except HostUnavailable:
+            self._go_offline()
+            return []
+        except HostTierError:
+            return []
+        if got < len(handles):
+            self._free_handles(handles[got:])
+        nodes = []
+        for key, h in zip(keys[:got], handles[:got]):
+            node = Node(key, parent)
+            node.host = h
+            parent.children[key] = node
+            self._host_lru[node] = None
+            nodes.append(node)
+            parent = node
+        self.stats.l3_hit_pages += got
+        return nodes
+
+    def _l3_put(self, nodes: list[Node]) -> None:
+        if not getattr(self.hooks, "l3", False) or not nodes:
+            return
+        hooks: Any = self.hooks
+        try:
+            hooks.l3_put([n.key for n in nodes], [n.host for n in nodes])
+            self.stats.l3_put_pages += len(nodes)
+        except HostUnavailable:
+            self._go_offline()
+        except HostTierError:
+            pass  # L3 is best effort: the host copies stand
