@@ -120,6 +120,7 @@ class ClientHooks:
         self.l3_stats = {"query_pages": 0, "prefetch_pages": 0, "put_pages": 0, "written": 0,
                          "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
         self._l3_puts: list[Any] = []
+        self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
 
     # errors: translate the client's exceptions into the three the tree understands
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -234,6 +235,8 @@ class ClientHooks:
         op = self._call(self.client.l3_put, [page_key(k) for k in keys],
                         self._l3_handles(handles), timeout=self.timeout)
         self.l3_stats["put_pages"] += len(keys)
+        if self.l3_put_log is not None:
+            self.l3_put_log.extend(keys)
         self._l3_puts.append(op)
         self.l3_settle(0.0)
 

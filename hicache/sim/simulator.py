@@ -106,6 +106,7 @@ class WorkerConfig:
     verify_hits: bool = True  # also verify device hits, not only loaded pages
     preempt_every: int = 0  # swap a request's slot state out and back every N requests
     timeout: float = 30.0  # per daemon call / transfer
+    l3: bool = False  # the daemon serves an L3 tier: the tree fetches from and writes to it
 
     def layout(self) -> Layout:
         return build_layout(preset(self.preset), swa_mode=self.swa_mode)
@@ -140,6 +141,7 @@ class Result:
     verified_bytes: int = 0
     mismatched_bytes: int = 0
     mismatched_pages: int = 0
+    l3_hit_tokens: int = 0  # of host_hit_tokens: pages the L3 tier supplied
     state_swaps: int = 0
     state_swap_failures: int = 0
     seconds: float = 0.0
@@ -173,7 +175,7 @@ class Worker:
                                 timeout=cfg.timeout)
                 self.hooks = ClientHooks(client, self.spaces, timeout=cfg.timeout,
                                          wait_event=0 if self.cuda else None,
-                                         on_ack=self._on_ack)
+                                         on_ack=self._on_ack, l3=cfg.l3)
         except BaseException:
             self.pools.close()
             raise
@@ -182,6 +184,7 @@ class Worker:
         self.shadow = RadixTree(cfg.device_pages)  # device-only counterfactual, no copies
         self.result = Result()
         self._lost_seen = 0
+        self.last_l3_keys: list[Any] = []  # page keys the last request got from L3
 
     # ------------------------------------------------------------------ content
     def _fill(self, keys: Sequence[int], rows: Sequence[int]) -> None:
@@ -232,6 +235,9 @@ class Worker:
     def run_request(self, req: Request) -> None:
         keys = list(req.cache_pages[: req.max_prefix_pages])
         prefix = self.tree.prepare(keys)
+        self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
+            if prefix.l3_pages else []
+        self.result.l3_hit_tokens += prefix.l3_pages * PAGE_TOKENS
         if self.cfg.verify_hits and prefix.device_pages:
             self._verify(keys[: prefix.device_pages],
                          [n.device for n in prefix.nodes[: prefix.device_pages]],
@@ -336,6 +342,8 @@ class Worker:
             if progress is not None:
                 progress(self, i)
         self.tree.drain()
+        if self.hooks is not None and self.hooks.l3:
+            self.hooks.l3_settle(self.cfg.timeout)  # L3 writes acked: final counts
         self.result.seconds = time.perf_counter() - t0
         return self.result
 
@@ -386,6 +394,11 @@ class Worker:
             "page_bytes": self.page_bytes,
             "tree": t.as_dict(),
         }
+        if h is not None and h.l3:
+            ls = h.l3_stats
+            out.update(l3_hit_tokens=r.l3_hit_tokens, l3_bytes_read=ls["bytes_read"],
+                       l3_bytes_written=ls["bytes_written"], l3_errors=ls["errors"],
+                       l3_pages_written=ls["written"], l3_pages_skipped=ls["skipped"])
         return out
 
     def close(self) -> None:
