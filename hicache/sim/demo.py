@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="swap a request's slot state out and back every N requests (0 = off)")
     m.add_argument("--no-verify-hits", action="store_true",
                    help="verify loaded pages only, not device hits")
+    m.add_argument("--l3", choices=("off", "mooncake"), default="off",
+                   help="mooncake: two instances sharing an L3 tier on a local Mooncake Store, "
+                        "beside the same two without it (see hicache.sim.demo_l3)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     o.add_argument("--metrics-port", type=int, default=0,
@@ -232,6 +235,10 @@ def _human(s: dict[str, Any], what: str) -> str:
 # ------------------------------------------------------------------------------ entry point
 def run(args: argparse.Namespace) -> int:
     reqs, cfg, what = _resolve(args)
+    if args.l3 == "mooncake":
+        from hicache.sim.demo_l3 import run_l3
+
+        return run_l3(args, reqs, cfg, what)
     from hicache.engine.client import Client
     from hicache.sim.simulator import DemoMetrics, Worker
 
