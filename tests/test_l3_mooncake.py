@@ -41,11 +41,37 @@ def store():
     s.close()
 
 
-def l3_daemon(tmp: Path, store: l3_master.LocalStore, **kw):
-    extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
-             "--l3-metadata", store.metadata_url)
-    return start_daemon(tmp, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
-                        env=l3_master.loopback_env(), **kw)
+@pytest.fixture
+def l3_daemon(tmp_path, store):
+    """Start ``hicache serve --l3 mooncake`` daemons against the store; all are closed at
+    teardown, and so are the workers made with ``worker`` (also when a test fails)."""
+    started: list = []
+
+    def make(**kw):
+        extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
+                 "--l3-metadata", store.metadata_url)
+        d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
+                         env=l3_master.loopback_env(), **kw)
+        started.append(d)
+        return d
+
+    yield make
+    for x in reversed(started):
+        x.close()
+
+
+@pytest.fixture
+def worker():
+    made: list = []
+
+    def make(d, seed: int) -> "Worker":
+        w = Worker(d, seed)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
 
 
 def wait_online(c: Client, timeout: float = 20.0) -> float:
@@ -66,6 +92,7 @@ class Worker:
         for layers in self.pools.layers.values():
             for t in layers:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+        self.closed = False
         self.c = d.client(name=f"w{seed}")
         self.c.register(self.pools)
         wait_online(self.c)
@@ -95,7 +122,13 @@ class Worker:
                 if TINY.pools[name].index in SPACES for t in self.pools.layers[name]]
 
     def close(self) -> None:
-        self.c.unregister()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.c.unregister(timeout=5)
+        except Exception:  # noqa: BLE001 - a killed daemon or a closed client: nothing to undo
+            pass
         self.c.close()
         self.pools.close()
 
@@ -130,9 +163,9 @@ def raw_put(store: l3_master.LocalStore, key: str, value: bytes) -> None:
 
 
 # ----------------------------------------------------------------------------- tests
-def test_round_trip_every_pool_and_skip_existing(tmp_path, store):
-    d = l3_daemon(tmp_path, store)
-    w = Worker(d, 1)
+def test_round_trip_every_pool_and_skip_existing(l3_daemon, worker):
+    d = l3_daemon()
+    w = worker(d, 1)
     keys = [f"rt-{i}" for i in range(4)]
     src = [1, 3, 4, 6]
     want = [w.page(r) for r in src]
@@ -153,9 +186,9 @@ def test_round_trip_every_pool_and_skip_existing(tmp_path, store):
     d.close()
 
 
-def test_cross_instance_hit_and_restart_recovery(tmp_path, store):
-    a, b = l3_daemon(tmp_path, store), l3_daemon(tmp_path, store)
-    wa, wb = Worker(a, 2), Worker(b, 3)
+def test_cross_instance_hit_and_restart_recovery(l3_daemon, worker):
+    a, b = l3_daemon(), l3_daemon()
+    wa, wb = worker(a, 2), worker(b, 3)
     keys = [f"xi-{i}" for i in range(3)]
     want = [wa.page(r) for r in (0, 1, 2)]
     assert wa.put(keys, [0, 1, 2])["written"] == 3
@@ -164,7 +197,7 @@ def test_cross_instance_hit_and_restart_recovery(tmp_path, store):
     wa.c.close()
     a.kill()  # A crashes; its pages live in the store, not in A
     a.start()
-    wa2 = Worker(a, 4)
+    wa2 = worker(a, 4)
     assert wa2.get(keys, [3, 4, 5]) == 3
     assert all(same(wa2.page(r), p) for r, p in zip((3, 4, 5), want))
     wa2.close()
@@ -173,9 +206,9 @@ def test_cross_instance_hit_and_restart_recovery(tmp_path, store):
     b.close()
 
 
-def test_corrupted_and_truncated_objects_are_counted_misses(tmp_path, store):
-    d = l3_daemon(tmp_path, store)
-    w = Worker(d, 5)
+def test_corrupted_and_truncated_objects_are_counted_misses(l3_daemon, worker, store):
+    d = l3_daemon()
+    w = worker(d, 5)
     ns = l3_format.namespace(TINY)
     n = l3_format.HEADER_BYTES + sum(TINY.row_bytes(s) for s in SPACES)
     w.put(["cx-0"], [0])
@@ -191,9 +224,9 @@ def test_corrupted_and_truncated_objects_are_counted_misses(tmp_path, store):
     d.close()
 
 
-def test_master_down_then_back(tmp_path, store):
-    d = l3_daemon(tmp_path, store)
-    w = Worker(d, 6)
+def test_master_down_then_back(l3_daemon, worker, store):
+    d = l3_daemon()
+    w = worker(d, 6)
     keys = [f"md-{i}" for i in range(2)]
     assert w.put(keys, [0, 1])["written"] == 2
     store.kill_master()
@@ -232,9 +265,9 @@ def test_master_down_then_back(tmp_path, store):
     d.close()
 
 
-def test_no_listener_off_loopback(tmp_path, store):
-    d = l3_daemon(tmp_path, store)
-    w = Worker(d, 7)
+def test_no_listener_off_loopback(l3_daemon, worker, store):
+    d = l3_daemon()
+    w = worker(d, 7)
     w.put(["nl-0"], [0])
     found = l3_master.listeners(store.pids() + [d.pid])
     assert len(found) >= 5, found  # master: rpc, metadata, metrics; member and daemon clients
