@@ -10,8 +10,9 @@ Contract:
 * ``PageFormat(layout, group)``: the page-indexed spaces of the stage (``page``, plus
   ``swa_page`` in paged SWA mode); ``pieces(rows)`` gives the (address, size) list of one page
   (every pool of every space, layer by layer, straight from the host arena: zero copy);
-  ``checksum(rows)`` is the 64-bit wrap-around sum of the page's 8-byte words, position-mixed
-  per piece; ``payload_bytes`` is the object's size without its header.
+  ``checksum(rows)``: per pool and layer the 64-bit wrap-around sum of the page's 8-byte
+  words, times an odd multiplier that depends on the position, all summed (a change of any
+  single word, and so any bit flip, always changes it; truncation is caught by the length); ``payload_bytes`` is the object's size without its header.
 * ``pack_header(buf, key, payload_bytes, checksum)`` writes a ``HEADER_BYTES`` header (magic,
   format version, payload length, checksum, key digest) into ``buf``; ``check_header`` returns
   ``None`` when a read header matches what the reader expects, else the reason. A mismatch is a
@@ -132,7 +133,9 @@ class PageFormat:
             for i, (space, _, _, _, words) in enumerate(self._views):
                 v = words[:, rows[space], :]
                 s = v.sum(axis=1, dtype=np.uint64)  # one sum per layer
-                k = np.arange(1, s.size + 1, dtype=np.uint64) * _MIX + np.uint64(i)
+                # odd multipliers: a bijection mod 2^64, so no change in a layer's sum is lost
+                k = (np.arange(1, s.size + 1, dtype=np.uint64) * _MIX + np.uint64(2 * i)) | \
+                    np.uint64(1)
                 total = total + (s * k).sum(dtype=np.uint64)
         return int(total)
 
