@@ -249,11 +249,13 @@ class MooncakeL3:
             m.inc("l3_bytes", job.nbytes, "write")
 
     def _exists(self, keys: list[str]) -> list[int] | None:
+        """1/0 per key, or None when the store could not answer (offline when no key could)."""
         r = list(self.store.batch_is_exist(keys))
-        if len(r) != len(keys) or any(x < 0 for x in r):
-            self._set_online(False, "batch_is_exist failed") if all(x < 0 for x in r) else None
-            return None
-        return r
+        if len(r) == len(keys) and all(x >= 0 for x in r):
+            return r
+        if all(x < 0 for x in r):
+            self._set_online(False, "batch_is_exist failed")
+        return None
 
     def _query(self, job: L3Job) -> None:
         for i in range(0, len(job.keys), BATCH_PAGES * 8):
