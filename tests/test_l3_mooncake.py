@@ -305,7 +305,7 @@ def test_demo_two_instances_and_bench_l3(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--l3", "mooncake",
-                        "--requests", "12", "--device", "cpu", "--preempt-every", "0",
+                        "--requests", "24", "--device", "cpu", "--preempt-every", "0",
                         "--device-pages", "48", "--host-pages", "96",
                         "--progress-seconds", "0", "--json"], env=env, capture_output=True,
                        text=True, timeout=400, cwd=tmp_path)
