@@ -160,6 +160,9 @@ class MooncakeL3:
                     log.error("%s", e)
                     self.state = f"failed: {e}"
                     return
+                except Exception as e:  # noqa: BLE001 - a Mooncake surprise: retry later
+                    log.warning("L3: connecting or probing failed: %s: %s", type(e).__name__, e)
+                    ok = False
                 if ok:
                     self._set_online(True, "connected" if self.state == "connecting" else
                                      "master answers again")
