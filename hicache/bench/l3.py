@@ -10,9 +10,12 @@ then:
   (timed the same way; every page is verified by the daemon's checksum).
 * **mooncake**: a bare Mooncake client in its own process (``--raw``), one registered buffer
   holding the same number of objects of the same size (header + page), ``batch_put_from`` /
-  ``batch_get_into`` in batches of 128, same pages, same trials.
+  ``batch_get_into`` in batches of 128, same pages. It first writes the whole storage segment
+  once (untimed), so neither side pays the segment's first touch.
 
-Each side reports the best of ``--trials``; the ratios divide the daemon's figure by Mooncake's.
+Trials alternate between the sides (Mooncake trial t, then the daemon's trial t), so both see
+the same machine; each side reports the best of ``--trials`` and every trial's figure; the
+ratios divide the daemon's best by Mooncake's best.
 """
 from __future__ import annotations
 
@@ -44,8 +47,10 @@ def _obj_bytes(preset_name: str) -> int:
     return HEADER_BYTES + sum(lay.row_bytes(s) for s in PAGE_SPACES if lay.space_pools(s))
 
 
-def _raw(spec: dict[str, Any]) -> dict[str, Any]:
-    """Mooncake alone: batch_put_from / batch_get_into on one registered buffer."""
+def _raw(spec: dict[str, Any]) -> None:
+    """Mooncake alone (its own process): ``batch_put_from`` / ``batch_get_into`` on one
+    registered buffer. Prints ``ready``, then for each line ``trial T`` on stdin one JSON line
+    ``{"put": GB/s, "get": GB/s}``."""
     import numpy as np
     from mooncake.store import MooncakeDistributedStore
 
@@ -63,9 +68,11 @@ def _raw(spec: dict[str, Any]) -> dict[str, Any]:
         k = warm[b:b + n]
         s.batch_put_from(k, ptrs[:len(k)], [size] * len(k))
     s.batch_remove(warm, True)
-    best: dict[str, float] = {"put": 0.0, "get": 0.0}
-    for t in range(spec["trials"]):
+    print("ready", flush=True)
+    for line in sys.stdin:
+        t = int(line.split()[1])
         keys = [f"raw-{os.getpid()}-{t}-{i}" for i in range(n)]
+        out = {}
         for op in ("put", "get"):
             t0 = time.perf_counter()
             for b in range(0, n, 128):
@@ -78,72 +85,75 @@ def _raw(spec: dict[str, Any]) -> dict[str, Any]:
                     bad = [x for x in r if x != size]
                 if bad:
                     raise RuntimeError(f"{op} failed: {bad[:4]}")
-            best[op] = max(best[op], n * size / (time.perf_counter() - t0) / 1e9)
+            out[op] = n * size / (time.perf_counter() - t0) / 1e9
         s.batch_remove(keys, True)
+        print(json.dumps(out), flush=True)
     s.close()
-    return best
 
 
-def _daemon_side(args: argparse.Namespace, store: Any, tmp: str) -> dict[str, float]:
-    import torch
+class _DaemonSide:
+    """A daemon with L3 and a registered client whose random pages sit in ``pages`` host rows."""
 
-    from hicache.core.layout import build_layout, preset
-    from hicache.engine.daemon_process import DaemonProcess
-    from hicache.engine.device_pools import DevicePools
-    from hicache.engine.l3_master import loopback_env
+    def __init__(self, args: argparse.Namespace, store: Any, tmp: str) -> None:
+        import torch
 
-    n = args.pages
-    lay = build_layout(preset(args.preset))
-    rows = {"page": n, "swa_page": n, "req_slot": 1}
-    d = DaemonProcess(preset=args.preset, device_rows=rows, host=("--host-ratio", "2"),
-                      extra=("--l3", "mooncake", "--l3-master", store.master_addr,
-                             "--l3-metadata", store.metadata_url),
-                      env=loopback_env(), log_path=os.path.join(tmp, "daemon.log"))
-    pools = DevicePools(lay, rows)
-    best = {"put": 0.0, "get": 0.0}
-    try:
-        d.start()
+        from hicache.core.layout import build_layout, preset
+        from hicache.engine.daemon_process import DaemonProcess
+        from hicache.engine.device_pools import DevicePools
+        from hicache.engine.l3_master import loopback_env
+
+        n = self.n = args.pages
+        lay = build_layout(preset(args.preset))
+        rows = {"page": n, "swa_page": n, "req_slot": 1}
+        self.obj = _obj_bytes(args.preset)
+        self.d = DaemonProcess(preset=args.preset, device_rows=rows, host=("--host-ratio", "2"),
+                               extra=("--l3", "mooncake", "--l3-master", store.master_addr,
+                                      "--l3-metadata", store.metadata_url),
+                               env=loopback_env(), log_path=os.path.join(tmp, "daemon.log"))
+        self.pools = DevicePools(lay, rows)
+        self.c: Any = None
+        self.d.start()
         g = torch.Generator().manual_seed(0)
-        for layers in pools.layers.values():
+        for layers in self.pools.layers.values():
             for t in layers:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
-        c = d.client(timeout=120)
-        c.register(pools)
+        c = self.c = self.d.client(timeout=120)
+        c.register(self.pools)
         deadline = time.monotonic() + 30
         while not c.stats()["l3"]["online"]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the daemon's L3 client did not come online")
             time.sleep(0.1)
         spaces = [s for s in ("page", "swa_page") if lay.space_pools(s)]
-        src = c.alloc({s: n for s in spaces})
-        dst = c.alloc({s: n for s in spaces})
-        c.wait_ack(c.backup({s: (list(range(n)), src[s]) for s in spaces}), timeout=120)
-        obj = _obj_bytes(args.preset)
-        for t in range(args.trials):
-            keys = [f"bench-{os.getpid()}-{t}-{i}" for i in range(n)]
-            t0 = time.perf_counter()
-            a = c.wait_ack(c.l3_put(keys, src), timeout=300)
-            dt = time.perf_counter() - t0
-            if a.l3["written"] != n:
-                raise RuntimeError(f"daemon put wrote {a.l3}: {d.output(1500)}")
-            best["put"] = max(best["put"], n * obj / dt / 1e9)
-            t0 = time.perf_counter()
-            a = c.l3_prefetch(keys, dst, deadline_ms=60_000, timeout=300)
-            dt = time.perf_counter() - t0
-            if a.l3["hits"] != n:
-                raise RuntimeError(f"daemon prefetch got {a.l3}: {d.output(1500)}")
-            best["get"] = max(best["get"], n * obj / dt / 1e9)
-        c.unregister()
-        c.close()
-    finally:
-        d.close()
-        pools.close()
-    return best
+        self.src = c.alloc({s: n for s in spaces})
+        self.dst = c.alloc({s: n for s in spaces})
+        c.wait_ack(c.backup({s: (list(range(n)), self.src[s]) for s in spaces}), timeout=120)
+
+    def trial(self, t: int) -> dict[str, float]:
+        c, n = self.c, self.n
+        keys = [f"bench-{os.getpid()}-{t}-{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        a = c.wait_ack(c.l3_put(keys, self.src), timeout=300)
+        put = time.perf_counter() - t0
+        if a.l3["written"] != n:
+            raise RuntimeError(f"daemon put wrote {a.l3}: {self.d.output(1500)}")
+        t0 = time.perf_counter()
+        a = c.l3_prefetch(keys, self.dst, deadline_ms=60_000, timeout=300)
+        get = time.perf_counter() - t0
+        if a.l3["hits"] != n:
+            raise RuntimeError(f"daemon prefetch got {a.l3}: {self.d.output(1500)}")
+        return {"put": n * self.obj / put / 1e9, "get": n * self.obj / get / 1e9}
+
+    def close(self) -> None:
+        if self.c is not None:
+            self.c.close()
+        self.d.close()
+        self.pools.close()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.raw:
-        print(json.dumps(_raw(json.loads(args.raw))))
+        _raw(json.loads(args.raw))
         return 0
     from hicache.engine.l3_master import LocalStore, loopback_env, mooncake_dir
 
@@ -154,30 +164,60 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--pages and --trials must be positive")
     obj = _obj_bytes(args.preset)
     seg = max(512 << 20, obj * args.pages * (2 * args.trials + 1))  # nothing evicted
+    ours: dict[str, list[float]] = {"put": [], "get": []}
+    theirs: dict[str, list[float]] = {"put": [], "get": []}
     with tempfile.TemporaryDirectory(prefix="hc-bench-l3-") as tmp:
         with LocalStore(segment=str(seg), log_dir=os.path.join(tmp, "store")) as store:
             spec = {"master": store.master_addr, "metadata": store.metadata_url,
-                    "pages": args.pages, "obj_bytes": obj, "trials": args.trials,
+                    "pages": args.pages, "obj_bytes": obj,
                     "warm_objects": int(seg * 0.85) // obj}
-            r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "l3", "--raw",
-                                json.dumps(spec)], capture_output=True, text=True,
-                               env={**os.environ, **loopback_env()}, timeout=600)
-            if r.returncode:
-                raise RuntimeError(f"bare Mooncake side failed: {r.stderr[-600:]}")
-            raw = json.loads(r.stdout.strip().splitlines()[-1])
-            ours = _daemon_side(args, store, tmp)
+            raw = subprocess.Popen([sys.executable, "-m", "hicache.cli", "bench", "l3", "--raw",
+                                    json.dumps(spec)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                   env={**os.environ, **loopback_env()})
+            side: _DaemonSide | None = None
+            try:
+                assert raw.stdin is not None and raw.stdout is not None
+                if raw.stdout.readline().strip() != "ready":
+                    raise RuntimeError("the bare Mooncake side did not start")
+                side = _DaemonSide(args, store, tmp)
+                for t in range(args.trials):  # alternate: both sides see the same machine
+                    raw.stdin.write(f"trial {t}\n")
+                    raw.stdin.flush()
+                    line = raw.stdout.readline()
+                    if not line:
+                        raise RuntimeError("the bare Mooncake side failed")
+                    r = json.loads(line)
+                    o = side.trial(t)
+                    for k in ("put", "get"):
+                        theirs[k].append(r[k])
+                        ours[k].append(o[k])
+            finally:
+                if side is not None:
+                    side.close()
+                if raw.stdin is not None:
+                    raw.stdin.close()
+                try:
+                    raw.wait(30)
+                except subprocess.TimeoutExpired:
+                    raw.kill()
+                    raw.wait(10)
+    best_o = {k: max(v) for k, v in ours.items()}
+    best_t = {k: max(v) for k, v in theirs.items()}
     out = {"preset": args.preset, "pages": args.pages, "object_bytes": obj,
            "trials": args.trials, "transport": "tcp loopback",
-           "daemon_gbps": {k: round(v, 3) for k, v in ours.items()},
-           "mooncake_gbps": {k: round(v, 3) for k, v in raw.items()},
-           "ratio": {k: round(ours[k] / raw[k], 3) if raw[k] else None for k in ("put", "get")}}
+           "daemon_gbps": {k: round(v, 3) for k, v in best_o.items()},
+           "mooncake_gbps": {k: round(v, 3) for k, v in best_t.items()},
+           "ratio": {k: round(best_o[k] / best_t[k], 3) for k in ("put", "get")},
+           "trials_gbps": {"daemon": {k: [round(x, 3) for x in v] for k, v in ours.items()},
+                           "mooncake": {k: [round(x, 3) for x in v] for k, v in theirs.items()}}}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"L3 bench: {args.pages} pages of {obj / 1e6:.2f} MB ({args.preset}), best of "
               f"{args.trials}, loopback TCP")
         for k in ("put", "get"):
-            print(f"  {k}: daemon {ours[k]:.2f} GB/s, Mooncake batch_{k}_"
-                  f"{'from' if k == 'put' else 'into'} {raw[k]:.2f} GB/s, ratio "
+            print(f"  {k}: daemon {best_o[k]:.2f} GB/s, Mooncake batch_{k}_"
+                  f"{'from' if k == 'put' else 'into'} {best_t[k]:.2f} GB/s, ratio "
                   f"{out['ratio'][k]}")
     return 0
