@@ -10,7 +10,9 @@ then:
   (timed the same way; every page is verified by the daemon's checksum).
 * **mooncake**: a bare Mooncake client in its own process (``--raw``), one registered buffer
   holding the same number of objects of the same size (header + page), ``batch_put_from`` /
-  ``batch_get_into`` in batches of 128, same pages. It first writes the whole storage segment
+  ``batch_get_into`` in batches of 128, same pages; and, as a second reference, the same
+  objects cut into the daemon's buffers (``batch_put_from_multi_buffers`` /
+  ``batch_get_into_multi_buffers``, the daemon's calls without the daemon). It first writes the whole storage segment
   once (untimed), so neither side pays the segment's first touch.
 
 Trials alternate between the sides (Mooncake trial t, then the daemon's trial t), so both see
@@ -45,6 +47,16 @@ def _obj_bytes(preset_name: str) -> int:
 
     lay = build_layout(preset(preset_name))
     return HEADER_BYTES + sum(lay.row_bytes(s) for s in PAGE_SPACES if lay.space_pools(s))
+
+
+def _piece_sizes(preset_name: str) -> list[int]:
+    """Buffers of one object as the daemon sends them: header, then every pool and layer."""
+    from hicache.controllers.l3_format import HEADER_BYTES, PAGE_SPACES
+    from hicache.core.layout import build_layout, preset
+
+    lay = build_layout(preset(preset_name))
+    return [HEADER_BYTES] + [p.page_bytes for s in PAGE_SPACES for p in lay.space_pools(s)
+                             for _ in range(p.num_layers)]
 
 
 def _raw(spec: dict[str, Any]) -> None:
@@ -86,6 +98,27 @@ def _raw(spec: dict[str, Any]) -> None:
                 if bad:
                     raise RuntimeError(f"{op} failed: {bad[:4]}")
             out[op] = n * size / (time.perf_counter() - t0) / 1e9
+        s.batch_remove(keys, True)
+        # the same objects cut into the daemon's buffers (header, pool x layer), same calls
+        pieces = spec["pieces"]
+        step = max(1, min(128, 1024 // len(pieces)))
+        bufs = []
+        for i in range(n):
+            a = ptrs[i]
+            bufs.append([a + o for o in np.cumsum([0] + pieces[:-1]).tolist()])
+        for op in ("put", "get"):
+            t0 = time.perf_counter()
+            for b in range(0, n, step):
+                k, p = keys[b:b + step], bufs[b:b + step]
+                if op == "put":
+                    r = s.batch_put_from_multi_buffers(k, p, [pieces] * len(k))
+                    bad = [x for x in r if x != 0]
+                else:
+                    r = s.batch_get_into_multi_buffers(k, p, [pieces] * len(k), False)
+                    bad = [x for x in r if x != size]
+                if bad:
+                    raise RuntimeError(f"multi-buffer {op} failed: {bad[:4]}")
+            out[op + "_multi"] = n * size / (time.perf_counter() - t0) / 1e9
         s.batch_remove(keys, True)
         print(json.dumps(out), flush=True)
     s.close()
@@ -165,11 +198,12 @@ def run(args: argparse.Namespace) -> int:
     obj = _obj_bytes(args.preset)
     seg = max(512 << 20, obj * args.pages * (2 * args.trials + 1))  # nothing evicted
     ours: dict[str, list[float]] = {"put": [], "get": []}
-    theirs: dict[str, list[float]] = {"put": [], "get": []}
+    theirs: dict[str, list[float]] = {"put": [], "get": [], "put_multi": [], "get_multi": []}
     with tempfile.TemporaryDirectory(prefix="hc-bench-l3-") as tmp:
         with LocalStore(segment=str(seg), log_dir=os.path.join(tmp, "store")) as store:
             spec = {"master": store.master_addr, "metadata": store.metadata_url,
                     "pages": args.pages, "obj_bytes": obj,
+                    "pieces": _piece_sizes(args.preset),
                     "warm_objects": int(seg * 0.85) // obj}
             raw = subprocess.Popen([sys.executable, "-m", "hicache.cli", "bench", "l3", "--raw",
                                     json.dumps(spec)], stdin=subprocess.PIPE,
@@ -189,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
                         raise RuntimeError("the bare Mooncake side failed")
                     r = json.loads(line)
                     o = side.trial(t)
-                    for k in ("put", "get"):
+                    for k in theirs:
                         theirs[k].append(r[k])
+                    for k in ours:
                         ours[k].append(o[k])
             finally:
                 if side is not None:
@@ -209,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
            "daemon_gbps": {k: round(v, 3) for k, v in best_o.items()},
            "mooncake_gbps": {k: round(v, 3) for k, v in best_t.items()},
            "ratio": {k: round(best_o[k] / best_t[k], 3) for k in ("put", "get")},
+           # the daemon against the very calls it makes (same buffers per object): its overhead
+           "ratio_same_calls": {k: round(best_o[k] / best_t[k + "_multi"], 3)
+                                for k in ("put", "get")},
            "trials_gbps": {"daemon": {k: [round(x, 3) for x in v] for k, v in ours.items()},
                            "mooncake": {k: [round(x, 3) for x in v] for k, v in theirs.items()}}}
     if args.json:
@@ -218,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.trials}, loopback TCP")
         for k in ("put", "get"):
             print(f"  {k}: daemon {best_o[k]:.2f} GB/s, Mooncake batch_{k}_"
-                  f"{'from' if k == 'put' else 'into'} {best_t[k]:.2f} GB/s, ratio "
-                  f"{out['ratio'][k]}")
+                  f"{'from' if k == 'put' else 'into'} {best_t[k]:.2f} GB/s (ratio "
+                  f"{out['ratio'][k]}), same calls with the daemon's buffers "
+                  f"{best_t[k + '_multi']:.2f} GB/s (ratio {out['ratio_same_calls'][k]})")
     return 0
