@@ -15,7 +15,7 @@ holds the daemon's loop, and the client bounds its own wait.
   that exist; the ack's ``written`` / ``skipped``.
 
 While a job runs, its rows count as in flight (a free is deferred until the job ends);
-``DaemonState.finish_l3`` ends that and builds the ack.
+``DaemonState.finish_l3`` ends that and queues the ack.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ import numpy as np
 from hicache.core.protocol import ProtocolError
 
 from . import l3_format as F
-from .handlers import Reply, _bounds, _owned, _unique
+from .copy_commands import Reply, _bounds, _distinct
 from .l3_store import L3Job
+from .ops import Ids
 from .registry import ClientState
 from .state import DaemonState
-from .transfer_engine import Ids
 
 MAX_DEADLINE_MS = 60_000
 
@@ -65,9 +65,9 @@ def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int,
         if ids.n != n:
             raise ProtocolError("bad_rows", f"rows[{s!r}] has {ids.n} ids for {n} keys")
         _bounds(ids, st.host_rows[s], f"rows[{s!r}]")
-        _unique(ids, f"rows[{s!r}]")
+        _distinct(ids, f"rows[{s!r}]")
         a = ids.np().copy()
-        _owned(st, c, s, a, f"rows[{s!r}]")
+        st.check_owned(c.cid, s, a, f"rows[{s!r}]")
         if (writes and st.tracker.in_use(s, a)) or \
                 (not writes and st.tracker.hazard([(s, a, False)])):
             raise ProtocolError("busy", f"rows[{s!r}]: an operation in flight uses these rows")
@@ -108,6 +108,3 @@ def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     keys = _keys(st, h["keys"])
     rows, host = _rows(st, c, h, arrays, len(keys), writes=False)
     return _start(st, c, L3Job("put", keys, rows), host)
-
-
-L3_HANDLERS = {"l3_query": l3_query, "l3_prefetch": l3_prefetch, "l3_put": l3_put}

@@ -22,8 +22,7 @@ import zmq
 from hicache.core import protocol as P
 from hicache.core.errors import UsageError
 
-from .handlers import HANDLERS as _CORE_HANDLERS
-from .l3_handlers import L3_HANDLERS
+from .handlers import HANDLERS, error_code
 from .registry import ClientState
 from .state import DaemonState
 
@@ -33,7 +32,6 @@ BATCH = 32  # requests handled per wake-up before completions and housekeeping g
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
-HANDLERS = {**_CORE_HANDLERS, **L3_HANDLERS}  # the daemon's command table (protocol.SCHEMAS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 
@@ -84,7 +82,6 @@ class Server:
         # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
-        state.deliver = self._deliver
 
     def _bind(self, address: str) -> None:
         try:
@@ -131,7 +128,8 @@ class Server:
                     self._request()
                     last = time.perf_counter()
                 elif not st.idle():
-                    st.deliver_completed()
+                    st.collect()
+                self.send_acks()
                 continue
             if st.idle():  # nothing can complete: wait on the socket alone (cheaper)
                 if zmq_poll(items, 100):
@@ -144,7 +142,8 @@ class Server:
                 last = time.perf_counter()
             if self._wake_r in events:
                 self._drain_wake()
-            st.deliver_completed()
+            st.collect()
+            self.send_acks()
 
     def _request(self) -> None:
         """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
@@ -172,15 +171,16 @@ class Server:
                 raise P.ProtocolError("shutting_down", "the daemon is stopping")
             fields, out = HANDLERS[cmd](st, c, h, arrays)
             reply = P.encode_reply(rid, fields, out)
-        except P.ProtocolError as e:
-            code = e.code
+        except Exception as e:  # noqa: BLE001 - every failure gets an error reply
+            code = error_code(e)
             if rid is None and body:
                 rid = P.request_id(body[0])
-            reply = P.encode_error(rid, e.code, e.message)
-        except Exception as e:  # noqa: BLE001 - a daemon bug: answer, log, keep serving
-            code = "internal"
-            log.exception("command %s (id %s) failed", cmd, rid)
-            reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
+            if code is not None:  # a refusal: the command changed nothing
+                reply = P.encode_error(rid, code, str(e))
+            else:  # a daemon bug: answer, log, keep serving
+                code = "internal"
+                log.exception("command %s (id %s) failed", cmd, rid)
+                reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
         try:
             self.sock.send_multipart([ident, *reply], _NOBLOCK)
         except zmq.ZMQError:
@@ -188,6 +188,17 @@ class Server:
         st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
         if st.post:
             st.after_reply()
+        if st.outbox:
+            self.send_acks()
+
+    def send_acks(self) -> None:
+        """Push the acks the state collected (completed operations) to their clients."""
+        st = self.state
+        if not st.outbox:
+            return
+        out, st.outbox = st.outbox, []
+        for c, ack in out:
+            self._deliver(c, ack)
 
     def _deliver(self, c: ClientState, ack: dict[str, Any]) -> None:
         st = self.state
