@@ -11,6 +11,8 @@ The daemon calls, for every operation:
   become CLEAN; rows a token-granular item writes only part of are zeroed first if UNWRITTEN.
 * ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
   it succeeded, else back to UNWRITTEN.
+* ``begin_fill`` / ``end_fill`` — the same for an L3 prefetch: only the leading pages it read
+  and verified become WRITTEN. An L3 put reads rows, so ``check_readable`` applies to it.
 
 ``host_table(pool)`` builds the pointer table of one host pool with the arena's *device*
 addresses wherever they differ from the host addresses (``cuMemHostGetDevicePointer``), so
@@ -59,6 +61,23 @@ def end_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
         for pool, rows, _ in _host_rows(op):
             group.end_write(pool, rows, op.ok)
+
+
+def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any) -> None:
+    """An L3 prefetch into ``host`` [(space, rows, writes)] was accepted: every pool of those
+    spaces (``pools[space]``) is being written there."""
+    for space, rows, _ in host:
+        for pool in pools[space]:
+            group.begin_write(pool, rows, zero=False)
+
+
+def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int) -> None:
+    """It ended: the first ``pages`` rows were read and verified (WRITTEN); the rest hold
+    nothing usable (back to UNWRITTEN)."""
+    for space, rows, _ in host:
+        for pool in pools[space]:
+            group.end_write(pool, rows[:pages], True)
+            group.end_write(pool, rows[pages:], False)
 
 
 def host_table(pool: PagedHostPool) -> LayerTable:

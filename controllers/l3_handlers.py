@@ -28,6 +28,7 @@ from hicache.core.protocol import ProtocolError
 
 from . import l3_format as F
 from .copy_commands import Reply, _bounds, _distinct
+from .host_access import begin_fill, check_readable
 from .l3_store import L3Job
 from .ops import Ids
 from .registry import ClientState
@@ -41,6 +42,11 @@ def _l3(st: DaemonState) -> Any:
         raise ProtocolError("unsupported", "this daemon runs without an L3 tier (start it with "
                                            "--l3 mooncake)")
     return st.l3
+
+
+def _pools(st: DaemonState) -> dict[str, list[str]]:
+    """The pools an L3 page holds, per page space."""
+    return {s: [p.name for p in st.layout.space_pools(s)] for s in st.l3.fmt.spaces}
 
 
 def _keys(st: DaemonState, keys: list[str]) -> list[str]:
@@ -68,6 +74,9 @@ def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int,
         _distinct(ids, f"rows[{s!r}]")
         a = ids.np().copy()
         st.check_owned(c.cid, s, a, f"rows[{s!r}]")
+        if not writes:  # a put reads the rows: only what this client wrote may leave
+            for pool in _pools(st)[s]:
+                check_readable(st.group, pool, a, f"rows[{s!r}]")
         if (writes and st.tracker.in_use(s, a)) or \
                 (not writes and st.tracker.hazard([(s, a, False)])):
             raise ProtocolError("busy", f"rows[{s!r}]: an operation in flight uses these rows")
@@ -80,6 +89,8 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
            host: list[tuple[str, np.ndarray, bool]]) -> Reply:
     op_id = st.next_op_id()
     job.tag = (op_id, c, host)
+    if job.kind == "prefetch":
+        begin_fill(st.group, _pools(st), host)
     st.tracker.begin(host)
     c.in_flight += 1
     st.l3_ops[op_id] = job

@@ -28,7 +28,7 @@ from hicache.core.layout import Layout, LayoutError, PoolSpec
 from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
-from .host_access import begin_writes, end_writes, host_table
+from .host_access import begin_writes, end_fill, end_writes, host_table
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
@@ -204,6 +204,9 @@ class DaemonState:
         for job in self.l3.take_completed():
             op_id, c, host = job.tag
             self.l3_ops.pop(op_id, None)
+            if job.kind == "prefetch":  # before the rows can be released
+                end_fill(self.group, {s: [p.name for p in self.layout.space_pools(s)]
+                                      for s, _, _ in host}, host, job.hits)
             self.tracker.end(host)
             c.in_flight -= 1
             if self.tracker.deferred:

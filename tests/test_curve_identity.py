@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import socket
 import tempfile
 from pathlib import Path
@@ -89,6 +90,7 @@ def test_a_second_key_cannot_act_for_a_bound_client(keys):
         assert got["ok"], got
         rows = got["_arrays"][got["rows"]["page"]]
         alice.close()  # gone from the socket, still a client of the daemon (rows held)
+        time.sleep(1.0)  # the ROUTER keeps a routing id until the old connection is torn down
 
         mallory = Peer(addr, keys, "mallory", "worker-0")  # same routing identity, other key
         for cmd, f, arrays in (("free", {"rows": {"page": 0}}, [rows]), ("reset", {}, []),
@@ -97,10 +99,11 @@ def test_a_second_key_cannot_act_for_a_bound_client(keys):
             assert not h["ok"] and h["error"]["code"] == "not_owner", (cmd, h)
             assert "bound to CURVE key 'alice'" in h["error"]["message"]
         mallory.close()
+        time.sleep(1.0)
         own = Peer(addr, keys, "mallory", "mallory-0")  # under its own identity: fine
         assert own.call("stats")["host"]["spaces"]["page"]["used"] == 2  # alice's rows intact
         own.close()
-
+        time.sleep(1.0)
         alice = Peer(addr, keys, "alice", "worker-0")  # the real owner, back again
         h = alice.call("free", {"rows": {"page": 0}}, [rows])
         assert h["ok"] and h["freed"] == 2, h

@@ -286,7 +286,7 @@ def test_l3_refused_without_l3_and_missing_wheel(tmp_path, daemon):
     (fake / "mooncake" / "__init__.py").write_text("raise ImportError('libibverbs.so.1')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--preset", "dsv4-tiny",
-                        "--device-rows", ROWS_FLAG, "--host-ratio", "1", "--socket",
+                        "--device-rows", ROWS_FLAG, "--host-ratio", "2", "--socket",
                         f"ipc://{tmp_path}/x.sock", "--l3", "mooncake", "--l3-master",
                         "127.0.0.1:1", "--l3-metadata", "http://127.0.0.1:1/metadata"],
                        env=env, capture_output=True, text=True, timeout=120)

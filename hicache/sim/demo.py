@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"host pages = R x device pages (default "
                          f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
                          "with a trace)")
-    m.add_argument("--mirror", choices=MIRRORS, default="checkpoints",
-                   help="checkpoints (default): pages carry compressed rows, SWA tail + states "
+    m.add_argument("--mirror", choices=MIRRORS, default=None,
+                   help="checkpoints (default; full with --l3): pages carry compressed rows, SWA tail + states "
                         "only at resume checkpoints; full: every pool of every page (paged SWA)")
     m.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N pages a request writes (paged SWA; 0 = off)")
@@ -160,6 +160,11 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         raise UsageError(f"request {big.rid} needs {need} device page rows "
                          f"({big.input_tokens} + {big.output_tokens} tokens) but --device-pages "
                          f"is {device_pages}; raise --device-pages")
+    if args.mirror is None:  # L3 objects are full-mirror pages: an L3 demo mirrors in full
+        args.mirror = "full" if getattr(args, "l3", "off") != "off" else "checkpoints"
+    elif args.mirror == "checkpoints" and getattr(args, "l3", "off") != "off":
+        raise UsageError("--l3 stores full-mirror pages only (checkpoint objects are not written "
+                         "to L3 yet): use --mirror full, or leave --mirror out")
     if args.pages_per_checkpoint is None:
         args.pages_per_checkpoint = defaults["pages_per_ckpt"]
     if args.pages_per_checkpoint < 1:

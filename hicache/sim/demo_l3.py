@@ -48,8 +48,9 @@ def _daemon(cfg: Any, store: Any) -> DaemonProcess:
     if store is not None:
         extra += ("--l3", "mooncake", "--l3-master", store.master_addr,
                   "--l3-metadata", store.metadata_url)
+    host = ("--host-ratio", repr(ratio)) + (("--force",) if ratio <= 1 else ())
     return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=cfg.device_rows(),
-                         host=("--host-ratio", repr(ratio)), heartbeat_timeout=60,
+                         host=host, heartbeat_timeout=60,
                          extra=extra, env=loopback_env() if store is not None else None,
                          new_session=True, ready_timeout=180)
 
