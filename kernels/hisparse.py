@@ -140,37 +140,39 @@ def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, 
             tl.atomic_add(stats_ptr + 1, m.to(tl.int64))
 
 
+def swap_in_consts(fmt: TokenFormat, *, topk: int, slots: int, host_stride: int,
+                   dev_stride: int, align: int, cfg: SwapInConfig = SwapInConfig()) -> dict:
+    """The launch's compile-time constants and shape (computed once per hot buffer)."""
+    v1, v2 = _split(fmt.value_bytes)
+    se = _pow2_align(fmt.scale_bytes, fmt.scale_offset, host_stride, dev_stride,
+                     cap=min(8, align))
+    kp = triton.next_power_of_2(topk)
+    return dict(K=topk, KP=kp, S=slots, SP=triton.next_power_of_2(slots),
+                P=fmt.tokens_per_page, VB=fmt.value_bytes, SB=fmt.scale_bytes,
+                SOFF=fmt.scale_offset, V1=v1, V2=v2, SE=se,
+                NS=triton.next_power_of_2(fmt.scale_bytes // se) if fmt.scale_bytes else 0,
+                T=min(cfg.tokens, kp), ALIGN=align,
+                FLIP=1 if v2 == 64 and v1 + v2 == fmt.value_bytes else 0,
+                num_warps=cfg.num_warps)
+
+
 def launch_swap_in(req_slots: torch.Tensor, topk: torch.Tensor, out: torch.Tensor,
                    lens: torch.Tensor, slot_tok: torch.Tensor, order: torch.Tensor,
                    slot_loc: torch.Tensor, host_pages: torch.Tensor, pos: torch.Tensor,
                    need: torch.Tensor, vict: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                   stats: torch.Tensor, host_tab: torch.Tensor, dev_tab: torch.Tensor,
-                   fmt: TokenFormat, *, host_stride: int, dev_stride: int, align: int,
-                   cfg: SwapInConfig = SwapInConfig()) -> None:
+                   stats: torch.Tensor, host_tab: torch.Tensor, dev_tab: torch.Tensor, *,
+                   host_stride: int, dev_stride: int, consts: dict) -> None:
     """One layer's swap-in for ``len(req_slots)`` batch rows on the current stream.
 
     Shapes (one layer's views): ``req_slots [B]`` int64, ``topk [B, K]`` (int32/int64, rows
     may be strided), ``out [>=B, K]`` int64, ``lens [R]`` int64, ``slot_tok``/``order [R, S]``
     int32, ``slot_loc [R, S+1]`` int64, ``host_pages [R, maxp]`` int64, scratch ``pos [>=B,
     maxt]`` int32, ``need [>=B, S]`` int8, ``vict [>=B, K]`` int32, ``src``/``dst [>=B, K]``
-    int64, ``stats [2]`` int64, ``host_tab``/``dev_tab [1]`` int64 layer base addresses.
-    Nothing is checked here (``HotBuffer`` does it)."""
-    B = int(req_slots.numel())
+    int64, ``stats [2]`` int64, ``host_tab``/``dev_tab [1]`` int64 layer base addresses;
+    ``consts`` from ``swap_in_consts``. Nothing is checked here (``HotBuffer`` does it)."""
+    B = req_slots.shape[0]
     if B == 0:
         return
-    K = int(topk.shape[1])
-    R, S = int(slot_tok.shape[0]), int(slot_tok.shape[1])
-    v1, v2 = _split(fmt.value_bytes)
-    se = _pow2_align(fmt.scale_bytes, fmt.scale_offset, host_stride, dev_stride,
-                     cap=min(8, align))
-    ns = triton.next_power_of_2(fmt.scale_bytes // se) if fmt.scale_bytes else 0
-    kp = triton.next_power_of_2(K)
-    t = min(cfg.tokens, kp)
-    flip = 1 if v2 == 64 and v1 + v2 == fmt.value_bytes else 0
     _swap_in_kernel[(B,)](req_slots, topk, topk.stride(0), out, lens, slot_tok, order, slot_loc,
                           host_pages, host_pages.shape[1], pos, pos.shape[1], need, vict, src,
-                          dst, stats, host_tab, dev_tab, host_stride, dev_stride,
-                          K=K, KP=kp, S=S, SP=triton.next_power_of_2(S),
-                          P=fmt.tokens_per_page, VB=fmt.value_bytes, SB=fmt.scale_bytes,
-                          SOFF=fmt.scale_offset, V1=v1, V2=v2, SE=se, NS=ns, T=t, ALIGN=align,
-                          FLIP=flip, num_warps=cfg.num_warps)
+                          dst, stats, host_tab, dev_tab, host_stride, dev_stride, **consts)

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from hicache.kernels.dispatch import copy_tokens
-from hicache.kernels.hisparse import SwapInConfig, launch_swap_in
+from hicache.kernels.hisparse import SwapInConfig, launch_swap_in, swap_in_consts
 from hicache.kernels.hisparse_reference import swap_in_ref
 from hicache.kernels.tables import LayerTable, TokenFormat
 
@@ -85,6 +85,14 @@ class HotBuffer:
         self._dst = torch.zeros(self.B, K, dtype=torch.int64, device=dev)
         self._kdev = dev if dev.type == "cuda" else torch.device("cpu")
         self._lens_host = [0] * R  # admitted lengths as the host knows them (0 = free)
+        kd = self._kdev
+        ht, dt = self.host.table(kd), self.dev.table(kd)
+        # per-layer views, built once: the launch path creates no tensors
+        self._layer = [(self.slot_tok[l], self.order[l], self.stats[l], ht[l:l + 1],
+                        dt[l:l + 1], self.out[l]) for l in range(L)]
+        self._consts = swap_in_consts(fmt, topk=K, slots=S, host_stride=host.stride,
+                                      dev_stride=self.dev.stride,
+                                      align=min(host.align, self.dev.align), cfg=cfg)
 
     # ------------------------------------------------------------------ request slots
     def _check_slot(self, r: object, admitted: Optional[bool]) -> int:
@@ -191,20 +199,17 @@ class HotBuffer:
         checks (they sync the host with the device; use it under CUDA-graph capture)."""
         if check:
             self._check_step(layer, req_slots, topk)
-        B = req_slots.numel()
-        out = self.out[layer, :B]
+        tok, order, stats, ht, dt, out_l = self._layer[layer]
+        out = out_l[: req_slots.shape[0]]
         if self.impl == "reference":
             swap_in_ref(req_slots, topk, out, self.lens, self.slot_tok[layer],
                         self.order[layer], self.slot_loc, self.host_pages, self.stats[layer],
                         self.host.layers[layer], self.dev.layers[layer], self.fmt)
             return out
-        kd = self._kdev
-        launch_swap_in(req_slots, topk, out, self.lens, self.slot_tok[layer], self.order[layer],
-                       self.slot_loc, self.host_pages, self._pos, self._need, self._vict,
-                       self._src, self._dst, self.stats[layer],
-                       self.host.table(kd)[layer:layer + 1], self.dev.table(kd)[layer:layer + 1],
-                       self.fmt, host_stride=self.host.stride, dev_stride=self.dev.stride,
-                       align=min(self.host.align, self.dev.align), cfg=self.cfg)
+        launch_swap_in(req_slots, topk, out, self.lens, tok, order, self.slot_loc, self.host_pages,
+                       self._pos, self._need, self._vict, self._src, self._dst, stats, ht, dt,
+                       host_stride=self.host.stride, dev_stride=self.dev.stride,
+                       consts=self._consts)
         return out
 
     def hits(self) -> list[tuple[int, int]]:
