@@ -59,6 +59,8 @@ class HotBuffer:
             raise HotBufferError(f"host rows are {host.row_bytes} B, the token format's pages "
                                  f"{fmt.page_bytes} B")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.impl = ("triton" if self.device.type == "cuda" else "reference") \
             if impl == "auto" else impl
         self.host, self.fmt, self.cfg = host, fmt, cfg
