@@ -25,8 +25,8 @@ For batch row ``b`` with ``r = req_slots[b]`` and top-k ids ``ids = topk[b]``:
 
 ``stats[l] += (valid ids, tokens copied)``. Ids of the host region below ``n - 1`` must already
 be there (the daemon's backup); the newest token is written by the engine to
-``slot_loc[r, min(n - 1, S)]``. Scratch buffers (``pos``, ``need``, ``vict``, ``src``, ``dst``)
-are per batch row; ``need`` must start zeroed and is left zeroed.
+``slot_loc[r, min(n - 1, S)]``. Scratch buffers (``pos``, ``first``, ``need``, ``vict``, ``src``, ``dst``)
+are per batch row; ``need`` (zeros) and ``first`` (``FIRST_CLEAN``) are left as they were found.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ import triton.language as tl
 from .tables import TokenFormat, _pow2_align
 from .tokens import _split, _tokens_step
 
+FIRST_CLEAN = 2**31 - 1  # value of every entry of the ``first`` scratch between launches
+_FIRST_CLEAN = tl.constexpr(FIRST_CLEAN)
+
 
 @dataclass(frozen=True)
 class SwapInConfig:
@@ -50,7 +53,7 @@ class SwapInConfig:
 
 @triton.jit
 def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, ord_ptr,
-                    loc_ptr, hp_ptr, maxp, pos_ptr, maxt, need_ptr, vict_ptr, src_ptr, dst_ptr,
+                    loc_ptr, hp_ptr, maxp, pos_ptr, first_ptr, maxt, need_ptr, vict_ptr, src_ptr, dst_ptr,
                     stats_ptr, host_tab, dev_tab, host_stride, dev_stride,
                     K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                     P: tl.constexpr, VB: tl.constexpr, SB: tl.constexpr, SOFF: tl.constexpr,
@@ -78,33 +81,33 @@ def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, 
             tok_row = tok_ptr + r * S
             ord_row = ord_ptr + r * S
             pos_row = pos_ptr + b * maxt
+            first_row = first_ptr + b * maxt
             need_row = need_ptr + b * S
             vict_row = vict_ptr + b * K
-            # 1. where each held token sits
-            toks = tl.load(tok_row + si, mask=sin, other=-1)
-            tl.store(pos_row + toks, si, mask=sin & (toks >= 0))
             is_new = valid & (ids == n - 1)
             cand = valid & (ids != n - 1)
+            # 1. independent loads first (one memory latency), then where each held token
+            # sits and the first occurrence of each id (first_row is kept at FIRST_CLEAN)
+            toks = tl.load(tok_row + si, mask=sin, other=-1)
+            order = tl.load(ord_row + si, mask=sin, other=0)
+            hp = tl.load(hp_ptr + r * maxp + ids // P, mask=cand, other=0)
+            tl.store(pos_row + toks, si, mask=sin & (toks >= 0))
+            tl.atomic_min(first_row + ids, ki, mask=cand)
             tl.debug_barrier()
-            # 2. hits (a stale pos entry fails the check against slot_tok)
+            # 2. hits (a stale pos entry fails the check against slot_tok); first misses
             s = tl.load(pos_row + ids, mask=cand, other=-1)
+            w = tl.load(first_row + ids, mask=cand, other=-1)
             sv = cand & (s >= 0) & (s < S)
             hit = sv & (tl.load(tok_row + s, mask=sv, other=-1) == ids)
             miss = cand & (hit == 0)
-            # 3. first occurrence of each missed id
-            tl.debug_barrier()
-            tl.store(pos_row + ids, tl.full([KP], K, tl.int32), mask=miss)
-            tl.debug_barrier()
-            tl.atomic_min(pos_row + ids, ki, mask=miss)
-            tl.debug_barrier()
-            first = miss & (tl.load(pos_row + ids, mask=miss, other=-1) == ki)
+            first = miss & (w == ki)
+            dup = miss & (w != ki)
             fi = first.to(tl.int32)
             m = tl.sum(fi, axis=0)
             q = tl.cumsum(fi, axis=0) - fi
-            # 4. slots this row reads, and the LRU scan for victims
+            # 3. slots this row reads, and the LRU scan for victims
             tl.store(need_row + s, tl.full([KP], 1, tl.int8), mask=hit)
             tl.debug_barrier()
-            order = tl.load(ord_row + si, mask=sin, other=0)
             nd = sin & (tl.load(need_row + order, mask=sin, other=0) != 0)
             ev = sin & (nd == 0)
             evi = ev.to(tl.int32)
@@ -116,19 +119,21 @@ def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, 
             tl.store(vict_row + erank, order, mask=vic)
             newpos = tl.where(vic, S - m + erank, tl.where(ev, erank - m, n_ev - m + nrank))
             tl.debug_barrier()
-            # 5. tables: LRU order, need flags back to zero, victims take the missed ids
+            # 4. tables: LRU order, scratch back to clean, victims take the missed ids
             tl.store(need_row + s, tl.zeros([KP], tl.int8), mask=hit)
+            tl.store(first_row + ids, tl.full([KP], _FIRST_CLEAN, tl.int32), mask=cand)
             tl.store(ord_row + newpos, order, mask=sin)
             v = tl.load(vict_row + q, mask=first, other=0)
             tl.store(tok_row + v, ids.to(tl.int32), mask=first)
-            tl.store(pos_row + ids, v, mask=first)
-            tl.debug_barrier()
-            slot = tl.where(hit, s, tl.load(pos_row + ids, mask=miss, other=0))
+            slot = tl.where(hit, s, v)
+            if tl.sum(dup.to(tl.int32), axis=0) > 0:  # repeated missed ids follow their first
+                tl.store(pos_row + ids, v, mask=first)
+                tl.debug_barrier()
+                slot = tl.where(dup, tl.load(pos_row + ids, mask=dup, other=0), slot)
             slot = tl.where(is_new, S, slot)
             loc = tl.load(loc_row + slot, mask=valid, other=-1)
             tl.store(out_row + ki, tl.where(valid, loc, -1), mask=kin)
-            # 6. copy list (host token -> device token), then the copies
-            hp = tl.load(hp_ptr + r * maxp + ids // P, mask=first, other=0)
+            # 5. copy list (host token -> device token), then the copies
             tl.store(src_ptr + b * K + q, hp * P + ids % P, mask=first)
             tl.store(dst_ptr + b * K + q, loc, mask=first)
             tl.debug_barrier()
@@ -159,20 +164,20 @@ def swap_in_consts(fmt: TokenFormat, *, topk: int, slots: int, host_stride: int,
 def launch_swap_in(req_slots: torch.Tensor, topk: torch.Tensor, out: torch.Tensor,
                    lens: torch.Tensor, slot_tok: torch.Tensor, order: torch.Tensor,
                    slot_loc: torch.Tensor, host_pages: torch.Tensor, pos: torch.Tensor,
-                   need: torch.Tensor, vict: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                   first: torch.Tensor, need: torch.Tensor, vict: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                    stats: torch.Tensor, host_tab: torch.Tensor, dev_tab: torch.Tensor, *,
                    host_stride: int, dev_stride: int, consts: dict) -> None:
     """One layer's swap-in for ``len(req_slots)`` batch rows on the current stream.
 
     Shapes (one layer's views): ``req_slots [B]`` int64, ``topk [B, K]`` (int32/int64, rows
     may be strided), ``out [>=B, K]`` int64, ``lens [R]`` int64, ``slot_tok``/``order [R, S]``
-    int32, ``slot_loc [R, S+1]`` int64, ``host_pages [R, maxp]`` int64, scratch ``pos [>=B,
-    maxt]`` int32, ``need [>=B, S]`` int8, ``vict [>=B, K]`` int32, ``src``/``dst [>=B, K]``
+    int32, ``slot_loc [R, S+1]`` int64, ``host_pages [R, maxp]`` int64, scratch ``pos``/``first [>=B,
+    maxt]`` int32 (``first`` all ``FIRST_CLEAN``, and left so), ``need [>=B, S]`` int8, ``vict [>=B, K]`` int32, ``src``/``dst [>=B, K]``
     int64, ``stats [2]`` int64, ``host_tab``/``dev_tab [1]`` int64 layer base addresses;
     ``consts`` from ``swap_in_consts``. Nothing is checked here (``HotBuffer`` does it)."""
     B = req_slots.shape[0]
     if B == 0:
         return
     _swap_in_kernel[(B,)](req_slots, topk, topk.stride(0), out, lens, slot_tok, order, slot_loc,
-                          host_pages, host_pages.shape[1], pos, pos.shape[1], need, vict, src,
+                          host_pages, host_pages.shape[1], pos, first, pos.shape[1], need, vict, src,
                           dst, stats, host_tab, dev_tab, host_stride, dev_stride, **consts)

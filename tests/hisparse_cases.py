@@ -98,6 +98,10 @@ class World:
     def verify(self, layer: int, rows: list[int], topk: torch.Tensor, out: torch.Tensor,
                before: tuple[torch.Tensor, torch.Tensor]) -> None:
         hb, S = self.hb, self.S
+        if hb.impl == "triton":  # the kernel's scratch is left as it was found
+            from hicache.kernels.hisparse import FIRST_CLEAN
+            assert bool((hb._first == FIRST_CLEAN).all()) and not bool(hb._need.any()), \
+                "swap-in left its scratch dirty"
         dev = hb.dev.layers[layer].cpu()
         toks, order = hb.slot_tok[layer].cpu(), hb.order[layer].cpu()
         for b, r in enumerate(rows):

@@ -147,6 +147,28 @@ class _Bench:
             best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
         return best
 
+    def _token_limit(self) -> float:
+        """H2D of isolated random tokens (the swap-in's pattern) through the tuned token copy
+        kernel on every SM, all layers in one launch, best of 5 (GB/s of token bytes)."""
+        torch = self.torch
+        from hicache.kernels.dispatch import copy_tokens
+        from hicache.kernels.tables import LayerTable
+
+        P, pb = 64, self.fmt.page_bytes
+        n = 4096
+        dev = LayerTable([torch.empty(n // P, pb, dtype=torch.uint8, device=self.dev)
+                          for _ in range(self.L)], "device")
+        g = torch.Generator().manual_seed(1)
+        src = torch.randperm(self.host_rows * P, generator=g)[:n]
+        dst = torch.randperm(n, generator=g)
+        sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
+        best = 0.0
+        for _ in range(6):
+            secs, _ = self._timed(lambda: copy_tokens(self.host, dev, src, dst, self.fmt,
+                                                      ctas=sms))
+            best = max(best, n * self.L * self.fmt.token_bytes / secs / 1e9)
+        return best
+
     # ---------------------------------------------------------------- one row
     def _row(self, B: int, overlap: float) -> dict[str, Any]:
         torch = self.torch
@@ -181,7 +203,7 @@ class _Bench:
             eager.append(secs)
             issue.append(iss / self.L)
             copied.append(int(hb.stats[:, 1].sum()) - before)
-        graph, gcopied, capture_s = [], [], None
+        graph, gcopied, gissue, capture_s = [], [], [], None
         if self.cuda:
             static = topk[warm + steps].clone()
             t0 = time.perf_counter()
@@ -190,8 +212,9 @@ class _Bench:
             for s in range(warm + steps, warm + steps + n_graph):
                 static.copy_(topk[s])
                 before = int(hb.stats[:, 1].sum())
-                secs, _ = self._timed(graph_obj.replay)
+                secs, iss = self._timed(graph_obj.replay)
                 graph.append(secs)
+                gissue.append(iss / self.L)
                 gcopied.append(int(hb.stats[:, 1].sum()) - before)
         last = topk[warm + steps + n_graph - 1]
         verified = self._verify(hb, last, B)
@@ -205,6 +228,7 @@ class _Bench:
             "step_us_graph": round(statistics.median(graph) * 1e6, 1) if graph else None,
             "graph_capture_s": None if capture_s is None else round(capture_s, 3),
             "issue_us_per_layer": round(statistics.median(issue) * 1e6, 2),
+            "issue_us_per_layer_graph": round(statistics.median(gissue) * 1e6, 2) if gissue else None,
             "tokens_per_step": round(statistics.mean(tok)),
             "bytes_per_step": round(statistics.mean(tok) * tb),
             "hit_rate": round(1 - statistics.mean(tok) / (B * self.L * self.K), 4),
@@ -215,6 +239,8 @@ class _Bench:
             step_us = sum(timed) / len(timed) * 1e6
             target = TARGET_FACTOR * link_us + TARGET_FIXED_US
             row.update(link_us=round(link_us, 1), ratio_to_limit=round(link_us / step_us, 3),
+                       ratio_to_token_limit=round(link_us * self.limit / self.token_limit
+                                                  / step_us, 3),
                        target_us=round(target, 1), meets_target=step_us <= target)
         _log(f"batch {B:3d} overlap {overlap:.2f}: eager {row['step_us_eager']:8.1f} us  graph "
              f"{row['step_us_graph']} us  {row['tokens_per_step']} tokens/step  "
@@ -284,8 +310,10 @@ class _Bench:
         torch = self.torch
         self.host = self._host()
         self.limit = self._limit() if self.cuda else 0.0
+        self.token_limit = self._token_limit() if self.cuda else 0.0
         if self.cuda:
-            _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s")
+            _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
+                 f"random single tokens (copy_tokens, all SMs): {self.token_limit:.1f} GB/s")
         rows = [self._row(B, ov) for B in self.batches for ov in self.overlaps]
         pb, P, tb = self.fmt.page_bytes, 64, self.fmt.token_bytes
         full = -(-self.n // P) * pb * self.L
@@ -298,6 +326,7 @@ class _Bench:
                       "c4_tokens_per_request": self.n, "token_bytes": tb,
                       "host_rows_per_layer": self.host_rows},
             "limit_h2d_gbps": round(self.limit, 2) if self.cuda else None,
+            "random_token_h2d_gbps": round(self.token_limit, 2) if self.cuda else None,
             "target": f"graph step <= {TARGET_FACTOR} x link time + {TARGET_FIXED_US} us; "
                       f"host issue <= 20 us per layer",
             "device_bytes_per_request": {"full_c4_on_device": full, "hot_buffer": hot,

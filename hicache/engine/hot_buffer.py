@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from hicache.kernels.dispatch import copy_tokens
-from hicache.kernels.hisparse import SwapInConfig, launch_swap_in, swap_in_consts
+from hicache.kernels.hisparse import FIRST_CLEAN, SwapInConfig, launch_swap_in, swap_in_consts
 from hicache.kernels.hisparse_reference import swap_in_ref
 from hicache.kernels.tables import LayerTable, TokenFormat
 
@@ -81,6 +81,8 @@ class HotBuffer:
         self.out = torch.full((L, self.B, K), -1, dtype=torch.int64, device=dev)
         self.stats = torch.zeros(L, 2, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(self.B, max_tokens, dtype=torch.int32, device=dev)
+        self._first = torch.full((self.B, max_tokens), FIRST_CLEAN, dtype=torch.int32,
+                                 device=dev)
         self._need = torch.zeros(self.B, S, dtype=torch.int8, device=dev)
         self._vict = torch.zeros(self.B, K, dtype=torch.int32, device=dev)
         self._src = torch.zeros(self.B, K, dtype=torch.int64, device=dev)
@@ -209,7 +211,7 @@ class HotBuffer:
                         self.host.layers[layer], self.dev.layers[layer], self.fmt)
             return out
         launch_swap_in(req_slots, topk, out, self.lens, tok, order, self.slot_loc, self.host_pages,
-                       self._pos, self._need, self._vict, self._src, self._dst, stats, ht, dt,
+                       self._pos, self._first, self._need, self._vict, self._src, self._dst, stats, ht, dt,
                        host_stride=self.host.stride, dev_stride=self.dev.stride,
                        consts=self._consts)
         return out
