@@ -86,28 +86,28 @@ def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, 
             vict_row = vict_ptr + b * K
             is_new = valid & (ids == n - 1)
             cand = valid & (ids != n - 1)
-            # 1. independent loads first (one memory latency), then where each held token
-            # sits and the first occurrence of each id (first_row is kept at FIRST_CLEAN)
+            # 1. independent loads first (one memory latency), then where each held token sits
             toks = tl.load(tok_row + si, mask=sin, other=-1)
             order = tl.load(ord_row + si, mask=sin, other=0)
             hp = tl.load(hp_ptr + r * maxp + ids // P, mask=cand, other=0)
             tl.store(pos_row + toks, si, mask=sin & (toks >= 0))
-            tl.atomic_min(first_row + ids, ki, mask=cand)
             tl.debug_barrier()
-            # 2. hits (a stale pos entry fails the check against slot_tok); first misses
+            # 2. hits (a stale pos entry fails the check against slot_tok)
             s = tl.load(pos_row + ids, mask=cand, other=-1)
-            w = tl.load(first_row + ids, mask=cand, other=-1)
             sv = cand & (s >= 0) & (s < S)
             hit = sv & (tl.load(tok_row + s, mask=sv, other=-1) == ids)
             miss = cand & (hit == 0)
+            # 3. slots this row reads; first occurrence of each missed id (first_row is kept
+            # at FIRST_CLEAN between launches); then the LRU scan for victims
+            tl.store(need_row + s, tl.full([KP], 1, tl.int8), mask=hit)
+            tl.atomic_min(first_row + ids, ki, mask=miss)
+            tl.debug_barrier()
+            w = tl.load(first_row + ids, mask=miss, other=-1)
             first = miss & (w == ki)
             dup = miss & (w != ki)
             fi = first.to(tl.int32)
             m = tl.sum(fi, axis=0)
             q = tl.cumsum(fi, axis=0) - fi
-            # 3. slots this row reads, and the LRU scan for victims
-            tl.store(need_row + s, tl.full([KP], 1, tl.int8), mask=hit)
-            tl.debug_barrier()
             nd = sin & (tl.load(need_row + order, mask=sin, other=0) != 0)
             ev = sin & (nd == 0)
             evi = ev.to(tl.int32)
@@ -121,7 +121,7 @@ def _swap_in_kernel(req_ptr, topk_ptr, topk_stride, out_ptr, lens_ptr, tok_ptr, 
             tl.debug_barrier()
             # 4. tables: LRU order, scratch back to clean, victims take the missed ids
             tl.store(need_row + s, tl.zeros([KP], tl.int8), mask=hit)
-            tl.store(first_row + ids, tl.full([KP], _FIRST_CLEAN, tl.int32), mask=cand)
+            tl.store(first_row + ids, tl.full([KP], _FIRST_CLEAN, tl.int32), mask=miss)
             tl.store(ord_row + newpos, order, mask=sin)
             v = tl.load(vict_row + q, mask=first, other=0)
             tl.store(tok_row + v, ids.to(tl.int32), mask=first)

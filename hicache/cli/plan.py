@@ -11,10 +11,11 @@ import re
 import sys
 
 from hicache.core.errors import UsageError
+from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
-    parse_bounds, parse_count, parse_fraction, parse_size, plan,
+    parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
 )
 
 
@@ -50,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host.add_argument("--host-mem", metavar="SIZE",
                       help="host budget per GPU: bytes or e.g. 400GiB")
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
+    sp = p.add_argument_group("HiSparse (sparse C4 on the host)")
+    sp.add_argument("--hisparse", action="store_true", help="also count concurrent long "
+                    "requests per GPU with and without HiSparse")
+    sp.add_argument("--request-tokens", default="131072", metavar="N",
+                    help="full tokens per long request [131072]")
+    sp.add_argument("--hot-slots", default=None, metavar="N",
+                    help="hot-buffer slots per C4 layer [2 x the model's index_topk]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -160,11 +168,29 @@ def format_plan(pl: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = plan(inputs_from_args(args))
+    inputs = inputs_from_args(args)
+    result = plan(inputs)
+    sparse = None
+    if args.hisparse:
+        tokens = parse_count(args.request_tokens, "--request-tokens")
+        slots = None if args.hot_slots is None else parse_count(args.hot_slots, "--hot-slots")
+        if slots is not None and slots < inputs.model.index_topk:
+            raise UsageError(f"--hot-slots {slots} is below the model's index_topk "
+                             f"{inputs.model.index_topk}: a step's misses would not fit")
+        sparse = hisparse_plan(stage_layouts(inputs, inputs.swa_mode), inputs.kv_mem, tokens,
+                               slots)
+    elif args.hot_slots is not None or args.request_tokens != "131072":
+        raise UsageError("--request-tokens and --hot-slots apply only with --hisparse")
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
+        out = result.to_dict()
+        if sparse is not None:
+            out["hisparse"] = sparse.to_dict()
+            out["hisparse_concurrency_ratio"] = out["hisparse"]["hisparse_concurrency_ratio"]
+        json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(result))
+        if sparse is not None:
+            print("\n".join([""] + sparse.lines()))
     return 0
 
