@@ -3,7 +3,9 @@
 host region by one swap-in launch per layer for the whole batch.
 
 ``HotBuffer(host, fmt=..., topk=..., max_requests=..., max_batch=..., max_tokens=..., device=...)``
-owns the device side: a packed C4 page buffer per layer (slot ``s`` of request slot ``r`` at token
+(``host``: the sparse host region's per-layer C4 page rows, a ``LayerTable`` or a list of
+``[rows, page_bytes]`` uint8 tensors; ``fmt``: a ``TokenFormat`` or the layout's ``c4_kv``
+``PoolSpec``) owns the device side: a packed C4 page buffer per layer (slot ``s`` of request slot ``r`` at token
 location ``r * (slots + 1) + s``) and every table of ``hicache.kernels.hisparse`` as device
 tensors of fixed shape, so ``swap_in`` can be captured in a CUDA graph (``check=False``).
 
@@ -29,7 +31,7 @@ import torch
 from hicache.kernels.dispatch import copy_tokens
 from hicache.kernels.hisparse import FIRST_CLEAN, SwapInConfig, launch_swap_in, swap_in_consts
 from hicache.kernels.hisparse_reference import swap_in_ref
-from hicache.kernels.tables import LayerTable, TokenFormat
+from hicache.kernels.tables import Buffer, LayerTable, TokenFormat, as_table
 
 IMPLS = ("auto", "triton", "reference")
 
@@ -41,12 +43,14 @@ class HotBufferError(ValueError):
 class HotBuffer:
     """Device hot buffers and tables of up to ``max_requests`` sparse requests (see module)."""
 
-    def __init__(self, host: LayerTable, *, fmt: TokenFormat, topk: int, max_requests: int,
+    def __init__(self, host: Buffer, *, fmt: object, topk: int, max_requests: int,
                  max_batch: int, max_tokens: int, slots: Optional[int] = None,
                  device: str | torch.device = "cpu", impl: str = "auto",
                  cfg: SwapInConfig = SwapInConfig()) -> None:
         if impl not in IMPLS:
             raise HotBufferError(f"impl {impl!r} is not one of {IMPLS}")
+        host = as_table(host, "sparse host")
+        fmt = fmt if isinstance(fmt, TokenFormat) else TokenFormat.from_spec(fmt)
         slots = 2 * topk if slots is None else slots
         for name, v in (("topk", topk), ("max_requests", max_requests),
                         ("max_batch", max_batch), ("max_tokens", max_tokens), ("slots", slots)):
