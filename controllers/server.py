@@ -23,6 +23,9 @@ from hicache.core import protocol as P
 from hicache.core.errors import UsageError
 
 from .handlers import HANDLERS
+from .sparse import SPARSE_HANDLERS
+
+HANDLERS = {**HANDLERS, **SPARSE_HANDLERS}
 from .registry import ClientState
 from .state import DaemonState
 

@@ -28,6 +28,7 @@ from hicache.controllers.metrics import Metrics
 
 from .registry import ClientState, Registry
 from .row_tracker import RowTracker
+from .sparse import refresh_gauges as refresh_sparse_gauges
 from .transfer_engine import Op, TransferEngine
 
 log = logging.getLogger("hicache.daemon")
@@ -55,6 +56,7 @@ class DaemonState:
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Op, ClientState]] = {}
         self.stopping = False
+        self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         self.post: list[Op] = []  # inline ops whose accounting waits until the reply is sent
         # the server sets this: push one ack to its client (or drop it if the client is gone)
         self.deliver: Callable[[ClientState, dict[str, Any]], None] = lambda c, ack: None
@@ -148,7 +150,8 @@ class DaemonState:
 
     def _free_all(self, c: ClientState) -> int:
         c.closing = False
-        return self.group.free_owner(c.cid)
+        n = self.group.free_owner(c.cid)
+        return n + (self.sparse.free_client(c.cid) if self.sparse is not None else 0)
 
     def drain_client(self, c: ClientState, timeout: float) -> bool:
         """Wait (delivering acks) until ``c`` has no op in flight; False on timeout."""
@@ -184,6 +187,8 @@ class DaemonState:
             m.set("host_rows", pend, s, "pending_free")
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
+        if self.sparse is not None:
+            refresh_sparse_gauges(self)
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--host-ratio", type=float, help="host rows = ratio x device rows")
     h.add_argument("--device-rows", help="device rows per index space, e.g. "
                                          "page=4096,swa_page=512,req_slot=64")
+    h.add_argument("--sparse-rows", type=int, help="HiSparse: C4 page rows per C4 layer of the "
+                   "sparse host region (0 = no sparse mode, the default)")
+    h.add_argument("--min-sparse-prompt-len", type=int,
+                   help="HiSparse: shortest prompt admitted to sparse mode (default 32768)")
     h.add_argument("--numa-node", help="auto (GPU's node), off, or a node number")
     h.add_argument("--touch-threads", type=int, help="threads first-touching the arena")
 
@@ -54,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 FLAG_NAMES = ("device", "socket", "allow_remote", "heartbeat_timeout", "metrics_port",
               "metrics_addr", "log_level", "preset", "config", "pp_size", "pp_rank", "swa_mode",
               "c128_state", "mtp", "host_mem", "host_ratio", "device_rows", "numa_node",
-              "touch_threads", "spin_us", "curve_secret_key", "curve_clients")
+              "touch_threads", "spin_us", "curve_secret_key", "curve_clients", "sparse_rows",
+              "min_sparse_prompt_len")
 
 
 def run(args: argparse.Namespace) -> int:

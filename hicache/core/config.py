@@ -56,6 +56,8 @@ class ServeConfig:
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     log_level: str = "info"
+    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
+    min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
 
     @property
     def cuda_index(self) -> int | None:
@@ -137,7 +139,7 @@ def _convert(name: str, v: Any) -> Any:
     if name in ("allow_remote", "mtp"):
         return _parse_bool(v)
     if name in ("pp_size", "pp_rank", "metrics_port", "touch_threads", "load_event_sets",
-                "max_clients", "ack_retention"):
+                "max_clients", "ack_retention", "sparse_rows", "min_sparse_prompt_len"):
         if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError(f"not an int: {v!r}")
         return int(v)
@@ -244,6 +246,10 @@ def validate(cfg: ServeConfig) -> None:
     for name in ("load_event_sets", "max_clients", "ack_retention"):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.sparse_rows < 0:
+        raise UsageError(f"sparse_rows must not be negative, got {cfg.sparse_rows}")
+    if cfg.min_sparse_prompt_len <= 0:
+        raise UsageError(f"min_sparse_prompt_len must be positive, got {cfg.min_sparse_prompt_len}")
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"numa_node must be 'auto', 'off' or a node number, got {cfg.numa_node!r}")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):

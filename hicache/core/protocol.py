@@ -89,6 +89,14 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "poll_acks": {"ops": ("opt_int_list", False), "max": ("int", False)},
     "stats": {"check": ("bool", False)},
     "buffer_infos": {},
+    # HiSparse (controllers/sparse.py)
+    "sparse_region": {},
+    "sparse_admit": {"request": ("str", True), "prompt_tokens": ("int", True),
+                     "device_rows": ("frame", False)},
+    "sparse_extend": {"request": ("str", True), "tokens": ("int", True),
+                      "device_tokens": ("frame", False), "first": ("int", False)},
+    "sparse_free": {"request": ("str", True)},
+    "sparse_report": {"lookups": ("int", True), "swapped_in": ("int", True)},
     "reset": {},
     "shutdown": {},
 }
@@ -151,7 +159,13 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
         check_items(h["items"], n_frames)
         for it in h["items"]:
             used.update((it["src"], it["dst"]))
-    elif cmd == "free":
+    for k, (kind, _) in schema.items():
+        if kind == "frame" and k in h:
+            if not 0 <= h[k] < n_frames:
+                raise ProtocolError("bad_frame", f"{cmd}: {k} names frame {h[k]} but the "
+                                                 f"message has {n_frames} index frames")
+            used.add(h[k])
+    if cmd == "free":
         for space, f in h["rows"].items():
             if f >= n_frames:
                 raise ProtocolError("bad_frame", f"free: rows[{space!r}] names frame {f} but "
