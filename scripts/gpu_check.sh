@@ -16,4 +16,5 @@ python3 -c 'import torch, triton, sys; print(sys.version.split()[0], torch.__ver
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tail -40 > "$OUT/gpu_tests.log"
 timeout ${BENCH_TIMEOUT:-200} python3 -m hicache.cli bench transfer --json ${TRANSFER_ARGS:-} > "$OUT/transfer.json" 2> "$OUT/transfer.log"
 timeout 120 python3 -m hicache.cli bench pin --size 16GiB --json > "$OUT/pin.json" 2> "$OUT/pin.log"
+timeout ${HISPARSE_TIMEOUT:-300} python3 -m hicache.cli bench hisparse --json > "$OUT/hisparse.json" 2> "$OUT/hisparse.log"
 tail -3 "$OUT/gpu_tests.log"; echo "transfer rc=$(wc -c < "$OUT/transfer.json") bytes"; cat "$OUT/pin.json"

@@ -75,3 +75,47 @@ def test_cuda_graph_replay():
         assert torch.equal(a.hb.slot_tok.cpu(), b.hb.slot_tok)
         assert torch.equal(a.hb.order.cpu(), b.hb.order)
         assert torch.equal(a.hb.stats.cpu(), b.hb.stats)
+
+
+def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
+    """The daemon's sparse region (``controllers.sparse.SparseRegion``, page-locked with its
+    registrar) mapped a second time the way the engine does (``SparseShm.open`` +
+    ``cudaHostRegister``); the kernel reads the engine's mapping: bytes written through the
+    daemon's mapping arrive at every top-k location."""
+    from hicache.controllers.sparse import SparseRegion
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.sparse_shm import SparseShm
+    from hicache.engine.hot_buffer import HotBuffer
+    from hicache.host_pools.cuda_host import CudaHostRegistrar
+
+    lay = build_layout(preset("dsv4-flash"))
+    dev = torch.cuda.current_device()
+    region = SparseRegion(lay, 8, "/dev/shm", CudaHostRegistrar(dev), 1)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for t in region.shm.layers:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+        eng = SparseShm.open(region.info())
+        rc = torch.cuda.cudart().cudaHostRegister(eng.base_ptr, eng.nbytes, 0)
+        assert int(rc) == 0
+        try:
+            spec = lay.pool("c4_kv")
+            hb = HotBuffer(eng.layers[:2], fmt=spec, topk=64, slots=128, max_requests=1,
+                           max_batch=1, max_tokens=8 * 64, device="cuda", impl="triton")
+            pages = [7, 2, 5, 0, 1, 3, 4, 6]
+            hb.admit(0, 8 * 64, pages)
+            ids = torch.randperm(8 * 64 - 1, generator=g)[:64]
+            for layer in range(2):
+                out = hb.swap_in(layer, torch.tensor([0], device="cuda"),
+                                 ids[None].cuda()).cpu()
+                d, h = hb.dev.layers[layer].cpu(), region.shm.layers[layer]
+                for t, loc in zip(ids.tolist(), out[0].tolist()):
+                    hr, hs, dr, ds = pages[t // 64], t % 64, loc // 64, loc % 64
+                    assert torch.equal(d[dr, ds * 576:(ds + 1) * 576], h[hr, hs * 576:(hs + 1) * 576])
+                    assert torch.equal(d[dr, 36864 + ds * 8: 36872 + ds * 8],
+                                       h[hr, 36864 + hs * 8: 36872 + hs * 8])
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(eng.base_ptr)
+    finally:
+        region.close()
