@@ -1,14 +1,17 @@
 """The per-GPU daemon behind ``hicache serve`` (light: importing this package imports nothing).
 
-Follow one BACKUP from the frame to the kernel:
+Follow one BACKUP from the frame to the kernel (docs/architecture.md walks it):
 
-* ``server``          — ROUTER loop: decode (``hicache.core.protocol``), dispatch, reply, push acks,
-  reap silent clients.
-* ``handlers``        — one function per command; validates everything, then acts.
-* ``state``           — daemon state and the life of an operation (start -> finish -> ack).
-* ``transfer_engine`` — CPU worker / GPU streams, per-layer load events, merging, completion.
-* ``row_tracker``     — host rows in flight; frees deferred until their operations end.
-* ``registry``        — clients, heartbeats, registered workers, retained acks.
-* ``device_buffers``  — opens a worker's shm files / CUDA IPC handles and events.
-* ``daemon``          — assembly: config -> layout -> host pools -> engine -> server; shutdown.
+* ``server``         — ROUTER loop: decode (``hicache.core.protocol``), route by the command
+  table, reply, push acks, reap silent clients.
+* ``copy_commands``  — backup / load / swap / clear: validate everything, build an ``Operation``.
+* ``handlers``       — session and bookkeeping commands; the table's handler lookup; error codes.
+* ``state``          — daemon state, named checks, the life of an operation (start -> collect).
+* ``scheduler``      — CPU worker / GPU streams, per-layer load events, merging, completion.
+* ``ops``            — the data model: ``Ids``, ``Item``, ``Operation``.
+* ``row_tracker``    — host rows in flight; frees deferred until their operations end.
+* ``registry``       — clients, heartbeats, registered workers, retained acks.
+* ``device_buffers`` — opens a worker's shm files / CUDA IPC handles and events.
+* ``metrics``        — the daemon's metric catalog.
+* ``daemon``         — assembly: config -> layout -> host pools -> scheduler -> server; shutdown.
 """

@@ -27,7 +27,7 @@ from hicache.controllers.metrics import Metrics
 from .registry import Registry
 from .server import Server
 from .state import DaemonState
-from .transfer_engine import TransferEngine
+from .scheduler import Scheduler
 
 log = logging.getLogger("hicache.daemon")
 
@@ -118,12 +118,12 @@ class Daemon:
                                    arena_options={"numa_node": numa,
                                                   "touch_threads": cfg.touch_threads})
         self.server: Server | None = None
-        self.engine: TransferEngine | None = None
+        self.scheduler: Scheduler | None = None
         try:
-            self.engine = TransferEngine(self.device, self._wake,
+            self.scheduler = Scheduler(self.device, self._wake,
                                          inline_max_bytes=cfg.inline_max_bytes)
             registry = Registry(cfg.max_clients, cfg.ack_retention)
-            self.state = DaemonState(self.layout, self.group, self.engine, registry,
+            self.state = DaemonState(self.layout, self.group, self.scheduler, registry,
                                      self.metrics, self.device,
                                      heartbeat_timeout=cfg.heartbeat_timeout,
                                      load_event_sets=cfg.load_event_sets,
@@ -208,14 +208,12 @@ class Daemon:
         if not st.wait_idle(timeout):
             log.error("shutdown: %d operations did not finish within %.0f s; their acks report "
                       "them failed and the host arena stays mapped until the process exits",
-                      self.engine.in_flight if self.engine else -1, timeout)
+                      self.scheduler.in_flight if self.scheduler else -1, timeout)
             self._leak_arena = True  # a copy may still touch it: never unmap under it
-            for op, c in list(st.ops.values()):
-                op.ok, op.error = False, "daemon shutting down"
-                op.t_end = time.perf_counter()
-                st.deliver(c, st.finish(op))
-        st.deliver_completed()
+            st.fail_pending("daemon shutting down")
+        st.collect()
         if self.server is not None:
+            self.server.send_acks()
             self.server.refuse_pending()
         for c in list(st.registry.clients.values()):
             st.registry.remove(c)  # closes device mappings
@@ -223,8 +221,8 @@ class Daemon:
         self._teardown()
 
     def _teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.close(timeout=5.0)
+        if self.scheduler is not None:
+            self.scheduler.close(timeout=5.0)
         sparse = getattr(getattr(self, "state", None), "sparse", None)
         if sparse is not None and not getattr(self, "_leak_arena", False):
             sparse.close()

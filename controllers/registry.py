@@ -18,7 +18,7 @@ from .device_buffers import DeviceBuffers
 
 
 @dataclass(eq=False)
-class Worker:
+class RegisteredWorker:
     """A registered worker's device side: buffers, events and load-event sets."""
 
     name: str | None
@@ -28,8 +28,13 @@ class Worker:
     tables: dict[str, Any]  # pool -> LayerTable of device buffers
     events: list[Any] = field(default_factory=list)  # engine's IPC events (backup waits)
     load_events: list[list[Any]] = field(default_factory=list)  # [set][stage layer] IPC events
-    load_event_handles: list[list[str]] = field(default_factory=list)
     next_set: int = 0
+
+    def next_load_events(self) -> tuple[int, list[Any]]:
+        """The next per-layer event set, round robin: (set index, one event per stage layer)."""
+        s = self.next_set
+        self.next_set = (s + 1) % len(self.load_events)
+        return s, self.load_events[s]
 
     def close(self) -> None:
         self.tables = {}
@@ -43,7 +48,7 @@ class ClientState:
     cid: str
     ident: bytes
     last_seen: float
-    worker: Worker | None = None
+    worker: RegisteredWorker | None = None
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
     closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
@@ -54,7 +59,6 @@ class Registry:
         self.max_clients = max_clients
         self.retention = retention
         self.clients: dict[bytes, ClientState] = {}
-        self.dropped_acks = 0
 
     def touch(self, ident: bytes, now: float) -> ClientState:
         c = self.clients.get(ident)
@@ -88,7 +92,6 @@ class Registry:
         while len(c.acks) > self.retention:
             _, (_, was_pushed) = c.acks.popitem(last=False)
             lost += not was_pushed
-        self.dropped_acks += lost
         return lost
 
     def take_acks(self, c: ClientState, ops: list[int] | None, limit: int) -> list[dict[str, Any]]:

@@ -22,10 +22,7 @@ import zmq
 from hicache.core import protocol as P
 from hicache.core.errors import UsageError
 
-from .handlers import HANDLERS
-from .sparse import SPARSE_HANDLERS
-
-HANDLERS = {**HANDLERS, **SPARSE_HANDLERS}
+from .handlers import HANDLERS, error_code
 from .registry import ClientState
 from .state import DaemonState
 
@@ -85,7 +82,6 @@ class Server:
         # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
-        state.deliver = self._deliver
 
     def _bind(self, address: str) -> None:
         try:
@@ -117,7 +113,7 @@ class Server:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        st, sock, eng = self.state, self.sock, self.state.engine
+        st, sock, eng = self.state, self.sock, self.state.scheduler
         items, zmq_poll = [(sock, _POLLIN)], zmq.zmq_poll
         spin = self.spin_s
         last = 0.0
@@ -132,7 +128,8 @@ class Server:
                     self._request()
                     last = time.perf_counter()
                 elif not eng.idle():
-                    st.deliver_completed()
+                    st.collect()
+                self.send_acks()
                 continue
             if eng.idle():  # nothing can complete: wait on the socket alone (cheaper)
                 if zmq_poll(items, 100):
@@ -145,7 +142,8 @@ class Server:
                 last = time.perf_counter()
             if self._wake_r in events:
                 self._drain_wake()
-            st.deliver_completed()
+            st.collect()
+            self.send_acks()
 
     def _request(self) -> None:
         """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
@@ -173,15 +171,16 @@ class Server:
                 raise P.ProtocolError("shutting_down", "the daemon is stopping")
             fields, out = HANDLERS[cmd](st, c, h, arrays)
             reply = P.encode_reply(rid, fields, out)
-        except P.ProtocolError as e:
-            code = e.code
+        except Exception as e:  # noqa: BLE001 - every failure gets an error reply
+            code = error_code(e)
             if rid is None and body:
                 rid = P.request_id(body[0])
-            reply = P.encode_error(rid, e.code, e.message)
-        except Exception as e:  # noqa: BLE001 - a daemon bug: answer, log, keep serving
-            code = "internal"
-            log.exception("command %s (id %s) failed", cmd, rid)
-            reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
+            if code is not None:  # a refusal: the command changed nothing
+                reply = P.encode_error(rid, code, str(e))
+            else:  # a daemon bug: answer, log, keep serving
+                code = "internal"
+                log.exception("command %s (id %s) failed", cmd, rid)
+                reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
         try:
             self.sock.send_multipart([ident, *reply], _NOBLOCK)
         except zmq.ZMQError:
@@ -189,6 +188,17 @@ class Server:
         st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
         if st.post:
             st.after_reply()
+        if st.outbox:
+            self.send_acks()
+
+    def send_acks(self) -> None:
+        """Push the acks the state collected (completed operations) to their clients."""
+        st = self.state
+        if not st.outbox:
+            return
+        out, st.outbox = st.outbox, []
+        for c, ack in out:
+            self._deliver(c, ack)
 
     def _deliver(self, c: ClientState, ack: dict[str, Any]) -> None:
         st = self.state

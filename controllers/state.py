@@ -1,13 +1,14 @@
-"""The daemon's state and the life of an operation: submit -> (engine) -> complete -> ack.
+"""The daemon's state and the life of an operation: submit -> (scheduler) -> complete -> ack.
 
-``DaemonState`` holds the layout, the host pool group, the transfer engine, the client registry,
-the row tracker and the metrics; handlers validate a command against it and then call
-``start(client, op)``. ``start`` either runs a small CPU-mode op inline (its ack goes into the
-reply; its metrics are recorded by ``after_reply`` once the reply is sent) or marks the op's
-host rows in flight and submits it. ``finish(op)`` (server thread, for every completed
-asynchronous op) unmarks the rows, carries out frees that were waiting for them, records
-metrics and returns the ack, which ``deliver_completed`` pushes. Freeing and reaping go through here so that rows in flight are
-never released early (``free_rows``, ``release_client``).
+``DaemonState`` holds the layout, the host pool group, the scheduler, the client registry, the
+row tracker and the metrics. Handlers validate a command against it through named checks
+(``check_owned``, ``check_space``, ``load_events_for``, ...) and then call ``start(client, op)``,
+which either runs a small CPU-mode op inline (its ack goes into the reply; its metrics are
+recorded by ``after_reply`` once the reply is sent) or marks the op's host rows in flight and
+submits it. ``collect()`` (server thread) finishes every op the scheduler completed: unmarks
+its rows, carries out frees that were waiting for them, records metrics, and queues the ack in
+``outbox``, which the server sends. Freeing and reaping go through here so that rows in flight
+are never released early (``free_rows``, ``release_client``).
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,25 +24,29 @@ import torch
 from hicache.host_pools.errors import PoolError
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
-from hicache.core.layout import Layout
+from hicache.core.layout import Layout, LayoutError, PoolSpec
+from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .registry import ClientState, Registry
+
+OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 from .row_tracker import RowTracker
 from .sparse import refresh_gauges as refresh_sparse_gauges
-from .transfer_engine import Op, TransferEngine
+from .ops import Operation
+from .scheduler import Scheduler
 
 log = logging.getLogger("hicache.daemon")
 
 
 class DaemonState:
-    def __init__(self, layout: Layout, group: HostPoolGroup, engine: TransferEngine,
+    def __init__(self, layout: Layout, group: HostPoolGroup, scheduler: Scheduler,
                  registry: Registry, metrics: Metrics, device: torch.device, *,
                  heartbeat_timeout: float, load_event_sets: int,
                  shm_dirs: tuple[str, ...]) -> None:
         self.layout = layout
         self.group = group
-        self.engine = engine
+        self.scheduler = scheduler
         self.registry = registry
         self.metrics = metrics
         self.device = device
@@ -54,33 +59,92 @@ class DaemonState:
                             for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
         self._op_ids = itertools.count(1)
-        self.ops: dict[int, tuple[Op, ClientState]] = {}
+        self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
-        self.post: list[Op] = []  # inline ops whose accounting waits until the reply is sent
-        # the server sets this: push one ack to its client (or drop it if the client is gone)
-        self.deliver: Callable[[ClientState, dict[str, Any]], None] = lambda c, ack: None
+        self.post: list[Operation] = []  # inline ops whose accounting waits until the reply is sent
+        self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
+
+    @property
+    def cuda(self) -> bool:
+        return self.scheduler.cuda
 
     def next_op_id(self) -> int:
         return next(self._op_ids)
 
+    # ------------------------------------------------------------------ named checks
+    def check_space(self, space: str) -> str:
+        if space not in self.host_rows:
+            raise ProtocolError("bad_field", f"unknown index space {space[:64]!r}; this stage "
+                                             f"uses {sorted(self.host_rows)}")
+        return space
+
+    def pool_spec(self, name: str) -> PoolSpec:
+        try:
+            return self.layout.pool(name)
+        except LayoutError as e:
+            raise ProtocolError("bad_field", str(e)[:300]) from None
+
+    def check_owned(self, cid: str, space: str, rows: Any, what: str) -> None:
+        """Every row (a list or an int64 array) allocated to client ``cid`` (any request) and
+        not pending free; ``not_owner`` / ``busy`` otherwise."""
+        alloc = self.group.allocators[space]
+        if len(rows) <= OWNER_LOOP_MAX:
+            for r in list(rows):
+                o = alloc.owner_of(r)
+                if o is None or o[0] != cid:
+                    raise ProtocolError("not_owner", f"{what}: host row {r} of space {space} is "
+                                        f"{'not allocated' if o is None else 'not yours'}")
+        else:
+            rows = np.asarray(rows)
+            ok = np.isin(rows, alloc.rows_of(cid).numpy())
+            if not ok.all():
+                raise ProtocolError("not_owner", f"{what}: host row {int(rows[~ok][0])} of space "
+                                                 f"{space} is not allocated to this client")
+        if self.tracker.busy(space, rows):
+            raise ProtocolError("busy", f"{what}: host rows of space {space} are being freed")
+
+    def owner_of(self, space: str, row: int) -> tuple[str, str | None] | None:
+        return self.group.allocators[space].owner_of(row)
+
+    def alloc_rows(self, counts: dict[str, int], owner: tuple[str, str | None]) -> dict[str, Any]:
+        """Rows in every space of ``counts`` for ``owner``, all or none (``no_space``)."""
+        for space in counts:
+            self.check_space(space)
+        return self.group.alloc(counts, owner)
+
+    def check_free(self, rows: dict[str, np.ndarray], owner: tuple[str, str | None]
+                   ) -> dict[str, np.ndarray]:
+        """Rows of every space that ``owner`` may free now (none pending already)."""
+        out = {}
+        for space, r in rows.items():
+            out[space] = self.group.allocators[self.check_space(space)].check_free(r, owner)
+            if out[space].size and self.tracker.busy(space, out[space]):
+                raise ProtocolError("busy", f"free: rows of space {space} already have a free "
+                                            f"pending")
+        return out
+
+    def free_after_use(self, rows: dict[str, np.ndarray], owner: tuple[str, str | None]) -> None:
+        """Free ``rows`` once the operations using them (the next one included) completed."""
+        self.tracker.defer(rows, owner)
+
     # ------------------------------------------------------------------ operations
-    def start(self, c: ClientState, op: Op) -> dict[str, Any] | None:
+    def start(self, c: ClientState, op: Operation) -> dict[str, Any] | None:
         """Run or submit ``op``. Returns its ack when it ran inline (CPU mode, small, engine
         idle: nothing else can touch its rows meanwhile, so no in-flight bookkeeping; metrics
         are recorded after the reply went out), else None (the ack is pushed later)."""
-        if self.engine.run_inline(op):
+        if self.scheduler.run_inline(op):
             self.post.append(op)
-            return self._ack(op)
-        if self.engine.cuda and self.tracker.hazard(op.host):
-            other = self.engine.last_op("load" if op.stream == "backup" else "backup")
+            return op.ack()
+        if self.scheduler.cuda and self.tracker.hazard(op.host):
+            other = self.scheduler.last_op("load" if op.stream == "backup" else "backup")
             if other is not None:
                 op.after.append(other)
         self.tracker.begin(op.host)
         c.in_flight += 1
         self.ops[op.op_id] = (op, c)
         self.metrics.in_flight(op.kind, 1)
-        self.engine.submit(op)
+        self.scheduler.submit(op)
         return None
 
     def after_reply(self) -> None:
@@ -91,10 +155,10 @@ class DaemonState:
             if self.tracker.deferred:
                 self.release_ready()
 
-    def finish(self, op: Op) -> dict[str, Any]:
-        """Bookkeeping of one completed asynchronous op; returns its ack."""
+    def _finish(self, op: Operation) -> None:
+        """Bookkeeping of one completed asynchronous op; its ack goes to the outbox."""
         _, c = self.ops.pop(op.op_id)
-        self.engine.forget(op)
+        self.scheduler.forget(op)
         self.tracker.end(op.host)
         c.in_flight -= 1
         self.metrics.in_flight(op.kind, -1)
@@ -103,33 +167,25 @@ class DaemonState:
         if c.closing and c.in_flight == 0:
             self._free_all(c)
         self._account(op)
-        return self._ack(op)
+        self.outbox.append((c, op.ack()))
 
-    def _account(self, op: Op) -> None:
+    def _account(self, op: Operation) -> None:
         self.metrics.transfer(op.kind, op.ok, op.t_end - op.t_submit, op.t_end - op.t_start,
                               op.per_pool(), op.path or "none")
 
-    @staticmethod
-    def _ack(op: Op) -> dict[str, Any]:
-        """The ack of a completed op (see docs/protocol.md, "acks"); times in integer ns."""
-        ex = int((op.t_end - op.t_start) * 1e9)
-        ack: dict[str, Any] = {
-            "op": op.op_id, "kind": op.kind, "status": "ok" if op.ok else "error",
-            "bytes": op.nbytes, "ns": int((op.t_end - op.t_submit) * 1e9), "exec_ns": ex,
-            "path": op.path, "pools": {p: [r, b, ex] for p, (r, b) in op.per_pool().items()},
-        }
-        if not op.ok:
-            ack["error"] = {"code": "transfer_failed", "message": op.error or "unknown error"}
-        return ack
+    def fail_pending(self, why: str) -> None:
+        """Shutdown: every op still in flight is finished as failed (acks to ``outbox``)."""
+        for op, _ in list(self.ops.values()):
+            op.ok, op.error = False, why
+            op.t_end = time.perf_counter()
+            self._finish(op)
 
-    def deliver_completed(self) -> int:
-        """Finish every op the engine completed since the last call and deliver its ack."""
-        n = 0
-        for op in self.engine.take_completed():
-            c = self.ops[op.op_id][1]
-            self.deliver(c, self.finish(op))
-            n += 1
-        return n
+    def collect(self) -> int:
+        """Finish every op the scheduler completed since the last call (acks to ``outbox``)."""
+        done = self.scheduler.take_completed()
+        for op in done:
+            self._finish(op)
+        return len(done)
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:
@@ -157,7 +213,7 @@ class DaemonState:
         """Wait (delivering acks) until ``c`` has no op in flight; False on timeout."""
         deadline = time.monotonic() + timeout
         while c.in_flight and time.monotonic() < deadline:
-            if not self.deliver_completed():
+            if not self.collect():
                 time.sleep(0.0005)
         return c.in_flight == 0
 
@@ -177,6 +233,32 @@ class DaemonState:
         log.warning("client %s %s: %d host rows freed%s, device mappings closed", c.cid, why,
                     n, " (more when its in-flight ops end)" if deferred else "")
 
+    # ------------------------------------------------------------------ reports
+    def report(self, check: bool) -> dict[str, Any]:
+        """The ``stats`` reply; with ``check``, the allocators' invariant check (O(rows))."""
+        self.refresh_gauges()
+        out = {"device": str(self.device), "clients": len(self.registry.clients),
+               "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
+               "merged_ops": self.scheduler.merged_ops, "host": self.group.usage(),
+               "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
+               "metrics": self.metrics.snapshot()}
+        if check:
+            try:
+                self.group.check_invariants()
+                # and no row outlives its client (a reaped client's rows wait only for its ops)
+                known = {x.cid for x in self.registry.clients.values()}
+                known.update(x.cid for _, x in self.ops.values())
+                stray = sorted({o[0] for a in self.group.allocators.values() for o in a.owners()}
+                               - known)
+                out["invariants"] = "ok" if not stray else \
+                    f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"
+            except PoolError as e:
+                out["invariants"] = f"{type(e).__name__}: {e}"
+        return out
+
+    def buffer_infos(self) -> dict[str, list[list[int]]]:
+        return {k: [list(x) for x in v] for k, v in self.group.buffer_infos().items()}
+
     # ------------------------------------------------------------------ gauges
     def refresh_gauges(self) -> None:
         m = self.metrics
@@ -192,7 +274,7 @@ class DaemonState:
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not self.engine.idle() and time.monotonic() < deadline:
-            if not self.deliver_completed():
+        while not self.scheduler.idle() and time.monotonic() < deadline:
+            if not self.collect():
                 time.sleep(0.001)
-        return self.engine.idle()
+        return self.scheduler.idle()

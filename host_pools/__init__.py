@@ -8,7 +8,7 @@ Light on purpose (nothing is imported here). The modules, bottom up:
 * ``cuda_host``   — ``cudaHostRegister`` / unregister / device pointer for one device.
 * ``arena``       — ``PinnedArena``: exact-size mmap, parallel first touch, chunked registration.
 * ``allocator``   — ``RowAllocator``: one free-list per index space, owners recorded on alloc.
-* ``paged_pool``  — ``HostPool``: per-layer ``[rows, page_bytes]`` views of one device pool.
+* ``paged_pool``  — ``PagedHostPool``: per-layer ``[rows, page_bytes]`` views of one device pool.
 * ``group``       — ``HostPoolGroup``: every pool of a stage, all-or-nothing alloc, buffer infos.
 
 See ``docs/host_pools.md``.

@@ -24,7 +24,7 @@ from typing import Any, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .errors import InvariantError, PoolError, PoolExhausted
+from .errors import InvariantError, NotOwnerError, PoolError, PoolExhausted, RowRangeError
 
 Owner = Tuple[str, Union[str, None]]  # (client_id, request id or None)
 RowsLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
@@ -118,24 +118,24 @@ class RowAllocator:
             return arr
         bad = arr[(arr < 0) | (arr >= self.num_rows)]
         if bad.size:
-            raise PoolError(f"space {self.space!r}: rows {_show(bad)} are outside "
+            raise RowRangeError(f"space {self.space!r}: rows {_show(bad)} are outside "
                             f"0..{self.num_rows - 1}")
         pos = np.arange(arr.size, dtype=np.int64)
         self._scratch[arr] = pos  # a repeated row keeps one position: the others mismatch
         dup = arr[self._scratch[arr] != pos]
         if dup.size:
-            raise PoolError(f"space {self.space!r}: rows {_show(np.unique(dup))} are listed "
+            raise RowRangeError(f"space {self.space!r}: rows {_show(np.unique(dup))} are listed "
                             "more than once")
         held = self._owner[arr]
         free = arr[held == FREE]
         if free.size:
-            raise PoolError(f"space {self.space!r}: rows {_show(free)} are not allocated "
+            raise NotOwnerError(f"space {self.space!r}: rows {_show(free)} are not allocated "
                             "(double free?)")
         oid = self._ids.get(owner)
         foreign = arr[held != (FREE if oid is None else oid)]
         if foreign.size:
             other = self._owners[int(self._owner[foreign[0]])]
-            raise PoolError(f"space {self.space!r}: rows {_show(foreign)} are not owned by "
+            raise NotOwnerError(f"space {self.space!r}: rows {_show(foreign)} are not owned by "
                             f"{owner}; row {int(foreign[0])} belongs to {other}")
         return arr
 
@@ -180,7 +180,7 @@ class RowAllocator:
 
     def owner_of(self, row: int) -> Owner | None:
         if not 0 <= row < self.num_rows:
-            raise PoolError(f"space {self.space!r}: row {row} is outside 0..{self.num_rows - 1}")
+            raise RowRangeError(f"space {self.space!r}: row {row} is outside 0..{self.num_rows - 1}")
         oid = int(self._owner[row])
         return None if oid == FREE else self._owners[oid]
 

@@ -2,6 +2,8 @@
 
 * ``PoolError`` — base: a bad argument or a refused operation; state is unchanged by it.
 * ``PoolExhausted`` — not enough free rows in an index space (a normal, retryable refusal).
+* ``RowRangeError`` — row ids out of range or duplicated; ``NotOwnerError`` — rows not
+  allocated to the caller.
 * ``ArenaError`` — mapping, registration or use of a closed arena.
 * ``CapacityError`` — a size the machine cannot hold: ``hicache.core.errors.CapacityError``
   (a ``UsageError``), re-exported here because the arena raises it.
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 from hicache.core.errors import CapacityError, HicacheError
 
-__all__ = ["PoolError", "PoolExhausted", "ArenaError", "CapacityError", "InvariantError"]
+__all__ = ["PoolError", "PoolExhausted", "RowRangeError", "NotOwnerError", "ArenaError",
+           "CapacityError", "InvariantError"]
 
 
 class PoolError(HicacheError):
@@ -20,6 +23,14 @@ class PoolError(HicacheError):
 
 class PoolExhausted(PoolError):
     """An index space has fewer free rows than asked for."""
+
+
+class RowRangeError(PoolError):
+    """Row ids outside the space, or listed twice where each must be distinct."""
+
+
+class NotOwnerError(PoolError):
+    """Rows not allocated, or allocated to another owner."""
 
 
 class ArenaError(PoolError):

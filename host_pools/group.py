@@ -3,7 +3,7 @@
 Contract:
 
 * ``HostPoolGroup(layout, rows, arena=None, *, device_index=None, arena_options=None,
-  allocator_factory=RowAllocator)``: one ``HostPool`` per ``layout.pools`` entry at the offsets
+  allocator_factory=RowAllocator)``: one ``PagedHostPool`` per ``layout.pools`` entry at the offsets
   of ``sizing.plan_regions`` (layer-major, regions 4 KiB-aligned), one ``RowAllocator`` per used
   index space. Without ``arena`` it maps its own of exactly ``sizing.arena_bytes`` (registered
   for ``device_index``, chunk cuts at region starts) and closes it in ``close()``.
@@ -31,7 +31,7 @@ from hicache.core.layout import Layout
 from .allocator import Owner, RowAllocator, RowsLike, check_owner
 from .arena import PinnedArena
 from .errors import PoolError, PoolExhausted
-from .paged_pool import BufferInfo, HostPool
+from .paged_pool import BufferInfo, PagedHostPool
 from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
 
 
@@ -59,8 +59,8 @@ class HostPoolGroup:
         self.arena_bytes = need
         try:
             starts = {r.pool: r.offset for r in regions if r.layer == 0}
-            self.pools: dict[str, HostPool] = {
-                name: HostPool(spec, self.rows[spec.index], arena, starts[name])
+            self.pools: dict[str, PagedHostPool] = {
+                name: PagedHostPool(spec, self.rows[spec.index], arena, starts[name])
                 for name, spec in layout.pools.items()
             }
             self.allocators: dict[str, RowAllocator] = {
@@ -123,7 +123,7 @@ class HostPoolGroup:
             return {s: a.rows_of(client_id, request) for s, a in self.allocators.items()}
 
     # ------------------------------------------------------------------ inspection
-    def pool(self, name: str) -> HostPool:
+    def pool(self, name: str) -> PagedHostPool:
         try:
             return self.pools[name]
         except KeyError:

@@ -1,6 +1,6 @@
-"""``HostPool``: the host mirror of one device pool, one ``[num_rows, page_bytes]`` view per layer.
+"""``PagedHostPool``: the host mirror of one device pool, one ``[num_rows, page_bytes]`` view per layer.
 
-Contract: ``HostPool(spec, num_rows, arena, offset)`` carves ``spec.num_layers`` regions from
+Contract: ``PagedHostPool(spec, num_rows, arena, offset)`` carves ``spec.num_layers`` regions from
 ``arena`` starting at ``offset``, **layer-major**: layer ``l`` is the contiguous block
 ``[offset + l * stride, + num_rows * page_bytes)`` with ``stride`` = that size rounded up to
 4 KiB (``sizing.REGION_ALIGN``). So one layer's rows are contiguous exactly like the device
@@ -30,7 +30,7 @@ def layer_stride(spec: PoolSpec, num_rows: int) -> int:
     return align_up(num_rows * spec.page_bytes, REGION_ALIGN)
 
 
-class HostPool:
+class PagedHostPool:
     """One device pool's host mirror: per-layer row-major views into the arena."""
 
     def __init__(self, spec: PoolSpec, num_rows: int, arena: PinnedArena, offset: int) -> None:
@@ -71,5 +71,5 @@ class HostPool:
         return [(t.data_ptr(), t.numel(), self.spec.page_bytes) for t in self.layers]
 
     def __repr__(self) -> str:
-        return (f"HostPool({self.spec.name}, index={self.spec.index}, rows={self.num_rows}, "
+        return (f"PagedHostPool({self.spec.name}, index={self.spec.index}, rows={self.num_rows}, "
                 f"layers={self.spec.num_layers}, page_bytes={self.spec.page_bytes})")

@@ -6,6 +6,14 @@
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead.
+* ``copy_by_layer(parts, layer_order, on_layer)`` — rows and tokens of many buffers, layer by
+  layer in ``layer_order``: one launch covers every buffer of its layers (byte-range
+  segments, ``segments``); launches cover 1, 1, 2, 4, 8, ... layers (``layer_groups``), so
+  layer 0 goes alone and first; descriptors and offsets are uploaded once; ``on_layer(i)`` runs
+  right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
+  there). Parts come
+  from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
+  validated (``check_layer_part`` does the checks other entry points do).
 
 Buffers are ``LayerTable`` s (preferred: their pointer tables are cached) or lists of per-layer
 ``[rows, row_bytes]`` uint8 tensors. Index tensors are 1-D int64, on the CPU or on the kernel's
@@ -22,17 +30,20 @@ Each call returns the name of the path it used.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 import torch
 
 from .reference import copy_rows_ref, copy_tokens_ref
 from .rows import launch_rows, pads_badly, rows_config
+from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
 from .staged import copy_rows_staged, plan_runs
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "LayerTable", "TokenFormat", "TransferError",
+__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "layer_part", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
 
 DEFAULT_CTAS = 4
@@ -277,3 +288,77 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
                       align=min(src.align, dst.align), ctas=ctas,
                       cfg=tokens_config(src.is_cuda, dst.is_cuda))
     return "tokens_" + path
+
+
+def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
+               fmt: Optional[TokenFormat], layers: Sequence[int]) -> SegmentPart:
+    """One buffer pair of a ``copy_by_layer`` call: rows (``fmt`` None) or tokens of ``fmt``;
+    ``layers[l]`` is the global layer id of buffer layer ``l``."""
+    check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
+    ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
+        token_offsets(src, dst, src_ids, dst_ids, fmt)
+    return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges)
+
+
+def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
+                     fmt: Optional[TokenFormat], layers: Sequence[int]) -> None:
+    _check_pair(src, dst)
+    if len(layers) != src.num_layers:
+        raise TransferError(f"{len(layers)} layer ids for {src.num_layers} buffer layers")
+    if src_ids.shape != dst_ids.shape or src_ids.ndim != 1:
+        raise TransferError(f"{src_ids.shape} source ids, {dst_ids.shape} destination ids")
+    if src_ids.size:
+        k = fmt.tokens_per_page if fmt is not None else 1
+        for name, ids, t in (("src", src_ids, src), ("dst", dst_ids, dst)):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= t.rows * k:
+                raise TransferError(f"{name} id {lo if lo < 0 else hi} out of range "
+                                    f"[0, {t.rows * k})")
+
+
+def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
+                  on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
+                  ctas: int = DEFAULT_CTAS,
+                  stream: Optional["torch.cuda.Stream"] = None) -> str:
+    """See the module docstring. ``device``: the GPU the kernels run on (CPU: the Triton
+    interpreter). Layer 0 of ``layer_order`` is issued first."""
+    ctas = _check_ctas(ctas)
+    plan = SegmentPlan.build(parts, layer_order)
+    dev = device if device.type == "cuda" else None
+    with _stream_ctx(stream, dev):
+        plan.to(device)
+        for a, b in layer_groups(len(plan.layers)):
+            launch_segments(plan, plan.layers[a][0], plan.layers[b - 1][1], ctas)
+            if on_layer is not None:
+                for i in range(a, b):
+                    on_layer(i)
+    return "by_layer"
+
+
+def layer_groups(n: int) -> list[tuple[int, int]]:
+    """Layers ``[a, b)`` issued as one launch: 1, 1, 2, 4, 8, ... layers, so layer 0 is ready
+    after its own copy, layer i no later than about twice its own turn, and the host issues
+    O(log n) launches per load instead of n (a Python-issued launch costs tens of us)."""
+    out, a, size = [], 0, 1
+    while a < n:
+        b = min(n, a + size)
+        out.append((a, b))
+        size = 1 if a == 0 else size * 2
+        a = b
+    return out
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the segment kernel's variants (8- and 16-byte words) on ``device`` now, so no
+    load waits for Triton's compiler."""
+    layers = 20
+    a = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
+    b = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
+    ta, tb = LayerTable(a), LayerTable(b)
+    for fmt in (None, TokenFormat(1, 56, 8, 56, 64)):  # 16-byte rows; 8-byte pieces
+        part = layer_part(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
+        plan = SegmentPlan.build([part], list(range(layers))).to(device)
+        launch_segments(plan, 0, 1, 1)
+        launch_segments(plan, 0, len(plan.desc), 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

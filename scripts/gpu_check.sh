@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batch of GPU checks for the lent H200 machine (or any CUDA box): the CUDA tests of every
-# layer, then the transfer and pin benchmarks. Results land in ${OUT:-gpu_out}/.
+# layer, then the engine-visible bench (bench e2e). Results land in ${OUT:-gpu_out}/.
 # Expects pyzmq either installed or as a wheel in .whl/ (the GPU machine has no package index).
+# STEPS (default "tests e2e") may add: transfer pin hisparse.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -13,8 +14,17 @@ fi
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
   --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)' >> "$OUT/gpu.txt"
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tail -40 > "$OUT/gpu_tests.log"
-timeout ${BENCH_TIMEOUT:-200} python3 -m hicache.cli bench transfer --json ${TRANSFER_ARGS:-} > "$OUT/transfer.json" 2> "$OUT/transfer.log"
-timeout 120 python3 -m hicache.cli bench pin --size 16GiB --json > "$OUT/pin.json" 2> "$OUT/pin.log"
-timeout ${HISPARSE_TIMEOUT:-300} python3 -m hicache.cli bench hisparse --json > "$OUT/hisparse.json" 2> "$OUT/hisparse.log"
-tail -3 "$OUT/gpu_tests.log"; echo "transfer rc=$(wc -c < "$OUT/transfer.json") bytes"; cat "$OUT/pin.json"
+for step in ${STEPS:-tests e2e}; do
+  case $step in
+    tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m cuda tests \
+             ${TEST_ARGS:-} 2>&1 | tail -40 > "$OUT/gpu_tests.log"; tail -3 "$OUT/gpu_tests.log" ;;
+    e2e) timeout ${E2E_TIMEOUT:-300} python3 -m hicache.cli bench e2e ${E2E_ARGS:-} \
+           > "$OUT/e2e.txt" 2> "$OUT/e2e.log"; cat "$OUT/e2e.txt"; tail -3 "$OUT/e2e.log" ;;
+    transfer) timeout ${BENCH_TIMEOUT:-200} python3 -m hicache.cli bench transfer --json \
+                ${TRANSFER_ARGS:-} > "$OUT/transfer.json" 2> "$OUT/transfer.log" ;;
+    pin) timeout 120 python3 -m hicache.cli bench pin --size 16GiB --json > "$OUT/pin.json" \
+           2> "$OUT/pin.log"; cat "$OUT/pin.json" ;;
+    hisparse) timeout ${HISPARSE_TIMEOUT:-300} python3 -m hicache.cli bench hisparse --json \
+                > "$OUT/hisparse.json" 2> "$OUT/hisparse.log"; tail -14 "$OUT/hisparse.log" ;;
+  esac
+done

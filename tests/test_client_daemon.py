@@ -390,17 +390,18 @@ def test_serve_refuses_bad_addresses_and_settings(tmp_path):
     assert r.returncode == 2 and "loopback" in r.stderr
 
 
-# ----------------------------------------------------------------------------- transfer engine
+# ----------------------------------------------------------------------------- scheduler
 def test_cpu_engine_merges_queued_ops_and_keeps_order():
     """Ops queued behind a long one are merged per pool (distinct destinations) or run in
     order (overlapping destinations); every byte lands where the FIFO order says."""
     import threading
 
-    from hicache.controllers.transfer_engine import Ids, Item, Op, TransferEngine
+    from hicache.controllers.ops import Ids, Item, Operation
+    from hicache.controllers.scheduler import Scheduler
     from hicache.kernels.tables import LayerTable
 
     woke = threading.Event()
-    eng = TransferEngine(torch.device("cpu"), woke.set, inline_max_bytes=0)
+    eng = Scheduler(torch.device("cpu"), woke.set, inline_max_bytes=0)
     big_src = LayerTable([torch.randint(0, 256, (64, 1 << 20), dtype=torch.uint8)], "bs")
     big_dst = LayerTable([torch.zeros(64, 1 << 20, dtype=torch.uint8)], "bd")
     src = LayerTable([torch.randint(0, 256, (16, 64), dtype=torch.uint8) for _ in range(3)], "s")
@@ -408,7 +409,7 @@ def test_cpu_engine_merges_queued_ops_and_keeps_order():
 
     def op(i, s_ids, d_ids, s=src, d=dst):
         it = Item("p", s, d, Ids.of(s_ids), Ids.of(d_ids), None, (0, 1, 2), len(s_ids) * 64)
-        return Op(i, "c", "backup", [it], nbytes=it.nbytes)
+        return Operation(i, "c", "backup", [it], nbytes=it.nbytes)
 
     ops = [op(0, list(range(64)), list(range(64)), big_src, big_dst)]  # keeps the worker busy
     ops += [op(i, [i], [i]) for i in range(1, 9)]  # distinct destinations: mergeable
@@ -429,3 +430,40 @@ def test_cpu_engine_merges_queued_ops_and_keeps_order():
         for i in (1, 2, 4, 5, 6, 7, 8):
             assert torch.equal(d_t[i], s_t[i])
         assert torch.equal(d_t[3], s_t[11])
+
+
+# ----------------------------------------------------------------------------- backup with alloc
+def test_backup_with_alloc_is_one_round_trip_and_loads_back(worker):
+    """``backup_new`` allocates the host rows itself (owner = client, request) in the same
+    command; the rows it names hold the device bytes; a refused one allocates nothing."""
+    c, pools = worker
+    before_usage = usage(c)
+    src = {"page": [6, 1, 3], "swa_page": [2, 0]}
+    before = snap(pools)
+    op = c.backup_new(src, request="conv-7")
+    assert set(op.rows) == {"page", "swa_page"}
+    assert [len(op.rows[s]) for s in src] == [3, 2]
+    assert c.wait_ack(op).ok
+    # the rows belong to (client, "conv-7"): a free for another request is refused
+    with pytest.raises(CommandRefused) as e:
+        c.free(op.rows, request="other")
+    assert e.value.code == "not_owner"
+    fill(pools, 9)
+    dst = {"page": [0, 2, 4], "swa_page": [1, 3]}
+    assert c.wait_ack(c.load({s: (op.rows[s], dst[s]) for s in src})).ok
+    for name, spec in FLASH.pools.items():
+        if spec.index not in src:
+            continue
+        for t, old in zip(pools.layers[name], before[name]):
+            for s_row, d_row in zip(src[spec.index], dst[spec.index]):
+                assert torch.equal(t[d_row], old[s_row]), name
+    # refused (bad device row): nothing allocated, nothing changed
+    used = usage(c)
+    with pytest.raises(CommandRefused) as e:
+        c.backup_new({"page": [0, 99]}, request="conv-8")
+    assert e.value.code == "bad_rows" and usage(c) == used
+    with pytest.raises(CommandRefused) as e:  # mismatched counts within one space
+        c.backup_new({"c4_kv": [0, 1], "c4_indexer": [2]})
+    assert e.value.code == "bad_rows" and usage(c) == used
+    c.free(op.rows, request="conv-7")
+    assert usage(c) == before_usage

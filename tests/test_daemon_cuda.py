@@ -78,10 +78,9 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
     expect = {name: [t[torch.tensor(src[spec.index], device=DEV)].clone()
                      for t in pools.layers[name]] for name, spec in moved.items()}
     # 2) destination rows hold zeros; load them back; read each layer after its event only.
-    #    Odd rows: many runs -> one kernel per (pool, layer); a block of consecutive rows:
-    #    one cudaMemcpyAsync per (pool, layer).
+    #    Odd rows (scattered) and a block of consecutive rows: one launch per stage layer.
     block = {"page": list(range(32, 64)), "swa_page": list(range(8, 16))}
-    for dst, path in ((dst, "layered_zero_copy"), (block, "layered_memcpy")):
+    for dst in (dst, block):
         for name, spec in moved.items():
             for t in pools.layers[name]:
                 t[torch.tensor(dst[spec.index], device=DEV)] = 0
@@ -100,10 +99,10 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
                         scratch[(name, li)] = pools.layers[name][li].index_select(0, idx)
         engine.synchronize()
         ack = c.wait_ack(op, timeout=120)
-        assert ack.ok and ack.path == path
+        assert ack.ok and ack.path == "by_layer"
         for name, spec in moved.items():
             for li in range(spec.num_layers):
-                assert torch.equal(scratch[(name, li)], expect[name][li]), (name, li, path)
+                assert torch.equal(scratch[(name, li)], expect[name][li]), (name, li)
     c.free(host)
 
 

@@ -242,7 +242,7 @@ def test_layer_table_caches_pointer_table():
 def test_tune_staged_variants_are_well_formed():
     """The staged shapes ``bench transfer --tune`` sweeps (GPU only) are built by keyword: each
     field holds the type it names, so a config that gains a field cannot shift the others."""
-    from hicache.bench.transfer import staged_variants
+    from hicache.bench.transfer_support import staged_variants
     from hicache.kernels.rows import RowsConfig
     from hicache.kernels.staged import StagedConfig
 

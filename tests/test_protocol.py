@@ -156,3 +156,20 @@ def test_replies_and_acks():
         P.decode_reply([b'{"v":0,"k":"reply"}'])
     with pytest.raises(ValueError):  # NaN is not JSON: never sent
         P.encode_reply(1, {"x": float("nan")})
+
+
+def test_the_command_table_drives_docs_client_and_daemon():
+    """One table: docs/protocol.md shows it verbatim, the client has a method per command, the
+    daemon a handler per command (looked up by the table's handler name)."""
+    from pathlib import Path
+
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.engine.client import Client
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    inner = doc.split("<!-- commands:begin -->\n", 1)[1].split("\n<!-- commands:end -->", 1)[0]
+    assert inner == P.markdown_table()
+    assert set(HANDLERS) == set(P.COMMANDS)
+    for name, cmd in P.COMMANDS.items():
+        assert HANDLERS[name].__name__ == cmd.handler
+        assert callable(getattr(Client, name, None)), f"Client has no method {name}"

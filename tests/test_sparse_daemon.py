@@ -13,7 +13,6 @@ import torch
 from hicache.core.layout import build_layout, preset
 from hicache.engine.client import CommandRefused
 from hicache.engine.device_pools import DevicePools
-from hicache.engine.sparse_client import SparseSession
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
 FLASH = build_layout(preset("dsv4-flash"))
@@ -43,15 +42,15 @@ def _worker(d, name="engine"):
 
 def test_region_admit_extend_free_bytes(sparse_daemon):
     c, pools = _worker(sparse_daemon)
-    s = SparseSession(c)
-    info = s.region()
+    s = c
+    info = s.sparse_region()
     assert info["rows"] == 6 and info["layers"] == 21 and info["min_sparse_prompt_len"] == 300
     mode = stat.S_IMODE(os.stat(info["path"]).st_mode)
     assert mode == 0o600, oct(mode)
-    shm = s.map_region()
+    shm = s.map_sparse_region()
     before = [t.clone() for t in shm.layers]
     # 400 full tokens = 100 C4 tokens -> 2 pages, backed up from device rows 5 and 2
-    rows = s.admit("r1", 400, device_rows=[5, 2])
+    rows = s.sparse_admit("r1", 400, device_rows=[5, 2])
     assert len(rows) == 2
     for l, (h, d) in enumerate(zip(shm.layers, pools.layers["c4_kv"])):
         assert torch.equal(h[rows[0]], d[5]) and torch.equal(h[rows[1]], d[2]), l
@@ -60,7 +59,7 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
                 assert torch.equal(h[r], before[l][r]), "rows nobody owns changed"
     # decode: C4 tokens 100..130 arrive from device token locations (one more page)
     dev_tok = list(range(7, 7 + 31))
-    rows2 = s.extend("r1", 131 * 4, device_tokens=dev_tok, first=100)
+    rows2 = s.sparse_extend("r1", 131 * 4, device_tokens=dev_tok, first=100)
     assert rows2[:2] == rows and len(rows2) == 3
     for h, d in zip(shm.layers, pools.layers["c4_kv"]):
         for i, t in enumerate(range(100, 131)):
@@ -69,39 +68,39 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
             assert torch.equal(h[hr, hs * VB:(hs + 1) * VB], d[dr, ds * VB:(ds + 1) * VB])
             assert torch.equal(h[hr, SOFF + hs * 8: SOFF + hs * 8 + 8],
                                d[dr, SOFF + ds * 8: SOFF + ds * 8 + 8])
-    assert s.free("r1") == 3
+    assert s.sparse_free("r1") == 3
     with pytest.raises(CommandRefused, match="unknown sparse request"):
-        s.free("r1")
+        s.sparse_free("r1")
     c.unregister()
     c.close()
     pools.close()
 
 
 @pytest.mark.parametrize("call, code, msg", [
-    (lambda s: s.admit("short", 299), "unsupported", "below min_sparse_prompt_len 300"),
-    (lambda s: s.admit("big", 7 * 64 * 4), "no_space", "sparse host rows needed"),
-    (lambda s: s.admit("r0", 2000), "bad_field", "already admitted"),
-    (lambda s: s.admit("r9", 300, device_rows=[1, 2, 3]), "bad_rows", "take 2"),
-    (lambda s: s.admit("r9", 300, device_rows=[99, 1]), "bad_rows", "out of range"),
-    (lambda s: s.extend("nope", 2000), "bad_field", "unknown sparse request"),
-    (lambda s: s.extend("r0", 300), "bad_field", "would shrink"),
-    (lambda s: s.extend("r0", 4000, device_tokens=[1], first=2000), "bad_rows", "outside"),
-    (lambda s: s.extend("r0", 4000, device_tokens=[1]), "bad_field", "go together"),
-    (lambda s: s.extend("r0", 600, device_tokens=[10 ** 6], first=0), "bad_rows", "out of range"),
-    (lambda s: s.report(5, 6), "bad_field", "swapped_in <= lookups"),
+    (lambda s: s.sparse_admit("short", 299), "unsupported", "below min_sparse_prompt_len 300"),
+    (lambda s: s.sparse_admit("big", 7 * 64 * 4), "no_space", "sparse host rows needed"),
+    (lambda s: s.sparse_admit("r0", 2000), "bad_field", "already admitted"),
+    (lambda s: s.sparse_admit("r9", 300, device_rows=[1, 2, 3]), "bad_rows", "take 2"),
+    (lambda s: s.sparse_admit("r9", 300, device_rows=[99, 1]), "bad_rows", "out of range"),
+    (lambda s: s.sparse_extend("nope", 2000), "bad_field", "unknown sparse request"),
+    (lambda s: s.sparse_extend("r0", 300), "bad_field", "would shrink"),
+    (lambda s: s.sparse_extend("r0", 4000, device_tokens=[1], first=2000), "bad_rows", "outside"),
+    (lambda s: s.sparse_extend("r0", 4000, device_tokens=[1]), "bad_field", "go together"),
+    (lambda s: s.sparse_extend("r0", 600, device_tokens=[10 ** 6], first=0), "bad_rows", "out of range"),
+    (lambda s: s.sparse_report(5, 6), "bad_field", "swapped_in <= lookups"),
 ])
 def test_refusals_change_nothing(sparse_daemon, call, code, msg):
     c, pools = _worker(sparse_daemon)
-    s = SparseSession(c)
-    s.admit("r0", 400)  # 100 C4 tokens: 2 of the 6 rows
-    shm = s.map_region()
+    s = c
+    s.sparse_admit("r0", 400)  # 100 C4 tokens: 2 of the 6 rows
+    shm = s.map_sparse_region()
     snap = [t.clone() for t in shm.layers]
     with pytest.raises(CommandRefused) as e:
         call(s)
     assert e.value.code == code and msg in e.value.message, (e.value.code, e.value.message)
     assert all(torch.equal(a, b) for a, b in zip(snap, shm.layers)), "region bytes changed"
-    assert len(s.admit("fill", 4 * 64 * 4)) == 4, "free rows changed"
-    assert s.free("r0") == 2 and s.free("fill") == 4
+    assert len(s.sparse_admit("fill", 4 * 64 * 4)) == 4, "free rows changed"
+    assert s.sparse_free("r0") == 2 and s.sparse_free("fill") == 4
     c.close()
     pools.close()
 
@@ -109,21 +108,21 @@ def test_refusals_change_nothing(sparse_daemon, call, code, msg):
 def test_foreign_request_refused_and_dead_client_reaped(sparse_daemon):
     a, pa = _worker(sparse_daemon, "a")
     b, pb = _worker(sparse_daemon, "b")
-    sa, sb = SparseSession(a), SparseSession(b)
-    sa.admit("mine", 5 * 64 * 4)  # 5 of 6 rows
-    for call in (lambda: sb.extend("mine", 5 * 64 * 4), lambda: sb.free("mine")):
+    sa, sb = a, b
+    sa.sparse_admit("mine", 5 * 64 * 4)  # 5 of 6 rows
+    for call in (lambda: sb.sparse_extend("mine", 5 * 64 * 4), lambda: sb.sparse_free("mine")):
         with pytest.raises(CommandRefused) as e:
             call()
         assert e.value.code == "not_owner" and "another client" in e.value.message
     with pytest.raises(CommandRefused, match="no_space|needed"):
-        sb.admit("theirs", 2 * 64 * 4)
+        sb.sparse_admit("theirs", 2 * 64 * 4)
     a.close()  # no unregister, no heartbeats: reaped after the 3 s timeout
     deadline = time.monotonic() + 15
     while True:
         b.heartbeat()
         try:
-            assert len(sb.admit("theirs", 6 * 64 * 4)) == 6
-            sb.free("theirs")
+            assert len(sb.sparse_admit("theirs", 6 * 64 * 4)) == 6
+            sb.sparse_free("theirs")
             break
         except CommandRefused:
             assert time.monotonic() < deadline, "dead client's sparse rows never reclaimed"
@@ -136,7 +135,7 @@ def test_foreign_request_refused_and_dead_client_reaped(sparse_daemon):
 def test_no_sparse_region_is_refused(shared_daemon):
     c = shared_daemon.client(name="x")
     with pytest.raises(CommandRefused) as e:
-        SparseSession(c).region()
+        c.sparse_region()
     assert e.value.code == "unsupported" and "--sparse-rows" in e.value.message
     c.close()
 
@@ -145,10 +144,10 @@ def test_metrics_and_hot_buffer_on_the_daemon_region(sparse_daemon):
     from hicache.engine.hot_buffer import HotBuffer
 
     c, pools = _worker(sparse_daemon)
-    s = SparseSession(c)
+    s = c
     n_c4 = 3 * 64
-    rows = s.admit("long", n_c4 * 4, device_rows=[0, 3, 6])
-    shm = s.map_region()
+    rows = s.sparse_admit("long", n_c4 * 4, device_rows=[0, 3, 6])
+    shm = s.map_sparse_region()
     spec = FLASH.pool("c4_kv")
     hb = HotBuffer(shm.layers, fmt=spec, topk=16, slots=32, max_requests=2, max_batch=2,
                    max_tokens=n_c4, impl="reference")
@@ -161,7 +160,7 @@ def test_metrics_and_hot_buffer_on_the_daemon_region(sparse_daemon):
         d = host[src_rows[t // P], (t % P) * VB:(t % P + 1) * VB]
         assert torch.equal(dev[loc // P, (loc % P) * VB:(loc % P + 1) * VB], d)
     lookups, copied = hb.hits()[0]
-    s.report(lookups, copied)
+    s.sparse_report(lookups, copied)
     want = [f"hicache_hisparse_lookups_total {float(lookups)}",
             f"hicache_hisparse_swapped_in_bytes_total {float(copied * 584)}",
             'hicache_hisparse_host_rows{state="used"} 3.0', "hicache_hisparse_requests 1.0"]
@@ -174,7 +173,7 @@ def test_metrics_and_hot_buffer_on_the_daemon_region(sparse_daemon):
         assert time.monotonic() < deadline, missing
         c.heartbeat()
         time.sleep(0.2)
-    s.free("long")
+    s.sparse_free("long")
     c.close()
     pools.close()
 
@@ -218,12 +217,12 @@ def _hostile():
 @pytest.fixture(scope="module")
 def fuzz_world(sparse_daemon):
     v, vp = _worker(sparse_daemon, "victim")
-    sv = SparseSession(v)
-    rows = sv.admit("victim", 300, device_rows=[4, 5])  # 2 rows; 4 free
+    sv = v
+    rows = sv.sparse_admit("victim", 300, device_rows=[4, 5])  # 2 rows; 4 free
     a, ap = _worker(sparse_daemon, "attacker")
-    shm = sv.map_region()
-    yield sv, SparseSession(a), shm, rows
-    sv.free("victim")
+    shm = sv.map_sparse_region()
+    yield sv, a, shm, rows
+    sv.sparse_free("victim")
     for c, p in ((v, vp), (a, ap)):
         c.close()
         p.close()
@@ -236,12 +235,12 @@ def test_fuzz_sparse_commands_refused_and_change_nothing(fuzz_world, msg):
     before = [t[r].clone() for t in shm.layers for r in rows]  # row slices: fast copies
     cmd, fields, arrays = msg
     with pytest.raises(CommandRefused) as e:
-        sa.client.call(cmd, dict(fields), arrays)
+        sa.call(cmd, dict(fields), arrays)
     assert e.value.code in ("bad_field", "not_owner", "unsupported", "no_space", "bad_rows",
                             "bad_frame"), (e.value.code, e.value.message)
     assert "internal" not in e.value.code
     assert all(torch.equal(b, t[r]) for b, (t, r) in
                zip(before, [(t, r) for t in shm.layers for r in rows]))
-    sv.client.heartbeat()
-    sa.client.heartbeat()
-    assert sv.extend("victim", 300) == rows  # still the victim's, unchanged
+    sv.heartbeat()
+    sa.heartbeat()
+    assert sv.sparse_extend("victim", 300) == rows  # still the victim's, unchanged

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "pin": ("hicache.bench.pin", "bring up the pinned host arena vs torch's pinned allocator"),
     "transfer": ("hicache.bench.transfer", "GPU<->host copy paths vs the PCIe limit and peers"),
+    "e2e": ("hicache.bench.e2e", "LOAD / BACKUP through the daemon as the engine sees them"),
     "control": ("hicache.bench.control", "control-plane latency of a live daemon (CPU mode)"),
     "fuzz": ("hicache.bench.fuzz", "hostile messages against a live daemon"),
     "soak": ("hicache.bench.soak", "sustained mixed load from many clients, with checksums"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 VERSION = 1
@@ -71,36 +72,94 @@ _T = {
     "opt_str": (str, type(None)), "opt_int": (int, type(None)), "opt_int_list": (list, type(None)),
 }
 
-SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
-    "heartbeat": {"full": ("bool", False)},
-    "register": {"layout": ("dict", True), "device_rows": ("str_int_map", True),
-                 "buffers": ("dict", True), "mode": ("str", True), "tp_rank": ("int", False),
-                 "events": ("str_list", False), "name": ("opt_str", False)},
-    "unregister": {},
-    "alloc": {"counts": ("str_int_map", True), "request": ("opt_str", False)},
-    "free": {"rows": ("str_int_map", True), "request": ("opt_str", False)},
-    "backup": {"items": ("list", True), "wait_event": ("opt_int", False)},
-    "load": {"items": ("list", True)},
-    "swap_out": {"slot": ("int", True), "request": ("opt_str", False),
-                 "host_row": ("opt_int", False), "wait_event": ("opt_int", False)},
-    "swap_in": {"host_row": ("int", True), "slot": ("int", True), "release": ("bool", False),
-                "request": ("opt_str", False)},
-    "clear_slot": {"slots": ("int_list", True), "draft": ("dict", False)},
-    "poll_acks": {"ops": ("opt_int_list", False), "max": ("int", False)},
-    "stats": {"check": ("bool", False)},
-    "buffer_infos": {},
-    # HiSparse (controllers/sparse.py)
-    "sparse_region": {},
-    "sparse_admit": {"request": ("str", True), "prompt_tokens": ("int", True),
-                     "device_rows": ("frame", False)},
-    "sparse_extend": {"request": ("str", True), "tokens": ("int", True),
-                      "device_tokens": ("frame", False), "first": ("int", False)},
-    "sparse_free": {"request": ("str", True)},
-    "sparse_report": {"lookups": ("int", True), "swapped_in": ("int", True)},
-    "reset": {},
-    "shutdown": {},
-}
-COMMANDS = tuple(SCHEMAS)
+@dataclass(frozen=True)
+class Command:
+    """One command, declared once: its request fields ``{name: (kind, required)}``, the fields
+    of its reply, whether an operation ack follows (``acks``), the daemon's handler function
+    (``controllers.handlers``), and one line of what it does. Validation, the fuzzer's
+    vocabulary, docs/protocol.md's table and the client's methods all read this table."""
+
+    name: str
+    fields: dict[str, tuple[str, bool]]
+    reply: tuple[str, ...]
+    acks: bool
+    handler: str
+    summary: str
+
+
+_TABLE: tuple[Command, ...] = (
+    Command("heartbeat", {"full": ("bool", False)},
+            ("t", "version", "protocol", "device", "heartbeat_timeout", "registered"), False,
+            "heartbeat", "liveness; with full, the daemon's layout and host rows"),
+    Command("register", {"layout": ("dict", True), "device_rows": ("str_int_map", True),
+                         "buffers": ("dict", True), "mode": ("str", True),
+                         "tp_rank": ("int", False), "events": ("str_list", False),
+                         "name": ("opt_str", False)},
+            ("client", "host_rows", "device", "stage_layers", "load_events"), False,
+            "register", "open a worker's device pools (shm files or CUDA IPC) and events"),
+    Command("unregister", {}, ("freed", "deferred"), False, "unregister",
+            "free the client's rows and close its device mappings"),
+    Command("alloc", {"counts": ("str_int_map", True), "request": ("opt_str", False)},
+            ("rows",), False, "alloc", "allocate host rows in several spaces, all or none"),
+    Command("free", {"rows": ("str_int_map", True), "request": ("opt_str", False)},
+            ("freed", "deferred"), False, "free", "free host rows (deferred while in flight)"),
+    Command("backup", {"items": ("list", True), "wait_event": ("opt_int", False),
+                       "alloc": ("bool", False), "request": ("opt_str", False)},
+            ("op", "ack", "rows"), True, "backup",
+            "device -> host copy of rows or tokens; with alloc, into rows it allocates"),
+    Command("load", {"items": ("list", True)}, ("op", "ack", "event_set"), True, "load",
+            "host -> device copy, layer by layer, one event per stage layer on GPU"),
+    Command("swap_out", {"slot": ("int", True), "request": ("opt_str", False),
+                         "host_row": ("opt_int", False), "wait_event": ("opt_int", False)},
+            ("op", "ack", "host_row"), True, "swap_out",
+            "copy one request slot's state rows to a host row"),
+    Command("swap_in", {"host_row": ("int", True), "slot": ("int", True),
+                        "release": ("bool", False), "request": ("opt_str", False)},
+            ("op", "ack", "event_set"), True, "swap_in",
+            "copy a swapped-out request back into any slot"),
+    Command("clear_slot", {"slots": ("int_list", True), "draft": ("dict", False)},
+            ("op", "ack"), True, "clear_slot",
+            "zero request slots, or apply the MTP draft rule to their state rings"),
+    Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
+            ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
+    Command("stats", {"check": ("bool", False)},
+            ("device", "clients", "workers", "in_flight", "merged_ops", "host", "pending_free",
+             "metrics", "invariants"), False, "stats", "usage, metrics, invariant check"),
+    Command("buffer_infos", {}, ("pools",), False, "buffer_infos",
+            "host pool addresses for a transfer engine (PD direct-to-host)"),
+    # HiSparse (controllers/sparse.py; docs/hisparse.md)
+    Command("sparse_region", {}, ("path", "layers", "rows", "page_bytes", "layer_stride",
+                                  "bytes", "tokens_per_page", "min_sparse_prompt_len",
+                                  "c4_layers"), False, "sparse_region",
+            "the sparse host region (shared-memory file) an engine maps and registers"),
+    Command("sparse_admit", {"request": ("str", True), "prompt_tokens": ("int", True),
+                             "device_rows": ("frame", False)},
+            ("c4_tokens", "pages"), False, "sparse_admit",
+            "admit a long request to sparse mode: host page rows, prompt C4 KV backed up"),
+    Command("sparse_extend", {"request": ("str", True), "tokens": ("int", True),
+                              "device_tokens": ("frame", False), "first": ("int", False)},
+            ("c4_tokens", "pages"), False, "sparse_extend",
+            "grow a sparse request; back up new decode C4 tokens from device tokens"),
+    Command("sparse_free", {"request": ("str", True)}, ("freed_rows",), False, "sparse_free",
+            "free a sparse request's host rows"),
+    Command("sparse_report", {"lookups": ("int", True), "swapped_in": ("int", True)}, (),
+            False, "sparse_report", "add an engine's hot-buffer counts to the metrics"),
+    Command("reset", {}, ("freed", "deferred"), False, "reset", "free all the client's rows"),
+    Command("shutdown", {}, ("stopping",), False, "shutdown", "stop the daemon"),
+)
+COMMANDS: dict[str, Command] = {c.name: c for c in _TABLE}
+
+
+def markdown_table() -> str:
+    """docs/protocol.md's command table, from ``COMMANDS`` (a test keeps the doc in step)."""
+    out = ["| command | fields (`?` optional) | reply | ack | what it does |",
+           "|---|---|---|---|---|"]
+    for c in _TABLE:
+        fields = ", ".join(f"`{k}{'' if req else '?'}`: {kind}"
+                           for k, (kind, req) in c.fields.items()) or "—"
+        out.append(f"| `{c.name}` | {fields} | {', '.join(c.reply)} | "
+                   f"{'yes' if c.acks else 'no'} | {c.summary} |")
+    return "\n".join(out)
 _FREE_FORM = ("register", "clear_slot")  # commands with free-form JSON objects in their fields
 ITEM_FIELDS = {"pool": str, "space": str, "src": int, "dst": int, "unit": str}
 UNITS = ("row", "token")
@@ -123,8 +182,8 @@ def _depth(x: Any, d: int = 0) -> int:
 
 
 def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
-    """Type-check the fields of a request header against ``SCHEMAS[cmd]``; raise ProtocolError."""
-    schema = SCHEMAS[cmd]
+    """Type-check the fields of a request header against the command table; raise ProtocolError."""
+    schema = COMMANDS[cmd].fields
     for k in h:
         if k not in schema and k not in ("v", "cmd", "id"):
             raise ProtocolError("bad_field", f"{cmd}: unknown field {k!r}")
@@ -156,9 +215,10 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
             raise ProtocolError("bad_field", f"{cmd}: field {k!r} is longer than {MAX_NAME_LEN}")
     used: set[int] = set()
     if cmd in ("backup", "load"):
-        check_items(h["items"], n_frames)
+        alloc = bool(h.get("alloc"))
+        check_items(h["items"], n_frames, need_dst=not alloc)
         for it in h["items"]:
-            used.update((it["src"], it["dst"]))
+            used.update((it["src"],) if alloc else (it["src"], it["dst"]))
     for k, (kind, _) in schema.items():
         if kind == "frame" and k in h:
             if not 0 <= h[k] < n_frames:
@@ -176,9 +236,10 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
                                          f"frames are not referenced by the header")
 
 
-def check_items(items: list, n_frames: int) -> None:
+def check_items(items: list, n_frames: int, need_dst: bool = True) -> None:
     """Shape of backup/load items: ``{"pool"|"space": NAME, "src": FRAME, "dst": FRAME,
-    "unit": "row"|"token"}``; frames must exist."""
+    "unit": "row"|"token"}``; frames must exist. ``need_dst`` False (a backup with ``alloc``):
+    items name no destination, the daemon allocates it."""
     if not items:
         raise ProtocolError("bad_field", "items is empty")
     if len(items) > MAX_ITEMS:
@@ -194,7 +255,10 @@ def check_items(items: list, n_frames: int) -> None:
                 raise ProtocolError("bad_field", f"items[{i}].{k} must be {t.__name__}")
         if ("pool" in it) == ("space" in it):
             raise ProtocolError("bad_field", f"items[{i}] needs exactly one of 'pool' or 'space'")
-        for k in ("src", "dst"):
+        if not need_dst and "dst" in it:
+            raise ProtocolError("bad_field", f"items[{i}]: with alloc the daemon picks the "
+                                             f"destination rows; drop 'dst'")
+        for k in ("src", "dst") if need_dst else ("src",):
             if k not in it:
                 raise ProtocolError("bad_field", f"items[{i}] is missing {k!r}")
             if not 0 <= it[k] < n_frames:
@@ -322,7 +386,7 @@ def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence
     if not _is_int(rid):
         raise ProtocolError("bad_header", "header field 'id' must be an int")
     cmd = h.get("cmd")
-    if not isinstance(cmd, str) or cmd not in SCHEMAS:
+    if not isinstance(cmd, str) or cmd not in COMMANDS:
         raise ProtocolError("unknown_command", f"unknown command {str(cmd)[:64]!r}; "
                                                f"commands are {', '.join(COMMANDS)}")
     if cmd in _FREE_FORM and _depth(h) > MAX_DEPTH:
@@ -351,3 +415,7 @@ def decode_reply(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence[i
         raise ProtocolError("bad_version", f"daemon speaks protocol {h.get('v')!r}, "
                                            f"this client v{VERSION}")
     return h, [unpack_index(f) for f in frames[1:]]
+
+
+if __name__ == "__main__":
+    print(markdown_table())

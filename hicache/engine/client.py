@@ -21,83 +21,22 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import zmq
 
 from hicache.core import protocol as P
-from hicache.core.errors import HicacheError
+from hicache.engine.sparse_client import SparseCommands
+
+from .acks import Ack, AckTimeout, CommandRefused, DaemonUnreachable, Op, TransferFailed
+
+__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreachable",
+           "TransferFailed", "Items"]
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
-
-
-class DaemonUnreachable(HicacheError, TimeoutError):
-    """The daemon did not answer within the timeout (not running, stuck, or wrong address)."""
-
-
-class CommandRefused(HicacheError):
-    """The daemon refused a command; nothing changed on its side."""
-
-    def __init__(self, command: str, code: str, message: str) -> None:
-        super().__init__(f"{command} refused ({code}): {message}")
-        self.command = command
-        self.code = code
-        self.message = message
-
-
-class TransferFailed(HicacheError):
-    """An operation completed with status error (the ack says why)."""
-
-    def __init__(self, ack: "Ack") -> None:
-        err = ack.error or {}
-        super().__init__(f"op {ack.op} ({ack.kind}) failed: {err.get('message', 'unknown')}")
-        self.ack = ack
-
-
-class AckTimeout(HicacheError, TimeoutError):
-    """The daemon answers, but the operation did not complete within the timeout."""
-
-
-@dataclass
-class Ack:
-    op: int
-    kind: str
-    status: str
-    pools: dict[str, dict[str, Any]]
-    bytes: int
-    seconds: float
-    exec_seconds: float
-    path: str
-    error: dict[str, str] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @classmethod
-    def from_wire(cls, h: Mapping[str, Any]) -> "Ack":
-        pools = {p: {"rows": v[0], "bytes": v[1], "seconds": v[2] * 1e-9}
-                 for p, v in h.get("pools", {}).items()}
-        return cls(int(h["op"]), str(h.get("kind", "")), str(h.get("status", "error")), pools,
-                   int(h.get("bytes", 0)), h.get("ns", 0) * 1e-9, h.get("exec_ns", 0) * 1e-9,
-                   str(h.get("path", "")), h.get("error"))
-
-
-@dataclass
-class Op:
-    """A submitted operation: its id, its ack when it completed before the reply, and (GPU
-    loads) the set of per-layer events it records."""
-
-    op_id: int
-    kind: str
-    ack: Ack | None = None
-    event_set: int | None = None
-    host_row: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 Items = Mapping[str, tuple]  # pool or space -> (src ids, dst ids[, "token"])
@@ -120,7 +59,7 @@ def _as_ids(x: Any) -> Any:
     return x
 
 
-class Client:
+class Client(SparseCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None) -> None:
@@ -340,9 +279,10 @@ class Client:
             out.append(it)
         return out, frames
 
-    def _op(self, kind: str, h: Mapping[str, Any]) -> Op:
+    def _op(self, kind: str, h: Mapping[str, Any], arrays: Sequence[Any] = ()) -> Op:
         ack = self._acks.pop(h["op"], None) if "ack" in h else None
-        return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"))
+        rows = {s: list(arrays[i]) for s, i in h["rows"].items()} if "rows" in h else None
+        return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows)
 
     def backup(self, items: Items, *, wait_event: int | None = None,
                timeout: float | None = None) -> Op:
@@ -354,6 +294,23 @@ class Client:
         if wait_event is not None:
             fields["wait_event"] = wait_event
         return self._op("backup", self.call("backup", fields, frames, timeout=timeout)[0])
+
+    def backup_new(self, items: Mapping[str, Any], *, request: str | None = None,
+                   wait_event: int | None = None, timeout: float | None = None) -> Op:
+        """Device rows -> host rows the daemon allocates for ``(this client, request)``, in one
+        round trip. ``items``: {pool or space: device ids} (whole rows); items of one space
+        share one set of new rows. ``op.rows`` = {space: host rows, in the order of the ids}."""
+        its: list[dict[str, Any]] = []
+        frames: list[Any] = []
+        for key, ids in items.items():
+            its.append({"space" if key in ("page", "swa_page", "req_slot") else "pool": key,
+                        "src": len(frames)})
+            frames.append(_as_ids(ids))
+        fields: dict[str, Any] = {"items": its, "alloc": True, "request": request}
+        if wait_event is not None:
+            fields["wait_event"] = wait_event
+        h, arr = self.call("backup", fields, frames, timeout=timeout)
+        return self._op("backup", h, arr)
 
     def load(self, items: Items, *, timeout: float | None = None) -> Op:
         """Host rows -> device rows. ``items``: {pool or space: (host ids, device ids[, unit])}."""

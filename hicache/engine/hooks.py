@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from hicache.core.errors import HicacheError
+from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable
+from hicache.engine.acks import TransferFailed as ClientTransferFailed
 
 
 class HostTierError(HicacheError):
@@ -112,8 +114,6 @@ class ClientHooks:
 
     # errors: translate the client's exceptions into the three the tree understands
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        from hicache.engine.client import (AckTimeout, CommandRefused, DaemonUnreachable)
-        from hicache.engine.client import TransferFailed as ClientTransferFailed
 
         try:
             return fn(*args, **kw)
@@ -182,7 +182,6 @@ class ClientHooks:
 
     def done(self, ticket: Ticket) -> bool:
         """Non-blocking: reads acks that already arrived, never waits for one."""
-        from hicache.engine.client import AckTimeout
 
         if ticket.ack is not None:
             return True

@@ -103,7 +103,7 @@ class Hostile(RowAttacks):
                          E({"unknown_command"}))]
 
     def k_unknown_field(self) -> list[Case]:
-        cmd = self.rng.choice(P.COMMANDS)
+        cmd = self.rng.choice(list(P.COMMANDS))
         if cmd == "shutdown":
             cmd = "stats"
         f, fr = self.valid(cmd)
@@ -111,7 +111,7 @@ class Hostile(RowAttacks):
         return [self.msg("unknown_field", "attacker", cmd, f, fr, BAD_FIELD)]
 
     def k_missing_field(self) -> list[Case]:
-        options = [(c, k) for c, sch in P.SCHEMAS.items() for k, (_, req) in sch.items() if req]
+        options = [(c, k) for c, cm in P.COMMANDS.items() for k, (_, req) in cm.fields.items() if req]
         cmd, k = self.rng.choice(options)
         f, fr = self.valid(cmd)
         f.pop(k, None)
@@ -131,7 +131,7 @@ class Hostile(RowAttacks):
     }
 
     def k_wrong_type(self) -> list[Case]:
-        options = [(c, k, kind) for c, sch in P.SCHEMAS.items() for k, (kind, _) in sch.items()]
+        options = [(c, k, kind) for c, cm in P.COMMANDS.items() for k, (kind, _) in cm.fields.items()]
         cmd, k, kind = self.rng.choice(options)
         f, fr = self.valid(cmd)
         f[k] = self.rng.choice(self._WRONG[kind])

@@ -299,7 +299,7 @@ class Worker:
                 self.content.fill(spec.name, layer, buf, torch.tensor([src]), ids)
         if self.cuda:
             torch.cuda.synchronize()
-        from hicache.engine.client import AckTimeout, DaemonUnreachable
+        from hicache.engine.acks import AckTimeout, DaemonUnreachable
 
         try:
             op = self.client.swap_out(src, request=f"r{req.rid}", timeout=self.cfg.timeout)

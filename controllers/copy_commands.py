@@ -1,0 +1,315 @@
+"""Handlers of the commands that move bytes: backup, load, swap_out, swap_in, clear_slot.
+
+Each is ``fn(state, client, header, arrays) -> (reply fields, reply arrays)``: validate every
+item against the daemon's state (pools, spaces, bounds, distinct destinations, ownership), and
+only then build an ``Operation`` and ``state.start`` it, so a refused command changes nothing.
+``backup`` with ``alloc`` allocates its destination rows itself (owner recorded in the same
+step), in one round trip; a refused backup allocates nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache.core.layout import PoolSpec
+from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
+from hicache.kernels.tables import TokenFormat
+
+from .ops import ClearSpec, ClearTarget, Ids, Item, Operation
+from .registry import ClientState, RegisteredWorker
+from .state import OWNER_LOOP_MAX, DaemonState
+
+Reply = tuple[dict[str, Any], list[Any]]
+HostRows = list[tuple[str, np.ndarray, bool]]
+
+
+def worker_of(c: ClientState) -> RegisteredWorker:
+    if c.worker is None:
+        raise ProtocolError("not_registered", "register a worker first")
+    return c.worker
+
+
+def request_of(h: dict[str, Any]) -> str | None:
+    r = h.get("request")
+    if r is not None and (not r or len(r) > MAX_NAME_LEN):
+        raise ProtocolError("bad_field", f"request must be 1..{MAX_NAME_LEN} characters")
+    return r
+
+
+def _bounds(ids: Ids, limit: int, what: str) -> None:
+    if ids.n <= OWNER_LOOP_MAX:
+        lo, hi = min(ids.mv), max(ids.mv)
+    else:
+        a = ids.np()
+        lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= limit:
+        raise ProtocolError("bad_rows", f"{what}: id {lo if lo < 0 else hi} is outside "
+                                        f"0..{limit - 1}")
+
+
+def _distinct(ids: Ids, what: str) -> None:
+    if ids.n > 1 and (len(set(ids.list())) if ids.n <= OWNER_LOOP_MAX
+                      else np.unique(ids.np()).size) != ids.n:
+        raise ProtocolError("bad_rows", f"{what}: a destination id is listed twice")
+
+
+def _host_pages(ids: Ids, P: int | None) -> Any:
+    """Host rows an item touches: the ids themselves (rows), or their pages (tokens)."""
+    if P is None:
+        return ids.list() if ids.n <= OWNER_LOOP_MAX else ids.np()
+    return np.unique(ids.np() // P)
+
+
+def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays: Sequence,
+           to_host: bool, fresh: dict[str, Ids] | None = None) -> tuple[list[Item], HostRows, int]:
+    """Validated items of a backup / load. ``fresh``: host rows per space that this command
+    allocates (backup with alloc): they are the items' destinations, owned by construction."""
+    frames: dict[int, Ids] = {}
+    checked: set[tuple] = set()
+    seen: set[str] = set()
+    items: list[Item] = []
+    host: dict[str, list[Any]] = {}
+    total = 0
+    for i, it in enumerate(h["items"]):
+        specs = [st.pool_spec(it["pool"])] if "pool" in it else \
+            st.layout.space_pools(st.check_space(it["space"]))
+        unit = it.get("unit", "row")
+        src = frames.setdefault(it["src"], Ids(arrays[it["src"]])) if "src" in it else None
+        for spec in specs:
+            if spec.name in seen:
+                raise ProtocolError("bad_field", f"items[{i}]: pool {spec.name} appears in two "
+                                                 f"items; give each pool once per command")
+            seen.add(spec.name)
+            space = spec.index
+            if fresh is not None:
+                dst = fresh[space]
+            else:
+                dst = frames.setdefault(it["dst"], Ids(arrays[it["dst"]]))
+            assert src is not None
+            if src.n != dst.n or src.n == 0:
+                raise ProtocolError("bad_rows", f"items[{i}]: {src.n} source ids and {dst.n} "
+                                                f"destination ids")
+            dev_ids, host_ids = (src, dst) if to_host else (dst, src)
+            token = unit == "token"
+            if token and not spec.token_granular:
+                raise ProtocolError("bad_field", f"items[{i}]: pool {spec.name} has no token "
+                                                 f"format; use unit 'row'")
+            P = spec.tokens_per_page if token else None
+            key = (id(src), id(dst), space, P)
+            if key not in checked:
+                k = P or 1
+                _bounds(dev_ids, w.device_rows[space] * k, f"items[{i}] device {unit}s")
+                _distinct(dst, f"items[{i}]")
+                if fresh is None:
+                    _bounds(host_ids, st.host_rows[space] * k, f"items[{i}] host {unit}s")
+                    pages = _host_pages(host_ids, P)
+                    st.check_owned(c.cid, space, pages, f"items[{i}]")
+                    host.setdefault(space, []).append(pages)
+                else:
+                    host.setdefault(space, []).append(dst.np())
+                checked.add(key)
+            dev_t, host_t = w.tables[spec.name], st.host_tables[spec.name]
+            nbytes = src.n * spec.num_layers * (spec.token_bytes if token else spec.page_bytes)
+            total += nbytes
+            items.append(Item(spec.name, dev_t if to_host else host_t,
+                              host_t if to_host else dev_t, src, dst,
+                              TokenFormat.from_spec(spec) if token else None, spec.layers, nbytes))
+    return items, [(s, _rows_of(parts), to_host) for s, parts in host.items()], total
+
+
+def _rows_of(parts: list[Any]) -> Any:
+    """Host rows of one space over all items: a list or an int64 array (the tracker takes
+    both; converting is left to it, so inline ops never pay for it)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+
+
+def _reply(op: Operation, ack: dict | None, extra: dict | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"op": op.op_id}
+    if ack is not None:
+        out["ack"] = ack
+    if extra:
+        out.update(extra)
+    return out
+
+
+def _wait_event(st: DaemonState, w: RegisteredWorker, k: int | None) -> Any:
+    if k is None or not st.cuda:
+        return None  # CPU mode: the engine's writes are visible before it sends the command
+    if not 0 <= k < len(w.events):
+        raise ProtocolError("bad_field", f"wait_event {k}: the worker registered "
+                                         f"{len(w.events)} events")
+    return w.events[k]
+
+
+def _alloc_counts(st: DaemonState, h: dict, arrays: Sequence) -> dict[str, int]:
+    """Rows per space a backup with ``alloc`` needs: one per source id of that space's items."""
+    counts: dict[str, int] = {}
+    for i, it in enumerate(h["items"]):
+        if it.get("unit", "row") != "row":
+            raise ProtocolError("bad_field", f"items[{i}]: alloc backs up whole rows only")
+        specs = [st.pool_spec(it["pool"])] if "pool" in it else \
+            st.layout.space_pools(st.check_space(it["space"]))
+        n = len(arrays[it["src"]])
+        for spec in specs:
+            if counts.setdefault(spec.index, n) != n:
+                raise ProtocolError("bad_rows", f"items[{i}]: items of space {spec.index} give "
+                                                f"{counts[spec.index]} and {n} source ids; with "
+                                                f"alloc they share one set of new rows")
+    return counts
+
+
+def backup(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    w = worker_of(c)
+    wait = _wait_event(st, w, h.get("wait_event"))
+    if not h.get("alloc"):
+        if "request" in h:
+            raise ProtocolError("bad_field", "backup: request names the owner of rows that "
+                                             "alloc allocates; it needs alloc: true")
+        items, host, nbytes = _items(st, c, w, h, arrays, to_host=True)
+        op = Operation(st.next_op_id(), c.cid, "backup", items, host, wait_event=wait,
+                       nbytes=nbytes)
+        return _reply(op, st.start(c, op)), []
+    counts = _alloc_counts(st, h, arrays)
+    owner = (c.cid, request_of(h))
+    fresh_t = st.alloc_rows(counts, owner)  # all or none; refusals below give them back
+    fresh = {s: Ids.of(t.numpy()) for s, t in fresh_t.items()}
+    try:
+        items, host, nbytes = _items(st, c, w, h, arrays, to_host=True, fresh=fresh)
+    except BaseException:
+        st.free_rows({s: i.np() for s, i in fresh.items()}, owner)
+        raise
+    op = Operation(st.next_op_id(), c.cid, "backup", items, host, wait_event=wait, nbytes=nbytes)
+    names = list(fresh)
+    return _reply(op, st.start(c, op), {"rows": {s: k for k, s in enumerate(names)}}), \
+        [fresh[s].np() for s in names]
+
+
+def load(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    w = worker_of(c)
+    items, host, nbytes = _items(st, c, w, h, arrays, to_host=False)
+    op = Operation(st.next_op_id(), c.cid, "load", items, host, nbytes=nbytes)
+    extra = {}
+    if st.cuda:
+        extra["event_set"], op.layer_events = w.next_load_events()
+        op.stage_layers = st.stage_layers
+    return _reply(op, st.start(c, op), extra), []
+
+
+def _slot_pools(st: DaemonState) -> list[PoolSpec]:
+    pools = st.layout.space_pools("req_slot")
+    if not pools:
+        raise ProtocolError("unsupported", "this stage has no request-slot pools (no C128 layers "
+                                           "and paged SWA): nothing to swap or clear")
+    return pools
+
+
+def _slot(w: RegisteredWorker, slot: int, what: str) -> None:
+    n = w.device_rows["req_slot"]
+    if not 0 <= slot < n:
+        raise ProtocolError("bad_rows", f"{what} {slot} is outside 0..{n - 1}")
+
+
+def _host_row(st: DaemonState, row: int) -> None:
+    if not 0 <= row < st.host_rows["req_slot"]:
+        raise ProtocolError("bad_rows", f"host_row {row} is outside "
+                                        f"0..{st.host_rows['req_slot'] - 1}")
+
+
+def _state_items(st: DaemonState, w: RegisteredWorker, pools: list[PoolSpec], slot: int,
+                 row: int, to_host: bool) -> tuple[list[Item], int]:
+    items, total = [], 0
+    d, hh = Ids.of([slot]), Ids.of([row])
+    for spec in pools:
+        dev_t, host_t = w.tables[spec.name], st.host_tables[spec.name]
+        nbytes = spec.page_bytes * spec.num_layers
+        total += nbytes
+        items.append(Item(spec.name, dev_t if to_host else host_t, host_t if to_host else dev_t,
+                          d if to_host else hh, hh if to_host else d, None, spec.layers, nbytes))
+    return items, total
+
+
+def swap_out(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    w = worker_of(c)
+    pools = _slot_pools(st)
+    _slot(w, h["slot"], "slot")
+    wait = _wait_event(st, w, h.get("wait_event"))
+    request = request_of(h)
+    row = h.get("host_row")
+    if row is not None:
+        _host_row(st, row)
+        st.check_owned(c.cid, "req_slot", np.array([row]), "host_row")
+    else:
+        row = int(st.alloc_rows({"req_slot": 1}, (c.cid, request))["req_slot"][0])
+    items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=True)
+    op = Operation(st.next_op_id(), c.cid, "swap_out", items,
+                   [("req_slot", np.array([row]), True)], wait_event=wait, nbytes=nbytes)
+    return _reply(op, st.start(c, op), {"host_row": row}), []
+
+
+def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    w = worker_of(c)
+    pools = _slot_pools(st)
+    _slot(w, h["slot"], "slot")
+    row = h["host_row"]
+    _host_row(st, row)
+    rows = np.array([row])
+    st.check_owned(c.cid, "req_slot", rows, "host_row")
+    owner = st.owner_of("req_slot", row)
+    request = request_of(h)
+    if request is not None and owner != (c.cid, request):
+        raise ProtocolError("not_owner", f"host_row {row} belongs to request {owner[1]!r}, "
+                                         f"not {request!r}")
+    items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)
+    op = Operation(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)],
+                   nbytes=nbytes)
+    extra = {}
+    if st.cuda:
+        extra["event_set"], op.layer_events = w.next_load_events()
+        op.stage_layers = st.stage_layers
+    if h.get("release", False):
+        st.free_after_use({"req_slot": rows}, owner)
+    ack = st.start(c, op)
+    st.release_ready()
+    return _reply(op, ack, extra), []
+
+
+def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    w = worker_of(c)
+    pools = _slot_pools(st)
+    slots = h["slots"]
+    if not slots:
+        raise ProtocolError("bad_field", "slots is empty")
+    for s in slots:
+        _slot(w, s, "slot")
+    if len(set(slots)) != len(slots):
+        raise ProtocolError("bad_rows", "a slot is listed twice")
+    draft = None if h.get("draft") is None else _draft(h["draft"], slots)
+    targets = [ClearTarget(p.name, w.tables[p.name], p.ring, p.dtype == "fp32_state")
+               for p in pools]
+    clear = ClearSpec(targets, [] if draft else list(slots), draft)
+    nbytes = 0 if draft else sum(p.page_bytes * p.num_layers for p in pools) * len(slots)
+    op = Operation(st.next_op_id(), c.cid, "clear_slot", [], [], clear=clear, nbytes=nbytes)
+    return _reply(op, st.start(c, op)), []
+
+
+DRAFT_FIELDS = {"seq_lens", "accept_lens", "num_draft"}
+
+
+def _draft(d: dict, slots: list[int]) -> list[tuple[int, list[int]]]:
+    """MTP rule: ring positions (seq_len + k) for k in [accepted, num_draft) get kv 0, score -inf."""
+    if set(d) - DRAFT_FIELDS:
+        raise ProtocolError("bad_field", f"draft: unknown fields {sorted(set(d) - DRAFT_FIELDS)}")
+    seq, acc, nd = d.get("seq_lens"), d.get("accept_lens"), d.get("num_draft")
+    if type(nd) is not int or not 0 < nd <= 64:
+        raise ProtocolError("bad_field", "draft.num_draft must be an int in 1..64")
+    for name, v in (("seq_lens", seq), ("accept_lens", acc)):
+        if not isinstance(v, list) or len(v) != len(slots) or \
+                not all(type(x) is int and x >= 0 for x in v):
+            raise ProtocolError("bad_field", f"draft.{name} must list one non-negative int per "
+                                             f"slot")
+    if any(a > nd for a in acc):  # type: ignore[union-attr]
+        raise ProtocolError("bad_field", "draft.accept_lens must not exceed num_draft")
+    return [(s, [q + k for k in range(a, nd)]) for s, q, a in zip(slots, seq, acc)]  # type: ignore[arg-type]

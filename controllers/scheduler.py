@@ -1,0 +1,343 @@
+"""The scheduler: runs validated operations and hands completed ones back to the server.
+
+Verbs: ``run_inline(op) -> bool`` (CPU: ran now, before the reply), ``submit(op)``,
+``take_completed()`` (server thread: operations finished since the last call), ``idle()``,
+``close()``. A completion wakes the server through ``wake()`` (a pipe), never through the
+socket.
+
+How bytes move: CPU mode — a few ids per pool go id by id (``kernels.cpu_copy``), larger copies
+through ``kernels.dispatch``'s reference path. GPU mode (``issue_gpu``) — a load or swap-in goes
+layer by layer through ``dispatch.copy_by_layer`` (one launch covers every pool of its layers,
+layer 0 first) and records layer ``i``'s interprocess event right after the launch holding
+layer ``i``; a backup goes pool by pool through ``dispatch.copy_rows`` / ``copy_tokens``
+(staged gather + DMA when host rows come in runs). Which kernel and path: ``kernels.dispatch``.
+
+CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
+inline on the server thread when nothing is queued, so its ack rides in the reply; anything
+else goes to one worker thread, FIFO, which merges consecutive queued operations of the same
+kind and buffers into one copy per pool when their destinations do not overlap.
+
+GPU mode: every operation is enqueued from the server thread before its reply. Backups and
+swap-outs run on the backup stream, which first waits on the engine's interprocess event named
+by the command; loads, swap-ins and clears run on the load stream. One completion thread per
+stream waits on each operation's completion event, in stream order. The GPU path does not merge.
+
+Ordering (docs/protocol.md): a load of host rows with a backup still in flight waits for that
+backup (CPU: FIFO; GPU: the load stream waits on the backup's completion event), and the other
+way round. Frees of host rows in flight are deferred by the state until the op completes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+import numpy as np
+
+from hicache.kernels.cpu_copy import clear_slots, copy_few
+from hicache.kernels.dispatch import copy_by_layer, copy_rows, copy_tokens, layer_part, warm_up
+
+from .ops import ClearSpec, Ids, Item, Operation
+
+log = logging.getLogger("hicache.scheduler")
+
+
+# ----------------------------------------------------------------------------- how bytes move
+SMALL_IDS = 64  # up to this many ids per pool, CPU copies go id by id (numpy / memmove)
+
+
+def run_cpu_item(it: Item) -> str:
+    if it.n <= SMALL_IDS:
+        return copy_few(it.src, it.dst, it.src_ids.list(), it.dst_ids.list(), it.fmt)
+    if it.fmt is None:
+        return copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(), impl="reference")
+    return copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(), it.fmt,
+                       impl="reference")
+
+
+def run_clear(spec: ClearSpec) -> None:
+    for tg in spec.targets:
+        clear_slots(tg.table.layers, tg.ring, tg.fp32, spec.slots, spec.draft)
+
+
+def issue_gpu(op: Operation, stream: Any, ctas: int, device: torch.device) -> str:
+    """Enqueue ``op``'s copies on ``stream`` (the caller made it current)."""
+    paths: set[str] = set()
+    if op.layer_events is not None:
+        events = op.layer_events
+        parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
+                 for it in op.items]
+        paths.add(copy_by_layer(parts, op.stage_layers, lambda i: events[i].record(stream),
+                                device=device, ctas=ctas, stream=stream))
+    else:
+        for it in op.items:
+            if it.fmt is None:
+                paths.add(copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                    ctas=ctas, stream=stream))
+            else:
+                paths.add(copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                      it.fmt, ctas=ctas, stream=stream))
+    if op.clear is not None:
+        run_clear(op.clear)
+        paths.add("clear")
+    return "+".join(sorted(paths))
+
+
+def merge_key(op: Operation) -> tuple | None:
+    """Operations with equal keys may merge; None: this op runs on its own."""
+    if op.kind not in ("backup", "load") or op.clear is not None or \
+            any(it.n > MERGE_MAX_IDS for it in op.items):
+        return None
+    return (op.kind, tuple((it.pool, id(it.src), id(it.dst), it.fmt is None) for it in op.items))
+
+
+MERGE_MAX_IDS = 4096  # ops with more ids per item run on their own (their copy dominates anyway)
+
+
+def disjoint(dsts: list[set[int]], op: Operation) -> bool:
+    """True when ``op`` may join a merged run whose destinations per item are ``dsts``."""
+    for d, it in zip(dsts, op.items):
+        if len(d) > MERGE_MAX_IDS or not d.isdisjoint(it.dst_ids.list()):
+            return False
+    return True
+
+
+def merge(ops: list[Operation]) -> list[Item]:
+    """One item per (pool, buffers) with the ids of every op concatenated; [] if unsafe."""
+    merged: list[Item] = []
+    for k in range(len(ops[0].items)):
+        parts = [op.items[k] for op in ops]
+        dst = np.concatenate([p.dst_ids.np() for p in parts])
+        if np.unique(dst).size != dst.size:
+            return []  # overlapping destinations: keep the ops apart, in order
+        src = np.concatenate([p.src_ids.np() for p in parts])
+        p0 = parts[0]
+        merged.append(Item(p0.pool, p0.src, p0.dst, Ids.of(src), Ids.of(dst), p0.fmt, p0.layers,
+                           sum(p.nbytes for p in parts)))
+    return merged
+
+
+# ----------------------------------------------------------------------------- the scheduler
+class Scheduler:
+    """See the module docstring."""
+
+    def __init__(self, device: torch.device, wake: Callable[[], None], *,
+                 inline_max_bytes: int = 256 << 10, ctas: int = 4) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.inline_max_bytes = inline_max_bytes
+        self.ctas = ctas
+        self._wake = wake
+        self._done: list[Operation] = []
+        self._done_lock = threading.Lock()
+        self._pending = 0  # submitted, not yet taken back (server thread only)
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self.merged_ops = 0
+        if self.cuda:
+            warm_up(device)  # the first load must not wait for Triton's compiler
+            self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
+            self._last: dict[str, Operation | None] = {"backup": None, "load": None}
+            for k in ("backup", "load"):
+                self._start(k, self._gpu_completer)
+        else:
+            self.streams = {}
+            self._start("cpu", self._cpu_worker)
+
+    def _start(self, name: str, target: Callable[[queue.SimpleQueue], None]) -> None:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues[name] = q
+        th = threading.Thread(target=target, args=(q,), name=f"hicache-{name}", daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    # ------------------------------------------------------------------ server-thread API
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._pending
+
+    def run_inline(self, op: Operation) -> bool:
+        """CPU mode: run ``op`` now on the caller's thread if it is small and nothing is queued
+        (so FIFO order holds); True when it ran (``op.ok`` says how it went)."""
+        if self.cuda or self._pending or op.nbytes > self.inline_max_bytes or self._closed:
+            return False
+        op.inline = True
+        op.t_submit = op.t_submit or time.perf_counter()
+        self._run_cpu([op])
+        return True
+
+    def submit(self, op: Operation) -> None:
+        """Queue ``op`` (CPU worker) or enqueue it on its stream (GPU); completion comes back
+        through ``take_completed``."""
+        if self._closed:
+            raise RuntimeError("the transfer engine is closed")
+        op.t_submit = op.t_submit or time.perf_counter()
+        self._pending += 1
+        if not self.cuda:
+            self._queues["cpu"].put(op)
+            return
+        try:
+            self._launch_gpu(op)
+        except Exception as e:  # noqa: BLE001 - failed before the GPU saw it: report it
+            op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+            op.t_start = op.t_end = time.perf_counter()
+            self._finish([op])
+            return
+        self._queues[op.stream].put(op)
+
+    def take_completed(self) -> list[Operation]:
+        if not self._done:
+            return []
+        with self._done_lock:
+            done, self._done = self._done, []
+        self._pending -= len(done)
+        return done
+
+    def last_op(self, stream: str) -> Operation | None:
+        return self._last.get(stream) if self.cuda else None
+
+    def forget(self, op: Operation) -> None:
+        """Server thread, after ``op`` completed: stop holding it (and its buffers) as the last
+        op of its stream."""
+        if self.cuda and self._last.get(op.stream) is op:
+            self._last[op.stream] = None
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop taking work, let queued work finish; True when everything finished in time."""
+        if self._closed:
+            return True
+        self._closed = True
+        if self.cuda:
+            self._last = {"backup": None, "load": None}
+        for q in self._queues.values():
+            q.put(None)
+        deadline = time.monotonic() + timeout
+        for th in self._threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        return not any(th.is_alive() for th in self._threads)
+
+    # ------------------------------------------------------------------ completion
+    def _finish(self, ops: list[Operation]) -> None:
+        with self._done_lock:
+            self._done.extend(ops)
+        self._wake()
+
+    # ------------------------------------------------------------------ CPU mode
+    def _run_cpu(self, ops: list[Operation]) -> None:
+        if len(ops) == 1 and len(ops[0].items) == 1 and ops[0].clear is None:  # the common case
+            op = ops[0]
+            op.t_start = time.perf_counter()
+            try:
+                op.path = run_cpu_item(op.items[0])
+            except Exception as e:  # noqa: BLE001 - report through the ack
+                log.error("operation %s failed: %s", op.op_id, e)
+                op.ok, op.error = False, f"{type(e).__name__}: {e}"
+            op.t_end = time.perf_counter()
+            if not op.inline:
+                self._finish(ops)
+            return
+        t0 = time.perf_counter()
+        for op in ops:
+            op.t_start = t0
+        try:
+            if len(ops) > 1:
+                items = merge(ops)
+                paths = {run_cpu_item(it) for it in items}
+                if not items:  # unsafe to merge: run one by one
+                    for op in ops:
+                        self._run_cpu([op])
+                    return
+                self.merged_ops += len(ops) - 1
+            else:
+                op = ops[0]
+                paths = {run_cpu_item(it) for it in op.items}
+                if op.clear is not None:
+                    run_clear(op.clear)
+                    paths.add("clear")
+            path = "+".join(sorted(paths))
+            for op in ops:
+                op.path = path
+        except Exception as e:  # noqa: BLE001 - report through the ack
+            log.error("operation %s failed: %s", [op.op_id for op in ops], e)
+            for op in ops:
+                op.ok, op.error = False, f"{type(e).__name__}: {e}"
+        t1 = time.perf_counter()
+        for op in ops:
+            op.t_end = t1
+        if not ops[0].inline:
+            self._finish(ops)
+
+    def _cpu_worker(self, q: queue.SimpleQueue) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            self._cpu_batch(op, q)
+            # hold no op while idle: its buffers would keep a gone worker's mapping alive
+            op = None
+
+    def _cpu_batch(self, op: Operation, q: queue.SimpleQueue) -> None:
+        """Run ``op`` and whatever is queued behind it, merging runs of the same kind."""
+        batch = [op]
+        while True:  # take what is queued now and merge runs of the same kind
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                q.put(None)
+                break
+            batch.append(nxt)
+        run: list[Operation] = []
+        dsts: list[set[int]] = []  # destinations per item of the current run
+        for op in batch:
+            key = merge_key(op)
+            if run and (key is None or key != merge_key(run[0]) or not disjoint(dsts, op)):
+                self._run_cpu(run)
+                run, dsts = [], []
+            if key is None:
+                self._run_cpu([op])
+                continue
+            run.append(op)
+            if not dsts:
+                dsts = [set() for _ in op.items]
+            for d, it in zip(dsts, op.items):
+                d.update(it.dst_ids.list())
+        if run:
+            self._run_cpu(run)
+
+    # ------------------------------------------------------------------ GPU mode
+    def _launch_gpu(self, op: Operation) -> None:
+        stream = self.streams[op.stream]
+        op.t_start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            if op.wait_event is not None:
+                stream.wait_event(op.wait_event)
+            for other in op.after:
+                if other.done_event is not None:
+                    stream.wait_event(other.done_event)
+            op.path = issue_gpu(op, stream, self.ctas, self.device)
+            op.done_event = torch.cuda.Event()
+            op.done_event.record(stream)
+        self._last[op.stream] = op
+
+    def _gpu_completer(self, q: queue.SimpleQueue) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            try:
+                op.done_event.synchronize()
+            except Exception as e:  # noqa: BLE001 - a CUDA error: report it on the ack
+                op.ok, op.error = False, f"{type(e).__name__}: {e}"
+            op.t_end = time.perf_counter()
+            self._finish([op])
+            op = None  # hold no op while idle (see _cpu_worker)

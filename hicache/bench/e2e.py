@@ -1,0 +1,330 @@
+"""``hicache bench e2e``: what an engine sees of a LOAD and a BACKUP through the daemon.
+
+This process is the engine: it owns DSV4 device pools (CUDA tensors shared by IPC; shared
+memory in CPU mode), starts a real ``hicache serve`` for the same GPU, registers, churns the
+daemon's host allocator (mixed allocs and frees, so host rows are what a running server hands
+out, not a fresh pool), then per prefix size (device rows scattered at random):
+
+* BACKUP: command -> ack (engine clock), GB/s;
+* LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
+  engine's stream right after its per-layer waits on the daemon's events (CPU mode: the ack);
+  command -> ack; GB/s; every loaded byte verified once per size;
+* the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
+  pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
+  overhead shows as a ratio;
+* a load while a backup of the same size streams, against the solo load.
+
+Each figure is the median of ``--runs`` runs; ratios divide by the contiguous pinned-copy limit
+measured in the same run (best of 5 trials per direction). ``--plot`` draws the ratios (needs
+matplotlib; refused with a message without it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.core.errors import UsageError
+from hicache.core.layout import Layout, build_layout, preset
+from hicache.engine.client import Client
+from hicache.engine.daemon_process import DaemonProcess
+from hicache.engine.device_pools import DevicePools
+from hicache.host_pools.group import HostPoolGroup
+from hicache.kernels.dispatch import copy_by_layer, layer_part
+from hicache.kernels.tables import LayerTable
+
+PAGE_TOKENS = 256
+INPROC_CTAS = 4
+ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
+REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)  # the daemon's default CTA budget; the in-process copy uses the same
+SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a functional run")
+    p.add_argument("--preset", default="dsv4-flash")
+    p.add_argument("--sizes", default="2k,8k,32k,128k", help=f"prefix sizes of {list(SIZES)}")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per size (median)")
+    p.add_argument("--churn", type=int, default=2000, help="mixed alloc/free ops before timing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+
+
+def parse_sizes(text: str) -> list[str]:
+    sizes = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in SIZES]
+    if not sizes or bad:
+        raise UsageError(f"--sizes: unknown size(s) {bad or text!r}; choose from {list(SIZES)}")
+    return sizes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.runs < 1:
+        raise UsageError("--runs must be at least 1")
+    if args.churn < 0:
+        raise UsageError("--churn must not be negative")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"--device must be cuda:N or cpu, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("bench e2e on cuda needs a CUDA GPU; use --device cpu for a "
+                         "functional run without one")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def pinned_limit(device: torch.device, nbytes: int = 1 << 30, trials: int = 5) -> dict[str, float]:
+    """Best of ``trials`` contiguous pinned copies per direction, GB/s (1e9 B/s)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, (a, b) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        best = 0.0
+        for _ in range(trials):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a.copy_(b, non_blocking=True)
+            e.record()
+            e.synchronize()
+            best = max(best, nbytes / (s.elapsed_time(e) * 1e-3) / 1e9)
+        out[name] = best
+    del host, dev
+    return out
+
+
+def churn(c: Client, spaces: dict[str, int], ops: int, rng: np.random.Generator) -> None:
+    """Mixed allocs (1..32 rows) and frees, leaving about half the held rows allocated."""
+    held: list[dict[str, list[int]]] = []
+    for _ in range(ops):
+        if held and (rng.random() < 0.5 or len(held) > 64):
+            c.free(held.pop(int(rng.integers(len(held)))))
+        else:
+            n = int(rng.integers(1, 33))
+            try:
+                held.append(c.alloc({s: n for s in spaces}))
+            except Exception:  # noqa: BLE001 - full: free instead
+                if held:
+                    c.free(held.pop(0))
+    for h in held[::2]:
+        c.free(h)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    sizes = parse_sizes(args.sizes)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    layout = build_layout(preset(args.preset))
+    pages = max(SIZES[s] for s in sizes) // PAGE_TOKENS
+    dev_rows = {"page": 2 * pages + 8, "swa_page": 2 * pages + 8, "req_slot": 8}
+    spaces = {s: n for s, n in dev_rows.items() if s in ("page", "swa_page")}
+    rng = np.random.default_rng(0)
+    limit = pinned_limit(dev) if cuda else {"h2d": None, "d2h": None}
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    say(f"[e2e] pinned-copy limit (GB/s): {limit}")
+    rows_flag = ",".join(f"{k}={v}" for k, v in dev_rows.items())
+    with DaemonProcess(device=args.device, preset=args.preset, device_rows=rows_flag,
+                       host=("--host-ratio", "2"), ready_timeout=300) as d, \
+            DevicePools(layout, dev_rows, device=args.device) as pools:
+        for layers in pools.layers.values():
+            for t in layers:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
+        c = d.client(timeout=60.0)
+        c.register(pools, events=1 if cuda else 0)
+        say(f"[e2e] registered; churning the host allocator ({args.churn} ops)")
+        churn(c, spaces, args.churn, rng)
+        local = _local(layout, dev_rows, pools, dev) if cuda else None
+        result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
+                  "ctas": INPROC_CTAS, "runs": args.runs, "sizes": {}}
+        for s in sizes:
+            n = SIZES[s] // PAGE_TOKENS
+            result["sizes"][s] = one_size(c, pools, layout, n, args.runs, rng, local, limit,
+                                          cuda, dev)
+            say(f"[e2e] {s}: " + json.dumps(result["sizes"][s]["summary"]))
+        c.unregister()
+        c.close()
+        if local is not None:
+            local[0].close()
+    if args.plot:
+        _plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _table(result)
+    return 0
+
+
+def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.device) -> Any:
+    """An in-process pinned pool of the same layout (the in-engine copy's host side)."""
+    g = HostPoolGroup(layout, rows, device_index=dev.index or 0)
+    tabs = {n: (LayerTable(pools.layers[n]), LayerTable(g.pool(n).layers)) for n in layout.pools}
+    return g, tabs
+
+
+def _items(layout: Layout, src: dict[str, list[int]], dst: dict[str, list[int]]
+           ) -> dict[str, tuple[list[int], list[int]]]:
+    return {sp: (src[sp], dst[sp]) for sp in src}
+
+
+def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
+             rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
+             dev: torch.device) -> dict[str, Any]:
+    spaces = ("page", "swa_page")
+    nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
+                 if p.index in spaces)
+    stream = torch.cuda.current_stream(dev) if cuda else None
+    out: dict[str, list[float]] = {k: [] for k in ("backup_ack", "load_first", "load_last",
+                                                    "load_ack", "inproc_last", "busy_last")}
+    verified = False
+    for r in range(runs):
+        total = pools.rows["page"]
+        perm = rng.permutation(total)
+        src = {sp: perm[:n].tolist() for sp in spaces}  # device rows scattered at random
+        dst = {sp: perm[n:2 * n].tolist() for sp in spaces}
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        op = c.backup_new(src)
+        c.wait_ack(op, timeout=120)
+        out["backup_ack"].append(time.perf_counter() - t0)
+        host = op.rows
+        first, last, ack = _timed_load(c, host, dst, stream, cuda)
+        out["load_first"].append(first)
+        out["load_last"].append(last)
+        out["load_ack"].append(ack)
+        if not verified:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            for name, spec in layout.pools.items():
+                if spec.index not in spaces:
+                    continue
+                s_i = torch.tensor(src[spec.index], device=pools.layers[name][0].device)
+                d_i = torch.tensor(dst[spec.index], device=pools.layers[name][0].device)
+                for t in pools.layers[name]:
+                    if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
+                        raise RuntimeError(f"load of {n} pages: pool {name} differs")
+            verified = True
+        if local is not None:
+            out["inproc_last"].append(_inproc(local, layout, host, dst, dev, spaces))
+        if cuda:  # a load while a backup of the same size streams
+            other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
+                     else perm[:n].tolist() for sp in spaces}
+            bop = c.backup_new(other)
+            _, last_busy, _ = _timed_load(c, host, dst, stream, cuda)
+            out["busy_last"].append(last_busy)
+            c.wait_ack(bop, timeout=120)
+            c.free(bop.rows)
+        c.free(host)
+    med = {k: _median(v) for k, v in out.items()}
+    reply_ms = _median(REPLY) * 1e3 if REPLY else None
+    issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
+    REPLY.clear()
+    ISSUE.clear()
+    summary = {
+        "pages": n, "bytes": nbytes,
+        "load_first_ms": med["load_first"] * 1e3, "load_last_ms": med["load_last"] * 1e3,
+        "load_ack_ms": med["load_ack"] * 1e3, "backup_ack_ms": med["backup_ack"] * 1e3,
+        "load_reply_ms": reply_ms, "inproc_issue_ms": issue_ms,
+        "load_gbps": nbytes / med["load_last"] / 1e9,
+        "backup_gbps": nbytes / med["backup_ack"] / 1e9,
+        "load_ratio": nbytes / med["load_last"] / 1e9 / limit["h2d"] if cuda else None,
+        "backup_ratio": nbytes / med["backup_ack"] / 1e9 / limit["d2h"] if cuda else None,
+        "daemon_vs_inproc": med["load_last"] / med["inproc_last"] if out["inproc_last"] else None,
+        "busy_vs_solo": med["load_last"] / med["busy_last"] if out["busy_last"] else None,
+        "verified": verified,
+    }
+    return {"summary": summary, "runs": out}
+
+
+def _timed_load(c: Client, host: dict[str, list[int]], dst: dict[str, list[int]],
+                stream: Any, cuda: bool) -> tuple[float, float, float]:
+    """(command -> first layer ready, -> last layer ready, -> ack) in seconds."""
+    t0 = time.perf_counter()
+    if not cuda:
+        op = c.load({sp: (host[sp], dst[sp]) for sp in host})
+        c.wait_ack(op, timeout=120)
+        t = time.perf_counter() - t0
+        return t, t, t
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    op = c.load({sp: (host[sp], dst[sp]) for sp in host})
+    REPLY.append(time.perf_counter() - t0)
+    ready = []
+    for g in c.stage_layers:
+        c.wait_layer(op, g, stream)
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        ready.append(e)
+    c.wait_ack(op, timeout=120)
+    t_ack = time.perf_counter() - t0
+    ready[-1].synchronize()
+    return (start.elapsed_time(ready[0]) * 1e-3, start.elapsed_time(ready[-1]) * 1e-3, t_ack)
+
+
+def _inproc(local: Any, layout: Layout, host: dict[str, list[int]], dst: dict[str, list[int]],
+            dev: torch.device, spaces: tuple[str, ...]) -> float:
+    """The same per-layer load by the kernels alone, in this process (GPU time)."""
+    _, tabs = local
+    parts = []
+    for name, spec in layout.pools.items():
+        if spec.index not in spaces:
+            continue
+        dev_t, host_t = tabs[name]
+        parts.append(layer_part(host_t, dev_t, np.asarray(host[spec.index], dtype=np.int64),
+                                np.asarray(dst[spec.index], dtype=np.int64), None, spec.layers))
+    order = layout.stage.layers("swa")
+    torch.cuda.synchronize(dev)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    t0 = time.perf_counter()
+    copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS)
+    ISSUE.append(time.perf_counter() - t0)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e-3
+
+
+def _table(result: dict[str, Any]) -> None:
+    lim = result["limit_gbps"]
+    print(f"bench e2e on {result['device']} ({result['preset']}, {result['ctas']} CTAs, median "
+          f"of {result['runs']}); pinned-copy limit GB/s: {lim}")
+    print(f"{'size':>6} {'MB':>8} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} {'ratio':>6} "
+          f"{'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6}")
+    f = (lambda x: "n/a" if x is None else f"{x:.3f}")
+    for s, r in result["sizes"].items():
+        m = r["summary"]
+        print(f"{s:>6} {m['bytes'] / 1e6:8.0f} {m['load_first_ms']:9.2f} {m['load_last_ms']:8.2f} "
+              f"{m['load_gbps']:9.1f} {f(m['load_ratio']):>6} {m['backup_gbps']:11.1f} "
+              f"{f(m['backup_ratio']):>6} {f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6}")
+
+
+def _plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(result["sizes"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("load_ratio", "LOAD (last layer ready)"), ("backup_ratio", "BACKUP")):
+        ys = [result["sizes"][s]["summary"][key] for s in sizes]
+        if None not in ys:
+            ax.plot(sizes, ys, marker="o", label=label)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("ratio to the pinned-copy limit")
+    ax.set_xlabel("prefix tokens")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,76 @@
+"""What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
+completion report), and the client's exceptions (``DaemonUnreachable``, ``CommandRefused``,
+``TransferFailed``, ``AckTimeout``). Plain data: no socket, no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from hicache.core.errors import HicacheError
+
+
+class DaemonUnreachable(HicacheError, TimeoutError):
+    """The daemon did not answer within the timeout (not running, stuck, or wrong address)."""
+
+
+class CommandRefused(HicacheError):
+    """The daemon refused a command; nothing changed on its side."""
+
+    def __init__(self, command: str, code: str, message: str) -> None:
+        super().__init__(f"{command} refused ({code}): {message}")
+        self.command = command
+        self.code = code
+        self.message = message
+
+
+class TransferFailed(HicacheError):
+    """An operation completed with status error (the ack says why)."""
+
+    def __init__(self, ack: "Ack") -> None:
+        err = ack.error or {}
+        super().__init__(f"op {ack.op} ({ack.kind}) failed: {err.get('message', 'unknown')}")
+        self.ack = ack
+
+
+class AckTimeout(HicacheError, TimeoutError):
+    """The daemon answers, but the operation did not complete within the timeout."""
+
+
+@dataclass
+class Ack:
+    op: int
+    kind: str
+    status: str
+    pools: dict[str, dict[str, Any]]
+    bytes: int
+    seconds: float
+    exec_seconds: float
+    path: str
+    error: dict[str, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def from_wire(cls, h: Mapping[str, Any]) -> "Ack":
+        pools = {p: {"rows": v[0], "bytes": v[1], "seconds": v[2] * 1e-9}
+                 for p, v in h.get("pools", {}).items()}
+        return cls(int(h["op"]), str(h.get("kind", "")), str(h.get("status", "error")), pools,
+                   int(h.get("bytes", 0)), h.get("ns", 0) * 1e-9, h.get("exec_ns", 0) * 1e-9,
+                   str(h.get("path", "")), h.get("error"))
+
+
+@dataclass
+class Op:
+    """A submitted operation: its id, its ack when it completed before the reply, and (GPU
+    loads) the set of per-layer events it records."""
+
+    op_id: int
+    kind: str
+    ack: Ack | None = None
+    event_set: int | None = None
+    host_row: int | None = None
+    rows: dict[str, list[int]] | None = None  # backup with alloc: the host rows it allocated
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,234 @@
+"""Byte-range segments: every buffer of one stage layer (or of a whole operation) in one launch.
+
+A *segment* copies ``n`` ranges of ``nbytes`` bytes: range ``k`` goes from
+``src_base + src_off[k]`` to ``dst_base + dst_off[k]``. A page row is one range (offset
+``row * stride``); a DSV4 token is two (its 576-B value and its 8-B scale). A per-layer load is
+the segments of every pool of that layer, so one launch serves the layer whatever its pools.
+
+Contract:
+
+* ``SegmentPlan.build(parts, layer_order)`` (host, numpy): ``parts`` are ``SegmentPart`` s, one
+  per (buffer pair, id list): per-layer base addresses of both sides, the global layer id of each
+  of those layers, and the byte offsets of the ranges (``row_offsets`` / ``token_offsets`` make
+  them). Segments are grouped by the position of their layer in ``layer_order``; a layer of a
+  part that ``layer_order`` does not list is refused. ``plan.layers[i] = (lo, hi)`` are the
+  segments of ``layer_order[i]``.
+* ``plan.to(device)`` uploads the descriptor table and offsets in one copy on the current
+  stream (through pinned memory: the host is not blocked).
+* ``launch_segments(dev_plan, lo, hi, ctas)`` copies segments ``[lo, hi)`` on the current
+  stream with a persistent grid of ``ctas`` CTAs (one step per program under interpreters
+  without runtime loop bounds). Nothing is checked here: callers validate ids (``dispatch``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .grid import runtime_loops
+from .tables import LayerTable, TokenFormat, _pow2_align
+
+CH = 2048  # bytes per piece
+G = 32  # pieces per loop iteration per CTA (64 KiB in flight)
+NUM_WARPS = 32
+DESC_COLS = 8  # src_base, dst_base, nbytes, off_start, n, align, piece prefix, spare
+
+
+@dataclass(frozen=True)
+class SegmentPart:
+    """One buffer pair and its ranges: ``src_ptrs[l]`` / ``dst_ptrs[l]`` are layer ``l``'s bases,
+    ``layers[l]`` its global layer id; ``ranges`` is a list of (nbytes, src_off, dst_off)."""
+
+    src_ptrs: Sequence[int]
+    dst_ptrs: Sequence[int]
+    layers: Sequence[int]
+    ranges: Sequence[tuple[int, np.ndarray, np.ndarray]]
+
+
+def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray,
+                dst_ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Whole rows: one range of ``row_bytes`` per id pair."""
+    return [(src.row_bytes, src_ids * src.stride, dst_ids * dst.stride)]
+
+
+def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
+                  fmt: TokenFormat) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Tokens of ``fmt``: the value range and, when the format has one, the scale range."""
+    P, vb, sb, so = fmt.tokens_per_page, fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
+    sp, ss = np.divmod(src_tok, P)
+    dp, ds = np.divmod(dst_tok, P)
+    out = [(vb, sp * src.stride + ss * vb, dp * dst.stride + ds * vb)]
+    if sb:
+        out.append((sb, sp * src.stride + so + ss * sb, dp * dst.stride + so + ds * sb))
+    return out
+
+
+class SegmentPlan:
+    """Descriptor table + offsets of one operation (see the module docstring)."""
+
+    def __init__(self, desc: np.ndarray, src_off: np.ndarray, dst_off: np.ndarray,
+                 layers: list[tuple[int, int]], nbytes: int) -> None:
+        self.desc, self.src_off, self.dst_off = desc, src_off, dst_off
+        self.layers = layers
+        self.nbytes = nbytes
+        self.dev: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    @classmethod
+    def build(cls, parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> "SegmentPlan":
+        pos = {g: i for i, g in enumerate(layer_order)}
+        offs_s: list[np.ndarray] = []
+        offs_d: list[np.ndarray] = []
+        blocks: list[np.ndarray] = []  # rows: layer position, src, dst, nbytes, off, n, align
+        start = 0
+        for part in parts:
+            try:
+                lpos = np.array([pos[g] for g in part.layers], dtype=np.int64)
+            except KeyError as e:
+                raise ValueError(f"layer {e.args[0]} is not in this stage's layer order") from None
+            sp = np.asarray(part.src_ptrs, dtype=np.int64)
+            dp = np.asarray(part.dst_ptrs, dtype=np.int64)
+            for rb, so, do in part.ranges:
+                n = int(so.size)
+                if n == 0:
+                    continue
+                offs_s.append(np.asarray(so, dtype=np.int64))
+                offs_d.append(np.asarray(do, dtype=np.int64))
+                # offsets are multiples of this (ids * stride, or slot * size + offset)
+                a_off = _pow2_align(rb, int(np.bitwise_or.reduce(so)), int(np.bitwise_or.reduce(do)))
+                low = np.bitwise_or(sp, dp) & -np.bitwise_or(sp, dp)  # lowest set bit of both
+                al = np.minimum(np.minimum(low, 16), a_off)
+                if int(al.min()) < 8:
+                    raise ValueError(f"a range of {rb} B at these offsets/addresses is not "
+                                     f"8-byte aligned; segments move 8-byte words")
+                k = len(lpos)
+                blocks.append(np.stack([lpos, sp, dp, np.full(k, rb), np.full(k, start),
+                                        np.full(k, n), al], axis=1))
+                start += n
+        empty = np.zeros(0, dtype=np.int64)
+        if not blocks:
+            return cls(np.zeros((0, DESC_COLS), dtype=np.int64), empty, empty,
+                       [(0, 0)] * len(layer_order), 0)
+        rows = np.concatenate(blocks)
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        pieces = rows[:, 5] * ((rows[:, 3] + CH - 1) // CH)
+        desc = np.zeros((len(rows), DESC_COLS), dtype=np.int64)
+        desc[:, 0:6] = rows[:, 1:7]
+        desc[:, 6] = np.cumsum(pieces) - pieces  # pieces before each segment, over the plan
+        bounds = np.searchsorted(rows[:, 0], np.arange(len(layer_order) + 1))
+        layers = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(layer_order))]
+        return cls(desc, np.concatenate(offs_s), np.concatenate(offs_d), layers,
+                   int((rows[:, 3] * rows[:, 5]).sum()))
+
+    def to(self, device: torch.device) -> "SegmentPlan":
+        """Upload once (one pinned buffer, one non-blocking copy on the current stream)."""
+        if self.dev is None:
+            flat = np.concatenate([self.desc.ravel(), self.src_off, self.dst_off])
+            host = torch.from_numpy(flat)
+            if device.type == "cuda":
+                pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
+                pinned.copy_(host)
+                t = pinned.to(device, non_blocking=True)
+            else:
+                t = host
+            nd, ns = self.desc.size, self.src_off.size
+            self.dev = (t[:nd], t[nd:nd + ns], t[nd + ns:])
+        return self
+
+    def pieces(self, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return 0
+        return self._pre[hi] - self._pre[lo]
+
+    def align(self, lo: int, hi: int) -> int:
+        return min(self._align[lo:hi], default=16)
+
+    @property
+    def _pre(self) -> list[int]:
+        """Piece prefix of every segment and the total, as Python ints (cached)."""
+        pre = self.__dict__.get("_pre_l")
+        if pre is None:
+            d = self.desc
+            ends = (d[:, 6] + d[:, 4] * ((d[:, 2] + CH - 1) // CH)).tolist() if len(d) else []
+            pre = d[:, 6].tolist() + ends[-1:] if len(d) else [0]
+            self.__dict__["_pre_l"] = pre
+            self.__dict__["_align_l"] = d[:, 5].tolist()
+        return pre
+
+    @property
+    def _align(self) -> list[int]:
+        self._pre
+        return self.__dict__["_align_l"]
+
+
+@triton.jit
+def _seg_step(it, desc, soff, doff, sgi, CHE: tl.constexpr, G: tl.constexpr,
+              VEC: tl.constexpr):
+    """Move pieces it*G .. it*G+G-1 of segment ``sgi``: each up to CHE 8-byte words of one
+    range. The segment's fields are scalars; only the range offsets are gathered per piece."""
+    CH: tl.constexpr = CHE * 8
+    row = desc + sgi * 8
+    sb = tl.load(row)
+    db = tl.load(row + 1)
+    rb = tl.load(row + 2)
+    off0 = tl.load(row + 3)
+    n = tl.load(row + 4)
+    ppr = (rb + CH - 1) // CH
+    cols = tl.arange(0, CHE)
+    p = tl.arange(0, G).to(tl.int64) + it * G
+    live = p < n * ppr
+    r = p // ppr
+    c = p - r * ppr
+    s = tl.load(soff + off0 + r, mask=live, other=0)
+    d = tl.load(doff + off0 + r, mask=live, other=0)
+    s_ptr = (sb + s + c * CH).to(tl.pointer_type(tl.int64))
+    d_ptr = (db + d + c * CH).to(tl.pointer_type(tl.int64))
+    # words left in this range's piece; every range is a multiple of 8 * VEC bytes, so masks
+    # are constant over VEC words and loads stay 8 * VEC bytes wide
+    lim = tl.multiple_of((rb - c * CH) // 8, VEC)
+    if VEC > 1:
+        s_ptr = tl.multiple_of(s_ptr, 8 * VEC)
+        d_ptr = tl.multiple_of(d_ptr, 8 * VEC)
+    m = live[:, None] & (cols[None, :] < lim[:, None])
+    v = tl.load(s_ptr[:, None] + cols[None, :], mask=m)
+    tl.store(d_ptr[:, None] + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, CHE: tl.constexpr, G: tl.constexpr,
+                VEC: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Persistent: every CTA walks the segments in order and takes every num_programs-th
+    iteration of each (no search, no barrier between segments). Otherwise one program per
+    (segment, iteration) of a 2-D grid (interpreters without runtime loop bounds)."""
+    CH: tl.constexpr = CHE * 8
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        nprog = tl.num_programs(0)
+        for sgi in range(seg_lo, seg_hi):
+            row = desc + sgi * 8
+            pieces = tl.load(row + 4) * ((tl.load(row + 2) + CH - 1) // CH)
+            for it in range(pid, tl.cdiv(pieces, G), nprog):
+                _seg_step(it, desc, soff, doff, sgi, CHE, G, VEC)
+    else:
+        _seg_step(tl.program_id(1), desc, soff, doff, seg_lo + pid, CHE, G, VEC)
+
+
+def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
+    """Copy segments ``[lo, hi)`` of an uploaded plan on the current stream."""
+    total = plan.pieces(lo, hi)
+    if total == 0:
+        return
+    assert plan.dev is not None, "upload the plan first (plan.to(device))"
+    desc, soff, doff = plan.dev
+    vec = 2 if plan.align(lo, hi) >= 16 else 1
+    if runtime_loops():
+        grid: tuple[int, ...] = (max(1, min(int(ctas), triton.cdiv(total, G))),)
+        persistent = True
+    else:
+        most = max(plan._pre[k + 1] - plan._pre[k] for k in range(lo, hi))
+        grid, persistent = (hi - lo, triton.cdiv(most, G)), False
+    _seg_kernel[grid](desc, soff, doff, lo, hi, CHE=CH // 8, G=G, VEC=vec,
+                      PERSISTENT=persistent, num_warps=NUM_WARPS)
