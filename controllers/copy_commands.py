@@ -16,6 +16,7 @@ from hicache.core.layout import PoolSpec
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
 from hicache.kernels.tables import TokenFormat
 
+from .host_access import check_readable
 from .ops import ClearSpec, ClearTarget, Ids, Item, Operation
 from .registry import ClientState, RegisteredWorker
 from .state import OWNER_LOOP_MAX, DaemonState
@@ -66,7 +67,7 @@ def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays
     """Validated items of a backup / load. ``fresh``: host rows per space that this command
     allocates (backup with alloc): they are the items' destinations, owned by construction."""
     frames: dict[int, Ids] = {}
-    checked: set[tuple] = set()
+    checked: dict[tuple, Any] = {}  # (src, dst, space, P) -> host rows touched
     seen: set[str] = set()
     items: list[Item] = []
     host: dict[str, list[Any]] = {}
@@ -107,8 +108,11 @@ def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays
                     st.check_owned(c.cid, space, pages, f"items[{i}]")
                     host.setdefault(space, []).append(pages)
                 else:
-                    host.setdefault(space, []).append(dst.np())
-                checked.add(key)
+                    pages = dst.np()
+                    host.setdefault(space, []).append(pages)
+                checked[key] = pages
+            if not to_host:
+                check_readable(st.group, spec.name, checked[key], f"items[{i}]")
             dev_t, host_t = w.tables[spec.name], st.host_tables[spec.name]
             nbytes = src.n * spec.num_layers * (spec.token_bytes if token else spec.page_bytes)
             total += nbytes
@@ -136,8 +140,11 @@ def _reply(op: Operation, ack: dict | None, extra: dict | None = None) -> dict[s
 
 
 def _wait_event(st: DaemonState, w: RegisteredWorker, k: int | None) -> Any:
-    if k is None or not st.cuda:
-        return None  # CPU mode: the engine's writes are visible before it sends the command
+    if k is None:
+        return None
+    if not st.cuda:  # the engine's writes are visible before it sends the command
+        raise ProtocolError("unsupported", "wait_event: CPU mode has no interprocess events; "
+                                           "send the command once the device rows are written")
     if not 0 <= k < len(w.events):
         raise ProtocolError("bad_field", f"wait_event {k}: the worker registered "
                                          f"{len(w.events)} events")
@@ -262,6 +269,8 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     if request is not None and owner != (c.cid, request):
         raise ProtocolError("not_owner", f"host_row {row} belongs to request {owner[1]!r}, "
                                          f"not {request!r}")
+    for spec in pools:
+        check_readable(st.group, spec.name, rows, "host_row")
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)
     op = Operation(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)],
                    nbytes=nbytes)
@@ -287,6 +296,8 @@ def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Re
     if len(set(slots)) != len(slots):
         raise ProtocolError("bad_rows", "a slot is listed twice")
     draft = None if h.get("draft") is None else _draft(h["draft"], slots)
+    if draft is not None:
+        _draft_applies(pools)
     targets = [ClearTarget(p.name, w.tables[p.name], p.ring, p.dtype == "fp32_state")
                for p in pools]
     clear = ClearSpec(targets, [] if draft else list(slots), draft)
@@ -296,6 +307,16 @@ def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Re
 
 
 DRAFT_FIELDS = {"seq_lens", "accept_lens", "num_draft"}
+
+
+def _draft_applies(pools: list[PoolSpec]) -> None:
+    """The draft rule rewrites ring entries of fp32 state pools: refuse it where there are none
+    (it would change nothing and ack ok)."""
+    if not any(p.dtype == "fp32_state" and p.ring > 1 for p in pools):
+        raise ProtocolError("unsupported", "clear_slot draft=: this stage's request-slot pools ("
+                            + ", ".join(p.name for p in pools) + ") hold no ring state (paged "
+                            "SWA with online C128 state), so the MTP draft rule has nothing to "
+                            "void; clear whole slots instead")
 
 
 def _draft(d: dict, slots: list[int]) -> list[tuple[int, list[int]]]:

@@ -116,7 +116,8 @@ class Daemon:
         self.metrics = Metrics()
         self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
                                    arena_options={"numa_node": numa,
-                                                  "touch_threads": cfg.touch_threads})
+                                                  "touch_threads": cfg.touch_threads},
+                                   zero_on_free=cfg.zero_on_free)
         self.server: Server | None = None
         self.scheduler: Scheduler | None = None
         try:
@@ -215,7 +216,7 @@ class Daemon:
         if self.server is not None:
             self.server.send_acks()
             self.server.refuse_pending()
-        for c in list(st.registry.clients.values()):
+        for c in [*st.registry.clients.values(), *st.registry.retiring.values()]:
             st.registry.remove(c)  # closes device mappings
         log.info("shutdown: drained in %.3f s", time.monotonic() - t0)
         self._teardown()

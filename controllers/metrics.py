@@ -57,6 +57,16 @@ CATALOG: tuple[MetricDef, ...] = (
               "Host rows per index space by state: used, free, pending_free (freed by the client "
               "while an operation still used them).",
               "How full is the host tier, and is anything stuck waiting to be freed?"),
+    MetricDef("host_free_runs", "gauge", ("space",),
+              "Runs of consecutive free host rows per index space (freed rows coalesce).",
+              "Is the host tier's free space in a few long runs or many scattered rows?"),
+    MetricDef("host_free_run_mean_rows", "gauge", ("space",),
+              "Mean length in rows of the free runs of an index space (free rows / runs).",
+              "Will a request's host rows come out consecutive (long runs feed the staged DMA "
+              "path)?"),
+    MetricDef("host_fragmentation_ratio", "gauge", ("space",),
+              "1 - longest free run / free rows, per index space (0: all free rows in one run).",
+              "How scattered is the free host space?"),
     MetricDef("host_pool_bytes", "gauge", ("pool",),
               "Host bytes reserved for each pool (all layers).",
               "Where does the pinned host memory go?"),

@@ -4,6 +4,12 @@ A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id strin
 ``touch(ident, now)`` finds or adds it (refusing beyond ``max_clients``); ``silent(now, timeout)``
 lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
 kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
+
+A reaped client with operations still in flight is *retiring* (``retire``): it no longer counts
+as connected and gets no acks, but its rows and device mappings stay until its last operation
+ends (``remove`` then); meanwhile its identity is refused (``busy``), so a reconnecting peer
+can neither use nor lose what the old one held. Under CURVE a client is bound to the name of
+the key that created it (``touch``): another key presenting its routing identity is refused.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ClientState:
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
     closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
+    key: str | None = None  # CURVE: the name of the key this client is bound to
 
 
 class Registry:
@@ -59,14 +66,24 @@ class Registry:
         self.max_clients = max_clients
         self.retention = retention
         self.clients: dict[bytes, ClientState] = {}
+        self.retiring: dict[bytes, ClientState] = {}
 
-    def touch(self, ident: bytes, now: float) -> ClientState:
+    def touch(self, ident: bytes, now: float, key: str | None = None) -> ClientState:
+        """The client of routing identity ``ident``; ``key``: the CURVE key name the message
+        came with (None without CURVE). A client is bound to the key that created it: another
+        key using its identity is refused (``not_owner``) and changes nothing."""
         c = self.clients.get(ident)
+        if c is not None and c.key != key:
+            raise ProtocolError("not_owner", f"client {c.cid[:64]} is bound to CURVE key "
+                                             f"{c.key!r}; this message came with key {key!r}")
         if c is None:
+            if ident in self.retiring:
+                raise ProtocolError("busy", "this client was reaped and its operations are "
+                                            "still draining; retry in a moment")
             if len(self.clients) >= self.max_clients:
                 raise ProtocolError("too_many_clients", f"the daemon already tracks "
                                                         f"{self.max_clients} clients")
-            c = ClientState(ident.decode("utf-8", "replace"), ident, now)
+            c = ClientState(ident.decode("utf-8", "replace"), ident, now, key=key)
             self.clients[ident] = c
         c.last_seen = now
         return c
@@ -74,8 +91,17 @@ class Registry:
     def silent(self, now: float, timeout: float) -> list[ClientState]:
         return [c for c in self.clients.values() if now - c.last_seen > timeout]
 
+    def retire(self, c: ClientState) -> None:
+        """Stop serving ``c`` now; ``remove`` it once its in-flight operations ended."""
+        if self.clients.get(c.ident) is c:
+            del self.clients[c.ident]
+        self.retiring[c.ident] = c
+        c.acks.clear()
+
     def remove(self, c: ClientState) -> None:
         self.clients.pop(c.ident, None)
+        if self.retiring.get(c.ident) is c:
+            del self.retiring[c.ident]
         if c.worker is not None:
             c.worker.close()
             c.worker = None

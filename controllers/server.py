@@ -7,7 +7,8 @@ timeout when that is shorter) reap clients silent for longer than the heartbeat 
 refresh the gauges. While the engine is idle the loop waits on the socket alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
-oversubscribed one). Nothing per command is logged (the hot path stays lean); failures are
+oversubscribed one). Under CURVE each client key has a name (its file in the clients directory)
+and a client is bound to the key that first spoke for it (``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
 counted in metrics, and internal errors are logged with their traceback.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -31,9 +33,44 @@ HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
+# libzmq's MAXMSGSIZE bounds each frame, not the multipart message: the frame count and the
+# message total are checked by ``_recv`` as frames are taken off the socket, before any decode.
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
+# complete messages queued per peer before libzmq stops reading that peer's connection
+TRANSPORT_RCVHWM = 8
+_KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def key_names(directory: str) -> dict[bytes, str]:
+    """CURVE client identities of the daemon's config: each public key file ``NAME.key`` in the
+    clients directory makes its key (z85, as ``zmq.auth`` loads it) act as client ``NAME``."""
+    import zmq.auth
+
+    out: dict[bytes, str] = {}
+    for path in sorted(Path(directory).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(path))
+        out[public] = path.stem
+    return out
+
+
+def _named_authenticator(ctx: zmq.Context, clients: str) -> Any:
+    """A ZAP handler (thread) that admits the listed keys and names each message's sender
+    (``User-Id``) by its key's file name."""
+    from zmq.auth.thread import ThreadAuthenticator
+    from zmq.utils import z85
+
+    names = key_names(clients)
+
+    class Named(ThreadAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            key = z85.encode(client_public_key) if len(client_public_key) == 32 \
+                else client_public_key
+            return names.get(key, "")
+
+    return Named(ctx)
 
 
 class Server:
@@ -47,13 +84,12 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
         self.sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
         self.auth: Any = None
+        self.user: str | None = None  # CURVE: name of the key that sent the current message
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
-            from zmq.auth.thread import ThreadAuthenticator
-
             public, secret, clients = curve
-            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth = _named_authenticator(self.ctx, clients)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=clients)
             self.sock.curve_secretkey = secret
@@ -148,23 +184,53 @@ class Server:
     def _request(self) -> None:
         """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
         cheaper than a poll per request when several clients are busy)."""
-        recv, handle = self.sock.recv_multipart, self._handle
+        recv, handle = self._recv, self._handle
         for _ in range(BATCH):
             try:
-                frames = recv(_NOBLOCK)
+                frames, err = recv()
             except zmq.Again:
                 return
-            handle(frames)
+            handle(frames, err)
             if self.state.stopping:
                 return
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _recv(self) -> tuple[list[bytes], str | None]:
+        """One message, frame by frame: at most the identity, a header and
+        ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept; the rest is
+        taken off the socket and dropped at once. Returns (frames, why the message is refused
+        or None). Raises ``zmq.Again`` when no message waits."""
+        sock = self.sock
+        recv, more = sock.recv, sock.get
+        frames = [recv(_NOBLOCK)]
+        n = total = 0
+        over = False
+        while more(_RCVMORE):
+            # index frames zero-copy (a zmq.Frame exposes its buffer); the header as bytes
+            f = recv(_NOBLOCK, copy=n == 0 and not self.auth)
+            if n == 0 and self.auth:  # the key's name, set by our ZAP handler: who sent this
+                self.user = f.get("User-Id")
+                f = f.bytes
+            n += 1
+            total += len(f)
+            if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
+                over = True
+            if not over:
+                frames.append(f)
+        if not over:
+            return frames, None
+        if n > _KEEP - 1:
+            return frames[:2], f"{n - 1} index frames; at most {P.MAX_INDEX_FRAMES}"
+        return frames[:2], f"message of {total} bytes exceeds {P.MAX_MESSAGE_BYTES}"
+
+    def _handle(self, frames: list[bytes], refused: str | None = None) -> None:
         t0 = time.perf_counter()
         st = self.state
         ident, body = frames[0], frames[1:]
         cmd, rid, code = "invalid", None, None
         try:
-            c = st.registry.touch(ident, time.monotonic())
+            c = st.registry.touch(ident, time.monotonic(), self.user)
+            if refused is not None:
+                raise P.ProtocolError("bad_frame", refused)
             h, arrays = P.decode_request(body)
             cmd, rid = h["cmd"], h["id"]
             if st.stopping and cmd != "shutdown":

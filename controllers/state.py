@@ -28,6 +28,7 @@ from hicache.core.layout import Layout, LayoutError, PoolSpec
 from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
+from .host_access import begin_writes, end_writes, host_table
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
@@ -55,8 +56,8 @@ class DaemonState:
         self.shm_dirs = shm_dirs
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
-        self.host_tables = {name: LayerTable(p.layers, f"host:{name}")
-                            for name, p in group.pools.items()}
+        self.host_tables: dict[str, LayerTable] = {name: host_table(p)
+                                                   for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
@@ -133,7 +134,9 @@ class DaemonState:
         """Run or submit ``op``. Returns its ack when it ran inline (CPU mode, small, engine
         idle: nothing else can touch its rows meanwhile, so no in-flight bookkeeping; metrics
         are recorded after the reply went out), else None (the ack is pushed later)."""
+        begin_writes(self.group, op)
         if self.scheduler.run_inline(op):
+            end_writes(self.group, op)
             self.post.append(op)
             return op.ack()
         if self.scheduler.cuda and self.tracker.hazard(op.host):
@@ -159,6 +162,7 @@ class DaemonState:
         """Bookkeeping of one completed asynchronous op; its ack goes to the outbox."""
         _, c = self.ops.pop(op.op_id)
         self.scheduler.forget(op)
+        end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
         c.in_flight -= 1
         self.metrics.in_flight(op.kind, -1)
@@ -166,6 +170,7 @@ class DaemonState:
             self.release_ready()
         if c.closing and c.in_flight == 0:
             self._free_all(c)
+            self._retired(c)
         self._account(op)
         self.outbox.append((c, op.ack()))
 
@@ -228,10 +233,25 @@ class DaemonState:
         return 0, True
 
     def reap(self, c: ClientState, why: str) -> None:
-        n, deferred = self.release_client(c)
-        self.registry.remove(c)
-        log.warning("client %s %s: %d host rows freed%s, device mappings closed", c.cid, why,
-                    n, " (more when its in-flight ops end)" if deferred else "")
+        """Reap without waiting (the loop keeps serving): with nothing in flight, free its
+        rows and close its mappings now; else retire it and let ``_finish`` do both when its
+        last operation ends."""
+        if c.in_flight == 0:
+            n = self._free_all(c)
+            self.registry.remove(c)
+            log.warning("client %s %s: %d host rows freed, device mappings closed", c.cid, why, n)
+            return
+        c.closing = True
+        self.registry.retire(c)
+        log.warning("client %s %s: %d operations still running; its rows and device mappings "
+                    "go when they end", c.cid, why, c.in_flight)
+
+    def _retired(self, c: ClientState) -> None:
+        """The last operation of a retiring (reaped) client ended: close its mappings."""
+        if self.registry.retiring.get(c.ident) is c:
+            self.registry.remove(c)
+            log.warning("client %s: its in-flight operations ended; rows freed, device "
+                        "mappings closed", c.cid)
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:
@@ -267,10 +287,19 @@ class DaemonState:
             m.set("host_rows", a.used_rows - pend, s, "used")
             m.set("host_rows", a.free_rows, s, "free")
             m.set("host_rows", pend, s, "pending_free")
+        self._run_gauges()
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
         if self.sparse is not None:
             refresh_sparse_gauges(self)
+
+    def _run_gauges(self) -> None:
+        """Free-run gauges of each index space (how consecutive new host rows will be)."""
+        for s, a in self.group.allocators.items():
+            st = a.stats()
+            self.metrics.set("host_free_runs", st["free_runs"], s)
+            self.metrics.set("host_free_run_mean_rows", st["mean_free_run"], s)
+            self.metrics.set("host_fragmentation_ratio", st["fragmentation"], s)
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -1,25 +1,38 @@
-"""``RowAllocator``: the free list and owner table of one row-id space.
+"""``RowAllocator``: the free runs and owner table of one row-id space.
 
 Contract (one instance per index space; pools of a space share its row ids; callers serialize):
 
 * ``alloc(n, owner) -> torch.int64 tensor`` of ``n`` distinct free rows, owned by ``owner`` from
   that moment (the owner is written in the same step: bookkeeping lives in the allocation).
-  Raises ``PoolExhausted`` when fewer than ``n`` rows are free. O(n).
-* ``free(rows, owner)``: O(n). Out-of-range rows, rows listed twice, rows already free (double
-  free) and rows owned by someone else raise ``PoolError`` naming the rows, and change nothing:
-  ``check_free`` validates fully, then ``_release`` mutates.
+  Rows come in runs: the free rows are kept as maximal runs of consecutive ids, indexed by
+  size class (``floor(log2(length))``). A request of ``n`` rows takes a fitting run of its
+  own class (the tightest fit, among the first few of that class), else the lowest-starting
+  run of the smallest larger class (where every run fits); only when no
+  single run holds ``n`` rows does it take the largest runs first. So one request's rows are
+  consecutive whenever a free run can hold them. Raises ``PoolExhausted`` when fewer than
+  ``n`` rows are free. O(n + runs touched + classes).
+* ``free(rows, owner)``: O(n log n). Out-of-range rows, rows listed twice, rows already free
+  (double free) and rows owned by someone else raise ``PoolError`` naming the rows, and change
+  nothing: ``check_free`` validates fully, then ``_release`` mutates. Freed rows coalesce with
+  their free neighbours into one run.
 * ``free_owner(client_id, request=None) -> int``: frees every row of that client (any request)
   or of exactly ``(client_id, request)``; O(rows in the space).
-* ``owner_of(row)``, ``rows_of(client_id, request=None)``, ``stats()``, ``snapshot()``,
-  ``check_invariants()`` (free and used rows partition the space; owner counts exact).
+* ``on_release``: optional callable given the int64 rows of every release (free, free_owner,
+  deferred frees all pass through ``_release``), before they become allocatable again; the
+  pool group uses it to return rows to "unwritten" (and to zero them when asked).
+* ``owner_of(row)``, ``rows_of(client_id, request=None)``, ``runs()``, ``stats()`` (with
+  ``free_runs``, ``mean_free_run`` and ``fragmentation`` = 1 - largest free run / free rows),
+  ``snapshot()``, ``check_invariants()`` (free runs sorted, disjoint, coalesced, exactly the
+  unowned rows; size-class index exact; owner counts exact).
 
 Host row 0 is a valid row (host and device index spaces are separate). Rows come out lowest
 first from a fresh allocator; an alloc followed by the free of the same rows restores the
-free list exactly (so rollbacks leave no trace).
+free runs exactly (so rollbacks leave no trace).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple, Union
+import heapq
+from typing import Any, Callable, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,6 +43,8 @@ Owner = Tuple[str, Union[str, None]]  # (client_id, request id or None)
 RowsLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 FREE = -1
 _SHOW = 8  # rows named in an error message
+_SCAN = 64  # runs of the tightest class examined first for a fit
+_SMALL = 16  # up to this many rows, plain loops instead of numpy calls
 
 
 def check_owner(owner: Any) -> Owner:
@@ -58,43 +73,149 @@ def as_rows(rows: RowsLike) -> np.ndarray:
     return arr.astype(np.int64, copy=True)
 
 
+def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, length)`` of the maximal runs of consecutive ids in ``rows`` (sorted first)."""
+    if rows.size == 0:
+        return []
+    if rows.size <= _SMALL:  # a plain loop beats numpy's per-call overhead here
+        out: list[tuple[int, int]] = []
+        for r in sorted(rows.tolist()):
+            if out and out[-1][0] + out[-1][1] == r:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((r, 1))
+        return out
+    s = np.sort(rows)
+    brk = np.flatnonzero(np.diff(s) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [s.size]))
+    return [(int(s[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
 def _show(rows: np.ndarray) -> str:
     head = ", ".join(str(int(r)) for r in rows[:_SHOW])
     return f"[{head}{', ...' if rows.size > _SHOW else ''}] ({rows.size} row(s))"
 
 
 class RowAllocator:
-    """Free-list stack plus an owner id per row for one index space."""
+    """Free runs (coalesced, indexed by size class) plus an owner id per row, one index space."""
 
     def __init__(self, num_rows: int, space: str) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows <= 0:
             raise PoolError(f"space {space!r}: row count must be a positive int, got {num_rows!r}")
         self.space = space
         self.num_rows = num_rows
-        self._stack = np.arange(num_rows - 1, -1, -1, dtype=np.int64)  # free rows, top at end
-        self._top = num_rows
+        self._free = 0
+        self._by_start: dict[int, int] = {}  # run start -> length
+        self._by_end: dict[int, int] = {}  # run end (exclusive) -> start
+        self._classes: list[list[int]] = [[] for _ in range(num_rows.bit_length())]  # heaps
         self._owner = np.full(num_rows, FREE, dtype=np.int32)  # owner id per row
         self._scratch = np.zeros(num_rows, dtype=np.int64)  # duplicate detection in O(n)
         self._ids: dict[Owner, int] = {}
         self._owners: list[Owner | None] = []  # id -> owner
         self._counts: list[int] = []  # id -> rows held
         self._spare: list[int] = []  # ids to reuse
+        self.on_release: Callable[[np.ndarray], None] | None = None
+        self._add_run(0, num_rows)
+        self._free = num_rows
+
+    # ------------------------------------------------------------------ free runs
+    def _add_run(self, start: int, n: int) -> None:
+        """Insert the free run ``[start, start + n)``, merged with free neighbours."""
+        left = self._by_end.pop(start, None)
+        if left is not None:
+            ln = self._by_start.pop(left)
+            start, n = left, n + ln
+        right = self._by_start.pop(start + n, None)
+        if right is not None:
+            del self._by_end[start + n + right]
+            n += right
+        self._by_start[start] = n
+        self._by_end[start + n] = start
+        heapq.heappush(self._classes[n.bit_length() - 1], start)
+
+    def _live(self, c: int, start: int) -> bool:
+        """Is a heap entry of class ``c`` the start of a current free run of that class?"""
+        n = self._by_start.get(start)
+        return n is not None and n.bit_length() - 1 == c
+
+    def _top(self, c: int) -> int | None:
+        """Lowest-starting live run of class ``c`` (stale heap entries dropped), or None."""
+        h = self._classes[c]
+        while h and not self._live(c, h[0]):
+            heapq.heappop(h)
+        return h[0] if h else None
+
+    def _take(self, start: int, n: int) -> None:
+        """Remove ``n`` rows from the front of the free run at ``start``."""
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        if length > n:
+            rest = start + n
+            self._by_start[rest] = length - n
+            self._by_end[start + length] = rest
+            heapq.heappush(self._classes[(length - n).bit_length() - 1], rest)
+        if sum(map(len, self._classes)) > 4 * len(self._by_start) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the class heaps from the live runs (stale entries pile up otherwise)."""
+        self._classes = [[] for _ in range(self.num_rows.bit_length())]
+        for s, n in self._by_start.items():
+            self._classes[n.bit_length() - 1].append(s)
+        for h in self._classes:
+            heapq.heapify(h)
+
+    def _take_rows(self, n: int) -> list[tuple[int, int]]:
+        """Take ``n`` rows out of the free runs (``n`` <= free rows); returns the pieces
+        ``(start, length)``: one piece whenever some run holds ``n`` rows."""
+        top = len(self._classes)
+        c = n.bit_length() - 1  # the tightest class: runs of [2**c, 2**(c+1)), some >= n
+        h = self._classes[c]
+        if h:
+            for s in h[:_SCAN]:
+                if self._live(c, s) and self._by_start[s] >= n:
+                    self._take(s, n)
+                    return [(s, n)]
+        for c in range(c + 1, top):  # every run of a larger class holds n: lowest start
+            s = self._top(c)
+            if s is not None:
+                self._take(s, n)
+                return [(s, n)]
+        if len(h) > _SCAN:  # the rest of the tightest class, before splitting the request
+            for s in h[_SCAN:]:
+                if self._live(n.bit_length() - 1, s) and self._by_start[s] >= n:
+                    self._take(s, n)
+                    return [(s, n)]
+        pieces, need = [], n  # no single run holds n: largest runs first
+        for c in range(top - 1, -1, -1):
+            while need:
+                s = self._top(c)
+                if s is None:
+                    break
+                k = min(need, self._by_start[s])
+                self._take(s, k)
+                pieces.append((s, k))
+                need -= k
+            if not need:
+                break
+        return pieces
 
     # ------------------------------------------------------------------ allocation
     @property
     def free_rows(self) -> int:
-        return self._top
+        return self._free
 
     @property
     def used_rows(self) -> int:
-        return self.num_rows - self._top
+        return self.num_rows - self._free
 
     def check_alloc(self, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise PoolError(f"space {self.space!r}: row count must be a non-negative int, "
                             f"got {n!r}")
-        if n > self._top:
-            raise PoolExhausted(f"space {self.space!r}: {n} rows asked, {self._top} of "
+        if n > self._free:
+            raise PoolExhausted(f"space {self.space!r}: {n} rows asked, {self._free} of "
                                 f"{self.num_rows} free")
 
     def alloc(self, n: int, owner: Owner) -> torch.Tensor:
@@ -102,12 +223,17 @@ class RowAllocator:
         owner = check_owner(owner)
         self.check_alloc(n)
         n = int(n)
-        rows = self._stack[self._top - n:self._top][::-1].copy()
-        if n:
-            oid = self._intern(owner)
-            self._top -= n
-            self._owner[rows] = oid
-            self._counts[oid] += n
+        if not n:
+            return torch.empty(0, dtype=torch.int64)
+        pieces = self._take_rows(n)
+        if len(pieces) == 1:
+            rows = np.arange(pieces[0][0], pieces[0][0] + n, dtype=np.int64)
+        else:
+            rows = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
+        oid = self._intern(owner)
+        self._free -= n
+        self._owner[rows] = oid
+        self._counts[oid] += n
         return torch.from_numpy(rows)
 
     def check_free(self, rows: RowsLike, owner: Owner) -> np.ndarray:
@@ -140,7 +266,7 @@ class RowAllocator:
         return arr
 
     def free(self, rows: RowsLike, owner: Owner) -> int:
-        """Return ``rows`` of ``owner`` to the free list; all or nothing. Returns the count."""
+        """Return ``rows`` of ``owner`` to the free runs; all or nothing. Returns the count."""
         arr = self.check_free(rows, owner)
         self._release(arr)
         return int(arr.size)
@@ -149,14 +275,25 @@ class RowAllocator:
         """Mutation half of ``free``: ``arr`` must have passed ``check_free``."""
         if arr.size == 0:
             return
-        ids, counts = np.unique(self._owner[arr], return_counts=True)
-        for oid, c in zip(ids.tolist(), counts.tolist()):
+        if self.on_release is not None:
+            self.on_release(arr)
+        held = self._owner[arr]
+        if arr.size <= _SMALL:
+            tally: dict[int, int] = {}
+            for oid in held.tolist():
+                tally[oid] = tally.get(oid, 0) + 1
+            pairs = list(tally.items())
+        else:
+            ids, counts = np.unique(held, return_counts=True)
+            pairs = list(zip(ids.tolist(), counts.tolist()))
+        for oid, c in pairs:
             self._counts[oid] -= c
             if self._counts[oid] == 0:
                 self._forget(oid)
         self._owner[arr] = FREE
-        self._stack[self._top:self._top + arr.size] = arr[::-1]
-        self._top += arr.size
+        for s, k in runs_of(arr):
+            self._add_run(s, k)
+        self._free += int(arr.size)
 
     def free_owner(self, client_id: str, request: str | None = None) -> int:
         """Free every row of ``client_id`` (``request=None``: all its requests). Count freed."""
@@ -210,26 +347,58 @@ class RowAllocator:
         """Rows held per owner."""
         return {o: self._counts[i] for o, i in self._ids.items()}
 
-    def stats(self) -> dict[str, Any]:
-        return {"space": self.space, "rows": self.num_rows, "used": self.used_rows,
-                "free": self._top, "owners": len(self._ids)}
+    def runs(self) -> list[tuple[int, int]]:
+        """The free runs ``(start, length)``, lowest first."""
+        return sorted(self._by_start.items())
 
-    def snapshot(self) -> tuple[bytes, tuple[Owner | None, ...], dict[Owner, int]]:
-        """Comparable state: free list (in order), owner per row, rows per owner."""
+    def largest_run(self) -> int:
+        """Length of the longest free run (0 when nothing is free)."""
+        for c in range(len(self._classes) - 1, -1, -1):
+            if self._top(c) is not None:
+                return max(self._by_start[s] for s in self._classes[c] if self._live(c, s))
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        runs = len(self._by_start)
+        largest = self.largest_run()
+        return {"space": self.space, "rows": self.num_rows, "used": self.used_rows,
+                "free": self._free, "owners": len(self._ids), "free_runs": runs,
+                "mean_free_run": self._free / runs if runs else 0.0,
+                "fragmentation": 1.0 - largest / self._free if self._free else 0.0}
+
+    def snapshot(self) -> tuple[tuple[tuple[int, int], ...], tuple[Owner | None, ...],
+                                dict[Owner, int]]:
+        """Comparable state: free runs (sorted), owner per row, rows per owner."""
         per_row = tuple(None if i == FREE else self._owners[i] for i in self._owner.tolist())
-        return self._stack[:self._top].tobytes(), per_row, self.owners()
+        return tuple(self.runs()), per_row, self.owners()
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless free and used rows partition the space exactly."""
+        """Raise ``InvariantError`` unless free runs and owned rows partition the space exactly."""
         sp = self.space
-        free = self._stack[:self._top]
-        if free.size and (free.min() < 0 or free.max() >= self.num_rows):
-            raise InvariantError(f"space {sp!r}: free list holds out-of-range rows")
-        if np.unique(free).size != free.size:
-            raise InvariantError(f"space {sp!r}: free list holds a row twice")
-        if (self._owner[free] != FREE).any():
+        runs = self.runs()
+        mask = np.zeros(self.num_rows, dtype=bool)
+        classes = [set(h) for h in self._classes]
+        prev_end = -1
+        for s, n in runs:
+            if n <= 0 or s < 0 or s + n > self.num_rows:
+                raise InvariantError(f"space {sp!r}: free run ({s}, {n}) is out of range")
+            if s <= prev_end:
+                raise InvariantError(f"space {sp!r}: free run at {s} overlaps or touches the "
+                                     f"previous one (not coalesced)")
+            if self._by_end.get(s + n) != s:
+                raise InvariantError(f"space {sp!r}: run end index disagrees at {s + n}")
+            if s not in classes[n.bit_length() - 1]:
+                raise InvariantError(f"space {sp!r}: run at {s} missing from its size class")
+            prev_end = s + n
+            mask[s:s + n] = True
+        if len(self._by_end) != len(runs):
+            raise InvariantError(f"space {sp!r}: run end index holds stale entries")
+        if int(mask.sum()) != self._free:
+            raise InvariantError(f"space {sp!r}: free count {self._free} but runs hold "
+                                 f"{int(mask.sum())} rows")
+        if (self._owner[mask] != FREE).any():
             raise InvariantError(f"space {sp!r}: a row is both free and owned")
-        if int((self._owner == FREE).sum()) != free.size:
+        if ((self._owner == FREE) & ~mask).any():
             raise InvariantError(f"space {sp!r}: a row is neither free nor owned")
         counts = np.bincount(self._owner[self._owner != FREE], minlength=len(self._owners))
         for o, i in self._ids.items():

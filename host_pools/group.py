@@ -13,8 +13,18 @@ Contract:
   recorded inside the same call (seed 004: bookkeeping lives in the allocation).
 * ``free(rows_by_space, owner)``: validated for every space, then applied: all or nothing.
 * ``free_owner(client_id, request=None) -> int``: rows freed over all spaces (a reaped client).
+* Written state, per pool and row (a row is readable only once its owner wrote it):
+  ``UNWRITTEN`` (fresh or freed: may hold a previous owner's bytes), ``CLEAN`` (a backup into
+  it was accepted: it holds zeros or the owner's bytes only), ``WRITTEN`` (a backup into it
+  completed: readable). ``begin_write(pool, rows, zero)`` (at a backup's acceptance;
+  ``zero=True`` zeroes the UNWRITTEN rows first: a token backup writes part of a row),
+  ``end_write(pool, rows, ok)`` (at its completion: WRITTEN, or back to UNWRITTEN if it
+  failed), ``unwritten(pool, rows)`` (the rows a load must not read). Every release of a row
+  (free, free_owner, deferred frees) returns it to UNWRITTEN inside the allocator's release;
+  with ``zero_on_free=True`` its bytes are zeroed there too.
 * ``pool(name)``, ``buffer_infos()`` (per pool, per layer ``(ptr, nbytes, item_bytes)``),
-  ``usage()``, ``check_invariants()``, ``close()`` / context manager.
+  ``usage()`` (with each space's free-run figures), ``check_invariants()``, ``close()`` /
+  context manager.
 
 Thread-safe: one lock serializes every call. ``allocator_factory(num_rows, space)`` is the
 seam tests use to inject a failing allocator.
@@ -24,15 +34,18 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from hicache.core.layout import Layout
 
 from .allocator import Owner, RowAllocator, RowsLike, check_owner
 from .arena import PinnedArena
-from .errors import PoolError, PoolExhausted
+from .errors import InvariantError, PoolError, PoolExhausted
 from .paged_pool import BufferInfo, PagedHostPool
 from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
+
+UNWRITTEN, CLEAN, WRITTEN = 0, 1, 2  # written state of a pool row (see the module docstring)
 
 
 class HostPoolGroup:
@@ -42,6 +55,7 @@ class HostPoolGroup:
         self, layout: Layout, rows: Mapping[str, int], arena: PinnedArena | None = None, *,
         device_index: int | None = None, arena_options: Mapping[str, Any] | None = None,
         allocator_factory: Callable[[int, str], RowAllocator] = RowAllocator,
+        zero_on_free: bool = False,
     ) -> None:
         self.layout = layout
         self.rows = check_rows(layout, rows)
@@ -69,7 +83,53 @@ class HostPoolGroup:
         except BaseException:
             self.close()
             raise
+        self.zero_on_free = zero_on_free
+        self.written = {name: np.zeros(p.num_rows, np.uint8) for name, p in self.pools.items()}
+        self._space_pools = {s: [n for n, p in self.pools.items() if p.spec.index == s]
+                             for s in self.spaces}
+        for s, a in self.allocators.items():
+            a.on_release = self._releaser(s)
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ written state
+    def _releaser(self, space: str) -> Callable[[np.ndarray], None]:
+        def released(rows: np.ndarray) -> None:
+            for name in self._space_pools[space]:
+                self.written[name][rows] = UNWRITTEN
+                if self.zero_on_free:
+                    self._zero(name, rows)
+        return released
+
+    def _zero(self, pool: str, rows: np.ndarray) -> None:
+        idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        for t in self.pools[pool].layers:
+            t.index_fill_(0, idx, 0)
+
+    def begin_write(self, pool: str, rows: np.ndarray, zero: bool) -> int:
+        """A backup into ``rows`` of ``pool`` was accepted: UNWRITTEN rows become CLEAN
+        (zeroed first when ``zero``). Returns the rows zeroed."""
+        with self._lock:
+            w = self.written[pool]
+            fresh = rows[w[rows] == UNWRITTEN]
+            if fresh.size:
+                if zero:
+                    self._zero(pool, fresh)
+                w[fresh] = CLEAN
+            return int(fresh.size) if zero else 0
+
+    def end_write(self, pool: str, rows: np.ndarray, ok: bool) -> None:
+        """A backup into ``rows`` completed: WRITTEN when it succeeded, else rows not yet
+        WRITTEN go back to UNWRITTEN (a partial copy may have left old bytes)."""
+        with self._lock:
+            w = self.written[pool]
+            if ok:
+                w[rows] = WRITTEN
+            else:
+                w[rows[w[rows] != WRITTEN]] = UNWRITTEN
+
+    def unwritten(self, pool: str, rows: np.ndarray) -> np.ndarray:
+        """The rows of ``pool`` among ``rows`` that no completed backup wrote."""
+        return rows[self.written[pool][rows] != WRITTEN]
 
     # ------------------------------------------------------------------ allocation
     def _check_counts(self, counts: Mapping[str, int]) -> dict[str, int]:
@@ -151,6 +211,10 @@ class HostPoolGroup:
             for a in self.allocators.values():
                 a.check_invariants()
             for name, p in self.pools.items():
+                free = self.allocators[p.spec.index]._owner == -1
+                if (self.written[name][free] != UNWRITTEN).any():
+                    raise InvariantError(f"pool {name}: a free row is still marked written")
+            for name, p in self.pools.items():
                 want = (p.num_rows, p.spec.page_bytes)
                 if len(p.layers) != p.spec.num_layers or any(
                         tuple(t.shape) != want for t in p.layers):
@@ -170,4 +234,4 @@ class HostPoolGroup:
         self.close()
 
 
-__all__ = ["HostPoolGroup", "PoolError", "PoolExhausted"]
+__all__ = ["CLEAN", "HostPoolGroup", "PoolError", "PoolExhausted", "UNWRITTEN", "WRITTEN"]

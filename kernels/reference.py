@@ -71,19 +71,54 @@ def _token_views(t: torch.Tensor, fmt: TokenFormat) -> tuple[torch.Tensor, torch
     return values, scales.view(t.shape[0], P, sw)
 
 
+def _token_words(tok: torch.Tensor, P: int, row_words: int, off: int, n: int,
+                 device: torch.device) -> torch.Tensor:
+    """Flat word indices of ``n`` words at ``off + slot * n`` in the page row of each token."""
+    tok = _on(tok, device)
+    base = (tok // P) * row_words + off + (tok % P) * n
+    return (base.unsqueeze(1) + torch.arange(n, device=device)).reshape(-1)
+
+
 def copy_tokens_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
                     src_tok: torch.Tensor, dst_tok: torch.Tensor, fmt: TokenFormat) -> None:
-    """Copy each token's value and scale from its source slot to its destination slot."""
+    """Copy each token's value and scale from its source slot to its destination slot.
+
+    Contiguous buffers go through flat word indices (one ``index_select`` / ``index_copy_`` per
+    layer and part: two-index advanced indexing of a [rows, P, words] view ran ~20x slower)."""
     if len(src) == 0 or src_tok.numel() == 0:
         return
     P = fmt.tokens_per_page
-    s_tok = _on(src_tok, src[0].device)
-    d_tok = _on(dst_tok, dst[0].device)
+    w = _word(fmt.value_bytes, fmt.scale_bytes or 8, fmt.scale_offset, fmt.page_bytes)
+    idx: dict[tuple[str, str], torch.Tensor] = {}
+    for s, d in zip(src, dst):
+        ws, wd = _wide(s, w), _wide(d, w)
+        if not (s.is_contiguous() and d.is_contiguous()) or ws.dtype != wd.dtype:
+            _copy_tokens_views(s, d, src_tok, dst_tok, fmt)
+            continue
+        ww = ws.element_size()
+        parts = [("v", 0, fmt.value_bytes // ww)]
+        if fmt.scale_bytes:
+            parts.append(("s", fmt.scale_offset // ww, fmt.scale_bytes // ww))
+        for name, off, n in parts:
+            for side, t, tok in (("s", ws, src_tok), ("d", wd, dst_tok)):
+                key = (name + side, str(t.device) + str(t.dtype))
+                if key not in idx:
+                    idx[key] = _token_words(tok, P, t.shape[1], off, n, t.device)
+            vals = ws.reshape(-1).index_select(0, idx[(name + "s", str(ws.device) + str(ws.dtype))])
+            wd.view(-1).index_copy_(0, idx[(name + "d", str(wd.device) + str(wd.dtype))],
+                                    vals.to(wd.device))
+
+
+def _copy_tokens_views(s: torch.Tensor, d: torch.Tensor, src_tok: torch.Tensor,
+                       dst_tok: torch.Tensor, fmt: TokenFormat) -> None:
+    """Non-contiguous buffers: index [rows, P, words] views of values and scales."""
+    P = fmt.tokens_per_page
+    s_tok = _on(src_tok, s.device)
+    d_tok = _on(dst_tok, d.device)
     s_page, s_slot = s_tok // P, s_tok % P
     d_page, d_slot = d_tok // P, d_tok % P
-    for s, d in zip(src, dst):
-        sv, ss = _token_views(s, fmt)
-        dv, ds = _token_views(d, fmt)
-        dv[d_page, d_slot] = sv[s_page, s_slot].to(d.device)
-        if fmt.scale_bytes:
-            ds[d_page, d_slot] = ss[s_page, s_slot].to(d.device)
+    sv, ss = _token_views(s, fmt)
+    dv, ds = _token_views(d, fmt)
+    dv[d_page, d_slot] = sv[s_page, s_slot].to(d.device)
+    if fmt.scale_bytes:
+        ds[d_page, d_slot] = ss[s_page, s_slot].to(d.device)

@@ -53,8 +53,47 @@ def test_trace_demo_with_a_small_trace(tmp_path):
                     "--policy", "write_back", "--json"))
     assert s["verified"] is True and s["requests"] == 24
     assert s["config"]["swa_mode"] == "ring" and s["config"]["policy"] == "write_back"
-    assert s["host_hit_tokens"] > 0
-    assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
+    assert s["mirror"] == "checkpoints" and s["device_only_hit_tokens"] == 0  # ring: no window
+    assert s["host_hit_tokens"] > 0 and s["checkpoints"]["loaded"] > 0  # kept on the device
+    assert s["resumable_hit_tokens"] == s["device_hit_tokens"] + s["host_hit_tokens"]
+    assert s["host_bytes_per_cached_token"] > 0
+    dry = report(demo("--trace", str(trace), "--device-pages", "32", "--host-pages", "128",
+                      "--policy", "write_back", "--dry", "--json"))
+    assert dry["verified"] is None and dry["dry"] is True
+    for k in ("device_hit_tokens", "host_hit_tokens", "unresumable_tokens", "bytes_loaded"):
+        assert dry[k] == s[k], k
+
+
+def test_mirror_full_in_ring_mode_and_plot_without_sweep_are_refused(tmp_path, capsys):
+    from hicache.cli import main
+
+    assert main(["demo", "--swa-mode", "ring", "--mirror", "full", "--dry"]) == 2
+    assert "--mirror full needs paged SWA" in capsys.readouterr().err
+    assert main(["demo", "--dry", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "give --sweep-host too" in capsys.readouterr().err
+    assert main(["demo", "--state-slots", "overlap"]) == 2  # refused before a daemon starts
+    assert "use it with --dry" in capsys.readouterr().err
+    assert main(["demo", "--state-slots", "overlap", "--dry", "--requests", "20",
+                 "--progress-seconds", "0"]) == 0
+
+
+def test_host_sweep_sized_by_memory(tmp_path):
+    p = demo("--requests", "100", "--sweep-host", "64MiB,256MiB", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    rows = {(r["host_mem"], r["mirror"]): r for r in out["rows"]}
+    assert set(rows) == {(s << 20, m) for s in (64, 256) for m in ("full", "checkpoints")}
+    for size in (64 << 20, 256 << 20):  # same host memory: checkpoints hold more pages
+        full, ck = rows[(size, "full")], rows[(size, "checkpoints")]
+        assert ck["host_pages"] > 5 * full["host_pages"]
+    for size in (64 << 20, 256 << 20):  # and resume more of the workload
+        assert rows[(size, "checkpoints")]["resumable_hit_tokens"] > \
+            rows[(size, "full")]["resumable_hit_tokens"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p = demo("--requests", "10", "--sweep-host", "1GiB", "--plot", str(tmp_path / "s.png"))
+        assert p.returncode == 2 and "pip install 'hicache[plot]'" in p.stderr
 
 
 def test_malformed_trace_is_a_usage_error_with_line_number(tmp_path, capsys):

@@ -118,3 +118,20 @@ def test_bench_fuzz_cli_json():
         assert k in rep, k
     assert rep["messages"] == 400 and rep["error_replies"] == 400 and rep["unanswered"] == 0
     assert rep["daemon_alive"] and rep["invariants_ok"] and rep["daemon_exit_code"] == 0
+
+
+def test_bench_fuzz_exits_1_when_a_check_fails(monkeypatch, capsys):
+    """A deliberately broken errors metric (every sample reads 0) must fail the bench."""
+    import argparse
+
+    import hicache.fuzz.runner as fr
+    from hicache.bench import fuzz as bench_fuzz
+
+    monkeypatch.setattr(fr, "metric_total", lambda *a, **k: 0.0)
+    p = argparse.ArgumentParser()
+    bench_fuzz.add_arguments(p)
+    args = p.parse_args(["--messages", "150", "--seed", "5", "--json"])
+    assert bench_fuzz.run(args) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] is False and rep["failed_checks"] == ["errors metric counted every refusal"]
+    assert rep["error_replies"] == 150 and rep["unanswered"] == 0  # everything else held

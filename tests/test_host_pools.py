@@ -36,7 +36,8 @@ def test_alloc_lowest_first_row_zero_valid():
     assert r.dtype == torch.int64 and r.tolist() == [0, 1, 2]
     assert a.owner_of(0) == A and a.owner_of(3) is None
     assert a.alloc(0, A).numel() == 0
-    assert a.stats() == {"space": "page", "rows": 5, "used": 3, "free": 2, "owners": 1}
+    assert a.stats() == {"space": "page", "rows": 5, "used": 3, "free": 2, "owners": 1,
+                         "free_runs": 1, "mean_free_run": 2.0, "fragmentation": 0.0}
     assert a.free(r, A) == 3
     assert a.alloc(5, B).tolist() == [0, 1, 2, 3, 4]
     a.check_invariants()

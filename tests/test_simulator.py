@@ -51,10 +51,11 @@ def test_device_only_worker_accounts_every_token():
         w.close()
 
 
-def test_worker_against_daemon_loads_and_verifies(daemon_factory):
+@pytest.mark.parametrize("mirror", ["full", "checkpoints"])
+def test_worker_against_daemon_loads_and_verifies(daemon_factory, mirror):
     d = tiny_daemon(daemon_factory)
     with d.client(timeout=20) as c:
-        cfg = WorkerConfig(device_pages=16, host_pages=64, preempt_every=5)
+        cfg = WorkerConfig(device_pages=16, host_pages=64, preempt_every=5, mirror=mirror)
         w = Worker(cfg, c)
         try:
             reqs = multi_turn(40, seed=2, system_pages=(2, 4), user_pages=(1, 2),
@@ -66,8 +67,17 @@ def test_worker_against_daemon_loads_and_verifies(daemon_factory):
     assert s["verified"], s["first_mismatch"]
     assert s["host_hit_tokens"] > 0 and s["pages_loaded"] > 0
     assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
-    assert s["bytes_loaded"] == s["pages_loaded"] * s["page_bytes"]
-    assert s["bytes_backed_up"] == s["pages_backed_up"] * s["page_bytes"]
+    ck = s["checkpoints"]
+    if mirror == "full":
+        assert s["bytes_loaded"] == s["pages_loaded"] * s["page_bytes"]
+        assert s["bytes_backed_up"] == s["pages_backed_up"] * s["page_bytes"]
+    else:  # compressed rows per page plus SWA tail and states per checkpoint, in one command
+        assert ck["loaded"] > 0 and ck["backed_up"] > 0
+        assert s["bytes_loaded"] == (s["pages_loaded"] * s["host_page_bytes"]
+                                     + ck["loaded"] * s["checkpoint_bytes"])
+        assert s["bytes_backed_up"] == (s["pages_backed_up"] * s["host_page_bytes"]
+                                        + ck["backed_up"] * s["checkpoint_bytes"])
+        assert s["load_ops"] <= s["tree"]["host_hit_pages"] + ck["loaded"]
     assert s["state_swaps"] == 8 and s["state_swap_failures"] == 0
     assert r.verified_bytes >= s["bytes_loaded"]
     w.tree.check()

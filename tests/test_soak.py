@@ -52,3 +52,25 @@ def test_bench_soak_cli_json():
     assert rep["clients"] == 2 and rep["ops"] == 300
     assert rep["lost_acks"] == 0 and rep["corrupted_pages"] == 0, rep["problems"]
     # a 300-op run is all warm-up, so its RSS figure (and the exit status) is not judged here
+
+
+def test_short_soak_mix_all_every_unit_every_byte():
+    """--mix all: page and SWA rows from 1 row to 512 pages, tokens, request-state swaps."""
+    from hicache.bench.soak import MIX_DAEMON_ROWS
+
+    addr, d = private_address("hcs-")
+    r = DaemonRunner(addr, device_rows=MIX_DAEMON_ROWS, host=("--host-ratio", "4"),
+                     heartbeat_timeout=30.0, log_path=os.path.join(d, "daemon.log"))
+    r.start()
+    try:
+        rep = run_soak(addr, 2, 250, seed=9, window=4, rss=r.rss, mix="all")
+    finally:
+        r.stop()
+        out = r.output()
+        shutil.rmtree(d, ignore_errors=True)
+    assert rep["clients_missing"] == 0 and rep["ops"] == 500, rep["problems"]
+    assert rep["lost_acks"] == 0 and rep["failed_ops"] == 0, rep["problems"]
+    assert rep["corrupted_pages"] == 0 and rep["refused"] == 0, rep["problems"]
+    assert rep["loads"] > 50 and rep["backups"] > 50 and rep["swaps"] > 10
+    assert rep["verified_bytes"] > 0
+    assert "Traceback" not in out

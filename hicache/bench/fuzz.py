@@ -12,7 +12,8 @@ metric must have counted every refusal, the victim's rows must load back byte fo
 no row may stay used once everyone unregistered. The daemon is then stopped with SIGTERM and
 must exit 0 with no traceback in its log.
 
-Exit status 0 when all of that holds, 1 otherwise. ``--json`` prints one object with at least
+Exit status 0 when every check holds, 1 when any fails (``failed_checks`` names them: a
+hostile message accepted, an unexpected error code, the errors metric not matching ...). ``--json`` prints one object with at least
 ``messages``, ``error_replies``, ``unanswered``, ``daemon_alive``, ``invariants_ok``,
 ``seconds``.
 """
@@ -72,7 +73,13 @@ def run(args: argparse.Namespace) -> int:
             report["daemon_log"] = log
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    ok = bool(report.get("ok")) and code == 0 and report["daemon_tracebacks"] == 0
+    failed = list(report.get("failed_checks", ["the fuzz run did not finish"]))
+    if code != 0:
+        failed.append(f"daemon exit code {code}")
+    if report["daemon_tracebacks"]:
+        failed.append("tracebacks in the daemon log")
+    report["failed_checks"] = failed
+    ok = not failed
     report["ok"] = ok
     if args.json:
         print(json.dumps(report))
@@ -95,5 +102,5 @@ def run(args: argparse.Namespace) -> int:
     for e in report.get("examples", [])[:10]:
         print(f"  EXAMPLE {e['problem']}: {e['case']} via {e['peer']}, expected "
               f"{e['expected']}: {str(e['reply'])[:200]}")
-    print("  PASS" if ok else "  FAIL")
+    print("  PASS" if ok else "  FAIL: " + "; ".join(failed))
     return 0 if ok else 1

@@ -12,6 +12,7 @@ import sys
 
 from hicache.core.errors import UsageError
 from hicache.core.hisparse_plan import hisparse_plan
+from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host.add_argument("--host-mem", metavar="SIZE",
                       help="host budget per GPU: bytes or e.g. 400GiB")
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
+    host.add_argument("--pages-per-checkpoint", default="32", metavar="K",
+                      help="checkpoints mirror: one host checkpoint row per K page rows [32]")
     sp = p.add_argument_group("HiSparse (sparse C4 on the host)")
     sp.add_argument("--hisparse", action="store_true", help="also count concurrent long "
                     "requests per GPU with and without HiSparse")
@@ -97,6 +100,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         host_ratio=None if args.host_ratio is None else parse_fraction(args.host_ratio,
                                                                       "--host-ratio"),
         bounds=bounds,
+        pages_per_checkpoint=parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
     )
 
 
@@ -163,8 +167,28 @@ def format_plan(pl: Plan) -> str:
     lines.append(f"paged vs ring, same inputs: paged {_n(pl.paged_capacity)} | ring "
                  f"{_n(pl.ring_capacity)} tokens"
                  + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
+    lines += _mirror_lines(pl)
     lines += [f"warning: {w}" for w in pl.warnings]
     return "\n".join(lines)
+
+
+def _mirror_lines(pl: Plan) -> list[str]:
+    tiers = host_tier_by_mirror(pl.inputs)
+    if tiers is None:
+        return []
+    out = ["", f"host tier of {human_bytes(pl.inputs.host_mem or 0)} by mirror (min over stages):"]
+    for mirror in ("full", "checkpoints"):
+        t = tiers[mirror]
+        if "error" in t:
+            out.append(f"  {mirror:<12} n/a: {t['error']}")
+            continue
+        ck = f", {t['checkpoints']:,} checkpoints" if mirror == "checkpoints" else ""
+        out.append(f"  {mirror:<12} {t['pages']:,} pages{ck} = {t['cached_tokens']:,} cached "
+                   f"tokens, {t['cached_tokens_per_host_gib']:,} per host GiB")
+    if "checkpoints_vs_full" in tiers:
+        out.append(f"  checkpoints hold {tiers['checkpoints_vs_full']:.2f}x the tokens of a full "
+                   f"mirror (one checkpoint per {pl.inputs.pages_per_checkpoint} pages)")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,11 +206,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.hot_slots is not None or args.request_tokens != "131072":
         raise UsageError("--request-tokens and --hot-slots apply only with --hisparse")
     if args.json:
-        out = result.to_dict()
+        d = result.to_dict()
+        d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)
         if sparse is not None:
-            out["hisparse"] = sparse.to_dict()
-            out["hisparse_concurrency_ratio"] = out["hisparse"]["hisparse_concurrency_ratio"]
-        json.dump(out, sys.stdout, indent=2)
+            d["hisparse"] = sparse.to_dict()
+            d["hisparse_concurrency_ratio"] = d["hisparse"]["hisparse_concurrency_ratio"]
+        json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(result))

@@ -53,13 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HiSparse: shortest prompt admitted to sparse mode (default 32768)")
     h.add_argument("--numa-node", help="auto (GPU's node), off, or a node number")
     h.add_argument("--touch-threads", type=int, help="threads first-touching the arena")
+    h.add_argument("--zero-on-free", action="store_true", default=None,
+                   help="zero host rows when they are freed (rows are unreadable until their "
+                        "owner backs something up into them either way)")
 
 
 FLAG_NAMES = ("device", "socket", "allow_remote", "heartbeat_timeout", "metrics_port",
               "metrics_addr", "log_level", "preset", "config", "pp_size", "pp_rank", "swa_mode",
               "c128_state", "mtp", "host_mem", "host_ratio", "device_rows", "numa_node",
-              "touch_threads", "spin_us", "curve_secret_key", "curve_clients", "sparse_rows",
-              "min_sparse_prompt_len")
+              "touch_threads", "spin_us", "curve_secret_key", "curve_clients", "zero_on_free",
+              "sparse_rows", "min_sparse_prompt_len")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ class ServeConfig:
     max_clients: int = 64
     ack_retention: int = 4096  # acks kept per client for poll_acks
     shm_dirs: tuple[str, ...] = ("/dev/shm",)  # CPU mode: where device-pool files may live
+    zero_on_free: bool = False  # zero a host row's bytes when it is freed (reads need a write anyway)
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     log_level: str = "info"
@@ -136,7 +137,7 @@ def _convert(name: str, v: Any) -> Any:
     if name == "shm_dirs":
         return tuple(str(x) for x in v) if isinstance(v, (list, tuple)) else \
             tuple(p for p in str(v).split(":") if p)
-    if name in ("allow_remote", "mtp"):
+    if name in ("allow_remote", "mtp", "zero_on_free"):
         return _parse_bool(v)
     if name in ("pp_size", "pp_rank", "metrics_port", "touch_threads", "load_event_sets",
                 "max_clients", "ack_retention", "sparse_rows", "min_sparse_prompt_len"):

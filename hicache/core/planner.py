@@ -20,6 +20,8 @@ torch):
 * Host rows mirror device rows byte for byte and are proportional to them per index space;
   ``hicache.core.sizes.host_rows`` computes them (the rule the daemon sizes its arena
   with), so a plan and a running daemon agree to the row.
+* The host tier by mirror (full vs checkpoints, ``pages_per_checkpoint``) is
+  ``hicache.core.host_tier.host_tier_by_mirror``.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
   that names the numbers involved.
 
@@ -36,6 +38,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from hicache.core.errors import UsageError
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core import sizes as host_sizing
 from hicache.core.layout import (
     INDEX_SPACES, Layout, ModelSpec, build_layout, check_bounds, stage_bounds,
@@ -152,8 +155,12 @@ class PlanInputs:
     host_mem: int | None = None  # host budget per GPU, bytes
     host_ratio: Fraction | None = None  # host rows : device rows
     bounds: tuple[tuple[int, int], ...] | None = None
+    pages_per_checkpoint: int = DEFAULT_PAGES_PER_CKPT  # host split, checkpoints mirror
 
     def __post_init__(self) -> None:
+        if self.pages_per_checkpoint < 1:
+            raise UsageError(f"pages-per-checkpoint must be positive, got "
+                             f"{self.pages_per_checkpoint}")
         for name in ("tp", "pp", "dp", "max_running"):
             value = getattr(self, name)
             if value < 1:
@@ -196,6 +203,7 @@ class PlanInputs:
             "swa_full_tokens_ratio": float(self.swa_ratio), "host_mem": self.host_mem,
             "host_ratio": None if self.host_ratio is None else float(self.host_ratio),
             "stage_bounds": None if self.bounds is None else [list(b) for b in self.bounds],
+            "pages_per_checkpoint": self.pages_per_checkpoint,
         }
 
 
@@ -428,3 +436,4 @@ def plan(inputs: PlanInputs) -> Plan:
         capacity[other] = None
         warnings.append(f"{other} SWA mode does not fit these inputs: {e}")
     return Plan(inputs, slots, stages, capacity["paged"], capacity["ring"], warnings)
+

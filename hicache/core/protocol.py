@@ -55,6 +55,7 @@ ERROR_CODES = {
     "bad_rows": "row ids out of range, duplicated destinations, or length mismatch",
     "not_owner": "host rows not allocated to this client (or request)",
     "busy": "host rows are being freed",
+    "not_written": "host rows that no completed backup of this client wrote (nothing to read)",
     "no_space": "not enough free host rows",
     "too_many_clients": "the daemon's client table is full",
     "unsupported": "the command is valid but not available in this mode",

@@ -21,6 +21,15 @@ Failures the tree understands (and nothing else):
 ``ClientHooks`` implements the verbs on ``hicache.engine.client.Client``: one host handle is a tuple
 of host rows, one per index space a radix page uses (``page``, plus ``swa_page`` in paged SWA
 mode), allocated together; a backup or load is one command with one item per space.
+
+Resume checkpoints (``resume=ResumeModel``, the tree's ``mirror="checkpoints"``): a page handle is
+its ``page`` row only; ``host_alloc(n, kind="ckpt")`` gives checkpoint handles (one host row of
+the checkpoint space: ``swa_page`` in paged SWA mode, ``req_slot`` in ring mode) and
+``backup``/``load`` take ``ckpts=[(device row or request slot, handle, boundary pages)]``. The
+same one command then also carries, per checkpoint, the SWA tail as token ids of ``swa_kv``
+(paged: tokens ``P - window .. P`` of the page row; ring: ring positions ``pos % window`` of the
+slot's row, the host row keeps the same positions) and the state rows of ``c4_state`` and
+``c4_indexer_state``.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from hicache.core.errors import HicacheError
+from hicache.core.resume import ResumeModel
 from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable
 from hicache.engine.acks import TransferFailed as ClientTransferFailed
 
@@ -49,16 +59,21 @@ class TransferFailed(HostTierError):
     """A backup or load did not complete; the pages involved hold no trusted copy."""
 
 
+Checkpoint = tuple[int, Any, int]  # (device page row or request slot, host handle, boundary pages)
+
+
 class TierHooks(Protocol):
     """The verbs a radix tree calls on its host tier (see the module docstring)."""
 
-    def host_alloc(self, n: int) -> list[Any]: ...
+    def host_alloc(self, n: int, kind: str = "page") -> list[Any]: ...
 
-    def host_free(self, handles: Sequence[Any]) -> None: ...
+    def host_free(self, handles: Sequence[Any], kind: str = "page") -> None: ...
 
-    def backup(self, device_rows: Sequence[int], handles: Sequence[Any]) -> Any: ...
+    def backup(self, device_rows: Sequence[int], handles: Sequence[Any],
+               ckpts: Sequence[Checkpoint] = ()) -> Any: ...
 
-    def load(self, handles: Sequence[Any], device_rows: Sequence[int]) -> Any: ...
+    def load(self, handles: Sequence[Any], device_rows: Sequence[int],
+             ckpts: Sequence[Checkpoint] = ()) -> Any: ...
 
     def wait(self, ticket: Any) -> None: ...
 
@@ -74,6 +89,7 @@ class Ticket:
     kind: str
     pages: int
     t_sent: float
+    ckpts: int = 0
     ack: Any = None
     t_done: float | None = None
 
@@ -85,6 +101,7 @@ class HookStats:
 
     ops: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     pages: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
+    ckpts: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     bytes: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     exec_seconds: dict[str, float] = field(default_factory=lambda: {"backup": 0.0, "load": 0.0})
     latencies: dict[str, list[float]] = field(default_factory=lambda: {"backup": [], "load": []})
@@ -101,10 +118,19 @@ class ClientHooks:
 
     def __init__(self, client: Any, spaces: Sequence[str], *, timeout: float | None = None,
                  wait_event: int | None = None,
-                 on_ack: Callable[[str, Any], None] | None = None) -> None:
+                 on_ack: Callable[[str, Any], None] | None = None,
+                 resume: ResumeModel | None = None) -> None:
         if not spaces:
             raise ValueError("a radix page must use at least one index space")
+        if resume is not None:
+            if tuple(spaces) != ("page",):
+                raise ValueError(f"with checkpoints a page handle is its 'page' row only, "
+                                 f"got spaces {tuple(spaces)}")
+            why = resume.copyable
+            if why:
+                raise ValueError(why)
         self.client = client
+        self.resume = resume
         self.spaces = tuple(spaces)
         self.timeout = timeout
         self.wait_event = wait_event
@@ -130,30 +156,73 @@ class ClientHooks:
                 raise HostUnavailable(str(e)) from e  # restarted, reaped or stopping: state lost
             raise TransferFailed(str(e)) from e
 
-    def host_alloc(self, n: int) -> list[Any]:
+    def host_alloc(self, n: int, kind: str = "page") -> list[Any]:
+        if kind == "ckpt":
+            space = self._ckpt_space()
+            return list(self._call(self.client.alloc, {space: n}, timeout=self.timeout)[space])
         rows = self._call(self.client.alloc, {s: n for s in self.spaces}, timeout=self.timeout)
         return list(zip(*(rows[s] for s in self.spaces)))
 
-    def host_free(self, handles: Sequence[Any]) -> None:
-        if handles:
-            self._call(self.client.free, {s: [h[i] for h in handles]
-                                          for i, s in enumerate(self.spaces)},
-                       timeout=self.timeout)
+    def host_free(self, handles: Sequence[Any], kind: str = "page") -> None:
+        if not handles:
+            return
+        if kind == "ckpt":
+            rows = {self._ckpt_space(): list(handles)}
+        else:
+            rows = {s: [h[i] for h in handles] for i, s in enumerate(self.spaces)}
+        self._call(self.client.free, rows, timeout=self.timeout)
 
-    def backup(self, device_rows: Sequence[int], handles: Sequence[Any]) -> Ticket:
-        items = {s: (list(device_rows), [h[i] for h in handles])
-                 for i, s in enumerate(self.spaces)}
+    def _ckpt_space(self) -> str:
+        if self.resume is None:
+            raise ValueError("these hooks mirror full pages: they hold no checkpoints")
+        return self.resume.checkpoint_space
+
+    def checkpoint_items(self, ckpts: Sequence[Checkpoint], to_host: bool) -> dict[str, tuple]:
+        """Items of the checkpoints ``ckpts`` (see the module docstring), device side first."""
+        if not ckpts:
+            return {}
+        self._ckpt_space()  # refuses hooks without a resume model
+        r = self.resume
+        assert r is not None
+        P = r.page_size
+        dev_tok: list[int] = []
+        host_tok: list[int] = []
+        for loc, h, depth in ckpts:
+            offs = list(r.tail_offsets) if r.checkpoint_space == "swa_page" \
+                else r.ring_positions(depth)
+            dev_tok += [loc * P + t for t in offs]
+            host_tok += [h * P + t for t in offs]
+        dev_rows, host_rows = [c[0] for c in ckpts], [c[1] for c in ckpts]
+        out: dict[str, tuple] = {}
+        if r.swa_pool is not None:
+            out[r.swa_pool.name] = ((dev_tok, host_tok) if to_host else (host_tok, dev_tok)) \
+                + ("token",)
+        for p in r.state_pools:
+            out[p.name] = (dev_rows, host_rows) if to_host else (host_rows, dev_rows)
+        return out
+
+    def backup(self, device_rows: Sequence[int], handles: Sequence[Any],
+               ckpts: Sequence[Checkpoint] = ()) -> Ticket:
+        items: dict[str, tuple] = {}
+        if device_rows:
+            items = {s: (list(device_rows), [h[i] for h in handles])
+                     for i, s in enumerate(self.spaces)}
+        items.update(self.checkpoint_items(ckpts, to_host=True))
         t = time.perf_counter()
         op = self._call(self.client.backup, items, wait_event=self.wait_event,
                         timeout=self.timeout)
-        return Ticket(op, "backup", len(device_rows), t)
+        return Ticket(op, "backup", len(device_rows), t, len(ckpts))
 
-    def load(self, handles: Sequence[Any], device_rows: Sequence[int]) -> Ticket:
-        items = {s: ([h[i] for h in handles], list(device_rows))
-                 for i, s in enumerate(self.spaces)}
+    def load(self, handles: Sequence[Any], device_rows: Sequence[int],
+             ckpts: Sequence[Checkpoint] = ()) -> Ticket:
+        items: dict[str, tuple] = {}
+        if device_rows:
+            items = {s: ([h[i] for h in handles], list(device_rows))
+                     for i, s in enumerate(self.spaces)}
+        items.update(self.checkpoint_items(ckpts, to_host=False))
         t = time.perf_counter()
         op = self._call(self.client.load, items, timeout=self.timeout)
-        return Ticket(op, "load", len(device_rows), t)
+        return Ticket(op, "load", len(device_rows), t, len(ckpts))
 
     def _complete(self, ticket: Ticket, ack: Any) -> None:
         ticket.ack, ticket.t_done = ack, time.perf_counter()
@@ -162,6 +231,7 @@ class ClientHooks:
         k, st = ticket.kind, self.stats
         st.ops[k] += 1
         st.pages[k] += ticket.pages
+        st.ckpts[k] += ticket.ckpts
         st.bytes[k] += int(ack.bytes)
         ex = float(ack.exec_seconds)
         if ex != self._last_exec.get(k):  # ops the daemon merged into one copy share its time

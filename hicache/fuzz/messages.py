@@ -2,7 +2,8 @@
 weight). ``next()`` draws a kind and returns one ``Case`` — or a short sequence of set-up steps
 and then the hostile one — each with the error codes it must get. The frame / header level,
 alloc / free counts and registration kinds live here; the row-level kinds (transfers, request
-state) come from ``RowAttacks``.
+state) come from ``RowAttacks``, reads of unwritten rows and options that do not apply from
+``TrustAttacks``.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import Any, Sequence
 
 from hicache.core import protocol as P
 from hicache.fuzz.cases import BAD_FIELD, BAD_FRAME, NOT_REG, Case, E, World, _ids, _json
-from hicache.fuzz.row_attacks import RowAttacks
+from hicache.fuzz.trust_attacks import TrustAttacks
 
 
-class Hostile(RowAttacks):
+class Hostile(TrustAttacks):
     """Malformed and hostile messages (see ``KINDS``). ``next()`` returns a list of cases: one
     hostile message, or a few set-up steps and then the hostile one (double free, use after
     free). Peers: ``attacker`` (registered, holds rows), ``anon`` (never registers), ``ghost``
@@ -42,7 +43,8 @@ class Hostile(RowAttacks):
         ("free_rows_of_nobody", 3), ("double_free", 2), ("use_after_free", 2),
         ("mixed_ownership", 3), ("bad_slot", 3), ("bad_host_row", 3), ("bad_draft", 2),
         ("bad_poll", 2), ("register_again", 1), ("bad_register", 5), ("before_register", 5),
-        ("after_unregister", 4),
+        ("after_unregister", 4), ("unwritten_read", 4), ("draft_without_ring", 1),
+        ("cpu_wait_event", 1),
     )
 
     # ------------------------------------------------------------------ frame and header level

@@ -29,7 +29,7 @@ from hicache.fuzz.peers import ALIGN, Pattern, RawPeer, ShmBuffers, Victim, _spa
 from hicache.core.layout import Layout, build_layout, preset
 
 __all__ = ["ALIGN", "ROOT", "Case", "DaemonRunner", "Deferred", "Hostile", "Pattern", "RawPeer",
-           "ShmBuffers", "Victim", "World", "daemon_check", "metric_total", "mix64",
+           "ShmBuffers", "Victim", "World", "daemon_check", "failed_checks", "metric_total", "mix64",
            "private_address", "run_fuzz"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,23 @@ def metric_total(stats: Mapping[str, Any], sample: str, **labels: str) -> float:
             total += e["value"] or 0.0
     return total
 
+
+
+def failed_checks(rep: Mapping[str, Any], messages: int) -> list[str]:
+    """Every check of a fuzz report that did not hold (empty: the run passed)."""
+    checks = [
+        ("daemon alive", rep["daemon_alive"]), ("invariants hold", rep["invariants_ok"]),
+        ("victim rows intact", rep["victim_rows_corrupted"] == 0),
+        ("no rows left used", rep["leaked_rows"] == 0),
+        ("every message answered", rep["unanswered"] == 0),
+        ("no hostile message accepted", rep["ok_replies"] == 0),
+        ("no internal error", rep["internal_errors"] == 0),
+        ("every set-up step succeeded", rep["setup_failures"] == 0),
+        ("only the expected error codes", rep["unexpected_codes"] == 0),
+        ("errors metric counted every refusal", rep["metrics_match"]),
+        ("every message sent", rep["messages"] >= messages),
+    ]
+    return [name for name, ok in checks if not ok]
 
 
 # ----------------------------------------------------------------------------- the fuzz run
@@ -266,11 +283,8 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
             "messages_per_s": round(counts["messages"] / max(fuzz_seconds, 1e-9), 1),
             "examples": examples,
         })
-        report["ok"] = bool(
-            alive and check["ok"] and corrupted == 0 and leaked == 0
-            and counts["unanswered"] == 0 and counts["ok_replies"] == 0
-            and counts["internal_errors"] == 0 and counts["setup_failures"] == 0
-            and counts["messages"] >= messages)
+        report["failed_checks"] = failed_checks(report, messages)
+        report["ok"] = not report["failed_checks"]
         return report
     finally:
         for p in peers.values():

@@ -24,12 +24,15 @@ import sys
 import time
 from typing import Any
 
-from hicache.engine.daemon_process import DaemonProcess
 from hicache.core.errors import UsageError
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS, ResumeModel
+from hicache.sim.sizing import host_tier_rows, planned_device_pages
+from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
 
-GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8}
-TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16}
+GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8, "pages_per_ckpt": 8}
+TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16,
+                  "pages_per_ckpt": DEFAULT_PAGES_PER_CKPT}
 READY_TIMEOUT_S = 180.0
 
 
@@ -50,12 +53,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device-pages", type=int, metavar="N",
                    help=f"device page rows (default {GENERATOR_DEFAULTS['device_pages']}; "
                         f"{TRACE_DEFAULTS['device_pages']} with a trace)")
+    m.add_argument("--kv-mem", metavar="SIZE",
+                   help="size the device tier like a server: KV memory per GPU (e.g. 100GiB), "
+                        "through the capacity planner (instead of --device-pages)")
     hg = m.add_mutually_exclusive_group()
+    hg.add_argument("--host-mem", metavar="SIZE",
+                    help="size the host tier in bytes (e.g. 64GiB): page rows, and with "
+                         "checkpoints one checkpoint row per --pages-per-checkpoint pages")
     hg.add_argument("--host-pages", type=int, metavar="N", help="host pages of the tier")
     hg.add_argument("--host-ratio", type=float, metavar="R",
                     help=f"host pages = R x device pages (default "
                          f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
                          "with a trace)")
+    m.add_argument("--mirror", choices=MIRRORS, default="checkpoints",
+                   help="checkpoints (default): pages carry compressed rows, SWA tail + states "
+                        "only at resume checkpoints; full: every pool of every page (paged SWA)")
+    m.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N pages a request writes (paged SWA; 0 = off)")
+    m.add_argument("--checkpoint-branch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also checkpoint the deepest cached page a request had to recompute "
+                        "(paged SWA; default on)")
+    m.add_argument("--pages-per-checkpoint", type=int, metavar="K",
+                   help=f"host tier split: one checkpoint row per K page rows (default "
+                        f"{GENERATOR_DEFAULTS['pages_per_ckpt']} for the generator's short "
+                        f"sessions, {TRACE_DEFAULTS['pages_per_ckpt']} with a trace)")
+    m.add_argument("--state-slots", choices=("ring", "overlap"), default="ring",
+                   help="what a checkpoint keeps of the C4 compress states: the whole ring row "
+                        "(default) or the overlap slots only (byte model: --dry and sweeps)")
     m.add_argument("--policy", choices=POLICIES, default="write_through",
                    help="write policy of the radix tree (default write_through)")
     m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
@@ -64,6 +88,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="swap a request's slot state out and back every N requests (0 = off)")
     m.add_argument("--no-verify-hits", action="store_true",
                    help="verify loaded pages only, not device hits")
+    d = p.add_argument_group("dry replay and sweeps")
+    d.add_argument("--dry", action="store_true",
+                   help="replay the tree, tiers and byte accounting only: no pools, no daemon, "
+                        "no copies (nothing is verified)")
+    d.add_argument("--sweep-host", metavar="SIZES",
+                   help="dry replays for each host size (e.g. 32GiB,64GiB,128GiB): device-only, "
+                        "full mirror and checkpoints")
+    d.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep-host: draw prefill tokens saved against host memory "
+                        "(needs matplotlib: pip install 'hicache[plot]')")
     h = p.add_argument_group("HiSparse (no daemon: sparse C4 host region + device hot buffers)")
     h.add_argument("--hisparse", action="store_true",
                    help="decode long requests with HiSparse swap-ins and verify every top-k "
@@ -128,7 +162,13 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     else:
         reqs = multi_turn(args.requests or GENERATOR_DEFAULTS["requests"], seed=args.seed)
         what = f"built-in multi-turn workload ({len(reqs)} requests, seed {args.seed})"
-    device_pages = args.device_pages or defaults["device_pages"]
+    swa = args.swa_mode if args.swa_mode != "auto" else ("ring" if args.trace else "paged")
+    if args.kv_mem is not None:
+        if args.device_pages is not None:
+            raise UsageError("give --kv-mem or --device-pages, not both")
+        device_pages = planned_device_pages(args.preset, args.kv_mem, swa)
+    else:
+        device_pages = args.device_pages or defaults["device_pages"]
     if device_pages <= 0:
         raise UsageError(f"--device-pages must be positive, got {device_pages}")
     need = max(r.total_pages for r in reqs)
@@ -137,7 +177,15 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         raise UsageError(f"request {big.rid} needs {need} device page rows "
                          f"({big.input_tokens} + {big.output_tokens} tokens) but --device-pages "
                          f"is {device_pages}; raise --device-pages")
-    if args.host_pages is not None:
+    if args.pages_per_checkpoint is None:
+        args.pages_per_checkpoint = defaults["pages_per_ckpt"]
+    if args.pages_per_checkpoint < 1:
+        raise UsageError(f"--pages-per-checkpoint must be >= 1, got {args.pages_per_checkpoint}")
+    host_ckpts = None
+    if args.host_mem is not None:
+        host_pages, host_ckpts = host_tier_rows(args.preset, args.host_mem, swa, args.mirror,
+                                                args.pages_per_checkpoint)
+    elif args.host_pages is not None:
         host_pages = args.host_pages
     else:
         ratio = args.host_ratio if args.host_ratio is not None else defaults["host_ratio"]
@@ -146,8 +194,11 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         host_pages = int(device_pages * ratio)
     if host_pages <= 0:
         raise UsageError(f"the host tier needs at least one page, got {host_pages}")
-    swa = args.swa_mode if args.swa_mode != "auto" else ("ring" if args.trace else "paged")
+    if args.mirror == "checkpoints" and host_ckpts is None:
+        host_ckpts = max(1, host_pages // args.pages_per_checkpoint)
     device = args.device
+    if args.dry or args.sweep_host:  # nothing runs on a device: no torch import either
+        device = "cpu" if device == "auto" else device
     if device == "auto":
         import torch
 
@@ -159,14 +210,38 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     cfg = WorkerConfig(preset=args.preset, swa_mode=swa, device_pages=device_pages,
                        host_pages=host_pages, req_slots=4, policy=args.policy, seed=args.seed,
                        device=device, verify_hits=not args.no_verify_hits,
-                       preempt_every=args.preempt_every)
+                       preempt_every=args.preempt_every, mirror=args.mirror,
+                       checkpoint_every=args.checkpoint_every,
+                       checkpoint_branch=args.checkpoint_branch,
+                       host_ckpts=host_ckpts if args.mirror == "checkpoints" else None,
+                       state_slots=args.state_slots)
+    cfg.check()
+    why = cfg.resume().copyable
+    if why and not (args.dry or args.sweep_host):
+        raise UsageError(f"--state-slots {args.state_slots}: {why}; use it with --dry")
     return reqs, cfg, what
 
 
 def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
-    """``hicache serve`` for ``cfg`` on a private socket (not started yet)."""
-    ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
-    return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=cfg.device_rows(),
+    """``hicache serve`` for ``cfg`` on a private socket (not started yet).
+
+    The daemon sizes its host rows per space in proportion to the ``--device-rows`` it is
+    given. Full mirror: the worker's rows x host/device ratio. Checkpoints: the host split
+    itself at ratio 1 (page rows; checkpoint rows in ``swa_page`` or ``req_slot``, which also
+    keeps one row per request slot for state swaps)."""
+    if cfg.mirror == "full":
+        rows = cfg.device_rows()
+        ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
+    else:
+        rows = {s: 0 for s in cfg.device_rows()}
+        space = ResumeModel(cfg.layout()).checkpoint_space
+        rows["page"] = cfg.host_pages
+        rows[space] = rows.get(space, 0) + cfg.ckpt_rows
+        if "req_slot" in rows:
+            rows["req_slot"] += cfg.req_slots
+        rows = {s: max(1, n) for s, n in rows.items()}
+        ratio = 1.0
+    return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=rows,
                          host=("--host-ratio", repr(ratio)), heartbeat_timeout=60,
                          metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode),
                          new_session=True, ready_timeout=READY_TIMEOUT_S)
@@ -205,7 +280,7 @@ class Progress:
         self.next = now + self.every
         r = worker.result
         tot = max(1, r.input_tokens)
-        hs = worker.hooks.stats if worker.hooks is not None else None
+        hs = getattr(worker.hooks, "stats", None)
         moved = (f"  backed up {_gib(hs.bytes['backup'])}, loaded {_gib(hs.bytes['load'])}"
                  if hs else "")
         _err(f"{done}/{self.total} requests  hits: device {100 * r.device_hit_tokens / tot:.1f}% "
@@ -219,27 +294,41 @@ def _human(s: dict[str, Any], what: str) -> str:
     def pct(n: int) -> str:
         return f"{n:>14,} tokens ({100 * n / tot:5.1f}%)"
 
-    c = s["config"]
+    c, ck = s["config"], s["checkpoints"]
+    dry = s.get("dry", False)
+    where = "dry replay (no pools, no daemon, no copies)" if dry else f"on {c['device']}"
     lines = [
         f"hicache demo: {what}",
-        f"  worker: {c['preset']} swa={c['swa_mode']} on {c['device']}, {c['device_pages']} "
-        f"device pages, {c['host_pages']} host pages, policy {c['policy']}, "
-        f"{s['page_bytes']:,} B per page",
+        f"  worker: {c['preset']} swa={c['swa_mode']} {where}, {c['device_pages']:,} device "
+        f"pages, {c['host_pages']:,} host pages, policy {c['policy']}, mirror {s['mirror']}",
         f"  requests:              {s['requests']:,} ({s['input_tokens']:,} input tokens) "
         f"in {s['seconds']:.1f} s",
         f"  prefix hit on device:  {pct(s['device_hit_tokens'])}",
         f"  prefix hit on host:    {pct(s['host_hit_tokens'])}",
         f"  missed (computed):     {pct(s['miss_tokens'])}",
+        f"    of which unresumable {pct(s['unresumable_tokens'])} (cached past the deepest "
+        "checkpoint)",
         f"  device-only replay:    {pct(s['device_only_hit_tokens'])} hit",
-        f"  prefill tokens saved:  {s['prefill_tokens_saved']:,} by the host tier",
+        f"  prefill tokens saved:  {s['prefill_tokens_saved']:,} by the host tier "
+        f"(resumable hits {s['resumable_hit_tokens']:,})",
+        f"  host tier:             {s['host_pages']:,} pages, {ck['on_host']:,} checkpoints, "
+        f"{_gib(s['host_bytes'])}; {s['host_bytes_per_cached_token'] or 0:,.0f} B per cached "
+        "token",
+        f"  checkpoints:           {ck['made']:,} made, {ck['backed_up']:,} backed up, "
+        f"{ck['loaded']:,} loaded, {ck['dropped']:,} dropped",
         f"  backed up:             {_gib(s['bytes_backed_up'])} in {s['backup_ops']:,} ops "
-        f"({s['pages_backed_up']:,} pages), {s['backup_gbps']:.2f} GB/s copy, latency "
-        f"p50 {s['backup_latency_ms_p50']:.2f} ms p99 {s['backup_latency_ms_p99']:.2f} ms",
+        f"({s['pages_backed_up']:,} pages)",
         f"  loaded:                {_gib(s['bytes_loaded'])} in {s['load_ops']:,} ops "
-        f"({s['pages_loaded']:,} pages), {s['load_gbps']:.2f} GB/s copy, latency "
-        f"p50 {s['load_latency_ms_p50']:.2f} ms p99 {s['load_latency_ms_p99']:.2f} ms",
-        f"  request-state swaps:   {s['state_swaps']:,}",
+        f"({s['pages_loaded']:,} pages)",
     ]
+    if dry:
+        lines.append("  verified:              n/a (dry replay: nothing moved)")
+        return "\n".join(lines)
+    lines[-2] += (f", {s['backup_gbps']:.2f} GB/s copy, latency p50 "
+                  f"{s['backup_latency_ms_p50']:.2f} ms p99 {s['backup_latency_ms_p99']:.2f} ms")
+    lines[-1] += (f", {s['load_gbps']:.2f} GB/s copy, latency p50 "
+                  f"{s['load_latency_ms_p50']:.2f} ms p99 {s['load_latency_ms_p99']:.2f} ms")
+    lines.append(f"  request-state swaps:   {s['state_swaps']:,}")
     if s["host_tier_lost"]:
         lines.append(f"  host tier lost:        {s['host_tier_lost']} time(s); fell back to "
                      "recompute")
@@ -255,7 +344,23 @@ def _human(s: dict[str, Any], what: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.hisparse:
         return _run_hisparse(args)
+    if args.plot and not args.sweep_host:
+        raise UsageError("--plot draws a host-memory sweep: give --sweep-host too")
     reqs, cfg, what = _resolve(args)
+    if args.sweep_host:
+        from hicache.sim.sweep import run_sweep
+
+        return run_sweep(args, reqs, cfg, what)
+    if args.dry:
+        from hicache.sim.dry import DryReplay
+
+        replay = DryReplay(cfg)
+        _err(f"dry replay of {what}")
+        replay.run(reqs, Progress(len(reqs), args.progress_seconds))
+        summary = replay.summary()
+        summary["workload"] = what
+        print(json.dumps(summary) if args.json else _human(summary, what), flush=True)
+        return 0
     from hicache.engine.client import Client
     from hicache.sim.simulator import DemoMetrics, Worker
 

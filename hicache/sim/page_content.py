@@ -10,6 +10,10 @@ buffer lives, never a Python loop over bytes. Words are 8 bytes when the row len
 * ``fill(pool, layer, buf, rows, ids)`` writes rows ``rows`` of one per-layer buffer.
 * ``mismatches(pool, layer, buf, rows, ids)`` counts the bytes that differ from the expected
   content (0 when everything matches).
+* ``fill_tokens`` / ``token_mismatches`` do the same for some tokens of a token-format row
+  (value and scale bytes of each): token ``src[i]`` of page ``id``'s content at token position
+  ``dst[i]`` of the row (the SWA tail of a checkpoint: the same offsets in a page row, ring
+  positions ``pos % window`` in a request slot's row).
 """
 from __future__ import annotations
 
@@ -99,3 +103,36 @@ class PageContent:
         if torch.equal(got, want):
             return 0
         return int((got.view(torch.uint8) != want.view(torch.uint8)).sum().item())
+
+    def _token_bytes(self, pool: str, tokens: list[int], device: torch.device) -> torch.Tensor:
+        """Byte offsets of the values and scales of ``tokens`` in a row of ``pool``."""
+        spec = self.layout.pool(pool)
+        if not spec.token_granular:
+            raise ValueError(f"pool {pool} has no token format")
+        t = torch.tensor(tokens, dtype=torch.int64)
+        val = (t * spec.value_bytes).unsqueeze(1) + torch.arange(spec.value_bytes)
+        sc = (spec.scale_offset + t * spec.scale_bytes).unsqueeze(1) + torch.arange(spec.scale_bytes)
+        return torch.cat([val.reshape(-1), sc.reshape(-1)]).to(device)
+
+    def _token_pair(self, pool: str, layer: int, buf: torch.Tensor, rows: torch.Tensor,
+                    ids: torch.Tensor, src: list[int], dst: list[int]
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source tokens but {len(dst)} destination tokens")
+        s_idx = self._token_bytes(pool, src, buf.device)
+        d_idx = self._token_bytes(pool, dst, buf.device)
+        want = self.expected(pool, layer, ids, buf.device).view(torch.uint8)[:, s_idx]
+        return (rows.to(buf.device).unsqueeze(1), d_idx.unsqueeze(0)), want
+
+    def fill_tokens(self, pool: str, layer: int, buf: torch.Tensor, rows: torch.Tensor,
+                    ids: torch.Tensor, src: list[int], dst: list[int]) -> None:
+        """Write tokens ``src`` of pages ``ids`` at token positions ``dst`` of rows ``rows``."""
+        where, want = self._token_pair(pool, layer, buf, rows, ids, src, dst)
+        buf.view(torch.uint8)[where] = want
+
+    def token_mismatches(self, pool: str, layer: int, buf: torch.Tensor, rows: torch.Tensor,
+                         ids: torch.Tensor, src: list[int], dst: list[int]) -> int:
+        """Bytes of tokens ``dst`` of rows ``rows`` that differ from tokens ``src`` of ``ids``."""
+        where, want = self._token_pair(pool, layer, buf, rows, ids, src, dst)
+        return int((buf.view(torch.uint8)[where] != want).sum().item())
+

@@ -2,40 +2,40 @@
 
 ``Worker(cfg, client)`` allocates the device pools of the layout (CUDA tensors on a GPU,
 shared-memory CPU tensors otherwise) through ``hicache.engine.device_pools``, registers them with the
-daemon, and runs requests (``run_request`` / ``run``):
+daemon, and runs requests through ``hicache.sim.replay.Replay`` (prepare, write, release,
+device-only counterfactual, accounting). What it adds is the bytes:
 
-1. match the prefix in the radix tree: device hits, then host hits, which the tree loads into
-   fresh device rows (``ClientHooks`` -> daemon LOAD) and waits for;
-2. verify every byte of every page the request reads from the cache, loaded or not, against
-   the content it was written with (``PageContent``: derived from (page key, pool, layer));
-3. "prefill" the rest: write the content of every new page into fresh device rows, every pool
-   and layer of each index space a page uses (``page``, plus ``swa_page`` in paged SWA mode);
-   the decode output occupies rows as well, and is cached when the workload says so;
-4. release: insert the new pages, unlock the prefix, let the write policy back pages up.
+1. every hit is verified before it counts: every pool of every prefix page under a full
+   mirror; with checkpoints, the compressed rows of every prefix page plus the boundary's
+   checkpoint — the SWA tail tokens (in the page's device row, or at ring positions of the
+   request slot in ring SWA mode) and the C4 / C4-indexer state rows. A hit with any byte
+   wrong is recomputed (``rejected_hit_tokens``) and the mismatch reported;
+2. "prefill" writes the content of every new page (``PageContent``: derived from (page key,
+   pool, layer)) into fresh device rows of every page space; in ring mode the request slot's
+   SWA ring and state rows get the checkpoint content of the last page it wrote;
+3. with ``preempt_every=N`` every N-th request's slot state (``req_slot`` pools) is swapped out
+   to the host and back into another slot through the daemon, and verified.
 
-The same requests also run through a device-only tree of the same size (no host tier, no
-copies): the counterfactual for "prefill tokens saved". With ``preempt_every=N`` every N-th
-request's request-slot state (``req_slot`` pools) is swapped out to the host and back into
-another slot through the daemon, and verified. Counters live in ``Result`` and, for Prometheus,
-in ``DemoMetrics`` (``hicache_demo_*``: the daemon's catalog has no tier-hit metrics).
+Counters live in ``Result`` and, for Prometheus, in ``DemoMetrics`` (``hicache_demo_*``).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import asdict
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hicache.engine.device_pools import DevicePools
 from hicache.core.errors import HicacheError
-from hicache.engine.hooks import ClientHooks
-from hicache.core.layout import Layout, build_layout, preset
 from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
+from hicache.engine.device_pools import DevicePools
+from hicache.engine.hooks import ClientHooks
+from hicache.engine.radix import Prefix
 from hicache.sim.page_content import PageContent
-from hicache.engine.radix import PAGE_TOKENS, RadixTree
+from hicache.sim.replay import Replay, Result, WorkerConfig, page_spaces, percentile
 from hicache.sim.workload import Request
+
+__all__ = ["DEMO_CATALOG", "DemoMetrics", "Result", "Worker", "WorkerConfig", "page_spaces"]
 
 DEMO_CATALOG: tuple[MetricDef, ...] = (
     MetricDef("demo_requests", "counter", (),
@@ -93,98 +93,42 @@ class DemoMetrics:
         return int(server.server_port) if server is not None else port
 
 
-@dataclass
-class WorkerConfig:
-    preset: str = "dsv4-tiny"
-    swa_mode: str = "paged"
-    device_pages: int = 128  # device rows per page space (page, and swa_page when paged)
-    host_pages: int = 1024  # host pages the tree may use (the daemon is sized to match)
-    req_slots: int = 4
-    policy: str = "write_through"
-    seed: int = 0
-    device: str = "cpu"
-    verify_hits: bool = True  # also verify device hits, not only loaded pages
-    preempt_every: int = 0  # swap a request's slot state out and back every N requests
-    timeout: float = 30.0  # per daemon call / transfer
-
-    def layout(self) -> Layout:
-        return build_layout(preset(self.preset), swa_mode=self.swa_mode)
-
-    def device_rows(self, layout: Layout | None = None) -> dict[str, int]:
-        layout = layout or self.layout()
-        rows = {"page": self.device_pages, "swa_page": self.device_pages,
-                "req_slot": self.req_slots}
-        return {s: n for s, n in rows.items() if layout.space_pools(s)}
-
-
-def page_spaces(layout: Layout) -> list[str]:
-    """Index spaces one radix page uses: ``page``, and ``swa_page`` in paged SWA mode."""
-    return [s for s in ("page", "swa_page") if layout.space_pools(s)]
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-@dataclass
-class Result:
-    requests: int = 0
-    input_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    miss_tokens: int = 0
-    device_only_hit_tokens: int = 0
-    verified_bytes: int = 0
-    mismatched_bytes: int = 0
-    mismatched_pages: int = 0
-    state_swaps: int = 0
-    state_swap_failures: int = 0
-    seconds: float = 0.0
-    first_mismatch: str | None = None
-
-    @property
-    def prefill_tokens_saved(self) -> int:
-        """Tokens not computed thanks to the host tier (vs the device-only replay)."""
-        return self.device_hit_tokens + self.host_hit_tokens - self.device_only_hit_tokens
-
-
-class Worker:
+class Worker(Replay):
     """A simulated DSV4 worker (see the module docstring). ``client=None``: device-only."""
 
     def __init__(self, cfg: WorkerConfig, client: Any = None,
                  metrics: DemoMetrics | None = None) -> None:
-        self.cfg = cfg
-        self.layout = cfg.layout()
-        self.spaces = page_spaces(self.layout)
+        cfg.check()
+        layout = cfg.layout()
         self.client = client
         self.metrics = metrics
         self.cuda = cfg.device.startswith("cuda")
-        self.pools = DevicePools(self.layout, cfg.device_rows(self.layout), cfg.device)
-        self.content = PageContent(self.layout, cfg.seed)
-        self.page_bytes = sum(self.layout.row_bytes(s) for s in self.spaces)
-        self.slot_pools = self.layout.space_pools("req_slot")
+        self.spaces = page_spaces(layout)  # what prefill writes: every page space
+        self.pools = DevicePools(layout, cfg.device_rows(layout), cfg.device)
+        self.content = PageContent(layout, cfg.seed)
+        self.slot_pools = layout.space_pools("req_slot")
         self.hooks: ClientHooks | None = None
+        ckpt = cfg.mirror == "checkpoints"
         try:
             if client is not None:
+                resume = cfg.resume(layout)
+                if ckpt and resume.copyable:
+                    raise HicacheError(resume.copyable)
                 client.register(self.pools, events=1 if self.cuda else 0, name="hicache-demo",
                                 timeout=cfg.timeout)
-                self.hooks = ClientHooks(client, self.spaces, timeout=cfg.timeout,
+                self.hooks = ClientHooks(client, ["page"] if ckpt else self.spaces,
+                                         timeout=cfg.timeout,
                                          wait_event=0 if self.cuda else None,
-                                         on_ack=self._on_ack)
+                                         on_ack=self._on_ack, resume=resume if ckpt else None)
+            super().__init__(cfg, self.hooks)
         except BaseException:
             self.pools.close()
             raise
-        self.tree = RadixTree(cfg.device_pages, self.hooks, policy=cfg.policy,
-                              host_capacity=cfg.host_pages if client is not None else None)
-        self.shadow = RadixTree(cfg.device_pages)  # device-only counterfactual, no copies
-        self.result = Result()
+        self.page_bytes = sum(layout.row_bytes(s) for s in self.spaces)
         self._lost_seen = 0
 
     # ------------------------------------------------------------------ content
-    def _fill(self, keys: Sequence[int], rows: Sequence[int]) -> None:
+    def _write(self, req: Request, keys: list[int], rows: list[int]) -> None:
         if not rows:
             return
         ids = torch.tensor(keys, dtype=torch.int64)
@@ -193,99 +137,123 @@ class Worker:
             for spec in self.layout.space_pools(space):
                 for layer, buf in enumerate(self.pools.layers[spec.name]):
                     self.content.fill(spec.name, layer, buf, r, ids)
+        self._written()
+
+    def _written(self) -> None:
         if self.cuda:
             if self.client is not None and self.client.backup_events:
                 self.client.backup_events[0].record()  # the daemon's backups wait on it
             else:
                 torch.cuda.synchronize()
 
-    def _verify(self, keys: Sequence[int], rows: Sequence[int], what: str) -> None:
-        if not rows:
-            return
-        ids = torch.tensor(keys, dtype=torch.int64)
-        r = torch.tensor(rows, dtype=torch.int64)
-        bad = 0
-        for space in self.spaces:
-            for spec in self.layout.space_pools(space):
-                for layer, buf in enumerate(self.pools.layers[spec.name]):
-                    n = self.content.mismatches(spec.name, layer, buf, r, ids)
-                    if n and self.result.first_mismatch is None:
-                        self.result.first_mismatch = (
-                            f"{what}: {n} bytes differ in pool {spec.name} layer {layer} "
-                            f"(pages {list(keys)[:4]}..., device rows {list(rows)[:4]}...)")
-                    bad += n
-        nbytes = len(rows) * self.page_bytes
-        self.result.verified_bytes += nbytes
-        self.result.mismatched_bytes += bad
-        if bad:
-            self.result.mismatched_pages += 1
-        if self.metrics is not None:
-            self.metrics.m["demo_verified_bytes"].inc(nbytes)
-            if bad:
-                self.metrics.m["demo_mismatched_bytes"].inc(bad)
+    def _tail(self, depth: int) -> tuple[list[int], list[int]]:
+        """(token offsets in the page's content, positions in the row) of a checkpoint's tail."""
+        src = list(self.resume.tail_offsets)
+        return src, (src if self.cfg.swa_mode == "paged" else self.resume.ring_positions(depth))
 
-    def _on_ack(self, kind: str, ack: Any) -> None:
-        if self.metrics is not None:
-            self.metrics.m["demo_op_seconds"].labels(kind).observe(float(ack.seconds))
-
-    # ------------------------------------------------------------------ requests
-    def run_request(self, req: Request) -> None:
-        keys = list(req.cache_pages[: req.max_prefix_pages])
-        prefix = self.tree.prepare(keys)
-        if self.cfg.verify_hits and prefix.device_pages:
-            self._verify(keys[: prefix.device_pages],
-                         [n.device for n in prefix.nodes[: prefix.device_pages]],
-                         f"request {req.rid} device hit")
-        if prefix.loaded:
-            self._verify([k for k, _ in prefix.loaded], [r for _, r in prefix.loaded],
-                         f"request {req.rid} load")
-        new_keys = list(req.cache_pages[prefix.pages:])
-        rows = self.tree.alloc_device(req.total_pages - prefix.pages)
-        self._fill(new_keys, rows[: len(new_keys)])  # prefill (and decode) writes the KV
+    def _before_release(self, req: Request, slot: int, wrote: bool) -> None:
+        """State swap every N requests; in ring mode then the slot's rings get the checkpoint
+        of the last page the request wrote."""
         if self.cfg.preempt_every and self.slot_pools and self.tree.host_online \
                 and req.rid % self.cfg.preempt_every == 0:
             self._preempt(req)
-        self.tree.release(prefix, list(req.cache_pages), rows[: len(new_keys)])
-        self.tree.free_device(rows[len(new_keys):])
-        dev_only = self._counterfactual(req, keys)
-        self._account(req, prefix.device_pages, prefix.host_pages, dev_only)
+        if not (self.ckpt and wrote and self.cfg.swa_mode == "ring"):
+            return
+        key, depth = req.cache_pages[-1], len(req.cache_pages)
+        ids, row = torch.tensor([key], dtype=torch.int64), torch.tensor([slot])
+        src, dst = self._tail(depth)
+        r = self.resume
+        if r.swa_pool is not None:
+            for layer, buf in enumerate(self.pools.layers[r.swa_pool.name]):
+                self.content.fill_tokens(r.swa_pool.name, layer, buf, row, ids, src, dst)
+        for spec in r.state_pools:
+            for layer, buf in enumerate(self.pools.layers[spec.name]):
+                self.content.fill(spec.name, layer, buf, row, ids)
+        self._written()
+
+    def _after_release(self, req: Request) -> None:
+        if self.ckpt and self.cfg.swa_mode == "ring":
+            self.tree.drain()  # the ring backup must read the slot before the next request
         if self.client is not None and self.tree.host_online:
             try:
                 self.client.maybe_heartbeat()
             except Exception:  # noqa: BLE001 - a dead daemon shows up in the tree's next call
                 pass
 
-    def _counterfactual(self, req: Request, keys: list[int]) -> int:
-        sp = self.shadow.prepare(keys)
-        n_new = len(req.cache_pages) - sp.pages
-        rows = self.shadow.alloc_device(req.total_pages - sp.pages)
-        self.shadow.release(sp, list(req.cache_pages), rows[:n_new])
-        self.shadow.free_device(rows[n_new:])
-        return sp.device_pages * PAGE_TOKENS
+    def _compare(self, pools: list[Any], rows: list[int], keys: list[int], what: str,
+                 tokens: tuple[list[int], list[int]] | None = None) -> tuple[int, int]:
+        """(bytes checked, bytes that differ) of rows ``rows`` against pages ``keys``."""
+        ids = torch.tensor(keys, dtype=torch.int64)
+        r = torch.tensor(rows, dtype=torch.int64)
+        bad = checked = 0
+        for spec in pools:
+            for layer, buf in enumerate(self.pools.layers[spec.name]):
+                if tokens is None:
+                    n = self.content.mismatches(spec.name, layer, buf, r, ids)
+                    checked += len(rows) * spec.page_bytes
+                else:
+                    n = self.content.token_mismatches(spec.name, layer, buf, r, ids, *tokens)
+                    checked += len(rows) * len(tokens[0]) * spec.token_bytes
+                if n and self.result.first_mismatch is None:
+                    self.result.first_mismatch = (
+                        f"{what}: {n} bytes differ in pool {spec.name} layer {layer} "
+                        f"(pages {list(keys)[:4]}..., rows {list(rows)[:4]}...)")
+                bad += n
+        return checked, bad
 
-    def _account(self, req: Request, dev_pages: int, host_pages: int, dev_only: int) -> None:
-        r = self.result
-        dev, host = dev_pages * PAGE_TOKENS, host_pages * PAGE_TOKENS
-        miss = req.input_tokens - dev - host
-        r.requests += 1
-        r.input_tokens += req.input_tokens
-        r.device_hit_tokens += dev
-        r.host_hit_tokens += host
-        r.miss_tokens += miss
-        r.device_only_hit_tokens += dev_only
+    def _check_hit(self, req: Request, prefix: Prefix, slot: int) -> int:
+        if not prefix.nodes:
+            return 0
+        what = f"request {req.rid} prefix"
+        keys, rows = [n.key for n in prefix.nodes], prefix.rows
+        if not self.cfg.verify_hits:  # loaded pages only
+            keys, rows = [k for k, _ in prefix.loaded], [r for _, r in prefix.loaded]
+        checked = bad = 0
+        pools = [p for s in (["page"] if self.ckpt else self.spaces)
+                 for p in self.layout.space_pools(s)]
+        if rows:
+            checked, bad = self._compare(pools, rows, keys, what)
+        if self.ckpt and (self.cfg.verify_hits or prefix.ckpt == "host"):
+            end = prefix.nodes[-1]
+            loc = end.device if self.cfg.swa_mode == "paged" else slot
+            r = self.resume
+            c1 = b1 = 0
+            if r.swa_pool is not None:
+                c1, b1 = self._compare([r.swa_pool], [loc], [end.key], f"{what} SWA tail",
+                                       self._tail(end.depth))
+            c2, b2 = self._compare(list(r.state_pools), [loc], [end.key], f"{what} states")
+            checked, bad = checked + c1 + c2, bad + b1 + b2
+        res = self.result
+        res.verified_bytes += checked
+        res.mismatched_bytes += bad
+        if bad:
+            res.mismatched_pages += 1
         if self.metrics is not None:
-            m = self.metrics.m
-            m["demo_requests"].inc()
-            m["demo_prefix_tokens"].labels("device").inc(dev)
-            m["demo_prefix_tokens"].labels("host").inc(host)
-            m["demo_prefix_tokens"].labels("miss").inc(miss)
-            m["demo_device_only_hit_tokens"].inc(dev_only)
-            m["demo_tree_pages"].labels("device").set(self.tree.device_pages)
-            m["demo_tree_pages"].labels("host").set(self.tree.host_pages)
-            lost = self.tree.stats.host_offline
-            if lost > self._lost_seen:
-                m["demo_host_tier_lost"].inc(lost - self._lost_seen)
-                self._lost_seen = lost
+            self.metrics.m["demo_verified_bytes"].inc(checked)
+            if bad:
+                self.metrics.m["demo_mismatched_bytes"].inc(bad)
+        return bad
+
+    def _on_ack(self, kind: str, ack: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.m["demo_op_seconds"].labels(kind).observe(float(ack.seconds))
+
+    # ------------------------------------------------------------------ requests
+    def _on_account(self, dev: int, host: int, miss: int, dev_only: int) -> None:
+        if self.metrics is None:
+            return
+        m = self.metrics.m
+        m["demo_requests"].inc()
+        m["demo_prefix_tokens"].labels("device").inc(dev)
+        m["demo_prefix_tokens"].labels("host").inc(host)
+        m["demo_prefix_tokens"].labels("miss").inc(miss)
+        m["demo_device_only_hit_tokens"].inc(dev_only)
+        m["demo_tree_pages"].labels("device").set(self.tree.device_pages)
+        m["demo_tree_pages"].labels("host").set(self.tree.host_pages)
+        lost = self.tree.stats.host_offline
+        if lost > self._lost_seen:
+            m["demo_host_tier_lost"].inc(lost - self._lost_seen)
+            self._lost_seen = lost
 
     def _preempt(self, req: Request) -> None:
         """Swap the request's slot state out to the host and back into another slot."""
@@ -327,18 +295,6 @@ class Worker:
             self.result.first_mismatch = f"request {req.rid} state swap: {bad} bytes differ"
         self.result.state_swaps += 1
 
-    def run(self, requests: Iterable[Request],
-            progress: Callable[["Worker", int], None] | None = None) -> Result:
-        t0 = time.perf_counter()
-        for i, req in enumerate(requests, 1):
-            self.run_request(req)
-            self.result.seconds = time.perf_counter() - t0
-            if progress is not None:
-                progress(self, i)
-        self.tree.drain()
-        self.result.seconds = time.perf_counter() - t0
-        return self.result
-
     # ------------------------------------------------------------------ report
     def summary(self) -> dict[str, Any]:
         """Everything the demo reports, JSON-able."""
@@ -353,14 +309,8 @@ class Worker:
         def lat(k: str, q: float) -> float:
             return percentile(hs.latencies[k], q) * 1e3 if hs is not None else 0.0
 
-        out: dict[str, Any] = {
-            "requests": r.requests,
-            "input_tokens": r.input_tokens,
-            "device_hit_tokens": r.device_hit_tokens,
-            "host_hit_tokens": r.host_hit_tokens,
-            "miss_tokens": r.miss_tokens,
-            "device_only_hit_tokens": r.device_only_hit_tokens,
-            "prefill_tokens_saved": r.prefill_tokens_saved,
+        out: dict[str, Any] = self.tree_summary()
+        out.update({
             "bytes_backed_up": hs.bytes["backup"] if hs else 0,
             "bytes_loaded": hs.bytes["load"] if hs else 0,
             "pages_backed_up": t.backed_up_pages,
@@ -384,8 +334,7 @@ class Worker:
             "seconds": round(r.seconds, 3),
             "config": asdict(self.cfg),
             "page_bytes": self.page_bytes,
-            "tree": t.as_dict(),
-        }
+        })
         return out
 
     def close(self) -> None:

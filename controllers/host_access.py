@@ -1,0 +1,70 @@
+"""Who may read which host rows, and the addresses kernels use for them.
+
+A host row is readable by its owner only once a backup of that owner into it has completed
+(``HostPoolGroup``'s written state, per pool and row): a freshly allocated or freed row may
+still hold a previous owner's KV, so loads and swap-ins of it are refused ``not_written``.
+The daemon calls, for every operation:
+
+* ``check_readable(group, pool, rows, what)`` — in the handler of a load / swap-in, after the
+  ownership check: raises ``ProtocolError("not_written")`` naming the first unwritten row.
+* ``begin_writes(group, op)`` — when a backup / swap-out is accepted (before it runs): its rows
+  become CLEAN; rows a token-granular item writes only part of are zeroed first if UNWRITTEN.
+* ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
+  it succeeded, else back to UNWRITTEN.
+
+``host_table(pool)`` builds the pointer table of one host pool with the arena's *device*
+addresses wherever they differ from the host addresses (``cuMemHostGetDevicePointer``), so
+kernels never dereference a host pointer the GPU cannot use.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from hicache.core.protocol import ProtocolError
+from hicache.host_pools.group import HostPoolGroup
+from hicache.host_pools.paged_pool import PagedHostPool
+from hicache.kernels.tables import LayerTable
+
+WRITES = ("backup", "swap_out")  # operation kinds that write host rows
+
+
+def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:
+    """Refuse (``not_written``) unless every row of ``pool`` in ``rows`` was written."""
+    bad = group.unwritten(pool, np.asarray(rows, dtype=np.int64))
+    if bad.size:
+        raise ProtocolError("not_written", f"{what}: host row {int(bad[0])} of pool {pool} "
+                                           f"holds nothing you backed up (no backup into it "
+                                           f"has completed since it was allocated)")
+
+
+def _host_rows(op: Any) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """(pool, host rows, partial) per item of a writing op; partial: token-granular."""
+    for it in op.items:
+        ids = it.dst_ids.np()
+        if it.fmt is None:
+            yield it.pool, ids, False
+        else:
+            yield it.pool, np.unique(ids // it.fmt.tokens_per_page), True
+
+
+def begin_writes(group: HostPoolGroup, op: Any) -> None:
+    if op.kind in WRITES:
+        for pool, rows, partial in _host_rows(op):
+            group.begin_write(pool, rows, zero=partial)
+
+
+def end_writes(group: HostPoolGroup, op: Any) -> None:
+    if op.kind in WRITES:
+        for pool, rows, _ in _host_rows(op):
+            group.end_write(pool, rows, op.ok)
+
+
+def host_table(pool: PagedHostPool) -> LayerTable:
+    """The pool's layers with the device addresses the GPU must use (host ones under UVA)."""
+    dev = pool.device_ptrs()
+    name = f"host:{pool.name}"
+    if dev == pool.layer_ptrs():
+        return LayerTable(pool.layers, name)
+    return LayerTable(pool.layers, name, device_ptrs=dev)

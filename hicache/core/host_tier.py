@@ -1,0 +1,38 @@
+"""What a host budget caches under each mirror, per plan (``hicache plan --host-mem``).
+
+``host_tier_by_mirror(inputs) -> dict | None``: for ``inputs.host_mem``, per mirror
+(``hicache.core.resume.MIRRORS``) the host page rows, checkpoint rows, cached tokens and cached
+tokens per host GiB, min over the pipeline stages like the device capacity. A full mirror
+stores every pool of every page (paged SWA only); checkpoints store compressed rows per page
+plus one checkpoint row per ``inputs.pages_per_checkpoint`` pages. Pure arithmetic.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.core.planner import PlanInputs, stage_layouts
+from hicache.core.resume import MIRRORS, ResumeModel
+
+
+def host_tier_by_mirror(inputs: PlanInputs) -> dict[str, Any] | None:
+    """Host tier under each mirror for ``inputs.host_mem`` (see the module docstring)."""
+    if inputs.host_mem is None:
+        return None
+    out: dict[str, Any] = {}
+    layouts = stage_layouts(inputs, inputs.swa_mode)
+    for mirror in MIRRORS:
+        if mirror == "full" and inputs.swa_mode != "paged":
+            out[mirror] = {"error": "a full mirror needs paged SWA (ring mode pages have no "
+                                    "SWA rows; their hits are not resumable)"}
+            continue
+        tiers = [ResumeModel(lay).host_tier(inputs.host_mem, mirror, inputs.pages_per_checkpoint)
+                 for lay in layouts]
+        pages, ckpts = min(t[0] for t in tiers), min(t[1] for t in tiers)
+        tokens = pages * inputs.model.page_size
+        out[mirror] = {"pages": pages, "checkpoints": ckpts, "cached_tokens": tokens,
+                       "cached_tokens_per_host_gib": round(tokens * 2**30 / inputs.host_mem)
+                       if inputs.host_mem else 0}
+    full, ck = out.get("full", {}), out["checkpoints"]
+    if full.get("cached_tokens"):
+        out["checkpoints_vs_full"] = round(ck["cached_tokens"] / full["cached_tokens"], 2)
+    return out

@@ -1,0 +1,273 @@
+"""Host-tier bookkeeping of the reference radix tree: allocation with eviction, dropping, loss.
+
+``TierOps`` is a mixin of ``hicache.engine.radix.RadixTree`` (the tree's contract and
+invariants are stated there): ``_host_alloc`` / ``_ckpt_alloc`` make room by evicting host
+pages / host checkpoints (LRU) under their capacities, ``evict_host`` drops host page copies
+(leaves or device-resident pages), ``evict_checkpoints`` drops host checkpoints apart from their
+pages, ``_drop_*`` remove copies and nodes (a node leaving the tree takes its checkpoint with it),
+``_go_offline`` forgets the whole host tier, ``check`` verifies every invariant.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from hicache.engine.hooks import HostExhausted, HostTierError, HostUnavailable, TierHooks
+from hicache.engine.radix_nodes import Node, RowFreeList, TreeStats
+
+
+class TierOps:
+    """Host allocation, eviction, dropping and checking for ``RadixTree`` (a mixin)."""
+
+    device: RowFreeList
+    hooks: TierHooks | None
+    host_capacity: int | None
+    host_ckpt_capacity: int | None
+    host_online: bool
+    ckpt_mode: bool
+    device_ckpts: bool
+    root: Node
+    stats: TreeStats
+    _dev_lru: OrderedDict[Node, None]
+    _host_lru: OrderedDict[Node, None]
+    _ckpt_lru: OrderedDict[Node, None]
+    _host_pending: int
+    _ckpt_pending: int
+    _inflight: list[tuple[Any, list[Node], list[Node]]]
+
+    @property
+    def host_pages(self) -> int:
+        return len(self._host_lru) + self._host_pending
+
+    @property
+    def host_checkpoints(self) -> int:
+        return len(self._ckpt_lru) + self._ckpt_pending
+
+    def _host_alloc(self, n: int) -> list[Any] | None:
+        """``n`` host page handles, evicting host LRU pages to make room; ``None`` = no room."""
+        assert self.hooks is not None
+        if self.host_capacity is not None:
+            if n > self.host_capacity:
+                return None
+            over = self.host_pages + n - self.host_capacity
+            if over > 0:
+                self.evict_host(over)
+                if self.host_pages + n > self.host_capacity:
+                    return None
+        return self._hooks_alloc(n, "page", self.evict_host)
+
+    def _ckpt_alloc(self, n: int) -> list[Any] | None:
+        """``n`` host checkpoint handles, evicting LRU checkpoints; ``None`` = no room."""
+        if self.host_ckpt_capacity is not None:
+            if n > self.host_ckpt_capacity:
+                return None
+            over = self.host_checkpoints + n - self.host_ckpt_capacity
+            if over > 0:
+                self.evict_checkpoints(over)
+                if self.host_checkpoints + n > self.host_ckpt_capacity:
+                    return None
+        return self._hooks_alloc(n, "ckpt", self.evict_checkpoints)
+
+    def _hooks_alloc(self, n: int, kind: str, evict: Any) -> list[Any] | None:
+        assert self.hooks is not None
+        for attempt in range(2):
+            try:
+                if kind == "page":
+                    return self.hooks.host_alloc(n)
+                return self.hooks.host_alloc(n, kind=kind)  # type: ignore[call-arg]
+            except HostExhausted:
+                if attempt == 0 and evict(n) == 0:
+                    return None
+            except HostUnavailable:
+                self._go_offline()
+                return None
+        return None
+
+    def evict_host(self, n: int) -> int:
+        """Drop ``n`` host copies (LRU; leaves or device-resident pages only)."""
+        total = 0
+        while total < n:
+            dropped: list[Node] = []
+            for node in self._host_lru:  # oldest first; cascades upward in the same pass
+                if total + len(dropped) >= n:
+                    break
+                if node.io or (node.device is None and node.children):
+                    continue
+                dropped.append(node)
+                if node.device is None and node.parent is not None:  # host-only leaf: unlink
+                    del node.parent.children[node.key]  # now, so its parent can follow
+            if not dropped:
+                break
+            handles = []
+            for node in dropped:
+                del self._host_lru[node]
+                handles.append(node.host)
+                node.host = None
+                if node.device is None:
+                    self.stats.dropped_pages += 1
+                    self._drop_ckpts([node])  # the page left the tree: its checkpoint too
+            self.stats.host_evicted_pages += len(dropped)
+            self._free_handles(handles)
+            total += len(dropped)
+        return total
+
+    def evict_checkpoints(self, n: int) -> int:
+        """Drop ``n`` host checkpoints (LRU), keeping their pages."""
+        victims = [v for v in self._ckpt_lru if not v.io][:n]
+        self._drop_ckpts(victims)
+        return len(victims)
+
+    # ------------------------------------------------------------------ dropping
+    def _drop_ckpts(self, nodes: list[Node]) -> None:
+        """Forget and free the settled host checkpoints of ``nodes``."""
+        handles = []
+        for n in nodes:
+            if n.ckpt_host is not None and n in self._ckpt_lru:
+                handles.append(n.ckpt_host)
+                n.ckpt_host = None
+                del self._ckpt_lru[n]
+        self.stats.checkpoints_dropped += len(handles)
+        self._free_handles(handles, "ckpt")
+
+    def _drop_host(self, nodes: list[Node]) -> None:
+        """Forget host copies of ``nodes`` (leaf first) and free them."""
+        handles = []
+        for n in nodes:
+            if n.host is None or n.io:
+                continue
+            handles.append(n.host)
+            n.host = None
+            self._host_lru.pop(n, None)
+            if n.device is None:
+                self._drop_subtree(n)
+        self._free_handles(handles)
+
+    def _drop_subtree(self, node: Node) -> None:
+        """Remove ``node`` and everything below it (none of it device-resident)."""
+        handles = []
+        stack = [node]
+        gone = []
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            assert n.device is None and not n.io, f"dropping a pinned page {n.key!r}"
+            if n.host is not None:
+                handles.append(n.host)
+                n.host = None
+                self._host_lru.pop(n, None)
+            gone.append(n)
+            self.stats.dropped_pages += 1
+        if node.parent is not None and node.parent.children.get(node.key) is node:
+            del node.parent.children[node.key]
+        self._free_handles(handles)
+        self._drop_ckpts(gone)
+
+    def _prune_reversed(self, nodes: list[Node]) -> None:
+        for n in reversed(nodes):
+            if n.device is None and n.host is None and n.parent is not None:
+                self._drop_subtree(n)
+
+    def _free_handles(self, handles: list[Any], kind: str = "page") -> None:
+        if not handles or not self.host_online:
+            return
+        assert self.hooks is not None
+        try:
+            if kind == "page":
+                self.hooks.host_free(handles)
+            else:
+                self.hooks.host_free(handles, kind=kind)  # type: ignore[call-arg]
+        except HostUnavailable:
+            self._go_offline()
+        except HostTierError:
+            self.stats.transfer_failures += 1
+
+    def _go_offline(self) -> None:
+        """The host tier is gone: forget every host copy, keep serving from the device."""
+        if not self.host_online:
+            return
+        self.host_online = False
+        self.stats.host_offline += 1
+        for _, nodes, ckpts in self._inflight:
+            for n in nodes + ckpts:
+                n.io -= 1
+                n.ckpt_host = None
+        self._inflight.clear()
+        self._host_pending = self._ckpt_pending = 0
+        for n in list(self._host_lru):
+            n.host = None
+        self._host_lru.clear()
+        for n in list(self._ckpt_lru):
+            n.ckpt_host = None
+        self._ckpt_lru.clear()
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            for key, child in list(n.children.items()):
+                if child.device is None:
+                    del n.children[key]  # host-only subtree (prefix-closed device set)
+                    self.stats.dropped_pages += 1
+                else:
+                    child.host = None
+                    child.ckpt_host = None
+                    stack.append(child)
+
+    def lose_host_tier(self) -> None:
+        """The engine learned the host tier is gone (e.g. a failed state swap): forget it."""
+        self._go_offline()
+
+    def reset_host_tier(self, hooks: TierHooks | None = None) -> None:
+        """Start using a (re-registered) host tier again after ``HostUnavailable``."""
+        if hooks is not None:
+            self.hooks = hooks
+        self.host_online = self.hooks is not None
+
+    # ------------------------------------------------------------------ checking
+    def nodes(self) -> Iterable[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def check(self) -> None:
+        """Raise AssertionError when an invariant of the module docstring is broken."""
+        dev = host = ck = 0
+        rows = set()
+        for n in self.nodes():
+            assert n.parent is not None and n.parent.children.get(n.key) is n, n
+            assert n.device is not None or n.host is not None, f"page {n.key!r} has no copy"
+            assert n.depth == n.parent.depth + 1, f"page {n.key!r}: depth {n.depth}"
+            dc = sum(1 for c in n.children.values() if c.device is not None)
+            assert dc == n.dev_children, f"page {n.key!r}: dev_children {n.dev_children} != {dc}"
+            if n.device is not None:
+                dev += 1
+                assert n.device not in rows, f"device row {n.device} used twice"
+                rows.add(n.device)
+                assert n in self._dev_lru
+                p = n.parent
+                assert p is self.root or p.device is not None, f"page {n.key!r} above no device"
+            else:
+                assert n not in self._dev_lru
+            if n in self._host_lru:
+                host += 1
+                assert n.host is not None, f"page {n.key!r}: host LRU lists a page with no copy"
+            elif n.host is not None:
+                assert n.io > 0, f"page {n.key!r}: host copy neither settled nor in flight"
+            if n.ckpt_dev:
+                assert self.ckpt_mode and self.device_ckpts and n.device is not None, \
+                    f"page {n.key!r}: device checkpoint without a device copy or mode"
+            if n.ckpt_host is not None:
+                assert self.ckpt_mode, f"page {n.key!r}: a full mirror holds no checkpoint"
+                if n in self._ckpt_lru:
+                    ck += 1
+                else:
+                    assert n.io > 0, f"page {n.key!r}: host checkpoint neither settled nor in flight"
+            else:
+                assert n not in self._ckpt_lru, f"page {n.key!r}: LRU lists a checkpoint it lacks"
+            assert n.lock >= 0 and n.io >= 0
+        assert dev == len(self._dev_lru), (dev, len(self._dev_lru))
+        assert host == len(self._host_lru), (host, len(self._host_lru))
+        assert ck == len(self._ckpt_lru), (ck, len(self._ckpt_lru))
+        if self.host_ckpt_capacity is not None:
+            assert self.host_checkpoints <= self.host_ckpt_capacity
+        assert dev + self.device.available() <= self.device.capacity

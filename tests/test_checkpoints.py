@@ -1,0 +1,280 @@
+"""Resume checkpoints in the radix tree: match rule, eviction apart from pages, invariants.
+
+A fake host tier moves page content and checkpoint content separately (a checkpoint is the
+boundary key written into the device row's SWA/state part, or into a request slot's rings), so
+every prefix a ``prepare`` returns is checked: each page holds its key, and the boundary's
+checkpoint holds the boundary's key, wherever it came from.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hicache.core.layout import LayoutError, build_layout, preset
+from hicache.core.resume import ResumeModel
+from hicache.engine.hooks import HostExhausted, HostUnavailable, TransferFailed
+from hicache.engine.radix import POLICIES, RadixTree
+
+
+class CkptHooks:
+    """Pages and checkpoints in dicts; content follows every copy."""
+
+    def __init__(self, pages: int = 1000, ckpts: int = 1000) -> None:
+        self.free = {"page": list(range(pages)), "ckpt": list(range(ckpts))}
+        self.host: dict[tuple[str, int], object] = {}
+        self.device: dict[int, object] = {}  # page row -> key
+        self.dev_ckpt: dict[int, object] = {}  # page row -> key of the checkpoint in its SWA part
+        self.ring: dict[int, object] = {}  # request slot -> key of the checkpoint in its rings
+        self.fail: str | None = None
+        self.ops: list[tuple[str, int, int]] = []  # (verb, pages, checkpoints) per command
+
+    def _check(self) -> None:
+        if self.fail == "unreachable":
+            raise HostUnavailable("fake")
+
+    def host_alloc(self, n, kind="page"):
+        self._check()
+        if n > len(self.free[kind]):
+            raise HostExhausted(f"{kind}: {n} > {len(self.free[kind])}")
+        out, self.free[kind] = self.free[kind][:n], self.free[kind][n:]
+        return out
+
+    def host_free(self, handles, kind="page"):
+        self._check()
+        for h in handles:
+            assert h not in self.free[kind], f"double free of {kind} {h}"
+            self.host.pop((kind, h), None)
+        self.free[kind].extend(handles)
+
+    def backup(self, rows, handles, ckpts=()):
+        self._check()
+        if self.fail == "transfer":
+            raise TransferFailed("fake")
+        for r, h in zip(rows, handles):
+            self.host[("page", h)] = self.device[r]
+        for src, h, depth in ckpts:
+            self.host[("ckpt", h)] = (self.ring if self.slots else self.dev_ckpt)[src]
+        self.ops.append(("backup", len(rows), len(ckpts)))
+        return len(self.ops)
+
+    def load(self, handles, rows, ckpts=()):
+        self._check()
+        if self.fail == "transfer":
+            raise TransferFailed("fake")
+        for h, r in zip(handles, rows):
+            self.device[r] = self.host[("page", h)]
+        for dst, h, depth in ckpts:
+            (self.ring if self.slots else self.dev_ckpt)[dst] = self.host[("ckpt", h)]
+        self.ops.append(("load", len(rows), len(ckpts)))
+        return len(self.ops)
+
+    slots = False  # ring SWA mode: checkpoints live in request slots
+
+    def wait(self, ticket):
+        self._check()
+
+    def done(self, ticket):
+        self._check()
+        return True
+
+
+def run(tree: RadixTree, hooks: CkptHooks | None, keys, slot: int = 0):
+    """prepare -> check every page and the checkpoint -> compute the rest -> release."""
+    prefix = tree.prepare(keys, slot=slot) if not tree.device_ckpts else tree.prepare(keys)
+    dev = hooks.device if hooks else None
+    if dev is not None:
+        for n in prefix.nodes:
+            assert dev[n.device] == n.key
+        if prefix.nodes:
+            end = prefix.nodes[-1]
+            if tree.device_ckpts:
+                assert end.ckpt_dev and hooks.dev_ckpt[end.device] == end.key, "no checkpoint"
+            else:
+                assert prefix.ckpt == "host" and hooks.ring[slot] == end.key
+    rows = tree.alloc_device(len(keys) - prefix.pages)
+    if dev is not None:
+        for k, r in zip(keys[prefix.pages:], rows):
+            dev[r] = k
+            hooks.dev_ckpt[r] = k  # prefill writes SWA and states of every page
+        if not tree.device_ckpts and len(keys) > prefix.pages:
+            hooks.ring[slot] = keys[-1]  # the slot's rings at the last page written
+    tree.release(prefix, keys, rows, slot=slot)
+    tree.check()
+    return prefix
+
+
+def seq(p, n):
+    return [f"{p}{i}" for i in range(n)]
+
+
+def test_match_stops_at_the_deepest_checkpoint():
+    h = CkptHooks()
+    tree = RadixTree(32, h, mirror="checkpoints")
+    a = seq("a", 6)
+    run(tree, h, a)
+    assert tree.match(a + ["x"]) == (6, 0)
+    assert tree.match(a[:4] + ["x"]) == (0, 0)  # pages cached, no checkpoint at 4
+    p = run(tree, h, a[:4] + ["x"])
+    assert p.pages == 0 and p.unresumable_pages == 4
+    every = RadixTree(32, CkptHooks(), mirror="checkpoints", checkpoint_every=2)
+    run(every, every.hooks, a)
+    assert [every.match(a[:k] + ["x"])[0] for k in range(1, 7)] == [0, 2, 2, 4, 4, 6]
+
+
+def test_full_mirror_resumes_anywhere():
+    tree = RadixTree(32, None)
+    run(tree, None, seq("a", 6))
+    assert tree.match(seq("a", 4) + ["x"]) == (4, 0)
+
+
+def test_evicting_a_checkpoint_shortens_later_matches():
+    h = CkptHooks()
+    tree = RadixTree(16, h, mirror="checkpoints", checkpoint_every=4)
+    a = seq("a", 8)
+    run(tree, h, a)
+    tree.drain()
+    assert tree.host_pages == 8 and tree.host_checkpoints == 2
+    tree.evict_device(16)  # pages and device checkpoints leave the device; host copies stay
+    assert tree.device_pages == 0 and tree.match(a + ["x"]) == (0, 8)
+    deepest = next(n for n in tree.nodes() if n.key == "a7")
+    tree._drop_ckpts([deepest])  # the checkpoint goes, its pages stay
+    tree.check()
+    assert tree.host_pages == 8 and tree.match(a + ["x"]) == (0, 4)
+    p = run(tree, h, a + ["x"])
+    assert (p.host_pages, p.unresumable_pages, p.ckpt) == (4, 4, "host")
+    assert h.ops[-2:] == [("load", 4, 1), ("backup", 1, 2)]  # pages + checkpoints, one command
+
+
+def test_checkpoint_capacity_evicts_checkpoints_apart_from_pages():
+    h = CkptHooks()
+    tree = RadixTree(64, h, mirror="checkpoints", host_ckpt_capacity=2)
+    for p in "abc":
+        run(tree, h, seq(p, 3))
+    tree.drain()
+    tree.check()
+    assert tree.host_checkpoints == 2 and tree.host_pages == 9
+    assert tree.stats.checkpoints_dropped == 1
+    oldest = next(n for n in tree.nodes() if n.key == "a2")
+    assert oldest.ckpt_host is None and oldest.host is not None and oldest.ckpt_dev
+    tree.evict_device(64)
+    assert tree.match(seq("a", 3) + ["x"]) == (0, 0)  # its pages alone are no hit
+    assert tree.match(seq("c", 3) + ["x"]) == (0, 3)
+
+
+def test_checkpoint_on_host_restores_into_a_device_page():
+    """Pages on the device, their checkpoint only on the host: the load carries it alone."""
+    h = CkptHooks()
+    tree = RadixTree(16, h, mirror="checkpoints")
+    a = seq("a", 4)
+    run(tree, h, a)
+    tree.drain()
+    end = next(n for n in tree.nodes() if n.key == "a3")
+    end.ckpt_dev = False  # as after the engine reused the SWA rows of that page
+    h.dev_ckpt[end.device] = "garbage"
+    p = run(tree, h, a + ["x"])
+    assert (p.device_pages, p.host_pages, p.ckpt) == (4, 0, "host")
+    assert h.ops[-2] == ("load", 0, 1)
+
+
+def test_ring_mode_needs_a_host_checkpoint_and_restores_into_the_slot():
+    shadow = RadixTree(16, None, mirror="checkpoints", device_ckpts=False)
+    a = seq("a", 4)
+    run(shadow, None, a)
+    assert shadow.match(a + ["x"]) == (0, 0)  # no device checkpoint in ring mode
+    h = CkptHooks()
+    h.slots = True
+    tree = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, policy="write_back")
+    run(tree, h, a, slot=1)
+    tree.drain()
+    assert tree.host_checkpoints == 1 and tree.host_pages == 0  # write_back: the ring now
+    h.ring[2] = "stale"
+    p = run(tree, h, a + ["x"], slot=2)
+    assert (p.device_pages, p.ckpt, p.ckpt_dst) == (4, "host", 2)
+    with pytest.raises(ValueError, match="request slot"):
+        tree.prepare(a + ["x"])
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        RadixTree(4, h, mirror="checkpoints", device_ckpts=False, checkpoint_every=2)
+    with pytest.raises(ValueError, match="full mirror"):
+        RadixTree(4, h, checkpoint_every=2)
+
+
+def test_write_back_saves_device_checkpoints_with_their_pages():
+    h = CkptHooks()
+    tree = RadixTree(4, h, mirror="checkpoints", policy="write_back")
+    run(tree, h, seq("a", 4))
+    assert tree.host_pages == 0 and tree.host_checkpoints == 0
+    run(tree, h, seq("b", 4))  # evicts a*: pages and the a3 checkpoint in one command
+    assert ("backup", 4, 1) in h.ops
+    assert tree.match(seq("a", 4) + ["x"]) == (0, 4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fault", [None, "transfer", "unreachable"])
+def test_random_workload_counts_no_page_without_its_checkpoint(policy, seed, fault):
+    rnd = random.Random(seed)
+    h = CkptHooks(pages=40, ckpts=6)
+    tree = RadixTree(24, h, policy=policy, mirror="checkpoints",
+                     checkpoint_every=rnd.choice([0, 3]), host_capacity=30, host_ckpt_capacity=5)
+    prompts = [seq(f"s{i}-", rnd.randint(1, 6)) for i in range(4)]
+    hits = 0
+    for step in range(120):
+        if fault and step == 60:
+            h.fail = fault
+        if fault == "transfer" and step == 70:
+            h.fail = None
+        keys = rnd.choice(prompts) + seq(f"u{rnd.randint(0, 15)}-", rnd.randint(0, 5))
+        p = run(tree, h, keys)  # checks every page and the checkpoint of each hit
+        hits += p.pages
+        if rnd.random() < 0.1:
+            tree.evict_checkpoints(rnd.randint(1, 3))
+            tree.check()
+    tree.drain()
+    tree.check()
+    assert hits > 0
+    st = tree.stats
+    assert st.device_hit_pages + st.host_hit_pages == hits
+
+
+def test_resume_model_of_dsv4_flash():
+    lay = build_layout(preset("dsv4-flash"))
+    r = ResumeModel(lay)
+    assert r.page_bytes == 998_208 and r.full_page_bytes == 11_028_288
+    assert list(r.tail_offsets) == list(range(128, 256))
+    assert r.swa_tail_bytes == 128 * 584 * 44
+    assert r.state_bytes == 2_752_512 + 688_128
+    assert r.checkpoint_host_bytes == lay.row_bytes("swa_page")
+    full, ckpt = r.load_bytes(128, "full"), r.load_bytes(128, "checkpoints")
+    assert full == 128 * 11_028_288 and ckpt * 5 <= full
+    over = ResumeModel(lay, state_slots="overlap")
+    assert over.state_bytes * 4 == r.state_bytes  # 4 of 16 slots (MTP ring)
+    assert over.copyable and r.copyable is None
+    ring = ResumeModel(build_layout(preset("dsv4-flash"), swa_mode="ring"))
+    assert ring.checkpoint_space == "req_slot" and ring.ring_positions(3) == list(range(128))
+    with pytest.raises(LayoutError, match="ring mode"):
+        ring.load_bytes(4, "full")
+    with pytest.raises(LayoutError, match="state_slots"):
+        ResumeModel(lay, state_slots="half")
+    odd = preset("dsv4-tiny").with_options(window=96)
+    assert ResumeModel(build_layout(odd, swa_mode="ring")).ring_positions(1)[:2] == [64, 65]
+
+
+def test_plan_reports_the_host_tier_under_both_mirrors(capsys):
+    from hicache.cli import main
+    from hicache.core.host_tier import host_tier_by_mirror
+    from hicache.core.planner import PlanInputs
+
+    flash = preset("dsv4-flash")
+    t = host_tier_by_mirror(PlanInputs(flash, 100 << 30, host_mem=64 << 30))
+    assert t["full"]["pages"] == (64 << 30) // 11_028_288
+    ck = t["checkpoints"]
+    assert ck["pages"] * 998_208 + ck["checkpoints"] * 10_030_080 <= 64 << 30
+    assert ck["checkpoints"] == ck["pages"] // 32 and t["checkpoints_vs_full"] >= 5
+    ring = host_tier_by_mirror(PlanInputs(flash, 100 << 30, swa_mode="ring", host_mem=64 << 30))
+    assert "paged SWA" in ring["full"]["error"] and ring["checkpoints"]["pages"] > 0
+    assert host_tier_by_mirror(PlanInputs(flash, 100 << 30)) is None
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--host-mem", "64GiB",
+                 "--pages-per-checkpoint", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "per host GiB" in out and "one checkpoint per 16 pages" in out

@@ -1,0 +1,145 @@
+"""One client never reads another's bytes: host rows are readable only once their owner's
+backup into them completed (issue 17, item 1). A real CPU daemon, two clients with
+shared-memory DSV4-Flash pools; every byte a refused load could have touched is checked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.engine.client import CommandRefused
+from hicache.engine.device_pools import DevicePools
+from hicache.core.layout import build_layout, preset
+from hicache.host_pools.group import CLEAN, UNWRITTEN, WRITTEN, HostPoolGroup
+
+ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
+FLASH = build_layout(preset("dsv4-flash"))
+SECRET = 0xA5  # every byte the first client writes
+
+
+def snap(pools: DevicePools) -> dict[str, list[torch.Tensor]]:
+    return {k: [t.clone() for t in v] for k, v in pools.layers.items()}
+
+
+def same(pools: DevicePools, before: dict[str, list[torch.Tensor]]) -> bool:
+    return all(torch.equal(t, b) for k, v in pools.layers.items() for t, b in zip(v, before[k]))
+
+
+def refused(code: str, fn) -> None:
+    with pytest.raises(CommandRefused) as e:
+        fn()
+    assert e.value.code == code, e.value
+
+
+@pytest.fixture
+def two(shared_daemon):
+    """Client A (device pools all SECRET) and client B (device pools all 0x11)."""
+    pa, pb = DevicePools(FLASH, ROWS), DevicePools(FLASH, ROWS)
+    for p, v in ((pa, SECRET), (pb, 0x11)):
+        for layers in p.layers.values():
+            for t in layers:
+                t.fill_(v)
+    a, b = shared_daemon.client(name="tenant-a"), shared_daemon.client(name="tenant-b")
+    a.register(pa)
+    b.register(pb)
+    yield a, pa, b, pb
+    for c, p in ((a, pa), (b, pb)):
+        try:
+            c.unregister()
+        except CommandRefused:
+            pass
+        c.close()
+        p.close()
+
+
+def fill_all_host_rows(a, host_rows: dict) -> dict:
+    """A takes every host row of page and swa_page, writes SECRET into all of them."""
+    rows = a.alloc({s: host_rows[s] for s in ("page", "swa_page")})
+    for s in ("page", "swa_page"):
+        n = len(rows[s])
+        dev = [i % ROWS[s] for i in range(n)]
+        for k in range(0, n, ROWS[s]):  # device rows are fewer: in chunks
+            assert a.wait_ack(a.backup({s: (dev[k:k + ROWS[s]], rows[s][k:k + ROWS[s]])})).ok
+    return rows
+
+
+def test_alloc_after_free_and_load_of_unwritten_rows(two):
+    a, pa, b, pb = two
+    host_rows = a.heartbeat(full=True)["host_rows"]
+    rows = fill_all_host_rows(a, host_rows)
+    a.free(rows)
+    got = b.alloc({s: host_rows[s] for s in ("page", "swa_page")})  # necessarily A's old rows
+    before = snap(pb)
+    for s in ("page", "swa_page"):
+        refused("not_written", lambda: b.load({s: (got[s][:2], [0, 1])}))
+        for spec in FLASH.space_pools(s):  # every pool, one by one, row and token units
+            refused("not_written", lambda: b.load({spec.name: (got[s][:1], [2])}))
+            if spec.token_granular:
+                refused("not_written", lambda: b.load(
+                    {spec.name: ([int(got[s][0]) * spec.tokens_per_page + 3], [5], "token")}))
+    assert same(pb, before)  # nothing moved
+
+    # B writes one pool of a row: only that pool becomes readable, the others stay refused
+    r = int(got["page"][0])
+    assert b.wait_ack(b.backup({"c4_kv": ([0], [r])})).ok
+    assert b.wait_ack(b.load({"c4_kv": ([r], [1])})).ok
+    for t in pb.layers["c4_kv"]:
+        assert bool((t[1] == 0x11).all())
+    refused("not_written", lambda: b.load({"c128_kv": ([r], [1])}))
+
+    # B writes one token of a fresh page: the rest of that page reads as zeros, never A's bytes
+    spec = FLASH.pool("c128_kv")
+    P_ = spec.tokens_per_page
+    q = int(got["page"][1])
+    assert b.wait_ack(b.backup({"c128_kv": ([0], [q * P_ + 1], "token")})).ok
+    assert b.wait_ack(b.load({"c128_kv": ([q], [3])})).ok  # the whole row
+    for t in pb.layers["c128_kv"]:
+        row = t[3].numpy()
+        assert not (row == SECRET).any(), "a byte of the previous owner came back"
+        assert (row != 0).any()  # B's token is there
+    b.free(got)
+
+
+def test_swap_in_of_another_clients_row_and_of_unwritten_rows(two):
+    a, pa, b, pb = two
+    out = a.swap_out(1, request="ra")
+    assert a.wait_ack(out).ok
+    before = snap(pb)
+    refused("not_owner", lambda: b.swap_in(out.host_row, 0))  # A's row: never B's
+    assert same(pb, before)
+    row = int(b.alloc({"req_slot": 1}, request="rb")["req_slot"][0])
+    refused("not_written", lambda: b.swap_in(row, 0, request="rb"))  # allocated, never written
+    assert same(pb, before)
+    back = a.swap_in(out.host_row, 2, request="ra")  # the owner may, and release frees it
+    assert a.wait_ack(back).ok
+    # the freed row is unwritten again: a new owner cannot read it, even the same client
+    got = int(a.alloc({"req_slot": 1}, request="ra2")["req_slot"][0])
+    if got == out.host_row:
+        refused("not_written", lambda: a.swap_in(got, 0, request="ra2"))
+    b.free({"req_slot": [row]}, request="rb")
+
+
+def test_written_state_in_the_pool_group():
+    """Group level: begin/end of a write, failure, release back to UNWRITTEN, zero on free."""
+    lay = build_layout(preset("dsv4-tiny"))
+    rows = {"page": 6, "swa_page": 4, "req_slot": 2}
+    with HostPoolGroup(lay, rows, zero_on_free=True) as g:
+        r = g.alloc({"page": 3}, ("a", None))["page"].numpy()
+        pool = lay.space_pools("page")[0].name
+        assert g.unwritten(pool, r).tolist() == r.tolist()
+        for t in g.pools[pool].layers:
+            t[r] = 7  # a previous owner's bytes
+        assert g.begin_write(pool, r[:1], zero=True) == 1  # token write: zeroed first
+        assert all(not t[int(r[0])].any() for t in g.pools[pool].layers)
+        assert g.written[pool][r[0]] == CLEAN
+        g.end_write(pool, r[:1], ok=False)
+        assert g.written[pool][r[0]] == UNWRITTEN
+        g.begin_write(pool, r[1:], zero=False)
+        g.end_write(pool, r[1:], ok=True)
+        assert g.unwritten(pool, r).tolist() == [int(r[0])]
+        assert g.written[pool][r[1]] == WRITTEN
+        g.free({"page": r}, ("a", None))
+        assert (g.written[pool][r] == UNWRITTEN).all()
+        for t in g.pools[pool].layers:  # zero_on_free
+            assert not t[r].any()
+        g.check_invariants()
