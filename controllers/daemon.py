@@ -1,7 +1,11 @@
 """Assembly of one daemon: config -> layout -> host rows -> arena + pool group -> engine -> server.
 
-``Daemon(cfg)`` brings everything up (the host arena is mapped, touched and pinned here, so an
-overcommit fails at start-up with the sizes in the message), ``summary()`` describes it,
+``Daemon(cfg)`` first checks everything that can be checked without memory (sizing, device,
+socket address and folder, a tcp port, the NUMA node, thread counts) and binds the metrics port;
+only then is the host arena mapped, touched and pinned (so an overcommit fails at start-up with
+the sizes in the message, and a bad flag fails before any of that). ``start_error(e)`` turns a
+start-up ``OSError`` / pool error into a one-line ``UsageError`` naming the setting.
+``summary()`` describes the daemon,
 ``serve()`` runs the loop until ``shutdown`` / ``stop()`` / SIGTERM, ``close()`` tears down in
 order: stop taking commands, let in-flight transfers finish (or report them failed), deliver
 their acks, drop every worker's device mappings, unregister and unmap the arena, close the
@@ -12,16 +16,19 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import stat
 import time
 from typing import Any
 
 import torch
 
-from hicache.core.config import ServeConfig, check_address, check_curve, default_socket
+from hicache.core.config import ServeConfig, check_address, check_curve, default_socket, sizing
 from hicache.core.errors import UsageError
+from hicache.host_pools.errors import PoolError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.core.sizes import format_bytes, host_rows
+from hicache.host_pools.numa_node import online_nodes
+from hicache.core.sizes import arena_bytes, format_bytes
 from hicache.controllers.metrics import Metrics
 
 from .registry import Registry
@@ -32,13 +39,22 @@ from .scheduler import Scheduler
 log = logging.getLogger("hicache.daemon")
 
 
-def _prepare_ipc(address: str) -> None:
-    """Create the socket's directory (0700 when we create it) and refuse a live socket."""
+def _prepare_ipc(address: str) -> str | None:
+    """Create the socket's directory (0700 when we create it) and refuse a live socket.
+    Returns the directory when this call created it."""
     path = address[len("ipc://"):]
     d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
+    made = None
+    try:
+        if not os.path.isdir(d):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            made = d
+        st = os.stat(d)
+    except OSError as e:
+        raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "
+                         f"{e.strerror}") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"--socket {address}: the socket folder {d} is not writable")
     if st.st_uid != os.getuid():
         raise UsageError(f"socket directory {d} belongs to uid {st.st_uid}, not to you")
     if st.st_mode & 0o077:
@@ -48,6 +64,43 @@ def _prepare_ipc(address: str) -> None:
         if _answers(address):
             raise UsageError(f"another daemon already serves {address}")
         os.unlink(path)  # stale socket file of a dead daemon
+    return made
+
+
+def _check_tcp_port(address: str) -> None:
+    """A tcp address must be free to bind (a probe bind, released at once)."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            raise UsageError(f"--socket {address}: cannot bind: {e.strerror}") from None
+
+
+def _numa_node(cfg: ServeConfig) -> int | str | None:
+    """The arena's ``numa_node`` option; a node number must be online."""
+    if cfg.numa_node in ("auto", "off"):
+        return None if cfg.numa_node == "off" else "auto"
+    node, nodes = int(cfg.numa_node), online_nodes()
+    if nodes and node not in nodes:
+        raise UsageError(f"--numa-node {node}: node {node} is not online; online nodes: "
+                         f"{', '.join(map(str, sorted(nodes)))}")
+    return node
+
+
+def start_error(e: BaseException) -> BaseException:
+    """A start-up failure as one line naming the setting; anything else unchanged."""
+    if isinstance(e, UsageError):
+        return e
+    if isinstance(e, PoolError):
+        return UsageError(f"host pool (--host-mem / --host-ratio): {e}")
+    if isinstance(e, OSError):
+        where = f" ({e.filename})" if e.filename else ""
+        return UsageError(f"{e.strerror or e}{where}")
+    return e
 
 
 def _answers(address: str) -> bool:
@@ -90,34 +143,56 @@ def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:
 class Daemon:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
-        self.layout = cfg.layout()
-        if not cfg.device_rows:
-            raise UsageError("device rows per index space are needed to size and check the host "
-                             "pools: --device-rows page=N,swa_page=M,req_slot=K")
-        if cfg.host_mem is None and cfg.host_ratio is None:
-            raise UsageError("give the host memory: --host-mem 8GiB or --host-ratio 2")
+        # --- checks that allocate nothing
+        sized = sizing(cfg)
+        self.layout, self.device_rows, self.rows = sized.layout, sized.device_rows, sized.host_rows
+        self.sizing_source = sized.source
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise UsageError(f"{cfg.device} asked but CUDA is not available")
+                raise UsageError(f"--device {cfg.device}: CUDA is not available")
             if self.device.index >= torch.cuda.device_count():
-                raise UsageError(f"{cfg.device} asked but there are "
+                raise UsageError(f"--device {cfg.device}: there are "
                                  f"{torch.cuda.device_count()} GPUs")
             torch.cuda.set_device(self.device)  # never a context on another GPU
         self.address = cfg.socket or default_socket(cfg.device)
         curve = _curve_keys(cfg) if check_curve(cfg) else None
-        check_address(self.address, cfg.allow_remote, curve is not None)
-        self.rows = host_rows(self.layout, cfg.device_rows, host_bytes=cfg.host_mem,
-                              ratio=cfg.host_ratio)
-        if self.address.startswith("ipc://"):
-            _prepare_ipc(self.address)
-        numa: Any = cfg.numa_node if cfg.numa_node in ("auto",) else (
-            None if cfg.numa_node == "off" else int(cfg.numa_node))
+        ipc = check_address(self.address, cfg.allow_remote, curve is not None) == "ipc"
+        if not ipc:
+            _check_tcp_port(self.address)
+        numa = _numa_node(cfg)
+        made = _prepare_ipc(self.address) if ipc else None
+        try:
+            self._bring_up(cfg, numa, curve)
+        except BaseException:
+            if made is not None:  # a failed start leaves no folder of ours behind
+                try:
+                    os.rmdir(made)
+                except OSError:
+                    pass
+            raise
+
+    def _bring_up(self, cfg: ServeConfig, numa: int | str | None, curve: Any) -> None:
+        """Metrics endpoint, host arena, transfer engine, state and server, in that order."""
         self.metrics = Metrics()
-        self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
-                                   arena_options={"numa_node": numa,
-                                                  "touch_threads": cfg.touch_threads},
-                                   zero_on_free=cfg.zero_on_free)
+        self.metrics_port = 0
+        if cfg.metrics_port:
+            try:
+                self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.metrics_addr)
+            except OSError as e:
+                raise UsageError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
+                                 f"{cfg.metrics_addr}:{cfg.metrics_port}: {e.strerror}") from None
+        # --- the host arena (mapped, touched, pinned)
+        log.debug("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
+                 ", ".join(f"{s}={n}" for s, n in self.rows.items()))
+        try:
+            self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
+                                       arena_options={"numa_node": numa,
+                                                      "touch_threads": cfg.touch_threads},
+                                       zero_on_free=cfg.zero_on_free)
+        except BaseException:
+            self.metrics.close()
+            raise
         self.server: Server | None = None
         self.scheduler: Scheduler | None = None
         try:
@@ -132,9 +207,6 @@ class Daemon:
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.spin_us, curve)
-            self.metrics_port = 0
-            if cfg.metrics_port:
-                self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.metrics_addr)
         except BaseException:
             self._teardown()
             raise
@@ -150,7 +222,9 @@ class Daemon:
         m = self.metrics
         m.set("pinned_bytes", st.get("requested_bytes", self.group.arena_bytes))
         m.set("pin_seconds", st.get("seconds") or 0.0)
-        m.set("pin_gibps", st.get("gib_per_s") or 0.0)
+        node = st.get("numa_node")
+        m.set("numa_node", -1 if node is None else int(node))
+        m.declare_pools(self.group.pools)
         for name, p in self.group.pools.items():
             m.set("host_pool_bytes", p.data_bytes, name)
         if st.get("numa_policy") in ("first-touch", "preferred"):
@@ -173,7 +247,9 @@ class Daemon:
                          f"{p.spec.page_bytes:>11}{p.num_rows:>11}{format_bytes(p.data_bytes):>13}")
         rows = ", ".join(f"{s}={n}" for s, n in self.rows.items())
         lines += [
-            f"  host rows: {rows} (device rows {self.cfg.device_rows})",
+            f"  host rows: {rows} (device rows "
+            f"{', '.join(f'{s}={n}' for s, n in self.device_rows.items())} from "
+            f"{self.sizing_source}); write policy {self.cfg.write_policy}",
             f"  arena: {format_bytes(self.group.arena_bytes)}, NUMA node {a.get('numa_node')} "
             f"({a.get('numa_policy')}), {'pinned' if a.get('registered') else 'not pinned (CPU mode)'}"
             f" in {a.get('seconds')} s = {a.get('gib_per_s')} GiB/s with "

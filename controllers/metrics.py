@@ -7,11 +7,18 @@ process do not collide). Hot paths use the small recording methods (``inc``, ``s
 ``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply), ``exposition()``
 the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
 
+Every counter (and every histogram) starts at 0 for every label value known in advance:
+directions, statuses, protocol commands, error codes, fallback kinds, copy paths, and the pools
+of the layout once the daemon calls ``declare_pools``; so ``increase()`` sees the first event
+and a dashboard has a series from start-up. Base units only (bytes, seconds): rates are PromQL's
+job. Beside the catalog the registry carries the standard ``process_*`` metrics.
+
 docs/metrics.md is generated from ``CATALOG`` (``python -m hicache.controllers.metrics``).
 """
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -19,33 +26,48 @@ from typing import Any
 from bisect import bisect_left
 from typing import Iterable
 
+import platform
+
 from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from hicache.core.protocol import COMMANDS, ERROR_CODES
+from hicache.core.version import __version__
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, \
+    start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-GBPS_MIN_BYTES = 1 << 20  # ops smaller than this do not update the GB/s gauge (timer noise)
+# label values known in advance (series exist at 0 from start-up)
+DIRECTIONS = ("backup", "load", "swap_out", "swap_in", "clear_slot")
+STATUSES = ("ok", "error")
+ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
+FALLBACKS = ("numa_first_touch", "numa_preferred")
+PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged",
+         "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
 
 
 CATALOG: tuple[MetricDef, ...] = (
     # --- data path
-    MetricDef("transfer_bytes", "counter", ("direction", "pool", "path"),
+    MetricDef("transfer_bytes", "counter", ("direction", "pool"),
               "Bytes copied between device and host pools.",
               "How much KV did we offload (backup/swap_out) or bring back (load/swap_in), per "
-              "pool and copy path?"),
-    MetricDef("transfer_rows", "counter", ("direction", "pool", "path"),
+              "pool? (rate() = bytes per second)"),
+    MetricDef("transfer_rows", "counter", ("direction", "pool"),
               "Row ids (or token ids for token-granular items) copied.",
               "How many pages / slots moved, and is the mix page-aligned or token-granular?"),
+    MetricDef("transfer_path_ops", "counter", ("direction", "path"),
+              "Successful operations by the copy path they took (an operation that used "
+              "several paths counts once for each).",
+              "Which copy paths run: fast kernels, staged, reference or CPU copies?"),
+    MetricDef("transfer_busy_seconds", "counter", ("direction",),
+              "Seconds successful operations spent executing (queueing excluded).",
+              "Are copies running near the PCIe / memory-copy limit? (rate(transfer_bytes) / "
+              "rate(transfer_busy_seconds) = bytes per busy second)"),
     MetricDef("transfer_ops", "counter", ("direction", "status"),
               "Transfer operations completed, by direction and status (ok | error).",
               "How many backups, loads, swaps and clears ran, and how many failed?"),
     MetricDef("transfer_seconds", "histogram", ("direction",),
               "Seconds from accepting an operation to its completion (queueing included).",
               "How long does the engine wait for an ack, and does it grow under load?"),
-    MetricDef("transfer_last_gbps", "gauge", ("direction",),
-              f"Achieved GB/s (1e9 B/s) of the last operation of at least {GBPS_MIN_BYTES} bytes "
-              "(execution time, queueing excluded).",
-              "Are copies running near the PCIe / memory-copy limit?"),
     MetricDef("transfers_in_flight", "gauge", ("direction",),
               "Operations accepted but not yet completed.",
               "Is the transfer engine keeping up, or is work piling up?"),
@@ -75,10 +97,13 @@ CATALOG: tuple[MetricDef, ...] = (
               "How much host memory does this daemon hold?"),
     MetricDef("pin_seconds", "gauge", (),
               "Seconds spent bringing the host arena up (map, first touch, register).",
-              "Why did start-up take so long?"),
-    MetricDef("pin_gibps", "gauge", (),
-              "GiB/s of the arena bring-up.",
-              "Is pinning as fast as expected on this machine (NUMA, huge pages)?"),
+              "Why did start-up take so long? (pinned_bytes / pin_seconds = bring-up speed)"),
+    MetricDef("numa_node", "gauge", (),
+              "NUMA node the host arena was placed on (-1: not placed on a node).",
+              "Is the host pool local to its GPU?"),
+    MetricDef("build_info", "gauge", ("version", "python", "torch"),
+              "Always 1; the labels say which build runs.",
+              "Which hicache version does each daemon run?"),
     # --- control plane
     MetricDef("commands", "counter", ("command", "status"),
               "Commands handled, by name and status (ok | error).",
@@ -133,7 +158,9 @@ class Metrics:
 
     PREFIX = "hicache_"
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 process_metrics: bool = True) -> None:
+        """``process_metrics``: also export ``process_*`` (CPU, memory, file descriptors)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.defs = {d.name: d for d in CATALOG}
         self._values: dict[str, dict[tuple[str, ...], float]] = {
@@ -144,9 +171,42 @@ class Metrics:
         for d in CATALOG:  # unlabelled series exist from the start (0), as Prometheus expects
             if not d.labels and d.kind != "histogram":
                 self._values[d.name][()] = 0.0
+        self._values["numa_node"][()] = -1.0
+        torch_mod = sys.modules.get("torch")
+        self._values["build_info"][(__version__, platform.python_version(),
+                                    str(getattr(torch_mod, "__version__", "none")))] = 1.0
         self._lock = threading.Lock()
         self._http: Any = None
+        self._zero("transfer_ops", DIRECTIONS, STATUSES)
+        self._zero("transfer_path_ops", DIRECTIONS, PATHS)
+        self._zero("transfer_busy_seconds", DIRECTIONS)
+        self._zero("commands", (*COMMANDS, "invalid"), STATUSES)
+        self._zero("errors", ERROR_KINDS)
+        self._zero("fallbacks", FALLBACKS)
+        self._zero("transfers_in_flight", DIRECTIONS)
+        self._zero_hist("transfer_seconds", DIRECTIONS)
+        self._zero_hist("command_seconds", (*COMMANDS, "invalid"))
         self.registry.register(_Collector(self))
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+
+    def _zero(self, name: str, *values: tuple[str, ...]) -> None:
+        keys: list[tuple[str, ...]] = [()]
+        for vals in values:
+            keys = [k + (v,) for k in keys for v in vals]
+        for k in keys:
+            self._values[name].setdefault(k, 0.0)
+
+    def _zero_hist(self, name: str, values: tuple[str, ...]) -> None:
+        for v in values:
+            self._hist[name].setdefault((v,), [[0] * (len(LATENCY_BUCKETS) + 1), 0.0])
+
+    def declare_pools(self, pools: Iterable[str]) -> None:
+        """Series at 0 for the bytes and rows of every pool of the served layout."""
+        pools = tuple(pools)
+        with self._lock:
+            self._zero("transfer_bytes", DIRECTIONS, pools)
+            self._zero("transfer_rows", DIRECTIONS, pools)
 
     # ---------------------------------------------------------------- recording
     def inc(self, name: str, amount: float = 1, *labels: str) -> None:
@@ -192,7 +252,6 @@ class Metrics:
         hist = self._hist["transfer_seconds"]
         i = bisect_left(LATENCY_BUCKETS, seconds)
         okey, hkey = (direction, "ok" if ok else "error"), (direction,)
-        total = 0
         with self._lock:
             ops[okey] = ops.get(okey, 0.0) + 1
             h = hist.get(hkey)
@@ -205,12 +264,15 @@ class Metrics:
                 errs[("transfer",)] = errs.get(("transfer",), 0.0) + 1
                 return
             for pool, (rows, nbytes) in per_pool.items():
-                k = (direction, pool, path)
+                k = (direction, pool)
                 rows_d[k] = rows_d.get(k, 0.0) + rows
                 bytes_d[k] = bytes_d.get(k, 0.0) + nbytes
-                total += nbytes
-            if total >= GBPS_MIN_BYTES and exec_seconds > 0:
-                v["transfer_last_gbps"][(direction,)] = total / exec_seconds / 1e9
+            paths = v["transfer_path_ops"]
+            for p in filter(None, path.split("+")):
+                pk = (direction, p)
+                paths[pk] = paths.get(pk, 0.0) + 1
+            busy = v["transfer_busy_seconds"]
+            busy[hkey] = busy.get(hkey, 0.0) + max(0.0, exec_seconds)
 
     def in_flight(self, direction: str, delta: int) -> None:
         self.inc("transfers_in_flight", delta, direction)

@@ -220,12 +220,13 @@ def sparse_report(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 
 def refresh_gauges(st: Any) -> None:
-    sp = getattr(st, "sparse", None)
-    if sp is None:
-        return
-    st.metrics.set("hisparse_host_rows", sp.alloc.used_rows, "used")
-    st.metrics.set("hisparse_host_rows", sp.alloc.free_rows, "free")
-    st.metrics.set("hisparse_requests", len(sp.requests))
+    """HiSparse gauges (zeros without a region) and a first sample of each counter."""
+    sp, m = getattr(st, "sparse", None), st.metrics
+    m.set("hisparse_host_rows", sp.alloc.used_rows if sp else 0, "used")
+    m.set("hisparse_host_rows", sp.alloc.free_rows if sp else 0, "free")
+    m.set("hisparse_requests", len(sp.requests) if sp else 0)
+    for name in ("hisparse_lookups", "hisparse_swapped_in_tokens", "hisparse_swapped_in_bytes"):
+        m.inc(name, 0)
 
 
 SPARSE_HANDLERS: dict[str, Callable[[Any, ClientState, dict, Sequence], Reply]] = {

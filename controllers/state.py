@@ -290,8 +290,7 @@ class DaemonState:
         self._run_gauges()
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
-        if self.sparse is not None:
-            refresh_sparse_gauges(self)
+        refresh_sparse_gauges(self)
 
     def _run_gauges(self) -> None:
         """Free-run gauges of each index space (how consecutive new host rows will be)."""

@@ -23,18 +23,20 @@ pip install --upgrade pip setuptools wheel >/dev/null
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   pip install "torch==2.13.0" || pip install "torch>=2.11"
 fi
-pip install -e ".[test]"
+# our own editable build: setuptools' notes about editable layouts are not the user's business
+PYTHONWARNINGS=ignore pip install -e ".[test]"
 # Optional NUMA binding: needs libnuma headers, Cython and no build isolation (numa 1.4.6).
 if ! "$VENV/bin/python" -c 'import numa' 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libnuma-dev >/dev/null 2>&1; then
     echo "[setup] installing libnuma-dev (root)"
     (apt-get update -qq && apt-get install -y -qq libnuma-dev) >/dev/null 2>&1 \
-      || echo "[setup] WARNING: could not install libnuma-dev; NUMA binding will be off"
+      || echo "[setup] note: could not install libnuma-dev; NUMA binding will be off"
   fi
-  if pip install Cython && pip install --no-build-isolation "numa==1.4.6" 2>/dev/null; then
+  # optional: a failed build is one line, not the compiler's log
+  if pip install Cython >/dev/null && pip install --no-build-isolation "numa==1.4.6" >/dev/null 2>&1; then
     echo "[setup] numa installed: the host pool binds to the GPU's NUMA node"
   else
-    echo "[setup] WARNING: numa package not installed; host pools will not be NUMA-bound (logged at start-up)"
+    echo "[setup] note: the optional numa package is not available here; host pools are not NUMA-bound (the daemon says so at start-up)"
   fi
 fi
 touch "$stamp"

@@ -23,7 +23,7 @@ TINY_DEVICE = "page=8,swa_page=8,req_slot=4"  # x --host-ratio 0.25: host rows 2
 @pytest.fixture(scope="module")
 def tiny():
     addr, d = private_address("hce-")
-    r = DaemonRunner(addr, device_rows=TINY_DEVICE, host=("--host-ratio", "0.25"),
+    r = DaemonRunner(addr, device_rows=TINY_DEVICE, host=("--host-ratio", "0.25", "--force"),
                      heartbeat_timeout=30.0, log_path=os.path.join(d, "daemon.log"))
     r.start()
     yield r

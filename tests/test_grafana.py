@@ -1,40 +1,59 @@
-"""The Grafana dashboard queries only metrics (and labels) that the daemon or the demo export."""
+"""The Grafana dashboards query only metrics (and labels) their exporters export: the daemon
+dashboard what `hicache serve` exports (catalog + process_*), the demo dashboard the demo's
+worker metrics and its daemon's. A freshly started idle daemon already exports a series for
+every metric (and every label matcher) the daemon dashboard reads."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.controllers.metrics import CATALOG, Metrics
-from hicache.sim.simulator import DEMO_CATALOG, DemoMetrics
+from hicache.controllers.metrics import Metrics
+from hicache.sim.simulator import DemoMetrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DASHBOARD = os.path.join(HERE, "..", "grafana", "dashboard.json")
-SCRAPE = os.path.join(HERE, "..", "grafana", "prometheus.yml")
+GRAFANA = os.path.join(HERE, "..", "grafana")
+SCRAPE = os.path.join(GRAFANA, "prometheus.yml")
+DASHBOARDS = {"daemon.json": ("daemon",), "demo.json": ("daemon", "demo")}
 
-SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
+SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "unknown": ("",),
             "histogram": ("_bucket", "_sum", "_count", "_created")}
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
 
 
-def exported() -> dict[str, set[str]]:
-    """Sample name -> label names, from the live registries (daemon catalog + demo counters)."""
+def exported(kinds: tuple[str, ...]) -> dict[str, set[str]]:
+    """Sample name -> label names, from the live registries of the exporters named."""
+    registries = {"daemon": Metrics().registry, "demo": DemoMetrics().registry}
     out: dict[str, set[str]] = {}
-    labels = {Metrics.PREFIX + d.name: set(d.labels) for d in CATALOG + DEMO_CATALOG}
-    for registry in (Metrics().registry, DemoMetrics().registry):
-        for fam in registry.collect():
-            base_labels = labels[fam.name]
-            for suffix in SUFFIXES[fam.type]:
-                out[fam.name + suffix] = base_labels | ({"le"} if suffix == "_bucket" else set())
-            for s in fam.samples:  # whatever the client library really emits, too
-                out.setdefault(s.name, base_labels | set(s.labels))
+    for kind in kinds:
+        fams = text_string_to_metric_families(
+            __import__("prometheus_client").generate_latest(registries[kind]).decode())
+        for fam in fams:
+            base: set[str] = set()
+            for s in fam.samples:
+                base |= set(s.labels) - {"le"}
+            for suffix in SUFFIXES.get(fam.type, ("",)):
+                out.setdefault(fam.name + suffix, set()).update(
+                    base | ({"le"} if suffix == "_bucket" else set()))
+            for s in fam.samples:
+                out.setdefault(s.name, set()).update(s.labels)
+    # labelled families declared by the catalogs but with no sample until a pool is declared
+    from hicache.controllers.metrics import CATALOG
+    from hicache.sim.simulator import DEMO_CATALOG
+
+    for d in CATALOG + (DEMO_CATALOG if "demo" in kinds else ()):
+        for suffix in SUFFIXES[d.kind]:
+            out.setdefault("hicache_" + d.name + suffix, set()).update(
+                set(d.labels) | ({"le"} if suffix == "_bucket" else set()))
     return out
 
 
-def queries():
-    with open(DASHBOARD, encoding="utf-8") as f:
+def queries(name: str):
+    with open(os.path.join(GRAFANA, name), encoding="utf-8") as f:
         dash = json.load(f)
     for panel in dash["panels"]:
         for t in panel.get("targets", []):
@@ -42,14 +61,15 @@ def queries():
 
 
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-METRIC = re.compile(r"\b(hicache_[a-zA-Z0-9_:]*)")
-SELECTOR = re.compile(r"\b(hicache_[a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
-MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*\"")
+METRIC = re.compile(r"\b((?:hicache|process)_[a-zA-Z0-9_:]*)")
+SELECTOR = re.compile(r"\b((?:hicache|process)_[a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*\"((?:[^\"\\]|\\.)*)\"")
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
 
 
-def test_dashboard_is_importable_json():
-    with open(DASHBOARD, encoding="utf-8") as f:
+@pytest.mark.parametrize("name", list(DASHBOARDS))
+def test_dashboard_is_importable_json(name):
+    with open(os.path.join(GRAFANA, name), encoding="utf-8") as f:
         dash = json.load(f)
     assert dash["title"] and dash["uid"]
     assert any(i["pluginId"] == "prometheus" for i in dash["__inputs"])
@@ -60,29 +80,56 @@ def test_dashboard_is_importable_json():
         if p["type"] != "row":
             assert p["targets"], p["title"]
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for want in ("bandwidth", "host pool", "tier", "command latency", "transfer latency",
-                 "errors", "in flight"):
+    wants = {"daemon.json": ("bandwidth", "host pool", "command latency", "transfer latency",
+                             "errors", "in flight", "numa", "build", "memory"),
+             "demo.json": ("tier", "bandwidth", "verification")}[name]
+    for want in wants:
         assert want in titles, want
 
 
-@pytest.mark.parametrize("title, expr", list(queries()))
-def test_every_query_names_exported_metrics_and_labels(title, expr):
-    names = exported()
+def test_daemon_dashboard_reads_no_demo_metric():
+    for title, expr in queries("daemon.json"):
+        assert "hicache_demo_" not in expr, title
+        assert not re.search(r"_g(i)?bps\b", expr), title
+
+
+@pytest.mark.parametrize("name, title, expr",
+                         [(n, t, e) for n in DASHBOARDS for t, e in queries(n)])
+def test_every_query_names_exported_metrics_and_labels(name, title, expr):
+    names = exported(DASHBOARDS[name])
     for sel_metric, body in SELECTOR.findall(expr):
         assert sel_metric in names, f"{title}: {sel_metric} is not exported"
-        for label, _ in MATCHER.findall(body):
+        for label, _, _ in MATCHER.findall(body):
             assert label in names[sel_metric] | TARGET_LABELS, \
                 f"{title}: {sel_metric} has no label {label!r}"
     bare = STRING.sub('""', expr)
     used = METRIC.findall(bare)
-    assert used, f"{title}: the query names no hicache metric"
+    assert used, f"{title}: the query names no metric"
     known_labels = set(TARGET_LABELS)
     for m in used:
-        assert m in names, f"{title}: {m} is not exported by the daemon or the demo"
+        assert m in names, f"{title}: {m} is not exported by {DASHBOARDS[name]}"
         known_labels |= names[m]
     for group in GROUPING.findall(bare):
         for label in filter(None, (x.strip() for x in group.split(","))):
             assert label in known_labels, f"{title}: grouping label {label!r} not on {used}"
+
+
+def test_idle_daemon_exports_every_series_the_daemon_dashboard_reads(daemon):
+    """No client has connected: every metric of the daemon dashboard already has a sample, and
+    so does every equality matcher (e.g. ``status="error"``)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    samples = [s for f in text_string_to_metric_families(body) for s in f.samples]
+    for title, expr in queries("daemon.json"):
+        bare = STRING.sub('""', expr)
+        for m in set(METRIC.findall(bare)):
+            assert any(s.name == m for s in samples), f"{title}: idle daemon has no {m}"
+        for metric, body_ in SELECTOR.findall(expr):
+            for label, op, value in MATCHER.findall(body_):
+                if op != "=" or label in TARGET_LABELS:
+                    continue
+                assert any(s.name == metric and s.labels.get(label) == value
+                           for s in samples), f"{title}: no {metric}{{{label}={value!r}}}"
 
 
 def test_scrape_example_names_the_metrics_endpoint():

@@ -42,27 +42,62 @@ def test_recording_and_exposition_round_trip():
     m.fallback("numa_first_touch")
     fams = {f.name: f for f in text_string_to_metric_families(m.exposition())}
     cmds = {(s.labels["command"], s.labels["status"]): s.value
-            for s in fams["hicache_commands"].samples if s.name.endswith("_total")}
+            for s in fams["hicache_commands"].samples if s.name.endswith("_total") and s.value}
     assert cmds == {("backup", "ok"): 1.0, ("backup", "error"): 1.0}
     errs = {s.labels["kind"]: s.value for s in fams["hicache_errors"].samples
-            if s.name.endswith("_total")}
+            if s.name.endswith("_total") and s.value}
     assert errs == {"bad_rows": 1.0, "transfer": 1.0}
     by_pool = {s.labels["pool"]: s.value for s in fams["hicache_transfer_bytes"].samples
                if s.name.endswith("_total")}
     assert by_pool == {"c4_kv": float(4 << 20), "c128_kv": 8192.0}
-    gbps = [s.value for s in fams["hicache_transfer_last_gbps"].samples]
-    assert abs(gbps[0] - ((4 << 20) + 8192) / 0.004 / 1e9) < 1e-9
-    hist = [s for s in fams["hicache_command_seconds"].samples if s.name.endswith("_bucket")]
+    paths = {(s.labels["direction"], s.labels["path"]): s.value
+             for s in fams["hicache_transfer_path_ops"].samples
+             if s.name.endswith("_total") and s.value}
+    assert paths == {("load", "numpy"): 1.0}
+    busy = {s.labels["direction"]: s.value for s in fams["hicache_transfer_busy_seconds"].samples
+            if s.name.endswith("_total")}
+    assert busy["load"] == 0.004 and busy["backup"] == 0.0  # failed ops are not busy time
+    hist = [s for s in fams["hicache_command_seconds"].samples
+            if s.name.endswith("_bucket") and s.labels["command"] == "backup"]
     assert len(hist) == len(LATENCY_BUCKETS) + 1
     counts = [s.value for s in hist]
     assert counts == sorted(counts) and counts[-1] == 2.0  # cumulative, +Inf = count
     le_3e5 = next(s.value for s in hist if s.labels["le"] == "5e-05")
     assert le_3e5 == 1.0
-    assert [s.value for s in fams["hicache_transfers_in_flight"].samples] == [1.0]
+    flying = {s.labels["direction"]: s.value for s in fams["hicache_transfers_in_flight"].samples}
+    assert flying["load"] == 1.0 and sum(flying.values()) == 1.0
     snap = m.snapshot()
     assert snap["hicache_host_rows"] == [{"labels": {"space": "page", "state": "used"},
                                           "value": 7.0}]
-    assert snap["hicache_command_seconds_count"][0]["value"] == 2.0
+    counts = {e["labels"]["command"]: e["value"] for e in snap["hicache_command_seconds_count"]}
+    assert counts["backup"] == 2.0 and sum(counts.values()) == 2.0
+
+
+def test_known_labels_start_at_zero_and_build_info():
+    """Counters exist at 0 for every known label value before any event; build and process
+    metrics are exported; declared pools get their byte and row series."""
+    from hicache.controllers.metrics import DIRECTIONS, ERROR_KINDS, FALLBACKS
+    from hicache.core.protocol import COMMANDS
+    from hicache.core.version import __version__
+
+    m = Metrics()
+    m.declare_pools(["c4_kv", "swa_kv"])
+    fams = {f.name: f for f in text_string_to_metric_families(m.exposition())}
+
+    def keys(name, *labels):
+        return {tuple(s.labels[x] for x in labels) for s in fams[name].samples
+                if s.name.endswith("_total") and s.value == 0}
+
+    assert keys("hicache_errors", "kind") == {(k,) for k in ERROR_KINDS}
+    assert keys("hicache_fallbacks", "what") == {(k,) for k in FALLBACKS}
+    assert {(c, "error") for c in COMMANDS} <= keys("hicache_commands", "command", "status")
+    assert keys("hicache_transfer_bytes", "direction", "pool") == {
+        (d, p) for d in DIRECTIONS for p in ("c4_kv", "swa_kv")}
+    info = fams["hicache_build_info"].samples[0]
+    assert info.value == 1.0 and info.labels["version"] == __version__
+    assert fams["hicache_numa_node"].samples[0].value == -1.0
+    assert "process_resident_memory_bytes" in m.exposition()
+    assert not any(n.endswith(("gbps", "gibps")) for n in fams)
 
 
 def test_each_metrics_has_its_own_registry():

@@ -18,7 +18,7 @@ TINY_ROWS = "page=16,swa_page=16,req_slot=4"
 
 
 def tiny_daemon(factory, rows=TINY_ROWS, ratio="4", swa="paged"):
-    return factory(preset="dsv4-tiny", device_rows=rows, host=("--host-ratio", ratio),
+    return factory(preset="dsv4-tiny", device_rows=rows, host=("--host-ratio", ratio, "--force"),
                    extra=("--swa-mode", swa))
 
 

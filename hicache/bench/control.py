@@ -57,6 +57,7 @@ def _timed(step: Any, ops: int, warmup: int, barrier: Any) -> tuple[list[int], f
 
 
 def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
+    _quiet()
     from hicache.engine.client import Client
     from hicache.engine.device_pools import DevicePools
     from hicache.core.layout import build_layout, preset
@@ -76,7 +77,15 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
     pools.close()
 
 
+def _quiet() -> None:
+    """Worker processes: SIGINT ignored, SIGTERM or the parent's death end them quietly."""
+    from hicache.cli.lifecycle import quiet_worker
+
+    quiet_worker(os.getppid())
+
+
 def _echo_server(address: str, ready: Any) -> None:
+    _quiet()
     import zmq
 
     ctx = zmq.Context()
@@ -93,6 +102,7 @@ def _echo_server(address: str, ready: Any) -> None:
 
 
 def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
+    _quiet()
     import zmq
 
     ctx = zmq.Context()
@@ -131,7 +141,12 @@ def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
     for p in procs:
         p.start()
     cpu0 = _cpu_s(server_pid)
-    results = [out.get(timeout=300) for _ in procs]  # warm-up done once the first arrives
+    try:
+        results = [out.get(timeout=300) for _ in procs]  # warm-up done once the first arrives
+    except BaseException:  # interrupted: the workers stop now
+        for p in procs:
+            p.terminate()
+        raise
     cpu1 = _cpu_s(server_pid)
     for p in procs:
         p.join(30)

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     failed = list(report.get("failed_checks", ["the fuzz run did not finish"]))
-    if code != 0:
+    if not runner.clean_exit(code):
         failed.append(f"daemon exit code {code}")
     if report["daemon_tracebacks"]:
         failed.append("tracebacks in the daemon log")

@@ -14,6 +14,7 @@ after ``warmup`` of all operations, at every tenth and at the end. Two mixes:
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import time
 from collections import deque
@@ -26,7 +27,13 @@ SOAK_DEV_ROWS = {"page": 32, "swa_page": 4, "req_slot": 2}  # per client
 def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, unit: str,
                  max_rows: int, window: int, quota: int, counter: Any, go: Any, release: Any,
                  out: Any) -> None:
-    """One soak client process (see the module docstring); puts its counters on ``out``."""
+    """One soak client process (see the module docstring); puts its counters on ``out``.
+    SIGTERM or the parent's death end it quietly, its shm file unlinked (``quiet_worker``)."""
+    from multiprocessing.util import Finalize
+
+    from hicache.cli.lifecycle import quiet_worker
+
+    quiet_worker(os.getppid())
     from hicache.engine.client import AckTimeout, Client, CommandRefused, DaemonUnreachable
     from hicache.fuzz.runner import Pattern, ShmBuffers, mix64
     from hicache.core.layout import INDEX_SPACES, build_layout, preset
@@ -37,6 +44,7 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
     dev_rows = {s: n for s, n in SOAK_DEV_ROWS.items() if layout.space_pools(s)}
     nd = dev_rows[space]
     bufs = ShmBuffers(layout, dev_rows, tag=f"soak{idx}")
+    Finalize(bufs, bufs.close, exitpriority=10)  # runs on SystemExit too
     pattern = Pattern(layout, pools, seed)
     rng = random.Random(mix64(seed, idx))
     st = {"ops": 0, "backups": 0, "loads": 0, "frees": 0, "allocs": 0, "lost_acks": 0,
@@ -261,6 +269,11 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
             rss_end = rss()
             if rss_warm is None:
                 rss_warm = rss_end
+    except BaseException:  # interrupted: stop the workers now (each unlinks its shm file)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        raise
     finally:
         release.set()
         for p in procs:

@@ -2,16 +2,24 @@
 
 Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Errors a user
 caused (``UsageError``, ``LayoutError``) print one line and exit 2; nothing else is swallowed.
+SIGINT / SIGTERM / SIGHUP stop any command the same way (``hicache.cli.lifecycle``): its clean-up
+runs, one line ``hicache CMD: interrupted by SIGNAL`` and exit status 128 + signal number. Output
+piped into a reader that closes early (``| head``) ends quietly (exit 141, as SIGPIPE would).
+``hicache`` alone prints the help; ``hicache --version`` the version.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from typing import Sequence
 
+from hicache.cli import lifecycle
 from hicache.core.errors import UsageError
 from hicache.core.layout import LayoutError
+from hicache.core.version import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hicache.cli.plan", "capacity plan: tokens that fit per stage, device and host pools"),
@@ -43,7 +51,10 @@ def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) ->
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hicache", description="hicache: a host-offload daemon for the hierarchical KV "
+        "cache of LLM serving engines. Run `hicache COMMAND -h` for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = argv[0] if argv else None
     for name, (module, help_) in COMMANDS.items():
@@ -62,21 +73,46 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _broken_pipe() -> int:
+    """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush
+    does not fail again, and exit as SIGPIPE would."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    if not argv:
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
     prog = "hicache " + " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
     if getattr(args, "_missing", None):
         print(f"{prog}: error: {args._missing}", file=sys.stderr)
         return 2
+    old = lifecycle.install()
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        try:
+            return int(importlib.import_module(args._module).run(args) or 0)
+        finally:
+            lifecycle.restore(old)
+            sys.stdout.flush()
     except (UsageError, LayoutError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{prog}: interrupted by SIGINT", file=sys.stderr)
+        return lifecycle.exit_code(signal.SIGINT)
+    except lifecycle.Interrupted as e:
+        print(f"{prog}: interrupted by {lifecycle.signal_name(e.signum)}", file=sys.stderr)
+        return lifecycle.exit_code(e.signum)
+    except BrokenPipeError:
+        return _broken_pipe()
 
 
 if __name__ == "__main__":

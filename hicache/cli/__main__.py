@@ -3,4 +3,5 @@ import sys
 
 from hicache.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

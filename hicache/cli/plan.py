@@ -1,13 +1,19 @@
 """``hicache plan``: token capacity per pipeline stage, device and host pool rows.
 
 Every value is read as a string and checked here, so a bad one ends as one ``UsageError`` line
-(exit 2) instead of argparse's usage block. See ``hicache.core.planner`` for the rules.
+(exit 2) instead of argparse's usage block. See ``hicache.core.planner`` for the rules. Flag
+names are ``hicache serve``'s (SGLang's ``--tp-size``, ``--pp-size``; the older ``--tp``,
+``--pp``, ``--dp``, ``--config`` are hidden aliases). Per stage it prints the ``hicache serve``
+command line that sizes that stage's daemon exactly as planned (``serve_command``), and with a
+host size the host tier's token capacity; a host tier not larger than the device pools is
+refused unless ``--force``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import shlex
 import sys
 
 from hicache.core.errors import UsageError
@@ -15,9 +21,10 @@ from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
-    DEFAULT_MAX_RUNNING, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan, human_bytes,
-    parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
+    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
+    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
 )
+from hicache.core.sizes import check_host_larger
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,15 +33,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p._negative_number_matcher = re.compile(r"^-\.?\d")
     src = p.add_argument_group("model (one of)")
     src.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")
-    src.add_argument("--config", metavar="FILE", help="a Hugging Face style config.json")
+    src.add_argument("--model-config", metavar="FILE", help="a Hugging Face style config.json")
+    src.add_argument("--config", dest="model_config", help=argparse.SUPPRESS)
     p.add_argument("--kv-mem", metavar="SIZE", help="KV memory budget per GPU: bytes or e.g. "
                    "100GiB, 80GB, 512MiB (required)")
-    p.add_argument("--tp", default="1", metavar="N", help="tensor parallel size (KV pools are "
-                   "replicated per TP rank: MLA has one KV head) [1]")
-    p.add_argument("--pp", default=None, metavar="N", help="pipeline stages, even split [1]")
+    p.add_argument("--tp-size", default="1", metavar="N", help="tensor parallel size (KV pools "
+                   "are replicated per TP rank: MLA has one KV head) [1]")
+    p.add_argument("--tp", dest="tp_size", help=argparse.SUPPRESS)
+    p.add_argument("--pp-size", default=None, metavar="N", help="pipeline stages, even split [1]")
+    p.add_argument("--pp", dest="pp_size", help=argparse.SUPPRESS)
     p.add_argument("--stage-bounds", metavar="S:E,...", help="explicit [start,end) target layers "
                    "per stage, e.g. 0:22,22:43 (MTP layers go to the last stage)")
-    p.add_argument("--dp", default="1", metavar="N", help="data parallel workers [1]")
+    p.add_argument("--dp-size", default="1", metavar="N", help="data parallel workers [1]")
+    p.add_argument("--dp", dest="dp_size", help=argparse.SUPPRESS)
     p.add_argument("--max-running", default=str(DEFAULT_MAX_RUNNING), metavar="N",
                    help=f"max running requests per DP worker [{DEFAULT_MAX_RUNNING}]")
     p.add_argument("--pd-role", default="none", metavar="ROLE", help="none | prefill | decode; "
@@ -54,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
     host.add_argument("--pages-per-checkpoint", default="32", metavar="K",
                       help="checkpoints mirror: one host checkpoint row per K page rows [32]")
+    p.add_argument("--force", action="store_true",
+                   help="accept a host tier not larger than the device pools")
     sp = p.add_argument_group("HiSparse (sparse C4 on the host)")
     sp.add_argument("--hisparse", action="store_true", help="also count concurrent long "
                     "requests per GPU with and without HiSparse")
@@ -72,23 +85,24 @@ def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | Non
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Check every argument and build the planner's inputs; raises ``UsageError``."""
-    if (args.preset is None) == (args.config is None):
-        raise UsageError("give exactly one of --preset NAME or --config FILE")
+    if (args.preset is None) == (args.model_config is None):
+        raise UsageError("give exactly one of --preset NAME or --model-config FILE")
     if args.kv_mem is None:
         raise UsageError("--kv-mem is required (KV budget per GPU, e.g. 100GiB)")
-    model = load_model(args.preset, args.config)
+    model = load_model(args.preset, args.model_config)
     bounds = parse_bounds(args.stage_bounds) if args.stage_bounds else None
-    pp = parse_count(args.pp, "--pp") if args.pp is not None else len(bounds or [(0, 0)])
+    pp = parse_count(args.pp_size, "--pp-size") if args.pp_size is not None \
+        else len(bounds or [(0, 0)])
     if bounds is not None and len(bounds) != pp:
-        raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp says {pp}")
+        raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp-size says {pp}")
     if args.host_mem is not None and args.host_ratio is not None:
         raise UsageError("give --host-mem or --host-ratio, not both")
     return PlanInputs(
         model=model,
         kv_mem=parse_size(args.kv_mem, "--kv-mem"),
-        tp=parse_count(args.tp, "--tp"),
+        tp=parse_count(args.tp_size, "--tp-size"),
         pp=pp,
-        dp=parse_count(args.dp, "--dp"),
+        dp=parse_count(args.dp_size, "--dp-size"),
         max_running=parse_count(args.max_running, "--max-running"),
         pd_role=_choice(args.pd_role, PD_ROLES, "--pd-role") or "none",
         swa_mode=_choice(args.swa_mode, SWA_MODES, "--swa-mode") or "paged",
@@ -102,6 +116,57 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bounds=bounds,
         pages_per_checkpoint=parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
     )
+
+
+def check_host(pl: Plan, args: argparse.Namespace) -> None:
+    """Refuse a host tier not larger than the device pools on any stage, unless ``--force``."""
+    if args.force or (args.host_mem is None and args.host_ratio is None):
+        return
+    what = f"--host-mem {args.host_mem}" if args.host_mem is not None \
+        else f"--host-ratio {args.host_ratio}"
+    for s in pl.stages:
+        check_host_larger(s.layout, s.device_rows, s.host_rows, what)
+
+
+def serve_command(pl: Plan, args: argparse.Namespace, pp_rank: int) -> str:
+    """The ``hicache serve`` line that sizes stage ``pp_rank``'s daemon as this plan does."""
+    i = pl.inputs
+    cmd = ["hicache", "serve"]
+    cmd += ["--preset", args.preset] if args.preset else ["--model-config", args.model_config]
+    cmd += ["--kv-mem", args.kv_mem.strip()]
+    if i.tp != 1:
+        cmd += ["--tp-size", str(i.tp)]
+    if i.pp != 1:
+        cmd += ["--pp-size", str(i.pp), "--pp-rank", str(pp_rank)]
+    if args.stage_bounds:
+        cmd += ["--stage-bounds", args.stage_bounds]
+    if i.max_running != DEFAULT_MAX_RUNNING:
+        cmd += ["--max-running", str(i.max_running)]
+    if i.pd_role != "none":
+        cmd += ["--pd-role", i.pd_role]
+    if i.swa_mode != "paged":
+        cmd += ["--swa-mode", i.swa_mode]
+    if i.swa_ratio != DEFAULT_SWA_RATIO:
+        cmd += ["--swa-full-tokens-ratio", str(i.swa_ratio)]
+    if i.c128_state != "online":
+        cmd += ["--c128-state", i.c128_state]
+    if i.mtp is not None:
+        cmd.append("--mtp" if i.mtp else "--no-mtp")
+    if i.indexer is not None:
+        cmd += ["--indexer", i.indexer]
+    if i.host_mem is not None:
+        cmd += ["--host-mem", args.host_mem.strip()]
+    elif i.host_ratio is not None:
+        cmd += ["--host-ratio", repr(float(i.host_ratio))]
+    if args.force and (i.host_mem is not None or i.host_ratio is not None):
+        cmd.append("--force")
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def host_tokens(s: StagePlan) -> int | None:
+    """Full tokens the stage's host tier holds (its ``page`` rows x page size)."""
+    n = s.host_rows.get("page")
+    return None if n is None else n * s.layout.model.page_size
 
 
 # --------------------------------------------------------------------------- human output
@@ -132,7 +197,7 @@ def _header(pl: Plan) -> list[str]:
     ]
 
 
-def _stage_lines(s: StagePlan, host_asked: bool) -> list[str]:
+def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
     lay, st = s.layout, s.layout.stage
     mtp = len(st.layers("swa")) - (st.end - st.start)
     title = f"stage {st.pp_rank}: layers [{st.start}, {st.end})" + (f" + {mtp} MTP" if mtp else "")
@@ -151,14 +216,17 @@ def _stage_lines(s: StagePlan, host_asked: bool) -> list[str]:
     ]
     if host_asked:
         out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}")
+        out.append(f"  host token capacity      {_n(host_tokens(s))}")
+    out.append(f"  serve: {serve}" + ("" if host_asked else "  (add --host-mem SIZE)"))
     return out
 
 
-def format_plan(pl: Plan) -> str:
+def format_plan(pl: Plan, args: argparse.Namespace) -> str:
     i = pl.inputs
     lines = _header(pl)
     for s in pl.stages:
-        lines += _stage_lines(s, i.host_mem is not None or i.host_ratio is not None)
+        lines += _stage_lines(s, i.host_mem is not None or i.host_ratio is not None,
+                              serve_command(pl, args, s.layout.stage.pp_rank))
     cap = pl.token_capacity
     lines += ["",
               f"capacity  {_n(cap)} tokens per DP worker (min over stages)"
@@ -169,6 +237,8 @@ def format_plan(pl: Plan) -> str:
                  + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
     lines += _mirror_lines(pl)
     lines += [f"warning: {w}" for w in pl.warnings]
+    lines.append("serve lines: one daemon per GPU of each stage; add --device cuda:N (the "
+                 "default is cpu) and --metrics-port")
     return "\n".join(lines)
 
 
@@ -194,6 +264,7 @@ def _mirror_lines(pl: Plan) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     inputs = inputs_from_args(args)
     result = plan(inputs)
+    check_host(result, args)
     sparse = None
     if args.hisparse:
         tokens = parse_count(args.request_tokens, "--request-tokens")
@@ -208,13 +279,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         d = result.to_dict()
         d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)
+        for s, sd in zip(result.stages, d["stages"]):
+            sd["host_token_capacity"] = host_tokens(s) if s.host_rows else None
+            sd["serve_command"] = serve_command(result, args, s.layout.stage.pp_rank)
         if sparse is not None:
             d["hisparse"] = sparse.to_dict()
             d["hisparse_concurrency_ratio"] = d["hisparse"]["hisparse_concurrency_ratio"]
         json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(format_plan(result))
+        print(format_plan(result, args))
         if sparse is not None:
             print("\n".join([""] + sparse.lines()))
     return 0

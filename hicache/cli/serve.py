@@ -1,74 +1,51 @@
-"""``hicache serve``: run the per-GPU host-offload daemon until SIGTERM / SIGINT / ``shutdown``.
+"""``hicache serve``: run the per-GPU host-offload daemon until a stop signal or ``shutdown``.
 
-Settings come from defaults < ``--config-file`` (TOML) < ``HICACHE_*`` environment < flags
-(see ``hicache.core.config``). Start-up pins the whole host pool, so an overcommit fails here.
+Settings come from defaults < ``--config-file`` (TOML) < ``HICACHE_*`` environment < flags; the
+flags are built from ``hicache.core.config.SETTINGS`` (docs/config.md has the table). The daemon
+checks ports, socket folder, NUMA node and thread counts before it allocates, then pins the
+whole host pool, so an overcommit fails at start-up. Every refusal is one line
+``hicache serve: error: ...`` and exit status 2.
+
+Stopping: SIGINT, SIGTERM or SIGHUP drain in-flight transfers, close the socket and unmap the
+pool, print ``hicache serve: stopped by SIGNAL`` and exit 128 + signal; the ``shutdown`` command
+exits 0. With ``--parent-pid`` the daemon stops the same way when that process is gone.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from typing import Any
 
+from hicache.core.config import BOOL_FIELDS, SETTINGS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("daemon")
-    g.add_argument("--device", help="cuda:N or cpu (default cpu)")
-    g.add_argument("--socket", help="ipc://PATH (default: a 0600 socket in a 0700 runtime dir) "
-                                    "or tcp://127.0.0.1:PORT")
-    g.add_argument("--allow-remote", action="store_true", default=None,
-                   help="accept non-loopback addresses (needs --curve-secret-key and "
-                        "--curve-clients)")
-    g.add_argument("--curve-secret-key", help="the daemon's CURVE secret key file (mode 0600; "
-                                              "zmq.auth certificate format)")
-    g.add_argument("--curve-clients", help="directory of allowed clients' CURVE public .key "
-                                           "files")
-    g.add_argument("--config-file", help="TOML file with these settings (top level or [serve])")
-    g.add_argument("--heartbeat-timeout", type=float,
-                   help="seconds of silence after which a client is reaped (default 10)")
-    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
-    g.add_argument("--metrics-addr", help="address the metrics endpoint binds (default 127.0.0.1)")
-    g.add_argument("--log-level", help="debug, info, warning or error (default info)")
-    g.add_argument("--spin-us", type=float,
-                   help="busy-poll this many microseconds after a request before sleeping "
-                        "(lower latency, more CPU; default 0)")
-    m = p.add_argument_group("layout served")
-    m.add_argument("--preset", help="model preset: dsv4-flash, dsv4-pro, dsv4-tiny")
-    m.add_argument("--config", help="model config.json (instead of --preset)")
-    m.add_argument("--pp-size", type=int)
-    m.add_argument("--pp-rank", type=int)
-    m.add_argument("--swa-mode", choices=("paged", "ring"))
-    m.add_argument("--c128-state", choices=("online", "offline"))
-    m.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
-                   help="include MTP draft layers on the last stage (default on)")
-    h = p.add_argument_group("host memory")
-    h.add_argument("--host-mem", help="host pool size, e.g. 64GiB")
-    h.add_argument("--host-ratio", type=float, help="host rows = ratio x device rows")
-    h.add_argument("--device-rows", help="device rows per index space, e.g. "
-                                         "page=4096,swa_page=512,req_slot=64")
-    h.add_argument("--sparse-rows", type=int, help="HiSparse: C4 page rows per C4 layer of the "
-                   "sparse host region (0 = no sparse mode, the default)")
-    h.add_argument("--min-sparse-prompt-len", type=int,
-                   help="HiSparse: shortest prompt admitted to sparse mode (default 32768)")
-    h.add_argument("--numa-node", help="auto (GPU's node), off, or a node number")
-    h.add_argument("--touch-threads", type=int, help="threads first-touching the arena")
-    h.add_argument("--zero-on-free", action="store_true", default=None,
-                   help="zero host rows when they are freed (rows are unreadable until their "
-                        "owner backs something up into them either way)")
-
-
-FLAG_NAMES = ("device", "socket", "allow_remote", "heartbeat_timeout", "metrics_port",
-              "metrics_addr", "log_level", "preset", "config", "pp_size", "pp_rank", "swa_mode",
-              "c128_state", "mtp", "host_mem", "host_ratio", "device_rows", "numa_node",
-              "touch_threads", "spin_us", "curve_secret_key", "curve_clients", "zero_on_free",
-              "sparse_rows", "min_sparse_prompt_len")
+    groups: dict[str, Any] = {}
+    for s in SETTINGS:
+        if s.option is None:
+            continue
+        g = groups.get(s.group) or groups.setdefault(s.group, p.add_argument_group(s.group))
+        if s.name == "mtp":
+            g.add_argument(s.option, dest=s.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=s.help)
+        elif s.name in BOOL_FIELDS:
+            g.add_argument(s.option, dest=s.name, action="store_true", default=None,
+                           help=s.help)
+        else:
+            g.add_argument(s.option, dest=s.name, metavar=s.name.split("_")[-1].upper(),
+                           help=s.help)
+        for alias in s.aliases:
+            g.add_argument(alias, dest=s.name, help=argparse.SUPPRESS)
+    p.add_argument("--config-file", metavar="TOML",
+                   help="TOML file with these settings (top level or [serve]); also "
+                        "HICACHE_CONFIG_FILE")
 
 
 def run(args: argparse.Namespace) -> int:
     from hicache.core.config import load_config
 
-    flags: dict[str, Any] = {k: getattr(args, k, None) for k in FLAG_NAMES}
+    flags: dict[str, Any] = {s.name: getattr(args, s.name, None) for s in SETTINGS}
     cfg = load_config(flags, getattr(args, "config_file", None))
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -76,21 +53,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(cfg: Any) -> int:
-    from hicache.controllers.daemon import Daemon
+    from hicache.cli import lifecycle
+    from hicache.controllers.daemon import Daemon, start_error
 
-    daemon = Daemon(cfg)
-    print(daemon.summary(), flush=True)
+    if cfg.parent_pid is not None:  # a launcher's daemon: stop with it
+        lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
+    try:
+        daemon = Daemon(cfg)
+    except Exception as e:  # noqa: BLE001 - OSError / ArenaError at start-up: one line
+        raise start_error(e) from None
+    got: list[int] = []
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int) -> None:
+        got.append(signum)
         daemon.stop()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        print("hicache serve: ready", flush=True)
-        daemon.serve()
+        with lifecycle.on_signals(on_signal):
+            print(daemon.summary(), flush=True)
+            print("hicache serve: ready", flush=True)
+            daemon.serve()
     finally:
         daemon.close()
-        for s, h in old.items():
-            signal.signal(s, h)
+    if got:
+        print(f"hicache serve: stopped by {lifecycle.signal_name(got[0])}", flush=True)
+        return lifecycle.exit_code(got[0])
     print("hicache serve: stopped", flush=True)
     return 0

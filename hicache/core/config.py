@@ -1,30 +1,41 @@
 """One typed configuration for ``hicache serve``: defaults < TOML file < HICACHE_* env < flags.
 
-``ServeConfig`` holds every setting; ``load_config(flags, config_file=None, env=os.environ)``
-merges the sources (``flags`` holds only what the command line set). Keys are the field names;
-in TOML and flags a dash may replace an underscore, the environment uses ``HICACHE_<NAME>``
-(``HICACHE_HOST_MEM=8GiB``, ``HICACHE_DEVICE_ROWS=page=4096,swa_page=512,req_slot=64``).
-Every bad value raises ``UsageError`` naming the key and where it came from.
+``ServeConfig`` holds every setting; ``SETTINGS`` describes each one once (its flag, its
+``HICACHE_<NAME>`` variable, its TOML key = the field name, its meaning): ``hicache serve``
+builds its flags from it and docs/config.md's table is generated from it
+(``python -m hicache.core.config``). ``load_config(flags, config_file=None, env=os.environ)``
+merges the sources (``flags`` holds only what the command line set); in TOML and flags a dash
+may replace an underscore. Every bad value raises ``UsageError`` naming the key and its source.
 
-Socket addresses: ``ipc://PATH`` (default: ``$XDG_RUNTIME_DIR/hicache/<device>.sock`` or
-``/tmp/hicache-$UID/<device>.sock``, directory 0700, socket 0600), ``tcp://`` on loopback;
-any other address needs ``allow_remote`` *and* CURVE (``curve_secret_key``: the daemon's
-secret key file, private; ``curve_clients``: a directory of allowed client public keys, both
-in ``zmq.auth`` certificate format). CURVE may also be used on loopback.
+Sizing (``sizing(cfg) -> Sizing``): the served stage's layout, its device rows and the host rows.
+Device rows come from the planner for ``kv_mem`` (the same rows ``hicache plan`` prints for that
+stage) or are given as ``device_rows``; host rows follow ``host_mem`` or ``host_ratio``
+(``hicache.core.sizes.host_rows``). A host tier not larger than the device pools is refused
+unless ``force``.
 """
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from fractions import Fraction
+from typing import Any, Mapping, NamedTuple
 
+from hicache.core.addresses import (  # noqa: F401 - re-exported for the daemon and tests
+    check_address, check_curve, default_socket, runtime_dir,
+)
 from hicache.core.errors import UsageError
-from hicache.core.layout import INDEX_SPACES
+from hicache.core.layout import INDEX_SPACES, Layout, load_model
+from hicache.core.planner import (
+    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
+    plan, stage_layouts,
+)
+from hicache.core.sizes import check_host_larger, format_bytes, host_rows, parse_bytes
 
 ENV_PREFIX = "HICACHE_"
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # = engine.radix
+# .POLICIES (a test checks)
 
 
 @dataclass
@@ -33,15 +44,24 @@ class ServeConfig:
     socket: str | None = None  # None: default ipc socket under the runtime dir
     allow_remote: bool = False
     preset: str | None = None
-    model_config: str | None = None  # HF-style config.json (``--config``)
+    model_config: str | None = None  # HF-style config.json (``--model-config``)
+    tp_size: int = 1
     pp_size: int = 1
     pp_rank: int = 0
+    stage_bounds: tuple[tuple[int, int], ...] | None = None
     swa_mode: str = "paged"
     c128_state: str = "online"
-    mtp: bool = True
+    mtp: bool | None = None  # None: the model's own
+    indexer: str | None = None  # None: the model's own
+    kv_mem: int | None = None  # bytes: device rows from the planner
+    max_running: int = DEFAULT_MAX_RUNNING
+    pd_role: str = "none"
+    swa_full_tokens_ratio: Fraction = DEFAULT_SWA_RATIO
+    device_rows: dict[str, int] = field(default_factory=dict)
     host_mem: int | None = None  # bytes
     host_ratio: float | None = None
-    device_rows: dict[str, int] = field(default_factory=dict)
+    force: bool = False
+    write_policy: str = "write_through"
     metrics_port: int = 0  # 0 = off
     metrics_addr: str = "127.0.0.1"
     heartbeat_timeout: float = 10.0
@@ -56,6 +76,7 @@ class ServeConfig:
     zero_on_free: bool = False  # zero a host row's bytes when it is freed (reads need a write anyway)
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
+    parent_pid: int | None = None  # exit when this process is gone (launchers set it)
     log_level: str = "info"
     sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
@@ -64,22 +85,109 @@ class ServeConfig:
     def cuda_index(self) -> int | None:
         return None if self.device == "cpu" else int(self.device.split(":")[1])
 
-    def layout(self):  # -> hicache.core.layout.Layout
-        from hicache.core.layout import build_layout, load_model
-
+    def plan_inputs(self) -> PlanInputs:
+        """The planner's inputs for this deployment (``kv_mem`` 0 when rows are given)."""
         if self.preset is None and self.model_config is None:
-            raise UsageError("no model given: use --preset NAME or --config config.json")
-        model = load_model(self.preset, self.model_config)
-        return build_layout(model, self.pp_size, self.pp_rank, swa_mode=self.swa_mode,
-                            c128_state=self.c128_state, mtp=self.mtp)
+            raise UsageError("no model given: use --preset NAME or --model-config config.json")
+        return PlanInputs(
+            model=load_model(self.preset, self.model_config), kv_mem=self.kv_mem or 0,
+            tp=self.tp_size, pp=self.pp_size, max_running=self.max_running,
+            pd_role=self.pd_role, swa_mode=self.swa_mode, mtp=self.mtp, indexer=self.indexer,
+            c128_state=self.c128_state, swa_ratio=self.swa_full_tokens_ratio,
+            bounds=self.stage_bounds)
+
+    def layout(self) -> Layout:
+        return stage_layouts(self.plan_inputs(), self.swa_mode)[self.pp_rank]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["shm_dirs"] = list(self.shm_dirs)
+        d["swa_full_tokens_ratio"] = float(self.swa_full_tokens_ratio)
         return d
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+
+
+class Setting(NamedTuple):
+    name: str  # field name = TOML key
+    group: str  # flag group of ``hicache serve -h``
+    help: str
+    flag: bool = True  # False: TOML / environment only
+    aliases: tuple[str, ...] = ()  # older spellings, accepted and hidden
+
+    @property
+    def option(self) -> str | None:
+        return "--" + self.name.replace("_", "-") if self.flag else None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+_D, _M, _S, _H, _E = "daemon", "model and stage", "device sizing", "host memory", "engine side"
+SETTINGS: tuple[Setting, ...] = (
+    Setting("device", _D, "cuda:N or cpu (CPU mode: plain shared memory, no GPU)"),
+    Setting("socket", _D, "ipc://PATH or tcp://127.0.0.1:PORT [ipc://$XDG_RUNTIME_DIR/hicache/"
+            "<device>.sock, e.g. cuda0.sock; /tmp/hicache-$UID/... without a runtime dir]"),
+    Setting("allow_remote", _D, "accept a non-loopback tcp address (needs both CURVE settings)"),
+    Setting("curve_secret_key", _D, "the daemon's CURVE secret key file (mode 0600, zmq.auth "
+            "certificate format)"),
+    Setting("curve_clients", _D, "directory of the allowed clients' CURVE public .key files"),
+    Setting("heartbeat_timeout", _D, "seconds of silence after which a client is reaped"),
+    Setting("metrics_port", _D, "Prometheus /metrics port (0 = off)"),
+    Setting("metrics_addr", _D, "address the metrics endpoint binds"),
+    Setting("log_level", _D, "debug, info, warning or error"),
+    Setting("spin_us", _D, "busy-poll this many microseconds after a request before sleeping "
+            "(lower latency, more CPU)"),
+    Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
+    Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
+            "thread", flag=False),
+    Setting("load_event_sets", _D, "GPU mode: sets of per-layer load events, used round robin",
+            flag=False),
+    Setting("max_clients", _D, "clients tracked at most", flag=False),
+    Setting("ack_retention", _D, "acks kept per client for poll_acks", flag=False),
+    Setting("shm_dirs", _D, "CPU mode: folders device-pool files may live in (':'-separated)",
+            flag=False),
+    Setting("preset", _M, "model preset: dsv4-flash, dsv4-pro, dsv4-tiny"),
+    Setting("model_config", _M, "a Hugging Face style config.json (instead of --preset)",
+            aliases=("--config",)),
+    Setting("tp_size", _M, "tensor parallel size (MLA: every TP rank holds the full KV pools, so "
+            "the rows do not change)"),
+    Setting("pp_size", _M, "pipeline stages (even split unless --stage-bounds)"),
+    Setting("pp_rank", _M, "the stage this daemon serves, 0..pp-size-1"),
+    Setting("stage_bounds", _M, "explicit [start,end) target layers per stage, e.g. 0:22,22:43"),
+    Setting("swa_mode", _M, "paged (SWA pages) or ring (one SWA ring per request slot)"),
+    Setting("c128_state", _M, "online (1 row per request) or offline (128-slot ring)"),
+    Setting("mtp", _M, "MTP draft layers on the last stage [the model's own]"),
+    Setting("indexer", _M, "fp8 or fp4 C4 indexer keys [the model's own]"),
+    Setting("kv_mem", _S, "KV budget per GPU: device rows from the planner, as `hicache plan` "
+            "prints them (instead of --device-rows)"),
+    Setting("max_running", _S, "with --kv-mem: running requests per worker (request slots)"),
+    Setting("pd_role", _S, "with --kv-mem: none, prefill or decode (decode keeps 2 x "
+            "max-running slots)"),
+    Setting("swa_full_tokens_ratio", _S, "with --kv-mem, paged SWA: SWA tokens / full tokens, "
+            "in (0, 1]"),
+    Setting("device_rows", _S, "device rows per index space, e.g. page=4096,swa_page=512,"
+            "req_slot=64 (instead of --kv-mem)"),
+    Setting("host_mem", _H, "host pool size per GPU, e.g. 256GiB (rows in proportion to the "
+            "device rows)"),
+    Setting("host_ratio", _H, "host rows = ratio x device rows (instead of --host-mem)"),
+    Setting("force", _H, "accept a host tier not larger than the device pools"),
+    Setting("numa_node", _H, "auto (the GPU's node), off, or a node number"),
+    Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "
+                                "their owner backs something up into them either way)"),
+    Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
+    Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of the sparse host region "
+            "(0 = no sparse mode; docs/hisparse.md)"),
+    Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
+            "sparse mode"),
+    Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
+            "radix cache's default write "
+            "policy for engines of this daemon"),
+)
+BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free")
+assert {s.name for s in SETTINGS} == set(FIELDS), "every field needs a SETTINGS entry"
 
 
 # ------------------------------------------------------------------------------- parsing
@@ -120,30 +228,34 @@ def parse_device_rows(v: Any) -> dict[str, int]:
     return out
 
 
-def _parse_bytes(v: Any) -> int:
-    from hicache.core.sizes import parse_bytes
-
-    n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v))
-    if n <= 0:
-        raise ValueError("must be positive")
-    return n
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"not an int: {v!r}")
+    return int(str(v).strip()) if isinstance(v, str) else int(v)
 
 
-def _convert(name: str, v: Any) -> Any:
-    if name in ("host_mem", "inline_max_bytes"):
-        return _parse_bytes(v)
+def _convert(name: str, v: Any, key: str) -> Any:
+    if name in ("host_mem", "kv_mem", "inline_max_bytes"):
+        n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v), key)
+        if n <= 0:
+            raise ValueError("must be positive")
+        return n
     if name == "device_rows":
         return parse_device_rows(v)
+    if name == "stage_bounds":
+        return parse_bounds(v if isinstance(v, str) else
+                            ",".join(f"{a}:{b}" for a, b in v))
+    if name == "swa_full_tokens_ratio":
+        return parse_fraction(str(v), key)
     if name == "shm_dirs":
         return tuple(str(x) for x in v) if isinstance(v, (list, tuple)) else \
             tuple(p for p in str(v).split(":") if p)
-    if name in ("allow_remote", "mtp", "zero_on_free"):
+    if name in BOOL_FIELDS:
         return _parse_bool(v)
-    if name in ("pp_size", "pp_rank", "metrics_port", "touch_threads", "load_event_sets",
-                "max_clients", "ack_retention", "sparse_rows", "min_sparse_prompt_len"):
-        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-            raise ValueError(f"not an int: {v!r}")
-        return int(v)
+    if name in ("tp_size", "pp_size", "pp_rank", "metrics_port", "touch_threads",
+                "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid",
+                "sparse_rows", "min_sparse_prompt_len"):
+        return _int(v)
     if name in ("host_ratio", "heartbeat_timeout", "spin_us"):
         if isinstance(v, bool):
             raise ValueError(f"not a number: {v!r}")
@@ -158,17 +270,21 @@ def _convert(name: str, v: Any) -> Any:
 def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str) -> None:
     for key, v in values.items():
         name = key.replace("-", "_")
-        if name == "config":  # the flag --config is the model config.json
+        if name == "config":  # the old spelling of model_config
             name = "model_config"
         if name not in FIELDS:
             raise UsageError(f"{source}: unknown setting {key!r}; settings are "
                              f"{', '.join(sorted(FIELDS))}")
         if v is None:
             continue
+        what = ("--" + name.replace("_", "-") if source == "command line" else
+                ENV_PREFIX + name.upper() if source == "environment" else key)
         try:
-            setattr(cfg, name, _convert(name, v))
+            setattr(cfg, name, _convert(name, v, what))
+        except UsageError as e:  # already names the setting
+            raise UsageError(f"{source}: {e}") from None
         except (ValueError, TypeError) as e:
-            raise UsageError(f"{source}: bad value for {key}: {e}") from None
+            raise UsageError(f"{source}: bad value for {what}: {e}") from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -184,11 +300,10 @@ def _read_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as e:
-        raise UsageError(f"cannot read config file {path}: {e.strerror}") from None
+        raise UsageError(f"--config-file: cannot read {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"config file {path} is not valid TOML: {e}") from None
-    # settings may sit at the top level or under [serve]
-    serve = data.pop("serve", {})
+        raise UsageError(f"--config-file: {path} is not valid TOML: {e}") from None
+    serve = data.pop("serve", {})  # settings may sit at the top level or under [serve]
     if not isinstance(serve, dict):
         raise UsageError(f"config file {path}: [serve] must be a table")
     data.update(serve)
@@ -196,14 +311,8 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out = {}
-    for k, v in env.items():
-        if not k.startswith(ENV_PREFIX) or k == "HICACHE_CONFIG_FILE":
-            continue
-        name = k[len(ENV_PREFIX):].lower()
-        if name in FIELDS:
-            out[name] = v
-    return out
+    return {k[len(ENV_PREFIX):].lower(): v for k, v in env.items()
+            if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in FIELDS}
 
 
 def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None = None,
@@ -223,104 +332,119 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
 
 # ------------------------------------------------------------------------------- validation
 _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
+MAX_TOUCH_THREADS = 1024
 
 
 def validate(cfg: ServeConfig) -> None:
+    """Checks that need nothing but the values (the daemon checks the machine before it
+    allocates: ports, socket folder, NUMA node)."""
     if not _DEVICE_RE.match(cfg.device):
-        raise UsageError(f"device must be 'cpu' or 'cuda:N', got {cfg.device!r}")
+        raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {cfg.device!r}")
     if cfg.preset is not None and cfg.model_config is not None:
-        raise UsageError("give either a preset or a model config file, not both")
-    if cfg.swa_mode not in ("paged", "ring"):
-        raise UsageError(f"swa_mode must be 'paged' or 'ring', got {cfg.swa_mode!r}")
-    if cfg.c128_state not in ("online", "offline"):
-        raise UsageError(f"c128_state must be 'online' or 'offline', got {cfg.c128_state!r}")
-    if cfg.host_mem is not None and cfg.host_ratio is not None:
-        raise UsageError("give either host_mem (bytes) or host_ratio, not both")
-    if cfg.host_ratio is not None and not cfg.host_ratio > 0:
-        raise UsageError(f"host_ratio must be positive, got {cfg.host_ratio}")
-    if not 0 <= cfg.metrics_port <= 65535:
-        raise UsageError(f"metrics_port must be 0..65535, got {cfg.metrics_port}")
-    if not 0 <= cfg.spin_us <= 100_000:
-        raise UsageError(f"spin_us must be 0..100000, got {cfg.spin_us}")
-    if not cfg.heartbeat_timeout > 0:
-        raise UsageError(f"heartbeat_timeout must be positive, got {cfg.heartbeat_timeout}")
-    for name in ("load_event_sets", "max_clients", "ack_retention"):
+        raise UsageError("give either --preset or --model-config, not both")
+    choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
+               "pd_role": PD_ROLES, "write_policy": WRITE_POLICIES,
+               "log_level": ("debug", "info", "warning", "error")}
+    for name, allowed in choices.items():
+        v = getattr(cfg, name)
+        if (v.lower() if name == "log_level" else v) not in allowed:
+            raise UsageError(f"--{name.replace('_', '-')} must be one of "
+                             f"{' | '.join(allowed)}, got {v!r}")
+    if cfg.indexer not in (None, "fp8", "fp4"):
+        raise UsageError(f"--indexer must be fp8 or fp4, got {cfg.indexer!r}")
+    for name in ("tp_size", "pp_size", "max_running", "load_event_sets", "max_clients",
+                 "ack_retention"):
         if getattr(cfg, name) <= 0:
-            raise UsageError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.sparse_rows < 0:
-        raise UsageError(f"sparse_rows must not be negative, got {cfg.sparse_rows}")
-    if cfg.min_sparse_prompt_len <= 0:
-        raise UsageError(f"min_sparse_prompt_len must be positive, got {cfg.min_sparse_prompt_len}")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, "
+                             f"got {getattr(cfg, name)}")
+    if not 0 <= cfg.pp_rank < cfg.pp_size:
+        raise UsageError(f"--pp-rank must be in 0..{cfg.pp_size - 1} (--pp-size "
+                         f"{cfg.pp_size}), got {cfg.pp_rank}")
+    if cfg.kv_mem is not None and cfg.device_rows:
+        raise UsageError("give --kv-mem (rows from the planner) or --device-rows, not both")
+    if cfg.kv_mem is None:
+        for name in ("max_running", "pd_role", "swa_full_tokens_ratio"):
+            if getattr(cfg, name) != FIELDS[name].default:
+                raise UsageError(f"--{name.replace('_', '-')} sizes device rows from --kv-mem; "
+                                 f"it does not apply to --device-rows")
+    if cfg.host_mem is not None and cfg.host_ratio is not None:
+        raise UsageError("give either --host-mem (bytes) or --host-ratio, not both")
+    if cfg.host_ratio is not None and not cfg.host_ratio > 0:
+        raise UsageError(f"--host-ratio must be positive, got {cfg.host_ratio}")
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
+    if not 0 <= cfg.spin_us <= 100_000:
+        raise UsageError(f"--spin-us must be 0..100000, got {cfg.spin_us}")
+    if not cfg.heartbeat_timeout > 0:
+        raise UsageError(f"--heartbeat-timeout must be positive, got {cfg.heartbeat_timeout}")
+    if cfg.touch_threads is not None and not 1 <= cfg.touch_threads <= MAX_TOUCH_THREADS:
+        raise UsageError(f"--touch-threads must be 1..{MAX_TOUCH_THREADS}, "
+                         f"got {cfg.touch_threads}")
+    if cfg.sparse_rows < 0 or cfg.min_sparse_prompt_len <= 0:
+        raise UsageError(f"--sparse-rows must be >= 0 and --min-sparse-prompt-len > 0, got "
+                         f"{cfg.sparse_rows} and {cfg.min_sparse_prompt_len}")
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
-        raise UsageError(f"numa_node must be 'auto', 'off' or a node number, got {cfg.numa_node!r}")
-    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise UsageError(f"log_level must be debug, info, warning or error, got {cfg.log_level!r}")
+        raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
+                         f"got {cfg.numa_node!r}")
+    if cfg.parent_pid is not None and cfg.parent_pid <= 1:
+        raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
     curve = check_curve(cfg)
     if cfg.socket is not None:
         check_address(cfg.socket, cfg.allow_remote, curve)
 
 
-def check_curve(cfg: ServeConfig) -> bool:
-    """True when CURVE is configured (both settings, a private key file, a client directory)."""
-    key, clients = cfg.curve_secret_key, cfg.curve_clients
-    if key is None and clients is None:
-        return False
-    if key is None or clients is None:
-        raise UsageError("CURVE needs both --curve-secret-key (the daemon's secret key file) "
-                         "and --curve-clients (a directory of allowed client public keys)")
-    try:
-        st = os.stat(key)
-    except OSError as e:
-        raise UsageError(f"curve secret key {key}: {e.strerror}") from None
-    if st.st_mode & 0o077:
-        raise UsageError(f"curve secret key {key} is readable by other users (mode "
-                         f"{st.st_mode & 0o777:o}); chmod 600 it")
-    if not os.path.isdir(clients):
-        raise UsageError(f"curve clients directory {clients} does not exist")
-    return True
+# ------------------------------------------------------------------------------- sizing
+class Sizing(NamedTuple):
+    layout: Layout
+    device_rows: dict[str, int]
+    host_rows: dict[str, int]
+    source: str  # how the device rows were chosen, for the summary
 
 
-def runtime_dir() -> str:
-    """Owner-only directory for default sockets: $XDG_RUNTIME_DIR/hicache or /tmp/hicache-UID."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base):
-        return os.path.join(base, "hicache")
-    return f"/tmp/hicache-{os.getuid()}"
+def sizing(cfg: ServeConfig) -> Sizing:
+    """Layout, device rows and host rows of the stage ``cfg`` serves (module docstring)."""
+    if cfg.kv_mem is not None:
+        pl = plan(cfg.plan_inputs())
+        stage = pl.stages[cfg.pp_rank]
+        layout, dev = stage.layout, dict(stage.device_rows)
+        source = (f"planner: --kv-mem {format_bytes(cfg.kv_mem)}, {pl.request_slots} request "
+                  f"slots, {stage.token_capacity if stage.token_capacity is not None else 'no'}"
+                  f" device tokens")
+    elif cfg.device_rows:
+        layout = cfg.layout()
+        dev, source = dict(cfg.device_rows), "--device-rows"
+    else:
+        raise UsageError("size the device pools: --kv-mem 100GiB (rows from the planner, as "
+                         "`hicache plan` prints them) or --device-rows page=N,swa_page=M,"
+                         "req_slot=K")
+    if cfg.host_mem is None and cfg.host_ratio is None:
+        raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
+    host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
+    if not cfg.force:
+        what = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
+                else f"--host-ratio {cfg.host_ratio:g}")
+        check_host_larger(layout, dev, host, what)
+    return Sizing(layout, dev, host, source)
 
 
-def default_socket(device: str) -> str:
-    tag = device.replace(":", "")
-    return f"ipc://{os.path.join(runtime_dir(), tag + '.sock')}"
+# ------------------------------------------------------------------------------- docs
+def markdown() -> str:
+    """The settings table of docs/config.md."""
+    rows = ["| flag | environment | TOML key | default | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        default = FIELDS[s.name].default
+        if default is dataclasses.MISSING:
+            default = FIELDS[s.name].default_factory()  # type: ignore[misc]
+        if isinstance(default, Fraction):
+            default = float(default)
+        shown = "—" if default in (None, {}, ()) else f"`{default}`"
+        if isinstance(default, tuple):
+            shown = f"`{':'.join(default)}`"
+        flag = f"`{s.option}`" if s.option else "—"
+        rows.append(f"| {flag} | `{s.env}` | `{s.name}` | {shown} | "
+                    f"{s.help.replace('|', '/')} |")
+    return "\n".join(rows)
 
 
-def check_address(addr: str, allow_remote: bool = False, curve: bool = False) -> str:
-    """Return the transport ('ipc' or 'tcp') of an acceptable address, else raise UsageError:
-    a non-loopback tcp address needs ``allow_remote`` and CURVE."""
-    if addr.startswith("ipc://"):
-        path = addr[len("ipc://"):]
-        if not path or path.startswith("@"):
-            raise UsageError(f"ipc socket {addr!r}: give a filesystem path (abstract sockets "
-                             f"have no permissions)")
-        return "ipc"
-    if addr.startswith("tcp://"):
-        host, _, port = addr[len("tcp://"):].rpartition(":")
-        host = host.strip("[]")
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"tcp address {addr!r} needs a port, e.g. tcp://127.0.0.1:5577")
-        loopback = host == "localhost"
-        if not loopback:
-            try:
-                loopback = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = False
-        if loopback:
-            return "tcp"
-        if not allow_remote:
-            raise UsageError(f"{addr} is not a loopback address; remote clients need "
-                             f"--allow-remote and CURVE keys")
-        if not curve:
-            raise UsageError(f"{addr}: remote access needs CURVE authentication: give "
-                             f"--curve-secret-key and --curve-clients")
-        return "tcp"
-    raise UsageError(f"unsupported socket address {addr!r}; use ipc://PATH or "
-                     f"tcp://127.0.0.1:PORT")
+if __name__ == "__main__":
+    print(markdown())

@@ -31,9 +31,7 @@ changes nothing per rank. PP divides the layers; DP multiplies workers.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -50,36 +48,12 @@ DECODE_SLOT_FACTOR = 2  # a PD decode worker keeps as many slots again for incom
 DEFAULT_MAX_RUNNING = 256
 DEFAULT_SWA_RATIO = Fraction(4, 5)
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,  # as host_pools.sizing reads them
-}
-_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 # --------------------------------------------------------------------------- input parsing
 def parse_size(text: str, what: str = "size") -> int:
-    """Bytes from ``"107374182400"``, ``"100GiB"``, ``"80GB"``, ``"1.5TiB"`` (floored to a byte).
-
-    Decimal units: KB MB GB TB; binary units: KiB MiB GiB TiB, or K M G T (case-insensitive).
-    """
-    s = str(text).strip()
-    if s.startswith("-"):
-        raise UsageError(f"{what} must not be negative, got {text!r}")
-    m = _SIZE_RE.match(s)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise UsageError(
-            f"{what}: cannot read {text!r} as a size; use bytes or a number with one of "
-            "KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10), e.g. 100GiB"
-        )
-    try:
-        value = Decimal(m.group(1).replace("_", ""))
-    except InvalidOperation:
-        raise UsageError(f"{what}: cannot read {text!r} as a size") from None
-    return int(value * _UNITS[unit])
+    """Bytes from a size string: ``hicache.core.sizes.parse_bytes`` (the one size parser)."""
+    return host_sizing.parse_bytes(str(text), what)
 
 
 def parse_fraction(text: str, what: str) -> Fraction:

@@ -2,8 +2,13 @@
 
 Contract (pure arithmetic, no torch):
 
-* ``parse_bytes("16GiB") -> int`` and ``format_bytes(n) -> str``. Binary units: ``K``/``KiB``,
-  ``M``/``MiB``, ``G``/``GiB``, ``T``/``TiB``; decimal units: ``KB``, ``MB``, ``GB``, ``TB``.
+* ``parse_bytes("16GiB", what) -> int`` is THE byte-size parser of every command, flag, TOML
+  key and ``HICACHE_*`` variable. Units are case-insensitive and exact (``Decimal``, floored to
+  a byte): binary ``KiB MiB GiB TiB`` and their one-letter forms ``K M G T`` (2^10 ...);
+  decimal ``KB MB GB TB`` (10^3 ...); ``B`` or nothing = bytes. So ``100G`` = ``100GiB`` =
+  107,374,182,400 B while ``100GB`` = ``100gb`` = 10^11 B (93.13 GiB). Digits may be grouped
+  with ``_`` (``1_000MiB``). Negative, fractional-byte-free forms like ``1e9``, and unknown
+  units raise ``UsageError`` naming ``what`` (the flag or key). ``format_bytes(n) -> str``.
 * ``plan_regions(layout, rows)``: the arena is **layer-major per pool**: for every pool (in
   ``layout.pools`` order) and every layer it owns (local order), one region of
   ``rows[pool.index] * pool.page_bytes`` bytes, each region starting on a ``REGION_ALIGN``
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, InvalidOperation
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -31,23 +37,32 @@ _UNITS = {
     "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?)\s*([a-zA-Z]*)\s*$")
+UNITS_HELP = ("bytes, or a number with KiB MiB GiB TiB (= K M G T, 2^10 steps) or KB MB GB TB "
+              "(10^3 steps), e.g. 100GiB; 100G = 100GiB, 100GB = 10^11 B")
 
 
-def parse_bytes(text: str | int) -> int:
-    """``"16GiB"``, ``"1.5G"``, ``"512MiB"``, ``"4096"`` -> bytes. Raises ``UsageError``."""
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """``"16GiB"``, ``"1.5G"``, ``"1_000MiB"``, ``"80GB"``, ``"4096"`` -> bytes (see the module
+    docstring). Raises ``UsageError`` naming ``what``."""
     if isinstance(text, bool):
-        raise UsageError(f"not a size: {text!r}")
+        raise UsageError(f"{what}: not a size: {text!r}")
     if isinstance(text, int):
         if text < 0:
-            raise UsageError(f"size must not be negative, got {text}")
+            raise UsageError(f"{what} must not be negative, got {text}")
         return text
-    m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(
-            f"not a size: {text!r} (use e.g. 16GiB, 512MiB, 2G; G = GiB, GB = 10^9 bytes)"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    s = str(text).strip()
+    if s.startswith("-"):
+        raise UsageError(f"{what} must not be negative, got {text!r}")
+    m = _SIZE_RE.match(s)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or m.group(1).endswith("_"):
+        raise UsageError(f"{what}: cannot read {text!r} as a size; use {UNITS_HELP}")
+    try:
+        value = Decimal(m.group(1).replace("_", ""))
+    except InvalidOperation:
+        raise UsageError(f"{what}: cannot read {text!r} as a size") from None
+    return int(value * _UNITS[unit])
 
 
 def format_bytes(n: int | float) -> str:
@@ -165,3 +180,16 @@ def host_rows(
         )
     assert arena_bytes(layout, rows) <= host_bytes
     return rows
+
+
+def check_host_larger(layout: Layout, device_rows: Mapping[str, int],
+                      host: Mapping[str, int], what: str) -> None:
+    """Refuse a host tier that is not larger than the device pools in some index space: it
+    could only hold pages the device already has (``what`` names the host setting)."""
+    small = [s for s in used_spaces(layout) if host.get(s, 0) <= device_rows.get(s, 0)]
+    if small:
+        detail = ", ".join(f"{s} {host.get(s, 0)} host <= {device_rows.get(s, 0)} device"
+                           for s in small)
+        raise UsageError(f"{what} gives a host tier no larger than the device pools ({detail} "
+                         f"rows): it could only keep pages the device already holds; give more "
+                         f"host memory, or --force to run it anyway")

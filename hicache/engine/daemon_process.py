@@ -15,7 +15,14 @@ Contract of ``DaemonProcess``:
   raises ``RuntimeError`` whose message ends with the tail of the daemon's output.
 * ``restart()`` stops it and starts it again on the same address; ``kill()`` sends SIGKILL (as a
   crash would, no shutdown path runs); ``stop(sig, timeout)`` sends ``sig``, waits, falls back to
-  SIGKILL and returns the exit code (``None`` if never started).
+  SIGKILL and returns the exit code (``None`` if never started): a daemon that stopped in order
+  exits 128 + ``sig`` (``clean_exit(code, sig)`` says whether ``code`` is that, or 0 after a
+  ``shutdown`` command).
+* Parent death: with ``exit_with_parent=True`` (the default) the daemon gets ``--parent-pid``
+  of this process and stops in order (and unlinks its socket) within a second of this process
+  dying, SIGKILL included (``hicache.cli.lifecycle.exit_with_parent``). Linux delivers the
+  parent-death signal when the launching *thread* exits: start the daemon from a thread that
+  outlives it (the main thread), or pass ``exit_with_parent=False``.
 * ``client(**kw)``, ``alive()``, ``pid``, ``rss()``, ``output(tail)``, ``maps_path(path)``; as a
   context manager it starts on entry and ``close()``s (stop + private directory removed) on exit.
 
@@ -49,7 +56,8 @@ class DaemonProcess:
                  log_path: str | os.PathLike[str] | None = None, pipe: bool = False,
                  socket_flag: bool = True, cwd: str | os.PathLike[str] | None = None,
                  new_session: bool = False, ready_timeout: float = 60.0,
-                 probe_kw: Mapping[str, Any] | None = None) -> None:
+                 probe_kw: Mapping[str, Any] | None = None,
+                 exit_with_parent: bool = True) -> None:
         """``host``: the host sizing flags (``--host-ratio R`` or ``--host-mem``/rows).
         ``heartbeat_timeout``/``metrics_port``/``log_level`` ``None``: flag left out (the
         daemon's default). ``socket_flag=False``: no ``--socket`` (the daemon's default address
@@ -75,6 +83,8 @@ class DaemonProcess:
             self.cmd += ["--metrics-port", str(metrics_port)]
         if log_level is not None:
             self.cmd += ["--log-level", log_level]
+        if exit_with_parent:
+            self.cmd += ["--parent-pid", str(os.getpid())]
         self.cmd += list(extra)
         self.env: dict[str, str] = dict(os.environ)
         self.env.update(env or {})
@@ -216,6 +226,11 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+    @staticmethod
+    def clean_exit(code: int | None, sig: int = signal.SIGTERM) -> bool:
+        """True for the exit code of an orderly stop: 0 (``shutdown``) or 128 + ``sig``."""
+        return code in (0, 128 + int(sig))
 
     def close(self) -> int | None:
         """``stop()``, then remove the private directory if this object made one."""

@@ -80,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--state-slots", choices=("ring", "overlap"), default="ring",
                    help="what a checkpoint keeps of the C4 compress states: the whole ring row "
                         "(default) or the overlap slots only (byte model: --dry and sweeps)")
-    m.add_argument("--policy", choices=POLICIES, default="write_through",
-                   help="write policy of the radix tree (default write_through)")
+    m.add_argument("--write-policy", dest="policy", choices=POLICIES, default="write_through",
+                   help="write policy of the radix tree (default write_through; serve's "
+                        "--write-policy)")
+    m.add_argument("--policy", dest="policy", choices=POLICIES, help=argparse.SUPPRESS)
     m.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU), cpu, "
                                                     "or cuda:N")
     m.add_argument("--preempt-every", type=int, default=10, metavar="N",

@@ -67,6 +67,10 @@ DEMO_CATALOG: tuple[MetricDef, ...] = (
 )
 
 
+DEMO_KNOWN_LABELS = {"demo_prefix_tokens": ("device", "host", "miss"),
+                     "demo_tree_pages": ("device", "host"), "demo_op_seconds": ("backup", "load")}
+
+
 class DemoMetrics:
     """The demo's own metrics (``hicache_demo_*``) in their own registry."""
 
@@ -84,6 +88,9 @@ class DemoMetrics:
             else:
                 self.m[d.name] = Histogram(name, d.help, d.labels, registry=self.registry,
                                            buckets=LATENCY_BUCKETS)
+        for name, values in DEMO_KNOWN_LABELS.items():  # series at 0 from the start
+            for v in values:
+                self.m[name].labels(v)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         from prometheus_client import start_http_server

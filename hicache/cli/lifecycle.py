@@ -1,0 +1,140 @@
+"""How every ``hicache`` command stops: interrupts, parent death and worker processes.
+
+Contract:
+
+* ``install()`` (called by ``hicache.cli.main``, undone by ``restore`` when it returns): SIGINT, SIGTERM and SIGHUP raise
+  ``Interrupted(signum)`` in the main thread, so every ``finally`` of the running command runs
+  (children stopped, shared memory unlinked, private folders removed). Only the first signal
+  raises; later ones are ignored so that clean-up is not itself interrupted. ``main`` then prints
+  one line and exits with ``exit_code(signum)`` = 128 + signum (130 SIGINT, 143 SIGTERM,
+  129 SIGHUP).
+* ``on_signals(handler)``: a command with its own orderly stop (``serve``) swaps the raising
+  handler for ``handler(signum)`` while it runs, and gets the raising one back on exit.
+* ``exit_with_parent(ppid, stop)``: the calling process calls ``stop()`` once its parent
+  ``ppid`` is gone: Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (delivered when the parent's
+  launching thread exits) and a watchdog thread that polls ``os.getppid()`` every
+  ``WATCHDOG_S`` (any POSIX system; also covers a parent that died before the prctl).
+* ``quiet_worker(ppid)``: for worker processes of a bench: SIGINT and SIGHUP ignored (the parent
+  decides), SIGTERM raises ``SystemExit(143)`` (``finally`` blocks run, no traceback), and the
+  worker exits when the parent dies.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WATCHDOG_S = 0.5
+PR_SET_PDEATHSIG = 1
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived; ``signum`` says which (BaseException: ``except Exception`` in a
+    command does not swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_code(signum: int) -> int:
+    return 128 + int(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+_fired: list[int] = []
+
+
+def _raise(signum: int, frame: Any) -> None:
+    if _fired:
+        return  # clean-up of the first one is running: let it finish
+    _fired.append(signum)
+    raise Interrupted(signum)
+
+
+def install() -> dict[int, Any]:
+    """Route SIGINT / SIGTERM / SIGHUP to ``Interrupted`` (main thread only); returns the
+    previous handlers for ``restore``."""
+    _fired.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _raise) for s in SIGNALS}
+
+
+def restore(old: dict[int, Any]) -> None:
+    """Put back the handlers ``install`` replaced (``main`` called in-process, e.g. by tests)."""
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+class on_signals:
+    """``with on_signals(handler):`` run ``handler(signum)`` on a stop signal instead of raising."""
+
+    def __init__(self, handler: Callable[[int], None]) -> None:
+        self.handler = handler
+        self.old: dict[int, Any] = {}
+
+    def __enter__(self) -> "on_signals":
+        for s in SIGNALS:
+            self.old[s] = signal.signal(s, lambda signum, frame: self.handler(signum))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def _pdeathsig(sig: int) -> bool:
+    """Ask Linux to send ``sig`` when the parent exits; False where prctl is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def exit_with_parent(ppid: int, stop: Callable[[], None],
+                     sig: int = signal.SIGTERM) -> threading.Thread:
+    """Call ``stop()`` (from a watchdog thread) once ``ppid`` is no longer our parent; also
+    set the kernel's parent-death signal to ``sig``. Returns the watchdog thread."""
+    _pdeathsig(sig)
+    done = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            if done.wait(WATCHDOG_S):
+                return
+        stop()
+
+    t = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    t.start()
+    return t
+
+
+def signal_self(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``stop`` for ``exit_with_parent`` that takes the process's own signal path."""
+    return lambda: os.kill(os.getpid(), sig)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(exit_code(signum))
+
+
+def quiet_worker(ppid: int | None = None) -> None:
+    """Signal set-up of a bench worker process (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    if ppid is not None:
+        exit_with_parent(ppid, signal_self(signal.SIGTERM))

@@ -1,0 +1,151 @@
+"""Clean exits: SIGINT (to the process group, as Ctrl-C), SIGTERM and SIGHUP (to the command
+alone) stop `demo`, `bench soak` and `serve` the same way: one line, exit 128 + signal, no
+traceback, and no process, /dev/shm file, socket or private folder left behind. A SIGKILLed
+demo's daemon exits within 5 s (parent-death signal / watchdog)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+DEMO = ["--device", "cpu", "--progress-seconds", "0", "--requests", "200", "--device-pages", "64",
+        "--host-pages", "256"]
+TINY = ["--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4",
+        "--host-ratio", "2"]
+
+
+def launch(tmp: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """``hicache ARGS`` in its own session (so a group signal reaches only it and its children);
+    stdout and stderr go to one file."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    out = tmp / "out.txt"
+    with open(out, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "hicache.cli", *args], stdout=f,
+                             stderr=subprocess.STDOUT, cwd=str(ROOT), env=env,
+                             start_new_session=True)
+    return p, out
+
+
+def wait_for(p: subprocess.Popen, out: Path, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, out.read_text(errors="replace")):
+            return
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    p.kill()
+    pytest.fail(f"never saw {pattern!r}:\n{out.read_text(errors='replace')[-3000:]}")
+
+
+def leftovers(pid: int) -> tuple[list[psutil.Process], list[str], list[str]]:
+    """The command's process tree, the /dev/shm files its processes created (named by pid),
+    and the private folders / socket files named on their command lines."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    pids = {p.pid for p in procs}
+    shm = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+           if any(n.startswith(f"hicache-dev-{x}-") for x in pids)]
+    paths = []
+    for p in procs:
+        for a in p.cmdline():
+            m = re.match(r"ipc://(/tmp/[^/]+)/(d\.sock)$", a)
+            if m:
+                paths += [m.group(1), m.group(1) + "/" + m.group(2)]
+    return procs, shm, paths
+
+
+def gone(procs: list[psutil.Process], timeout: float) -> list[int]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def interrupt_and_check(p: subprocess.Popen, out: Path, sig: int, line: str) -> str:
+    procs, shm, paths = leftovers(p.pid)
+    if sig == signal.SIGINT:
+        os.killpg(p.pid, sig)  # Ctrl-C: the whole foreground group
+    else:
+        os.kill(p.pid, sig)
+    try:
+        rc = p.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"still running 90 s after {sig!r}:\n{out.read_text()[-3000:]}")
+    text = out.read_text(errors="replace")
+    assert rc == 128 + sig, (rc, text[-3000:])
+    assert "Traceback" not in text, text[-5000:]
+    assert text.count(line) == 1, text[-3000:]
+    assert not gone(procs, 10), (procs, text[-3000:])
+    assert [f for f in shm if os.path.exists(f)] == [], text[-3000:]
+    assert [x for x in paths if os.path.exists(x)] == [], text[-3000:]
+    return text
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_serve_stops_cleanly(tmp_path, sig):
+    sock = tmp_path / "s" / "d.sock"
+    p, out = launch(tmp_path, "serve", *TINY, "--socket", f"ipc://{sock}")
+    wait_for(p, out, "hicache serve: ready")
+    assert sock.exists()
+    name = signal.Signals(sig).name
+    interrupt_and_check(p, out, sig, f"hicache serve: stopped by {name}")
+    assert not sock.exists()
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_demo_stops_cleanly(tmp_path, sig):
+    p, out = launch(tmp_path, "demo", *DEMO)
+    wait_for(p, out, r"\[demo\] replaying")
+    time.sleep(1.0)  # mid-replay: transfers in flight
+    interrupt_and_check(p, out, sig, f"hicache demo: interrupted by {signal.Signals(sig).name}")
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_bench_soak_stops_cleanly(tmp_path, sig):
+    p, out = launch(tmp_path, "bench", "soak", "--clients", "2", "--ops", "1000000")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # both workers have their shm buffers
+        kids = psutil.Process(p.pid).children(recursive=True)
+        if sum(any(n.startswith(f"hicache-dev-{k.pid}-soak") for n in os.listdir("/dev/shm"))
+               for k in kids) == 2:
+            break
+        time.sleep(0.3)
+    else:
+        p.kill()
+        pytest.fail(out.read_text()[-3000:])
+    time.sleep(1.0)
+    interrupt_and_check(p, out, sig,
+                        f"hicache bench soak: interrupted by {signal.Signals(sig).name}")
+
+
+def test_sigkilled_demo_takes_its_daemon_down(tmp_path):
+    p, out = launch(tmp_path, "demo", *DEMO)
+    wait_for(p, out, r"\[demo\] replaying")
+    procs, shm, paths = leftovers(p.pid)
+    daemons = [x for x in procs if "serve" in x.cmdline()]
+    assert len(daemons) == 1
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        t0 = time.monotonic()
+        assert not gone(daemons, 5.0), out.read_text()[-3000:]
+        assert time.monotonic() - t0 < 5.0
+    finally:  # what only the killed demo could have removed: its shm file and private folder
+        for x in procs:
+            if x.is_running():
+                x.kill()
+        for f in shm:
+            if os.path.exists(f):
+                os.unlink(f)
+        import shutil
+        for d in paths[::2]:
+            shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,182 @@
+"""`hicache serve` as an operator meets it: sized from a budget like `plan`, the serve line `plan`
+prints runs as printed, bad input refused in one line (exit 2) before the host arena exists, one
+size parser, one settings table, `--version`, help without a command."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.core.config import SETTINGS, WRITE_POLICIES, load_config, markdown, sizing
+from hicache.core.errors import UsageError
+from hicache.core.planner import parse_size
+from hicache.core.sizes import parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4"]
+
+
+def hicache(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], cwd=str(ROOT), env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_until_ready(argv: list[str], env: dict, timeout: float = 180) -> str:
+    """Start ``argv``, wait for ``ready``, SIGTERM it; returns its output (must exit 143)."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **env)
+    p = subprocess.Popen(argv, cwd=str(ROOT), env=e, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            lines.append(line)
+            if "hicache serve: ready" in line or time.monotonic() > deadline:
+                break
+        assert any("ready" in x for x in lines), "".join(lines)
+        p.send_signal(signal.SIGTERM)
+        rest, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143, "".join(lines) + rest
+    return "".join(lines) + rest
+
+
+# ----------------------------------------------------------------------------- sizing
+def test_serve_from_a_kv_budget_starts(tmp_path):
+    out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--preset",
+                           "dsv4-flash", "--device", "cpu", "--kv-mem", "2GiB", "--host-mem",
+                           "4GiB"], {"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert "from planner: --kv-mem 2.00 GiB" in out, out
+    assert "Traceback" not in out and not (tmp_path / "hicache" / "cpu.sock").exists()
+
+
+def test_the_serve_line_plan_prints_runs_as_printed(tmp_path):
+    p = hicache("plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB", "--pp-size", "2",
+                "--max-running", "32", "--host-mem", "2GiB", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    stage = plan["stages"][1]
+    line = stage["serve_command"]
+    assert line.startswith("hicache serve ") and "--pp-rank 1" in line
+    assert stage["host_token_capacity"] == stage["host_rows"]["page"] * 256
+    human = hicache("plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB", "--pp-size", "2",
+                    "--max-running", "32", "--host-mem", "2GiB").stdout
+    assert f"serve: {line}" in human
+    argv = shlex.split(line)
+    out = run_until_ready([sys.executable, "-m", "hicache.cli", *argv[1:]],
+                          {"XDG_RUNTIME_DIR": str(tmp_path)})
+    rows = ", ".join(f"{s}={n}" for s, n in stage["host_rows"].items())
+    dev = ", ".join(f"{s}={n}" for s, n in stage["device_rows"].items())
+    assert f"host rows: {rows} (device rows {dev} from planner" in out, out
+
+
+def test_host_not_larger_than_device_is_refused_unless_forced():
+    base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
+    with pytest.raises(UsageError, match="no larger than the device pools.*--force"):
+        sizing(load_config({**base, "host_ratio": "0.25"}, env={}))
+    forced = sizing(load_config({**base, "host_ratio": "0.25", "force": True}, env={}))
+    assert forced.host_rows == {"page": 2, "swa_page": 2, "req_slot": 1}
+    with pytest.raises(UsageError, match="does not apply to --device-rows"):
+        load_config({**base, "host_ratio": "2", "max_running": "64"}, env={})
+    with pytest.raises(UsageError, match="not both"):
+        load_config({**base, "kv_mem": "1GiB", "host_ratio": "2"}, env={})
+
+
+# ----------------------------------------------------------------------------- bad input
+def _busy_port() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+@pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "touch-threads", "numa-node"])
+def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
+    """--host-mem 1TiB cannot be mapped here: had the check run after the arena, the arena's
+    refusal would be the message instead."""
+    argv = [*TINY, "--host-mem", "1TiB", "--socket", f"ipc://{tmp_path}/s/d.sock"]
+    busy = _busy_port()
+    try:
+        extra, want = {
+            "metrics-port": (["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
+            "socket-folder": (["--socket", "ipc:///proc/hicache-nope/d.sock"], "--socket"),
+            "touch-threads": (["--touch-threads", "0"], "--touch-threads"),
+            "numa-node": (["--numa-node", "7"], "--numa-node 7"),
+        }[case]
+        p = hicache("serve", *argv, *extra, env={"HICACHE_LOG_LEVEL": "info"})
+    finally:
+        busy.close()
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("hicache serve: error: "), p.stderr
+    assert want in lines[0] and "pin" not in lines[0], lines[0]
+    assert not (tmp_path / "s").exists()  # no socket folder left by a refused start
+
+
+def test_arena_refusal_is_one_line():
+    p = hicache("serve", *TINY, "--host-mem", "1TiB", "--socket", "tcp://127.0.0.1:1",
+                env={"HICACHE_LOG_LEVEL": "warning"})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "hicache serve: error: " in lines[0], p.stderr
+
+
+# ----------------------------------------------------------------------------- vocabulary
+@pytest.mark.parametrize("text, expect", [
+    ("1_000MiB", 1000 << 20), ("100G", 100 << 30), ("100gb", 100 * 10**9), ("1.5GiB", 3 << 29),
+    ("4096", 4096), ("2 TiB", 2 << 40),
+])
+def test_one_size_parser_everywhere(text, expect):
+    assert parse_bytes(text) == parse_size(text) == expect
+    cfg = load_config({"preset": "dsv4-tiny", "host_mem": text}, env={})
+    assert cfg.host_mem == expect
+    assert load_config({"preset": "dsv4-tiny"}, env={"HICACHE_KV_MEM": text}).kv_mem == expect
+
+
+def test_settings_table_is_documented_and_complete():
+    text = (ROOT / "docs" / "config.md").read_text()
+    assert markdown() in text, "regenerate the table: python -m hicache.core.config"
+    example = ROOT / "docs" / "serve.example.toml"
+    cfg = load_config(config_file=str(example), env={})
+    assert cfg.preset and cfg.kv_mem and cfg.host_mem
+    help_text = hicache("serve", "-h").stdout
+    for s in SETTINGS:
+        if s.option:
+            assert s.option in help_text, s.option
+    for alias in ("--config ", "--config\n", "--tp ", "--pp ", "--dp "):
+        assert alias not in help_text + hicache("plan", "-h").stdout
+
+
+def test_write_policies_match_the_radix_cache():
+    from hicache.engine.radix import POLICIES
+
+    assert tuple(WRITE_POLICIES) == tuple(POLICIES)
+
+
+def test_version_help_and_quiet_broken_pipe():
+    from hicache.core.version import __version__
+
+    v = hicache("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"hicache {__version__}"
+    bare = hicache()
+    assert bare.returncode == 2 and "COMMAND" in bare.stdout and "serve" in bare.stdout
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run(f"{shlex.quote(sys.executable)} -m hicache.cli plan --preset dsv4-flash "
+                       "--kv-mem 100GiB --pp-size 8 --json | head -1", shell=True, cwd=str(ROOT),
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.stdout == "{\n" and "Traceback" not in p.stderr and p.stderr == "", p.stderr
+    assert re.search(r"serve lines", hicache("plan", "--preset", "dsv4-flash", "--kv-mem",
+                                             "100GiB").stdout)
