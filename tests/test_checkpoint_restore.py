@@ -142,7 +142,8 @@ def test_dry_and_verified_replays_agree_on_hits(daemon_factory, swa):
     cfg = WorkerConfig(swa_mode=swa, device_pages=20, host_pages=40, host_ckpts=16,
                        checkpoint_every=4 if swa == "paged" else 0)
     rows = "page=40,swa_page=16,req_slot=4" if swa == "paged" else "page=40,req_slot=20"
-    d = daemon_factory(preset="dsv4-tiny", device_rows=rows, host=("--host-ratio", "1"),
+    d = daemon_factory(preset="dsv4-tiny", device_rows=rows,
+                       host=("--host-ratio", "1", "--force"),
                        extra=("--swa-mode", swa))
     reqs = multi_turn(50, seed=3, system_pages=(2, 6), user_pages=(1, 2), answer_pages=(1, 1),
                       max_pages=16, active_sessions=8)

@@ -243,8 +243,11 @@ def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
             rows["req_slot"] += cfg.req_slots
         rows = {s: max(1, n) for s, n in rows.items()}
         ratio = 1.0
+    # checkpoints: the rows given are the host split itself (ratio 1), so the daemon's
+    # host <= device refusal does not apply; --force says so
+    host = ("--host-ratio", repr(ratio)) + (("--force",) if ratio == 1.0 else ())
     return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=rows,
-                         host=("--host-ratio", repr(ratio)), heartbeat_timeout=60,
+                         host=host, heartbeat_timeout=60,
                          metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode),
                          new_session=True, ready_timeout=READY_TIMEOUT_S)
 
