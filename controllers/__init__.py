@@ -14,4 +14,7 @@ Follow one BACKUP from the frame to the kernel (docs/architecture.md walks it):
 * ``device_buffers`` — opens a worker's shm files / CUDA IPC handles and events.
 * ``metrics``        — the daemon's metric catalog.
 * ``daemon``         — assembly: config -> layout -> host pools -> scheduler -> server; shutdown.
+* ``l3_handlers``    — ``l3_query`` / ``l3_prefetch`` / ``l3_put`` (``--l3 mooncake``).
+* ``l3_store``       — the Mooncake Store client: connection, online state, batched jobs.
+* ``l3_format``      — L3 keys, namespaces, object header, a page's bytes in the arena.
 """

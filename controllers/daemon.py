@@ -207,11 +207,29 @@ class Daemon:
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.spin_us, curve)
+            if cfg.l3 != "off":
+                self._start_l3()
         except BaseException:
             self._teardown()
             raise
         self._init_gauges()
         self._closed = False
+
+    def _start_l3(self) -> None:
+        from . import l3_format
+        from .l3_store import L3Settings, MooncakeL3, load_store_class
+
+        cfg = self.cfg
+        store_class = load_store_class()  # one clear line naming what to install, or the class
+        settings = L3Settings(cfg.l3_master, cfg.l3_metadata, cfg.l3_protocol,
+                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment,
+                              mirror="full")
+        fmt = l3_format.PageFormat(self.layout, self.group)
+        if not fmt.spaces:
+            raise UsageError("--l3: this stage has no page-indexed pools to store")
+        self.state.l3_ns = l3_format.namespace(self.layout, settings.mirror)
+        self.state.l3 = MooncakeL3(settings, self.group.arena, fmt, self.metrics, self._wake,
+                                   store_class)
 
     def _wake(self) -> None:
         if self.server is not None:
@@ -259,6 +277,11 @@ class Daemon:
                if self.metrics_port else "off")
             + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s",
         ]
+        if self.state.l3 is not None:
+            lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "
+                         f"{self.cfg.l3_metadata}, {self.cfg.l3_protocol}, namespace "
+                         f"{self.state.l3_ns}, {format_bytes(self.state.l3.obj_bytes)} per page, "
+                         f"segment {format_bytes(self.cfg.l3_segment)}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ running
@@ -298,6 +321,11 @@ class Daemon:
         self._teardown()
 
     def _teardown(self) -> None:
+        l3 = getattr(getattr(self, "state", None), "l3", None)
+        if l3 is not None:
+            l3.close()
+            if l3.store is not None:  # a Mooncake call still runs: it may write the arena
+                self._leak_arena = True
         if self.scheduler is not None:
             self.scheduler.close(timeout=5.0)
         sparse = getattr(getattr(self, "state", None), "sparse", None)

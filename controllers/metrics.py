@@ -144,6 +144,36 @@ CATALOG: tuple[MetricDef, ...] = (
               "Acks that could not be pushed (client gone or its queue full) and were then "
               "dropped from the bounded retention before the client polled them.",
               "Did a client lose completion notices?"),
+    # --- L3 tier (Mooncake Store)
+    MetricDef("l3_online", "gauge", (),
+              "1 while the L3 store answers, 0 while it is offline or still connecting.",
+              "Is the shared L3 tier usable right now?"),
+    MetricDef("l3_transitions", "counter", ("to",),
+              "Times the L3 tier went offline or came back online.",
+              "How often does the Mooncake master drop out, and does it come back?"),
+    MetricDef("l3_pages", "counter", ("result",),
+              "L3 pages by result: query_hit, prefetch_hit (read and verified), written, "
+              "skipped_existing (another writer stored it first).",
+              "How much of the prefix traffic does L3 serve, and how much do we write?"),
+    MetricDef("l3_hit_tokens", "counter", (),
+              "Tokens of the pages prefetched from L3 and verified (pages x page tokens).",
+              "How many tokens did L3 save from being recomputed?"),
+    MetricDef("l3_bytes", "counter", ("direction",),
+              "Bytes read from (read) or written to (write) the L3 store, headers included.",
+              "How much traffic does this daemon put on the store's network?"),
+    MetricDef("l3_seconds", "histogram", ("op",),
+              "Seconds from accepting an L3 job (query, prefetch, put) to its completion.",
+              "How long does the engine wait for an L3 lookup or prefetch?"),
+    MetricDef("l3_batch_seconds", "histogram", ("call",),
+              "Seconds of one Mooncake batch call (get, put) of at most 128 pages.",
+              "Is the store itself slow, or is the queue in front of it?"),
+    MetricDef("l3_errors", "counter", ("kind",),
+              "L3 pages (or calls) that failed: offline, corrupt (header, length or checksum "
+              "mismatch: a miss, never data), full (store out of space), error.",
+              "Is L3 healthy, and did anything try to hand us wrong bytes?"),
+    MetricDef("l3_put_queue_pages", "gauge", (),
+              "Pages queued for writing to L3 and not yet written.",
+              "Are L3 writes keeping up with the host tier?"),
 )
 
 

@@ -149,7 +149,7 @@ class Server:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        st, sock, eng = self.state, self.sock, self.state.scheduler
+        st, sock = self.state, self.sock
         items, zmq_poll = [(sock, _POLLIN)], zmq.zmq_poll
         spin = self.spin_s
         last = 0.0
@@ -163,11 +163,11 @@ class Server:
                 if zmq_poll(items, 0):
                     self._request()
                     last = time.perf_counter()
-                elif not eng.idle():
+                elif not st.idle():
                     st.collect()
                 self.send_acks()
                 continue
-            if eng.idle():  # nothing can complete: wait on the socket alone (cheaper)
+            if st.idle():  # nothing can complete: wait on the socket alone (cheaper)
                 if zmq_poll(items, 100):
                     self._request()
                     last = time.perf_counter()

@@ -65,6 +65,9 @@ class DaemonState:
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         self.post: list[Operation] = []  # inline ops whose accounting waits until the reply is sent
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
+        self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
+        self.l3_ns = ""  # the namespace of this stage's L3 objects
+        self.l3_ops: dict[int, Any] = {}  # op id -> L3 job in flight
 
     @property
     def cuda(self) -> bool:
@@ -186,11 +189,38 @@ class DaemonState:
             self._finish(op)
 
     def collect(self) -> int:
-        """Finish every op the scheduler completed since the last call (acks to ``outbox``)."""
+        """Finish every op the scheduler (and the L3 client) completed since the last call
+        (acks to ``outbox``)."""
         done = self.scheduler.take_completed()
         for op in done:
             self._finish(op)
-        return len(done)
+        return len(done) + (self.finish_l3() if self.l3_ops else 0)
+
+    def idle(self) -> bool:
+        """No transfer and no L3 job in flight (nothing can complete)."""
+        return self.scheduler.idle() and not self.l3_ops
+
+    def finish_l3(self) -> int:
+        """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
+        n = 0
+        for job in self.l3.take_completed():
+            op_id, c, host = job.tag
+            self.l3_ops.pop(op_id, None)
+            self.tracker.end(host)
+            c.in_flight -= 1
+            if self.tracker.deferred:
+                self.release_ready()
+            if c.closing and c.in_flight == 0:
+                self._free_all(c)
+            res = {"written": job.written, "skipped": job.skipped} if job.kind == "put" else \
+                {"hits": job.hits}
+            ns = int((job.t_end - job.t_submit) * 1e9)
+            self.outbox.append((c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
+                                    "bytes": job.nbytes, "ns": ns, "exec_ns": ns,
+                                    "path": "mooncake", "pools": {},
+                                    "l3": {**res, "misses": job.misses}}))
+            n += 1
+        return n
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:
@@ -262,6 +292,8 @@ class DaemonState:
                "merged_ops": self.scheduler.merged_ops, "host": self.group.usage(),
                "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
                "metrics": self.metrics.snapshot()}
+        if self.l3 is not None:
+            out["l3"] = self.l3.summary()
         if check:
             try:
                 self.group.check_invariants()
@@ -302,7 +334,7 @@ class DaemonState:
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not self.scheduler.idle() and time.monotonic() < deadline:
+        while not self.idle() and time.monotonic() < deadline:
             if not self.collect():
                 time.sleep(0.001)
-        return self.scheduler.idle()
+        return self.idle()

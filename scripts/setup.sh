@@ -25,6 +25,17 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
 fi
 # our own editable build: setuptools' notes about editable layouts are not the user's business
 PYTHONWARNINGS=ignore pip install -e ".[test]"
+# L3 tier (Mooncake Store): its client library links the system libibverbs1.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+  echo "[setup] installing libibverbs1 (root; needed by the Mooncake L3 client)"
+  (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1 \
+    || echo "[setup] WARNING: could not install libibverbs1; the L3 tests will fail to import Mooncake"
+fi
+if PYTHONWARNINGS=ignore pip install -e ".[l3]"; then
+  echo "[setup] Mooncake client installed: --l3 mooncake available"
+else
+  echo "[setup] WARNING: the 'l3' extra did not install; --l3 mooncake is unavailable and its tests skip"
+fi
 # Optional NUMA binding: needs libnuma headers, Cython and no build isolation (numa 1.4.6).
 if ! "$VENV/bin/python" -c 'import numa' 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libnuma-dev >/dev/null 2>&1; then

@@ -21,7 +21,7 @@ def daemon():
     r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0)
     r.start()
     yield r
-    assert r.stop() == 0
+    assert r.clean_exit(r.stop())  # SIGTERM: 143
     assert "Traceback" not in r.output()
     shutil.rmtree(d, ignore_errors=True)
 

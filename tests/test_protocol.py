@@ -57,13 +57,15 @@ def test_every_command_has_a_schema_and_minimal_request_decodes():
         "load": {"items": [{"pool": "x", "src": 0, "dst": 0}]},
         "swap_out": {"slot": 0}, "swap_in": {"host_row": 0, "slot": 0},
         "clear_slot": {"slots": [0]},
+        "l3_query": {"keys": ["k"]}, "l3_prefetch": {"keys": ["k"], "rows": {"page": 0}},
+        "l3_put": {"keys": ["k"], "rows": {"page": 0}},
         "sparse_region": {}, "sparse_admit": {"request": "r", "prompt_tokens": 1},
         "sparse_extend": {"request": "r", "tokens": 1}, "sparse_free": {"request": "r"},
         "sparse_report": {"lookups": 0, "swapped_in": 0},
     }
     assert set(minimal) == set(P.COMMANDS)
     for cmd, f in minimal.items():
-        arrays = [[0]] if cmd in ("backup", "load") else []
+        arrays = [[0]] if cmd in ("backup", "load", "l3_prefetch", "l3_put") else []
         h, _ = P.decode_request(req(cmd, 3, arrays, **f))
         assert h["cmd"] == cmd
 

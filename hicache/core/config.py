@@ -78,6 +78,13 @@ class ServeConfig:
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     parent_pid: int | None = None  # exit when this process is gone (launchers set it)
     log_level: str = "info"
+    l3: str = "off"  # "off" or "mooncake"
+    l3_master: str | None = None  # HOST:PORT of mooncake_master
+    l3_metadata: str | None = None  # http://HOST:PORT/metadata (or P2PHANDSHAKE)
+    l3_protocol: str = "tcp"  # tcp | rdma
+    l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
+    l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
+    l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
     sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
 
@@ -126,6 +133,7 @@ class Setting(NamedTuple):
 
 
 _D, _M, _S, _H, _E = "daemon", "model and stage", "device sizing", "host memory", "engine side"
+_L = "L3 tier (Mooncake Store; needs the 'l3' extra)"
 SETTINGS: tuple[Setting, ...] = (
     Setting("device", _D, "cuda:N or cpu (CPU mode: plain shared memory, no GPU)"),
     Setting("socket", _D, "ipc://PATH or tcp://127.0.0.1:PORT [ipc://$XDG_RUNTIME_DIR/hicache/"
@@ -185,6 +193,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
             "radix cache's default write "
             "policy for engines of this daemon"),
+    Setting("l3", _L, "off or mooncake [off]"),
+    Setting("l3_master", _L, "mooncake_master address HOST:PORT"),
+    Setting("l3_metadata", _L, "metadata server URL, e.g. http://127.0.0.1:8080/metadata"),
+    Setting("l3_protocol", _L, "transfer protocol: tcp or rdma [tcp]"),
+    Setting("l3_rdma_devices", _L, "RDMA devices for --l3-protocol rdma"),
+    Setting("l3_local_host", _L, "address this daemon's store client advertises [127.0.0.1]"),
+    Setting("l3_segment", _L, "memory this daemon contributes to the store, e.g. 4GiB (0: pages "
+                              "live in other members' segments)"),
 )
 BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free")
 assert {s.name for s in SETTINGS} == set(FIELDS), "every field needs a SETTINGS entry"
@@ -239,6 +255,11 @@ def _convert(name: str, v: Any, key: str) -> Any:
         n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v), key)
         if n <= 0:
             raise ValueError("must be positive")
+        return n
+    if name == "l3_segment":
+        n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v), key)
+        if n < 0:
+            raise ValueError("must not be negative")
         return n
     if name == "device_rows":
         return parse_device_rows(v)
@@ -388,9 +409,31 @@ def validate(cfg: ServeConfig) -> None:
                          f"got {cfg.numa_node!r}")
     if cfg.parent_pid is not None and cfg.parent_pid <= 1:
         raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
+    _validate_l3(cfg)
     curve = check_curve(cfg)
     if cfg.socket is not None:
         check_address(cfg.socket, cfg.allow_remote, curve)
+
+
+def _validate_l3(cfg: ServeConfig) -> None:
+    if cfg.l3 not in ("off", "mooncake"):
+        raise UsageError(f"l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
+    given = [n for n in ("l3_master", "l3_metadata") if getattr(cfg, n)]
+    if cfg.l3 == "off":
+        if given or cfg.l3_segment:
+            raise UsageError(f"{', '.join(given or ['l3_segment'])} given but l3 is off "
+                             f"(add --l3 mooncake)")
+        return
+    if not cfg.l3_master or not re.match(r"^[^:\s]+:\d{1,5}$", cfg.l3_master):
+        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT, got {cfg.l3_master!r}")
+    md = cfg.l3_metadata
+    if not md or not (md == "P2PHANDSHAKE" or re.match(r"^https?://[^\s/]+/\S*$", md)):
+        raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
+                         f"P2PHANDSHAKE), got {md!r}")
+    if cfg.l3_protocol not in ("tcp", "rdma"):
+        raise UsageError(f"l3_protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
+    if cfg.l3_rdma_devices and cfg.l3_protocol != "rdma":
+        raise UsageError("l3_rdma_devices applies to --l3-protocol rdma only")
 
 
 # ------------------------------------------------------------------------------- sizing

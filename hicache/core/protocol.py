@@ -147,6 +147,13 @@ _TABLE: tuple[Command, ...] = (
             False, "sparse_report", "add an engine's hot-buffer counts to the metrics"),
     Command("reset", {}, ("freed", "deferred"), False, "reset", "free all the client's rows"),
     Command("shutdown", {}, ("stopping",), False, "shutdown", "stop the daemon"),
+    Command("l3_query", {"keys": ("str_list", True)}, ("op",), True, "l3_query",
+            "L3: how many leading pages of a key chain the store holds (in the ack)"),
+    Command("l3_prefetch", {"keys": ("str_list", True), "rows": ("str_int_map", True),
+                            "deadline_ms": ("int", False)}, ("op",), True, "l3_prefetch",
+            "L3: read pages into the client's host rows, best effort before a deadline"),
+    Command("l3_put", {"keys": ("str_list", True), "rows": ("str_int_map", True)}, ("op",),
+            True, "l3_put", "L3: write host rows' pages in the background, skipping existing keys"),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _TABLE}
 
@@ -226,10 +233,10 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
                 raise ProtocolError("bad_frame", f"{cmd}: {k} names frame {h[k]} but the "
                                                  f"message has {n_frames} index frames")
             used.add(h[k])
-    if cmd == "free":
+    if cmd in ("free", "l3_prefetch", "l3_put"):
         for space, f in h["rows"].items():
             if f >= n_frames:
-                raise ProtocolError("bad_frame", f"free: rows[{space!r}] names frame {f} but "
+                raise ProtocolError("bad_frame", f"{cmd}: rows[{space!r}] names frame {f} but "
                                                  f"the message has {n_frames} index frames")
             used.add(f)
     if len(used) != n_frames:  # every index frame must be named by the header

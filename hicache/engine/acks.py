@@ -48,6 +48,7 @@ class Ack:
     exec_seconds: float
     path: str
     error: dict[str, str] | None = None
+    l3: dict[str, Any] | None = None  # L3 jobs: hits / misses, or written / skipped
 
     @property
     def ok(self) -> bool:
@@ -59,7 +60,7 @@ class Ack:
                  for p, v in h.get("pools", {}).items()}
         return cls(int(h["op"]), str(h.get("kind", "")), str(h.get("status", "error")), pools,
                    int(h.get("bytes", 0)), h.get("ns", 0) * 1e-9, h.get("exec_ns", 0) * 1e-9,
-                   str(h.get("path", "")), h.get("error"))
+                   str(h.get("path", "")), h.get("error"), h.get("l3"))
 
 
 @dataclass

@@ -33,6 +33,7 @@ slot's row, the host row keeps the same positions) and the state rows of ``c4_st
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -114,12 +115,17 @@ class ClientHooks:
     ``r`` of a page is row ``r`` in every one of them. ``wait_event`` (GPU): index of the
     backup event the engine records after writing KV; the daemon's backup waits on it.
     ``on_ack(kind, ack)`` is called for every completed transfer (metrics).
+    ``l3=True`` (a daemon serving ``--l3 mooncake``) adds the L3 verbs the tree uses at match
+    time and after backups: ``l3_query``, ``l3_prefetch`` (best effort within
+    ``l3_deadline_ms``), ``l3_put`` (asynchronous); page keys go to the daemon as
+    ``page_key(key)``, the same string on every instance for the same key.
     """
 
     def __init__(self, client: Any, spaces: Sequence[str], *, timeout: float | None = None,
                  wait_event: int | None = None,
                  on_ack: Callable[[str, Any], None] | None = None,
-                 resume: ResumeModel | None = None) -> None:
+                 resume: ResumeModel | None = None, l3: bool = False,
+                 l3_deadline_ms: int = 2000) -> None:
         if not spaces:
             raise ValueError("a radix page must use at least one index space")
         if resume is not None:
@@ -137,6 +143,12 @@ class ClientHooks:
         self.on_ack = on_ack
         self.stats = HookStats()
         self._last_exec: dict[str, float] = {}
+        self.l3 = l3
+        self.l3_deadline_ms = l3_deadline_ms
+        self.l3_stats = {"query_pages": 0, "prefetch_pages": 0, "put_pages": 0, "written": 0,
+                         "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
+        self._l3_puts: list[Any] = []
+        self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
 
     # errors: translate the client's exceptions into the three the tree understands
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -265,3 +277,71 @@ class ClientHooks:
             ack = ticket.op.ack
         self._complete(ticket, ack)
         return True
+
+    # ------------------------------------------------------------------ L3 (``l3=True``)
+    def _l3_handles(self, handles: Sequence[Any]) -> dict[str, list[int]]:
+        return {s: [h[i] for h in handles] for i, s in enumerate(self.spaces)}
+
+    def l3_query(self, keys: Sequence[Any]) -> int:
+        n = self._call(self.client.l3_query, [page_key(k) for k in keys], timeout=self.timeout)
+        self.l3_stats["query_pages"] += n
+        return n
+
+    def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+        """Fill ``handles`` with pages ``keys`` from L3; the number of leading pages filled."""
+        ack = self._call(self.client.l3_prefetch, [page_key(k) for k in keys],
+                         self._l3_handles(handles), deadline_ms=self.l3_deadline_ms,
+                         timeout=self.timeout)
+        n = int(ack.l3["hits"])
+        self.l3_stats["prefetch_pages"] += n
+        self.l3_stats["bytes_read"] += int(ack.bytes)
+        self.l3_stats["errors"] += sum(v for k, v in ack.l3["misses"].items()
+                                       if k not in ("miss", "deadline"))
+        return n
+
+    def l3_put(self, keys: Sequence[Any], handles: Sequence[Any]) -> None:
+        """Hand host pages to L3 (asynchronous; acks are collected by ``l3_settle``)."""
+        op = self._call(self.client.l3_put, [page_key(k) for k in keys],
+                        self._l3_handles(handles), timeout=self.timeout)
+        self.l3_stats["put_pages"] += len(keys)
+        if self.l3_put_log is not None:
+            self.l3_put_log.extend(keys)
+        self._l3_puts.append(op)
+        self.l3_settle(0.0)
+
+    def l3_settle(self, timeout: float) -> int:
+        """Collect the acks of finished L3 writes (waiting up to ``timeout`` for each);
+        returns how many are still pending."""
+        from hicache.engine.client import AckTimeout
+
+        if timeout == 0.0:
+            self._call(self.client.drain)
+        keep = []
+        for op in self._l3_puts:
+            try:
+                a = self._call(self.client.wait_ack, op, timeout, check=False)
+            except (AckTimeout, HostUnavailable):
+                keep.append(op)
+                continue
+            st = self.l3_stats
+            st["written"] += int(a.l3.get("written", 0))
+            st["skipped"] += int(a.l3.get("skipped", 0))
+            st["bytes_written"] += int(a.bytes)
+            st["errors"] += sum(v for k, v in a.l3.get("misses", {}).items() if k != "miss")
+        self._l3_puts = keep
+        return len(keep)
+
+
+def page_key(key: Any) -> str:
+    """The L3 name of a radix page key: ints in hex, fitting strings as they are, anything
+    else (bytes, tuples, long strings) by a digest of its repr — the same on every process."""
+    if isinstance(key, bool):
+        raise TypeError("a page key cannot be a bool")
+    if isinstance(key, int):
+        return f"i{key:x}" if key >= 0 else f"n{-key:x}"
+    if isinstance(key, str) and 0 < len(key) <= 120 and all(c.isalnum() or c in "_.:-"
+                                                              for c in key) and key.isascii():
+        return f"s{key}"
+    if isinstance(key, (bytes, bytearray)):
+        return "b" + hashlib.blake2b(bytes(key), digest_size=16).hexdigest()
+    return "h" + hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()

@@ -186,6 +186,10 @@ class RadixTree(Transfers):
         cut = len(path) - end
         path, n_dev = path[:end], min(n_dev, end)
         dev_nodes, host_nodes = path[:n_dev], path[n_dev:]
+        # L3 (full mirror only: checkpoints are not stored there) continues a complete match
+        l3_nodes = [] if self.ckpt_mode or cut else \
+            self._l3_fetch(path[-1] if path else self.root, keys[len(path):])
+        host_nodes += l3_nodes
         for n in dev_nodes:
             n.lock += 1
         prefix = Prefix(dev_nodes, len(dev_nodes), 0, ckpt=where, unresumable_pages=cut)
@@ -204,6 +208,7 @@ class RadixTree(Transfers):
         st.host_hit_pages += prefix.host_pages
         st.miss_pages += len(keys) - prefix.pages
         st.unresumable_pages += prefix.unresumable_pages
+        prefix.l3_pages = sum(1 for n in l3_nodes if n in prefix.nodes)
         if self.policy == "write_through_selective":
             hot = [n for n in prefix.nodes if n.host is None and n.hits >= self.selective_threshold]
             edge = prefix.nodes[-1:] if self.ckpt_mode and self.device_ckpts else []

@@ -93,6 +93,7 @@ class Prefix:
     ckpt: str | None = None
     ckpt_dst: int | None = None
     unresumable_pages: int = 0  # cached pages past the deepest checkpoint (recomputed)
+    l3_pages: int = 0  # of host_pages: pages the L3 tier supplied (fetched at match time)
 
     @property
     def pages(self) -> int:
@@ -123,6 +124,8 @@ class TreeStats:
     checkpoints_loaded: int = 0
     checkpoints_dropped: int = 0  # host checkpoints evicted or lost with their page
     checkpoint_backup_dropped: int = 0  # a checkpoint backup found no host room
+    l3_hit_pages: int = 0  # pages fetched from L3 into the host tier at match time
+    l3_put_pages: int = 0  # pages handed to L3 after their backup (written or skipped there)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -69,6 +69,7 @@ class Transfers(TierOps):
                 self._ckpt_lru[n] = None
             self.stats.backed_up_pages += len(nodes)
             self.stats.checkpoints_backed_up += len(ckpts)
+            self._l3_put(nodes)
             return
         handles = [n.host for n in nodes]
         ck_handles = [n.ckpt_host for n in ckpts]

@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="swap a request's slot state out and back every N requests (0 = off)")
     m.add_argument("--no-verify-hits", action="store_true",
                    help="verify loaded pages only, not device hits")
+    m.add_argument("--l3", choices=("off", "mooncake"), default="off",
+                   help="mooncake: two instances sharing an L3 tier on a local Mooncake Store, "
+                        "beside the same two without it (see hicache.sim.demo_l3)")
     d = p.add_argument_group("dry replay and sweeps")
     d.add_argument("--dry", action="store_true",
                    help="replay the tree, tiers and byte accounting only: no pools, no daemon, "
@@ -352,6 +355,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep_host:
         raise UsageError("--plot draws a host-memory sweep: give --sweep-host too")
     reqs, cfg, what = _resolve(args)
+    if args.l3 == "mooncake":
+        from hicache.sim.demo_l3 import run_l3
+
+        return run_l3(args, reqs, cfg, what)
     if args.sweep_host:
         from hicache.sim.sweep import run_sweep
 

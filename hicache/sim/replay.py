@@ -43,6 +43,7 @@ class WorkerConfig:
     checkpoint_branch: bool = True  # also where a request left cached pages (paged SWA)
     host_ckpts: int | None = None  # host checkpoint rows (checkpoints mirror); None: host_pages
     state_slots: str = "ring"  # resume model option, see hicache.core.resume
+    l3: bool = False  # the daemon serves an L3 tier: the tree fetches from and writes to it
 
     def layout(self) -> Layout:
         return build_layout(preset(self.preset), swa_mode=self.swa_mode)
@@ -108,6 +109,7 @@ class Result:
     state_swap_failures: int = 0
     seconds: float = 0.0
     first_mismatch: str | None = None
+    l3_hit_tokens: int = 0  # of host_hit_tokens: pages the L3 tier supplied
 
     @property
     def resumable_hit_tokens(self) -> int:
@@ -126,6 +128,7 @@ class Replay:
     def __init__(self, cfg: WorkerConfig, hooks: Any) -> None:
         cfg.check()
         self.cfg = cfg
+        self.last_l3_keys: list[Any] = []  # keys of the pages L3 supplied to the last request
         self.layout = cfg.layout()
         self.resume = cfg.resume(self.layout)
         self.ckpt = cfg.mirror == "checkpoints"
@@ -173,6 +176,9 @@ class Replay:
         """Per-request counters (metrics)."""
 
     # ------------------------------------------------------------------ requests
+    def _after_run(self) -> None:
+        """After the last request's backups settled (the L3 writes of a daemon replay)."""
+
     def slot(self, req: Request) -> int:
         return req.rid % self.cfg.req_slots
 
@@ -180,6 +186,9 @@ class Replay:
         keys = list(req.cache_pages[: req.max_prefix_pages])
         slot = self.slot(req)
         prefix = self.tree.prepare(keys, slot=slot)
+        self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
+            if prefix.l3_pages else []
+        self.result.l3_hit_tokens += prefix.l3_pages * PAGE_TOKENS
         bad = self._check_hit(req, prefix, slot)
         new_keys = list(req.cache_pages[prefix.pages:])
         rows = self.tree.alloc_device(req.total_pages - prefix.pages)
@@ -225,6 +234,7 @@ class Replay:
             if progress is not None:
                 progress(self, i)
         self.tree.drain()
+        self._after_run()
         self.result.seconds = time.perf_counter() - t0
         return self.result
 

@@ -126,7 +126,8 @@ class Worker(Replay):
                 self.hooks = ClientHooks(client, ["page"] if ckpt else self.spaces,
                                          timeout=cfg.timeout,
                                          wait_event=0 if self.cuda else None,
-                                         on_ack=self._on_ack, resume=resume if ckpt else None)
+                                         on_ack=self._on_ack, resume=resume if ckpt else None,
+                                         l3=cfg.l3)
             super().__init__(cfg, self.hooks)
         except BaseException:
             self.pools.close()
@@ -241,6 +242,10 @@ class Worker(Replay):
                 self.metrics.m["demo_mismatched_bytes"].inc(bad)
         return bad
 
+    def _after_run(self) -> None:
+        if self.hooks is not None and self.hooks.l3:
+            self.hooks.l3_settle(self.cfg.timeout)  # L3 writes acked: final counts
+
     def _on_ack(self, kind: str, ack: Any) -> None:
         if self.metrics is not None:
             self.metrics.m["demo_op_seconds"].labels(kind).observe(float(ack.seconds))
@@ -342,6 +347,11 @@ class Worker(Replay):
             "config": asdict(self.cfg),
             "page_bytes": self.page_bytes,
         })
+        if h is not None and h.l3:
+            ls = h.l3_stats
+            out.update(l3_hit_tokens=r.l3_hit_tokens, l3_bytes_read=ls["bytes_read"],
+                       l3_bytes_written=ls["bytes_written"], l3_errors=ls["errors"],
+                       l3_pages_written=ls["written"], l3_pages_skipped=ls["skipped"])
         return out
 
     def close(self) -> None:

@@ -1,0 +1,110 @@
+"""The L3 commands (``l3_query``, ``l3_prefetch``, ``l3_put``) and the acks of their jobs.
+
+Same rules as ``handlers``: every check passes before anything changes, a refusal is one
+``ProtocolError``. Each command is asynchronous: the reply carries an op id at once, the result
+comes in that op's ack (pushed, or read with ``poll_acks``), so a slow or absent master never
+holds the daemon's loop, and the client bounds its own wait.
+
+* ``l3_query {keys}``: ack ``l3 = {"hits": N}``, the number of leading pages of the key chain
+  the store holds (an offline store answers 0).
+* ``l3_prefetch {keys, rows: {space: frame}, deadline_ms}``: reads the pages into host rows the
+  client owns (one row per page in every page space); best effort: the ack's ``hits`` is the
+  number of leading pages read and verified by the time the deadline passed; rows after them
+  hold nothing usable. ``misses`` says why the chain stopped (miss, corrupt, offline, deadline).
+* ``l3_put {keys, rows}``: writes the pages of those host rows in the background, skipping keys
+  that exist; the ack's ``written`` / ``skipped``.
+
+While a job runs, its rows count as in flight (a free is deferred until the job ends);
+``DaemonState.finish_l3`` ends that and queues the ack.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache.core.protocol import ProtocolError
+
+from . import l3_format as F
+from .copy_commands import Reply, _bounds, _distinct
+from .l3_store import L3Job
+from .ops import Ids
+from .registry import ClientState
+from .state import DaemonState
+
+MAX_DEADLINE_MS = 60_000
+
+
+def _l3(st: DaemonState) -> Any:
+    if st.l3 is None:
+        raise ProtocolError("unsupported", "this daemon runs without an L3 tier (start it with "
+                                           "--l3 mooncake)")
+    return st.l3
+
+
+def _keys(st: DaemonState, keys: list[str]) -> list[str]:
+    if not keys:
+        raise ProtocolError("bad_field", "keys is empty")
+    for k in keys:
+        why = F.check_page_key(k)
+        if why is not None:
+            raise ProtocolError("bad_field", why)
+    return [F.object_key(st.l3_ns, k) for k in keys]
+
+
+def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int,
+          writes: bool) -> tuple[list[dict[str, int]], list[tuple[str, np.ndarray, bool]]]:
+    spaces = st.l3.fmt.spaces
+    if sorted(h["rows"]) != sorted(spaces):
+        raise ProtocolError("bad_field", f"rows must give exactly the page spaces {list(spaces)}"
+                                         f", got {sorted(h['rows'])[:4]}")
+    host, cols = [], {}
+    for s in spaces:
+        ids = Ids(arrays[h["rows"][s]])
+        if ids.n != n:
+            raise ProtocolError("bad_rows", f"rows[{s!r}] has {ids.n} ids for {n} keys")
+        _bounds(ids, st.host_rows[s], f"rows[{s!r}]")
+        _distinct(ids, f"rows[{s!r}]")
+        a = ids.np().copy()
+        st.check_owned(c.cid, s, a, f"rows[{s!r}]")
+        if (writes and st.tracker.in_use(s, a)) or \
+                (not writes and st.tracker.hazard([(s, a, False)])):
+            raise ProtocolError("busy", f"rows[{s!r}]: an operation in flight uses these rows")
+        host.append((s, a, writes))
+        cols[s] = a.tolist()
+    return [{s: cols[s][i] for s in spaces} for i in range(n)], host
+
+
+def _start(st: DaemonState, c: ClientState, job: L3Job,
+           host: list[tuple[str, np.ndarray, bool]]) -> Reply:
+    op_id = st.next_op_id()
+    job.tag = (op_id, c, host)
+    st.tracker.begin(host)
+    c.in_flight += 1
+    st.l3_ops[op_id] = job
+    st.l3.submit(job)
+    return {"op": op_id}, []
+
+
+def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    _l3(st)
+    keys = _keys(st, h["keys"])
+    return _start(st, c, L3Job("query", keys), [])
+
+
+def l3_prefetch(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    _l3(st)
+    keys = _keys(st, h["keys"])
+    ms = h.get("deadline_ms", 5000)
+    if not 0 < ms <= MAX_DEADLINE_MS:
+        raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
+    rows, host = _rows(st, c, h, arrays, len(keys), writes=True)
+    return _start(st, c, L3Job("prefetch", keys, rows, time.monotonic() + ms / 1000), host)
+
+
+def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    _l3(st)
+    keys = _keys(st, h["keys"])
+    rows, host = _rows(st, c, h, arrays, len(keys), writes=False)
+    return _start(st, c, L3Job("put", keys, rows), host)

@@ -1,0 +1,379 @@
+"""The daemon's Mooncake Store client: connection, online state, and the calls that move pages.
+
+Contract of ``MooncakeL3(settings, arena, fmt, metrics, wake)``:
+
+* ``load_store_class()`` imports the Mooncake client or raises ``UsageError`` with one line
+  naming what to install (the daemon refuses ``--l3 mooncake`` at start without it).
+* A connector thread runs ``setup`` against the master and the metadata server, registers the
+  whole host arena and two header slabs for zero-copy transfers, and marks the tier online.
+  When a call reports the master unreachable (RPC failure or timeout, client unknown) the tier
+  goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
+  dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
+  until the master answers again. Mooncake's own client re-mounts its segments when the master
+  returns; the probe sees it within ``max_backoff`` seconds.
+* ``submit(job)`` queues a job (``L3Job``): reads (query, prefetch) on one worker thread,
+  writes (put) on another, so a long write never delays a prefix lookup. A finished job is
+  appended to ``completed`` and ``wake()`` is called; the daemon's server thread takes it from
+  there (``take_completed``). Workers touch only the arena rows of their job, which the server
+  thread keeps marked in flight until then.
+* Batches are at most ``BATCH_PAGES`` pages, and one Mooncake call carries at most
+  ``SLICES_PER_CALL`` buffers (a DSV4-Flash page is 149: 6 pages per call). Reads and writes go straight between the arena and
+  the store (``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``: the header from
+  a registered slab, the page from its arena rows). Puts skip keys that exist.
+* ``close()`` stops the threads (waiting up to ``timeout``) and closes the store.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache.core.errors import UsageError
+
+from . import l3_format as F
+from .metrics import Metrics
+
+log = logging.getLogger("hicache.l3")
+BATCH_PAGES = 128
+# Mooncake's TCP transport queues at most 1024 transfers per peer (plus 1024 awaiting admission)
+# and fails a batch that overflows them: one call carries at most this many buffers.
+SLICES_PER_CALL = 1024
+MISS_CODES = (-704, -703, -710, -712)  # not found, replica not ready / gone
+OFFLINE_CODES = (-900, -901, -103, -601)  # RPC failed / timed out, client unknown to the master
+FULL_CODES = (-10, -101, -1700)  # no space: Mooncake's eviction will make room; a skipped write
+EXISTS = -705
+INSTALL_HINT = ("--l3 mooncake needs the Mooncake client: pip install 'hicache[l3]' "
+                "(mooncake-transfer-engine-non-cuda==0.3.13.post1) and the system library "
+                "libibverbs1 (apt-get install libibverbs1)")
+
+
+def load_store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise UsageError(f"{INSTALL_HINT}; import failed: {str(e)[:160]}") from None
+    return MooncakeDistributedStore
+
+
+@dataclass(frozen=True)
+class L3Settings:
+    master: str  # HOST:PORT of mooncake_master
+    metadata: str  # http://HOST:PORT/metadata, or P2PHANDSHAKE
+    protocol: str = "tcp"  # tcp | rdma
+    rdma_devices: str = ""
+    local_host: str = "127.0.0.1"  # the address this client advertises to its peers
+    segment_bytes: int = 0  # memory this daemon contributes to the store (0 = none)
+    buffer_bytes: int = 16 << 20  # Mooncake's local transfer buffer
+    mirror: str = "full"
+    max_backoff: float = 2.0
+
+
+@dataclass
+class L3Job:
+    kind: str  # query | prefetch | put
+    keys: list[str]  # full object keys
+    rows: list[dict[str, int]] = field(default_factory=list)  # per page: space -> host row
+    deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it
+    # results
+    hits: int = 0  # query: leading keys present; prefetch: leading pages loaded and verified
+    written: int = 0
+    skipped: int = 0
+    misses: dict[str, int] = field(default_factory=dict)  # reason -> pages
+    nbytes: int = 0
+    t_submit: float = 0.0
+    t_end: float = 0.0
+    tag: Any = None  # the daemon's bookkeeping (op id, client)
+
+
+class MooncakeL3:
+    def __init__(self, settings: L3Settings, arena: Any, fmt: F.PageFormat, metrics: Metrics,
+                 wake: Callable[[], None], store_class: Any = None) -> None:
+        self.settings = settings
+        self.fmt = fmt
+        self.metrics = metrics
+        self.wake = wake
+        self.store_class = store_class or load_store_class()
+        self.arena_ptr, self.arena_bytes = arena.ptr, arena.nbytes
+        self.obj_bytes = F.HEADER_BYTES + fmt.payload_bytes
+        pieces = 1 + len(fmt.pieces({s: 0 for s in fmt.spaces})[0])
+        self.call_pages = max(1, min(BATCH_PAGES, SLICES_PER_CALL // pieces))
+        self.store: Any = None
+        self.online = False
+        self.state = "connecting"
+        self._headers = {k: np.zeros(BATCH_PAGES * F.HEADER_BYTES, dtype=np.uint8)
+                         for k in ("read", "write")}
+        self._queues: dict[str, queue.Queue[L3Job | None]] = {"read": queue.Queue(),
+                                                             "write": queue.Queue()}
+        self.put_pages_queued = 0
+        self.completed: collections.deque[L3Job] = collections.deque()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._backoff = 0.25
+        self._next_probe = 0.0
+        self._codes_seen: set[int] = set()
+        self._threads = [threading.Thread(target=self._connector, name="l3-connect", daemon=True)]
+        self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
+                                           daemon=True) for k in ("read", "write")]
+        metrics.set("l3_online", 0)
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ connection
+    def _connect(self) -> bool:
+        s = self.settings
+        store = self.store_class()
+        rc = store.setup(s.local_host, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
+                         s.rdma_devices, s.master)
+        if rc != 0:
+            log.warning("L3: setup against master %s / metadata %s failed (code %s); retrying",
+                        s.master, s.metadata, rc)
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - a half set-up client: nothing more to do
+                pass
+            return False
+        regs = [(self.arena_ptr, self.arena_bytes)] + \
+               [(h.ctypes.data, h.nbytes) for h in self._headers.values()]
+        for ptr, n in regs:
+            rc = store.register_buffer(ptr, n)
+            if rc != 0:
+                store.close()
+                raise UsageError(f"L3: Mooncake refused to register {n} bytes at {ptr:#x} "
+                                 f"(code {rc})")
+        self.store = store
+        return True
+
+    def _connector(self) -> None:
+        """Set the client up, then probe the master with backoff whenever it is offline."""
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if not self.online and now >= self._next_probe:
+                try:
+                    ok = self._connect() if self.store is None else self._probe()
+                except UsageError as e:
+                    log.error("%s", e)
+                    self.state = f"failed: {e}"
+                    return
+                except Exception as e:  # noqa: BLE001 - a Mooncake surprise: retry later
+                    log.warning("L3: connecting or probing failed: %s: %s", type(e).__name__, e)
+                    ok = False
+                if ok:
+                    self._set_online(True, "connected" if self.state == "connecting" else
+                                     "master answers again")
+                else:
+                    self._next_probe = time.monotonic() + self._backoff
+                    self._backoff = min(self._backoff * 2, self.settings.max_backoff)
+            self._stop.wait(0.05)
+
+    def _probe(self) -> bool:
+        r = self.store.batch_is_exist(["hc-probe"])
+        return bool(r) and r[0] >= 0
+
+    def _set_online(self, on: bool, why: str) -> None:
+        with self._lock:
+            if self.online == on:
+                return
+            self.online = on
+            self.state = "online" if on else "offline"
+            if on:
+                self._backoff = 0.25
+            else:
+                self._next_probe = time.monotonic() + self._backoff
+        self.metrics.set("l3_online", 1 if on else 0)
+        self.metrics.inc("l3_transitions", 1, "online" if on else "offline")
+        (log.info if on else log.warning)("L3 %s: %s (master %s)", self.state, why,
+                                         self.settings.master)
+
+    def _failed(self, code: int, what: str) -> None:
+        if code not in self._codes_seen:  # each Mooncake error code is logged once
+            self._codes_seen.add(code)
+            log.warning("L3: %s returned Mooncake code %d", what, code)
+        if code in OFFLINE_CODES:
+            self._set_online(False, f"{what} returned {code}")
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, job: L3Job) -> None:
+        job.t_submit = time.monotonic()
+        if job.kind == "put":
+            with self._lock:
+                self.put_pages_queued += len(job.keys)
+            self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+        self._queues["write" if job.kind == "put" else "read"].put(job)
+
+    def _worker(self, which: str) -> None:
+        q = self._queues[which]
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                if not self.online:
+                    job.misses["offline"] = len(job.keys)
+                elif job.kind == "query":
+                    self._query(job)
+                elif job.kind == "prefetch":
+                    self._prefetch(job)
+                else:
+                    self._put(job)
+            except Exception as e:  # noqa: BLE001 - a bug or a Mooncake surprise: count, go on
+                log.exception("L3 %s failed", job.kind)
+                job.misses["error"] = job.misses.get("error", 0) + 1
+                self.metrics.inc("l3_errors", 1, f"{type(e).__name__}"[:32])
+            job.t_end = time.monotonic()
+            if job.kind == "put":
+                with self._lock:
+                    self.put_pages_queued -= len(job.keys)
+                self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+            self._record(job)
+            self.completed.append(job)
+            self.wake()
+
+    def _record(self, job: L3Job) -> None:
+        m = self.metrics
+        m.observe("l3_seconds", job.t_end - job.t_submit, job.kind)
+        for why, n in job.misses.items():
+            if why not in ("miss", "deadline"):
+                m.inc("l3_errors", n, why)
+        if job.kind == "prefetch":
+            m.inc("l3_pages", job.hits, "prefetch_hit")
+            m.inc("l3_hit_tokens", job.hits * self.fmt.page_tokens)
+            m.inc("l3_bytes", job.nbytes, "read")
+        elif job.kind == "query":
+            m.inc("l3_pages", job.hits, "query_hit")
+        else:
+            m.inc("l3_pages", job.written, "written")
+            m.inc("l3_pages", job.skipped, "skipped_existing")
+            m.inc("l3_bytes", job.nbytes, "write")
+
+    def _exists(self, keys: list[str]) -> list[int] | None:
+        """1/0 per key, or None when the store could not answer (offline when no key could)."""
+        r = list(self.store.batch_is_exist(keys))
+        if len(r) == len(keys) and all(x >= 0 for x in r):
+            return r
+        if all(x < 0 for x in r):
+            self._set_online(False, "batch_is_exist failed")
+        return None
+
+    def _query(self, job: L3Job) -> None:
+        for i in range(0, len(job.keys), BATCH_PAGES * 8):
+            r = self._exists(job.keys[i:i + BATCH_PAGES * 8])
+            if r is None:
+                job.misses["error"] = 1
+                return
+            for x in r:
+                if x != 1:
+                    return
+                job.hits += 1
+
+    def _prefetch(self, job: L3Job) -> None:
+        hdr = self._headers["read"]
+        base = hdr.ctypes.data
+        n = len(job.keys)
+        for b0 in range(0, n, self.call_pages):
+            if time.monotonic() > job.deadline:
+                job.misses["deadline"] = n - b0
+                return
+            keys = job.keys[b0:b0 + self.call_pages]
+            ptrs, sizes = [], []
+            for j in range(len(keys)):
+                p, s = self.fmt.pieces(job.rows[b0 + j])
+                ptrs.append([base + j * F.HEADER_BYTES] + p)
+                sizes.append([F.HEADER_BYTES] + s)
+            t0 = time.perf_counter()
+            res = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes, False)
+            self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "get")
+            for j, rc in enumerate(res):
+                why = self._verify(rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
+                                   job.rows[b0 + j])
+                if why is not None:
+                    job.misses[why] = n - (b0 + j)
+                    return
+                job.hits += 1
+                job.nbytes += self.obj_bytes
+
+    def _verify(self, rc: int, hdr: memoryview, key: str, rows: dict[str, int]) -> str | None:
+        """None when the page just read is ours and intact; else the miss reason."""
+        if rc < 0:
+            if rc in MISS_CODES:
+                return "miss"
+            self._failed(rc, "batch_get")
+            return "offline" if rc in OFFLINE_CODES else "corrupt"  # wrong size for our buffers, and the like
+        if rc != self.obj_bytes or F.check_header(hdr, key, self.fmt.payload_bytes) is not None:
+            return "corrupt"
+        if F.header_checksum(hdr) != self.fmt.checksum(rows):
+            return "corrupt"
+        return None
+
+    def _put(self, job: L3Job) -> None:
+        hdr = self._headers["write"]
+        base = hdr.ctypes.data
+        for b0 in range(0, len(job.keys), self.call_pages):
+            keys = job.keys[b0:b0 + self.call_pages]
+            there = self._exists(keys)
+            if there is None:
+                job.misses["offline" if not self.online else "error"] = len(job.keys) - b0
+                return
+            todo = [j for j, x in enumerate(there) if x != 1]
+            job.skipped += len(keys) - len(todo)
+            if not todo:
+                continue
+            wkeys, ptrs, sizes = [], [], []
+            for k, j in enumerate(todo):
+                rows = job.rows[b0 + j]
+                F.pack_header(memoryview(hdr)[k * F.HEADER_BYTES:], keys[j],
+                              self.fmt.payload_bytes, self.fmt.checksum(rows))
+                p, s = self.fmt.pieces(rows)
+                wkeys.append(keys[j])
+                ptrs.append([base + k * F.HEADER_BYTES] + p)
+                sizes.append([F.HEADER_BYTES] + s)
+            t0 = time.perf_counter()
+            res = self.store.batch_put_from_multi_buffers(wkeys, ptrs, sizes)
+            self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "put")
+            for rc in res:
+                if rc == 0:
+                    job.written += 1
+                    job.nbytes += self.obj_bytes
+                elif rc == EXISTS:
+                    job.skipped += 1
+                else:
+                    why = "full" if rc in FULL_CODES else \
+                        "offline" if rc in OFFLINE_CODES else "error"
+                    job.misses[why] = job.misses.get(why, 0) + 1
+                    self._failed(rc, "batch_put")
+
+    # ------------------------------------------------------------------ daemon side
+    def take_completed(self) -> list[L3Job]:
+        out = []
+        while self.completed:
+            out.append(self.completed.popleft())
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        s = self.settings
+        return {"state": self.state, "online": self.online, "master": s.master,
+                "metadata": s.metadata, "protocol": s.protocol, "mirror": s.mirror,
+                "object_bytes": self.obj_bytes, "put_queue_pages": self.put_pages_queued,
+                "segment_bytes": s.segment_bytes}
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        if any(t.is_alive() for t in self._threads):
+            log.error("L3: a Mooncake call did not return within %.0f s; not closing the "
+                      "client under it", timeout)
+            return
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                log.warning("L3: close: %s", e)
+            self.store = None

@@ -1,0 +1,240 @@
+"""A local Mooncake Store on loopback for the demo, the benches and the tests (real binaries).
+
+Contract:
+
+* ``mooncake_dir()``: the installed ``mooncake`` package directory (it ships ``mooncake_master``
+  and ``mooncake_client``), or ``None`` when the wheel is not installed.
+* ``loopback_env()``: environment for a Mooncake process (master, storage member, or a daemon
+  with ``--l3``) that must listen on 127.0.0.1 only. Mooncake 0.3.13 binds some listeners to
+  every interface whatever its flags say (the master's embedded HTTP metadata server ignores
+  ``--http_metadata_server_host``; a store client's handshake and TCP data listeners are
+  hard-coded to the wildcard address), so this preloads a tiny bind shim (``bind_shim()``,
+  compiled once with ``cc`` into ``$XDG_CACHE_HOME/hicache``) that turns a wildcard bind into
+  127.0.0.1, and sets ``MC_TCP_BIND_ADDRESS`` so the advertised address is loopback too.
+* ``LocalStore(segment="512MiB")``: ``start()`` runs ``mooncake_master`` (RPC, embedded HTTP
+  metadata server and metrics, each on a free loopback port) and one ``mooncake_client``
+  storage member contributing ``segment`` bytes (so pages outlive the daemons that wrote them);
+  ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
+  ``master_addr``, ``metadata_url``; ``close()`` stops both.
+* ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
+  (from ``ss -ltnpH``); ``non_loopback(listeners)`` keeps those not on a loopback address.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping
+
+_SHIM_C = r"""
+/* hicache: rewrite wildcard bind() addresses to HICACHE_BIND_ADDR (default 127.0.0.1). */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    static bind_fn real;
+    if (!real) real = (bind_fn)dlsym(RTLD_NEXT, "bind");
+    const char *want = getenv("HICACHE_BIND_ADDR");
+    struct in_addr v4;
+    if (!want || !*want) want = "127.0.0.1";
+    if (!addr || inet_pton(AF_INET, want, &v4) != 1) return real(fd, addr, len);
+    if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+        struct sockaddr_in a;
+        memcpy(&a, addr, sizeof a);
+        if (a.sin_addr.s_addr != htonl(INADDR_ANY)) return real(fd, addr, len);
+        a.sin_addr = v4;
+        return real(fd, (const struct sockaddr *)&a, sizeof a);
+    }
+    if (addr->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
+        struct sockaddr_in6 a;
+        memcpy(&a, addr, sizeof a);
+        if (memcmp(&a.sin6_addr, &in6addr_any, sizeof a.sin6_addr)) return real(fd, addr, len);
+        memset(&a.sin6_addr, 0, sizeof a.sin6_addr);  /* IPv4-mapped: v4 peers still connect */
+        a.sin6_addr.s6_addr[10] = 0xff;
+        a.sin6_addr.s6_addr[11] = 0xff;
+        memcpy(&a.sin6_addr.s6_addr[12], &v4, 4);
+        return real(fd, (const struct sockaddr *)&a, sizeof a);
+    }
+    return real(fd, addr, len);
+}
+"""
+
+
+def mooncake_dir() -> Path | None:
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        if (Path(d) / "mooncake_master").exists():
+            return Path(d)
+    return None
+
+
+def bind_shim() -> str:
+    """Path of the compiled bind shim (built on first use)."""
+    digest = hashlib.sha256(_SHIM_C.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hicache"
+    so = cache / f"bind_loopback-{digest}.so"
+    if so.exists():
+        return str(so)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("a C compiler (cc) is needed to build the loopback bind shim for "
+                           "Mooncake's listeners")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as d:
+        src = Path(d) / "shim.c"
+        src.write_text(_SHIM_C)
+        out = Path(d) / "shim.so"
+        r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src), "-ldl"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"building the bind shim failed: {r.stderr.strip()[:300]}")
+        os.replace(out, so)
+    return str(so)
+
+
+def loopback_env() -> dict[str, str]:
+    return {"LD_PRELOAD": bind_shim(), "HICACHE_BIND_ADDR": "127.0.0.1",
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING",
+            "GLOG_minloglevel": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g} s")
+
+
+class LocalStore:
+    """mooncake_master + one storage member on loopback (see the module docstring)."""
+
+    def __init__(self, segment: str = "512MB", log_dir: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        d = mooncake_dir()
+        if d is None:
+            raise RuntimeError("the Mooncake wheel is not installed (pip install 'hicache[l3]')")
+        self.bin = d
+        self.segment = segment
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.member_port = free_port()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hc-l3-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **loopback_env(), **(env or {})}
+        self.master: subprocess.Popen | None = None
+        self.member: subprocess.Popen | None = None
+
+    @property
+    def master_addr(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
+        f = open(self.log_dir / log, "ab")
+        try:
+            return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                    stdin=subprocess.DEVNULL)
+        finally:
+            f.close()
+
+    def start_master(self, timeout: float = 20.0) -> None:
+        self.master = self._spawn([
+            str(self.bin / "mooncake_master"), "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            "--rpc_thread_num=2", "--enable_metric_reporting=false"], "master.log")
+        _wait_port(self.rpc_port, self.master, timeout, "mooncake_master")
+        _wait_port(self.http_port, self.master, timeout, "mooncake_master metadata server")
+
+    def start(self, timeout: float = 30.0) -> "LocalStore":
+        self.start_master(timeout)
+        self.member = self._spawn([
+            str(self.bin / "mooncake_client"), "--host=127.0.0.1", f"--port={self.member_port}",
+            f"--global_segment_size={self.segment}", f"--master_server_address={self.master_addr}",
+            f"--metadata_server={self.metadata_url}", "--protocol=tcp"], "member.log")
+        _wait_port(self.member_port, self.member, timeout, "mooncake_client storage member")
+        return self
+
+    def kill_master(self) -> None:
+        if self.master is not None and self.master.poll() is None:
+            self.master.send_signal(signal.SIGKILL)
+            self.master.wait(10)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in (self.master, self.member) if p is not None and p.poll() is None]
+
+    def log_tail(self, n: int = 2000) -> str:
+        out = []
+        for f in sorted(self.log_dir.glob("*.log")):
+            out.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-n:])
+        return "\n".join(out)
+
+    def close(self) -> None:
+        for p in (self.member, self.master):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalStore":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SS_RE = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+\S+.*pid=(\d+)")
+
+
+def listeners(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, local address) of every TCP listener owned by ``pids``."""
+    r = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True)
+    want = set(pids)
+    out = []
+    for line in r.stdout.splitlines():
+        m = _SS_RE.match(line)
+        if not m:
+            continue
+        for pid in re.findall(r"pid=(\d+)", line):
+            if int(pid) in want:
+                out.append((int(pid), m.group(1)))
+    return out
+
+
+def non_loopback(found: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    ok = ("127.", "[::1]", "[::ffff:127.")
+    return [(p, a) for p, a in found if not a.startswith(ok)]

@@ -1,0 +1,117 @@
+"""L3 pieces that need no store: settings validation, namespaces, object headers, page keys,
+and where a page's bytes lie in a real host arena (with its checksum)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.controllers import l3_format as F
+from hicache.core.config import load_config
+from hicache.core.errors import UsageError
+from hicache.core.layout import build_layout, preset
+from hicache.engine.hooks import page_key
+from hicache.host_pools.group import HostPoolGroup
+
+TINY = build_layout(preset("dsv4-tiny"))
+BASE = {"preset": "dsv4-tiny"}
+
+
+def test_l3_settings_from_flags_env_and_file(tmp_path):
+    cfg = load_config({**BASE, "l3": "mooncake", "l3_master": "127.0.0.1:50051",
+                       "l3_metadata": "http://127.0.0.1:8080/metadata"}, env={})
+    assert (cfg.l3, cfg.l3_protocol, cfg.l3_segment) == ("mooncake", "tcp", 0)
+    env = {"HICACHE_L3": "mooncake", "HICACHE_L3_MASTER": "m:1",
+           "HICACHE_L3_METADATA": "P2PHANDSHAKE", "HICACHE_L3_SEGMENT": "1GiB"}
+    cfg = load_config(BASE, env=env)
+    assert (cfg.l3_master, cfg.l3_metadata, cfg.l3_segment) == ("m:1", "P2PHANDSHAKE", 1 << 30)
+    f = tmp_path / "c.toml"
+    f.write_text('[serve]\nl3 = "mooncake"\nl3-master = "h:2"\n'
+                 'l3-metadata = "http://h:3/metadata"\nl3-protocol = "rdma"\n'
+                 'l3-rdma-devices = "mlx5_0"\n')
+    cfg = load_config(BASE, str(f), env={})
+    assert (cfg.l3_protocol, cfg.l3_rdma_devices) == ("rdma", "mlx5_0")
+
+
+@pytest.mark.parametrize("flags,msg", [
+    ({"l3": "redis"}, "l3 must be 'off' or 'mooncake'"),
+    ({"l3": "mooncake"}, "--l3-master HOST:PORT"),
+    ({"l3": "mooncake", "l3_master": "nohostport"}, "--l3-master HOST:PORT"),
+    ({"l3": "mooncake", "l3_master": "h:1"}, "--l3-metadata"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "ftp://x"}, "--l3-metadata"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
+      "l3_protocol": "udp"}, "l3_protocol"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
+      "l3_rdma_devices": "mlx5_0"}, "rdma only"),
+    ({"l3_master": "h:1"}, "l3 is off"),
+    ({"l3_segment": "1GiB"}, "l3 is off"),
+])
+def test_l3_settings_refused_with_one_line(flags, msg):
+    with pytest.raises(UsageError, match=msg) as e:
+        load_config({**BASE, **flags}, env={})
+    assert "\n" not in str(e.value)
+
+
+def test_namespace_separates_models_stages_layouts_and_mirrors():
+    names = {F.namespace(build_layout(preset(p), pp, r, swa_mode=swa), m)
+             for p in ("dsv4-tiny", "dsv4-flash") for pp, r in ((1, 0), (2, 0), (2, 1))
+             for swa in ("paged", "ring") for m in F.MIRRORS}
+    assert len(names) == 2 * 3 * 2 * 2
+    assert F.namespace(TINY) == F.namespace(build_layout(preset("dsv4-tiny")))
+    with pytest.raises(ValueError):
+        F.namespace(TINY, "partial")
+
+
+def test_header_round_trip_and_every_mismatch():
+    buf = bytearray(F.HEADER_BYTES)
+    F.pack_header(memoryview(buf), "ns/k1", 1000, 0xDEADBEEF)
+    assert F.check_header(memoryview(buf), "ns/k1", 1000) is None
+    assert F.header_checksum(memoryview(buf)) == 0xDEADBEEF
+    assert F.check_header(memoryview(buf), "ns/k2", 1000) == "header names another key"
+    assert "payload" in F.check_header(memoryview(buf), "ns/k1", 999)
+    bad = bytearray(buf)
+    bad[0] ^= 1
+    assert F.check_header(memoryview(bad), "ns/k1", 1000) == "not a hicache object"
+    bad = bytearray(buf)
+    bad[4] += 1
+    assert "format version" in F.check_header(memoryview(bad), "ns/k1", 1000)
+
+
+def test_page_keys():
+    assert F.check_page_key("i1f") is None
+    for k in ("", "a b", "x" * 129, "é", 5, None):
+        assert F.check_page_key(k) is not None
+    keys = [page_key(k) for k in (0, 31, -5, "abc", b"\x00\x01", (1, 2), "long " * 40)]
+    assert keys[:4] == ["i0", "i1f", "n5", "sabc"]
+    assert all(F.check_page_key(k) is None for k in keys)
+    assert len(set(keys)) == len(keys)
+    with pytest.raises(TypeError):
+        page_key(True)
+
+
+def test_pieces_cover_exactly_one_page_and_checksum_sees_every_byte():
+    rows = {"page": 6, "swa_page": 6, "req_slot": 2}
+    with HostPoolGroup(TINY, rows) as g:
+        fmt = F.PageFormat(TINY, g)
+        assert fmt.spaces == ("page", "swa_page")
+        assert fmt.payload_bytes == TINY.row_bytes("page") + TINY.row_bytes("swa_page")
+        arena = g.arena.tensor(0, g.arena.nbytes).numpy()
+        rng = np.random.default_rng(0)
+        arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
+        page = {"page": 3, "swa_page": 5}
+        ptrs, sizes = fmt.pieces(page)
+        assert sum(sizes) == fmt.payload_bytes
+        want = [(p.layers[i][page[p.spec.index]].data_ptr(), p.spec.page_bytes)
+                for p in g.pools.values() if p.spec.index in fmt.spaces
+                for i in range(p.spec.num_layers)]
+        assert sorted(zip(ptrs, sizes)) == sorted(want)
+        c0 = fmt.checksum(page)
+        assert c0 == fmt.checksum(dict(page))  # deterministic
+        assert fmt.checksum({"page": 2, "swa_page": 5}) != c0  # another row
+        base = g.arena.ptr
+        for p, n in ((ptrs[0], 8), (ptrs[-1] + sizes[-1] - 1, 1), (ptrs[len(ptrs) // 2], 3)):
+            off = p - base
+            old = arena[off].copy()
+            arena[off] ^= 0x40  # one bit anywhere in the page changes the checksum
+            assert fmt.checksum(page) != c0
+            arena[off] = old
+        assert fmt.checksum(page) == c0
