@@ -204,6 +204,8 @@ class Daemon:
                                      heartbeat_timeout=cfg.heartbeat_timeout,
                                      load_event_sets=cfg.load_event_sets,
                                      shm_dirs=tuple(cfg.shm_dirs))
+            if cfg.sparse_rows:
+                self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.spin_us, curve)
             if cfg.l3 != "off":
                 self._start_l3()
@@ -326,8 +328,23 @@ class Daemon:
                 self._leak_arena = True
         if self.scheduler is not None:
             self.scheduler.close(timeout=5.0)
+        sparse = getattr(getattr(self, "state", None), "sparse", None)
+        if sparse is not None and not getattr(self, "_leak_arena", False):
+            sparse.close()
         if self.server is not None:
             self.server.close()
         self.metrics.close()
         if not getattr(self, "_leak_arena", False):
             self.group.close()
+
+
+def _sparse_region(layout: Any, cfg: Any) -> Any:
+    """The HiSparse host region (``--sparse-rows``), pinned for the daemon's GPU."""
+    from hicache.host_pools.cuda_host import CudaHostRegistrar
+
+    from .sparse import SparseRegion
+
+    if "c4_kv" not in layout.pools:
+        raise UsageError("--sparse-rows: this stage has no C4 layers")
+    reg = CudaHostRegistrar(cfg.cuda_index) if cfg.cuda_index is not None else None
+    return SparseRegion(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg, cfg.min_sparse_prompt_len)

@@ -19,7 +19,7 @@ from hicache.core.version import __version__
 from hicache.host_pools.errors import NotOwnerError, PoolError, PoolExhausted, RowRangeError
 from hicache.kernels.tables import LayerTable, TransferError
 
-from . import copy_commands, l3_handlers
+from . import copy_commands, l3_handlers, sparse
 from .copy_commands import Reply, request_of, worker_of
 from .device_buffers import open_buffers, open_events
 from .ops import Ids
@@ -156,5 +156,6 @@ def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
 Handler = Callable[[DaemonState, ClientState, dict, Sequence], Reply]
 HANDLERS: dict[str, Handler] = {
     name: globals().get(cmd.handler) or getattr(copy_commands, cmd.handler, None)
-    or getattr(l3_handlers, cmd.handler)
+    or getattr(l3_handlers, cmd.handler, None)
+    or getattr(sparse, cmd.handler)  # HiSparse commands live in controllers/sparse.py
     for name, cmd in COMMANDS.items()}

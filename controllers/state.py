@@ -33,6 +33,7 @@ from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 from .row_tracker import RowTracker
+from .sparse import refresh_gauges as refresh_sparse_gauges
 from .ops import Operation
 from .scheduler import Scheduler
 
@@ -61,6 +62,7 @@ class DaemonState:
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
+        self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         self.post: list[Operation] = []  # inline ops whose accounting waits until the reply is sent
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
         self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
@@ -242,7 +244,8 @@ class DaemonState:
 
     def _free_all(self, c: ClientState) -> int:
         c.closing = False
-        return self.group.free_owner(c.cid)
+        n = self.group.free_owner(c.cid)
+        return n + (self.sparse.free_client(c.cid) if self.sparse is not None else 0)
 
     def drain_client(self, c: ClientState, timeout: float) -> bool:
         """Wait (delivering acks) until ``c`` has no op in flight; False on timeout."""
@@ -322,6 +325,7 @@ class DaemonState:
         self._run_gauges()
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
+        refresh_sparse_gauges(self)
 
     def _run_gauges(self) -> None:
         """Free-run gauges of each index space (how consecutive new host rows will be)."""

@@ -2,7 +2,7 @@
 # One batch of GPU checks for the lent H200 machine (or any CUDA box): the CUDA tests of every
 # layer, then the engine-visible bench (bench e2e). Results land in ${OUT:-gpu_out}/.
 # Expects pyzmq either installed or as a wheel in .whl/ (the GPU machine has no package index).
-# STEPS (default "tests e2e") may add: transfer pin.
+# STEPS (default "tests e2e") may add: transfer pin hisparse.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -24,5 +24,7 @@ for step in ${STEPS:-tests e2e}; do
                 ${TRANSFER_ARGS:-} > "$OUT/transfer.json" 2> "$OUT/transfer.log" ;;
     pin) timeout 120 python3 -m hicache.cli bench pin --size 16GiB --json > "$OUT/pin.json" \
            2> "$OUT/pin.log"; cat "$OUT/pin.json" ;;
+    hisparse) timeout ${HISPARSE_TIMEOUT:-300} python3 -m hicache.cli bench hisparse --json \
+                > "$OUT/hisparse.json" 2> "$OUT/hisparse.log"; tail -14 "$OUT/hisparse.log" ;;
   esac
 done

@@ -59,6 +59,9 @@ def test_every_command_has_a_schema_and_minimal_request_decodes():
         "clear_slot": {"slots": [0]},
         "l3_query": {"keys": ["k"]}, "l3_prefetch": {"keys": ["k"], "rows": {"page": 0}},
         "l3_put": {"keys": ["k"], "rows": {"page": 0}},
+        "sparse_region": {}, "sparse_admit": {"request": "r", "prompt_tokens": 1},
+        "sparse_extend": {"request": "r", "tokens": 1}, "sparse_free": {"request": "r"},
+        "sparse_report": {"lookups": 0, "swapped_in": 0},
     }
     assert set(minimal) == set(P.COMMANDS)
     for cmd, f in minimal.items():

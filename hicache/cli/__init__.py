@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fuzz": ("hicache.bench.fuzz", "hostile messages against a live daemon"),
     "soak": ("hicache.bench.soak", "sustained mixed load from many clients, with checksums"),
     "l3": ("hicache.bench.l3", "L3 (Mooncake Store) put/get through the daemon vs Mooncake alone"),
+    "hisparse": ("hicache.bench.hisparse", "HiSparse swap-in per decode step vs the H2D limit"),
 }
 
 
@@ -62,7 +63,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    bench = sub.add_parser("bench", help="benchmarks (pin, transfer, control, fuzz, soak, l3)")
+    bench = sub.add_parser("bench", help="benchmarks (pin, transfer, control, fuzz, soak, l3, hisparse)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     wanted_b = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_) in BENCHES.items():

@@ -17,11 +17,12 @@ import shlex
 import sys
 
 from hicache.core.errors import UsageError
+from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
-    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan,
+    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
 )
 from hicache.core.sizes import check_host_larger
 
@@ -66,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="checkpoints mirror: one host checkpoint row per K page rows [32]")
     p.add_argument("--force", action="store_true",
                    help="accept a host tier not larger than the device pools")
+    sp = p.add_argument_group("HiSparse (sparse C4 on the host)")
+    sp.add_argument("--hisparse", action="store_true", help="also count concurrent long "
+                    "requests per GPU with and without HiSparse")
+    sp.add_argument("--request-tokens", default="131072", metavar="N",
+                    help="full tokens per long request [131072]")
+    sp.add_argument("--hot-slots", default=None, metavar="N",
+                    help="hot-buffer slots per C4 layer [2 x the model's index_topk]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -254,17 +262,34 @@ def _mirror_lines(pl: Plan) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = plan(inputs_from_args(args))
+    inputs = inputs_from_args(args)
+    result = plan(inputs)
     check_host(result, args)
+    sparse = None
+    if args.hisparse:
+        tokens = parse_count(args.request_tokens, "--request-tokens")
+        slots = None if args.hot_slots is None else parse_count(args.hot_slots, "--hot-slots")
+        if slots is not None and slots < inputs.model.index_topk:
+            raise UsageError(f"--hot-slots {slots} is below the model's index_topk "
+                             f"{inputs.model.index_topk}: a step's misses would not fit")
+        sparse = hisparse_plan(stage_layouts(inputs, inputs.swa_mode), inputs.kv_mem, tokens,
+                               slots)
+    elif args.hot_slots is not None or args.request_tokens != "131072":
+        raise UsageError("--request-tokens and --hot-slots apply only with --hisparse")
     if args.json:
         d = result.to_dict()
         d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)
         for s, sd in zip(result.stages, d["stages"]):
             sd["host_token_capacity"] = host_tokens(s) if s.host_rows else None
             sd["serve_command"] = serve_command(result, args, s.layout.stage.pp_rank)
+        if sparse is not None:
+            d["hisparse"] = sparse.to_dict()
+            d["hisparse_concurrency_ratio"] = d["hisparse"]["hisparse_concurrency_ratio"]
         json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(result, args))
+        if sparse is not None:
+            print("\n".join([""] + sparse.lines()))
     return 0
 

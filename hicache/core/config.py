@@ -85,6 +85,8 @@ class ServeConfig:
     l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
     l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
     l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
+    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
+    min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
 
     @property
     def cuda_index(self) -> int | None:
@@ -184,6 +186,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "
                                 "their owner backs something up into them either way)"),
     Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
+    Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of the sparse host region "
+            "(0 = no sparse mode; docs/hisparse.md)"),
+    Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
+            "sparse mode"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
             "radix cache's default write "
             "policy for engines of this daemon"),
@@ -268,7 +274,8 @@ def _convert(name: str, v: Any, key: str) -> Any:
     if name in BOOL_FIELDS:
         return _parse_bool(v)
     if name in ("tp_size", "pp_size", "pp_rank", "metrics_port", "touch_threads",
-                "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid"):
+                "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid",
+                "sparse_rows", "min_sparse_prompt_len"):
         return _int(v)
     if name in ("host_ratio", "heartbeat_timeout", "spin_us"):
         if isinstance(v, bool):
@@ -394,6 +401,9 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.touch_threads is not None and not 1 <= cfg.touch_threads <= MAX_TOUCH_THREADS:
         raise UsageError(f"--touch-threads must be 1..{MAX_TOUCH_THREADS}, "
                          f"got {cfg.touch_threads}")
+    if cfg.sparse_rows < 0 or cfg.min_sparse_prompt_len <= 0:
+        raise UsageError(f"--sparse-rows must be >= 0 and --min-sparse-prompt-len > 0, got "
+                         f"{cfg.sparse_rows} and {cfg.min_sparse_prompt_len}")
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
                          f"got {cfg.numa_node!r}")

@@ -128,6 +128,23 @@ _TABLE: tuple[Command, ...] = (
              "metrics", "invariants"), False, "stats", "usage, metrics, invariant check"),
     Command("buffer_infos", {}, ("pools",), False, "buffer_infos",
             "host pool addresses for a transfer engine (PD direct-to-host)"),
+    # HiSparse (controllers/sparse.py; docs/hisparse.md)
+    Command("sparse_region", {}, ("path", "layers", "rows", "page_bytes", "layer_stride",
+                                  "bytes", "tokens_per_page", "min_sparse_prompt_len",
+                                  "c4_layers"), False, "sparse_region",
+            "the sparse host region (shared-memory file) an engine maps and registers"),
+    Command("sparse_admit", {"request": ("str", True), "prompt_tokens": ("int", True),
+                             "device_rows": ("frame", False)},
+            ("c4_tokens", "pages"), False, "sparse_admit",
+            "admit a long request to sparse mode: host page rows, prompt C4 KV backed up"),
+    Command("sparse_extend", {"request": ("str", True), "tokens": ("int", True),
+                              "device_tokens": ("frame", False), "first": ("int", False)},
+            ("c4_tokens", "pages"), False, "sparse_extend",
+            "grow a sparse request; back up new decode C4 tokens from device tokens"),
+    Command("sparse_free", {"request": ("str", True)}, ("freed_rows",), False, "sparse_free",
+            "free a sparse request's host rows"),
+    Command("sparse_report", {"lookups": ("int", True), "swapped_in": ("int", True)}, (),
+            False, "sparse_report", "add an engine's hot-buffer counts to the metrics"),
     Command("reset", {}, ("freed", "deferred"), False, "reset", "free all the client's rows"),
     Command("shutdown", {}, ("stopping",), False, "shutdown", "stop the daemon"),
     Command("l3_query", {"keys": ("str_list", True)}, ("op",), True, "l3_query",
@@ -210,7 +227,13 @@ def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
         check_items(h["items"], n_frames, need_dst=not alloc)
         for it in h["items"]:
             used.update((it["src"],) if alloc else (it["src"], it["dst"]))
-    elif cmd in ("free", "l3_prefetch", "l3_put"):
+    for k, (kind, _) in schema.items():
+        if kind == "frame" and k in h:
+            if not 0 <= h[k] < n_frames:
+                raise ProtocolError("bad_frame", f"{cmd}: {k} names frame {h[k]} but the "
+                                                 f"message has {n_frames} index frames")
+            used.add(h[k])
+    if cmd in ("free", "l3_prefetch", "l3_put"):
         for space, f in h["rows"].items():
             if f >= n_frames:
                 raise ProtocolError("bad_frame", f"{cmd}: rows[{space!r}] names frame {f} but "

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.engine.sparse_client import SparseCommands
 
 from .acks import Ack, AckTimeout, CommandRefused, DaemonUnreachable, Op, TransferFailed
 
@@ -58,7 +59,7 @@ def _as_ids(x: Any) -> Any:
     return x
 
 
-class Client:
+class Client(SparseCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None) -> None:

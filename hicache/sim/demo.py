@@ -103,6 +103,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep-host: draw prefill tokens saved against host memory "
                         "(needs matplotlib: pip install 'hicache[plot]')")
+    h = p.add_argument_group("HiSparse (no daemon: sparse C4 host region + device hot buffers)")
+    h.add_argument("--hisparse", action="store_true",
+                   help="decode long requests with HiSparse swap-ins and verify every top-k "
+                        "location (hicache.sim.hisparse_demo)")
+    h.add_argument("--hisparse-impl", choices=("auto", "triton", "reference"), default="auto",
+                   help="auto: the kernel on a GPU, the torch reference on CPU; triton on CPU "
+                        "runs the kernel under TRITON_INTERPRET=1")
+    h.add_argument("--hisparse-steps", type=int, default=24, help="decode steps (default 24)")
+    h.add_argument("--hisparse-topk", type=int, default=32,
+                   help="top-k per layer, capped by the model's (default 32: small shapes)")
+    h.add_argument("--overlap", type=float, default=0.8,
+                   help="fraction of a step's top-k kept from the previous step (default 0.8)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     o.add_argument("--metrics-port", type=int, default=0,
@@ -111,6 +123,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the worker's hicache_demo_* /metrics port (default: a free port)")
     o.add_argument("--progress-seconds", type=float, default=5.0,
                    help="seconds between progress lines on stderr (0 = none)")
+
+
+def _run_hisparse(args: argparse.Namespace) -> int:
+    if args.trace:
+        raise UsageError("--hisparse runs its own top-k traces; --trace does not apply")
+    from hicache.sim.hisparse_demo import human, run_hisparse
+
+    summary = run_hisparse(args)
+    print(json.dumps(summary) if args.json else human(summary), flush=True)
+    return 0 if summary["verified"] else 1
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -333,6 +355,8 @@ def _human(s: dict[str, Any], what: str) -> str:
 
 # ------------------------------------------------------------------------------ entry point
 def run(args: argparse.Namespace) -> int:
+    if args.hisparse:
+        return _run_hisparse(args)
     if args.plot and not args.sweep_host:
         raise UsageError("--plot draws a host-memory sweep: give --sweep-host too")
     reqs, cfg, what = _resolve(args)

@@ -1,0 +1,236 @@
+"""HiSparse on the daemon side: the sparse host region, who owns which of its rows, and the
+commands ``sparse_region``, ``sparse_admit``, ``sparse_extend``, ``sparse_free`` and
+``sparse_report`` (handlers in ``SPARSE_HANDLERS``, same contract as ``handlers``: validate
+everything, then act; a refusal changes nothing).
+
+* ``SparseRegion(layout, rows, shm_dir, registrar, min_prompt)``: one named shared-memory file
+  (``hicache.core.sparse_shm``), ``rows`` C4 page rows per C4 layer of the stage, pinned with
+  ``registrar`` on a GPU (the engine maps and registers the same file, then runs the swap-in
+  kernel on it). Rows come from a ``RowAllocator`` owned by ``(client, request)``.
+* A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
+  its C4 pages fit. Admission takes ``floor(prompt_tokens / 4)`` C4 tokens' pages and, with
+  ``device_rows``, backs the prompt's C4 KV up from the registered worker's ``c4_kv`` pool.
+  ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
+  token locations (``device_tokens``, the hot buffer's newest-token slots, for C4 tokens
+  ``first ..``). Copies run synchronously (the engine calls after its stream is synced).
+* Request names are global to the daemon: another client's request is refused ``not_owner``;
+  an unknown one ``bad_field``. A reaped or unregistered client's requests are freed
+  (``free_client``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hicache.core.layout import Layout
+from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
+from hicache.core.sparse_shm import SparseShm
+from hicache.host_pools.allocator import RowAllocator
+from hicache.kernels.dispatch import copy_rows, copy_tokens
+from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
+
+from .registry import ClientState
+
+C4_RATIO = 4
+Reply = tuple[dict[str, Any], list[Any]]
+
+
+@dataclass
+class SparseRequest:
+    cid: str
+    c4_tokens: int
+    rows: list[int] = field(default_factory=list)
+
+
+class SparseRegion:
+    """The sparse host region of one daemon (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rows: int, shm_dir: str, registrar: Any,
+                 min_prompt: int) -> None:
+        spec = layout.pool("c4_kv")
+        self.spec, self.fmt = spec, TokenFormat.from_spec(spec)
+        self.P = spec.tokens_per_page
+        self.min_prompt = min_prompt
+        self.shm = SparseShm.create(shm_dir, spec.num_layers, rows, spec.page_bytes)
+        self.registrar = registrar
+        if registrar is not None:
+            registrar.register(self.shm.base_ptr, self.shm.nbytes)
+        self.table = LayerTable(self.shm.layers, "sparse host")
+        self.alloc = RowAllocator(rows, "sparse")
+        self.requests: dict[str, SparseRequest] = {}
+
+    def info(self) -> dict[str, Any]:
+        return dict(self.shm.info(), tokens_per_page=self.P, min_sparse_prompt_len=self.min_prompt,
+                    c4_layers=list(self.spec.layers))
+
+    def free_client(self, cid: str) -> int:
+        """Free every request of client ``cid``; returns the rows freed."""
+        gone = [r for r, e in self.requests.items() if e.cid == cid]
+        for r in gone:
+            del self.requests[r]
+        return self.alloc.free_owner(cid)
+
+    def close(self) -> None:
+        if self.registrar is not None:
+            self.registrar.unregister(self.shm.base_ptr)
+            self.registrar = None
+        self.shm.close()
+
+
+def _err(code: str, msg: str) -> ProtocolError:
+    return ProtocolError(code, msg)
+
+
+def _region(st: Any) -> SparseRegion:
+    sp = getattr(st, "sparse", None)
+    if sp is None:
+        raise _err("unsupported", "this daemon has no sparse region: start it with "
+                                  "--sparse-rows N")
+    return sp
+
+
+def _name(h: dict) -> str:
+    r = h["request"]
+    if not r or len(r) > MAX_NAME_LEN:
+        raise _err("bad_field", f"request must be 1..{MAX_NAME_LEN} characters")
+    return r
+
+
+def _own(sp: SparseRegion, c: ClientState, r: str) -> SparseRequest:
+    e = sp.requests.get(r)
+    if e is None:
+        raise _err("bad_field", f"unknown sparse request {r[:64]!r}: sparse_admit it first")
+    if e.cid != c.cid:
+        raise _err("not_owner", f"sparse request {r[:64]!r} belongs to another client")
+    return e
+
+
+def _device_c4(st: Any, c: ClientState, what: str) -> LayerTable:
+    if c.worker is None:
+        raise _err("not_registered", f"{what} copies from the worker's c4_kv pool: register "
+                                     f"a worker first")
+    return c.worker.tables["c4_kv"]
+
+
+def _frame(arrays: Sequence, h: dict, key: str) -> np.ndarray | None:
+    if key not in h:
+        return None
+    return np.frombuffer(arrays[h[key]], dtype=np.int64)
+
+
+def _pages(sp: SparseRegion, c4_tokens: int) -> int:
+    return -(-c4_tokens // sp.P)
+
+
+def _take(sp: SparseRegion, n: int, owner: tuple[str, str]) -> list[int]:
+    if n > sp.alloc.free_rows:
+        raise _err("no_space", f"{n} sparse host rows needed, {sp.alloc.free_rows} free")
+    return sp.alloc.alloc(n, owner).tolist() if n else []
+
+
+def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    return _region(st).info(), []
+
+
+def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    sp, r = _region(st), _name(h)
+    prompt = h["prompt_tokens"]
+    if r in sp.requests:
+        raise _err("bad_field", f"sparse request {r[:64]!r} is already admitted")
+    if prompt < sp.min_prompt:
+        raise _err("unsupported", f"prompt of {prompt} tokens is below min_sparse_prompt_len "
+                                  f"{sp.min_prompt}: serve it dense")
+    c4 = prompt // C4_RATIO
+    n = _pages(sp, c4)
+    src = _frame(arrays, h, "device_rows")
+    dev = None
+    if src is not None:
+        dev = _device_c4(st, c, "sparse_admit")
+        if len(src) != n:
+            raise _err("bad_rows", f"device_rows has {len(src)} rows; {c4} C4 tokens take {n}")
+        if len(src) and (src.min() < 0 or src.max() >= dev.rows):
+            raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
+    rows = _take(sp, n, (c.cid, r))
+    if dev is not None and n:
+        try:
+            copy_rows(dev, sp.table, torch.from_numpy(src.copy()), torch.tensor(rows))
+        except TransferError as e:
+            sp.alloc.free(rows, (c.cid, r))
+            raise _err("bad_rows", str(e)[:300]) from None
+    sp.requests[r] = SparseRequest(c.cid, c4, rows)
+    return {"c4_tokens": c4, "pages": n}, [np.asarray(rows, dtype=np.int64)]
+
+
+def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    sp, r = _region(st), _name(h)
+    e = _own(sp, c, r)
+    c4 = h["tokens"] // C4_RATIO
+    if c4 < e.c4_tokens:
+        raise _err("bad_field", f"sparse request {r[:64]!r} has {e.c4_tokens} C4 tokens; "
+                                f"tokens {h['tokens']} would shrink it")
+    toks = _frame(arrays, h, "device_tokens")
+    first = h.get("first")
+    dev = None
+    if (toks is None) != (first is None):
+        raise _err("bad_field", "device_tokens and first go together")
+    if toks is not None:
+        dev = _device_c4(st, c, "sparse_extend")
+        if first < 0 or first + len(toks) > c4:
+            raise _err("bad_rows", f"C4 tokens {first}..{first + len(toks) - 1} are outside "
+                                   f"the request's [0, {c4})")
+        if len(toks) and (toks.min() < 0 or toks.max() >= dev.rows * sp.P):
+            raise _err("bad_rows", f"device_tokens out of range [0, {dev.rows * sp.P})")
+    new = _take(sp, _pages(sp, c4) - len(e.rows), (c.cid, r))
+    rows = e.rows + new
+    if dev is not None and len(toks):
+        t = np.arange(first, first + len(toks))
+        host_tok = np.asarray(rows, dtype=np.int64)[t // sp.P] * sp.P + t % sp.P
+        try:
+            copy_tokens(dev, sp.table, torch.from_numpy(toks.copy()),
+                        torch.from_numpy(host_tok), sp.fmt)
+        except TransferError as ex:
+            if new:
+                sp.alloc.free(new, (c.cid, r))
+            raise _err("bad_rows", str(ex)[:300]) from None
+    e.rows, e.c4_tokens = rows, c4
+    return {"c4_tokens": c4, "pages": len(rows)}, [np.asarray(rows, dtype=np.int64)]
+
+
+def sparse_free(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    sp, r = _region(st), _name(h)
+    e = _own(sp, c, r)
+    n = sp.alloc.free(e.rows, (c.cid, r)) if e.rows else 0
+    del sp.requests[r]
+    return {"freed_rows": n}, []
+
+
+def sparse_report(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    _region(st)
+    looked, copied = h["lookups"], h["swapped_in"]
+    if looked < 0 or copied < 0 or copied > looked:
+        raise _err("bad_field", f"need 0 <= swapped_in <= lookups, got {copied} and {looked}")
+    m = st.metrics
+    m.inc("hisparse_lookups", looked)
+    m.inc("hisparse_swapped_in_tokens", copied)
+    m.inc("hisparse_swapped_in_bytes", copied * st.sparse.fmt.token_bytes)
+    return {}, []
+
+
+def refresh_gauges(st: Any) -> None:
+    """HiSparse gauges (zeros without a region) and a first sample of each counter."""
+    sp, m = getattr(st, "sparse", None), st.metrics
+    m.set("hisparse_host_rows", sp.alloc.used_rows if sp else 0, "used")
+    m.set("hisparse_host_rows", sp.alloc.free_rows if sp else 0, "free")
+    m.set("hisparse_requests", len(sp.requests) if sp else 0)
+    for name in ("hisparse_lookups", "hisparse_swapped_in_tokens", "hisparse_swapped_in_bytes"):
+        m.inc(name, 0)
+
+
+SPARSE_HANDLERS: dict[str, Callable[[Any, ClientState, dict, Sequence], Reply]] = {
+    "sparse_region": sparse_region, "sparse_admit": sparse_admit,
+    "sparse_extend": sparse_extend, "sparse_free": sparse_free,
+    "sparse_report": sparse_report,
+}

@@ -1,0 +1,75 @@
+"""Engine side of HiSparse's control plane: the daemon's sparse commands as ``Client`` methods
+(``SparseCommands`` is a mixin of ``hicache.engine.client.Client``), and the engine's own
+mapping of the sparse host region.
+
+* ``sparse_region() -> dict``: the region's file, layers, rows, page bytes,
+  ``min_sparse_prompt_len``.
+* ``map_sparse_region(device) -> SparseShm``: maps that file; on a GPU it page-locks the mapping
+  for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly. Its ``layers``
+  go to ``HotBuffer(host=...)``.
+* ``sparse_admit(request, prompt_tokens, device_rows=None) -> list[int]`` host page rows (the
+  prompt's C4 KV is backed up from the worker's ``c4_kv`` device rows when given);
+  ``sparse_extend(request, tokens, device_tokens=None, first=None) -> list[int]`` all page rows
+  after growing (new decode tokens backed up from device token locations);
+  ``sparse_free(request) -> int``; ``sparse_report(lookups, swapped_in)`` adds hot-buffer
+  counts to the daemon's metrics.
+
+Refusals raise ``CommandRefused`` with the daemon's code and one-line message.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hicache.core.sparse_shm import SparseShm
+
+_REPLY_KEYS = ("v", "k", "id", "ok")
+
+
+class SparseCommands:
+    """The HiSparse commands; the class using it provides ``call(cmd, fields, arrays)``
+    (``Client.call``)."""
+
+    def _sparse(self, cmd: str, fields: dict[str, Any], key: str,
+                ids: Optional[Sequence[int]]) -> list[int]:
+        arrays: list[Any] = []
+        if ids is not None:
+            fields[key] = 0
+            arrays.append(list(ids))
+        _, arr = self.call(cmd, fields, arrays)
+        return [int(x) for x in arr[0]] if arr else []
+
+    def sparse_region(self) -> dict[str, Any]:
+        h, _ = self.call("sparse_region")
+        return {k: v for k, v in h.items() if k not in _REPLY_KEYS}
+
+    def map_sparse_region(self, device: str | torch.device = "cpu") -> SparseShm:
+        shm = SparseShm.open(self.sparse_region())
+        device = torch.device(device)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                rc = torch.cuda.cudart().cudaHostRegister(shm.base_ptr, shm.nbytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of the sparse region failed ({int(rc)})")
+        return shm
+
+    def sparse_admit(self, request: str, prompt_tokens: int,
+                     device_rows: Optional[Sequence[int]] = None) -> list[int]:
+        return self._sparse("sparse_admit", {"request": request, "prompt_tokens": prompt_tokens},
+                            "device_rows", device_rows)
+
+    def sparse_extend(self, request: str, tokens: int,
+                      device_tokens: Optional[Sequence[int]] = None,
+                      first: Optional[int] = None) -> list[int]:
+        fields: dict[str, Any] = {"request": request, "tokens": tokens}
+        if first is not None:
+            fields["first"] = first
+        return self._sparse("sparse_extend", fields, "device_tokens", device_tokens)
+
+    def sparse_free(self, request: str) -> int:
+        h, _ = self.call("sparse_free", {"request": request})
+        return int(h["freed_rows"])
+
+    def sparse_report(self, lookups: int, swapped_in: int) -> None:
+        self.call("sparse_report", {"lookups": lookups, "swapped_in": swapped_in})

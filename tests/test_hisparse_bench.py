@@ -1,0 +1,40 @@
+"""``hicache bench hisparse`` on CPU: the reference path on small shapes, verified, and refused
+arguments (the GPU figures come from the H200 run in docs/hisparse.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "hisparse", *args],
+                          cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_cpu_run_is_verified_and_says_what_it_is():
+    p = _bench("--batches", "2", "--overlaps", "0.5,0.95", "--steps", "1", "--warmup", "1",
+               "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(p.stdout)
+    assert [r["overlap"] for r in d["rows"]] == [0.5, 0.95]
+    assert all(r["verified"] and r["ctas"] == 2 and r["tokens_per_step"] > 0 for r in d["rows"])
+    assert d["rows"][0]["tokens_per_step"] > d["rows"][1]["tokens_per_step"]
+    assert d["limit_h2d_gbps"] is None and "no CUDA device" in d["notes"][0]
+    full, hot = d["device_bytes_per_request"]["full_c4_on_device"], d["device_bytes_per_request"]["hot_buffer"]
+    assert full > hot > 0
+
+
+@pytest.mark.parametrize("args, msg", [(("--overlaps", "1.5"), "in [0, 1]"),
+                                       (("--batches", "0"), "positive"),
+                                       (("--steps", "0"), "--steps must be positive")])
+def test_bad_arguments(args, msg):
+    p = _bench(*args)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr

@@ -1,0 +1,246 @@
+"""HiSparse on a live CPU daemon: the sparse host region (named shm, 0600), admission, backup
+from the worker's C4 device rows and decode tokens, ownership, reaping, metrics, and refusals
+that change nothing. Then the engine's hot buffer runs on the daemon's region."""
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+import torch
+
+from hicache.core.layout import build_layout, preset
+from hicache.engine.client import CommandRefused
+from hicache.engine.device_pools import DevicePools
+
+ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
+FLASH = build_layout(preset("dsv4-flash"))
+P, VB, SOFF = 64, 576, 36_864
+EXTRA = ("--sparse-rows", "6", "--min-sparse-prompt-len", "300")
+
+
+@pytest.fixture(scope="module")
+def sparse_daemon(tmp_path_factory):
+    """One daemon with a 6-row sparse region for the module; each test frees what it took."""
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path_factory.mktemp("sparse"), extra=EXTRA, heartbeat_timeout=3.0)
+    yield d
+    d.close()
+
+
+def _worker(d, name="engine"):
+    pools = DevicePools(FLASH, ROWS)
+    g = torch.Generator().manual_seed(3)
+    for t in pools.layers["c4_kv"]:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    c = d.client(name=name)
+    c.register(pools)
+    return c, pools
+
+
+def test_region_admit_extend_free_bytes(sparse_daemon):
+    c, pools = _worker(sparse_daemon)
+    s = c
+    info = s.sparse_region()
+    assert info["rows"] == 6 and info["layers"] == 21 and info["min_sparse_prompt_len"] == 300
+    mode = stat.S_IMODE(os.stat(info["path"]).st_mode)
+    assert mode == 0o600, oct(mode)
+    shm = s.map_sparse_region()
+    before = [t.clone() for t in shm.layers]
+    # 400 full tokens = 100 C4 tokens -> 2 pages, backed up from device rows 5 and 2
+    rows = s.sparse_admit("r1", 400, device_rows=[5, 2])
+    assert len(rows) == 2
+    for l, (h, d) in enumerate(zip(shm.layers, pools.layers["c4_kv"])):
+        assert torch.equal(h[rows[0]], d[5]) and torch.equal(h[rows[1]], d[2]), l
+        for r in range(6):
+            if r not in rows:
+                assert torch.equal(h[r], before[l][r]), "rows nobody owns changed"
+    # decode: C4 tokens 100..130 arrive from device token locations (one more page)
+    dev_tok = list(range(7, 7 + 31))
+    rows2 = s.sparse_extend("r1", 131 * 4, device_tokens=dev_tok, first=100)
+    assert rows2[:2] == rows and len(rows2) == 3
+    for h, d in zip(shm.layers, pools.layers["c4_kv"]):
+        for i, t in enumerate(range(100, 131)):
+            hr, hs = rows2[t // P], t % P
+            dr, ds = dev_tok[i] // P, dev_tok[i] % P
+            assert torch.equal(h[hr, hs * VB:(hs + 1) * VB], d[dr, ds * VB:(ds + 1) * VB])
+            assert torch.equal(h[hr, SOFF + hs * 8: SOFF + hs * 8 + 8],
+                               d[dr, SOFF + ds * 8: SOFF + ds * 8 + 8])
+    assert s.sparse_free("r1") == 3
+    with pytest.raises(CommandRefused, match="unknown sparse request"):
+        s.sparse_free("r1")
+    c.unregister()
+    c.close()
+    pools.close()
+
+
+@pytest.mark.parametrize("call, code, msg", [
+    (lambda s: s.sparse_admit("short", 299), "unsupported", "below min_sparse_prompt_len 300"),
+    (lambda s: s.sparse_admit("big", 7 * 64 * 4), "no_space", "sparse host rows needed"),
+    (lambda s: s.sparse_admit("r0", 2000), "bad_field", "already admitted"),
+    (lambda s: s.sparse_admit("r9", 300, device_rows=[1, 2, 3]), "bad_rows", "take 2"),
+    (lambda s: s.sparse_admit("r9", 300, device_rows=[99, 1]), "bad_rows", "out of range"),
+    (lambda s: s.sparse_extend("nope", 2000), "bad_field", "unknown sparse request"),
+    (lambda s: s.sparse_extend("r0", 300), "bad_field", "would shrink"),
+    (lambda s: s.sparse_extend("r0", 4000, device_tokens=[1], first=2000), "bad_rows", "outside"),
+    (lambda s: s.sparse_extend("r0", 4000, device_tokens=[1]), "bad_field", "go together"),
+    (lambda s: s.sparse_extend("r0", 600, device_tokens=[10 ** 6], first=0), "bad_rows", "out of range"),
+    (lambda s: s.sparse_report(5, 6), "bad_field", "swapped_in <= lookups"),
+])
+def test_refusals_change_nothing(sparse_daemon, call, code, msg):
+    c, pools = _worker(sparse_daemon)
+    s = c
+    s.sparse_admit("r0", 400)  # 100 C4 tokens: 2 of the 6 rows
+    shm = s.map_sparse_region()
+    snap = [t.clone() for t in shm.layers]
+    with pytest.raises(CommandRefused) as e:
+        call(s)
+    assert e.value.code == code and msg in e.value.message, (e.value.code, e.value.message)
+    assert all(torch.equal(a, b) for a, b in zip(snap, shm.layers)), "region bytes changed"
+    assert len(s.sparse_admit("fill", 4 * 64 * 4)) == 4, "free rows changed"
+    assert s.sparse_free("r0") == 2 and s.sparse_free("fill") == 4
+    c.close()
+    pools.close()
+
+
+def test_foreign_request_refused_and_dead_client_reaped(sparse_daemon):
+    a, pa = _worker(sparse_daemon, "a")
+    b, pb = _worker(sparse_daemon, "b")
+    sa, sb = a, b
+    sa.sparse_admit("mine", 5 * 64 * 4)  # 5 of 6 rows
+    for call in (lambda: sb.sparse_extend("mine", 5 * 64 * 4), lambda: sb.sparse_free("mine")):
+        with pytest.raises(CommandRefused) as e:
+            call()
+        assert e.value.code == "not_owner" and "another client" in e.value.message
+    with pytest.raises(CommandRefused, match="no_space|needed"):
+        sb.sparse_admit("theirs", 2 * 64 * 4)
+    a.close()  # no unregister, no heartbeats: reaped after the 3 s timeout
+    deadline = time.monotonic() + 15
+    while True:
+        b.heartbeat()
+        try:
+            assert len(sb.sparse_admit("theirs", 6 * 64 * 4)) == 6
+            sb.sparse_free("theirs")
+            break
+        except CommandRefused:
+            assert time.monotonic() < deadline, "dead client's sparse rows never reclaimed"
+            time.sleep(0.3)
+    b.close()
+    pa.close()
+    pb.close()
+
+
+def test_no_sparse_region_is_refused(shared_daemon):
+    c = shared_daemon.client(name="x")
+    with pytest.raises(CommandRefused) as e:
+        c.sparse_region()
+    assert e.value.code == "unsupported" and "--sparse-rows" in e.value.message
+    c.close()
+
+
+def test_metrics_and_hot_buffer_on_the_daemon_region(sparse_daemon):
+    from hicache.engine.hot_buffer import HotBuffer
+
+    c, pools = _worker(sparse_daemon)
+    s = c
+    n_c4 = 3 * 64
+    rows = s.sparse_admit("long", n_c4 * 4, device_rows=[0, 3, 6])
+    shm = s.map_sparse_region()
+    spec = FLASH.pool("c4_kv")
+    hb = HotBuffer(shm.layers, fmt=spec, topk=16, slots=32, max_requests=2, max_batch=2,
+                   max_tokens=n_c4, impl="reference")
+    hb.admit(0, n_c4, rows)
+    ids = torch.arange(0, 16, dtype=torch.int64) * 11
+    out = hb.swap_in(0, torch.tensor([0]), ids[None])
+    dev, host = hb.dev.layers[0], pools.layers["c4_kv"][0]
+    src_rows = [0, 3, 6]
+    for t, loc in zip(ids.tolist(), out[0].tolist()):
+        d = host[src_rows[t // P], (t % P) * VB:(t % P + 1) * VB]
+        assert torch.equal(dev[loc // P, (loc % P) * VB:(loc % P + 1) * VB], d)
+    lookups, copied = hb.hits()[0]
+    s.sparse_report(lookups, copied)
+    want = [f"hicache_hisparse_lookups_total {float(lookups)}",
+            f"hicache_hisparse_swapped_in_bytes_total {float(copied * 584)}",
+            'hicache_hisparse_host_rows{state="used"} 3.0', "hicache_hisparse_requests 1.0"]
+    deadline = time.monotonic() + 10  # gauges refresh on the daemon's housekeeping tick
+    while True:
+        text = sparse_daemon_metrics(sparse_daemon)
+        missing = [w for w in want if w not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, missing
+        c.heartbeat()
+        time.sleep(0.2)
+    s.sparse_free("long")
+    c.close()
+    pools.close()
+
+
+def sparse_daemon_metrics(d) -> str:
+    import urllib.request
+    return urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).read().decode()
+
+
+# ----------------------------------------------------------------------------- fuzz
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NAMES = st.one_of(st.just("victim"), st.just(""), st.text(min_size=1, max_size=8),
+                   st.just("x" * 200))
+_INTS = st.one_of(st.integers(-2**63, 2**63 - 1), st.integers(-5, 3000))
+
+
+def _hostile():
+    """Messages of an attacker that must all be refused (never ok)."""
+    rows = st.lists(st.integers(-2**40, 2**40), max_size=12)
+    return st.one_of(
+        st.tuples(st.just("sparse_extend"), st.fixed_dictionaries(
+            {"request": st.just("victim"), "tokens": _INTS}), st.just([])),
+        st.tuples(st.just("sparse_free"), st.fixed_dictionaries({"request": _NAMES}),
+                  st.just([])),
+        st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
+            {"request": _NAMES, "prompt_tokens": st.integers(-2**63, 299)}), st.just([])),
+        st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
+            {"request": st.just("huge"), "prompt_tokens": st.integers(5 * 64 * 4, 2**62)}),
+            st.just([])),
+        st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
+            {"request": st.just("rows"), "prompt_tokens": st.just(300), "device_rows": st.just(0)}),
+            rows.filter(lambda r: len(r) != 2 or min(r) < 0 or max(r) >= 8).map(lambda r: [r])),
+        st.tuples(st.just("sparse_report"), st.fixed_dictionaries(
+            {"lookups": st.integers(-10, 10), "swapped_in": st.integers(-10, 30)}).filter(
+                lambda d: not 0 <= d["swapped_in"] <= d["lookups"]), st.just([])),
+    )
+
+
+@pytest.fixture(scope="module")
+def fuzz_world(sparse_daemon):
+    v, vp = _worker(sparse_daemon, "victim")
+    sv = v
+    rows = sv.sparse_admit("victim", 300, device_rows=[4, 5])  # 2 rows; 4 free
+    a, ap = _worker(sparse_daemon, "attacker")
+    shm = sv.map_sparse_region()
+    yield sv, a, shm, rows
+    sv.sparse_free("victim")
+    for c, p in ((v, vp), (a, ap)):
+        c.close()
+        p.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msg=_hostile())
+def test_fuzz_sparse_commands_refused_and_change_nothing(fuzz_world, msg):
+    sv, sa, shm, rows = fuzz_world
+    before = [t[r].clone() for t in shm.layers for r in rows]  # row slices: fast copies
+    cmd, fields, arrays = msg
+    with pytest.raises(CommandRefused) as e:
+        sa.call(cmd, dict(fields), arrays)
+    assert e.value.code in ("bad_field", "not_owner", "unsupported", "no_space", "bad_rows",
+                            "bad_frame"), (e.value.code, e.value.message)
+    assert "internal" not in e.value.code
+    assert all(torch.equal(b, t[r]) for b, (t, r) in
+               zip(before, [(t, r) for t in shm.layers for r in rows]))
+    sv.heartbeat()
+    sa.heartbeat()
+    assert sv.sparse_extend("victim", 300) == rows  # still the victim's, unchanged
