@@ -78,13 +78,14 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
         for t in ts:
             t.zero_()
 
+    kit._insert(cache, alloc, r2t, kit._make_seq(900_000 + seed, 3))  # takes the freed pages
     m = match_prefix(cache, seq)
     assert m.host_hit_length == 3 * F.PAGE
     kit._load_back_node(cache, chain[-1])  # SGLang's load path, per layer
     full_new = [r for n in chain for r in _rows(node_device_value(cache, n, CT.FULL))]
     swa_new = {i: r for i, n in enumerate(chain)
                for r in _rows(node_device_value(cache, n, CT.SWA))}
-    assert len(full_new) == 3
+    assert len(full_new) == 3 and set(full_new).isdisjoint(full_old), (full_old, full_new)
     loaded_swa = [(swa_old[i], r) for i, r in swa_new.items()] if len(swa_new) == len(chain) \
         else [(swa_old[-1], _rows(node_device_value(cache, chain[-1], CT.SWA))[-1])]
     assert loaded_swa, "SGLang loaded no SWA page"
