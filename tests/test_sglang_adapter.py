@@ -22,7 +22,7 @@ from hicache.engine.sglang.version import installed_sglang
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
 INNER = ["tests/sglang/check_dsv4_l2.py"]
-INNER_TESTS = 4
+INNER_TESTS = 6
 
 
 def _tail(text: str, n: int = 6000) -> str:

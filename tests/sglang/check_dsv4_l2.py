@@ -153,3 +153,48 @@ def test_version_gate() -> None:
     assert check_sglang_version() == "0.5.23"
     with pytest.raises(UnsupportedSglang, match=r"supports sglang==0\.5\.23 only; found sglang 0\.5\.22"):
         check_sglang_version("0.5.22")
+
+
+def test_layout_that_differs_from_sglang_is_refused_before_registration(tmp_path: Path) -> None:
+    from hicache.core.layout import preset
+    from hicache.engine.sglang.stage_map import LayoutMismatch
+
+    d = _daemon(tmp_path, 1, 0)
+    inst = hs.install(preset("dsv4-tiny").with_options(index_head_dim=64), address=d.address)
+    try:
+        with pytest.raises(LayoutMismatch, match=r"SGLang .*hicache"):
+            F.build_dsv4_cache(0, len(F.RATIOS))
+        with d.client() as c:
+            assert c.stats()["workers"] == 0  # nothing registered
+        assert inst.links == []
+    finally:
+        inst.uninstall()
+        d.close()
+
+
+def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.engine.sglang import plugin
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
+
+    original = A.build_deepseek_v4_hicache_stack
+    monkeypatch.delenv(plugin.ENV_MODEL, raising=False)
+    assert plugin.load() is None and A.build_deepseek_v4_hicache_stack is original
+    d = _daemon(tmp_path, 1, 0)
+    monkeypatch.setenv(plugin.ENV_MODEL, "dsv4-tiny")
+    monkeypatch.setenv(plugin.ENV_SOCKET, d.address)
+    inst = plugin.load()
+    try:
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS))
+        pools = {str(e.name.value): type(e.host_pool).__name__
+                 for e in cache.cache_controller.mem_pool_host.entries}
+        assert pools == {"kv": "DaemonAnchorPool", "swa": "DaemonPagedHostPool",
+                         "deepseek_v4_c4": "DaemonPagedHostPool",
+                         "deepseek_v4_c4_indexer": "DaemonPagedHostPool",
+                         "deepseek_v4_c128": "DaemonPagedHostPool",
+                         "deepseek_v4_c4_state": "DaemonStateHostPool",
+                         "deepseek_v4_c4_indexer_state": "DaemonStateHostPool"}
+        assert len(inst.links) == 1
+    finally:
+        inst.uninstall()
+        d.close()
+    assert A.build_deepseek_v4_hicache_stack is original

@@ -81,12 +81,16 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             layout = build_layout(spec, pp_size, rank, stage_list, swa_mode="paged",
                                   c128_state="offline", mtp=False)
             addr = address(rank) if callable(address) else address
-            client = Client(addr, timeout=timeout, name=f"sglang-pp{rank}")
             drafts = getattr(kw.get("params"), "mtp_draft_device_pools", ())
             if drafts:
                 raise ValueError("hicache's SGLang adapter does not map MTP draft pools; "
                                  "launch without speculative decoding")
-            link = DaemonLink.connect(kvcache, layout, client, shm_dir=shm_dir)
+            client = Client(addr, timeout=timeout, name=f"sglang-pp{rank}")
+            try:
+                link = DaemonLink.connect(kvcache, layout, client, shm_dir=shm_dir)
+            except BaseException:
+                client.close()
+                raise
             inst.links.append(link)
             anchor, paged, state = bind_host_pools(link)
             saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
