@@ -9,6 +9,7 @@ equals the row written before the backup, and every other device row is untouche
 """
 from __future__ import annotations
 
+import os
 import unittest
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from sglang.test.kits.unified_radix_cache.fixtures import (match_prefix, node_de
                                                            node_host_value)
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 
+# cpu (CI) or cuda:N (the GPU machine: scripts/gpu_sglang.sh); the daemon serves the same device
+DEVICE = os.environ.get("HICACHE_SGLANG_TEST_DEVICE", "cpu")
 PAGE_POOLS = ("c4_kv", "c4_indexer", "c128_kv")
 SWA_POOLS = ("swa_kv", "c4_state", "c4_indexer_state")
 
@@ -51,7 +54,8 @@ def _fill(link: Any, seed: int) -> None:
 
 
 def _daemon(tmp: Path, pp_size: int, rank: int) -> Any:
-    return start_daemon(tmp, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS, metrics=False,
+    return start_daemon(tmp, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
+                        metrics=False,
                         extra=("--no-mtp", "--c128-state", "offline", "--pp-size", str(pp_size),
                                "--pp-rank", str(rank)))
 
@@ -109,7 +113,7 @@ def test_single_stage_round_trip(tmp_path: Path) -> None:
     d = _daemon(tmp_path, 1, 0)
     inst = hs.install("dsv4-tiny", address=d.address)
     try:
-        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS))
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         assert sorted(link.stage.layers) == sorted(link.layout.pools)
         assert _round_trip(Kit(), link, cache, alloc, r2t, seed=1) >= 1
@@ -126,7 +130,7 @@ def test_pp_stages_round_trip(tmp_path: Path) -> None:
     inst = hs.install("dsv4-tiny", address=lambda r: ds[r].address, pp_size=2)
     try:
         for r, (s, e) in enumerate(((0, 3), (3, 6))):
-            cache, alloc, r2t, kv = F.build_dsv4_cache(s, e)
+            cache, alloc, r2t, kv = F.build_dsv4_cache(s, e, DEVICE)
             link = inst.links[r]
             assert (link.layout.stage.start, link.layout.stage.end) == (s, e)
             fam = link.layout.stage.families
@@ -143,7 +147,7 @@ def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> No
     inst = hs.install("dsv4-tiny", address=d.address)
     try:
         with pytest.raises(Exception, match="layout"):
-            F.build_dsv4_cache(0, len(F.RATIOS))
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
     finally:
         inst.uninstall()
         d.close()
@@ -163,7 +167,7 @@ def test_layout_that_differs_from_sglang_is_refused_before_registration(tmp_path
     inst = hs.install(preset("dsv4-tiny").with_options(index_head_dim=64), address=d.address)
     try:
         with pytest.raises(LayoutMismatch, match=r"SGLang .*hicache"):
-            F.build_dsv4_cache(0, len(F.RATIOS))
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         with d.client() as c:
             assert c.stats()["workers"] == 0  # nothing registered
         assert inst.links == []
@@ -184,7 +188,7 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv(plugin.ENV_SOCKET, d.address)
     inst = plugin.load()
     try:
-        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS))
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         pools = {str(e.name.value): type(e.host_pool).__name__
                  for e in cache.cache_controller.mem_pool_host.entries}
         assert pools == {"kv": "DaemonAnchorPool", "swa": "DaemonPagedHostPool",

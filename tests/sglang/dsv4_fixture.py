@@ -32,8 +32,8 @@ def server_args() -> Any:
     return sa
 
 
-def build_dsv4_cache(start: int, end: int) -> tuple[Any, Any, Any, Any]:
-    """(cache, allocator, req_to_token_pool, kvcache) for stage [start, end)."""
+def build_dsv4_cache(start: int, end: int, device: str = "cpu") -> tuple[Any, Any, Any, Any]:
+    """(cache, allocator, req_to_token_pool, kvcache) for stage [start, end) on ``device``."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
@@ -51,11 +51,11 @@ def build_dsv4_cache(start: int, end: int) -> tuple[Any, Any, Any, Any]:
         c128_size=FULL_TOKENS // 128, c4_state_pool_size=SWA_TOKENS // PAGE * 8,
         c128_state_pool_size=0, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
         c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
-        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(RATIOS), device="cpu",
+        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(RATIOS), device=device,
         enable_memory_saver=False, compression_ratios=RATIOS, start_layer=start, end_layer=end)
-    r2t = ReqToTokenPool(size=4, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    r2t = ReqToTokenPool(size=4, max_context_len=4096, device=device, enable_memory_saver=False)
     alloc = SWATokenToKVPoolAllocator(FULL_TOKENS, SWA_TOKENS, page_size=PAGE,
-                                      dtype=torch.float8_e4m3fn, device="cpu", kvcache=kv,
+                                      dtype=torch.float8_e4m3fn, device=device, kvcache=kv,
                                       need_sort=False, req_to_token_pool=r2t)
     kv.register_mapping(alloc.full_to_swa_index_mapping)
     params = CacheInitParams(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,

@@ -106,8 +106,10 @@ class DaemonLink:
                        for p, ts in shared.items()}
             mode = "cpu"
         try:
+            # GPU: one interprocess event the engine records before each backup
+            client._device = next(iter(shared.values()))[0].device if cuda else None
             h = client.register(layout=layout.to_dict(), device_rows=stage.rows, buffers=buffers,
-                                mode=mode, name=name)
+                                mode=mode, name=name, events=1 if cuda else 0)
         except BaseException:
             if shm:
                 _unlink(shm[0])
