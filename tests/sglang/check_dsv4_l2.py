@@ -116,6 +116,8 @@ def test_single_stage_round_trip(tmp_path: Path) -> None:
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         assert sorted(link.stage.layers) == sorted(link.layout.pools)
+        for e in cache.cache_controller.mem_pool_host.entries:  # no host bytes in SGLang
+            assert e.host_pool.kv_buffer is None, e.name
         assert _round_trip(Kit(), link, cache, alloc, r2t, seed=1) >= 1
         st = link.client.stats()
         assert st is not None
