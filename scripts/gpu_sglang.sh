@@ -4,6 +4,10 @@
 # pyzmq/pytest/prometheus-client). Usage: SGLANG_PYTHON=/path/to/venv/bin/python scripts/gpu_sglang.sh
 # The lean CPU environment of scripts/setup_sglang.sh cannot do this: SGLang imports
 # sgl_kernel.kvcacheio whenever CUDA is available, and that compiled wheel is not in it.
+# Wheels for an offline machine (cp312, manylinux x86_64): sglang==0.5.23, sglang-kernel==0.4.10,
+# torch==2.14.1 (the CUDA build SGLang pins; the lent H200's torch 2.11 does not match it), and
+# the packages scripts/setup_sglang.sh lists (numpy ... ipython, pyzmq, prometheus-client, pytest)
+# with their dependencies; install with pip --no-index --find-links <dir>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${SGLANG_PYTHON:-python3}
