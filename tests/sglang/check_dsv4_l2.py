@@ -111,8 +111,9 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
 
 def test_single_stage_round_trip(tmp_path: Path) -> None:
     d = _daemon(tmp_path, 1, 0)
-    inst = hs.install("dsv4-tiny", address=d.address)
+    inst = None
     try:
+        inst = hs.install("dsv4-tiny", address=d.address)
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         assert sorted(link.stage.layers) == sorted(link.layout.pools)
@@ -122,15 +123,19 @@ def test_single_stage_round_trip(tmp_path: Path) -> None:
         st = link.client.stats()
         assert st is not None
     finally:
-        inst.uninstall()
+        if inst is not None:
+            inst.uninstall()
         d.close()
 
 
 def test_pp_stages_round_trip(tmp_path: Path) -> None:
     """Two PP stages, one daemon each; each stage's pools map to its own local layer ids."""
-    ds = [_daemon(tmp_path, 2, r) for r in range(2)]
-    inst = hs.install("dsv4-tiny", address=lambda r: ds[r].address, pp_size=2)
+    ds: list[Any] = []
+    inst = None
     try:
+        for r in range(2):
+            ds.append(_daemon(tmp_path, 2, r))
+        inst = hs.install("dsv4-tiny", address=lambda r: ds[r].address, pp_size=2)
         for r, (s, e) in enumerate(((0, 3), (3, 6))):
             cache, alloc, r2t, kv = F.build_dsv4_cache(s, e, DEVICE)
             link = inst.links[r]
@@ -139,19 +144,22 @@ def test_pp_stages_round_trip(tmp_path: Path) -> None:
             assert fam["c4"] == tuple(g for g in range(s, e) if F.RATIOS[g] == 4)
             assert _round_trip(Kit(), link, cache, alloc, r2t, seed=2 + r) >= 1
     finally:
-        inst.uninstall()
+        if inst is not None:
+            inst.uninstall()
         for d in ds:
             d.close()
 
 
 def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> None:
     d = _daemon(tmp_path, 2, 0)  # serves stage 0 of 2; the worker is the whole model
-    inst = hs.install("dsv4-tiny", address=d.address)
+    inst = None
     try:
+        inst = hs.install("dsv4-tiny", address=d.address)
         with pytest.raises(Exception, match="layout"):
             F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
     finally:
-        inst.uninstall()
+        if inst is not None:
+            inst.uninstall()
         d.close()
 
 
@@ -166,15 +174,17 @@ def test_layout_that_differs_from_sglang_is_refused_before_registration(tmp_path
     from hicache.engine.sglang.stage_map import LayoutMismatch
 
     d = _daemon(tmp_path, 1, 0)
-    inst = hs.install(preset("dsv4-tiny").with_options(index_head_dim=64), address=d.address)
+    inst = None
     try:
+        inst = hs.install(preset("dsv4-tiny").with_options(index_head_dim=64), address=d.address)
         with pytest.raises(LayoutMismatch, match=r"SGLang .*hicache"):
             F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         with d.client() as c:
             assert c.stats()["workers"] == 0  # nothing registered
         assert inst.links == []
     finally:
-        inst.uninstall()
+        if inst is not None:
+            inst.uninstall()
         d.close()
 
 
@@ -188,8 +198,9 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
     d = _daemon(tmp_path, 1, 0)
     monkeypatch.setenv(plugin.ENV_MODEL, "dsv4-tiny")
     monkeypatch.setenv(plugin.ENV_SOCKET, d.address)
-    inst = plugin.load()
+    inst = None
     try:
+        inst = plugin.load()
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         pools = {str(e.name.value): type(e.host_pool).__name__
                  for e in cache.cache_controller.mem_pool_host.entries}
@@ -201,6 +212,7 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
                          "deepseek_v4_c4_indexer_state": "DaemonStateHostPool"}
         assert len(inst.links) == 1
     finally:
-        inst.uninstall()
+        if inst is not None:
+            inst.uninstall()
         d.close()
     assert A.build_deepseek_v4_hicache_stack is original
