@@ -1,0 +1,106 @@
+"""``install(...)``: make the hicache daemon SGLang 0.5.23's L2 host tier for DSV4.
+
+SGLang has no hook to register an outside host pool, so ``install`` wraps the one function that
+builds the DSV4 HiCache stack, ``hybrid_pool_assembler.build_deepseek_v4_hicache_stack``
+(called by the DSV4 stack strategy when ``--enable-hierarchical-cache`` is on). For each worker
+the wrapper:
+
+1. finds the worker's PP stage from its device pool (``kvcache.start_layer/end_layer``), builds
+   our ``Layout`` for it (``model``, ``pp_size``/``bounds``; paged SWA, offline C128 state, no
+   MTP) and opens a ``Client`` to ``address`` (a string, or a function of the PP rank);
+2. maps SGLang's device pools onto that layout byte for byte and registers them with the daemon
+   (``DaemonLink.connect``; refused with one line on any mismatch);
+3. runs SGLang's own builder with ``LogicalHostPool``, ``DeepSeekV4PagedHostPool`` and
+   ``DeepSeekV4StateHostPool`` replaced, for that call only, by the daemon-backed classes of
+   ``host_pools.bind_host_pools``.
+
+Everything else (tree, controller, transfer engine, layer counters) is SGLang's. ``install``
+refuses any SGLang other than 0.5.23 (``version.check_sglang_version``) and returns an
+``Installation`` whose ``links`` are the workers connected so far and whose ``uninstall()``
+restores the original builder.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hicache.core.layout import LayoutError, ModelSpec, build_layout, preset, stage_bounds
+from hicache.engine.client import Client
+from hicache.engine.sglang.host_pools import bind_host_pools
+from hicache.engine.sglang.link import DaemonLink
+from hicache.engine.sglang.version import check_sglang_version
+
+_PATCH_LOCK = threading.Lock()
+
+
+@dataclass
+class Installation:
+    module: Any
+    original: Callable[..., Any]
+    links: list[DaemonLink] = field(default_factory=list)
+
+    def uninstall(self, close: bool = True) -> None:
+        """Restore SGLang's builder; with ``close``, unregister every connected worker."""
+        self.module.build_deepseek_v4_hicache_stack = self.original
+        if close:
+            for link in self.links:
+                link.close()
+            self.links.clear()
+
+
+def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, end: int) -> int:
+    for r, (s, e) in enumerate(bounds):
+        if (s, e) == (start, end):
+            return r
+    raise LayoutError(f"SGLang stage [{start}, {end}) is none of the hicache stages {list(bounds)}")
+
+
+def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | None = None,
+            pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
+            timeout: float = 5.0, shm_dir: str = "/dev/shm") -> Installation:
+    """Patch SGLang's DSV4 HiCache assembler (see the module docstring)."""
+    check_sglang_version()
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
+
+    spec = preset(model) if isinstance(model, str) else model
+    stage_list = list(bounds) if bounds is not None else stage_bounds(spec.num_layers, pp_size)
+    if len(stage_list) != pp_size:
+        raise LayoutError(f"{len(stage_list)} stage bounds given for pp size {pp_size}")
+    with _PATCH_LOCK:
+        original = A.build_deepseek_v4_hicache_stack
+        if getattr(original, "__hicache__", False):
+            raise RuntimeError("hicache.engine.sglang.install() is already in effect")
+        inst = Installation(A, original)
+
+        @functools.wraps(original)
+        def build(*args: Any, **kw: Any) -> Any:
+            kvcache = kw["kvcache"]
+            rank = _pp_rank(spec, stage_list, kvcache.start_layer, kvcache.end_layer)
+            layout = build_layout(spec, pp_size, rank, stage_list, swa_mode="paged",
+                                  c128_state="offline", mtp=False)
+            addr = address(rank) if callable(address) else address
+            drafts = getattr(kw.get("params"), "mtp_draft_device_pools", ())
+            if drafts:
+                raise ValueError("hicache's SGLang adapter does not map MTP draft pools; "
+                                 "launch without speculative decoding")
+            client = Client(addr, timeout=timeout, name=f"sglang-pp{rank}")
+            try:
+                link = DaemonLink.connect(kvcache, layout, client, shm_dir=shm_dir)
+            except BaseException:
+                client.close()
+                raise
+            inst.links.append(link)
+            anchor, paged, state = bind_host_pools(link)
+            saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
+            A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
+                anchor, paged, state
+            try:
+                return original(*args, **kw)
+            finally:
+                A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
+
+        build.__hicache__ = True  # type: ignore[attr-defined]
+        A.build_deepseek_v4_hicache_stack = build
+    return inst

@@ -1,0 +1,255 @@
+"""SGLang 0.5.23 DSV4 host pools whose bytes and rows live in the hicache daemon.
+
+``bind_host_pools(link)`` returns three classes, bound to one ``DaemonLink``, that stand in for
+SGLang's ``LogicalHostPool`` (the KV anchor), ``DeepSeekV4PagedHostPool`` (SWA, C4, C4 indexer,
+C128) and ``DeepSeekV4StateHostPool`` (C4 and C4-indexer compress states) when the assembler
+builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's controller calls:
+
+* ``alloc(n)`` / ``free(idx)`` / ``available_size()`` on the anchor (``page`` space) and on the
+  SWA pool (``swa_page`` space): forwarded to the daemon, which owns the rows. A host index is
+  SGLang's token index ``row * 256 + t``; the rows are whole pages. C4/C128/indexer pools and the
+  state pools reuse the anchor's / SWA pool's indices, as in SGLang.
+* ``backup_from_device_all_layer``: one daemon ``backup`` of this pool (every layer), waited for
+  before returning, since SGLang records its completion event right after the call returns.
+* ``load_to_device_per_layer``: the pool's first layer submits one daemon ``load`` for every
+  layer; each layer then waits for its own part (GPU: the current stream waits on the daemon's
+  interprocess event for that layer, no host sync; CPU: the op's ack, taken once).
+* The ``_physical`` wrappers and ``prepare_transfer_indices`` are SGLang's own (they call the
+  methods above with the indices unchanged).
+
+Refused, one line each: token-granular (not page-aligned) transfers, MTP draft loads, and the
+calls that read host bytes in SGLang's process (storage backends' page access, PD direct-to-host).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from hicache.core.errors import HicacheError
+from hicache.engine.client import Op
+from hicache.engine.sglang.link import DaemonLink
+from hicache.engine.sglang.stage_map import SGLANG_POOLS
+
+
+class HostBytesElsewhere(HicacheError, RuntimeError):
+    """A call that needs host bytes inside SGLang's process; they live in the daemon."""
+
+
+def _pages(indices: torch.Tensor, page: int, what: str) -> list[int]:
+    """Whole-page token indices -> page rows (each page must be ``row*page + 0..page-1``)."""
+    flat = indices.reshape(-1).to(device="cpu", dtype=torch.int64)
+    if flat.numel() % page:
+        raise ValueError(f"{what}: {flat.numel()} indices are not whole {page}-token pages; "
+                         f"hicache moves whole pages only (token-granular copies are refused)")
+    grid = flat.reshape(-1, page)
+    rows = grid[:, 0] // page
+    if not torch.equal(grid, rows[:, None] * page + torch.arange(page)):
+        raise ValueError(f"{what}: indices are not whole aligned {page}-token pages")
+    return rows.tolist()
+
+
+def _refuse(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise HostBytesElsewhere(f"{type(self).__name__}.{name}: host bytes live in the hicache "
+                                 f"daemon; SGLang-side storage backends and PD direct-to-host "
+                                 f"transfers cannot read them (use the hicache dynamic backend)")
+    method.__name__ = name
+    return method
+
+
+class _DaemonPoolMixin:
+    """Backup/load forwarding shared by the paged and the state pools."""
+
+    link: DaemonLink
+    ours: str
+    layer_num: int
+    page_size: int
+
+    def _init_daemon(self, pool_name: str) -> None:
+        try:
+            self.ours = SGLANG_POOLS[str(pool_name)]
+        except KeyError:
+            raise ValueError(f"SGLang host pool {pool_name!r} has no hicache pool; mapped pools "
+                             f"are {sorted(SGLANG_POOLS)}") from None
+        spec = self.link.layout.pool(self.ours)
+        self.space = spec.index
+        self.layer_num = spec.num_layers
+        self.start_layer, self.end_layer = 0, spec.num_layers
+        self._loads: dict[tuple[int, int], Op] = {}
+        self._load_lock = threading.Lock()
+
+    def _items(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+               to_device: bool) -> dict[str, tuple]:
+        host = _pages(host_indices, self.page_size, f"{self.ours} host")
+        dev = _pages(device_indices, self.page_size, f"{self.ours} device")
+        if len(host) != len(dev):
+            raise ValueError(f"{self.ours}: {len(host)} host pages but {len(dev)} device pages")
+        return {self.ours: (host, dev) if to_device else (dev, host)}
+
+    def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor,
+                                     device_indices: torch.Tensor, io_backend: str) -> None:
+        if host_indices is None or device_indices is None or host_indices.numel() == 0:
+            return
+        items = self._items(host_indices, device_indices, to_device=False)
+        c = self.link.client
+        wait_event = None
+        if c.backup_events:  # GPU: the daemon waits for what this stream wrote so far
+            c.backup_events[0].record(torch.cuda.current_stream())
+            wait_event = 0
+        c.wait_ack(c.backup(items, wait_event=wait_event))
+
+    def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor,
+                                 device_indices: torch.Tensor, layer_id: int, io_backend: str,
+                                 *, is_draft: bool = False) -> None:
+        if is_draft:
+            raise ValueError(f"{self.ours}: MTP draft layers are not mapped by hicache")
+        if host_indices is None or device_indices is None or host_indices.numel() == 0:
+            return
+        key = (id(host_indices), id(device_indices))
+        c = self.link.client
+        with self._load_lock:
+            if layer_id == 0:
+                op = c.load(self._items(host_indices, device_indices, to_device=True))
+                if op.event_set is None:  # CPU: no per-layer events; the ack covers all layers
+                    op.ack = c.wait_ack(op)
+                self._loads[key] = op
+            op = self._loads.get(key)
+            if op is None:
+                raise RuntimeError(f"{self.ours}: layer {layer_id} loaded before layer 0")
+            if layer_id == self.layer_num - 1:
+                del self._loads[key]
+        c.wait_layer(op, self.link.pool_global_layer(self.ours, layer_id))
+
+    get_data_page = _refuse("get_data_page")
+    set_from_flat_data_page = _refuse("set_from_flat_data_page")
+    get_dummy_flat_data_page = _refuse("get_dummy_flat_data_page")
+    get_page_buffer_meta = _refuse("get_page_buffer_meta")
+    get_contiguous_buf_infos = _refuse("get_contiguous_buf_infos")
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        return False
+
+    def destroy(self) -> None:
+        return None
+
+
+def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
+    """(anchor, paged, state) classes bound to ``link`` (see the module docstring)."""
+    from sglang.srt.mem_cache.memory_pool_host import (DeepSeekV4PagedHostPool,
+                                                       DeepSeekV4StateHostPool, LogicalHostPool)
+
+    page = link.layout.model.page_size
+
+    class DaemonAnchorPool(LogicalHostPool):
+        """The KV anchor: page rows allocated by the daemon."""
+
+        def __init__(self, size: int, page_size: int, layout: str = "layer_first") -> None:
+            if page_size != page:
+                raise ValueError(f"anchor page size {page_size} is not hicache's {page}")
+            super().__init__(link.capacity("page") * page, page_size, layout)
+
+        def clear(self) -> None:
+            self.free_slots = torch.empty(0, dtype=torch.int64)
+            self.release_slots, self.num_release_slots = [], 0
+
+        def available_size(self) -> int:
+            return link.free_rows("page") * page
+
+        def alloc(self, need_size: int) -> torch.Tensor | None:
+            if need_size % page:
+                raise ValueError(f"anchor allocation of {need_size} is not whole {page}-token pages")
+            rows = link.alloc("page", need_size // page)
+            if rows is None:
+                return None
+            r = torch.tensor(rows, dtype=torch.int64)
+            return (r[:, None] * page + torch.arange(page)).reshape(-1)
+
+        def free(self, indices: torch.Tensor) -> int:
+            if indices.numel() == 0:
+                return 0
+            link.free("page", _pages(indices, page, "anchor free"))
+            return int(indices.numel())
+
+    class DaemonPagedHostPool(_DaemonPoolMixin, DeepSeekV4PagedHostPool):
+        """A DSV4 paged pool (SWA, C4, C4 indexer, C128) held by the daemon."""
+
+        def __init__(self, pool_name: str, device_buffers: list, item_bytes: int,
+                     num_host_pages: int, slot_page_size: int, layout: str = "layer_first",
+                     device: str = "cpu", pin_memory: bool = True, allocator_type: str = "default",
+                     page_aligned_only: bool = False) -> None:
+            self.link = link
+            self._init_daemon(pool_name)
+            spec = link.layout.pool(self.ours)
+            if item_bytes != spec.page_bytes or slot_page_size != page:
+                raise ValueError(f"{self.ours}: SGLang rows of {item_bytes} B / {slot_page_size} "
+                                 f"tokens, hicache {spec.page_bytes} B / {page}")
+            mine = [t.data_ptr() for t in link.stage.layers[self.ours]]
+            if [t.data_ptr() for t in device_buffers] != mine:
+                raise ValueError(f"{self.ours}: SGLang's device buffers are not the ones "
+                                 f"registered with the daemon")
+            self.pool_name, self.item_bytes, self.size_per_token = pool_name, item_bytes, item_bytes
+            self.page_aligned_only = True
+            self.slot_page_size = self.page_size = page
+            self.num_host_pages = link.capacity(self.space)
+            self.size = self.num_host_pages * page
+            self.dtype, self.device, self.pin_memory, self.layout = torch.uint8, "cpu", False, layout
+            self.device_buffers = device_buffers
+            self.gpu_device = device_buffers[0].device
+            self.lock = threading.RLock()
+            self.kv_buffer, self.data_refs, self.data_ptrs, self.staging_buffer = None, [], None, None
+            self.can_use_jit = self.can_use_write_back_jit = False
+
+        def clear(self) -> None:
+            return None
+
+        def available_size(self) -> int:
+            return link.free_rows(self.space) * page
+
+        def alloc(self, need_size: int) -> torch.Tensor | None:
+            if self.space != "swa_page":
+                raise ValueError(f"{self.ours} takes its rows from the KV anchor, not alloc()")
+            rows = link.alloc("swa_page", -(-need_size // page))
+            if rows is None:
+                return None
+            r = torch.tensor(rows, dtype=torch.int64)
+            return (r[:, None] * page + torch.arange(page)).reshape(-1)
+
+        def free(self, indices: torch.Tensor) -> int:
+            if self.space != "swa_page":
+                raise ValueError(f"{self.ours} rows are freed through the KV anchor")
+            if indices.numel() == 0:
+                return 0
+            link.free("swa_page", _pages(indices, page, f"{self.ours} free"))
+            return int(indices.numel())
+
+    class DaemonStateHostPool(_DaemonPoolMixin, DeepSeekV4StateHostPool):
+        """A DSV4 compress-state pool held by the daemon (rows: SWA pages, ring per row)."""
+
+        def __init__(self, pool_name: str, state_pools: list, num_host_pages: int,
+                     swa_page_size: int, layout: str = "layer_first", device: str = "cpu",
+                     pin_memory: bool = True, allocator_type: str = "default") -> None:
+            self.link = link
+            self._init_daemon(pool_name)
+            if swa_page_size != page:
+                raise ValueError(f"{self.ours}: SWA page {swa_page_size}, hicache {page}")
+            spec = link.layout.pool(self.ours)
+            mine = [id(t) for t in link.stage.owners[self.ours]]
+            if [id(p.kv_score_buffer.kv_score) for p in state_pools] != mine:
+                raise ValueError(f"{self.ours}: SGLang's state pools are not the ones "
+                                 f"registered with the daemon")
+            self.pool_name, self.state_pools = pool_name, state_pools
+            self.swa_page_size = self.page_size = page
+            self.ring_size, self.state_page_bytes = spec.ring, spec.page_bytes
+            self.size_per_token = spec.page_bytes
+            self.num_host_pages = link.capacity(self.space)
+            self.size = self.num_host_pages * page
+            self.dtype, self.device, self.pin_memory, self.layout = torch.uint8, "cpu", False, layout
+            self.gpu_device = state_pools[0].kv_score_buffer.kv_score.device
+            self.lock = threading.RLock()
+            self.kv_buffer, self.data_refs, self.data_ptrs, self.staging_buffer = None, [], None, None
+            self.device_page_views = link.stage.layers[self.ours]
+            self.can_use_jit = self.can_use_write_back_jit = False
+
+    return DaemonAnchorPool, DaemonPagedHostPool, DaemonStateHostPool

@@ -1,0 +1,152 @@
+"""One SGLang worker's connection to its hicache daemon: device buffers shared, rows owned.
+
+``DaemonLink.connect(kvcache, layout, client)`` maps SGLang's DSV4 device pools onto ``layout``
+(``stage_map.map_stage``), shares them with the daemon and registers the worker:
+
+* CUDA: the tensors are exported as they are (CUDA IPC handles of SGLang's own allocations).
+* CPU (tests, no GPU): the daemon maps device pools from ``/dev/shm`` files, and SGLang's are
+  ordinary heap tensors. Each owning tensor is moved, in place, into one 0600 shm file
+  (``Tensor.set_`` onto the file's storage: the bytes are copied, every Python reference to the
+  tensor object sees the new memory; views taken *before* the move keep the old memory, so
+  ``connect`` must run before the host pools take their views, which the assembler patch
+  guarantees). ``close()`` unlinks the file; the daemon's mapping stays valid.
+
+Host rows: ``alloc(space, pages)`` / ``free(space, rows)`` forward to the daemon (it owns them);
+``capacity(space)`` is the daemon's host row count. ``pool_global_layer(pool, local)`` turns a
+pool-local layer id into the global layer the daemon's per-layer events are indexed by.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from typing import Any, Mapping
+
+import torch
+
+from hicache.core.ipc import SHM_PREFIX, export_buffers
+from hicache.core.layout import Layout
+from hicache.engine.client import Client, CommandRefused
+from hicache.engine.sglang.stage_map import StageBuffers, map_stage
+
+ALIGN = 4096
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _rehome_to_shm(owners: list[torch.Tensor], shm_dir: str) -> tuple[str, mmap.mmap]:
+    """Move every distinct tensor of ``owners`` into one fresh shm file (see module docstring)."""
+    distinct: dict[int, torch.Tensor] = {}
+    for t in owners:
+        distinct.setdefault(id(t), t)
+    plan, end = [], 0
+    for t in distinct.values():
+        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0:
+            raise ValueError("CPU mode shares whole contiguous CPU tensors only")
+        plan.append((t, end))
+        end += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    path = os.path.join(shm_dir, f"{SHM_PREFIX}sglang-{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(end, ALIGN))
+        mm = mmap.mmap(fd, max(end, ALIGN))
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    for t, off in plan:
+        region = whole[off: off + t.nbytes]
+        region.copy_(t.detach().reshape(-1).view(torch.uint8))
+        t.set_(whole.untyped_storage(), off // t.element_size(), t.size(), t.stride())
+    return path, mm
+
+
+class DaemonLink:
+    """See the module docstring."""
+
+    def __init__(self, client: Client, stage: StageBuffers, host_rows: Mapping[str, int],
+                 shm: tuple[str, mmap.mmap] | None) -> None:
+        self.client = client
+        self.stage = stage
+        self.layout: Layout = stage.layout
+        self.host_rows = dict(host_rows)
+        self.lock = threading.RLock()
+        self._allocated = {s: 0 for s in self.host_rows}
+        self._mm = shm[1] if shm else None
+        self.shm_path = shm[0] if shm else None
+        self._fin = weakref.finalize(self, _unlink, shm[0]) if shm else None
+
+    @classmethod
+    def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
+                shm_dir: str = "/dev/shm", name: str = "sglang") -> "DaemonLink":
+        first = map_stage(kvcache, layout)
+        cuda = next(iter(first.layers.values()))[0].device.type == "cuda"
+        shm = None
+        if not cuda:
+            shm = _rehome_to_shm([t for ts in first.owners.values() for t in ts], shm_dir)
+        stage = map_stage(kvcache, layout)  # fresh views of the moved memory
+        shared = {p: [t[: stage.rows[layout.pool(p).index]] for t in ts]
+                  for p, ts in stage.layers.items()}
+        if cuda:
+            buffers = export_buffers(shared)
+            mode = "cuda"
+        else:
+            base = torch.frombuffer(shm[1], dtype=torch.uint8).data_ptr()
+            buffers = {p: [{"kind": "shm", "path": shm[0], "offset": t.data_ptr() - base,
+                            "rows": int(t.shape[0]), "row_bytes": int(t.shape[1])} for t in ts]
+                       for p, ts in shared.items()}
+            mode = "cpu"
+        try:
+            # GPU: one interprocess event the engine records before each backup
+            client._device = next(iter(shared.values()))[0].device if cuda else None
+            h = client.register(layout=layout.to_dict(), device_rows=stage.rows, buffers=buffers,
+                                mode=mode, name=name, events=1 if cuda else 0)
+        except BaseException:
+            if shm:
+                _unlink(shm[0])
+            raise
+        return cls(client, stage, h["host_rows"], shm)
+
+    # ------------------------------------------------------------------ host rows
+    def capacity(self, space: str) -> int:
+        return self.host_rows[space]
+
+    def free_rows(self, space: str) -> int:
+        with self.lock:
+            return self.host_rows[space] - self._allocated[space]
+
+    def alloc(self, space: str, pages: int) -> list[int] | None:
+        """``pages`` host rows of ``space`` from the daemon, or None when it has too few."""
+        with self.lock:
+            try:
+                rows = self.client.alloc({space: pages})[space]
+            except CommandRefused as e:
+                if e.code == "no_space":
+                    return None
+                raise
+            self._allocated[space] += len(rows)
+            return rows
+
+    def free(self, space: str, rows: list[int]) -> None:
+        with self.lock:
+            self.client.free({space: rows})
+            self._allocated[space] -= len(rows)
+
+    def pool_global_layer(self, pool: str, local: int) -> int:
+        return self.layout.stage.global_id(self.layout.pool(pool).family, local)
+
+    def close(self) -> None:
+        try:
+            self.client.unregister()
+        finally:
+            if self._fin is not None:
+                self._fin()

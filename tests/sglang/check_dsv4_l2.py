@@ -1,0 +1,218 @@
+"""SGLang 0.5.23's own UnifiedRadixCache + DSV4 HiCache stack, with the daemon as its L2 (CPU).
+
+Runs inside the sglang environment (``tests/test_sglang_adapter.py`` launches it). Per test:
+a real ``hicache serve`` (CPU, dsv4-tiny, --no-mtp, --c128-state offline) per PP stage,
+``hicache.engine.sglang.install``, SGLang's DSV4 device pool, allocator and radix tree, then
+insert -> backup (SGLang's write path) -> device eviction (SGLang's evict) -> load-back
+(SGLang's load path, per layer) and a byte comparison of every DSV4 pool: each loaded device row
+equals the row written before the backup, and every other device row is untouched.
+"""
+from __future__ import annotations
+
+import os
+import unittest
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dsv4_fixture as F
+from conftest import start_daemon
+from hicache.engine import sglang as hs
+from hicache.engine.sglang.version import UnsupportedSglang, check_sglang_version
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType as CT
+from sglang.test.kits.unified_radix_cache.config import CacheConfig
+from sglang.test.kits.unified_radix_cache.fixtures import (match_prefix, node_device_value,
+                                                           node_host_value)
+from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
+
+# cpu (CI) or cuda:N (the GPU machine: scripts/gpu_sglang.sh); the daemon serves the same device
+DEVICE = os.environ.get("HICACHE_SGLANG_TEST_DEVICE", "cpu")
+PAGE_POOLS = ("c4_kv", "c4_indexer", "c128_kv")
+SWA_POOLS = ("swa_kv", "c4_state", "c4_indexer_state")
+
+
+class Kit(UnifiedRadixCacheFixtures, unittest.TestCase):
+    """SGLang's shipped test steps (insert, backup, load-back) on our DSV4 stack."""
+
+    cfg = CacheConfig(page_size=F.PAGE, components=(CT.FULL, CT.SWA), sliding_window_size=128,
+                      num_layers=len(F.RATIOS), full_attention_layer_ids=())
+
+
+def _rows(v: torch.Tensor | None) -> list[int]:
+    return [] if v is None else (v.reshape(-1, F.PAGE)[:, 0] // F.PAGE).tolist()
+
+
+def _fill(link: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for ts in link.stage.layers.values():
+        for t in ts:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+
+
+def _daemon(tmp: Path, pp_size: int, rank: int) -> Any:
+    return start_daemon(tmp, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
+                        metrics=False,
+                        extra=("--no-mtp", "--c128-state", "offline", "--pp-size", str(pp_size),
+                               "--pp-rank", str(rank)))
+
+
+def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int) -> int:
+    """insert -> backup -> evict -> load back -> bytes; returns the SWA pages verified."""
+    seq = kit._make_seq(1 + seed * 10_000, 3)
+    kit._insert(cache, alloc, r2t, seq)
+    chain = kit._path_chain(cache, match_prefix(cache, seq).last_device_node)
+    full_old = [r for n in chain for r in _rows(node_device_value(cache, n, CT.FULL))]
+    swa_old = [r for n in chain for r in _rows(node_device_value(cache, n, CT.SWA))]
+    assert len(full_old) == 3 and len(swa_old) == 3
+    _fill(link, seed)
+    before = {p: [t.clone() for t in ts] for p, ts in link.stage.layers.items()}
+
+    kit._backup_tree(cache)  # SGLang's write path -> our pools -> daemon backup
+    for n in chain:
+        assert node_host_value(cache, n, CT.FULL) is not None
+
+    got = cache.evict(EvictParams(num_tokens=3 * F.PAGE, swa_num_tokens=3 * F.PAGE))
+    assert got.num_tokens_evicted == 3 * F.PAGE
+    assert all(node_device_value(cache, n, CT.FULL) is None for n in chain)
+    for ts in link.stage.layers.values():  # what the device had is gone
+        for t in ts:
+            t.zero_()
+
+    kit._insert(cache, alloc, r2t, kit._make_seq(900_000 + seed, 3))  # takes the freed pages
+    m = match_prefix(cache, seq)
+    assert m.host_hit_length == 3 * F.PAGE
+    kit._load_back_node(cache, chain[-1])  # SGLang's load path, per layer
+    full_new = [r for n in chain for r in _rows(node_device_value(cache, n, CT.FULL))]
+    swa_new = {i: r for i, n in enumerate(chain)
+               for r in _rows(node_device_value(cache, n, CT.SWA))}
+    assert len(full_new) == 3 and set(full_new).isdisjoint(full_old), (full_old, full_new)
+    loaded_swa = [(swa_old[i], r) for i, r in swa_new.items()] if len(swa_new) == len(chain) \
+        else [(swa_old[-1], _rows(node_device_value(cache, chain[-1], CT.SWA))[-1])]
+    assert loaded_swa, "SGLang loaded no SWA page"
+
+    for pool, pairs in [(p, list(zip(full_old, full_new))) for p in PAGE_POOLS] + \
+                       [(p, loaded_swa) for p in SWA_POOLS]:
+        for layer, t in enumerate(link.stage.layers[pool]):
+            touched = set()
+            for old, new in pairs:
+                assert torch.equal(t[new], before[pool][layer][old]), \
+                    f"{pool} layer {layer}: device row {new} != row {old} before backup"
+                touched.add(new)
+            rest = [r for r in range(t.shape[0]) if r not in touched]
+            assert int(t[rest].count_nonzero()) == 0, f"{pool} layer {layer}: other rows changed"
+    c128_state = link.stage.layers["c128_state"]
+    assert all(int(t.count_nonzero()) == 0 for t in c128_state)  # SGLang never moves it
+    return len(loaded_swa)
+
+
+def test_single_stage_round_trip(tmp_path: Path) -> None:
+    d = _daemon(tmp_path, 1, 0)
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address)
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        link = inst.links[0]
+        assert sorted(link.stage.layers) == sorted(link.layout.pools)
+        for e in cache.cache_controller.mem_pool_host.entries:  # no host bytes in SGLang
+            assert e.host_pool.kv_buffer is None, e.name
+        assert _round_trip(Kit(), link, cache, alloc, r2t, seed=1) >= 1
+        st = link.client.stats()
+        assert st is not None
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+
+
+def test_pp_stages_round_trip(tmp_path: Path) -> None:
+    """Two PP stages, one daemon each; each stage's pools map to its own local layer ids."""
+    ds: list[Any] = []
+    inst = None
+    try:
+        for r in range(2):
+            ds.append(_daemon(tmp_path, 2, r))
+        inst = hs.install("dsv4-tiny", address=lambda r: ds[r].address, pp_size=2)
+        for r, (s, e) in enumerate(((0, 3), (3, 6))):
+            cache, alloc, r2t, kv = F.build_dsv4_cache(s, e, DEVICE)
+            link = inst.links[r]
+            assert (link.layout.stage.start, link.layout.stage.end) == (s, e)
+            fam = link.layout.stage.families
+            assert fam["c4"] == tuple(g for g in range(s, e) if F.RATIOS[g] == 4)
+            assert _round_trip(Kit(), link, cache, alloc, r2t, seed=2 + r) >= 1
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        for d in ds:
+            d.close()
+
+
+def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> None:
+    d = _daemon(tmp_path, 2, 0)  # serves stage 0 of 2; the worker is the whole model
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address)
+        with pytest.raises(Exception, match="layout"):
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+
+
+def test_version_gate() -> None:
+    assert check_sglang_version() == "0.5.23"
+    with pytest.raises(UnsupportedSglang, match=r"supports sglang==0\.5\.23 only; found sglang 0\.5\.22"):
+        check_sglang_version("0.5.22")
+
+
+def test_layout_that_differs_from_sglang_is_refused_before_registration(tmp_path: Path) -> None:
+    from hicache.core.layout import preset
+    from hicache.engine.sglang.stage_map import LayoutMismatch
+
+    d = _daemon(tmp_path, 1, 0)
+    inst = None
+    try:
+        inst = hs.install(preset("dsv4-tiny").with_options(index_head_dim=64), address=d.address)
+        with pytest.raises(LayoutMismatch, match=r"SGLang .*hicache"):
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        with d.client() as c:
+            assert c.stats()["workers"] == 0  # nothing registered
+        assert inst.links == []
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+
+
+def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.engine.sglang import plugin
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
+
+    original = A.build_deepseek_v4_hicache_stack
+    monkeypatch.delenv(plugin.ENV_MODEL, raising=False)
+    assert plugin.load() is None and A.build_deepseek_v4_hicache_stack is original
+    d = _daemon(tmp_path, 1, 0)
+    monkeypatch.setenv(plugin.ENV_MODEL, "dsv4-tiny")
+    monkeypatch.setenv(plugin.ENV_SOCKET, d.address)
+    inst = None
+    try:
+        inst = plugin.load()
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        pools = {str(e.name.value): type(e.host_pool).__name__
+                 for e in cache.cache_controller.mem_pool_host.entries}
+        assert pools == {"kv": "DaemonAnchorPool", "swa": "DaemonPagedHostPool",
+                         "deepseek_v4_c4": "DaemonPagedHostPool",
+                         "deepseek_v4_c4_indexer": "DaemonPagedHostPool",
+                         "deepseek_v4_c128": "DaemonPagedHostPool",
+                         "deepseek_v4_c4_state": "DaemonStateHostPool",
+                         "deepseek_v4_c4_indexer_state": "DaemonStateHostPool"}
+        assert len(inst.links) == 1
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+    assert A.build_deepseek_v4_hicache_stack is original

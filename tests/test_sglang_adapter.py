@@ -1,0 +1,63 @@
+"""The SGLang adapter, tested against SGLang 0.5.23's own cache classes on CPU.
+
+SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh``: CPU torch,
+sglang installed without its GPU dependencies; built once, then cached). This module builds it
+when missing and runs ``tests/sglang/check_dsv4_l2.py`` there, with a real ``hicache serve``
+per PP stage; it fails with the inner run's output if any inner test fails or is skipped.
+The version gate is also checked here, in the main environment (no sglang installed).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.engine.sglang import UnsupportedSglang, check_sglang_version
+from hicache.engine.sglang.version import installed_sglang
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
+INNER = ["tests/sglang/check_dsv4_l2.py"]
+INNER_TESTS = 6
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text[-n:]
+
+
+def test_sglang_adapter_against_sglang_classes() -> None:
+    setup = subprocess.run(["bash", "scripts/setup_sglang.sh"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1800, env={**os.environ, "SGLANG_VENV": str(VENV)})
+    assert setup.returncode == 0, f"setup_sglang.sh failed:\n{_tail(setup.stdout + setup.stderr)}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")])}
+    run = subprocess.run([str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p",
+                          "no:cacheprovider", "-W", "ignore::UserWarning", *INNER],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, f"SGLang adapter tests failed:\n{_tail(out)}"
+    m = re.search(r"(\d+) passed", out)
+    assert m and int(m.group(1)) == INNER_TESTS, f"expected {INNER_TESTS} passed:\n{_tail(out)}"
+    assert not re.search(r"\d+ (skipped|failed|error)", out), _tail(out)
+
+
+def test_version_gate_refuses_other_versions_in_one_line() -> None:
+    for bad in ("0.5.22", "0.5.24", "0.6.0"):
+        with pytest.raises(UnsupportedSglang) as e:
+            check_sglang_version(bad)
+        msg = str(e.value)
+        assert "\n" not in msg and f"found sglang {bad}" in msg and "0.5.23" in msg
+    assert check_sglang_version("0.5.23") == "0.5.23"
+
+
+@pytest.mark.skipif(installed_sglang() is not None, reason="sglang installed in this env")
+def test_install_refuses_without_sglang() -> None:
+    from hicache.engine import sglang as hs
+
+    with pytest.raises(UnsupportedSglang, match="sglang is not installed"):
+        hs.install("dsv4-tiny", address="ipc:///nonexistent")
+    assert "sglang" not in sys.modules  # the gate runs before any SGLang import
