@@ -3,14 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-gpu bench
+.PHONY: setup sglang-env demo test test-gpu bench
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m hicache.cli demo $(ARGS)
 
-test: setup
+# the SGLang adapter's tests run SGLang's own classes in a separate cached env (.venv-sglang)
+sglang-env:
+	@bash scripts/setup_sglang.sh
+
+test: setup sglang-env
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 test-gpu: setup
