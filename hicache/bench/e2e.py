@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.bench.plotting import pyplot
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
 from hicache.engine.client import Client
@@ -311,10 +312,8 @@ def _table(result: dict[str, Any]) -> None:
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    assert plt is not None  # check_args refused --plot without matplotlib
     sizes = list(result["sizes"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in (("load_ratio", "LOAD (last layer ready)"), ("backup_ratio", "BACKUP")):

@@ -19,6 +19,8 @@ code path is exercised on CPU.
 """
 from __future__ import annotations
 
+from hicache.bench.plotting import pyplot
+
 import argparse
 import json
 import statistics
@@ -359,11 +361,8 @@ def _print(result: dict[str, Any]) -> None:
 
 
 def _plot(result: dict[str, Any], path: str) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         msg = "matplotlib is not installed: no plot written"
         _log(msg)
         return msg

@@ -4,6 +4,8 @@ reference path on small data, when there is no GPU), the table and the GB/s-per-
 """
 from __future__ import annotations
 
+from hicache.bench.plotting import pyplot
+
 import argparse
 import sys
 import time
@@ -129,11 +131,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: str) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         msg = "matplotlib is not installed: no plot written"
         _log(msg)
         return msg

@@ -10,18 +10,44 @@ Contract:
 * ``make_ipc_events(n, device)`` -> ``n`` interprocess CUDA events and their wire handles.
 * ``encode_b64(bytes)`` / ``decode_b64(field, value)``: the handle wire form; decoding raises
   ``ValueError`` naming the field.
-* ``SHM_PREFIX``: ``/dev/shm`` files of device pools in CPU mode are ``hicache-dev-*`` (0600).
+* ``SHM_PREFIX``: ``/dev/shm`` files of device pools in CPU mode are ``hicache-dev-*`` (0600);
+  ``create_shm(shm_dir, tag, nbytes) -> (path, mmap)`` makes one (new, 0600, exclusive; on
+  failure nothing is left behind). Callers unlink it when done.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import mmap
 import os
+import secrets
 from typing import Any
 
 import torch
 
 SHM_PREFIX = "hicache-dev-"
+SHM_ALIGN = 4096
+
+
+def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new 0600 shared-memory file ``<shm_dir>/hicache-dev-<tag><pid>-<random>`` of at least
+    one page, mapped; raises (leaving no file) on failure."""
+    if not os.path.isdir(shm_dir):
+        raise ValueError(f"shared-memory directory {shm_dir} does not exist")
+    path = os.path.join(shm_dir, f"{SHM_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, SHM_ALIGN))
+        mm = mmap.mmap(fd, max(nbytes, SHM_ALIGN))
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        raise
+    os.close(fd)
+    return path, mm
 MAX_B64 = 4096  # longest handle string accepted from the wire
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import weakref
 from typing import Any, Mapping
 
 import torch
 
-from hicache.core.ipc import SHM_PREFIX, check_ipc_allocator, export_buffers
+from hicache.core.ipc import check_ipc_allocator, create_shm, export_buffers
 from hicache.core.layout import Layout
 
 ALIGN = 4096
@@ -83,18 +82,7 @@ class DevicePools:
             for _ in range(spec.num_layers):
                 plan.append((name, end, self.rows[spec.index], spec.page_bytes))
                 end = _align(end + nbytes)
-        if not os.path.isdir(shm_dir):
-            raise ValueError(f"shared-memory directory {shm_dir} does not exist")
-        path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, max(end, ALIGN))
-            mm = mmap.mmap(fd, max(end, ALIGN))
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(path)
-            raise
-        os.close(fd)
+        path, mm = create_shm(shm_dir, "", end)
         self.path, self._mm = path, mm
         self._finalizer = weakref.finalize(self, _unlink_quietly, path)
         base = torch.frombuffer(mm, dtype=torch.uint8)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import threading
 import weakref
 from typing import Any, Mapping
 
 import torch
 
-from hicache.core.ipc import SHM_PREFIX, export_buffers
+from hicache.core.ipc import create_shm, export_buffers
 from hicache.core.layout import Layout
 from hicache.engine.client import Client, CommandRefused
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
@@ -52,16 +51,7 @@ def _rehome_to_shm(owners: list[torch.Tensor], shm_dir: str) -> tuple[str, mmap.
             raise ValueError("CPU mode shares whole contiguous CPU tensors only")
         plan.append((t, end))
         end += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    path = os.path.join(shm_dir, f"{SHM_PREFIX}sglang-{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, max(end, ALIGN))
-        mm = mmap.mmap(fd, max(end, ALIGN))
-    except BaseException:
-        os.close(fd)
-        _unlink(path)
-        raise
-    os.close(fd)
+    path, mm = create_shm(shm_dir, "sglang-", end)
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     for t, off in plan:
         region = whole[off: off + t.nbytes]
