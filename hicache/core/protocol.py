@@ -280,6 +280,14 @@ def check_items(items: list, n_frames: int, need_dst: bool = True) -> None:
 _LITTLE = sys.byteorder == "little"
 
 
+def as_index(x: Any) -> Any:
+    """Anything index-like -> something ``pack_index`` takes (torch tensors included; torch is
+    recognised by its module name, never imported here)."""
+    if type(x).__module__.startswith("torch"):
+        return x.detach().to("cpu").contiguous().numpy().astype("int64", copy=False)
+    return x
+
+
 def pack_index(ids: Any) -> bytes:
     """Little-endian int64 bytes of ``ids`` (a sequence of ints, an ``array('q')``, bytes of
     int64, or anything with ``.tobytes()`` of int64 such as a numpy array)."""

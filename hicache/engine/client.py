@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
 from .acks import Ack, AckTimeout, CommandRefused, DaemonUnreachable, Op, TransferFailed
@@ -51,15 +52,10 @@ def _default_address() -> str:
     return default_socket(os.environ.get("HICACHE_DEVICE", "cpu"))
 
 
-def _as_ids(x: Any) -> Any:
-    """Anything index-like -> something ``protocol.pack_index`` takes (torch tensors included)."""
-    mod = type(x).__module__
-    if mod.startswith("torch"):
-        return x.detach().to("cpu").contiguous().numpy().astype("int64", copy=False)
-    return x
+_as_ids = P.as_index
 
 
-class Client(SparseCommands):
+class Client(SparseCommands, L3Commands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None) -> None:
@@ -420,37 +416,6 @@ class Client(SparseCommands):
         (stream or torch.cuda.current_stream()).wait_event(ev)
 
     # ------------------------------------------------------------------ inspection / control
-    # ------------------------------------------------------------------ L3 tier
-    def _l3_rows(self, rows: Mapping[str, Any]) -> tuple[dict[str, int], list[Any]]:
-        names = list(rows)
-        return {s: i for i, s in enumerate(names)}, [_as_ids(rows[s]) for s in names]
-
-    def l3_query(self, keys: Sequence[str], timeout: float | None = None) -> int:
-        """How many leading pages of the key chain ``keys`` the L3 store holds (0 while it is
-        offline). Bounded by ``timeout`` (``AckTimeout`` past it)."""
-        h, _ = self.call("l3_query", {"keys": list(keys)}, timeout=timeout)
-        a = self.wait_ack(int(h["op"]), timeout=timeout)
-        return int((a.l3 or {}).get("hits", 0))
-
-    def l3_prefetch(self, keys: Sequence[str], rows: Mapping[str, Any], *,
-                    deadline_ms: int = 5000, timeout: float | None = None) -> Ack:
-        """Read pages ``keys`` into host rows ``rows`` ({space: ids}, one per key, owned by
-        this client). The ack's ``l3["hits"]``: leading pages read and verified; the rest of
-        the rows hold nothing usable."""
-        r, frames = self._l3_rows(rows)
-        fields = {"keys": list(keys), "rows": r, "deadline_ms": int(deadline_ms)}
-        h, _ = self.call("l3_prefetch", fields, frames, timeout=timeout)
-        return self.wait_ack(int(h["op"]), timeout=timeout)
-
-    def l3_put(self, keys: Sequence[str], rows: Mapping[str, Any],
-               timeout: float | None = None) -> Op:
-        """Write the pages in host rows ``rows`` to L3 under ``keys`` in the background
-        (existing keys are skipped); ``wait_ack`` gives ``l3["written"]`` / ``["skipped"]``.
-        Free the rows when you like: the daemon defers the free until the write read them."""
-        r, frames = self._l3_rows(rows)
-        h, _ = self.call("l3_put", {"keys": list(keys), "rows": r}, frames, timeout=timeout)
-        return Op(int(h["op"]), "l3_put")
-
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
         return self.call("stats", timeout=timeout)[0]
 

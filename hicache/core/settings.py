@@ -1,0 +1,99 @@
+"""Every setting of ``hicache serve``, declared once: its name (the ``ServeConfig`` field and TOML
+key), its flag group, its help, whether it has a flag, and older spellings kept as hidden
+aliases. The flags, the ``HICACHE_*`` variables and docs/config.md's table all come from
+``SETTINGS`` (``hicache.core.config`` checks that every field has an entry).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+ENV_PREFIX = "HICACHE_"
+
+
+class Setting(NamedTuple):
+    name: str  # field name = TOML key
+    group: str  # flag group of ``hicache serve -h``
+    help: str
+    flag: bool = True  # False: TOML / environment only
+    aliases: tuple[str, ...] = ()  # older spellings, accepted and hidden
+
+    @property
+    def option(self) -> str | None:
+        return "--" + self.name.replace("_", "-") if self.flag else None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+_D, _M, _S, _H, _E = "daemon", "model and stage", "device sizing", "host memory", "engine side"
+_L = "L3 tier (Mooncake Store; needs the 'l3' extra)"
+SETTINGS: tuple[Setting, ...] = (
+    Setting("device", _D, "cuda:N or cpu (CPU mode: plain shared memory, no GPU)"),
+    Setting("socket", _D, "ipc://PATH or tcp://127.0.0.1:PORT [ipc://$XDG_RUNTIME_DIR/hicache/"
+            "<device>.sock, e.g. cuda0.sock; /tmp/hicache-$UID/... without a runtime dir]"),
+    Setting("allow_remote", _D, "accept a non-loopback tcp address (needs both CURVE settings)"),
+    Setting("curve_secret_key", _D, "the daemon's CURVE secret key file (mode 0600, zmq.auth "
+            "certificate format)"),
+    Setting("curve_clients", _D, "directory of the allowed clients' CURVE public .key files"),
+    Setting("heartbeat_timeout", _D, "seconds of silence after which a client is reaped"),
+    Setting("metrics_port", _D, "Prometheus /metrics port (0 = off)"),
+    Setting("metrics_addr", _D, "address the metrics endpoint binds"),
+    Setting("log_level", _D, "debug, info, warning or error"),
+    Setting("spin_us", _D, "busy-poll this many microseconds after a request before sleeping "
+            "(lower latency, more CPU)"),
+    Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
+    Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
+            "thread", flag=False),
+    Setting("load_event_sets", _D, "GPU mode: sets of per-layer load events, used round robin",
+            flag=False),
+    Setting("max_clients", _D, "clients tracked at most", flag=False),
+    Setting("ack_retention", _D, "acks kept per client for poll_acks", flag=False),
+    Setting("shm_dirs", _D, "CPU mode: folders device-pool files may live in (':'-separated)",
+            flag=False),
+    Setting("preset", _M, "model preset: dsv4-flash, dsv4-pro, dsv4-tiny"),
+    Setting("model_config", _M, "a Hugging Face style config.json (instead of --preset)",
+            aliases=("--config",)),
+    Setting("tp_size", _M, "tensor parallel size (MLA: every TP rank holds the full KV pools, so "
+            "the rows do not change)"),
+    Setting("pp_size", _M, "pipeline stages (even split unless --stage-bounds)"),
+    Setting("pp_rank", _M, "the stage this daemon serves, 0..pp-size-1"),
+    Setting("stage_bounds", _M, "explicit [start,end) target layers per stage, e.g. 0:22,22:43"),
+    Setting("swa_mode", _M, "paged (SWA pages) or ring (one SWA ring per request slot)"),
+    Setting("c128_state", _M, "online (1 row per request) or offline (128-slot ring)"),
+    Setting("mtp", _M, "MTP draft layers on the last stage [the model's own]"),
+    Setting("indexer", _M, "fp8 or fp4 C4 indexer keys [the model's own]"),
+    Setting("kv_mem", _S, "KV budget per GPU: device rows from the planner, as `hicache plan` "
+            "prints them (instead of --device-rows)"),
+    Setting("max_running", _S, "with --kv-mem: running requests per worker (request slots)"),
+    Setting("pd_role", _S, "with --kv-mem: none, prefill or decode (decode keeps 2 x "
+            "max-running slots)"),
+    Setting("swa_full_tokens_ratio", _S, "with --kv-mem, paged SWA: SWA tokens / full tokens, "
+            "in (0, 1]"),
+    Setting("device_rows", _S, "device rows per index space, e.g. page=4096,swa_page=512,"
+            "req_slot=64 (instead of --kv-mem)"),
+    Setting("host_mem", _H, "host pool size per GPU, e.g. 256GiB (rows in proportion to the "
+            "device rows)"),
+    Setting("host_ratio", _H, "host rows = ratio x device rows (instead of --host-mem)"),
+    Setting("force", _H, "accept a host tier not larger than the device pools"),
+    Setting("numa_node", _H, "auto (the GPU's node), off, or a node number"),
+    Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "
+                                "their owner backs something up into them either way)"),
+    Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
+    Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of the sparse host region "
+            "(0 = no sparse mode; docs/hisparse.md)"),
+    Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
+            "sparse mode"),
+    Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
+            "radix cache's default write "
+            "policy for engines of this daemon"),
+    Setting("l3", _L, "off or mooncake [off]"),
+    Setting("l3_master", _L, "mooncake_master address HOST:PORT"),
+    Setting("l3_metadata", _L, "metadata server URL, e.g. http://127.0.0.1:8080/metadata"),
+    Setting("l3_protocol", _L, "transfer protocol: tcp or rdma [tcp]"),
+    Setting("l3_rdma_devices", _L, "RDMA devices for --l3-protocol rdma"),
+    Setting("l3_local_host", _L, "address this daemon's store client advertises [127.0.0.1]"),
+    Setting("l3_segment", _L, "memory this daemon contributes to the store, e.g. 4GiB (0: pages "
+                              "live in other members' segments)"),
+)
+BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free")
