@@ -152,14 +152,7 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
             counter.value += st["ops"] % 50
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         problem(f"{type(e).__name__}: {e}")
-    out.put((idx, st))
-    release.wait(300)  # the parent samples the daemon's RSS while every worker is still mapped
-    try:
-        c.unregister(timeout=10)
-    except Exception:  # noqa: BLE001
-        pass
-    c.close()
-    bufs.close()
+    report_and_leave(out, idx, st, release, c, bufs)
 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
@@ -204,14 +197,21 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
             counter.value += st["ops"] % 50
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         m.problem(f"{type(e).__name__}: {e}")
+    report_and_leave(out, idx, st, release, c, pools)
+
+
+def report_and_leave(out: Any, idx: int, st: dict[str, Any], release: Any, c: Any,
+                     buffers: Any) -> None:
+    """A worker's last steps: its counters to the parent, then (once the parent has sampled the
+    daemon's RSS while every worker is still mapped) unregister and close."""
     out.put((idx, st))
     release.wait(300)
     try:
         c.unregister(timeout=10)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the daemon may be gone; the counters are already out
         pass
     c.close()
-    pools.close()
+    buffers.close()
 
 
 def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
