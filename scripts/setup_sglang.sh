@@ -18,7 +18,7 @@ stamp="$VENV/.hicache-sglang-setup"
 if [ -f "$stamp" ] && [ "$stamp" -nt scripts/setup_sglang.sh ]; then
   exit 0
 fi
-echo "[setup_sglang] creating $VENV (first run: about a minute)"
+echo "[setup_sglang] creating $VENV (first run: several minutes, about 2.8 GB)"
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 cons=$(mktemp)
