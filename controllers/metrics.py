@@ -216,6 +216,14 @@ class Metrics:
         self._zero("transfers_in_flight", DIRECTIONS)
         self._zero_hist("transfer_seconds", DIRECTIONS)
         self._zero_hist("command_seconds", (*COMMANDS, "invalid"))
+        # the L3 tier's series exist (at 0) on every daemon: an L3-less one shows zeros, not gaps
+        self._zero("l3_transitions", ("online", "offline"))
+        self._zero("l3_pages", ("query_hit", "prefetch_hit", "written", "skipped_existing"))
+        self._zero("l3_hit_tokens")
+        self._zero("l3_bytes", ("read", "write"))
+        self._zero("l3_errors", ("offline", "corrupt", "full", "error"))
+        self._zero_hist("l3_seconds", ("query", "prefetch", "put"))
+        self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))
         if process_metrics:
             ProcessCollector(registry=self.registry)
