@@ -139,8 +139,10 @@ def test_dry_and_verified_replays_agree_on_hits(daemon_factory, swa):
     from hicache.sim.dry import DryReplay
     from hicache.sim.workload import multi_turn
 
+    # lockstep: backups complete before the next request, as in the dry replay (otherwise the
+    # hits depend on how fast the daemon's copies finish on a loaded machine)
     cfg = WorkerConfig(swa_mode=swa, device_pages=20, host_pages=40, host_ckpts=16,
-                       checkpoint_every=4 if swa == "paged" else 0)
+                       checkpoint_every=4 if swa == "paged" else 0, lockstep=True)
     rows = "page=40,swa_page=16,req_slot=4" if swa == "paged" else "page=40,req_slot=20"
     d = daemon_factory(preset="dsv4-tiny", device_rows=rows,
                        host=("--host-ratio", "1", "--force"),

@@ -44,6 +44,8 @@ class WorkerConfig:
     host_ckpts: int | None = None  # host checkpoint rows (checkpoints mirror); None: host_pages
     state_slots: str = "ring"  # resume model option, see hicache.core.resume
     l3: bool = False  # the daemon serves an L3 tier: the tree fetches from and writes to it
+    lockstep: bool = False  # wait for every backup before the next request (as a dry replay
+    #                         does by construction): a daemon replay then has the same hits
 
     def layout(self) -> Layout:
         return build_layout(preset(self.preset), swa_mode=self.swa_mode)
@@ -185,6 +187,8 @@ class Replay:
     def run_request(self, req: Request) -> None:
         keys = list(req.cache_pages[: req.max_prefix_pages])
         slot = self.slot(req)
+        if self.cfg.lockstep:
+            self.tree.drain()
         prefix = self.tree.prepare(keys, slot=slot)
         self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
             if prefix.l3_pages else []
