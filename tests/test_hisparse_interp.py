@@ -7,12 +7,12 @@ process (this file run as a script) and the parent collects per-case verdicts.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import interp_harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -34,32 +34,9 @@ def _run_case(name: str) -> None:
         raise KeyError(name)
 
 
-def _child() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    for name in CASES:
-        try:
-            _run_case(name)
-            print(json.dumps({"case": name, "ok": True}), flush=True)
-        except Exception as e:  # report every case, keep going
-            print(json.dumps({"case": name, "ok": False, "err": f"{type(e).__name__}: {e}"}),
-                  flush=True)
-    return 0
-
-
 @pytest.fixture(scope="module")
 def verdicts() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
-                       capture_output=True, text=True, timeout=300)
-    out = {}
-    for line in p.stdout.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
-            out[d["case"]] = d
-    if not out:
-        pytest.fail(f"interpreter child produced no verdicts (rc {p.returncode}):\n"
-                    f"{p.stderr[-3000:]}")
-    return out
+    return interp_harness.verdicts(__file__)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -70,4 +47,4 @@ def test_interpreter_swap_in(verdicts, case):
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
-    sys.exit(_child())
+    sys.exit(interp_harness.child(CASES, _run_case))
