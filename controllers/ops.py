@@ -23,7 +23,7 @@ from hicache.kernels.tables import LayerTable, TokenFormat
 class Ids:
     """One validated index frame: int64 ids with cached list / numpy / torch forms."""
 
-    __slots__ = ("mv", "n", "_list", "_np", "_t", "_dev")
+    __slots__ = ("mv", "n", "_list", "_np", "_t")
 
     def __init__(self, mv: Any) -> None:
         self.mv = mv
@@ -31,7 +31,6 @@ class Ids:
         self._list: list[int] | None = None
         self._np: np.ndarray | None = None
         self._t: torch.Tensor | None = None
-        self._dev: torch.Tensor | None = None
 
     @classmethod
     def of(cls, values: Sequence[int] | np.ndarray) -> "Ids":
@@ -54,13 +53,6 @@ class Ids:
         if self._t is None:
             self._t = torch.from_numpy(np.array(self.np(), dtype=np.int64))  # writable copy
         return self._t
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return self.torch()
-        if self._dev is None:
-            self._dev = self.torch().pin_memory().to(device, non_blocking=True)
-        return self._dev
 
 
 @dataclass(eq=False)

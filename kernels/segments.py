@@ -16,8 +16,8 @@ Contract:
 * ``plan.to(device)`` uploads the descriptor table and offsets in one copy on the current
   stream (through pinned memory: the host is not blocked).
 * ``launch_segments(dev_plan, lo, hi, ctas)`` copies segments ``[lo, hi)`` on the current
-  stream with a persistent grid of ``ctas`` CTAs (one step per program under interpreters
-  without runtime loop bounds). Nothing is checked here: callers validate ids (``dispatch``).
+  stream with a persistent grid of ``ctas`` CTAs (under interpreters without runtime loop
+  bounds: a 2-D grid of one program per segment and iteration). Nothing is checked here: callers validate ids (``dispatch``).
 """
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ class SegmentPlan:
         self.layers = layers
         self.nbytes = nbytes
         self.dev: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # launch arithmetic as Python ints: piece prefix of every segment plus the total, and
+        # each segment's alignment (the hot path reads these, not the numpy table)
+        pieces = desc[:, 4] * ((desc[:, 2] + CH - 1) // CH)
+        self.prefix: list[int] = desc[:, 6].tolist() + [int(desc[:, 6][-1] + pieces[-1])] \
+            if len(desc) else [0]
+        self.aligns: list[int] = desc[:, 5].tolist()
 
     @classmethod
     def build(cls, parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> "SegmentPlan":
@@ -141,27 +147,10 @@ class SegmentPlan:
     def pieces(self, lo: int, hi: int) -> int:
         if hi <= lo:
             return 0
-        return self._pre[hi] - self._pre[lo]
+        return self.prefix[hi] - self.prefix[lo]
 
     def align(self, lo: int, hi: int) -> int:
-        return min(self._align[lo:hi], default=16)
-
-    @property
-    def _pre(self) -> list[int]:
-        """Piece prefix of every segment and the total, as Python ints (cached)."""
-        pre = self.__dict__.get("_pre_l")
-        if pre is None:
-            d = self.desc
-            ends = (d[:, 6] + d[:, 4] * ((d[:, 2] + CH - 1) // CH)).tolist() if len(d) else []
-            pre = d[:, 6].tolist() + ends[-1:] if len(d) else [0]
-            self.__dict__["_pre_l"] = pre
-            self.__dict__["_align_l"] = d[:, 5].tolist()
-        return pre
-
-    @property
-    def _align(self) -> list[int]:
-        self._pre
-        return self.__dict__["_align_l"]
+        return min(self.aligns[lo:hi], default=16)
 
 
 @triton.jit
@@ -228,7 +217,7 @@ def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
         grid: tuple[int, ...] = (max(1, min(int(ctas), triton.cdiv(total, G))),)
         persistent = True
     else:
-        most = max(plan._pre[k + 1] - plan._pre[k] for k in range(lo, hi))
+        most = max(plan.prefix[k + 1] - plan.prefix[k] for k in range(lo, hi))
         grid, persistent = (hi - lo, triton.cdiv(most, G)), False
     _seg_kernel[grid](desc, soff, doff, lo, hi, CHE=CH // 8, G=G, VEC=vec,
                       PERSISTENT=persistent, num_warps=NUM_WARPS)

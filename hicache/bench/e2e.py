@@ -174,11 +174,6 @@ def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.
     return g, tabs
 
 
-def _items(layout: Layout, src: dict[str, list[int]], dst: dict[str, list[int]]
-           ) -> dict[str, tuple[list[int], list[int]]]:
-    return {sp: (src[sp], dst[sp]) for sp in src}
-
-
 def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
              rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
              dev: torch.device) -> dict[str, Any]:
