@@ -222,13 +222,12 @@ class Daemon:
         cfg = self.cfg
         store_class = load_store_class()  # one clear line naming what to install, or the class
         settings = L3Settings(cfg.l3_master, cfg.l3_metadata, cfg.l3_protocol,
-                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment,
-                              mirror="full")
-        fmt = l3_format.PageFormat(self.layout, self.group)
-        if not fmt.spaces:
-            raise UsageError("--l3: this stage has no page-indexed pools to store")
-        self.state.l3_ns = l3_format.namespace(self.layout, settings.mirror)
-        self.state.l3 = MooncakeL3(settings, self.group.arena, fmt, self.metrics, self._wake,
+                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment)
+        objects = l3_format.Objects(self.layout, self.group)
+        if not objects.formats:
+            raise UsageError(f"--l3: this stage has nothing to store: {objects.refused}")
+        self.state.l3_ns = objects.ns["full"].rsplit("/", 2)[0]
+        self.state.l3 = MooncakeL3(settings, self.group.arena, objects, self.metrics, self._wake,
                                    store_class)
 
     def _wake(self) -> None:
@@ -280,7 +279,8 @@ class Daemon:
         if self.state.l3 is not None:
             lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "
                          f"{self.cfg.l3_metadata}, {self.cfg.l3_protocol}, namespace "
-                         f"{self.state.l3_ns}, {format_bytes(self.state.l3.obj_bytes)} per page, "
+                         f"{self.state.l3_ns}/<mirror>, objects "
+                         f"{self.state.l3.objects.describe()}, "
                          f"segment {format_bytes(self.cfg.l3_segment)}")
         return "\n".join(lines)
 

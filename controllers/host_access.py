@@ -63,12 +63,14 @@ def end_writes(group: HostPoolGroup, op: Any) -> None:
             group.end_write(pool, rows, op.ok)
 
 
-def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any) -> None:
-    """An L3 prefetch into ``host`` [(space, rows, writes)] was accepted: every pool of those
-    spaces (``pools[space]``) is being written there."""
+def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,
+               partial: Any = frozenset()) -> None:
+    """An L3 prefetch into ``host`` [(space, rows, writes)] was accepted: the pools
+    ``pools[space]`` are being written there (those in ``partial`` only in part: their rows are
+    zeroed first if unwritten, as for a token-granular backup)."""
     for space, rows, _ in host:
         for pool in pools[space]:
-            group.begin_write(pool, rows, zero=False)
+            group.begin_write(pool, rows, zero=pool in partial)
 
 
 def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int) -> None:

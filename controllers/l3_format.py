@@ -2,17 +2,28 @@
 
 Contract:
 
+* Three kinds of object (``KINDS``): ``full`` (a full-mirror page: every pool of every page
+  space, ``page`` plus ``swa_page`` in paged SWA mode), ``page`` (a checkpoints-mirror page: the
+  ``page`` space's compressed rows) and ``ckpt`` (a resume checkpoint, DESIGN §15: the SWA tail
+  tokens of ``swa_kv`` plus the C4 / C4-indexer state rows, in one row of the checkpoint space,
+  ``swa_page`` in paged SWA mode or ``req_slot`` in ring mode). ``kind_of(mirror, ckpt)`` maps
+  the command's fields to a kind, or raises ``ValueError`` with the reason.
 * ``namespace(layout, mirror)`` -> ``"hc1/<model>/<fingerprint>/<mirror>/pp<rank>of<size>"``:
-  the layout fingerprint is a digest of the stage's layout (pools, layers, row sizes), so two
-  models, two PP stages, two layout versions or two mirror modes never share an object.
-* ``object_key(ns, page_key)``: the engine's chained prefix key of one page (1..128 characters
-  of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the namespace.
-* ``PageFormat(layout, group)``: the page-indexed spaces of the stage (``page``, plus
-  ``swa_page`` in paged SWA mode); ``pieces(rows)`` gives the (address, size) list of one page
-  (every pool of every space, layer by layer, straight from the host arena: zero copy);
-  ``checksum(rows)``: per pool and layer the 64-bit wrap-around sum of the page's 8-byte
-  words, times an odd multiplier that depends on the position, all summed (a change of any
-  single word, and so any bit flip, always changes it; truncation is caught by the length); ``payload_bytes`` is the object's size without its header.
+  the layout fingerprint is a digest of the stage's layout (pools, layers, row sizes, SWA
+  mode), so two models, two PP stages, two layout versions or two mirror modes never share an
+  object. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
+  (1..128 characters of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the
+  namespace; a checkpoint lives beside its page under ``<ns>/ck/<page key>`` (a page key holds
+  no ``/``, so the two never collide).
+* ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object
+  holds of one row per space. ``pieces(rows)`` gives its (address, size) list, layer by layer,
+  straight from the host arena (zero copy); ``checksum(rows)``: per segment and layer the
+  64-bit wrap-around sum of its 8-byte words, times an odd multiplier that depends on the
+  position, all summed (a change of any single word, and so any bit flip, always changes it;
+  truncation is caught by the length); ``payload_bytes`` is the object's size without its
+  header, ``obj_bytes`` with it. ``page_format(layout, group, spaces)`` and
+  ``ckpt_format(layout, group)`` build the two shapes; ``Objects(layout, group)`` holds every
+  kind this stage can store, with its namespace.
 * ``pack_header(buf, key, payload_bytes, checksum)`` writes a ``HEADER_BYTES`` header (magic,
   format version, payload length, checksum, key digest) into ``buf``; ``check_header`` returns
   ``None`` when a read header matches what the reader expects, else the reason. A mismatch is a
@@ -24,18 +35,20 @@ import hashlib
 import json
 import re
 import struct
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from hicache.core.layout import Layout
+from hicache.core.layout import Layout, LayoutError
+from hicache.core.resume import MIRRORS, ResumeModel
 
 FORMAT_VERSION = 1
 MAGIC = b"HCL3"
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHHQQ16s")  # magic, version, reserved, payload, checksum, key digest
 PAGE_SPACES = ("page", "swa_page")  # index spaces addressed by a radix page (req_slot is not)
-MIRRORS = ("full", "checkpoint")
+KINDS = ("full", "page", "ckpt")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -55,6 +68,18 @@ def namespace(layout: Layout, mirror: str = "full") -> str:
            f"pp{st.pp_rank}of{st.pp_size}"
 
 
+def kind_of(mirror: str, ckpt: bool) -> str:
+    """The object kind a command names with ``mirror`` and ``ckpt`` (ValueError: why not)."""
+    if mirror not in MIRRORS:
+        raise ValueError(f"mirror must be one of {list(MIRRORS)}, got {str(mirror)[:40]!r}")
+    if mirror == "full":
+        if ckpt:
+            raise ValueError("ckpt applies to mirror 'checkpoints' (a full mirror's pages "
+                             "carry their own SWA rows and states)")
+        return "full"
+    return "ckpt" if ckpt else "page"
+
+
 def check_page_key(k: Any) -> str | None:
     """None when ``k`` is a usable page key, else why not."""
     if not isinstance(k, str) or not _KEY_RE.match(k):
@@ -62,8 +87,8 @@ def check_page_key(k: Any) -> str | None:
     return None
 
 
-def object_key(ns: str, page_key: str) -> str:
-    return f"{ns}/{page_key}"
+def object_key(ns: str, page_key: str, kind: str = "full") -> str:
+    return f"{ns}/ck/{page_key}" if kind == "ckpt" else f"{ns}/{page_key}"
 
 
 def key_digest(key: str) -> bytes:
@@ -92,39 +117,66 @@ def header_checksum(buf: memoryview) -> int:
     return _HEADER.unpack_from(buf, 0)[4]
 
 
-class PageFormat:
-    """Where the bytes of one page lie in the host arena, and their checksum."""
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[offset, offset + length)`` of every layer's row of ``pool`` (space ``space``)."""
 
-    def __init__(self, layout: Layout, group: Any) -> None:
-        self.spaces = tuple(s for s in PAGE_SPACES if layout.space_pools(s))
-        self.pools = [(s, group.pools[p.name]) for s in self.spaces for p in layout.space_pools(s)]
+    space: str
+    pool: str
+    offset: int
+    length: int
+
+
+class ObjectFormat:
+    """Where the bytes of one object lie in the host arena, and their checksum."""
+
+    def __init__(self, kind: str, group: Any, segments: Sequence[Segment]) -> None:
+        if not segments:
+            raise ValueError(f"{kind} objects: this stage has no pool to store in them")
+        self.kind = kind
+        self.segments = tuple(segments)
+        self.spaces = tuple(dict.fromkeys(s.space for s in segments))
         base = group.arena.ptr
-        self.payload_bytes = 0
-        self.page_tokens = max((p.spec.tokens_per_page for _, p in self.pools), default=0) or 256
-        self._views: list[tuple[str, int, int, int, np.ndarray]] = []
         arena_np = np.frombuffer(_arena_buffer(group.arena), dtype=np.uint8)
-        for space, pool in self.pools:
+        self.payload_bytes = 0
+        self.page_tokens = 0  # tokens one object stands for (pages; 0 for checkpoints)
+        self._row: list[int] = []
+        self._views: list[tuple[str, int, int, int, np.ndarray]] = []
+        for seg in segments:
+            pool = group.pools[seg.pool]
             spec = pool.spec
-            self.payload_bytes += spec.page_bytes * spec.num_layers
-            if spec.page_bytes % 8:
-                raise ValueError(f"pool {spec.name}: page of {spec.page_bytes} B is not a "
-                                 f"multiple of 8 bytes")
-            start = base + pool.offset
+            if seg.offset % 8 or seg.length % 8 or spec.page_bytes % 8:
+                raise ValueError(f"pool {spec.name}: bytes {seg.offset}+{seg.length} of a "
+                                 f"{spec.page_bytes} B row are not 8-byte aligned")
+            self._row.append(spec.page_bytes)
+            self.payload_bytes += seg.length * spec.num_layers
+            at = pool.offset + seg.offset
             words = np.lib.stride_tricks.as_strided(
-                arena_np[pool.offset:].view(np.uint64),
-                shape=(spec.num_layers, pool.num_rows, spec.page_bytes // 8),
+                arena_np[at:].view(np.uint64),
+                shape=(spec.num_layers, pool.num_rows, seg.length // 8),
                 strides=(pool.stride, spec.page_bytes, 8), writeable=False)
-            self._views.append((space, start, pool.stride, spec.page_bytes, words))
+            self._views.append((seg.space, base + at, pool.stride, spec.page_bytes, words))
+        self.obj_bytes = HEADER_BYTES + self.payload_bytes
+        self.pieces_per_object = sum(w.shape[0] for *_, w in self._views)
+
+    def pools(self) -> dict[str, dict[str, bool]]:
+        """Per space, the pools an object covers: name -> True when it holds only part of a
+        row (the rest of a freshly filled row must be zeroed)."""
+        out: dict[str, dict[str, bool]] = {}
+        for seg, row in zip(self.segments, self._row):
+            covered = sum(s.length for s in self.segments if s.pool == seg.pool)
+            out.setdefault(seg.space, {})[seg.pool] = covered != row
+        return out
 
     def pieces(self, rows: dict[str, int]) -> tuple[list[int], list[int]]:
-        """(addresses, sizes) of one page whose row in each space is ``rows[space]``."""
+        """(addresses, sizes) of one object whose row in each space is ``rows[space]``."""
         ptrs: list[int] = []
         sizes: list[int] = []
-        for space, start, stride, pb, words in self._views:
+        for (space, start, stride, pb, words), seg in zip(self._views, self.segments):
             a = start + rows[space] * pb
             n = words.shape[0]
             ptrs.extend(range(a, a + n * stride, stride))
-            sizes.extend([pb] * n)
+            sizes.extend([seg.length] * n)
         return ptrs, sizes
 
     def checksum(self, rows: dict[str, int]) -> int:
@@ -140,10 +192,74 @@ class PageFormat:
         return int(total)
 
 
+def page_format(layout: Layout, group: Any, spaces: Sequence[str],
+                kind: str = "full") -> ObjectFormat:
+    """Whole rows of every pool of ``spaces`` (a full-mirror or a checkpoints-mirror page)."""
+    segs = [Segment(s, p.name, 0, p.page_bytes) for s in spaces for p in layout.space_pools(s)]
+    fmt = ObjectFormat(kind, group, segs)
+    fmt.page_tokens = layout.model.page_size
+    return fmt
+
+
+def ckpt_format(layout: Layout, group: Any) -> ObjectFormat:
+    """A resume checkpoint: the SWA tail tokens (value and scale ranges) and the whole C4 /
+    C4-indexer state rows, in one row of the checkpoint space (``hicache.core.resume``)."""
+    r = ResumeModel(layout)  # LayoutError when a boundary would need more (C128 state)
+    space = r.checkpoint_space
+    segs: list[Segment] = []
+    if r.swa_pool is not None:
+        p = r.swa_pool
+        pos = sorted(set(r.tail_offsets if space == "swa_page" else r.ring_positions(1)))
+        a, b = pos[0], pos[-1] + 1
+        if b - a != len(pos):
+            raise ValueError(f"the SWA tail of {p.name} is not one token range")
+        segs.append(Segment(space, p.name, a * p.value_bytes, (b - a) * p.value_bytes))
+        if p.scale_bytes:
+            segs.append(Segment(space, p.name, p.scale_offset + a * p.scale_bytes,
+                                (b - a) * p.scale_bytes))
+    segs += [Segment(space, p.name, 0, p.page_bytes) for p in r.state_pools]
+    return ObjectFormat("ckpt", group, segs)
+
+
+class Objects:
+    """Every object kind this stage can store (``formats``), why the others cannot be
+    (``refused``), and the namespace of each mirror."""
+
+    def __init__(self, layout: Layout, group: Any) -> None:
+        self.formats: dict[str, ObjectFormat] = {}
+        self.refused: dict[str, str] = {}
+        spaces = [s for s in PAGE_SPACES if layout.space_pools(s)]
+        builders = {
+            "full": lambda: page_format(layout, group, spaces, "full") if
+            layout.swa_mode == "paged" else _refuse("a full mirror needs paged SWA (in ring "
+                                                    "mode a page has no SWA rows)"),
+            "page": lambda: page_format(layout, group, ["page"], "page"),
+            "ckpt": lambda: ckpt_format(layout, group),
+        }
+        for kind, build in builders.items():
+            try:
+                self.formats[kind] = build()
+            except (ValueError, LayoutError) as e:
+                self.refused[kind] = str(e)
+        self.ns = {m: namespace(layout, m) for m in MIRRORS}
+
+    def get(self, kind: str) -> ObjectFormat:
+        if kind not in self.formats:
+            raise ValueError(f"{kind} objects cannot be stored for this stage: "
+                             f"{self.refused.get(kind, 'unknown kind')}")
+        return self.formats[kind]
+
+    def key(self, page_key: str, kind: str) -> str:
+        return object_key(self.ns["full" if kind == "full" else "checkpoints"], page_key, kind)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {f.obj_bytes:,} B" for k, f in self.formats.items())
+
+
+def _refuse(why: str) -> ObjectFormat:
+    raise ValueError(why)
+
+
 def _arena_buffer(arena: Any) -> Any:
     """The whole arena as a writable uint8 buffer (a torch tensor's memory through numpy)."""
     return arena.tensor(0, arena.nbytes).numpy()
-
-
-def rows_of(spaces: Sequence[str], arrays: dict[str, Sequence[int]], i: int) -> dict[str, int]:
-    return {s: int(arrays[s][i]) for s in spaces}

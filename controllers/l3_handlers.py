@@ -5,14 +5,23 @@ Same rules as ``handlers``: every check passes before anything changes, a refusa
 comes in that op's ack (pushed, or read with ``poll_acks``), so a slow or absent master never
 holds the daemon's loop, and the client bounds its own wait.
 
-* ``l3_query {keys}``: ack ``l3 = {"hits": N}``, the number of leading pages of the key chain
-  the store holds (an offline store answers 0).
-* ``l3_prefetch {keys, rows: {space: frame}, deadline_ms}``: reads the pages into host rows the
-  client owns (one row per page in every page space); best effort: the ack's ``hits`` is the
-  number of leading pages read and verified by the time the deadline passed; rows after them
-  hold nothing usable. ``misses`` says why the chain stopped (miss, corrupt, offline, deadline).
-* ``l3_put {keys, rows}``: writes the pages of those host rows in the background, skipping keys
-  that exist; the ack's ``written`` / ``skipped``.
+Every command names its objects with ``mirror`` (``full``, the default: a page carries every
+pool of every page space; ``checkpoints``: a page carries its ``page`` rows) and ``ckpt``
+(with ``checkpoints``: the objects are the resume checkpoints of those page keys, one row each
+of the checkpoint space); see ``l3_format``. A kind this stage cannot store is refused.
+
+* ``l3_query {keys}``: ack ``l3 = {"hits": N}``, the number of leading objects of the key chain
+  the store holds (an offline store answers 0); with ``each``, ``l3 = {"hits": N, "present":
+  [0|1 per key]}`` (checkpoints exist at some boundaries only).
+* ``l3_prefetch {keys, rows: {space: frame}, deadline_ms}``: reads the objects into host rows
+  the client owns (one row per object in every space the kind uses); best effort: the ack's
+  ``hits`` is the number of leading objects read and verified by the time the deadline passed;
+  rows after them hold nothing usable. ``misses`` says why the chain stopped (miss, corrupt,
+  offline, deadline). Only the pools the kind holds become readable; the rest of a row a
+  checkpoint fills in part (the SWA head) is zeroed first, so no earlier owner's bytes show.
+* ``l3_put {keys, rows}``: writes the objects of those host rows in the background, skipping
+  keys that exist; the ack's ``written`` / ``skipped``. Only the pools the kind holds are read,
+  and they must have been written by this client.
 
 While a job runs, its rows count as in flight (a free is deferred until the job ends);
 ``DaemonState.finish_l3`` ends that and queues the ack.
@@ -44,27 +53,31 @@ def _l3(st: DaemonState) -> Any:
     return st.l3
 
 
-def _pools(st: DaemonState) -> dict[str, list[str]]:
-    """The pools an L3 page holds, per page space."""
-    return {s: [p.name for p in st.layout.space_pools(s)] for s in st.l3.fmt.spaces}
+def _format(st: DaemonState, h: dict) -> F.ObjectFormat:
+    """The object kind the command names (``mirror``, ``ckpt``), or a refusal."""
+    try:
+        return st.l3.objects.get(F.kind_of(h.get("mirror", "full"), bool(h.get("ckpt", False))))
+    except ValueError as e:
+        raise ProtocolError("bad_field", str(e)) from None
 
 
-def _keys(st: DaemonState, keys: list[str]) -> list[str]:
+def _keys(st: DaemonState, keys: list[str], fmt: F.ObjectFormat) -> list[str]:
     if not keys:
         raise ProtocolError("bad_field", "keys is empty")
     for k in keys:
         why = F.check_page_key(k)
         if why is not None:
             raise ProtocolError("bad_field", why)
-    return [F.object_key(st.l3_ns, k) for k in keys]
+    return [st.l3.objects.key(k, fmt.kind) for k in keys]
 
 
-def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int,
-          writes: bool) -> tuple[list[dict[str, int]], list[tuple[str, np.ndarray, bool]]]:
-    spaces = st.l3.fmt.spaces
+def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int, writes: bool,
+          fmt: F.ObjectFormat) -> tuple[list[dict[str, int]], list[tuple[str, np.ndarray, bool]]]:
+    spaces = fmt.spaces
+    pools = fmt.pools()
     if sorted(h["rows"]) != sorted(spaces):
-        raise ProtocolError("bad_field", f"rows must give exactly the page spaces {list(spaces)}"
-                                         f", got {sorted(h['rows'])[:4]}")
+        raise ProtocolError("bad_field", f"rows must give exactly the spaces {list(spaces)} of "
+                                         f"{fmt.kind} objects, got {sorted(h['rows'])[:4]}")
     host, cols = [], {}
     for s in spaces:
         ids = Ids(arrays[h["rows"][s]])
@@ -75,7 +88,7 @@ def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int,
         a = ids.np().copy()
         st.check_owned(c.cid, s, a, f"rows[{s!r}]")
         if not writes:  # a put reads the rows: only what this client wrote may leave
-            for pool in _pools(st)[s]:
+            for pool in pools[s]:
                 check_readable(st.group, pool, a, f"rows[{s!r}]")
         if (writes and st.tracker.in_use(s, a)) or \
                 (not writes and st.tracker.hazard([(s, a, False)])):
@@ -90,7 +103,10 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
     op_id = st.next_op_id()
     job.tag = (op_id, c, host)
     if job.kind == "prefetch":
-        begin_fill(st.group, _pools(st), host)
+        pools = job.fmt.pools()
+        job.pools = {s: list(p) for s, p in pools.items()}
+        begin_fill(st.group, job.pools, host,
+                   partial={p for ps in pools.values() for p, part in ps.items() if part})
     st.tracker.begin(host)
     c.in_flight += 1
     st.l3_ops[op_id] = job
@@ -100,22 +116,26 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
 
 def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
-    keys = _keys(st, h["keys"])
-    return _start(st, c, L3Job("query", keys), [])
+    fmt = _format(st, h)
+    keys = _keys(st, h["keys"], fmt)
+    return _start(st, c, L3Job("query", keys, fmt=fmt, each=bool(h.get("each", False))), [])
 
 
 def l3_prefetch(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
-    keys = _keys(st, h["keys"])
+    fmt = _format(st, h)
+    keys = _keys(st, h["keys"], fmt)
     ms = h.get("deadline_ms", 5000)
     if not 0 < ms <= MAX_DEADLINE_MS:
         raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
-    rows, host = _rows(st, c, h, arrays, len(keys), writes=True)
-    return _start(st, c, L3Job("prefetch", keys, rows, time.monotonic() + ms / 1000), host)
+    rows, host = _rows(st, c, h, arrays, len(keys), True, fmt)
+    return _start(st, c, L3Job("prefetch", keys, rows, time.monotonic() + ms / 1000, fmt=fmt),
+                  host)
 
 
 def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
-    keys = _keys(st, h["keys"])
-    rows, host = _rows(st, c, h, arrays, len(keys), writes=False)
-    return _start(st, c, L3Job("put", keys, rows), host)
+    fmt = _format(st, h)
+    keys = _keys(st, h["keys"], fmt)
+    rows, host = _rows(st, c, h, arrays, len(keys), False, fmt)
+    return _start(st, c, L3Job("put", keys, rows, fmt=fmt), host)

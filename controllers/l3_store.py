@@ -1,6 +1,7 @@
 """The daemon's Mooncake Store client: connection, online state, and the calls that move pages.
 
-Contract of ``MooncakeL3(settings, arena, fmt, metrics, wake)``:
+Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``: the
+``l3_format.Objects`` of this stage — one ``ObjectFormat`` per object kind):
 
 * ``load_store_class()`` imports the Mooncake client or raises ``UsageError`` with one line
   naming what to install (the daemon refuses ``--l3 mooncake`` at start without it).
@@ -11,15 +12,17 @@ Contract of ``MooncakeL3(settings, arena, fmt, metrics, wake)``:
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
   until the master answers again. Mooncake's own client re-mounts its segments when the master
   returns; the probe sees it within ``max_backoff`` seconds.
-* ``submit(job)`` queues a job (``L3Job``): reads (query, prefetch) on one worker thread,
-  writes (put) on another, so a long write never delays a prefix lookup. A finished job is
-  appended to ``completed`` and ``wake()`` is called; the daemon's server thread takes it from
-  there (``take_completed``). Workers touch only the arena rows of their job, which the server
-  thread keeps marked in flight until then.
-* Batches are at most ``BATCH_PAGES`` pages, and one Mooncake call carries at most
-  ``SLICES_PER_CALL`` buffers (a DSV4-Flash page is 149: 6 pages per call). Reads and writes go straight between the arena and
-  the store (``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``: the header from
-  a registered slab, the page from its arena rows). Puts skip keys that exist.
+* ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
+  full-mirror page, a checkpoints-mirror page or a checkpoint): reads (query, prefetch) on
+  one worker thread, writes (put) on another, so a long write never delays a prefix lookup. A
+  finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
+  thread takes it from there (``take_completed``). Workers touch only the arena rows of their
+  job, which the server thread keeps marked in flight until then.
+* Batches are at most ``BATCH_PAGES`` objects, and one Mooncake call carries at most
+  ``SLICES_PER_CALL`` buffers (a full DSV4-Flash page is 149: 6 pages per call). Reads and
+  writes go straight between the arena and the store (``batch_get_into_multi_buffers`` /
+  ``batch_put_from_multi_buffers``: the header from a registered slab, the object from its
+  arena rows). Puts skip keys that exist.
 * ``close()`` stops the threads (waiting up to ``timeout``) and closes the store.
 """
 from __future__ import annotations
@@ -70,7 +73,6 @@ class L3Settings:
     local_host: str = "127.0.0.1"  # the address this client advertises to its peers
     segment_bytes: int = 0  # memory this daemon contributes to the store (0 = none)
     buffer_bytes: int = 16 << 20  # Mooncake's local transfer buffer
-    mirror: str = "full"
     max_backoff: float = 2.0
 
 
@@ -89,20 +91,29 @@ class L3Job:
     t_submit: float = 0.0
     t_end: float = 0.0
     tag: Any = None  # the daemon's bookkeeping (op id, client)
+    fmt: Any = None  # l3_format.ObjectFormat of the job's objects
+    each: bool = False  # query: also say, per key, whether the store holds it
+    present: list[int] = field(default_factory=list)  # query with ``each``: 1/0 per key
+    pools: dict[str, list[str]] = field(default_factory=dict)  # prefetch: pools it fills
+
+    def result(self) -> dict[str, Any]:
+        """The ack's ``l3`` field."""
+        out: dict[str, Any] = {"written": self.written, "skipped": self.skipped} \
+            if self.kind == "put" else {"hits": self.hits}
+        if self.each:
+            out["present"] = self.present
+        return {**out, "misses": self.misses}
 
 
 class MooncakeL3:
-    def __init__(self, settings: L3Settings, arena: Any, fmt: F.PageFormat, metrics: Metrics,
+    def __init__(self, settings: L3Settings, arena: Any, objects: F.Objects, metrics: Metrics,
                  wake: Callable[[], None], store_class: Any = None) -> None:
         self.settings = settings
-        self.fmt = fmt
+        self.objects = objects
         self.metrics = metrics
         self.wake = wake
         self.store_class = store_class or load_store_class()
         self.arena_ptr, self.arena_bytes = arena.ptr, arena.nbytes
-        self.obj_bytes = F.HEADER_BYTES + fmt.payload_bytes
-        pieces = 1 + len(fmt.pieces({s: 0 for s in fmt.spaces})[0])
-        self.call_pages = max(1, min(BATCH_PAGES, SLICES_PER_CALL // pieces))
         self.store: Any = None
         self.online = False
         self.state = "connecting"
@@ -215,6 +226,7 @@ class MooncakeL3:
             try:
                 if not self.online:
                     job.misses["offline"] = len(job.keys)
+                    job.present = [0] * len(job.keys) if job.each else []
                 elif job.kind == "query":
                     self._query(job)
                 elif job.kind == "prefetch":
@@ -240,15 +252,16 @@ class MooncakeL3:
         for why, n in job.misses.items():
             if why not in ("miss", "deadline"):
                 m.inc("l3_errors", n, why)
+        ck = "ckpt_" if job.fmt is not None and job.fmt.kind == "ckpt" else ""
         if job.kind == "prefetch":
-            m.inc("l3_pages", job.hits, "prefetch_hit")
-            m.inc("l3_hit_tokens", job.hits * self.fmt.page_tokens)
+            m.inc("l3_pages", job.hits, f"{ck}prefetch_hit")
+            m.inc("l3_hit_tokens", job.hits * job.fmt.page_tokens)
             m.inc("l3_bytes", job.nbytes, "read")
         elif job.kind == "query":
-            m.inc("l3_pages", job.hits, "query_hit")
+            m.inc("l3_pages", job.hits, f"{ck}query_hit")
         else:
-            m.inc("l3_pages", job.written, "written")
-            m.inc("l3_pages", job.skipped, "skipped_existing")
+            m.inc("l3_pages", job.written, f"{ck}written")
+            m.inc("l3_pages", job.skipped, f"{ck}skipped_existing")
             m.inc("l3_bytes", job.nbytes, "write")
 
     def _exists(self, keys: list[str]) -> list[int] | None:
@@ -261,60 +274,74 @@ class MooncakeL3:
         return None
 
     def _query(self, job: L3Job) -> None:
+        leading = True
         for i in range(0, len(job.keys), BATCH_PAGES * 8):
             r = self._exists(job.keys[i:i + BATCH_PAGES * 8])
             if r is None:
                 job.misses["error"] = 1
+                job.present = []
                 return
             for x in r:
-                if x != 1:
-                    return
-                job.hits += 1
+                leading = leading and x == 1
+                job.hits += leading
+                if job.each:
+                    job.present.append(int(x == 1))
+            if not leading and not job.each:
+                return
+
+    @staticmethod
+    def call_pages(fmt: F.ObjectFormat) -> int:
+        """Objects one Mooncake call carries (each is its header plus its pieces)."""
+        return max(1, min(BATCH_PAGES, SLICES_PER_CALL // (1 + fmt.pieces_per_object)))
 
     def _prefetch(self, job: L3Job) -> None:
         hdr = self._headers["read"]
         base = hdr.ctypes.data
         n = len(job.keys)
-        for b0 in range(0, n, self.call_pages):
+        fmt, per_call = job.fmt, self.call_pages(job.fmt)
+        for b0 in range(0, n, per_call):
             if time.monotonic() > job.deadline:
                 job.misses["deadline"] = n - b0
                 return
-            keys = job.keys[b0:b0 + self.call_pages]
+            keys = job.keys[b0:b0 + per_call]
             ptrs, sizes = [], []
             for j in range(len(keys)):
-                p, s = self.fmt.pieces(job.rows[b0 + j])
+                p, s = fmt.pieces(job.rows[b0 + j])
                 ptrs.append([base + j * F.HEADER_BYTES] + p)
                 sizes.append([F.HEADER_BYTES] + s)
             t0 = time.perf_counter()
             res = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes, False)
             self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "get")
             for j, rc in enumerate(res):
-                why = self._verify(rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
+                why = self._verify(fmt, rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
                                    job.rows[b0 + j])
                 if why is not None:
                     job.misses[why] = n - (b0 + j)
                     return
                 job.hits += 1
-                job.nbytes += self.obj_bytes
+                job.nbytes += fmt.obj_bytes
 
-    def _verify(self, rc: int, hdr: memoryview, key: str, rows: dict[str, int]) -> str | None:
+    def _verify(self, fmt: F.ObjectFormat, rc: int, hdr: memoryview, key: str,
+                rows: dict[str, int]) -> str | None:
         """None when the page just read is ours and intact; else the miss reason."""
         if rc < 0:
             if rc in MISS_CODES:
                 return "miss"
             self._failed(rc, "batch_get")
-            return "offline" if rc in OFFLINE_CODES else "corrupt"  # wrong size for our buffers, and the like
-        if rc != self.obj_bytes or F.check_header(hdr, key, self.fmt.payload_bytes) is not None:
+            # anything else: a wrong size for our buffers, and the like
+            return "offline" if rc in OFFLINE_CODES else "corrupt"
+        if rc != fmt.obj_bytes or F.check_header(hdr, key, fmt.payload_bytes) is not None:
             return "corrupt"
-        if F.header_checksum(hdr) != self.fmt.checksum(rows):
+        if F.header_checksum(hdr) != fmt.checksum(rows):
             return "corrupt"
         return None
 
     def _put(self, job: L3Job) -> None:
         hdr = self._headers["write"]
         base = hdr.ctypes.data
-        for b0 in range(0, len(job.keys), self.call_pages):
-            keys = job.keys[b0:b0 + self.call_pages]
+        fmt, per_call = job.fmt, self.call_pages(job.fmt)
+        for b0 in range(0, len(job.keys), per_call):
+            keys = job.keys[b0:b0 + per_call]
             there = self._exists(keys)
             if there is None:
                 job.misses["offline" if not self.online else "error"] = len(job.keys) - b0
@@ -327,8 +354,8 @@ class MooncakeL3:
             for k, j in enumerate(todo):
                 rows = job.rows[b0 + j]
                 F.pack_header(memoryview(hdr)[k * F.HEADER_BYTES:], keys[j],
-                              self.fmt.payload_bytes, self.fmt.checksum(rows))
-                p, s = self.fmt.pieces(rows)
+                              fmt.payload_bytes, fmt.checksum(rows))
+                p, s = fmt.pieces(rows)
                 wkeys.append(keys[j])
                 ptrs.append([base + k * F.HEADER_BYTES] + p)
                 sizes.append([F.HEADER_BYTES] + s)
@@ -338,7 +365,7 @@ class MooncakeL3:
             for rc in res:
                 if rc == 0:
                     job.written += 1
-                    job.nbytes += self.obj_bytes
+                    job.nbytes += fmt.obj_bytes
                 elif rc == EXISTS:
                     job.skipped += 1
                 else:
@@ -357,8 +384,9 @@ class MooncakeL3:
     def summary(self) -> dict[str, Any]:
         s = self.settings
         return {"state": self.state, "online": self.online, "master": s.master,
-                "metadata": s.metadata, "protocol": s.protocol, "mirror": s.mirror,
-                "object_bytes": self.obj_bytes, "put_queue_pages": self.put_pages_queued,
+                "metadata": s.metadata, "protocol": s.protocol, "namespaces": self.objects.ns,
+                "object_bytes": {k: f.obj_bytes for k, f in self.objects.formats.items()},
+                "put_queue_pages": self.put_pages_queued,
                 "segment_bytes": s.segment_bytes}
 
     def close(self, timeout: float = 5.0) -> None:

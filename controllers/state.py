@@ -207,21 +207,18 @@ class DaemonState:
             op_id, c, host = job.tag
             self.l3_ops.pop(op_id, None)
             if job.kind == "prefetch":  # before the rows can be released
-                end_fill(self.group, {s: [p.name for p in self.layout.space_pools(s)]
-                                      for s, _, _ in host}, host, job.hits)
+                end_fill(self.group, job.pools, host, job.hits)
             self.tracker.end(host)
             c.in_flight -= 1
             if self.tracker.deferred:
                 self.release_ready()
             if c.closing and c.in_flight == 0:
                 self._free_all(c)
-            res = {"written": job.written, "skipped": job.skipped} if job.kind == "put" else \
-                {"hits": job.hits}
             ns = int((job.t_end - job.t_submit) * 1e9)
             self.outbox.append((c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
                                     "bytes": job.nbytes, "ns": ns, "exec_ns": ns,
                                     "path": "mooncake", "pools": {},
-                                    "l3": {**res, "misses": job.misses}}))
+                                    "l3": job.result()}))
             n += 1
         return n
 

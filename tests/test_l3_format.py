@@ -91,7 +91,7 @@ def test_page_keys():
 def test_pieces_cover_exactly_one_page_and_checksum_sees_every_byte():
     rows = {"page": 6, "swa_page": 6, "req_slot": 2}
     with HostPoolGroup(TINY, rows) as g:
-        fmt = F.PageFormat(TINY, g)
+        fmt = F.Objects(TINY, g).get("full")
         assert fmt.spaces == ("page", "swa_page")
         assert fmt.payload_bytes == TINY.row_bytes("page") + TINY.row_bytes("swa_page")
         arena = g.arena.tensor(0, g.arena.nbytes).numpy()
@@ -115,3 +115,68 @@ def test_pieces_cover_exactly_one_page_and_checksum_sees_every_byte():
             assert fmt.checksum(page) != c0
             arena[off] = old
         assert fmt.checksum(page) == c0
+
+
+def test_object_kinds_keys_and_refusals():
+    assert F.kind_of("full", False) == "full"
+    assert (F.kind_of("checkpoints", False), F.kind_of("checkpoints", True)) == ("page", "ckpt")
+    for bad in (("full", True), ("partial", False)):
+        with pytest.raises(ValueError):
+            F.kind_of(*bad)
+    ring = build_layout(preset("dsv4-tiny"), swa_mode="ring")
+    with HostPoolGroup(ring, {"page": 4, "req_slot": 4}) as g:
+        objs = F.Objects(ring, g)
+        assert sorted(objs.formats) == ["ckpt", "page"]  # ring mode: no full-mirror pages
+        with pytest.raises(ValueError, match="paged SWA"):
+            objs.get("full")
+        # pages and checkpoints of one key never share an object; mirrors never share a name
+        keys = {objs.key("i1", k) for k in ("page", "ckpt")}
+        assert len(keys) == 2 and all("/checkpoints/" in k for k in keys)
+    with HostPoolGroup(TINY, {"page": 4, "swa_page": 4, "req_slot": 2}) as g:
+        objs = F.Objects(TINY, g)
+        assert objs.key("i1", "full") != objs.key("i1", "page")
+        assert objs.get("page").spaces == ("page",)
+        assert objs.get("page").payload_bytes == TINY.row_bytes("page")
+
+
+@pytest.mark.parametrize("swa", ["paged", "ring"])
+def test_checkpoint_object_holds_the_swa_tail_and_states_only(swa):
+    """A checkpoint object covers exactly what a resume reads (core.resume): the SWA tail
+    token range (values and scales) and the C4 / C4-indexer state rows, nothing else."""
+    from hicache.core.resume import ResumeModel
+
+    lay = build_layout(preset("dsv4-tiny"), swa_mode=swa)
+    r = ResumeModel(lay)
+    space = r.checkpoint_space
+    rows = {"page": 4, "swa_page": 4, "req_slot": 4} if swa == "paged" else \
+        {"page": 4, "req_slot": 4}
+    with HostPoolGroup(lay, rows) as g:
+        fmt = F.Objects(lay, g).get("ckpt")
+        assert fmt.spaces == (space,) and fmt.page_tokens == 0
+        assert fmt.payload_bytes == r.checkpoint_bytes
+        swa_pool = r.swa_pool
+        assert fmt.pools() == {space: {"swa_kv": True, "c4_state": False,
+                                       "c4_indexer_state": False}}
+        ptrs, sizes = fmt.pieces({space: 2})
+        assert sum(sizes) == r.checkpoint_bytes
+        pos = list(r.tail_offsets) if swa == "paged" else r.ring_positions(3)
+        a, b = min(pos), max(pos) + 1
+        want = []
+        for i in range(swa_pool.num_layers):
+            row = g.pools["swa_kv"].layers[i][2].data_ptr()
+            want += [(row + a * swa_pool.value_bytes, (b - a) * swa_pool.value_bytes),
+                     (row + swa_pool.scale_offset + a * swa_pool.scale_bytes,
+                      (b - a) * swa_pool.scale_bytes)]
+        for p in r.state_pools:
+            want += [(g.pools[p.name].layers[i][2].data_ptr(), p.page_bytes)
+                     for i in range(p.num_layers)]
+        assert sorted(zip(ptrs, sizes)) == sorted(want)
+        arena = g.arena.tensor(0, g.arena.nbytes).numpy()
+        arena[:] = np.random.default_rng(1).integers(0, 256, arena.size, dtype=np.uint8)
+        c0 = fmt.checksum({space: 2})
+        row = g.pools["swa_kv"].layers[0][2].data_ptr() - g.arena.ptr
+        arena[row] ^= 1  # the SWA head (token 0 in paged mode) is not in the object
+        assert (fmt.checksum({space: 2}) == c0) == (swa == "paged")
+        arena[row] ^= 1
+        arena[row + (b - 1) * swa_pool.value_bytes] ^= 1  # the tail's last token is
+        assert fmt.checksum({space: 2}) != c0

@@ -88,6 +88,8 @@ class Command:
     summary: str
 
 
+# L3 object kind: mirror "full" (default) or "checkpoints"; ckpt: the checkpoints of the keys
+_L3_KIND = {"mirror": ("str", False), "ckpt": ("bool", False)}
 _TABLE: tuple[Command, ...] = (
     Command("heartbeat", {"full": ("bool", False)},
             ("t", "version", "protocol", "device", "heartbeat_timeout", "registered"), False,
@@ -147,13 +149,16 @@ _TABLE: tuple[Command, ...] = (
             False, "sparse_report", "add an engine's hot-buffer counts to the metrics"),
     Command("reset", {}, ("freed", "deferred"), False, "reset", "free all the client's rows"),
     Command("shutdown", {}, ("stopping",), False, "shutdown", "stop the daemon"),
-    Command("l3_query", {"keys": ("str_list", True)}, ("op",), True, "l3_query",
-            "L3: how many leading pages of a key chain the store holds (in the ack)"),
+    Command("l3_query", {"keys": ("str_list", True), **_L3_KIND, "each": ("bool", False)},
+            ("op",), True, "l3_query",
+            "L3: how many leading objects of a key chain the store holds (in the ack)"),
     Command("l3_prefetch", {"keys": ("str_list", True), "rows": ("str_int_map", True),
-                            "deadline_ms": ("int", False)}, ("op",), True, "l3_prefetch",
-            "L3: read pages into the client's host rows, best effort before a deadline"),
-    Command("l3_put", {"keys": ("str_list", True), "rows": ("str_int_map", True)}, ("op",),
-            True, "l3_put", "L3: write host rows' pages in the background, skipping existing keys"),
+                            "deadline_ms": ("int", False), **_L3_KIND}, ("op",), True,
+            "l3_prefetch", "L3: read objects into the client's host rows, best effort before "
+                           "a deadline"),
+    Command("l3_put", {"keys": ("str_list", True), "rows": ("str_int_map", True), **_L3_KIND},
+            ("op",), True, "l3_put",
+            "L3: write host rows' objects in the background, skipping existing keys"),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _TABLE}
 
