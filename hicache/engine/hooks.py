@@ -118,7 +118,10 @@ class ClientHooks:
     ``l3=True`` (a daemon serving ``--l3 mooncake``) adds the L3 verbs the tree uses at match
     time and after backups: ``l3_query``, ``l3_prefetch`` (best effort within
     ``l3_deadline_ms``), ``l3_put`` (asynchronous); page keys go to the daemon as
-    ``page_key(key)``, the same string on every instance for the same key.
+    ``page_key(key)``, the same string on every instance for the same key. With a resume model
+    (checkpoints mirror) the objects are checkpoints-mirror pages, and ``l3_ckpt_present``,
+    ``l3_ckpt_prefetch`` and ``l3_ckpt_put`` move checkpoint objects (one checkpoint handle
+    each) under the same keys.
     """
 
     def __init__(self, client: Any, spaces: Sequence[str], *, timeout: float | None = None,
@@ -146,7 +149,8 @@ class ClientHooks:
         self.l3 = l3
         self.l3_deadline_ms = l3_deadline_ms
         self.l3_stats = {"query_pages": 0, "prefetch_pages": 0, "put_pages": 0, "written": 0,
-                         "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0}
+                         "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
+                         "prefetch_ckpts": 0, "put_ckpts": 0}
         self._l3_puts: list[Any] = []
         self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
 
@@ -279,35 +283,59 @@ class ClientHooks:
         return True
 
     # ------------------------------------------------------------------ L3 (``l3=True``)
-    def _l3_handles(self, handles: Sequence[Any]) -> dict[str, list[int]]:
+    def _l3_handles(self, handles: Sequence[Any], ckpt: bool = False) -> dict[str, list[int]]:
+        if ckpt:
+            return {self._ckpt_space(): list(handles)}
         return {s: [h[i] for h in handles] for i, s in enumerate(self.spaces)}
 
+    def _l3_kind(self, ckpt: bool = False) -> dict[str, Any]:
+        if self.resume is None:
+            return {}
+        return {"mirror": "checkpoints", "ckpt": ckpt}
+
     def l3_query(self, keys: Sequence[Any]) -> int:
-        n = self._call(self.client.l3_query, [page_key(k) for k in keys], timeout=self.timeout)
+        n = self._call(self.client.l3_query, [page_key(k) for k in keys], timeout=self.timeout,
+                       **self._l3_kind())
         self.l3_stats["query_pages"] += n
         return n
 
-    def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+    def l3_ckpt_present(self, keys: Sequence[Any]) -> list[int]:
+        """1/0 per page key: does L3 hold that boundary's checkpoint."""
+        self._ckpt_space()  # refuses hooks without a resume model
+        return self._call(self.client.l3_present, [page_key(k) for k in keys],
+                          timeout=self.timeout, **self._l3_kind(True))
+
+    def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any],
+                    ckpt: bool = False) -> int:
         """Fill ``handles`` with pages ``keys`` from L3; the number of leading pages filled."""
         ack = self._call(self.client.l3_prefetch, [page_key(k) for k in keys],
-                         self._l3_handles(handles), deadline_ms=self.l3_deadline_ms,
-                         timeout=self.timeout)
+                         self._l3_handles(handles, ckpt), deadline_ms=self.l3_deadline_ms,
+                         timeout=self.timeout, **self._l3_kind(ckpt))
         n = int(ack.l3["hits"])
-        self.l3_stats["prefetch_pages"] += n
+        self.l3_stats["prefetch_ckpts" if ckpt else "prefetch_pages"] += n
         self.l3_stats["bytes_read"] += int(ack.bytes)
         self.l3_stats["errors"] += sum(v for k, v in ack.l3["misses"].items()
                                        if k not in ("miss", "deadline"))
         return n
 
-    def l3_put(self, keys: Sequence[Any], handles: Sequence[Any]) -> None:
+    def l3_ckpt_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+        """Fill checkpoint ``handles`` with the checkpoints of ``keys`` from L3."""
+        return self.l3_prefetch(keys, handles, ckpt=True)
+
+    def l3_put(self, keys: Sequence[Any], handles: Sequence[Any], ckpt: bool = False) -> None:
         """Hand host pages to L3 (asynchronous; acks are collected by ``l3_settle``)."""
         op = self._call(self.client.l3_put, [page_key(k) for k in keys],
-                        self._l3_handles(handles), timeout=self.timeout)
-        self.l3_stats["put_pages"] += len(keys)
-        if self.l3_put_log is not None:
+                        self._l3_handles(handles, ckpt), timeout=self.timeout,
+                        **self._l3_kind(ckpt))
+        self.l3_stats["put_ckpts" if ckpt else "put_pages"] += len(keys)
+        if self.l3_put_log is not None and not ckpt:
             self.l3_put_log.extend(keys)
         self._l3_puts.append(op)
         self.l3_settle(0.0)
+
+    def l3_ckpt_put(self, keys: Sequence[Any], handles: Sequence[Any]) -> None:
+        """Hand host checkpoints (boundaries ``keys``) to L3, asynchronously."""
+        self.l3_put(keys, handles, ckpt=True)
 
     def l3_settle(self, timeout: float) -> int:
         """Collect the acks of finished L3 writes (waiting up to ``timeout`` for each);

@@ -45,6 +45,11 @@ Ring SWA mode backs a checkpoint up at ``release`` whatever the policy: the slot
 reused by the next request. A page evicted from the device without a host copy is dropped, and
 with it any host-only pages below it.
 
+L3 (hooks with ``l3``, ``hicache.engine.radix_l3``): at match time the tree's resumable prefix
+is extended with what an L3 store holds past it (pages, and with checkpoints the deepest
+boundary checkpoint), fetched into host handles and loaded like host hits; settled backups go
+to L3 too.
+
 Host tier failures never fail a request: ``HostExhausted`` drops the page, ``HostUnavailable``
 empties the host tier (every host copy and checkpoint is forgotten, ``stats.host_offline``)
 and the tree runs device-only until ``reset_host_tier``. ``hooks=None``: device-only.
@@ -183,13 +188,13 @@ class RadixTree(Transfers):
         self.poll()
         path, n_dev = self._cached_path(keys, idle=True)
         end, where = self._resume_point(path, n_dev)
+        l3_nodes = self._l3_extend(keys, path, end)  # L3: pages, checkpoint (radix_l3)
+        if l3_nodes or (self.ckpt_mode and self.host_online and end < len(path)):
+            path = path + l3_nodes
+            end, where = self._resume_point(path, n_dev)
         cut = len(path) - end
         path, n_dev = path[:end], min(n_dev, end)
         dev_nodes, host_nodes = path[:n_dev], path[n_dev:]
-        # L3 (full mirror only: checkpoints are not stored there) continues a complete match
-        l3_nodes = [] if self.ckpt_mode or cut else \
-            self._l3_fetch(path[-1] if path else self.root, keys[len(path):])
-        host_nodes += l3_nodes
         for n in dev_nodes:
             n.lock += 1
         prefix = Prefix(dev_nodes, len(dev_nodes), 0, ckpt=where, unresumable_pages=cut)

@@ -126,6 +126,8 @@ class TreeStats:
     checkpoint_backup_dropped: int = 0  # a checkpoint backup found no host room
     l3_hit_pages: int = 0  # pages fetched from L3 into the host tier at match time
     l3_put_pages: int = 0  # pages handed to L3 after their backup (written or skipped there)
+    l3_hit_checkpoints: int = 0  # checkpoints fetched from L3 at match time (checkpoints mirror)
+    l3_put_checkpoints: int = 0  # checkpoints handed to L3 after their backup
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

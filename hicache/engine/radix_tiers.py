@@ -10,7 +10,7 @@ pages, ``_drop_*`` remove copies and nodes (a node leaving the tree takes its ch
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Iterable
 
 from hicache.engine.hooks import HostExhausted, HostTierError, HostUnavailable, TierHooks
 from hicache.engine.radix_nodes import Node, RowFreeList, TreeStats
@@ -271,49 +271,3 @@ class TierOps:
         if self.host_ckpt_capacity is not None:
             assert self.host_checkpoints <= self.host_ckpt_capacity
         assert dev + self.device.available() <= self.device.capacity
-
-    # ------------------------------------------------------------------ L3 tier (optional)
-    # Hooks with ``l3 = True`` also offer ``l3_query(keys) -> n``, ``l3_prefetch(keys,
-    # handles) -> n`` and ``l3_put(keys, handles)`` (``ClientHooks(l3=True)``). At match time
-    # the pages after the tree's own prefix that L3 holds are fetched into new host handles and
-    # become host-only nodes, loaded like any host hit; after a backup, pages go to L3 too.
-    def _l3_fetch(self, parent: Node, keys: Sequence[Hashable]) -> list[Node]:
-        if not keys or not self.host_online or not getattr(self.hooks, "l3", False) or \
-                keys[0] in parent.children:
-            return []
-        hooks: Any = self.hooks
-        try:
-            n = hooks.l3_query(list(keys))
-            handles = self._host_alloc(n) if n else None
-            if not handles:
-                return []
-            got = hooks.l3_prefetch(list(keys[:n]), handles)
-        except HostUnavailable:
-            self._go_offline()
-            return []
-        except HostTierError:
-            return []
-        if got < len(handles):
-            self._free_handles(handles[got:])
-        nodes = []
-        for key, h in zip(keys[:got], handles[:got]):
-            node = Node(key, parent)
-            node.host = h
-            parent.children[key] = node
-            self._host_lru[node] = None
-            nodes.append(node)
-            parent = node
-        self.stats.l3_hit_pages += got
-        return nodes
-
-    def _l3_put(self, nodes: list[Node]) -> None:
-        if not getattr(self.hooks, "l3", False) or not nodes:
-            return
-        hooks: Any = self.hooks
-        try:
-            hooks.l3_put([n.key for n in nodes], [n.host for n in nodes])
-            self.stats.l3_put_pages += len(nodes)
-        except HostUnavailable:
-            self._go_offline()
-        except HostTierError:
-            pass  # L3 is best effort: the host copies stand

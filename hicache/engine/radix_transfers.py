@@ -13,10 +13,10 @@ from typing import Any
 
 from hicache.engine.hooks import HostTierError, HostUnavailable
 from hicache.engine.radix_nodes import Node
-from hicache.engine.radix_tiers import TierOps
+from hicache.engine.radix_l3 import L3Tier
 
 
-class Transfers(TierOps):
+class Transfers(L3Tier):
     """Backups in flight and device eviction for ``RadixTree`` (a mixin)."""
 
     policy: str
@@ -69,7 +69,7 @@ class Transfers(TierOps):
                 self._ckpt_lru[n] = None
             self.stats.backed_up_pages += len(nodes)
             self.stats.checkpoints_backed_up += len(ckpts)
-            self._l3_put(nodes)
+            self._l3_put(nodes, ckpts)
             return
         handles = [n.host for n in nodes]
         ck_handles = [n.ckpt_host for n in ckpts]
@@ -222,4 +222,5 @@ class Transfers(TierOps):
             self._ckpt_lru[v] = None
         self.stats.backed_up_pages += len(nodes)
         self.stats.checkpoints_backed_up += len(ck)
+        self._l3_put(nodes, [v for v, _ in ck])
         return set(nodes)
