@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
                          "with a trace)")
     m.add_argument("--mirror", choices=MIRRORS, default=None,
-                   help="checkpoints (default; full with --l3): pages carry compressed rows, SWA tail + states "
+                   help="checkpoints (default): pages carry compressed rows, SWA tail + states "
                         "only at resume checkpoints; full: every pool of every page (paged SWA)")
     m.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N pages a request writes (paged SWA; 0 = off)")
@@ -93,6 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--l3", choices=("off", "mooncake"), default="off",
                    help="mooncake: two instances sharing an L3 tier on a local Mooncake Store, "
                         "beside the same two without it (see hicache.sim.demo_l3)")
+    m.add_argument("--l3-routing", choices=("conversation", "alternate"),
+                   default="conversation",
+                   help="--l3: which instance runs a request: conversation (default; every turn "
+                        "of a conversation on one instance) or alternate (request by request)")
+    m.add_argument("--l3-conversations", type=int, default=0, metavar="N",
+                   help="--l3: replay only the first N conversations with two turns or more "
+                        "(every turn of each, in workload order; 0 = the whole workload)")
     d = p.add_argument_group("dry replay and sweeps")
     d.add_argument("--dry", action="store_true",
                    help="replay the tree, tiers and byte accounting only: no pools, no daemon, "
@@ -182,11 +189,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         raise UsageError(f"request {big.rid} needs {need} device page rows "
                          f"({big.input_tokens} + {big.output_tokens} tokens) but --device-pages "
                          f"is {device_pages}; raise --device-pages")
-    if args.mirror is None:  # L3 objects are full-mirror pages: an L3 demo mirrors in full
-        args.mirror = "full" if getattr(args, "l3", "off") != "off" else "checkpoints"
-    elif args.mirror == "checkpoints" and getattr(args, "l3", "off") != "off":
-        raise UsageError("--l3 stores full-mirror pages only (checkpoint objects are not written "
-                         "to L3 yet): use --mirror full, or leave --mirror out")
+    if args.mirror is None:
+        args.mirror = "checkpoints"
     if args.pages_per_checkpoint is None:
         args.pages_per_checkpoint = defaults["pages_per_ckpt"]
     if args.pages_per_checkpoint < 1:
@@ -232,7 +236,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     return reqs, cfg, what
 
 
-def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
+def _daemon(cfg: Any, metrics_port: int | None, extra: tuple[str, ...] = (),
+            env: Any = None) -> DaemonProcess:
     """``hicache serve`` for ``cfg`` on a private socket (not started yet).
 
     The daemon sizes its host rows per space in proportion to the ``--device-rows`` it is
@@ -256,8 +261,8 @@ def _daemon(cfg: Any, metrics_port: int) -> DaemonProcess:
     host = ("--host-ratio", repr(ratio)) + (("--force",) if ratio == 1.0 else ())
     return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=rows,
                          host=host, heartbeat_timeout=60,
-                         metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode),
-                         new_session=True, ready_timeout=READY_TIMEOUT_S)
+                         metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode) + extra,
+                         env=env, new_session=True, ready_timeout=READY_TIMEOUT_S)
 
 
 def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None, str]:
@@ -359,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_hisparse(args)
     if args.plot and not args.sweep_host:
         raise UsageError("--plot draws a host-memory sweep: give --sweep-host too")
+    if args.l3 == "off" and (args.l3_conversations or args.l3_routing != "conversation"):
+        raise UsageError("--l3-routing and --l3-conversations apply to --l3 mooncake only")
     reqs, cfg, what = _resolve(args)
     if args.l3 == "mooncake":
         from hicache.sim.demo_l3 import run_l3

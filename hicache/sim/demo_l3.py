@@ -2,20 +2,28 @@
 
 Starts a local Mooncake Store (``mooncake_master`` with its embedded HTTP metadata server and
 one storage member, every listener on 127.0.0.1: see ``hicache.engine.l3_master``), then runs
-the workload twice with the same routing, side by side:
+the workload (the built-in generator or a trace, e.g. ``--trace
+../shared/data/synthetic_trace.jsonl``) twice with the same routing, side by side:
 
-* **independent**: two daemons without L3, two workers; requests alternate between them (a
-  router without prefix affinity, so every conversation's turns land on both instances);
+* **independent**: two daemons without L3, two workers;
 * **l3**: the same, each daemon with ``--l3 mooncake``: a worker whose tree misses a prefix
-  asks L3 for the pages after it; pages the other worker computed come back (cross-instance
-  hits).
+  (or holds it past its last checkpoint) asks L3 for the pages after it and, in the
+  checkpoints mirror, for the deepest boundary checkpoint; what the other worker computed
+  comes back (cross-instance hits), and so do pages the worker's own host tier evicted.
+
+Routing (``--l3-routing``): ``conversation`` (default: a router with session affinity; each
+conversation's turns run on one instance, new conversations alternate; ``conversations``
+finds a trace's conversations) or ``alternate`` (request by request: a conversation's turns
+land on both instances). ``--l3-conversations N`` keeps the first N conversations with two
+turns or more (a bounded multi-turn sample of a trace).
 
 In both runs worker A's daemon is killed (SIGKILL) halfway and started again, and A restarts
 with a fresh tree and fresh device pools: with L3 its prefixes come back from the store.
-Every page loaded, from the host tier or from L3, is verified byte for byte against the
-content it was written with. The JSON adds ``l3_hit_tokens``, ``l3_bytes_read`` /
-``l3_bytes_written``, ``l3_errors``, ``cross_instance_hit_tokens``, ``restart_hit_tokens`` and
-the listeners found (all must be loopback).
+Every page and checkpoint loaded, from the host tier or from L3, is verified byte for byte
+against the content it was written with. The JSON adds ``l3_hit_tokens``, ``l3_bytes_read`` /
+``l3_bytes_written``, ``l3_errors``, ``cross_instance_hit_tokens``, ``restart_hit_tokens``,
+``own_l3_hit_tokens`` (pages the instance itself wrote, evicted from its host tier since),
+``l3_checkpoints`` (checkpoints L3 supplied) and the listeners found (all must be loopback).
 """
 from __future__ import annotations
 
@@ -31,9 +39,12 @@ from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import PAGE_TOKENS
 
 SUM_KEYS = ("requests", "input_tokens", "device_hit_tokens", "host_hit_tokens", "miss_tokens",
-            "verified_bytes", "mismatched_bytes", "l3_hit_tokens", "l3_bytes_read",
-            "l3_bytes_written", "l3_errors", "l3_pages_written", "l3_pages_skipped",
-            "host_tier_lost")
+            "unresumable_tokens", "verified_bytes", "mismatched_bytes", "l3_hit_tokens",
+            "l3_bytes_read", "l3_bytes_written", "l3_errors", "l3_pages_written",
+            "l3_pages_skipped", "l3_checkpoints", "host_tier_lost")
+
+
+SEGMENT_CAP = 8 << 30
 
 
 def _err(msg: str) -> None:
@@ -41,18 +52,52 @@ def _err(msg: str) -> None:
 
 
 def _daemon(cfg: Any, store: Any) -> DaemonProcess:
+    """The plain demo's daemon (same host sizing per mirror), with ``--l3 mooncake``."""
     from hicache.engine.l3_master import loopback_env
+    from hicache.sim.demo import _daemon as plain_daemon
 
-    ratio = (cfg.host_pages + 0.5) / cfg.device_pages
-    extra: tuple[str, ...] = ("--swa-mode", cfg.swa_mode)
-    if store is not None:
-        extra += ("--l3", "mooncake", "--l3-master", store.master_addr,
-                  "--l3-metadata", store.metadata_url)
-    host = ("--host-ratio", repr(ratio)) + (("--force",) if ratio <= 1 else ())
-    return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=cfg.device_rows(),
-                         host=host, heartbeat_timeout=60,
-                         extra=extra, env=loopback_env() if store is not None else None,
-                         new_session=True, ready_timeout=180)
+    if store is None:
+        return plain_daemon(cfg, None)
+    return plain_daemon(cfg, None, ("--l3", "mooncake", "--l3-master", store.master_addr,
+                                    "--l3-metadata", store.metadata_url), loopback_env())
+
+
+def conversations(reqs: list) -> list[int]:
+    """A conversation id per request, numbered in order of first appearance. Generated
+    requests carry their session. A trace request continues the conversation of the latest
+    earlier request whose whole input, or all of it but its last (partial) 512-token block,
+    leads its own input; otherwise it starts a new conversation."""
+    if all(r.session >= 0 for r in reqs):
+        ids: dict[int, int] = {}
+        return [ids.setdefault(r.session, len(ids)) for r in reqs]
+    ends: dict[tuple, int] = {}
+    out: list[int] = []
+    n = 0
+    for r in reqs:
+        p = tuple(r.pages)
+        c = next((ends[p[:k]] for k in range(len(p), 0, -1) if p[:k] in ends), None)
+        if c is None:
+            c, n = n, n + 1
+        out.append(c)
+        ends[p] = c
+        if len(p) > 2:
+            ends[p[:-2]] = c
+    return out
+
+
+def multi_turn_sample(reqs: list, conv: list[int], n: int) -> tuple[list, list[int]]:
+    """The requests (and their conversation ids) of the first ``n`` conversations with two
+    turns or more, in workload order."""
+    turns: dict[int, int] = {}
+    for c in conv:
+        turns[c] = turns.get(c, 0) + 1
+    keep: list[int] = []
+    for c in conv:
+        if turns[c] >= 2 and c not in keep and len(keep) < n:
+            keep.append(c)
+    chosen = set(keep)
+    pairs = [(r, c) for r, c in zip(reqs, conv) if c in chosen]
+    return [r for r, _ in pairs], [c for _, c in pairs]
 
 
 class Instance:
@@ -86,11 +131,15 @@ class Instance:
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_put_log = []
 
+    def _summary(self) -> dict[str, Any]:
+        return {**self.worker.summary(),
+                "l3_checkpoints": self.worker.tree.stats.l3_hit_checkpoints}
+
     def restart(self) -> None:
         self.worker.tree.drain()
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_settle(self.cfg.timeout)
-        self.finished.append(self.worker.summary())
+        self.finished.append(self._summary())
         self.daemon.kill()  # a crash: nothing is shut down cleanly
         self.worker.client.close()
         self.worker.pools.close()
@@ -102,19 +151,21 @@ class Instance:
         self.worker.tree.drain()
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_settle(self.cfg.timeout)
-        out = self.finished + [self.worker.summary()]
+        out = self.finished + [self._summary()]
         self.worker.close()
         self.worker.client.close()
         self.daemon.close()
         return out
 
 
-def _replay(reqs: list, cfg: Any, store: Any, label: str, progress_s: float) -> dict[str, Any]:
-    """Both instances over ``reqs`` (alternating), A restarted halfway; the merged figures."""
+def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
+            progress_s: float) -> dict[str, Any]:
+    """Both instances over ``reqs`` (request i on instance ``route[i]``), A restarted halfway;
+    the merged figures."""
     a = Instance("A", cfg, store)
     b = Instance("B", cfg, store)
     writer: dict[Any, str] = {}  # page key -> tag of the incarnation that first wrote it
-    cross = restart_hits = 0
+    cross = restart_hits = own = 0
     t0 = time.monotonic()
     last = t0
     pids: list[int] = []
@@ -123,7 +174,7 @@ def _replay(reqs: list, cfg: Any, store: Any, label: str, progress_s: float) -> 
             if i == len(reqs) // 2:
                 _err(f"{label}: killing A's daemon (SIGKILL) and starting it again")
                 a.restart()
-            inst = (a, b)[i % 2]
+            inst = (a, b)[route[i]]
             w = inst.worker
             w.run_request(req)
             for k in w.last_l3_keys:
@@ -132,6 +183,8 @@ def _replay(reqs: list, cfg: Any, store: Any, label: str, progress_s: float) -> 
                     cross += PAGE_TOKENS
                 elif src is not None and src != inst.tag:
                     restart_hits += PAGE_TOKENS
+                elif src is not None:
+                    own += PAGE_TOKENS
             if w.hooks is not None and w.hooks.l3_put_log:
                 for k in w.hooks.l3_put_log:
                     writer.setdefault(k, inst.tag)
@@ -151,8 +204,27 @@ def _replay(reqs: list, cfg: Any, store: Any, label: str, progress_s: float) -> 
     if store is not None:
         out["cross_instance_hit_tokens"] = cross
         out["restart_hit_tokens"] = restart_hits
+        out["own_l3_hit_tokens"] = own
         out["listeners"] = [a for _, a in found]
     return out
+
+
+def _segment_bytes(reqs: list, cfg: Any) -> int:
+    """A store segment that holds every distinct page and every checkpoint the replay can
+    write (capped at ``SEGMENT_CAP``: past it Mooncake evicts, and evicted objects are
+    misses)."""
+    from hicache.core.resume import ResumeModel
+
+    lay = cfg.layout()
+    r = ResumeModel(lay)
+    keys = {k for q in reqs for k in q.cache_pages}
+    if cfg.mirror == "full":
+        need = len(keys) * (r.full_page_bytes + 64)
+    else:
+        per_req = 2 + (max(len(q.cache_pages) for q in reqs) // cfg.checkpoint_every
+                       if cfg.checkpoint_every else 0)
+        need = len(keys) * (r.page_bytes + 64) + len(reqs) * per_req * (r.checkpoint_bytes + 64)
+    return min(SEGMENT_CAP, max(256 << 20, int(need * 1.2) + (64 << 20)))
 
 
 def _listeners(store: Any, daemon_pids: list[int]) -> list[tuple[int, str]]:
@@ -176,46 +248,65 @@ def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str) -> int:
     if cfg.device != "cpu":
         raise UsageError("--l3 mooncake runs the two simulated workers in CPU mode here; "
                          "add --device cpu")
-    page_bytes = sum(cfg.layout().row_bytes(s) for s in ("page", "swa_page")
-                     if cfg.layout().space_pools(s))
-    pages = sum(len(r.cache_pages) for r in reqs)
-    segment = max(256 << 20, int(page_bytes * pages * 1.2) + (64 << 20))
-    _err(f"{what}; two instances, {cfg.preset} swa={cfg.swa_mode}, {cfg.device_pages} device "
-         f"pages and {cfg.host_pages} host pages each; store segment {segment >> 20} MiB")
-    base = _replay(reqs, dataclasses.replace(cfg, l3=False), None, "independent",
+    conv = conversations(reqs)
+    if args.l3_conversations:
+        reqs, conv = multi_turn_sample(reqs, conv, args.l3_conversations)
+        if not reqs:
+            raise UsageError("--l3-conversations: the workload has no conversation with two "
+                             "turns or more")
+        what += f", the {len(set(conv))} first multi-turn conversations ({len(reqs)} requests)"
+    route = [c % 2 for c in conv] if args.l3_routing == "conversation" else \
+        [i % 2 for i in range(len(reqs))]
+    segment = _segment_bytes(reqs, cfg)
+    _err(f"{what}; two instances, {cfg.preset} swa={cfg.swa_mode} mirror {cfg.mirror}, "
+         f"{cfg.device_pages} device pages and {cfg.host_pages} host pages each; routing "
+         f"{args.l3_routing}; store segment {segment >> 20} MiB")
+    base = _replay(reqs, route, dataclasses.replace(cfg, l3=False), None, "independent",
                    args.progress_seconds)
     with LocalStore(segment=str(segment)) as store:
         _err(f"Mooncake master {store.master_addr}, metadata {store.metadata_url}")
-        l3 = _replay(reqs, dataclasses.replace(cfg, l3=True), store, "l3",
+        l3 = _replay(reqs, route, dataclasses.replace(cfg, l3=True), store, "l3",
                      args.progress_seconds)
     tot = max(1, l3["input_tokens"])
-    out = {"workload": what, "instances": 2, "routing": "alternate requests",
+    routing = {"conversation": "by conversation (each conversation on one instance)",
+               "alternate": "alternate requests"}[args.l3_routing]
+    out = {"workload": what, "instances": 2, "routing": routing, "mirror": cfg.mirror,
+           "conversations": len(set(conv)),
            "restart": "instance A's daemon SIGKILLed and restarted halfway",
            "independent": base, "l3": l3,
            "l3_hit_tokens": l3["l3_hit_tokens"], "l3_bytes_read": l3["l3_bytes_read"],
            "l3_bytes_written": l3["l3_bytes_written"], "l3_errors": l3["l3_errors"],
            "cross_instance_hit_tokens": l3["cross_instance_hit_tokens"],
            "restart_hit_tokens": l3["restart_hit_tokens"],
+           "own_l3_hit_tokens": l3["own_l3_hit_tokens"], "l3_checkpoints": l3["l3_checkpoints"],
+           "mismatched_bytes": base["mismatched_bytes"] + l3["mismatched_bytes"],
            "cached_tokens_gain": l3["cached_tokens"] - base["cached_tokens"],
            "verified": base["verified"] and l3["verified"]}
     if args.json:
         print(json.dumps(out), flush=True)
     else:
+        checked = base["verified_bytes"] + l3["verified_bytes"]
+
         def pct(n: int) -> str:
             return f"{n:>12,} tokens ({100 * n / tot:5.1f}%)"
 
         print("\n".join([
-            f"hicache demo --l3 mooncake: {what}, two instances, A restarted halfway",
+            f"hicache demo --l3 mooncake: {what}, two instances (routing {routing}, mirror "
+            f"{cfg.mirror}), A restarted halfway",
             f"  {'':24}{'independent':>28}{'with L3':>28}",
             f"  {'cached (device+host)':24}{pct(base['cached_tokens']):>28}"
             f"{pct(l3['cached_tokens']):>28}",
             f"  {'  of which from L3':24}{'':>28}{pct(l3['l3_hit_tokens']):>28}",
             f"  {'  cross-instance':24}{'':>28}{pct(l3['cross_instance_hit_tokens']):>28}",
             f"  {'  after the restart':24}{'':>28}{pct(l3['restart_hit_tokens']):>28}",
-            f"  L3 bytes read {l3['l3_bytes_read'] / 2**30:.2f} GiB, written "
+            f"  {'  own, evicted on host':24}{'':>28}{pct(l3['own_l3_hit_tokens']):>28}",
+            f"  {'missed (computed)':24}{pct(base['miss_tokens']):>28}"
+            f"{pct(l3['miss_tokens']):>28}",
+            f"  L3 checkpoints loaded {l3['l3_checkpoints']:,}; L3 bytes read "
+            f"{l3['l3_bytes_read'] / 2**30:.2f} GiB, written "
             f"{l3['l3_bytes_written'] / 2**30:.2f} GiB, errors {l3['l3_errors']}",
-            f"  verified: {out['verified']} ({(base['verified_bytes'] + l3['verified_bytes']) / 2**30:.2f}"
-            f" GiB checked, {base['mismatched_bytes'] + l3['mismatched_bytes']} bytes differ); "
-            f"listeners all on loopback: {', '.join(l3['listeners'][:8])}",
+            f"  verified: {out['verified']} ({checked / 2**30:.2f} GiB checked, "
+            f"{out['mismatched_bytes']} bytes differ); listeners all on loopback: "
+            f"{', '.join(l3['listeners'][:8])}",
         ]), flush=True)
     return 0 if out["verified"] else 1
