@@ -44,7 +44,7 @@ SUM_KEYS = ("requests", "input_tokens", "device_hit_tokens", "host_hit_tokens", 
             "l3_pages_skipped", "l3_checkpoints", "host_tier_lost")
 
 
-SEGMENT_CAP = 8 << 30
+SEGMENT_CAP = 6 << 30
 
 
 def _err(msg: str) -> None:
