@@ -306,14 +306,16 @@ def test_demo_two_instances_and_bench_l3(tmp_path):
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--l3", "mooncake",
                         "--requests", "24", "--device", "cpu", "--preempt-every", "0",
-                        "--device-pages", "48", "--host-pages", "96",
+                        "--device-pages", "48", "--host-pages", "96", "--mirror", "full",
+                        "--l3-routing", "alternate",
                         "--progress-seconds", "0", "--json"], env=env, capture_output=True,
                        text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-1500:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["verified"] and out["l3"]["mismatched_bytes"] == 0
     assert out["l3_hit_tokens"] > 0 and out["cross_instance_hit_tokens"] > 0
-    assert out["l3_hit_tokens"] == out["cross_instance_hit_tokens"] + out["restart_hit_tokens"]
+    assert out["l3_hit_tokens"] == out["cross_instance_hit_tokens"] + \
+        out["restart_hit_tokens"] + out["own_l3_hit_tokens"]
     assert out["l3"]["cached_tokens"] > out["independent"]["cached_tokens"]
     assert out["l3_errors"] == 0 and out["l3_bytes_written"] > 0 and out["l3_bytes_read"] > 0
     assert out["l3"]["listeners"] and all(a.startswith(("127.", "[::ffff:127."))
