@@ -1,0 +1,130 @@
+"""The radix tree's L3 rules (``hicache.engine.radix_l3``) in the checkpoints mirror, over the
+dry host tier plus an in-process key set standing in for the store: which pages and which
+checkpoint a match fetches, all or nothing, and that no host handle leaks. The bytes of the
+same paths through a real daemon and a real Mooncake Store are checked in test_l3_ckpt.py and
+by the demo test."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hicache.core.layout import build_layout, preset
+from hicache.core.resume import ResumeModel
+from hicache.engine.radix import RadixTree
+from hicache.sim.dry import DryHooks
+
+
+class StoreHooks(DryHooks):
+    """Dry host tier with L3 verbs over ``store`` (a dict shared by several trees)."""
+
+    l3 = True
+
+    def __init__(self, store: dict[str, set], pages: int = 64, ckpts: int = 16) -> None:
+        super().__init__(ResumeModel(build_layout(preset("dsv4-tiny"))), "checkpoints",
+                         pages, ckpts)
+        self.store = store
+        self.fetched: list[tuple[str, list[Any]]] = []
+
+    def l3_query(self, keys: Sequence[Any]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.store["page"]:
+                break
+            n += 1
+        return n
+
+    def l3_ckpt_present(self, keys: Sequence[Any]) -> list[int]:
+        return [int(k in self.store["ckpt"]) for k in keys]
+
+    def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+        self.fetched.append(("page", list(keys)))
+        return self.l3_query(keys[:len(handles)])
+
+    def l3_ckpt_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+        self.fetched.append(("ckpt", list(keys)))
+        return sum(1 for k in keys if k in self.store["ckpt"])
+
+    def l3_put(self, keys: Sequence[Any], handles: Sequence[Any]) -> None:
+        self.store["page"].update(keys)
+
+    def l3_ckpt_put(self, keys: Sequence[Any], handles: Sequence[Any]) -> None:
+        self.store["ckpt"].update(keys)
+
+    def free_rows(self) -> tuple[int, int]:
+        return len(self._free["page"]), len(self._free["ckpt"])
+
+
+def tree(hooks: StoreHooks, device: int = 32) -> RadixTree:
+    return RadixTree(device, hooks, mirror="checkpoints", host_capacity=64,
+                     host_ckpt_capacity=16)
+
+
+def run(t: RadixTree, keys: list[int]) -> Any:
+    """One request: resume what can be resumed, compute the rest, release, settle backups."""
+    p = t.prepare(keys)
+    rows = t.alloc_device(len(keys) - p.pages)
+    t.release(p, keys, rows)
+    t.drain()
+    t.check()
+    return p
+
+
+def test_pages_and_their_checkpoint_come_from_l3():
+    store: dict[str, set] = {"page": set(), "ckpt": set()}
+    a = tree(StoreHooks(store))
+    run(a, [1, 2, 3, 4, 5, 6])
+    assert store == {"page": {1, 2, 3, 4, 5, 6}, "ckpt": {6}}  # the last page is checkpointed
+    assert a.stats.l3_put_pages == 6 and a.stats.l3_put_checkpoints == 1
+    hb = StoreHooks(store)
+    b = tree(hb)
+    p = run(b, [1, 2, 3, 4, 5, 6, 7])
+    assert (p.pages, p.host_pages, p.l3_pages, p.ckpt) == (6, 6, 6, "host")
+    assert b.stats.l3_hit_pages == 6 and b.stats.l3_hit_checkpoints == 1
+    assert hb.fetched == [("page", [1, 2, 3, 4, 5, 6]), ("ckpt", [6])]
+
+
+def test_only_up_to_the_deepest_checkpoint_and_all_or_nothing():
+    store: dict[str, set] = {"page": {1, 2, 3, 4, 5, 6, 7, 8}, "ckpt": {3, 5}}
+    h = StoreHooks(store)
+    t = tree(h)
+    free = h.free_rows()
+    p = t.prepare([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert (p.pages, p.l3_pages) == (5, 5)  # up to the deepest boundary with a checkpoint
+    t.abort(p)
+    t.check()
+    # a checkpoint whose pages L3 does not hold (a page was evicted): nothing fetched, no leak
+    store2: dict[str, set] = {"page": {11, 12, 14}, "ckpt": {14}}
+    h2 = StoreHooks(store2)
+    t2 = tree(h2)
+    free2 = h2.free_rows()
+    p2 = t2.prepare([11, 12, 13, 14])
+    assert p2.pages == 0 and h2.free_rows() == free2 and not list(t2.nodes())
+    # pages arrive but the checkpoint does not (evicted between query and read): freed
+    class Flaky(StoreHooks):
+        def l3_ckpt_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
+            return 0
+
+    h3 = Flaky({"page": {21, 22}, "ckpt": {22}})
+    t3 = tree(h3)
+    free3 = h3.free_rows()
+    p3 = t3.prepare([21, 22, 23])
+    assert p3.pages == 0 and h3.free_rows() == free3 and not list(t3.nodes())
+    t3.check()
+    assert h.free_rows() == (free[0] - 5, free[1] - 1)  # 5 pages and 1 checkpoint kept on host
+
+
+def test_a_checkpoint_alone_makes_the_trees_own_pages_resumable():
+    """The tree holds pages past its resume point (no checkpoint there); L3 holds one: only
+    the checkpoint is fetched, and the prefix resumes on the tree's own pages."""
+    store: dict[str, set] = {"page": set(), "ckpt": set()}
+    a = tree(StoreHooks(store))
+    run(a, [1, 2, 3, 4])  # checkpoint at 4 in the store
+    hc = StoreHooks({"page": set(), "ckpt": set()})
+    c = tree(hc)
+    run(c, [1, 2, 3, 4, 5, 6])  # c holds 1..6, its checkpoint at 6 only
+    hc.store = store  # c now shares a's store (which also got nothing from c)
+    hc.fetched.clear()
+    p = c.prepare([1, 2, 3, 4, 9])
+    assert (p.pages, p.l3_pages) == (4, 0)
+    assert c.stats.l3_hit_checkpoints == 1 and hc.fetched == [("ckpt", [4])]
+    c.abort(p)
+    c.check()
