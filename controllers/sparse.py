@@ -10,9 +10,12 @@ everything, then act; a refusal changes nothing).
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
   its C4 pages fit. Admission takes ``floor(prompt_tokens / 4)`` C4 tokens' pages and, with
   ``device_rows``, backs the prompt's C4 KV up from the registered worker's ``c4_kv`` pool.
+  Pages that are host-tier prefix hits (``host_rows``: the client's written ``c4_kv`` host rows
+  of the first pages) are filled from host memory instead: nothing is read from the device.
   ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
   token locations (``device_tokens``, the hot buffer's newest-token slots, for C4 tokens
-  ``first ..``). Copies run synchronously (the engine calls after its stream is synced).
+  ``first ..``). Copies run synchronously on the server thread and are complete (GPU: synced)
+  before the reply (the engine calls after its stream is synced).
 * Request names are global to the daemon: another client's request is refused ``not_owner``;
   an unknown one ``bad_field``. A reaped or unregistered client's requests are freed
   (``free_client``).
@@ -32,6 +35,7 @@ from hicache.host_pools.allocator import RowAllocator
 from hicache.kernels.dispatch import copy_rows, copy_tokens
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
+from .host_access import check_readable
 from .registry import ClientState
 
 C4_RATIO = 4
@@ -135,6 +139,21 @@ def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     return _region(st).info(), []
 
 
+def _prefix_hits(st: Any, sp: SparseRegion, c: ClientState, hits: np.ndarray, n: int) -> None:
+    """``host_rows``: the client's host-tier rows of the ``c4_kv`` pool holding the prompt's
+    first pages (prefix hits), each written by a completed backup of this client."""
+    if len(hits) > n:
+        raise _err("bad_rows", f"host_rows has {len(hits)} rows; the prompt has {n} C4 pages")
+    if not len(hits):
+        return
+    space = sp.spec.index
+    total = st.host_rows[space]
+    if hits.min() < 0 or hits.max() >= total:
+        raise _err("bad_rows", f"host_rows out of range [0, {total}) of space {space}")
+    st.check_owned(c.cid, space, hits, "sparse_admit host_rows")
+    check_readable(st.group, "c4_kv", hits, "sparse_admit host_rows")
+
+
 def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     sp, r = _region(st), _name(h)
     prompt = h["prompt_tokens"]
@@ -145,23 +164,38 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                   f"{sp.min_prompt}: serve it dense")
     c4 = prompt // C4_RATIO
     n = _pages(sp, c4)
+    hits = _frame(arrays, h, "host_rows")
+    k = 0 if hits is None else len(hits)
+    if hits is not None:
+        _prefix_hits(st, sp, c, hits, n)
     src = _frame(arrays, h, "device_rows")
     dev = None
     if src is not None:
         dev = _device_c4(st, c, "sparse_admit")
-        if len(src) != n:
-            raise _err("bad_rows", f"device_rows has {len(src)} rows; {c4} C4 tokens take {n}")
+        if len(src) != n - k:
+            raise _err("bad_rows", f"device_rows has {len(src)} rows; {c4} C4 tokens take {n}"
+                                   f" pages, {k} of them from host_rows")
         if len(src) and (src.min() < 0 or src.max() >= dev.rows):
             raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
     rows = _take(sp, n, (c.cid, r))
-    if dev is not None and n:
-        try:
-            copy_rows(dev, sp.table, torch.from_numpy(src.copy()), torch.tensor(rows))
-        except TransferError as e:
-            sp.alloc.free(rows, (c.cid, r))
-            raise _err("bad_rows", str(e)[:300]) from None
+    try:
+        if k:  # prefix hits: host memory to host memory, nothing crosses PCIe
+            copy_rows(st.host_tables["c4_kv"].layers, sp.shm.layers,
+                      torch.from_numpy(hits.copy()), torch.tensor(rows[:k]), impl="reference")
+        if dev is not None and n > k:
+            copy_rows(dev, sp.table, torch.from_numpy(src.copy()), torch.tensor(rows[k:]))
+            _sync(dev)
+    except TransferError as e:
+        sp.alloc.free(rows, (c.cid, r))
+        raise _err("bad_rows", str(e)[:300]) from None
     sp.requests[r] = SparseRequest(c.cid, c4, rows)
-    return {"c4_tokens": c4, "pages": n}, [np.asarray(rows, dtype=np.int64)]
+    return {"c4_tokens": c4, "pages": n, "reused_pages": k}, [np.asarray(rows, dtype=np.int64)]
+
+
+def _sync(dev: LayerTable) -> None:
+    """A GPU copy into the region is complete before the reply lets the engine read it."""
+    if dev.is_cuda:
+        torch.cuda.synchronize(dev.device)
 
 
 def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
@@ -195,6 +229,7 @@ def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
             if new:
                 sp.alloc.free(new, (c.cid, r))
             raise _err("bad_rows", str(ex)[:300]) from None
+        _sync(dev)
     e.rows, e.c4_tokens = rows, c4
     return {"c4_tokens": c4, "pages": len(rows)}, [np.asarray(rows, dtype=np.int64)]
 

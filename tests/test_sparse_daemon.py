@@ -76,6 +76,72 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     pools.close()
 
 
+def test_admit_reuses_host_tier_prefix_hits(sparse_daemon):
+    """The prompt's first pages are host-tier prefix hits (c4_kv rows this client backed up):
+    they come from host memory, byte for byte, while the device rows they were backed up from
+    now hold other bytes; the rest comes from device_rows. Nothing else changes."""
+    c, pools = _worker(sparse_daemon)
+    dev = pools.layers["c4_kv"]
+    host = c.alloc({"page": 2}, request="prefix")["page"]
+    assert c.wait_ack(c.backup({"c4_kv": ([1, 4], host)})).ok
+    prefix = [(t[1].clone(), t[4].clone()) for t in dev]
+    g = torch.Generator().manual_seed(11)
+    for t in dev:  # the device rows the hits came from now hold other bytes
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    shm = c.map_sparse_region()
+    before = [t.clone() for t in shm.layers]
+    # 800 tokens = 200 C4 tokens = 4 pages: 2 prefix hits + 2 from device rows 6 and 3
+    h, arr = c.call("sparse_admit", {"request": "hit", "prompt_tokens": 800, "host_rows": 0,
+                                     "device_rows": 1}, [host, [6, 3]])
+    rows = [int(x) for x in arr[0]]
+    assert (h["pages"], h["reused_pages"], len(rows)) == (4, 2, 4)
+    for l, (hl, dl) in enumerate(zip(shm.layers, dev)):
+        assert torch.equal(hl[rows[0]], prefix[l][0]) and torch.equal(hl[rows[1]], prefix[l][1]), l
+        assert torch.equal(hl[rows[2]], dl[6]) and torch.equal(hl[rows[3]], dl[3]), l
+        for r in set(range(6)) - set(rows):
+            assert torch.equal(hl[r], before[l][r]), "rows nobody owns changed"
+    # only hits, no device rows: the rest of the pages are left for sparse_extend
+    assert c.sparse_free("hit") == 4
+    rows2 = c.sparse_admit("hit2", 2 * 64 * 4, host_rows=host[::-1])
+    for l, hl in enumerate(shm.layers):
+        assert torch.equal(hl[rows2[0]], prefix[l][1]) and torch.equal(hl[rows2[1]], prefix[l][0])
+    assert c.sparse_free("hit2") == 2
+    c.free({"page": host}, request="prefix")
+    c.close()
+    pools.close()
+
+
+def test_prefix_hits_refused_change_nothing(sparse_daemon):
+    """host_rows that are not this client's, not written, too many, out of range, or a
+    device_rows frame that does not cover the rest: one clear refusal, nothing taken."""
+    a, pa = _worker(sparse_daemon, "a")
+    b, pb = _worker(sparse_daemon, "b")
+    mine = a.alloc({"page": 2}, request="p")["page"]
+    assert a.wait_ack(a.backup({"c4_kv": ([0, 1], mine)})).ok
+    theirs = b.alloc({"page": 1}, request="p")["page"]
+    assert b.wait_ack(b.backup({"c4_kv": ([2], theirs)})).ok
+    blank = a.alloc({"page": 1}, request="q")["page"]  # allocated, never backed up
+    shm = a.map_sparse_region()
+    snap = [t.clone() for t in shm.layers]
+    cases = [
+        (dict(host_rows=theirs), "not_owner", "not yours"),
+        (dict(host_rows=blank), "not_written", "holds nothing you backed up"),
+        (dict(host_rows=mine + mine), "bad_rows", "the prompt has 2 C4 pages"),
+        (dict(host_rows=[10 ** 6]), "bad_rows", "out of range"),
+        (dict(host_rows=mine[:1], device_rows=[3, 4]), "bad_rows", "1 of them from host_rows"),
+    ]
+    for kw, code, msg in cases:
+        with pytest.raises(CommandRefused) as e:
+            a.sparse_admit("r", 2 * 64 * 4, **kw)
+        assert e.value.code == code and msg in e.value.message, (kw, e.value.code, e.value.message)
+    assert all(torch.equal(x, y) for x, y in zip(snap, shm.layers)), "region bytes changed"
+    assert len(a.sparse_admit("all", 6 * 64 * 4)) == 6, "sparse rows were taken"
+    assert a.sparse_free("all") == 6
+    for c, p in ((a, pa), (b, pb)):
+        c.close()
+        p.close()
+
+
 @pytest.mark.parametrize("call, code, msg", [
     (lambda s: s.sparse_admit("short", 299), "unsupported", "below min_sparse_prompt_len 300"),
     (lambda s: s.sparse_admit("big", 7 * 64 * 4), "no_space", "sparse host rows needed"),

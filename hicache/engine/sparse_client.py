@@ -7,8 +7,10 @@ mapping of the sparse host region.
 * ``map_sparse_region(device) -> SparseShm``: maps that file; on a GPU it page-locks the mapping
   for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly. Its ``layers``
   go to ``HotBuffer(host=...)``.
-* ``sparse_admit(request, prompt_tokens, device_rows=None) -> list[int]`` host page rows (the
-  prompt's C4 KV is backed up from the worker's ``c4_kv`` device rows when given);
+* ``sparse_admit(request, prompt_tokens, device_rows=None, host_rows=None) -> list[int]`` host
+  page rows. ``host_rows``: this client's host-tier ``c4_kv`` rows of the prompt's first pages
+  (prefix hits; the daemon fills those pages from host memory, nothing is read from the
+  device); ``device_rows``: the worker's ``c4_kv`` device rows of the remaining pages;
   ``sparse_extend(request, tokens, device_tokens=None, first=None) -> list[int]`` all page rows
   after growing (new decode tokens backed up from device token locations);
   ``sparse_free(request) -> int``; ``sparse_report(lookups, swapped_in)`` adds hot-buffer
@@ -31,12 +33,13 @@ class SparseCommands:
     """The HiSparse commands; the class using it provides ``call(cmd, fields, arrays)``
     (``Client.call``)."""
 
-    def _sparse(self, cmd: str, fields: dict[str, Any], key: str,
-                ids: Optional[Sequence[int]]) -> list[int]:
+    def _sparse(self, cmd: str, fields: dict[str, Any],
+                frames: dict[str, Optional[Sequence[int]]]) -> list[int]:
         arrays: list[Any] = []
-        if ids is not None:
-            fields[key] = 0
-            arrays.append(list(ids))
+        for key, ids in frames.items():
+            if ids is not None:
+                fields[key] = len(arrays)
+                arrays.append(list(ids))
         _, arr = self.call(cmd, fields, arrays)
         return [int(x) for x in arr[0]] if arr else []
 
@@ -55,9 +58,10 @@ class SparseCommands:
         return shm
 
     def sparse_admit(self, request: str, prompt_tokens: int,
-                     device_rows: Optional[Sequence[int]] = None) -> list[int]:
+                     device_rows: Optional[Sequence[int]] = None,
+                     host_rows: Optional[Sequence[int]] = None) -> list[int]:
         return self._sparse("sparse_admit", {"request": request, "prompt_tokens": prompt_tokens},
-                            "device_rows", device_rows)
+                            {"host_rows": host_rows, "device_rows": device_rows})
 
     def sparse_extend(self, request: str, tokens: int,
                       device_tokens: Optional[Sequence[int]] = None,
@@ -65,7 +69,7 @@ class SparseCommands:
         fields: dict[str, Any] = {"request": request, "tokens": tokens}
         if first is not None:
             fields["first"] = first
-        return self._sparse("sparse_extend", fields, "device_tokens", device_tokens)
+        return self._sparse("sparse_extend", fields, {"device_tokens": device_tokens})
 
     def sparse_free(self, request: str) -> int:
         h, _ = self.call("sparse_free", {"request": request})
