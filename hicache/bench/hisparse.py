@@ -153,44 +153,6 @@ class _Bench:
         return LayerTable([arena[l * per:(l + 1) * per].view(self.host_rows, pb)
                            for l in range(self.L)], "sparse host")
 
-    def _limit(self) -> float:
-        """Contiguous pinned H2D copy, best of 5 (GB/s)."""
-        torch = self.torch
-        n = min(self.L * self.host_rows * self.fmt.page_bytes, 1 << 30)
-        h = self._arena[:n]
-        d = torch.empty(n, dtype=torch.uint8, device=self.dev)
-        best = 0.0
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            d.copy_(h, non_blocking=True)
-            b.record()
-            b.synchronize()
-            best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
-        return best
-
-    def _token_limit(self) -> float:
-        """H2D of isolated random tokens (the swap-in's pattern) through the tuned token copy
-        kernel on every SM, all layers in one launch, best of 5 (GB/s of token bytes)."""
-        torch = self.torch
-        from hicache.kernels.dispatch import copy_tokens
-        from hicache.kernels.tables import LayerTable
-
-        P, pb = 64, self.fmt.page_bytes
-        n = 4096
-        dev = LayerTable([torch.empty(n // P, pb, dtype=torch.uint8, device=self.dev)
-                          for _ in range(self.L)], "device")
-        g = torch.Generator().manual_seed(1)
-        src = torch.randperm(self.host_rows * P, generator=g)[:n]
-        dst = torch.randperm(n, generator=g)
-        sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
-        best = 0.0
-        for _ in range(6):
-            secs, _ = self._timed(lambda: copy_tokens(self.host, dev, src, dst, self.fmt,
-                                                      ctas=sms))
-            best = max(best, n * self.L * self.fmt.token_bytes / secs / 1e9)
-        return best
-
     # ---------------------------------------------------------------- one row
     def _row(self, B: int, overlap: float, config: tuple[int, int]) -> dict[str, Any]:
         torch = self.torch
@@ -372,8 +334,16 @@ class _Bench:
     def run(self) -> dict[str, Any]:
         torch = self.torch
         self.host = self._host()
-        self.limit = self._limit() if self.cuda else 0.0
-        self.token_limit = self._token_limit() if self.cuda else 0.0
+        self.limit = self.token_limit = 0.0
+        probes = None
+        if self.cuda:
+            from hicache.bench import hisparse_limits as lim
+
+            self.limit = lim.contiguous_h2d(self._arena, self.dev)
+            self.token_limit = lim.random_tokens_h2d(self._arena, self.L, self.host_rows,
+                                                     self.fmt, self.dev)
+            probes = lim.layout_probes(self._arena, self.L, self.host_rows, self.dev)
+            _log(f"random tokens by host layout: {probes}")
         if self.cuda:
             _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
                  f"random single tokens (copy_tokens, all SMs): {self.token_limit:.1f} GB/s")
@@ -391,6 +361,7 @@ class _Bench:
                       "host_rows_per_layer": self.host_rows},
             "limit_h2d_gbps": round(self.limit, 2) if self.cuda else None,
             "random_token_h2d_gbps": round(self.token_limit, 2) if self.cuda else None,
+            "random_token_h2d_by_layout": probes,
             "target": f"graph step <= {TARGET_FACTOR} x link time + {TARGET_FIXED_US} us; "
                       f"host issue <= 20 us per layer",
             "device_bytes_per_request": {"full_c4_on_device": full, "hot_buffer": hot,
