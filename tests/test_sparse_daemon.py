@@ -95,6 +95,11 @@ def test_admit_reuses_host_tier_prefix_hits(sparse_daemon):
                                      "device_rows": 1}, [host, [6, 3]])
     rows = [int(x) for x in arr[0]]
     assert (h["pages"], h["reused_pages"], len(rows)) == (4, 2, 4)
+    # 4 pages x 21 layers: above the inline limit, so the copy ran on the scheduler's worker
+    # (not the server loop); its ack tells when the rows are filled
+    assert "op" in h and "ack" not in h, h
+    ack = c.wait_ack(h["op"])
+    assert ack.ok and ack.kind == "sparse_backup" and ack.bytes == 4 * 37_440 * 21, ack
     for l, (hl, dl) in enumerate(zip(shm.layers, dev)):
         assert torch.equal(hl[rows[0]], prefix[l][0]) and torch.equal(hl[rows[1]], prefix[l][1]), l
         assert torch.equal(hl[rows[2]], dl[6]) and torch.equal(hl[rows[3]], dl[3]), l
@@ -310,3 +315,28 @@ def test_fuzz_sparse_commands_refused_and_change_nothing(fuzz_world, msg):
     sv.heartbeat()
     sa.heartbeat()
     assert sv.sparse_extend("victim", 300) == rows  # still the victim's, unchanged
+
+
+def test_free_refused_busy_while_a_copy_is_in_flight(tmp_path):
+    """The handler on its own: a request whose sparse_backup op the state still holds in flight
+    is not freed (its rows could be reallocated under the copy); once the op is done it is."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.sparse import SparseRegion, SparseRequest, sparse_free
+    from hicache.core.protocol import ProtocolError
+
+    region = SparseRegion(FLASH, 4, str(tmp_path), None, 1)
+    try:
+        c = SimpleNamespace(cid="eng")
+        st = SimpleNamespace(sparse=region, ops={7: object()})
+        rows = region.alloc.alloc(2, ("eng", "r")).tolist()
+        region.requests["r"] = SparseRequest("eng", 100, rows, ops=[7])
+        with pytest.raises(ProtocolError) as e:
+            sparse_free(st, c, {"request": "r"}, [])
+        assert e.value.code == "busy" and "in flight" in e.value.message
+        assert "r" in region.requests and region.alloc.free_rows == 2
+        del st.ops[7]  # the op completed
+        assert sparse_free(st, c, {"request": "r"}, [])[0] == {"freed_rows": 2}
+        assert region.alloc.free_rows == 4 and not region.requests
+    finally:
+        region.close()

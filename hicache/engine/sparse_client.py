@@ -16,7 +16,9 @@ mapping of the sparse host region.
   ``sparse_free(request) -> int``; ``sparse_report(lookups, swapped_in)`` adds hot-buffer
   counts to the daemon's metrics.
 
-Refusals raise ``CommandRefused`` with the daemon's code and one-line message.
+When a command copies, the daemon runs the copy in the background and the method returns after
+its ack (``TransferFailed`` if the copy failed). Refusals raise ``CommandRefused`` with the
+daemon's code and one-line message.
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ class SparseCommands:
             if ids is not None:
                 fields[key] = len(arrays)
                 arrays.append(list(ids))
-        _, arr = self.call(cmd, fields, arrays)
+        h, arr = self.call(cmd, fields, arrays)
+        if "op" in h:  # the daemon copies in the background: the rows are filled at the ack
+            self.wait_ack(self._op(cmd, h))
         return [int(x) for x in arr[0]] if arr else []
 
     def sparse_region(self) -> dict[str, Any]:
