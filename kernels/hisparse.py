@@ -223,6 +223,8 @@ class SwapInLaunch:
         ck = self._compiled.get(spec)
         if ck is None:
             ck = _swap_in_kernel[(B,)](req_slots, topk, ts, out, **self._jit_kwargs)
+            if hasattr(ck, "result"):  # a Triton that compiles asynchronously returns a future
+                ck = ck.result()
             order = getattr(getattr(ck, "metadata", None), "runtime_argument_order", None)
             if order and list(order) != list(_swap_in_kernel.arg_names):
                 self.cached = False  # this Triton reorders launcher arguments: JIT every call
