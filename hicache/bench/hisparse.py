@@ -205,6 +205,7 @@ class _Bench:
                 ln.cached = True
         graph, gcopied, gissue, capture_s = [], [], [], None
         floor_us = nomiss_us = None
+        stray = 0
         if self.cuda:
             static = topk[warm + steps].clone()
             t0 = time.perf_counter()
@@ -217,9 +218,9 @@ class _Bench:
                 graph.append(secs)
                 gissue.append(iss / self.L)
                 gcopied.append(int(hb.stats[:, 1].sum()) - before)
-            floor_us, nomiss_us = self._fixed_costs(hb, req, static, graph_obj, B)
+            floor_us, nomiss_us, stray = self._fixed_costs(hb, req, static, graph_obj)
         last = topk[warm + steps + n_graph - 1]
-        verified = self._verify(hb, last, B)
+        verified = self._verify(hb, last, B) and stray == 0  # all-hit replays copy nothing
         tb = self.fmt.token_bytes
         timed = graph if graph else eager
         tok = gcopied if graph else copied
@@ -277,23 +278,21 @@ class _Bench:
         b.synchronize()
         return a.elapsed_time(b) / 1e3, issue
 
-    def _fixed_costs(self, hb: Any, req: Any, static: Any, graph_obj: Any,
-                     B: int) -> tuple[float, float]:
+    def _fixed_costs(self, hb: Any, req: Any, static: Any,
+                     graph_obj: Any) -> tuple[float, float, int]:
         """The step's fixed costs, from graphs (median of 5): every row padding (launches and
         the programs' exit: the floor), and the last step's ids again (every id a hit: the
-        mapping phase without copies; checked to copy nothing)."""
+        mapping phase without copies); and the tokens those replays copied (must be 0)."""
         torch = self.torch
         pad = torch.full_like(req, -1)
         g_pad = self._capture(hb, pad, static)
         floor = statistics.median(self._timed(g_pad.replay)[0] for _ in range(5))
         hits = []
+        before = int(hb.stats[:, 1].sum())
         for _ in range(5):
-            before = int(hb.stats[:, 1].sum())
             hits.append(self._timed(graph_obj.replay)[0])
-            if int(hb.stats[:, 1].sum()) != before:
-                raise RuntimeError("a replay of the same ids copied tokens: the hot buffer "
-                                   "lost ids it just swapped in")
-        return round(floor * 1e6, 1), round(statistics.median(hits) * 1e6, 1)
+        return (round(floor * 1e6, 1), round(statistics.median(hits) * 1e6, 1),
+                int(hb.stats[:, 1].sum()) - before)
 
     def _capture(self, hb: Any, req: Any, static: Any) -> Any:
         torch = self.torch
