@@ -63,7 +63,10 @@ class DaemonState:
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
-        self.post: list[Operation] = []  # inline ops whose accounting waits until the reply is sent
+        # work that waits until the reply is sent: accounting of inline ops, and the launch
+        # groups after layer 0 of GPU loads (``scheduler.finish_issue``)
+        self.post: list[Operation] = []
+        self.notices: list[tuple[ClientState, int]] = []  # "issued" pushes: (client, op id)
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
         self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
         self.l3_ns = ""  # the namespace of this stage's L3 objects
@@ -151,12 +154,19 @@ class DaemonState:
         self.ops[op.op_id] = (op, c)
         self.metrics.in_flight(op.kind, 1)
         self.scheduler.submit(op)
+        if op.rest is not None:
+            self.post.append(op)
         return None
 
     def after_reply(self) -> None:
-        """Work deferred until the reply is sent: metrics and frees of inline ops."""
+        """Work deferred until the reply is sent: a GPU load's launches after layer 0 (then an
+        "issued" notice to its client), metrics and frees of inline ops."""
         post, self.post = self.post, []
         for op in post:
+            if op.rest is not None:
+                self.scheduler.finish_issue(op)
+                self.notices.append((self.ops[op.op_id][1], op.op_id))
+                continue
             self._account(op)
             if self.tracker.deferred:
                 self.release_ready()

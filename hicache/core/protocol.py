@@ -9,6 +9,8 @@ schema check (``check_fields``), index frames through a length check and a ``mem
 * reply    ``{"v": 1, "k": "reply", "id": INT, "ok": true, ...fields}`` + index frames, or
            ``{"v": 1, "k": "reply", "id": INT, "ok": false, "error": {"code", "message"}}``
 * ack      ``{"v": 1, "k": "ack", "op": INT, "status": "ok"|"error", ...}`` (pushed, no reply)
+* issued   ``{"v": 1, "k": "issued", "op": INT}`` (pushed, GPU loads: every layer's event is
+           recorded; the reply said how many were at reply time)
 
 See docs/protocol.md for every command, its fields and its reply.
 """
@@ -108,7 +110,7 @@ _TABLE: tuple[Command, ...] = (
                        "alloc": ("bool", False), "request": ("opt_str", False)},
             ("op", "ack", "rows"), True, "backup",
             "device -> host copy of rows or tokens; with alloc, into rows it allocates"),
-    Command("load", {"items": ("list", True)}, ("op", "ack", "event_set"), True, "load",
+    Command("load", {"items": ("list", True)}, ("op", "ack", "event_set", "issued"), True, "load",
             "host -> device copy, layer by layer, one event per stage layer on GPU"),
     Command("swap_out", {"slot": ("int", True), "request": ("opt_str", False),
                          "host_row": ("opt_int", False), "wait_event": ("opt_int", False)},
@@ -116,7 +118,7 @@ _TABLE: tuple[Command, ...] = (
             "copy one request slot's state rows to a host row"),
     Command("swap_in", {"host_row": ("int", True), "slot": ("int", True),
                         "release": ("bool", False), "request": ("opt_str", False)},
-            ("op", "ack", "event_set"), True, "swap_in",
+            ("op", "ack", "event_set", "issued"), True, "swap_in",
             "copy a swapped-out request back into any slot"),
     Command("clear_slot", {"slots": ("int_list", True), "draft": ("dict", False)},
             ("op", "ack"), True, "clear_slot",
@@ -359,6 +361,10 @@ def encode_ack(ack: dict[str, Any]) -> list[bytes]:
     h = {"v": VERSION, "k": "ack"}
     h.update(ack)
     return [_dumps(h)]
+
+
+def encode_issued(op_id: int) -> list[bytes]:
+    return [_dumps({"v": VERSION, "k": "issued", "op": op_id})]
 
 
 def _loads(frame: Any, what: str) -> dict[str, Any]:
