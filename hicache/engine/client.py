@@ -431,6 +431,8 @@ class Client(SparseCommands, L3Commands):
         if op.issued is not None and pos >= op.issued:
             self._wait_issued(op, timeout)
         ev = self._load_events[op.event_set][pos]
+        if ev.query():  # copied already: nothing to wait for (and a GPU-side wait on another
+            return      # process's event can take ~1.7 ms to see a completed record; H200)
         (stream or torch.cuda.current_stream()).wait_event(ev)
 
     def _wait_issued(self, op: Op, timeout: float | None) -> None:
