@@ -35,6 +35,7 @@ __all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreach
            "TransferFailed", "Items"]
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
+WAIT_SPIN_US = 300  # wait_layer: how long the host polls a layer's event before a stream wait
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -92,6 +93,7 @@ class Client(SparseCommands, L3Commands):
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
         self._issued: OrderedDict[int, None] = OrderedDict()  # GPU loads fully issued (pushed)
+        self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._last_send = 0.0
         self.heartbeat_interval = 3.0
         self.registered: dict[str, Any] | None = None
@@ -431,9 +433,15 @@ class Client(SparseCommands, L3Commands):
         if op.issued is not None and pos >= op.issued:
             self._wait_issued(op, timeout)
         ev = self._load_events[op.event_set][pos]
-        if ev.query():  # copied already: nothing to wait for (and a GPU-side wait on another
-            return      # process's event can take ~1.7 ms to see a completed record; H200)
-        (stream or torch.cuda.current_stream()).wait_event(ev)
+        # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
+        # MPS, even for a record that already completed. So a layer that is copied (or will
+        # be within ``spin_us``) is waited for on the host, and only a layer still further
+        # out puts a wait on the stream.
+        end = time.perf_counter() + self.spin_us * 1e-6
+        while not ev.query():
+            if time.perf_counter() >= end:
+                (stream or torch.cuda.current_stream()).wait_event(ev)
+                return
 
     def _wait_issued(self, op: Op, timeout: float | None) -> None:
         timeout = self.timeout if timeout is None else timeout
