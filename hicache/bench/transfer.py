@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the results as JSON on stdout (the table goes to stderr)")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s per CTA budget (needs matplotlib)")
     p.add_argument("--layers", type=int, default=61, help="layers per pool (default 61, DSV4-Pro)")
-    p.add_argument("--quick", action="store_true", help="budgets 1, 4, all; C4 cases only; 2 repeats")
+    p.add_argument("--quick", action="store_true", help="budgets 1, 4, all; no SWA or state-row cases; 2 repeats")
     p.add_argument("--peer-lib", metavar="PATH", default=os.path.join(".peer", "common_ops.abi3.so"),
                    help="SGLang common_ops.abi3.so to run beside ours (default .peer/...)")
     p.add_argument("--ctas", metavar="LIST", help="CTA budgets, comma separated (0 = all SMs)")
@@ -283,15 +283,15 @@ class _GpuBench:
         torch = self.torch
         from hicache.kernels import dispatch
 
-        c4 = job.case
+        case = job.case
         if impl == PEER:
             def move(c: int) -> None:
                 with torch.cuda.stream(job.stream):
                     self.peer(job.src.table(self.dev), job.dst.table(self.dev), job.s_gpu,
-                              job.d_gpu, c4.row_bytes, self.L, c)
-        elif c4.fmt is not None:
+                              job.d_gpu, case.row_bytes, self.L, c)
+        elif case.fmt is not None:
             def move(c: int) -> None:
-                dispatch.copy_tokens(job.src, job.dst, job.s_idx, job.d_idx, c4.fmt, ctas=c,
+                dispatch.copy_tokens(job.src, job.dst, job.s_idx, job.d_idx, case.fmt, ctas=c,
                                      impl=impl, stream=job.stream)
         else:
             def move(c: int) -> None:
