@@ -4,7 +4,8 @@ SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh
 sglang installed without its GPU dependencies; built once, then cached). This module builds it
 when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
 ``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
-storage backend across an engine restart) there; it fails with the inner run's output if any inner test fails or is skipped.
+storage backend across an engine restart) there; it fails with the inner run's output if any
+inner test fails or is skipped.
 The version gate is also checked here, in the main environment (no sglang installed).
 """
 from __future__ import annotations
