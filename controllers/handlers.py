@@ -5,7 +5,8 @@ Each handler is ``fn(state, client, header, arrays) -> (reply fields, reply arra
 ``error_code`` maps to its code by type. Nothing is changed before the last check has passed,
 so a refused command leaves the daemon exactly as it was. Headers reach here type-checked
 against ``protocol.COMMANDS``; index frames arrive as int64 memoryviews. ``HANDLERS`` is built
-from the command table's ``handler`` names (here, in ``copy_commands``, ``l3_handlers``, ``kv_store``).
+from the command table's ``handler`` names (here, in ``copy_commands``, ``l3_handlers``,
+``kv_store`` and ``sparse``).
 """
 from __future__ import annotations
 

@@ -190,7 +190,8 @@ def markdown_table() -> str:
         out.append(f"| `{c.name}` | {fields} | {', '.join(c.reply)} | "
                    f"{'yes' if c.acks else 'no'} | {c.summary} |")
     return "\n".join(out)
-_FREE_FORM = ("register", "clear_slot", "kv_attach")  # commands with free-form JSON objects in their fields
+# commands with free-form JSON objects in their fields
+_FREE_FORM = ("register", "clear_slot", "kv_attach")
 ITEM_FIELDS = {"pool": str, "space": str, "src": int, "dst": int, "unit": str}
 UNITS = ("row", "token")
 

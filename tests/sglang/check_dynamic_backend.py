@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 loads hicache's ``dynamic`` storage backend itself; pages survive an engine restart.
+"""SGLang 0.5.23 loads hicache's ``dynamic`` storage backend itself; pages survive a restart.
 
 Runs inside the sglang environment (``tests/test_sglang_adapter.py`` launches it), on CPU. An
 "engine" is SGLang's own DSV4 stack built by ``UnifiedRadixCache.init_hicache`` with
@@ -142,8 +142,9 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
         with engine(d.address, namespace="another-model") as (backend, pools):
             assert backend.batch_exists(keys) == 0
             idx = _alloc(pools["kv"], 3, skip=0)
-            assert backend.batch_get_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=idx,
-                                                      keys=keys)]) == {"deepseek_v4_c4": [False] * 3}
+            got = backend.batch_get_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=idx,
+                                                     keys=keys)])
+            assert got == {"deepseek_v4_c4": [False] * 3}
             assert all(int(t.count_nonzero()) == 0 for t in pools["deepseek_v4_c4"].kv_buffer)
     finally:
         d.close()
@@ -158,21 +159,25 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
             kv_idx = _alloc(pools["kv"], 4, skip=0)
             swa_idx = _alloc(pools["swa"], 4, skip=0)
             assert backend.batch_set_v1(keys, kv_idx) == [True] * 4
-            backend.batch_set_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=kv_idx,
-                                               keys=keys)])
+            assert backend.batch_set_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=kv_idx,
+                                                      keys=keys)]) == {"deepseek_v4_c4": [True] * 4}
             # SWA pages only for keys 1 and 3 (a window store, as SGLang keeps trailing pages)
-            backend.batch_set_v2([PoolTransfer(name="swa", host_indices=swa_idx[F.PAGE:2 * F.PAGE],
-                                               keys=keys[1:2]),
-                                  PoolTransfer(name="swa", host_indices=swa_idx[3 * F.PAGE:],
-                                               keys=keys[3:4])])
-            c4 = PoolTransfer(name="deepseek_v4_c4", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
-            trail = PoolTransfer(name="swa", keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
-            every = PoolTransfer(name="swa", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+            for i in (1, 3):
+                one = swa_idx[i * F.PAGE:(i + 1) * F.PAGE]
+                assert backend.batch_set_v2([PoolTransfer(name="swa", host_indices=one,
+                                                          keys=keys[i:i + 1])]) == {"swa": [True]}
+            all_pages, trailing = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
+            c4 = PoolTransfer(name="deepseek_v4_c4", keys=keys, hit_policy=all_pages)
+            trail = PoolTransfer(name="swa", keys=keys[-1:], hit_policy=trailing)
+            every = PoolTransfer(name="swa", keys=keys, hit_policy=all_pages)
             r = backend.batch_exists_v2(keys, [c4, trail])
             assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [2, 4])
             assert r.extra_pool_hit_pages == {"kv": 4, "deepseek_v4_c4": 4, "swa": 4}
             r = backend.batch_exists_v2(keys, [c4, every])
             assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+            # the daemon forgets this client's pools (as after a heartbeat reap): re-attached
+            assert backend.client.kv_detach() == len(pools)
+            assert backend.batch_exists(keys) == 4
             with pytest.raises(StorageRefused, match="block_groups|BLOCK_GROUPS"):
                 backend.batch_exists_v2(keys, [PoolTransfer(
                     name="swa", keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
@@ -188,7 +193,8 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
                                                       host_indices=kv_idx[1:F.PAGE + 1],
                                                       keys=keys[:1])]) == \
                 {"deepseek_v4_c4": [False]}
-            assert all(torch.equal(a, b) for a, b in zip(before, pools["deepseek_v4_c4"].kv_buffer))
+            after = pools["deepseek_v4_c4"].kv_buffer
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
         cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                    attn_cp_size=1, is_mla_model=True,
                                    enable_storage_metrics=False, is_page_first_layout=False,
