@@ -24,6 +24,11 @@ Contract:
 * A marker pool (no ``pool``) maps nothing: it records which keys an index-only anchor (SGLang's
   ``LogicalHostPool`` for DSV4) has written; it needs no proof.
 * ``close()`` drops the views and unmaps (idempotent).
+
+Trust: only a local process of the daemon's user can pass the proof (it must reach the file
+through ``/proc``), and such a process can already signal the daemon; so the one harm it could
+add, shrinking its own file after the proof so that a copy faults (SIGBUS), gives it nothing
+it did not have. SGLang never shrinks its pools; our client restores the size it grew.
 """
 from __future__ import annotations
 

@@ -11,11 +11,15 @@ the KV anchor, ``batch_set_v2`` with one ``PoolTransfer`` per DSV4 pool, then ``
 every pool and layer is compared.
 
 CPU shims (test only): ``_cuda_host_register`` is a no-op (there is no pinned memory without
-CUDA) and the parallel ranks are stated (no process groups are built).
+CUDA) and the parallel ranks are stated (no process groups are built). With
+``HICACHE_SGLANG_TEST_DEVICE=cuda:N`` the device pools and the daemon are on that GPU and SGLang
+pins its memfd host pools itself.
 """
 from __future__ import annotations
 
 import json
+import os
+from contextlib import ExitStack
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,12 +41,15 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 
 KV_DERIVED = ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")  # anchor indices
 SWA_INDEXED = ("swa", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state")
+# cpu (CI) or cuda:N (the GPU machine: scripts/gpu_sglang.sh): SGLang's device pools, pinned
+# host pools and the daemon on that device
+DEVICE = os.environ.get("HICACHE_SGLANG_TEST_DEVICE", "cpu")
 EXTRA = {"backend_name": "hicache", "module_path": "hicache.engine.sglang.storage",
          "class_name": "HicacheStorage", "interface_v1": 1, "allocator": "shm"}
 
 
 def _daemon(tmp: Path) -> Any:
-    return start_daemon(tmp, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS, metrics=False,
+    return start_daemon(tmp, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS, metrics=False,
                         extra=("--no-mtp", "--c128-state", "offline"))
 
 
@@ -59,11 +66,13 @@ def engine(address: str, namespace: str = "dsv4-tiny-test") -> Iterator[tuple[An
         set_global_server_args_for_scheduler(sa)
         return sa
 
-    with mock.patch.object(F, "server_args", server_args), \
-            mock.patch("sglang.srt.mem_cache.pool_host.common._cuda_host_register",
-                       lambda *a, **k: None), \
-            get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        cache, _, _, _ = F.build_dsv4_cache(0, len(F.RATIOS))
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(F, "server_args", server_args))
+        if DEVICE == "cpu":  # no pinned memory without CUDA
+            stack.enter_context(mock.patch(
+                "sglang.srt.mem_cache.pool_host.common._cuda_host_register", lambda *a, **k: None))
+        stack.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1))
+        cache, _, _, _ = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
     cc = cache.cache_controller
     try:
         assert cc.enable_storage and isinstance(cc.storage_backend, HicacheStorage)
