@@ -4,7 +4,8 @@ An engine that keeps its host pool in shared memory (SGLang with ``"allocator": 
 ``memfd`` per buffer, or an unlinked ``/dev/shm`` file) attaches it with ``kv_attach``; the
 daemon then copies pages between that memory and its own host rows (``kv_store``). Such a file
 has no name another process can open, so the daemon opens it through ``/proc/<pid>/fd/<fd>``:
-same user, same PID namespace, and the engine process dumpable (the kernel's ptrace-read rule).
+same user (checked), same PID namespace, and the engine process dumpable (the kernel's
+ptrace-read rule).
 
 Contract:
 
@@ -25,10 +26,11 @@ Contract:
   ``LogicalHostPool`` for DSV4) has written; it needs no proof.
 * ``close()`` drops the views and unmaps (idempotent).
 
-Trust: only a local process of the daemon's user can pass the proof (it must reach the file
-through ``/proc``), and such a process can already signal the daemon; so the one harm it could
-add, shrinking its own file after the proof so that a copy faults (SIGBUS), gives it nothing
-it did not have. SGLang never shrinks its pools; our client restores the size it grew.
+Trust: the files must belong to a process of the daemon's own user, and the proof must be
+written into them, so only such a process (or one able to write its memory) can attach; it can
+already signal the daemon, so the one harm it could add, shrinking its file after the proof so
+that a copy faults (SIGBUS), gives it nothing it did not have. SGLang never shrinks its pools;
+our client restores the size it grew.
 """
 from __future__ import annotations
 
@@ -156,6 +158,11 @@ def _layer_spec(i: int, x: Any, page_bytes: int) -> tuple[int, int, int]:
 
 def _open_shared(pid: int, fd: int) -> tuple[int, int]:
     """Our read-write descriptor of the engine's shared-memory file and its size."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            raise ValueError(f"process {pid} does not run as the daemon's user")
+    except OSError as e:
+        raise ValueError(f"no process {pid} visible to the daemon: {e.strerror}") from None
     try:
         path_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     except OSError as e:

@@ -178,6 +178,10 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
             with open(f, "r+b") as fh:  # a regular file outside /dev/shm
                 _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                          pool="c4_kv", layers=[{**s, "fd": fh.fileno()} for s in ep.spec])
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                     pool="c4_kv", pid=gone.pid, layers=ep.spec)  # no such process
             r, w = os.pipe()
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", layers=[{**s, "fd": r} for s in ep.spec])
