@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
@@ -56,7 +57,7 @@ def _default_address() -> str:
 _as_ids = P.as_index
 
 
-class Client(SparseCommands, L3Commands):
+class Client(SparseCommands, L3Commands, KVStoreCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None) -> None:
