@@ -190,7 +190,9 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     if dev is not None and n > k:
         items.append(_item(sp, dev, src, rows[k:], None))
     reply = {"c4_tokens": c4, "pages": n, "reused_pages": k}
-    reply.update(_copy(st, c, e, items))
+    # the host-tier rows it reads stay allocated until it is done (frees of them are deferred)
+    reads = [(sp.spec.index, np.array(hits, dtype=np.int64), False)] if k else []
+    reply.update(_copy(st, c, e, items, reads))
     return reply, [np.asarray(rows, dtype=np.int64)]
 
 
@@ -203,14 +205,16 @@ def _item(sp: SparseRegion, src: LayerTable, src_ids: Any, dst_ids: Any,
                 s.n * unit * sp.spec.num_layers)
 
 
-def _copy(st: Any, c: ClientState, e: SparseRequest, items: list[Item]) -> dict[str, Any]:
+def _copy(st: Any, c: ClientState, e: SparseRequest, items: list[Item],
+          reads: list[tuple[str, np.ndarray, bool]] | None = None) -> dict[str, Any]:
     """Run ``items`` through the daemon's scheduler as one ``sparse_backup`` operation (CPU:
     inline when small, else the copy worker; GPU: the load stream), not on the server loop.
     Reply fields ``op`` (and ``ack`` when it ran inline); the engine reads the rows after the
-    ack. Nothing to copy: no operation."""
+    ack. ``reads``: host-tier rows it reads, for the row tracker. Nothing to copy: no
+    operation."""
     if not items:
         return {}
-    op = Operation(st.next_op_id(), c.cid, "sparse_backup", items, [],
+    op = Operation(st.next_op_id(), c.cid, "sparse_backup", items, reads or [],
                    nbytes=sum(it.nbytes for it in items))
     ack = st.start(c, op)
     if ack is None:

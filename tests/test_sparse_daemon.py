@@ -340,3 +340,45 @@ def test_free_refused_busy_while_a_copy_is_in_flight(tmp_path):
         assert region.alloc.free_rows == 4 and not region.requests
     finally:
         region.close()
+
+
+def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
+    """The handler on its own: its copies become one ``sparse_backup`` operation for
+    ``state.start`` (not a copy on the server loop), the host-tier rows it reads are declared
+    to the row tracker (their frees wait for it), and the reply names the op."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hicache.controllers.sparse import SparseRegion, sparse_admit
+    from hicache.kernels.tables import LayerTable
+
+    region = SparseRegion(FLASH, 6, str(tmp_path), None, 1)
+    try:
+        pb = region.spec.page_bytes
+        host_tier = LayerTable([torch.zeros(8, pb, dtype=torch.uint8) for _ in range(21)], "h")
+        dev = LayerTable([torch.zeros(8, pb, dtype=torch.uint8) for _ in range(21)], "d")
+        started = []
+        st = SimpleNamespace(
+            sparse=region, host_rows={"page": 8}, host_tables={"c4_kv": host_tier},
+            check_owned=lambda *a: None, next_op_id=lambda: 41,
+            group=SimpleNamespace(unwritten=lambda pool, rows: np.zeros(0, dtype=np.int64)),
+            start=lambda c, op: started.append(op))
+        c = SimpleNamespace(cid="eng", worker=SimpleNamespace(tables={"c4_kv": dev}))
+        hits, devrows = np.array([5, 2], dtype=np.int64), np.array([7], dtype=np.int64)
+        h, arr = sparse_admit(st, c, {"request": "r", "prompt_tokens": 3 * 64 * 4,
+                                      "host_rows": 0, "device_rows": 1},
+                              [hits.tobytes(), devrows.tobytes()])
+        rows = arr[0].tolist()
+        assert h == {"c4_tokens": 192, "pages": 3, "reused_pages": 2, "op": 41}
+        (op,) = started
+        assert op.kind == "sparse_backup" and op.op_id == 41
+        assert [(s, r.tolist(), w) for s, r, w in op.host] == [("page", [5, 2], False)]
+        (a, b) = op.items
+        assert a.src is host_tier and a.dst is region.table and a.fmt is None
+        assert a.src_ids.list() == [5, 2] and a.dst_ids.list() == rows[:2]
+        assert b.src is dev and b.src_ids.list() == [7] and b.dst_ids.list() == rows[2:]
+        assert op.nbytes == 3 * pb * 21 == a.nbytes + b.nbytes
+        assert region.requests["r"].ops == [41]
+    finally:
+        region.close()
