@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_soak_mix_all_on_the_gpu():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))  # keep a carried pyzmq
     p = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "soak", "--clients", "2",
                         "--ops", "300", "--mix", "all", "--device", "cuda:0", "--json"],
                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
+    assert p.stdout.strip(), f"no report (exit {p.returncode}): {p.stderr[-3000:]}"
     rep = json.loads(p.stdout)
     assert rep["device"] == "cuda:0" and rep["ops"] == 600, (rep, p.stderr[-3000:])
     assert rep["lost_acks"] == 0 and rep["failed_ops"] == 0 and rep["refused"] == 0, rep
