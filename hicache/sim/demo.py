@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     if args.l3 == "mooncake":
         from hicache.sim.demo_l3 import run_l3
 
-        return run_l3(args, reqs, cfg, what)
+        return run_l3(args, reqs, cfg, what, _daemon)
     if args.sweep_host:
         from hicache.sim.sweep import run_sweep
 

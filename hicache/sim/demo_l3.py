@@ -32,7 +32,7 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hicache.core.errors import UsageError
 from hicache.engine.daemon_process import DaemonProcess
@@ -51,15 +51,15 @@ def _err(msg: str) -> None:
     print(f"[demo l3] {msg}", file=sys.stderr, flush=True)
 
 
-def _daemon(cfg: Any, store: Any) -> DaemonProcess:
-    """The plain demo's daemon (same host sizing per mirror), with ``--l3 mooncake``."""
+def _daemon(plain: Callable[..., DaemonProcess], cfg: Any, store: Any) -> DaemonProcess:
+    """The plain demo's daemon (``plain``: same host sizing per mirror), with ``--l3
+    mooncake`` when there is a store."""
     from hicache.engine.l3_master import loopback_env
-    from hicache.sim.demo import _daemon as plain_daemon
 
     if store is None:
-        return plain_daemon(cfg, None)
-    return plain_daemon(cfg, None, ("--l3", "mooncake", "--l3-master", store.master_addr,
-                                    "--l3-metadata", store.metadata_url), loopback_env())
+        return plain(cfg, None)
+    return plain(cfg, None, ("--l3", "mooncake", "--l3-master", store.master_addr,
+                             "--l3-metadata", store.metadata_url), loopback_env())
 
 
 def conversations(reqs: list) -> list[int]:
@@ -103,9 +103,10 @@ def multi_turn_sample(reqs: list, conv: list[int], n: int) -> tuple[list, list[i
 class Instance:
     """One daemon and the worker on it; ``restart()`` kills the daemon and starts both anew."""
 
-    def __init__(self, name: str, cfg: Any, store: Any) -> None:
+    def __init__(self, name: str, cfg: Any, store: Any,
+                 plain: Callable[..., DaemonProcess]) -> None:
         self.name, self.cfg, self.store = name, cfg, store
-        self.daemon = _daemon(cfg, store)
+        self.daemon = _daemon(plain, cfg, store)
         self.incarnation = 0
         self.worker: Any = None
         self.finished: list[dict[str, Any]] = []  # summaries of earlier incarnations
@@ -159,11 +160,11 @@ class Instance:
 
 
 def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
-            progress_s: float) -> dict[str, Any]:
+            progress_s: float, plain: Callable[..., DaemonProcess]) -> dict[str, Any]:
     """Both instances over ``reqs`` (request i on instance ``route[i]``), A restarted halfway;
     the merged figures."""
-    a = Instance("A", cfg, store)
-    b = Instance("B", cfg, store)
+    a = Instance("A", cfg, store, plain)
+    b = Instance("B", cfg, store, plain)
     writer: dict[Any, str] = {}  # page key -> tag of the incarnation that first wrote it
     cross = restart_hits = own = 0
     t0 = time.monotonic()
@@ -239,7 +240,10 @@ def _listeners(store: Any, daemon_pids: list[int]) -> list[tuple[int, str]]:
     return found
 
 
-def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str) -> int:
+def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str,
+           plain_daemon: Callable[..., DaemonProcess]) -> int:
+    """The demo (module docstring); ``plain_daemon(cfg, metrics_port, extra, env)`` makes the
+    plain demo's daemon (``hicache.sim.demo._daemon``)."""
     from hicache.engine.l3_master import LocalStore, mooncake_dir
 
     if mooncake_dir() is None:
@@ -262,11 +266,11 @@ def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str) -> int:
          f"{cfg.device_pages} device pages and {cfg.host_pages} host pages each; routing "
          f"{args.l3_routing}; store segment {segment >> 20} MiB")
     base = _replay(reqs, route, dataclasses.replace(cfg, l3=False), None, "independent",
-                   args.progress_seconds)
+                   args.progress_seconds, plain_daemon)
     with LocalStore(segment=str(segment)) as store:
         _err(f"Mooncake master {store.master_addr}, metadata {store.metadata_url}")
         l3 = _replay(reqs, route, dataclasses.replace(cfg, l3=True), store, "l3",
-                     args.progress_seconds)
+                     args.progress_seconds, plain_daemon)
     tot = max(1, l3["input_tokens"])
     routing = {"conversation": "by conversation (each conversation on one instance)",
                "alternate": "alternate requests"}[args.l3_routing]
