@@ -152,8 +152,10 @@ CATALOG: tuple[MetricDef, ...] = (
               "Times the L3 tier went offline or came back online.",
               "How often does the Mooncake master drop out, and does it come back?"),
     MetricDef("l3_pages", "counter", ("result",),
-              "L3 pages by result: query_hit, prefetch_hit (read and verified), written, "
-              "skipped_existing (another writer stored it first).",
+              "L3 objects by result: query_hit, prefetch_hit (read and verified), written, "
+              "skipped_existing (another writer stored it first); checkpoint objects "
+              "(checkpoints mirror) as ckpt_query_hit, ckpt_prefetch_hit, ckpt_written, "
+              "ckpt_skipped_existing.",
               "How much of the prefix traffic does L3 serve, and how much do we write?"),
     MetricDef("l3_hit_tokens", "counter", (),
               "Tokens of the pages prefetched from L3 and verified (pages x page tokens).",
@@ -218,7 +220,8 @@ class Metrics:
         self._zero_hist("command_seconds", (*COMMANDS, "invalid"))
         # the L3 tier's series exist (at 0) on every daemon: an L3-less one shows zeros, not gaps
         self._zero("l3_transitions", ("online", "offline"))
-        self._zero("l3_pages", ("query_hit", "prefetch_hit", "written", "skipped_existing"))
+        self._zero("l3_pages", tuple(f"{c}{r}" for c in ("", "ckpt_") for r in (
+            "query_hit", "prefetch_hit", "written", "skipped_existing")))
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
         self._zero("l3_errors", ("offline", "corrupt", "full", "error"))
