@@ -170,7 +170,8 @@ class LocalStore:
         self.master = self._spawn([
             str(self.bin / "mooncake_master"), "--rpc_address=127.0.0.1",
             f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
             "--rpc_thread_num=2", "--enable_metric_reporting=false"], "master.log")
         _wait_port(self.rpc_port, self.master, timeout, "mooncake_master")
