@@ -23,7 +23,7 @@ from hicache.engine.device_pools import DevicePools
 from hicache.engine.hooks import ClientHooks
 
 from conftest import ROOT, start_daemon
-from test_l3_mooncake import store  # noqa: F401 - the module's loopback store fixture
+from test_l3_mooncake import store, wait_online  # noqa: F401 - store: the loopback fixture
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -53,8 +53,6 @@ class Side:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
         self.c = self.d.client(name=f"ck{seed}")
         self.c.register(self.pools)
-        from test_l3_mooncake import wait_online
-
         wait_online(self.c)
         self.r = ResumeModel(self.lay)
         self.h = ClientHooks(self.c, ["page"], timeout=30, resume=self.r, l3=True)
