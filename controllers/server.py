@@ -40,8 +40,10 @@ TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 TRANSPORT_RCVHWM = 8
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
 
 
 def key_names(directory: str) -> dict[bytes, str]:
@@ -182,17 +184,30 @@ class Server:
             self.send_acks()
 
     def _request(self) -> None:
-        """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
-        cheaper than a poll per request when several clients are busy)."""
-        recv, handle = self._recv, self._handle
+        """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
+        ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised)."""
+        recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
         for _ in range(BATCH):
             try:
                 frames, err = recv()
             except zmq.Again:
                 return
             handle(frames, err)
-            if self.state.stopping:
+            if st.stopping or not events(_EVENTS) & _POLLIN:
                 return
+
+    def _send(self, ident: bytes, frames: list[Any]) -> bool:
+        """One message to ``ident``: its frames, NOBLOCK (False: peer gone or its queue full;
+        ROUTER refuses a message at its first frame, so nothing of it went out)."""
+        send = self.sock.send
+        try:
+            send(ident, _MORE)
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                send(f, _MORE if i < last else _NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _recv(self) -> tuple[list[bytes], str | None]:
         """One message, frame by frame: at most the identity, a header and
@@ -247,10 +262,7 @@ class Server:
                 code = "internal"
                 log.exception("command %s (id %s) failed", cmd, rid)
                 reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
-        try:
-            self.sock.send_multipart([ident, *reply], _NOBLOCK)
-        except zmq.ZMQError:
-            pass  # client gone or its queue is full: the reply is lost, the state is not
+        self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
         st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
         if st.post:
             st.after_reply()
@@ -270,11 +282,7 @@ class Server:
         st = self.state
         if st.registry.clients.get(c.ident) is not c:
             return  # reaped or unregistered meanwhile
-        try:
-            self.sock.send_multipart([c.ident, *P.encode_ack(ack)], _NOBLOCK)
-            pushed = True
-        except zmq.ZMQError:
-            pushed = False  # peer gone or its queue full: poll_acks still has it
+        pushed = self._send(c.ident, P.encode_ack(ack))  # False: poll_acks still has it
         if st.registry.retain(c, ack["op"], ack, pushed):
             st.metrics.inc("acks_dropped")
 

@@ -36,6 +36,7 @@ __all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreach
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 _NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -127,6 +128,13 @@ class Client(SparseCommands, L3Commands):
         except zmq.Again:
             return None
 
+    def _send(self, frames: list[bytes]) -> None:
+        """One message, NOBLOCK, frame by frame with int flags (``send_multipart`` costs ~2 us
+        more); a DEALER refuses a message at its first frame (``zmq.Again``), never midway."""
+        send, last = self._sock.send, len(frames) - 1
+        for i, f in enumerate(frames):
+            send(f, _MORE if i < last else _NOBLOCK)
+
     def call(self, cmd: str, fields: dict[str, Any] | None = None, arrays: Iterable[Any] = (),
              timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
         """Send one command, return (reply header, reply index arrays). Raw access; prefer the
@@ -137,13 +145,13 @@ class Client(SparseCommands, L3Commands):
         frames = P.encode_request(cmd, rid, fields, arrays)
         s = self._sock
         try:
-            s.send_multipart(frames, _NOBLOCK)
+            self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
             if not zmq.zmq_poll([(s, _POLLOUT)], max(1, int(timeout * 1000))):
                 raise DaemonUnreachable(f"{cmd}: cannot reach the hicache daemon at "
                                         f"{self.address} within {timeout:g} s") from None
             try:
-                s.send_multipart(frames, _NOBLOCK)
+                self._send(frames)
             except zmq.Again:
                 raise DaemonUnreachable(f"{cmd}: the connection to {self.address} is gone "
                                         f"or full") from None
