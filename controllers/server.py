@@ -46,6 +46,18 @@ _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 
 
+def router_socket(ctx: zmq.Context) -> zmq.Socket:
+    """The daemon's ROUTER socket with its options (``hicache bench control``'s echo uses the
+    same, so the baseline pays what the daemon's transport pays)."""
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
+    s.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
+    s.setsockopt(zmq.SNDHWM, 10_000)
+    s.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
+    return s
+
+
 def key_names(directory: str) -> dict[bytes, str]:
     """CURVE client identities of the daemon's config: each public key file ``NAME.key`` in the
     clients directory makes its key (z85, as ``zmq.auth`` loads it) act as client ``NAME``."""
@@ -81,12 +93,7 @@ class Server:
         self.state = state
         self.address = address
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
-        self.sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
+        self.sock = router_socket(self.ctx)
         self.auth: Any = None
         self.user: str | None = None  # CURVE: name of the key that sent the current message
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only

@@ -93,6 +93,7 @@ class Client(SparseCommands, L3Commands):
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
         self._last_send = 0.0
+        self.sent = 0  # requests sent: round trips (a bench counts them per operation)
         self.heartbeat_interval = 3.0
         self.registered: dict[str, Any] | None = None
         self.stage_layers: list[int] = []
@@ -156,6 +157,7 @@ class Client(SparseCommands, L3Commands):
                 raise DaemonUnreachable(f"{cmd}: the connection to {self.address} is gone "
                                         f"or full") from None
         self._last_send = time.monotonic()
+        self.sent += 1
         while True:
             left = deadline - time.monotonic()
             got = self._recv(max(1, int(left * 1000))) if left > 0 else None
