@@ -41,6 +41,7 @@ import numpy as np
 from hicache.kernels.cpu_copy import clear_slots, copy_few
 from hicache.kernels.dispatch import copy_by_layer, copy_rows, copy_tokens, layer_part, warm_up
 
+from .background import background_priority
 from .ops import ClearSpec, Ids, Item, Operation
 
 log = logging.getLogger("hicache.scheduler")
@@ -276,6 +277,7 @@ class Scheduler:
             self._finish(ops)
 
     def _cpu_worker(self, q: queue.SimpleQueue) -> None:
+        background_priority()  # copies yield the cores to the server loop (background.py)
         while True:
             op = q.get()
             if op is None:
