@@ -37,10 +37,12 @@ _warned = False
 
 
 def background_priority(nice: int = BACKGROUND_NICE) -> bool:
-    """Lower the calling thread's CPU priority to ``nice``; False where that is refused."""
+    """Lower the calling thread's CPU priority to ``nice`` (never raise it: a thread already
+    nicer stays so); False where that is refused."""
     global _warned
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
         return True
     except (OSError, AttributeError) as e:
         if not _warned:
