@@ -61,6 +61,7 @@ class ClientState:
     in_flight: int = 0  # operations of this client not yet completed
     closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
     key: str | None = None  # CURVE: the name of the key this client is bound to
+    kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
 
 
 class Registry:
@@ -107,6 +108,9 @@ class Registry:
         if self.retiring.get(c.ident) is c:
             del self.retiring[c.ident]
         self.close_worker(c)
+        if c.kv is not None:
+            c.kv.close()
+            c.kv = None
         c.acks.clear()
 
     def close_worker(self, c: ClientState) -> None:

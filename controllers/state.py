@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hicache.host_pools.errors import PoolError
+from hicache.host_pools.errors import PoolError, PoolExhausted
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.core.layout import Layout, LayoutError, PoolSpec
@@ -43,7 +43,7 @@ from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 RELEASE_SLICE_ROWS = 1024  # rows of a reaped client given back per loop turn (well under 1 ms)
-RELEASE_SLICE_BYTES = 8 << 20  # with zero_on_free: bytes zeroed per loop turn (about 1 ms)
+RELEASE_SLICE_BYTES = 2 << 20  # with zero_on_free: bytes zeroed per loop turn (well under 1 ms)
 from .row_tracker import RowTracker
 from .sparse import refresh_gauges as refresh_sparse_gauges
 from .ops import Operation
@@ -75,11 +75,15 @@ class DaemonState:
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
-        self.post: list[Operation] = []  # inline ops whose accounting waits until the reply is sent
+        # work that waits until the reply is sent: accounting of inline ops, and the launch
+        # groups after layer 0 of GPU loads (``scheduler.finish_issue``)
+        self.post: list[Operation] = []
+        self.notices: list[tuple[ClientState, int]] = []  # "issued" pushes: (client, op id)
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
         self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
         self.l3_ns = ""  # the namespace of this stage's L3 objects
         self.l3_ops: dict[int, Any] = {}  # op id -> L3 job in flight
+        self.kv_store: Any = None  # controllers.kv_store.KeyStore, made by the first kv_* command
         self.wake: Callable[[], None] = lambda: None  # the daemon sets the server's wake-up
         self.unmapper = Unmapper()
         registry.handoff = self.unmapper.hand
@@ -140,7 +144,12 @@ class DaemonState:
         """Rows in every space of ``counts`` for ``owner``, all or none (``no_space``)."""
         for space in counts:
             self.check_space(space)
-        return self.group.alloc(counts, owner)
+        try:
+            return self.group.alloc(counts, owner)
+        except PoolExhausted:  # the key store gives rows back (LRU) when that is enough
+            if self.kv_store is None or not self.kv_store.make_room_for(counts):
+                raise
+            return self.group.alloc(counts, owner)
 
     def check_free(self, rows: dict[str, np.ndarray], owner: tuple[str, str | None]
                    ) -> dict[str, np.ndarray]:
@@ -176,12 +185,19 @@ class DaemonState:
         self.ops[op.op_id] = (op, c)
         self.metrics.in_flight(op.kind, 1)
         self.scheduler.submit(op)
+        if op.rest is not None:
+            self.post.append(op)
         return None
 
     def after_reply(self) -> None:
-        """Work deferred until the reply is sent: metrics and frees of inline ops."""
+        """Work deferred until the reply is sent: a GPU load's launches after layer 0 (then an
+        "issued" notice to its client), metrics and frees of inline ops."""
         post, self.post = self.post, []
         for op in post:
+            if op.rest is not None:
+                self.scheduler.finish_issue(op)
+                self.notices.append((self.ops[op.op_id][1], op.op_id))
+                continue
             self._account(op)
             if self.tracker.deferred:
                 self.release_ready()
@@ -365,6 +381,8 @@ class DaemonState:
                "metrics": self.metrics.snapshot()}
         if self.l3 is not None:
             out["l3"] = self.l3.summary()
+        if self.kv_store is not None:
+            out["kv_store"] = self.kv_store.summary()
         if check:
             try:
                 self.group.check_invariants()
@@ -372,6 +390,8 @@ class DaemonState:
                 known = {x.cid for x in self.registry.clients.values()}
                 known.update(x.cid for x in self.registry.retiring.values())
                 known.update(x.cid for _, x in self.ops.values())
+                if self.kv_store is not None:
+                    known.add(self.kv_store.owner_id)
                 stray = sorted({o[0] for a in self.group.allocators.values() for o in a.owners()}
                                - known)
                 out["invariants"] = "ok" if not stray else \

@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         c.register(pools, events=1 if cuda else 0)
         say(f"[e2e] registered; churning the host allocator ({args.churn} ops)")
         churn(c, spaces, args.churn, rng)
-        local = _local(layout, dev_rows, pools, dev) if cuda else None
+        # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
+        local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
                   "ctas": INPROC_CTAS, "runs": args.runs, "sizes": {}}
         for s in sizes:
