@@ -11,7 +11,11 @@
   An ``mmap`` is dropped once no tensor references it any more (its refcount shows only our
   hold; tensors made by ``torch.frombuffer`` hold a reference to it), so the thread that lets
   go of the last view never unmaps; after ``WAIT_S`` it is dropped anyway (a view still alive
-  then unmaps whenever that view dies). Other objects are held ``GRACE_S`` (the loop drops the
+  then unmaps whenever that view dies). An unreferenced shared mapping is first emptied
+  ``ZAP_BYTES`` at a time (``MADV_DONTNEED``: page-table entries dropped, the file's data
+  untouched), so the final ``munmap`` is short and no single step holds the process's memory
+  map lock for long (the loop allocating memory would wait on it). Other objects are held
+  ``GRACE_S`` (the loop drops the
   operation that used them within the same turn) and dropped. The thread starts on the first
   ``hand`` and ends when its queue stays empty; ``pending()`` counts jobs not yet dropped;
   ``flush(timeout)`` waits for them (tests, shutdown).
@@ -33,6 +37,7 @@ BACKGROUND_NICE = 10
 WAIT_S = 30.0  # longest wait for the last view of a mapping to go
 GRACE_S = 0.05  # hold of non-mmap objects (CUDA storages) before dropping them
 IDLE_EXIT_S = 2.0  # the thread ends after this long without work
+ZAP_BYTES = 4 << 20  # page-table entries dropped per step before an unmap
 _warned = False
 
 
@@ -95,21 +100,38 @@ class Unmapper:
                         self._thread = None
                         return
                 continue
-            _wait_unreferenced(job)
+            _empty_unreferenced(job)  # its locals are gone on return: job holds the last refs
             job.clear()  # the munmap / IPC close happens here, on this thread
             job = None
             with self._lock:
                 self._pending -= 1
 
 
-def _wait_unreferenced(job: list[Any]) -> None:
-    """Until the mmaps of ``job`` are referenced by ``job`` alone (bounded by ``WAIT_S``)."""
+def _empty_unreferenced(job: list[Any]) -> None:
+    """Wait until the mmaps of ``job`` are referenced by ``job`` alone (bounded by
+    ``WAIT_S``), then empty those that are (``_zap``)."""
     maps = [i for i, o in enumerate(job) if isinstance(o, mmap.mmap)]
     if len(maps) < len(job):
         time.sleep(GRACE_S)
     deadline = time.monotonic() + WAIT_S
-    while maps and time.monotonic() < deadline:
+    held = maps
+    while True:
         # two references when nothing else holds it: the job's and getrefcount's argument
-        maps = [i for i in maps if sys.getrefcount(job[i]) > 2]
-        if maps:
-            time.sleep(0.005)
+        held = [i for i in held if sys.getrefcount(job[i]) > 2]
+        if not held or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    for i in maps:
+        if i not in held:
+            _zap(job[i])
+
+
+def _zap(m: mmap.mmap) -> None:
+    """Drop the page-table entries of an unreferenced shared mapping, a step at a time."""
+    try:
+        n = len(m)
+        for off in range(0, n, ZAP_BYTES):
+            m.madvise(mmap.MADV_DONTNEED, off, min(ZAP_BYTES, n - off))
+            time.sleep(0)  # the loop may take the GIL between steps
+    except (ValueError, OSError, AttributeError):
+        pass  # closed, or no madvise here: the unmap does it all at once

@@ -92,6 +92,9 @@ def test_unmapper_waits_for_the_last_view_and_unmaps_on_its_thread(monkeypatch):
         assert int(view.sum()) == 7 * 4096  # and readable
         del view
         assert u.flush(5.0) and gone() is None  # the unmapper dropped the last reference
+        with open(path, "rb") as f:  # emptying the mapping first left the file's bytes alone
+            data = f.read()
+        assert data[4096:8192] == b"\x07" * 4096 and data[:4096] == bytes(4096)
     finally:
         os.unlink(path)
 

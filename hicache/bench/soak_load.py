@@ -157,7 +157,12 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
                 window: int, counter: Any, go: Any, release: Any, out: Any) -> None:
-    """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``."""
+    """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``.
+    SIGTERM or the parent's death end it (its device pools freed, its shm file unlinked), so a
+    bench killed by a timeout leaves no client holding GPU memory."""
+    from hicache.cli.lifecycle import quiet_worker
+
+    quiet_worker(os.getppid())
     from hicache.bench.soak_mix import MIX_DEV_ROWS, MixClient
     from hicache.core.layout import build_layout, preset
     from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
