@@ -5,6 +5,9 @@
   threads it starts afterwards inherit it). The server thread keeps nice 0, so on a machine
   with few cores a large copy or an unmapping yields the CPU to the loop instead of competing
   with it. Where the call is refused it logs once and changes nothing else.
+* ``cpu_copy_thread()``: called by the CPU-mode transfer thread on itself: ``background_priority``
+  plus at most one thread fewer than the cores this process may run on for its copies (torch's
+  intra-op threads, at least one), so the server loop always finds a core free of copies.
 * ``Unmapper``: ``hand(objects)`` takes what keeps a closed worker's device mappings alive
   (``mmap.mmap`` objects in CPU mode, CUDA IPC storages on GPU) and drops them on its own
   thread, so that the ``munmap`` (tens of ms per GB) or the IPC close never runs on the loop.
@@ -56,6 +59,21 @@ def background_priority(nice: int = BACKGROUND_NICE) -> bool:
                         "with the server loop at the same priority",
                         threading.current_thread().name, e)
         return False
+
+
+def cpu_copy_thread() -> int:
+    """Set up the calling thread as the CPU copy thread; returns its intra-op thread count."""
+    import torch
+
+    background_priority()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    want = max(1, cores - 1)
+    if torch.get_num_threads() > want:
+        torch.set_num_threads(want)
+    return torch.get_num_threads()
 
 
 class Unmapper:

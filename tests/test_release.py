@@ -125,3 +125,17 @@ def test_background_priority_lowers_only_the_calling_thread():
     t.join()
     assert got["worker"] == max(before, background.BACKGROUND_NICE)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_cpu_copy_thread_leaves_a_core_to_the_loop():
+    got: dict[str, int] = {}
+
+    def worker() -> None:
+        got["threads"] = background.cpu_copy_thread()
+        got["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert got["nice"] >= background.BACKGROUND_NICE
