@@ -18,10 +18,9 @@
   ``ZAP_BYTES`` at a time (``MADV_DONTNEED``: page-table entries dropped, the file's data
   untouched), so the final ``munmap`` is short and no single step holds the process's memory
   map lock for long (the loop allocating memory would wait on it). Other objects are held
-  ``GRACE_S`` (the loop drops the
-  operation that used them within the same turn) and dropped. The thread starts on the first
-  ``hand`` and ends when its queue stays empty; ``pending()`` counts jobs not yet dropped;
-  ``flush(timeout)`` waits for them (tests, shutdown).
+  ``GRACE_S`` (the loop drops the operation that used them within the same turn) and dropped.
+  The thread starts on the first ``hand`` and ends when its queue stays empty; ``pending()``
+  counts jobs not yet dropped; ``flush(timeout)`` waits for them (tests, shutdown).
 """
 from __future__ import annotations
 
