@@ -89,8 +89,8 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     launch holding it."""
     events = op.layer_events
     assert events is not None
-    parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers,
-                        staged=True) for it in op.items]
+    parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
+             for it in op.items]
     return issue_by_layer(parts, op.stage_layers, lambda i: events[i].record(stream),
                           device=device, ctas=ctas, stream=stream)
 

@@ -13,11 +13,8 @@
   right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
   there). ``issue_by_layer`` is the same, one launch group per step (the daemon answers the
   engine after layer 0's launch and issues the rest right after the reply). Parts come
-  from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers, staged=...)``; ids are numpy
-  int64, already validated (``check_layer_part`` does the checks other entry points do). With
-  ``staged``, rows whose host side comes in long runs become ``StagedPart`` s: each launch
-  group copies its layers of them on the staged path (copy-engine DMA of the runs plus a
-  few-CTA scatter/gather), the rest stays in the segment kernel.
+  from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
+  validated (``check_layer_part`` does the checks other entry points do).
 
 Buffers are ``LayerTable`` s (preferred: their pointer tables are cached) or lists of per-layer
 ``[rows, row_bytes]`` uint8 tensors. Index tensors are 1-D int64, on the CPU or on the kernel's
@@ -34,8 +31,7 @@ Each call returns the name of the path it used.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -295,43 +291,11 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     return "tokens_" + path
 
 
-@dataclass(frozen=True)
-class StagedPart:
-    """Rows of one device/host buffer pair whose host rows come in long runs: each launch
-    group copies its layers of them on the staged path (``staged.copy_rows_staged``: DMA of
-    the host runs, a few-CTA gather/scatter on the device side) instead of in the segment
-    kernel. ``layers[l]`` is the global layer id of buffer layer ``l``."""
-
-    src: LayerTable
-    dst: LayerTable
-    src_idx: torch.Tensor  # on the CPU when src is the host side, else on the device
-    dst_idx: torch.Tensor
-    host_idx: torch.Tensor  # CPU
-    runs: torch.Tensor
-    layers: list[int]
-
-
-Part = Union[SegmentPart, StagedPart]
-
-
 def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-               fmt: Optional[TokenFormat], layers: Sequence[int], *,
-               staged: bool = False) -> Part:
+               fmt: Optional[TokenFormat], layers: Sequence[int]) -> SegmentPart:
     """One buffer pair of a ``copy_by_layer`` call: rows (``fmt`` None) or tokens of ``fmt``;
-    ``layers[l]`` is the global layer id of buffer layer ``l``. ``staged``: rows between the
-    GPU and host rows that come in runs averaging ``STAGED_MIN_RUN_BYTES`` or more go on the
-    staged path (copy engines reach the link; the segment kernel about 0.91 of it)."""
+    ``layers[l]`` is the global layer id of buffer layer ``l``."""
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
-    if staged and fmt is None and src_ids.size and src.is_cuda != dst.is_cuda:
-        host_np = dst_ids if src.is_cuda else src_ids
-        host_idx = torch.from_numpy(np.ascontiguousarray(host_np, dtype=np.int64))
-        runs = _staged_ok(src, dst, host_idx)
-        if runs is not None:
-            dev = (src if src.is_cuda else dst).device
-            dev_idx = torch.from_numpy(np.ascontiguousarray(
-                src_ids if src.is_cuda else dst_ids, dtype=np.int64)).to(dev)
-            s_idx, d_idx = (dev_idx, host_idx) if src.is_cuda else (host_idx, dev_idx)
-            return StagedPart(src, dst, s_idx, d_idx, host_idx, runs, list(layers))
     ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
         token_offsets(src, dst, src_ids, dst_ids, fmt)
     return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges)
@@ -353,7 +317,7 @@ def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_
                                     f"[0, {t.rows * k})")
 
 
-def copy_by_layer(parts: Sequence[Part], layer_order: Sequence[int],
+def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
                   ctas: int = DEFAULT_CTAS,
                   stream: Optional["torch.cuda.Stream"] = None) -> str:
@@ -365,7 +329,7 @@ def copy_by_layer(parts: Sequence[Part], layer_order: Sequence[int],
     return "by_layer"
 
 
-def issue_by_layer(parts: Sequence[Part], layer_order: Sequence[int],
+def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None) -> Iterator[int]:
@@ -374,25 +338,13 @@ def issue_by_layer(parts: Sequence[Part], layer_order: Sequence[int],
     (the first step issues layer 0 alone). A caller may answer its client between steps; every
     step enters ``stream`` itself, so nothing of the stream context leaks across a pause."""
     ctas = _check_ctas(ctas)
-    plan = SegmentPlan.build([p for p in parts if isinstance(p, SegmentPart)], layer_order)
-    pos = {g: i for i, g in enumerate(layer_order)}
-    try:
-        staged = [(p, [pos[g] for g in p.layers]) for p in parts if isinstance(p, StagedPart)]
-    except KeyError as e:
-        raise ValueError(f"layer {e.args[0]} is not in this stage's layer order") from None
+    plan = SegmentPlan.build(parts, layer_order)
     dev = device if device.type == "cuda" else None
-    if staged and dev is None:
-        raise TransferError("staged parts need a GPU")
     with _stream_ctx(stream, dev):
         plan.to(device)
     for a, b in layer_groups(len(plan.layers)):
         with _stream_ctx(stream, dev):
             launch_segments(plan, plan.layers[a][0], plan.layers[b - 1][1], ctas)
-            for p, lpos in staged:  # this group's layers of each staged pair
-                idx = [k for k, i in enumerate(lpos) if a <= i < b]
-                if idx:
-                    copy_rows_staged(p.src.subset(idx), p.dst.subset(idx), p.src_idx, p.dst_idx,
-                                     p.host_idx, p.runs, ctas=ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)

@@ -117,7 +117,6 @@ class LayerTable:
             self.ptrs = [int(p) for p in device_ptrs]
         self.align = _pow2_align(self.stride, *self.ptrs)
         self._tables: dict[torch.device, torch.Tensor] = {}
-        self._subsets: dict[tuple[int, ...], "LayerTable"] = {}
 
     def table(self, device: torch.device) -> torch.Tensor:
         """int64 tensor of the layers' base addresses, on ``device`` (cached)."""
@@ -128,18 +127,6 @@ class LayerTable:
                 # through pinned memory: a pageable upload would wait for the stream to drain
                 t = t.pin_memory().to(device, non_blocking=True)
             self._tables[device] = t
-        return t
-
-    def subset(self, idx: Sequence[int]) -> "LayerTable":
-        """Layers ``idx`` of this buffer as a table of their own (cached per ``idx``, so its
-        pointer table is uploaded once)."""
-        key = tuple(idx)
-        if key == tuple(range(self.num_layers)):
-            return self
-        t = self._subsets.get(key)
-        if t is None:
-            t = self._subsets[key] = LayerTable([self.layers[i] for i in key], self.name,
-                                                device_ptrs=[self.ptrs[i] for i in key])
         return t
 
     def contiguous_rows(self) -> bool:

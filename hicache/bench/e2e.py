@@ -280,8 +280,7 @@ def _inproc(local: Any, layout: Layout, host: dict[str, list[int]], dst: dict[st
             continue
         dev_t, host_t = tabs[name]
         parts.append(layer_part(host_t, dev_t, np.asarray(host[spec.index], dtype=np.int64),
-                                np.asarray(dst[spec.index], dtype=np.int64), None, spec.layers,
-                                staged=True))
+                                np.asarray(dst[spec.index], dtype=np.int64), None, spec.layers))
     order = layout.stage.layers("swa")
     torch.cuda.synchronize(dev)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
