@@ -148,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         return run_gpus(args)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)  # Triton launches on the current device
     layout = build_layout(preset(args.preset), args.pp_size, args.pp_rank)
     pages = max(SIZES[s] for s in sizes) // PAGE_TOKENS
     dev_rows = {"page": 2 * pages + 8, "swa_page": 2 * pages + 8, "req_slot": 8}
@@ -222,6 +224,12 @@ def run_gpus(args: argparse.Namespace) -> int:
                    "--runs", str(args.runs), "--churn", str(args.churn),
                    "--pp-size", str(n), "--pp-rank", str(r), "--barrier", folder]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        while any(p.poll() is None for p in procs):  # one failed: the others would wait
+            if any(p.poll() not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.2)
         outs = [p.communicate()[0] for p in procs]
     bad = [r for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
