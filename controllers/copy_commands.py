@@ -198,11 +198,27 @@ def load(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     w = worker_of(c)
     items, host, nbytes = _items(st, c, w, h, arrays, to_host=False)
     op = Operation(st.next_op_id(), c.cid, "load", items, host, nbytes=nbytes)
-    extra = {}
-    if st.cuda:
-        extra["event_set"], op.layer_events = w.next_load_events()
-        op.stage_layers = st.stage_layers
-    return _reply(op, st.start(c, op), extra), []
+    extra = _layer_events(st, w, op)
+    ack = st.start(c, op)
+    return _reply(op, ack, _issued(op, extra)), []
+
+
+def _layer_events(st: DaemonState, w: RegisteredWorker, op: Operation) -> dict[str, Any]:
+    """GPU: give ``op`` the worker's next set of per-layer events (the reply names the set)."""
+    if not st.cuda:
+        return {}
+    s, op.layer_events = w.next_load_events()
+    op.stage_layers = st.stage_layers
+    return {"event_set": s}
+
+
+def _issued(op: Operation, extra: dict[str, Any]) -> dict[str, Any]:
+    """GPU: how many stage layers' events are recorded as the reply goes out (layer 0's; the
+    rest follow right after the reply, then an "issued" push). A launch that failed issues
+    nothing more: all count as issued, and the ack reports the failure."""
+    if "event_set" in extra:
+        extra["issued"] = op.issued if op.rest is not None else len(op.stage_layers)
+    return extra
 
 
 def _slot_pools(st: DaemonState) -> list[PoolSpec]:
@@ -274,15 +290,12 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)
     op = Operation(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)],
                    nbytes=nbytes)
-    extra = {}
-    if st.cuda:
-        extra["event_set"], op.layer_events = w.next_load_events()
-        op.stage_layers = st.stage_layers
+    extra = _layer_events(st, w, op)
     if h.get("release", False):
         st.free_after_use({"req_slot": rows}, owner)
     ack = st.start(c, op)
     st.release_ready()
-    return _reply(op, ack, extra), []
+    return _reply(op, ack, _issued(op, extra)), []
 
 
 def clear_slot(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -5,7 +5,8 @@ Each handler is ``fn(state, client, header, arrays) -> (reply fields, reply arra
 ``error_code`` maps to its code by type. Nothing is changed before the last check has passed,
 so a refused command leaves the daemon exactly as it was. Headers reach here type-checked
 against ``protocol.COMMANDS``; index frames arrive as int64 memoryviews. ``HANDLERS`` is built
-from the command table's ``handler`` names (here, in ``copy_commands`` and in ``l3_handlers``).
+from the command table's ``handler`` names (here, in ``copy_commands``, ``l3_handlers``,
+``kv_store`` and ``sparse``).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hicache.core.version import __version__
 from hicache.host_pools.errors import NotOwnerError, PoolError, PoolExhausted, RowRangeError
 from hicache.kernels.tables import LayerTable, TransferError
 
-from . import copy_commands, l3_handlers, sparse
+from . import copy_commands, kv_store, l3_handlers, sparse
 from .copy_commands import Reply, request_of, worker_of
 from .device_buffers import open_buffers, open_events
 from .ops import Ids
@@ -156,6 +157,6 @@ def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
 Handler = Callable[[DaemonState, ClientState, dict, Sequence], Reply]
 HANDLERS: dict[str, Handler] = {
     name: globals().get(cmd.handler) or getattr(copy_commands, cmd.handler, None)
-    or getattr(l3_handlers, cmd.handler, None)
+    or getattr(l3_handlers, cmd.handler, None) or getattr(kv_store, cmd.handler, None)
     or getattr(sparse, cmd.handler)  # HiSparse commands live in controllers/sparse.py
     for name, cmd in COMMANDS.items()}

@@ -110,6 +110,8 @@ class Operation:
     error: str | None = None
     path: str = ""
     done_event: Any = None
+    rest: Any = None  # GPU load: the launch groups left to issue after the reply (a generator)
+    issued: int = 0  # GPU load: stage layers whose events are recorded
     inline: bool = False
     _per_pool: dict[str, tuple[int, int]] | None = None
 

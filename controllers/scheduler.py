@@ -6,10 +6,12 @@ Verbs: ``run_inline(op) -> bool`` (CPU: ran now, before the reply), ``submit(op)
 socket.
 
 How bytes move: CPU mode — a few ids per pool go id by id (``kernels.cpu_copy``), larger copies
-through ``kernels.dispatch``'s reference path. GPU mode (``issue_gpu``) — a load or swap-in goes
-layer by layer through ``dispatch.copy_by_layer`` (one launch covers every pool of its layers,
-layer 0 first) and records layer ``i``'s interprocess event right after the launch holding
-layer ``i``; a backup goes pool by pool through ``dispatch.copy_rows`` / ``copy_tokens``
+through ``kernels.dispatch``'s reference path. GPU mode — a load or swap-in goes
+layer by layer through ``dispatch.issue_by_layer`` (``issue_layers``: one launch covers every
+pool of its layers, layer 0 first) and records layer ``i``'s interprocess event right after
+the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
+the engine, then ``finish_issue`` issues the other layers before it reads another command. A
+backup (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` / ``copy_tokens``
 (staged gather + DMA when host rows come in runs). Which kernel and path: ``kernels.dispatch``.
 
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
@@ -32,15 +34,16 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 import numpy as np
 
 from hicache.kernels.cpu_copy import clear_slots, copy_few
-from hicache.kernels.dispatch import copy_by_layer, copy_rows, copy_tokens, layer_part, warm_up
+from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
 
+from .background import cpu_copy_thread
 from .ops import ClearSpec, Ids, Item, Operation
 
 log = logging.getLogger("hicache.scheduler")
@@ -65,26 +68,32 @@ def run_clear(spec: ClearSpec) -> None:
 
 
 def issue_gpu(op: Operation, stream: Any, ctas: int, device: torch.device) -> str:
-    """Enqueue ``op``'s copies on ``stream`` (the caller made it current)."""
+    """Enqueue the copies of ``op`` (no per-layer events) on ``stream`` (the caller made it
+    current)."""
     paths: set[str] = set()
-    if op.layer_events is not None:
-        events = op.layer_events
-        parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
-                 for it in op.items]
-        paths.add(copy_by_layer(parts, op.stage_layers, lambda i: events[i].record(stream),
-                                device=device, ctas=ctas, stream=stream))
-    else:
-        for it in op.items:
-            if it.fmt is None:
-                paths.add(copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
-                                    ctas=ctas, stream=stream))
-            else:
-                paths.add(copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
-                                      it.fmt, ctas=ctas, stream=stream))
+    for it in op.items:
+        if it.fmt is None:
+            paths.add(copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                ctas=ctas, stream=stream))
+        else:
+            paths.add(copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                  it.fmt, ctas=ctas, stream=stream))
     if op.clear is not None:
         run_clear(op.clear)
         paths.add("clear")
     return "+".join(sorted(paths))
+
+
+def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) -> Iterator[int]:
+    """A load's copies layer by layer (``dispatch.issue_by_layer``): one launch covers every pool
+    of its layers, layer 0 first; layer ``i``'s interprocess event is recorded right after the
+    launch holding it."""
+    events = op.layer_events
+    assert events is not None
+    parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
+             for it in op.items]
+    return issue_by_layer(parts, op.stage_layers, lambda i: events[i].record(stream),
+                          device=device, ctas=ctas, stream=stream)
 
 
 def merge_key(op: Operation) -> tuple | None:
@@ -187,10 +196,28 @@ class Scheduler:
         try:
             self._launch_gpu(op)
         except Exception as e:  # noqa: BLE001 - failed before the GPU saw it: report it
-            op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+            op.ok, op.error, op.rest = False, f"launch failed: {type(e).__name__}: {e}", None
             op.t_start = op.t_end = time.perf_counter()
             self._finish([op])
             return
+        if op.rest is None:
+            self._queues[op.stream].put(op)
+
+    def finish_issue(self, op: Operation) -> None:
+        """GPU load whose first launch group went out with ``submit``: issue the other groups
+        (server thread, right after the reply and before any other command, so stream order is
+        command order), then hand the op to its completion thread."""
+        stream = self.streams[op.stream]
+        try:
+            for op.issued in op.rest:
+                pass
+        except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
+            op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+        op.rest = None
+        with torch.cuda.stream(stream):
+            op.done_event = torch.cuda.Event()
+            op.done_event.record(stream)
+        self._last[op.stream] = op
         self._queues[op.stream].put(op)
 
     def take_completed(self) -> list[Operation]:
@@ -276,6 +303,7 @@ class Scheduler:
             self._finish(ops)
 
     def _cpu_worker(self, q: queue.SimpleQueue) -> None:
+        cpu_copy_thread()  # copies leave a core to the server loop and yield (background.py)
         while True:
             op = q.get()
             if op is None:
@@ -316,6 +344,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ GPU mode
     def _launch_gpu(self, op: Operation) -> None:
+        """Enqueue ``op`` on its stream. A load with per-layer events issues its first launch
+        group (layer 0) only and keeps the rest in ``op.rest`` for ``finish_issue``."""
         stream = self.streams[op.stream]
         op.t_start = time.perf_counter()
         with torch.cuda.stream(stream):
@@ -324,10 +354,15 @@ class Scheduler:
             for other in op.after:
                 if other.done_event is not None:
                     stream.wait_event(other.done_event)
-            op.path = issue_gpu(op, stream, self.ctas, self.device)
-            op.done_event = torch.cuda.Event()
-            op.done_event.record(stream)
-        self._last[op.stream] = op
+            if op.layer_events is None:
+                op.path = issue_gpu(op, stream, self.ctas, self.device)
+                op.done_event = torch.cuda.Event()
+                op.done_event.record(stream)
+                self._last[op.stream] = op
+                return
+        rest = issue_layers(op, stream, self.ctas, self.device)
+        op.issued = next(rest)  # plan, upload, layer 0's launch and event
+        op.path, op.rest = "by_layer", rest
 
     def _gpu_completer(self, q: queue.SimpleQueue) -> None:
         while True:

@@ -273,12 +273,20 @@ class Server:
         st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
         if st.post:
             st.after_reply()
-        if st.outbox:
+        if st.outbox or st.notices:
             self.send_acks()
 
     def send_acks(self) -> None:
-        """Push the acks the state collected (completed operations) to their clients."""
+        """Push the "issued" notices and the acks the state collected (completed operations)
+        to their clients."""
         st = self.state
+        if st.notices:
+            notices, st.notices = st.notices, []
+            for c, op_id in notices:
+                try:
+                    self.sock.send_multipart([c.ident, *P.encode_issued(op_id)], _NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # peer gone or full: its ack still says the op is done
         if not st.outbox:
             return
         out, st.outbox = st.outbox, []

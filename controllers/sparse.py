@@ -10,9 +10,17 @@ everything, then act; a refusal changes nothing).
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
   its C4 pages fit. Admission takes ``floor(prompt_tokens / 4)`` C4 tokens' pages and, with
   ``device_rows``, backs the prompt's C4 KV up from the registered worker's ``c4_kv`` pool.
+  Pages that are host-tier prefix hits (``host_rows``: the client's written ``c4_kv`` host rows
+  of the first pages) are filled from host memory instead: nothing is read from the device.
   ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
   token locations (``device_tokens``, the hot buffer's newest-token slots, for C4 tokens
-  ``first ..``). Copies run synchronously (the engine calls after its stream is synced).
+  ``first ..``). The copies of one command are one ``sparse_backup`` operation of the daemon's
+  scheduler (``state.start``: CPU inline when small, else the copy worker; GPU: the load
+  stream), so a large admission does not hold the server loop; the reply carries ``op`` (and
+  ``ack`` when it ran inline), and the engine reads those rows after the ack (the engine calls
+  after its own stream wrote the device rows). ``sparse_free`` is refused ``busy`` while a copy
+  into the request's rows is in flight; a reaped client's requests are freed once its
+  operations completed (``state.release_client``).
 * Request names are global to the daemon: another client's request is refused ``not_owner``;
   an unknown one ``bad_field``. A reaped or unregistered client's requests are freed
   (``free_client``).
@@ -23,15 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from hicache.core.layout import Layout
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
 from hicache.core.sparse_shm import SparseShm
 from hicache.host_pools.allocator import RowAllocator
-from hicache.kernels.dispatch import copy_rows, copy_tokens
-from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
+from hicache.kernels.tables import LayerTable, TokenFormat
 
+from .host_access import check_readable
+from .ops import Ids, Item, Operation
 from .registry import ClientState
 
 C4_RATIO = 4
@@ -43,6 +51,7 @@ class SparseRequest:
     cid: str
     c4_tokens: int
     rows: list[int] = field(default_factory=list)
+    ops: list[int] = field(default_factory=list)  # sparse_backup operations possibly in flight
 
 
 class SparseRegion:
@@ -135,6 +144,21 @@ def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     return _region(st).info(), []
 
 
+def _prefix_hits(st: Any, sp: SparseRegion, c: ClientState, hits: np.ndarray, n: int) -> None:
+    """``host_rows``: the client's host-tier rows of the ``c4_kv`` pool holding the prompt's
+    first pages (prefix hits), each written by a completed backup of this client."""
+    if len(hits) > n:
+        raise _err("bad_rows", f"host_rows has {len(hits)} rows; the prompt has {n} C4 pages")
+    if not len(hits):
+        return
+    space = sp.spec.index
+    total = st.host_rows[space]
+    if hits.min() < 0 or hits.max() >= total:
+        raise _err("bad_rows", f"host_rows out of range [0, {total}) of space {space}")
+    st.check_owned(c.cid, space, hits, "sparse_admit host_rows")
+    check_readable(st.group, "c4_kv", hits, "sparse_admit host_rows")
+
+
 def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     sp, r = _region(st), _name(h)
     prompt = h["prompt_tokens"]
@@ -145,23 +169,63 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                   f"{sp.min_prompt}: serve it dense")
     c4 = prompt // C4_RATIO
     n = _pages(sp, c4)
+    hits = _frame(arrays, h, "host_rows")
+    k = 0 if hits is None else len(hits)
+    if hits is not None:
+        _prefix_hits(st, sp, c, hits, n)
     src = _frame(arrays, h, "device_rows")
     dev = None
     if src is not None:
         dev = _device_c4(st, c, "sparse_admit")
-        if len(src) != n:
-            raise _err("bad_rows", f"device_rows has {len(src)} rows; {c4} C4 tokens take {n}")
+        if len(src) != n - k:
+            raise _err("bad_rows", f"device_rows has {len(src)} rows; {c4} C4 tokens take {n}"
+                                   f" pages, {k} of them from host_rows")
         if len(src) and (src.min() < 0 or src.max() >= dev.rows):
             raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
     rows = _take(sp, n, (c.cid, r))
-    if dev is not None and n:
-        try:
-            copy_rows(dev, sp.table, torch.from_numpy(src.copy()), torch.tensor(rows))
-        except TransferError as e:
-            sp.alloc.free(rows, (c.cid, r))
-            raise _err("bad_rows", str(e)[:300]) from None
-    sp.requests[r] = SparseRequest(c.cid, c4, rows)
-    return {"c4_tokens": c4, "pages": n}, [np.asarray(rows, dtype=np.int64)]
+    e = sp.requests[r] = SparseRequest(c.cid, c4, rows)
+    items = []
+    if k:  # prefix hits: host memory to host memory, nothing crosses PCIe
+        items.append(_item(sp, st.host_tables["c4_kv"], hits, rows[:k], None))
+    if dev is not None and n > k:
+        items.append(_item(sp, dev, src, rows[k:], None))
+    reply = {"c4_tokens": c4, "pages": n, "reused_pages": k}
+    # the host-tier rows it reads stay allocated until it is done (frees of them are deferred)
+    reads = [(sp.spec.index, np.array(hits, dtype=np.int64), False)] if k else []
+    reply.update(_copy(st, c, e, items, reads))
+    return reply, [np.asarray(rows, dtype=np.int64)]
+
+
+def _item(sp: SparseRegion, src: LayerTable, src_ids: Any, dst_ids: Any,
+          fmt: TokenFormat | None) -> Item:
+    """Copy ``src_ids`` of ``src`` (rows, or tokens of ``fmt``) to ``dst_ids`` of the region."""
+    s, d = Ids.of(src_ids), Ids.of(dst_ids)
+    unit = fmt.token_bytes if fmt is not None else sp.spec.page_bytes
+    return Item("c4_kv", src, sp.table, s, d, fmt, tuple(sp.spec.layers),
+                s.n * unit * sp.spec.num_layers)
+
+
+def _copy(st: Any, c: ClientState, e: SparseRequest, items: list[Item],
+          reads: list[tuple[str, np.ndarray, bool]] | None = None) -> dict[str, Any]:
+    """Run ``items`` through the daemon's scheduler as one ``sparse_backup`` operation (CPU:
+    inline when small, else the copy worker; GPU: the load stream), not on the server loop.
+    Reply fields ``op`` (and ``ack`` when it ran inline); the engine reads the rows after the
+    ack. ``reads``: host-tier rows it reads, for the row tracker. Nothing to copy: no
+    operation."""
+    if not items:
+        return {}
+    op = Operation(st.next_op_id(), c.cid, "sparse_backup", items, reads or [],
+                   nbytes=sum(it.nbytes for it in items))
+    ack = st.start(c, op)
+    if ack is None:
+        e.ops.append(op.op_id)
+        return {"op": op.op_id}
+    return {"op": op.op_id, "ack": ack}
+
+
+def _in_flight(st: Any, e: SparseRequest) -> bool:
+    e.ops = [i for i in e.ops if i in st.ops]
+    return bool(e.ops)
 
 
 def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
@@ -184,24 +248,21 @@ def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
         if len(toks) and (toks.min() < 0 or toks.max() >= dev.rows * sp.P):
             raise _err("bad_rows", f"device_tokens out of range [0, {dev.rows * sp.P})")
     new = _take(sp, _pages(sp, c4) - len(e.rows), (c.cid, r))
-    rows = e.rows + new
+    e.rows, e.c4_tokens = e.rows + new, c4
+    reply = {"c4_tokens": c4, "pages": len(e.rows)}
     if dev is not None and len(toks):
         t = np.arange(first, first + len(toks))
-        host_tok = np.asarray(rows, dtype=np.int64)[t // sp.P] * sp.P + t % sp.P
-        try:
-            copy_tokens(dev, sp.table, torch.from_numpy(toks.copy()),
-                        torch.from_numpy(host_tok), sp.fmt)
-        except TransferError as ex:
-            if new:
-                sp.alloc.free(new, (c.cid, r))
-            raise _err("bad_rows", str(ex)[:300]) from None
-    e.rows, e.c4_tokens = rows, c4
-    return {"c4_tokens": c4, "pages": len(rows)}, [np.asarray(rows, dtype=np.int64)]
+        host_tok = np.asarray(e.rows, dtype=np.int64)[t // sp.P] * sp.P + t % sp.P
+        reply.update(_copy(st, c, e, [_item(sp, dev, toks, host_tok, sp.fmt)]))
+    return reply, [np.asarray(e.rows, dtype=np.int64)]
 
 
 def sparse_free(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     sp, r = _region(st), _name(h)
     e = _own(sp, c, r)
+    if _in_flight(st, e):
+        raise _err("busy", f"sparse request {r[:64]!r}: copies into its rows are in flight "
+                           f"(ops {e.ops[:4]}); free it after their acks")
     n = sp.alloc.free(e.rows, (c.cid, r)) if e.rows else 0
     del sp.requests[r]
     return {"freed_rows": n}, []

@@ -11,7 +11,8 @@
   segments, ``segments``); launches cover 1, 1, 2, 4, 8, ... layers (``layer_groups``), so
   layer 0 goes alone and first; descriptors and offsets are uploaded once; ``on_layer(i)`` runs
   right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
-  there). Parts come
+  there). ``issue_by_layer`` is the same, one launch group per step (the daemon answers the
+  engine after layer 0's launch and issues the rest right after the reply). Parts come
   from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
   validated (``check_layer_part`` does the checks other entry points do).
 
@@ -30,7 +31,7 @@ Each call returns the name of the path it used.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -322,17 +323,62 @@ def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   stream: Optional["torch.cuda.Stream"] = None) -> str:
     """See the module docstring. ``device``: the GPU the kernels run on (CPU: the Triton
     interpreter). Layer 0 of ``layer_order`` is issued first."""
+    for _ in issue_by_layer(parts, layer_order, on_layer, device=device, ctas=ctas,
+                            stream=stream):
+        pass
+    return "by_layer"
+
+
+def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
+                   on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
+                   ctas: int = DEFAULT_CTAS,
+                   stream: Optional["torch.cuda.Stream"] = None) -> Iterator[int]:
+    """``copy_by_layer`` one launch group at a time, yielding how many layers are issued so
+    far. The first step plans, uploads and launches layer 0 alone (its own small plan, so its
+    copy starts before the other layers are planned); the second plans the rest. A caller may
+    answer its client between steps; every step enters ``stream`` itself, so nothing of the
+    stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
+    refused before anything is launched."""
     ctas = _check_ctas(ctas)
-    plan = SegmentPlan.build(parts, layer_order)
+    unknown = sorted({g for p in parts for g in p.layers} - set(layer_order))
+    if unknown:
+        raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
+    if not layer_order:
+        return
     dev = device if device.type == "cuda" else None
+    g0 = layer_order[0]
+    first = SegmentPlan.build(_layers_of(parts, lambda g: g == g0), [g0])
     with _stream_ctx(stream, dev):
-        plan.to(device)
-        for a, b in layer_groups(len(plan.layers)):
-            launch_segments(plan, plan.layers[a][0], plan.layers[b - 1][1], ctas)
+        first.to(device)
+        launch_segments(first, 0, len(first.desc), ctas)
+        if on_layer is not None:
+            on_layer(0)
+    yield 1
+    groups = layer_groups(len(layer_order))[1:]
+    if not groups:
+        return
+    rest = SegmentPlan.build(_layers_of(parts, lambda g: g != g0), layer_order[1:])
+    with _stream_ctx(stream, dev):
+        rest.to(device)
+    for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
+        with _stream_ctx(stream, dev):
+            launch_segments(rest, rest.layers[a - 1][0], rest.layers[b - 2][1], ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
-    return "by_layer"
+        yield b
+
+
+def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:
+    """``parts`` cut to the layers whose global id ``keep`` accepts (a part's byte offsets are
+    the same for all its layers, so they are shared, not copied)."""
+    out = []
+    for p in parts:
+        ks = [k for k, g in enumerate(p.layers) if keep(g)]
+        if ks:
+            out.append(SegmentPart([p.src_ptrs[k] for k in ks], [p.dst_ptrs[k] for k in ks],
+                                   [p.layers[k] for k in ks], p.ranges))
+    return out
 
 
 def layer_groups(n: int) -> list[tuple[int, int]]:
@@ -349,16 +395,16 @@ def layer_groups(n: int) -> list[tuple[int, int]]:
 
 
 def warm_up(device: torch.device) -> None:
-    """Compile the segment kernel's variants (8- and 16-byte words) on ``device`` now, so no
-    load waits for Triton's compiler."""
-    layers = 20
+    """Compile the segment kernel's variants (16-byte vectors, 8- and 4-byte words) on
+    ``device`` now, so no load waits for Triton's compiler."""
+    layers = 4
     a = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
     b = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
     ta, tb = LayerTable(a), LayerTable(b)
-    for fmt in (None, TokenFormat(1, 56, 8, 56, 64)):  # 16-byte rows; 8-byte pieces
+    # 16-byte rows; 8-byte scales; 4-byte scales
+    for fmt in (None, TokenFormat(1, 56, 8, 56, 64), TokenFormat(1, 60, 4, 60, 64)):
         part = layer_part(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
         plan = SegmentPlan.build([part], list(range(layers))).to(device)
-        launch_segments(plan, 0, 1, 1)
         launch_segments(plan, 0, len(plan.desc), 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -49,7 +49,7 @@ def swap_in_ref(req_slots: torch.Tensor, topk: torch.Tensor, out: torch.Tensor,
                 slot_loc: torch.Tensor, host_pages: torch.Tensor, stats: torch.Tensor,
                 host_layer: torch.Tensor, dev_layer: torch.Tensor, fmt: TokenFormat) -> None:
     """One layer's swap-in, in place on the given tables (one layer's views, shapes as in
-    ``hisparse.launch_swap_in``); ``host_layer``/``dev_layer`` are the layer's page rows."""
+    ``hisparse.SwapInLaunch``); ``host_layer``/``dev_layer`` are the layer's page rows."""
     S = int(slot_tok.shape[1])
     P = fmt.tokens_per_page
     looked = copied = 0

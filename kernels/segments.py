@@ -33,9 +33,13 @@ from .grid import runtime_loops
 from .tables import LayerTable, TokenFormat, _pow2_align
 
 CH = 2048  # bytes per piece
+CHK: tl.constexpr = tl.constexpr(CH)  # the same, for the kernels
 G = 32  # pieces per loop iteration per CTA (64 KiB in flight)
 NUM_WARPS = 32
 DESC_COLS = 8  # src_base, dst_base, nbytes, off_start, n, align, piece prefix, spare
+# align: the widest power of two <= 16 dividing both bases and every offset and the range size;
+# a launch moves its segments in words of the smallest align among them (16: two 8-byte words
+# per access; 4: the DSV4 indexer's 4-byte scales)
 
 
 @dataclass(frozen=True)
@@ -107,9 +111,9 @@ class SegmentPlan:
                 a_off = _pow2_align(rb, int(np.bitwise_or.reduce(so)), int(np.bitwise_or.reduce(do)))
                 low = np.bitwise_or(sp, dp) & -np.bitwise_or(sp, dp)  # lowest set bit of both
                 al = np.minimum(np.minimum(low, 16), a_off)
-                if int(al.min()) < 8:
+                if int(al.min()) < 4:
                     raise ValueError(f"a range of {rb} B at these offsets/addresses is not "
-                                     f"8-byte aligned; segments move 8-byte words")
+                                     f"4-byte aligned; segments move 4- or 8-byte words")
                 k = len(lpos)
                 blocks.append(np.stack([lpos, sp, dp, np.full(k, rb), np.full(k, start),
                                         np.full(k, n), al], axis=1))
@@ -144,28 +148,29 @@ class SegmentPlan:
             self.dev = (t[:nd], t[nd:nd + ns], t[nd + ns:])
         return self
 
+    def align(self, lo: int, hi: int) -> int:
+        return min(self.aligns[lo:hi], default=16)
+
     def pieces(self, lo: int, hi: int) -> int:
         if hi <= lo:
             return 0
         return self.prefix[hi] - self.prefix[lo]
 
-    def align(self, lo: int, hi: int) -> int:
-        return min(self.aligns[lo:hi], default=16)
-
 
 @triton.jit
-def _seg_step(it, desc, soff, doff, sgi, CHE: tl.constexpr, G: tl.constexpr,
-              VEC: tl.constexpr):
-    """Move pieces it*G .. it*G+G-1 of segment ``sgi``: each up to CHE 8-byte words of one
-    range. The segment's fields are scalars; only the range offsets are gathered per piece."""
-    CH: tl.constexpr = CHE * 8
+def _seg_step(it, desc, soff, doff, sgi, WORD: tl.constexpr, VEC: tl.constexpr,
+              G: tl.constexpr):
+    """Move pieces it*G .. it*G+G-1 of segment ``sgi``: each up to CHK bytes of one range, in
+    ``WORD``-byte words (``VEC`` words per access). The segment's fields are scalars; only the
+    range offsets are gathered per piece."""
+    CHE: tl.constexpr = CHK // WORD
     row = desc + sgi * 8
     sb = tl.load(row)
     db = tl.load(row + 1)
     rb = tl.load(row + 2)
     off0 = tl.load(row + 3)
     n = tl.load(row + 4)
-    ppr = (rb + CH - 1) // CH
+    ppr = (rb + CHK - 1) // CHK
     cols = tl.arange(0, CHE)
     p = tl.arange(0, G).to(tl.int64) + it * G
     live = p < n * ppr
@@ -173,36 +178,39 @@ def _seg_step(it, desc, soff, doff, sgi, CHE: tl.constexpr, G: tl.constexpr,
     c = p - r * ppr
     s = tl.load(soff + off0 + r, mask=live, other=0)
     d = tl.load(doff + off0 + r, mask=live, other=0)
-    s_ptr = (sb + s + c * CH).to(tl.pointer_type(tl.int64))
-    d_ptr = (db + d + c * CH).to(tl.pointer_type(tl.int64))
-    # words left in this range's piece; every range is a multiple of 8 * VEC bytes, so masks
-    # are constant over VEC words and loads stay 8 * VEC bytes wide
-    lim = tl.multiple_of((rb - c * CH) // 8, VEC)
+    if WORD == 8:
+        ty = tl.int64
+    else:
+        ty = tl.int32
+    s_ptr = (sb + s + c * CHK).to(tl.pointer_type(ty))
+    d_ptr = (db + d + c * CHK).to(tl.pointer_type(ty))
+    # words left in this range's piece; every range is a multiple of WORD * VEC bytes, so masks
+    # are constant over VEC words and accesses stay WORD * VEC bytes wide
+    lim = tl.multiple_of((rb - c * CHK) // WORD, VEC)
     if VEC > 1:
-        s_ptr = tl.multiple_of(s_ptr, 8 * VEC)
-        d_ptr = tl.multiple_of(d_ptr, 8 * VEC)
+        s_ptr = tl.multiple_of(s_ptr, WORD * VEC)
+        d_ptr = tl.multiple_of(d_ptr, WORD * VEC)
     m = live[:, None] & (cols[None, :] < lim[:, None])
     v = tl.load(s_ptr[:, None] + cols[None, :], mask=m)
     tl.store(d_ptr[:, None] + cols[None, :], v, mask=m)
 
 
 @triton.jit
-def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, CHE: tl.constexpr, G: tl.constexpr,
-                VEC: tl.constexpr, PERSISTENT: tl.constexpr):
+def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, WORD: tl.constexpr, VEC: tl.constexpr,
+                G: tl.constexpr, PERSISTENT: tl.constexpr):
     """Persistent: every CTA walks the segments in order and takes every num_programs-th
     iteration of each (no search, no barrier between segments). Otherwise one program per
     (segment, iteration) of a 2-D grid (interpreters without runtime loop bounds)."""
-    CH: tl.constexpr = CHE * 8
     pid = tl.program_id(0)
     if PERSISTENT:
         nprog = tl.num_programs(0)
         for sgi in range(seg_lo, seg_hi):
             row = desc + sgi * 8
-            pieces = tl.load(row + 4) * ((tl.load(row + 2) + CH - 1) // CH)
+            pieces = tl.load(row + 4) * ((tl.load(row + 2) + CHK - 1) // CHK)
             for it in range(pid, tl.cdiv(pieces, G), nprog):
-                _seg_step(it, desc, soff, doff, sgi, CHE, G, VEC)
+                _seg_step(it, desc, soff, doff, sgi, WORD, VEC, G)
     else:
-        _seg_step(tl.program_id(1), desc, soff, doff, seg_lo + pid, CHE, G, VEC)
+        _seg_step(tl.program_id(1), desc, soff, doff, seg_lo + pid, WORD, VEC, G)
 
 
 def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
@@ -212,12 +220,14 @@ def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
         return
     assert plan.dev is not None, "upload the plan first (plan.to(device))"
     desc, soff, doff = plan.dev
-    vec = 2 if plan.align(lo, hi) >= 16 else 1
+    # the widest words every segment of the launch allows: 16-byte vectors, 8- or 4-byte words
+    al = plan.align(lo, hi)
+    word, vec = (8, 2) if al >= 16 else (min(al, 8), 1)
     if runtime_loops():
         grid: tuple[int, ...] = (max(1, min(int(ctas), triton.cdiv(total, G))),)
         persistent = True
     else:
         most = max(plan.prefix[k + 1] - plan.prefix[k] for k in range(lo, hi))
         grid, persistent = (hi - lo, triton.cdiv(most, G)), False
-    _seg_kernel[grid](desc, soff, doff, lo, hi, CHE=CH // 8, G=G, VEC=vec,
-                      PERSISTENT=persistent, num_warps=NUM_WARPS)
+    _seg_kernel[grid](desc, soff, doff, lo, hi, WORD=word, VEC=vec, G=G, PERSISTENT=persistent,
+                      num_warps=NUM_WARPS)

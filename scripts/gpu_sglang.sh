@@ -18,5 +18,6 @@ if ! "$PY" -W ignore -c 'import torch, sgl_kernel.kvcacheio, sglang; from hicach
   exit 2
 fi
 HICACHE_SGLANG_TEST_DEVICE=${DEVICE:-cuda:0} timeout ${TEST_TIMEOUT:-600} "$PY" -m pytest -q \
-  -p no:cacheprovider -W ignore::UserWarning tests/sglang/check_dsv4_l2.py 2>&1 | tail -40 \
+  -p no:cacheprovider -W ignore::UserWarning tests/sglang/check_dsv4_l2.py \
+  tests/sglang/check_dynamic_backend.py 2>&1 | tail -40 \
   | tee "$OUT/sglang_gpu.log"

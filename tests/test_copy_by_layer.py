@@ -21,6 +21,7 @@ from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
+FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
 
 
 def _expect_rows(src, dst, s, d):
@@ -58,7 +59,9 @@ def _case(device: str, src_dev: bool, seed: int = 0):
         return ts
 
     specs = [("A", (0, 1, 2, 3, 4), 40, 4160, None), ("B", (1, 3), 24, 1728, None),
-             ("C", (0, 2, 4), 12, FMT.page_bytes, FMT)]
+             ("C", (0, 2, 4), 12, FMT.page_bytes, FMT),
+             # a 4-byte scale (the indexer's format) and 36-byte rows: 4-byte words
+             ("D", (1, 4), 10, FMT4.page_bytes, FMT4), ("E", (0, 3), 12, 36, None)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
@@ -128,3 +131,11 @@ def test_layer_part_refuses_bad_input():
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev):
     _run_and_check("cuda", src_dev)
+
+
+def test_ranges_below_4_byte_alignment_are_refused():
+    a = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
+    b = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
+    with pytest.raises(ValueError, match="not 4-byte aligned"):
+        copy_by_layer([layer_part(a, b, np.array([1]), np.array([2]), None, [0, 1])], [0, 1],
+                      device=torch.device("cpu"))

@@ -88,6 +88,7 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
         op = c.load({"page": (host["page"], dst["page"]),
                      "swa_page": (host["swa_page"], dst["swa_page"])})
         assert op.event_set is not None
+        assert op.issued == 1  # the reply left once layer 0's copy was enqueued
         scratch = {}
         with torch.cuda.stream(engine):
             for layer in c.stage_layers:
@@ -98,6 +99,7 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
                         idx = torch.tensor(dst[spec.index], device=DEV)
                         scratch[(name, li)] = pools.layers[name][li].index_select(0, idx)
         engine.synchronize()
+        assert op.issued is None  # the "issued" notice (or the ack) came before later waits
         ack = c.wait_ack(op, timeout=120)
         assert ack.ok and ack.path == "by_layer"
         for name, spec in moved.items():

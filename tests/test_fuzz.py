@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.core import protocol as P
-from hicache.fuzz.runner import DaemonRunner, Hostile, RawPeer, daemon_check, private_address, run_fuzz
+from hicache.fuzz.runner import (SPARSE_FLAGS, DaemonRunner, Hostile, RawPeer, daemon_check,
+                                 private_address, run_fuzz)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def runner():
     address, d = private_address("hcf-")
-    r = DaemonRunner(address, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0)
+    r = DaemonRunner(address, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0,
+                     extra=SPARSE_FLAGS)
     r.start()
     yield r
     r.stop()

@@ -21,10 +21,11 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_cpu_run_is_verified_and_says_what_it_is():
     p = _bench("--batches", "2", "--overlaps", "0.5,0.95", "--steps", "1", "--warmup", "1",
-               "--json")
+               "--configs", "32x8", "--json")
     assert p.returncode == 0, p.stderr[-2000:]
     d = json.loads(p.stdout)
     assert [r["overlap"] for r in d["rows"]] == [0.5, 0.95]
+    assert all(r["config"] == "32x8" and r["issue_us_per_layer_jit"] is None for r in d["rows"])
     assert all(r["verified"] and r["ctas"] == 2 and r["tokens_per_step"] > 0 for r in d["rows"])
     assert d["rows"][0]["tokens_per_step"] > d["rows"][1]["tokens_per_step"]
     assert d["limit_h2d_gbps"] is None and "no CUDA device" in d["notes"][0]
@@ -34,7 +35,9 @@ def test_cpu_run_is_verified_and_says_what_it_is():
 
 @pytest.mark.parametrize("args, msg", [(("--overlaps", "1.5"), "in [0, 1]"),
                                        (("--batches", "0"), "positive"),
-                                       (("--steps", "0"), "--steps must be positive")])
+                                       (("--steps", "0"), "--steps must be positive"),
+                                       (("--configs", "32x6"), "powers of two"),
+                                       (("--configs", "fast"), "TOKENSxWARPS")])
 def test_bad_arguments(args, msg):
     p = _bench(*args)
     assert p.returncode == 2 and msg in p.stderr, p.stderr

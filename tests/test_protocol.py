@@ -62,10 +62,16 @@ def test_every_command_has_a_schema_and_minimal_request_decodes():
         "sparse_region": {}, "sparse_admit": {"request": "r", "prompt_tokens": 1},
         "sparse_extend": {"request": "r", "tokens": 1}, "sparse_free": {"request": "r"},
         "sparse_report": {"lookups": 0, "swapped_in": 0},
+        "kv_attach": {"name": "c4", "namespace": "m", "pages": 1, "space": "page"},
+        "kv_verify": {}, "kv_put": {"name": "c4", "keys": ["k"], "pages": 0},
+        "kv_get": {"name": "c4", "keys": ["k"], "pages": 0},
+        "kv_exists": {"name": "c4", "keys": ["k"]}, "kv_clear": {"namespace": "m"},
+        "kv_detach": {},
     }
     assert set(minimal) == set(P.COMMANDS)
     for cmd, f in minimal.items():
-        arrays = [[0]] if cmd in ("backup", "load", "l3_prefetch", "l3_put") else []
+        arrays = [[0]] if cmd in ("backup", "load", "l3_prefetch", "l3_put", "kv_put",
+                                  "kv_get") else []
         h, _ = P.decode_request(req(cmd, 3, arrays, **f))
         assert h["cmd"] == cmd
 

@@ -2,8 +2,10 @@
 
 SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh``: CPU torch,
 sglang installed without its GPU dependencies; built once, then cached). This module builds it
-when missing and runs ``tests/sglang/check_dsv4_l2.py`` there, with a real ``hicache serve``
-per PP stage; it fails with the inner run's output if any inner test fails or is skipped.
+when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
+``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
+storage backend across an engine restart) there; it fails with the inner run's output if any
+inner test fails or is skipped.
 The version gate is also checked here, in the main environment (no sglang installed).
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ from hicache.engine.sglang.version import installed_sglang
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
-INNER = ["tests/sglang/check_dsv4_l2.py"]
-INNER_TESTS = 6
+INNER = ["tests/sglang/check_dsv4_l2.py", "tests/sglang/check_dynamic_backend.py"]
+INNER_TESTS = 8
 
 
 def _tail(text: str, n: int = 6000) -> str:

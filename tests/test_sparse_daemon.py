@@ -76,6 +76,77 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     pools.close()
 
 
+def test_admit_reuses_host_tier_prefix_hits(sparse_daemon):
+    """The prompt's first pages are host-tier prefix hits (c4_kv rows this client backed up):
+    they come from host memory, byte for byte, while the device rows they were backed up from
+    now hold other bytes; the rest comes from device_rows. Nothing else changes."""
+    c, pools = _worker(sparse_daemon)
+    dev = pools.layers["c4_kv"]
+    host = c.alloc({"page": 2}, request="prefix")["page"]
+    assert c.wait_ack(c.backup({"c4_kv": ([1, 4], host)})).ok
+    prefix = [(t[1].clone(), t[4].clone()) for t in dev]
+    g = torch.Generator().manual_seed(11)
+    for t in dev:  # the device rows the hits came from now hold other bytes
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    shm = c.map_sparse_region()
+    before = [t.clone() for t in shm.layers]
+    # 800 tokens = 200 C4 tokens = 4 pages: 2 prefix hits + 2 from device rows 6 and 3
+    h, arr = c.call("sparse_admit", {"request": "hit", "prompt_tokens": 800, "host_rows": 0,
+                                     "device_rows": 1}, [host, [6, 3]])
+    rows = [int(x) for x in arr[0]]
+    assert (h["pages"], h["reused_pages"], len(rows)) == (4, 2, 4)
+    # 4 pages x 21 layers: above the inline limit, so the copy ran on the scheduler's worker
+    # (not the server loop); its ack tells when the rows are filled
+    assert "op" in h and "ack" not in h, h
+    ack = c.wait_ack(h["op"])
+    assert ack.ok and ack.kind == "sparse_backup" and ack.bytes == 4 * 37_440 * 21, ack
+    for l, (hl, dl) in enumerate(zip(shm.layers, dev)):
+        assert torch.equal(hl[rows[0]], prefix[l][0]) and torch.equal(hl[rows[1]], prefix[l][1]), l
+        assert torch.equal(hl[rows[2]], dl[6]) and torch.equal(hl[rows[3]], dl[3]), l
+        for r in set(range(6)) - set(rows):
+            assert torch.equal(hl[r], before[l][r]), "rows nobody owns changed"
+    # only hits, no device rows: the rest of the pages are left for sparse_extend
+    assert c.sparse_free("hit") == 4
+    rows2 = c.sparse_admit("hit2", 2 * 64 * 4, host_rows=host[::-1])
+    for l, hl in enumerate(shm.layers):
+        assert torch.equal(hl[rows2[0]], prefix[l][1]) and torch.equal(hl[rows2[1]], prefix[l][0])
+    assert c.sparse_free("hit2") == 2
+    c.free({"page": host}, request="prefix")
+    c.close()
+    pools.close()
+
+
+def test_prefix_hits_refused_change_nothing(sparse_daemon):
+    """host_rows that are not this client's, not written, too many, out of range, or a
+    device_rows frame that does not cover the rest: one clear refusal, nothing taken."""
+    a, pa = _worker(sparse_daemon, "a")
+    b, pb = _worker(sparse_daemon, "b")
+    mine = a.alloc({"page": 2}, request="p")["page"]
+    assert a.wait_ack(a.backup({"c4_kv": ([0, 1], mine)})).ok
+    theirs = b.alloc({"page": 1}, request="p")["page"]
+    assert b.wait_ack(b.backup({"c4_kv": ([2], theirs)})).ok
+    blank = a.alloc({"page": 1}, request="q")["page"]  # allocated, never backed up
+    shm = a.map_sparse_region()
+    snap = [t.clone() for t in shm.layers]
+    cases = [
+        (dict(host_rows=theirs), "not_owner", "not yours"),
+        (dict(host_rows=blank), "not_written", "holds nothing you backed up"),
+        (dict(host_rows=mine + mine), "bad_rows", "the prompt has 2 C4 pages"),
+        (dict(host_rows=[10 ** 6]), "bad_rows", "out of range"),
+        (dict(host_rows=mine[:1], device_rows=[3, 4]), "bad_rows", "1 of them from host_rows"),
+    ]
+    for kw, code, msg in cases:
+        with pytest.raises(CommandRefused) as e:
+            a.sparse_admit("r", 2 * 64 * 4, **kw)
+        assert e.value.code == code and msg in e.value.message, (kw, e.value.code, e.value.message)
+    assert all(torch.equal(x, y) for x, y in zip(snap, shm.layers)), "region bytes changed"
+    assert len(a.sparse_admit("all", 6 * 64 * 4)) == 6, "sparse rows were taken"
+    assert a.sparse_free("all") == 6
+    for c, p in ((a, pa), (b, pb)):
+        c.close()
+        p.close()
+
+
 @pytest.mark.parametrize("call, code, msg", [
     (lambda s: s.sparse_admit("short", 299), "unsupported", "below min_sparse_prompt_len 300"),
     (lambda s: s.sparse_admit("big", 7 * 64 * 4), "no_space", "sparse host rows needed"),
@@ -244,3 +315,70 @@ def test_fuzz_sparse_commands_refused_and_change_nothing(fuzz_world, msg):
     sv.heartbeat()
     sa.heartbeat()
     assert sv.sparse_extend("victim", 300) == rows  # still the victim's, unchanged
+
+
+def test_free_refused_busy_while_a_copy_is_in_flight(tmp_path):
+    """The handler on its own: a request whose sparse_backup op the state still holds in flight
+    is not freed (its rows could be reallocated under the copy); once the op is done it is."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.sparse import SparseRegion, SparseRequest, sparse_free
+    from hicache.core.protocol import ProtocolError
+
+    region = SparseRegion(FLASH, 4, str(tmp_path), None, 1)
+    try:
+        c = SimpleNamespace(cid="eng")
+        st = SimpleNamespace(sparse=region, ops={7: object()})
+        rows = region.alloc.alloc(2, ("eng", "r")).tolist()
+        region.requests["r"] = SparseRequest("eng", 100, rows, ops=[7])
+        with pytest.raises(ProtocolError) as e:
+            sparse_free(st, c, {"request": "r"}, [])
+        assert e.value.code == "busy" and "in flight" in e.value.message
+        assert "r" in region.requests and region.alloc.free_rows == 2
+        del st.ops[7]  # the op completed
+        assert sparse_free(st, c, {"request": "r"}, [])[0] == {"freed_rows": 2}
+        assert region.alloc.free_rows == 4 and not region.requests
+    finally:
+        region.close()
+
+
+def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
+    """The handler on its own: its copies become one ``sparse_backup`` operation for
+    ``state.start`` (not a copy on the server loop), the host-tier rows it reads are declared
+    to the row tracker (their frees wait for it), and the reply names the op."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hicache.controllers.sparse import SparseRegion, sparse_admit
+    from hicache.kernels.tables import LayerTable
+
+    region = SparseRegion(FLASH, 6, str(tmp_path), None, 1)
+    try:
+        pb = region.spec.page_bytes
+        host_tier = LayerTable([torch.zeros(8, pb, dtype=torch.uint8) for _ in range(21)], "h")
+        dev = LayerTable([torch.zeros(8, pb, dtype=torch.uint8) for _ in range(21)], "d")
+        started = []
+        st = SimpleNamespace(
+            sparse=region, host_rows={"page": 8}, host_tables={"c4_kv": host_tier},
+            check_owned=lambda *a: None, next_op_id=lambda: 41,
+            group=SimpleNamespace(unwritten=lambda pool, rows: np.zeros(0, dtype=np.int64)),
+            start=lambda c, op: started.append(op))
+        c = SimpleNamespace(cid="eng", worker=SimpleNamespace(tables={"c4_kv": dev}))
+        hits, devrows = np.array([5, 2], dtype=np.int64), np.array([7], dtype=np.int64)
+        h, arr = sparse_admit(st, c, {"request": "r", "prompt_tokens": 3 * 64 * 4,
+                                      "host_rows": 0, "device_rows": 1},
+                              [hits.tobytes(), devrows.tobytes()])
+        rows = arr[0].tolist()
+        assert h == {"c4_tokens": 192, "pages": 3, "reused_pages": 2, "op": 41}
+        (op,) = started
+        assert op.kind == "sparse_backup" and op.op_id == 41
+        assert [(s, r.tolist(), w) for s, r, w in op.host] == [("page", [5, 2], False)]
+        (a, b) = op.items
+        assert a.src is host_tier and a.dst is region.table and a.fmt is None
+        assert a.src_ids.list() == [5, 2] and a.dst_ids.list() == rows[:2]
+        assert b.src is dev and b.src_ids.list() == [7] and b.dst_ids.list() == rows[2:]
+        assert op.nbytes == 3 * pb * 21 == a.nbytes + b.nbytes
+        assert region.requests["r"].ops == [41]
+    finally:
+        region.close()

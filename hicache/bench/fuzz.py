@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hicache.core.errors import UsageError
-    from hicache.fuzz.runner import DaemonRunner, private_address, run_fuzz
+    from hicache.fuzz.runner import SPARSE_FLAGS, DaemonRunner, private_address, run_fuzz
     from hicache.core.layout import build_layout, preset
 
     if args.messages < 1 or args.reply_timeout <= 0:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     log = os.path.join(tmp, "daemon.log")
     rows = "page=16,swa_page=8,req_slot=4"
     runner = DaemonRunner(address, preset_name=args.preset, device_rows=rows,
-                          heartbeat_timeout=60.0, log_path=log)
+                          heartbeat_timeout=60.0, log_path=log, extra=SPARSE_FLAGS)
     report: dict[str, Any] = {}
     try:
         runner.start()

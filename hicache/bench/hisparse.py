@@ -9,12 +9,15 @@ traces of ``hicache.sim.topk_trace``): warm-up steps fill the buffers, then each
 
 Per row: step time (eager and graph), tokens and bytes swapped in, the link time of those bytes at
 the measured limit (contiguous pinned H2D copy, best of 5), ratio = link time / step time, CTAs
-per launch (one per batch row), host issue time per layer, and the target
+per launch (one per batch row), host issue time per layer (and through Triton's JIT on every
+launch, for contrast), the fixed costs of a step (graph of padding rows only; graph of the same
+ids again, all hits), and the target
 ``step <= 1.25 x link time + 60 us`` (graph replay). Every row is verified after its last step:
 each top-k token's device location holds its host bytes, every layer. Beside it: device bytes per
 request with the full C4 KV on the device vs the hot buffers.
 
-Without CUDA the command runs the torch reference on small shapes (no ratio, no graph), so the
+``--configs 32x8,64x8,...`` repeats each row per swap-in launch shape (tokens per copy loop
+iteration x warps). Without CUDA the command runs the torch reference on small shapes (no ratio, no graph), so the
 code path is exercised on CPU.
 """
 from __future__ import annotations
@@ -45,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-rows", type=int, default=4096, help="host C4 page rows per layer")
     p.add_argument("--warmup", type=int, default=6, help="warm-up steps per row (default 6)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row, eager and graph")
+    p.add_argument("--configs", default="32x8",
+                   help="swap-in launch shapes TOKENSxWARPS to compare (tokens copied per loop "
+                        "iteration of a program x num_warps; default 32x8)")
 
 
 def _ints(s: str, what: str) -> list[int]:
@@ -67,12 +73,26 @@ def _floats(s: str, what: str) -> list[float]:
     return out
 
 
+def _configs(s: str) -> list[tuple[int, int]]:
+    out = []
+    for part in (x.strip() for x in s.split(",") if x.strip()):
+        t, _, w = part.partition("x")
+        if not (t.isdigit() and w.isdigit()) or int(t) & (int(t) - 1) or int(w) & (int(w) - 1) \
+                or not int(t) or not int(w):
+            raise UsageError(f"--configs wants TOKENSxWARPS with powers of two, got {part!r}")
+        out.append((int(t), int(w)))
+    if not out:
+        raise UsageError("--configs is empty")
+    return out
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     batches, overlaps = _ints(args.batches, "batches"), _floats(args.overlaps, "overlaps")
+    args.config_list = _configs(args.configs)
     for name in ("layers", "topk", "tokens", "host_rows", "steps"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
@@ -133,53 +153,17 @@ class _Bench:
         return LayerTable([arena[l * per:(l + 1) * per].view(self.host_rows, pb)
                            for l in range(self.L)], "sparse host")
 
-    def _limit(self) -> float:
-        """Contiguous pinned H2D copy, best of 5 (GB/s)."""
-        torch = self.torch
-        n = min(self.L * self.host_rows * self.fmt.page_bytes, 1 << 30)
-        h = self._arena[:n]
-        d = torch.empty(n, dtype=torch.uint8, device=self.dev)
-        best = 0.0
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            d.copy_(h, non_blocking=True)
-            b.record()
-            b.synchronize()
-            best = max(best, n / (a.elapsed_time(b) / 1e3) / 1e9)
-        return best
-
-    def _token_limit(self) -> float:
-        """H2D of isolated random tokens (the swap-in's pattern) through the tuned token copy
-        kernel on every SM, all layers in one launch, best of 5 (GB/s of token bytes)."""
-        torch = self.torch
-        from hicache.kernels.dispatch import copy_tokens
-        from hicache.kernels.tables import LayerTable
-
-        P, pb = 64, self.fmt.page_bytes
-        n = 4096
-        dev = LayerTable([torch.empty(n // P, pb, dtype=torch.uint8, device=self.dev)
-                          for _ in range(self.L)], "device")
-        g = torch.Generator().manual_seed(1)
-        src = torch.randperm(self.host_rows * P, generator=g)[:n]
-        dst = torch.randperm(n, generator=g)
-        sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
-        best = 0.0
-        for _ in range(6):
-            secs, _ = self._timed(lambda: copy_tokens(self.host, dev, src, dst, self.fmt,
-                                                      ctas=sms))
-            best = max(best, n * self.L * self.fmt.token_bytes / secs / 1e9)
-        return best
-
     # ---------------------------------------------------------------- one row
-    def _row(self, B: int, overlap: float) -> dict[str, Any]:
+    def _row(self, B: int, overlap: float, config: tuple[int, int]) -> dict[str, Any]:
         torch = self.torch
         from hicache.engine.hot_buffer import HotBuffer
+        from hicache.kernels.hisparse import SwapInConfig
         from hicache.sim.topk_trace import TopkTraceConfig, batch_traces
 
         impl = "triton" if self.cuda else "reference"
         hb = HotBuffer(self.host, fmt=self.fmt, topk=self.K, slots=self.S, max_requests=B,
-                       max_batch=B, max_tokens=self.n, device=self.dev, impl=impl)
+                       max_batch=B, max_tokens=self.n, device=self.dev, impl=impl,
+                       cfg=SwapInConfig(tokens=config[0], num_warps=config[1]))
         g = torch.Generator().manual_seed(B)
         pages = -(-self.n // 64)
         for r in range(B):
@@ -192,20 +176,36 @@ class _Bench:
         trace = batch_traces(cfg, [self.n] * B, self.L, warm + steps + n_graph, seed=B)
         gen_s = time.perf_counter() - t0
         topk = trace.to(self.dev)
+        # the engine holds each layer's top-k as a tensor: views made outside the timed issue
+        views = [[topk[s, l] for l in range(self.L)] for s in range(topk.shape[0])]
         req = torch.arange(B, dtype=torch.int64, device=self.dev)
         for s in range(warm):
             for l in range(self.L):
-                hb.swap_in(l, req, topk[s, l], check=False)
+                hb.swap_in(l, req, views[s][l], check=False)
         self._sync()
+
+        def step(s: int) -> None:
+            for l in range(self.L):
+                hb.swap_in(l, req, views[s][l], check=False)
+
         eager, issue, copied = [], [], []
         for s in range(warm, warm + steps):
             before = int(hb.stats[:, 1].sum())
-            secs, iss = self._timed(lambda s=s: [hb.swap_in(l, req, topk[s, l], check=False)
-                                                 for l in range(self.L)])
+            secs, iss = self._timed(lambda s=s: step(s))
             eager.append(secs)
             issue.append(iss / self.L)
             copied.append(int(hb.stats[:, 1].sum()) - before)
+        issue_jit = None
+        if hb.launches:  # the same step issued through Triton's JIT every launch, for contrast
+            for ln in hb.launches:
+                ln.cached = False
+            _, iss = self._timed(lambda: step(warm + steps - 1))
+            issue_jit = iss / self.L
+            for ln in hb.launches:
+                ln.cached = True
         graph, gcopied, gissue, capture_s = [], [], [], None
+        floor_us = nomiss_us = None
+        stray = 0
         if self.cuda:
             static = topk[warm + steps].clone()
             t0 = time.perf_counter()
@@ -218,8 +218,9 @@ class _Bench:
                 graph.append(secs)
                 gissue.append(iss / self.L)
                 gcopied.append(int(hb.stats[:, 1].sum()) - before)
+            floor_us, nomiss_us, stray = self._fixed_costs(hb, req, static, graph_obj)
         last = topk[warm + steps + n_graph - 1]
-        verified = self._verify(hb, last, B)
+        verified = self._verify(hb, last, B) and stray == 0  # all-hit replays copy nothing
         tb = self.fmt.token_bytes
         timed = graph if graph else eager
         tok = gcopied if graph else copied
@@ -231,6 +232,9 @@ class _Bench:
             "graph_capture_s": None if capture_s is None else round(capture_s, 3),
             "issue_us_per_layer": round(statistics.median(issue) * 1e6, 2),
             "issue_us_per_layer_graph": round(statistics.median(gissue) * 1e6, 2) if gissue else None,
+            "issue_us_per_layer_jit": None if issue_jit is None else round(issue_jit * 1e6, 2),
+            "config": f"{config[0]}x{config[1]}",
+            "padding_step_us_graph": floor_us, "all_hit_step_us_graph": nomiss_us,
             "tokens_per_step": round(statistics.mean(tok)),
             "bytes_per_step": round(statistics.mean(tok) * tb),
             "hit_rate": round(1 - statistics.mean(tok) / (B * self.L * self.K), 4),
@@ -244,10 +248,12 @@ class _Bench:
                        ratio_to_token_limit=round(link_us * self.limit / self.token_limit
                                                   / step_us, 3),
                        target_us=round(target, 1), meets_target=step_us <= target)
-        _log(f"batch {B:3d} overlap {overlap:.2f}: eager {row['step_us_eager']:8.1f} us  graph "
-             f"{row['step_us_graph']} us  {row['tokens_per_step']} tokens/step  "
+        _log(f"batch {B:3d} overlap {overlap:.2f} config {row['config']}: eager "
+             f"{row['step_us_eager']:8.1f} us  graph {row['step_us_graph']} us (padding only "
+             f"{floor_us}, all hits {nomiss_us})  {row['tokens_per_step']} tokens/step  "
              f"link {row.get('link_us')} us  ratio {row.get('ratio_to_limit')}  issue "
-             f"{row['issue_us_per_layer']} us/layer  {'verified' if verified else 'WRONG'}")
+             f"{row['issue_us_per_layer']} us/layer (JIT every launch {row['issue_us_per_layer_jit']})"
+             f"  {'verified' if verified else 'WRONG'}")
         return row
 
     def _sync(self) -> None:
@@ -271,6 +277,22 @@ class _Bench:
         b.record()
         b.synchronize()
         return a.elapsed_time(b) / 1e3, issue
+
+    def _fixed_costs(self, hb: Any, req: Any, static: Any,
+                     graph_obj: Any) -> tuple[float, float, int]:
+        """The step's fixed costs, from graphs (median of 5): every row padding (launches and
+        the programs' exit: the floor), and the last step's ids again (every id a hit: the
+        mapping phase without copies); and the tokens those replays copied (must be 0)."""
+        torch = self.torch
+        pad = torch.full_like(req, -1)
+        g_pad = self._capture(hb, pad, static)
+        floor = statistics.median(self._timed(g_pad.replay)[0] for _ in range(5))
+        hits = []
+        before = int(hb.stats[:, 1].sum())
+        for _ in range(5):
+            hits.append(self._timed(graph_obj.replay)[0])
+        return (round(floor * 1e6, 1), round(statistics.median(hits) * 1e6, 1),
+                int(hb.stats[:, 1].sum()) - before)
 
     def _capture(self, hb: Any, req: Any, static: Any) -> Any:
         torch = self.torch
@@ -311,12 +333,21 @@ class _Bench:
     def run(self) -> dict[str, Any]:
         torch = self.torch
         self.host = self._host()
-        self.limit = self._limit() if self.cuda else 0.0
-        self.token_limit = self._token_limit() if self.cuda else 0.0
+        self.limit = self.token_limit = 0.0
+        probes = None
+        if self.cuda:
+            from hicache.bench import hisparse_limits as lim
+
+            self.limit = lim.contiguous_h2d(self._arena, self.dev)
+            self.token_limit = lim.random_tokens_h2d(self._arena, self.L, self.host_rows,
+                                                     self.fmt, self.dev)
+            probes = lim.layout_probes(self._arena, self.L, self.host_rows, self.dev)
+            _log(f"random tokens by host layout: {probes}")
         if self.cuda:
             _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
                  f"random single tokens (copy_tokens, all SMs): {self.token_limit:.1f} GB/s")
-        rows = [self._row(B, ov) for B in self.batches for ov in self.overlaps]
+        rows = [self._row(B, ov, cf) for B in self.batches for ov in self.overlaps
+                for cf in self.args.config_list]
         pb, P, tb = self.fmt.page_bytes, 64, self.fmt.token_bytes
         full = -(-self.n // P) * pb * self.L
         hot = (self.S + 1) * tb * self.L
@@ -329,6 +360,7 @@ class _Bench:
                       "host_rows_per_layer": self.host_rows},
             "limit_h2d_gbps": round(self.limit, 2) if self.cuda else None,
             "random_token_h2d_gbps": round(self.token_limit, 2) if self.cuda else None,
+            "random_token_h2d_by_layout": probes,
             "target": f"graph step <= {TARGET_FACTOR} x link time + {TARGET_FIXED_US} us; "
                       f"host issue <= 20 us per layer",
             "device_bytes_per_request": {"full_c4_on_device": full, "hot_buffer": hot,
@@ -345,10 +377,11 @@ def _triton_version() -> str:
 def _print(result: dict[str, Any]) -> None:
     if result["limit_h2d_gbps"]:
         print(f"H2D limit: {result['limit_h2d_gbps']} GB/s   target: {result['target']}")
-    print(f"{'batch':>5} {'overlap':>7} {'ctas':>4} {'eager us':>9} {'graph us':>9} "
+    print(f"{'batch':>5} {'overlap':>7} {'config':>6} {'ctas':>4} {'eager us':>9} {'graph us':>9} "
           f"{'tokens':>7} {'MB':>7} {'link us':>8} {'ratio':>6} {'issue us/l':>10} target  check")
     for r in result["rows"]:
-        print(f"{r['batch']:>5} {r['overlap']:>7.2f} {r['ctas']:>4} {r['step_us_eager']:>9.1f} "
+        print(f"{r['batch']:>5} {r['overlap']:>7.2f} {r['config']:>6} {r['ctas']:>4} "
+              f"{r['step_us_eager']:>9.1f} "
               f"{r['step_us_graph']!s:>9} {r['tokens_per_step']:>7} "
               f"{r['bytes_per_step'] / 1e6:>7.2f} {r.get('link_us', '-')!s:>8} "
               f"{r.get('ratio_to_limit', '-')!s:>6} {r['issue_us_per_layer']:>10} "

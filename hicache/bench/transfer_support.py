@@ -1,6 +1,8 @@
 """What ``bench transfer`` needs beside its GPU cases: pinned buffers (exact-size registered
-memory, torch's allocator as the fallback), the peer's and Triton's names, the CPU run (the torch
-reference path on small data, when there is no GPU), the table and the GB/s-per-budget plot.
+memory, torch's allocator as the fallback), the peer's and Triton's names, the DSV4 row sizes,
+the staged shapes ``--tune`` sweeps, the CPU run (the torch reference path on small data, when
+there is no GPU, with the GPU run's row patterns and byte check), the markdown table (one line
+per case x pattern x impl x direction, a column per CTA budget) and the GB/s-per-budget plot.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Any
 
 from hicache.kernels.tables import TokenFormat
 
-C4_ROW = 37_440  # a C4 page row of the DSV4 MLA format (64 tokens)
+# row sizes of the DSV4 cases: C4 page row (MLA format, 64 tokens), SWA page row, C4
+# compress-state row, one 584-B contiguous token (value + scale)
+C4_ROW, SWA_ROW, STATE_ROW, TOKEN584 = 37_440, 149_760, 65_536, 584
 
 
 def _log(msg: str) -> None:
@@ -67,67 +71,105 @@ def _unpin(t) -> None:
 
 # ----------------------------------------------------------------------------- CPU
 def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The torch reference path, host to host, on small data: each case and pattern of the GPU
+    run that it can stand for, with the same row patterns and the same byte check."""
     import torch
 
+    from hicache.bench.transfer_rows import Write, check, host_rows, mean_run, parse_runs
     from hicache.kernels import dispatch
-    from hicache.kernels.tables import LayerTable, TokenFormat
+    from hicache.kernels.tables import LayerTable
 
-    L = min(args.layers, 4)
+    L, reps, spec = min(args.layers, 4), args.reps or 3, parse_runs(args.runs)
     rows: list[dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
     note = "no CUDA device: timed the torch reference path on small data; GPU figures need a GPU"
     _log(note)
 
-    def layers(n_rows: int, rb: int) -> LayerTable:
-        return LayerTable([torch.randint(0, 256, (n_rows, rb), dtype=torch.uint8, generator=g)
-                           for _ in range(L)])
+    def layers(n_rows: int, rb: int) -> list:
+        return [torch.randint(0, 256, (n_rows, rb), dtype=torch.uint8, generator=g)
+                for _ in range(L)]
 
-    cases = [("c4 page rows", "rows", C4_ROW, 256, 64, None),
-             ("c4 tokens (576+8 B split)", "tokens", C4_ROW, 256, 4096, TokenFormat.mla(64))]
-    for case, path, rb, pool, n, fmt in cases:
-        src, dst = layers(pool, rb), layers(pool, rb)
+    cases = [("c4 page rows", "rows", C4_ROW, 256, 64, None, ("random", "runs")),
+             ("c4 tokens (576+8 B split)", "tokens", C4_ROW, 256, 4096, TokenFormat.mla(64),
+              ("random",))]
+    for case, path, rb, pool, n, fmt, patterns in cases:
         units = pool * (fmt.tokens_per_page if fmt else 1)
-        si, di = torch.randperm(units, generator=g)[:n], torch.randperm(units, generator=g)[:n]
-        call = (lambda: dispatch.copy_tokens(src, dst, si, di, fmt, impl="reference")) if fmt else \
-            (lambda: dispatch.copy_rows(src, dst, si, di, impl="reference"))
-        call()
-        t0 = time.perf_counter()
-        reps = 3
-        for _ in range(reps):
+        for seed, pattern in enumerate(patterns):
+            sides = {"src": layers(pool, rb), "dst": layers(pool, rb)}
+            before = {k: [t.clone().view(-1) for t in v] for k, v in sides.items()}
+            si = torch.randperm(units, generator=g)[:n]
+            di = host_rows(pattern, units, n, seed, spec)
+            src, dst = LayerTable(sides["src"]), LayerTable(sides["dst"])
+            call = (lambda: dispatch.copy_tokens(src, dst, si, di, fmt, impl="reference")) if fmt \
+                else (lambda: dispatch.copy_rows(src, dst, si, di, impl="reference"))
             call()
-        secs = (time.perf_counter() - t0) / reps
-        if fmt:
-            from hicache.kernels.reference import _token_views
-            ok = all(torch.equal(_token_views(s, fmt)[k][si // 64, si % 64],
-                                 _token_views(d, fmt)[k][di // 64, di % 64])
-                     for s, d in zip(src.layers, dst.layers) for k in (0, 1))
-        else:
-            ok = all(torch.equal(s[si], d[di]) for s, d in zip(src.layers, dst.layers))
-        nbytes = n * L * (fmt.token_bytes if fmt else rb)
-        gbps = nbytes / secs / 1e9
-        _log(f"{case:<28} reference  host->host  {gbps:6.2f} GB/s  {'ok' if ok else 'WRONG'}")
-        rows.append({"case": case, "path": path, "direction": "h2h", "ctas": None,
-                     "impl": "reference", "gbps": round(gbps, 3), "ratio_to_limit": None,
-                     "bytes": nbytes, "ms": round(secs * 1e3, 3), "correct": ok})
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            secs = (time.perf_counter() - t0) / reps
+            bad = check(before, lambda side, l: sides[side][l].view(-1),
+                        [Write("src", "dst", si, di, rb, fmt)])
+            nbytes = n * L * (fmt.token_bytes if fmt else rb)
+            gbps = nbytes / secs / 1e9
+            _log(f"{case:<26} {pattern:<6} reference  host->host  {gbps:6.2f} GB/s  "
+                 f"{'ok' if bad is None else 'WRONG: ' + bad}")
+            row = {"case": case, "pattern": pattern, "mean_run_rows": round(mean_run(di), 2),
+                   "path": path, "direction": "h2h", "ctas": None, "impl": "reference",
+                   "gbps": round(gbps, 3), "ratio_to_limit": None, "bytes": nbytes,
+                   "ms": round(secs * 1e3, 3), "correct": bad is None}
+            if bad is not None:
+                row["mismatch"] = bad
+            rows.append(row)
     return {"machine": {"gpu": None, "torch": torch.__version__, "python": sys.version.split()[0]},
-            "layers": L, "limits_gbps": {}, "rows": rows, "tune": [], "notes": [note]}
+            "layers": L, "reps": reps, "runs": str(spec), "limits_gbps": {}, "rows": rows,
+            "tune": [], "notes": [note]}
 
 
 # ----------------------------------------------------------------------------- output
-def print_table(result: dict[str, Any]) -> None:
+def table_lines(result: dict[str, Any]) -> list[str]:
+    """The rows as a markdown table, one line per case x pattern x impl x direction: the ratio
+    to the limit per CTA budget and GB/s at 4 CTAs (GPU), or GB/s (CPU); "verified" is ok only
+    when every budget's row passed its byte check."""
+    rows = [r for r in result["rows"] if r.get("ctas") is not None or "error" not in r]
+    budgets = sorted({r["ctas"] for r in rows if r.get("ctas") is not None})
+    at = 4 if 4 in budgets else (budgets[-1] if budgets else None)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["case"], r.get("pattern", "-"), r.get("mean_run_rows", "-"), r["impl"],
+               r["direction"])
+        groups.setdefault(key, []).append(r)
+    head = ["case", "pattern", "mean run", "impl", "dir"] + [f"{b}" for b in budgets] + \
+        [f"GB/s @{at}" if at else "GB/s", "verified"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, rs in groups.items():
+        by = {r["ctas"]: r for r in rs}
+        cells = [str(k) for k in key]
+        cells += [f"{by[b]['ratio_to_limit']:.3f}" if b in by else "" for b in budgets]
+        pick = by.get(at, rs[0])
+        cells.append(f"{pick['gbps']:.2f}")
+        wrong = sum(r.get("correct") is not True for r in rs)
+        cells.append("ok" if not wrong else f"WRONG ({wrong} of {len(rs)})")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def print_table(result: dict[str, Any], file: Any = None) -> None:
+    file = file or sys.stdout
     lim = result.get("limits_gbps") or {}
     if lim:
-        print(f"limit (contiguous pinned copy): H2D {lim['h2d']:.1f}  D2H {lim['d2h']:.1f}  "
-              f"both {lim['both']:.1f} GB/s")
-    print(f"{'case':<28} {'host rows':<9} {'impl':<14} {'dir':<4} {'ctas':>5} {'GB/s':>7} "
-          f"{'x limit':>8}  check")
-    for r in result["rows"]:
-        ratio = "" if r["ratio_to_limit"] is None else f"{r['ratio_to_limit']:.3f}"
-        ok = {True: "ok", False: "WRONG", None: "-"}[r.get("correct")]
-        print(f"{r['case']:<28} {r.get('host_rows', '-'):<9} {r['impl']:<14} {r['direction']:<4} "
-              f"{r['ctas']!s:>5} {r['gbps']:7.2f} {ratio:>8}  {ok}")
+        trials = result.get("limit_trials_gbps") or {}
+        print("limit (contiguous pinned copy, best of {} trials): ".format(
+            len(next(iter(trials.values()), [])) or "?") +
+            ", ".join(f"{k} {v:.1f} GB/s" for k, v in lim.items()), file=file)
+    for line in table_lines(result):
+        print(line, file=file)
+    for r in result["rows"] + result.get("tune", []):
+        if "error" in r or "mismatch" in r:
+            print(f"failed: {r['case']} / {r.get('pattern', '-')} / {r['impl']} / "
+                  f"{r['direction']} / ctas {r.get('ctas')}: {r.get('error') or r['mismatch']}",
+                  file=file)
     for n in result.get("notes", []):
-        print(f"note: {n}")
+        print(f"note: {n}", file=file)
 
 
 def plot(result: dict[str, Any], path: str) -> str:
@@ -140,7 +182,7 @@ def plot(result: dict[str, Any], path: str) -> str:
     for r in result["rows"]:
         if r["ctas"] is None or r["ratio_to_limit"] is None:
             continue
-        key = (r["case"], r.get("host_rows", ""), r["impl"], r["direction"])
+        key = (r["case"], r.get("pattern", ""), r["impl"], r["direction"])
         series.setdefault(key, []).append((r["ctas"], r["ratio_to_limit"]))
     if not series:
         msg = "no GPU rows to plot (CPU run): no plot written"

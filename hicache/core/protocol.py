@@ -9,6 +9,8 @@ schema check (``check_fields``), index frames through a length check and a ``mem
 * reply    ``{"v": 1, "k": "reply", "id": INT, "ok": true, ...fields}`` + index frames, or
            ``{"v": 1, "k": "reply", "id": INT, "ok": false, "error": {"code", "message"}}``
 * ack      ``{"v": 1, "k": "ack", "op": INT, "status": "ok"|"error", ...}`` (pushed, no reply)
+* issued   ``{"v": 1, "k": "issued", "op": INT}`` (pushed, GPU loads: every layer's event is
+           recorded; the reply said how many were at reply time)
 
 See docs/protocol.md for every command, its fields and its reply.
 """
@@ -110,7 +112,7 @@ _TABLE: tuple[Command, ...] = (
                        "alloc": ("bool", False), "request": ("opt_str", False)},
             ("op", "ack", "rows"), True, "backup",
             "device -> host copy of rows or tokens; with alloc, into rows it allocates"),
-    Command("load", {"items": ("list", True)}, ("op", "ack", "event_set"), True, "load",
+    Command("load", {"items": ("list", True)}, ("op", "ack", "event_set", "issued"), True, "load",
             "host -> device copy, layer by layer, one event per stage layer on GPU"),
     Command("swap_out", {"slot": ("int", True), "request": ("opt_str", False),
                          "host_row": ("opt_int", False), "wait_event": ("opt_int", False)},
@@ -118,7 +120,7 @@ _TABLE: tuple[Command, ...] = (
             "copy one request slot's state rows to a host row"),
     Command("swap_in", {"host_row": ("int", True), "slot": ("int", True),
                         "release": ("bool", False), "request": ("opt_str", False)},
-            ("op", "ack", "event_set"), True, "swap_in",
+            ("op", "ack", "event_set", "issued"), True, "swap_in",
             "copy a swapped-out request back into any slot"),
     Command("clear_slot", {"slots": ("int_list", True), "draft": ("dict", False)},
             ("op", "ack"), True, "clear_slot",
@@ -136,12 +138,12 @@ _TABLE: tuple[Command, ...] = (
                                   "c4_layers"), False, "sparse_region",
             "the sparse host region (shared-memory file) an engine maps and registers"),
     Command("sparse_admit", {"request": ("str", True), "prompt_tokens": ("int", True),
-                             "device_rows": ("frame", False)},
-            ("c4_tokens", "pages"), False, "sparse_admit",
+                             "device_rows": ("frame", False), "host_rows": ("frame", False)},
+            ("c4_tokens", "pages", "reused_pages", "op", "ack"), True, "sparse_admit",
             "admit a long request to sparse mode: host page rows, prompt C4 KV backed up"),
     Command("sparse_extend", {"request": ("str", True), "tokens": ("int", True),
                               "device_tokens": ("frame", False), "first": ("int", False)},
-            ("c4_tokens", "pages"), False, "sparse_extend",
+            ("c4_tokens", "pages", "op", "ack"), True, "sparse_extend",
             "grow a sparse request; back up new decode C4 tokens from device tokens"),
     Command("sparse_free", {"request": ("str", True)}, ("freed_rows",), False, "sparse_free",
             "free a sparse request's host rows"),
@@ -156,6 +158,28 @@ _TABLE: tuple[Command, ...] = (
             "L3: read pages into the client's host rows, best effort before a deadline"),
     Command("l3_put", {"keys": ("str_list", True), "rows": ("str_int_map", True)}, ("op",),
             True, "l3_put", "L3: write host rows' pages in the background, skipping existing keys"),
+    # key store: an engine's shared host pool <-> daemon host rows by page key
+    # (controllers/kv_store.py; docs/sglang.md, seam 2)
+    Command("kv_attach", {"name": ("str", True), "namespace": ("str", True),
+                          "pool": ("opt_str", False), "space": ("opt_str", False),
+                          "pid": ("int", False), "pages": ("int", True),
+                          "page_bytes": ("int", False), "layers": ("list", False)},
+            ("nonce", "proofs"), False, "kv_attach",
+            "key store: map an engine host pool's shared-memory files (pid, fd), pending proof"),
+    Command("kv_verify", {}, ("attached",), False, "kv_verify",
+            "key store: check the nonce the engine wrote into each mapped file; pools usable"),
+    Command("kv_put", {"name": ("str", True), "keys": ("str_list", True),
+                       "pages": ("frame", True)}, ("stored",), False, "kv_put",
+            "key store: copy engine host pages into daemon host rows under their keys"),
+    Command("kv_get", {"name": ("str", True), "keys": ("str_list", True),
+                       "pages": ("frame", True)}, ("found",), False, "kv_get",
+            "key store: copy stored pages of these keys into engine host pages"),
+    Command("kv_exists", {"name": ("str", True), "keys": ("str_list", True)}, ("present",),
+            False, "kv_exists", "key store: which keys hold a page of this pool"),
+    Command("kv_clear", {"namespace": ("str", True)}, ("dropped",), False, "kv_clear",
+            "key store: drop every page stored under a namespace"),
+    Command("kv_detach", {}, ("detached",), False, "kv_detach",
+            "key store: unmap every engine host pool of this client"),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _TABLE}
 
@@ -170,7 +194,8 @@ def markdown_table() -> str:
         out.append(f"| `{c.name}` | {fields} | {', '.join(c.reply)} | "
                    f"{'yes' if c.acks else 'no'} | {c.summary} |")
     return "\n".join(out)
-_FREE_FORM = ("register", "clear_slot")  # commands with free-form JSON objects in their fields
+# commands with free-form JSON objects in their fields
+_FREE_FORM = ("register", "clear_slot", "kv_attach")
 ITEM_FIELDS = {"pool": str, "space": str, "src": int, "dst": int, "unit": str}
 UNITS = ("row", "token")
 
@@ -363,6 +388,10 @@ def encode_ack(ack: dict[str, Any]) -> list[bytes]:
     h = {"v": VERSION, "k": "ack"}
     h.update(ack)
     return [_dumps(h)]
+
+
+def encode_issued(op_id: int) -> list[bytes]:
+    return [_dumps({"v": VERSION, "k": "issued", "op": op_id})]
 
 
 def _loads(frame: Any, what: str) -> dict[str, Any]:

@@ -75,3 +75,5 @@ class Op:
     host_row: int | None = None
     rows: dict[str, list[int]] | None = None  # backup with alloc: the host rows it allocated
     extra: dict[str, Any] = field(default_factory=dict)
+    # GPU load: stage layers whose events were recorded when the reply left (None: all)
+    issued: int | None = None

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
@@ -35,6 +36,7 @@ __all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreach
            "TransferFailed", "Items"]
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
+WAIT_SPIN_US = 300  # wait_layer: how long the host polls a layer's event before a stream wait
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
@@ -56,7 +58,7 @@ def _default_address() -> str:
 _as_ids = P.as_index
 
 
-class Client(SparseCommands, L3Commands):
+class Client(SparseCommands, L3Commands, KVStoreCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None) -> None:
@@ -92,6 +94,8 @@ class Client(SparseCommands, L3Commands):
         self._pollin = [(s, _POLLIN)]
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
+        self._issued: OrderedDict[int, None] = OrderedDict()  # GPU loads fully issued (pushed)
+        self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._last_send = 0.0
         self.sent = 0  # requests sent: round trips (a bench counts them per operation)
         self.heartbeat_interval = 3.0
@@ -112,6 +116,19 @@ class Client(SparseCommands, L3Commands):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _pushed(self, h: Mapping[str, Any]) -> bool:
+        """Keep a pushed message: an ack, or a GPU load's "issued" notice. False for replies."""
+        k = h.get("k")
+        if k == "ack":
+            self._keep_ack(h)
+            return True
+        if k == "issued":
+            self._issued[int(h["op"])] = None
+            while len(self._issued) > ACK_KEEP:
+                self._issued.popitem(last=False)
+            return True
+        return False
 
     def _keep_ack(self, h: Mapping[str, Any]) -> Ack:
         a = Ack.from_wire(h)
@@ -167,8 +184,7 @@ class Client(SparseCommands, L3Commands):
                                             f"{self.address} within {timeout:g} s")
                 continue
             h, arr = got
-            if h.get("k") == "ack":
-                self._keep_ack(h)
+            if self._pushed(h):
                 continue
             if h.get("id") != rid:
                 continue  # a late reply to a call that already timed out
@@ -288,7 +304,8 @@ class Client(SparseCommands, L3Commands):
     def _op(self, kind: str, h: Mapping[str, Any], arrays: Sequence[Any] = ()) -> Op:
         ack = self._acks.pop(h["op"], None) if "ack" in h else None
         rows = {s: list(arrays[i]) for s, i in h["rows"].items()} if "rows" in h else None
-        return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows)
+        return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows,
+                  issued=h.get("issued"))
 
     def backup(self, items: Items, *, wait_event: int | None = None,
                timeout: float | None = None) -> Op:
@@ -376,8 +393,8 @@ class Client(SparseCommands, L3Commands):
             if got is None:
                 return n
             if got[0].get("k") == "ack":
-                self._keep_ack(got[0])
                 n += 1
+            self._pushed(got[0])
 
     def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
         """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
@@ -407,13 +424,15 @@ class Client(SparseCommands, L3Commands):
                 next_poll = time.monotonic() + 0.5
                 continue
             got = self._recv(max(1, int(min(deadline, next_poll) * 1000 - now * 1000)))
-            if got is not None and got[0].get("k") == "ack":
-                self._keep_ack(got[0])
+            if got is not None:
+                self._pushed(got[0])
 
     def wait_layer(self, op: Op, layer: int, stream: Any = None,
                    timeout: float | None = None) -> None:
         """Make ``stream`` (GPU; default the current stream) wait for global ``layer`` of load
-        ``op``. CPU mode (no events): waits for the op's ack."""
+        ``op``. CPU mode (no events): waits for the op's ack. The daemon answers a GPU load once
+        layer 0's copy is enqueued; a later layer's wait first takes the daemon's "issued"
+        notice (or the op's ack), so it never waits on an event the load has not recorded."""
         if op.event_set is None or not self._load_events:
             self.wait_ack(op, timeout)
             return
@@ -422,8 +441,34 @@ class Client(SparseCommands, L3Commands):
         pos = self._layer_pos.get(layer)
         if pos is None:
             raise ValueError(f"layer {layer} is not on this stage ({self.stage_layers})")
+        if op.issued is not None and pos >= op.issued:
+            self._wait_issued(op, timeout)
         ev = self._load_events[op.event_set][pos]
-        (stream or torch.cuda.current_stream()).wait_event(ev)
+        # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
+        # MPS, even for a record that already completed. So a layer that is copied (or will
+        # be within ``spin_us``) is waited for on the host, and only a layer still further
+        # out puts a wait on the stream.
+        end = time.perf_counter() + self.spin_us * 1e-6
+        while not ev.query():
+            if time.perf_counter() >= end:
+                (stream or torch.cuda.current_stream()).wait_event(ev)
+                return
+
+    def _wait_issued(self, op: Op, timeout: float | None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        lost = time.monotonic() + min(0.5, timeout / 2)  # the notice follows the reply at once
+        while op.op_id not in self._issued and op.op_id not in self._acks:
+            left = min(deadline, lost) - time.monotonic()
+            if left <= 0:  # a lost push: the op's ack (pushed or polled) also says it
+                a = self.wait_ack(op, max(0.0, deadline - time.monotonic()), check=False)
+                self._acks[a.op] = a  # still the caller's to take with wait_ack
+                break
+            got = self._recv(max(1, int(left * 1000)))
+            if got is not None:
+                self._pushed(got[0])
+        self._issued.pop(op.op_id, None)
+        op.issued = None  # every layer is recorded: later waits go straight to the event
 
     # ------------------------------------------------------------------ inspection / control
     def stats(self, timeout: float | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from hicache.kernels.dispatch import copy_tokens
-from hicache.kernels.hisparse import FIRST_CLEAN, SwapInConfig, launch_swap_in, swap_in_consts
+from hicache.kernels.hisparse import FIRST_CLEAN, SwapInConfig, SwapInLaunch, swap_in_consts
 from hicache.kernels.hisparse_reference import swap_in_ref
 from hicache.kernels.tables import Buffer, LayerTable, TokenFormat, as_table
 
@@ -95,12 +95,19 @@ class HotBuffer:
         self._lens_host = [0] * R  # admitted lengths as the host knows them (0 = free)
         kd = self._kdev
         ht, dt = self.host.table(kd), self.dev.table(kd)
-        # per-layer views, built once: the launch path creates no tensors
-        self._layer = [(self.slot_tok[l], self.order[l], self.stats[l], ht[l:l + 1],
-                        dt[l:l + 1], self.out[l]) for l in range(L)]
-        self._consts = swap_in_consts(fmt, topk=K, slots=S, host_stride=host.stride,
-                                      dev_stride=self.dev.stride,
-                                      align=min(host.align, self.dev.align), cfg=cfg)
+        # per-layer launches, built once: the launch path creates no tensors
+        consts = swap_in_consts(fmt, topk=K, slots=S, host_stride=host.stride,
+                                dev_stride=self.dev.stride,
+                                align=min(host.align, self.dev.align), cfg=cfg)
+        common = dict(lens_ptr=self.lens, loc_ptr=self.slot_loc, hp_ptr=self.host_pages,
+                      maxp=self.maxp, pos_ptr=self._pos, first_ptr=self._first, maxt=max_tokens,
+                      need_ptr=self._need, vict_ptr=self._vict, src_ptr=self._src,
+                      dst_ptr=self._dst, host_stride=host.stride, dev_stride=self.dev.stride)
+        self._launch = [SwapInLaunch(dict(common, tok_ptr=self.slot_tok[l], ord_ptr=self.order[l],
+                                          stats_ptr=self.stats[l], host_tab=ht[l:l + 1],
+                                          dev_tab=dt[l:l + 1]),
+                                     consts, self.out[l], cuda=dev.type == "cuda")
+                        for l in range(L)] if self.impl == "triton" else []
 
     # ------------------------------------------------------------------ request slots
     def _check_slot(self, r: object, admitted: Optional[bool]) -> int:
@@ -207,18 +214,18 @@ class HotBuffer:
         checks (they sync the host with the device; use it under CUDA-graph capture)."""
         if check:
             self._check_step(layer, req_slots, topk)
-        tok, order, stats, ht, dt, out_l = self._layer[layer]
-        out = out_l[: req_slots.shape[0]]
         if self.impl == "reference":
+            out = self.out[layer, : req_slots.shape[0]]
             swap_in_ref(req_slots, topk, out, self.lens, self.slot_tok[layer],
                         self.order[layer], self.slot_loc, self.host_pages, self.stats[layer],
                         self.host.layers[layer], self.dev.layers[layer], self.fmt)
             return out
-        launch_swap_in(req_slots, topk, out, self.lens, tok, order, self.slot_loc, self.host_pages,
-                       self._pos, self._first, self._need, self._vict, self._src, self._dst, stats, ht, dt,
-                       host_stride=self.host.stride, dev_stride=self.dev.stride,
-                       consts=self._consts)
-        return out
+        return self._launch[layer].launch(req_slots, topk)
+
+    @property
+    def launches(self) -> list[SwapInLaunch]:
+        """The per-layer launches of the Triton path (``SwapInLaunch``; empty for reference)."""
+        return self._launch
 
     def hits(self) -> list[tuple[int, int]]:
         """(lookups, tokens copied) per layer since the start (one device sync)."""

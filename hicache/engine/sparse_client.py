@@ -7,14 +7,18 @@ mapping of the sparse host region.
 * ``map_sparse_region(device) -> SparseShm``: maps that file; on a GPU it page-locks the mapping
   for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly. Its ``layers``
   go to ``HotBuffer(host=...)``.
-* ``sparse_admit(request, prompt_tokens, device_rows=None) -> list[int]`` host page rows (the
-  prompt's C4 KV is backed up from the worker's ``c4_kv`` device rows when given);
+* ``sparse_admit(request, prompt_tokens, device_rows=None, host_rows=None) -> list[int]`` host
+  page rows. ``host_rows``: this client's host-tier ``c4_kv`` rows of the prompt's first pages
+  (prefix hits; the daemon fills those pages from host memory, nothing is read from the
+  device); ``device_rows``: the worker's ``c4_kv`` device rows of the remaining pages;
   ``sparse_extend(request, tokens, device_tokens=None, first=None) -> list[int]`` all page rows
   after growing (new decode tokens backed up from device token locations);
   ``sparse_free(request) -> int``; ``sparse_report(lookups, swapped_in)`` adds hot-buffer
   counts to the daemon's metrics.
 
-Refusals raise ``CommandRefused`` with the daemon's code and one-line message.
+When a command copies, the daemon runs the copy in the background and the method returns after
+its ack (``TransferFailed`` if the copy failed). Refusals raise ``CommandRefused`` with the
+daemon's code and one-line message.
 """
 from __future__ import annotations
 
@@ -31,13 +35,16 @@ class SparseCommands:
     """The HiSparse commands; the class using it provides ``call(cmd, fields, arrays)``
     (``Client.call``)."""
 
-    def _sparse(self, cmd: str, fields: dict[str, Any], key: str,
-                ids: Optional[Sequence[int]]) -> list[int]:
+    def _sparse(self, cmd: str, fields: dict[str, Any],
+                frames: dict[str, Optional[Sequence[int]]]) -> list[int]:
         arrays: list[Any] = []
-        if ids is not None:
-            fields[key] = 0
-            arrays.append(list(ids))
-        _, arr = self.call(cmd, fields, arrays)
+        for key, ids in frames.items():
+            if ids is not None:
+                fields[key] = len(arrays)
+                arrays.append(list(ids))
+        h, arr = self.call(cmd, fields, arrays)
+        if "op" in h:  # the daemon copies in the background: the rows are filled at the ack
+            self.wait_ack(self._op(cmd, h))
         return [int(x) for x in arr[0]] if arr else []
 
     def sparse_region(self) -> dict[str, Any]:
@@ -55,9 +62,10 @@ class SparseCommands:
         return shm
 
     def sparse_admit(self, request: str, prompt_tokens: int,
-                     device_rows: Optional[Sequence[int]] = None) -> list[int]:
+                     device_rows: Optional[Sequence[int]] = None,
+                     host_rows: Optional[Sequence[int]] = None) -> list[int]:
         return self._sparse("sparse_admit", {"request": request, "prompt_tokens": prompt_tokens},
-                            "device_rows", device_rows)
+                            {"host_rows": host_rows, "device_rows": device_rows})
 
     def sparse_extend(self, request: str, tokens: int,
                       device_tokens: Optional[Sequence[int]] = None,
@@ -65,7 +73,7 @@ class SparseCommands:
         fields: dict[str, Any] = {"request": request, "tokens": tokens}
         if first is not None:
             fields["first"] = first
-        return self._sparse("sparse_extend", fields, "device_tokens", device_tokens)
+        return self._sparse("sparse_extend", fields, {"device_tokens": device_tokens})
 
     def sparse_free(self, request: str) -> int:
         h, _ = self.call("sparse_free", {"request": request})

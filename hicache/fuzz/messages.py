@@ -3,7 +3,7 @@ weight). ``next()`` draws a kind and returns one ``Case`` — or a short sequenc
 and then the hostile one — each with the error codes it must get. The frame / header level,
 alloc / free counts and registration kinds live here; the row-level kinds (transfers, request
 state) come from ``RowAttacks``, reads of unwritten rows and options that do not apply from
-``TrustAttacks``.
+``TrustAttacks``, HiSparse requests and rows from ``SparseAttacks``.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any, Sequence
 
 from hicache.core import protocol as P
 from hicache.fuzz.cases import BAD_FIELD, BAD_FRAME, NOT_REG, Case, E, World, _ids, _json
-from hicache.fuzz.trust_attacks import TrustAttacks
+from hicache.fuzz.sparse_attacks import SparseAttacks
 
 
-class Hostile(TrustAttacks):
+class Hostile(SparseAttacks):
     """Malformed and hostile messages (see ``KINDS``). ``next()`` returns a list of cases: one
     hostile message, or a few set-up steps and then the hostile one (double free, use after
     free). Peers: ``attacker`` (registered, holds rows), ``anon`` (never registers), ``ghost``
@@ -44,7 +44,8 @@ class Hostile(TrustAttacks):
         ("mixed_ownership", 3), ("bad_slot", 3), ("bad_host_row", 3), ("bad_draft", 2),
         ("bad_poll", 2), ("register_again", 1), ("bad_register", 5), ("before_register", 5),
         ("after_unregister", 4), ("unwritten_read", 4), ("draft_without_ring", 1),
-        ("cpu_wait_event", 1),
+        ("cpu_wait_event", 1), ("sparse_unknown_request", 2), ("sparse_foreign_request", 3),
+        ("sparse_foreign_rows", 3),
     )
 
     # ------------------------------------------------------------------ frame and header level

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.fuzz.cases import Case, Deferred, World
 from hicache.fuzz.messages import Hostile
+from hicache.fuzz.sparse_attacks import SparseVictim
 from hicache.fuzz.peers import ALIGN, Pattern, RawPeer, ShmBuffers, Victim, _space_rows, mix64
 from hicache.core.layout import Layout, build_layout, preset
 
@@ -33,6 +34,7 @@ __all__ = ["ALIGN", "ROOT", "Case", "DaemonRunner", "Deferred", "Hostile", "Patt
            "private_address", "run_fuzz"]
 
 ROOT = Path(__file__).resolve().parents[1]
+SPARSE_FLAGS = ("--sparse-rows", "8", "--min-sparse-prompt-len", "256")  # fuzz daemons: a region
 
 
 # ----------------------------------------------------------------------------- daemon process
@@ -114,6 +116,8 @@ def failed_checks(rep: Mapping[str, Any], messages: int) -> list[str]:
         ("daemon alive", rep["daemon_alive"]), ("invariants hold", rep["invariants_ok"]),
         ("victim rows intact", rep["victim_rows_corrupted"] == 0),
         ("no rows left used", rep["leaked_rows"] == 0),
+        ("victim sparse rows intact", rep.get("sparse_rows_corrupted", 0) == 0),
+        ("sparse region clean", rep.get("sparse_region_clean", True)),
         ("every message answered", rep["unanswered"] == 0),
         ("no hostile message accepted", rep["ok_replies"] == 0),
         ("no internal error", rep["internal_errors"] == 0),
@@ -166,7 +170,9 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
         arows = {s: [int(x) for x in arows_h["_arrays"][i]] for s, i in arows_h["rows"].items()}
         peers["ghost"].call("register", gbufs.register_fields())
         peers["ghost"].call("unregister")
-        world = World(layout, host_rows, dict(dev_rows), vrows, arows, abufs.register_fields())
+        spv = SparseVictim(victim, vrows.get("page", []))
+        world = World(layout, host_rows, dict(dev_rows), vrows, arows, abufs.register_fields(),
+                      sparse=spv.world())
         gen = Hostile(world, rng, kinds)
         before = victim.stats()
         err_before = metric_total(before, "hicache_errors_total")
@@ -254,7 +260,8 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
         expect_used = {s: vcount[s] + len(arows.get(s, ())) + len(world.spare.get(s, ()))
                        for s in dev_rows}
         check: dict[str, Any] = {"ok": False, "problems": ["daemon not alive"]}
-        corrupted = -1
+        corrupted = sparse_corrupted = -1
+        sparse_clean = False
         err_delta = -1.0
         if alive:
             check = daemon_check(victim, expect_used)
@@ -262,6 +269,7 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
             if check["deep"] == "unavailable":
                 err_delta -= 1  # daemon_check's own stats {"check": true} was refused
             corrupted = vic.verify()
+            sparse_corrupted, sparse_clean = spv.verify(), spv.region_clean()
             att.call("unregister")
             victim.unregister()
             after = daemon_check(victim, {s: 0 for s in dev_rows})
@@ -275,6 +283,9 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
             "deep_check": check.get("deep", "unavailable"),
             "victim_rows_checked": sum(vcount.values()), "victim_rows_corrupted": corrupted,
             "leaked_rows": leaked, "metrics_errors_delta": err_delta,
+            "sparse_region": world.sparse is not None,
+            "sparse_rows_checked": len(spv.snap) if world.sparse else 0,
+            "sparse_rows_corrupted": sparse_corrupted, "sparse_region_clean": sparse_clean,
             "metrics_match": err_delta == counts["error_replies"],
             "codes": dict(sorted(codes.items())), "kinds": dict(sorted(kinds.items())),
             "stopped_early": stopped_early,

@@ -2,8 +2,10 @@
 
 ``install(model, address=..., pp_size=...)`` (``assembler_patch.py``) patches SGLang's DSV4 HiCache
 assembler so that its host pools forward to the daemon (``host_pools.py``) after SGLang's device
-pools are mapped onto our layout and registered (``stage_map.py``, ``link.py``). Only
-``sglang==0.5.23`` is accepted (``version.py``). See docs/sglang.md.
+pools are mapped onto our layout and registered (``stage_map.py``, ``link.py``).
+``storage.HicacheStorage`` is SGLang's ``dynamic`` storage backend on the daemon's key store
+(SGLang imports it by name). Only ``sglang==0.5.23`` is accepted (``version.py``). See
+docs/sglang.md.
 
 Importing this package does not import SGLang; ``install`` does.
 """

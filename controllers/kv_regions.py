@@ -1,0 +1,200 @@
+"""Engine host pools the daemon maps for its key store: shared-memory files named (pid, fd).
+
+An engine that keeps its host pool in shared memory (SGLang with ``"allocator": "shm"``: one
+``memfd`` per buffer, or an unlinked ``/dev/shm`` file) attaches it with ``kv_attach``; the
+daemon then copies pages between that memory and its own host rows (``kv_store``). Such a file
+has no name another process can open, so the daemon opens it through ``/proc/<pid>/fd/<fd>``:
+same user (checked), same PID namespace, and the engine process dumpable (the kernel's
+ptrace-read rule).
+
+Contract:
+
+* ``EnginePool.open(...)`` validates the geometry and maps every distinct file once (read and
+  write, shared). Only regular files whose link reads ``/memfd:...`` or ``/dev/shm/...`` are
+  accepted (opened ``O_PATH`` first and checked, so naming a pipe or a device has no effect),
+  and never the daemon's own files. Each layer is a ``[pages, page_bytes]`` strided view:
+  page ``p`` of layer ``l`` starts at byte ``offset_l + p * stride_l`` of its file. Any
+  failure raises ``ValueError`` with one line and leaves nothing mapped.
+* A fresh pool is *pending*: naming (pid, fd) proves nothing, since any local client could name
+  another engine's file. ``open`` draws a random nonce and, per file, a proof offset (the
+  file's size when mapped, i.e. past the engine's data). The client must write the nonce there
+  (grow the file, ``pwrite`` it) and call ``kv_verify``: ``check_proof()`` reads it back
+  through the daemon's own descriptor, ``commit()`` then enables the pool. Only a process able
+  to write that file can pass, and it could read and write those bytes without the daemon
+  anyway. Pending pools move no byte.
+* A marker pool (no ``pool``) maps nothing: it records which keys an index-only anchor (SGLang's
+  ``LogicalHostPool`` for DSV4) has written; it needs no proof.
+* ``close()`` drops the views and unmaps (idempotent).
+
+Trust: the files must belong to a process of the daemon's own user, and the proof must be
+written into them, so only such a process (or one able to write its memory) can attach; it can
+already signal the daemon, so the one harm it could add, shrinking its file after the proof so
+that a copy faults (SIGBUS), gives it nothing it did not have. SGLang never shrinks its pools;
+our client restores the size it grew.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import stat
+from typing import Any
+
+import torch
+
+PROOF_BYTES = 16
+ALLOWED_TARGETS = ("/memfd:", "/dev/shm/")
+MAX_POOLS_PER_CLIENT = 64
+
+
+class EnginePool:
+    """One attached engine host pool (see the module docstring)."""
+
+    def __init__(self, name: str, ns: str, pool: str | None, space: str, pages: int) -> None:
+        self.name = name
+        self.ns = ns
+        self.pool = pool  # the daemon pool its bytes go to; None: a marker pool
+        self.space = space
+        self.pages = pages
+        self.slot = pool if pool is not None else f"@{name}"  # presence tag in a store entry
+        self.layers: list[torch.Tensor] = []
+        self.nonce = b""
+        self.proofs: list[tuple[int, int, int]] = []  # (engine fd, our fd, proof offset)
+        self.verified = pool is None
+        self._maps: list[mmap.mmap] = []
+
+    @classmethod
+    def open(cls, name: str, ns: str, pool: str | None, space: str, pages: int, *,
+             pid: int | None = None, page_bytes: int = 0, num_layers: int = 0,
+             layers: list[Any] | None = None) -> "EnginePool":
+        if not 0 < pages <= 1 << 40:
+            raise ValueError(f"pages must be positive, got {pages}")
+        ep = cls(name, ns, pool, space, pages)
+        if pool is None:
+            if layers:
+                raise ValueError("a marker pool (no 'pool') maps no memory: drop 'layers'")
+            return ep
+        if pid is None or pid <= 0:
+            raise ValueError("'pid' must name the engine process that holds the files")
+        if pid == os.getpid():
+            raise ValueError("'pid' names the daemon itself")
+        if not isinstance(layers, list) or len(layers) != num_layers:
+            raise ValueError(f"pool {pool} has {num_layers} layers on this stage; 'layers' "
+                             f"gives {len(layers) if isinstance(layers, list) else 'none'}")
+        specs = [_layer_spec(i, x, page_bytes) for i, x in enumerate(layers)]
+        try:
+            files: dict[int, tuple[int, mmap.mmap, torch.Tensor]] = {}
+            for fd, _, _ in specs:
+                if fd not in files:
+                    ours, size = _open_shared(pid, fd)
+                    ep.proofs.append((fd, ours, size))
+                    mm = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    ep._maps.append(mm)
+                    files[fd] = (size, mm, torch.frombuffer(mm, dtype=torch.uint8))
+            for i, (fd, off, stride) in enumerate(specs):
+                size, _, base = files[fd]
+                end = off + (pages - 1) * stride + page_bytes
+                if end > size:
+                    raise ValueError(f"layers[{i}]: {pages} pages of stride {stride} from "
+                                     f"offset {off} end at byte {end}, past the file's {size}")
+                ep.layers.append(base.as_strided((pages, page_bytes), (stride, 1), off))
+        except BaseException:
+            ep.close()
+            raise
+        ep.nonce = secrets.token_bytes(PROOF_BYTES)
+        return ep
+
+    def proof_request(self) -> list[list[int]]:
+        """[[engine fd, offset], ...]: where the engine must write the nonce."""
+        return [[fd, off] for fd, _, off in self.proofs]
+
+    def check_proof(self) -> str | None:
+        """None when every file holds the nonce at its proof offset, else what failed (one
+        line). Changes nothing."""
+        for fd, ours, off in self.proofs:
+            try:
+                got = os.pread(ours, PROOF_BYTES, off)
+            except OSError as e:
+                return f"pool {self.name}: fd {fd}: {e.strerror}"
+            if got != self.nonce:
+                return (f"pool {self.name}: the nonce is not at offset {off} of fd {fd} (this "
+                        f"client did not show it can write that file)")
+        return None
+
+    def commit(self) -> None:
+        """The proof held: close our descriptors (the mappings stay); the pool is usable."""
+        for _, ours, _ in self.proofs:
+            os.close(ours)
+        self.proofs = []
+        self.verified = True
+
+    def close(self) -> None:
+        self.layers = []
+        for _, ours, _ in self.proofs:
+            try:
+                os.close(ours)
+            except OSError:
+                pass
+        self.proofs = []
+        maps, self._maps = self._maps, []
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced somewhere: unmapped when freed
+                pass
+
+
+def _layer_spec(i: int, x: Any, page_bytes: int) -> tuple[int, int, int]:
+    if not isinstance(x, dict) or set(x) != {"fd", "offset", "stride"}:
+        raise ValueError(f"layers[{i}] must be an object with exactly fd, offset, stride")
+    fd, off, stride = x["fd"], x["offset"], x["stride"]
+    for k, v in (("fd", fd), ("offset", off), ("stride", stride)):
+        if type(v) is not int or v < 0 or v > 1 << 48:
+            raise ValueError(f"layers[{i}].{k} must be a non-negative int")
+    if stride < page_bytes:
+        raise ValueError(f"layers[{i}].stride {stride} is smaller than a page ({page_bytes} B)")
+    return fd, off, stride
+
+
+def _open_shared(pid: int, fd: int) -> tuple[int, int]:
+    """Our read-write descriptor of the engine's shared-memory file and its size."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            raise ValueError(f"process {pid} does not run as the daemon's user")
+    except OSError as e:
+        raise ValueError(f"no process {pid} visible to the daemon: {e.strerror}") from None
+    try:
+        path_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot open fd {fd} of process {pid}: {e.strerror} (same user and "
+                         f"PID namespace needed)") from None
+    try:
+        target = os.readlink(f"/proc/self/fd/{path_fd}")
+        st = os.fstat(path_fd)
+        if not stat.S_ISREG(st.st_mode) or not target.startswith(ALLOWED_TARGETS):
+            raise ValueError(f"fd {fd} of process {pid} is not a shared-memory file "
+                             f"({target[:80]!r}); memfd or /dev/shm files only")
+        ours = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot open fd {fd} of process {pid}: {e.strerror}") from None
+    finally:
+        os.close(path_fd)
+    size = os.fstat(ours).st_size
+    if size <= 0:
+        os.close(ours)
+        raise ValueError(f"fd {fd} of process {pid} is empty")
+    return ours, size
+
+
+class ClientPools:
+    """The engine pools one client attached, by name (``ClientState.kv``)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, EnginePool] = {}
+
+    def close(self) -> int:
+        n = len(self.pools)
+        for p in self.pools.values():
+            p.close()
+        self.pools = {}
+        return n

@@ -1,0 +1,293 @@
+"""The daemon's key store: pages of engine host pools kept in daemon host rows, by page key.
+
+An engine (SGLang's ``dynamic`` storage backend, ``hicache.engine.sglang.storage``) attaches
+its shared-memory host pools (``kv_attach`` + ``kv_verify``, see ``kv_regions``), then moves
+pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` copies them back,
+``kv_exists`` says which keys are held. Only keys and page indices cross the socket.
+
+* An entry is ``(namespace, key)`` in one index space: one host row of that space, holding the
+  page of every pool of the space that was put under the key (``Entry.slots``). The namespace
+  is the client's (model, parallel rank, ...) prefixed with its CURVE key name, so a client
+  reads only what was stored under its own namespace; entries outlive the client that stored
+  them (an engine restart finds them).
+* Store rows belong to ``OWNER`` (a routing identity ZMQ never gives a peer: it starts with a
+  zero byte), so no client can free, load or overwrite them through the row commands.
+* Room: a put takes free rows, evicting the least recently used entries of the space (never
+  the call's own keys); keys that do not fit report 0. A client ``alloc`` that finds no free
+  rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).
+* Every check passes before a row is allocated or a byte moves; a refusal is one line.
+  Copies run inline on the server thread (host memory to host memory).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hicache.core.protocol import ProtocolError
+
+from .copy_commands import Reply
+from .kv_regions import MAX_POOLS_PER_CLIENT, ClientPools, EnginePool
+from .ops import Ids
+from .registry import ClientState
+from .state import DaemonState
+
+OWNER = ("\x00kvstore", None)
+MAX_KEY_LEN = 256
+MAX_NS_LEN = 256
+
+
+@dataclass(eq=False)
+class Entry:
+    row: int
+    slots: set[str] = field(default_factory=set)
+
+
+class KeyStore:
+    """Entries per index space, least recently used first."""
+
+    owner_id = OWNER[0]
+
+    def __init__(self, st: DaemonState) -> None:
+        self.st = st
+        self.entries: dict[str, OrderedDict[tuple[str, str], Entry]] = {
+            s: OrderedDict() for s in st.host_rows}
+        self.evicted = 0
+
+    def rows_held(self, space: str) -> int:
+        return len(self.entries[space])
+
+    def summary(self) -> dict[str, Any]:
+        return {"entries": {s: len(e) for s, e in self.entries.items()},
+                "evicted": self.evicted}
+
+    def _evict(self, space: str, n: int, keep: set[tuple[str, str]] = frozenset()) -> int:
+        od = self.entries[space]
+        rows = []
+        for k in list(od):
+            if len(rows) >= n:
+                break
+            if k not in keep:
+                rows.append(od.pop(k).row)
+        if rows:
+            self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, OWNER)
+            self.evicted += len(rows)
+        return len(rows)
+
+    def make_room_for(self, counts: Mapping[str, int]) -> bool:
+        """Evict entries so that ``counts`` rows are free in each space; False (nothing
+        evicted) when even evicting every entry would not be enough."""
+        short = {}
+        for s, n in counts.items():
+            a = self.st.group.allocators.get(s)
+            if a is None or s not in self.entries:
+                return False
+            need = int(n) - a.free_rows
+            if need > 0:
+                if need > len(self.entries[s]):
+                    return False
+                short[s] = need
+        for s, need in short.items():
+            self._evict(s, need)
+        return bool(short)
+
+    def put(self, ep: EnginePool, keys: list[str], pages: np.ndarray) -> list[int]:
+        od, space = self.entries[ep.space], ep.space
+        ids = [(ep.ns, k) for k in keys]
+        new = list(dict.fromkeys(i for i in ids if i not in od))
+        if new:
+            alloc = self.st.group.allocators[space]
+            if alloc.free_rows < len(new):
+                self._evict(space, len(new) - alloc.free_rows, keep=set(ids))
+            take = min(len(new), alloc.free_rows)
+            rows = self.st.group.alloc({space: take}, OWNER)[space].tolist() if take else []
+            for i, r in zip(new, rows):
+                od[i] = Entry(int(r))
+        src, dst, seen = [], [], set()
+        for j, i in enumerate(ids):
+            e = od.get(i)
+            if e is None:
+                continue
+            od.move_to_end(i)
+            if ep.slot not in e.slots and e.row not in seen:
+                seen.add(e.row)
+                src.append(int(pages[j]))
+                dst.append(e.row)
+        if ep.pool is not None and src:
+            _copy(ep.layers, self.st.group.pools[ep.pool].layers, src, dst, to_engine=False)
+        for i in ids:
+            if i in od:
+                od[i].slots.add(ep.slot)
+        return [int(i in od and ep.slot in od[i].slots) for i in ids]
+
+    def get(self, ep: EnginePool, keys: list[str], pages: np.ndarray) -> list[int]:
+        od = self.entries[ep.space]
+        found, src, dst = [], [], []
+        for j, k in enumerate(keys):
+            e = od.get((ep.ns, k))
+            hit = e is not None and ep.slot in e.slots
+            found.append(int(hit))
+            if hit:
+                od.move_to_end((ep.ns, k))
+                src.append(e.row)
+                dst.append(int(pages[j]))
+        if ep.pool is not None and src:
+            _copy(ep.layers, self.st.group.pools[ep.pool].layers, dst, src, to_engine=True)
+        return found
+
+    def exists(self, ep: EnginePool, keys: list[str]) -> list[int]:
+        od = self.entries[ep.space]
+        return [int((e := od.get((ep.ns, k))) is not None and ep.slot in e.slots) for k in keys]
+
+    def clear(self, ns: str) -> int:
+        n = 0
+        for space, od in self.entries.items():
+            rows = [od.pop(k).row for k in [k for k in od if k[0] == ns]]
+            if rows:
+                self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, OWNER)
+                n += len(rows)
+        return n
+
+
+def _copy(engine: list[torch.Tensor], ours: list[torch.Tensor], pages: list[int],
+          rows: list[int], *, to_engine: bool) -> None:
+    """Page ``pages[i]`` of every engine layer <-> row ``rows[i]`` of the same daemon layer."""
+    p = torch.tensor(pages, dtype=torch.int64)
+    r = torch.tensor(rows, dtype=torch.int64)
+    for e, o in zip(engine, ours):
+        if to_engine:
+            e.index_copy_(0, p, o.index_select(0, r))
+        else:
+            o.index_copy_(0, r, e.index_select(0, p))
+
+
+# ------------------------------------------------------------------------------- handlers
+def store_of(st: DaemonState) -> KeyStore:
+    if st.kv_store is None:
+        st.kv_store = KeyStore(st)
+    return st.kv_store
+
+
+def _ns(c: ClientState, ns: str) -> str:
+    if not 0 < len(ns) <= MAX_NS_LEN or not ns.isprintable():
+        raise ProtocolError("bad_field", f"namespace must be 1..{MAX_NS_LEN} printable "
+                                         f"characters")
+    return f"{c.key or ''}\x1f{ns}"
+
+
+def _attached(c: ClientState, name: str) -> EnginePool:
+    ep = c.kv.pools.get(name) if c.kv is not None else None
+    if ep is None:
+        raise ProtocolError("not_registered", f"no engine pool {name[:64]!r} is attached by "
+                                              f"this client (kv_attach first)")
+    if not ep.verified:
+        raise ProtocolError("not_registered", f"engine pool {name[:64]!r} is attached but "
+                                              f"not verified (kv_verify first)")
+    return ep
+
+
+def _keys(keys: list[str]) -> list[str]:
+    if not keys:
+        raise ProtocolError("bad_field", "keys is empty")
+    for k in keys:
+        if not 0 < len(k) <= MAX_KEY_LEN or not k.isprintable() or not k.isascii():
+            raise ProtocolError("bad_field", f"key {k[:40]!r} must be 1..{MAX_KEY_LEN} "
+                                             f"printable ASCII characters")
+    return keys
+
+
+def _pages(ep: EnginePool, keys: list[str], arrays: Sequence, frame: int,
+           distinct: bool) -> np.ndarray:
+    pages = Ids(arrays[frame]).np()
+    if pages.size != len(keys):
+        raise ProtocolError("bad_rows", f"pages has {pages.size} ids for {len(keys)} keys")
+    if pages.size and (pages.min() < 0 or pages.max() >= ep.pages):
+        bad = int(pages[(pages < 0) | (pages >= ep.pages)][0])
+        raise ProtocolError("bad_rows", f"page {bad} is out of range for pool {ep.name} "
+                                        f"({ep.pages} pages)")
+    if distinct and np.unique(pages).size != pages.size:
+        raise ProtocolError("bad_rows", "pages repeats a destination page")
+    return pages
+
+
+def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    store = store_of(st)
+    name, pool, space = h["name"], h.get("pool"), h.get("space")
+    ns = _ns(c, h["namespace"])
+    pools = c.kv.pools if c.kv is not None else {}
+    if name in pools:
+        raise ProtocolError("already_registered", f"engine pool {name[:64]!r} is already "
+                                                  f"attached (kv_detach first)")
+    if len(pools) >= MAX_POOLS_PER_CLIENT:
+        raise ProtocolError("bad_field", f"at most {MAX_POOLS_PER_CLIENT} engine pools per "
+                                         f"client")
+    if pool is not None:
+        spec = st.pool_spec(pool)
+        if space is not None and space != spec.index:
+            raise ProtocolError("bad_field", f"pool {pool} lives in space {spec.index}, not "
+                                             f"{space[:32]!r}")
+        space = spec.index
+        if h.get("page_bytes") != spec.page_bytes:
+            raise ProtocolError("layout_mismatch", f"engine pool {name[:64]!r}: pages of "
+                                f"{h.get('page_bytes')} B, daemon pool {pool} "
+                                f"{spec.page_bytes} B")
+    elif space is None:
+        raise ProtocolError("bad_field", "give 'pool' (a pool with bytes) or 'space' (a "
+                                         "marker pool)")
+    st.check_space(space)
+    if space not in store.entries:
+        raise ProtocolError("bad_field", f"space {space} holds no host rows")
+    try:
+        ep = EnginePool.open(name, ns, pool, space, h["pages"], pid=h.get("pid"),
+                             page_bytes=h.get("page_bytes") or 0,
+                             num_layers=st.layout.pool(pool).num_layers if pool else 0,
+                             layers=h.get("layers"))
+    except ValueError as e:
+        raise ProtocolError("bad_handle" if pool else "bad_field", str(e)[:300]) from None
+    if c.kv is None:
+        c.kv = ClientPools()
+    c.kv.pools[name] = ep
+    return {"nonce": ep.nonce.hex(), "proofs": ep.proof_request()}, []
+
+
+def kv_verify(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    pending = [p for p in (c.kv.pools.values() if c.kv is not None else ()) if not p.verified]
+    fails = [why for why in (p.check_proof() for p in pending) if why is not None]
+    if fails:  # nothing changes: the pools stay pending (kv_detach drops them)
+        raise ProtocolError("not_owner", f"kv_verify: {fails[0]}" +
+                            (f" (and {len(fails) - 1} more)" if len(fails) > 1 else ""))
+    for p in pending:
+        p.commit()
+    return {"attached": sorted(c.kv.pools) if c.kv is not None else []}, []
+
+
+def kv_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    ep = _attached(c, h["name"])
+    keys = _keys(h["keys"])
+    pages = _pages(ep, keys, arrays, h["pages"], distinct=False)
+    return {"stored": store_of(st).put(ep, keys, pages)}, []
+
+
+def kv_get(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    ep = _attached(c, h["name"])
+    keys = _keys(h["keys"])
+    pages = _pages(ep, keys, arrays, h["pages"], distinct=True)
+    return {"found": store_of(st).get(ep, keys, pages)}, []
+
+
+def kv_exists(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    ep = _attached(c, h["name"])
+    return {"present": store_of(st).exists(ep, _keys(h["keys"]))}, []
+
+
+def kv_clear(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    return {"dropped": store_of(st).clear(_ns(c, h["namespace"]))}, []
+
+
+def kv_detach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    n = c.kv.close() if c.kv is not None else 0
+    c.kv = None
+    return {"detached": n}, []

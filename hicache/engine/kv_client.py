@@ -1,0 +1,89 @@
+"""Engine side of the daemon's key store, as ``Client`` methods (``KVStoreCommands`` is a mixin
+of ``hicache.engine.client.Client``; the daemon side is ``controllers/kv_store.py``).
+
+* ``kv_attach(name, namespace, pages=..., pool=..., pid=..., page_bytes=..., layers=[...])``
+  maps one host pool held in shared-memory files of this process (``layers``: per layer
+  ``{"fd", "offset", "stride"}``), pending proof; a marker pool gives ``space`` instead of
+  ``pool`` and maps nothing. ``kv_prove(reply)`` writes the daemon's nonce where it asked (each
+  file grows by one page for it, then shrinks back after ``kv_verify``); ``kv_attach_proven``
+  does all three.
+* ``kv_put / kv_get (name, keys, pages)`` -> one bool per key; ``kv_exists(name, keys)`` ->
+  one bool per key; ``kv_clear(namespace)`` -> entries dropped; ``kv_detach()`` -> pools
+  unmapped. Pages are the pool's page indices (one per key).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any, Mapping, Sequence
+
+from hicache.core.protocol import as_index
+
+
+class KVStoreCommands:
+    def kv_attach(self, name: str, namespace: str, *, pages: int, pool: str | None = None,
+                  space: str | None = None, pid: int | None = None, page_bytes: int = 0,
+                  layers: Sequence[Mapping[str, int]] = (),
+                  timeout: float | None = None) -> dict[str, Any]:
+        f: dict[str, Any] = {"name": name, "namespace": namespace, "pages": int(pages)}
+        if pool is not None:
+            f.update(pool=pool, pid=int(os.getpid() if pid is None else pid),
+                     page_bytes=int(page_bytes), layers=[dict(x) for x in layers])
+        if space is not None:
+            f["space"] = space
+        return self.call("kv_attach", f, timeout=timeout)[0]
+
+    @staticmethod
+    def kv_prove(reply: Mapping[str, Any]) -> list[tuple[int, int]]:
+        """Write the nonce of a ``kv_attach`` reply into this process's files at the offsets
+        the daemon named. Returns [(fd, original size)] for ``kv_unprove``."""
+        nonce = bytes.fromhex(reply["nonce"])
+        done = []
+        for fd, off in reply["proofs"]:
+            size = os.fstat(fd).st_size
+            os.ftruncate(fd, max(size, off + mmap.PAGESIZE))
+            done.append((fd, size))
+            if os.pwrite(fd, nonce, off) != len(nonce):
+                raise OSError(f"short write of the proof into fd {fd}")
+        return done
+
+    @staticmethod
+    def kv_unprove(done: Sequence[tuple[int, int]]) -> None:
+        """Shrink the files back to their size before ``kv_prove``."""
+        for fd, size in done:
+            os.ftruncate(fd, size)
+
+    def kv_verify(self, timeout: float | None = None) -> list[str]:
+        return list(self.call("kv_verify", timeout=timeout)[0]["attached"])
+
+    def kv_attach_proven(self, name: str, namespace: str, **kw: Any) -> list[str]:
+        """``kv_attach`` + ``kv_prove`` + ``kv_verify`` (the files shrink back either way)."""
+        reply = self.kv_attach(name, namespace, **kw)
+        done = self.kv_prove(reply) if reply.get("proofs") else []
+        try:
+            return self.kv_verify()
+        finally:
+            self.kv_unprove(done)
+
+    def kv_put(self, name: str, keys: Sequence[str], pages: Any,
+               timeout: float | None = None) -> list[bool]:
+        h, _ = self.call("kv_put", {"name": name, "keys": list(keys), "pages": 0},
+                         [as_index(pages)], timeout=timeout)
+        return [bool(x) for x in h["stored"]]
+
+    def kv_get(self, name: str, keys: Sequence[str], pages: Any,
+               timeout: float | None = None) -> list[bool]:
+        h, _ = self.call("kv_get", {"name": name, "keys": list(keys), "pages": 0},
+                         [as_index(pages)], timeout=timeout)
+        return [bool(x) for x in h["found"]]
+
+    def kv_exists(self, name: str, keys: Sequence[str],
+                  timeout: float | None = None) -> list[bool]:
+        h, _ = self.call("kv_exists", {"name": name, "keys": list(keys)}, timeout=timeout)
+        return [bool(x) for x in h["present"]]
+
+    def kv_clear(self, namespace: str, timeout: float | None = None) -> int:
+        return int(self.call("kv_clear", {"namespace": namespace}, timeout=timeout)[0]["dropped"])
+
+    def kv_detach(self, timeout: float | None = None) -> int:
+        return int(self.call("kv_detach", timeout=timeout)[0]["detached"])

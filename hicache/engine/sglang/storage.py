@@ -1,0 +1,298 @@
+"""SGLang 0.5.23's ``dynamic`` storage backend backed by the hicache daemon's key store.
+
+SGLang loads it with ``--hicache-storage-backend dynamic`` and the extra config
+``{"backend_name": "hicache", "module_path": "hicache.engine.sglang.storage",
+"class_name": "HicacheStorage", "interface_v1": 1, "allocator": "shm",
+"hicache_socket": "ipc:///..."}`` (see docs/sglang.md). SGLang then keeps its host pools in
+shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(config, {})``,
+``register_mem_pool_host(anchor)`` and ``register_mem_host_pool_v2(pool, name)`` per pool.
+
+* Each pool is attached to the daemon once (``kv_attach`` with this process's pid and the
+  memfd, offset and page stride of every layer, then the nonce proof and ``kv_verify``).
+  DSV4 pools go to the daemon pool of the same bytes (``stage_map.SGLANG_POOLS``); the DSV4
+  KV anchor (``LogicalHostPool``, no bytes) becomes a marker pool that records which keys
+  were written. Any other pool, a pool not in shared memory, or a page size that differs from
+  the daemon's, is refused with one line when registered.
+* ``batch_set_v1 / batch_get_v1`` (anchor) and ``batch_set_v2 / batch_get_v2`` (one
+  ``PoolTransfer`` per pool) send keys and page indices; the daemon copies the bytes. They
+  return one bool per key, as SGLang expects. ``batch_exists`` counts the leading keys the
+  anchor holds; ``batch_exists_v2`` applies SGLang's hit policies (all pages / trailing pages)
+  per pool; block groups are refused.
+* The pages live in the daemon's host rows under a namespace (``hicache_namespace`` or the
+  model name, plus the TP rank for non-MLA models, DP and PP ranks), so they survive an engine
+  restart and are shared by engines of the same namespace on the node. A daemon that dropped
+  this client (heartbeat timeout) is re-attached once, transparently; an unreachable daemon
+  makes the call fail (all False, logged), never hang.
+* The tensor-passing calls (``get / set / batch_get / batch_set``) are refused: this backend
+  is zero-copy only (``interface_v1``), which the constructor requires.
+
+Importing this module checks the SGLang version (``UnsupportedSglang`` otherwise).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from hicache.engine.sglang.version import check_sglang_version
+
+check_sglang_version()
+
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage,  # noqa: E402
+                                                  HiCacheStorageConfig,
+                                                  HiCacheStorageExtraInfo, PoolHitPolicy,
+                                                  PoolTransfer, PoolTransferResult)
+
+from hicache.engine.client import Client, CommandRefused, DaemonUnreachable  # noqa: E402
+from hicache.engine.sglang.host_pools import _pages  # noqa: E402
+from hicache.engine.sglang.stage_map import SGLANG_POOLS  # noqa: E402
+
+log = logging.getLogger("hicache.sglang.storage")
+
+ANCHOR = "kv"  # SGLang's PoolName.KV: the pool of the v1 calls
+CONFIG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
+               "hicache_socket", "hicache_namespace", "hicache_timeout"}
+
+
+class StorageRefused(ValueError):
+    """A configuration or a pool the hicache storage backend cannot serve."""
+
+
+def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
+    base = str(extra.get("hicache_namespace") or cfg.model_name or "default")
+    tp = "" if cfg.is_mla_model else f"/tp{cfg.tp_rank}of{cfg.tp_size}"
+    return f"{base}{tp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
+
+
+def _layer_views(pool: Any, name: str) -> list[torch.Tensor]:
+    """One ``[pages, bytes]`` view per layer of an SGLang host pool."""
+    buf, layout = pool.kv_buffer, getattr(pool, "layout", None)
+    if layout == "layer_first" and isinstance(buf, list):
+        views = list(buf)
+    elif layout == "page_first" and isinstance(buf, torch.Tensor) and buf.dim() == 3:
+        views = [buf[:, i] for i in range(buf.shape[1])]
+    elif layout == "page_first_direct" and isinstance(buf, torch.Tensor) and buf.dim() == 4:
+        views = [buf[:, i, 0] for i in range(buf.shape[1])]
+    else:
+        raise StorageRefused(f"host pool {name}: layout {layout!r} is not one hicache maps "
+                             f"(layer_first, page_first, page_first_direct)")
+    for v in views:
+        if v.dim() != 2 or v.stride(1) != 1:
+            raise StorageRefused(f"host pool {name}: a layer is not [pages, bytes] rows")
+    return views
+
+
+def _shm_files(pool: Any, name: str) -> list[tuple[int, int, int]]:
+    """(fd, address, bytes) of every shared-memory file SGLang's shm allocator made."""
+    a = getattr(pool, "allocator", None)
+    fds, mms = getattr(a, "fds", None), getattr(a, "mms", None)
+    if not fds or not mms:
+        raise StorageRefused(f"host pool {name} is not in shared memory: start SGLang with "
+                             f"\"allocator\": \"shm\" in --hicache-storage-backend-extra-config")
+    return [(fd, ctypes.addressof(ctypes.c_char.from_buffer(mm)), len(mm))
+            for fd, mm in zip(fds, mms) if fd is not None]
+
+
+def describe_pool(pool: Any, name: str) -> dict[str, Any]:
+    """The ``kv_attach`` fields of one SGLang host pool (see the module docstring)."""
+    if getattr(pool, "kv_buffer", None) is None:
+        if name != ANCHOR:
+            raise StorageRefused(f"host pool {name} holds no bytes; only the KV anchor may")
+        return {"space": "page", "pages": int(pool.size) // int(pool.page_size)}
+    ours = SGLANG_POOLS.get(name)
+    if ours is None:
+        raise StorageRefused(f"host pool {name} has no hicache pool; hicache stores the DSV4 "
+                             f"pools {sorted(SGLANG_POOLS)}")
+    views = _layer_views(pool, name)
+    files = _shm_files(pool, name)
+    layers = []
+    for i, v in enumerate(views):
+        ptr, size = v.data_ptr(), v.element_size()
+        hit = [(fd, base) for fd, base, n in files if base <= ptr < base + n]
+        if not hit:
+            raise StorageRefused(f"host pool {name}: layer {i} is not in a shared-memory file")
+        layers.append({"fd": hit[0][0], "offset": ptr - hit[0][1], "stride": v.stride(0) * size})
+    return {"pool": ours, "pid": os.getpid(), "pages": int(views[0].shape[0]),
+            "page_bytes": int(views[0].shape[1]) * views[0].element_size(), "layers": layers}
+
+
+class HicacheStorage(HiCacheStorage):
+    """See the module docstring."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if not extra.get("interface_v1"):
+            raise StorageRefused("the hicache storage backend is zero-copy only: set "
+                                 "\"interface_v1\": 1 in the extra config")
+        if extra.get("allocator") != "shm":
+            raise StorageRefused("the hicache storage backend maps SGLang's host pools: set "
+                                 "\"allocator\": \"shm\" in the extra config")
+        unknown = sorted(set(extra) - CONFIG_KEYS)
+        if unknown:
+            raise StorageRefused(f"unknown extra config keys {unknown}; known: "
+                                 f"{sorted(CONFIG_KEYS)}")
+        address = extra.get("hicache_socket") or os.environ.get("HICACHE_SOCKET")
+        if not address:
+            raise StorageRefused("no daemon address: set \"hicache_socket\" in the extra "
+                                 "config or HICACHE_SOCKET")
+        address = str(address).format(pp_rank=storage_config.pp_rank,
+                                      tp_rank=storage_config.tp_rank)
+        self.namespace = _namespace(storage_config, extra)
+        self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
+                             name=f"sglang-storage-tp{storage_config.tp_rank}")
+        self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
+        self.lock = threading.RLock()
+        self.pools: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (pool, attach fields)
+
+    # ------------------------------------------------------------------ registration
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._attach(ANCHOR, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._attach(str(host_pool_name), host_pool)
+
+    def _attach(self, name: str, pool: Any) -> None:
+        with self.lock:
+            if name in self.pools:
+                if self.pools[name][0] is pool:
+                    return  # the anchor comes both as mem_pool_host and as a v2 entry
+                raise StorageRefused(f"host pool {name} is already registered (another pool)")
+            fields = describe_pool(pool, name)
+            self.client.kv_attach_proven(name, self.namespace, **fields)
+            self.pools[name] = (pool, fields)
+
+    def _reattach(self) -> None:
+        self.client.kv_detach()
+        for name, (_, fields) in self.pools.items():
+            self.client.kv_attach_proven(name, self.namespace, **fields)
+
+    def _call(self, what: str, n: int, fn: Callable[[], list[bool]]) -> list[bool]:
+        with self.lock:
+            try:
+                try:
+                    return fn()
+                except CommandRefused as e:
+                    if e.code != "not_registered":
+                        raise
+                    log.warning("%s: the daemon dropped this client (%s); re-attaching", what, e)
+                    self._reattach()
+                    return fn()
+            except (CommandRefused, DaemonUnreachable, OSError) as e:
+                log.error("%s failed: %s", what, e)
+                return [False] * n
+
+    def _page_ids(self, name: str, keys: list[str], host_indices: Any) -> list[int] | None:
+        pool = self.pools[name][0]
+        page = int(pool.page_size)
+        try:
+            pages = _pages(host_indices, page, name)
+        except ValueError as e:
+            log.error("%s: %s", name, e)
+            return None
+        if len(pages) != len(keys):
+            log.error("%s: %d keys for %d pages", name, len(keys), len(pages))
+            return None
+        return pages
+
+    def _move(self, verb: str, name: str, keys: list[str], host_indices: Any) -> list[bool]:
+        if not keys:
+            return []
+        if name not in self.pools:
+            raise StorageRefused(f"host pool {name} was never registered with this backend")
+        pages = self._page_ids(name, keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        fn = self.client.kv_put if verb == "put" else self.client.kv_get
+        return self._call(f"kv_{verb} {name}", len(keys), lambda: fn(name, keys, pages))
+
+    def _present(self, name: str, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        return self._call(f"kv_exists {name}", len(keys),
+                          lambda: self.client.kv_exists(name, keys))
+
+    # ------------------------------------------------------------------ v1 (the anchor)
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+        return self._move("put", ANCHOR, list(keys), host_indices)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+        return self._move("get", ANCHOR, list(keys), host_indices)
+
+    def exists(self, key: str) -> bool:
+        return self._present(ANCHOR, [key]) == [True]
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        return _leading(self._present(ANCHOR, list(keys)))
+
+    # ------------------------------------------------------------------ v2 (pool transfers)
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._move("put", str(t.name), list(t.keys or []), t.host_indices)
+                for t in transfers}
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._move("get", str(t.name), list(t.keys or []), t.host_indices)
+                for t in transfers}
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Optional[list[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        keys = list(keys)
+        kv_pages = _leading(self._present(ANCHOR, keys))
+        hits: dict[str, int] = {ANCHOR: kv_pages} if kv_pages else {}
+        ok = set(range(1, kv_pages + 1))  # prefix lengths every pool so far can restore
+        for t in pool_transfers or []:
+            if not ok:
+                break
+            name = str(t.name)
+            have = self._present(name, keys[:kv_pages])
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                mine = set(range(1, _leading(have) + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys or ()))
+                mine = {n for n in range(1, kv_pages + 1) if all(have[max(0, n - window):n])}
+            else:
+                raise StorageRefused(f"pool {name}: hit policy {t.hit_policy} is not supported "
+                                     f"by the hicache storage backend")
+            if mine:
+                hits[name] = max(mine)
+            ok &= mine
+        restorable = sorted(ok)
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    # ------------------------------------------------------------------ refused / lifecycle
+    def _tensor_calls(self, *args: Any, **kwargs: Any) -> Any:
+        raise StorageRefused("the hicache storage backend moves pages by index only "
+                             "(interface_v1); tensor get/set are not served")
+
+    get = set = batch_get = batch_set = _tensor_calls
+
+    def clear(self) -> None:
+        with self.lock:
+            n = self.client.kv_clear(self.namespace)
+        log.info("cleared %d pages of namespace %s", n, self.namespace)
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.client.kv_detach()
+            except (CommandRefused, DaemonUnreachable) as e:
+                log.warning("kv_detach at close: %s", e)
+            self.client.close()
+
+
+def _leading(flags: list[bool]) -> int:
+    for i, f in enumerate(flags):
+        if not f:
+            return i
+    return len(flags)

@@ -1,0 +1,224 @@
+"""SGLang 0.5.23 loads hicache's ``dynamic`` storage backend itself; pages survive a restart.
+
+Runs inside the sglang environment (``tests/test_sglang_adapter.py`` launches it), on CPU. An
+"engine" is SGLang's own DSV4 stack built by ``UnifiedRadixCache.init_hicache`` with
+``hicache_storage_backend="dynamic"`` and our extra config: SGLang's stock host pools in memfds
+(its shm allocator), SGLang's ``HybridCacheController`` creating ``HicacheStorage`` through
+its ``StorageBackendFactory`` and registering every pool. One real ``hicache serve`` outlives
+the engines. The page moves are the calls SGLang's storage threads make (``batch_set_v1`` on
+the KV anchor, ``batch_set_v2`` with one ``PoolTransfer`` per DSV4 pool, then ``batch_exists``
+/ ``batch_exists_v2`` / ``batch_get_v1`` / ``batch_get_v2`` after the restart); every byte of
+every pool and layer is compared.
+
+CPU shims (test only): ``_cuda_host_register`` is a no-op (there is no pinned memory without
+CUDA) and the parallel ranks are stated (no process groups are built). With
+``HICACHE_SGLANG_TEST_DEVICE=cuda:N`` the device pools and the daemon are on that GPU and SGLang
+pins its memfd host pools itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+import dsv4_fixture as F
+from conftest import start_daemon
+from hicache.engine.client import Client
+from hicache.engine.sglang.storage import HicacheStorage, StorageRefused
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+KV_DERIVED = ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128")  # anchor indices
+SWA_INDEXED = ("swa", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state")
+# cpu (CI) or cuda:N (the GPU machine: scripts/gpu_sglang.sh): SGLang's device pools, pinned
+# host pools and the daemon on that device
+DEVICE = os.environ.get("HICACHE_SGLANG_TEST_DEVICE", "cpu")
+EXTRA = {"backend_name": "hicache", "module_path": "hicache.engine.sglang.storage",
+         "class_name": "HicacheStorage", "interface_v1": 1, "allocator": "shm"}
+
+
+def _daemon(tmp: Path) -> Any:
+    return start_daemon(tmp, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS, metrics=False,
+                        extra=("--no-mtp", "--c128-state", "offline"))
+
+
+@contextmanager
+def engine(address: str, namespace: str = "dsv4-tiny-test") -> Iterator[tuple[Any, dict]]:
+    """SGLang's DSV4 stack with our backend, attached by SGLang; detached on exit."""
+    extra = json.dumps({**EXTRA, "hicache_socket": address, "hicache_namespace": namespace})
+
+    def server_args() -> ServerArgs:
+        sa = ServerArgs(model_path="dummy", page_size=F.PAGE, hicache_io_backend="direct",
+                        hicache_write_policy="write_through", hicache_mem_layout="layer_first",
+                        hicache_storage_backend="dynamic",
+                        hicache_storage_backend_extra_config=extra)
+        set_global_server_args_for_scheduler(sa)
+        return sa
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(F, "server_args", server_args))
+        if DEVICE == "cpu":  # no pinned memory without CUDA
+            stack.enter_context(mock.patch(
+                "sglang.srt.mem_cache.pool_host.common._cuda_host_register", lambda *a, **k: None))
+        stack.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1))
+        cache, _, _, _ = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+    cc = cache.cache_controller
+    try:
+        assert cc.enable_storage and isinstance(cc.storage_backend, HicacheStorage)
+        pools = {str(e.name): e.host_pool for e in cc.mem_pool_host.entries}
+        assert sorted(cc.storage_backend.pools) == sorted(pools)  # SGLang registered them all
+        yield cc.storage_backend, pools
+    finally:
+        cc.detach_storage_backend()  # SGLang's detach: stops its threads, closes the backend
+
+
+def _alloc(pool: Any, pages: int, skip: int) -> torch.Tensor:
+    """``pages`` whole pages of host indices, after ``skip`` pages taken (so offsets differ)."""
+    if skip:
+        pool.alloc(skip * F.PAGE)
+    return pool.alloc(pages * F.PAGE)
+
+
+def _page_rows(idx: torch.Tensor) -> list[int]:
+    return (idx.reshape(-1, F.PAGE)[:, 0] // F.PAGE).tolist()
+
+
+def _transfers(keys: list[str], kv_idx: torch.Tensor, swa_idx: torch.Tensor) -> list[PoolTransfer]:
+    return [PoolTransfer(name=n, host_indices=kv_idx, keys=keys) for n in KV_DERIVED] + \
+           [PoolTransfer(name=n, host_indices=swa_idx, keys=keys) for n in SWA_INDEXED]
+
+
+def _fill(pools: dict, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in KV_DERIVED + SWA_INDEXED:
+        for t in pools[name].kv_buffer:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+
+
+def _keys(n: int, seed: int) -> list[str]:
+    toks = list(range(seed, seed + n * F.PAGE))
+    return get_hash_str(toks, None, page_size=F.PAGE)
+
+
+def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        keys = _keys(3, 1)
+        with engine(d.address) as (backend, pools):
+            for name in KV_DERIVED + SWA_INDEXED:  # SGLang's stock pools, each in memfds
+                assert pools[name].allocator.fds, name
+            _fill(pools, seed=7)
+            kv_idx = _alloc(pools["kv"], 3, skip=1)
+            swa_idx = _alloc(pools["swa"], 3, skip=2)
+            assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
+            assert backend.batch_set_v2(_transfers(keys, kv_idx, swa_idx)) == \
+                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+            rows = {n: _page_rows(kv_idx) for n in KV_DERIVED} | \
+                {n: _page_rows(swa_idx) for n in SWA_INDEXED}
+            saved = {n: [t[rows[n]].clone() for t in pools[n].kv_buffer] for n in rows}
+        # the engine is gone (its memfds with it); a new one starts against the same daemon
+        with engine(d.address) as (backend, pools):
+            for name in KV_DERIVED + SWA_INDEXED:
+                assert all(int(t.count_nonzero()) == 0 for t in pools[name].kv_buffer)
+            other = _keys(1, 99_999)
+            assert backend.batch_exists(keys + other) == 3 and backend.exists(keys[0])
+            assert not backend.exists(other[0])
+            kv_idx = _alloc(pools["kv"], 3, skip=4)
+            swa_idx = _alloc(pools["swa"], 3, skip=0)
+            res = backend.batch_exists_v2(keys, _transfers(keys, kv_idx, swa_idx))
+            assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
+            assert backend.batch_get_v1(keys, kv_idx) == [True] * 3
+            assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
+                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+            for name in KV_DERIVED + SWA_INDEXED:
+                dst = _page_rows(kv_idx if name in KV_DERIVED else swa_idx)
+                for layer, t in enumerate(pools[name].kv_buffer):
+                    assert torch.equal(t[dst], saved[name][layer]), (name, layer)
+                    rest = [r for r in range(t.shape[0]) if r not in dst]
+                    assert int(t[rest].count_nonzero()) == 0, (name, layer)
+        # another namespace (another model) sees none of it
+        with engine(d.address, namespace="another-model") as (backend, pools):
+            assert backend.batch_exists(keys) == 0
+            idx = _alloc(pools["kv"], 3, skip=0)
+            got = backend.batch_get_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=idx,
+                                                     keys=keys)])
+            assert got == {"deepseek_v4_c4": [False] * 3}
+            assert all(int(t.count_nonzero()) == 0 for t in pools["deepseek_v4_c4"].kv_buffer)
+    finally:
+        d.close()
+
+
+def test_hit_policies_and_refusals(tmp_path: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        keys = _keys(4, 5)
+        with engine(d.address) as (backend, pools):
+            _fill(pools, seed=3)
+            kv_idx = _alloc(pools["kv"], 4, skip=0)
+            swa_idx = _alloc(pools["swa"], 4, skip=0)
+            assert backend.batch_set_v1(keys, kv_idx) == [True] * 4
+            assert backend.batch_set_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=kv_idx,
+                                                      keys=keys)]) == {"deepseek_v4_c4": [True] * 4}
+            # SWA pages only for keys 1 and 3 (a window store, as SGLang keeps trailing pages)
+            for i in (1, 3):
+                one = swa_idx[i * F.PAGE:(i + 1) * F.PAGE]
+                assert backend.batch_set_v2([PoolTransfer(name="swa", host_indices=one,
+                                                          keys=keys[i:i + 1])]) == {"swa": [True]}
+            all_pages, trailing = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
+            c4 = PoolTransfer(name="deepseek_v4_c4", keys=keys, hit_policy=all_pages)
+            trail = PoolTransfer(name="swa", keys=keys[-1:], hit_policy=trailing)
+            every = PoolTransfer(name="swa", keys=keys, hit_policy=all_pages)
+            r = backend.batch_exists_v2(keys, [c4, trail])
+            assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [2, 4])
+            assert r.extra_pool_hit_pages == {"kv": 4, "deepseek_v4_c4": 4, "swa": 4}
+            r = backend.batch_exists_v2(keys, [c4, every])
+            assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+            # the daemon forgets this client's pools (as after a heartbeat reap): re-attached
+            assert backend.client.kv_detach() == len(pools)
+            assert backend.batch_exists(keys) == 4
+            with pytest.raises(StorageRefused, match="block_groups|BLOCK_GROUPS"):
+                backend.batch_exists_v2(keys, [PoolTransfer(
+                    name="swa", keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
+            with pytest.raises(StorageRefused, match="has no hicache pool"):
+                backend.register_mem_host_pool_v2(pools["deepseek_v4_c4"], "mamba")
+            with pytest.raises(StorageRefused, match="holds no bytes"):
+                backend.register_mem_host_pool_v2(pools["kv"], "swa_again")
+            with pytest.raises(StorageRefused, match="tensor get/set"):
+                backend.get(keys[0])
+            # a misaligned index batch fails the call (logged), moves nothing
+            before = [t.clone() for t in pools["deepseek_v4_c4"].kv_buffer]
+            assert backend.batch_get_v2([PoolTransfer(name="deepseek_v4_c4",
+                                                      host_indices=kv_idx[1:F.PAGE + 1],
+                                                      keys=keys[:1])]) == \
+                {"deepseek_v4_c4": [False]}
+            after = pools["deepseek_v4_c4"].kv_buffer
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                   attn_cp_size=1, is_mla_model=True,
+                                   enable_storage_metrics=False, is_page_first_layout=False,
+                                   model_name=None)
+        for bad, why in [({"interface_v1": 0}, "zero-copy only"),
+                         ({"allocator": "default"}, "allocator"),
+                         ({"bogus": 1}, "unknown extra config")]:
+            cfg.extra_config = {**EXTRA, "hicache_socket": d.address, **bad}
+            with pytest.raises(StorageRefused, match=why) as e:
+                StorageBackendFactory.create_backend("dynamic", cfg, None)
+            assert "\n" not in str(e.value)
+        # the daemon kept nothing of the refused calls: the store holds what the test put
+        with Client(d.address) as c:
+            st = c.call("stats", {"check": True})[0]
+        assert st["invariants"] == "ok"
+        assert st["kv_store"]["entries"] == {"page": 4, "swa_page": 2, "req_slot": 0}
+    finally:
+        d.close()

@@ -1,0 +1,233 @@
+"""The daemon's key store (kv_* commands) against a real ``hicache serve``, engine pools in memfds.
+
+The "engine" is this test process: its host pools live in memfds laid out like SGLang's shm
+allocator makes them (layer_first: one file per layer; page_first: one file, pages interleaved
+with layers). Every byte that moves is compared, and everything else is checked unchanged.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.core.layout import Layout
+from hicache.engine.client import CommandRefused
+
+ROWS = "page=4,swa_page=4,req_slot=4"  # host rows: twice that (--host-ratio 2)
+NS = "dsv4-tiny/pp0of1"
+
+
+class EnginePool:
+    """A host pool of ``pages`` pages x ``layers`` layers in memfds of this process."""
+
+    def __init__(self, layers: int, pages: int, page_bytes: int, page_first: bool = False,
+                 seed: int | None = None) -> None:
+        self.pages, self.page_bytes, self.page_first = pages, page_bytes, page_first
+        n = 1 if page_first else layers
+        size = pages * page_bytes * (layers if page_first else 1)
+        self.fds, self.maps = [], []
+        for _ in range(n):
+            fd = os.memfd_create("hicache-test-pool", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            self.fds.append(fd)
+            self.maps.append(mmap.mmap(fd, size))
+        bases = [torch.frombuffer(m, dtype=torch.uint8) for m in self.maps]
+        if page_first:
+            whole = bases[0].view(pages, layers, page_bytes)
+            self.layers = [whole[:, l] for l in range(layers)]
+            self.spec = [{"fd": self.fds[0], "offset": l * page_bytes,
+                          "stride": layers * page_bytes} for l in range(layers)]
+        else:
+            self.layers = [b.view(pages, page_bytes) for b in bases]
+            self.spec = [{"fd": fd, "offset": 0, "stride": page_bytes} for fd in self.fds]
+        if seed is not None:
+            g = torch.Generator().manual_seed(seed)
+            for t in self.layers:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.layers]
+
+    def attach(self, client: Any, name: str, pool: str, ns: str = NS) -> list[str]:
+        return client.kv_attach_proven(name, ns, pages=self.pages, pool=pool,
+                                       page_bytes=self.page_bytes, layers=self.spec)
+
+    def close(self) -> None:
+        self.layers = []
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _spec(d: Any) -> dict[str, Any]:
+    with d.client() as c:
+        return c.heartbeat(full=True)
+
+
+@pytest.fixture
+def store(daemon_factory: Any) -> Any:
+    d = daemon_factory(preset="dsv4-tiny", device_rows=ROWS, metrics=False,
+                       extra=("--no-mtp", "--c128-state", "offline"))
+    h = _spec(d)
+    return d, Layout.from_dict(h["layout"]).pools, h["host_rows"]
+
+
+def _geom(pools: dict, name: str) -> tuple[int, int]:
+    return pools[name].num_layers, pools[name].page_bytes
+
+
+def test_put_restart_get_every_byte(store: Any) -> None:
+    d, pools, _ = store
+    keys = ["a" * 64, "b" * 64, "c" * 64]
+    c4_l, c4_b = _geom(pools, "c4_kv")
+    sw_l, sw_b = _geom(pools, "swa_kv")
+    eng = {"c4_kv": EnginePool(c4_l, 6, c4_b, seed=1),
+           "swa_kv": EnginePool(sw_l, 5, sw_b, page_first=True, seed=2)}
+    src_pages = {"c4_kv": [5, 1, 3], "swa_kv": [4, 0, 2]}
+    with d.client(name="engine-a") as a:
+        for name, ep in eng.items():
+            ep.attach(a, name, name)
+        assert a.kv_attach_proven("kv", NS, pages=6, space="page") == ["c4_kv", "kv", "swa_kv"]
+        before = {n: ep.snapshot() for n, ep in eng.items()}
+        for name in eng:
+            assert a.kv_put(name, keys, src_pages[name]) == [True] * 3
+        assert a.kv_put("kv", keys, [5, 1, 3]) == [True] * 3
+        for n, ep in eng.items():  # a put reads the engine pool only
+            assert all(torch.equal(x, y) for x, y in zip(ep.layers, before[n]))
+        assert a.stats()["kv_store"]["entries"] == {"page": 3, "swa_page": 3, "req_slot": 0}
+    for ep in eng.values():  # the engine goes away with its memory
+        ep.close()
+
+    # restart: new process memory (zeroed), new client, same daemon
+    eng2 = {"c4_kv": EnginePool(c4_l, 6, c4_b), "swa_kv": EnginePool(sw_l, 5, sw_b, True)}
+    dst_pages = {"c4_kv": [0, 2, 4], "swa_kv": [1, 3, 4]}
+    with d.client(name="engine-b") as b:
+        for name, ep in eng2.items():
+            ep.attach(b, name, name)
+        b.kv_attach_proven("kv", NS, pages=6, space="page")
+        assert b.kv_exists("kv", keys + ["d" * 64]) == [True, True, True, False]
+        assert b.kv_exists("c4_kv", ["d" * 64] + keys) == [False, True, True, True]
+        for name, ep in eng2.items():
+            assert b.kv_get(name, keys, dst_pages[name]) == [True] * 3
+            for layer, (new, old) in enumerate(zip(ep.layers, before[name])):
+                for s, t in zip(src_pages[name], dst_pages[name]):
+                    assert torch.equal(new[t], old[s]), (name, layer, s, t)
+                untouched = sorted(set(range(ep.pages)) - set(dst_pages[name]))
+                assert not new[untouched].any(), (name, layer)
+        assert b.kv_get("kv", keys, [0, 2, 4]) == [True] * 3  # a marker: nothing to copy
+        assert b.kv_detach() == 3
+        assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_namespaces_are_walls(store: Any) -> None:
+    d, pools, _ = store
+    layers, pb = _geom(pools, "c4_kv")
+    src, dst = EnginePool(layers, 4, pb, seed=3), EnginePool(layers, 4, pb)
+    with d.client(name="a") as a, d.client(name="b") as b:
+        src.attach(a, "c4_kv", "c4_kv", ns="model-a")
+        assert a.kv_put("c4_kv", ["k1", "k2"], [0, 1]) == [True, True]
+        dst.attach(b, "c4_kv", "c4_kv", ns="model-b")
+        assert b.kv_exists("c4_kv", ["k1", "k2"]) == [False, False]
+        assert b.kv_get("c4_kv", ["k1", "k2"], [0, 1]) == [False, False]
+        assert not any(t.any() for t in dst.layers)
+        # clearing another namespace drops nothing of model-a
+        assert b.kv_clear("model-b") == 0
+        assert a.kv_exists("c4_kv", ["k1", "k2"]) == [True, True]
+        assert a.kv_clear("model-a") == 2
+        assert a.kv_exists("c4_kv", ["k1", "k2"]) == [False, False]
+
+
+def _refused(code: str, fn: Any, *args: Any, **kw: Any) -> str:
+    with pytest.raises(CommandRefused) as e:
+        fn(*args, **kw)
+    assert e.value.code == code, (e.value.code, str(e.value))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
+    d, pools, _ = store
+    layers, pb = _geom(pools, "c4_kv")
+    ep = EnginePool(layers, 4, pb, seed=4)
+    before = ep.snapshot()
+    # a child process holding its own memfd: naming it proves nothing
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import os,sys,time; fd=os.memfd_create('victim'); "
+                              f"os.ftruncate(fd, {4 * pb}); print(fd, flush=True); "
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        victim_fd = int(child.stdout.readline())
+        with d.client(name="x") as c:
+            c.kv_attach_proven("kv", NS, pages=4, space="page")
+            c.kv_put("kv", ["k0"], [0])
+            state0 = c.stats()["kv_store"]
+            _refused("not_registered", c.kv_put, "c4_kv", ["k"], [0])
+            spec = dict(layers=ep.spec, pages=4, pool="c4_kv")
+            _refused("layout_mismatch", c.kv_attach, "c4_kv", NS, page_bytes=pb + 1, **spec)
+            _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                     pool="c4_kv", layers=ep.spec[:-1])
+            _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=5,
+                     pool="c4_kv", layers=ep.spec)  # past the end of the files
+            f = tmp_path / "plain"
+            f.write_bytes(b"\0" * 4 * pb)
+            with open(f, "r+b") as fh:  # a regular file outside /dev/shm
+                _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                         pool="c4_kv", layers=[{**s, "fd": fh.fileno()} for s in ep.spec])
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                     pool="c4_kv", pid=gone.pid, layers=ep.spec)  # no such process
+            r, w = os.pipe()
+            _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                     pool="c4_kv", layers=[{**s, "fd": r} for s in ep.spec])
+            os.close(r), os.close(w)
+            # the victim's memfd maps, but the proof cannot be written into it from here
+            vspec = [{"fd": victim_fd, "offset": 0, "stride": pb}] * layers
+            reply = c.kv_attach("victim", NS, pages=4, pool="c4_kv", pid=child.pid,
+                                page_bytes=pb, layers=vspec)
+            assert reply["proofs"] == [[victim_fd, 4 * pb]]
+            msg = _refused("not_owner", c.kv_verify)
+            assert "nonce" in msg
+            _refused("not_registered", c.kv_get, "victim", ["k0"], [0])
+            assert c.kv_detach() == 2  # the marker and the pending victim
+            ep.attach(c, "c4_kv", "c4_kv")
+            _refused("bad_rows", c.kv_put, "c4_kv", ["k1", "k2"], [0])
+            _refused("bad_rows", c.kv_put, "c4_kv", ["k1"], [4])
+            _refused("bad_rows", c.kv_get, "c4_kv", ["k1", "k2"], [1, 1])
+            _refused("bad_field", c.kv_put, "c4_kv", ["bad key\n"], [0])
+            _refused("bad_field", c.kv_put, "c4_kv", [], [])
+            _refused("already_registered", ep.attach, c, "c4_kv", "c4_kv")
+            _refused("bad_field", c.kv_attach, "m", NS, pages=4, space="nowhere")
+            after = c.call("stats", {"check": True})[0]
+            assert after["kv_store"] == state0 and after["invariants"] == "ok"
+        assert all(torch.equal(x, y) for x, y in zip(ep.layers, before))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_lru_eviction_and_client_rows_first(store: Any) -> None:
+    d, pools, host_rows = store
+    layers, pb = _geom(pools, "c4_kv")
+    n = host_rows["page"]
+    ep = EnginePool(layers, n + 2, pb, seed=5)
+    keys = [f"key{i}" for i in range(n + 2)]
+    with d.client(name="e") as c:
+        ep.attach(c, "c4_kv", "c4_kv")
+        assert c.kv_put("c4_kv", keys[:n], list(range(n))) == [True] * n
+        assert c.kv_get("c4_kv", [keys[0]], [0]) == [True]  # a use: key0 is now the newest
+        assert c.kv_put("c4_kv", keys[n:], [n, n + 1]) == [True, True]
+        held = c.kv_exists("c4_kv", keys)
+        assert held[0] and not held[1] and not held[2] and all(held[3:])
+        assert c.stats()["kv_store"]["evicted"] == 2
+        # a client's rows come first: alloc takes store rows back (LRU)
+        rows = c.alloc({"page": n})["page"]
+        assert len(rows) == n and not any(c.kv_exists("c4_kv", keys))
+        assert c.kv_put("c4_kv", keys[:1], [0]) == [False]  # no room left: reported, not raised
+        c.free({"page": rows})
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
