@@ -282,11 +282,8 @@ class Server:
         st = self.state
         if st.notices:
             notices, st.notices = st.notices, []
-            for c, op_id in notices:
-                try:
-                    self.sock.send_multipart([c.ident, *P.encode_issued(op_id)], _NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # peer gone or full: its ack still says the op is done
+            for c, op_id in notices:  # False: peer gone or full; its ack still says it is done
+                self._send(c.ident, P.encode_issued(op_id))
         if not st.outbox:
             return
         out, st.outbox = st.outbox, []
