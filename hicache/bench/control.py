@@ -170,6 +170,8 @@ def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) ->
                                [[3], [5]])
         send, poll, pollin, recv = c._send, zmq.zmq_poll, c._pollin, c._sock.recv_multipart
         nb = int(zmq.NOBLOCK)
+        if not poll([(c._sock, zmq.POLLOUT)], 30_000):  # IMMEDIATE: wait for the connection
+            raise TimeoutError("echo: cannot connect in 30 s")
         gc.collect()
         gc.freeze()
 
