@@ -204,6 +204,7 @@ class Daemon:
                                      heartbeat_timeout=cfg.heartbeat_timeout,
                                      load_event_sets=cfg.load_event_sets,
                                      shm_dirs=tuple(cfg.shm_dirs))
+            self.state.wake = self._wake  # a reaped client's rows go back a slice per turn
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.spin_us, curve)

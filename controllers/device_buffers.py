@@ -5,15 +5,17 @@ against the layout (one per owned layer, ``rows`` = the worker's rows of the poo
 ``row_bytes`` = ``page_bytes``) *before* opening anything, then returns ``DeviceBuffers``:
 ``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: shm paths
 must be regular files owned by this user inside an allowed directory, CUDA handles must name the
-GPU this daemon serves (by UUID). ``close()`` drops every mapping the daemon holds; a mapping
-still used by an in-flight operation is released when that operation lets go of it.
+GPU this daemon serves (by UUID). ``close(handoff)`` drops every mapping the daemon holds; a mapping
+still used by an in-flight operation is released when that operation lets go of it. With
+``handoff`` (``background.Unmapper.hand``) the objects that keep the mappings alive go to it,
+so the unmapping itself runs off the server thread.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import stat
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -52,9 +54,11 @@ class DeviceBuffers:
         self.mode = mode
         self._keep = list(keep)  # mmaps / storages whose lifetime the tensors depend on
 
-    def close(self) -> None:
+    def close(self, handoff: Callable[[list[Any]], None] | None = None) -> None:
+        keep, self._keep = self._keep, []
         self.layers = {}
-        self._keep = []
+        if handoff is not None:
+            handoff(keep)
 
 
 def check_shapes(layout: Layout, device_rows: Mapping[str, int],

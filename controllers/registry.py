@@ -7,8 +7,10 @@ kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
 
 A reaped client with operations still in flight is *retiring* (``retire``): it no longer counts
 as connected and gets no acks, but its rows and device mappings stay until its last operation
-ends (``remove`` then); meanwhile its identity is refused (``busy``), so a reconnecting peer
-can neither use nor lose what the old one held. Under CURVE a client is bound to the name of
+ends; then its mappings close (``close_worker``) and its rows are given back a slice per loop
+turn (``DaemonState.release_step``), and only when the last row is back is it ``remove``d.
+Meanwhile its identity is refused (``busy``), so a reconnecting peer can neither use nor lose
+what the old one held. Under CURVE a client is bound to the name of
 the key that created it (``touch``): another key presenting its routing identity is refused.
 Single-threaded: only the server thread calls in here.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from hicache.core.protocol import ProtocolError
 
@@ -42,11 +44,11 @@ class RegisteredWorker:
         self.next_set = (s + 1) % len(self.load_events)
         return s, self.load_events[s]
 
-    def close(self) -> None:
+    def close(self, handoff: Callable[[list[Any]], None] | None = None) -> None:
         self.tables = {}
         self.events = []
         self.load_events = []
-        self.buffers.close()
+        self.buffers.close(handoff)
 
 
 @dataclass(eq=False)
@@ -68,6 +70,8 @@ class Registry:
         self.retention = retention
         self.clients: dict[bytes, ClientState] = {}
         self.retiring: dict[bytes, ClientState] = {}
+        # takes a closed worker's mappings (``background.Unmapper.hand``): unmapped off-loop
+        self.handoff: Callable[[list[Any]], None] | None = None
 
     def touch(self, ident: bytes, now: float, key: str | None = None) -> ClientState:
         """The client of routing identity ``ident``; ``key``: the CURVE key name the message
@@ -103,13 +107,17 @@ class Registry:
         self.clients.pop(c.ident, None)
         if self.retiring.get(c.ident) is c:
             del self.retiring[c.ident]
-        if c.worker is not None:
-            c.worker.close()
-            c.worker = None
+        self.close_worker(c)
         if c.kv is not None:
             c.kv.close()
             c.kv = None
         c.acks.clear()
+
+    def close_worker(self, c: ClientState) -> None:
+        """Close ``c``'s device mappings (through ``handoff`` when set)."""
+        if c.worker is not None:
+            c.worker.close(self.handoff)
+            c.worker = None
 
     def workers(self) -> int:
         return sum(1 for c in self.clients.values() if c.worker is not None)

@@ -43,6 +43,7 @@ import numpy as np
 from hicache.kernels.cpu_copy import clear_slots, copy_few
 from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
 
+from .background import cpu_copy_thread
 from .ops import ClearSpec, Ids, Item, Operation
 
 log = logging.getLogger("hicache.scheduler")
@@ -302,6 +303,7 @@ class Scheduler:
             self._finish(ops)
 
     def _cpu_worker(self, q: queue.SimpleQueue) -> None:
+        cpu_copy_thread()  # copies leave a core to the server loop and yield (background.py)
         while True:
             op = q.get()
             if op is None:

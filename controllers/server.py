@@ -40,8 +40,22 @@ TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 TRANSPORT_RCVHWM = 8
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+
+
+def router_socket(ctx: zmq.Context) -> zmq.Socket:
+    """The daemon's ROUTER socket with its options (``hicache bench control``'s echo uses the
+    same, so the baseline pays what the daemon's transport pays)."""
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
+    s.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
+    s.setsockopt(zmq.SNDHWM, 10_000)
+    s.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
+    return s
 
 
 def key_names(directory: str) -> dict[bytes, str]:
@@ -79,12 +93,7 @@ class Server:
         self.state = state
         self.address = address
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a failed send raises instead of vanishing
-        self.sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_FRAME)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
+        self.sock = router_socket(self.ctx)
         self.auth: Any = None
         self.user: str | None = None  # CURVE: name of the key that sent the current message
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
@@ -182,17 +191,30 @@ class Server:
             self.send_acks()
 
     def _request(self) -> None:
-        """Handle the requests waiting now (at most ``BATCH``; one ``zmq.Again`` ends a batch,
-        cheaper than a poll per request when several clients are busy)."""
-        recv, handle = self._recv, self._handle
+        """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
+        ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised)."""
+        recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
         for _ in range(BATCH):
             try:
                 frames, err = recv()
             except zmq.Again:
                 return
             handle(frames, err)
-            if self.state.stopping:
+            if st.stopping or not events(_EVENTS) & _POLLIN:
                 return
+
+    def _send(self, ident: bytes, frames: list[Any]) -> bool:
+        """One message to ``ident``: its frames, NOBLOCK (False: peer gone or its queue full;
+        ROUTER refuses a message at its first frame, so nothing of it went out)."""
+        send = self.sock.send
+        try:
+            send(ident, _MORE)
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                send(f, _MORE if i < last else _NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _recv(self) -> tuple[list[bytes], str | None]:
         """One message, frame by frame: at most the identity, a header and
@@ -247,10 +269,7 @@ class Server:
                 code = "internal"
                 log.exception("command %s (id %s) failed", cmd, rid)
                 reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
-        try:
-            self.sock.send_multipart([ident, *reply], _NOBLOCK)
-        except zmq.ZMQError:
-            pass  # client gone or its queue is full: the reply is lost, the state is not
+        self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
         st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
         if st.post:
             st.after_reply()
@@ -263,11 +282,8 @@ class Server:
         st = self.state
         if st.notices:
             notices, st.notices = st.notices, []
-            for c, op_id in notices:
-                try:
-                    self.sock.send_multipart([c.ident, *P.encode_issued(op_id)], _NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # peer gone or full: its ack still says the op is done
+            for c, op_id in notices:  # False: peer gone or full; its ack still says it is done
+                self._send(c.ident, P.encode_issued(op_id))
         if not st.outbox:
             return
         out, st.outbox = st.outbox, []
@@ -278,11 +294,7 @@ class Server:
         st = self.state
         if st.registry.clients.get(c.ident) is not c:
             return  # reaped or unregistered meanwhile
-        try:
-            self.sock.send_multipart([c.ident, *P.encode_ack(ack)], _NOBLOCK)
-            pushed = True
-        except zmq.ZMQError:
-            pushed = False  # peer gone or its queue full: poll_acks still has it
+        pushed = self._send(c.ident, P.encode_ack(ack))  # False: poll_acks still has it
         if st.registry.retain(c, ack["op"], ack, pushed):
             st.metrics.inc("acks_dropped")
 

@@ -9,14 +9,23 @@ submits it. ``collect()`` (server thread) finishes every op the scheduler comple
 its rows, carries out frees that were waiting for them, records metrics, and queues the ack in
 ``outbox``, which the server sends. Freeing and reaping go through here so that rows in flight
 are never released early (``free_rows``, ``release_client``).
-Single-threaded: only the server thread calls in here.
+
+Reaping never stalls the loop (``reap``): a dead client is retired at once (its identity
+refused ``busy``); once its last operation ended its device mappings go to the ``Unmapper``
+(unmapped on a background thread) and its rows are given back by ``release_step``, one slice
+per loop turn (``RELEASE_SLICE_ROWS`` rows, or ``RELEASE_SLICE_BYTES`` of zeroing with
+``zero_on_free``). Its rows stay owned by it, so never handed to anyone, until that slice
+released them; it is forgotten when the last one is back. While any is left the state is not
+``idle()`` and ``wake`` (set by the daemon) keeps the loop turning.
+Single-threaded: only the server thread calls in here (the ``Unmapper`` thread only drops
+references it was handed).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,10 +37,13 @@ from hicache.core.layout import Layout, LayoutError, PoolSpec
 from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
+from .background import Unmapper
 from .host_access import begin_writes, end_fill, end_writes, host_table
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
+RELEASE_SLICE_ROWS = 1024  # rows of a reaped client given back per loop turn (well under 1 ms)
+RELEASE_SLICE_BYTES = 2 << 20  # with zero_on_free: bytes zeroed per loop turn (well under 1 ms)
 from .row_tracker import RowTracker
 from .sparse import refresh_gauges as refresh_sparse_gauges
 from .ops import Operation
@@ -72,6 +84,12 @@ class DaemonState:
         self.l3_ns = ""  # the namespace of this stage's L3 objects
         self.l3_ops: dict[int, Any] = {}  # op id -> L3 job in flight
         self.kv_store: Any = None  # controllers.kv_store.KeyStore, made by the first kv_* command
+        self.wake: Callable[[], None] = lambda: None  # the daemon sets the server's wake-up
+        self.unmapper = Unmapper()
+        registry.handoff = self.unmapper.hand
+        # reaped clients whose rows go back a slice per turn: (client, rows left per space, total)
+        self.releasing: list[tuple[ClientState, dict[str, np.ndarray], int]] = []
+        self.release_slice = {s: self._slice_rows(s) for s in self.host_rows}
 
     @property
     def cuda(self) -> bool:
@@ -79,6 +97,13 @@ class DaemonState:
 
     def next_op_id(self) -> int:
         return next(self._op_ids)
+
+    def _slice_rows(self, space: str) -> int:
+        if not self.group.zero_on_free:
+            return RELEASE_SLICE_ROWS
+        row = sum(p.spec.page_bytes * p.spec.num_layers for p in self.group.pools.values()
+                  if p.spec.index == space)
+        return max(1, min(RELEASE_SLICE_ROWS, RELEASE_SLICE_BYTES // max(1, row)))
 
     # ------------------------------------------------------------------ named checks
     def check_space(self, space: str) -> str:
@@ -188,8 +213,7 @@ class DaemonState:
         if self.tracker.deferred:
             self.release_ready()
         if c.closing and c.in_flight == 0:
-            self._free_all(c)
-            self._retired(c)
+            self._ops_ended(c)
         self._account(op)
         self.outbox.append((c, op.ack()))
 
@@ -210,11 +234,14 @@ class DaemonState:
         done = self.scheduler.take_completed()
         for op in done:
             self._finish(op)
-        return len(done) + (self.finish_l3() if self.l3_ops else 0)
+        n = len(done) + (self.finish_l3() if self.l3_ops else 0)
+        if self.releasing:
+            n += self.release_step()
+        return n
 
     def idle(self) -> bool:
-        """No transfer and no L3 job in flight (nothing can complete)."""
-        return self.scheduler.idle() and not self.l3_ops
+        """No transfer, no L3 job in flight and no reaped client's rows left to give back."""
+        return self.scheduler.idle() and not self.l3_ops and not self.releasing
 
     def finish_l3(self) -> int:
         """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
@@ -229,7 +256,7 @@ class DaemonState:
             if self.tracker.deferred:
                 self.release_ready()
             if c.closing and c.in_flight == 0:
-                self._free_all(c)
+                self._ops_ended(c)
             ns = int((job.t_end - job.t_submit) * 1e9)
             self.outbox.append((c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
                                     "bytes": job.nbytes, "ns": ns, "exec_ns": ns,
@@ -279,25 +306,66 @@ class DaemonState:
         return 0, True
 
     def reap(self, c: ClientState, why: str) -> None:
-        """Reap without waiting (the loop keeps serving): with nothing in flight, free its
-        rows and close its mappings now; else retire it and let ``_finish`` do both when its
-        last operation ends."""
+        """Reap without waiting (the loop keeps serving): retire it now; once nothing of it is
+        in flight (now, or when ``_finish`` sees its last operation end) its mappings close
+        off-loop and its rows go back slice by slice (``release_step``)."""
+        self.registry.retire(c)
         if c.in_flight == 0:
-            n = self._free_all(c)
-            self.registry.remove(c)
-            log.warning("client %s %s: %d host rows freed, device mappings closed", c.cid, why, n)
+            log.warning("client %s %s: its rows go back and its device mappings close", c.cid,
+                        why)
+            self._release_later(c)
             return
         c.closing = True
-        self.registry.retire(c)
         log.warning("client %s %s: %d operations still running; its rows and device mappings "
                     "go when they end", c.cid, why, c.in_flight)
 
-    def _retired(self, c: ClientState) -> None:
-        """The last operation of a retiring (reaped) client ended: close its mappings."""
+    def _ops_ended(self, c: ClientState) -> None:
+        """The last operation of a closing client ended: a reaped one gives its rows back
+        slice by slice; one whose unregister / reset timed out frees them now."""
         if self.registry.retiring.get(c.ident) is c:
+            self._release_later(c)
+        else:
+            self._free_all(c)
+
+    def _release_later(self, c: ClientState) -> None:
+        """A retired client with nothing in flight: its mappings go to the unmapper now, its
+        rows to ``releasing`` (still owned by it, so nobody else can get them yet)."""
+        c.closing = False
+        self.registry.close_worker(c)
+        if self.sparse is not None:
+            self.sparse.free_client(c.cid)
+        rows = {s: t.numpy() for s, t in self.group.rows_of(c.cid).items() if t.numel()}
+        self.releasing.append((c, rows, sum(int(a.size) for a in rows.values())))
+        self.release_step()
+
+    def release_step(self) -> int:
+        """Give back one slice of the oldest reaped client's rows (one space, at most
+        ``release_slice`` rows); forget the client once none is left. Wakes the loop while
+        more remains. Returns the rows freed."""
+        if not self.releasing:
+            return 0
+        c, rows, total = self.releasing[0]
+        n = 0
+        for s, arr in rows.items():
+            k = self.release_slice[s]
+            try:
+                n = self.group.free_client_rows(c.cid, {s: arr[:k]})
+            except PoolError as e:  # not expected: some row already went; free what it holds
+                log.error("reaped client %s, space %s: %s", c.cid, s, e)
+                arr = self.group.allocators[s].rows_of(c.cid).numpy()
+                n = self.group.free_client_rows(c.cid, {s: arr[:k]})
+            if arr.size > k:
+                rows[s] = arr[k:]
+            else:
+                del rows[s]
+            break
+        if not rows:
+            self.releasing.pop(0)
             self.registry.remove(c)
-            log.warning("client %s: its in-flight operations ended; rows freed, device "
-                        "mappings closed", c.cid)
+            log.warning("client %s: %d host rows freed, device mappings closed", c.cid, total)
+        if self.releasing:
+            self.wake()
+        return n
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:
@@ -317,6 +385,7 @@ class DaemonState:
                 self.group.check_invariants()
                 # and no row outlives its client (a reaped client's rows wait only for its ops)
                 known = {x.cid for x in self.registry.clients.values()}
+                known.update(x.cid for x in self.registry.retiring.values())
                 known.update(x.cid for _, x in self.ops.values())
                 if self.kv_store is not None:
                     known.add(self.kv_store.owner_id)

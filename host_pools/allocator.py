@@ -17,6 +17,9 @@ Contract (one instance per index space; pools of a space share its row ids; call
   their free neighbours into one run.
 * ``free_owner(client_id, request=None) -> int``: frees every row of that client (any request)
   or of exactly ``(client_id, request)``; O(rows in the space).
+* ``free_client_rows(client_id, rows) -> int``: frees ``rows``, each held by some request of
+  ``client_id``, all or nothing (``PoolError`` otherwise); O(n log n). A reaped client's rows
+  go back this way, a bounded slice at a time.
 * ``on_release``: optional callable given the int64 rows of every release (free, free_owner,
   deferred frees all pass through ``_release``), before they become allocatable again; the
   pool group uses it to return rows to "unwritten" (and to zero them when asked).
@@ -294,6 +297,30 @@ class RowAllocator:
         for s, k in runs_of(arr):
             self._add_run(s, k)
         self._free += int(arr.size)
+
+    def free_client_rows(self, client_id: str, rows: RowsLike) -> int:
+        """Free ``rows``, every one held by some request of ``client_id``; all or nothing."""
+        arr = self.check_client_rows(client_id, rows)
+        self._release(arr)
+        return int(arr.size)
+
+    def check_client_rows(self, client_id: str, rows: RowsLike) -> np.ndarray:
+        """Validate ``free_client_rows`` without changing anything; the rows as int64 numpy."""
+        arr = as_rows(rows)
+        if arr.size == 0:
+            return arr
+        bad = arr[(arr < 0) | (arr >= self.num_rows)]
+        if bad.size:
+            raise RowRangeError(f"space {self.space!r}: rows {_show(bad)} are outside "
+                                f"0..{self.num_rows - 1}")
+        if np.unique(arr).size != arr.size:
+            raise RowRangeError(f"space {self.space!r}: a row is listed more than once")
+        oids = [i for o, i in self._ids.items() if o[0] == client_id]
+        foreign = arr[~np.isin(self._owner[arr], oids)]
+        if foreign.size:
+            raise NotOwnerError(f"space {self.space!r}: rows {_show(foreign)} are not held by "
+                                f"client {client_id[:64]!r}")
+        return arr
 
     def free_owner(self, client_id: str, request: str | None = None) -> int:
         """Free every row of ``client_id`` (``request=None``: all its requests). Count freed."""

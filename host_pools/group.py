@@ -12,7 +12,9 @@ Contract:
   back, leaving every free list exactly as before. The owner ``(client_id, request)`` is
   recorded inside the same call (seed 004: bookkeeping lives in the allocation).
 * ``free(rows_by_space, owner)``: validated for every space, then applied: all or nothing.
-* ``free_owner(client_id, request=None) -> int``: rows freed over all spaces (a reaped client).
+* ``free_owner(client_id, request=None) -> int``: rows freed over all spaces (a client that
+  unregisters). ``free_client_rows(client_id, rows_by_space) -> int``: the given rows, each held
+  by some request of ``client_id``, all or nothing (a reaped client's rows, slice by slice).
 * Written state, per pool and row (a row is readable only once its owner wrote it):
   ``UNWRITTEN`` (fresh or freed: may hold a previous owner's bytes), ``CLEAN`` (a backup into
   it was accepted: it holds zeros or the owner's bytes only), ``WRITTEN`` (a backup into it
@@ -177,6 +179,18 @@ class HostPoolGroup:
         """Free everything ``client_id`` holds (one request, or all when ``request`` is None)."""
         with self._lock:
             return sum(a.free_owner(client_id, request) for a in self.allocators.values())
+
+    def free_client_rows(self, client_id: str, rows_by_space: Mapping[str, RowsLike]) -> int:
+        """Free rows of ``client_id`` (any of its requests) in several spaces, all or none."""
+        with self._lock:
+            unknown = sorted(set(rows_by_space) - set(self.spaces))
+            if unknown:
+                raise PoolError(f"no pool of this stage uses spaces {unknown}")
+            checked = {s: self.allocators[s].check_client_rows(client_id, r)
+                       for s, r in rows_by_space.items()}  # every space before releasing any
+            for s, arr in checked.items():
+                self.allocators[s]._release(arr)
+            return sum(int(a.size) for a in checked.values())
 
     def rows_of(self, client_id: str, request: str | None = None) -> dict[str, torch.Tensor]:
         with self._lock:

@@ -333,22 +333,52 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None) -> Iterator[int]:
-    """``copy_by_layer`` one launch group at a time: builds and uploads the plan at the first
-    ``next()``, then issues one group per step and yields how many layers are issued so far
-    (the first step issues layer 0 alone). A caller may answer its client between steps; every
-    step enters ``stream`` itself, so nothing of the stream context leaks across a pause."""
+    """``copy_by_layer`` one launch group at a time, yielding how many layers are issued so
+    far. The first step plans, uploads and launches layer 0 alone (its own small plan, so its
+    copy starts before the other layers are planned); the second plans the rest. A caller may
+    answer its client between steps; every step enters ``stream`` itself, so nothing of the
+    stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
+    refused before anything is launched."""
     ctas = _check_ctas(ctas)
-    plan = SegmentPlan.build(parts, layer_order)
+    unknown = sorted({g for p in parts for g in p.layers} - set(layer_order))
+    if unknown:
+        raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
+    if not layer_order:
+        return
     dev = device if device.type == "cuda" else None
+    g0 = layer_order[0]
+    first = SegmentPlan.build(_layers_of(parts, lambda g: g == g0), [g0])
     with _stream_ctx(stream, dev):
-        plan.to(device)
-    for a, b in layer_groups(len(plan.layers)):
+        first.to(device)
+        launch_segments(first, 0, len(first.desc), ctas)
+        if on_layer is not None:
+            on_layer(0)
+    yield 1
+    groups = layer_groups(len(layer_order))[1:]
+    if not groups:
+        return
+    rest = SegmentPlan.build(_layers_of(parts, lambda g: g != g0), layer_order[1:])
+    with _stream_ctx(stream, dev):
+        rest.to(device)
+    for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
         with _stream_ctx(stream, dev):
-            launch_segments(plan, plan.layers[a][0], plan.layers[b - 1][1], ctas)
+            launch_segments(rest, rest.layers[a - 1][0], rest.layers[b - 2][1], ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
         yield b
+
+
+def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:
+    """``parts`` cut to the layers whose global id ``keep`` accepts (a part's byte offsets are
+    the same for all its layers, so they are shared, not copied)."""
+    out = []
+    for p in parts:
+        ks = [k for k, g in enumerate(p.layers) if keep(g)]
+        if ks:
+            out.append(SegmentPart([p.src_ptrs[k] for k in ks], [p.dst_ptrs[k] for k in ks],
+                                   [p.layers[k] for k in ks], p.ranges))
+    return out
 
 
 def layer_groups(n: int) -> list[tuple[int, int]]:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from hicache.bench.control import _vs_echo
+from hicache.bench.control import _spread, _vs_echo
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
@@ -15,16 +15,22 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_short_run_reports_rows_echo_and_ratios():
-    p = _bench("--clients", "1,2", "--ops", "60", "--warmup", "5", "--json")
+    p = _bench("--clients", "1,2", "--ops", "60", "--warmup", "5", "--rounds", "2", "--json")
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert [r["clients"] for r in rep["rows"]] == [1, 2]
     for r in rep["rows"] + rep["echo"]:
-        assert r["ops"] == 60 * r["clients"]
+        assert r["ops"] == 2 * 60 * r["clients"]  # both rounds pooled
         assert 0 < r["p50_us"] <= r["p99_us"] and r["commands_per_s"] > 0
         assert r["server_cpu_us_per_cmd"] >= 0
     assert [v["clients"] for v in rep["vs_echo"]] == [1, 2]
+    for v in rep["vs_echo_rounds"]:
+        for k in ("p50", "p99", "rate"):
+            assert len(v[k]["rounds"]) == 2 and v[k]["min"] <= v[k]["median"] <= v[k]["max"]
     assert set(rep["targets"]) == {"p50_us_1", "p99_us_1", "commands_per_s_4"}
+    # a BACKUP that allocates its own row: one request per backup, each acked with its row
+    b = rep["backup_new"]
+    assert b["ops"] == 60 and b["round_trips_per_op"] == 1.0 and b["failed"] == 0
 
 
 def test_ratios_are_daemon_over_echo():
@@ -39,3 +45,12 @@ def test_bad_clients_is_a_clear_usage_error():
     p = _bench("--clients", "one", "--ops", "20")
     assert p.returncode != 0
     assert "--clients" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_spread_gives_each_rounds_ratio_and_its_range():
+    per = [{"clients": 1, "p50": 1.5, "p99": 2.0, "rate": 0.5},
+           {"clients": 1, "p50": 1.1, "p99": 1.0, "rate": 0.9},
+           {"clients": 1, "p50": 1.3, "p99": 3.0, "rate": 0.7}]
+    (row,) = _spread(per, [1, 4])
+    assert row["p50"] == {"rounds": [1.5, 1.1, 1.3], "median": 1.3, "min": 1.1, "max": 1.5}
+    assert row["rate"]["median"] == 0.7 and row["p99"]["max"] == 3.0

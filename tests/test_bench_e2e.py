@@ -36,6 +36,13 @@ def test_sizes_and_arguments_are_checked():
         e2e.check_args(_args(device="cpu", churn=-1))
     with pytest.raises(UsageError, match="cuda:N or cpu"):
         e2e.check_args(_args(device="tpu"))
+    with pytest.raises(UsageError, match="--pp-rank 2 is outside 0..1"):
+        e2e.check_args(_args(device="cpu", pp_size=2, pp_rank=2))
+    with pytest.raises(UsageError, match="--gpus must be at least 1"):
+        e2e.check_args(_args(device="cpu", gpus=0))
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(UsageError, match="--gpus 64 needs 64 CUDA GPUs"):
+            e2e.check_args(_args(device="cuda:0", gpus=64))
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="needs a CUDA GPU"):
             e2e.check_args(_args(device="cuda:0"))

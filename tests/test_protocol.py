@@ -181,3 +181,41 @@ def test_the_command_table_drives_docs_client_and_daemon():
     for name, cmd in P.COMMANDS.items():
         assert HANDLERS[name].__name__ == cmd.handler
         assert callable(getattr(Client, name, None)), f"Client has no method {name}"
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4), max_leaves=20)
+
+
+@given(_JSON, st.sampled_from(["", " ", "\n", "x", "{}", "]"]))
+@settings(max_examples=200, deadline=None)
+def test_wire_json_is_the_json_module(obj, tail):
+    """The header codec made once (core/wire_json.py) gives json's bytes and json's verdicts."""
+    from hicache.core import wire_json
+
+    assert wire_json.dumps(obj) == json.dumps(obj, separators=(",", ":"),
+                                              allow_nan=False).encode()
+    for text in (json.dumps(obj), " " + json.dumps(obj), json.dumps(obj) + tail):
+        try:
+            want: object = json.loads(text)
+        except ValueError as e:
+            want = type(e)
+        try:
+            got: object = wire_json.loads(text)
+        except ValueError as e:
+            got = type(e)
+        assert got == want or (got != got and want != want)
+
+
+def test_wire_json_refuses_what_json_refuses():
+    from hicache.core import wire_json
+
+    with pytest.raises(ValueError):
+        wire_json.dumps({"x": float("inf")})
+    with pytest.raises(TypeError):
+        wire_json.dumps({"x": object()})
+    with pytest.raises(ValueError):
+        wire_json.loads("")

@@ -74,3 +74,25 @@ def test_short_soak_mix_all_every_unit_every_byte():
     assert rep["loads"] > 50 and rep["backups"] > 50 and rep["swaps"] > 10
     assert rep["verified_bytes"] > 0
     assert "Traceback" not in out
+
+
+def test_bench_soak_failure_is_one_line_and_an_error_object():
+    """A bench that cannot run says so: exit 1, ``{"ok": false, "error": ...}`` on stdout, the
+    daemon's log tail and one ``FAILED`` line on stderr (here: a CUDA daemon without a GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("needs a machine without CUDA (the daemon must fail to start)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    p = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "soak", "--clients", "1",
+                        "--ops", "10", "--mix", "all", "--device", "cuda:0", "--json"],
+                       cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    rep = json.loads(p.stdout)
+    assert rep["ok"] is False and "CUDA is not available" in rep["error"], rep
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("hicache bench soak: FAILED: ") and "CUDA" in last, p.stderr[-2000:]
+    assert "starting the daemon (cuda:0" in p.stderr and "daemon log (tail)" in p.stderr

@@ -4,8 +4,14 @@ A daemon subprocess serves the DSV4-Flash layout with tiny shared-memory pools; 
 processes each register their pools and issue backups of one ``c128_kv`` row (one 1,728-byte
 row per C128 layer, so the figure is the control plane, not the copy), each timed from send to
 completion ack. Reported per client count: p50 / p99 latency (us) and commands per second over
-all clients. The same clients against a bare pyzmq ROUTER echo give the limit of the transport
-(``--no-echo`` skips it).
+all clients. The baseline is a bare echo over the same transport: the daemon's ROUTER socket
+(``server.router_socket``, same options) in its own process, the engine's ``Client`` DEALER
+socket (same options, same send / poll / receive calls), the same request frames, and a reply
+of one frame the size of the daemon's. Daemon and echo runs alternate (``--rounds``, order
+flipped each round) so that load from other processes hits both alike; each round's
+daemon / echo ratios are reported with their spread. A 1-client run of ``backup_new`` (a
+BACKUP that allocates its own host rows) counts the requests each one sent: one round trip.
+``--no-echo`` skips the baseline.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import tempfile
 import time
 from typing import Any
 
+from hicache.core import protocol as P
 from hicache.engine.daemon_process import DaemonProcess
 
 TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
@@ -28,12 +35,18 @@ TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
 # wake-ups cost more than the anchor's can be compared on the daemon's own overhead.
 ANCHOR_ECHO = {"p50_us_1": 82.0, "p99_us_1": 139.0, "commands_per_s_4": 29_700.0}
 ROWS = "page=8,swa_page=4,req_slot=4"
+# the echo's reply: one frame the size of the daemon's reply to a one-row backup (ack inline)
+ECHO_REPLY = P.encode_reply(1000, {"op": 1000, "ack": {
+    "op": 1000, "kind": "backup", "status": "ok", "bytes": 34560, "ns": 40000, "exec_ns": 30000,
+    "path": "numpy", "pools": {"c128_kv": [1, 34560, 30000]}}})[0]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--clients", default="1,4", help="client process counts (default 1,4)")
-    p.add_argument("--ops", type=int, default=5000, help="timed backups per client")
+    p.add_argument("--ops", type=int, default=3000, help="timed backups per client per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating daemon / echo runs per client count (default 3)")
     p.add_argument("--warmup", type=int, default=500, help="untimed backups per client first")
     p.add_argument("--no-echo", action="store_true", help="skip the bare pyzmq echo baseline")
     p.add_argument("--spin-us", type=float, default=0.0,
@@ -77,6 +90,38 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
     pools.close()
 
 
+def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
+    """``backup_new`` of one page (the daemon allocates the host row): timed send -> ack, with
+    the requests it sent counted; the row is freed after each, untimed."""
+    _quiet()
+    from hicache.engine.client import Client
+    from hicache.engine.device_pools import DevicePools
+    from hicache.core.layout import build_layout, preset
+
+    pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
+                                                              "req_slot": 4})
+    with Client(address, timeout=10.0, name="bench") as c:
+        c.register(pools)
+        gc.collect()
+        gc.freeze()
+        lat, trips, bad = [0] * ops, 0, 0
+        pc = time.perf_counter_ns
+        barrier.wait()
+        t_start = time.perf_counter()
+        for i in range(-warmup, ops):
+            sent, t0 = c.sent, pc()
+            op = c.backup_new({"c128_kv": [3]})
+            ack = c.wait_ack(op)
+            t1 = pc()
+            if i >= 0:
+                lat[i], trips = t1 - t0, trips + c.sent - sent
+                bad += not (ack.ok and op.rows and len(op.rows["page"]) == 1)
+            c.free(op.rows)
+        out.put((lat, t_start, time.perf_counter(), trips, bad))
+        c.unregister()
+    pools.close()
+
+
 def _quiet() -> None:
     """Worker processes: SIGINT ignored, SIGTERM or the parent's death end them quietly."""
     from hicache.cli.lifecycle import quiet_worker
@@ -85,38 +130,58 @@ def _quiet() -> None:
 
 
 def _echo_server(address: str, ready: Any) -> None:
+    """The daemon's socket and receive / reply calls, no work: one reply frame per request."""
     _quiet()
     import zmq
 
+    from hicache.controllers.server import router_socket
+
     ctx = zmq.Context()
-    s = ctx.socket(zmq.ROUTER)
+    s = router_socket(ctx)
     s.bind(address)
     ready.set()
+    items, poll, recv, send, get = [(s, zmq.POLLIN)], zmq.zmq_poll, s.recv_multipart, s.send, s.get
+    nb, more, ev, pin = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.EVENTS), \
+        int(zmq.POLLIN)
     while True:
-        f = s.recv_multipart()
-        if f[1] == b"stop":
-            break
-        s.send_multipart(f)
-    s.close(0)
-    ctx.term()
+        if not poll(items, 100):
+            continue
+        while True:
+            f = recv(nb)
+            if f[1] == b"stop":
+                s.close(0)
+                ctx.term()
+                return
+            send(f[0], more)
+            send(ECHO_REPLY, nb)
+            if not get(ev) & pin:
+                break
 
 
 def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
+    """The engine's ``Client`` socket (same options) and its send / poll / receive calls."""
     _quiet()
     import zmq
 
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(address)
-    msg = [b'{"v":1,"cmd":"backup","id":1,"items":[{"pool":"c128_kv","src":0,"dst":1}]}',
-           b"\x03" + b"\0" * 7, b"\0" * 8]
-    def step() -> None:
-        s.send_multipart(msg)
-        s.recv_multipart()
+    from hicache.engine.client import Client
 
-    out.put(_timed(step, ops, warmup, barrier))
-    s.close(0)
-    ctx.term()
+    with Client(address, timeout=10.0, name="bench") as c:
+        msg = P.encode_request("backup", 1, {"items": [{"pool": "c128_kv", "src": 0, "dst": 1}]},
+                               [[3], [5]])
+        send, poll, pollin, recv = c._send, zmq.zmq_poll, c._pollin, c._sock.recv_multipart
+        nb = int(zmq.NOBLOCK)
+        if not poll([(c._sock, zmq.POLLOUT)], 30_000):  # IMMEDIATE: wait for the connection
+            raise TimeoutError("echo: cannot connect in 30 s")
+        gc.collect()
+        gc.freeze()
+
+        def step() -> None:
+            send(msg)
+            if not poll(pollin, 10_000):
+                raise TimeoutError("echo: no reply in 10 s")
+            recv(nb)
+
+        out.put(_timed(step, ops, warmup, barrier))
 
 
 def _cpu_s(pid: int | None) -> float:
@@ -134,6 +199,8 @@ def _cpu_s(pid: int | None) -> float:
 
 def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
                  server_pid: int | None = None) -> dict[str, Any]:
+    """One run of ``n`` client processes: their latencies (ns), the span over all of them,
+    the server's CPU seconds meanwhile, and what ``_alloc_client`` adds (trips, bad)."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(n), ctx.Queue()
     procs = [ctx.Process(target=target, args=(address, ops, warmup, barrier, out), daemon=True)
@@ -150,17 +217,61 @@ def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
     cpu1 = _cpu_s(server_pid)
     for p in procs:
         p.join(30)
-    lat = sorted(x for r in results for x in r[0])
-    t0, t1 = min(r[1] for r in results), max(r[2] for r in results)
+    return {"clients": n, "lat": [x for r in results for x in r[0]],
+            "span": max(r[2] for r in results) - min(r[1] for r in results),
+            "cpu": cpu1 - cpu0, "cmds": n * (ops + warmup),
+            "trips": sum(r[3] for r in results if len(r) > 3),
+            "bad": sum(r[4] for r in results if len(r) > 4)}
+
+
+def _stats(run: dict[str, Any]) -> dict[str, Any]:
+    lat = sorted(run["lat"])
 
     def pct(q: float) -> float:
         return lat[min(len(lat) - 1, int(q * len(lat)))] / 1000.0
 
-    row = {"clients": n, "ops": len(lat), "p50_us": round(pct(0.50), 1),
-           "p99_us": round(pct(0.99), 1), "commands_per_s": round(len(lat) / (t1 - t0), 1)}
-    if server_pid is not None:  # includes warm-up and registration: an upper bound
-        row["server_cpu_us_per_cmd"] = round((cpu1 - cpu0) / (n * (ops + warmup)) * 1e6, 1)
-    return row
+    return {"clients": run["clients"], "ops": len(lat), "p50_us": round(pct(0.50), 1),
+            "p99_us": round(pct(0.99), 1),
+            "commands_per_s": round(len(lat) / run["span"], 1),
+            # includes warm-up (and registration for the daemon): an upper bound
+            "server_cpu_us_per_cmd": round(run["cpu"] / run["cmds"] * 1e6, 1)}
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """All rounds of one client count together: latency percentiles over every op, rate over
+    the summed spans, server CPU over all commands."""
+    return _stats({"clients": runs[0]["clients"], "lat": [x for r in runs for x in r["lat"]],
+                   "span": sum(r["span"] for r in runs), "cpu": sum(r["cpu"] for r in runs),
+                   "cmds": sum(r["cmds"] for r in runs)})
+
+
+def _stop_echo(srv: Any, address: str) -> None:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    s.send_multipart([b"stop"])
+    srv.join(5)
+    s.close(0)
+    if srv.is_alive():
+        srv.terminate()
+
+
+def _spread(per_round: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
+    """Per client count: each round's daemon / echo ratios, and their median, min and max."""
+    out = []
+    for n in counts:
+        mine = [r for r in per_round if r["clients"] == n]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"clients": n}
+        for k in ("p50", "p99", "rate"):
+            v = sorted(r[k] for r in mine)
+            row[k] = {"rounds": [r[k] for r in mine], "median": v[len(v) // 2],
+                      "min": v[0], "max": v[-1]}
+        out.append(row)
+    return out
 
 
 # ----------------------------------------------------------------------------- the daemon
@@ -192,51 +303,68 @@ def run(args: argparse.Namespace) -> int:
         counts = [int(x) for x in str(args.clients).split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--clients wants numbers like 1,4, got {args.clients!r}") from None
-    if not counts or min(counts) < 1 or max(counts) > 32 or args.ops < 10 or args.warmup < 0:
-        raise UsageError("--clients between 1 and 32, --ops at least 10")
+    if not counts or min(counts) < 1 or max(counts) > 32 or args.ops < 10 or args.warmup < 0 \
+            or not 1 <= args.rounds <= 50:
+        raise UsageError("--clients between 1 and 32, --ops at least 10, --rounds 1..50")
+    rounds = max(1, int(args.rounds))
     tmp = tempfile.mkdtemp(prefix="hcb-", dir="/tmp")
     os.chmod(tmp, 0o700)
-    rows: list[dict[str, Any]] = []
-    echo: list[dict[str, Any]] = []
-    proc = None
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    per_round: list[dict[str, Any]] = []
+    alloc_run: dict[str, Any] | None = None
+    proc = srv = None
     try:
-        address = f"ipc://{tmp}/d.sock"
+        address, eaddr = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
         proc = _start_daemon(address, args.spin_us)
-        for n in counts:
-            rows.append(_run_clients(_daemon_client, address, n, args.ops, args.warmup, proc.pid))
+        pid: dict[str, int | None] = {"daemon": proc.pid}
         if not args.no_echo:
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
-            eaddr = f"ipc://{tmp}/echo.sock"
             srv = ctx.Process(target=_echo_server, args=(eaddr, ready), daemon=True)
             srv.start()
-            ready.wait(30)
+            if not ready.wait(60):
+                raise RuntimeError("the echo server did not start within 60 s")
+            pid["echo"] = srv.pid
+        for k in range(rounds):
             for n in counts:
-                echo.append(_run_clients(_echo_client, eaddr, n, args.ops, args.warmup, srv.pid))
-            import zmq
-
-            s = zmq.Context.instance().socket(zmq.DEALER)
-            s.connect(eaddr)
-            s.send_multipart([b"stop"])
-            srv.join(5)
-            s.close(0)
-            if srv.is_alive():
-                srv.terminate()
+                order = ["daemon", "echo"] if k % 2 == 0 else ["echo", "daemon"]
+                got = {}
+                for who in order:
+                    if who == "echo" and args.no_echo:
+                        continue
+                    run = _run_clients(_daemon_client if who == "daemon" else _echo_client,
+                                       address if who == "daemon" else eaddr, n, args.ops,
+                                       args.warmup, pid[who])
+                    runs.setdefault((who, n), []).append(run)
+                    got[who] = _stats(run)
+                if "echo" in got:
+                    per_round.extend(_vs_echo([got["daemon"]], [got["echo"]]))
+        alloc_run = _run_clients(_alloc_client, address, 1, min(args.ops, 2000), args.warmup,
+                                 proc.pid)
     finally:
+        if srv is not None:
+            _stop_echo(srv, eaddr)
         if proc is not None:
             proc.stop(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
-    report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us, "rows": rows,
-              "echo": echo, "targets": TARGETS, "anchor_echo": ANCHOR_ECHO,
-              "vs_echo": _vs_echo(rows, echo)}
+    rows = [_pooled(runs[("daemon", n)]) for n in counts]
+    echo = [_pooled(runs[("echo", n)]) for n in counts if ("echo", n) in runs]
+    assert alloc_run is not None
+    backup_new = {**_stats(alloc_run),
+                  "round_trips_per_op": round(alloc_run["trips"] / len(alloc_run["lat"]), 3),
+                  "failed": alloc_run["bad"]}
+    report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us,
+              "rounds": rounds, "rows": rows, "echo": echo, "targets": TARGETS,
+              "anchor_echo": ANCHOR_ECHO, "vs_echo": _vs_echo(rows, echo),
+              "vs_echo_rounds": _spread(per_round, counts), "backup_new": backup_new}
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"hicache bench control: backups of one c128_kv row per C128 layer, CPU mode, "
-          f"{args.ops} timed ops per client, {os.cpu_count()} CPUs, daemon spin "
-          f"{args.spin_us:g} us")
+          f"{args.ops} timed ops per client per round, {rounds} rounds (daemon and echo "
+          f"alternate), {os.cpu_count()} CPUs, daemon spin {args.spin_us:g} us")
     print(f"  {'clients':>7} {'p50 us':>9} {'p99 us':>9} {'commands/s':>11} "
-          f"{'daemon cpu':>11}   vs bare pyzmq echo (same clients, same run)")
+          f"{'server cpu':>11}   vs bare echo (same sockets, frames, processes; same run)")
     by_n = {e["clients"]: e for e in echo}
     for r in rows:
         e = by_n.get(r["clients"])
@@ -252,6 +380,14 @@ def run(args: argparse.Namespace) -> int:
           f"{ANCHOR_ECHO['p99_us_1']:.0f} us and {ANCHOR_ECHO['commands_per_s_4']:.0f}/s with 4: "
           f"1.83x / 3.6x / 0.34x of it)")
     for v in report["vs_echo"]:
-        print(f"  daemon / echo, {v['clients']} client(s): p50 {v['p50']:.2f}x  p99 "
-              f"{v['p99']:.2f}x  rate {v['rate']:.2f}x")
+        print(f"  daemon / echo, {v['clients']} client(s), all rounds pooled: p50 "
+              f"{v['p50']:.2f}x  p99 {v['p99']:.2f}x  rate {v['rate']:.2f}x")
+    for v in report["vs_echo_rounds"]:
+        print(f"  per round ({rounds}), {v['clients']} client(s): " + "  ".join(
+            f"{k} {v[k]['median']:.2f}x [{v[k]['min']:.2f}-{v[k]['max']:.2f}]"
+            for k in ("p50", "p99", "rate")) + "  (median [min-max])")
+    b = report["backup_new"]
+    print(f"  backup_new (BACKUP that allocates its host row), 1 client: p50 {b['p50_us']:.1f} "
+          f"us, p99 {b['p99_us']:.1f} us, {b['round_trips_per_op']:g} round trip(s) per "
+          f"backup, {b['failed']} failed")
     return 0

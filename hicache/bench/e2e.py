@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn", type=int, default=2000, help="mixed alloc/free ops before timing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages of the model")
+    p.add_argument("--pp-rank", type=int, default=0, help="the stage this run's daemon serves")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="N > 1: one engine + daemon per GPU (cuda:0..N-1), each a PP=N stage, "
+                        "all loading at once; reports each GPU's figures")
+    p.add_argument("--barrier", help=argparse.SUPPRESS)  # --gpus children: a shared folder
 
 
 def parse_sizes(text: str) -> list[str]:
@@ -70,6 +79,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--runs must be at least 1")
     if args.churn < 0:
         raise UsageError("--churn must not be negative")
+    if not 0 <= args.pp_rank < args.pp_size:
+        raise UsageError(f"--pp-rank {args.pp_rank} is outside 0..{args.pp_size - 1}")
+    if args.gpus < 1:
+        raise UsageError("--gpus must be at least 1")
+    if args.gpus > 1 and (not torch.cuda.is_available()
+                          or torch.cuda.device_count() < args.gpus):
+        raise UsageError(f"--gpus {args.gpus} needs {args.gpus} CUDA GPUs; this machine has "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if args.gpus > 1 and (args.pp_size != 1 or args.plot):
+        raise UsageError("--gpus sets the stages itself (PP = N) and draws no plot")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device must be cuda:N or cpu, got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -125,19 +144,30 @@ def _median(xs: list[float]) -> float:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     sizes = parse_sizes(args.sizes)
+    if args.gpus > 1:
+        return run_gpus(args)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    layout = build_layout(preset(args.preset))
+    if cuda:
+        torch.cuda.set_device(dev)  # Triton launches on the current device
+    layout = build_layout(preset(args.preset), args.pp_size, args.pp_rank)
     pages = max(SIZES[s] for s in sizes) // PAGE_TOKENS
     dev_rows = {"page": 2 * pages + 8, "swa_page": 2 * pages + 8, "req_slot": 8}
     spaces = {s: n for s, n in dev_rows.items() if s in ("page", "swa_page")}
     rng = np.random.default_rng(0)
-    limit = pinned_limit(dev) if cuda else {"h2d": None, "d2h": None}
+    limit: dict[str, Any] = {"h2d": None, "d2h": None}
+    for k in range(args.pp_size if args.barrier else 1):  # --gpus: one GPU's limit at a time
+        if cuda and k == (args.pp_rank if args.barrier else 0):
+            limit = pinned_limit(dev)
+        if args.barrier:
+            barrier(args.barrier, f"limit{k}", args.pp_size, args.pp_rank)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     say(f"[e2e] pinned-copy limit (GB/s): {limit}")
     rows_flag = ",".join(f"{k}={v}" for k, v in dev_rows.items())
     with DaemonProcess(device=args.device, preset=args.preset, device_rows=rows_flag,
-                       host=("--host-ratio", "2"), ready_timeout=300) as d, \
+                       host=("--host-ratio", "2"), ready_timeout=300,
+                       extra=("--pp-size", str(args.pp_size),
+                              "--pp-rank", str(args.pp_rank))) as d, \
             DevicePools(layout, dev_rows, device=args.device) as pools:
         for layers in pools.layers.values():
             for t in layers:
@@ -149,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
         # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
+                  "pp_size": args.pp_size, "pp_rank": args.pp_rank,
                   "ctas": INPROC_CTAS, "runs": args.runs, "sizes": {}}
         for s in sizes:
+            if args.barrier:  # --gpus: every GPU starts this size together
+                barrier(args.barrier, s, args.pp_size, args.pp_rank)
             n = SIZES[s] // PAGE_TOKENS
             result["sizes"][s] = one_size(c, pools, layout, n, args.runs, rng, local, limit,
                                           cuda, dev)
@@ -165,6 +198,50 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _table(result)
+    return 0
+
+
+def barrier(folder: str, name: str, parties: int, rank: int, timeout: float = 900.0) -> None:
+    """Wait until all ``parties`` processes reached ``name`` (a file each in ``folder``)."""
+    Path(folder, f"{name}.{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while sum(Path(folder, f"{name}.{r}").exists() for r in range(parties)) < parties:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench e2e: the other GPUs' runs did not reach {name} in "
+                               f"{timeout:g} s")
+        time.sleep(0.01)
+
+
+def run_gpus(args: argparse.Namespace) -> int:
+    """One child run per GPU (its own engine process and daemon, a PP=N stage), the sizes
+    started together; prints each GPU's table (or one JSON object)."""
+    n = args.gpus
+    with tempfile.TemporaryDirectory(prefix="hc-e2e-") as folder:
+        procs = []
+        for r in range(n):
+            cmd = [sys.executable, "-m", "hicache.cli", "bench", "e2e", "--json",
+                   "--device", f"cuda:{r}", "--preset", args.preset, "--sizes", args.sizes,
+                   "--runs", str(args.runs), "--churn", str(args.churn),
+                   "--pp-size", str(n), "--pp-rank", str(r), "--barrier", folder]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        while any(p.poll() is None for p in procs):  # one failed: the others would wait
+            if any(p.poll() not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.2)
+        outs = [p.communicate()[0] for p in procs]
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        print(f"bench e2e --gpus {n}: the run on cuda:{bad[0]} failed (exit "
+              f"{procs[bad[0]].returncode}); its messages are above", file=sys.stderr)
+        return 1
+    results = [json.loads(o) for o in outs]
+    if args.json:
+        print(json.dumps({"gpus": n, "per_gpu": results}))
+    else:
+        for res in results:
+            _table(res)
     return 0
 
 
@@ -295,8 +372,9 @@ def _inproc(local: Any, layout: Layout, host: dict[str, list[int]], dst: dict[st
 
 def _table(result: dict[str, Any]) -> None:
     lim = result["limit_gbps"]
-    print(f"bench e2e on {result['device']} ({result['preset']}, {result['ctas']} CTAs, median "
-          f"of {result['runs']}); pinned-copy limit GB/s: {lim}")
+    stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
+    print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
+          f"median of {result['runs']}); pinned-copy limit GB/s: {lim}")
     print(f"{'size':>6} {'MB':>8} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} {'ratio':>6} "
           f"{'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")

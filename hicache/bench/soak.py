@@ -26,7 +26,11 @@ Three modes, each against its own daemon subprocess on a private ipc socket:
 
 ``--json`` prints one object (``clients``, ``ops``, ``lost_acks``, ``corrupted_pages``,
 ``rss_growth_pct``, ``ops_per_s``, ``seconds`` for the default mode). Exit status 0 when the
-mode's checks pass.
+mode's checks pass. Progress goes to stderr in every mode (``--json`` too: stdout holds the
+object only). Any failure of the bench itself (the daemon not starting, a client process dying,
+an exception) ends with one line ``hicache bench soak: FAILED: ...`` on stderr, the tail of the
+daemon's log before it, exit status 1, and with ``--json`` an object ``{"ok": false, "error":
+...}`` on stdout; a run whose checks fail prints the daemon log's tail too.
 
 The parts: ``soak_load`` (sustained load), ``soak_mix`` (the ``--mix all`` client),
 ``soak_crash`` (crashed clients and daemon); their entry points are re-exported here.
@@ -38,6 +42,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from typing import Any, Mapping
 
 from hicache.bench.soak_crash import (CRASH_DEV_ROWS, RadixWorker, crash_child, crash_clients,
@@ -80,7 +85,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ============================================================================ command line
+def _say(msg: str) -> None:
+    print("  " + msg, file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    """The bench; any failure of its own: one line on stderr (and an error object with
+    ``--json``), exit status 1. Usage errors and interrupts go to the command line as usual."""
+    from hicache.core.errors import UsageError
+    from hicache.core.layout import LayoutError
+
+    tail: list[str] = []
+    try:
+        return _run(args, tail)
+    except (UsageError, LayoutError):
+        raise
+    except Exception as e:  # noqa: BLE001 - reported in one line, never a silent empty stdout
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        if tail and tail[0]:
+            print("--- daemon log (tail) ---\n" + tail[0], file=sys.stderr)
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        if args.json:
+            print(json.dumps({"bench": "soak", "ok": False, "error": why,
+                              "device": args.device}), flush=True)
+        print(f"hicache bench soak: FAILED: {why}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(args: argparse.Namespace, tail: list[str]) -> int:
     from hicache.core.errors import UsageError
     from hicache.engine.daemon_process import DaemonProcess
     from hicache.fuzz.runner import ROOT, DaemonRunner, private_address
@@ -111,11 +145,9 @@ def run(args: argparse.Namespace) -> int:
     address, tmp = private_address("hcs-")
     log = os.path.join(tmp, "daemon.log")
 
-    def note(msg: str) -> None:
-        if not args.json:
-            print("  " + msg, file=sys.stderr, flush=True)
-
+    note = _say
     runner = None
+    out = ""
     try:
         if args.crash_daemon:
             runner = DaemonRunner(address, preset_name=args.preset, log_path=log)
@@ -141,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
                                        device_rows=rows, host=("--host-ratio", "4"),
                                        heartbeat_timeout=30.0, log_level="warning",
                                        log_path=log, cwd=ROOT, ready_timeout=180.0)
+            note(f"starting the daemon ({args.device}, preset {args.preset})")
+            t0 = time.monotonic()
             runner.start()
+            note(f"daemon ready in {time.monotonic() - t0:.1f} s; {args.clients} clients x "
+                 f"{args.ops} operations, mix {args.mix}")
             rep = run_soak(address, args.clients, args.ops, seed=args.seed,
                            preset_name=args.preset, unit=args.unit, max_rows=args.max_rows,
                            window=args.window, warmup=args.warmup, quota=quota,
@@ -154,16 +190,39 @@ def run(args: argparse.Namespace) -> int:
     finally:
         code = runner.stop() if runner is not None else None
         out = runner.output() if runner is not None else ""
+        tail.append(out[-3000:])
         shutil.rmtree(tmp, ignore_errors=True)
     rep["daemon_tracebacks"] = out.count("Traceback")
     if runner is not None and not args.crash_daemon:
         rep["daemon_exit_code"] = code
     rep["ok"] = bool(rep["ok"]) and rep["daemon_tracebacks"] == 0
+    if not rep["ok"]:
+        for p in rep.get("failures", []) or rep.get("problems", []):
+            note(f"PROBLEM: {p}")
+        if out:
+            print("--- daemon log (tail) ---\n" + out[-3000:], file=sys.stderr)
+        print("hicache bench soak: FAILED: " + _why(rep), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rep))
         return 0 if rep["ok"] else 1
     _print(rep)
     return 0 if rep["ok"] else 1
+
+
+def _why(rep: Mapping[str, Any]) -> str:
+    """The first failed check of a report, in a few words."""
+    for k in ("clients_missing", "lost_acks", "corrupted_pages", "failed_ops", "refused",
+              "unreachable", "daemon_tracebacks", "leaked_rows_total", "victim_rows_corrupted"):
+        if rep.get(k):
+            return f"{k} = {rep[k]}" + (f"; first problem: {rep['problems'][0]}"
+                                        if rep.get("problems") else "")
+    found = rep.get("failures") or rep.get("problems")
+    if found:
+        return "; ".join(found[:2])
+    g = rep.get("rss_growth_pct")
+    if rep.get("bench") == "soak" and (g is None or g >= 1.0):
+        return f"daemon RSS growth {g}% (limit 1%)"
+    return "a check failed (see the report)"
 
 
 def _print(rep: Mapping[str, Any]) -> None:

@@ -157,7 +157,12 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
                 window: int, counter: Any, go: Any, release: Any, out: Any) -> None:
-    """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``."""
+    """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``.
+    SIGTERM or the parent's death end it (its device pools freed, its shm file unlinked), so a
+    bench killed by a timeout leaves no client holding GPU memory."""
+    from hicache.cli.lifecycle import quiet_worker
+
+    quiet_worker(os.getppid())
     from hicache.bench.soak_mix import MIX_DEV_ROWS, MixClient
     from hicache.core.layout import build_layout, preset
     from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
@@ -168,12 +173,17 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
                           "swaps": 0, "lost_acks": 0, "failed_ops": 0, "corrupted_pages": 0,
                           "verified_pages": 0, "verified_bytes": 0, "refused": 0,
                           "unreachable": 0, "first_problem": None}
-    pools = DevicePools(layout, {s: n for s, n in MIX_DEV_ROWS.items() if layout.space_pools(s)},
-                        device)
-    c = Client(address, timeout=120.0, name=f"mix{idx}")
-    m = MixClient(c, pools, layout, idx, seed, st)
-    try:
+    try:  # a client that cannot even start says why (CUDA pools, IPC export, registration)
+        pools = DevicePools(layout, {s: n for s, n in MIX_DEV_ROWS.items()
+                                     if layout.space_pools(s)}, device)
+        c = Client(address, timeout=120.0, name=f"mix{idx}")
+        m = MixClient(c, pools, layout, idx, seed, st)
         c.register(pools)
+    except Exception as e:  # noqa: BLE001
+        st["first_problem"] = f"client {idx}: setup on {device} failed: {type(e).__name__}: {e}"
+        out.put((idx, st))
+        return
+    try:
         go.wait(120)
         for _ in range(ops):
             try:
@@ -247,6 +257,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
         go.set()
         t0 = time.monotonic()
         next_note = t0 + 15
+        dead: set[int] = set()
         while len(results) < clients and time.monotonic() < deadline:
             try:
                 idx, st = out.get(timeout=0.2)
@@ -262,6 +273,12 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
                 mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
                 progress(f"{done}/{total} operations, {done / (time.monotonic() - t0):.0f}/s{mib}")
                 next_note += 15
+            for i, p in enumerate(procs):  # a client gone without its counters: say so now
+                if i not in dead and p.exitcode is not None and i not in results \
+                        and out.empty():
+                    dead.add(i)
+                    if progress is not None:
+                        progress(f"client {i} exited with status {p.exitcode} before reporting")
             if len(results) < clients and not any(p.is_alive() for p in procs):
                 break
         seconds = time.monotonic() - t0
@@ -286,6 +303,9 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
             if isinstance(v, int):
                 sums[k] = sums.get(k, 0) + v
     problems = [st["first_problem"] for st in results.values() if st.get("first_problem")]
+    problems += [f"client {i} exited with status {procs[i].exitcode} without reporting (its "
+                 f"traceback, if any, is on stderr above)" for i in range(clients)
+                 if i not in results]
     missing = clients - len(results)
     growth = None
     if rss_warm and rss_end is not None:

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from .wire_json import dumps as _dumps, loads as _parse
+
 VERSION = 1
 
 # ------------------------------------------------------------------------------- size caps
@@ -219,19 +221,26 @@ def _depth(x: Any, d: int = 0) -> int:
     return d
 
 
+# per command, from the table: the keys a header may hold, and (field, kind, required, types)
+_ALLOWED = {c.name: frozenset((*c.fields, "v", "cmd", "id")) for c in _TABLE}
+_CHECKS = {c.name: tuple((k, kind, req, _T[kind]) for k, (kind, req) in c.fields.items())
+           for c in _TABLE}
+
+
 def check_fields(cmd: str, h: dict[str, Any], n_frames: int) -> None:
     """Type-check the fields of a request header against the command table; raise ProtocolError."""
     schema = COMMANDS[cmd].fields
-    for k in h:
-        if k not in schema and k not in ("v", "cmd", "id"):
-            raise ProtocolError("bad_field", f"{cmd}: unknown field {k!r}")
-    for k, (kind, required) in schema.items():
+    if not h.keys() <= _ALLOWED[cmd]:
+        for k in h:
+            if k not in schema and k not in ("v", "cmd", "id"):
+                raise ProtocolError("bad_field", f"{cmd}: unknown field {k!r}")
+    for k, kind, required, types in _CHECKS[cmd]:
         if k not in h:
             if required:
                 raise ProtocolError("bad_field", f"{cmd}: missing field {k!r}")
             continue
         v = h[k]
-        if not isinstance(v, _T[kind]) or (type(v) is bool and kind in ("int", "frame", "opt_int")):
+        if not isinstance(v, types) or (type(v) is bool and kind in ("int", "frame", "opt_int")):
             raise ProtocolError("bad_field", f"{cmd}: field {k!r} must be {kind}, "
                                              f"got {type(v).__name__}")
         if kind == "str_int_map":
@@ -357,11 +366,6 @@ def unpack_index(buf: Any) -> Sequence[int]:
 
 
 # ------------------------------------------------------------------------------- messages
-_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-
-
-def _dumps(obj: dict[str, Any]) -> bytes:
-    return _ENCODE(obj).encode()
 
 
 def encode_request(cmd: str, req_id: int, fields: dict[str, Any] | None = None,
@@ -400,7 +404,7 @@ def _loads(frame: Any, what: str) -> dict[str, Any]:
     if n > MAX_HEADER_BYTES:
         raise ProtocolError("bad_frame", f"{what} of {n} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        h = json.loads(frame.decode() if isinstance(frame, bytes) else bytes(frame).decode())
+        h = _parse(frame.decode() if isinstance(frame, bytes) else bytes(frame).decode())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ProtocolError("bad_header", f"{what} is not JSON: {str(e)[:200]}") from None
     if not isinstance(h, dict):

@@ -1,0 +1,141 @@
+"""The pieces that keep the reaper off the server loop (issue 17, item 5): a reaped client's rows
+go back a slice at a time (``HostPoolGroup.free_client_rows``, all or nothing, only its own
+rows, zeroed with ``zero_on_free``), and its mappings are unmapped on the ``Unmapper`` thread,
+never while a view of them is alive. CPU only, in-process."""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.controllers import background
+from hicache.controllers.background import Unmapper, background_priority
+from hicache.core.layout import build_layout, preset
+from hicache.host_pools.errors import PoolError
+from hicache.host_pools.group import UNWRITTEN, WRITTEN, HostPoolGroup
+
+ROWS = {"page": 12, "swa_page": 6, "req_slot": 4}
+
+
+def _group(**kw) -> HostPoolGroup:
+    return HostPoolGroup(build_layout(preset("dsv4-tiny")), ROWS, **kw)
+
+
+def test_free_client_rows_any_request_all_or_nothing():
+    with _group() as g:
+        a1 = g.alloc({"page": 3}, ("a", "r1"))["page"].numpy()
+        a2 = g.alloc({"page": 2, "swa_page": 2}, ("a", None))
+        b = g.alloc({"page": 2}, ("b", None))["page"].numpy()
+        before = g.allocators["page"].snapshot()
+        # a row of another client, a repeated row, a free row: refused, nothing changes
+        for bad in ([a1[0], b[0]], [a1[0], a1[0]], [a1[0], 11]):
+            with pytest.raises(PoolError):
+                g.free_client_rows("a", {"page": np.array(bad)})
+        with pytest.raises(PoolError):  # the second space is wrong: the first is not freed
+            g.free_client_rows("a", {"page": a1[:1], "swa_page": np.array([5])})
+        assert g.allocators["page"].snapshot() == before
+        # rows of both requests of "a" in one slice, then the rest
+        assert g.free_client_rows("a", {"page": np.array([a1[0], int(a2["page"][0])])}) == 2
+        assert g.free_client_rows("a", {"page": np.concatenate([a1[1:], a2["page"][1:]]),
+                                        "swa_page": a2["swa_page"].numpy()}) == 5
+        assert g.rows_of("a")["page"].numel() == 0 and g.rows_of("a")["swa_page"].numel() == 0
+        assert sorted(g.rows_of("b")["page"].tolist()) == sorted(b.tolist())
+        g.check_invariants()
+
+
+def test_free_client_rows_returns_rows_unwritten_and_zeroed():
+    with _group(zero_on_free=True) as g:
+        rows = g.alloc({"page": 4}, ("a", None))["page"].numpy()
+        for name in ("c4_kv", "c128_kv"):
+            g.begin_write(name, rows, zero=False)
+            for t in g.pools[name].layers:
+                t[torch.from_numpy(rows)] = 0xAB
+            g.end_write(name, rows, ok=True)
+        assert (g.written["c4_kv"][rows] == WRITTEN).all()
+        g.free_client_rows("a", {"page": rows[:2]})
+        for name in ("c4_kv", "c128_kv"):
+            assert (g.written[name][rows[:2]] == UNWRITTEN).all()
+            assert (g.written[name][rows[2:]] == WRITTEN).all()
+            for t in g.pools[name].layers:
+                assert int(t[rows[:2]].count_nonzero()) == 0  # zeroed in the release
+                assert bool((t[rows[2:]] == 0xAB).all())  # the rest untouched
+        g.check_invariants()
+
+
+def _shm(nbytes: int) -> tuple[mmap.mmap, str]:
+    path = f"/dev/shm/hicache-test-unmap-{os.getpid()}-{time.monotonic_ns()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes), path
+    finally:
+        os.close(fd)
+
+
+def test_unmapper_waits_for_the_last_view_and_unmaps_on_its_thread(monkeypatch):
+    mm, path = _shm(1 << 20)
+    try:
+        gone = weakref.ref(mm)
+        view = torch.frombuffer(mm, dtype=torch.uint8)[4096:8192].view(4, 1024)
+        view.fill_(7)
+        u = Unmapper()
+        u.hand([mm])
+        del mm
+        time.sleep(0.1)
+        assert u.pending() == 1 and gone() is not None  # a view is alive: still mapped
+        assert int(view.sum()) == 7 * 4096  # and readable
+        del view
+        assert u.flush(5.0) and gone() is None  # the unmapper dropped the last reference
+        with open(path, "rb") as f:  # emptying the mapping first left the file's bytes alone
+            data = f.read()
+        assert data[4096:8192] == b"\x07" * 4096 and data[:4096] == bytes(4096)
+    finally:
+        os.unlink(path)
+
+
+def test_unmapper_drops_on_its_own_thread():
+    seen: list[str] = []
+
+    class Probe:
+        def __del__(self) -> None:
+            seen.append(threading.current_thread().name)
+
+    u = Unmapper()
+    u.hand([Probe()])
+    assert u.flush(5.0)
+    assert seen == ["hicache-unmap"]
+
+
+def test_background_priority_lowers_only_the_calling_thread():
+    got: dict[str, int] = {}
+
+    def worker() -> None:
+        assert background_priority()
+        got["worker"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["worker"] == max(before, background.BACKGROUND_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_cpu_copy_thread_leaves_a_core_to_the_loop():
+    got: dict[str, int] = {}
+
+    def worker() -> None:
+        got["threads"] = background.cpu_copy_thread()
+        got["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert got["nice"] >= background.BACKGROUND_NICE
