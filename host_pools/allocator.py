@@ -242,19 +242,9 @@ class RowAllocator:
     def check_free(self, rows: RowsLike, owner: Owner) -> np.ndarray:
         """Validate a free without changing anything; returns the rows as int64 numpy."""
         owner = check_owner(owner)
-        arr = as_rows(rows)
+        arr = self._distinct_rows(rows)
         if arr.size == 0:
             return arr
-        bad = arr[(arr < 0) | (arr >= self.num_rows)]
-        if bad.size:
-            raise RowRangeError(f"space {self.space!r}: rows {_show(bad)} are outside "
-                            f"0..{self.num_rows - 1}")
-        pos = np.arange(arr.size, dtype=np.int64)
-        self._scratch[arr] = pos  # a repeated row keeps one position: the others mismatch
-        dup = arr[self._scratch[arr] != pos]
-        if dup.size:
-            raise RowRangeError(f"space {self.space!r}: rows {_show(np.unique(dup))} are listed "
-                            "more than once")
         held = self._owner[arr]
         free = arr[held == FREE]
         if free.size:
@@ -266,6 +256,23 @@ class RowAllocator:
             other = self._owners[int(self._owner[foreign[0]])]
             raise NotOwnerError(f"space {self.space!r}: rows {_show(foreign)} are not owned by "
                             f"{owner}; row {int(foreign[0])} belongs to {other}")
+        return arr
+
+    def _distinct_rows(self, rows: RowsLike) -> np.ndarray:
+        """``rows`` as int64 numpy, each inside the space and listed once (else RowRangeError)."""
+        arr = as_rows(rows)
+        if arr.size == 0:
+            return arr
+        bad = arr[(arr < 0) | (arr >= self.num_rows)]
+        if bad.size:
+            raise RowRangeError(f"space {self.space!r}: rows {_show(bad)} are outside "
+                                f"0..{self.num_rows - 1}")
+        pos = np.arange(arr.size, dtype=np.int64)
+        self._scratch[arr] = pos  # a repeated row keeps one position: the others mismatch
+        dup = arr[self._scratch[arr] != pos]
+        if dup.size:
+            raise RowRangeError(f"space {self.space!r}: rows {_show(np.unique(dup))} are listed "
+                                "more than once")
         return arr
 
     def free(self, rows: RowsLike, owner: Owner) -> int:
@@ -306,15 +313,9 @@ class RowAllocator:
 
     def check_client_rows(self, client_id: str, rows: RowsLike) -> np.ndarray:
         """Validate ``free_client_rows`` without changing anything; the rows as int64 numpy."""
-        arr = as_rows(rows)
+        arr = self._distinct_rows(rows)
         if arr.size == 0:
             return arr
-        bad = arr[(arr < 0) | (arr >= self.num_rows)]
-        if bad.size:
-            raise RowRangeError(f"space {self.space!r}: rows {_show(bad)} are outside "
-                                f"0..{self.num_rows - 1}")
-        if np.unique(arr).size != arr.size:
-            raise RowRangeError(f"space {self.space!r}: a row is listed more than once")
         oids = [i for o, i in self._ids.items() if o[0] == client_id]
         foreign = arr[~np.isin(self._owner[arr], oids)]
         if foreign.size:
