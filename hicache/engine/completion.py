@@ -1,0 +1,152 @@
+"""Completion of operations on the engine side, as ``Client`` methods (``Completion`` is a mixin
+of ``hicache.engine.client.Client``): pushed messages kept (acks, GPU loads' "issued"
+notices), ``poll_acks``, ``drain``, ``wait_ack(op)`` and, on GPU, ``wait_layer(op, layer,
+stream)``: the wait for one layer of a load. Every wait is bounded by a timeout.
+
+``wait_layer``: the daemon answers a GPU load once layer 0's copy is enqueued (``op.issued``
+layers' events are recorded), so a later layer's wait first takes the daemon's "issued" notice
+(or the op's ack). A layer already copied, or copied within ``spin_us``, is waited for on the
+host: a CUDA stream's wait on another process's event was seen ~1.7 ms late on an H200
+without MPS. Only a layer further out puts a wait on the stream.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+from .acks import Ack, AckTimeout, Op, TransferFailed
+
+ACK_KEEP = 65536  # acks kept client-side until consumed
+WAIT_SPIN_US = 300  # wait_layer: how long the host polls a layer's event before a stream wait
+
+
+class Completion:
+    timeout: float
+    spin_us: float
+    _acks: OrderedDict[int, Ack]
+    _issued: OrderedDict[int, None]
+    _load_events: list
+    _layer_pos: dict
+    stage_layers: list
+
+    def _pushed(self, h: Mapping[str, Any]) -> bool:
+        """Keep a pushed message: an ack, or a GPU load's "issued" notice. False for replies."""
+        k = h.get("k")
+        if k == "ack":
+            self._keep_ack(h)
+            return True
+        if k == "issued":
+            self._issued[int(h["op"])] = None
+            while len(self._issued) > ACK_KEEP:
+                self._issued.popitem(last=False)
+            return True
+        return False
+
+    def _keep_ack(self, h: Mapping[str, Any]) -> Ack:
+        a = Ack.from_wire(h)
+        self._acks[a.op] = a
+        while len(self._acks) > ACK_KEEP:
+            self._acks.popitem(last=False)
+        return a
+
+    def poll_acks(self, ops: Sequence[int] | None = None, max: int = 1024,
+                  timeout: float | None = None) -> list[Ack]:
+        """Acks the daemon still holds (all, or those of ``ops``), plus any pushed ones."""
+        f: dict[str, Any] = {"max": max}
+        if ops is not None:
+            f["ops"] = [int(o) for o in ops]
+        h, _ = self.call("poll_acks", f, timeout=timeout)
+        for a in h.get("acks", []):
+            self._keep_ack(a)
+        self.drain()
+        out = list(self._acks.values()) if ops is None else \
+            [self._acks[o] for o in ops if o in self._acks]
+        for a in out:
+            self._acks.pop(a.op, None)
+        return out
+
+    def drain(self) -> int:
+        """Read pushed acks that already arrived (no wait). Returns how many."""
+        n = 0
+        while True:
+            got = self._recv(0)
+            if got is None:
+                return n
+            if got[0].get("k") == "ack":
+                n += 1
+            self._pushed(got[0])
+
+    def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
+        """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
+        ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time."""
+        if isinstance(op, Op) and op.ack is not None:  # completed inline, ack came in the reply
+            if check and not op.ack.ok:
+                raise TransferFailed(op.ack)
+            return op.ack
+        op_id = op.op_id if isinstance(op, Op) else int(op)
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        next_poll = time.monotonic() + min(0.5, timeout / 2)
+        while True:
+            a = self._acks.pop(op_id, None)
+            if a is not None:
+                if check and not a.ok:
+                    raise TransferFailed(a)
+                return a
+            now = time.monotonic()
+            if now >= deadline:
+                raise AckTimeout(f"op {op_id} did not complete within {timeout:g} s")
+            if now >= next_poll:  # a lost push, or a long wait: ask (also a heartbeat)
+                h, _ = self.call("poll_acks", {"ops": [op_id], "max": 1},
+                                 timeout=max(0.1, deadline - now))
+                for x in h.get("acks", []):
+                    self._keep_ack(x)
+                next_poll = time.monotonic() + 0.5
+                continue
+            got = self._recv(max(1, int(min(deadline, next_poll) * 1000 - now * 1000)))
+            if got is not None:
+                self._pushed(got[0])
+
+    def wait_layer(self, op: Op, layer: int, stream: Any = None,
+                   timeout: float | None = None) -> None:
+        """Make ``stream`` (GPU; default the current stream) wait for global ``layer`` of load
+        ``op``. CPU mode (no events): waits for the op's ack. The daemon answers a GPU load once
+        layer 0's copy is enqueued; a later layer's wait first takes the daemon's "issued"
+        notice (or the op's ack), so it never waits on an event the load has not recorded."""
+        if op.event_set is None or not self._load_events:
+            self.wait_ack(op, timeout)
+            return
+        import torch
+
+        pos = self._layer_pos.get(layer)
+        if pos is None:
+            raise ValueError(f"layer {layer} is not on this stage ({self.stage_layers})")
+        if op.issued is not None and pos >= op.issued:
+            self._wait_issued(op, timeout)
+        ev = self._load_events[op.event_set][pos]
+        # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
+        # MPS, even for a record that already completed. So a layer that is copied (or will
+        # be within ``spin_us``) is waited for on the host, and only a layer still further
+        # out puts a wait on the stream.
+        end = time.perf_counter() + self.spin_us * 1e-6
+        while not ev.query():
+            if time.perf_counter() >= end:
+                (stream or torch.cuda.current_stream()).wait_event(ev)
+                return
+
+    def _wait_issued(self, op: Op, timeout: float | None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        lost = time.monotonic() + min(0.5, timeout / 2)  # the notice follows the reply at once
+        while op.op_id not in self._issued and op.op_id not in self._acks:
+            left = min(deadline, lost) - time.monotonic()
+            if left <= 0:  # a lost push: the op's ack (pushed or polled) also says it
+                a = self.wait_ack(op, max(0.0, deadline - time.monotonic()), check=False)
+                self._acks[a.op] = a  # still the caller's to take with wait_ack
+                break
+            got = self._recv(max(1, int(left * 1000)))
+            if got is not None:
+                self._pushed(got[0])
+        self._issued.pop(op.op_id, None)
+        op.issued = None  # every layer is recorded: later waits go straight to the event
