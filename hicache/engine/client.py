@@ -7,8 +7,9 @@ within the timeout raises ``DaemonUnreachable`` (never a hang); a refused comman
 
 Transfers return an ``Op``; ``wait_ack(op, timeout)`` returns its ``Ack`` (pushed by the daemon,
 or fetched with ``poll_acks`` if a push went missing). On GPU, ``wait_layer(op, layer, stream)``
-makes ``stream`` wait for one layer of a load (interprocess events, no host sync); in CPU mode
-it waits for the whole op's ack. Any call counts as a heartbeat; an idle engine calls
+returns once one layer of a load is copied (it polls that layer's interprocess event; with
+``client.spin_us`` set it puts a stream wait after that long instead); in CPU mode it waits
+for the whole op's ack. Any call counts as a heartbeat; an idle engine calls
 ``maybe_heartbeat()`` from its loop (it sends only when a third of the daemon's timeout passed).
 
 Imports are light: zmq and the protocol; torch only for GPU events.

@@ -5,9 +5,10 @@ stream)``: the wait for one layer of a load. Every wait is bounded by a timeout.
 
 ``wait_layer``: the daemon answers a GPU load once layer 0's copy is enqueued (``op.issued``
 layers' events are recorded), so a later layer's wait first takes the daemon's "issued" notice
-(or the op's ack). A layer already copied, or copied within ``spin_us``, is waited for on the
-host: a CUDA stream's wait on another process's event was seen ~1.7 ms late on an H200
-without MPS. Only a layer further out puts a wait on the stream.
+(or the op's ack). Then the host polls the layer's event until it completes (``spin_us`` None,
+the default) or for ``spin_us`` microseconds before it puts a wait on the stream: a CUDA
+stream's wait on another process's event was seen ~1.7 ms late on an H200 without MPS, so a
+host wait is the faster one; an engine that must not hold its thread sets ``spin_us``.
 """
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from typing import Any, Mapping, Sequence
 from .acks import Ack, AckTimeout, Op, TransferFailed
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
-WAIT_SPIN_US = 300  # wait_layer: how long the host polls a layer's event before a stream wait
+# wait_layer: how long the host polls a layer's event before it puts a wait on the stream;
+# None: until the layer is copied (bounded by the timeout), no stream wait at all. A stream wait
+# on another process's event is seen ~1.7 ms late (H200, no MPS), longer than most layers take.
+WAIT_SPIN_US: float | None = None
 
 
 class Completion:
     timeout: float
-    spin_us: float
+    spin_us: float | None
     _acks: OrderedDict[int, Ack]
     _issued: OrderedDict[int, None]
     _load_events: list
@@ -110,10 +114,11 @@ class Completion:
 
     def wait_layer(self, op: Op, layer: int, stream: Any = None,
                    timeout: float | None = None) -> None:
-        """Make ``stream`` (GPU; default the current stream) wait for global ``layer`` of load
-        ``op``. CPU mode (no events): waits for the op's ack. The daemon answers a GPU load once
-        layer 0's copy is enqueued; a later layer's wait first takes the daemon's "issued"
-        notice (or the op's ack), so it never waits on an event the load has not recorded."""
+        """Return once global ``layer`` of load ``op`` is copied (GPU, ``spin_us`` None), or put
+        a wait for it on ``stream`` (default: the current stream) after ``spin_us``. CPU mode (no
+        events): waits for the op's ack. The daemon answers a GPU load once layer 0's copy is
+        enqueued; a later layer's wait first takes the daemon's "issued" notice (or the op's
+        ack), so it never waits on an event the load has not recorded."""
         if op.event_set is None or not self._load_events:
             self.wait_ack(op, timeout)
             return
@@ -126,12 +131,18 @@ class Completion:
             self._wait_issued(op, timeout)
         ev = self._load_events[op.event_set][pos]
         # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
-        # MPS, even for a record that already completed. So a layer that is copied (or will
-        # be within ``spin_us``) is waited for on the host, and only a layer still further
-        # out puts a wait on the stream.
-        end = time.perf_counter() + self.spin_us * 1e-6
+        # MPS, even for a record that already completed. So the host polls the event (until
+        # it completes, or for ``spin_us`` when set) and only then, if ever, the stream waits.
+        spin = self.spin_us
+        if spin is None:
+            limit = self.timeout if timeout is None else timeout
+        else:
+            limit = spin * 1e-6
+        end = time.perf_counter() + limit
         while not ev.query():
             if time.perf_counter() >= end:
+                if spin is None:
+                    raise AckTimeout(f"op {op.op_id}: layer {layer} not copied in time")
                 (stream or torch.cuda.current_stream()).wait_event(ev)
                 return
 
