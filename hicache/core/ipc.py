@@ -12,7 +12,9 @@ Contract:
   ``ValueError`` naming the field.
 * ``SHM_PREFIX``: ``/dev/shm`` files of device pools in CPU mode are ``hicache-dev-*`` (0600);
   ``create_shm(shm_dir, tag, nbytes) -> (path, mmap)`` makes one (new, 0600, exclusive; on
-  failure nothing is left behind). Callers unlink it when done.
+  failure nothing is left behind). Callers unlink it when done; a process that was killed
+  cannot, so ``create_shm`` first removes this user's files whose creating process is gone
+  (``sweep_stale_shm``: name ``...<pid>-<hex>``, pid not alive, untouched for a minute).
 """
 from __future__ import annotations
 
@@ -20,13 +22,49 @@ import base64
 import binascii
 import mmap
 import os
+import re
 import secrets
+import time
 from typing import Any
 
 import torch
 
 SHM_PREFIX = "hicache-dev-"
 SHM_ALIGN = 4096
+STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not be mapped yet)
+_CREATOR = re.compile(r"(\d+)-[0-9a-f]+$")  # the creating pid before the random suffix
+
+
+def sweep_stale_shm(shm_dir: str) -> int:
+    """Remove this user's ``hicache-dev-*`` files in ``shm_dir`` whose creating process no
+    longer exists (killed before it could unlink them) and that were not modified for
+    ``STALE_AFTER_S``; returns how many. Mappings other processes hold stay valid."""
+    n, uid, now = 0, os.getuid(), time.time()
+    try:
+        names = [e for e in os.listdir(shm_dir) if e.startswith(SHM_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        m = _CREATOR.search(name)
+        if m is None:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.stat(path)
+            if st.st_uid != uid or now - st.st_mtime < STALE_AFTER_S:
+                continue
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or the pid was reused): keep it
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # gone already, or another user's process
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
 
 
 def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
@@ -34,6 +72,7 @@ def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
     one page, mapped; raises (leaving no file) on failure."""
     if not os.path.isdir(shm_dir):
         raise ValueError(f"shared-memory directory {shm_dir} does not exist")
+    sweep_stale_shm(shm_dir)
     path = os.path.join(shm_dir, f"{SHM_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:

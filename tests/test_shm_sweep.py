@@ -1,0 +1,43 @@
+"""``core.ipc.sweep_stale_shm``: a killed process's ``hicache-dev-*`` file is removed by the next
+``create_shm``; a live process's file, a fresh file and other names stay."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from hicache.core.ipc import SHM_PREFIX, STALE_AFTER_S, create_shm, sweep_stale_shm
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _touch(folder, name: str, age: float) -> str:
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        f.write(b"x")
+    t = time.time() - age
+    os.utime(path, (t, t))
+    return path
+
+
+def test_stale_files_of_dead_processes_go_and_nothing_else(tmp_path):
+    dead = _dead_pid()
+    old = STALE_AFTER_S + 5
+    gone = _touch(tmp_path, f"{SHM_PREFIX}{dead}-0a1b2c", old)
+    gone_tagged = _touch(tmp_path, f"{SHM_PREFIX}sglang-{dead}-0a1b2d", old)
+    live = _touch(tmp_path, f"{SHM_PREFIX}{os.getpid()}-0a1b2e", old)
+    young = _touch(tmp_path, f"{SHM_PREFIX}{dead}-0a1b2f", 1.0)
+    other = _touch(tmp_path, f"something-{dead}-0a1b30", old)
+    path, mm = create_shm(str(tmp_path), "", 4096)  # sweeps first
+    try:
+        assert not os.path.exists(gone) and not os.path.exists(gone_tagged)
+        assert all(os.path.exists(p) for p in (live, young, other, path))
+        assert sweep_stale_shm(str(tmp_path)) == 0  # nothing left to remove
+    finally:
+        mm.close()
+        os.unlink(path)
