@@ -26,6 +26,8 @@ import torch
 from hicache.core.config import ServeConfig, check_address, check_curve, default_socket, sizing
 from hicache.core.errors import UsageError
 from hicache.host_pools.errors import PoolError
+from hicache.kernels import copy_engine
+from hicache.kernels.tables import TransferError
 from hicache.host_pools.group import HostPoolGroup
 from hicache.host_pools.numa_node import online_nodes
 from hicache.core.sizes import arena_bytes, format_bytes
@@ -155,6 +157,10 @@ class Daemon:
                 raise UsageError(f"--device {cfg.device}: there are "
                                  f"{torch.cuda.device_count()} GPUs")
             torch.cuda.set_device(self.device)  # never a context on another GPU
+            try:
+                copy_engine.configure(cfg.copy_engine)
+            except TransferError as e:
+                raise UsageError(f"--copy-engine: {e}") from None
         self.address = cfg.socket or default_socket(cfg.device)
         curve = _curve_keys(cfg) if check_curve(cfg) else None
         ipc = check_address(self.address, cfg.allow_remote, curve is not None) == "ipc"
@@ -250,6 +256,16 @@ class Daemon:
         self.state.refresh_gauges()
 
     # ------------------------------------------------------------------ description
+    def copy_path(self) -> str:
+        """How bytes move between this daemon's host pool and the GPU, in one phrase."""
+        if self.device.type != "cuda":
+            return "CPU copies (CPU mode)"
+        if copy_engine.enabled():
+            return (f"copy-engine DMA for rows of {copy_engine.MIN_BYTES >> 10} KiB or more, "
+                    f"zero-copy kernels for the rest")
+        why = "off (--copy-engine off)" if self.cfg.copy_engine == "off" else copy_engine.status()
+        return f"zero-copy kernels only; copy-engine DMA {why}"
+
     def summary(self) -> str:
         a = self.group.arena.stats
         lay = self.layout
@@ -276,6 +292,7 @@ class Daemon:
             + (f"http://{self.cfg.metrics_addr}:{self.metrics_port}/metrics"
                if self.metrics_port else "off")
             + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s",
+            f"  copy path: {self.copy_path()}",
         ]
         if self.state.l3 is not None:
             lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "

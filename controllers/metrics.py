@@ -41,7 +41,7 @@ DIRECTIONS = ("backup", "load", "swap_out", "swap_in", "clear_slot")
 STATUSES = ("ok", "error")
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
-PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged",
+PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
          "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
 
 

@@ -1,8 +1,10 @@
 """The one entry point of the copy paths: check a request, then pick a path and launch it.
 
 * ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
-  layer: the staged path (few-CTA gather + copy-engine DMA) when the host side comes in long
-  runs of consecutive rows and its indices are on the CPU, else the zero-copy kernel.
+  layer: batched copy-engine DMA (``copy_engine``) for rows of ``copy_engine.MIN_BYTES`` or
+  more between the GPU and pinned host memory with CPU indices; else the staged path (few-CTA
+  gather + one DMA per run) when the host side comes in long runs of consecutive rows and its
+  indices are on the CPU; else the zero-copy kernel.
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead.
@@ -11,7 +13,8 @@
   segments, ``segments``); launches cover 1, 1, 2, 4, 8, ... layers (``layer_groups``), so
   layer 0 goes alone and first; descriptors and offsets are uploaded once; ``on_layer(i)`` runs
   right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
-  there). ``issue_by_layer`` is the same, one launch group per step (the daemon answers the
+  there). Rows that qualify for the copy engines go there instead, batched per launch group
+  ahead of that group's kernel launch. ``issue_by_layer`` is the same, one launch group per step (the daemon answers the
   engine after layer 0's launch and issues the rest right after the reply). Parts come
   from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
   validated (``check_layer_part`` does the checks other entry points do).
@@ -23,7 +26,8 @@ GPU. Every check (lengths, dtype, device, bounds, row sizes, layer shapes) raise
 Duplicate destination indices are not rejected: which source wins is unspecified.
 
 ``impl``: ``"auto"``, ``"zero_copy"`` (Triton, reads/writes pinned host memory directly),
-``"staged"`` (device↔host rows only), ``"reference"`` (torch; the CPU path), ``"triton"`` (an
+``"staged"`` (device↔host rows only), ``"dma"`` (batched copy-engine copies of big rows; refused
+with the reason where it cannot run), ``"reference"`` (torch; the CPU path), ``"triton"`` (an
 alias of zero_copy, also valid on CPU under ``TRITON_INTERPRET=1``). ``ctas`` is the SM budget
 (persistent grid). ``stream``: a ``torch.cuda.Stream`` to run on (default: the current one).
 Each call returns the name of the path it used.
@@ -37,6 +41,8 @@ import numpy as np
 
 import torch
 
+from . import copy_engine
+from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
 from .rows import launch_rows, pads_badly, rows_config
 from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
@@ -48,11 +54,13 @@ __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "layer_part", "LayerTabl
            "DEFAULT_CTAS", "IMPLS"]
 
 DEFAULT_CTAS = 4
-IMPLS = ("auto", "zero_copy", "triton", "staged", "reference")
+IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
 # staged pays off when host runs are at least this many bytes long on average
 STAGED_MIN_RUN_BYTES = 2 << 20
 # token copies between device and host at least this long are issued in host-address order
 SORT_MIN_TOKENS = 1024
+# a layer group's copy-engine batches run on a side stream beside its kernel launch
+DMA_OVERLAP = True
 
 
 def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
@@ -183,6 +191,13 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
     _check_bounds([("src_idx", src_idx, src.rows), ("dst_idx", dst_idx, dst.rows)])
     if src_idx.numel() == 0:
         return "rows_" + path
+    if _use_dma(src, dst, src_idx, dst_idx, path, impl, device):
+        assert device is not None
+        plan = DmaPlan.rows(src.ptrs, dst.ptrs, src.row_bytes, src_idx.numpy() * src.stride,
+                            dst_idx.numpy() * dst.stride).direction(dst.is_cuda, device.index or 0)
+        with _stream_ctx(stream, device):
+            copy_engine.issue_current(plan, 0, len(plan.dst), device)
+        return "rows_dma"
     runs = None
     if path in ("zero_copy", "staged") and device is not None:
         host_idx = dst_idx if src.is_cuda else src_idx
@@ -208,6 +223,27 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
             s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
             launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
     return "rows_" + path
+
+
+def _use_dma(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+             path: str, impl: str, device: Optional[torch.device]) -> bool:
+    """Whether ``copy_rows`` goes to the copy engines: always for ``impl="dma"`` (refused with
+    the reason when it cannot), by default (``auto``) for rows that qualify."""
+    if path not in ("dma", "zero_copy"):
+        return False
+    why = None
+    if device is None:
+        why = "it needs a GPU"
+    elif not copy_engine.enabled():
+        why = copy_engine.status() or "the copy engine is switched off (copy_engine = off)"
+    elif not _dma_direction(src, dst):
+        why = (f"it moves whole rows of {copy_engine.MIN_BYTES} B or more between device "
+               f"memory and pinned host memory at its own address")
+    elif src_idx.is_cuda or dst_idx.is_cuda:
+        why = "it needs both index lists on the CPU"
+    if path == "dma" and why is not None:
+        raise TransferError(f"impl='dma' cannot run: {why}")
+    return why is None and impl in ("auto", "dma")
 
 
 def launch_row_copy(src: LayerTable, dst: LayerTable, s_idx: torch.Tensor, d_idx: torch.Tensor,
@@ -268,8 +304,8 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     ctas = _check_ctas(ctas)
     device = _kernel_device(src, dst, impl)
     path = _resolve(impl, device)
-    if path == "staged":
-        raise TransferError("staged path copies whole rows only; token copies are zero_copy")
+    if path in ("staged", "dma"):
+        raise TransferError(f"the {path} path copies whole rows only; token copies are zero_copy")
     P = fmt.tokens_per_page
     _check_bounds([("src_tok", src_tok, src.rows * P), ("dst_tok", dst_tok, dst.rows * P)])
     if src_tok.numel() == 0:
@@ -298,7 +334,19 @@ def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: n
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
     ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
         token_offsets(src, dst, src_ids, dst_ids, fmt)
-    return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges)
+    return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges,
+                       dma=_dma_direction(src, dst) if fmt is None else "")
+
+
+def _dma_direction(src: LayerTable, dst: LayerTable) -> str:
+    """``"h2d"`` / ``"d2h"`` when whole rows of this pair may go to the copy engines (one side on
+    the GPU, the other pinned host memory the GPU sees at its own address, rows of
+    ``copy_engine.MIN_BYTES`` or more), else ``""``."""
+    if src.is_cuda == dst.is_cuda or src.row_bytes < copy_engine.MIN_BYTES:
+        return ""
+    if not (src.uva and dst.uva and _pinned(dst if src.is_cuda else src)):
+        return ""
+    return "d2h" if src.is_cuda else "h2d"
 
 
 def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -346,27 +394,70 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     if not layer_order:
         return
     dev = device if device.type == "cuda" else None
+    use_dma = dev is not None and copy_engine.enabled()
+    dma_parts = [p for p in parts if p.dma] if use_dma else []
+    seg_parts = [p for p in parts if not p.dma] if use_dma else list(parts)
     g0 = layer_order[0]
-    first = SegmentPlan.build(_layers_of(parts, lambda g: g == g0), [g0])
+    first = _LayerPlan(dma_parts, seg_parts, lambda g: g == g0, [g0], dev)
     with _stream_ctx(stream, dev):
-        first.to(device)
-        launch_segments(first, 0, len(first.desc), ctas)
+        first.launch(device, 0, 1, ctas)
         if on_layer is not None:
             on_layer(0)
     yield 1
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
-    rest = SegmentPlan.build(_layers_of(parts, lambda g: g != g0), layer_order[1:])
-    with _stream_ctx(stream, dev):
-        rest.to(device)
+    rest = _LayerPlan(dma_parts, seg_parts, lambda g: g != g0, layer_order[1:], dev)
     for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
         with _stream_ctx(stream, dev):
-            launch_segments(rest, rest.layers[a - 1][0], rest.layers[b - 2][1], ctas)
+            rest.launch(device, a - 1, b - 1, ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
         yield b
+
+
+class _LayerPlan:
+    """The copies of some layers of an operation: copy-engine batches for the ``dma`` parts (one
+    plan per direction), one segment plan for the rest; ``launch`` issues positions ``[a, b)``
+    of ``order``, copy-engine batches first."""
+
+    def __init__(self, dma_parts: Sequence[SegmentPart], seg_parts: Sequence[SegmentPart],
+                 keep: Callable[[int], bool], order: Sequence[int],
+                 dev: Optional[torch.device]) -> None:
+        self.seg = SegmentPlan.build(_layers_of(seg_parts, keep), order)
+        self.forked = False
+        self.dma: list[DmaPlan] = []
+        for way in ("h2d", "d2h"):
+            mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
+            if mine:
+                assert dev is not None
+                self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
+
+    def launch(self, device: torch.device, a: int, b: int, ctas: int) -> None:
+        lo, hi = self.seg.layers[a][0], self.seg.layers[b - 1][1]
+        if len(self.seg.desc):
+            self.seg.to(device)
+        dma = [(p, p.layers[a][0], p.layers[b - 1][1]) for p in self.dma]
+        dma = [x for x in dma if x[2] > x[1]]
+        if DMA_OVERLAP and dma and self.seg.pieces(lo, hi):
+            # copy engines on the side stream while the kernel runs on the current one; the
+            # current stream then waits for both before the layers' events
+            cur = torch.cuda.current_stream(device)
+            side = copy_engine.side_stream(device)
+            if not self.forked:
+                side.wait_stream(cur)  # after whatever the caller queued before this operation
+                self.forked = True
+            for plan, x, y in dma:
+                copy_engine.issue(plan, x, y, side.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(side)
+            launch_segments(self.seg, lo, hi, ctas)
+            cur.wait_event(done)
+            return
+        for plan, x, y in dma:
+            copy_engine.issue_current(plan, x, y, device)
+        launch_segments(self.seg, lo, hi, ctas)
 
 
 def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:
@@ -377,7 +468,7 @@ def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> lis
         ks = [k for k, g in enumerate(p.layers) if keep(g)]
         if ks:
             out.append(SegmentPart([p.src_ptrs[k] for k in ks], [p.dst_ptrs[k] for k in ks],
-                                   [p.layers[k] for k in ks], p.ranges))
+                                   [p.layers[k] for k in ks], p.ranges, p.dma))
     return out
 
 

@@ -51,6 +51,8 @@ class SegmentPart:
     dst_ptrs: Sequence[int]
     layers: Sequence[int]
     ranges: Sequence[tuple[int, np.ndarray, np.ndarray]]
+    # "h2d" / "d2h": whole rows between host and device, big enough for the copy engines
+    dma: str = ""
 
 
 def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray,

@@ -115,6 +115,8 @@ class LayerTable:
                 raise TransferError(f"{name}: {len(device_ptrs)} device pointers for "
                                     f"{len(layers)} layers")
             self.ptrs = [int(p) for p in device_ptrs]
+        # the GPU sees these layers at their own addresses (what the copy engines need)
+        self.uva = self.ptrs == [int(t.data_ptr()) for t in layers]
         self.align = _pow2_align(self.stride, *self.ptrs)
         self._tables: dict[torch.device, torch.Tensor] = {}
 

@@ -62,6 +62,8 @@ def _case(device: str, src_dev: bool, seed: int = 0):
              ("C", (0, 2, 4), 12, FMT.page_bytes, FMT),
              # a 4-byte scale (the indexer's format) and 36-byte rows: 4-byte words
              ("D", (1, 4), 10, FMT4.page_bytes, FMT4), ("E", (0, 3), 12, 36, None)]
+    if device != "cpu":  # rows big enough for the copy engines (the SWA / state rows' path)
+        specs += [("F", (0, 2, 3), 10, 73_728, None), ("G", (4,), 12, 131_072, None)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
@@ -84,6 +86,12 @@ def _run_and_check(device: str, src_dev: bool) -> None:
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
+    if device != "cpu":
+        from hicache.kernels import copy_engine
+        big = [p.dma for p in parts if p.src_ptrs and max(r[0] for r in p.ranges) >= 65536]
+        want = ("d2h" if src_dev else "h2d") if copy_engine.enabled() else ""
+        assert len(big) == 2 and all(x == want for x in big)
+        assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
     path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
     if device != "cpu":
         torch.cuda.synchronize()
@@ -139,3 +147,24 @@ def test_ranges_below_4_byte_alignment_are_refused():
     with pytest.raises(ValueError, match="not 4-byte aligned"):
         copy_by_layer([layer_part(a, b, np.array([1]), np.array([2]), None, [0, 1])], [0, 1],
                       device=torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_layer_is_complete_when_its_event_is():
+    """Layer readiness on the copy-engine path: when the event recorded for layer ``i``
+    completes, every pool's bytes of that layer are in place (copy-engine batches and kernel
+    launches of a layer both come before its event), while later layers may still be copying."""
+    parts, checks = _case("cuda", False, seed=3)
+    order = [4, 0, 1, 2, 3]
+    events = [torch.cuda.Event() for _ in order]
+    stream = torch.cuda.Stream()
+    copy_by_layer(parts, order, lambda i: events[i].record(stream), device=torch.device("cuda"),
+                  ctas=2, stream=stream)
+    for i, g in enumerate(order):
+        events[i].synchronize()
+        for part, (src, src_cpu, dst, exp) in zip(parts, checks):
+            if g in part.layers:
+                k = list(part.layers).index(g)
+                assert torch.equal(dst[k].cpu(), exp[k]), f"layer {g} not ready at its event"
+    torch.cuda.synchronize()

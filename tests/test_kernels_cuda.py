@@ -24,14 +24,21 @@ def _bufs(where: str, n_layers: int, rows: int, row_bytes: int, seed: int):
     return layers(n_layers, rows, row_bytes, seed, pin=True)
 
 
-@pytest.mark.parametrize("impl", ["zero_copy", "staged", "auto"])
+@pytest.mark.parametrize("impl", ["zero_copy", "staged", "dma", "auto"])
 @pytest.mark.parametrize("direction", sorted(DIRS))
 @pytest.mark.parametrize("row_bytes", [37_440, 149_760, 65_536, 16_384, 6_144, 1_728, 584])
 def test_rows(impl, direction, row_bytes):
-    from hicache.kernels import dispatch
+    from hicache.kernels import copy_engine, dispatch
 
     if impl == "staged" and direction == "d2d":
         pytest.skip("staged is device<->host only")
+    big = direction != "d2d" and row_bytes >= copy_engine.MIN_BYTES and copy_engine.enabled()
+    if impl == "dma" and not big:
+        src = _bufs(DIRS[direction][0], 2, 4, row_bytes, 1)
+        dst = _bufs(DIRS[direction][1], 2, 4, row_bytes, 2)
+        with pytest.raises(dispatch.TransferError, match="impl='dma' cannot run: "):
+            dispatch.copy_rows(src, dst, torch.tensor([0]), torch.tensor([1]), impl="dma")
+        return
     s_where, d_where = DIRS[direction]
     src, dst = _bufs(s_where, 3, 12, row_bytes, 1), _bufs(d_where, 3, 10, row_bytes, 2)
     src0 = [t.cpu().clone() for t in src]
@@ -41,10 +48,14 @@ def test_rows(impl, direction, row_bytes):
         before = [t.cpu().clone() for t in dst]
         # host-side indices stay on the CPU (staged plans its DMAs from them); device-side
         # indices go in as CUDA tensors on d2h, as CPU tensors elsewhere
-        si_arg = si.cuda() if direction == "d2h" else si
+        # (the copy engines take CPU indices only: dma gets them on the CPU)
+        si_arg = si.cuda() if direction == "d2h" and impl != "dma" else si
         path = dispatch.copy_rows(src, dst, si_arg, di, ctas=2, impl=impl)
         torch.cuda.synchronize()
-        assert path == ("rows_staged" if impl == "staged" else "rows_zero_copy")
+        want = {"staged": "rows_staged", "dma": "rows_dma"}.get(impl, "rows_zero_copy")
+        if impl == "auto" and big and not si_arg.is_cuda:
+            want = "rows_dma"
+        assert path == want
         assert_same(dst, expected_rows(src0, before, si, di), f"{k} via {path}")
     assert_same(src, src0, "source changed")
 

@@ -69,6 +69,7 @@ class ServeConfig:
     touch_threads: int | None = None
     inline_max_bytes: int = 256 << 10  # CPU mode: ops up to this size run on the server thread
     spin_us: float = 0.0  # busy-poll this long after a request before sleeping (0 = never)
+    copy_engine: str = "auto"  # GPU mode: batched copy-engine DMA for big rows (auto, on, off)
     load_event_sets: int = 4  # GPU mode: sets of per-layer load events, used round robin
     max_clients: int = 64
     ack_retention: int = 4096  # acks kept per client for poll_acks
@@ -278,7 +279,8 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError("give either --preset or --model-config, not both")
     choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
                "pd_role": PD_ROLES, "write_policy": WRITE_POLICIES,
-               "log_level": ("debug", "info", "warning", "error")}
+               "log_level": ("debug", "info", "warning", "error"),
+               "copy_engine": ("auto", "on", "off")}
     for name, allowed in choices.items():
         v = getattr(cfg, name)
         if (v.lower() if name == "log_level" else v) not in allowed:
@@ -320,6 +322,9 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
                          f"got {cfg.numa_node!r}")
+    if cfg.copy_engine == "on" and cfg.device == "cpu":
+        raise UsageError("--copy-engine on needs a GPU (--device cuda:N); CPU mode copies with "
+                         "the CPU")
     if cfg.parent_pid is not None and cfg.parent_pid <= 1:
         raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
     _validate_l3(cfg)

@@ -1,0 +1,222 @@
+"""Batched copy-engine DMA: many (destination, source, size) copies per CUDA driver call.
+
+Whole page rows of the big pools (DSV4-Flash: the 146-KiB SWA rows, the 128-KiB C4 state rows)
+move at the link through the GPU's copy engines when they go in batches: on an H200,
+``cuMemcpyBatchAsync`` with 256 copies per call moved random 128-150 KiB rows host→device at
+0.985 of a contiguous pinned copy for 0.44 µs of host time per row, where one ``cuMemcpyAsync``
+per row reached 0.45-0.52 and the zero-copy SM kernels top out near 0.91. Small rows do not
+pay: 37-KiB rows reached 0.84, 8-KiB rows 0.35 (the SM kernels do better there). So callers
+send rows of at least ``MIN_BYTES`` here and the rest to the kernels (``dispatch``).
+
+Contract:
+
+* ``status()``: ``None`` when this process can issue batched DMA (a CUDA driver of 12.8 or
+  later exporting ``cuMemcpyBatchAsync``), else the reason it cannot. Probed once.
+* ``configure(mode)``: ``"auto"`` (the default: used when ``status()`` is None), ``"on"``
+  (refused with ``status()``'s reason when it is not available), ``"off"``. ``enabled()``
+  says whether callers should use it.
+* ``DmaPlan.build(parts, layer_order)``: the copies of ``dispatch`` parts marked ``dma``,
+  grouped by the position of their layer in ``layer_order`` (``plan.layers[i] = (lo, hi)``),
+  as host arrays of addresses and sizes; ``DmaPlan.rows(...)`` the same for one buffer pair.
+* ``plan.direction(to_device, device)`` sets the copies' location hints; then
+  ``issue(plan, lo, hi, stream)`` enqueues copies ``[lo, hi)`` on ``stream`` (a raw
+  ``cudaStream_t``) in calls of at most ``PER_CALL`` copies. The copies of one call run in any
+  order among themselves; the batch as a whole runs in stream order (after earlier work on the
+  stream, before later work). A driver error raises ``TransferError`` naming the result code.
+* ``issue_current(plan, lo, hi, device)`` does the same on ``device``'s current stream. The
+  driver refuses batches on the legacy default stream, so there the batch runs on a side
+  stream fenced on both ends (it starts after the work queued before it, and work queued
+  after it waits for it): the same ordering.
+* Nothing is validated here: ids, bounds and buffer kinds are checked by ``dispatch``.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .tables import TransferError
+
+MIN_BYTES = 64 << 10  # rows at least this large go to the copy engines
+PER_CALL = 256  # copies per driver call (one call of thousands ran at 0.87-0.93 of the link)
+MODES = ("auto", "on", "off")
+_SRC_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_LOC_DEVICE, _LOC_HOST = 1, 2  # CUmemLocationType
+
+
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attrs(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Loc), ("dstLocHint", _Loc),
+                ("flags", ctypes.c_uint)]
+
+
+class _Driver:
+    """The driver entry point, its calling convention, and the one attribute every copy uses."""
+
+    def __init__(self) -> None:
+        self.fn: Optional[ctypes._CFuncPtr] = None
+        self.v2 = False
+        self.reason: Optional[str] = None
+        try:
+            if not torch.cuda.is_available():
+                self.reason = "no CUDA device in this process"
+                return
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            self.reason = f"the CUDA driver library could not be loaded ({e})"
+            return
+        ver = ctypes.c_int(0)
+        lib.cuDriverGetVersion(ctypes.byref(ver))
+        if ver.value < 12080:
+            self.reason = f"the CUDA driver is {ver.value // 1000}.{ver.value % 1000 // 10}; " \
+                          f"batched DMA needs 12.8 or later"
+            return
+        P, U64, SZ = ctypes.POINTER, ctypes.c_uint64, ctypes.c_size_t
+        head = [P(U64), P(U64), P(SZ), SZ, P(_Attrs), P(SZ), SZ]
+        if hasattr(lib, "cuMemcpyBatchAsync_v2"):  # CUDA 13 drivers: no failure index
+            self.fn, self.v2 = lib.cuMemcpyBatchAsync_v2, True
+            self.fn.argtypes = head + [ctypes.c_void_p]
+        elif hasattr(lib, "cuMemcpyBatchAsync"):
+            self.fn = lib.cuMemcpyBatchAsync
+            self.fn.argtypes = head + [P(SZ), ctypes.c_void_p]
+        else:
+            self.reason = "the CUDA driver exports no cuMemcpyBatchAsync"
+            return
+        self.fn.restype = ctypes.c_int
+        self.attr_idx = (SZ * 1)(0)
+        self.fail = SZ(0)
+
+
+_driver: Optional[_Driver] = None
+_mode = "auto"
+
+
+def _probe() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+def status() -> Optional[str]:
+    """None when batched DMA can be issued here, else why not."""
+    return _probe().reason
+
+
+def configure(mode: str) -> None:
+    """Set the process-wide policy (see the module docstring)."""
+    global _mode
+    if mode not in MODES:
+        raise TransferError(f"copy engine mode {mode!r} is not one of {MODES}")
+    if mode == "on" and status() is not None:
+        raise TransferError(f"copy engine mode 'on' cannot hold: {status()}")
+    _mode = mode
+
+
+def enabled() -> bool:
+    return _mode != "off" and status() is None
+
+
+class DmaPlan:
+    """Host arrays of one operation's copy-engine copies, grouped by layer position."""
+
+    def __init__(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray,
+                 layers: list[tuple[int, int]]) -> None:
+        self.dst, self.src, self.size = dst, src, size
+        self.layers = layers
+        self.nbytes = int(size.sum())
+        self.attrs: Optional[_Attrs] = None
+
+    def direction(self, to_device: bool, device: int) -> "DmaPlan":
+        """Location hints of the copies (host→device when ``to_device``) on GPU ``device``."""
+        host, dev = _Loc(_LOC_HOST, 0), _Loc(_LOC_DEVICE, device)
+        self.attrs = _Attrs(_SRC_ORDER_STREAM, host if to_device else dev,
+                            dev if to_device else host, 0)
+        return self
+
+    @classmethod
+    def build(cls, parts: Sequence, layer_order: Sequence[int]) -> "DmaPlan":
+        """``parts``: ``SegmentPart`` s of whole rows (one range each); every copy of layer
+        ``layer_order[i]`` lands in ``layers[i]``."""
+        pos = {g: i for i, g in enumerate(layer_order)}
+        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        for part in parts:
+            (rb, so, do), = part.ranges
+            if so.size == 0:
+                continue
+            lpos = np.array([pos[g] for g in part.layers], dtype=np.int64)
+            sp = np.asarray(part.src_ptrs, dtype=np.uint64)[:, None] + so.astype(np.uint64)
+            dp = np.asarray(part.dst_ptrs, dtype=np.uint64)[:, None] + do.astype(np.uint64)
+            blocks.append((np.repeat(lpos, so.size), dp.ravel(), sp.ravel(),
+                           np.full(sp.size, rb, dtype=np.uint64)))
+        if not blocks:
+            e = np.zeros(0, dtype=np.uint64)
+            return cls(e, e, e, [(0, 0)] * len(layer_order))
+        lp = np.concatenate([b[0] for b in blocks])
+        order = np.argsort(lp, kind="stable")
+        bounds = np.searchsorted(lp[order], np.arange(len(layer_order) + 1))
+        take = [np.ascontiguousarray(np.concatenate([b[k] for b in blocks])[order])
+                for k in (1, 2, 3)]
+        return cls(*take, [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(layer_order))])
+
+    @classmethod
+    def rows(cls, src_ptrs: Sequence[int], dst_ptrs: Sequence[int], row_bytes: int,
+             src_off: np.ndarray, dst_off: np.ndarray) -> "DmaPlan":
+        """Every layer of one buffer pair as one group (a backup's rows)."""
+        sp = np.asarray(src_ptrs, dtype=np.uint64)[:, None] + src_off.astype(np.uint64)
+        dp = np.asarray(dst_ptrs, dtype=np.uint64)[:, None] + dst_off.astype(np.uint64)
+        n = sp.size
+        return cls(np.ascontiguousarray(dp.ravel()), np.ascontiguousarray(sp.ravel()),
+                   np.full(n, row_bytes, dtype=np.uint64), [(0, n)])
+
+
+def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
+    """Enqueue copies ``[lo, hi)`` of ``plan`` on the raw stream handle ``stream``."""
+    if hi <= lo:
+        return
+    d = _probe()
+    if d.fn is None:
+        raise TransferError(f"batched DMA is not available: {d.reason}")
+    if plan.attrs is None:
+        raise TransferError("DmaPlan.direction(...) was not set before issue")
+    P, U64, SZ = ctypes.POINTER, ctypes.c_uint64, ctypes.c_size_t
+    s = ctypes.c_void_p(stream)
+    for a in range(lo, hi, PER_CALL):
+        b = min(hi, a + PER_CALL)
+        args = [plan.dst[a:b].ctypes.data_as(P(U64)), plan.src[a:b].ctypes.data_as(P(U64)),
+                plan.size[a:b].ctypes.data_as(P(SZ)), b - a, ctypes.byref(plan.attrs), d.attr_idx, 1]
+        rc = d.fn(*args, s) if d.v2 else d.fn(*args, ctypes.byref(d.fail), s)
+        if rc != 0:
+            raise TransferError(f"cuMemcpyBatchAsync failed with CUresult {rc} on copies "
+                                f"{a}..{b - 1} of {len(plan.dst)}")
+
+
+_side: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """This process's copy-engine side stream on ``device`` (made once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    side = _side.get(idx)
+    if side is None:
+        side = _side[idx] = torch.cuda.Stream(torch.device("cuda", idx))
+    return side
+
+
+def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device) -> None:
+    """``issue`` on ``device``'s current stream (see the module docstring)."""
+    if hi <= lo:
+        return
+    cur = torch.cuda.current_stream(device)
+    if cur.cuda_stream != 0:
+        issue(plan, lo, hi, cur.cuda_stream)
+        return
+    side = side_stream(device)
+    side.wait_stream(cur)
+    issue(plan, lo, hi, side.cuda_stream)
+    cur.wait_stream(side)

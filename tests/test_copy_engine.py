@@ -1,0 +1,78 @@
+"""``kernels.copy_engine`` on the CPU: the plan arithmetic (addresses, sizes, layer grouping),
+the policy switch, and the refusals of ``impl="dma"`` and ``--copy-engine on`` where the copy
+engines cannot run. The copies themselves run in tests/test_kernels_cuda.py and
+tests/test_copy_by_layer.py on a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.core.config import ServeConfig, validate
+from hicache.core.errors import UsageError
+from hicache.kernels import copy_engine, dispatch
+from hicache.kernels.copy_engine import DmaPlan
+from hicache.kernels.segments import SegmentPart
+from hicache.kernels.tables import LayerTable, TransferError
+
+
+def test_plan_groups_copies_by_layer_position_with_exact_addresses():
+    a = SegmentPart([1000, 2000], [5000, 6000], [7, 3],
+                    [(100, np.array([0, 300]), np.array([400, 0]))], "h2d")
+    b = SegmentPart([9000], [8000], [3], [(50, np.array([10]), np.array([20]))], "h2d")
+    plan = DmaPlan.build([a, b], [3, 7])
+    # layer 3 (position 0): a's second layer (2000/6000) then b; layer 7: a's first layer
+    assert plan.layers == [(0, 3), (3, 5)]
+    assert plan.src.tolist() == [2000, 2300, 9010, 1000, 1300]
+    assert plan.dst.tolist() == [6400, 6000, 8020, 5400, 5000]
+    assert plan.size.tolist() == [100, 100, 50, 100, 100]
+    assert plan.nbytes == 450
+    assert all(x.dtype == np.uint64 and x.flags.c_contiguous for x in (plan.src, plan.dst, plan.size))
+
+
+def test_rows_plan_covers_every_layer_in_one_group():
+    plan = DmaPlan.rows([100, 200], [1000, 2000], 8, np.array([0, 16]), np.array([32, 8]))
+    assert plan.layers == [(0, 4)]
+    assert plan.src.tolist() == [100, 116, 200, 216]
+    assert plan.dst.tolist() == [1032, 1008, 2032, 2008]
+
+
+def test_issue_without_direction_or_driver_is_refused():
+    plan = DmaPlan.rows([100], [1000], 8, np.array([0]), np.array([0]))
+    with pytest.raises(TransferError):
+        copy_engine.issue(plan, 0, 1, 0)  # no direction set (and on CPU: no driver)
+
+
+def test_policy_modes():
+    with pytest.raises(TransferError, match="not one of"):
+        copy_engine.configure("sometimes")
+    copy_engine.configure("off")
+    try:
+        assert not copy_engine.enabled()
+    finally:
+        copy_engine.configure("auto")
+    if copy_engine.status() is not None:  # CPU machines: 'on' names why it cannot hold
+        with pytest.raises(TransferError, match="cannot hold: "):
+            copy_engine.configure("on")
+        assert not copy_engine.enabled()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+def test_cpu_buffers_never_take_the_copy_engines():
+    a = LayerTable([torch.zeros(4, 1 << 17, dtype=torch.uint8)] * 2)
+    b = LayerTable([torch.zeros(4, 1 << 17, dtype=torch.uint8)] * 2)
+    part = dispatch.layer_part(a, b, np.array([1]), np.array([2]), None, [0, 1])
+    assert part.dma == ""
+    with pytest.raises(TransferError, match=r"impl='dma' cannot run: it needs a GPU"):
+        dispatch.copy_rows(a, b, torch.tensor([1]), torch.tensor([2]), impl="dma")
+    assert not torch.count_nonzero(b.layers[0])  # nothing moved
+    with pytest.raises(TransferError, match="whole rows only"):
+        dispatch.copy_tokens(a, b, torch.tensor([1]), torch.tensor([2]),
+                             dispatch.TokenFormat(1, 1 << 16, 0, 1 << 16, 1 << 17), impl="dma")
+
+
+def test_serve_refuses_copy_engine_on_in_cpu_mode():
+    with pytest.raises(UsageError, match="--copy-engine on needs a GPU"):
+        validate(ServeConfig(preset="dsv4-tiny", device="cpu", copy_engine="on"))
+    with pytest.raises(UsageError, match="--copy_engine must be one of|--copy-engine must be one of"):
+        validate(ServeConfig(preset="dsv4-tiny", device="cpu", copy_engine="maybe"))
