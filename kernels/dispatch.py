@@ -2,7 +2,8 @@
 
 * ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
   layer: batched copy-engine DMA (``copy_engine``) for rows of ``copy_engine.MIN_BYTES`` or
-  more between the GPU and pinned host memory with CPU indices; else the staged path (few-CTA
+  more, ``copy_engine.MIN_ROWS`` or more at a time, between the GPU and pinned host memory
+  with CPU indices; else the staged path (few-CTA
   gather + one DMA per run) when the host side comes in long runs of consecutive rows and its
   indices are on the CPU; else the zero-copy kernel.
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
@@ -243,7 +244,8 @@ def _use_dma(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor, dst_idx: t
         why = "it needs both index lists on the CPU"
     if path == "dma" and why is not None:
         raise TransferError(f"impl='dma' cannot run: {why}")
-    return why is None and impl in ("auto", "dma")
+    return why is None and (impl == "dma" or (impl == "auto"
+                                              and src_idx.numel() >= copy_engine.MIN_ROWS))
 
 
 def launch_row_copy(src: LayerTable, dst: LayerTable, s_idx: torch.Tensor, d_idx: torch.Tensor,
@@ -334,8 +336,9 @@ def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: n
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
     ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
         token_offsets(src, dst, src_ids, dst_ids, fmt)
+    big = fmt is None and src_ids.size >= copy_engine.MIN_ROWS
     return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges,
-                       dma=_dma_direction(src, dst) if fmt is None else "")
+                       dma=_dma_direction(src, dst) if big else "")
 
 
 def _dma_direction(src: LayerTable, dst: LayerTable) -> str:

@@ -30,6 +30,9 @@ def test_sizes_and_arguments_are_checked():
     assert e2e.parse_sizes("2k, 32k") == ["2k", "32k"]
     with pytest.raises(UsageError, match="unknown size"):
         e2e.parse_sizes("3k")
+    assert e2e.parse_mirrors("checkpoints") == ["checkpoints"]
+    with pytest.raises(UsageError, match="unknown mirror"):
+        e2e.check_args(_args(device="cpu", mirror="half"))
     with pytest.raises(UsageError, match="--runs"):
         e2e.check_args(_args(device="cpu", runs=0))
     with pytest.raises(UsageError, match="--churn"):
@@ -58,3 +61,37 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
+    # the checkpoints mirror: compressed pages plus one checkpoint, every byte verified
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.resume import ResumeModel
+    ck = out["checkpoints"]["2k"]["summary"]
+    assert ck["verified"] is True and ck["pages"] == 8
+    assert ck["bytes"] == ResumeModel(build_layout(preset("dsv4-tiny"))).load_bytes(8, "checkpoints")
+    assert ck["bytes"] < m["bytes"]
+
+
+def test_checkpoint_verification_catches_a_wrong_byte():
+    """The checkpoints mirror's byte check fails on one differing tail byte, state byte or
+    page byte (so a run that reports verified really compared them)."""
+    from types import SimpleNamespace
+
+    from hicache.bench.e2e_checkpoint import _verify
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.resume import ResumeModel
+    from hicache.kernels.tables import TokenFormat
+
+    layout = build_layout(preset("dsv4-tiny"))
+    r = ResumeModel(layout)
+    layers = {n: [torch.zeros(6, p.page_bytes, dtype=torch.uint8) for _ in range(p.num_layers)]
+              for n, p in layout.pools.items()}
+    pools = SimpleNamespace(layers=layers)
+    _verify(pools, r, [0, 1], [2, 3], 4, 5)  # all equal: passes
+    fmt = TokenFormat.from_spec(r.swa_pool)
+    last = r.tail_offsets.stop - 1
+    cases = [(r.swa_pool.name, 5, fmt.scale_offset + last * fmt.scale_bytes, "tail"),
+             (r.state_pools[0].name, 5, 7, "state"), (r.page_pools[0].name, 3, 0, "differs")]
+    for name, row, byte, what in cases:
+        layers[name][-1][row, byte] = 1
+        with pytest.raises(RuntimeError, match=what):
+            _verify(pools, r, [0, 1], [2, 3], 4, 5)
+        layers[name][-1][row, byte] = 0

@@ -63,13 +63,13 @@ def _case(device: str, src_dev: bool, seed: int = 0):
              # a 4-byte scale (the indexer's format) and 36-byte rows: 4-byte words
              ("D", (1, 4), 10, FMT4.page_bytes, FMT4), ("E", (0, 3), 12, 36, None)]
     if device != "cpu":  # rows big enough for the copy engines (the SWA / state rows' path)
-        specs += [("F", (0, 2, 3), 10, 73_728, None), ("G", (4,), 12, 131_072, None)]
+        specs += [("F", (0, 2, 3), 24, 73_728, None), ("G", (4,), 20, 131_072, None)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
         dst = buf(layers, rows + 3, rb, not src_dev, False)
         k = fmt.tokens_per_page if fmt else 1
-        n = 9 if fmt is None else 21
+        n = 21 if fmt is not None else (16 if rb >= 65536 else 9)  # 16: the copy engines' minimum
         s = rng.choice(rows * k, n, replace=False).astype(np.int64)
         d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
         before = [t.cpu().clone() for t in dst]

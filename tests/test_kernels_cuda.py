@@ -53,7 +53,7 @@ def test_rows(impl, direction, row_bytes):
         path = dispatch.copy_rows(src, dst, si_arg, di, ctas=2, impl=impl)
         torch.cuda.synchronize()
         want = {"staged": "rows_staged", "dma": "rows_dma"}.get(impl, "rows_zero_copy")
-        if impl == "auto" and big and not si_arg.is_cuda:
+        if impl == "auto" and big and not si_arg.is_cuda and si.numel() >= copy_engine.MIN_ROWS:
             want = "rows_dma"
         assert path == want
         assert_same(dst, expected_rows(src0, before, si, di), f"{k} via {path}")
@@ -198,3 +198,25 @@ def test_cuda_index_on_wrong_device_or_bounds():
     with pytest.raises(TransferError, match=r"index 4 out of range"):
         dispatch.copy_rows(src, dst, torch.tensor([4]).cuda(), torch.tensor([0]).cuda())
     assert_same(dst, before)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_auto_takes_the_copy_engines_for_many_big_rows(direction):
+    """``auto`` sends whole rows of ``MIN_BYTES`` or more to the copy engines once a call has
+    ``MIN_ROWS`` of them (CPU indices), and keeps fewer on the kernel; bytes exact either way."""
+    from hicache.kernels import copy_engine, dispatch
+
+    if not copy_engine.enabled():
+        pytest.skip(f"copy engines unavailable: {copy_engine.status()}")
+    s_where, d_where = DIRS[direction]
+    rb = 149_760
+    src, dst = _bufs(s_where, 3, 40, rb, 11), _bufs(d_where, 3, 40, rb, 12)
+    src0 = [t.cpu().clone() for t in src]
+    g = torch.Generator().manual_seed(5)
+    for n, want in ((copy_engine.MIN_ROWS, "rows_dma"), (copy_engine.MIN_ROWS - 1, "rows_zero_copy")):
+        si, di = torch.randperm(40, generator=g)[:n], torch.randperm(40, generator=g)[:n]
+        before = [t.cpu().clone() for t in dst]
+        assert dispatch.copy_rows(src, dst, si, di, ctas=2) == want
+        torch.cuda.synchronize()
+        assert_same(dst, expected_rows(src0, before, si, di), f"{n} rows via {want}")
+    assert_same(src, src0, "source changed")

@@ -14,6 +14,10 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   overhead shows as a ratio;
 * a load while a backup of the same size streams, against the solo load.
 
+``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
+JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
+needs: ``checkpoints``, measured by ``e2e_checkpoint``); both by default.
+
 Each figure is the median of ``--runs`` runs; ratios divide by the contiguous pinned-copy limit
 measured in the same run (best of 5 trials per direction). ``--plot`` draws the ratios (needs
 matplotlib; refused with a message without it).
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,20 +43,22 @@ from hicache.engine.client import Client
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.group import HostPoolGroup
-from hicache.kernels.dispatch import copy_by_layer, layer_part
 from hicache.kernels.tables import LayerTable
+from hicache.bench.e2e_checkpoint import one_size_ckpt
+from hicache.bench.e2e_measure import FIGURES, INPROC_CTAS, _inproc_parts, _timed_load, summarize
 
 PAGE_TOKENS = 256
-INPROC_CTAS = 4
-ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
-REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)  # the daemon's default CTA budget; the in-process copy uses the same
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
+MIRRORS = ("full", "checkpoints")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a functional run")
     p.add_argument("--preset", default="dsv4-flash")
     p.add_argument("--sizes", default="2k,8k,32k,128k", help=f"prefix sizes of {list(SIZES)}")
+    p.add_argument("--mirror", default="full,checkpoints",
+                   help="host-tier layouts to load from: full (every pool of every page) and/or "
+                        "checkpoints (compressed pages + one checkpoint) [both]")
     p.add_argument("--runs", type=int, default=5, help="timed runs per size (median)")
     p.add_argument("--churn", type=int, default=2000, help="mixed alloc/free ops before timing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -74,7 +79,16 @@ def parse_sizes(text: str) -> list[str]:
     return sizes
 
 
+def parse_mirrors(text: str) -> list[str]:
+    ms = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in ms if m not in MIRRORS]
+    if not ms or bad:
+        raise UsageError(f"--mirror: unknown mirror(s) {bad or text!r}; choose from {list(MIRRORS)}")
+    return ms
+
+
 def check_args(args: argparse.Namespace) -> None:
+    parse_mirrors(args.mirror)
     if args.runs < 1:
         raise UsageError("--runs must be at least 1")
     if args.churn < 0:
@@ -137,10 +151,6 @@ def churn(c: Client, spaces: dict[str, int], ops: int, rng: np.random.Generator)
         c.free(h)
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     sizes = parse_sizes(args.sizes)
@@ -180,14 +190,19 @@ def run(args: argparse.Namespace) -> int:
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
-                  "ctas": INPROC_CTAS, "runs": args.runs, "sizes": {}}
-        for s in sizes:
-            if args.barrier:  # --gpus: every GPU starts this size together
-                barrier(args.barrier, s, args.pp_size, args.pp_rank)
-            n = SIZES[s] // PAGE_TOKENS
-            result["sizes"][s] = one_size(c, pools, layout, n, args.runs, rng, local, limit,
-                                          cuda, dev)
-            say(f"[e2e] {s}: " + json.dumps(result["sizes"][s]["summary"]))
+                  "ctas": INPROC_CTAS, "runs": args.runs}
+        mirrors = parse_mirrors(args.mirror)
+        for mirror in mirrors:
+            key = "sizes" if mirror == "full" else "checkpoints"
+            measure = one_size if mirror == "full" else one_size_ckpt
+            result[key] = {}
+            for s in sizes:
+                if args.barrier:  # --gpus: every GPU starts this size together
+                    barrier(args.barrier, f"{mirror}-{s}", args.pp_size, args.pp_rank)
+                n = SIZES[s] // PAGE_TOKENS
+                result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
+                                         cuda, dev)
+                say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
         if local is not None:
@@ -221,7 +236,7 @@ def run_gpus(args: argparse.Namespace) -> int:
         for r in range(n):
             cmd = [sys.executable, "-m", "hicache.cli", "bench", "e2e", "--json",
                    "--device", f"cuda:{r}", "--preset", args.preset, "--sizes", args.sizes,
-                   "--runs", str(args.runs), "--churn", str(args.churn),
+                   "--runs", str(args.runs), "--churn", str(args.churn), "--mirror", args.mirror,
                    "--pp-size", str(n), "--pp-rank", str(r), "--barrier", folder]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         while any(p.poll() is None for p in procs):  # one failed: the others would wait
@@ -259,8 +274,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
     nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
                  if p.index in spaces)
     stream = torch.cuda.current_stream(dev) if cuda else None
-    out: dict[str, list[float]] = {k: [] for k in ("backup_ack", "load_first", "load_last",
-                                                    "load_ack", "inproc_last", "busy_last")}
+    out: dict[str, list[float]] = {k: [] for k in FIGURES}
     verified = False
     for r in range(runs):
         total = pools.rows["page"]
@@ -274,7 +288,8 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         c.wait_ack(op, timeout=120)
         out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
-        first, last, ack = _timed_load(c, host, dst, stream, cuda)
+        items = {sp: (host[sp], dst[sp]) for sp in host}
+        first, last, ack = _timed_load(c, items, stream, cuda)
         out["load_first"].append(first)
         out["load_last"].append(last)
         out["load_ack"].append(ack)
@@ -291,83 +306,17 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                         raise RuntimeError(f"load of {n} pages: pool {name} differs")
             verified = True
         if local is not None:
-            out["inproc_last"].append(_inproc(local, layout, host, dst, dev, spaces))
+            out["inproc_last"].append(_inproc_parts(local, layout, items, dev))
         if cuda:  # a load while a backup of the same size streams
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
             bop = c.backup_new(other)
-            _, last_busy, _ = _timed_load(c, host, dst, stream, cuda)
+            _, last_busy, _ = _timed_load(c, items, stream, cuda)
             out["busy_last"].append(last_busy)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)
         c.free(host)
-    med = {k: _median(v) for k, v in out.items()}
-    reply_ms = _median(REPLY) * 1e3 if REPLY else None
-    issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
-    REPLY.clear()
-    ISSUE.clear()
-    summary = {
-        "pages": n, "bytes": nbytes,
-        "load_first_ms": med["load_first"] * 1e3, "load_last_ms": med["load_last"] * 1e3,
-        "load_ack_ms": med["load_ack"] * 1e3, "backup_ack_ms": med["backup_ack"] * 1e3,
-        "load_reply_ms": reply_ms, "inproc_issue_ms": issue_ms,
-        "load_gbps": nbytes / med["load_last"] / 1e9,
-        "backup_gbps": nbytes / med["backup_ack"] / 1e9,
-        "load_ratio": nbytes / med["load_last"] / 1e9 / limit["h2d"] if cuda else None,
-        "backup_ratio": nbytes / med["backup_ack"] / 1e9 / limit["d2h"] if cuda else None,
-        "daemon_vs_inproc": med["load_last"] / med["inproc_last"] if out["inproc_last"] else None,
-        "busy_vs_solo": med["load_last"] / med["busy_last"] if out["busy_last"] else None,
-        "verified": verified,
-    }
-    return {"summary": summary, "runs": out}
-
-
-def _timed_load(c: Client, host: dict[str, list[int]], dst: dict[str, list[int]],
-                stream: Any, cuda: bool) -> tuple[float, float, float]:
-    """(command -> first layer ready, -> last layer ready, -> ack) in seconds."""
-    t0 = time.perf_counter()
-    if not cuda:
-        op = c.load({sp: (host[sp], dst[sp]) for sp in host})
-        c.wait_ack(op, timeout=120)
-        t = time.perf_counter() - t0
-        return t, t, t
-    start = torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    op = c.load({sp: (host[sp], dst[sp]) for sp in host})
-    REPLY.append(time.perf_counter() - t0)
-    ready = []
-    for g in c.stage_layers:
-        c.wait_layer(op, g, stream)
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(stream)
-        ready.append(e)
-    c.wait_ack(op, timeout=120)
-    t_ack = time.perf_counter() - t0
-    ready[-1].synchronize()
-    return (start.elapsed_time(ready[0]) * 1e-3, start.elapsed_time(ready[-1]) * 1e-3, t_ack)
-
-
-def _inproc(local: Any, layout: Layout, host: dict[str, list[int]], dst: dict[str, list[int]],
-            dev: torch.device, spaces: tuple[str, ...]) -> float:
-    """The same per-layer load by the kernels alone, in this process (GPU time)."""
-    _, tabs = local
-    parts = []
-    for name, spec in layout.pools.items():
-        if spec.index not in spaces:
-            continue
-        dev_t, host_t = tabs[name]
-        parts.append(layer_part(host_t, dev_t, np.asarray(host[spec.index], dtype=np.int64),
-                                np.asarray(dst[spec.index], dtype=np.int64), None, spec.layers))
-    order = layout.stage.layers("swa")
-    torch.cuda.synchronize(dev)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    t0 = time.perf_counter()
-    copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS)
-    ISSUE.append(time.perf_counter() - t0)
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e-3
+    return summarize(out, n, nbytes, limit, cuda, verified)
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -375,25 +324,29 @@ def _table(result: dict[str, Any]) -> None:
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}")
-    print(f"{'size':>6} {'MB':>8} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} {'ratio':>6} "
-          f"{'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6}")
+    print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
+          f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
-    for s, r in result["sizes"].items():
-        m = r["summary"]
-        print(f"{s:>6} {m['bytes'] / 1e6:8.0f} {m['load_first_ms']:9.2f} {m['load_last_ms']:8.2f} "
-              f"{m['load_gbps']:9.1f} {f(m['load_ratio']):>6} {m['backup_gbps']:11.1f} "
-              f"{f(m['backup_ratio']):>6} {f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6}")
+    for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
+        for s, r in result.get(key, {}).items():
+            m = r["summary"]
+            print(f"{mirror:>11} {s:>5} {m['bytes'] / 1e6:7.0f} {m['load_first_ms']:9.2f} "
+                  f"{m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} {f(m['load_ratio']):>6} "
+                  f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
+                  f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6}")
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
     plt = pyplot()
     assert plt is not None  # check_args refused --plot without matplotlib
-    sizes = list(result["sizes"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("load_ratio", "LOAD (last layer ready)"), ("backup_ratio", "BACKUP")):
-        ys = [result["sizes"][s]["summary"][key] for s in sizes]
-        if None not in ys:
-            ax.plot(sizes, ys, marker="o", label=label)
+    for mirror, rk in (("full mirror", "sizes"), ("checkpoints", "checkpoints")):
+        res = result.get(rk, {})
+        sizes = list(res)
+        for key, label in (("load_ratio", "LOAD (last layer ready)"), ("backup_ratio", "BACKUP")):
+            ys = [res[s]["summary"][key] for s in sizes]
+            if sizes and None not in ys:
+                ax.plot(sizes, ys, marker="o", label=f"{label}, {mirror}")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("ratio to the pinned-copy limit")
     ax.set_xlabel("prefix tokens")

@@ -1,0 +1,107 @@
+"""``bench e2e --mirror checkpoints``: what a resume loads when the host tier keeps compressed
+pages plus one checkpoint per prefix (DESIGN §15), instead of a full mirror of every pool.
+
+``one_size_ckpt(c, pools, layout, n, runs, rng, local, limit, cuda, dev)`` measures one prefix
+of ``n`` pages, ``runs`` times. Per run:
+
+* BACKUP: the ``n`` page rows of the ``page`` space (device rows scattered at random) and one
+  checkpoint (the boundary page's SWA tail tokens and its C4 / C4-indexer compress-state rows,
+  from a random ``swa_page`` device row) into host rows allocated for it; command -> ack;
+* LOAD of the same into other device rows, timed as the full mirror's (``e2e._timed_load``:
+  first and last stage layer ready from the engine's stream after its per-layer waits, ack);
+* the same load by the kernels in-process (``e2e._inproc_parts``) and a load while a backup of
+  the same shape streams.
+
+Every loaded byte is verified once per size: the page rows, the tail tokens (value and scale)
+and the state rows. Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
+has the same keys as the full mirror's (``e2e.summarize``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.bench import e2e_measure as e2e
+from hicache.core.layout import Layout
+from hicache.core.resume import ResumeModel
+from hicache.engine.client import Client
+from hicache.engine.device_pools import DevicePools
+from hicache.engine.hooks import ClientHooks
+from hicache.kernels.tables import TokenFormat
+
+
+def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
+                  rng: np.random.Generator, local: Any, limit: dict[str, Any], cuda: bool,
+                  dev: torch.device) -> dict[str, Any]:
+    resume = ResumeModel(layout)
+    if resume.checkpoint_space != "swa_page":
+        raise RuntimeError("the checkpoints mirror bench needs paged SWA")
+    hooks = ClientHooks(c, ("page",), resume=resume)
+    nbytes = resume.load_bytes(n, "checkpoints")
+    stream = torch.cuda.current_stream(dev) if cuda else None
+    out: dict[str, list[float]] = {k: [] for k in e2e.FIGURES}
+    verified = False
+    for _ in range(runs):
+        pp = rng.permutation(pools.rows["page"])
+        sp = rng.permutation(pools.rows["swa_page"])
+        src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
+        host = c.alloc({"page": n, "swa_page": 1})
+        ck = host["swa_page"][0]
+        items = {"page": (src, host["page"])}
+        items.update(hooks.checkpoint_items([(int(sp[0]), ck, n)], to_host=True))
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = e2e.now()
+        c.wait_ack(c.backup(items), timeout=120)
+        out["backup_ack"].append(e2e.now() - t0)
+        load = {"page": (host["page"], dst)}
+        load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
+        first, last, ack = e2e._timed_load(c, load, stream, cuda)
+        out["load_first"].append(first)
+        out["load_last"].append(last)
+        out["load_ack"].append(ack)
+        if not verified:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
+            verified = True
+        if local is not None:
+            out["inproc_last"].append(e2e._inproc_parts(local, layout, load, dev))
+        if cuda:  # a load while a backup of the same shape streams
+            other = c.alloc({"page": n, "swa_page": 1})
+            bitems = {"page": (src, other["page"])}  # the load's sources: read by both
+            bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],
+                                                 to_host=True))
+            bop = c.backup(bitems)
+            _, last_busy, _ = e2e._timed_load(c, load, stream, cuda)
+            out["busy_last"].append(last_busy)
+            c.wait_ack(bop, timeout=120)
+            c.free(other)
+        c.free(host)
+    return e2e.summarize(out, n, nbytes, limit, cuda, verified)
+
+
+def _verify(pools: DevicePools, resume: ResumeModel, src: list[int], dst: list[int],
+            ck_src: int, ck_dst: int) -> None:
+    """Raise unless every loaded byte equals its source: page rows, tail tokens, state rows."""
+    for spec in resume.page_pools:
+        dev = pools.layers[spec.name][0].device
+        s_i, d_i = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        for t in pools.layers[spec.name]:
+            if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
+                raise RuntimeError(f"checkpoints load of {len(src)} pages: pool {spec.name} "
+                                   f"differs")
+    for spec in resume.state_pools:
+        for t in pools.layers[spec.name]:
+            if not torch.equal(t[ck_src], t[ck_dst]):
+                raise RuntimeError(f"checkpoint state pool {spec.name} differs")
+    if resume.swa_pool is not None:
+        fmt = TokenFormat.from_spec(resume.swa_pool)
+        vb, sb, so = fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
+        a, b = resume.tail_offsets.start, resume.tail_offsets.stop  # consecutive slots
+        for t in pools.layers[resume.swa_pool.name]:
+            for x, y in ((a * vb, b * vb), (so + a * sb, so + b * sb)):
+                if not torch.equal(t[ck_src, x:y], t[ck_dst, x:y]):
+                    raise RuntimeError(f"checkpoint SWA tail tokens [{a}, {b}) differ")

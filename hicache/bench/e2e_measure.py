@@ -1,0 +1,112 @@
+"""The measurements ``bench e2e`` takes of one load, shared by both mirrors (``e2e``,
+``e2e_checkpoint``): a timed LOAD through the daemon with the engine's per-layer waits, the same
+load by the kernels in-process, and the per-size summary.
+
+* ``_timed_load(c, items, stream, cuda) -> (first, last, ack)``: seconds from the command to the
+  first / last stage layer ready (CUDA events on the engine's stream after its waits) and to
+  the ack; CPU mode: the ack for all three. The command -> reply time goes to ``REPLY``.
+* ``_inproc_parts(local, layout, items, dev) -> seconds``: the same items copied layer by
+  layer by ``dispatch.copy_by_layer`` in this process (GPU time); its host time goes to
+  ``ISSUE``.
+* ``summarize(out, n, nbytes, limit, cuda, verified)``: medians of ``FIGURES``, GB/s, ratios to
+  the limit; empties ``REPLY`` and ``ISSUE``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.core.layout import Layout
+from hicache.engine.client import Client
+from hicache.kernels.dispatch import copy_by_layer, layer_part
+from hicache.kernels.tables import TokenFormat
+
+INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
+FIGURES = ("backup_ack", "load_first", "load_last", "load_ack", "inproc_last", "busy_last")
+ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
+REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)
+now = time.perf_counter
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str, Any],
+              cuda: bool, verified: bool) -> dict[str, Any]:
+    """Medians of one size's runs (``FIGURES``), GB/s and ratios to the limit."""
+    med = {k: _median(v) for k, v in out.items()}
+    reply_ms = _median(REPLY) * 1e3 if REPLY else None
+    issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
+    REPLY.clear()
+    ISSUE.clear()
+    summary = {
+        "pages": n, "bytes": nbytes,
+        "load_first_ms": med["load_first"] * 1e3, "load_last_ms": med["load_last"] * 1e3,
+        "load_ack_ms": med["load_ack"] * 1e3, "backup_ack_ms": med["backup_ack"] * 1e3,
+        "load_reply_ms": reply_ms, "inproc_issue_ms": issue_ms,
+        "load_gbps": nbytes / med["load_last"] / 1e9,
+        "backup_gbps": nbytes / med["backup_ack"] / 1e9,
+        "load_ratio": nbytes / med["load_last"] / 1e9 / limit["h2d"] if cuda else None,
+        "backup_ratio": nbytes / med["backup_ack"] / 1e9 / limit["d2h"] if cuda else None,
+        "daemon_vs_inproc": med["load_last"] / med["inproc_last"] if out["inproc_last"] else None,
+        "busy_vs_solo": med["load_last"] / med["busy_last"] if out["busy_last"] else None,
+        "verified": verified,
+    }
+    return {"summary": summary, "runs": out}
+
+
+def _timed_load(c: Client, items: dict[str, tuple], stream: Any,
+                cuda: bool) -> tuple[float, float, float]:
+    """LOAD ``items`` (``Client.load``'s argument): (command -> first layer ready, -> last layer
+    ready, -> ack) in seconds."""
+    t0 = time.perf_counter()
+    if not cuda:
+        op = c.load(items)
+        c.wait_ack(op, timeout=120)
+        t = time.perf_counter() - t0
+        return t, t, t
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    op = c.load(items)
+    REPLY.append(time.perf_counter() - t0)
+    ready = []
+    for g in c.stage_layers:
+        c.wait_layer(op, g, stream)
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        ready.append(e)
+    c.wait_ack(op, timeout=120)
+    t_ack = time.perf_counter() - t0
+    ready[-1].synchronize()
+    return (start.elapsed_time(ready[0]) * 1e-3, start.elapsed_time(ready[-1]) * 1e-3, t_ack)
+
+
+def _inproc_parts(local: Any, layout: Layout, items: dict[str, tuple],
+                  dev: torch.device) -> float:
+    """The load ``items`` (as ``Client.load`` takes them: a space's rows, a pool's rows, or a
+    pool's tokens) by the kernels alone, in this process, layer by layer (GPU time)."""
+    _, tabs = local
+    parts = []
+    for name, spec in layout.pools.items():
+        it = items.get(name, items.get(spec.index))
+        if it is None:
+            continue
+        fmt = TokenFormat.from_spec(spec) if len(it) > 2 and it[2] == "token" else None
+        dev_t, host_t = tabs[name]
+        parts.append(layer_part(host_t, dev_t, np.asarray(it[0], dtype=np.int64),
+                                np.asarray(it[1], dtype=np.int64), fmt, spec.layers))
+    order = layout.stage.layers("swa")
+    torch.cuda.synchronize(dev)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    t0 = time.perf_counter()
+    copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS)
+    ISSUE.append(time.perf_counter() - t0)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e-3
