@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels.dispatch import copy_by_layer, layer_part
+from hicache.kernels.dispatch import copy_by_layer, copy_parts, layer_part
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,9 @@ def _case(device: str, src_dev: bool, seed: int = 0):
     return parts, checks
 
 
-def _run_and_check(device: str, src_dev: bool) -> None:
+def _run_and_check(device: str, src_dev: bool, all_at_once: bool = False) -> None:
+    """``copy_by_layer`` (or, ``all_at_once``, ``copy_parts``: every layer in one launch, no
+    per-layer order) of ``_case``; every byte checked."""
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
@@ -92,10 +94,15 @@ def _run_and_check(device: str, src_dev: bool) -> None:
         want = ("d2h" if src_dev else "h2d") if copy_engine.enabled() else ""
         assert len(big) == 2 and all(x == want for x in big)
         assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
-    path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
+    if all_at_once:
+        path = copy_parts(parts, device=dev, ctas=3)
+        assert path in ("parts_dma", "parts_zero_copy")
+        assert (path == "parts_dma") == any(p.dma for p in parts)
+    else:
+        path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
+        assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
     if device != "cpu":
         torch.cuda.synchronize()
-    assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
     for src, src_cpu, dst, exp in checks:
         for a, b in zip(src, src_cpu):
             assert torch.equal(a.cpu(), b)  # sources untouched
@@ -109,6 +116,7 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import test_copy_by_layer as t
 t._run_and_check("cpu", True)
+t._run_and_check("cpu", False, all_at_once=True)
 print("ok")
 """
 
@@ -136,9 +144,10 @@ def test_layer_part_refuses_bad_input():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("all_at_once", [False, True], ids=["by_layer", "copy_parts"])
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
-def test_by_layer_on_gpu(src_dev):
-    _run_and_check("cuda", src_dev)
+def test_by_layer_on_gpu(src_dev, all_at_once):
+    _run_and_check("cuda", src_dev, all_at_once)
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
