@@ -338,9 +338,8 @@ def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: n
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
     ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
         token_offsets(src, dst, src_ids, dst_ids, fmt)
-    big = fmt is None and src_ids.size >= copy_engine.MIN_ROWS
     return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges,
-                       dma=_dma_direction(src, dst) if big else "")
+                       dma=_dma_direction(src, dst) if fmt is None else "")
 
 
 def _dma_direction(src: LayerTable, dst: LayerTable) -> str:
@@ -394,9 +393,7 @@ def copy_parts(parts: Sequence[SegmentPart], *, device: torch.device, ctas: int 
     if not order:
         return "parts_zero_copy"
     dev = device if device.type == "cuda" else None
-    use_dma = dev is not None and copy_engine.enabled()
-    dma_parts = [p for p in parts if p.dma] if use_dma else []
-    seg_parts = [p for p in parts if not p.dma] if use_dma else list(parts)
+    dma_parts, seg_parts = _split(parts, dev, copy_engine.MIN_ROWS)
     plan = _LayerPlan(dma_parts, seg_parts, lambda g: True, order, dev)
     with _stream_ctx(stream, dev):
         plan.launch(device, 0, len(order), ctas)
@@ -420,11 +417,10 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     if not layer_order:
         return
     dev = device if device.type == "cuda" else None
-    use_dma = dev is not None and copy_engine.enabled()
-    dma_parts = [p for p in parts if p.dma] if use_dma else []
-    seg_parts = [p for p in parts if not p.dma] if use_dma else list(parts)
     g0 = layer_order[0]
-    first = _LayerPlan(dma_parts, seg_parts, lambda g: g == g0, [g0], dev)
+    # layer 0 takes the copy engines for any number of rows: no plan upload, no kernel launch
+    # before its copy starts (the latency the engine waits for first)
+    first = _LayerPlan(*_split(parts, dev, 1), lambda g: g == g0, [g0], dev)
     with _stream_ctx(stream, dev):
         first.launch(device, 0, 1, ctas)
         if on_layer is not None:
@@ -433,7 +429,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
-    rest = _LayerPlan(dma_parts, seg_parts, lambda g: g != g0, layer_order[1:], dev)
+    rest = _LayerPlan(*_split(parts, dev, copy_engine.MIN_ROWS), lambda g: g != g0,
+                      layer_order[1:], dev)
     for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
         with _stream_ctx(stream, dev):
             rest.launch(device, a - 1, b - 1, ctas)
@@ -441,6 +438,16 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 for i in range(a, b):
                     on_layer(i)
         yield b
+
+
+def _split(parts: Sequence[SegmentPart], dev: Optional[torch.device],
+           min_rows: int) -> tuple[list[SegmentPart], list[SegmentPart]]:
+    """(copy-engine parts, segment parts): a part goes to the copy engines when it qualifies
+    (``dma``), they are enabled, and it has ``min_rows`` rows or more."""
+    if dev is None or not copy_engine.enabled():
+        return [], list(parts)
+    dma = [p for p in parts if p.dma and p.ranges[0][1].size >= min_rows]
+    return dma, [p for p in parts if not any(p is q for q in dma)]
 
 
 class _LayerPlan:

@@ -63,13 +63,15 @@ def _case(device: str, src_dev: bool, seed: int = 0):
              # a 4-byte scale (the indexer's format) and 36-byte rows: 4-byte words
              ("D", (1, 4), 10, FMT4.page_bytes, FMT4), ("E", (0, 3), 12, 36, None)]
     if device != "cpu":  # rows big enough for the copy engines (the SWA / state rows' path)
-        specs += [("F", (0, 2, 3), 24, 73_728, None), ("G", (4,), 20, 131_072, None)]
+        specs += [("F", (0, 2, 3), 24, 73_728, None), ("G", (4,), 20, 131_072, None),
+                  # few big rows: copy engines for the first layer (4) only, kernel elsewhere
+                  ("H", (4, 1), 8, 65_536, None)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
         dst = buf(layers, rows + 3, rb, not src_dev, False)
         k = fmt.tokens_per_page if fmt else 1
-        n = 21 if fmt is not None else (16 if rb >= 65536 else 9)  # 16: the copy engines' minimum
+        n = 21 if fmt is not None else (5 if name == "H" else 16 if rb >= 65536 else 9)
         s = rng.choice(rows * k, n, replace=False).astype(np.int64)
         d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
         before = [t.cpu().clone() for t in dst]
@@ -92,12 +94,14 @@ def _run_and_check(device: str, src_dev: bool, all_at_once: bool = False) -> Non
         from hicache.kernels import copy_engine
         big = [p.dma for p in parts if p.src_ptrs and max(r[0] for r in p.ranges) >= 65536]
         want = ("d2h" if src_dev else "h2d") if copy_engine.enabled() else ""
-        assert len(big) == 2 and all(x == want for x in big)
+        assert len(big) == 3 and all(x == want for x in big)
         assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
     if all_at_once:
         path = copy_parts(parts, device=dev, ctas=3)
         assert path in ("parts_dma", "parts_zero_copy")
-        assert (path == "parts_dma") == any(p.dma for p in parts)
+        from hicache.kernels import copy_engine
+        many = any(p.dma and p.ranges[0][1].size >= copy_engine.MIN_ROWS for p in parts)
+        assert (path == "parts_dma") == (device != "cpu" and copy_engine.enabled() and many)
     else:
         path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
         assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
