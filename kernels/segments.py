@@ -16,7 +16,8 @@ Contract:
 * ``plan.to(device)`` uploads the descriptor table and offsets in one copy on the current
   stream (through pinned memory: the host is not blocked).
 * ``launch_segments(dev_plan, lo, hi, ctas)`` copies segments ``[lo, hi)`` on the current
-  stream with a persistent grid of ``ctas`` CTAs (under interpreters without runtime loop
+  stream (on a GPU through ``launch_cache``: the compiled kernel launched directly after its
+  first launch per specialization) with a persistent grid of ``ctas`` CTAs (under interpreters without runtime loop
   bounds: a 2-D grid of one program per segment and iteration). Nothing is checked here: callers validate ids (``dispatch``).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .grid import runtime_loops
+from .launch_cache import CachedKernel
 from .tables import LayerTable, TokenFormat, _pow2_align
 
 CH = 2048  # bytes per piece
@@ -197,7 +199,7 @@ def _seg_step(it, desc, soff, doff, sgi, WORD: tl.constexpr, VEC: tl.constexpr,
     tl.store(d_ptr[:, None] + cols[None, :], v, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg_lo", "seg_hi"])
 def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, WORD: tl.constexpr, VEC: tl.constexpr,
                 G: tl.constexpr, PERSISTENT: tl.constexpr):
     """Persistent: every CTA walks the segments in order and takes every num_programs-th
@@ -213,6 +215,9 @@ def _seg_kernel(desc, soff, doff, seg_lo, seg_hi, WORD: tl.constexpr, VEC: tl.co
                 _seg_step(it, desc, soff, doff, sgi, WORD, VEC, G)
     else:
         _seg_step(tl.program_id(1), desc, soff, doff, seg_lo + pid, WORD, VEC, G)
+
+
+SEG_KERNEL = CachedKernel(_seg_kernel)
 
 
 def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
@@ -231,5 +236,8 @@ def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
     else:
         most = max(plan.prefix[k + 1] - plan.prefix[k] for k in range(lo, hi))
         grid, persistent = (hi - lo, triton.cdiv(most, G)), False
-    _seg_kernel[grid](desc, soff, doff, lo, hi, WORD=word, VEC=vec, G=G, PERSISTENT=persistent,
-                      num_warps=NUM_WARPS)
+    args = {"desc": desc, "soff": soff, "doff": doff, "seg_lo": lo, "seg_hi": hi, "WORD": word,
+            "VEC": vec, "G": G, "PERSISTENT": persistent}
+    key = (word, vec, G, persistent, desc.data_ptr() % 16 == 0, soff.data_ptr() % 16 == 0,
+           doff.data_ptr() % 16 == 0)
+    SEG_KERNEL.launch(grid, key, args, {"num_warps": NUM_WARPS}, desc.is_cuda)

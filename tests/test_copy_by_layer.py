@@ -181,3 +181,20 @@ def test_each_layer_is_complete_when_its_event_is():
                 k = list(part.layers).index(g)
                 assert torch.equal(dst[k].cpu(), exp[k]), f"layer {g} not ready at its event"
     torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_repeated_loads_launch_the_compiled_kernel_directly():
+    """After one load, the same load again launches every group through the kept compiled
+    kernels (no JIT call), and its bytes are exact."""
+    from hicache.kernels.segments import SEG_KERNEL
+
+    _run_and_check("cuda", False)
+    before = SEG_KERNEL.jit_launches
+    _run_and_check("cuda", False)
+    _run_and_check("cuda", True, all_at_once=True)
+    _run_and_check("cuda", True, all_at_once=True)
+    assert SEG_KERNEL.specializations >= 1
+    # the all-at-once copy may meet one new specialization (its own pointer alignments) once
+    assert SEG_KERNEL.jit_launches - before <= 2
