@@ -108,6 +108,8 @@ class MixClient:
         self.swapping = 0  # swap-outs not acked yet
         self.version = 0
         self.token_pools = [p.name for p in layout.pools.values() if p.token_granular]
+        # called with each acked operation before its check (tests inject wrong bytes here)
+        self.on_ack: Callable[[Pending], None] | None = None
 
     # ------------------------------------------------------------------ device rows
     def _up(self, *lists: Sequence[int]) -> list[torch.Tensor]:
@@ -172,6 +174,8 @@ class MixClient:
             self.st["failed_ops"] += 1
             self.problem(f"{p.kind} op {p.op.op_id} failed: {ack.error}")
         elif p.then is not None:
+            if self.on_ack is not None:
+                self.on_ack(p)
             t = time.perf_counter()
             p.then()
             self.st["t_check"] += time.perf_counter() - t
@@ -337,13 +341,13 @@ class MixClient:
 
         def check() -> None:
             rows = self.rows[pool]
-            names = [f"host token {h}" for h in htoks]
             got = rows.tokens(d_t.index_select(0, di_t), dp_t)
-            checks = [(f"token load of {pool} (value and scale)", got, want, names, True)]
-            checks.append((f"token load of {pool}: device bytes beside the loaded tokens",
-                           rows.w[:, d_t], after, [f"device row {d}" for d in drows],
-                           False))
-            self._verify(checks)
+            beside = rows.w[:, d_t]  # a copy; its loaded tokens are checked above, not here
+            Rows(beside.view(torch.uint8), self.layout.pool(pool)).put_tokens(di_t, dp_t, want)
+            self._verify([(f"token load of {pool} (value and scale)", got, want,
+                           [f"host token {h}" for h in htoks], True),
+                          (f"token load of {pool}: device bytes beside the loaded tokens",
+                           beside, after, [f"device row {d}" for d in drows], False)])
         self.pending.append(Pending(op, "token load", space, drows, check,
                                     [(pool, "tokens", dtoks)]))
         self.st["loads"] += 1
