@@ -2,7 +2,9 @@
 
 ``run_soak(address, clients, ops, ...)`` starts ``clients`` processes (spawned) that each run
 ``ops`` operations against the daemon and report their counters; the daemon's RSS is sampled
-after ``warmup`` of all operations, at every tenth and at the end. Two mixes:
+after ``warmup`` of all operations, at every tenth and at the end. The clock (``seconds``,
+``ops_per_s``) starts once every client has set up and registered (``client_setup_s``); a
+progress line (operations, ops/s, daemon RSS) every ``PROGRESS_S``. Two mixes:
 
 * ``mix="page"`` (``_soak_client``): ``alloc`` / ``backup`` / ``load`` / ``free`` of 1..``max_rows``
   rows of one unit (an index space or one pool), every load checked against the content its
@@ -274,8 +276,8 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     t0 = time.monotonic()
     deadline = t0 + 3600
     try:  # the clock starts once every client has set up (torch, CUDA, pools, register)
-        while ready.value < clients and time.monotonic() < t0 + SETUP_TIMEOUT_S \
-                and any(p.is_alive() for p in procs):
+        while ready.value + sum(p.exitcode is not None for p in procs) < clients \
+                and time.monotonic() < t0 + SETUP_TIMEOUT_S:  # (a dead client: reported below)
             time.sleep(0.05)
         setup_s = time.monotonic() - t0
         if progress is not None:
