@@ -285,6 +285,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
         go.set()
         t0 = time.monotonic()
         next_note = t0 + PROGRESS_S
+        last = (t0, 0)  # (time, operations) at the previous progress line
         dead: set[int] = set()
         while len(results) < clients and time.monotonic() < deadline:
             try:
@@ -299,7 +300,10 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
                 rss_warm = rss()
             if progress is not None and time.monotonic() >= next_note:
                 mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
-                progress(f"{done}/{total} operations, {done / (time.monotonic() - t0):.0f}/s{mib}")
+                now = time.monotonic()
+                progress(f"{done}/{total} operations, {done / (now - t0):.0f}/s (last "
+                         f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}")
+                last = (now, done)
                 next_note += PROGRESS_S
             for i, p in enumerate(procs):  # a client gone without its counters: say so now
                 if i not in dead and p.exitcode is not None and i not in results \
