@@ -49,3 +49,22 @@ def test_soak_mix_all_on_the_gpu():
     assert rep["lost_acks"] == 0 and rep["failed_ops"] == 0 and rep["refused"] == 0, (rep, err)
     assert rep["corrupted_pages"] == 0 and rep["verified_bytes"] > 0, (rep["problems"], err)
     assert rep["daemon_tracebacks"] == 0, err
+    print("soak rate:", json.dumps({k: rep.get(k) for k in (
+        "ops_per_s", "seconds", "client_setup_s", "client_seconds", "verified_bytes")}))
+
+
+def test_every_wrong_byte_is_reported_on_the_gpu(tmp_path: Path) -> None:
+    """The CPU test's fault injection (``test_soak_mix``) against a CUDA daemon and CUDA pools:
+    the device-side checks count each flipped byte as one corrupted unit."""
+    from conftest import start_daemon
+    from hicache.bench.soak import MIX_DAEMON_ROWS
+    from test_soak_mix import run_with_wrong_bytes
+
+    d = start_daemon(tmp_path, device="cuda:0", preset="dsv4-tiny", device_rows=MIX_DAEMON_ROWS,
+                     host=("--host-ratio", "4"), heartbeat_timeout=30.0, metrics=False,
+                     ready_timeout=180.0)
+    try:
+        run_with_wrong_bytes(d.address, "cuda:0")
+    finally:
+        d.stop()
+    assert "Traceback" not in d.output()

@@ -25,9 +25,12 @@ Three modes, each against its own daemon subprocess on a private ipc socket:
   eviction and a load of verified content).
 
 ``--json`` prints one object (``clients``, ``ops``, ``lost_acks``, ``corrupted_pages``,
-``rss_growth_pct``, ``ops_per_s``, ``seconds`` for the default mode). Exit status 0 when the
-mode's checks pass. Progress goes to stderr in every mode (``--json`` too: stdout holds the
-object only). Any failure of the bench itself (the daemon not starting, a client process dying,
+``rss_growth_pct``, ``ops_per_s``, ``seconds`` for the default mode; ``seconds`` starts once
+every client has set up, which ``client_setup_s`` reports apart; ``--mix all`` adds
+``verified_bytes`` and ``client_seconds``, a client's average time split into its loop,
+command round trips, ack waits and checks). Exit status 0 when the mode's checks pass.
+Progress goes to stderr in every mode (``--json`` too: stdout holds the object only; the
+sustained load prints operations done and ops/s every 10 s). Any failure of the bench itself (the daemon not starting, a client process dying,
 an exception) ends with one line ``hicache bench soak: FAILED: ...`` on stderr, the tail of the
 daemon's log before it, exit status 1, and with ``--json`` an object ``{"ok": false, "error":
 ...}`` on stdout; a run whose checks fail prints the daemon log's tail too.
@@ -235,6 +238,9 @@ def _print(rep: Mapping[str, Any]) -> None:
               f"{rep['backups']} backups, {rep['loads']} loads ({rep['verified_pages']} pages "
               f"verified, {rep['verified_bytes'] / 1e9:.2f} GB), {rep['swaps']} swaps, "
               f"{rep['frees']} frees, {rep['allocs']} allocs")
+        split = rep.get("client_seconds") or {}
+        print(f"  clients set up in {rep.get('client_setup_s')} s (not timed); a client's time: "
+              + ", ".join(f"{k} {v} s" for k, v in split.items()))
         print(f"  lost acks {rep['lost_acks']}, failed ops {rep['failed_ops']}, corrupted pages "
               f"{rep['corrupted_pages']}, refused {rep['refused']}")
         print(f"  daemon RSS {rep['rss_warm_mib']} MiB after {rep['warmup_fraction']:.0%} -> "

@@ -2,7 +2,9 @@
 
 ``run_soak(address, clients, ops, ...)`` starts ``clients`` processes (spawned) that each run
 ``ops`` operations against the daemon and report their counters; the daemon's RSS is sampled
-after ``warmup`` of all operations, at every tenth and at the end. Two mixes:
+after ``warmup`` of all operations, at every tenth and at the end. The clock (``seconds``,
+``ops_per_s``) starts once every client has set up and registered (``client_setup_s``); a
+progress line (operations, ops/s, daemon RSS) every ``PROGRESS_S``. Two mixes:
 
 * ``mix="page"`` (``_soak_client``): ``alloc`` / ``backup`` / ``load`` / ``free`` of 1..``max_rows``
   rows of one unit (an index space or one pool), every load checked against the content its
@@ -22,11 +24,13 @@ from typing import Any, Callable
 
 SOAK_DAEMON_ROWS = "page=64,swa_page=8,req_slot=4"  # x --host-ratio 4: 256 page rows
 SOAK_DEV_ROWS = {"page": 32, "swa_page": 4, "req_slot": 2}  # per client
+SETUP_TIMEOUT_S = 300.0  # clients importing torch and opening CUDA on a busy machine
+PROGRESS_S = 10.0  # a progress line at least this often
 
 
 def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, unit: str,
-                 max_rows: int, window: int, quota: int, counter: Any, go: Any, release: Any,
-                 out: Any) -> None:
+                 max_rows: int, window: int, quota: int, counter: Any, ready: Any, go: Any,
+                 release: Any, out: Any) -> None:
     """One soak client process (see the module docstring); puts its counters on ``out``.
     SIGTERM or the parent's death end it quietly, its shm file unlinked (``quiet_worker``)."""
     from multiprocessing.util import Finalize
@@ -89,9 +93,12 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
             complete()
         return rng.sample([r for r in range(nd) if r not in busy], k)
 
+    registered = False
     try:
         c.register(**bufs.register_fields())
-        go.wait(120)
+        registered = True
+        _count(ready, 1)
+        go.wait(300)
         for i in range(ops):
             k = rng.randint(1, max_rows)
             x = rng.random()
@@ -152,17 +159,21 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
             counter.value += st["ops"] % 50
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         problem(f"{type(e).__name__}: {e}")
+        if not registered:
+            _count(ready, 1)
     report_and_leave(out, idx, st, release, c, bufs)
 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
-                window: int, counter: Any, go: Any, release: Any, out: Any) -> None:
+                window: int, counter: Any, ready: Any, go: Any, release: Any, out: Any) -> None:
     """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``.
     SIGTERM or the parent's death end it (its device pools freed, its shm file unlinked), so a
     bench killed by a timeout leaves no client holding GPU memory."""
     from hicache.cli.lifecycle import quiet_worker
 
     quiet_worker(os.getppid())
+    import torch
+
     from hicache.bench.soak_mix import MIX_DEV_ROWS, MixClient
     from hicache.core.layout import build_layout, preset
     from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
@@ -173,6 +184,8 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
                           "swaps": 0, "lost_acks": 0, "failed_ops": 0, "corrupted_pages": 0,
                           "verified_pages": 0, "verified_bytes": 0, "refused": 0,
                           "unreachable": 0, "first_problem": None}
+    if device == "cpu":  # eight clients share the cores: no intra-op threads of their own
+        torch.set_num_threads(1)
     try:  # a client that cannot even start says why (CUDA pools, IPC export, registration)
         pools = DevicePools(layout, {s: n for s, n in MIX_DEV_ROWS.items()
                                      if layout.space_pools(s)}, device)
@@ -182,9 +195,12 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
     except Exception as e:  # noqa: BLE001
         st["first_problem"] = f"client {idx}: setup on {device} failed: {type(e).__name__}: {e}"
         out.put((idx, st))
+        _count(ready, 1)
         return
+    _count(ready, 1)
     try:
-        go.wait(120)
+        go.wait(300)
+        t0 = time.perf_counter()
         for _ in range(ops):
             try:
                 m.step()
@@ -203,11 +219,17 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
                     counter.value += 50
         while m.pending:
             m.complete()
+        st["t_loop"] = time.perf_counter() - t0
         with counter.get_lock():
             counter.value += st["ops"] % 50
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         m.problem(f"{type(e).__name__}: {e}")
     report_and_leave(out, idx, st, release, c, pools)
+
+
+def _count(value: Any, n: int) -> None:
+    with value.get_lock():
+        value.value += n
 
 
 def report_and_leave(out: Any, idx: int, st: dict[str, Any], release: Any, c: Any,
@@ -233,17 +255,18 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     docstring); ``rss()`` returns the daemon's RSS in bytes (sampled after ``warmup`` of all
     operations and once every client finished, before they unregister)."""
     ctx = mp.get_context("spawn")
-    counter = ctx.Value("q", 0)
+    counter, ready = ctx.Value("q", 0), ctx.Value("q", 0)
     go, release = ctx.Event(), ctx.Event()
     out = ctx.Queue()
     if mix == "all":
         procs = [ctx.Process(target=_mix_client, name=f"mix{i}", daemon=True,
                              args=(address, i, ops, seed, preset_name, device, window, counter,
-                                   go, release, out)) for i in range(clients)]
+                                   ready, go, release, out)) for i in range(clients)]
     else:
         procs = [ctx.Process(target=_soak_client, name=f"soak{i}", daemon=True,
                              args=(address, i, ops, seed, preset_name, unit, max_rows, window,
-                                   quota, counter, go, release, out)) for i in range(clients)]
+                                   quota, counter, ready, go, release, out))
+                 for i in range(clients)]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -252,11 +275,17 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     curve: list[float] = []
     t0 = time.monotonic()
     deadline = t0 + 3600
-    try:
-        time.sleep(0.2)
+    try:  # the clock starts once every client has set up (torch, CUDA, pools, register)
+        while ready.value + sum(p.exitcode is not None for p in procs) < clients \
+                and time.monotonic() < t0 + SETUP_TIMEOUT_S:  # (a dead client: reported below)
+            time.sleep(0.05)
+        setup_s = time.monotonic() - t0
+        if progress is not None:
+            progress(f"{ready.value} of {clients} clients set up in {setup_s:.1f} s")
         go.set()
         t0 = time.monotonic()
-        next_note = t0 + 15
+        next_note = t0 + PROGRESS_S
+        last = (t0, 0)  # (time, operations) at the previous progress line
         dead: set[int] = set()
         while len(results) < clients and time.monotonic() < deadline:
             try:
@@ -271,8 +300,11 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
                 rss_warm = rss()
             if progress is not None and time.monotonic() >= next_note:
                 mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
-                progress(f"{done}/{total} operations, {done / (time.monotonic() - t0):.0f}/s{mib}")
-                next_note += 15
+                now = time.monotonic()
+                progress(f"{done}/{total} operations, {done / (now - t0):.0f}/s (last "
+                         f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}")
+                last = (now, done)
+                next_note += PROGRESS_S
             for i, p in enumerate(procs):  # a client gone without its counters: say so now
                 if i not in dead and p.exitcode is not None and i not in results \
                         and out.empty():
@@ -300,8 +332,11 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     sums: dict[str, Any] = {}
     for st in results.values():
         for k, v in st.items():
-            if isinstance(v, int):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 sums[k] = sums.get(k, 0) + v
+    n = max(1, len(results))  # where a client's time went, averaged over the clients
+    split = {k: round(sums[f"t_{k}"] / n, 2) for k in ("loop", "calls", "ack_wait", "check")
+             if f"t_{k}" in sums}
     problems = [st["first_problem"] for st in results.values() if st.get("first_problem")]
     problems += [f"client {i} exited with status {procs[i].exitcode} without reporting (its "
                  f"traceback, if any, is on stderr above)" for i in range(clients)
@@ -326,6 +361,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
         "rss_growth_pct": growth, "warmup_fraction": warmup,
         "rss_curve_mib": curve + ([round(rss_end / 2**20, 2)] if rss_end is not None else []),
         "seconds": round(seconds, 2), "ops_per_s": round(sums.get("ops", 0) / max(seconds, 1e-9), 1),
+        "client_setup_s": round(setup_s, 2), "client_seconds": split,
         "problems": problems[:8],
     }
 
