@@ -4,7 +4,8 @@ specialization, launched directly.
 A ``kernel[grid](...)`` call binds the arguments, computes Triton's specialization key and looks
 it up before it launches: 40-60 µs of host time per launch on the H200 machine, where a load
 issues seven launches and the copy of layer 0 waits for the first. ``CachedKernel`` keeps the
-``CompiledKernel`` that call returns and launches it through ``compiled[grid](*args)``.
+``CompiledKernel`` that call returns and launches it through ``compiled[grid](*args)`` (the
+grid padded to three dimensions: the compiled runner reads all three).
 
 Contract: ``CachedKernel(fn)``; ``launch(grid, key, args, options, cached)`` runs ``fn`` on the
 current stream with ``args`` (every kernel parameter by name, constexprs included: tensors or
@@ -34,7 +35,7 @@ class CachedKernel:
                options: Mapping[str, Any], cached: bool) -> None:
         ck = self._compiled.get(key) if cached else None
         if ck is not None:
-            ck[grid](*[a.data_ptr() if isinstance(a, torch.Tensor) else a
+            ck[tuple(grid) + (1,) * (3 - len(grid))](*[a.data_ptr() if isinstance(a, torch.Tensor) else a
                        for a in (args[n] for n in self.names)])
             return
         self.jit_launches += 1
