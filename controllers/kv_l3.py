@@ -29,12 +29,14 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   answers those keys *pending*. When the job completes, each object whose header, length and
   checksum verify becomes an entry (or fills that slot of an entry a put made meanwhile);
   the others free their rows and are remembered absent for ``ABSENT_TTL`` seconds, so the
-  client's retry gets 0 (a miss, counted as ``l3_pages{result="kv_miss"}``), never bytes.
+  client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after consulting L3
+  (known absent or corrupt, offline, no row free) counts in ``l3_pages{result="kv_miss"}``.
 * ``exists`` (``kv_exists``) answers from what the daemon knows: entries, objects it wrote
   or saw (present for ``PRESENT_TTL`` s), objects found absent (``ABSENT_TTL`` s). An unknown
   key starts one asynchronous query and is answered *pending*; the client asks again.
 * While the tier connects, unknown keys are pending (nothing is submitted); while it is
-  offline they are misses at once.
+  offline they are misses at once, and so are a namespace's keys while ``clear`` removes its
+  objects (a read then could bring cleared pages back).
 
 A job's bookkeeping (``_Tag``) is finished by ``DaemonState.finish_l3`` on the server thread.
 """
@@ -64,9 +66,10 @@ _REGEX_SPECIAL = set(".^$|?*+()[]{}\\")
 Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
 
 
-def kv_prefix(objects: F.Objects) -> str:
-    """``hc1/<model>/<fingerprint>/kv/pp<r>of<n>``: the key-store objects of this stage."""
-    head, _, pp = objects.ns["full"].rsplit("/", 2)
+def kv_prefix(full_ns: str) -> str:
+    """``hc1/<model>/<fingerprint>/kv/pp<r>of<n>`` from the stage's full-mirror namespace
+    (``l3_format.namespace(layout)``): the key-store objects of this stage."""
+    head, _, pp = full_ns.rsplit("/", 2)
     return f"{head}/kv/{pp}"
 
 
@@ -120,12 +123,13 @@ class KvL3:
 
     def __init__(self, st: "DaemonState", store: Any) -> None:
         self.st, self.store, self.l3 = st, store, st.l3
-        self.prefix = kv_prefix(self.l3.objects)
+        self.prefix = kv_prefix(self.l3.objects.ns["full"])
         self.formats: dict[str, Any] = {}
         self.known: OrderedDict[Ident, tuple[bool, float]] = OrderedDict()
         self.fetching: set[Ident] = set()
         self.querying: set[Ident] = set()
         self.generation: dict[str, int] = {}  # namespace -> kv_clear count
+        self.removing: dict[str, int] = {}  # namespace -> its removals in flight (no reads)
         self.pinned = 0
 
     # ------------------------------------------------------------------ objects
@@ -167,8 +171,11 @@ class KvL3:
         del self.known[ident]
         return None
 
-    def _unknown_is_pending(self) -> bool | None:
-        """True: ask the store; None: still connecting (pending, nothing asked); False: offline."""
+    def _unknown_is_pending(self, ns: str) -> bool | None:
+        """True: ask the store; None: still connecting (pending, nothing asked); False: offline
+        or the namespace's objects are being removed (a miss)."""
+        if ns in self.removing:
+            return False
         if self.l3.online:
             return True
         return None if self.l3.state == "connecting" else False
@@ -188,6 +195,7 @@ class KvL3:
         self.pinned += len(entries)
         self.st.tracker.begin(host)
         idents = [(space, ep.ns, ep.slot, k) for k, _ in stored]
+        gen = self.generation.get(ep.ns, 0)
         job = L3Job("put", [self._key(ep, k) for k, _ in stored],
                     [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
 
@@ -198,7 +206,7 @@ class KvL3:
             self.st.tracker.end(host)
             if self.st.tracker.deferred:
                 self.st.release_ready()
-            if not j.misses:  # every object is in the store (written or already there)
+            if not j.misses and self.generation.get(ep.ns, 0) == gen:  # all in the store
                 for i in idents:
                     self._remember(i, True)
 
@@ -211,8 +219,9 @@ class KvL3:
         pending (the others are misses). ``keep``: the call's entries, never evicted for
         the rows this takes."""
         now = time.monotonic()
-        mode = self._unknown_is_pending()
+        mode = self._unknown_is_pending(ep.ns)
         pending: list[int] = []
+        misses = 0
         todo: list[tuple[int, Ident]] = []
         asked: set[Ident] = set()
         for j, k in missing:
@@ -220,16 +229,17 @@ class KvL3:
             if ident in self.fetching or ident in asked:
                 pending.append(j)
             elif mode is False or self._answer(ident, now) is False:
-                continue  # a miss
+                misses += 1
             elif mode is None:
                 pending.append(j)
             else:
                 asked.add(ident)
                 todo.append((j, ident))
-        if not todo:
-            return pending
-        rows = self.store.take_rows(ep.space, len(todo), keep)  # recorded in the job below
+        rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
+        misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]
+        if misses:
+            self.st.metrics.inc("l3_pages", misses, "kv_miss")
         if not todo:
             return pending
         idents = [i for _, i in todo]
@@ -249,7 +259,7 @@ class KvL3:
         cleared = self.generation.get(ns, 0) != gen
         present = job.present + [0] * (len(idents) - len(job.present))
         od = self.store.entries[space]
-        free, misses = [], 0
+        free = []
         for ident, row, ok in zip(idents, rows, present):
             self.fetching.discard(ident)
             if cleared:
@@ -258,7 +268,6 @@ class KvL3:
             if not ok:
                 self._remember(ident, False)
                 free.append(row)
-                misses += 1
                 continue
             self._remember(ident, True)
             slot, eid = ident[2], (ns, ident[3])
@@ -274,15 +283,13 @@ class KvL3:
             free.append(row)
         if free:
             self.st.group.free({space: np.asarray(free, dtype=np.int64)}, self.store.owner)
-        if misses:
-            self.st.metrics.inc("l3_pages", misses, "kv_miss")
 
     def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],
                                                                                  list[int]]:
         """(positions present in L3, positions pending) of ``missing`` (position, key); the
         rest are absent. Unknown keys start one query job."""
         now = time.monotonic()
-        mode = self._unknown_is_pending()
+        mode = self._unknown_is_pending(ep.ns)
         present, pending, ask = [], [], {}
         for j, k in missing:
             ident = (ep.space, ep.ns, ep.slot, k)
@@ -317,8 +324,15 @@ class KvL3:
         self.generation[ns] = self.generation.get(ns, 0) + 1
         for ident in [i for i in self.known if i[1] == ns]:
             del self.known[ident]
+        self.removing[ns] = self.removing.get(ns, 0) + 1
         job = L3Job("remove", [_regex_prefix(ns_prefix(self.prefix, ns))])
-        self._submit(job, lambda j: None)
+
+        def done(j: L3Job) -> None:
+            self.removing[ns] -= 1
+            if not self.removing[ns]:
+                del self.removing[ns]
+
+        self._submit(job, done)
 
     def summary(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "pinned": self.pinned, "fetching": len(self.fetching),
