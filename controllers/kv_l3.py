@@ -336,4 +336,5 @@ class KvL3:
 
     def summary(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "pinned": self.pinned, "fetching": len(self.fetching),
-                "querying": len(self.querying), "known": len(self.known)}
+                "querying": len(self.querying), "known": len(self.known),
+                "removing": len(self.removing)}

@@ -21,7 +21,7 @@ from hicache.core.layout import Layout
 from hicache.engine import l3_master
 
 from test_kv_store import EnginePool
-from test_l3_mooncake import l3_daemon, metric, raw_put, store, wait_online  # noqa: F401
+from test_l3_mooncake import l3_daemon, metric, raw_puts, store, wait_online  # noqa: F401
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -125,13 +125,14 @@ def test_corrupt_or_missing_object_is_a_miss_never_bytes(l3_daemon: Any, store: 
         prefix = kv_prefix(l3_format.namespace(layout))
         size = l3_format.HEADER_BYTES + pools["c4_kv"].page_bytes * pools["c4_kv"].num_layers
         ns = "\x1fmodel-c"  # the key store's namespace: (no CURVE key name) + the client's
-        raw_put(store, object_key(prefix, ns, "c4_kv", "garbage"), os.urandom(size))
-        raw_put(store, object_key(prefix, ns, "c4_kv", "short"), os.urandom(size // 2))
-        # a right-sized object whose header names another key
-        good = bytearray(size)
-        l3_format.pack_header(memoryview(good), object_key(prefix, ns, "c4_kv", "good"),
+        # garbage of the right size, a truncated object, and a right-sized object whose
+        # header names another key
+        stolen = bytearray(size)
+        l3_format.pack_header(memoryview(stolen), object_key(prefix, ns, "c4_kv", "good"),
                               size - l3_format.HEADER_BYTES, 0)
-        raw_put(store, object_key(prefix, ns, "c4_kv", "stolen"), bytes(good))
+        raw_puts(store, {object_key(prefix, ns, "c4_kv", "garbage"): os.urandom(size),
+                         object_key(prefix, ns, "c4_kv", "short"): os.urandom(size // 2),
+                         object_key(prefix, ns, "c4_kv", "stolen"): bytes(stolen)})
         bad = ["garbage", "short", "stolen"]
         assert c.kv_exists("c4_kv", bad + ["absent"]) == [True, True, True, False]
         ep = eng["c4_kv"]
@@ -177,10 +178,10 @@ def test_namespaces_never_see_each_others_objects(l3_daemon: Any) -> None:
         # clearing tenant-a drops its host entries and its L3 objects
         assert a2.kv_clear("tenant-a") == 2
         deadline = time.monotonic() + 10
-        while a2.stats()["kv_store"]["l3"]["known"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.3)  # the removal job runs on the L3 write thread
-        assert a2.kv_get("c4_kv", ["k1", "k2"], [4, 5]) == [False, False]
+        while a2.stats()["kv_store"]["l3"]["removing"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the removal runs on the L3 write thread
+        assert a2.stats()["kv_store"]["l3"] == {**a2.stats()["kv_store"]["l3"], "removing": 0}
+        assert a2.kv_get("c4_kv", ["k1", "k2"], [4, 5]) == [False, False]  # gone from L3 too
         assert not ea2["c4_kv"].layers[0][[4, 5]].any()
     _close(eb)
     _close(ea2)
@@ -216,6 +217,12 @@ def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -
             ep.layers[0].zero_()
             assert c.kv_get("c4_kv", ["p0", "p1"], [0, 1], l3_wait=0) == [True, True]
             assert torch.equal(ep.layers[0][[0, 1]], before[0][[n - 2, n - 1]])
+            # an unknown key: asked in the background, the loop answers at once meanwhile
+            t0 = time.monotonic()
+            assert c.kv_exists("c4_kv", ["unknown"], l3_wait=0.3) == [False]
+            c.heartbeat()
+            assert time.monotonic() - t0 < 2.0
+            assert c.stats()["kv_store"]["l3"]["querying"] == 1
         finally:
             os.kill(store.master.pid, signal.SIGCONT)
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
