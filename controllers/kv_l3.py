@@ -24,9 +24,11 @@ recorded in the L3 metrics like any other (written / skipped_existing / errors).
 
 Read-through, never blocking the server thread (every L3 call runs on the L3 worker threads):
 
-* ``fetch`` (``kv_get`` of keys the host store lacks): allocates fresh store rows (LRU
-  eviction as a put does; keys that find no row report 0), starts one prefetch job and
-  answers those keys *pending*. When the job completes, each object whose header, length and
+* ``fetch`` (``kv_get`` of keys the host store lacks): a key not known to be in the store is
+  first asked about (as ``exists`` does) and answered *pending*, so rows are taken (and
+  entries evicted) only for objects the store holds; for keys known present it allocates
+  fresh store rows (LRU eviction as a put does; keys that find no row report 0), starts one
+  prefetch job and answers those keys *pending*. When the job completes, each object whose header, length and
   checksum verify becomes an entry (or fills that slot of an entry a put made meanwhile);
   the others free their rows and are remembered absent for ``ABSENT_TTL`` seconds, so the
   client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after consulting L3
@@ -224,17 +226,24 @@ class KvL3:
         misses = 0
         todo: list[tuple[int, Ident]] = []
         asked: set[Ident] = set()
+        unknown: dict[Ident, None] = {}
         for j, k in missing:
             ident = (ep.space, ep.ns, ep.slot, k)
-            if ident in self.fetching or ident in asked:
+            a = self._answer(ident, now)
+            if ident in self.fetching or ident in asked or ident in self.querying:
                 pending.append(j)
-            elif mode is False or self._answer(ident, now) is False:
+            elif mode is False or a is False:
                 misses += 1
             elif mode is None:
+                pending.append(j)
+            elif a is None:  # ask first: rows are taken (and entries evicted) only for objects
+                unknown[ident] = None  # the store holds
                 pending.append(j)
             else:
                 asked.add(ident)
                 todo.append((j, ident))
+        if unknown:
+            self._query(ep, list(unknown))
         rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
         misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]
@@ -304,12 +313,14 @@ class KvL3:
                 ask.setdefault(ident, j)
                 pending.append(j)
         if ask:
-            idents = list(ask)
-            self.querying.update(idents)
-            job = L3Job("query", [self._key(ep, i[3]) for i in idents], fmt=self.fmt(ep),
-                        each=True)
-            self._submit(job, lambda j: self._queried(j, idents))
+            self._query(ep, list(ask))
         return present, pending
+
+    def _query(self, ep: "EnginePool", idents: list[Ident]) -> None:
+        """One background exists query for ``idents`` (none already asked)."""
+        self.querying.update(idents)
+        job = L3Job("query", [self._key(ep, i[3]) for i in idents], fmt=self.fmt(ep), each=True)
+        self._submit(job, lambda j: self._queried(j, idents))
 
     def _queried(self, job: L3Job, idents: list[Ident]) -> None:
         answered = len(job.present) == len(idents)  # else the store could not say: ask again
