@@ -217,7 +217,9 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
                                    model_name=None)
         for bad, why in [({"interface_v1": 0}, "zero-copy only"),
                          ({"allocator": "default"}, "allocator"),
-                         ({"bogus": 1}, "unknown extra config")]:
+                         ({"bogus": 1}, "unknown extra config"),
+                         ({"hicache_l3_wait": -1}, "hicache_l3_wait"),
+                         ({"hicache_l3_wait": "5"}, "hicache_l3_wait")]:
             cfg.extra_config = {**EXTRA, "hicache_socket": d.address, **bad}
             with pytest.raises(StorageRefused, match=why) as e:
                 StorageBackendFactory.create_backend("dynamic", cfg, None)

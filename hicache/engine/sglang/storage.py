@@ -148,9 +148,11 @@ class HicacheStorage(HiCacheStorage):
         address = str(address).format(pp_rank=storage_config.pp_rank,
                                       tp_rank=storage_config.tp_rank)
         self.namespace = _namespace(storage_config, extra)
-        self.l3_wait = float(extra.get("hicache_l3_wait", 5.0))
-        if not 0 <= self.l3_wait <= 600:
-            raise StorageRefused(f"hicache_l3_wait must be 0..600 seconds, got {self.l3_wait}")
+        wait = extra.get("hicache_l3_wait", 5.0)
+        if type(wait) not in (int, float) or not 0 <= wait <= 600:
+            raise StorageRefused(f"hicache_l3_wait must be a number of seconds in 0..600, got "
+                                 f"{str(wait)[:40]!r}")
+        self.l3_wait = float(wait)
         self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
                              name=f"sglang-storage-tp{storage_config.tp_rank}")
         self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
