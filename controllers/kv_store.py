@@ -17,6 +17,12 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
   rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).
 * Every check passes before a row is allocated or a byte moves; a refusal is one line.
   Copies run inline on the server thread (host memory to host memory).
+* With an L3 tier (``--l3 mooncake``), ``kv_l3.KvL3`` sits behind the store: a put writes
+  what it stored through to L3 (rows pinned, never evicted, until that write ends), and a
+  ``kv_get`` / ``kv_exists`` of a key the host rows lack asks L3 asynchronously and answers it
+  *pending* (``pending``: positions in ``keys``; their ``found`` / ``present`` is 0) until the
+  answer is in; the client asks again (``kv_client``, bounded wait). ``kv_clear`` also removes
+  the namespace's L3 objects. Without L3, ``pending`` is always empty.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 from hicache.core.protocol import ProtocolError
 
 from .copy_commands import Reply
+from .kv_l3 import KvL3
 from .kv_regions import MAX_POOLS_PER_CLIENT, ClientPools, EnginePool
 from .ops import Ids
 from .registry import ClientState
@@ -42,35 +49,47 @@ MAX_NS_LEN = 256
 
 @dataclass(eq=False)
 class Entry:
+    """One stored key: its host row and the pools (slots) of the space written into it."""
+
     row: int
     slots: set[str] = field(default_factory=set)
+    pins: int = 0  # L3 writes reading the row now: never evicted while > 0
 
 
 class KeyStore:
     """Entries per index space, least recently used first."""
 
     owner_id = OWNER[0]
+    owner = OWNER
 
     def __init__(self, st: DaemonState) -> None:
         self.st = st
         self.entries: dict[str, OrderedDict[tuple[str, str], Entry]] = {
             s: OrderedDict() for s in st.host_rows}
         self.evicted = 0
+        self.l3 = KvL3(st, self) if st.l3 is not None else None
+
+    @staticmethod
+    def new_entry(row: int, slot: str) -> Entry:
+        return Entry(int(row), {slot})
 
     def rows_held(self, space: str) -> int:
         return len(self.entries[space])
 
     def summary(self) -> dict[str, Any]:
-        return {"entries": {s: len(e) for s, e in self.entries.items()},
-                "evicted": self.evicted}
+        out: dict[str, Any] = {"entries": {s: len(e) for s, e in self.entries.items()},
+                               "evicted": self.evicted}
+        if self.l3 is not None:
+            out["l3"] = self.l3.summary()
+        return out
 
     def _evict(self, space: str, n: int, keep: set[tuple[str, str]] = frozenset()) -> int:
         od = self.entries[space]
         rows = []
-        for k in list(od):
+        for k, e in list(od.items()):
             if len(rows) >= n:
                 break
-            if k not in keep:
+            if k not in keep and not e.pins:
                 rows.append(od.pop(k).row)
         if rows:
             self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, OWNER)
@@ -87,7 +106,7 @@ class KeyStore:
                 return False
             need = int(n) - a.free_rows
             if need > 0:
-                if need > len(self.entries[s]):
+                if need > sum(1 for e in self.entries[s].values() if not e.pins):
                     return False
                 short[s] = need
         for s, need in short.items():
@@ -99,33 +118,41 @@ class KeyStore:
         ids = [(ep.ns, k) for k in keys]
         new = list(dict.fromkeys(i for i in ids if i not in od))
         if new:
-            alloc = self.st.group.allocators[space]
-            if alloc.free_rows < len(new):
-                self._evict(space, len(new) - alloc.free_rows, keep=set(ids))
-            take = min(len(new), alloc.free_rows)
-            rows = self.st.group.alloc({space: take}, OWNER)[space].tolist() if take else []
+            rows = self.take_rows(space, len(new), set(ids))
             for i, r in zip(new, rows):
                 od[i] = Entry(int(r))
-        src, dst, seen = [], [], set()
+        src, dst, fresh = [], [], []
         for j, i in enumerate(ids):
             e = od.get(i)
             if e is None:
                 continue
             od.move_to_end(i)
-            if ep.slot not in e.slots and e.row not in seen:
-                seen.add(e.row)
+            if ep.slot not in e.slots:
+                e.slots.add(ep.slot)
+                fresh.append((i[1], e))
                 src.append(int(pages[j]))
                 dst.append(e.row)
         if ep.pool is not None and src:
             _copy(ep.layers, self.st.group.pools[ep.pool].layers, src, dst, to_engine=False)
-        for i in ids:
-            if i in od:
-                od[i].slots.add(ep.slot)
+        if self.l3 is not None:
+            self.l3.write(ep, fresh)
         return [int(i in od and ep.slot in od[i].slots) for i in ids]
 
-    def get(self, ep: EnginePool, keys: list[str], pages: np.ndarray) -> list[int]:
+    def take_rows(self, space: str, n: int, keep: set[tuple[str, str]]) -> list[int]:
+        """Up to ``n`` free rows of ``space`` for the store, evicting unpinned entries (least
+        recently used first, none of ``keep``) as needed. The caller records every row it gets
+        (as an entry, or in the read it starts)."""
+        alloc = self.st.group.allocators[space]
+        if alloc.free_rows < n:
+            self._evict(space, n - alloc.free_rows, keep=keep)
+        take = min(n, alloc.free_rows)
+        return self.st.group.alloc({space: take}, OWNER)[space].tolist() if take else []
+
+    def get(self, ep: EnginePool, keys: list[str], pages: np.ndarray) -> tuple[list[int],
+                                                                               list[int]]:
+        """(found 1/0 per key, positions pending in L3)."""
         od = self.entries[ep.space]
-        found, src, dst = [], [], []
+        found, src, dst, missing = [], [], [], []
         for j, k in enumerate(keys):
             e = od.get((ep.ns, k))
             hit = e is not None and ep.slot in e.slots
@@ -134,21 +161,38 @@ class KeyStore:
                 od.move_to_end((ep.ns, k))
                 src.append(e.row)
                 dst.append(int(pages[j]))
+            else:
+                missing.append((j, k))
         if ep.pool is not None and src:
             _copy(ep.layers, self.st.group.pools[ep.pool].layers, dst, src, to_engine=True)
-        return found
+        if self.l3 is None or not missing:
+            return found, []
+        return found, self.l3.fetch(ep, missing, {(ep.ns, k) for k in keys})
 
-    def exists(self, ep: EnginePool, keys: list[str]) -> list[int]:
+    def exists(self, ep: EnginePool, keys: list[str]) -> tuple[list[int], list[int]]:
+        """(present 1/0 per key, positions pending in L3)."""
         od = self.entries[ep.space]
-        return [int((e := od.get((ep.ns, k))) is not None and ep.slot in e.slots) for k in keys]
+        present = [int((e := od.get((ep.ns, k))) is not None and ep.slot in e.slots)
+                   for k in keys]
+        missing = [(j, k) for j, k in enumerate(keys) if not present[j]]
+        if self.l3 is None or not missing:
+            return present, []
+        there, pending = self.l3.exists(ep, missing)
+        for j in there:
+            present[j] = 1
+        return present, pending
 
     def clear(self, ns: str) -> int:
+        """Drop every entry of ``ns`` (a row an L3 write still reads is freed when it ends)
+        and, with L3, its objects there."""
         n = 0
         for space, od in self.entries.items():
             rows = [od.pop(k).row for k in [k for k in od if k[0] == ns]]
             if rows:
-                self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, OWNER)
+                self.st.free_rows({space: np.asarray(rows, dtype=np.int64)}, OWNER)
                 n += len(rows)
+        if self.l3 is not None:
+            self.l3.clear(ns)
         return n
 
 
@@ -275,12 +319,14 @@ def kv_get(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     ep = _attached(c, h["name"])
     keys = _keys(h["keys"])
     pages = _pages(ep, keys, arrays, h["pages"], distinct=True)
-    return {"found": store_of(st).get(ep, keys, pages)}, []
+    found, pending = store_of(st).get(ep, keys, pages)
+    return {"found": found, "pending": pending}, []
 
 
 def kv_exists(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     ep = _attached(c, h["name"])
-    return {"present": store_of(st).exists(ep, _keys(h["keys"]))}, []
+    present, pending = store_of(st).exists(ep, _keys(h["keys"]))
+    return {"present": present, "pending": pending}, []
 
 
 def kv_clear(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

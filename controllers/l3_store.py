@@ -13,8 +13,10 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   until the master answers again. Mooncake's own client re-mounts its segments when the master
   returns; the probe sees it within ``max_backoff`` seconds.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
-  full-mirror page, a checkpoints-mirror page or a checkpoint): reads (query, prefetch) on
-  one worker thread, writes (put) on another, so a long write never delays a prefix lookup. A
+  full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
+  ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
+  whose key matches a regex) on another, in submission order, so a long write never delays a
+  prefix lookup. A prefetch with ``each`` goes on past a missing or corrupt object. A
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
@@ -78,7 +80,7 @@ class L3Settings:
 
 @dataclass
 class L3Job:
-    kind: str  # query | prefetch | put
+    kind: str  # query | prefetch | put | remove (keys[0]: a regex)
     keys: list[str]  # full object keys
     rows: list[dict[str, int]] = field(default_factory=list)  # per page: space -> host row
     deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it
@@ -92,8 +94,11 @@ class L3Job:
     t_end: float = 0.0
     tag: Any = None  # the daemon's bookkeeping (op id, client)
     fmt: Any = None  # l3_format.ObjectFormat of the job's objects
-    each: bool = False  # query: also say, per key, whether the store holds it
-    present: list[int] = field(default_factory=list)  # query with ``each``: 1/0 per key
+    # query: also say, per key, whether the store holds it; prefetch: go on past a missing or
+    # corrupt object (``hits`` then counts every object read and verified, not the leading ones)
+    each: bool = False
+    present: list[int] = field(default_factory=list)  # with ``each``: 1/0 per key (a prefix
+    # of the keys when the job stopped early: the rest are 0)
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefetch: pools it fills
 
     def result(self) -> dict[str, Any]:
@@ -215,7 +220,7 @@ class MooncakeL3:
             with self._lock:
                 self.put_pages_queued += len(job.keys)
             self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
-        self._queues["write" if job.kind == "put" else "read"].put(job)
+        self._queues["write" if job.kind in ("put", "remove") else "read"].put(job)
 
     def _worker(self, which: str) -> None:
         q = self._queues[which]
@@ -231,6 +236,8 @@ class MooncakeL3:
                     self._query(job)
                 elif job.kind == "prefetch":
                     self._prefetch(job)
+                elif job.kind == "remove":
+                    self._remove(job)
                 else:
                     self._put(job)
             except Exception as e:  # noqa: BLE001 - a bug or a Mooncake surprise: count, go on
@@ -259,7 +266,7 @@ class MooncakeL3:
             m.inc("l3_bytes", job.nbytes, "read")
         elif job.kind == "query":
             m.inc("l3_pages", job.hits, f"{ck}query_hit")
-        else:
+        elif job.kind == "put":
             m.inc("l3_pages", job.written, f"{ck}written")
             m.inc("l3_pages", job.skipped, f"{ck}skipped_existing")
             m.inc("l3_bytes", job.nbytes, "write")
@@ -315,11 +322,17 @@ class MooncakeL3:
             for j, rc in enumerate(res):
                 why = self._verify(fmt, rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
                                    job.rows[b0 + j])
+                if why is not None and job.each and why in ("miss", "corrupt"):
+                    job.misses[why] = job.misses.get(why, 0) + 1  # this key only: go on
+                    job.present.append(0)
+                    continue
                 if why is not None:
                     job.misses[why] = n - (b0 + j)
                     return
                 job.hits += 1
                 job.nbytes += fmt.obj_bytes
+                if job.each:
+                    job.present.append(1)
 
     def _verify(self, fmt: F.ObjectFormat, rc: int, hdr: memoryview, key: str,
                 rows: dict[str, int]) -> str | None:
@@ -335,6 +348,16 @@ class MooncakeL3:
         if F.header_checksum(hdr) != fmt.checksum(rows):
             return "corrupt"
         return None
+
+    def _remove(self, job: L3Job) -> None:
+        """Remove every object whose key matches the regex ``keys[0]`` (``written``: how
+        many went)."""
+        rc = self.store.remove_by_regex(job.keys[0], True)
+        if rc < 0:
+            job.misses["error"] = 1
+            self._failed(rc, "remove_by_regex")
+        else:
+            job.written = rc
 
     def _put(self, job: L3Job) -> None:
         hdr = self._headers["write"]

@@ -156,7 +156,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "L3 objects by result: query_hit, prefetch_hit (read and verified), written, "
               "skipped_existing (another writer stored it first); checkpoint objects "
               "(checkpoints mirror) as ckpt_query_hit, ckpt_prefetch_hit, ckpt_written, "
-              "ckpt_skipped_existing.",
+              "ckpt_skipped_existing; kv_miss: key-store kv_get keys answered 0 after L3 "
+              "was consulted (absent or corrupt there, offline, or no free row).",
               "How much of the prefix traffic does L3 serve, and how much do we write?"),
     MetricDef("l3_hit_tokens", "counter", (),
               "Tokens of the pages prefetched from L3 and verified (pages x page tokens).",
@@ -222,7 +223,7 @@ class Metrics:
         # the L3 tier's series exist (at 0) on every daemon: an L3-less one shows zeros, not gaps
         self._zero("l3_transitions", ("online", "offline"))
         self._zero("l3_pages", tuple(f"{c}{r}" for c in ("", "ckpt_") for r in (
-            "query_hit", "prefetch_hit", "written", "skipped_existing")))
+            "query_hit", "prefetch_hit", "written", "skipped_existing")) + ("kv_miss",))
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
         self._zero("l3_errors", ("offline", "corrupt", "full", "error"))

@@ -247,6 +247,11 @@ class DaemonState:
         """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
         n = 0
         for job in self.l3.take_completed():
+            if not isinstance(job.tag, tuple):  # the key store's own job (kv_l3): no ack
+                self.l3_ops.pop(job.tag.op_id, None)
+                job.tag.done(job)
+                n += 1
+                continue
             op_id, c, host = job.tag
             self.l3_ops.pop(op_id, None)
             if job.kind == "prefetch":  # before the rows can be released

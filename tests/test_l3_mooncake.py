@@ -146,19 +146,28 @@ def metric(c: Client, name: str, **labels: str) -> float:
 
 def raw_put(store: l3_master.LocalStore, key: str, value: bytes) -> None:
     """Store ``value`` under ``key`` with Mooncake's own client (a foreign writer)."""
+    raw_puts(store, {key: value})
+
+
+def raw_puts(store: l3_master.LocalStore, items: dict[str, bytes]) -> None:
+    """``raw_put`` of several objects, by one foreign client."""
+    sizes = [(k, len(v)) for k, v in items.items()]
     code = textwrap.dedent(f"""
         import sys
         from mooncake.store import MooncakeDistributedStore
         s = MooncakeDistributedStore()
         assert s.setup("127.0.0.1", {store.metadata_url!r}, 0, 16 << 20, "tcp", "",
                        {store.master_addr!r}) == 0
-        rc = s.put({key!r}, sys.stdin.buffer.read())
+        data, at, bad = sys.stdin.buffer.read(), 0, 0
+        for key, n in {sizes!r}:
+            bad += s.put(key, data[at:at + n]) != 0
+            at += n
         s.close()
-        sys.exit(0 if rc == 0 else 3)
+        sys.exit(3 if bad else 0)
     """)
     env = {**os.environ, **l3_master.loopback_env()}
-    r = subprocess.run([sys.executable, "-c", code], input=value, env=env, capture_output=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], input=b"".join(items.values()), env=env,
+                       capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()[-800:]
 
 

@@ -4,12 +4,15 @@ SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh
 sglang installed without its GPU dependencies; built once, then cached). This module builds it
 when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
 ``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
-storage backend across an engine restart) there; it fails with the inner run's output if any
-inner test fails or is skipped.
+storage backend across an engine restart, and, when this environment has the Mooncake wheel,
+across a daemon restart with L3 behind the key store: this process runs the ``mooncake_master``
+and passes its addresses and this Python, which runs that daemon, in ``HICACHE_TEST_L3``) there;
+it fails with the inner run's output if any inner test fails or is skipped.
 The version gate is also checked here, in the main environment (no sglang installed).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.engine import l3_master
 from hicache.engine.sglang import UnsupportedSglang, check_sglang_version
 from hicache.engine.sglang.version import installed_sglang
 
@@ -37,14 +41,27 @@ def test_sglang_adapter_against_sglang_classes() -> None:
     assert setup.returncode == 0, f"setup_sglang.sh failed:\n{_tail(setup.stdout + setup.stderr)}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")])}
-    run = subprocess.run([str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p",
-                          "no:cacheprovider", "-W", "ignore::UserWarning", *INNER],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    store, args, want = None, [], INNER_TESTS
+    if l3_master.mooncake_dir() is not None:
+        store = l3_master.LocalStore(segment="256MB").start()
+        env["HICACHE_TEST_L3"] = json.dumps({"master": store.master_addr,
+                                             "metadata": store.metadata_url,
+                                             "python": sys.executable})
+        want += 1
+    else:
+        args = ["-k", "not through_l3"]
+    try:
+        run = subprocess.run([str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p",
+                              "no:cacheprovider", "-W", "ignore::UserWarning", *INNER, *args],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    finally:
+        if store is not None:
+            store.close()
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"SGLang adapter tests failed:\n{_tail(out)}"
     m = re.search(r"(\d+) passed", out)
-    assert m and int(m.group(1)) == INNER_TESTS, f"expected {INNER_TESTS} passed:\n{_tail(out)}"
-    assert not re.search(r"\d+ (skipped|failed|error)", out), _tail(out)
+    assert m and int(m.group(1)) == want, f"expected {want} passed:\n{_tail(out)}"
+    assert not re.search(r"\d+ (skipped|failed|error)", out), _tail(out)  # deselected is fine
 
 
 def test_version_gate_refuses_other_versions_in_one_line() -> None:

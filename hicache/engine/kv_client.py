@@ -8,16 +8,25 @@ of ``hicache.engine.client.Client``; the daemon side is ``controllers/kv_store.p
   file grows by one page for it, then shrinks back after ``kv_verify``); ``kv_attach_proven``
   does all three.
 * ``kv_put / kv_get (name, keys, pages)`` -> one bool per key; ``kv_exists(name, keys)`` ->
-  one bool per key; ``kv_clear(namespace)`` -> entries dropped; ``kv_detach()`` -> pools
+  one bool per key. A daemon with L3 answers keys its host rows lack *pending* while it reads
+  or asks L3 in the background; ``kv_get`` / ``kv_exists`` then ask again for those keys only
+  (sleeping 1 ms doubling to 50 ms between rounds) until none is pending or ``l3_wait`` seconds
+  passed (still pending then: False). Every round is one ordinary call, so the daemon's loop
+  never waits on L3; ``kv_clear(namespace)`` -> entries dropped; ``kv_detach()`` -> pools
   unmapped. Pages are the pool's page indices (one per key).
 """
 from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Mapping, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from hicache.core.protocol import as_index
+
+L3_WAIT = 5.0  # s: how long kv_get / kv_exists keep asking about keys the daemon has pending
 
 
 class KVStoreCommands:
@@ -72,18 +81,47 @@ class KVStoreCommands:
         return [bool(x) for x in h["stored"]]
 
     def kv_get(self, name: str, keys: Sequence[str], pages: Any,
-               timeout: float | None = None) -> list[bool]:
-        h, _ = self.call("kv_get", {"name": name, "keys": list(keys), "pages": 0},
-                         [as_index(pages)], timeout=timeout)
-        return [bool(x) for x in h["found"]]
+               timeout: float | None = None, l3_wait: float = L3_WAIT) -> list[bool]:
+        pages = np.asarray(as_index(pages), dtype=np.int64).reshape(-1)
 
-    def kv_exists(self, name: str, keys: Sequence[str],
-                  timeout: float | None = None) -> list[bool]:
-        h, _ = self.call("kv_exists", {"name": name, "keys": list(keys)}, timeout=timeout)
-        return [bool(x) for x in h["present"]]
+        def ask(idx: list[int]) -> tuple[list[int], list[int]]:
+            h, _ = self.call("kv_get", {"name": name, "keys": [keys[i] for i in idx],
+                                        "pages": 0}, [pages[idx]], timeout=timeout)
+            return h["found"], h.get("pending", [])
+
+        return _until_answered(list(keys), ask, l3_wait)
+
+    def kv_exists(self, name: str, keys: Sequence[str], timeout: float | None = None,
+                  l3_wait: float = L3_WAIT) -> list[bool]:
+        def ask(idx: list[int]) -> tuple[list[int], list[int]]:
+            h, _ = self.call("kv_exists", {"name": name, "keys": [keys[i] for i in idx]},
+                             timeout=timeout)
+            return h["present"], h.get("pending", [])
+
+        return _until_answered(list(keys), ask, l3_wait)
 
     def kv_clear(self, namespace: str, timeout: float | None = None) -> int:
         return int(self.call("kv_clear", {"namespace": namespace}, timeout=timeout)[0]["dropped"])
 
     def kv_detach(self, timeout: float | None = None) -> int:
         return int(self.call("kv_detach", timeout=timeout)[0]["detached"])
+
+
+def _until_answered(keys: list[str], ask: Callable[[list[int]], tuple[list[int], list[int]]],
+                    wait: float) -> list[bool]:
+    """One bool per key: ``ask(positions)`` -> (1/0 per asked key, pending positions among
+    them), repeated for the pending ones until none is left or ``wait`` seconds passed."""
+    out = [False] * len(keys)
+    todo = list(range(len(keys)))
+    deadline = time.monotonic() + wait
+    pause = 0.001
+    while True:  # the first call goes out even for no keys (the daemon refuses that)
+        got, pending = ask(todo)
+        for n, i in enumerate(todo):
+            out[i] = bool(got[n])
+        todo = [todo[p] for p in sorted(set(pending))]
+        if not todo or time.monotonic() + pause > deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return out

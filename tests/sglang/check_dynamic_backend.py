@@ -8,7 +8,10 @@ its ``StorageBackendFactory`` and registering every pool. One real ``hicache ser
 the engines. The page moves are the calls SGLang's storage threads make (``batch_set_v1`` on
 the KV anchor, ``batch_set_v2`` with one ``PoolTransfer`` per DSV4 pool, then ``batch_exists``
 / ``batch_exists_v2`` / ``batch_get_v1`` / ``batch_get_v2`` after the restart); every byte of
-every pool and layer is compared.
+every pool and layer is compared. With ``HICACHE_TEST_L3`` (set by ``test_sglang_adapter`` when
+the main environment has Mooncake: the store's addresses and that environment's Python, which
+runs the daemon) the daemon itself is killed and restarted between the engines, with L3 behind
+the key store: every page comes back from Mooncake Store.
 
 CPU shims (test only): ``_cuda_host_register`` is a no-op (there is no pinned memory without
 CUDA) and the parallel ranks are stated (no process groups are built). With
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import ExitStack
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +33,10 @@ import pytest
 import torch
 
 import dsv4_fixture as F
-from conftest import start_daemon
+from conftest import ROOT, start_daemon
+from hicache.engine import l3_master
 from hicache.engine.client import Client
+from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.sglang.storage import HicacheStorage, StorageRefused
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
@@ -44,6 +50,7 @@ SWA_INDEXED = ("swa", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state")
 # cpu (CI) or cuda:N (the GPU machine: scripts/gpu_sglang.sh): SGLang's device pools, pinned
 # host pools and the daemon on that device
 DEVICE = os.environ.get("HICACHE_SGLANG_TEST_DEVICE", "cpu")
+L3 = json.loads(os.environ.get("HICACHE_TEST_L3") or "null")  # {master, metadata, python}
 EXTRA = {"backend_name": "hicache", "module_path": "hicache.engine.sglang.storage",
          "class_name": "HicacheStorage", "interface_v1": 1, "allocator": "shm"}
 
@@ -210,7 +217,9 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
                                    model_name=None)
         for bad, why in [({"interface_v1": 0}, "zero-copy only"),
                          ({"allocator": "default"}, "allocator"),
-                         ({"bogus": 1}, "unknown extra config")]:
+                         ({"bogus": 1}, "unknown extra config"),
+                         ({"hicache_l3_wait": -1}, "hicache_l3_wait"),
+                         ({"hicache_l3_wait": "5"}, "hicache_l3_wait")]:
             cfg.extra_config = {**EXTRA, "hicache_socket": d.address, **bad}
             with pytest.raises(StorageRefused, match=why) as e:
                 StorageBackendFactory.create_backend("dynamic", cfg, None)
@@ -220,5 +229,75 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
             st = c.call("stats", {"check": True})[0]
         assert st["invariants"] == "ok"
         assert st["kv_store"]["entries"] == {"page": 4, "swa_page": 2, "req_slot": 0}
+    finally:
+        d.close()
+
+
+def _l3_daemon(tmp: Path) -> DaemonProcess:
+    """The daemon of ``_daemon`` with ``--l3 mooncake``, run by the main environment's Python."""
+    d = DaemonProcess(device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
+                      host=("--host-ratio", "2"), heartbeat_timeout=10.0, metrics_port=0,
+                      extra=("--no-mtp", "--c128-state", "offline", "--l3", "mooncake",
+                             "--l3-master", L3["master"], "--l3-metadata", L3["metadata"]),
+                      env=l3_master.loopback_env(), log_path=str(tmp / "daemon.log"), cwd=ROOT,
+                      ready_timeout=60)
+    d.cmd[0] = L3["python"]
+    return d.start()
+
+
+def _l3_settled(address: str, timeout: float = 30.0) -> None:
+    """L3 online and no write-through in flight."""
+    with Client(address) as c:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = c.stats()
+            kv = s.get("kv_store", {}).get("l3", {})
+            if s["l3"]["online"] and not kv.get("pinned") and not s["l3"]["put_queue_pages"]:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"L3 not settled: {c.stats().get('l3')}")
+
+
+@pytest.mark.skipif(L3 is None, reason="HICACHE_TEST_L3 not set (test_sglang_adapter sets it)")
+def test_storage_backend_survives_a_daemon_restart_through_l3(tmp_path: Path) -> None:
+    d = _l3_daemon(tmp_path)
+    try:
+        keys = _keys(3, 4242)
+        _l3_settled(d.address)
+        with engine(d.address, namespace="l3-restart") as (backend, pools):
+            _fill(pools, seed=23)
+            kv_idx = _alloc(pools["kv"], 3, skip=2)
+            swa_idx = _alloc(pools["swa"], 3, skip=1)
+            assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
+            assert backend.batch_set_v2(_transfers(keys, kv_idx, swa_idx)) == \
+                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+            rows = {n: _page_rows(kv_idx) for n in KV_DERIVED} | \
+                {n: _page_rows(swa_idx) for n in SWA_INDEXED}
+            saved = {n: [t[rows[n]].clone() for t in pools[n].kv_buffer] for n in rows}
+            _l3_settled(d.address)
+        d.kill()  # the daemon crashes: its host rows are gone, the store keeps the pages
+        d.start()
+        _l3_settled(d.address)
+        with engine(d.address, namespace="l3-restart") as (backend, pools):
+            assert backend.batch_exists(keys + _keys(1, 77_777)) == 3
+            kv_idx = _alloc(pools["kv"], 3, skip=0)
+            swa_idx = _alloc(pools["swa"], 3, skip=3)
+            res = backend.batch_exists_v2(keys, _transfers(keys, kv_idx, swa_idx))
+            assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
+            assert backend.batch_get_v1(keys, kv_idx) == [True] * 3
+            assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
+                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+            for name in KV_DERIVED + SWA_INDEXED:
+                dst = _page_rows(kv_idx if name in KV_DERIVED else swa_idx)
+                for layer, t in enumerate(pools[name].kv_buffer):
+                    assert torch.equal(t[dst], saved[name][layer]), (name, layer)
+                    rest = [r for r in range(t.shape[0]) if r not in dst]
+                    assert int(t[rest].count_nonzero()) == 0, (name, layer)
+        with Client(d.address) as c:
+            st = c.call("stats", {"check": True})[0]
+        assert st["invariants"] == "ok"
+        hits = [x["value"] for x in st["metrics"]["hicache_l3_pages_total"]
+                if x["labels"].get("result") == "prefetch_hit"]
+        assert hits == [3 * (1 + len(KV_DERIVED + SWA_INDEXED))]  # every page came from L3
     finally:
         d.close()

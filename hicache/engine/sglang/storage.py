@@ -23,6 +23,11 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   restart and are shared by engines of the same namespace on the node. A daemon that dropped
   this client (heartbeat timeout) is re-attached once, transparently; an unreachable daemon
   makes the call fail (all False, logged), never hang.
+* A daemon with an L3 tier (``--l3 mooncake``) writes every stored page through to Mooncake
+  Store and reads back pages its host rows lack (after a daemon restart, or from another node's
+  daemon): it answers such keys *pending* and ``kv_get`` / ``kv_exists`` ask again until they
+  are answered or ``hicache_l3_wait`` seconds (default 5) passed; a key still pending then,
+  or whose object is missing or fails verification, is False (a miss), never wrong bytes.
 * The tensor-passing calls (``get / set / batch_get / batch_set``) are refused: this backend
   is zero-copy only (``interface_v1``), which the constructor requires.
 
@@ -55,7 +60,7 @@ log = logging.getLogger("hicache.sglang.storage")
 
 ANCHOR = "kv"  # SGLang's PoolName.KV: the pool of the v1 calls
 CONFIG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
-               "hicache_socket", "hicache_namespace", "hicache_timeout"}
+               "hicache_socket", "hicache_namespace", "hicache_timeout", "hicache_l3_wait"}
 
 
 class StorageRefused(ValueError):
@@ -143,6 +148,11 @@ class HicacheStorage(HiCacheStorage):
         address = str(address).format(pp_rank=storage_config.pp_rank,
                                       tp_rank=storage_config.tp_rank)
         self.namespace = _namespace(storage_config, extra)
+        wait = extra.get("hicache_l3_wait", 5.0)
+        if type(wait) not in (int, float) or not 0 <= wait <= 600:
+            raise StorageRefused(f"hicache_l3_wait must be a number of seconds in 0..600, got "
+                                 f"{str(wait)[:40]!r}")
+        self.l3_wait = float(wait)
         self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
                              name=f"sglang-storage-tp{storage_config.tp_rank}")
         self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
@@ -209,14 +219,17 @@ class HicacheStorage(HiCacheStorage):
         pages = self._page_ids(name, keys, host_indices)
         if pages is None:
             return [False] * len(keys)
-        fn = self.client.kv_put if verb == "put" else self.client.kv_get
-        return self._call(f"kv_{verb} {name}", len(keys), lambda: fn(name, keys, pages))
+        if verb == "put":
+            return self._call(f"kv_put {name}", len(keys),
+                              lambda: self.client.kv_put(name, keys, pages))
+        return self._call(f"kv_get {name}", len(keys),
+                          lambda: self.client.kv_get(name, keys, pages, l3_wait=self.l3_wait))
 
     def _present(self, name: str, keys: list[str]) -> list[bool]:
         if not keys:
             return []
         return self._call(f"kv_exists {name}", len(keys),
-                          lambda: self.client.kv_exists(name, keys))
+                          lambda: self.client.kv_exists(name, keys, l3_wait=self.l3_wait))
 
     # ------------------------------------------------------------------ v1 (the anchor)
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,

@@ -1,0 +1,351 @@
+"""The key store's L3: every entry written through to Mooncake Store, and read back on a miss.
+
+``KeyStore`` (``kv_store``) makes a ``KvL3(st, store)`` when the daemon serves with ``--l3``;
+without L3 nothing here runs and the key store behaves as before.
+
+Objects and keys:
+
+* One object per (entry, slot): the page one engine pool put under ``(namespace, key)`` —
+  pools arrive in separate ``kv_put`` calls and L3 puts skip existing keys, so an object per
+  whole entry written at the first pool's put would never receive the later pools. A byte
+  pool's object is its whole host row in every layer (an ``l3_format.ObjectFormat`` of one
+  ``Segment``); a marker pool's object is the header alone (``MarkerFormat``). Both carry the
+  same verified header (magic, version, length, checksum, key digest) as every L3 object.
+* ``object_key(prefix, ns, slot, key) = "<prefix>/<ns digest>/<slot digest>/<key>"`` with
+  ``prefix = kv_prefix(objects) = "hc1/<model>/<layout fingerprint>/kv/pp<r>of<n>"``: the
+  namespace is the key store's own (CURVE key name + the client's namespace), digested, so
+  two namespaces never name the same object, and a namespace's objects share one key prefix
+  (``kv_clear`` removes them by regex).
+
+Write-through (``write``): the entries a ``kv_put`` filled go out as one put job. Their rows
+are pinned until it completes: ``Entry.pins`` (eviction skips pinned entries) and the row
+tracker (a ``kv_clear`` meanwhile defers the free until the job ends). A put completion is
+recorded in the L3 metrics like any other (written / skipped_existing / errors).
+
+Read-through, never blocking the server thread (every L3 call runs on the L3 worker threads):
+
+* ``fetch`` (``kv_get`` of keys the host store lacks): a key not known to be in the store is
+  first asked about (as ``exists`` does) and answered *pending*, so rows are taken (and
+  entries evicted) only for objects the store holds; for keys known present it allocates
+  fresh store rows (LRU eviction as a put does; keys that find no row report 0), starts one
+  prefetch job and answers those keys *pending*. When the job completes, each object whose header, length and
+  checksum verify becomes an entry (or fills that slot of an entry a put made meanwhile);
+  the others free their rows and are remembered absent for ``ABSENT_TTL`` seconds, so the
+  client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after consulting L3
+  (known absent or corrupt, offline, no row free) counts in ``l3_pages{result="kv_miss"}``.
+* ``exists`` (``kv_exists``) answers from what the daemon knows: entries, objects it wrote
+  or saw (present for ``PRESENT_TTL`` s), objects found absent (``ABSENT_TTL`` s). An unknown
+  key starts one asynchronous query and is answered *pending*; the client asks again.
+* While the tier connects, unknown keys are pending (nothing is submitted); while it is
+  offline they are misses at once, and so are a namespace's keys while ``clear`` removes its
+  objects (a read then could bring cleared pages back).
+
+A job's bookkeeping (``_Tag``) is finished by ``DaemonState.finish_l3`` on the server thread.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from . import l3_format as F
+from .l3_store import L3Job
+
+if TYPE_CHECKING:  # kv_store imports this module: its types are named, not imported
+    from .kv_regions import EnginePool
+    from .state import DaemonState
+
+PRESENT_TTL = 30.0  # s: an object written or seen is reported present this long
+ABSENT_TTL = 2.0  # s: an object found absent or corrupt is a miss this long
+FETCH_DEADLINE = 10.0  # s: a read-through prefetch stops at the first batch past it
+KNOWN_MAX = 1 << 18  # remembered (entry, slot) answers, oldest dropped first
+_REGEX_SPECIAL = set(".^$|?*+()[]{}\\")
+
+Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
+
+
+def kv_prefix(full_ns: str) -> str:
+    """``hc1/<model>/<fingerprint>/kv/pp<r>of<n>`` from the stage's full-mirror namespace
+    (``l3_format.namespace(layout)``): the key-store objects of this stage."""
+    head, _, pp = full_ns.rsplit("/", 2)
+    return f"{head}/kv/{pp}"
+
+
+def _digest(s: str, n: int) -> str:
+    return hashlib.blake2b(s.encode(), digest_size=n).hexdigest()
+
+
+def ns_prefix(prefix: str, ns: str) -> str:
+    return f"{prefix}/{_digest(ns, 16)}/"
+
+
+def object_key(prefix: str, ns: str, slot: str, key: str) -> str:
+    return f"{ns_prefix(prefix, ns)}{_digest(slot, 8)}/{key}"
+
+
+def _regex_prefix(s: str) -> str:
+    return "^" + "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in s)
+
+
+class MarkerFormat:
+    """The object of a marker pool's slot: a header and no payload (the ``ObjectFormat``
+    interface ``MooncakeL3`` uses)."""
+
+    kind = "kv"
+    segments: tuple = ()
+    payload_bytes = 0
+    obj_bytes = F.HEADER_BYTES
+    pieces_per_object = 0
+
+    def __init__(self, space: str, page_tokens: int) -> None:
+        self.spaces = (space,)
+        self.page_tokens = page_tokens  # a key's tokens are counted once, through its marker
+
+    def pieces(self, rows: dict[str, int]) -> tuple[list[int], list[int]]:
+        return [], []
+
+    def checksum(self, rows: dict[str, int]) -> int:
+        return 0
+
+
+@dataclass
+class _Tag:
+    """``L3Job.tag`` of the key store's jobs: ``DaemonState.finish_l3`` calls ``done(job)``."""
+
+    op_id: int
+    done: Callable[[L3Job], None]
+
+
+class KvL3:
+    """The key store's bridge to the daemon's ``MooncakeL3`` (see the module docstring)."""
+
+    def __init__(self, st: "DaemonState", store: Any) -> None:
+        self.st, self.store, self.l3 = st, store, st.l3
+        self.prefix = kv_prefix(self.l3.objects.ns["full"])
+        self.formats: dict[str, Any] = {}
+        self.known: OrderedDict[Ident, tuple[bool, float]] = OrderedDict()
+        self.fetching: set[Ident] = set()
+        self.querying: set[Ident] = set()
+        self.generation: dict[str, int] = {}  # namespace -> kv_clear count
+        self.removing: dict[str, int] = {}  # namespace -> its removals in flight (no reads)
+        self.pinned = 0
+
+    # ------------------------------------------------------------------ objects
+    def fmt(self, ep: "EnginePool") -> Any:
+        f = self.formats.get(ep.slot)
+        if f is None:
+            if ep.pool is None:
+                f = MarkerFormat(ep.space, self.st.layout.model.page_size)
+            else:
+                spec = self.st.layout.pool(ep.pool)
+                f = F.ObjectFormat("kv", self.st.group,
+                                   [F.Segment(ep.space, ep.pool, 0, spec.page_bytes)])
+            self.formats[ep.slot] = f
+        return f
+
+    def _key(self, ep: "EnginePool", key: str) -> str:
+        return object_key(self.prefix, ep.ns, ep.slot, key)
+
+    def _submit(self, job: L3Job, done: Callable[[L3Job], None]) -> None:
+        op_id = self.st.next_op_id()
+        job.tag = _Tag(op_id, done)
+        self.st.l3_ops[op_id] = job
+        self.l3.submit(job)
+
+    def _remember(self, ident: Ident, present: bool) -> None:
+        self.known[ident] = (present, time.monotonic())
+        self.known.move_to_end(ident)
+        while len(self.known) > KNOWN_MAX:
+            self.known.popitem(last=False)
+
+    def _answer(self, ident: Ident, now: float) -> bool | None:
+        """What the daemon knows of an object now: present, absent, or None (ask the store)."""
+        k = self.known.get(ident)
+        if k is None:
+            return None
+        present, t = k
+        if now - t <= (PRESENT_TTL if present else ABSENT_TTL):
+            return present
+        del self.known[ident]
+        return None
+
+    def _unknown_is_pending(self, ns: str) -> bool | None:
+        """True: ask the store; None: still connecting (pending, nothing asked); False: offline
+        or the namespace's objects are being removed (a miss)."""
+        if ns in self.removing:
+            return False
+        if self.l3.online:
+            return True
+        return None if self.l3.state == "connecting" else False
+
+    # ------------------------------------------------------------------ write-through
+    def write(self, ep: "EnginePool", stored: list[tuple[str, Any]]) -> None:
+        """Write the slot ``ep.slot`` of these freshly filled entries (``(key, entry)``) to L3;
+        their rows stay pinned until the job completes."""
+        if not stored:
+            return
+        space = ep.space
+        rows = np.asarray([e.row for _, e in stored], dtype=np.int64)
+        host = [(space, rows, False)]
+        entries = [e for _, e in stored]
+        for e in entries:
+            e.pins += 1
+        self.pinned += len(entries)
+        self.st.tracker.begin(host)
+        idents = [(space, ep.ns, ep.slot, k) for k, _ in stored]
+        gen = self.generation.get(ep.ns, 0)
+        job = L3Job("put", [self._key(ep, k) for k, _ in stored],
+                    [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
+
+        def done(j: L3Job) -> None:
+            for e in entries:
+                e.pins -= 1
+            self.pinned -= len(entries)
+            self.st.tracker.end(host)
+            if self.st.tracker.deferred:
+                self.st.release_ready()
+            if not j.misses and self.generation.get(ep.ns, 0) == gen:  # all in the store
+                for i in idents:
+                    self._remember(i, True)
+
+        self._submit(job, done)
+
+    # ------------------------------------------------------------------ read-through
+    def fetch(self, ep: "EnginePool", missing: list[tuple[int, str]],
+              keep: set[tuple[str, str]]) -> list[int]:
+        """Start reading ``missing`` (position, key) from L3; returns the positions now
+        pending (the others are misses). ``keep``: the call's entries, never evicted for
+        the rows this takes."""
+        now = time.monotonic()
+        mode = self._unknown_is_pending(ep.ns)
+        pending: list[int] = []
+        misses = 0
+        todo: list[tuple[int, Ident]] = []
+        asked: set[Ident] = set()
+        unknown: dict[Ident, None] = {}
+        for j, k in missing:
+            ident = (ep.space, ep.ns, ep.slot, k)
+            a = self._answer(ident, now)
+            if ident in self.fetching or ident in asked or ident in self.querying:
+                pending.append(j)
+            elif mode is False or a is False:
+                misses += 1
+            elif mode is None:
+                pending.append(j)
+            elif a is None:  # ask first: rows are taken (and entries evicted) only for objects
+                unknown[ident] = None  # the store holds
+                pending.append(j)
+            else:
+                asked.add(ident)
+                todo.append((j, ident))
+        if unknown:
+            self._query(ep, list(unknown))
+        rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
+        misses += len(todo) - len(rows)  # no room for these
+        todo = todo[:len(rows)]
+        if misses:
+            self.st.metrics.inc("l3_pages", misses, "kv_miss")
+        if not todo:
+            return pending
+        idents = [i for _, i in todo]
+        self.fetching.update(idents)
+        gen = self.generation.get(ep.ns, 0)
+        job = L3Job("prefetch", [self._key(ep, i[3]) for i in idents],
+                    [{ep.space: r} for r in rows], time.monotonic() + FETCH_DEADLINE,
+                    fmt=self.fmt(ep), each=True)
+        self._submit(job, lambda j: self._fetched(j, ep.pool, idents, rows, gen))
+        return sorted(pending + [j for j, _ in todo])
+
+    def _fetched(self, job: L3Job, pool: str | None, idents: list[Ident], rows: list[int],
+                 gen: int) -> None:
+        """A read-through prefetch ended: verified objects become entries, the rest free
+        their rows and are remembered absent."""
+        space, ns = idents[0][0], idents[0][1]
+        cleared = self.generation.get(ns, 0) != gen
+        present = job.present + [0] * (len(idents) - len(job.present))
+        od = self.store.entries[space]
+        free = []
+        for ident, row, ok in zip(idents, rows, present):
+            self.fetching.discard(ident)
+            if cleared:
+                free.append(row)
+                continue
+            if not ok:
+                self._remember(ident, False)
+                free.append(row)
+                continue
+            self._remember(ident, True)
+            slot, eid = ident[2], (ns, ident[3])
+            e = od.get(eid)
+            if e is None:
+                od[eid] = self.store.new_entry(row, slot)
+                continue
+            if slot not in e.slots:  # a put made the entry meanwhile, without this pool
+                if pool is not None:
+                    for t in self.st.group.pools[pool].layers:
+                        t[e.row] = t[row]
+                e.slots.add(slot)
+            free.append(row)
+        if free:
+            self.st.group.free({space: np.asarray(free, dtype=np.int64)}, self.store.owner)
+
+    def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],
+                                                                                 list[int]]:
+        """(positions present in L3, positions pending) of ``missing`` (position, key); the
+        rest are absent. Unknown keys start one query job."""
+        now = time.monotonic()
+        mode = self._unknown_is_pending(ep.ns)
+        present, pending, ask = [], [], {}
+        for j, k in missing:
+            ident = (ep.space, ep.ns, ep.slot, k)
+            a = self._answer(ident, now)
+            if a is True:
+                present.append(j)
+            elif a is False:
+                continue
+            elif ident in self.querying or ident in self.fetching or mode is None:
+                pending.append(j)
+            elif mode:
+                ask.setdefault(ident, j)
+                pending.append(j)
+        if ask:
+            self._query(ep, list(ask))
+        return present, pending
+
+    def _query(self, ep: "EnginePool", idents: list[Ident]) -> None:
+        """One background exists query for ``idents`` (none already asked)."""
+        self.querying.update(idents)
+        job = L3Job("query", [self._key(ep, i[3]) for i in idents], fmt=self.fmt(ep), each=True)
+        self._submit(job, lambda j: self._queried(j, idents))
+
+    def _queried(self, job: L3Job, idents: list[Ident]) -> None:
+        answered = len(job.present) == len(idents)  # else the store could not say: ask again
+        for n, ident in enumerate(idents):
+            self.querying.discard(ident)
+            if answered:
+                self._remember(ident, bool(job.present[n]))
+
+    # ------------------------------------------------------------------ clear
+    def clear(self, ns: str) -> None:
+        """Forget ``ns`` (reads in flight drop their result) and remove its objects."""
+        self.generation[ns] = self.generation.get(ns, 0) + 1
+        for ident in [i for i in self.known if i[1] == ns]:
+            del self.known[ident]
+        self.removing[ns] = self.removing.get(ns, 0) + 1
+        job = L3Job("remove", [_regex_prefix(ns_prefix(self.prefix, ns))])
+
+        def done(j: L3Job) -> None:
+            self.removing[ns] -= 1
+            if not self.removing[ns]:
+                del self.removing[ns]
+
+        self._submit(job, done)
+
+    def summary(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "pinned": self.pinned, "fetching": len(self.fetching),
+                "querying": len(self.querying), "known": len(self.known),
+                "removing": len(self.removing)}

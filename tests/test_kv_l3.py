@@ -1,0 +1,233 @@
+"""The key store with L3 behind it: real ``hicache serve --l3 mooncake`` daemons, a real
+``mooncake_master`` and storage member on loopback (the fixtures of ``test_l3_mooncake``), engine
+pools in memfds of this process (``test_kv_store.EnginePool``).
+
+Every page that comes back is compared byte for byte with what was put, in every pool, and the
+engine pages no key named are checked untouched. Skipped only without the Mooncake wheel.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.controllers import l3_format
+from hicache.controllers.kv_l3 import kv_prefix, object_key
+from hicache.core.layout import Layout
+from hicache.engine import l3_master
+
+from test_kv_store import EnginePool
+from test_l3_mooncake import l3_daemon, metric, raw_puts, store, wait_online  # noqa: F401
+
+pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
+                                reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
+NS = "model-a/pp0of1"
+
+
+def _layout(c: Any) -> Layout:
+    return Layout.from_dict(c.heartbeat(full=True)["layout"])
+
+
+def _engine(pools: Any, seed: int | None) -> dict[str, EnginePool]:
+    """A C4 pool in one memfd per layer and an SWA pool page-first in one memfd."""
+    c4, sw = pools["c4_kv"], pools["swa_kv"]
+    return {"c4_kv": EnginePool(c4.num_layers, 6, c4.page_bytes, seed=seed),
+            "swa_kv": EnginePool(sw.num_layers, 5, sw.page_bytes, page_first=True,
+                                 seed=None if seed is None else seed + 1)}
+
+
+def _attach(c: Any, eng: dict[str, EnginePool], ns: str = NS) -> None:
+    for name, ep in eng.items():
+        ep.attach(c, name, name, ns=ns)
+    c.kv_attach_proven("kv", ns, pages=6, space="page")
+
+
+def _written(c: Any, timeout: float = 20.0) -> dict[str, Any]:
+    """Wait until no write-through is in flight (no pinned row, empty put queue)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = c.stats()
+        if not s["kv_store"]["l3"]["pinned"] and not s["l3"]["put_queue_pages"]:
+            return s
+        time.sleep(0.02)
+    raise AssertionError(f"write-through still in flight: {c.stats()['kv_store']}")
+
+
+def _close(eng: dict[str, EnginePool]) -> None:
+    for ep in eng.values():
+        ep.close()
+
+
+def test_put_daemon_restart_get_every_byte(l3_daemon: Any) -> None:
+    d = l3_daemon()
+    keys = ["a" * 64, "b" * 64, "c" * 64]
+    src = {"c4_kv": [5, 1, 3], "swa_kv": [4, 0, 2]}
+    with d.client(name="engine-a") as a:
+        wait_online(a)
+        layout = _layout(a)
+        pools = layout.pools
+        eng = _engine(pools, seed=11)
+        _attach(a, eng)
+        before = {n: ep.snapshot() for n, ep in eng.items()}
+        for name in eng:
+            assert a.kv_put(name, keys, src[name]) == [True] * 3
+        assert a.kv_put("kv", keys, [5, 1, 3]) == [True] * 3
+        s = _written(a)
+        assert metric(a, "hicache_l3_pages_total", result="written") == 9  # 3 keys x 3 slots
+        assert s["kv_store"]["entries"]["page"] == 3
+    _close(eng)
+
+    d.kill()  # the daemon dies with its host rows; the pages live on in the store
+    d.start()
+    eng2 = _engine(pools, seed=None)  # a fresh engine: zeroed pools
+    dst = {"c4_kv": [0, 2, 4], "swa_kv": [1, 3, 4]}
+    with d.client(name="engine-b") as b:
+        wait_online(b)
+        _attach(b, eng2)
+        assert b.stats()["kv_store"]["entries"] == {"page": 0, "swa_page": 0, "req_slot": 0}
+        assert b.kv_exists("kv", keys + ["d" * 64]) == [True, True, True, False]
+        assert b.kv_exists("swa_kv", ["d" * 64] + keys) == [False, True, True, True]
+        # the marker of the first key is put again: its entry exists without the C4 page, so
+        # that page is read into a fresh row and copied into the entry's (the others become
+        # entries of their own)
+        assert b.kv_put("kv", keys[:1], [0]) == [True]
+        for name, ep in eng2.items():
+            assert b.kv_get(name, keys, dst[name]) == [True] * 3
+            for layer, (new, old) in enumerate(zip(ep.layers, before[name])):
+                for s_, t in zip(src[name], dst[name]):
+                    assert torch.equal(new[t], old[s_]), (name, layer, s_, t)
+                untouched = sorted(set(range(ep.pages)) - set(dst[name]))
+                assert not new[untouched].any(), (name, layer)
+        assert b.kv_get("kv", keys, [0, 2, 4]) == [True] * 3
+        st = b.call("stats", {"check": True})[0]
+        assert st["invariants"] == "ok"
+        assert st["kv_store"]["entries"]["page"] == 3 and st["kv_store"]["entries"]["swa_page"] == 3
+        assert metric(b, "hicache_l3_pages_total", result="prefetch_hit") == 8  # 3 + 3 + 2
+        # tokens counted once per key, through the marker's objects
+        assert metric(b, "hicache_l3_hit_tokens_total") == 2 * layout.model.page_size
+        assert metric(b, "hicache_l3_pages_total", result="kv_miss") == 0
+        # a second get is a host hit: nothing more is read from L3
+        assert b.kv_get("c4_kv", keys, dst["c4_kv"]) == [True] * 3
+        assert metric(b, "hicache_l3_pages_total", result="prefetch_hit") == 8
+    _close(eng2)
+
+
+def test_corrupt_or_missing_object_is_a_miss_never_bytes(l3_daemon: Any, store: Any) -> None:
+    d = l3_daemon()
+    with d.client(name="e") as c:
+        wait_online(c)
+        layout = _layout(c)
+        pools = layout.pools
+        eng = _engine(pools, seed=21)
+        _attach(c, eng, ns="model-c")
+        assert c.kv_put("c4_kv", ["good"], [0]) == [True]
+        _written(c)
+        prefix = kv_prefix(l3_format.namespace(layout))
+        size = l3_format.HEADER_BYTES + pools["c4_kv"].page_bytes * pools["c4_kv"].num_layers
+        ns = "\x1fmodel-c"  # the key store's namespace: (no CURVE key name) + the client's
+        # garbage of the right size, a truncated object, and a right-sized object whose
+        # header names another key
+        stolen = bytearray(size)
+        l3_format.pack_header(memoryview(stolen), object_key(prefix, ns, "c4_kv", "good"),
+                              size - l3_format.HEADER_BYTES, 0)
+        raw_puts(store, {object_key(prefix, ns, "c4_kv", "garbage"): os.urandom(size),
+                         object_key(prefix, ns, "c4_kv", "short"): os.urandom(size // 2),
+                         object_key(prefix, ns, "c4_kv", "stolen"): bytes(stolen)})
+        bad = ["garbage", "short", "stolen"]
+        assert c.kv_exists("c4_kv", bad + ["absent"]) == [True, True, True, False]
+        ep = eng["c4_kv"]
+        before = ep.snapshot()
+        assert c.kv_get("c4_kv", bad + ["absent"], [1, 2, 3, 4]) == [False] * 4
+        assert all(torch.equal(x, y) for x, y in zip(ep.layers, before))  # no byte moved
+        assert metric(c, "hicache_l3_errors_total", kind="corrupt") == 3
+        assert metric(c, "hicache_l3_pages_total", result="kv_miss") == 4
+        # the good key is still served (from host rows), and a miss stays a quick miss
+        t0 = time.monotonic()
+        assert c.kv_get("c4_kv", ["good", "garbage"], [5, 1]) == [True, False]
+        assert time.monotonic() - t0 < 2.0
+        assert all(torch.equal(x[5], y[0]) for x, y in zip(ep.layers, before))
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+        assert c.stats()["kv_store"]["entries"]["page"] == 1  # nothing inserted for the bad
+    _close(eng)
+
+
+def test_namespaces_never_see_each_others_objects(l3_daemon: Any) -> None:
+    d = l3_daemon()
+    with d.client(name="a") as a:
+        wait_online(a)
+        pools = _layout(a).pools
+        ea = _engine(pools, seed=31)
+        _attach(a, ea, ns="tenant-a")
+        assert a.kv_put("c4_kv", ["k1", "k2"], [0, 1]) == [True, True]
+        _written(a)
+        want = [t[[0, 1]].clone() for t in ea["c4_kv"].layers]
+    _close(ea)
+    d.kill()
+    d.start()  # empty host rows: every answer below comes from L3
+    with d.client(name="b") as b, d.client(name="a2") as a2:
+        wait_online(b)
+        eb, ea2 = _engine(pools, seed=None), _engine(pools, seed=None)
+        _attach(b, eb, ns="tenant-b")
+        _attach(a2, ea2, ns="tenant-a")
+        assert b.kv_exists("c4_kv", ["k1", "k2"]) == [False, False]
+        assert b.kv_get("c4_kv", ["k1", "k2"], [0, 1]) == [False, False]
+        assert not any(t.any() for t in eb["c4_kv"].layers)
+        assert b.kv_clear("tenant-b") == 0  # removes tenant-b's objects only
+        assert a2.kv_get("c4_kv", ["k1", "k2"], [2, 3]) == [True, True]
+        assert all(torch.equal(t[[2, 3]], w) for t, w in zip(ea2["c4_kv"].layers, want))
+        # clearing tenant-a drops its host entries and its L3 objects
+        assert a2.kv_clear("tenant-a") == 2
+        deadline = time.monotonic() + 10
+        while a2.stats()["kv_store"]["l3"]["removing"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the removal runs on the L3 write thread
+        assert a2.stats()["kv_store"]["l3"] == {**a2.stats()["kv_store"]["l3"], "removing": 0}
+        assert a2.kv_get("c4_kv", ["k1", "k2"], [4, 5]) == [False, False]  # gone from L3 too
+        assert not ea2["c4_kv"].layers[0][[4, 5]].any()
+    _close(eb)
+    _close(ea2)
+
+
+def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -> None:
+    """A write-through job holds its rows: with the master stopped (SIGSTOP), the job hangs in
+    a Mooncake call; meanwhile puts that need room evict only unpinned entries."""
+    d = l3_daemon()
+    with d.client(name="e") as c:
+        wait_online(c)
+        pools = _layout(c).pools
+        n = c.heartbeat(full=True)["host_rows"]["page"]
+        c4 = pools["c4_kv"]
+        ep = EnginePool(c4.num_layers, n + 4, c4.page_bytes, seed=41)
+        ep.attach(c, "c4_kv", "c4_kv", ns="pin")
+        before = ep.snapshot()
+        old = [f"old{i}" for i in range(n - 2)]
+        assert c.kv_put("c4_kv", old, list(range(n - 2))) == [True] * (n - 2)
+        _written(c)  # these are unpinned now
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            assert c.kv_put("c4_kv", ["p0", "p1"], [n - 2, n - 1]) == [True, True]
+            s = c.stats()["kv_store"]
+            assert s["l3"]["pinned"] == 2, s  # the job hangs on the dead master
+            new = [f"new{i}" for i in range(n)]
+            got = c.kv_put("c4_kv", new, [i % (n + 4) for i in range(n)])
+            s = c.stats()["kv_store"]
+            assert s["l3"]["pinned"] >= 2, s  # still in flight: the test proved something
+            assert got == [True] * (n - 2) + [False] * 2  # only unpinned rows were taken
+            assert s["evicted"] == n - 2  # every unpinned entry went, no pinned one
+            # the pinned rows still hold their bytes (host hits: L3 is not asked)
+            ep.layers[0].zero_()
+            assert c.kv_get("c4_kv", ["p0", "p1"], [0, 1], l3_wait=0) == [True, True]
+            assert torch.equal(ep.layers[0][[0, 1]], before[0][[n - 2, n - 1]])
+            # an unknown key: asked in the background, the loop answers at once meanwhile
+            t0 = time.monotonic()
+            assert c.kv_exists("c4_kv", ["unknown"], l3_wait=0.3) == [False]
+            c.heartbeat()
+            assert time.monotonic() - t0 < 2.0
+            assert c.stats()["kv_store"]["l3"]["querying"] == 1
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+    ep.close()
