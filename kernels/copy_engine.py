@@ -201,15 +201,18 @@ def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
                                 f"{a}..{b - 1} of {len(plan.dst)}")
 
 
-_side: dict[int, "torch.cuda.Stream"] = {}
+_side: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """This process's copy-engine side stream on ``device`` (made once)."""
+    """The copy-engine side stream of ``device``'s current stream (made once per stream: the
+    daemon's load and backup streams each get their own, so a load's copies never queue
+    behind a backup's)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    side = _side.get(idx)
+    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
+    side = _side.get(key)
     if side is None:
-        side = _side[idx] = torch.cuda.Stream(torch.device("cuda", idx))
+        side = _side[key] = torch.cuda.Stream(torch.device("cuda", idx))
     return side
 
 
