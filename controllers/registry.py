@@ -5,12 +5,11 @@ A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id strin
 lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
 kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
 
-A reaped client with operations still in flight is *retiring* (``retire``): it no longer counts
-as connected and gets no acks, but its rows and device mappings stay until its last operation
-ends; then its mappings close (``close_worker``) and its rows are given back a slice per loop
-turn (``DaemonState.release_step``), and only when the last row is back is it ``remove``d.
-Meanwhile its identity is refused (``busy``), so a reconnecting peer can neither use nor lose
-what the old one held. Under CURVE a client is bound to the name of
+A reaped client is *retiring* (``retire``): it no longer counts as connected and gets no acks,
+but its rows and device mappings stay until its last operation ends; then its mappings close
+and its rows are given back in time-bounded turns (``release.Releaser``), and only when the
+last row is back is it ``remove``d. Meanwhile its identity is refused (``busy``), so a
+reconnecting peer can neither use nor lose what the old one held. Under CURVE a client is bound to the name of
 the key that created it (``touch``): another key presenting its routing identity is refused.
 Single-threaded: only the server thread calls in here.
 """
@@ -59,7 +58,6 @@ class ClientState:
     worker: RegisteredWorker | None = None
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
-    closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
     key: str | None = None  # CURVE: the name of the key this client is bound to
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
 
