@@ -8,9 +8,12 @@
 * ``cpu_copy_thread()``: called by the CPU-mode transfer thread on itself: ``background_priority``
   plus at most one thread fewer than the cores this process may run on for its copies (torch's
   intra-op threads, at least one), so the server loop always finds a core free of copies.
-* ``Unmapper``: ``hand(objects)`` takes what keeps a closed worker's device mappings alive
-  (``mmap.mmap`` objects in CPU mode, CUDA IPC storages on GPU) and drops them on its own
-  thread, so that the ``munmap`` (tens of ms per GB) or the IPC close never runs on the loop.
+* ``Unmapper``: ``hand(objects)`` takes a closed worker's device side (its tables and tensor
+  views, and what keeps its mappings alive: ``mmap.mmap`` objects in CPU mode, CUDA IPC
+  storages on GPU) and drops it on its own thread, so that neither the tensors' teardown
+  (~0.3 ms of Python for a worker) nor the ``munmap`` (tens of ms per GB) or the IPC close runs
+  on the loop. Objects other than mmaps are held ``GRACE_S`` (the loop drops the operation
+  that used them within the same turn), then dropped, views first.
   An ``mmap`` is dropped once no tensor references it any more (its refcount shows only our
   hold; tensors made by ``torch.frombuffer`` hold a reference to it), so the thread that lets
   go of the last view never unmaps; after ``WAIT_S`` it is dropped anyway (a view still alive
@@ -19,10 +22,9 @@
   untouched), so the final ``munmap`` is short and no single step holds the process's memory
   map lock for long (the loop allocating memory would wait on it). The ``madvise`` goes through
   ``ctypes``, which lets go of the GIL for the call (``mmap.madvise`` keeps it: 0.1-0.5 ms per
-  step that the loop could not run Python). Other objects are held
-  ``GRACE_S`` (the loop drops the operation that used them within the same turn) and dropped.
-  The thread starts on the first ``hand`` and ends when its queue stays empty; ``pending()``
-  counts jobs not yet dropped; ``flush(timeout)`` waits for them (tests, shutdown).
+  step that the loop could not run Python). The thread starts on the first ``hand`` and ends
+  when its queue stays empty; ``pending()`` counts jobs not yet dropped; ``flush(timeout)``
+  waits for them (tests, shutdown).
 """
 from __future__ import annotations
 
@@ -120,30 +122,32 @@ class Unmapper:
                         self._thread = None
                         return
                 continue
-            _empty_unreferenced(job)  # its locals are gone on return: job holds the last refs
-            job.clear()  # the munmap / IPC close happens here, on this thread
+            maps = [o for o in job if isinstance(o, mmap.mmap)]
+            if len(maps) < len(job):  # views first (they may hold the mappings), after a grace
+                time.sleep(GRACE_S)
+            job.clear()
+            _empty_unreferenced(maps)  # its locals are gone on return: maps holds the last refs
+            maps.clear()  # the munmap / IPC close happens here, on this thread
+            maps = None
             job = None
             with self._lock:
                 self._pending -= 1
 
 
-def _empty_unreferenced(job: list[Any]) -> None:
-    """Wait until the mmaps of ``job`` are referenced by ``job`` alone (bounded by
-    ``WAIT_S``), then empty those that are (``_zap``)."""
-    maps = [i for i, o in enumerate(job) if isinstance(o, mmap.mmap)]
-    if len(maps) < len(job):
-        time.sleep(GRACE_S)
+def _empty_unreferenced(maps: list[mmap.mmap]) -> None:
+    """Wait until each of ``maps`` is referenced by ``maps`` alone (bounded by ``WAIT_S``),
+    then empty those that are (``_zap``)."""
     deadline = time.monotonic() + WAIT_S
-    held = maps
+    held = list(range(len(maps)))
     while True:
-        # two references when nothing else holds it: the job's and getrefcount's argument
-        held = [i for i in held if sys.getrefcount(job[i]) > 2]
+        # two references when nothing else holds it: the list's and getrefcount's argument
+        held = [i for i in held if sys.getrefcount(maps[i]) > 2]
         if not held or time.monotonic() >= deadline:
             break
         time.sleep(0.005)
-    for i in maps:
+    for i in range(len(maps)):
         if i not in held:
-            _zap(job[i])
+            _zap(maps[i])
 
 
 _madvise: Any = None

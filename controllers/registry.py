@@ -44,10 +44,14 @@ class RegisteredWorker:
         return s, self.load_events[s]
 
     def close(self, handoff: Callable[[list[Any]], None] | None = None) -> None:
-        self.tables = {}
-        self.events = []
-        self.load_events = []
-        self.buffers.close(handoff)
+        """Drop the device side; with ``handoff`` everything (tables, tensors, events and the
+        mappings under them) goes to it, so nothing is freed on the caller's thread."""
+        views = [self.tables, self.events, self.load_events, self.buffers.layers]
+        self.tables, self.events, self.load_events = {}, [], []
+        if handoff is None:
+            self.buffers.close()
+        else:
+            self.buffers.close(lambda keep: handoff(views + list(keep)))
 
 
 @dataclass(eq=False)

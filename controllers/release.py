@@ -8,10 +8,11 @@ worker (device mappings). At once:
   ``free`` may name them (``busy``); ``stats`` counts them in ``pending_free``; they stay owned
   by ``c``, so nobody else can allocate them before they are given back;
 * its sparse-region requests are detached (a later command naming one is refused as unknown);
-* with ``cancel`` (a reap: nobody waits for a dead client's bytes) its CPU copies are cancelled
-  at their next chunk (``Scheduler.cancel``).
+* the copies ``cancel`` (a reap: all of them, nobody waits for a dead client's bytes) are
+  cancelled at their next chunk (``Scheduler.cancel``, CPU mode).
 
-It then waits until the operations ``ops`` (those of ``c`` in flight when asked) have ended:
+It then waits until the operations ``ops`` (those of ``c`` in flight when asked) have ended
+(looked at again only after some operation ended: ``dirty``, set by the state):
 only then may the rows and mappings go, so no copy ever writes a row that was given back. Then
 the worker is handed to the unmapper (unmapped on its own thread), the sparse rows are freed,
 and the rows go back in turns bounded by time: each loop turn (``step``) frees slices of
@@ -72,6 +73,7 @@ class Releaser:
         self.gauge = gauge
         self.wake: Callable[[], None] = lambda: None  # the daemon sets the server's wake-up
         self.pending: list[Release] = []
+        self.dirty = False  # an operation ended since the last look at the waiting releases
         self.slice_rows = {s: self._slice_rows(s) for s in group.allocators}
 
     def _slice_rows(self, space: str) -> int:
@@ -85,7 +87,7 @@ class Releaser:
         return {r.c.cid for r in self.pending}
 
     def start(self, c: ClientState, why: str, ops: list[int], worker: RegisteredWorker | None,
-              cancel: bool) -> tuple[int, bool]:
+              cancel: list[int]) -> tuple[int, bool]:
         """Begin giving back every row ``c`` holds (see the module docstring). Returns (rows
         freed before returning, whether anything is still to go)."""
         rows: dict[str, np.ndarray] = {}
@@ -101,13 +103,14 @@ class Releaser:
         if sp is not None:
             for name in [r for r, e in sp.requests.items() if e.cid == c.cid]:
                 sparse.extend(sp.requests.pop(name).rows)
-        if cancel and ops:
-            self.cancel(ops)
+        if cancel:
+            self.cancel(cancel)
         if not self.pending:
             self.watch.restart()
         rel = Release(c, why, rows, set(ops), worker, sparse,
                       sum(int(a.size) for a in rows.values()))
         self.pending.append(rel)
+        self.dirty = True
         self.step()
         return rel.freed, rel in self.pending
 
@@ -117,9 +120,12 @@ class Releaser:
         mark = self.watch.begin()
         deadline = mark[0] + BUDGET_S
         n = 0
-        for rel in list(self.pending):
-            if not rel.ready and not self._ready(rel):
-                continue
+        if self.dirty:  # some operation ended: which waiting releases may go now
+            self.dirty = False
+            for rel in self.pending:
+                if not rel.ready:
+                    self._ready(rel)
+        for rel in [r for r in self.pending if r.ready]:
             while rel.rows:
                 n += self._slice(rel)
                 if time.perf_counter() >= deadline:

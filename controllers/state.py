@@ -213,6 +213,7 @@ class DaemonState:
         end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
         c.in_flight -= 1
+        self.releaser.dirty = True
         self.metrics.in_flight(op.kind, -1)
         if self.tracker.deferred:
             self.release_ready()
@@ -258,6 +259,7 @@ class DaemonState:
                 end_fill(self.group, job.pools, host, job.hits)
             self.tracker.end(host)
             c.in_flight -= 1
+            self.releaser.dirty = True
             if self.tracker.deferred:
                 self.release_ready()
             ns = int((job.t_end - job.t_submit) * 1e9)
@@ -301,7 +303,7 @@ class DaemonState:
         worker = None
         if why == "unregister":
             worker, c.worker = c.worker, None
-        out = self.releaser.start(c, why, self._ops_of(c), worker, cancel=False)
+        out = self.releaser.start(c, why, self._ops_of(c), worker, cancel=[])
         if why == "unregister":
             self.registry.remove(c)
         return out
@@ -319,7 +321,8 @@ class DaemonState:
             log.warning("client %s %s: its rows go back and its device mappings close", c.cid,
                         why)
         worker, c.worker = c.worker, None
-        self.releaser.start(c, f"reaped ({why})", ops, worker, cancel=True)
+        self.releaser.start(c, f"reaped ({why})", ops, worker,
+                            cancel=[i for i in ops if i in self.ops])
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:
