@@ -7,10 +7,11 @@ The latency figure compares, within one run, a bystander's ``heartbeat`` p99 whi
 its p99 from the kill until the dead client's last row is back (its copies running until the
 reap, the reap, their cancellation, the unmapping, the release). A single kill's window holds a
 few hundred calls, so its p99 is its 4th-slowest call, which one scheduling hiccup of a shared
-2-core machine decides; the run therefore makes ``KILLS`` kills, each with an idle window of
-``IDLE_S`` just before it, and compares the p99 of all idle calls with the p99 of all calls
-while reaping (several thousand and over a thousand calls). Each kill is printed, the numbers
-go to docs/reliability.md."""
+2-core machine decides; the run therefore makes ``KILLS`` kills, each between idle windows
+(``IDLE_S`` before the doomed client starts, half that once its rows are back, so a drift of
+the machine's load weighs on both sides), and compares the p99 of all idle calls with the p99
+of all calls while reaping (several thousand and over a thousand calls). Each kill is printed,
+the numbers go to docs/reliability.md."""
 from __future__ import annotations
 
 import glob
@@ -94,6 +95,7 @@ def _reap_once(c: Client, addr: str) -> dict:
             if s["host"]["spaces"]["page"]["used"] == 0 and s["in_flight"] == 0:
                 break
         took = time.monotonic() - t_kill
+        _beat(c, time.monotonic() + IDLE_S / 2, idle)  # idle again: the reference on both sides
     finally:
         if child.poll() is None:
             child.kill()
