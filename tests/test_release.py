@@ -139,3 +139,53 @@ def test_cpu_copy_thread_leaves_a_core_to_the_loop():
     t.join()
     assert got["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
     assert got["nice"] >= background.BACKGROUND_NICE
+
+
+# ----------------------------------------------------------------------------- the releaser
+def _releaser(g: HostPoolGroup, live: set[int], cancelled: list[int]):
+    from hicache.controllers.loop_watch import LoopWatch
+    from hicache.controllers.registry import ClientState, Registry
+    from hicache.controllers.release import Releaser
+    from hicache.controllers.row_tracker import RowTracker
+
+    tracker = RowTracker(dict(g.rows))
+    reg = Registry(8, 16)
+    gauge: list[float] = []
+    rel = Releaser(g, tracker, reg, lambda ids: cancelled.extend(ids) or len(ids),
+                   live.__contains__, lambda: None, LoopWatch(), gauge.append)
+    return rel, tracker, reg, gauge, ClientState
+
+
+def test_releaser_waits_for_the_operations_then_frees_in_bounded_turns(monkeypatch):
+    from hicache.controllers import release
+
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 4096, "swa_page": 6,
+                                                           "req_slot": 4}) as g:
+        live, cancelled = {7, 8}, []
+        rel, tracker, reg, gauge, ClientState = _releaser(g, live, cancelled)
+        mine = g.alloc({"page": 3000, "swa_page": 2}, ("a", None))["page"].numpy()
+        other = g.alloc({"page": 10}, ("b", None))["page"].numpy()
+        tracker.defer({"page": mine[:5]}, ("a", None))  # a free already pending: it stands
+        c = reg.touch(b"a", 0.0)
+        freed, deferred = rel.start(c, "reaped (test)", [7, 8], None, cancel=[7, 8])
+        assert (freed, deferred) == (0, True) and cancelled == [7, 8]
+        assert tracker.busy("page", mine[5:]) and not tracker.busy("page", other)
+        assert tracker.pending_rows("page") == 3000
+        for _ in range(3):  # operations live: nothing goes back, however often the loop turns
+            rel.dirty = True
+            assert rel.step() == 0
+        assert g.rows_of("a")["page"].numel() == 3000
+        live.clear()
+        rel.dirty = True
+        monkeypatch.setattr(release, "BUDGET_S", 0.0)  # one slice per turn
+        turns, n = 0, 0
+        while rel.pending:
+            got = rel.step()
+            assert got <= release.SLICE_ROWS
+            n += got
+            turns += 1
+        assert n == 2995 + 2 and turns == -(-2995 // release.SLICE_ROWS) + 1
+        assert sorted(g.rows_of("a")["page"].tolist()) == sorted(mine[:5].tolist())
+        assert sorted(g.rows_of("b")["page"].tolist()) == sorted(other.tolist())
+        assert tracker.held == 0 and not tracker.busy("page", mine[5:]) and gauge
+        g.check_invariants()
