@@ -12,8 +12,8 @@
   views, and what keeps its mappings alive: ``mmap.mmap`` objects in CPU mode, CUDA IPC
   storages on GPU) and drops it on its own thread, so that neither the tensors' teardown
   (~0.3 ms of Python for a worker) nor the ``munmap`` (tens of ms per GB) or the IPC close runs
-  on the loop. Objects other than mmaps are held ``GRACE_S`` (the loop drops the operation
-  that used them within the same turn), then dropped, views first.
+  on the loop. The views are dropped first; a job without mmaps (CUDA IPC storages) is held
+  ``GRACE_S`` before (the loop drops the operation that used them within the same turn).
   An ``mmap`` is dropped once no tensor references it any more (its refcount shows only our
   hold; tensors made by ``torch.frombuffer`` hold a reference to it), so the thread that lets
   go of the last view never unmaps; after ``WAIT_S`` it is dropped anyway (a view still alive
@@ -123,9 +123,9 @@ class Unmapper:
                         return
                 continue
             maps = [o for o in job if isinstance(o, mmap.mmap)]
-            if len(maps) < len(job):  # views first (they may hold the mappings), after a grace
+            if not maps:  # CUDA IPC storages: after a grace
                 time.sleep(GRACE_S)
-            job.clear()
+            job.clear()  # the views first (they may hold the mappings)
             _empty_unreferenced(maps)  # its locals are gone on return: maps holds the last refs
             maps.clear()  # the munmap / IPC close happens here, on this thread
             maps = None
