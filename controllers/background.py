@@ -25,6 +25,9 @@
   step that the loop could not run Python). The thread starts on the first ``hand`` and ends
   when its queue stays empty; ``pending()`` counts jobs not yet dropped; ``flush(timeout)``
   waits for them (tests, shutdown).
+* ``Jobs``: ``run(fn)`` calls ``fn()`` on its own thread at background priority, in order
+  (the release's zero-on-free of a gone client's rows: torch's fill lets go of the GIL). The
+  thread starts on the first job and ends when idle; a job that raises is logged.
 """
 from __future__ import annotations
 
@@ -132,6 +135,40 @@ class Unmapper:
             job = None
             with self._lock:
                 self._pending -= 1
+
+
+class Jobs:
+    """Callables run in order on one background thread (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Any) -> None:
+        with self._lock:
+            self._q.put(fn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        background_priority()
+        while True:
+            try:
+                fn = self._q.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._q.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - keep serving the next jobs
+                log.exception("background job of %s failed", self.name)
+            fn = None
 
 
 def _empty_unreferenced(maps: list[mmap.mmap]) -> None:

@@ -16,8 +16,11 @@ It then waits until the operations ``ops`` (those of ``c`` in flight when asked)
 only then may the rows and mappings go, so no copy ever writes a row that was given back. Then
 the worker is handed to the unmapper (unmapped on its own thread), the sparse rows are freed,
 and the rows go back in turns bounded by time: each loop turn (``step``) frees slices of
-``SLICE_ROWS`` rows (fewer with zero-on-free: ``SLICE_BYTES`` to zero) until ``BUDGET_S`` has
-passed, at least one slice. ``start`` runs one turn itself, so a client with nothing in flight
+``SLICE_ROWS`` rows until ``BUDGET_S`` has passed, at least one slice. With zero-on-free the
+rows are first zeroed on a background thread (``background.Jobs``; ``ZERO_BYTES`` at a time,
+each chunk handed back to the loop, which frees it without zeroing again): the rows are held
+and owned by the client meanwhile, so nothing else touches them. Only a release of at most
+``ZERO_INLINE`` bytes is zeroed by the loop (one slice, ~0.1 ms). ``start`` runs one turn itself, so a client with nothing in flight
 and a few hundred rows is done before the reply. When its last row is back a reaped client is
 forgotten (``Registry.remove``). While any release is under way the loop watch records the
 longest loop step; when the last one ends it is logged and published as the gauge
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,6 +40,7 @@ import numpy as np
 from hicache.host_pools.errors import PoolError
 from hicache.host_pools.group import HostPoolGroup
 
+from .background import Jobs
 from .loop_watch import LoopWatch
 from .registry import ClientState, RegisteredWorker, Registry
 from .row_tracker import RowTracker
@@ -43,8 +48,9 @@ from .row_tracker import RowTracker
 log = logging.getLogger("hicache.daemon")
 
 BUDGET_S = 150e-6  # release work per loop turn (at least one slice)
-SLICE_ROWS = 256  # rows freed per slice (~20-60 us here)
-SLICE_BYTES = 1 << 20  # with zero_on_free: bytes zeroed per slice (~100 us here)
+SLICE_ROWS = 256  # rows freed per slice (~20-100 us here)
+ZERO_BYTES = 8 << 20  # with zero_on_free: bytes zeroed per chunk on the background thread
+ZERO_INLINE = 1 << 20  # with zero_on_free: a release of at most this many bytes zeroes inline
 
 
 @dataclass(eq=False)
@@ -59,6 +65,8 @@ class Release:
     t0: float = field(default_factory=time.monotonic)
     ready: bool = False
     freed: int = 0
+    zeroed: deque = field(default_factory=deque)  # (space, rows) zeroed, not yet freed
+    zeroing: bool = False  # rows handed to the zero thread and not all zeroed yet
 
 
 class Releaser:
@@ -74,14 +82,10 @@ class Releaser:
         self.wake: Callable[[], None] = lambda: None  # the daemon sets the server's wake-up
         self.pending: list[Release] = []
         self.dirty = False  # an operation ended since the last look at the waiting releases
-        self.slice_rows = {s: self._slice_rows(s) for s in group.allocators}
-
-    def _slice_rows(self, space: str) -> int:
-        if not self.group.zero_on_free:
-            return SLICE_ROWS
-        row = sum(p.spec.page_bytes * p.spec.num_layers for p in self.group.pools.values()
-                  if p.spec.index == space)
-        return max(1, min(SLICE_ROWS, SLICE_BYTES // max(1, row)))
+        self.row_bytes = {s: max(1, sum(p.spec.page_bytes * p.spec.num_layers
+                                        for p in group.pools.values() if p.spec.index == s))
+                          for s in group.allocators}
+        self.jobs = Jobs("hicache-zero") if group.zero_on_free else None
 
     def cids(self) -> set[str]:
         return {r.c.cid for r in self.pending}
@@ -126,18 +130,18 @@ class Releaser:
                 if not rel.ready:
                     self._ready(rel)
         for rel in [r for r in self.pending if r.ready]:
-            while rel.rows:
+            while rel.rows or rel.zeroed:
                 n += self._slice(rel)
                 if time.perf_counter() >= deadline:
                     break
-            if not rel.rows:
+            if not (rel.rows or rel.zeroed or rel.zeroing):
                 self._done(rel)
             if time.perf_counter() >= deadline:
                 break
         if n or any(r.ready for r in self.pending):
             self.watch.step("release", mark)
-        if any(r.ready for r in self.pending):
-            self.wake()
+        if any(r.ready and (r.rows or r.zeroed) for r in self.pending):
+            self.wake()  # (the zero thread wakes the loop when it handed a chunk back)
         return n
 
     def _ready(self, rel: Release) -> bool:
@@ -158,24 +162,51 @@ class Releaser:
                 sp.alloc.free_owner(rel.c.cid)  # nobody acts for a reaped client any more
         rel.sparse = []
         rel.ready = True
+        if self.jobs is not None and \
+                sum(a.size * self.row_bytes[s] for s, a in rel.rows.items()) > ZERO_INLINE:
+            # zero-on-free of more than a slice's worth: zeroed off the loop first
+            todo, rel.rows, rel.zeroing = list(rel.rows.items()), {}, True
+            self.jobs.run(lambda: self._zero(rel, todo))
         return True
 
+    def _zero(self, rel: Release, todo: list[tuple[str, np.ndarray]]) -> None:
+        """Zero thread: zero ``todo`` a chunk at a time, handing each chunk back to the loop."""
+        try:
+            for s, arr in todo:
+                k = max(1, ZERO_BYTES // self.row_bytes[s])
+                for a in range(0, arr.size, k):
+                    self.group.zero_space_rows(s, arr[a:a + k])
+                    rel.zeroed.append((s, arr[a:a + k]))
+                    self.wake()
+        finally:
+            rel.zeroing = False
+            self.wake()
+
     def _slice(self, rel: Release) -> int:
-        s, arr = next(iter(rel.rows.items()))
-        k = self.slice_rows[s]
-        part = arr[:k]
+        """Free one slice: up to ``SLICE_ROWS`` rows of one space (zeroed chunks, or rows)."""
+        zeroed = not rel.rows
+        if zeroed:
+            s, part = rel.zeroed.popleft()
+            parts = [part]
+            while rel.zeroed and rel.zeroed[0][0] == s and \
+                    sum(p.size for p in parts) + rel.zeroed[0][1].size <= SLICE_ROWS:
+                parts.append(rel.zeroed.popleft()[1])
+            part = np.concatenate(parts) if len(parts) > 1 else part
+        else:
+            s, arr = next(iter(rel.rows.items()))
+            part = arr[:SLICE_ROWS]
+            if arr.size > SLICE_ROWS:
+                rel.rows[s] = arr[SLICE_ROWS:]
+            else:
+                del rel.rows[s]
         cid = rel.c.cid
         try:
-            n = self.group.free_client_rows(cid, {s: part})
+            n = self.group.free_client_rows(cid, {s: part}, zeroed=zeroed)
         except PoolError as e:  # not expected: some row went elsewhere; free what it holds
             log.error("release of client %s, space %s: %s", cid, s, e)
             mine = part[np.isin(part, self.group.allocators[s].rows_of(cid).numpy())]
-            n = self.group.free_client_rows(cid, {s: mine})
+            n = self.group.free_client_rows(cid, {s: mine}, zeroed=zeroed)
         self.tracker.unhold(s, part)
-        if arr.size > k:
-            rel.rows[s] = arr[k:]
-        else:
-            del rel.rows[s]
         rel.freed += n
         return n
 

@@ -189,3 +189,36 @@ def test_releaser_waits_for_the_operations_then_frees_in_bounded_turns(monkeypat
         assert sorted(g.rows_of("b")["page"].tolist()) == sorted(other.tolist())
         assert tracker.held == 0 and not tracker.busy("page", mine[5:]) and gauge
         g.check_invariants()
+
+
+def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypatch):
+    from hicache.controllers import release
+
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 512, "swa_page": 6,
+                                                           "req_slot": 4},
+                       zero_on_free=True) as g:
+        rel, tracker, reg, gauge, _ = _releaser(g, set(), [])
+        mine = g.alloc({"page": 300}, ("a", None))["page"].numpy()
+        other = g.alloc({"page": 4}, ("b", None))["page"].numpy()
+        for name in ("c4_kv", "c128_kv"):
+            for t in g.pools[name].layers:
+                t[torch.from_numpy(mine)] = 0xAB
+                t[torch.from_numpy(other)] = 0xCD
+        zeroing_threads: list[str] = []
+        real = g._zero  # every zeroing, on the zero thread or in a free, goes through here
+        monkeypatch.setattr(g, "_zero", lambda pool, r: (
+            zeroing_threads.append(threading.current_thread().name), real(pool, r)))
+        freed, deferred = rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[])
+        assert deferred and freed == 0  # 300 rows of 141 KiB: zeroed on the zero thread first
+        deadline = time.monotonic() + 10
+        while rel.pending and time.monotonic() < deadline:
+            rel.step()
+            time.sleep(0.001)
+        assert not rel.pending and set(zeroing_threads) == {"hicache-zero"}
+        for name in ("c4_kv", "c128_kv"):
+            for t in g.pools[name].layers:
+                assert int(t[torch.from_numpy(mine)].count_nonzero()) == 0
+                assert bool((t[torch.from_numpy(other)] == 0xCD).all())
+        assert g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
+        assert (g.written["c4_kv"][mine] == UNWRITTEN).all()
+        g.check_invariants()
