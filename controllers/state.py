@@ -246,7 +246,7 @@ class DaemonState:
         return n
 
     def idle(self) -> bool:
-        """No transfer, no L3 job in flight and no reaped client's rows left to give back."""
+        """No transfer, no L3 job in flight and no released client's rows left to give back."""
         return self.scheduler.idle() and not self.l3_ops and not self.releaser.pending
 
     def finish_l3(self) -> int:
