@@ -110,10 +110,14 @@ class Registry:
         if self.retiring.get(c.ident) is c:
             del self.retiring[c.ident]
         self.close_worker(c)
+        self.close_kv(c)
+        c.acks.clear()
+
+    def close_kv(self, c: ClientState) -> None:
+        """Unmap the engine host pools ``c`` attached for the key store, if any."""
         if c.kv is not None:
             c.kv.close()
             c.kv = None
-        c.acks.clear()
 
     def close_worker(self, c: ClientState) -> None:
         """Close ``c``'s device mappings (through ``handoff`` when set)."""

@@ -62,6 +62,7 @@ class Release:
     worker: RegisteredWorker | None  # mappings to close once ``ops`` ended
     sparse: list[int]  # rows of the sparse region, freed once ``ops`` ended
     total: int
+    forget: bool  # drop the client from the registry when done
     t0: float = field(default_factory=time.monotonic)
     ready: bool = False
     freed: int = 0
@@ -91,9 +92,11 @@ class Releaser:
         return {r.c.cid for r in self.pending}
 
     def start(self, c: ClientState, why: str, ops: list[int], worker: RegisteredWorker | None,
-              cancel: list[int]) -> tuple[int, bool]:
-        """Begin giving back every row ``c`` holds (see the module docstring). Returns (rows
-        freed before returning, whether anything is still to go)."""
+              cancel: list[int], forget: bool) -> tuple[int, bool]:
+        """Begin giving back every row ``c`` holds (see the module docstring); ``forget``: drop
+        ``c`` from the registry when done (a reap: always; an ``unregister``: unless it
+        registered again or holds rows by then). Returns (rows freed before returning, whether
+        anything is still to go)."""
         rows: dict[str, np.ndarray] = {}
         for s, t in self.group.rows_of(c.cid).items():
             a = t.numpy()
@@ -112,7 +115,7 @@ class Releaser:
         if not self.pending:
             self.watch.restart()
         rel = Release(c, why, rows, set(ops), worker, sparse,
-                      sum(int(a.size) for a in rows.values()))
+                      sum(int(a.size) for a in rows.values()), forget)
         self.pending.append(rel)
         self.dirty = True
         self.step()
@@ -213,11 +216,15 @@ class Releaser:
     def _done(self, rel: Release) -> None:
         self.pending.remove(rel)
         took = time.monotonic() - rel.t0
+        c = rel.c
         if rel.why.startswith("reaped"):
-            self.registry.remove(rel.c)  # forgotten: its identity may connect afresh
+            self.registry.remove(c)  # forgotten: its identity may connect afresh
             log.warning("client %s: %d host rows freed, device mappings closed, %.2f s after "
                         "the reap; %s", rel.c.cid, rel.total, took, self.watch.describe())
-        elif took > 0.01:
+        elif rel.forget and c.worker is None and self.registry.clients.get(c.ident) is c and \
+                not any(t.numel() for t in self.group.rows_of(c.cid).values()):
+            self.registry.remove(c)  # unregistered, its operations ended: forgotten now
+        if not rel.why.startswith("reaped") and took > 0.01:
             log.info("client %s %s: its %d host rows are back after %.2f s; %s", rel.c.cid,
                      rel.why, rel.total, took, self.watch.describe())
         if not self.pending:

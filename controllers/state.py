@@ -297,16 +297,21 @@ class DaemonState:
 
     def release_client(self, c: ClientState, why: str) -> tuple[int, bool]:
         """``unregister`` or ``reset`` of ``c`` without waiting: every row it holds now goes
-        back once the operations it has in flight ended (``Releaser``); with ``unregister`` its
-        device mappings too, and ``c`` is forgotten now (a later message starts afresh). Returns
-        (rows freed before the reply, whether rows are still to go back: ``deferred``)."""
-        worker = None
+        back once the operations it has in flight ended (``Releaser``). With ``unregister``
+        its worker is detached now (its mappings close once those operations ended) and ``c``
+        is forgotten: at once when nothing is in flight, else once they ended (meanwhile their
+        acks are still delivered, so the engine knows when its device memory is no longer
+        used). Returns (rows freed before the reply, whether rows are still to go back)."""
+        worker, forget = None, False
         if why == "unregister":
             worker, c.worker = c.worker, None
-        out = self.releaser.start(c, why, self._ops_of(c), worker, cancel=[])
-        if why == "unregister":
+            self.registry.close_kv(c)
+        ops = self._ops_of(c)
+        if why == "unregister" and not ops:
             self.registry.remove(c)
-        return out
+        else:
+            forget = why == "unregister"
+        return self.releaser.start(c, why, ops, worker, cancel=[], forget=forget)
 
     def reap(self, c: ClientState, why: str) -> None:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused
@@ -322,7 +327,7 @@ class DaemonState:
                         why)
         worker, c.worker = c.worker, None
         self.releaser.start(c, f"reaped ({why})", ops, worker,
-                            cancel=[i for i in ops if i in self.ops])
+                            cancel=[i for i in ops if i in self.ops], forget=True)
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:

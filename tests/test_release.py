@@ -167,7 +167,7 @@ def test_releaser_waits_for_the_operations_then_frees_in_bounded_turns(monkeypat
         other = g.alloc({"page": 10}, ("b", None))["page"].numpy()
         tracker.defer({"page": mine[:5]}, ("a", None))  # a free already pending: it stands
         c = reg.touch(b"a", 0.0)
-        freed, deferred = rel.start(c, "reaped (test)", [7, 8], None, cancel=[7, 8])
+        freed, deferred = rel.start(c, "reaped (test)", [7, 8], None, cancel=[7, 8], forget=True)
         assert (freed, deferred) == (0, True) and cancelled == [7, 8]
         assert tracker.busy("page", mine[5:]) and not tracker.busy("page", other)
         assert tracker.pending_rows("page") == 3000
@@ -208,7 +208,8 @@ def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypat
         real = g._zero  # every zeroing, on the zero thread or in a free, goes through here
         monkeypatch.setattr(g, "_zero", lambda pool, r: (
             zeroing_threads.append(threading.current_thread().name), real(pool, r)))
-        freed, deferred = rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[])
+        freed, deferred = rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[],
+                                   forget=False)
         assert deferred and freed == 0  # 300 rows of 141 KiB: zeroed on the zero thread first
         deadline = time.monotonic() + 10
         while rel.pending and time.monotonic() < deadline:

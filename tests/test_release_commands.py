@@ -2,7 +2,8 @@
 
 A client with 0.87 GB of backups in flight sends ``unregister`` or ``reset``: the reply comes at
 once with ``deferred: true``; its rows are pending (``stats`` ``pending_free``, refused ``busy``)
-until those copies ended, then go back in time-bounded turns. Meanwhile another client (a
+until those copies ended, then go back in time-bounded turns; the copies run to their end and
+their acks still reach the client. Meanwhile another client (a
 ``Victim`` with known bytes in every space) keeps being answered, can allocate (never one of the
 pending rows), and at the end its rows load back byte for byte; no row leaks and the allocator
 check passes. CPU mode, a real daemon, shared-memory device pools."""
@@ -94,11 +95,14 @@ def test_unregister_with_copies_in_flight_replies_at_once(daemon):
         got = [int(x) for x in vic.client.alloc({"page": 4})["page"]]  # never a pending row
         assert not set(got) & set(rows)
         took, lat = _until_back(vic, {**base, "page": base["page"] + 4})
+        # the acks of its copies still come: the engine knows when its buffers are unused
+        acks = [c.wait_ack(op, timeout=30) for op in ops]
+        assert all(a.ok for a in acks), acks
         print(f"unregister: reply {reply_s * 1e3:.1f} ms, rows back after {took:.2f} s, "
               f"victim heartbeat max {max(lat) * 1e3:.1f} ms over {len(lat)} calls")
         assert reply_s < took / 2 and max(lat) < took / 2, (reply_s, max(lat), took)
         vic.client.free({"page": got})
-        # the client was forgotten: the same identity registers afresh at once
+        # forgotten once its copies ended: the same identity registers afresh
         c.register(pools)
         r = c.unregister()
         assert r["freed"] == 0 and r["deferred"] is False, r
