@@ -9,8 +9,9 @@ A reaped client is *retiring* (``retire``): it no longer counts as connected and
 but its rows and device mappings stay until its last operation ends; then its mappings close
 and its rows are given back in time-bounded turns (``release.Releaser``), and only when the
 last row is back is it ``remove``d. Meanwhile its identity is refused (``busy``), so a
-reconnecting peer can neither use nor lose what the old one held. Under CURVE a client is bound to the name of
-the key that created it (``touch``): another key presenting its routing identity is refused.
+reconnecting peer can neither use nor lose what the old one held. Under CURVE a client is bound
+to the name of the key that created it (``touch``): another key presenting its routing
+identity is refused.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations

@@ -20,9 +20,11 @@ and the rows go back in turns bounded by time: each loop turn (``step``) frees s
 rows are first zeroed on a background thread (``background.Jobs``; ``ZERO_BYTES`` at a time,
 each chunk handed back to the loop, which frees it without zeroing again): the rows are held
 and owned by the client meanwhile, so nothing else touches them. Only a release of at most
-``ZERO_INLINE`` bytes is zeroed by the loop (one slice, ~0.1 ms). ``start`` runs one turn itself, so a client with nothing in flight
-and a few hundred rows is done before the reply. When its last row is back a reaped client is
-forgotten (``Registry.remove``). While any release is under way the loop watch records the
+``ZERO_INLINE`` bytes is zeroed by the loop (one slice, ~0.1 ms). ``start`` runs one turn
+itself, so a client with nothing in flight and a few hundred rows is done before the reply.
+When its last row is back a reaped client is forgotten (``Registry.remove``), and so is an
+unregistered one that had copies in flight (it stayed known meanwhile, so their acks reached
+it), unless it registered again or allocated rows. While any release is under way the loop watch records the
 longest loop step; when the last one ends it is logged and published as the gauge
 ``release_loop_step_seconds``.
 Single-threaded: only the server thread calls in here.
