@@ -24,9 +24,9 @@ and owned by the client meanwhile, so nothing else touches them. Only a release 
 itself, so a client with nothing in flight and a few hundred rows is done before the reply.
 When its last row is back a reaped client is forgotten (``Registry.remove``), and so is an
 unregistered one that had copies in flight (it stayed known meanwhile, so their acks reached
-it), unless it registered again or allocated rows. While any release is under way the loop watch records the
-longest loop step; when the last one ends it is logged and published as the gauge
-``release_loop_step_seconds``.
+it), unless it registered again or allocated rows. While any release is under way the loop
+watch records the longest loop step; when the last one ends it is logged and published as the
+gauge ``release_loop_step_seconds``.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
