@@ -8,22 +8,30 @@
 * ``cpu_copy_thread()``: called by the CPU-mode transfer thread on itself: ``background_priority``
   plus at most one thread fewer than the cores this process may run on for its copies (torch's
   intra-op threads, at least one), so the server loop always finds a core free of copies.
-* ``Unmapper``: ``hand(objects)`` takes what keeps a closed worker's device mappings alive
-  (``mmap.mmap`` objects in CPU mode, CUDA IPC storages on GPU) and drops them on its own
-  thread, so that the ``munmap`` (tens of ms per GB) or the IPC close never runs on the loop.
+* ``Unmapper``: ``hand(objects)`` takes a closed worker's device side (its tables and tensor
+  views, and what keeps its mappings alive: ``mmap.mmap`` objects in CPU mode, CUDA IPC
+  storages on GPU) and drops it on its own thread, so that neither the tensors' teardown
+  (~0.3 ms of Python for a worker) nor the ``munmap`` (tens of ms per GB) or the IPC close runs
+  on the loop. The views are dropped first; a job without mmaps (CUDA IPC storages) is held
+  ``GRACE_S`` before (the loop drops the operation that used them within the same turn).
   An ``mmap`` is dropped once no tensor references it any more (its refcount shows only our
   hold; tensors made by ``torch.frombuffer`` hold a reference to it), so the thread that lets
   go of the last view never unmaps; after ``WAIT_S`` it is dropped anyway (a view still alive
   then unmaps whenever that view dies). An unreferenced shared mapping is first emptied
   ``ZAP_BYTES`` at a time (``MADV_DONTNEED``: page-table entries dropped, the file's data
   untouched), so the final ``munmap`` is short and no single step holds the process's memory
-  map lock for long (the loop allocating memory would wait on it). Other objects are held
-  ``GRACE_S`` (the loop drops the operation that used them within the same turn) and dropped.
-  The thread starts on the first ``hand`` and ends when its queue stays empty; ``pending()``
-  counts jobs not yet dropped; ``flush(timeout)`` waits for them (tests, shutdown).
+  map lock for long (the loop allocating memory would wait on it). The ``madvise`` goes through
+  ``ctypes``, which lets go of the GIL for the call (``mmap.madvise`` keeps it: 0.1-0.5 ms per
+  step that the loop could not run Python). The thread starts on the first ``hand`` and ends
+  when its queue stays empty; ``pending()`` counts jobs not yet dropped; ``flush(timeout)``
+  waits for them (tests, shutdown).
+* ``Jobs``: ``run(fn)`` calls ``fn()`` on its own thread at background priority, in order
+  (the release's zero-on-free of a gone client's rows: torch's fill lets go of the GIL). The
+  thread starts on the first job and ends when idle; a job that raises is logged.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -117,38 +125,97 @@ class Unmapper:
                         self._thread = None
                         return
                 continue
-            _empty_unreferenced(job)  # its locals are gone on return: job holds the last refs
-            job.clear()  # the munmap / IPC close happens here, on this thread
+            maps = [o for o in job if isinstance(o, mmap.mmap)]
+            if not maps:  # CUDA IPC storages: after a grace
+                time.sleep(GRACE_S)
+            job.clear()  # the views first (they may hold the mappings)
+            _empty_unreferenced(maps)  # its locals are gone on return: maps holds the last refs
+            maps.clear()  # the munmap / IPC close happens here, on this thread
+            maps = None
             job = None
             with self._lock:
                 self._pending -= 1
 
 
-def _empty_unreferenced(job: list[Any]) -> None:
-    """Wait until the mmaps of ``job`` are referenced by ``job`` alone (bounded by
-    ``WAIT_S``), then empty those that are (``_zap``)."""
-    maps = [i for i, o in enumerate(job) if isinstance(o, mmap.mmap)]
-    if len(maps) < len(job):
-        time.sleep(GRACE_S)
+class Jobs:
+    """Callables run in order on one background thread (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Any) -> None:
+        with self._lock:
+            self._q.put(fn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        background_priority()
+        while True:
+            try:
+                fn = self._q.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._q.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - keep serving the next jobs
+                log.exception("background job of %s failed", self.name)
+            fn = None
+
+
+def _empty_unreferenced(maps: list[mmap.mmap]) -> None:
+    """Wait until each of ``maps`` is referenced by ``maps`` alone (bounded by ``WAIT_S``),
+    then empty those that are (``_zap``)."""
     deadline = time.monotonic() + WAIT_S
-    held = maps
+    held = list(range(len(maps)))
     while True:
-        # two references when nothing else holds it: the job's and getrefcount's argument
-        held = [i for i in held if sys.getrefcount(job[i]) > 2]
+        # two references when nothing else holds it: the list's and getrefcount's argument
+        held = [i for i in held if sys.getrefcount(maps[i]) > 2]
         if not held or time.monotonic() >= deadline:
             break
         time.sleep(0.005)
-    for i in maps:
+    for i in range(len(maps)):
         if i not in held:
-            _zap(job[i])
+            _zap(maps[i])
+
+
+_madvise: Any = None
+
+
+def _address(m: mmap.mmap) -> int | None:
+    """The start address of a writable mapping (None when it has none: closed, read-only)."""
+    try:
+        view = ctypes.c_char.from_buffer(m)  # a buffer export, released right below
+    except (TypeError, ValueError, BufferError):
+        return None
+    addr = ctypes.addressof(view)
+    del view
+    return addr
 
 
 def _zap(m: mmap.mmap) -> None:
-    """Drop the page-table entries of an unreferenced shared mapping, a step at a time."""
+    """Drop the page-table entries of an unreferenced shared mapping, a step at a time, each
+    ``madvise`` without the GIL (``mmap.madvise``, holding it, where ctypes cannot serve)."""
+    global _madvise
     try:
         n = len(m)
+        addr = _address(m)
+        if addr is not None and _madvise is None:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _madvise = fn
         for off in range(0, n, ZAP_BYTES):
-            m.madvise(mmap.MADV_DONTNEED, off, min(ZAP_BYTES, n - off))
+            k = min(ZAP_BYTES, n - off)
+            if addr is None or _madvise(addr + off, k, mmap.MADV_DONTNEED) != 0:
+                m.madvise(mmap.MADV_DONTNEED, off, k)
             time.sleep(0)  # the loop may take the GIL between steps
     except (ValueError, OSError, AttributeError):
         pass  # closed, or no madvise here: the unmap does it all at once

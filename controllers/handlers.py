@@ -110,8 +110,7 @@ def _short(v: Any) -> str:
 
 def unregister(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     worker_of(c)
-    freed, deferred = st.release_client(c)
-    st.registry.remove(c)
+    freed, deferred = st.release_client(c, "unregister")
     return {"freed": freed, "deferred": deferred}, []
 
 
@@ -145,7 +144,7 @@ def buffer_infos(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> 
 
 
 def reset(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    freed, deferred = st.release_client(c)
+    freed, deferred = st.release_client(c, "reset")
     return {"freed": freed, "deferred": deferred}, []
 
 

@@ -125,6 +125,10 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("clients_reaped", "counter", (),
               "Clients reaped after missing heartbeats (their rows freed, mappings closed).",
               "Did a worker die or hang without saying goodbye?"),
+    MetricDef("release_loop_step_seconds", "gauge", (),
+              "Longest single server-loop step while the last client release (reap, or "
+              "unregister / reset with rows going back in the background) was under way.",
+              "Does giving a dead or departing client's rows back stall other clients?"),
     # --- HiSparse
     MetricDef("hisparse_host_rows", "gauge", ("state",),
               "C4 page rows of the sparse host region by state: used, free.",

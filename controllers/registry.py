@@ -5,13 +5,13 @@ A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id strin
 lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
 kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
 
-A reaped client with operations still in flight is *retiring* (``retire``): it no longer counts
-as connected and gets no acks, but its rows and device mappings stay until its last operation
-ends; then its mappings close (``close_worker``) and its rows are given back a slice per loop
-turn (``DaemonState.release_step``), and only when the last row is back is it ``remove``d.
-Meanwhile its identity is refused (``busy``), so a reconnecting peer can neither use nor lose
-what the old one held. Under CURVE a client is bound to the name of
-the key that created it (``touch``): another key presenting its routing identity is refused.
+A reaped client is *retiring* (``retire``): it no longer counts as connected and gets no acks,
+but its rows and device mappings stay until its last operation ends; then its mappings close
+and its rows are given back in time-bounded turns (``release.Releaser``), and only when the
+last row is back is it ``remove``d. Meanwhile its identity is refused (``busy``), so a
+reconnecting peer can neither use nor lose what the old one held. Under CURVE a client is bound
+to the name of the key that created it (``touch``): another key presenting its routing
+identity is refused.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -45,10 +45,14 @@ class RegisteredWorker:
         return s, self.load_events[s]
 
     def close(self, handoff: Callable[[list[Any]], None] | None = None) -> None:
-        self.tables = {}
-        self.events = []
-        self.load_events = []
-        self.buffers.close(handoff)
+        """Drop the device side; with ``handoff`` everything (tables, tensors, events and the
+        mappings under them) goes to it, so nothing is freed on the caller's thread."""
+        views = [self.tables, self.events, self.load_events, self.buffers.layers]
+        self.tables, self.events, self.load_events = {}, [], []
+        if handoff is None:
+            self.buffers.close()
+        else:
+            self.buffers.close(lambda keep: handoff(views + list(keep)))
 
 
 @dataclass(eq=False)
@@ -59,7 +63,6 @@ class ClientState:
     worker: RegisteredWorker | None = None
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
-    closing: bool = False  # reaped / reset while ops were in flight: free rows when they end
     key: str | None = None  # CURVE: the name of the key this client is bound to
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
 
@@ -108,10 +111,14 @@ class Registry:
         if self.retiring.get(c.ident) is c:
             del self.retiring[c.ident]
         self.close_worker(c)
+        self.close_kv(c)
+        c.acks.clear()
+
+    def close_kv(self, c: ClientState) -> None:
+        """Unmap the engine host pools ``c`` attached for the key store, if any."""
         if c.kv is not None:
             c.kv.close()
             c.kv = None
-        c.acks.clear()
 
     def close_worker(self, c: ClientState) -> None:
         """Close ``c``'s device mappings (through ``handoff`` when set)."""

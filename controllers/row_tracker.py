@@ -5,7 +5,9 @@ swap-outs write them) per row, and a ``freeing`` mark for rows whose free was de
 of a row with a non-zero count is recorded with its owner and carried out by ``ready()`` once
 the last operation using it ends — never a use-after-free. Rows marked ``freeing`` are refused
 by new operations (``busy``). ``hazard(op)`` says whether an operation must wait for the other
-stream (a load of rows being written, a backup into rows being read).
+stream (a load of rows being written, a backup into rows being read). ``hold(space, rows)``
+marks rows ``freeing`` for a whole-client release (``controllers.release``), which gives them
+back itself and ``unhold``s them slice by slice.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RowTracker:
         self.writers = {s: np.zeros(n, np.int32) for s, n in rows.items()}
         self.freeing = {s: np.zeros(n, np.bool_) for s, n in rows.items()}
         self.deferred: list[tuple[dict[str, np.ndarray], Any]] = []  # (rows by space, owner)
+        self.held = 0  # rows marked freeing by hold() and not yet unhold()
 
     # ------------------------------------------------------------------ in-flight counts
     def _add(self, host: Iterable[tuple[str, np.ndarray, bool]], delta: int) -> None:
@@ -62,7 +65,7 @@ class RowTracker:
 
     def busy(self, space: str, rows: Any) -> bool:
         """Rows (array or list) whose free is pending: no new operation may use them."""
-        if not self.deferred:
+        if not self.deferred and not self.held:
             return False
         fr = self.freeing[space]
         if len(rows) <= SMALL:
@@ -74,6 +77,15 @@ class RowTracker:
         for space, r in rows.items():
             self.freeing[space][r] = True
         self.deferred.append((rows, owner))
+
+    def hold(self, space: str, rows: np.ndarray) -> None:
+        """Mark ``rows`` (none marked yet) freeing until ``unhold``: refused by new operations."""
+        self.freeing[space][rows] = True
+        self.held += int(rows.size)
+
+    def unhold(self, space: str, rows: np.ndarray) -> None:
+        self.freeing[space][rows] = False
+        self.held -= int(rows.size)
 
     def pending_rows(self, space: str) -> int:
         return int(self.freeing[space].sum())

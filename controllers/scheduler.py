@@ -17,7 +17,15 @@ backup or swap-out (``issue_gpu``) copies every pool and layer at once through
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
 inline on the server thread when nothing is queued, so its ack rides in the reply; anything
 else goes to one worker thread, FIFO, which merges consecutive queued operations of the same
-kind and buffers into one copy per pool when their destinations do not overlap.
+kind and buffers into one copy per pool when their destinations do not overlap. The worker
+copies ``CHUNK_BYTES`` (all layers of an item) at a time: the temporaries stay a few MiB (one
+copy of whole-GB items allocated, faulted in and unmapped a temporary per layer, twice as slow,
+and its free ran with the GIL held), and between chunks the worker looks whether its operations
+were cancelled. ``cancel(op_ids)`` (server thread; the reaper does it for a dead client, whose
+bytes nobody waits for) makes queued ones fail at once and a running one at its next chunk,
+each acked ``ok: false`` with ``cancelled``; a merged run stops only when all its operations
+were cancelled. The op still completes through ``take_completed``, so its rows are released only
+after the worker stopped writing them. GPU copies are not cancelled (the DMA is enqueued).
 
 GPU mode: every operation is enqueued from the server thread before its reply. Backups and
 swap-outs run on the backup stream, which first waits on the engine's interprocess event named
@@ -52,15 +60,34 @@ log = logging.getLogger("hicache.scheduler")
 
 # ----------------------------------------------------------------------------- how bytes move
 SMALL_IDS = 64  # up to this many ids per pool, CPU copies go id by id (numpy / memmove)
+CHUNK_BYTES = 32 << 20  # a larger CPU copy goes this many bytes (all layers) at a time
 
 
-def run_cpu_item(it: Item) -> str:
+class Cancelled(Exception):
+    """The operation was cancelled (its client was reaped) before or while it ran."""
+
+
+def chunk_ids(it: Item) -> int:
+    """Ids per chunk of a CPU copy of ``it``: ``CHUNK_BYTES`` over all its layers, at least 1."""
+    return max(1, CHUNK_BYTES * it.n // max(1, it.nbytes))
+
+
+def run_cpu_item(it: Item, stop: Callable[[], bool] | None = None) -> str:
+    """Copy ``it`` (CPU), a chunk at a time; ``stop()`` is asked before every chunk after the
+    first: True raises ``Cancelled`` (the ids before stay copied)."""
     if it.n <= SMALL_IDS:
         return copy_few(it.src, it.dst, it.src_ids.list(), it.dst_ids.list(), it.fmt)
-    if it.fmt is None:
-        return copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(), impl="reference")
-    return copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(), it.fmt,
-                       impl="reference")
+    src, dst, k = it.src_ids.torch(), it.dst_ids.torch(), chunk_ids(it)
+    path = ""
+    for a in range(0, it.n, k):
+        if a and stop is not None and stop():
+            raise Cancelled(f"cancelled after {a} of {it.n} ids of pool {it.pool}")
+        if it.fmt is None:
+            path = copy_rows(it.src, it.dst, src[a:a + k], dst[a:a + k], impl="reference")
+        else:
+            path = copy_tokens(it.src, it.dst, src[a:a + k], dst[a:a + k], it.fmt,
+                               impl="reference")
+    return path
 
 
 def run_clear(spec: ClearSpec) -> None:
@@ -129,6 +156,14 @@ def merge(ops: list[Operation]) -> list[Item]:
     return merged
 
 
+def _failed(ops: list[Operation], e: Exception) -> None:
+    """Mark ``ops`` failed with ``e`` (a cancellation is expected: not logged as an error)."""
+    if not isinstance(e, Cancelled):
+        log.error("operation %s failed: %s", [op.op_id for op in ops], e)
+    for op in ops:
+        op.ok, op.error = False, f"{type(e).__name__}: {e}"
+
+
 # ----------------------------------------------------------------------------- the scheduler
 class Scheduler:
     """See the module docstring."""
@@ -147,6 +182,7 @@ class Scheduler:
         self._threads: list[threading.Thread] = []
         self._queues: dict[str, queue.SimpleQueue] = {}
         self.merged_ops = 0
+        self._cancelled: set[int] = set()  # op ids (server thread adds and drops; worker reads)
         if self.cuda:
             warm_up(device)  # the first load must not wait for Triton's compiler
             self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
@@ -233,8 +269,22 @@ class Scheduler:
     def forget(self, op: Operation) -> None:
         """Server thread, after ``op`` completed: stop holding it (and its buffers) as the last
         op of its stream."""
+        self._cancelled.discard(op.op_id)
         if self.cuda and self._last.get(op.stream) is op:
             self._last[op.stream] = None
+
+    def cancel(self, op_ids: list[int]) -> int:
+        """CPU mode: the operations ``op_ids`` (submitted, not yet taken back) stop at their
+        next chunk, or before they start (see the module docstring). Returns how many were
+        marked; 0 on GPU."""
+        if self.cuda:
+            return 0
+        self._cancelled.update(op_ids)
+        return len(op_ids)
+
+    def _stopped(self, ops: list[Operation]) -> bool:
+        c = self._cancelled
+        return bool(c) and all(op.op_id in c for op in ops)
 
     def close(self, timeout: float = 30.0) -> bool:
         """Stop taking work, let queued work finish; True when everything finished in time."""
@@ -258,14 +308,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ CPU mode
     def _run_cpu(self, ops: list[Operation]) -> None:
+        stop = None if ops[0].inline else (lambda: self._stopped(ops))
         if len(ops) == 1 and len(ops[0].items) == 1 and ops[0].clear is None:  # the common case
             op = ops[0]
             op.t_start = time.perf_counter()
             try:
-                op.path = run_cpu_item(op.items[0])
+                if stop is not None and stop():
+                    raise Cancelled("cancelled before it started")
+                op.path = run_cpu_item(op.items[0], stop)
             except Exception as e:  # noqa: BLE001 - report through the ack
-                log.error("operation %s failed: %s", op.op_id, e)
-                op.ok, op.error = False, f"{type(e).__name__}: {e}"
+                _failed([op], e)
             op.t_end = time.perf_counter()
             if not op.inline:
                 self._finish(ops)
@@ -274,9 +326,11 @@ class Scheduler:
         for op in ops:
             op.t_start = t0
         try:
+            if stop is not None and stop():
+                raise Cancelled("cancelled before it started")
             if len(ops) > 1:
                 items = merge(ops)
-                paths = {run_cpu_item(it) for it in items}
+                paths = {run_cpu_item(it, stop) for it in items}
                 if not items:  # unsafe to merge: run one by one
                     for op in ops:
                         self._run_cpu([op])
@@ -284,7 +338,7 @@ class Scheduler:
                 self.merged_ops += len(ops) - 1
             else:
                 op = ops[0]
-                paths = {run_cpu_item(it) for it in op.items}
+                paths = {run_cpu_item(it, stop) for it in op.items}
                 if op.clear is not None:
                     run_clear(op.clear)
                     paths.add("clear")
@@ -292,9 +346,7 @@ class Scheduler:
             for op in ops:
                 op.path = path
         except Exception as e:  # noqa: BLE001 - report through the ack
-            log.error("operation %s failed: %s", [op.op_id for op in ops], e)
-            for op in ops:
-                op.ok, op.error = False, f"{type(e).__name__}: {e}"
+            _failed(ops, e)
         t1 = time.perf_counter()
         for op in ops:
             op.t_end = t1

@@ -166,7 +166,9 @@ class Server:
             now = time.monotonic()
             if now >= self._next_house:
                 self._next_house = now + self.house_s
+                mark = st.watch.begin()
                 self._housekeeping(now)
+                st.watch.step("housekeeping", mark)
             if spin and time.perf_counter() - last < spin:
                 # busy-poll a short while after traffic: no sleep / wake-up between requests
                 if zmq_poll(items, 0):
@@ -245,8 +247,8 @@ class Server:
         return frames[:2], f"message of {total} bytes exceeds {P.MAX_MESSAGE_BYTES}"
 
     def _handle(self, frames: list[bytes], refused: str | None = None) -> None:
-        t0 = time.perf_counter()
         st = self.state
+        mark = st.watch.begin()
         ident, body = frames[0], frames[1:]
         cmd, rid, code = "invalid", None, None
         try:
@@ -270,7 +272,7 @@ class Server:
                 log.exception("command %s (id %s) failed", cmd, rid)
                 reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
         self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
-        st.metrics.command(cmd, code is None, time.perf_counter() - t0, code)
+        st.metrics.command(cmd, code is None, st.watch.step(cmd, mark), code)
         if st.post:
             st.after_reply()
         if st.outbox or st.notices:

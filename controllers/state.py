@@ -10,13 +10,14 @@ its rows, carries out frees that were waiting for them, records metrics, and que
 ``outbox``, which the server sends. Freeing and reaping go through here so that rows in flight
 are never released early (``free_rows``, ``release_client``).
 
-Reaping never stalls the loop (``reap``): a dead client is retired at once (its identity
-refused ``busy``); once its last operation ended its device mappings go to the ``Unmapper``
-(unmapped on a background thread) and its rows are given back by ``release_step``, one slice
-per loop turn (``RELEASE_SLICE_ROWS`` rows, or ``RELEASE_SLICE_BYTES`` of zeroing with
-``zero_on_free``). Its rows stay owned by it, so never handed to anyone, until that slice
-released them; it is forgotten when the last one is back. While any is left the state is not
-``idle()`` and ``wake`` (set by the daemon) keeps the loop turning.
+Reaping, ``unregister`` and ``reset`` never wait on the loop (``reap``, ``release_client``):
+the client's rows are marked pending at once and given back by the ``Releaser``
+(``release.py``) once the operations it had in flight ended, in turns bounded by time; a reap
+also retires the client at once (identity refused ``busy``) and cancels its CPU copies, and a
+reap or an ``unregister`` hands its device mappings to the ``Unmapper`` (unmapped on a
+background thread) once those operations ended. While rows are left the state is not
+``idle()`` and ``wake`` (set by the daemon) keeps the loop turning. The server times its steps
+in ``watch`` (``loop_watch.py``).
 Single-threaded: only the server thread calls in here (the ``Unmapper`` thread only drops
 references it was handed).
 """
@@ -42,8 +43,8 @@ from .host_access import begin_writes, end_fill, end_writes, host_table
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
-RELEASE_SLICE_ROWS = 1024  # rows of a reaped client given back per loop turn (well under 1 ms)
-RELEASE_SLICE_BYTES = 2 << 20  # with zero_on_free: bytes zeroed per loop turn (well under 1 ms)
+from .loop_watch import LoopWatch
+from .release import Releaser
 from .row_tracker import RowTracker
 from .sparse import refresh_gauges as refresh_sparse_gauges
 from .ops import Operation
@@ -84,12 +85,22 @@ class DaemonState:
         self.l3_ns = ""  # the namespace of this stage's L3 objects
         self.l3_ops: dict[int, Any] = {}  # op id -> L3 job in flight
         self.kv_store: Any = None  # controllers.kv_store.KeyStore, made by the first kv_* command
-        self.wake: Callable[[], None] = lambda: None  # the daemon sets the server's wake-up
         self.unmapper = Unmapper()
         registry.handoff = self.unmapper.hand
-        # reaped clients whose rows go back a slice per turn: (client, rows left per space, total)
-        self.releasing: list[tuple[ClientState, dict[str, np.ndarray], int]] = []
-        self.release_slice = {s: self._slice_rows(s) for s in self.host_rows}
+        self.watch = LoopWatch()  # the server times its steps here (loop_watch.py)
+        self.releaser = Releaser(group, self.tracker, registry, scheduler.cancel, self._live,
+                                 lambda: self.sparse, self.watch,
+                                 lambda s: metrics.set("release_loop_step_seconds", s))
+
+    @property
+    def wake(self) -> Callable[[], None]:
+        """The server's wake-up (the daemon sets it): keeps the loop turning while rows of a
+        release are left to give back."""
+        return self.releaser.wake
+
+    @wake.setter
+    def wake(self, fn: Callable[[], None]) -> None:
+        self.releaser.wake = fn
 
     @property
     def cuda(self) -> bool:
@@ -97,13 +108,6 @@ class DaemonState:
 
     def next_op_id(self) -> int:
         return next(self._op_ids)
-
-    def _slice_rows(self, space: str) -> int:
-        if not self.group.zero_on_free:
-            return RELEASE_SLICE_ROWS
-        row = sum(p.spec.page_bytes * p.spec.num_layers for p in self.group.pools.values()
-                  if p.spec.index == space)
-        return max(1, min(RELEASE_SLICE_ROWS, RELEASE_SLICE_BYTES // max(1, row)))
 
     # ------------------------------------------------------------------ named checks
     def check_space(self, space: str) -> str:
@@ -209,11 +213,10 @@ class DaemonState:
         end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
         c.in_flight -= 1
+        self.releaser.dirty = True
         self.metrics.in_flight(op.kind, -1)
         if self.tracker.deferred:
             self.release_ready()
-        if c.closing and c.in_flight == 0:
-            self._ops_ended(c)
         self._account(op)
         self.outbox.append((c, op.ack()))
 
@@ -232,16 +235,19 @@ class DaemonState:
         """Finish every op the scheduler (and the L3 client) completed since the last call
         (acks to ``outbox``)."""
         done = self.scheduler.take_completed()
-        for op in done:
-            self._finish(op)
+        if done:
+            mark = self.watch.begin()
+            for op in done:
+                self._finish(op)
+            self.watch.step("finish", mark)
         n = len(done) + (self.finish_l3() if self.l3_ops else 0)
-        if self.releasing:
-            n += self.release_step()
+        if self.releaser.pending:
+            n += self.releaser.step()
         return n
 
     def idle(self) -> bool:
-        """No transfer, no L3 job in flight and no reaped client's rows left to give back."""
-        return self.scheduler.idle() and not self.l3_ops and not self.releasing
+        """No transfer, no L3 job in flight and no released client's rows left to give back."""
+        return self.scheduler.idle() and not self.l3_ops and not self.releaser.pending
 
     def finish_l3(self) -> int:
         """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
@@ -258,10 +264,9 @@ class DaemonState:
                 end_fill(self.group, job.pools, host, job.hits)
             self.tracker.end(host)
             c.in_flight -= 1
+            self.releaser.dirty = True
             if self.tracker.deferred:
                 self.release_ready()
-            if c.closing and c.in_flight == 0:
-                self._ops_ended(c)
             ns = int((job.t_end - job.t_submit) * 1e9)
             self.outbox.append((c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
                                     "bytes": job.nbytes, "ns": ns, "exec_ns": ns,
@@ -287,90 +292,47 @@ class DaemonState:
         self.group.free(rows, owner)
         return False
 
-    def _free_all(self, c: ClientState) -> int:
-        c.closing = False
-        n = self.group.free_owner(c.cid)
-        return n + (self.sparse.free_client(c.cid) if self.sparse is not None else 0)
+    def _ops_of(self, c: ClientState) -> list[int]:
+        """Ids of every operation (copies and L3 jobs) of ``c`` still in flight."""
+        ids = [i for i, (_, x) in self.ops.items() if x is c]
+        return ids + [i for i, job in self.l3_ops.items() if job.tag[1] is c]
 
-    def drain_client(self, c: ClientState, timeout: float) -> bool:
-        """Wait (delivering acks) until ``c`` has no op in flight; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while c.in_flight and time.monotonic() < deadline:
-            if not self.collect():
-                time.sleep(0.0005)
-        return c.in_flight == 0
+    def _live(self, op_id: int) -> bool:
+        return op_id in self.ops or op_id in self.l3_ops
 
-    def release_client(self, c: ClientState, timeout: float = 30.0) -> tuple[int, bool]:
-        """Free every row of ``c`` once its in-flight ops ended. Returns (rows freed, deferred):
-        deferred when they did not end within ``timeout`` (then rows go when they do)."""
-        if self.drain_client(c, timeout):
-            return self._free_all(c), False
-        c.closing = True  # rows stay allocated (so never reused) until its ops complete
-        log.error("client %s: %d operations still running after %.0f s; its rows are freed "
-                  "when they end", c.cid, c.in_flight, timeout)
-        return 0, True
+    def release_client(self, c: ClientState, why: str) -> tuple[int, bool]:
+        """``unregister`` or ``reset`` of ``c`` without waiting: every row it holds now goes
+        back once the operations it has in flight ended (``Releaser``). With ``unregister``
+        its worker is detached now (its mappings close once those operations ended) and ``c``
+        is forgotten: at once when nothing is in flight, else once they ended (meanwhile their
+        acks are still delivered, so the engine knows when its device memory is no longer
+        used). Returns (rows freed before the reply, whether rows are still to go back)."""
+        worker, forget = None, False
+        if why == "unregister":
+            worker, c.worker = c.worker, None
+            self.registry.close_kv(c)
+        ops = self._ops_of(c)
+        if why == "unregister" and not ops:
+            self.registry.remove(c)
+        else:
+            forget = why == "unregister"
+        return self.releaser.start(c, why, ops, worker, cancel=[], forget=forget)
 
     def reap(self, c: ClientState, why: str) -> None:
-        """Reap without waiting (the loop keeps serving): retire it now; once nothing of it is
-        in flight (now, or when ``_finish`` sees its last operation end) its mappings close
-        off-loop and its rows go back slice by slice (``release_step``)."""
+        """Reap without waiting (the loop keeps serving): retire it now (identity refused
+        ``busy``), cancel its CPU copies; its mappings and rows go once they ended."""
         self.registry.retire(c)
-        if c.in_flight == 0:
+        ops = self._ops_of(c)
+        if ops:
+            gb = sum(self.ops[i][0].nbytes for i in ops if i in self.ops) / 1e9
+            log.warning("client %s %s: %d operations still running (%.2f GB), cancelled; its "
+                        "rows and device mappings go when they end", c.cid, why, len(ops), gb)
+        else:
             log.warning("client %s %s: its rows go back and its device mappings close", c.cid,
                         why)
-            self._release_later(c)
-            return
-        c.closing = True
-        log.warning("client %s %s: %d operations still running; its rows and device mappings "
-                    "go when they end", c.cid, why, c.in_flight)
-
-    def _ops_ended(self, c: ClientState) -> None:
-        """The last operation of a closing client ended: a reaped one gives its rows back
-        slice by slice; one whose unregister / reset timed out frees them now."""
-        if self.registry.retiring.get(c.ident) is c:
-            self._release_later(c)
-        else:
-            self._free_all(c)
-
-    def _release_later(self, c: ClientState) -> None:
-        """A retired client with nothing in flight: its mappings go to the unmapper now, its
-        rows to ``releasing`` (still owned by it, so nobody else can get them yet)."""
-        c.closing = False
-        self.registry.close_worker(c)
-        if self.sparse is not None:
-            self.sparse.free_client(c.cid)
-        rows = {s: t.numpy() for s, t in self.group.rows_of(c.cid).items() if t.numel()}
-        self.releasing.append((c, rows, sum(int(a.size) for a in rows.values())))
-        self.release_step()
-
-    def release_step(self) -> int:
-        """Give back one slice of the oldest reaped client's rows (one space, at most
-        ``release_slice`` rows); forget the client once none is left. Wakes the loop while
-        more remains. Returns the rows freed."""
-        if not self.releasing:
-            return 0
-        c, rows, total = self.releasing[0]
-        n = 0
-        for s, arr in rows.items():
-            k = self.release_slice[s]
-            try:
-                n = self.group.free_client_rows(c.cid, {s: arr[:k]})
-            except PoolError as e:  # not expected: some row already went; free what it holds
-                log.error("reaped client %s, space %s: %s", c.cid, s, e)
-                arr = self.group.allocators[s].rows_of(c.cid).numpy()
-                n = self.group.free_client_rows(c.cid, {s: arr[:k]})
-            if arr.size > k:
-                rows[s] = arr[k:]
-            else:
-                del rows[s]
-            break
-        if not rows:
-            self.releasing.pop(0)
-            self.registry.remove(c)
-            log.warning("client %s: %d host rows freed, device mappings closed", c.cid, total)
-        if self.releasing:
-            self.wake()
-        return n
+        worker, c.worker = c.worker, None
+        self.releaser.start(c, f"reaped ({why})", ops, worker,
+                            cancel=[i for i in ops if i in self.ops], forget=True)
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:
@@ -391,6 +353,7 @@ class DaemonState:
                 # and no row outlives its client (a reaped client's rows wait only for its ops)
                 known = {x.cid for x in self.registry.clients.values()}
                 known.update(x.cid for x in self.registry.retiring.values())
+                known.update(self.releaser.cids())
                 known.update(x.cid for _, x in self.ops.values())
                 if self.kv_store is not None:
                     known.add(self.kv_store.owner_id)

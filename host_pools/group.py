@@ -92,15 +92,22 @@ class HostPoolGroup:
         for s, a in self.allocators.items():
             a.on_release = self._releaser(s)
         self._lock = threading.Lock()
+        self._zeroed = False  # free_client_rows(zeroed=True) under way: zero_on_free is done
 
     # ------------------------------------------------------------------ written state
     def _releaser(self, space: str) -> Callable[[np.ndarray], None]:
         def released(rows: np.ndarray) -> None:
             for name in self._space_pools[space]:
                 self.written[name][rows] = UNWRITTEN
-                if self.zero_on_free:
+                if self.zero_on_free and not self._zeroed:
                     self._zero(name, rows)
         return released
+
+    def zero_space_rows(self, space: str, rows: np.ndarray) -> None:
+        """Zero ``rows`` in every pool of ``space`` (any thread: the caller makes sure nothing
+        else touches those rows meanwhile, e.g. rows held for a release)."""
+        for name in self._space_pools[space]:
+            self._zero(name, rows)
 
     def _zero(self, pool: str, rows: np.ndarray) -> None:
         idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
@@ -180,16 +187,22 @@ class HostPoolGroup:
         with self._lock:
             return sum(a.free_owner(client_id, request) for a in self.allocators.values())
 
-    def free_client_rows(self, client_id: str, rows_by_space: Mapping[str, RowsLike]) -> int:
-        """Free rows of ``client_id`` (any of its requests) in several spaces, all or none."""
+    def free_client_rows(self, client_id: str, rows_by_space: Mapping[str, RowsLike],
+                         zeroed: bool = False) -> int:
+        """Free rows of ``client_id`` (any of its requests) in several spaces, all or none;
+        ``zeroed``: the caller already zeroed them (``zero_space_rows``), zero_on_free skips."""
         with self._lock:
             unknown = sorted(set(rows_by_space) - set(self.spaces))
             if unknown:
                 raise PoolError(f"no pool of this stage uses spaces {unknown}")
             checked = {s: self.allocators[s].check_client_rows(client_id, r)
                        for s, r in rows_by_space.items()}  # every space before releasing any
-            for s, arr in checked.items():
-                self.allocators[s]._release(arr)
+            self._zeroed = zeroed
+            try:
+                for s, arr in checked.items():
+                    self.allocators[s]._release(arr)
+            finally:
+                self._zeroed = False
             return sum(int(a.size) for a in checked.values())
 
     def rows_of(self, client_id: str, request: str | None = None) -> dict[str, torch.Tensor]:

@@ -1,20 +1,26 @@
-"""The reaper runs off the loop (issue 17, item 5): a client killed with 1 GB of backups in
-flight is reaped while other clients keep their latency; its rows and mappings go when its
-copies end. CPU mode, shared-memory device pools, a real daemon and a SIGKILLed client.
+"""The reaper runs off the loop (issue 17, item 5): a client killed with 2.3 GB of backups queued
+(more than 1 GB still in flight when it is reaped) is reaped while other clients keep their
+latency; its copies are cancelled, its rows and mappings go once they stopped. CPU mode,
+shared-memory device pools, a real daemon and SIGKILLed clients.
 
-The latency figure compares, within one run, a bystander's ``heartbeat`` p99 just before the
-doomed client starts (idle) with its p99 from the kill until the dead client's last row is back
-(its copies draining, the reap, the unmapping, the slice-by-slice release). On a shared 2-core
-machine a neighbour's burst can spoil one window, so a run gets up to ``ATTEMPTS`` kills, each
-with its own idle window just before it; it passes on the first within 2x (every attempt is
-printed, the numbers go to docs/reliability.md)."""
+The latency figure compares, within one run, a bystander's ``heartbeat`` p99 while idle with
+its p99 from the kill until the dead client's last row is back (its copies running until the
+reap, the reap, their cancellation, the unmapping, the release). A single kill's window holds a
+few hundred calls, so its p99 is its 4th-slowest call, which one scheduling hiccup of a shared
+2-core machine decides; the run therefore makes ``KILLS`` kills, each between idle windows
+(``IDLE_S`` before the doomed client starts, half that once its rows are back, so a drift of
+the machine's load weighs on both sides), and compares the p99 of all idle calls with the p99
+of all calls while reaping (several thousand and over a thousand calls). Each kill is printed,
+the numbers go to docs/reliability.md."""
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +30,9 @@ from hicache.fuzz.runner import DaemonRunner, private_address
 ROOT = Path(__file__).resolve().parents[1]
 DEV_PAGE = 2048  # dsv4-tiny page rows of 141 KiB: 4 backups of 2048 rows = 1.16 GB
 BACKUPS = 4
-ATTEMPTS = 3
+ROUNDS = 2  # the doomed client backs its 8192 host rows up twice: 2.3 GB queued
+KILLS = 3
+IDLE_S = 1.5
 
 DOOMED = f"""
 import sys, time
@@ -37,7 +45,8 @@ c = Client(sys.argv[1], timeout=60, name="doomed")
 c.register(pools)
 rows = c.alloc({{"page": {DEV_PAGE * BACKUPS}}})["page"]
 dev = list(range({DEV_PAGE}))
-for k in range({BACKUPS}):
+for k in range({BACKUPS * ROUNDS}):
+    k %= {BACKUPS}
     c.backup({{"page": (dev, rows[k * {DEV_PAGE}:(k + 1) * {DEV_PAGE}])}})
 print("sent", flush=True)
 time.sleep(600)
@@ -58,32 +67,35 @@ def _beat(c: Client, until: float, out: list[float]) -> None:
 
 
 def _reap_once(c: Client, addr: str) -> dict:
-    """Idle window, then a doomed client with 1.16 GB in flight killed; latencies until its
-    rows are back."""
+    """Idle window, then a doomed client with 2.3 GB queued killed; latencies until its rows
+    are back."""
     idle: list[float] = []
-    _beat(c, time.monotonic() + 1.5, idle)
+    _beat(c, time.monotonic() + IDLE_S, idle)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     child = subprocess.Popen([sys.executable, "-c", DOOMED, addr], env=env, cwd=str(ROOT),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(child.stdout.readline()),
+                                  daemon=True)
+        reader.start()
         deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline and not line:
-            c.heartbeat()  # stay alive meanwhile
-            line = child.stdout.readline() if child.poll() is None else "dead"
-        assert line.startswith("sent"), (line, child.stderr.read()[-2000:])
+        while time.monotonic() < deadline and reader.is_alive():
+            c.heartbeat()  # stay alive meanwhile (the heartbeat timeout is 0.5 s)
+            reader.join(0.05)
+        line = got[0] if got else ""
+        assert line.startswith("sent"), (line, child.poll(), child.stderr.read()[-2000:])
         in_flight = c.stats()["in_flight"]
         child.kill()
         t_kill = time.monotonic()
         busy: list[float] = []
-        reaped_with_ops = False
         while time.monotonic() - t_kill < 60:
             _beat(c, time.monotonic() + 0.1, busy)
             s = c.stats()
-            reaped_with_ops |= s["clients"] == 1 and s["in_flight"] > 0
             if s["host"]["spaces"]["page"]["used"] == 0 and s["in_flight"] == 0:
                 break
         took = time.monotonic() - t_kill
+        _beat(c, time.monotonic() + IDLE_S / 2, idle)  # idle again: the reference on both sides
     finally:
         if child.poll() is None:
             child.kill()
@@ -91,9 +103,8 @@ def _reap_once(c: Client, addr: str) -> dict:
         # a SIGKILLed engine cannot unlink its shm "device" file: remove the one it made
         for f in glob.glob(f"/dev/shm/hicache-dev-{child.pid}-*"):
             os.unlink(f)
-    return {"in_flight": in_flight, "reaped_with_ops": reaped_with_ops, "took": took,
-            "idle": _p99(idle), "busy": _p99(busy), "max": max(busy), "n": len(busy),
-            "stats": c.stats()}
+    return {"in_flight": in_flight, "took": took,
+            "idle": idle, "busy": busy, "max": max(busy), "stats": c.stats()}
 
 
 def test_reaping_a_client_with_1gb_in_flight_keeps_others_served():
@@ -101,30 +112,39 @@ def test_reaping_a_client_with_1gb_in_flight_keeps_others_served():
     r = DaemonRunner(addr, device_rows=f"page={DEV_PAGE * BACKUPS // 2},swa_page=4,req_slot=4",
                      heartbeat_timeout=0.5, log_path=os.path.join(d, "daemon.log"))
     r.start()
-    runs = []
+    idle: list[float] = []
+    busy: list[float] = []
     try:
         with Client(addr, timeout=10, name="bystander") as c:
-            for _ in range(ATTEMPTS):
+            for k in range(KILLS):
                 x = _reap_once(c, addr)
-                runs.append(x)
-                print(f"in flight at kill {x['in_flight']}; reaped with ops in flight "
-                      f"{x['reaped_with_ops']}; rows back after {x['took']:.2f} s; heartbeat "
-                      f"p99 idle {x['idle'] * 1e3:.2f} ms, while reaping {x['busy'] * 1e3:.2f} "
-                      f"ms ({x['busy'] / x['idle']:.2f}x) over {x['n']} calls (max "
+                idle += x["idle"]
+                busy += x["busy"]
+                i, b = _p99(x["idle"]), _p99(x["busy"])
+                print(f"kill {k}: in flight at kill {x['in_flight']}; rows back after "
+                      f"{x['took']:.2f} s; heartbeat p99 idle {i * 1e3:.2f} ms, while reaping "
+                      f"{b * 1e3:.2f} ms ({b / i:.2f}x) over {len(x['busy'])} calls (max "
                       f"{x['max'] * 1e3:.1f} ms)")
                 s = x["stats"]
-                assert x["in_flight"] >= 1 and x["reaped_with_ops"]
+                assert x["in_flight"] >= 1  # (and at the reap: its log line, below)
                 assert s["host"]["spaces"]["page"]["used"] == 0 and s["clients"] == 1
                 assert not any(s["pending_free"].values())
                 # the loop never waited for the drain: no call took anywhere near the copy time
                 assert x["max"] < 0.5 * x["took"], (x["max"], x["took"])
-                if x["busy"] <= 2 * x["idle"]:
-                    break
             inv = c.call("stats", {"check": True})[0]["invariants"]
+            step = [m for m in c.stats()["metrics"]["hicache_release_loop_step_seconds"]]
         log = r.output()
-        assert "operations still running" in log and "host rows freed" in log
+        reaps = re.findall(r"operations still running \(([0-9.]+) GB\), cancelled", log)
+        steps = re.findall(r"8192 host rows freed, device mappings closed, [0-9.]+ s after the reap; "
+                           r"(longest loop step [^\n]*)", log)
+        i, b = _p99(idle), _p99(busy)
+        print(f"{KILLS} kills: GB in flight at the reap {reaps}; heartbeat p99 idle {i * 1e3:.2f} "
+              f"ms over {len(idle)} calls, while reaping {b * 1e3:.2f} ms over {len(busy)} "
+              f"calls: {b / i:.2f}x; daemon: {steps}")
+        assert len(reaps) == KILLS and all(float(g) >= 1.0 for g in reaps), reaps
+        assert len(steps) == KILLS and step and step[0]["value"] > 0, (steps, step)
         assert inv == "ok", inv
-        assert runs[-1]["busy"] <= 2 * runs[-1]["idle"], [(x["idle"], x["busy"]) for x in runs]
+        assert b <= 2 * i, (i, b)
     finally:
         r.stop()
         shutil.rmtree(d, ignore_errors=True)

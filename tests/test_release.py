@@ -139,3 +139,87 @@ def test_cpu_copy_thread_leaves_a_core_to_the_loop():
     t.join()
     assert got["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
     assert got["nice"] >= background.BACKGROUND_NICE
+
+
+# ----------------------------------------------------------------------------- the releaser
+def _releaser(g: HostPoolGroup, live: set[int], cancelled: list[int]):
+    from hicache.controllers.loop_watch import LoopWatch
+    from hicache.controllers.registry import ClientState, Registry
+    from hicache.controllers.release import Releaser
+    from hicache.controllers.row_tracker import RowTracker
+
+    tracker = RowTracker(dict(g.rows))
+    reg = Registry(8, 16)
+    gauge: list[float] = []
+    rel = Releaser(g, tracker, reg, lambda ids: cancelled.extend(ids) or len(ids),
+                   live.__contains__, lambda: None, LoopWatch(), gauge.append)
+    return rel, tracker, reg, gauge, ClientState
+
+
+def test_releaser_waits_for_the_operations_then_frees_in_bounded_turns(monkeypatch):
+    from hicache.controllers import release
+
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 4096, "swa_page": 6,
+                                                           "req_slot": 4}) as g:
+        live, cancelled = {7, 8}, []
+        rel, tracker, reg, gauge, ClientState = _releaser(g, live, cancelled)
+        mine = g.alloc({"page": 3000, "swa_page": 2}, ("a", None))["page"].numpy()
+        other = g.alloc({"page": 10}, ("b", None))["page"].numpy()
+        tracker.defer({"page": mine[:5]}, ("a", None))  # a free already pending: it stands
+        c = reg.touch(b"a", 0.0)
+        freed, deferred = rel.start(c, "reaped (test)", [7, 8], None, cancel=[7, 8], forget=True)
+        assert (freed, deferred) == (0, True) and cancelled == [7, 8]
+        assert tracker.busy("page", mine[5:]) and not tracker.busy("page", other)
+        assert tracker.pending_rows("page") == 3000
+        for _ in range(3):  # operations live: nothing goes back, however often the loop turns
+            rel.dirty = True
+            assert rel.step() == 0
+        assert g.rows_of("a")["page"].numel() == 3000
+        live.clear()
+        rel.dirty = True
+        monkeypatch.setattr(release, "BUDGET_S", 0.0)  # one slice per turn
+        turns, n = 0, 0
+        while rel.pending:
+            got = rel.step()
+            assert got <= release.SLICE_ROWS
+            n += got
+            turns += 1
+        assert n == 2995 + 2 and turns == -(-2995 // release.SLICE_ROWS) + 1
+        assert sorted(g.rows_of("a")["page"].tolist()) == sorted(mine[:5].tolist())
+        assert sorted(g.rows_of("b")["page"].tolist()) == sorted(other.tolist())
+        assert tracker.held == 0 and not tracker.busy("page", mine[5:]) and gauge
+        g.check_invariants()
+
+
+def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypatch):
+    from hicache.controllers import release
+
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 512, "swa_page": 6,
+                                                           "req_slot": 4},
+                       zero_on_free=True) as g:
+        rel, tracker, reg, gauge, _ = _releaser(g, set(), [])
+        mine = g.alloc({"page": 300}, ("a", None))["page"].numpy()
+        other = g.alloc({"page": 4}, ("b", None))["page"].numpy()
+        for name in ("c4_kv", "c128_kv"):
+            for t in g.pools[name].layers:
+                t[torch.from_numpy(mine)] = 0xAB
+                t[torch.from_numpy(other)] = 0xCD
+        zeroing_threads: list[str] = []
+        real = g._zero  # every zeroing, on the zero thread or in a free, goes through here
+        monkeypatch.setattr(g, "_zero", lambda pool, r: (
+            zeroing_threads.append(threading.current_thread().name), real(pool, r)))
+        freed, deferred = rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[],
+                                   forget=False)
+        assert deferred and freed == 0  # 300 rows of 141 KiB: zeroed on the zero thread first
+        deadline = time.monotonic() + 10
+        while rel.pending and time.monotonic() < deadline:
+            rel.step()
+            time.sleep(0.001)
+        assert not rel.pending and set(zeroing_threads) == {"hicache-zero"}
+        for name in ("c4_kv", "c128_kv"):
+            for t in g.pools[name].layers:
+                assert int(t[torch.from_numpy(mine)].count_nonzero()) == 0
+                assert bool((t[torch.from_numpy(other)] == 0xCD).all())
+        assert g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
+        assert (g.written["c4_kv"][mine] == UNWRITTEN).all()
+        g.check_invariants()
