@@ -12,7 +12,8 @@ pool of its layers, layer 0 first) and records layer ``i``'s interprocess event 
 the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
 the engine, then ``finish_issue`` issues the other layers before it reads another command. A
 backup or swap-out (``issue_gpu``) copies every pool and layer at once through
-``dispatch.copy_parts`` (copy-engine DMA for the big rows beside one kernel launch). Which kernel and path: ``kernels.dispatch``.
+``dispatch.copy_parts`` (copy-engine DMA for the big rows beside one kernel launch). Which
+kernel and path: ``kernels.dispatch``.
 
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
 inline on the server thread when nothing is queued, so its ack rides in the reply; anything
