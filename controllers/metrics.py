@@ -42,8 +42,7 @@ STATUSES = ("ok", "error")
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
 PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
-         "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "parts_dma",
-         "parts_zero_copy", "clear")
+         "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
 
 
 CATALOG: tuple[MetricDef, ...] = (

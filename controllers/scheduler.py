@@ -11,9 +11,9 @@ layer by layer through ``dispatch.issue_by_layer`` (``issue_layers``: one launch
 pool of its layers, layer 0 first) and records layer ``i``'s interprocess event right after
 the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
 the engine, then ``finish_issue`` issues the other layers before it reads another command. A
-backup or swap-out (``issue_gpu``) copies every pool and layer at once through
-``dispatch.copy_parts`` (copy-engine DMA for the big rows beside one kernel launch). Which
-kernel and path: ``kernels.dispatch``.
+backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
+``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; staged gather + DMA
+when host rows come in long runs). Which kernel and path: ``kernels.dispatch``.
 
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
 inline on the server thread when nothing is queued, so its ack rides in the reply; anything
@@ -50,8 +50,7 @@ import torch
 import numpy as np
 
 from hicache.kernels.cpu_copy import clear_slots, copy_few
-from hicache.kernels.dispatch import (copy_parts, copy_rows, copy_tokens, issue_by_layer,
-                                      layer_part, warm_up)
+from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
 
 from .background import cpu_copy_thread
 from .ops import ClearSpec, Ids, Item, Operation
@@ -98,13 +97,16 @@ def run_clear(spec: ClearSpec) -> None:
 
 def issue_gpu(op: Operation, stream: Any, ctas: int, device: torch.device) -> str:
     """Enqueue the copies of ``op`` (no per-layer events) on ``stream`` (the caller made it
-    current): every pool and layer at once (``dispatch.copy_parts``: copy engines for the big
-    rows beside one kernel launch for the rest)."""
+    current), pool by pool (``dispatch`` picks the path: copy-engine batches for many big rows,
+    else the kernels)."""
     paths: set[str] = set()
-    if op.items:
-        parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
-                 for it in op.items]
-        paths.add(copy_parts(parts, device=device, ctas=ctas, stream=stream))
+    for it in op.items:
+        if it.fmt is None:
+            paths.add(copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                ctas=ctas, stream=stream))
+        else:
+            paths.add(copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
+                                  it.fmt, ctas=ctas, stream=stream))
     if op.clear is not None:
         run_clear(op.clear)
         paths.add("clear")

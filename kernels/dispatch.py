@@ -16,7 +16,6 @@
   right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
   there). Rows that qualify for the copy engines go there instead, batched per launch group
   beside that group's kernel launch (on a side stream the layer's event waits for).
-  ``copy_parts(parts)`` is the same without a layer order: every layer in one launch (backups).
   ``issue_by_layer`` is ``copy_by_layer`` one launch group per step (the daemon answers the
   engine after layer 0's launch and issues the rest right after the reply). Parts come
   from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
@@ -53,7 +52,7 @@ from .staged import copy_rows_staged, plan_runs
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "copy_parts", "layer_part", "LayerTable", "TokenFormat", "TransferError",
+__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "layer_part", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
 
 DEFAULT_CTAS = 4
@@ -379,25 +378,6 @@ def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                             stream=stream):
         pass
     return "by_layer"
-
-
-def copy_parts(parts: Sequence[SegmentPart], *, device: torch.device, ctas: int = DEFAULT_CTAS,
-               stream: Optional["torch.cuda.Stream"] = None) -> str:
-    """Every layer of every part at once, in no layer order (a backup: nothing waits for one
-    layer): the parts that qualify go to the copy engines, on the side stream beside one
-    segment launch for the rest (``copy_by_layer``'s rules); the current stream (``stream``)
-    waits for both. Returns ``"parts_dma"`` when the copy engines took part, else
-    ``"parts_zero_copy"``."""
-    ctas = _check_ctas(ctas)
-    order = sorted({g for p in parts for g in p.layers})
-    if not order:
-        return "parts_zero_copy"
-    dev = device if device.type == "cuda" else None
-    dma_parts, seg_parts = _split(parts, dev, copy_engine.MIN_ROWS)
-    plan = _LayerPlan(dma_parts, seg_parts, lambda g: True, order, dev)
-    with _stream_ctx(stream, dev):
-        plan.launch(device, 0, len(order), ctas)
-    return "parts_dma" if dma_parts else "parts_zero_copy"
 
 
 def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],

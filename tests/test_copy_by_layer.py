@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels.dispatch import copy_by_layer, copy_parts, layer_part
+from hicache.kernels.dispatch import copy_by_layer, layer_part
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,27 +84,17 @@ def _case(device: str, src_dev: bool, seed: int = 0):
     return parts, checks
 
 
-def _run_and_check(device: str, src_dev: bool, all_at_once: bool = False) -> None:
-    """``copy_by_layer`` (or, ``all_at_once``, ``copy_parts``: every layer in one launch, no
-    per-layer order) of ``_case``; every byte checked."""
+def _run_and_check(device: str, src_dev: bool) -> None:
+    """``copy_by_layer`` of ``_case``; every byte checked."""
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
-    if device != "cpu":
-        from hicache.kernels import copy_engine
-        big = [p.dma for p in parts if p.src_ptrs and max(r[0] for r in p.ranges) >= 65536]
-        want = ("d2h" if src_dev else "h2d") if copy_engine.enabled() else ""
-        assert len(big) == 3 and all(x == want for x in big)
+    if device != "cpu":  # whole rows of 64 KiB or more qualify for the copy engines
+        big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= 65536]
+        assert len(big) == 3 and all(x == ("d2h" if src_dev else "h2d") for x in big)
         assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
-    if all_at_once:
-        path = copy_parts(parts, device=dev, ctas=3)
-        assert path in ("parts_dma", "parts_zero_copy")
-        from hicache.kernels import copy_engine
-        many = any(p.dma and p.ranges[0][1].size >= copy_engine.MIN_ROWS for p in parts)
-        assert (path == "parts_dma") == (device != "cpu" and copy_engine.enabled() and many)
-    else:
-        path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
-        assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
+    path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
+    assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
     if device != "cpu":
         torch.cuda.synchronize()
     for src, src_cpu, dst, exp in checks:
@@ -120,7 +110,7 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import test_copy_by_layer as t
 t._run_and_check("cpu", True)
-t._run_and_check("cpu", False, all_at_once=True)
+t._run_and_check("cpu", False)
 print("ok")
 """
 
@@ -148,10 +138,9 @@ def test_layer_part_refuses_bad_input():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("all_at_once", [False, True], ids=["by_layer", "copy_parts"])
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
-def test_by_layer_on_gpu(src_dev, all_at_once):
-    _run_and_check("cuda", src_dev, all_at_once)
+def test_by_layer_on_gpu(src_dev):
+    _run_and_check("cuda", src_dev)
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
@@ -191,10 +180,9 @@ def test_repeated_loads_launch_the_compiled_kernel_directly():
     from hicache.kernels.segments import SEG_KERNEL
 
     _run_and_check("cuda", False)
+    _run_and_check("cuda", True)
     before = SEG_KERNEL.jit_launches
     _run_and_check("cuda", False)
-    _run_and_check("cuda", True, all_at_once=True)
-    _run_and_check("cuda", True, all_at_once=True)
+    _run_and_check("cuda", True)
     assert SEG_KERNEL.specializations >= 1
-    # the all-at-once copy may meet one new specialization (its own pointer alignments) once
-    assert SEG_KERNEL.jit_launches - before <= 2
+    assert SEG_KERNEL.jit_launches == before
