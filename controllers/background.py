@@ -83,13 +83,46 @@ def cpu_copy_thread() -> int:
     return torch.get_num_threads()
 
 
-class Unmapper:
+class _Worker:
+    """One daemon thread serving a queue in order: started by the first item, gone after
+    ``IDLE_EXIT_S`` without one. Subclasses say what an item is (``_handle``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            self._q.put(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        background_priority()
+        while True:
+            try:
+                item = self._q.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._q.empty():
+                        self._thread = None
+                        return
+                continue
+            self._handle(item)
+            item = None  # hold nothing while idle
+
+    def _handle(self, item: Any) -> None:
+        raise NotImplementedError
+
+
+class Unmapper(_Worker):
     """Drops device mappings off the server thread (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        super().__init__("hicache-unmap")
         self._pending = 0
 
     def hand(self, objects: Sequence[Any]) -> None:
@@ -98,11 +131,7 @@ class Unmapper:
             return
         with self._lock:
             self._pending += 1
-            self._q.put(list(objects))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hicache-unmap",
-                                                 daemon=True)
-                self._thread.start()
+        self._put(list(objects))
 
     def pending(self) -> int:
         return self._pending
@@ -114,61 +143,28 @@ class Unmapper:
             time.sleep(0.002)
         return self._pending == 0
 
-    def _run(self) -> None:
-        background_priority()
-        while True:
-            try:
-                job = self._q.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._q.empty():
-                        self._thread = None
-                        return
-                continue
-            maps = [o for o in job if isinstance(o, mmap.mmap)]
-            if not maps:  # CUDA IPC storages: after a grace
-                time.sleep(GRACE_S)
-            job.clear()  # the views first (they may hold the mappings)
-            _empty_unreferenced(maps)  # its locals are gone on return: maps holds the last refs
-            maps.clear()  # the munmap / IPC close happens here, on this thread
-            maps = None
-            job = None
-            with self._lock:
-                self._pending -= 1
+    def _handle(self, job: list[Any]) -> None:
+        maps = [o for o in job if isinstance(o, mmap.mmap)]
+        if not maps:  # CUDA IPC storages: after a grace
+            time.sleep(GRACE_S)
+        job.clear()  # the views first (they may hold the mappings)
+        _empty_unreferenced(maps)  # its locals are gone on return: maps holds the last refs
+        maps.clear()  # the munmap / IPC close happens here, on this thread
+        with self._lock:
+            self._pending -= 1
 
 
-class Jobs:
+class Jobs(_Worker):
     """Callables run in order on one background thread (see the module docstring)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
     def run(self, fn: Any) -> None:
-        with self._lock:
-            self._q.put(fn)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+        self._put(fn)
 
-    def _loop(self) -> None:
-        background_priority()
-        while True:
-            try:
-                fn = self._q.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._q.empty():
-                        self._thread = None
-                        return
-                continue
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - keep serving the next jobs
-                log.exception("background job of %s failed", self.name)
-            fn = None
+    def _handle(self, fn: Any) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - keep serving the next jobs
+            log.exception("background job of %s failed", self.name)
 
 
 def _empty_unreferenced(maps: list[mmap.mmap]) -> None:

@@ -45,7 +45,8 @@ from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
-from hicache.bench.e2e_measure import FIGURES, INPROC_CTAS, _inproc_parts, _timed_load, summarize
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, _inproc_parts, _timed_load,
+                                       load_into, summarize)
 
 PAGE_TOKENS = 256
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
@@ -289,10 +290,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
         items = {sp: (host[sp], dst[sp]) for sp in host}
-        first, last, ack = _timed_load(c, items, stream, cuda)
-        out["load_first"].append(first)
-        out["load_last"].append(last)
-        out["load_ack"].append(ack)
+        load_into(out, c, items, stream, cuda)
         if not verified:
             if cuda:
                 torch.cuda.synchronize(dev)

@@ -58,10 +58,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         out["backup_ack"].append(e2e.now() - t0)
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
-        first, last, ack = e2e._timed_load(c, load, stream, cuda)
-        out["load_first"].append(first)
-        out["load_last"].append(last)
-        out["load_ack"].append(ack)
+        e2e.load_into(out, c, load, stream, cuda)
         if not verified:
             if cuda:
                 torch.cuda.synchronize(dev)

@@ -2,7 +2,8 @@
 ``e2e_checkpoint``): a timed LOAD through the daemon with the engine's per-layer waits, the same
 load by the kernels in-process, and the per-size summary.
 
-* ``_timed_load(c, items, stream, cuda) -> (first, last, ack)``: seconds from the command to the
+* ``_timed_load(c, items, stream, cuda) -> (first, last, ack)`` (``load_into`` appends them to
+  a size's figures): seconds from the command to the
   first / last stage layer ready (CUDA events on the engine's stream after its waits) and to
   the ack; CPU mode: the ack for all three. The command -> reply time goes to ``REPLY``.
 * ``_inproc_parts(local, layout, items, dev) -> seconds``: the same items copied layer by
@@ -58,6 +59,15 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "verified": verified,
     }
     return {"summary": summary, "runs": out}
+
+
+def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
+              cuda: bool) -> None:
+    """``_timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``)."""
+    first, last, ack = _timed_load(c, items, stream, cuda)
+    out["load_first"].append(first)
+    out["load_last"].append(last)
+    out["load_ack"].append(ack)
 
 
 def _timed_load(c: Client, items: dict[str, tuple], stream: Any,

@@ -118,6 +118,25 @@ def _keys(n: int, seed: int) -> list[str]:
     return get_hash_str(toks, None, page_size=F.PAGE)
 
 
+
+def _get_back(backend: Any, pools: Any, keys: list, saved: dict, kv_skip: int,
+              swa_skip: int) -> None:
+    """The 3 pages of ``keys`` come back through ``batch_exists_v2``, ``batch_get_v1`` and
+    ``batch_get_v2`` into fresh pool slots: every saved byte in place, every other row zero."""
+    kv_idx = _alloc(pools["kv"], 3, skip=kv_skip)
+    swa_idx = _alloc(pools["swa"], 3, skip=swa_skip)
+    res = backend.batch_exists_v2(keys, _transfers(keys, kv_idx, swa_idx))
+    assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
+    assert backend.batch_get_v1(keys, kv_idx) == [True] * 3
+    assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
+        {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+    for name in KV_DERIVED + SWA_INDEXED:
+        dst = _page_rows(kv_idx if name in KV_DERIVED else swa_idx)
+        for layer, t in enumerate(pools[name].kv_buffer):
+            assert torch.equal(t[dst], saved[name][layer]), (name, layer)
+            rest = [r for r in range(t.shape[0]) if r not in dst]
+            assert int(t[rest].count_nonzero()) == 0, (name, layer)
+
 def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
     d = _daemon(tmp_path)
     try:
@@ -141,19 +160,7 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
             other = _keys(1, 99_999)
             assert backend.batch_exists(keys + other) == 3 and backend.exists(keys[0])
             assert not backend.exists(other[0])
-            kv_idx = _alloc(pools["kv"], 3, skip=4)
-            swa_idx = _alloc(pools["swa"], 3, skip=0)
-            res = backend.batch_exists_v2(keys, _transfers(keys, kv_idx, swa_idx))
-            assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
-            assert backend.batch_get_v1(keys, kv_idx) == [True] * 3
-            assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
-                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
-            for name in KV_DERIVED + SWA_INDEXED:
-                dst = _page_rows(kv_idx if name in KV_DERIVED else swa_idx)
-                for layer, t in enumerate(pools[name].kv_buffer):
-                    assert torch.equal(t[dst], saved[name][layer]), (name, layer)
-                    rest = [r for r in range(t.shape[0]) if r not in dst]
-                    assert int(t[rest].count_nonzero()) == 0, (name, layer)
+            _get_back(backend, pools, keys, saved, kv_skip=4, swa_skip=0)
         # another namespace (another model) sees none of it
         with engine(d.address, namespace="another-model") as (backend, pools):
             assert backend.batch_exists(keys) == 0
@@ -280,19 +287,7 @@ def test_storage_backend_survives_a_daemon_restart_through_l3(tmp_path: Path) ->
         _l3_settled(d.address)
         with engine(d.address, namespace="l3-restart") as (backend, pools):
             assert backend.batch_exists(keys + _keys(1, 77_777)) == 3
-            kv_idx = _alloc(pools["kv"], 3, skip=0)
-            swa_idx = _alloc(pools["swa"], 3, skip=3)
-            res = backend.batch_exists_v2(keys, _transfers(keys, kv_idx, swa_idx))
-            assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
-            assert backend.batch_get_v1(keys, kv_idx) == [True] * 3
-            assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
-                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
-            for name in KV_DERIVED + SWA_INDEXED:
-                dst = _page_rows(kv_idx if name in KV_DERIVED else swa_idx)
-                for layer, t in enumerate(pools[name].kv_buffer):
-                    assert torch.equal(t[dst], saved[name][layer]), (name, layer)
-                    rest = [r for r in range(t.shape[0]) if r not in dst]
-                    assert int(t[rest].count_nonzero()) == 0, (name, layer)
+            _get_back(backend, pools, keys, saved, kv_skip=0, swa_skip=3)
         with Client(d.address) as c:
             st = c.call("stats", {"check": True})[0]
         assert st["invariants"] == "ok"
