@@ -119,6 +119,21 @@ def _keys(n: int, seed: int) -> list[str]:
 
 
 
+def _put(backend: Any, pools: Any, keys: list, seed: int, kv_skip: int,
+         swa_skip: int) -> dict:
+    """Fill the pools, store 3 pages under ``keys`` through ``batch_set_v1`` and
+    ``batch_set_v2``; returns the stored bytes per pool and layer."""
+    _fill(pools, seed=seed)
+    kv_idx = _alloc(pools["kv"], 3, skip=kv_skip)
+    swa_idx = _alloc(pools["swa"], 3, skip=swa_skip)
+    assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
+    assert backend.batch_set_v2(_transfers(keys, kv_idx, swa_idx)) == \
+        {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+    rows = {n: _page_rows(kv_idx) for n in KV_DERIVED} | \
+        {n: _page_rows(swa_idx) for n in SWA_INDEXED}
+    return {n: [t[rows[n]].clone() for t in pools[n].kv_buffer] for n in rows}
+
+
 def _get_back(backend: Any, pools: Any, keys: list, saved: dict, kv_skip: int,
               swa_skip: int) -> None:
     """The 3 pages of ``keys`` come back through ``batch_exists_v2``, ``batch_get_v1`` and
@@ -144,15 +159,7 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
         with engine(d.address) as (backend, pools):
             for name in KV_DERIVED + SWA_INDEXED:  # SGLang's stock pools, each in memfds
                 assert pools[name].allocator.fds, name
-            _fill(pools, seed=7)
-            kv_idx = _alloc(pools["kv"], 3, skip=1)
-            swa_idx = _alloc(pools["swa"], 3, skip=2)
-            assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
-            assert backend.batch_set_v2(_transfers(keys, kv_idx, swa_idx)) == \
-                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
-            rows = {n: _page_rows(kv_idx) for n in KV_DERIVED} | \
-                {n: _page_rows(swa_idx) for n in SWA_INDEXED}
-            saved = {n: [t[rows[n]].clone() for t in pools[n].kv_buffer] for n in rows}
+            saved = _put(backend, pools, keys, seed=7, kv_skip=1, swa_skip=2)
         # the engine is gone (its memfds with it); a new one starts against the same daemon
         with engine(d.address) as (backend, pools):
             for name in KV_DERIVED + SWA_INDEXED:
@@ -272,15 +279,7 @@ def test_storage_backend_survives_a_daemon_restart_through_l3(tmp_path: Path) ->
         keys = _keys(3, 4242)
         _l3_settled(d.address)
         with engine(d.address, namespace="l3-restart") as (backend, pools):
-            _fill(pools, seed=23)
-            kv_idx = _alloc(pools["kv"], 3, skip=2)
-            swa_idx = _alloc(pools["swa"], 3, skip=1)
-            assert backend.batch_set_v1(keys, kv_idx) == [True] * 3
-            assert backend.batch_set_v2(_transfers(keys, kv_idx, swa_idx)) == \
-                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
-            rows = {n: _page_rows(kv_idx) for n in KV_DERIVED} | \
-                {n: _page_rows(swa_idx) for n in SWA_INDEXED}
-            saved = {n: [t[rows[n]].clone() for t in pools[n].kv_buffer] for n in rows}
+            saved = _put(backend, pools, keys, seed=23, kv_skip=2, swa_skip=1)
             _l3_settled(d.address)
         d.kill()  # the daemon crashes: its host rows are gone, the store keeps the pages
         d.start()
