@@ -3,9 +3,9 @@
 * ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
   layer: batched copy-engine DMA (``copy_engine``) for rows of ``copy_engine.MIN_BYTES`` or
   more, ``copy_engine.MIN_ROWS`` or more at a time, between the GPU and pinned host memory
-  with CPU indices; else the staged path (few-CTA
-  gather + one DMA per run) when the host side comes in long runs of consecutive rows and its
-  indices are on the CPU; else the zero-copy kernel.
+  with CPU indices; else the staged path (few-CTA gather + one DMA per run) when the host side
+  comes in long runs of consecutive rows and its indices are on the CPU; else the zero-copy
+  kernel.
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead.
