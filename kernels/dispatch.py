@@ -9,17 +9,9 @@
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead.
-* ``copy_by_layer(parts, layer_order, on_layer)`` — rows and tokens of many buffers, layer by
-  layer in ``layer_order``: one launch covers every buffer of its layers (byte-range
-  segments, ``segments``); launches cover 1, 1, 2, 4, 8, ... layers (``layer_groups``), so
-  layer 0 goes alone and first; descriptors and offsets are uploaded once; ``on_layer(i)`` runs
-  right after the launch holding layer ``i`` is issued (the daemon records layer ``i``'s event
-  there). Rows that qualify for the copy engines go there instead, batched per launch group
-  beside that group's kernel launch (on a side stream the layer's event waits for).
-  ``issue_by_layer`` is ``copy_by_layer`` one launch group per step (the daemon answers the
-  engine after layer 0's launch and issues the rest right after the reply). Parts come
-  from ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)``; ids are numpy int64, already
-  validated (``check_layer_part`` does the checks other entry points do).
+* ``copy_by_layer`` / ``issue_by_layer`` / ``layer_part`` / ``warm_up`` (``by_layer``, re-exported
+  here) — rows and tokens of many buffers, layer by layer, layer 0 first, copy-engine batches
+  beside one segment launch per launch group; the daemon's loads.
 
 Buffers are ``LayerTable`` s (preferred: their pointer tables are cached) or lists of per-layer
 ``[rows, row_bytes]`` uint8 tensors. Index tensors are 1-D int64, on the CPU or on the kernel's
@@ -36,33 +28,29 @@ Each call returns the name of the path it used.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Optional, Sequence
-
-import numpy as np
+from typing import Optional
 
 import torch
 
 from . import copy_engine
+from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups, layer_part,
+                       warm_up)
+from .checks import _check_ctas, _check_pair, _dma_direction, _pinned, _stream_ctx
 from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
 from .rows import launch_rows, pads_badly, rows_config
-from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
 from .staged import copy_rows_staged, plan_runs
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "layer_part", "LayerTable", "TokenFormat", "TransferError",
+__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_part",
+           "layer_groups", "warm_up", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
-
-DEFAULT_CTAS = 4
 IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
 # staged pays off when host runs are at least this many bytes long on average
 STAGED_MIN_RUN_BYTES = 2 << 20
 # token copies between device and host at least this long are issued in host-address order
 SORT_MIN_TOKENS = 1024
-# a layer group's copy-engine batches run on a side stream beside its kernel launch
-DMA_OVERLAP = True
 
 
 def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
@@ -77,16 +65,6 @@ def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
     return idx
 
 
-def _check_pair(src: LayerTable, dst: LayerTable) -> None:
-    if src.num_layers != dst.num_layers:
-        raise TransferError(f"source has {src.num_layers} layers, destination {dst.num_layers}")
-    if src.row_bytes != dst.row_bytes:
-        raise TransferError(f"source rows are {src.row_bytes} B, destination rows "
-                            f"{dst.row_bytes} B")
-    if src.is_cuda and dst.is_cuda and src.device != dst.device:
-        raise TransferError(f"source on {src.device}, destination on {dst.device}: one GPU only")
-
-
 def _kernel_device(src: LayerTable, dst: LayerTable, impl: str) -> Optional[torch.device]:
     """The GPU a kernel runs on; None for CPU-only buffers (reference or interpreter)."""
     dev = src.device if src.is_cuda else (dst.device if dst.is_cuda else None)
@@ -96,14 +74,6 @@ def _kernel_device(src: LayerTable, dst: LayerTable, impl: str) -> Optional[torc
                 raise TransferError(f"{t.name} is host memory the GPU cannot address (not "
                                     f"pinned/registered): register it, or use impl='reference'")
     return dev
-
-
-def _pinned(t: LayerTable) -> bool:
-    cached = getattr(t, "_pinned", None)
-    if cached is None:
-        cached = all(x.is_pinned() for x in t.layers)
-        t._pinned = cached
-    return cached
 
 
 def _check_bounds(pairs: list[tuple[str, torch.Tensor, int]]) -> None:
@@ -140,18 +110,6 @@ def _resolve(impl: str, device: Optional[torch.device]) -> str:
     if impl == "auto":
         return "zero_copy" if device is not None else "reference"
     return impl
-
-
-def _stream_ctx(stream: Optional["torch.cuda.Stream"], device: Optional[torch.device]):
-    if stream is None or device is None:
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream)
-
-
-def _check_ctas(ctas: int) -> int:
-    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1:
-        raise TransferError(f"ctas must be a positive int, got {ctas!r}")
-    return ctas
 
 
 def _staged_ok(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> Optional[torch.Tensor]:
@@ -330,185 +288,3 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     return "tokens_" + path
 
 
-def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-               fmt: Optional[TokenFormat], layers: Sequence[int]) -> SegmentPart:
-    """One buffer pair of a ``copy_by_layer`` call: rows (``fmt`` None) or tokens of ``fmt``;
-    ``layers[l]`` is the global layer id of buffer layer ``l``."""
-    check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
-    ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
-        token_offsets(src, dst, src_ids, dst_ids, fmt)
-    return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges,
-                       dma=_dma_direction(src, dst) if fmt is None else "")
-
-
-def _dma_direction(src: LayerTable, dst: LayerTable) -> str:
-    """``"h2d"`` / ``"d2h"`` when whole rows of this pair may go to the copy engines (one side on
-    the GPU, the other pinned host memory the GPU sees at its own address, rows of
-    ``copy_engine.MIN_BYTES`` or more), else ``""``."""
-    if src.is_cuda == dst.is_cuda or src.row_bytes < copy_engine.MIN_BYTES:
-        return ""
-    if not (src.uva and dst.uva and _pinned(dst if src.is_cuda else src)):
-        return ""
-    return "d2h" if src.is_cuda else "h2d"
-
-
-def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-                     fmt: Optional[TokenFormat], layers: Sequence[int]) -> None:
-    _check_pair(src, dst)
-    if len(layers) != src.num_layers:
-        raise TransferError(f"{len(layers)} layer ids for {src.num_layers} buffer layers")
-    if src_ids.shape != dst_ids.shape or src_ids.ndim != 1:
-        raise TransferError(f"{src_ids.shape} source ids, {dst_ids.shape} destination ids")
-    if src_ids.size:
-        k = fmt.tokens_per_page if fmt is not None else 1
-        for name, ids, t in (("src", src_ids, src), ("dst", dst_ids, dst)):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= t.rows * k:
-                raise TransferError(f"{name} id {lo if lo < 0 else hi} out of range "
-                                    f"[0, {t.rows * k})")
-
-
-def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
-                  on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
-                  ctas: int = DEFAULT_CTAS,
-                  stream: Optional["torch.cuda.Stream"] = None) -> str:
-    """See the module docstring. ``device``: the GPU the kernels run on (CPU: the Triton
-    interpreter). Layer 0 of ``layer_order`` is issued first."""
-    for _ in issue_by_layer(parts, layer_order, on_layer, device=device, ctas=ctas,
-                            stream=stream):
-        pass
-    return "by_layer"
-
-
-def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
-                   on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
-                   ctas: int = DEFAULT_CTAS,
-                   stream: Optional["torch.cuda.Stream"] = None) -> Iterator[int]:
-    """``copy_by_layer`` one launch group at a time, yielding how many layers are issued so
-    far. The first step plans, uploads and launches layer 0 alone (its own small plan, so its
-    copy starts before the other layers are planned); the second plans the rest. A caller may
-    answer its client between steps; every step enters ``stream`` itself, so nothing of the
-    stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
-    refused before anything is launched."""
-    ctas = _check_ctas(ctas)
-    unknown = sorted({g for p in parts for g in p.layers} - set(layer_order))
-    if unknown:
-        raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
-    if not layer_order:
-        return
-    dev = device if device.type == "cuda" else None
-    g0 = layer_order[0]
-    # layer 0 takes the copy engines for any number of rows: no plan upload, no kernel launch
-    # before its copy starts (the latency the engine waits for first)
-    first = _LayerPlan(*_split(parts, dev, 1), lambda g: g == g0, [g0], dev)
-    with _stream_ctx(stream, dev):
-        first.launch(device, 0, 1, ctas)
-        if on_layer is not None:
-            on_layer(0)
-    yield 1
-    groups = layer_groups(len(layer_order))[1:]
-    if not groups:
-        return
-    rest = _LayerPlan(*_split(parts, dev, copy_engine.MIN_ROWS), lambda g: g != g0,
-                      layer_order[1:], dev)
-    for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
-        with _stream_ctx(stream, dev):
-            rest.launch(device, a - 1, b - 1, ctas)
-            if on_layer is not None:
-                for i in range(a, b):
-                    on_layer(i)
-        yield b
-
-
-def _split(parts: Sequence[SegmentPart], dev: Optional[torch.device],
-           min_rows: int) -> tuple[list[SegmentPart], list[SegmentPart]]:
-    """(copy-engine parts, segment parts): a part goes to the copy engines when it qualifies
-    (``dma``), they are enabled, and it has ``min_rows`` rows or more."""
-    if dev is None or not copy_engine.enabled():
-        return [], list(parts)
-    dma = [p for p in parts if p.dma and p.ranges[0][1].size >= min_rows]
-    return dma, [p for p in parts if not any(p is q for q in dma)]
-
-
-class _LayerPlan:
-    """The copies of some layers of an operation: copy-engine batches for the ``dma`` parts (one
-    plan per direction), one segment plan for the rest; ``launch`` issues positions ``[a, b)``
-    of ``order``, copy-engine batches first."""
-
-    def __init__(self, dma_parts: Sequence[SegmentPart], seg_parts: Sequence[SegmentPart],
-                 keep: Callable[[int], bool], order: Sequence[int],
-                 dev: Optional[torch.device]) -> None:
-        self.seg = SegmentPlan.build(_layers_of(seg_parts, keep), order)
-        self.forked = False
-        self.dma: list[DmaPlan] = []
-        for way in ("h2d", "d2h"):
-            mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
-            if mine:
-                assert dev is not None
-                self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
-
-    def launch(self, device: torch.device, a: int, b: int, ctas: int) -> None:
-        lo, hi = self.seg.layers[a][0], self.seg.layers[b - 1][1]
-        if len(self.seg.desc):
-            self.seg.to(device)
-        dma = [(p, p.layers[a][0], p.layers[b - 1][1]) for p in self.dma]
-        dma = [x for x in dma if x[2] > x[1]]
-        if DMA_OVERLAP and dma and self.seg.pieces(lo, hi):
-            # copy engines on the side stream while the kernel runs on the current one; the
-            # current stream then waits for both before the layers' events
-            cur = torch.cuda.current_stream(device)
-            side = copy_engine.side_stream(device)
-            if not self.forked:
-                side.wait_stream(cur)  # after whatever the caller queued before this operation
-                self.forked = True
-            for plan, x, y in dma:
-                copy_engine.issue(plan, x, y, side.cuda_stream)
-            done = torch.cuda.Event()
-            done.record(side)
-            launch_segments(self.seg, lo, hi, ctas)
-            cur.wait_event(done)
-            return
-        for plan, x, y in dma:
-            copy_engine.issue_current(plan, x, y, device)
-        launch_segments(self.seg, lo, hi, ctas)
-
-
-def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:
-    """``parts`` cut to the layers whose global id ``keep`` accepts (a part's byte offsets are
-    the same for all its layers, so they are shared, not copied)."""
-    out = []
-    for p in parts:
-        ks = [k for k, g in enumerate(p.layers) if keep(g)]
-        if ks:
-            out.append(SegmentPart([p.src_ptrs[k] for k in ks], [p.dst_ptrs[k] for k in ks],
-                                   [p.layers[k] for k in ks], p.ranges, p.dma))
-    return out
-
-
-def layer_groups(n: int) -> list[tuple[int, int]]:
-    """Layers ``[a, b)`` issued as one launch: 1, 1, 2, 4, 8, ... layers, so layer 0 is ready
-    after its own copy, layer i no later than about twice its own turn, and the host issues
-    O(log n) launches per load instead of n (a Python-issued launch costs tens of us)."""
-    out, a, size = [], 0, 1
-    while a < n:
-        b = min(n, a + size)
-        out.append((a, b))
-        size = 1 if a == 0 else size * 2
-        a = b
-    return out
-
-
-def warm_up(device: torch.device) -> None:
-    """Compile the segment kernel's variants (16-byte vectors, 8- and 4-byte words) on
-    ``device`` now, so no load waits for Triton's compiler."""
-    layers = 4
-    a = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
-    b = [torch.zeros(2, 64, dtype=torch.uint8, device=device) for _ in range(layers)]
-    ta, tb = LayerTable(a), LayerTable(b)
-    # 16-byte rows; 8-byte scales; 4-byte scales
-    for fmt in (None, TokenFormat(1, 56, 8, 56, 64), TokenFormat(1, 60, 4, 60, 64)):
-        part = layer_part(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
-        plan = SegmentPlan.build([part], list(range(layers))).to(device)
-        launch_segments(plan, 0, len(plan.desc), 1)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
