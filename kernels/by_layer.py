@@ -29,8 +29,6 @@ from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, to
 from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
-# a layer group's copy-engine batches run on a side stream beside its kernel launch
-DMA_OVERLAP = True
 
 
 def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -145,7 +143,7 @@ class _LayerPlan:
             self.seg.to(device)
         dma = [(p, p.layers[a][0], p.layers[b - 1][1]) for p in self.dma]
         dma = [x for x in dma if x[2] > x[1]]
-        if DMA_OVERLAP and dma and self.seg.pieces(lo, hi):
+        if dma and self.seg.pieces(lo, hi):
             # copy engines on the side stream while the kernel runs on the current one; the
             # current stream then waits for both before the layers' events
             cur = torch.cuda.current_stream(device)

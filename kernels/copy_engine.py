@@ -134,7 +134,6 @@ class DmaPlan:
                  layers: list[tuple[int, int]]) -> None:
         self.dst, self.src, self.size = dst, src, size
         self.layers = layers
-        self.nbytes = int(size.sum())
         self.attrs: Optional[_Attrs] = None
 
     def direction(self, to_device: bool, device: int) -> "DmaPlan":

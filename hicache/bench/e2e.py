@@ -45,7 +45,7 @@ from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, _inproc_parts, _timed_load,
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, timed_load,
                                        load_into, summarize)
 
 PAGE_TOKENS = 256
@@ -304,12 +304,12 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                         raise RuntimeError(f"load of {n} pages: pool {name} differs")
             verified = True
         if local is not None:
-            out["inproc_last"].append(_inproc_parts(local, layout, items, dev))
+            out["inproc_last"].append(inproc_load(local, layout, items, dev))
         if cuda:  # a load while a backup of the same size streams
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
             bop = c.backup_new(other)
-            _, last_busy, _ = _timed_load(c, items, stream, cuda)
+            _, last_busy, _ = timed_load(c, items, stream, cuda)
             out["busy_last"].append(last_busy)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)

@@ -7,9 +7,9 @@ of ``n`` pages, ``runs`` times. Per run:
 * BACKUP: the ``n`` page rows of the ``page`` space (device rows scattered at random) and one
   checkpoint (the boundary page's SWA tail tokens and its C4 / C4-indexer compress-state rows,
   from a random ``swa_page`` device row) into host rows allocated for it; command -> ack;
-* LOAD of the same into other device rows, timed as the full mirror's (``e2e._timed_load``:
+* LOAD of the same into other device rows, timed as the full mirror's (``e2e.timed_load``:
   first and last stage layer ready from the engine's stream after its per-layer waits, ack);
-* the same load by the kernels in-process (``e2e._inproc_parts``) and a load while a backup of
+* the same load by the kernels in-process (``e2e.inproc_load``) and a load while a backup of
   the same shape streams.
 
 Every loaded byte is verified once per size: the page rows, the tail tokens (value and scale)
@@ -65,14 +65,14 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
             _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
             verified = True
         if local is not None:
-            out["inproc_last"].append(e2e._inproc_parts(local, layout, load, dev))
+            out["inproc_last"].append(e2e.inproc_load(local, layout, load, dev))
         if cuda:  # a load while a backup of the same shape streams
             other = c.alloc({"page": n, "swa_page": 1})
             bitems = {"page": (src, other["page"])}  # the load's sources: read by both
             bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],
                                                  to_host=True))
             bop = c.backup(bitems)
-            _, last_busy, _ = e2e._timed_load(c, load, stream, cuda)
+            _, last_busy, _ = e2e.timed_load(c, load, stream, cuda)
             out["busy_last"].append(last_busy)
             c.wait_ack(bop, timeout=120)
             c.free(other)

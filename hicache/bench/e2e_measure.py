@@ -2,11 +2,11 @@
 ``e2e_checkpoint``): a timed LOAD through the daemon with the engine's per-layer waits, the same
 load by the kernels in-process, and the per-size summary.
 
-* ``_timed_load(c, items, stream, cuda) -> (first, last, ack)`` (``load_into`` appends them to
+* ``timed_load(c, items, stream, cuda) -> (first, last, ack)`` (``load_into`` appends them to
   a size's figures): seconds from the command to the
   first / last stage layer ready (CUDA events on the engine's stream after its waits) and to
   the ack; CPU mode: the ack for all three. The command -> reply time goes to ``REPLY``.
-* ``_inproc_parts(local, layout, items, dev) -> seconds``: the same items copied layer by
+* ``inproc_load(local, layout, items, dev) -> seconds``: the same items copied layer by
   layer by ``dispatch.copy_by_layer`` in this process (GPU time); its host time goes to
   ``ISSUE``.
 * ``summarize(out, n, nbytes, limit, cuda, verified)``: medians of ``FIGURES``, GB/s, ratios to
@@ -63,14 +63,14 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
 
 def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
               cuda: bool) -> None:
-    """``_timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``)."""
-    first, last, ack = _timed_load(c, items, stream, cuda)
+    """``timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``)."""
+    first, last, ack = timed_load(c, items, stream, cuda)
     out["load_first"].append(first)
     out["load_last"].append(last)
     out["load_ack"].append(ack)
 
 
-def _timed_load(c: Client, items: dict[str, tuple], stream: Any,
+def timed_load(c: Client, items: dict[str, tuple], stream: Any,
                 cuda: bool) -> tuple[float, float, float]:
     """LOAD ``items`` (``Client.load``'s argument): (command -> first layer ready, -> last layer
     ready, -> ack) in seconds."""
@@ -96,7 +96,7 @@ def _timed_load(c: Client, items: dict[str, tuple], stream: Any,
     return (start.elapsed_time(ready[0]) * 1e-3, start.elapsed_time(ready[-1]) * 1e-3, t_ack)
 
 
-def _inproc_parts(local: Any, layout: Layout, items: dict[str, tuple],
+def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
                   dev: torch.device) -> float:
     """The load ``items`` (as ``Client.load`` takes them: a space's rows, a pool's rows, or a
     pool's tokens) by the kernels alone, in this process, layer by layer (GPU time)."""
