@@ -8,7 +8,8 @@
   kernel.
 * ``copy_tokens(src, dst, src_tok, dst_tok, fmt)`` — token-granular copy for a ``TokenFormat``;
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
-  to ``copy_rows`` instead.
+  to ``copy_rows`` instead when the format has no padding (``fmt.covers_row``): a token copy
+  moves values and scales only, never the padding bytes of a row.
 * ``copy_by_layer`` / ``issue_by_layer`` / ``layer_part`` / ``warm_up`` (``by_layer``, re-exported
   here) — rows and tokens of many buffers, layer by layer, layer 0 first, copy-engine batches
   beside one segment launch per launch group; the daemon's loads.
@@ -271,7 +272,7 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     _check_bounds([("src_tok", src_tok, src.rows * P), ("dst_tok", dst_tok, dst.rows * P)])
     if src_tok.numel() == 0:
         return "tokens_" + path
-    if impl == "auto":
+    if impl == "auto" and fmt.covers_row:
         sp, dp = _whole_pages(src_tok, P), _whole_pages(dst_tok, P)
         if sp is not None and dp is not None:
             return copy_rows(src, dst, sp, dp, ctas=ctas, impl=impl, stream=stream)

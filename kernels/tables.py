@@ -42,6 +42,15 @@ class TokenFormat:
                                 f"{self.scale_offset + P * sb} > page_bytes {self.page_bytes}")
 
     @property
+    def covers_row(self) -> bool:
+        """Whether the tokens' values and scales are every byte of the row (no padding): only
+        then is a copy of whole pages the same as a copy of their tokens."""
+        P, vb, sb = self.tokens_per_page, self.value_bytes, self.scale_bytes
+        if sb == 0:
+            return P * vb == self.page_bytes
+        return self.scale_offset == P * vb and self.scale_offset + P * sb == self.page_bytes
+
+    @property
     def token_bytes(self) -> int:
         """Useful bytes one token moves (value + scale)."""
         return self.value_bytes + self.scale_bytes

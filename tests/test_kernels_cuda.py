@@ -84,7 +84,7 @@ def test_tokens(direction, fmt_name):
 def test_whole_pages_use_the_row_path_on_gpu():
     from hicache.kernels import dispatch
 
-    fmt = FORMATS["c4_mla_64"]
+    fmt = FORMATS["indexer_fp8_64"]  # no padding: whole pages are whole rows
     src, dst = _bufs("cuda", 2, 4, fmt.page_bytes, 1), _bufs("cpu", 2, 4, fmt.page_bytes, 2)
     before = [t.clone() for t in dst]
     si = torch.cat([torch.arange(128, 192), torch.arange(0, 64)])
@@ -93,6 +93,14 @@ def test_whole_pages_use_the_row_path_on_gpu():
     torch.cuda.synchronize()
     assert path.startswith("rows_")
     assert_same(dst, expected_rows(src, before, torch.tensor([2, 0]), torch.tensor([0, 3])))
+    # a padded format (MLA pages): the same request moves tokens only, the padding stays
+    fmt = FORMATS["c4_mla_64"]
+    src, dst = _bufs("cuda", 2, 4, fmt.page_bytes, 3), _bufs("cpu", 2, 4, fmt.page_bytes, 4)
+    before = [t.clone() for t in dst]
+    path = dispatch.copy_tokens(src, dst, si, di, fmt)
+    torch.cuda.synchronize()
+    assert path.startswith("tokens_")
+    assert_same(dst, expected_tokens(src, before, si, di, fmt))
 
 
 def test_staged_chunks_and_runs_across_chunk_boundaries():

@@ -142,7 +142,8 @@ def test_dispatch_cpu_uses_reference_for_rows_and_tokens():
 
 
 def test_dispatch_sends_whole_pages_to_rows():
-    fmt = FORMATS["c128_mla_2"]
+    fmt = TokenFormat.packed(2, 128, 4)  # no padding: whole pages are whole rows
+    assert fmt.covers_row
     src, dst = layers(2, 5, fmt.page_bytes, 9), layers(2, 5, fmt.page_bytes, 10)
     before = [t.clone() for t in dst]
     si, di = torch.tensor([4, 5, 0, 1]), torch.tensor([2, 3, 8, 9])  # pages 2,0 -> 1,4
@@ -153,6 +154,32 @@ def test_dispatch_sends_whole_pages_to_rows():
     si2, di2 = torch.tensor([5, 4]), torch.tensor([2, 3])
     assert dispatch.copy_tokens(src, dst, si2, di2, fmt) == "tokens_reference"
     assert_same(dst, expected_tokens(src, before, si2, di2, fmt))
+
+
+@pytest.mark.parametrize("fmt_name", ["c128_mla_2", "c4_mla_64"])
+def test_whole_pages_of_a_padded_format_leave_the_padding(fmt_name):
+    """A token copy moves values and scales only: whole pages of a padded format (the MLA
+    pages of DSV4) keep the destination's padding bytes (a GPU soak caught rows copied whole)."""
+    fmt = FORMATS[fmt_name]
+    assert not fmt.covers_row
+    P = fmt.tokens_per_page
+    src, dst = layers(2, 5, fmt.page_bytes, 11), layers(2, 5, fmt.page_bytes, 12)
+    before = [t.clone() for t in dst]
+    si = torch.cat([torch.arange(2 * P, 3 * P), torch.arange(0, P)])
+    di = torch.cat([torch.arange(P, 2 * P), torch.arange(4 * P, 5 * P)])
+    assert dispatch.copy_tokens(src, dst, si, di, fmt) == "tokens_reference"
+    want = expected_tokens(src, before, si, di, fmt)
+    assert_same(dst, want)
+    pad = fmt.scale_offset + P * fmt.scale_bytes
+    for d, b in zip(dst, before):
+        assert torch.equal(d[:, pad:], b[:, pad:])
+
+
+def test_token_format_covers_row():
+    assert TokenFormat.packed(64, 128, 4).covers_row
+    assert not TokenFormat.mla(64).covers_row  # 64 x 584 B padded to 37,440
+    assert TokenFormat(2, 64, 0, 128, 128).covers_row
+    assert not TokenFormat(2, 64, 0, 128, 192).covers_row
 
 
 def test_dispatch_empty_request_is_a_no_op():

@@ -22,7 +22,9 @@ a check (one host sync for all the pools of an operation).
   backup sent before it and before every one sent after it).
 * ``differs(pairs)`` — for each (got, want) pair whether any byte differs: one host sync for
   all of them on a GPU (``torch.equal`` on the CPU, the fastest there). ``bad_units(got, want)``
-  — per unit (dim 1) whether it differs, to name what was wrong once a pair differs.
+  — per unit (dim 1) whether it differs, to name what was wrong once a pair differs;
+  ``describe(got, want, unit)`` — where and how one differing unit differs (layers, byte range,
+  and whether the bytes found are zeros, the scribble or the wanted bytes of another layer).
 """
 from __future__ import annotations
 
@@ -147,3 +149,27 @@ def bad_units(got: torch.Tensor, want: torch.Tensor) -> list[int]:
     """Indices along dim 1 (rows, tokens) where ``got`` and ``want`` differ."""
     ne = torch.ne(got, want).transpose(0, 1).reshape(got.shape[1], -1).any(1)
     return torch.nonzero(ne).flatten().tolist()
+
+
+def describe(got: torch.Tensor, want: torch.Tensor, unit: int) -> str:
+    """One line on how unit ``unit`` (dim 1) of ``got`` differs from ``want``: the layers, the
+    differing byte range of the first such layer, and what its bytes look like."""
+    g = got[:, unit].contiguous().view(got.shape[0], -1).view(torch.uint8).cpu()
+    w = want[:, unit].contiguous().view(want.shape[0], -1).view(torch.uint8).cpu()
+    ne = g != w
+    layers = torch.nonzero(ne.any(1)).flatten().tolist()
+    if not layers:
+        return "no difference"
+    k = layers[0]
+    at = torch.nonzero(ne[k]).flatten()
+    a, b = int(at[0]), int(at[-1]) + 1
+    seen = g[k, a:b]
+    if not bool(seen.any()):
+        what = "zeros"
+    elif bool((seen.view(-1) == 0x5A).all()):
+        what = "the scribble"
+    else:
+        other = [j for j in range(w.shape[0]) if j != k and torch.equal(w[j, a:b], seen)]
+        what = f"the bytes wanted in layer {other[0]}" if other else "other bytes"
+    return (f"layers {layers} of {g.shape[0]}; layer {k}: {int(at.numel())} bytes differ in "
+            f"[{a}, {b}) of {g.shape[1]}; found {what}")

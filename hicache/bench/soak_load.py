@@ -363,6 +363,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
         "seconds": round(seconds, 2), "ops_per_s": round(sums.get("ops", 0) / max(seconds, 1e-9), 1),
         "client_setup_s": round(setup_s, 2), "client_seconds": split,
         "problems": problems[:8],
+        "problem_log": [x for st in results.values() for x in st.get("problem_log", [])][:64],
     }
 
 

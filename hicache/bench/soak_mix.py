@@ -39,8 +39,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hicache.bench.soak_bytes import (SCRIBBLE, Content, Rows, Shadow, bad_units, differs,
-                                      pool_view)
+from hicache.bench.soak_bytes import (SCRIBBLE, Content, Rows, Shadow, bad_units, describe,
+                                      differs, pool_view)
 
 MIX_DEV_ROWS = {"page": 520, "swa_page": 8, "req_slot": 4}  # per client
 MIX_QUOTA = {"page": 600, "swa_page": 12, "req_slot": 4}  # host rows per client
@@ -55,6 +55,9 @@ def pick_size(rng: random.Random) -> int:
     if x < 0.99:
         return rng.randint(5, 32)
     return 512 if rng.random() < 1 / 3 else int(round(2 ** rng.uniform(math.log2(33), 9)))
+
+
+PROBLEM_LOG = 8  # problems a client keeps word of (the count covers them all)
 
 
 class Pending:
@@ -182,8 +185,13 @@ class MixClient:
         self.busy[p.space].difference_update(p.drows)
 
     def problem(self, msg: str) -> None:
+        """Record a problem: the first one per client, and up to ``PROBLEM_LOG`` in its log."""
+        line = f"client {self.idx} after {self.st.get('ops', 0)} ops: {msg}"
         if self.st["first_problem"] is None:
-            self.st["first_problem"] = f"client {self.idx}: {msg}"
+            self.st["first_problem"] = line
+        log = self.st.setdefault("problem_log", [])
+        if len(log) < PROBLEM_LOG:
+            log.append(line)
 
     def _verify(self, checks: list[tuple[str, torch.Tensor, torch.Tensor, list[str], bool]]
                 ) -> None:
@@ -199,7 +207,8 @@ class MixClient:
                 idx = bad_units(got, want)
                 self.st["corrupted_pages"] += len(idx)
                 self.problem(f"{what}: bytes differ in {len(idx)} of {len(units)} "
-                             f"(first: {units[idx[0]] if idx else '?'})")
+                             f"(first: {units[idx[0]] if idx else '?'}"
+                             f"{': ' + describe(got, want, idx[0]) if idx else ''})")
 
     # ------------------------------------------------------------------ operations
     def step(self) -> None:
