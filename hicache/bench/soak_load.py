@@ -29,8 +29,8 @@ PROGRESS_S = 10.0  # a progress line at least this often
 
 
 def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, unit: str,
-                 max_rows: int, window: int, quota: int, counter: Any, ready: Any, go: Any,
-                 release: Any, out: Any) -> None:
+                 max_rows: int, window: int, quota: int, counter: Any, bad: Any, ready: Any,
+                 go: Any, release: Any, out: Any) -> None:
     """One soak client process (see the module docstring); puts its counters on ``out``.
     SIGTERM or the parent's death end it quietly, its shm file unlinked (``quiet_worker``)."""
     from multiprocessing.util import Finalize
@@ -151,12 +151,10 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
             while len(pending) > window:
                 complete()
             if st["ops"] % 50 == 0:
-                with counter.get_lock():
-                    counter.value += 50
+                _tick(st, counter, bad, 50)
         while pending:
             complete()
-        with counter.get_lock():
-            counter.value += st["ops"] % 50
+        _tick(st, counter, bad, st["ops"] % 50)
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         problem(f"{type(e).__name__}: {e}")
         if not registered:
@@ -165,7 +163,8 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
-                window: int, counter: Any, ready: Any, go: Any, release: Any, out: Any) -> None:
+                window: int, counter: Any, bad: Any, ready: Any, go: Any, release: Any,
+                out: Any) -> None:
     """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``.
     SIGTERM or the parent's death end it (its device pools freed, its shm file unlinked), so a
     bench killed by a timeout leaves no client holding GPU memory."""
@@ -215,16 +214,27 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
             while len(m.pending) > window:
                 m.complete()
             if st["ops"] % 50 == 0:
-                with counter.get_lock():
-                    counter.value += 50
+                _tick(st, counter, bad, 50)
         while m.pending:
             m.complete()
         st["t_loop"] = time.perf_counter() - t0
-        with counter.get_lock():
-            counter.value += st["ops"] % 50
+        _tick(st, counter, bad, st["ops"] % 50)
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
         m.problem(f"{type(e).__name__}: {e}")
     report_and_leave(out, idx, st, release, c, pools)
+
+
+BAD = ("lost_acks", "failed_ops", "corrupted_pages", "refused", "unreachable")  # what fails a run
+
+
+def _tick(st: dict[str, Any], counter: Any, bad: Any, n: int) -> None:
+    """Publish ``n`` more operations and any new failures (``BAD``) to the parent's counters."""
+    now = sum(st[k] for k in BAD)
+    with counter.get_lock():
+        counter.value += n
+    if now != st.setdefault("_bad_sent", 0):
+        _count(bad, now - st["_bad_sent"])
+        st["_bad_sent"] = now
 
 
 def _count(value: Any, n: int) -> None:
@@ -255,17 +265,17 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     docstring); ``rss()`` returns the daemon's RSS in bytes (sampled after ``warmup`` of all
     operations and once every client finished, before they unregister)."""
     ctx = mp.get_context("spawn")
-    counter, ready = ctx.Value("q", 0), ctx.Value("q", 0)
+    counter, bad, ready = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
     go, release = ctx.Event(), ctx.Event()
     out = ctx.Queue()
     if mix == "all":
         procs = [ctx.Process(target=_mix_client, name=f"mix{i}", daemon=True,
                              args=(address, i, ops, seed, preset_name, device, window, counter,
-                                   ready, go, release, out)) for i in range(clients)]
+                                   bad, ready, go, release, out)) for i in range(clients)]
     else:
         procs = [ctx.Process(target=_soak_client, name=f"soak{i}", daemon=True,
                              args=(address, i, ops, seed, preset_name, unit, max_rows, window,
-                                   quota, counter, ready, go, release, out))
+                                   quota, counter, bad, ready, go, release, out))
                  for i in range(clients)]
     for p in procs:
         p.start()
@@ -302,7 +312,8 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
                 mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
                 now = time.monotonic()
                 progress(f"{done}/{total} operations, {done / (now - t0):.0f}/s (last "
-                         f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}")
+                         f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}"
+                         f", failures so far {bad.value}")
                 last = (now, done)
                 next_note += PROGRESS_S
             for i, p in enumerate(procs):  # a client gone without its counters: say so now
