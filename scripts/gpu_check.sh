@@ -2,7 +2,9 @@
 # One batch of GPU checks for the lent H200 machine (or any CUDA box): the CUDA tests of every
 # layer, then the engine-visible bench (bench e2e). Results land in ${OUT:-gpu_out}/.
 # Expects pyzmq either installed or as a wheel in .whl/ (the GPU machine has no package index).
-# STEPS (default "tests e2e") may add: transfer pin hisparse.
+# STEPS (default "tests e2e") may add: transfer pin hisparse soak. "soak" is the full GPU soak
+# (8 clients x 50000 operations, --mix all): ~500-550 s at 750-800 ops/s on an H200, so it runs
+# alone, in a call of its own, as STEPS=soak.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -26,5 +28,8 @@ for step in ${STEPS:-tests e2e}; do
            2> "$OUT/pin.log"; cat "$OUT/pin.json" ;;
     hisparse) timeout ${HISPARSE_TIMEOUT:-300} python3 -m hicache.cli bench hisparse --json \
                 > "$OUT/hisparse.json" 2> "$OUT/hisparse.log"; tail -14 "$OUT/hisparse.log" ;;
+    soak) timeout ${SOAK_TIMEOUT:-585} python3 -m hicache.cli bench soak --clients 8 \
+            --ops ${SOAK_OPS:-50000} --mix all --device cuda:0 --json > "$OUT/soak.json" \
+            2> "$OUT/soak.log"; echo "soak exit $?"; grep -v WARNING "$OUT/soak.log" | tail -8 ;;
   esac
 done
