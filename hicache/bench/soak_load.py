@@ -343,7 +343,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     sums: dict[str, Any] = {}
     for st in results.values():
         for k, v in st.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k[0] != "_":
                 sums[k] = sums.get(k, 0) + v
     n = max(1, len(results))  # where a client's time went, averaged over the clients
     split = {k: round(sums[f"t_{k}"] / n, 2) for k in ("loop", "calls", "ack_wait", "check")
