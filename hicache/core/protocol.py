@@ -214,6 +214,8 @@ def as_index(x: Any) -> Any:
 def pack_index(ids: Any) -> bytes:
     """Little-endian int64 bytes of ``ids`` (a sequence of ints, an ``array('q')``, bytes of
     int64, or anything with ``.tobytes()`` of int64 such as a numpy array)."""
+    if type(ids) is list and _LITTLE:  # the common case: a list of ints
+        return array.array("q", ids).tobytes()
     if isinstance(ids, (bytes, bytearray, memoryview)):
         b = bytes(ids)
         if len(b) % 8:
@@ -257,7 +259,10 @@ def encode_request(cmd: str, req_id: int, fields: dict[str, Any] | None = None,
     h = {"v": VERSION, "cmd": cmd, "id": req_id}
     if fields:
         h.update(fields)
-    return [_dumps(h), *(pack_index(a) for a in arrays)]
+    out = [_dumps(h)]
+    for a in arrays:
+        out.append(pack_index(a))
+    return out
 
 
 def encode_reply(req_id: int, fields: dict[str, Any] | None = None,
@@ -265,7 +270,10 @@ def encode_reply(req_id: int, fields: dict[str, Any] | None = None,
     h = {"v": VERSION, "k": "reply", "id": req_id, "ok": True}
     if fields:
         h.update(fields)
-    return [_dumps(h), *(pack_index(a) for a in arrays)]
+    out = [_dumps(h)]
+    for a in arrays:
+        out.append(pack_index(a))
+    return out
 
 
 def encode_error(req_id: int | None, code: str, message: str) -> list[bytes]:
