@@ -59,6 +59,20 @@ def _default_address() -> str:
 _as_ids = P.as_index
 
 
+def recv_message(sock: zmq.Socket) -> list[bytes]:
+    """One message waiting on ``sock`` (NOBLOCK; ``zmq.Again`` when none), its frames as bytes.
+    Frames come as ``zmq.Frame``: ``Frame.more`` is read in C, where ``recv_multipart`` asks
+    ``sock.get(RCVMORE)`` (a Python enum lookup) per frame. (``hicache bench control``'s echo
+    client receives with it too.)"""
+    recv = sock.recv
+    f = recv(_NOBLOCK, copy=False)
+    out = [f.bytes]
+    while f.more:
+        f = recv(_NOBLOCK, copy=False)
+        out.append(f.bytes)
+    return out
+
+
 class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
@@ -123,7 +137,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if not zmq.zmq_poll(self._pollin, wait_ms if wait_ms > 0 else 0):
             return None
         try:
-            return P.decode_reply(s.recv_multipart(_NOBLOCK))
+            return P.decode_reply(recv_message(s))
         except zmq.Again:
             return None
 
