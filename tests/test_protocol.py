@@ -238,3 +238,23 @@ def test_a_header_that_passed_passes_again_only_when_its_bytes_match_but_for_the
     assert codes([passed[0].replace(b'"id":9', b'"id":9.5'), *passed[1:]]) == "bad_header"
     assert codes([passed[0].replace(b'"id":9', b'"id":true'), *passed[1:]]) == "bad_header"
     assert codes([passed[0], passed[1], passed[1]]) == "bad_frame"  # an unnamed frame
+
+
+@given(st.integers(-(2**70), 2**70), st.sampled_from(["backup", "load", "swap_out", "x\"y", "é"]),
+       st.sampled_from(["ok", "error"]), st.text(max_size=12),
+       st.dictionaries(st.text(max_size=10), st.lists(st.integers(0, 2**40), min_size=2,
+                                                       max_size=4), max_size=3),
+       st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_ack_template_writes_what_json_writes(n, kind, status, path, pools, flag):
+    """Replies with an inline ack and pushed acks: the template (wire_json.ack_members) gives
+    the bytes json gives, or is not used (odd strings, wrong shapes, a bool for an int)."""
+    ack = {"op": n, "kind": kind, "status": status, "bytes": True if flag else abs(n),
+           "ns": 5, "exec_ns": 4, "path": path, "pools": pools}
+    fields = {"op": n, "ack": ack}
+    want = json.dumps({"v": 1, "k": "reply", "id": 3, "ok": True, **fields},
+                      separators=(",", ":")).encode()
+    assert P.encode_reply(3, fields) == [want]
+    assert P.encode_ack(ack) == [json.dumps({"v": 1, "k": "ack", **ack},
+                                            separators=(",", ":")).encode()]
+    assert P.decode_reply([want])[0]["ack"] == ack

@@ -23,7 +23,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from .commands import _TABLE, _T, COMMANDS, Command, markdown_table  # noqa: F401
-from .wire_json import dumps as _dumps, loads as _parse
+from .wire_json import ack_members as _ack_members, dumps as _dumps, loads as _parse
 
 VERSION = 1
 
@@ -267,6 +267,15 @@ def encode_request(cmd: str, req_id: int, fields: dict[str, Any] | None = None,
 
 def encode_reply(req_id: int, fields: dict[str, Any] | None = None,
                  arrays: Iterable[Any] = ()) -> list[bytes]:
+    if fields and type(req_id) is int and len(fields) == 2 and tuple(fields) == ("op", "ack"):
+        op, ack = fields["op"], fields["ack"]
+        text = _ack_members(ack) if type(op) is int and type(ack) is dict else None
+        if text is not None:  # an operation's reply with its ack inline
+            out = [('{"v":%d,"k":"reply","id":%d,"ok":true,"op":%d,"ack":{%s}}'
+                    % (VERSION, req_id, op, text)).encode()]
+            for a in arrays:
+                out.append(pack_index(a))
+            return out
     h = {"v": VERSION, "k": "reply", "id": req_id, "ok": True}
     if fields:
         h.update(fields)
@@ -282,6 +291,9 @@ def encode_error(req_id: int | None, code: str, message: str) -> list[bytes]:
 
 
 def encode_ack(ack: dict[str, Any]) -> list[bytes]:
+    text = _ack_members(ack)
+    if text is not None:
+        return [('{"v":%d,"k":"ack",%s}' % (VERSION, text)).encode()]
     h = {"v": VERSION, "k": "ack"}
     h.update(ack)
     return [_dumps(h)]
