@@ -39,6 +39,7 @@ TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 # complete messages queued per peer before libzmq stops reading that peer's connection
 TRANSPORT_RCVHWM = 8
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
+_COPY_MAX = 64 << 10  # index frames up to this size are taken as bytes (cheaper than a Frame)
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
@@ -60,7 +61,8 @@ def router_socket(ctx: zmq.Context) -> zmq.Socket:
 def recv_request(sock: zmq.Socket, curve: bool = False
                  ) -> tuple[list[bytes], str | None, str | None]:
     """One message off a ROUTER socket, frame by frame: at most the identity, a header and
-    ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept (as bytes); the
+    ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept (as bytes; an
+    index frame over ``_COPY_MAX`` as its ``zmq.Frame``, whose buffer is read in place); the
     rest is taken off the socket and dropped at once. Returns (frames, why the message is
     refused or None, the sender's CURVE key name when ``curve``, else None). Raises
     ``zmq.Again`` when no message waits. (``hicache bench control``'s echo receives with it
@@ -80,8 +82,8 @@ def recv_request(sock: zmq.Socket, curve: bool = False
         total += len(f)
         if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
             over = True
-        if not over:
-            frames.append(f.bytes)
+        if not over:  # the header as bytes; a large index frame stays zero-copy
+            frames.append(f.bytes if n == 1 or len(f) <= _COPY_MAX else f)
     if not over:
         return frames, None, user
     if n > _KEEP - 1:
