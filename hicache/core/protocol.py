@@ -271,8 +271,8 @@ def encode_reply(req_id: int, fields: dict[str, Any] | None = None,
         op, ack = fields["op"], fields["ack"]
         text = _ack_members(ack) if type(op) is int and type(ack) is dict else None
         if text is not None:  # an operation's reply with its ack inline
-            out = [('{"v":%d,"k":"reply","id":%d,"ok":true,"op":%d,"ack":{%s}}'
-                    % (VERSION, req_id, op, text)).encode()]
+            out = [f'{{"v":{VERSION},"k":"reply","id":{req_id},"ok":true,"op":{op},'
+                   f'"ack":{{{text}}}}}'.encode()]
             for a in arrays:
                 out.append(pack_index(a))
             return out
@@ -293,7 +293,7 @@ def encode_error(req_id: int | None, code: str, message: str) -> list[bytes]:
 def encode_ack(ack: dict[str, Any]) -> list[bytes]:
     text = _ack_members(ack)
     if text is not None:
-        return [('{"v":%d,"k":"ack",%s}' % (VERSION, text)).encode()]
+        return [f'{{"v":{VERSION},"k":"ack",{text}}}'.encode()]
     h = {"v": VERSION, "k": "ack"}
     h.update(ack)
     return [_dumps(h)]

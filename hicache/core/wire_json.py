@@ -49,16 +49,16 @@ def loads(text: str) -> Any:
 # writes (json's C encoder spends ~30k instructions on it); for anything else it returns
 # None and ``protocol`` (replies, pushed acks) uses ``dumps``.
 _ACK_KEYS = ("op", "kind", "status", "bytes", "ns", "exec_ns", "path", "pools")
-_ACK_TEXT = '"op":%d,"kind":"%s","status":"%s","bytes":%d,"ns":%d,"exec_ns":%d,"path":"%s",' \
-    '"pools":{%s}'
 _PLAIN_RE = re.compile(r"[A-Za-z0-9_.+:-]*")  # strings JSON writes as they are
 _PLAIN: set[str] = set()  # strings seen to match it (names, kinds, paths: a few dozen)
 
 
 def _plain(x: Any) -> bool:
+    if type(x) is not str:
+        return False
     if x in _PLAIN:
         return True
-    if type(x) is not str or not _PLAIN_RE.fullmatch(x):
+    if not _PLAIN_RE.fullmatch(x):
         return False
     if len(_PLAIN) < 4096:
         _PLAIN.add(x)
@@ -81,5 +81,6 @@ def ack_members(ack: dict[str, Any]) -> str | None:
         r, b, e = v
         if type(r) is not int or type(b) is not int or type(e) is not int:
             return None
-        parts.append('"%s":[%d,%d,%d]' % (name, r, b, e))
-    return _ACK_TEXT % (op, kind, status, nbytes, ns, ex, path, ",".join(parts))
+        parts.append(f'"{name}":[{r},{b},{e}]')
+    return f'"op":{op},"kind":"{kind}","status":"{status}","bytes":{nbytes},"ns":{ns},' \
+        f'"exec_ns":{ex},"path":"{path}","pools":{{{",".join(parts)}}}'
