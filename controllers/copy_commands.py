@@ -8,7 +8,7 @@ step), in one round trip; a refused backup allocates nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -38,15 +38,18 @@ def request_of(h: dict[str, Any]) -> str | None:
     return r
 
 
-def _bounds(ids: Ids, limit: int, what: str) -> None:
+def _bounds(ids: Ids, limit: int, what: str, side: str = "") -> None:
+    """Every id in ``0..limit - 1``; the error names ``what`` (and ``side``, e.g. "device
+    rows", when given: the message is built only on a refusal)."""
     if ids.n <= OWNER_LOOP_MAX:
-        lo, hi = min(ids.mv), max(ids.mv)
+        v = ids.list()
+        lo, hi = (v[0], v[0]) if ids.n == 1 else (min(v), max(v))
     else:
         a = ids.np()
         lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= limit:
-        raise ProtocolError("bad_rows", f"{what}: id {lo if lo < 0 else hi} is outside "
-                                        f"0..{limit - 1}")
+        raise ProtocolError("bad_rows", f"{what}{' ' + side if side else ''}: id "
+                                        f"{lo if lo < 0 else hi} is outside 0..{limit - 1}")
 
 
 def _distinct(ids: Ids, what: str) -> None:
@@ -62,6 +65,34 @@ def _host_pages(ids: Ids, P: int | None) -> Any:
     return np.unique(ids.np() // P)
 
 
+_SIDES = (("device rows", "host rows"), ("device tokens", "host tokens"))  # [token]
+
+
+class _PoolPlan(NamedTuple):
+    """What an item of one pool needs from the layout, worked out once per daemon."""
+
+    spec: PoolSpec
+    fmt: TokenFormat | None  # token format, when the pool has one
+    row_bytes: int  # bytes of one row id over all the pool's layers
+    token_bytes: int  # bytes of one token id over all its layers (0: no token format)
+
+
+def _plans(st: DaemonState, it: dict[str, Any]) -> tuple[_PoolPlan, ...]:
+    """The pools an item names (its ``pool``, or every pool of its ``space``): cached per name
+    on the state; an unknown name is refused (``bad_field``) and never cached."""
+    pool = it.get("pool")
+    key = ("pool", pool) if pool is not None else ("space", it["space"])
+    plans = st.item_plans.get(key)
+    if plans is None:
+        specs = [st.pool_spec(pool)] if pool is not None else \
+            st.layout.space_pools(st.check_space(it["space"]))
+        plans = st.item_plans[key] = tuple(
+            _PoolPlan(p, TokenFormat.from_spec(p) if p.token_granular else None,
+                      p.num_layers * p.page_bytes, p.num_layers * p.token_bytes)
+            for p in specs)
+    return plans
+
+
 def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays: Sequence,
            to_host: bool, fresh: dict[str, Ids] | None = None) -> tuple[list[Item], HostRows, int]:
     """Validated items of a backup / load. ``fresh``: host rows per space that this command
@@ -73,52 +104,64 @@ def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays
     host: dict[str, list[Any]] = {}
     total = 0
     for i, it in enumerate(h["items"]):
-        specs = [st.pool_spec(it["pool"])] if "pool" in it else \
-            st.layout.space_pools(st.check_space(it["space"]))
-        unit = it.get("unit", "row")
-        src = frames.setdefault(it["src"], Ids(arrays[it["src"]])) if "src" in it else None
-        for spec in specs:
-            if spec.name in seen:
-                raise ProtocolError("bad_field", f"items[{i}]: pool {spec.name} appears in two "
+        plans = _plans(st, it)
+        token = it.get("unit") == "token"  # the protocol let "row" or "token" through
+        f = it.get("src")
+        src = None
+        if f is not None:
+            src = frames.get(f)
+            if src is None:
+                src = frames[f] = Ids(arrays[f])
+        for spec, fmt, row_bytes, token_bytes in plans:
+            name = spec.name
+            if name in seen:
+                raise ProtocolError("bad_field", f"items[{i}]: pool {name} appears in two "
                                                  f"items; give each pool once per command")
-            seen.add(spec.name)
+            seen.add(name)
             space = spec.index
             if fresh is not None:
                 dst = fresh[space]
             else:
-                dst = frames.setdefault(it["dst"], Ids(arrays[it["dst"]]))
+                f = it["dst"]
+                dst = frames.get(f)
+                if dst is None:
+                    dst = frames[f] = Ids(arrays[f])
             assert src is not None
-            if src.n != dst.n or src.n == 0:
-                raise ProtocolError("bad_rows", f"items[{i}]: {src.n} source ids and {dst.n} "
+            n = src.n
+            if n != dst.n or n == 0:
+                raise ProtocolError("bad_rows", f"items[{i}]: {n} source ids and {dst.n} "
                                                 f"destination ids")
             dev_ids, host_ids = (src, dst) if to_host else (dst, src)
-            token = unit == "token"
-            if token and not spec.token_granular:
-                raise ProtocolError("bad_field", f"items[{i}]: pool {spec.name} has no token "
+            if token and fmt is None:
+                raise ProtocolError("bad_field", f"items[{i}]: pool {name} has no token "
                                                  f"format; use unit 'row'")
             P = spec.tokens_per_page if token else None
             key = (id(src), id(dst), space, P)
-            if key not in checked:
+            pages = checked.get(key)
+            if pages is None:
                 k = P or 1
-                _bounds(dev_ids, w.device_rows[space] * k, f"items[{i}] device {unit}s")
-                _distinct(dst, f"items[{i}]")
+                what = f"items[{i}]"
+                _bounds(dev_ids, w.device_rows[space] * k, what, _SIDES[token][0])
+                _distinct(dst, what)
                 if fresh is None:
-                    _bounds(host_ids, st.host_rows[space] * k, f"items[{i}] host {unit}s")
+                    _bounds(host_ids, st.host_rows[space] * k, what, _SIDES[token][1])
                     pages = _host_pages(host_ids, P)
-                    st.check_owned(c.cid, space, pages, f"items[{i}]")
-                    host.setdefault(space, []).append(pages)
+                    st.check_owned(c.cid, space, pages, what)
                 else:
                     pages = dst.np()
-                    host.setdefault(space, []).append(pages)
+                parts = host.get(space)
+                if parts is None:
+                    host[space] = [pages]
+                else:
+                    parts.append(pages)
                 checked[key] = pages
             if not to_host:
-                check_readable(st.group, spec.name, checked[key], f"items[{i}]")
-            dev_t, host_t = w.tables[spec.name], st.host_tables[spec.name]
-            nbytes = src.n * spec.num_layers * (spec.token_bytes if token else spec.page_bytes)
+                check_readable(st.group, name, pages, f"items[{i}]")
+            dev_t, host_t = w.tables[name], st.host_tables[name]
+            nbytes = n * (token_bytes if token else row_bytes)
             total += nbytes
-            items.append(Item(spec.name, dev_t if to_host else host_t,
-                              host_t if to_host else dev_t, src, dst,
-                              TokenFormat.from_spec(spec) if token else None, spec.layers, nbytes))
+            items.append(Item(name, dev_t if to_host else host_t, host_t if to_host else dev_t,
+                              src, dst, fmt if token else None, spec.layers, nbytes))
     return items, [(s, _rows_of(parts), to_host) for s, parts in host.items()], total
 
 

@@ -20,7 +20,7 @@ kernels never dereference a host pointer the GPU cannot use.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from hicache.host_pools.paged_pool import PagedHostPool
 from hicache.kernels.tables import LayerTable
 
 WRITES = ("backup", "swap_out")  # operation kinds that write host rows
+FEW_ROWS = 8  # item rows passed to the group as a list (it indexes a few one by one)
 
 
 def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:
@@ -41,26 +42,24 @@ def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> Non
                                            f"has completed since it was allocated)")
 
 
-def _host_rows(op: Any) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """(pool, host rows, partial) per item of a writing op; partial: token-granular."""
-    for it in op.items:
-        ids = it.dst_ids.np()
-        if it.fmt is None:
-            yield it.pool, ids, False
-        else:
-            yield it.pool, np.unique(ids // it.fmt.tokens_per_page), True
+def _host_rows(it: Any) -> Any:
+    """Host rows an item of a writing op writes (a list when it names only a few rows)."""
+    ids = it.dst_ids
+    if it.fmt is not None:  # token-granular: the pages of its tokens
+        return np.unique(ids.np() // it.fmt.tokens_per_page)
+    return ids.list() if ids.n <= FEW_ROWS else ids.np()
 
 
 def begin_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
-        for pool, rows, partial in _host_rows(op):
-            group.begin_write(pool, rows, zero=partial)
+        for it in op.items:  # a token item writes part of a row: zero it first if unwritten
+            group.begin_write(it.pool, _host_rows(it), it.fmt is not None)
 
 
 def end_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
-        for pool, rows, _ in _host_rows(op):
-            group.end_write(pool, rows, op.ok)
+        for it in op.items:
+            group.end_write(it.pool, _host_rows(it), op.ok)
 
 
 def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,

@@ -3,9 +3,12 @@
 ``Metrics(registry=None)`` holds the whole catalog and exports it through one collector in its
 own ``CollectorRegistry`` (never the global one, so two daemons, or a daemon and a demo, in one
 process do not collide). Hot paths use the small recording methods (``inc``, ``set``,
-``observe``, ``command``, ``transfer``): a dict update under one lock, well under a microsecond.
-``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply), ``exposition()``
-the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
+``observe``: a dict update under one lock; ``command``, ``transfer``: the record is queued, a
+``deque.append``, and applied under the lock with the others queued at the next ``flush()``).
+Every reader flushes first (``families`` for ``/metrics`` and ``snapshot``, ``value``), and a
+recording flushes when ``FLUSH_AT`` records wait, so every read is exact and the queue stays
+small. ``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply),
+``exposition()`` the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
 
 Every counter (and every histogram) starts at 0 for every label value known in advance:
 directions, statuses, protocol commands, error codes, fallback kinds, copy paths, and the pools
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from dataclasses import dataclass
+from collections import deque
 from typing import Any
 
 from bisect import bisect_left
@@ -41,6 +44,7 @@ DIRECTIONS = ("backup", "load", "swap_out", "swap_in", "clear_slot")
 STATUSES = ("ok", "error")
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
+FLUSH_AT = 1024  # queued command / transfer records applied at once by the recording thread
 PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
          "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
 
@@ -213,6 +217,8 @@ class Metrics:
         self._values["build_info"][(__version__, platform.python_version(),
                                     str(getattr(torch_mod, "__version__", "none")))] = 1.0
         self._lock = threading.Lock()
+        # command / transfer records not yet applied (appends and poplefts are atomic)
+        self._queue: deque[tuple] = deque()
         self._http: Any = None
         self._zero("transfer_ops", DIRECTIONS, STATUSES)
         self._zero("transfer_path_ops", DIRECTIONS, PATHS)
@@ -276,49 +282,66 @@ class Metrics:
             h[1] += value
 
     def command(self, cmd: str, ok: bool, seconds: float, code: str | None = None) -> None:
-        i = bisect_left(LATENCY_BUCKETS, seconds)
-        cmds, hist = self._values["commands"], self._hist["command_seconds"]
-        key, hkey = (cmd, "ok" if ok else "error"), (cmd,)
-        with self._lock:
-            cmds[key] = cmds.get(key, 0.0) + 1
-            h = hist.get(hkey)
-            if h is None:
-                h = hist[hkey] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
-            h[0][i] += 1
-            h[1] += seconds
-            if not ok:
-                errs, ek = self._values["errors"], (code or "internal",)
-                errs[ek] = errs.get(ek, 0.0) + 1
+        """One handled command (queued; see ``flush``)."""
+        q = self._queue
+        q.append((cmd, ok, seconds, code))
+        if len(q) >= FLUSH_AT:
+            self.flush()
 
     def transfer(self, direction: str, ok: bool, seconds: float, exec_seconds: float,
                  per_pool: dict[str, tuple[int, int]], path: str) -> None:
-        """One completed op: per_pool = {pool: (rows, bytes)}."""
-        v = self._values
+        """One completed op: per_pool = {pool: (rows, bytes)} (queued; see ``flush``)."""
+        q = self._queue
+        q.append((direction, ok, seconds, exec_seconds, per_pool, path))
+        if len(q) >= FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply every queued ``command`` / ``transfer`` record (any thread)."""
+        q = self._queue
+        if not q:
+            return
+        v, hists = self._values, self._hist
+        cmds, errs, cmd_h = v["commands"], v["errors"], hists["command_seconds"]
         ops, rows_d, bytes_d = v["transfer_ops"], v["transfer_rows"], v["transfer_bytes"]
-        hist = self._hist["transfer_seconds"]
-        i = bisect_left(LATENCY_BUCKETS, seconds)
-        okey, hkey = (direction, "ok" if ok else "error"), (direction,)
+        paths, busy, xfer_h = v["transfer_path_ops"], v["transfer_busy_seconds"], \
+            hists["transfer_seconds"]
+        nb = len(LATENCY_BUCKETS) + 1
         with self._lock:
-            ops[okey] = ops.get(okey, 0.0) + 1
-            h = hist.get(hkey)
-            if h is None:
-                h = hist[hkey] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
-            h[0][i] += 1
-            h[1] += seconds
-            if not ok:
-                errs = v["errors"]
-                errs[("transfer",)] = errs.get(("transfer",), 0.0) + 1
-                return
-            for pool, (rows, nbytes) in per_pool.items():
-                k = (direction, pool)
-                rows_d[k] = rows_d.get(k, 0.0) + rows
-                bytes_d[k] = bytes_d.get(k, 0.0) + nbytes
-            paths = v["transfer_path_ops"]
-            for p in filter(None, path.split("+")):
-                pk = (direction, p)
-                paths[pk] = paths.get(pk, 0.0) + 1
-            busy = v["transfer_busy_seconds"]
-            busy[hkey] = busy.get(hkey, 0.0) + max(0.0, exec_seconds)
+            while q:
+                try:
+                    r = q.popleft()
+                except IndexError:  # another thread took the last one
+                    break
+                if len(r) == 4:
+                    cmd, ok, seconds, code = r
+                    key = (cmd, "ok" if ok else "error")
+                    cmds[key] = cmds.get(key, 0.0) + 1
+                    hist, hkey = cmd_h, (cmd,)
+                    if not ok:
+                        ek = (code or "internal",)
+                        errs[ek] = errs.get(ek, 0.0) + 1
+                else:
+                    direction, ok, seconds, exec_seconds, per_pool, path = r
+                    okey = (direction, "ok" if ok else "error")
+                    ops[okey] = ops.get(okey, 0.0) + 1
+                    hist, hkey = xfer_h, (direction,)
+                    if not ok:
+                        errs[("transfer",)] = errs.get(("transfer",), 0.0) + 1
+                    else:
+                        for pool, (rows, nbytes) in per_pool.items():
+                            k = (direction, pool)
+                            rows_d[k] = rows_d.get(k, 0.0) + rows
+                            bytes_d[k] = bytes_d.get(k, 0.0) + nbytes
+                        for p in filter(None, path.split("+")):
+                            pk = (direction, p)
+                            paths[pk] = paths.get(pk, 0.0) + 1
+                        busy[hkey] = busy.get(hkey, 0.0) + max(0.0, exec_seconds)
+                h = hist.get(hkey)
+                if h is None:
+                    h = hist[hkey] = [[0] * nb, 0.0]
+                h[0][bisect_left(LATENCY_BUCKETS, seconds)] += 1
+                h[1] += seconds
 
     def in_flight(self, direction: str, delta: int) -> None:
         self.inc("transfers_in_flight", delta, direction)
@@ -328,10 +351,12 @@ class Metrics:
 
     def value(self, name: str, *labels: str) -> float:
         """Current value of a counter or gauge sample (0 when never recorded)."""
+        self.flush()
         return self._values[name].get(labels, 0.0)
 
     # ---------------------------------------------------------------- export
     def families(self) -> list[Any]:
+        self.flush()
         with self._lock:
             values = {k: list(v.items()) for k, v in self._values.items()}
             hists = {k: [(lab, list(h[0]), h[1]) for lab, h in v.items()]

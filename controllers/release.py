@@ -231,3 +231,4 @@ class Releaser:
                      rel.why, rel.total, took, self.watch.describe())
         if not self.pending:
             self.gauge(self.watch.longest)
+            self.watch.settle()

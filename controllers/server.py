@@ -34,15 +34,15 @@ BATCH = 32  # requests handled per wake-up before completions and housekeeping g
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
 # libzmq's MAXMSGSIZE bounds each frame, not the multipart message: the frame count and the
-# message total are checked by ``_recv`` as frames are taken off the socket, before any decode.
+# message total are checked by ``recv_request`` as frames are taken off the socket, before any decode.
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 # complete messages queued per peer before libzmq stops reading that peer's connection
 TRANSPORT_RCVHWM = 8
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
+_COPY_MAX = 64 << 10  # index frames up to this size are taken as bytes (cheaper than a Frame)
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 
 
@@ -56,6 +56,39 @@ def router_socket(ctx: zmq.Context) -> zmq.Socket:
     s.setsockopt(zmq.SNDHWM, 10_000)
     s.setsockopt(zmq.RCVHWM, TRANSPORT_RCVHWM)
     return s
+
+
+def recv_request(sock: zmq.Socket, curve: bool = False
+                 ) -> tuple[list[bytes], str | None, str | None]:
+    """One message off a ROUTER socket, frame by frame: at most the identity, a header and
+    ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept (as bytes; an
+    index frame over ``_COPY_MAX`` as its ``zmq.Frame``, whose buffer is read in place); the
+    rest is taken off the socket and dropped at once. Returns (frames, why the message is
+    refused or None, the sender's CURVE key name when ``curve``, else None). Raises
+    ``zmq.Again`` when no message waits. (``hicache bench control``'s echo receives with it
+    too.) Frames come as ``zmq.Frame``: ``Frame.more`` is read in C, where
+    ``sock.get(RCVMORE)`` makes a Python enum lookup per frame."""
+    recv = sock.recv
+    f = recv(_NOBLOCK, copy=False)
+    frames = [f.bytes]
+    n = total = 0
+    over = False
+    user = None
+    while f.more:
+        f = recv(_NOBLOCK, copy=False)
+        if n == 0 and curve:  # the key's name, set by our ZAP handler: who sent this
+            user = f.get("User-Id")
+        n += 1
+        total += len(f)
+        if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
+            over = True
+        if not over:  # the header as bytes; a large index frame stays zero-copy
+            frames.append(f.bytes if n == 1 or len(f) <= _COPY_MAX else f)
+    if not over:
+        return frames, None, user
+    if n > _KEEP - 1:
+        return frames[:2], f"{n - 1} index frames; at most {P.MAX_INDEX_FRAMES}", user
+    return frames[:2], f"message of {total} bytes exceeds {P.MAX_MESSAGE_BYTES}", user
 
 
 def key_names(directory: str) -> dict[bytes, str]:
@@ -219,32 +252,10 @@ class Server:
         return True
 
     def _recv(self) -> tuple[list[bytes], str | None]:
-        """One message, frame by frame: at most the identity, a header and
-        ``MAX_INDEX_FRAMES`` index frames, ``MAX_MESSAGE_BYTES`` in all, are kept; the rest is
-        taken off the socket and dropped at once. Returns (frames, why the message is refused
-        or None). Raises ``zmq.Again`` when no message waits."""
-        sock = self.sock
-        recv, more = sock.recv, sock.get
-        frames = [recv(_NOBLOCK)]
-        n = total = 0
-        over = False
-        while more(_RCVMORE):
-            # index frames zero-copy (a zmq.Frame exposes its buffer); the header as bytes
-            f = recv(_NOBLOCK, copy=n == 0 and not self.auth)
-            if n == 0 and self.auth:  # the key's name, set by our ZAP handler: who sent this
-                self.user = f.get("User-Id")
-                f = f.bytes
-            n += 1
-            total += len(f)
-            if not over and (n > _KEEP - 1 or total > P.MAX_MESSAGE_BYTES):
-                over = True
-            if not over:
-                frames.append(f)
-        if not over:
-            return frames, None
-        if n > _KEEP - 1:
-            return frames[:2], f"{n - 1} index frames; at most {P.MAX_INDEX_FRAMES}"
-        return frames[:2], f"message of {total} bytes exceeds {P.MAX_MESSAGE_BYTES}"
+        frames, refused, user = recv_request(self.sock, self.auth is not None)
+        if user is not None:
+            self.user = user
+        return frames, refused
 
     def _handle(self, frames: list[bytes], refused: str | None = None) -> None:
         st = self.state

@@ -72,6 +72,8 @@ class DaemonState:
         self.host_tables: dict[str, LayerTable] = {name: host_table(p)
                                                    for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
+        # per pool or space name: what a backup / load item of it needs (copy_commands._plans)
+        self.item_plans: dict[tuple[str, str], tuple] = {}
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
@@ -127,7 +129,7 @@ class DaemonState:
         not pending free; ``not_owner`` / ``busy`` otherwise."""
         alloc = self.group.allocators[space]
         if len(rows) <= OWNER_LOOP_MAX:
-            for r in list(rows):
+            for r in rows if type(rows) is list else list(rows):
                 o = alloc.owner_of(r)
                 if o is None or o[0] != cid:
                     raise ProtocolError("not_owner", f"{what}: host row {r} of space {space} is "

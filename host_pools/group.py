@@ -48,6 +48,7 @@ from .paged_pool import BufferInfo, PagedHostPool
 from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
 
 UNWRITTEN, CLEAN, WRITTEN = 0, 1, 2  # written state of a pool row (see the module docstring)
+_FEW = 8  # begin_write / end_write of at most this many rows index them one by one
 
 
 class HostPoolGroup:
@@ -87,6 +88,9 @@ class HostPoolGroup:
             raise
         self.zero_on_free = zero_on_free
         self.written = {name: np.zeros(p.num_rows, np.uint8) for name, p in self.pools.items()}
+        # the same bytes, for reading / setting a few rows one by one (a numpy scalar
+        # assignment costs ~3k instructions, a memoryview item ~100)
+        self._written_mv = {name: memoryview(a) for name, a in self.written.items()}
         self._space_pools = {s: [n for n, p in self.pools.items() if p.spec.index == s]
                              for s in self.spaces}
         for s, a in self.allocators.items():
@@ -114,10 +118,20 @@ class HostPoolGroup:
         for t in self.pools[pool].layers:
             t.index_fill_(0, idx, 0)
 
-    def begin_write(self, pool: str, rows: np.ndarray, zero: bool) -> int:
+    def begin_write(self, pool: str, rows: Any, zero: bool) -> int:
         """A backup into ``rows`` of ``pool`` was accepted: UNWRITTEN rows become CLEAN
         (zeroed first when ``zero``). Returns the rows zeroed."""
         with self._lock:
+            if len(rows) <= _FEW:  # a few rows (a list or an array): scalar reads, no fancy ops
+                w = self._written_mv[pool]
+                fresh = [r for r in rows if w[r] == UNWRITTEN]
+                if not fresh:
+                    return 0
+                if zero:
+                    self._zero(pool, np.array(fresh, dtype=np.int64))
+                for r in fresh:
+                    w[r] = CLEAN
+                return len(fresh) if zero else 0
             w = self.written[pool]
             fresh = rows[w[rows] == UNWRITTEN]
             if fresh.size:
@@ -126,14 +140,20 @@ class HostPoolGroup:
                 w[fresh] = CLEAN
             return int(fresh.size) if zero else 0
 
-    def end_write(self, pool: str, rows: np.ndarray, ok: bool) -> None:
+    def end_write(self, pool: str, rows: Any, ok: bool) -> None:
         """A backup into ``rows`` completed: WRITTEN when it succeeded, else rows not yet
         WRITTEN go back to UNWRITTEN (a partial copy may have left old bytes)."""
         with self._lock:
+            if ok and len(rows) <= _FEW:
+                mv = self._written_mv[pool]
+                for r in rows:
+                    mv[r] = WRITTEN
+                return
             w = self.written[pool]
             if ok:
                 w[rows] = WRITTEN
             else:
+                rows = np.asarray(rows, dtype=np.int64)
                 w[rows[w[rows] != WRITTEN]] = UNWRITTEN
 
     def unwritten(self, pool: str, rows: np.ndarray) -> np.ndarray:

@@ -219,3 +219,42 @@ def test_wire_json_refuses_what_json_refuses():
         wire_json.dumps({"x": object()})
     with pytest.raises(ValueError):
         wire_json.loads("")
+
+
+def test_a_header_that_passed_passes_again_only_when_its_bytes_match_but_for_the_id():
+    """The decoder skips the field checks for a header byte-equal but for its id to one that
+    passed before; anything else is checked in full (``True`` is not ``1``, a frame count
+    or another command is another key)."""
+    items = [{"pool": "c128_kv", "src": 0, "dst": 1}]
+    for rid in (1, 7, 123456, -3):
+        h, arrays = P.decode_request(req("backup", rid, [[3], [5]], items=items, alloc=False))
+        assert h["id"] == rid and h["items"] == items and list(arrays[1]) == [5]
+    ok = req("backup", 8, [[3], [5]], items=items, alloc=False)
+    assert codes([ok[0].replace(b'"alloc":false', b'"alloc":0'), *ok[1:]]) == "bad_field"
+    assert codes(ok[:2]) == "bad_frame"  # dst names a frame the message lacks
+    assert codes([ok[0].replace(b'"backup"', b'"load"'), *ok[1:]]) == "bad_field"  # no alloc
+    passed = req("backup", 9, [[3]], items=[{"pool": "c128_kv", "src": 0}], alloc=True)
+    P.decode_request(passed)
+    assert codes([passed[0].replace(b'"id":9', b'"id":9.5'), *passed[1:]]) == "bad_header"
+    assert codes([passed[0].replace(b'"id":9', b'"id":true'), *passed[1:]]) == "bad_header"
+    assert codes([passed[0], passed[1], passed[1]]) == "bad_frame"  # an unnamed frame
+
+
+@given(st.integers(-(2**70), 2**70), st.sampled_from(["backup", "load", "swap_out", "x\"y", "é"]),
+       st.sampled_from(["ok", "error"]), st.text(max_size=12),
+       st.dictionaries(st.text(max_size=10), st.lists(st.integers(0, 2**40), min_size=2,
+                                                       max_size=4), max_size=3),
+       st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_ack_template_writes_what_json_writes(n, kind, status, path, pools, flag):
+    """Replies with an inline ack and pushed acks: the template (wire_json.ack_members) gives
+    the bytes json gives, or is not used (odd strings, wrong shapes, a bool for an int)."""
+    ack = {"op": n, "kind": kind, "status": status, "bytes": True if flag else abs(n),
+           "ns": 5, "exec_ns": 4, "path": path, "pools": pools}
+    fields = {"op": n, "ack": ack}
+    want = json.dumps({"v": 1, "k": "reply", "id": 3, "ok": True, **fields},
+                      separators=(",", ":")).encode()
+    assert P.encode_reply(3, fields) == [want]
+    assert P.encode_ack(ack) == [json.dumps({"v": 1, "k": "ack", **ack},
+                                            separators=(",", ":")).encode()]
+    assert P.decode_reply([want])[0]["ack"] == ack

@@ -5,9 +5,10 @@ processes each register their pools and issue backups of one ``c128_kv`` row (on
 row per C128 layer, so the figure is the control plane, not the copy), each timed from send to
 completion ack. Reported per client count: p50 / p99 latency (us) and commands per second over
 all clients. The baseline is a bare echo over the same transport: the daemon's ROUTER socket
-(``server.router_socket``, same options) in its own process, the engine's ``Client`` DEALER
-socket (same options, same send / poll / receive calls), the same request frames, and a reply
-of one frame the size of the daemon's. Daemon and echo runs alternate (``--rounds``, order
+(``server.router_socket``, same options, same receive call ``server.recv_request``) in its own
+process, the engine's ``Client`` DEALER socket (same options, same send / poll / receive calls,
+``client.recv_message``), the same request frames, and a reply of one frame the size of the
+daemon's. Daemon and echo runs alternate (``--rounds``, order
 flipped each round) so that load from other processes hits both alike; each round's
 daemon / echo ratios are reported with their spread. A 1-client run of ``backup_new`` (a
 BACKUP that allocates its own host rows) counts the requests each one sent: one round trip.
@@ -130,24 +131,25 @@ def _quiet() -> None:
 
 
 def _echo_server(address: str, ready: Any) -> None:
-    """The daemon's socket and receive / reply calls, no work: one reply frame per request."""
+    """The daemon's socket and receive / reply calls (``server.recv_request``, two sends), no
+    work: one reply frame per request."""
     _quiet()
     import zmq
 
-    from hicache.controllers.server import router_socket
+    from hicache.controllers.server import recv_request, router_socket
 
     ctx = zmq.Context()
     s = router_socket(ctx)
     s.bind(address)
     ready.set()
-    items, poll, recv, send, get = [(s, zmq.POLLIN)], zmq.zmq_poll, s.recv_multipart, s.send, s.get
+    items, poll, send, get = [(s, zmq.POLLIN)], zmq.zmq_poll, s.send, s.get
     nb, more, ev, pin = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.EVENTS), \
         int(zmq.POLLIN)
     while True:
         if not poll(items, 100):
             continue
         while True:
-            f = recv(nb)
+            f = recv_request(s)[0]
             if f[1] == b"stop":
                 s.close(0)
                 ctx.term()
@@ -159,17 +161,17 @@ def _echo_server(address: str, ready: Any) -> None:
 
 
 def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
-    """The engine's ``Client`` socket (same options) and its send / poll / receive calls."""
+    """The engine's ``Client`` socket (same options) and its send / poll / receive calls
+    (``Client._send``, ``zmq_poll``, ``client.recv_message``)."""
     _quiet()
     import zmq
 
-    from hicache.engine.client import Client
+    from hicache.engine.client import Client, recv_message
 
     with Client(address, timeout=10.0, name="bench") as c:
         msg = P.encode_request("backup", 1, {"items": [{"pool": "c128_kv", "src": 0, "dst": 1}]},
                                [[3], [5]])
-        send, poll, pollin, recv = c._send, zmq.zmq_poll, c._pollin, c._sock.recv_multipart
-        nb = int(zmq.NOBLOCK)
+        send, poll, pollin, sock = c._send, zmq.zmq_poll, c._pollin, c._sock
         if not poll([(c._sock, zmq.POLLOUT)], 30_000):  # IMMEDIATE: wait for the connection
             raise TimeoutError("echo: cannot connect in 30 s")
         gc.collect()
@@ -179,7 +181,7 @@ def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) ->
             send(msg)
             if not poll(pollin, 10_000):
                 raise TimeoutError("echo: no reply in 10 s")
-            recv(nb)
+            recv_message(sock)
 
         out.put(_timed(step, ops, warmup, barrier))
 

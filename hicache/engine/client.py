@@ -44,6 +44,7 @@ _POLLOUT = int(zmq.POLLOUT)
 
 
 Items = Mapping[str, tuple]  # pool or space -> (src ids, dst ids[, "token"])
+_SPACES = frozenset(("page", "swa_page", "req_slot"))  # item keys that name an index space
 
 
 def _default_address() -> str:
@@ -56,6 +57,20 @@ def _default_address() -> str:
 
 
 _as_ids = P.as_index
+
+
+def recv_message(sock: zmq.Socket) -> list[bytes]:
+    """One message waiting on ``sock`` (NOBLOCK; ``zmq.Again`` when none), its frames as bytes.
+    Frames come as ``zmq.Frame``: ``Frame.more`` is read in C, where ``recv_multipart`` asks
+    ``sock.get(RCVMORE)`` (a Python enum lookup) per frame. (``hicache bench control``'s echo
+    client receives with it too.)"""
+    recv = sock.recv
+    f = recv(_NOBLOCK, copy=False)
+    out = [f.bytes]
+    while f.more:
+        f = recv(_NOBLOCK, copy=False)
+        out.append(f.bytes)
+    return out
 
 
 class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
@@ -122,7 +137,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if not zmq.zmq_poll(self._pollin, wait_ms if wait_ms > 0 else 0):
             return None
         try:
-            return P.decode_reply(s.recv_multipart(_NOBLOCK))
+            return P.decode_reply(recv_message(s))
         except zmq.Again:
             return None
 
@@ -138,10 +153,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """Send one command, return (reply header, reply index arrays). Raw access; prefer the
         typed methods."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         rid = next(self._ids)
         frames = P.encode_request(cmd, rid, fields, arrays)
         s = self._sock
+        deadline = time.monotonic() + timeout
         try:
             self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
@@ -153,21 +168,22 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             except zmq.Again:
                 raise DaemonUnreachable(f"{cmd}: the connection to {self.address} is gone "
                                         f"or full") from None
-        self._last_send = time.monotonic()
+        now = self._last_send = time.monotonic()
         self.sent += 1
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - now
             got = self._recv(max(1, int(left * 1000))) if left > 0 else None
             if got is None:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise DaemonUnreachable(f"{cmd}: no reply from the hicache daemon at "
                                             f"{self.address} within {timeout:g} s")
                 continue
             h, arr = got
-            if self._pushed(h):
+            if h.get("id") != rid:  # a push (it has no id), or a late reply to a call that
+                self._pushed(h)  # timed out (dropped)
+                now = time.monotonic()
                 continue
-            if h.get("id") != rid:
-                continue  # a late reply to a call that already timed out
             if not h.get("ok"):
                 err = h.get("error") or {}
                 raise CommandRefused(cmd, str(err.get("code", "unknown")),
@@ -261,21 +277,21 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     # ------------------------------------------------------------------ transfers
     @staticmethod
     def _items(items: Items) -> tuple[list[dict[str, Any]], list[Any]]:
+        """Header items and index frames of a backup / load; an id list given twice (the same
+        object) goes in one frame."""
         frames: list[Any] = []
         seen: dict[int, int] = {}
-
-        def frame(x: Any) -> int:
-            k = id(x)
-            if k not in seen:
-                seen[k] = len(frames)
-                frames.append(_as_ids(x))
-            return seen[k]
-
         out = []
         for key, spec in items.items():
-            src, dst = spec[0], spec[1]
-            it: dict[str, Any] = {"space" if key in ("page", "swa_page", "req_slot") else "pool": key,
-                                  "src": frame(src), "dst": frame(dst)}
+            idx = []
+            for x in (spec[0], spec[1]):
+                f = seen.get(id(x))
+                if f is None:
+                    f = seen[id(x)] = len(frames)
+                    frames.append(_as_ids(x))
+                idx.append(f)
+            it: dict[str, Any] = {"space" if key in _SPACES else "pool": key,
+                                  "src": idx[0], "dst": idx[1]}
             if len(spec) > 2 and spec[2] != "row":
                 it["unit"] = spec[2]
             out.append(it)
@@ -306,7 +322,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         its: list[dict[str, Any]] = []
         frames: list[Any] = []
         for key, ids in items.items():
-            its.append({"space" if key in ("page", "swa_page", "req_slot") else "pool": key,
+            its.append({"space" if key in _SPACES else "pool": key,
                         "src": len(frames)})
             frames.append(_as_ids(ids))
         fields: dict[str, Any] = {"items": its, "alloc": True, "request": request}

@@ -1,0 +1,54 @@
+"""``server.recv_request``: frames kept as bytes (a large index frame as its zmq.Frame, read in
+place), caps on frame count and message size applied while receiving; no daemon needed."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import zmq
+
+from hicache.controllers.server import _COPY_MAX, recv_request, router_socket
+from hicache.core import protocol as P
+
+
+def _pair():
+    ctx = zmq.Context()
+    r = router_socket(ctx)
+    r.bind("inproc://recv-test")
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.ROUTING_ID, b"peer")
+    d.connect("inproc://recv-test")
+    return ctx, r, d
+
+
+def _wait(sock: zmq.Socket) -> None:
+    deadline = time.monotonic() + 5
+    while not zmq.zmq_poll([(sock, zmq.POLLIN)], 100):
+        assert time.monotonic() < deadline
+
+
+def test_recv_request_keeps_frames_and_refuses_over_the_caps():
+    ctx, r, d = _pair()
+    try:
+        big = np.arange(_COPY_MAX // 8 + 5, dtype="<i8")
+        msg = P.encode_request("backup", 4, {"items": [{"pool": "c128_kv", "src": 0, "dst": 1}]},
+                               [[3], big])
+        d.send_multipart(msg)
+        _wait(r)
+        frames, refused, user = recv_request(r)
+        assert refused is None and user is None and frames[0] == b"peer"
+        assert type(frames[1]) is bytes and type(frames[2]) is bytes  # header, small frame
+        assert isinstance(frames[3], zmq.Frame) and bytes(frames[3]) == big.tobytes()
+        h, arrays = P.decode_request(frames[1:])
+        assert h["id"] == 4 and list(arrays[0]) == [3]
+        assert np.array_equal(np.frombuffer(arrays[1], dtype=np.int64), big)
+
+        d.send_multipart([msg[0]] + [b"\0" * 8] * (P.MAX_INDEX_FRAMES + 3))
+        _wait(r)
+        frames, refused, _ = recv_request(r)
+        assert len(frames) == 2 and "index frames" in refused
+        assert not zmq.zmq_poll([(r, zmq.POLLIN)], 0)  # the rest was taken off the socket
+    finally:
+        d.close(0)
+        r.close(0)
+        ctx.term()
