@@ -51,6 +51,11 @@ def test_bench_soak_cli_json():
         assert k in rep, k
     assert rep["clients"] == 2 and rep["ops"] == 300
     assert rep["lost_acks"] == 0 and rep["corrupted_pages"] == 0, rep["problems"]
+    # the daemon's own count of what it handled matches what the clients sent
+    hm = rep["daemon_handler_ms"]
+    assert hm["backup"][0] == rep["backups"] and hm["load"][0] == rep["loads"], hm
+    assert hm["alloc"][0] == rep["allocs"] and hm["free"][0] == rep["frees"], hm
+    assert all(ms > 0 for _, ms in hm.values()), hm
     # a 300-op run is all warm-up, so its RSS figure (and the exit status) is not judged here
 
 

@@ -28,7 +28,10 @@ Three modes, each against its own daemon subprocess on a private ipc socket:
 ``rss_growth_pct``, ``ops_per_s``, ``seconds`` for the default mode; ``seconds`` starts once
 every client has set up, which ``client_setup_s`` reports apart; ``--mix all`` adds
 ``verified_bytes`` and ``client_seconds``, a client's average time split into its loop,
-command round trips, ack waits and checks). Exit status 0 when the mode's checks pass.
+command round trips, ack waits and checks; ``daemon_handler_ms`` gives, per command the
+clients sent, how many the daemon handled and the mean milliseconds of its server thread from
+the request to the reply, from its own ``hicache_command_seconds`` metric). Exit status 0 when
+the mode's checks pass.
 Progress goes to stderr in every mode (``--json`` too: stdout holds the object only; the
 sustained load prints operations done and ops/s every 10 s). Any failure of the bench itself (the daemon not starting, a client process dying,
 an exception) ends with one line ``hicache bench soak: FAILED: ...`` on stderr, the tail of the
@@ -185,6 +188,7 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
                            preset_name=args.preset, unit=args.unit, max_rows=args.max_rows,
                            window=args.window, warmup=args.warmup, quota=quota,
                            rss=runner.rss, mix=args.mix, device=args.device, progress=note)
+            rep["daemon_handler_ms"] = handler_ms(address)
             rep["ok"] = (rep["lost_acks"] == 0 and rep["corrupted_pages"] == 0
                          and rep["failed_ops"] == 0 and rep["refused"] == 0
                          and rep["clients_missing"] == 0 and rep["unreachable"] == 0
@@ -210,6 +214,26 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
         return 0 if rep["ok"] else 1
     _print(rep)
     return 0 if rep["ok"] else 1
+
+
+def handler_ms(address: str) -> dict[str, list[float]]:
+    """{command: [count, mean ms]} of the daemon's handling (request to reply) of every command
+    it saw, from its ``stats`` (its ``hicache_command_seconds`` histogram); {} if it cannot
+    answer (the report still stands without it)."""
+    from hicache.engine.client import Client
+
+    try:
+        with Client(address, timeout=10.0, name="soak-stats") as c:
+            m = c.stats()["metrics"]
+    except Exception:  # noqa: BLE001 - a daemon gone or hung is reported by the checks
+        return {}
+    sums = {x["labels"]["command"]: x["value"] for x in m.get("hicache_command_seconds_sum", [])}
+    out: dict[str, list[float]] = {}
+    for x in m.get("hicache_command_seconds_count", []):
+        cmd, n = x["labels"]["command"], x["value"] or 0
+        if n and cmd not in ("register", "unregister", "stats", "heartbeat", "buffer_infos"):
+            out[cmd] = [int(n), round(sums.get(cmd, 0.0) / n * 1e3, 3)]
+    return out
 
 
 def _why(rep: Mapping[str, Any]) -> str:
@@ -247,6 +271,10 @@ def _print(rep: Mapping[str, Any]) -> None:
               f"{rep['rss_end_mib']} MiB at the end: {rep['rss_growth_pct']}%")
         print("  RSS at each tenth of the operations (MiB): "
               + " ".join(str(x) for x in rep["rss_curve_mib"]))
+        hm = rep.get("daemon_handler_ms") or {}
+        if hm:
+            print("  daemon's server thread per command, request to reply (mean ms, count): "
+                  + ", ".join(f"{k} {v[1]} ({v[0]})" for k, v in sorted(hm.items())))
     elif b == "crash_clients":
         print(f"hicache bench soak --crash-clients: {rep['crashes']} clients killed (SIGKILL) "
               f"mid-stream, heartbeat timeout {rep['heartbeat_timeout']} s")
