@@ -6,7 +6,7 @@ and swap-in gets one byte flipped in its device rows before its check runs (``on
 of a loaded row or slot, of a loaded token's value or scale, or of the scribbled bytes beside
 the loaded tokens. Every flip must count as exactly one corrupted unit, and the first must be
 named in the report. Also ``soak_bytes``' views: a pool whose layers are not evenly spaced
-views of one buffer is refused."""
+views of one buffer is refused; and ``describe`` names where and how a unit differs."""
 from __future__ import annotations
 
 import random
@@ -18,7 +18,7 @@ import torch
 
 from conftest import start_daemon
 from hicache.bench.soak import MIX_DAEMON_ROWS
-from hicache.bench.soak_bytes import pool_view
+from hicache.bench.soak_bytes import SCRIBBLE, describe, pool_view
 from hicache.bench.soak_mix import MIX_DEV_ROWS, MixClient, Pending
 from hicache.core.layout import build_layout, preset
 
@@ -127,3 +127,21 @@ def test_pool_view_refuses_layers_not_evenly_spaced() -> None:
         pool_view([ok[0], torch.zeros(4, 256, dtype=torch.uint8)])  # another buffer
     with pytest.raises(ValueError, match="overlap"):
         pool_view([buf[0:1024].view(4, 256), buf[512:1536].view(4, 256)])
+
+
+def test_describe_names_the_layers_the_bytes_and_what_was_found():
+    # [layers, units, words]; every byte of word k holds k + 1 (no zero byte anywhere)
+    want = (torch.arange(3 * 2 * 8, dtype=torch.int64) + 1).view(3, 2, 8) * 0x0101010101010101
+    got = want.clone()
+    got[1, 1, 2:4] = 0  # unit 1, layer 1, bytes [16, 32): zeros
+    got[2, 1, 5] = 7
+    line = describe(got, want, 1)
+    assert line.startswith("layers [1, 2] of 3; layer 1: 16 bytes differ in [16, 32) of 64"), line
+    assert line.endswith("found zeros"), line
+    got = want.clone()
+    got[0, 0, 1] = SCRIBBLE
+    assert describe(got, want, 0).endswith("found the scribble")
+    got = want.clone()
+    got[2, 0, 3] = want[0, 0, 3]  # the bytes another layer wants there
+    assert describe(got, want, 0).endswith("found the bytes wanted in layer 0")
+    assert describe(want, want, 0) == "no difference"
