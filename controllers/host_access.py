@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 
 from hicache.core.protocol import ProtocolError
-from hicache.host_pools.group import HostPoolGroup
+from hicache.host_pools.group import FEW_ROWS, HostPoolGroup
 from hicache.host_pools.paged_pool import PagedHostPool
 from hicache.kernels.tables import LayerTable
 
 WRITES = ("backup", "swap_out")  # operation kinds that write host rows
-FEW_ROWS = 8  # item rows passed to the group as a list (it indexes a few one by one)
 
 
 def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:

@@ -48,7 +48,7 @@ from .paged_pool import BufferInfo, PagedHostPool
 from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
 
 UNWRITTEN, CLEAN, WRITTEN = 0, 1, 2  # written state of a pool row (see the module docstring)
-_FEW = 8  # begin_write / end_write of at most this many rows index them one by one
+FEW_ROWS = 8  # begin_write / end_write of at most this many rows index them one by one
 
 
 class HostPoolGroup:
@@ -122,7 +122,7 @@ class HostPoolGroup:
         """A backup into ``rows`` of ``pool`` was accepted: UNWRITTEN rows become CLEAN
         (zeroed first when ``zero``). Returns the rows zeroed."""
         with self._lock:
-            if len(rows) <= _FEW:  # a few rows (a list or an array): scalar reads, no fancy ops
+            if len(rows) <= FEW_ROWS:  # a few rows (a list or an array): scalar reads, no fancy ops
                 w = self._written_mv[pool]
                 fresh = [r for r in rows if w[r] == UNWRITTEN]
                 if not fresh:
@@ -133,6 +133,7 @@ class HostPoolGroup:
                     w[r] = CLEAN
                 return len(fresh) if zero else 0
             w = self.written[pool]
+            rows = np.asarray(rows, dtype=np.int64)
             fresh = rows[w[rows] == UNWRITTEN]
             if fresh.size:
                 if zero:
@@ -144,7 +145,7 @@ class HostPoolGroup:
         """A backup into ``rows`` completed: WRITTEN when it succeeded, else rows not yet
         WRITTEN go back to UNWRITTEN (a partial copy may have left old bytes)."""
         with self._lock:
-            if ok and len(rows) <= _FEW:
+            if ok and len(rows) <= FEW_ROWS:
                 mv = self._written_mv[pool]
                 for r in rows:
                     mv[r] = WRITTEN

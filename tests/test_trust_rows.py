@@ -10,7 +10,7 @@ import torch
 from hicache.engine.client import CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.core.layout import build_layout, preset
-from hicache.host_pools.group import CLEAN, UNWRITTEN, WRITTEN, HostPoolGroup
+from hicache.host_pools.group import CLEAN, FEW_ROWS, UNWRITTEN, WRITTEN, HostPoolGroup
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
 FLASH = build_layout(preset("dsv4-flash"))
@@ -143,3 +143,25 @@ def test_written_state_in_the_pool_group():
         for t in g.pools[pool].layers:  # zero_on_free
             assert not t[r].any()
         g.check_invariants()
+
+
+@pytest.mark.parametrize("n", [3, FEW_ROWS, FEW_ROWS + 5])
+@pytest.mark.parametrize("as_list", [True, False])
+def test_written_state_same_for_few_and_many_rows(n, as_list):
+    """begin/end_write take a few rows one by one and more through numpy; a list or an array
+    of either size gives the same states (a failed write returns them to UNWRITTEN)."""
+    lay = build_layout(preset("dsv4-tiny"))
+    with HostPoolGroup(lay, {"page": 32, "swa_page": 4, "req_slot": 2}) as g:
+        r = g.alloc({"page": n}, ("a", None))["page"].numpy()
+        pool = lay.space_pools("page")[0].name
+        rows = r.tolist() if as_list else r
+        assert g.begin_write(pool, rows, zero=True) == n
+        assert (g.written[pool][r] == CLEAN).all()
+        assert g.begin_write(pool, rows, zero=True) == 0  # CLEAN already: not zeroed again
+        g.end_write(pool, rows, ok=False)
+        assert (g.written[pool][r] == UNWRITTEN).all()
+        g.begin_write(pool, rows, zero=False)
+        g.end_write(pool, rows, ok=True)
+        assert (g.written[pool][r] == WRITTEN).all() and g.unwritten(pool, r).size == 0
+        others = np.setdiff1d(np.arange(32), r)
+        assert (g.written[pool][others] == UNWRITTEN).all()
