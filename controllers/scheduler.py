@@ -51,6 +51,7 @@ import numpy as np
 
 from hicache.kernels.cpu_copy import clear_slots, copy_few
 from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
+from hicache.kernels.streams import on_stream
 
 from .background import cpu_copy_thread
 from .ops import ClearSpec, Ids, Item, Operation
@@ -252,7 +253,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
             op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
         op.rest = None
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             op.done_event = torch.cuda.Event()
             op.done_event.record(stream)
         self._last[op.stream] = op
@@ -402,7 +403,7 @@ class Scheduler:
         group (layer 0) only and keeps the rest in ``op.rest`` for ``finish_issue``."""
         stream = self.streams[op.stream]
         op.t_start = time.perf_counter()
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             if op.wait_event is not None:
                 stream.wait_event(op.wait_event)
             for other in op.after:

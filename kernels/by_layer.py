@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from . import copy_engine
-from .checks import _check_ctas, _check_pair, _dma_direction, _stream_ctx
+from .checks import _check_ctas, _check_pair, _dma_direction
 from .copy_engine import DmaPlan
+from .streams import current_stream, on_stream
 from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
 from .tables import LayerTable, TokenFormat, TransferError
 
@@ -91,7 +92,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     # layer 0 takes the copy engines for any number of rows: no plan upload, no kernel launch
     # before its copy starts (the latency the engine waits for first)
     first = _LayerPlan(*_split(parts, dev, 1), lambda g: g == g0, [g0], dev)
-    with _stream_ctx(stream, dev):
+    with on_stream(stream, dev):
         first.launch(device, 0, 1, ctas)
         if on_layer is not None:
             on_layer(0)
@@ -102,7 +103,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     rest = _LayerPlan(*_split(parts, dev, copy_engine.MIN_ROWS), lambda g: g != g0,
                       layer_order[1:], dev)
     for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
-        with _stream_ctx(stream, dev):
+        with on_stream(stream, dev):
             rest.launch(device, a - 1, b - 1, ctas)
             if on_layer is not None:
                 for i in range(a, b):
@@ -146,7 +147,7 @@ class _LayerPlan:
         if dma and self.seg.pieces(lo, hi):
             # copy engines on the side stream while the kernel runs on the current one; the
             # current stream then waits for both before the layers' events
-            cur = torch.cuda.current_stream(device)
+            cur = current_stream(device)
             side = copy_engine.side_stream(device)
             if not self.forked:
                 side.wait_stream(cur)  # after whatever the caller queued before this operation

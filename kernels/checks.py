@@ -3,14 +3,12 @@
 * ``_check_pair(src, dst)`` raises ``TransferError`` unless two buffers can be copied between
   (same layer count and row size, one GPU at most).
 * ``_pinned(t)``: every layer of ``t`` is pinned or registered host memory (cached per table).
-* ``_stream_ctx(stream, device)``: ``torch.cuda.stream(stream)``, or nothing without one.
 * ``_check_ctas(ctas)``: a positive int, or ``TransferError``.
 * ``_dma_direction(src, dst)``: ``"h2d"`` / ``"d2h"`` when whole rows of this pair may go to the
   copy engines, else ``""``.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -35,12 +33,6 @@ def _pinned(t: LayerTable) -> bool:
         cached = all(x.is_pinned() for x in t.layers)
         t._pinned = cached
     return cached
-
-
-def _stream_ctx(stream: Optional["torch.cuda.Stream"], device: Optional[torch.device]):
-    if stream is None or device is None:
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream)
 
 
 def _check_ctas(ctas: int) -> int:

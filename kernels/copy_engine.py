@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .streams import current_stream
 from .tables import TransferError
 
 MIN_BYTES = 64 << 10  # rows at least this large go to the copy engines
@@ -207,11 +208,11 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The copy-engine side stream of ``device``'s current stream (made once per stream: the
     daemon's load and backup streams each get their own, so a load's copies never queue
     behind a backup's)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
+    cur = current_stream(device)
+    key = (cur.device_index, cur.cuda_stream)
     side = _side.get(key)
     if side is None:
-        side = _side[key] = torch.cuda.Stream(torch.device("cuda", idx))
+        side = _side[key] = torch.cuda.Stream(torch.device("cuda", cur.device_index))
     return side
 
 
@@ -219,7 +220,7 @@ def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device) -> None
     """``issue`` on ``device``'s current stream (see the module docstring)."""
     if hi <= lo:
         return
-    cur = torch.cuda.current_stream(device)
+    cur = current_stream(device)
     if cur.cuda_stream != 0:
         issue(plan, lo, hi, cur.cuda_stream)
         return

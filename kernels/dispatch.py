@@ -36,10 +36,11 @@ import torch
 from . import copy_engine
 from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups, layer_part,
                        warm_up)
-from .checks import _check_ctas, _check_pair, _dma_direction, _pinned, _stream_ctx
+from .checks import _check_ctas, _check_pair, _dma_direction, _pinned
 from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
 from .rows import launch_rows, pads_badly, rows_config
+from .streams import on_stream
 from .staged import copy_rows_staged, plan_runs
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
@@ -78,13 +79,16 @@ def _kernel_device(src: LayerTable, dst: LayerTable, impl: str) -> Optional[torc
 
 
 def _check_bounds(pairs: list[tuple[str, torch.Tensor, int]]) -> None:
-    """0 <= idx < limit for each (name, idx, limit); one host sync for GPU-resident indices."""
+    """0 <= idx < limit for each (name, idx, limit): host indices through numpy (a few µs),
+    GPU-resident ones with one host sync for all of them."""
     pairs = [p for p in pairs if p[1].numel()]
-    if not pairs:
-        return
-    stats = torch.stack([torch.stack([i.min(), i.max()]).cpu() if i.is_cuda else
-                         torch.stack([i.min(), i.max()]) for _, i, _ in pairs]).tolist()
-    for (name, _, limit), (lo, hi) in zip(pairs, stats):
+    on_gpu = [p for p in pairs if p[1].is_cuda]
+    stats = [(int(a.min()), int(a.max())) for a in (i.numpy() for _, i, _ in pairs
+                                                     if not i.is_cuda)]
+    if on_gpu:
+        stats += torch.stack([torch.stack([i.min(), i.max()]) for _, i, _ in on_gpu]).tolist()
+    for (name, _, limit), (lo, hi) in zip([p for p in pairs if not p[1].is_cuda] + on_gpu,
+                                          stats):
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise TransferError(f"{name}: index {bad} out of range [0, {limit})")
@@ -156,7 +160,7 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
         assert device is not None
         plan = DmaPlan.rows(src.ptrs, dst.ptrs, src.row_bytes, src_idx.numpy() * src.stride,
                             dst_idx.numpy() * dst.stride).direction(dst.is_cuda, device.index or 0)
-        with _stream_ctx(stream, device):
+        with on_stream(stream, device):
             copy_engine.issue_current(plan, 0, len(plan.dst), device)
         return "rows_dma"
     runs = None
@@ -173,7 +177,7 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
         copy_rows_ref(src.layers, dst.layers, src_idx, dst_idx)
         return "rows_" + path
     kdev = device if device is not None else torch.device("cpu")
-    with _stream_ctx(stream, device):
+    with on_stream(stream, device):
         if path == "staged":
             # only the device side's indices go to the GPU; the host side's plan the DMAs
             if src.is_cuda:
@@ -280,7 +284,7 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
         copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
-    with _stream_ctx(stream, device):
+    with on_stream(stream, device):
         s_tok, d_tok = _host_order(_to(src_tok, device), _to(dst_tok, device), src, dst)
         launch_tokens(src.table(kdev), dst.table(kdev), s_tok, d_tok, fmt,
                       num_layers=src.num_layers, src_stride=src.stride, dst_stride=dst.stride,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .rows import RowsConfig, launch_rows
+from .streams import current_stream
 from .tables import LayerTable, _pow2_align
 
 
@@ -141,7 +142,7 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
         return
     if rb > cfg.chunk_bytes:
         raise ValueError(f"row of {rb} B exceeds the staging chunk of {cfg.chunk_bytes} B")
-    caller = torch.cuda.current_stream(device)
+    caller = current_stream(device)
     lane = _lane(device, caller, cfg)
     c = _balanced(n, min(cfg.chunk_bytes // rb, lane.pos.numel()))
     kl = _balanced(L, cfg.chunk_bytes // (n * rb)) if c == n else 1
