@@ -135,10 +135,10 @@ class DaemonState:
                     raise ProtocolError("not_owner", f"{what}: host row {r} of space {space} is "
                                         f"{'not allocated' if o is None else 'not yours'}")
         else:
-            rows = np.asarray(rows)
-            ok = np.isin(rows, alloc.rows_of(cid).numpy())
-            if not ok.all():
-                raise ProtocolError("not_owner", f"{what}: host row {int(rows[~ok][0])} of space "
+            rows = np.asarray(rows, dtype=np.int64)
+            foreign = alloc.foreign_rows(cid, rows)
+            if foreign.size:
+                raise ProtocolError("not_owner", f"{what}: host row {int(foreign[0])} of space "
                                                  f"{space} is not allocated to this client")
         if self.tracker.busy(space, rows):
             raise ProtocolError("busy", f"{what}: host rows of space {space} are being freed")

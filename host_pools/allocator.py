@@ -23,7 +23,8 @@ Contract (one instance per index space; pools of a space share its row ids; call
 * ``on_release``: optional callable given the int64 rows of every release (free, free_owner,
   deferred frees all pass through ``_release``), before they become allocatable again; the
   pool group uses it to return rows to "unwritten" (and to zero them when asked).
-* ``owner_of(row)``, ``rows_of(client_id, request=None)``, ``runs()``, ``stats()`` (with
+* ``owner_of(row)``, ``rows_of(client_id, request=None)``, ``foreign_rows(client_id, rows)`` (the
+  rows no request of that client holds), ``runs()``, ``stats()`` (with
   ``free_runs``, ``mean_free_run`` and ``fragmentation`` = 1 - largest free run / free rows),
   ``snapshot()``, ``check_invariants()`` (free runs sorted, disjoint, coalesced, exactly the
   unowned rows; size-class index exact; owner counts exact).
@@ -316,8 +317,7 @@ class RowAllocator:
         arr = self._distinct_rows(rows)
         if arr.size == 0:
             return arr
-        oids = [i for o, i in self._ids.items() if o[0] == client_id]
-        foreign = arr[~np.isin(self._owner[arr], oids)]
+        foreign = self.foreign_rows(client_id, arr)
         if foreign.size:
             raise NotOwnerError(f"space {self.space!r}: rows {_show(foreign)} are not held by "
                                 f"client {client_id[:64]!r}")
@@ -329,6 +329,16 @@ class RowAllocator:
         self._release(arr)
         return int(arr.size)
 
+    def foreign_rows(self, client_id: str, rows: np.ndarray) -> np.ndarray:
+        """The rows of ``rows`` (int64, inside the space) that no request of ``client_id``
+        holds: one pass over ``rows``, whatever the client holds elsewhere."""
+        mine = np.zeros(len(self._owners) + 1, dtype=bool)  # the last slot stands for FREE (-1)
+        mine[self._client_oids(client_id)] = True
+        return rows[~mine[self._owner[rows]]]
+
+    def _client_oids(self, client_id: str) -> list[int]:
+        return [i for o, i in self._ids.items() if o[0] == client_id]
+
     def rows_of(self, client_id: str, request: str | None = None) -> torch.Tensor:
         """Rows held by ``client_id`` (one request, or all when ``request`` is None)."""
         return torch.from_numpy(self._select(client_id, request))
@@ -338,7 +348,7 @@ class RowAllocator:
         if request is not None:
             oids = [self._ids[(client_id, request)]] if (client_id, request) in self._ids else []
         else:
-            oids = [i for o, i in self._ids.items() if o[0] == client_id]
+            oids = self._client_oids(client_id)
         if not oids:
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(np.isin(self._owner, oids)).astype(np.int64)

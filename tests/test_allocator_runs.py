@@ -198,3 +198,21 @@ def test_alloc_is_fast_on_a_large_fragmented_space():
         a.free(a.alloc(4, ("y", None)), ("y", None))
     per = (time.perf_counter() - t) / 2000
     assert per < 500e-6, f"{per * 1e6:.0f} us per alloc+free"
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 120), takes=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 20)),
+                                             max_size=10),
+       seed=st.integers(0, 10**6))
+def test_foreign_rows_are_exactly_the_rows_the_client_does_not_hold(n, takes, seed):
+    """``foreign_rows`` (the daemon's ownership check of many rows) agrees with ``owner_of`` row
+    by row, for a client holding rows under several requests."""
+    a = RowAllocator(n, "page")
+    owners = [("a", None), ("a", "r9"), ("b", "r1")]
+    for who, k in takes:
+        if k <= a.free_rows:
+            a.alloc(k, owners[who])
+    rows = np.random.default_rng(seed).integers(0, n, size=min(n, 40)).astype(np.int64)
+    for client in ("a", "b", "c"):
+        want = [int(r) for r in rows if (a.owner_of(int(r)) or ("",))[0] != client]
+        assert a.foreign_rows(client, rows).tolist() == want
