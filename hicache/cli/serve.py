@@ -54,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
+    from hicache.cli.malloc import fix_mmap_threshold
     from hicache.controllers.daemon import Daemon, start_error
+
+    logging.getLogger("hicache.serve").info(fix_mmap_threshold())
 
     if cfg.parent_pid is not None:  # a launcher's daemon: stop with it
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
