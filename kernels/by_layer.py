@@ -25,8 +25,8 @@ import torch
 from . import copy_engine
 from .checks import _check_ctas, _check_pair, _dma_direction
 from .copy_engine import DmaPlan
-from .streams import current_stream, on_stream
 from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
+from .streams import current_stream, on_stream
 from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4

@@ -228,3 +228,24 @@ def test_auto_takes_the_copy_engines_for_many_big_rows(direction):
         torch.cuda.synchronize()
         assert_same(dst, expected_rows(src0, before, si, di), f"{n} rows via {want}")
     assert_same(src, src0, "source changed")
+
+
+def test_stream_helpers_switch_only_when_needed():
+    """``streams.on_stream`` makes a stream current and gives the previous one back, does
+    nothing when it is current already; ``current_stream`` names torch's current stream."""
+    from hicache.kernels.streams import current_stream, on_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.Stream(dev)
+    before = torch.cuda.current_stream(dev)
+    assert current_stream(dev).cuda_stream == before.cuda_stream
+    with on_stream(s, dev):
+        assert torch.cuda.current_stream(dev).cuda_stream == s.cuda_stream
+        assert current_stream(dev).cuda_stream == s.cuda_stream
+        assert current_stream(dev) is current_stream(dev)  # one object per raw stream
+        with on_stream(s, dev):  # current already: nothing to switch or to give back
+            assert torch.cuda.current_stream(dev).cuda_stream == s.cuda_stream
+        assert torch.cuda.current_stream(dev).cuda_stream == s.cuda_stream
+    assert torch.cuda.current_stream(dev).cuda_stream == before.cuda_stream
+    with on_stream(s, None):  # "not on a GPU": nothing happens
+        assert torch.cuda.current_stream(dev).cuda_stream == before.cuda_stream
