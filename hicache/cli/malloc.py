@@ -9,8 +9,9 @@ saw +25 MiB steps come and go on a 1.9 GiB daemon).
 Contract: ``fix_mmap_threshold(nbytes=MMAP_THRESHOLD) -> str`` sets glibc's
 ``M_MMAP_THRESHOLD`` to a fixed ``nbytes`` (which also turns the dynamic adjustment off), so
 every block of that size or more is mapped on its own and unmapped when freed. Returns a line
-for the log saying what was done; on a C library without ``mallopt`` (or one that refuses it)
-nothing changes and the line says so. The pool itself is mapped by the arena, never by malloc.
+saying what was done (``hicache serve`` prints it after its start-up summary); on a C library
+without ``mallopt`` (or one that refuses it) nothing changes and the line says so. The pool
+itself is mapped by the arena, never by malloc.
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def serve(cfg: Any) -> int:
     from hicache.cli.malloc import fix_mmap_threshold
     from hicache.controllers.daemon import Daemon, start_error
 
-    logging.getLogger("hicache.serve").info(fix_mmap_threshold())
+    malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
     if cfg.parent_pid is not None:  # a launcher's daemon: stop with it
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
@@ -74,6 +74,7 @@ def serve(cfg: Any) -> int:
     try:
         with lifecycle.on_signals(on_signal):
             print(daemon.summary(), flush=True)
+            print(f"hicache serve: {malloc}", flush=True)
             print("hicache serve: ready", flush=True)
             daemon.serve()
     finally:
