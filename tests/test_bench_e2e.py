@@ -61,6 +61,9 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
+    # the daemon's own handling of this size's commands (its stats), below what the engine waits
+    assert 0 < m["load_handler_ms"] < m["load_ack_ms"]
+    assert 0 < m["backup_handler_ms"] < m["backup_ack_ms"]
     # the checkpoints mirror: compressed pages plus one checkpoint, every byte verified
     from hicache.core.layout import build_layout, preset
     from hicache.core.resume import ResumeModel
@@ -95,3 +98,15 @@ def test_checkpoint_verification_catches_a_wrong_byte():
         with pytest.raises(RuntimeError, match=what):
             _verify(pools, r, [0, 1], [2, 3], 4, 5)
         layers[name][-1][row, byte] = 0
+
+
+def test_daemon_times_mean_between_two_readings():
+    from hicache.bench.daemon_times import command_times, mean_ms
+
+    def metrics(n: int, total: float) -> dict:
+        return {"hicache_command_seconds_count": [{"labels": {"command": "load"}, "value": n}],
+                "hicache_command_seconds_sum": [{"labels": {"command": "load"}, "value": total}]}
+    a, b = command_times(metrics(3, 0.003)), command_times(metrics(5, 0.007))
+    assert a == {"load": (3, 0.003)}
+    assert abs(mean_ms(a, b, "load") - 2.0) < 1e-9
+    assert mean_ms(a, a, "load") is None and mean_ms(a, b, "backup") is None

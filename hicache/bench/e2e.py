@@ -8,7 +8,11 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 * BACKUP: command -> ack (engine clock), GB/s;
 * LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
   engine's stream right after its per-layer waits on the daemon's events (CPU mode: the ack);
-  command -> ack; GB/s; every loaded byte verified once per size;
+  command -> ack; GB/s; every loaded byte verified once per size; command -> reply
+  (``load_reply_ms``: layer 0 is issued before the reply);
+* the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
+  (``load_handler_ms``, ``backup_handler_ms``: from its ``stats``, ``bench.daemon_times``), so
+  the reply's time splits into the daemon's handling and the trip there and back;
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.bench.daemon_times import command_times, mean_ms
 from hicache.bench.plotting import pyplot
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
@@ -201,8 +206,12 @@ def run(args: argparse.Namespace) -> int:
                 if args.barrier:  # --gpus: every GPU starts this size together
                     barrier(args.barrier, f"{mirror}-{s}", args.pp_size, args.pp_rank)
                 n = SIZES[s] // PAGE_TOKENS
+                before = command_times(c.stats()["metrics"])
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
+                after = command_times(c.stats()["metrics"])
+                result[key][s]["summary"].update(
+                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")})
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -323,7 +332,8 @@ def _table(result: dict[str, Any]) -> None:
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
-          f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6}")
+          f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
+          f"{'reply ms':>8} {'daemon ms':>9}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -331,7 +341,8 @@ def _table(result: dict[str, Any]) -> None:
             print(f"{mirror:>11} {s:>5} {m['bytes'] / 1e6:7.0f} {m['load_first_ms']:9.2f} "
                   f"{m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} {f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
-                  f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6}")
+                  f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
+                  f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9}")
 
 
 def _plot(result: dict[str, Any], path: str) -> None:

@@ -51,6 +51,7 @@ import sys
 import time
 from typing import Any, Mapping
 
+from hicache.bench.daemon_times import command_times
 from hicache.bench.soak_crash import (CRASH_DEV_ROWS, RadixWorker, crash_child, crash_clients,
                                       crash_daemon)
 from hicache.bench.soak_load import SOAK_DAEMON_ROWS, SOAK_DEV_ROWS, run_soak
@@ -227,13 +228,8 @@ def handler_ms(address: str) -> dict[str, list[float]]:
             m = c.stats()["metrics"]
     except Exception:  # noqa: BLE001 - a daemon gone or hung is reported by the checks
         return {}
-    sums = {x["labels"]["command"]: x["value"] for x in m.get("hicache_command_seconds_sum", [])}
-    out: dict[str, list[float]] = {}
-    for x in m.get("hicache_command_seconds_count", []):
-        cmd, n = x["labels"]["command"], x["value"] or 0
-        if n and cmd not in ("register", "unregister", "stats", "heartbeat", "buffer_infos"):
-            out[cmd] = [int(n), round(sums.get(cmd, 0.0) / n * 1e3, 3)]
-    return out
+    return {cmd: [n, round(t / n * 1e3, 3)] for cmd, (n, t) in command_times(m).items()
+            if n and cmd not in ("register", "unregister", "stats", "heartbeat", "buffer_infos")}
 
 
 def _why(rep: Mapping[str, Any]) -> str:
