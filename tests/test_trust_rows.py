@@ -155,13 +155,18 @@ def test_written_state_same_for_few_and_many_rows(n, as_list):
         r = g.alloc({"page": n}, ("a", None))["page"].numpy()
         pool = lay.space_pools("page")[0].name
         rows = r.tolist() if as_list else r
+        for t in g.pools[pool].layers:  # a previous owner's bytes everywhere
+            t.fill_(0xAB)
         assert g.begin_write(pool, rows, zero=True) == n
         assert (g.written[pool][r] == CLEAN).all()
+        others = np.setdiff1d(np.arange(32), r)
+        for t in g.pools[pool].layers:  # the rows written to are zeroed, and only they
+            assert not t[torch.from_numpy(r)].any()
+            assert (t[torch.from_numpy(others)] == 0xAB).all()
         assert g.begin_write(pool, rows, zero=True) == 0  # CLEAN already: not zeroed again
         g.end_write(pool, rows, ok=False)
         assert (g.written[pool][r] == UNWRITTEN).all()
         g.begin_write(pool, rows, zero=False)
         g.end_write(pool, rows, ok=True)
         assert (g.written[pool][r] == WRITTEN).all() and g.unwritten(pool, r).size == 0
-        others = np.setdiff1d(np.arange(32), r)
         assert (g.written[pool][others] == UNWRITTEN).all()
