@@ -12,8 +12,9 @@ pool of its layers, layer 0 first) and records layer ``i``'s interprocess event 
 the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
 the engine, then ``finish_issue`` issues the other layers before it reads another command. A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
-``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; staged gather + DMA
-when host rows come in long runs). Which kernel and path: ``kernels.dispatch``.
+``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
+kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
+Which kernel and path: ``kernels.dispatch``.
 
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
 inline on the server thread when nothing is queued, so its ack rides in the reply; anything
@@ -120,10 +121,17 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     launch holding it."""
     events = op.layer_events
     assert events is not None
-    parts = [layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
-             for it in op.items]
-    return issue_by_layer(parts, op.stage_layers, lambda i: events[i].record(stream),
-                          device=device, ctas=ctas, stream=stream)
+    g0 = op.stage_layers[0] if op.stage_layers else None
+    first = [it for it in op.items if g0 in it.layers]  # built before layer 0's launch
+    later = [it for it in op.items if g0 not in it.layers]  # built after it
+    return issue_by_layer([_part(it) for it in first], op.stage_layers,
+                          lambda i: events[i].record(stream), device=device, ctas=ctas,
+                          stream=stream, more=(lambda: [_part(it) for it in later]) if later
+                          else None)
+
+
+def _part(it: Item) -> Any:
+    return layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
 
 
 def merge_key(op: Operation) -> tuple | None:

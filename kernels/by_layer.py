@@ -74,17 +74,19 @@ def copy_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
 def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
                    ctas: int = DEFAULT_CTAS,
-                   stream: Optional["torch.cuda.Stream"] = None) -> Iterator[int]:
+                   stream: Optional["torch.cuda.Stream"] = None,
+                   more: Optional[Callable[[], Sequence[SegmentPart]]] = None) -> Iterator[int]:
     """``copy_by_layer`` one launch group at a time, yielding how many layers are issued so
     far. The first step plans, uploads and launches layer 0 alone (its own small plan, so its
     copy starts before the other layers are planned); the second plans the rest. A caller may
     answer its client between steps; every step enters ``stream`` itself, so nothing of the
     stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
-    refused before anything is launched."""
+    refused before anything is launched. ``more`` (optional) builds further parts after the
+    first step, so building parts that do not hold layer 0 waits until layer 0's copy is
+    issued: its parts must not name layer 0 or a layer outside ``layer_order`` (ValueError at
+    the second step)."""
     ctas = _check_ctas(ctas)
-    unknown = sorted({g for p in parts for g in p.layers} - set(layer_order))
-    if unknown:
-        raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
+    _check_layers(parts, layer_order)
     if not layer_order:
         return
     dev = device if device.type == "cuda" else None
@@ -97,6 +99,13 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         if on_layer is not None:
             on_layer(0)
     yield 1
+    if more is not None:
+        extra = list(more())
+        if any(g0 in p.layers for p in extra):
+            raise ValueError(f"a part built after the first step holds layer {g0}, which that "
+                             f"step issued")
+        _check_layers(extra, layer_order)
+        parts = list(parts) + extra
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
@@ -109,6 +118,12 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 for i in range(a, b):
                     on_layer(i)
         yield b
+
+
+def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> None:
+    unknown = sorted({g for p in parts for g in p.layers} - set(layer_order))
+    if unknown:
+        raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
 
 
 def _split(parts: Sequence[SegmentPart], dev: Optional[torch.device],

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels.dispatch import copy_by_layer, layer_part
+from hicache.kernels.dispatch import copy_by_layer, issue_by_layer, layer_part
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,8 +84,10 @@ def _case(device: str, src_dev: bool, seed: int = 0):
     return parts, checks
 
 
-def _run_and_check(device: str, src_dev: bool) -> None:
-    """``copy_by_layer`` of ``_case``; every byte checked."""
+def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
+    """``copy_by_layer`` of ``_case``; every byte checked. ``split``: ``issue_by_layer`` given
+    the parts holding the first layer of the order, and the others through ``more`` (built
+    after the first step), as the daemon's loads do."""
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
@@ -93,8 +95,19 @@ def _run_and_check(device: str, src_dev: bool) -> None:
         big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= 65536]
         assert len(big) == 3 and all(x == ("d2h" if src_dev else "h2d") for x in big)
         assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
-    path = copy_by_layer(parts, [4, 0, 1, 2, 3], seen.append, device=dev, ctas=3)
-    assert path == "by_layer" and seen == [0, 1, 2, 3, 4]
+    order = [4, 0, 1, 2, 3]
+    if split:
+        first = [p for p in parts if order[0] in p.layers]
+        later = [p for p in parts if order[0] not in p.layers]
+        built: list[int] = []
+        steps = issue_by_layer(first, order, seen.append, device=dev, ctas=3,
+                               more=lambda: built.append(len(seen)) or later)
+        assert next(steps) == 1 and built == []  # layer 0 issued before the rest are built
+        assert list(steps)[-1] == len(order) and built == [1]
+    else:
+        path = copy_by_layer(parts, order, seen.append, device=dev, ctas=3)
+        assert path == "by_layer"
+    assert seen == [0, 1, 2, 3, 4]
     if device != "cpu":
         torch.cuda.synchronize()
     for src, src_cpu, dst, exp in checks:
@@ -111,8 +124,21 @@ sys.path.insert(0, {tests!r})
 import test_copy_by_layer as t
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False)
+t._run_and_check("cpu", False, split=True)
+t.more_naming_the_first_layer_is_refused()
 print("ok")
 """
+
+
+def more_naming_the_first_layer_is_refused() -> None:
+    """Parts built after the first step must not hold the first layer (already issued)."""
+    parts, _ = _case("cpu", True)
+    first = [p for p in parts if 4 in p.layers]
+    steps = issue_by_layer(first, [4, 0, 1, 2, 3], device=torch.device("cpu"), ctas=3,
+                           more=lambda: parts)
+    assert next(steps) == 1
+    with pytest.raises(ValueError, match="holds layer 4, which that step issued"):
+        next(steps)
 
 
 def test_by_layer_under_the_triton_interpreter():
@@ -141,6 +167,7 @@ def test_layer_part_refuses_bad_input():
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev):
     _run_and_check("cuda", src_dev)
+    _run_and_check("cuda", src_dev, split=True)
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
