@@ -213,7 +213,7 @@ class Daemon:
             self.state.wake = self._wake  # a reaped client's rows go back a slice per turn
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
-            self.server = Server(self.state, self.address, cfg.spin_us, curve)
+            self.server = Server(self.state, self.address, cfg.server_spin_us, curve)
             if cfg.l3 != "off":
                 self._start_l3()
         except BaseException:
@@ -291,7 +291,9 @@ class Daemon:
             f"  socket: {self.server.endpoint if self.server else self.address}; metrics: "
             + (f"http://{self.cfg.metrics_addr}:{self.metrics_port}/metrics"
                if self.metrics_port else "off")
-            + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s",
+            + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s; "
+            + (f"busy-polls {self.cfg.server_spin_us / 1e3:g} ms after a request"
+               if self.cfg.server_spin_us else "sleeps between requests (--spin-us 0)"),
             f"  copy path: {self.copy_path()}",
         ]
         if self.state.l3 is not None:

@@ -38,6 +38,13 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # =
 # .POLICIES (a test checks)
 
 
+# GPU mode's default busy-poll window after a request (--spin-us): an engine that is serving
+# sends commands every few to tens of ms, so its daemon does not sleep between them (a sleeping
+# server thread's wake-up, and its cold caches, cost 0.2-0.5 ms a LOAD on an H200 host); a
+# daemon whose engine went quiet sleeps after 50 ms. One core per GPU while the engine works.
+GPU_SPIN_US = 50_000.0
+
+
 @dataclass
 class ServeConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"
@@ -68,7 +75,8 @@ class ServeConfig:
     numa_node: str = "auto"  # "auto", "off" or a node number
     touch_threads: int | None = None
     inline_max_bytes: int = 256 << 10  # CPU mode: ops up to this size run on the server thread
-    spin_us: float = 0.0  # busy-poll this long after a request before sleeping (0 = never)
+    spin_us: float | None = None  # busy-poll this long after a request before sleeping
+    # (0 = never; None: ``GPU_SPIN_US`` in GPU mode, 0 in CPU mode: ``server_spin_us``)
     copy_engine: str = "auto"  # GPU mode: batched copy-engine DMA for big rows (auto, on, off)
     load_event_sets: int = 4  # GPU mode: sets of per-layer load events, used round robin
     max_clients: int = 64
@@ -88,6 +96,13 @@ class ServeConfig:
     l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
     sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
+
+    @property
+    def server_spin_us(self) -> float:
+        """The busy-poll window the server loop uses (``spin_us``, or its mode's default)."""
+        if self.spin_us is not None:
+            return self.spin_us
+        return GPU_SPIN_US if self.device != "cpu" else 0.0
 
     @property
     def cuda_index(self) -> int | None:
@@ -309,7 +324,7 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"--host-ratio must be positive, got {cfg.host_ratio}")
     if not 0 <= cfg.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
-    if not 0 <= cfg.spin_us <= 100_000:
+    if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:
         raise UsageError(f"--spin-us must be 0..100000, got {cfg.spin_us}")
     if not cfg.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout must be positive, got {cfg.heartbeat_timeout}")

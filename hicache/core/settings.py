@@ -41,7 +41,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_addr", _D, "address the metrics endpoint binds"),
     Setting("log_level", _D, "debug, info, warning or error"),
     Setting("spin_us", _D, "busy-poll this many microseconds after a request before sleeping "
-            "(lower latency, more CPU)"),
+            "(lower latency, more CPU; 0 = never) [50000 in GPU mode: one core while the engine "
+            "sends commands; 0 in CPU mode]"),
     Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
     Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
             "thread", flag=False),
