@@ -103,6 +103,25 @@ def test_whole_pages_use_the_row_path_on_gpu():
     assert_same(dst, expected_tokens(src, before, si, di, fmt))
 
 
+def test_auto_stages_long_host_runs_host_to_device_only():
+    """``auto`` with host rows in long runs (2 MiB and more on average): staged host to device,
+    the zero-copy kernel device to host (its writes into pinned memory measured faster)."""
+    from hicache.kernels import dispatch
+
+    n, rb = 96, 37_440  # 3.6 MB of consecutive host rows; below the copy engines' row size
+    for direction in ("h2d", "d2h"):
+        s_where, d_where = DIRS[direction]
+        src, dst = _bufs(s_where, 2, n + 8, rb, 1), _bufs(d_where, 2, n + 8, rb, 2)
+        src0, before = [t.cpu().clone() for t in src], [t.cpu().clone() for t in dst]
+        host = torch.arange(4, 4 + n)
+        dev = torch.randperm(n + 8)[:n]
+        si, di = (host, dev) if direction == "h2d" else (dev, host)
+        path = dispatch.copy_rows(src, dst, si, di, ctas=2)
+        torch.cuda.synchronize()
+        assert path == ("rows_staged" if direction == "h2d" else "rows_zero_copy"), direction
+        assert_same(dst, expected_rows(src0, before, si, di), f"{direction} via {path}")
+
+
 def test_staged_chunks_and_runs_across_chunk_boundaries():
     """Tiny staging chunks: many chunks on both side streams, runs split by chunk edges."""
     from hicache.kernels import staged
