@@ -54,3 +54,35 @@ def test_spread_gives_each_rounds_ratio_and_its_range():
     (row,) = _spread(per, [1, 4])
     assert row["p50"] == {"rounds": [1.5, 1.1, 1.3], "median": 1.3, "min": 1.1, "max": 1.5}
     assert row["rate"]["median"] == 0.7 and row["p99"]["max"] == 3.0
+
+
+def test_echo_spins_the_window_it_is_given(tmp_path):
+    """With ``--spin-us`` the echo busy-polls after a request as the daemon does (fair ratios):
+    it burns CPU for the window after one request; without one it sleeps."""
+    import multiprocessing as mp
+    import time
+
+    import psutil
+
+    from hicache.bench.control import _echo_client, _echo_server, _run_clients, _stop_echo
+
+    used = {}
+    for spin in (400_000.0, 0.0):
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        addr = f"ipc://{tmp_path}/e{int(spin)}.sock"
+        srv = ctx.Process(target=_echo_server, args=(addr, ready, spin), daemon=True)
+        srv.start()
+        try:
+            assert ready.wait(60)
+            proc = psutil.Process(srv.pid)
+            _run_clients(_echo_client, addr, 1, 1, 0)  # one request, then the window starts
+            t = proc.cpu_times()
+            c0 = t.user + t.system
+            time.sleep(0.15)  # inside the 400 ms window after the request
+            t = proc.cpu_times()
+            used[spin] = t.user + t.system - c0
+        finally:
+            _stop_echo(srv, addr)
+    assert used[400_000.0] > 0.05, used
+    assert used[0.0] < 0.02, used

@@ -12,7 +12,8 @@ daemon's. Daemon and echo runs alternate (``--rounds``, order
 flipped each round) so that load from other processes hits both alike; each round's
 daemon / echo ratios are reported with their spread. A 1-client run of ``backup_new`` (a
 BACKUP that allocates its own host rows) counts the requests each one sent: one round trip.
-``--no-echo`` skips the baseline.
+``--no-echo`` skips the baseline. ``--spin-us`` sets the daemon's busy-poll window and gives
+the echo server the same one, so the ratio stays the daemon's own cost.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=500, help="untimed backups per client first")
     p.add_argument("--no-echo", action="store_true", help="skip the bare pyzmq echo baseline")
     p.add_argument("--spin-us", type=float, default=0.0,
-                   help="the daemon's --spin-us (busy-poll after a request; default 0)")
+                   help="the daemon's --spin-us (busy-poll after a request; default 0); the "
+                        "echo baseline busy-polls the same window")
 
 
 # ----------------------------------------------------------------------------- client processes
@@ -130,9 +132,11 @@ def _quiet() -> None:
     quiet_worker(os.getppid())
 
 
-def _echo_server(address: str, ready: Any) -> None:
+def _echo_server(address: str, ready: Any, spin_us: float = 0.0) -> None:
     """The daemon's socket and receive / reply calls (``server.recv_request``, two sends), no
-    work: one reply frame per request."""
+    work: one reply frame per request. With ``spin_us`` it busy-polls that long after a request
+    before it blocks again, as the daemon's loop does with ``--spin-us`` (so a run with a
+    spinning daemon compares it with a spinning echo)."""
     _quiet()
     import zmq
 
@@ -145,9 +149,11 @@ def _echo_server(address: str, ready: Any) -> None:
     items, poll, send, get = [(s, zmq.POLLIN)], zmq.zmq_poll, s.send, s.get
     nb, more, ev, pin = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.EVENTS), \
         int(zmq.POLLIN)
+    spin, last, clock = spin_us / 1e6, 0.0, time.perf_counter
     while True:
-        if not poll(items, 100):
+        if not poll(items, 0 if spin and clock() - last < spin else 100):
             continue
+        last = clock()
         while True:
             f = recv_request(s)[0]
             if f[1] == b"stop":
@@ -322,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_echo:
             ctx = mp.get_context("spawn")
             ready = ctx.Event()
-            srv = ctx.Process(target=_echo_server, args=(eaddr, ready), daemon=True)
+            srv = ctx.Process(target=_echo_server, args=(eaddr, ready, args.spin_us), daemon=True)
             srv.start()
             if not ready.wait(60):
                 raise RuntimeError("the echo server did not start within 60 s")
