@@ -124,11 +124,10 @@ def _staged_ok(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -> Opti
     None."""
     if src.is_cuda or not dst.is_cuda or host_idx.is_cuda or host_idx.numel() == 0:
         return None
-    host = dst if src.is_cuda else src
-    if not host.contiguous_rows():
+    if not src.contiguous_rows():
         return None
     runs = plan_runs(host_idx)
-    if host_idx.numel() * host.row_bytes < STAGED_MIN_RUN_BYTES * runs.numel():
+    if host_idx.numel() * src.row_bytes < STAGED_MIN_RUN_BYTES * runs.numel():
         return None
     return runs
 

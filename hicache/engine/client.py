@@ -2,9 +2,9 @@
 
 ``Client(address, timeout=5.0)`` opens one DEALER socket and no thread: every call sends one
 request and polls for its reply (acks pushed meanwhile are kept); registered with CUDA pools it
-busy-polls up to ``REPLY_SPIN_US_GPU`` before it sleeps in ``poll`` (``reply_spin_us``). A daemon that does not answer
-within the timeout raises ``DaemonUnreachable`` (never a hang); a refused command raises
-``CommandRefused`` with the daemon's error code and message.
+busy-polls up to ``REPLY_SPIN_US_GPU`` before it sleeps in ``poll`` (``reply_spin_us``). A
+daemon that does not answer within the timeout raises ``DaemonUnreachable`` (never a hang); a
+refused command raises ``CommandRefused`` with the daemon's error code and message.
 
 Transfers return an ``Op``; ``wait_ack(op, timeout)`` returns its ``Ack`` (pushed by the daemon,
 or fetched with ``poll_acks`` if a push went missing). On GPU, ``wait_layer(op, layer, stream)``
