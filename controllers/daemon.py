@@ -214,6 +214,7 @@ class Daemon:
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.server_spin_us, curve)
+            self.state.spin_us = cfg.server_spin_us
             if cfg.l3 != "off":
                 self._start_l3()
         except BaseException:

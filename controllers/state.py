@@ -77,6 +77,7 @@ class DaemonState:
         self._op_ids = itertools.count(1)
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
+        self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         # work that waits until the reply is sent: accounting of inline ops, and the launch
         # groups after layer 0 of GPU loads (``scheduler.finish_issue``)
@@ -342,7 +343,8 @@ class DaemonState:
         self.refresh_gauges()
         out = {"device": str(self.device), "clients": len(self.registry.clients),
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
-               "merged_ops": self.scheduler.merged_ops, "host": self.group.usage(),
+               "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
+               "host": self.group.usage(),
                "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
                "metrics": self.metrics.snapshot()}
         if self.l3 is not None:

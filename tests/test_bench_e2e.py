@@ -60,6 +60,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     m = out["sizes"]["2k"]["summary"]
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
+    assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
     # the daemon's own handling of this size's commands (its stats), below what the engine waits
     assert 0 < m["load_handler_ms"] < m["load_ack_ms"]

@@ -46,7 +46,8 @@ def test_client_reply_spin_setting(shared_daemon) -> None:
             c = Client(shared_daemon.address, reply_spin_us=given)
             try:
                 c.register(pools)
-                assert c._reply_spin == pytest.approx(after)  # CPU mode: no spin unless asked
+                assert c.reply_spin_us == pytest.approx(after * 1e6)  # CPU: none unless asked
+                assert c.stats()["spin_us"] == 0.0  # the CPU-mode daemon sleeps
                 c.heartbeat()
                 c.unregister()
             finally:

@@ -23,7 +23,9 @@ JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, wha
 needs: ``checkpoints``, measured by ``e2e_checkpoint``); both by default.
 
 Each figure is the median of ``--runs`` runs; ratios divide by the contiguous pinned-copy limit
-measured in the same run (best of 5 trials per direction). ``--plot`` draws the ratios (needs
+measured in the same run (best of 5 trials per direction). The report names the busy-poll
+windows in force (``daemon_spin_us`` from the daemon's ``stats``, ``client_reply_spin_us``: the
+defaults, 50,000 and 2,000 µs on a GPU). ``--plot`` draws the ratios (needs
 matplotlib; refused with a message without it).
 """
 from __future__ import annotations
@@ -196,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
-                  "ctas": INPROC_CTAS, "runs": args.runs}
+                  "ctas": INPROC_CTAS, "runs": args.runs,
+                  "daemon_spin_us": c.stats().get("spin_us"),
+                  "client_reply_spin_us": c.reply_spin_us}
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:
             key = "sizes" if mirror == "full" else "checkpoints"
@@ -330,7 +334,8 @@ def _table(result: dict[str, Any]) -> None:
     lim = result["limit_gbps"]
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
-          f"median of {result['runs']}); pinned-copy limit GB/s: {lim}")
+          f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
+          f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'reply ms':>8} {'daemon ms':>9}")

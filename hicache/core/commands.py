@@ -70,8 +70,9 @@ _TABLE: tuple[Command, ...] = (
     Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
             ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
     Command("stats", {"check": ("bool", False)},
-            ("device", "clients", "workers", "in_flight", "merged_ops", "host", "pending_free",
-             "metrics", "invariants"), False, "stats", "usage, metrics, invariant check"),
+            ("device", "clients", "workers", "in_flight", "merged_ops", "spin_us", "host",
+             "pending_free", "metrics", "invariants"), False, "stats",
+            "usage, metrics, invariant check"),
     Command("buffer_infos", {}, ("pools",), False, "buffer_infos",
             "host pool addresses for a transfer engine (PD direct-to-host)"),
     # HiSparse (controllers/sparse.py; docs/hisparse.md)

@@ -145,6 +145,11 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def reply_spin_us(self) -> float:
+        """How long a call busy-polls for its reply now (µs; see ``__init__``)."""
+        return self._reply_spin * 1e6
+
     def _recv(self, wait_ms: int) -> tuple[dict[str, Any], list[Any]] | None:
         """The next message within ``wait_ms``: busy-polled for up to the reply spin, then a
         sleeping ``poll`` for the rest."""
