@@ -6,11 +6,14 @@
 * ``copy_by_layer(parts, layer_order, on_layer)`` copies them layer by layer in
   ``layer_order``; ``issue_by_layer`` is the same one launch group per step (a generator: the
   daemon answers its client after layer 0's group and issues the rest right after the reply).
-  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``). In each group the parts that go to
-  the copy engines (``_split``: 16 or more rows of 64 KiB or more; for layer 0 any number) are
-  batched on a side stream beside one segment-kernel launch for the rest, and the current stream
-  waits for both before ``on_layer(i)`` runs for the group's layers (the daemon records layer
-  ``i``'s event there).
+  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``). Whole rows of 64 KiB or more
+  between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
+  engines as batched DMA on a side stream, one event after each group; the other rows and
+  tokens go to one segment-kernel launch per group on the current stream, which then waits for
+  the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
+  records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
+  (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
+  is built.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -30,6 +33,9 @@ from .streams import current_stream, on_stream
 from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
+# copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
+# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy
+LEAD_BYTES = 32 << 20
 
 
 def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -91,11 +97,11 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         return
     dev = device if device.type == "cuda" else None
     g0 = layer_order[0]
-    # layer 0 takes the copy engines for any number of rows: no plan upload, no kernel launch
-    # before its copy starts (the latency the engine waits for first)
-    first = _LayerPlan(*_split(parts, dev, 1), lambda g: g == g0, [g0], dev)
+    # layer 0's big rows start on the copy engines before its segment plan is built or
+    # uploaded (the latency the engine waits for first)
     with on_stream(stream, dev):
-        first.launch(device, 0, 1, ctas)
+        first = _LayerPlan(parts, lambda g: g == g0, [g0], dev, [(0, 1)])
+        first.launch(device, 0, ctas)
         if on_layer is not None:
             on_layer(0)
     yield 1
@@ -109,11 +115,12 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
-    rest = _LayerPlan(*_split(parts, dev, copy_engine.MIN_ROWS), lambda g: g != g0,
-                      layer_order[1:], dev)
-    for a, b in groups:  # positions in layer_order; the rest plan starts at position 1
+    with on_stream(stream, dev):
+        rest = _LayerPlan(parts, lambda g: g != g0, layer_order[1:], dev,
+                          [(a - 1, b - 1) for a, b in groups])
+    for k, (a, b) in enumerate(groups):  # positions in layer_order; the rest plan starts at 1
         with on_stream(stream, dev):
-            rest.launch(device, a - 1, b - 1, ctas)
+            rest.launch(device, k, ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
@@ -126,57 +133,77 @@ def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> N
         raise ValueError(f"layer {unknown[0]} is not in this stage's layer order")
 
 
-def _split(parts: Sequence[SegmentPart], dev: Optional[torch.device],
-           min_rows: int) -> tuple[list[SegmentPart], list[SegmentPart]]:
+def _split(parts: Sequence[SegmentPart],
+           dev: Optional[torch.device]) -> tuple[list[SegmentPart], list[SegmentPart]]:
     """(copy-engine parts, segment parts): a part goes to the copy engines when it qualifies
-    (``dma``), they are enabled, and it has ``min_rows`` rows or more."""
+    (``dma``) and they are enabled, whatever its number of rows. A load issues a step's
+    copy-engine copies before it plans the rest, so the driver's per-copy host time (about
+    1 µs a row on an H200 host) overlaps copies already running (``dispatch`` keeps
+    ``copy_engine.MIN_ROWS`` for backups, issued pool by pool)."""
     if dev is None or not copy_engine.enabled():
         return [], list(parts)
-    dma = [p for p in parts if p.dma and p.ranges[0][1].size >= min_rows]
+    dma = [p for p in parts if p.dma]
     return dma, [p for p in parts if not any(p is q for q in dma)]
 
 
 class _LayerPlan:
-    """The copies of some layers of an operation: copy-engine batches for the ``dma`` parts (one
-    plan per direction), one segment plan for the rest; ``launch`` issues positions ``[a, b)``
-    of ``order``, copy-engine batches first."""
+    """The copies of some layers of an operation, in launch groups ``groups`` (positions
+    ``[a, b)`` of ``order``), made on the stream the copies run after. Copy-engine copies run on
+    the side stream (after the work queued before the plan on the current stream, an event
+    after each group). It issues the copy-engine copies of the first groups, up to
+    ``LEAD_BYTES`` of them, before it builds the segment plan of the other rows, so the link is
+    busy while that plan is built; ``launch(k)`` issues group ``k``'s copy-engine copies if
+    they are not issued yet, launches its segments, and makes the current stream wait for the
+    group's event, so whatever the caller queues next (the layers' events) comes after both."""
 
-    def __init__(self, dma_parts: Sequence[SegmentPart], seg_parts: Sequence[SegmentPart],
-                 keep: Callable[[int], bool], order: Sequence[int],
-                 dev: Optional[torch.device]) -> None:
-        self.seg = SegmentPlan.build(_layers_of(seg_parts, keep), order)
-        self.forked = False
+    def __init__(self, parts: Sequence[SegmentPart], keep: Callable[[int], bool],
+                 order: Sequence[int], dev: Optional[torch.device],
+                 groups: Sequence[tuple[int, int]]) -> None:
+        dma_parts, seg_parts = _split(parts, dev)
+        self.groups = list(groups)
+        self.done: list[Optional["torch.cuda.Event"]] = [None] * len(self.groups)
         self.dma: list[DmaPlan] = []
+        self.issued = 0  # groups whose copy-engine copies are issued
         for way in ("h2d", "d2h"):
             mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
             if mine:
                 assert dev is not None
                 self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
+        if self.dma:
+            assert dev is not None
+            self.side = copy_engine.side_stream(dev)
+            self.side.wait_stream(current_stream(dev))
+            lead = 0
+            while self.issued < len(self.groups) and lead < LEAD_BYTES:
+                lead += self._issue_dma(self.issued)
+        self.seg = SegmentPlan.build(_layers_of(seg_parts, keep), order)
 
-    def launch(self, device: torch.device, a: int, b: int, ctas: int) -> None:
+    def _issue_dma(self, k: int) -> int:
+        """Issue group ``k``'s copy-engine copies (the next group not issued); their bytes."""
+        a, b = self.groups[k]
+        nbytes = 0
+        for plan in self.dma:
+            x, y = plan.layers[a][0], plan.layers[b - 1][1]
+            if y > x:
+                copy_engine.issue(plan, x, y, self.side.cuda_stream)
+                nbytes += int(plan.size[x:y].sum())
+        if nbytes:
+            self.done[k] = torch.cuda.Event()
+            self.done[k].record(self.side)
+        self.issued = k + 1
+        return nbytes
+
+    def launch(self, device: torch.device, k: int, ctas: int) -> None:
+        while self.dma and self.issued <= k:
+            self._issue_dma(self.issued)
+        a, b = self.groups[k]
         lo, hi = self.seg.layers[a][0], self.seg.layers[b - 1][1]
-        if len(self.seg.desc):
+        if hi > lo:
             self.seg.to(device)
-        dma = [(p, p.layers[a][0], p.layers[b - 1][1]) for p in self.dma]
-        dma = [x for x in dma if x[2] > x[1]]
-        if dma and self.seg.pieces(lo, hi):
-            # copy engines on the side stream while the kernel runs on the current one; the
-            # current stream then waits for both before the layers' events
-            cur = current_stream(device)
-            side = copy_engine.side_stream(device)
-            if not self.forked:
-                side.wait_stream(cur)  # after whatever the caller queued before this operation
-                self.forked = True
-            for plan, x, y in dma:
-                copy_engine.issue(plan, x, y, side.cuda_stream)
-            done = torch.cuda.Event()
-            done.record(side)
             launch_segments(self.seg, lo, hi, ctas)
-            cur.wait_event(done)
-            return
-        for plan, x, y in dma:
-            copy_engine.issue_current(plan, x, y, device)
-        launch_segments(self.seg, lo, hi, ctas)
+        done = self.done[k]
+        if done is not None:
+            current_stream(device).wait_event(done)
 
 
 def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:

@@ -6,8 +6,8 @@ move at the link through the GPU's copy engines when they go in batches: on an H
 0.985 of a contiguous pinned copy for 0.44 µs of host time per row, where one ``cuMemcpyAsync``
 per row reached 0.45-0.52 and the zero-copy SM kernels top out near 0.91. Small rows do not
 pay: 37-KiB rows reached 0.84, 8-KiB rows 0.35 (the SM kernels do better there). So callers
-send rows of at least ``MIN_BYTES``, ``MIN_ROWS`` or more at a time, here and the rest to the
-kernels (``dispatch``).
+send rows of at least ``MIN_BYTES`` here (backups: ``MIN_ROWS`` or more at a time) and the rest
+to the kernels (``dispatch``).
 
 Contract:
 
@@ -42,9 +42,10 @@ from .streams import current_stream
 from .tables import TransferError
 
 MIN_BYTES = 64 << 10  # rows at least this large go to the copy engines
-# ... when a buffer pair has at least this many rows to move: below it the driver's per-copy
-# host time (0.4-2 µs a row) costs more than the kernel loses (a 2k-token DSV4 load, 8 rows a
-# layer, ran at 0.38-0.43 of the link with the copy engines, 0.45 with the kernel alone)
+# ... when a backup's buffer pair has at least this many rows to move (``dispatch``): below it
+# the driver's per-copy host time (0.4-2 µs a row) costs more than the kernel loses. Loads
+# (``by_layer``) send every big row: they issue a step's copy-engine copies before planning
+# the rest, so that host time overlaps copies already running
 MIN_ROWS = 16
 PER_CALL = 256  # copies per driver call (one call of thousands ran at 0.87-0.93 of the link)
 MODES = ("auto", "on", "off")

@@ -96,46 +96,59 @@ class SegmentPlan:
         pos = {g: i for i, g in enumerate(layer_order)}
         offs_s: list[np.ndarray] = []
         offs_d: list[np.ndarray] = []
-        blocks: list[np.ndarray] = []  # rows: layer position, src, dst, nbytes, off, n, align
+        # per segment (one per layer of a part's range): layer position, both bases; per block
+        # (one per range of a part, repeated over its layers): nbytes, off, n, align
+        lpos: list[int] = []
+        sbase: list[int] = []
+        dbase: list[int] = []
+        block: list[tuple[int, int, int, int]] = []
+        counts: list[int] = []
         start = 0
         for part in parts:
             try:
-                lpos = np.array([pos[g] for g in part.layers], dtype=np.int64)
+                lp = [pos[g] for g in part.layers]
             except KeyError as e:
                 raise ValueError(f"layer {e.args[0]} is not in this stage's layer order") from None
-            sp = np.asarray(part.src_ptrs, dtype=np.int64)
-            dp = np.asarray(part.dst_ptrs, dtype=np.int64)
+            bases = 0
+            for x in part.src_ptrs:
+                bases |= x
+            for x in part.dst_ptrs:
+                bases |= x
             for rb, so, do in part.ranges:
                 n = int(so.size)
                 if n == 0:
                     continue
-                offs_s.append(np.asarray(so, dtype=np.int64))
-                offs_d.append(np.asarray(do, dtype=np.int64))
+                so = np.asarray(so, dtype=np.int64)
+                do = np.asarray(do, dtype=np.int64)
+                offs_s.append(so)
+                offs_d.append(do)
                 # offsets are multiples of this (ids * stride, or slot * size + offset)
-                a_off = _pow2_align(rb, int(np.bitwise_or.reduce(so)), int(np.bitwise_or.reduce(do)))
-                low = np.bitwise_or(sp, dp) & -np.bitwise_or(sp, dp)  # lowest set bit of both
-                al = np.minimum(np.minimum(low, 16), a_off)
-                if int(al.min()) < 4:
+                al = _pow2_align(rb, bases, int(np.bitwise_or.reduce(so | do)))
+                if al < 4:
                     raise ValueError(f"a range of {rb} B at these offsets/addresses is not "
                                      f"4-byte aligned; segments move 4- or 8-byte words")
-                k = len(lpos)
-                blocks.append(np.stack([lpos, sp, dp, np.full(k, rb), np.full(k, start),
-                                        np.full(k, n), al], axis=1))
+                lpos += lp
+                sbase += part.src_ptrs
+                dbase += part.dst_ptrs
+                block.append((rb, start, n, al))
+                counts.append(len(lp))
                 start += n
         empty = np.zeros(0, dtype=np.int64)
-        if not blocks:
+        if not block:
             return cls(np.zeros((0, DESC_COLS), dtype=np.int64), empty, empty,
                        [(0, 0)] * len(layer_order), 0)
-        rows = np.concatenate(blocks)
-        rows = rows[np.argsort(rows[:, 0], kind="stable")]
-        pieces = rows[:, 5] * ((rows[:, 3] + CH - 1) // CH)
-        desc = np.zeros((len(rows), DESC_COLS), dtype=np.int64)
-        desc[:, 0:6] = rows[:, 1:7]
+        lpa = np.array(lpos, dtype=np.int64)
+        order = np.argsort(lpa, kind="stable")
+        desc = np.zeros((len(lpa), DESC_COLS), dtype=np.int64)
+        desc[:, 0] = np.array(sbase, dtype=np.int64)[order]
+        desc[:, 1] = np.array(dbase, dtype=np.int64)[order]
+        desc[:, 2:6] = np.repeat(np.array(block, dtype=np.int64), counts, axis=0)[order]
+        pieces = desc[:, 4] * ((desc[:, 2] + CH - 1) // CH)
         desc[:, 6] = np.cumsum(pieces) - pieces  # pieces before each segment, over the plan
-        bounds = np.searchsorted(rows[:, 0], np.arange(len(layer_order) + 1))
-        layers = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(layer_order))]
+        bounds = np.searchsorted(lpa[order], np.arange(len(layer_order) + 1)).tolist()
+        layers = [(bounds[i], bounds[i + 1]) for i in range(len(layer_order))]
         return cls(desc, np.concatenate(offs_s), np.concatenate(offs_d), layers,
-                   int((rows[:, 3] * rows[:, 5]).sum()))
+                   int((desc[:, 2] * desc[:, 4]).sum()))
 
     def to(self, device: torch.device) -> "SegmentPlan":
         """Upload once (one pinned buffer, one non-blocking copy on the current stream)."""

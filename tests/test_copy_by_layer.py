@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.kernels import by_layer
 from hicache.kernels.dispatch import copy_by_layer, issue_by_layer, layer_part
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
@@ -164,8 +165,13 @@ def test_layer_part_refuses_bad_input():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lead", ["default", "none"])
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
-def test_by_layer_on_gpu(src_dev):
+def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
+    """``lead``: the copy-engine copies of every later group issued before the segment plan
+    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group)."""
+    if lead == "none":
+        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
 
@@ -180,10 +186,14 @@ def test_ranges_below_4_byte_alignment_are_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_each_layer_is_complete_when_its_event_is():
+@pytest.mark.parametrize("lead", ["default", "none"])
+def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
     """Layer readiness on the copy-engine path: when the event recorded for layer ``i``
     completes, every pool's bytes of that layer are in place (copy-engine batches and kernel
-    launches of a layer both come before its event), while later layers may still be copying."""
+    launches of a layer both come before its event), while later layers may still be copying.
+    ``lead`` as in ``test_by_layer_on_gpu``."""
+    if lead == "none":
+        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
     parts, checks = _case("cuda", False, seed=3)
     order = [4, 0, 1, 2, 3]
     events = [torch.cuda.Event() for _ in order]
