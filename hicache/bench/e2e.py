@@ -22,7 +22,8 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
 needs: ``checkpoints``, measured by ``e2e_checkpoint``); both by default.
 
-Each figure is the median of ``--runs`` runs; ratios divide by the contiguous pinned-copy limit
+Each figure is the median of ``--runs`` runs, after one untimed round of the same size (the
+daemon's handling times are means: a cold first round once read 20-140 ms); ratios divide by the contiguous pinned-copy limit
 measured in the same run (best of 5 trials per direction). The report names the busy-poll
 windows in force (``daemon_spin_us`` from the daemon's ``stats``, ``client_reply_spin_us``: the
 defaults, 50,000 and 2,000 µs on a GPU). ``--plot`` draws the ratios (needs
@@ -210,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
                 if args.barrier:  # --gpus: every GPU starts this size together
                     barrier(args.barrier, f"{mirror}-{s}", args.pp_size, args.pp_rank)
                 n = SIZES[s] // PAGE_TOKENS
+                # one untimed round first: a size's first load and backup pay one-time costs
+                # (first touches, driver and launch caches) that the medians would hide but
+                # the daemon's mean handling times would not
+                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev)
                 before = command_times(c.stats()["metrics"])
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
