@@ -4,8 +4,8 @@
   pair's byte ranges per layer, and whether its whole rows qualify for the copy engines);
   ``check_layer_part`` is its validation (``TransferError`` before anything is built).
 * ``copy_by_layer(parts, layer_order, on_layer)`` copies them layer by layer in
-  ``layer_order``; ``issue_by_layer`` is the same one launch group per step (a generator: the
-  daemon answers its client after layer 0's group and issues the rest right after the reply).
+  ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
+  answers its client after layer 0's step and issues the rest right after the reply).
   Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``). Whole rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
@@ -82,9 +82,10 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None,
                    more: Optional[Callable[[], Sequence[SegmentPart]]] = None) -> Iterator[int]:
-    """``copy_by_layer`` one launch group at a time, yielding how many layers are issued so
-    far. The first step plans, uploads and launches layer 0 alone (its own small plan, so its
-    copy starts before the other layers are planned); the second plans the rest. A caller may
+    """``copy_by_layer`` in two steps, each yielding how many layers are issued so far. The
+    first step plans and issues layer 0 alone (its own small plan, so its copy starts before
+    the other layers are planned); the second plans and issues the rest, one launch group
+    after another. A caller may
     answer its client between steps; every step enters ``stream`` itself, so nothing of the
     stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
     refused before anything is launched. ``more`` (optional) builds further parts after the
@@ -115,16 +116,15 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
-    with on_stream(stream, dev):
+    with on_stream(stream, dev):  # one step: nothing answers a client between these groups
         rest = _LayerPlan(parts, lambda g: g != g0, layer_order[1:], dev,
                           [(a - 1, b - 1) for a, b in groups])
-    for k, (a, b) in enumerate(groups):  # positions in layer_order; the rest plan starts at 1
-        with on_stream(stream, dev):
+        for k, (a, b) in enumerate(groups):  # positions in layer_order; the plan starts at 1
             rest.launch(device, k, ctas)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
-        yield b
+    yield len(layer_order)
 
 
 def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> None:
