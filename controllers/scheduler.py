@@ -208,9 +208,19 @@ class Scheduler:
     def _start(self, name: str, target: Callable[[queue.SimpleQueue], None]) -> None:
         q: queue.SimpleQueue = queue.SimpleQueue()
         self._queues[name] = q
-        th = threading.Thread(target=target, args=(q,), name=f"hicache-{name}", daemon=True)
+        th = threading.Thread(target=self._on_device, args=(target, q), name=f"hicache-{name}",
+                              daemon=True)
         th.start()
         self._threads.append(th)
+
+    def _on_device(self, target: Callable[[queue.SimpleQueue], None],
+                   q: queue.SimpleQueue) -> None:
+        """A worker thread's body: on a GPU, this daemon's device first. A thread starts on
+        device 0, and its first CUDA call (an event's synchronize) would bind device 0's
+        context: a daemon serving cuda:1 would hold memory on another engine's GPU."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        target(q)
 
     # ------------------------------------------------------------------ server-thread API
     def idle(self) -> bool:

@@ -153,3 +153,56 @@ def test_expandable_segments_are_refused_clearly():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode != 0 and "expandable_segments" in r.stderr
+
+
+def _contexts() -> dict[int, set[str]] | None:
+    """pid -> the UUIDs of the GPUs it holds a context on (nvidia-smi); None without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    seen: dict[int, set[str]] = {}
+    for line in out.splitlines():
+        pid, _, uuid = line.partition(",")
+        if pid.strip().isdigit():
+            seen.setdefault(int(pid), set()).add(uuid.strip().removeprefix("GPU-"))
+    return seen
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_daemon_on_the_second_gpu_holds_no_context_on_the_first(tmp_path):
+    """A daemon serving cuda:1 moves KV (a backup and a per-layer load, whose completions its
+    worker threads wait for) and never binds a context on cuda:0, another engine's GPU."""
+    from conftest import start_daemon
+
+    dev = torch.device("cuda:1")
+    tiny = build_layout(preset("dsv4-tiny"))
+    rows = {"page": 8, "swa_page": 8, "req_slot": 2}
+    d = start_daemon(tmp_path, device="cuda:1", preset="dsv4-tiny",
+                     device_rows="page=8,swa_page=8,req_slot=2", metrics=False,
+                     ready_timeout=120)
+    with torch.cuda.device(dev):
+        pools = DevicePools(tiny, rows, device=dev)
+        try:
+            for layers in pools.layers.values():
+                for t in layers:
+                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=dev))
+            c = d.client(timeout=60)
+            c.register(pools, events=1)
+            op = c.backup_new({"page": [0, 1], "swa_page": [0, 1]})
+            assert c.wait_ack(op, timeout=120).ok
+            load = c.load({s: (op.rows[s], [2, 3]) for s in op.rows})
+            assert c.wait_ack(load, timeout=120).ok
+            seen = _contexts()
+            mine = str(torch.cuda.get_device_properties(1).uuid)
+            if not seen or mine not in seen.get(d.pid, set()):
+                pytest.skip("nvidia-smi does not list this machine's processes")
+            other = str(torch.cuda.get_device_properties(0).uuid)
+            assert other not in seen[d.pid], "the cuda:1 daemon holds a context on cuda:0"
+            c.unregister()
+            c.close()
+        finally:
+            d.stop()
+            pools.close()
