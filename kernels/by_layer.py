@@ -85,13 +85,12 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     """``copy_by_layer`` in two steps, each yielding how many layers are issued so far. The
     first step plans and issues layer 0 alone (its own small plan, so its copy starts before
     the other layers are planned); the second plans and issues the rest, one launch group
-    after another. A caller may
-    answer its client between steps; every step enters ``stream`` itself, so nothing of the
-    stream context leaks across a pause. Parts naming a layer outside ``layer_order`` are
-    refused before anything is launched. ``more`` (optional) builds further parts after the
-    first step, so building parts that do not hold layer 0 waits until layer 0's copy is
-    issued: its parts must not name layer 0 or a layer outside ``layer_order`` (ValueError at
-    the second step)."""
+    after another. A caller may answer its client between steps; every step enters
+    ``stream`` itself, so nothing of the stream context leaks across a pause. Parts naming a
+    layer outside ``layer_order`` are refused before anything is launched. ``more``
+    (optional) builds further parts after the first step, so building parts that do not hold
+    layer 0 waits until layer 0's copy is issued: its parts must not name layer 0 or a layer
+    outside ``layer_order`` (ValueError at the second step)."""
     ctas = _check_ctas(ctas)
     _check_layers(parts, layer_order)
     if not layer_order:
@@ -99,7 +98,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     dev = device if device.type == "cuda" else None
     g0 = layer_order[0]
     # layer 0's big rows start on the copy engines before its segment plan is built or
-    # uploaded (the latency the engine waits for first)
+    # uploaded (the latency the engine waits for first); with no segment launch (SWA rows
+    # only) they go on the load stream itself
     with on_stream(stream, dev):
         first = _LayerPlan(parts, lambda g: g == g0, [g0], dev, [(0, 1)])
         first.launch(device, 0, ctas)
@@ -148,35 +148,40 @@ def _split(parts: Sequence[SegmentPart],
 
 class _LayerPlan:
     """The copies of some layers of an operation, in launch groups ``groups`` (positions
-    ``[a, b)`` of ``order``), made on the stream the copies run after. Copy-engine copies run on
-    the side stream (after the work queued before the plan on the current stream, an event
-    after each group). It issues the copy-engine copies of the first groups, up to
-    ``LEAD_BYTES`` of them, before it builds the segment plan of the other rows, so the link is
-    busy while that plan is built; ``launch(k)`` issues group ``k``'s copy-engine copies if
-    they are not issued yet, launches its segments, and makes the current stream wait for the
-    group's event, so whatever the caller queues next (the layers' events) comes after both."""
+    ``[a, b)`` of ``order``), made on the stream the copies run after. With segment launches
+    beside them, copy-engine copies run on the side stream (after the work queued before the
+    plan on the current stream, an event after each group), and the plan issues those of the
+    first groups, up to ``LEAD_BYTES``, before it builds the segment plan, so the link is busy
+    while that plan is built. Without segment launches (layer 0 of DSV4-Flash: SWA rows only)
+    they go on the current stream, group by group: no side stream, no events. ``launch(k)``
+    issues group ``k``'s copy-engine copies if they are not issued yet, launches its segments
+    and, on the side stream's path, makes the current stream wait for the group's event, so
+    whatever the caller queues next (the layers' events) comes after both."""
 
     def __init__(self, parts: Sequence[SegmentPart], keep: Callable[[int], bool],
                  order: Sequence[int], dev: Optional[torch.device],
                  groups: Sequence[tuple[int, int]]) -> None:
         dma_parts, seg_parts = _split(parts, dev)
+        seg_parts = _layers_of(seg_parts, keep)
+        self.dev = dev
         self.groups = list(groups)
         self.done: list[Optional["torch.cuda.Event"]] = [None] * len(self.groups)
         self.dma: list[DmaPlan] = []
         self.issued = 0  # groups whose copy-engine copies are issued
+        self.side: Optional["torch.cuda.Stream"] = None  # None: on the current stream
         for way in ("h2d", "d2h"):
             mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
             if mine:
                 assert dev is not None
                 self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
-        if self.dma:
+        if self.dma and seg_parts:
             assert dev is not None
             self.side = copy_engine.side_stream(dev)
             self.side.wait_stream(current_stream(dev))
             lead = 0
             while self.issued < len(self.groups) and lead < LEAD_BYTES:
                 lead += self._issue_dma(self.issued)
-        self.seg = SegmentPlan.build(_layers_of(seg_parts, keep), order)
+        self.seg = SegmentPlan.build(seg_parts, order)
 
     def _issue_dma(self, k: int) -> int:
         """Issue group ``k``'s copy-engine copies (the next group not issued); their bytes."""
@@ -185,9 +190,13 @@ class _LayerPlan:
         for plan in self.dma:
             x, y = plan.layers[a][0], plan.layers[b - 1][1]
             if y > x:
-                copy_engine.issue(plan, x, y, self.side.cuda_stream)
+                if self.side is None:
+                    assert self.dev is not None
+                    copy_engine.issue_current(plan, x, y, self.dev)
+                else:
+                    copy_engine.issue(plan, x, y, self.side.cuda_stream)
                 nbytes += int(plan.size[x:y].sum())
-        if nbytes:
+        if nbytes and self.side is not None:
             self.done[k] = torch.cuda.Event()
             self.done[k].record(self.side)
         self.issued = k + 1

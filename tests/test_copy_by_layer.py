@@ -223,3 +223,36 @@ def test_repeated_loads_launch_the_compiled_kernel_directly():
     _run_and_check("cuda", True)
     assert SEG_KERNEL.specializations >= 1
     assert SEG_KERNEL.jit_launches == before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
+def test_big_rows_alone_go_on_the_stream_itself(src_dev):
+    """Parts that all go to the copy engines (no segment launch, as DSV4-Flash's layer 0):
+    their copies run on the caller's stream group by group, with no side stream; each layer is
+    complete at its event, every byte exact, the sources untouched."""
+    from hicache.kernels import copy_engine
+
+    if not copy_engine.enabled():
+        pytest.skip(f"no batched copy-engine DMA here: {copy_engine.status()}")
+    parts, checks = _case("cuda", src_dev, seed=5)
+    big = [i for i, p in enumerate(parts) if p.dma]
+    parts, checks = [parts[i] for i in big], [checks[i] for i in big]
+    order = [4, 0, 1, 2, 3]
+    stream = torch.cuda.Stream()  # from torch's pool: an earlier test may have made its side
+    copy_engine._side.pop((stream.device_index, stream.cuda_stream), None)
+    events = [torch.cuda.Event() for _ in order]
+    copy_by_layer(parts, order, lambda i: events[i].record(stream), device=torch.device("cuda"),
+                  ctas=2, stream=stream)
+    assert (stream.device_index, stream.cuda_stream) not in copy_engine._side
+    for i, g in enumerate(order):
+        events[i].synchronize()
+        for part, (src, src_cpu, dst, exp) in zip(parts, checks):
+            if g in part.layers:
+                k = list(part.layers).index(g)
+                assert torch.equal(dst[k].cpu(), exp[k]), f"layer {g} not ready at its event"
+    torch.cuda.synchronize()
+    for src, src_cpu, dst, exp in checks:
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
