@@ -23,11 +23,11 @@ JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, wha
 needs: ``checkpoints``, measured by ``e2e_checkpoint``); both by default.
 
 Each figure is the median of ``--runs`` runs, after one untimed round of the same size (the
-daemon's handling times are means: a cold first round once read 20-140 ms); ratios divide by the contiguous pinned-copy limit
-measured in the same run (best of 5 trials per direction). The report names the busy-poll
-windows in force (``daemon_spin_us`` from the daemon's ``stats``, ``client_reply_spin_us``: the
-defaults, 50,000 and 2,000 µs on a GPU). ``--plot`` draws the ratios (needs
-matplotlib; refused with a message without it).
+daemon's handling times are means: a cold first round once read 20-140 ms); ratios divide by the
+contiguous pinned-copy limit measured in the same run (best of 5 trials per direction). The
+report names the busy-poll windows in force (``daemon_spin_us`` from the daemon's ``stats``,
+``client_reply_spin_us``: the defaults, 50,000 and 2,000 µs on a GPU). ``--plot`` draws the
+ratios (needs matplotlib; refused with a message without it).
 """
 from __future__ import annotations
 
