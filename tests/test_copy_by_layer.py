@@ -195,9 +195,14 @@ def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
     parts, checks = _case("cuda", False, seed=3)
+    _copy_and_check_each_layer_at_its_event(parts, checks, torch.cuda.Stream())
+
+
+def _copy_and_check_each_layer_at_its_event(parts, checks, stream) -> None:
+    """``copy_by_layer`` on ``stream`` with an event per layer; when layer ``i``'s event
+    completes, every pool's bytes of that layer are in place."""
     order = [4, 0, 1, 2, 3]
     events = [torch.cuda.Event() for _ in order]
-    stream = torch.cuda.Stream()
     copy_by_layer(parts, order, lambda i: events[i].record(stream), device=torch.device("cuda"),
                   ctas=2, stream=stream)
     for i, g in enumerate(order):
@@ -239,20 +244,10 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     parts, checks = _case("cuda", src_dev, seed=5)
     big = [i for i, p in enumerate(parts) if p.dma]
     parts, checks = [parts[i] for i in big], [checks[i] for i in big]
-    order = [4, 0, 1, 2, 3]
     stream = torch.cuda.Stream()  # from torch's pool: an earlier test may have made its side
     copy_engine._side.pop((stream.device_index, stream.cuda_stream), None)
-    events = [torch.cuda.Event() for _ in order]
-    copy_by_layer(parts, order, lambda i: events[i].record(stream), device=torch.device("cuda"),
-                  ctas=2, stream=stream)
+    _copy_and_check_each_layer_at_its_event(parts, checks, stream)
     assert (stream.device_index, stream.cuda_stream) not in copy_engine._side
-    for i, g in enumerate(order):
-        events[i].synchronize()
-        for part, (src, src_cpu, dst, exp) in zip(parts, checks):
-            if g in part.layers:
-                k = list(part.layers).index(g)
-                assert torch.equal(dst[k].cpu(), exp[k]), f"layer {g} not ready at its event"
-    torch.cuda.synchronize()
     for src, src_cpu, dst, exp in checks:
         assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
