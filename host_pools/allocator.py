@@ -119,6 +119,12 @@ class RowAllocator:
         self._owners: list[Owner | None] = []  # id -> owner
         self._counts: list[int] = []  # id -> rows held
         self._spare: list[int] = []  # ids to reuse
+        # client of each owner id as a small int (-1: none), one slot past the ids for FREE (-1
+        # indexes it), so whose rows a command names is one lookup per row, however many
+        # requests (owner ids) its client holds; client numbers live while the client owns rows
+        self._oid_client = np.full(17, -1, dtype=np.int64)
+        self._clients: dict[str, list[int]] = {}  # client id -> [its number, owner ids held]
+        self._next_client = 0
         self.on_release: Callable[[np.ndarray], None] | None = None
         self._add_run(0, num_rows)
         self._free = num_rows
@@ -332,12 +338,12 @@ class RowAllocator:
     def foreign_rows(self, client_id: str, rows: np.ndarray) -> np.ndarray:
         """The rows of ``rows`` (int64, inside the space) that no request of ``client_id``
         holds: one pass over ``rows``, whatever the client holds elsewhere."""
-        mine = np.zeros(len(self._owners) + 1, dtype=bool)  # the last slot stands for FREE (-1)
-        mine[self._client_oids(client_id)] = True
-        return rows[~mine[self._owner[rows]]]
+        return rows[self._oid_client[self._owner[rows]] != self._client_number(client_id)]
 
-    def _client_oids(self, client_id: str) -> list[int]:
-        return [i for o, i in self._ids.items() if o[0] == client_id]
+    def _client_number(self, client_id: str) -> int:
+        """The client's number while it owns rows, else -2 (matches no owner id's client)."""
+        c = self._clients.get(client_id)
+        return c[0] if c is not None else -2
 
     def rows_of(self, client_id: str, request: str | None = None) -> torch.Tensor:
         """Rows held by ``client_id`` (one request, or all when ``request`` is None)."""
@@ -345,13 +351,14 @@ class RowAllocator:
 
     def _select(self, client_id: str, request: str | None) -> np.ndarray:
         check_owner((client_id, request))
-        if request is not None:
-            oids = [self._ids[(client_id, request)]] if (client_id, request) in self._ids else []
+        if request is None:
+            mine = self._oid_client[self._owner] == self._client_number(client_id)
         else:
-            oids = self._client_oids(client_id)
-        if not oids:
-            return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(np.isin(self._owner, oids)).astype(np.int64)
+            oid = self._ids.get((client_id, request))
+            if oid is None:
+                return np.empty(0, dtype=np.int64)
+            mine = self._owner == oid
+        return np.flatnonzero(mine).astype(np.int64)
 
     def owner_of(self, row: int) -> Owner | None:
         if not 0 <= row < self.num_rows:
@@ -370,7 +377,17 @@ class RowAllocator:
                 oid = len(self._owners)
                 self._owners.append(owner)
                 self._counts.append(0)
+                if oid + 1 >= len(self._oid_client):  # keep the last slot for FREE
+                    grown = np.full(2 * len(self._oid_client), -1, dtype=np.int64)
+                    grown[:oid] = self._oid_client[:oid]
+                    self._oid_client = grown
             self._ids[owner] = oid
+            c = self._clients.get(owner[0])
+            if c is None:
+                c = self._clients[owner[0]] = [self._next_client, 0]
+                self._next_client += 1
+            c[1] += 1
+            self._oid_client[oid] = c[0]
         return oid
 
     def _forget(self, oid: int) -> None:
@@ -378,6 +395,11 @@ class RowAllocator:
         assert owner is not None
         del self._ids[owner]
         self._owners[oid] = None
+        self._oid_client[oid] = -1
+        c = self._clients[owner[0]]
+        c[1] -= 1
+        if c[1] == 0:
+            del self._clients[owner[0]]
         self._spare.append(oid)
 
     # ------------------------------------------------------------------ inspection
@@ -447,3 +469,13 @@ class RowAllocator:
         stray = [i for i in range(len(self._owners)) if i not in live and counts[i]]
         if stray or len(live) + len(self._spare) != len(self._owners):
             raise InvariantError(f"space {sp!r}: owner table out of step (ids {stray})")
+        held: dict[str, int] = {}
+        for o, i in self._ids.items():
+            held[o[0]] = held.get(o[0], 0) + 1
+            c = self._clients.get(o[0])
+            if c is None or self._oid_client[i] != c[0]:
+                raise InvariantError(f"space {sp!r}: owner {o} is not filed under its client")
+        spare = [i for i in range(len(self._owners)) if i not in live]
+        if {k: v[1] for k, v in self._clients.items()} != held or \
+                (self._oid_client[spare] != -1).any() or self._oid_client[-1] != -1:
+            raise InvariantError(f"space {sp!r}: client table out of step")

@@ -130,6 +130,14 @@ def test_invariant_checker_catches_corruption():
         a.check_invariants()
 
 
+def test_invariant_checker_catches_a_client_table_out_of_step():
+    a = RowAllocator(4, "page")
+    a.alloc(2, A)
+    a._oid_client[0] = 7  # the owner id filed under another client
+    with pytest.raises(InvariantError, match="client"):
+        a.check_invariants()
+
+
 def test_free_accepts_numpy_lists_and_cuda_style_tensors():
     a = RowAllocator(6, "page")
     r = a.alloc(4, A)
