@@ -115,6 +115,11 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("command_seconds", "histogram", ("command",),
               "Seconds from receiving a command to sending its reply.",
               "Is the control plane adding latency to the engine's step?"),
+    MetricDef("load_issue_seconds", "histogram", (),
+              "Seconds the server thread spends issuing a GPU LOAD's copies after layer 0, "
+              "right after the reply; no other command is handled meanwhile.",
+              "Is the host's issue of big loads what the link waits for, and how long does "
+              "it hold up the engine's next command?"),
     MetricDef("errors", "counter", ("kind",),
               "Errors by kind: protocol error codes for refused commands, 'transfer' for failed "
               "copies, 'internal' for daemon bugs.",
@@ -210,7 +215,11 @@ class Metrics:
         self._hist: dict[str, dict[tuple[str, ...], list]] = {
             d.name: {} for d in CATALOG if d.kind == "histogram"}
         for d in CATALOG:  # unlabelled series exist from the start (0), as Prometheus expects
-            if not d.labels and d.kind != "histogram":
+            if d.labels:
+                continue
+            if d.kind == "histogram":
+                self._hist[d.name][()] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+            else:
                 self._values[d.name][()] = 0.0
         self._values["numa_node"][()] = -1.0
         torch_mod = sys.modules.get("torch")

@@ -202,7 +202,9 @@ class DaemonState:
         post, self.post = self.post, []
         for op in post:
             if op.rest is not None:
+                mark = self.watch.begin()
                 self.scheduler.finish_issue(op)
+                self.metrics.observe("load_issue_seconds", self.watch.step("load_issue", mark))
                 self.notices.append((self.ops[op.op_id][1], op.op_id))
                 continue
             self._account(op)

@@ -111,3 +111,19 @@ def test_daemon_times_mean_between_two_readings():
     assert a == {"load": (3, 0.003)}
     assert abs(mean_ms(a, b, "load") - 2.0) < 1e-9
     assert mean_ms(a, a, "load") is None and mean_ms(a, b, "backup") is None
+
+
+def test_daemon_times_add_the_load_issue_after_the_reply():
+    """``daemon_times`` = the commands' times plus the unlabelled load-issue histogram; a
+    daemon's real ``stats`` metrics carry both (the issue at 0 until a GPU load)."""
+    from hicache.bench.daemon_times import command_times, daemon_times, mean_ms
+    from hicache.controllers.metrics import Metrics
+
+    m = Metrics(process_metrics=False)
+    m.command("load", True, 0.001)
+    first = daemon_times(m.snapshot())
+    assert first["load_issue"] == (0, 0.0) and first["load"] == (1, 0.001)
+    assert "load_issue" not in command_times(m.snapshot())
+    m.observe("load_issue_seconds", 0.004)
+    m.observe("load_issue_seconds", 0.002)
+    assert abs(mean_ms(first, daemon_times(m.snapshot()), "load_issue") - 3.0) < 1e-9

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from hicache.bench.daemon_times import daemon_times  # noqa: E402
 from hicache.engine.device_pools import DevicePools  # noqa: E402
 from hicache.kernels.reference import copy_tokens_ref  # noqa: E402
 from hicache.kernels.tables import TokenFormat  # noqa: E402
@@ -80,6 +81,7 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
     # 2) destination rows hold zeros; load them back; read each layer after its event only.
     #    Odd rows (scattered) and a block of consecutive rows: one launch per stage layer.
     block = {"page": list(range(32, 64)), "swa_page": list(range(8, 16))}
+    issues = daemon_times(c.stats()["metrics"])["load_issue"][0]
     for dst in (dst, block):
         for name, spec in moved.items():
             for t in pools.layers[name]:
@@ -102,6 +104,9 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
         assert op.issued is None  # the "issued" notice (or the ack) came before later waits
         ack = c.wait_ack(op, timeout=120)
         assert ack.ok and ack.path == "by_layer"
+        # the issue of the later layers after the reply is timed, once per load
+        issues, before = daemon_times(c.stats()["metrics"])["load_issue"][0], issues
+        assert issues == before + 1
         for name, spec in moved.items():
             for li in range(spec.num_layers):
                 assert torch.equal(scratch[(name, li)], expect[name][li]), (name, li)

@@ -96,6 +96,8 @@ def test_known_labels_start_at_zero_and_build_info():
     info = fams["hicache_build_info"].samples[0]
     assert info.value == 1.0 and info.labels["version"] == __version__
     assert fams["hicache_numa_node"].samples[0].value == -1.0
+    issue = {s.name: s.value for s in fams["hicache_load_issue_seconds"].samples}
+    assert issue["hicache_load_issue_seconds_count"] == 0.0  # unlabelled histogram: from start
     assert "process_resident_memory_bytes" in m.exposition()
     assert not any(n.endswith(("gbps", "gibps")) for n in fams)
 

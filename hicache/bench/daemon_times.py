@@ -2,9 +2,12 @@
 command, from the request to the reply (its ``hicache_command_seconds`` histogram).
 
 Contract: ``command_times(metrics) -> {command: (count, seconds)}`` from a ``stats`` reply's
-``metrics``; ``mean_ms(before, after, command)`` is the mean handling time in ms of the
-commands of that name between two such readings (None when there were none). Benches use it
-to split what the engine waits for into the daemon's handling and the rest (transport, client).
+``metrics``; ``daemon_times(metrics)`` the same plus the key ``load_issue``: the server thread's
+issue of GPU loads' later layers after their replies (its ``hicache_load_issue_seconds``
+histogram); ``mean_ms(before, after, key)`` is the mean time in ms of that key's commands (or
+issues) between two such readings (None when there were none). Benches use it to split what the
+engine waits for into the daemon's handling and the rest (transport, client), and to show how
+long the daemon's host work after the reply lasts.
 """
 from __future__ import annotations
 
@@ -14,10 +17,24 @@ Times = dict[str, tuple[int, float]]
 
 
 def command_times(metrics: Mapping[str, Any]) -> Times:
-    sums = {x["labels"]["command"]: x["value"] or 0.0
-            for x in metrics.get("hicache_command_seconds_sum", [])}
-    return {x["labels"]["command"]: (int(x["value"] or 0), float(sums.get(x["labels"]["command"], 0.0)))
-            for x in metrics.get("hicache_command_seconds_count", [])}
+    return _histogram(metrics, "command_seconds", "command")
+
+
+def daemon_times(metrics: Mapping[str, Any]) -> Times:
+    out = command_times(metrics)
+    issue = _histogram(metrics, "load_issue_seconds", None).get("")
+    if issue is not None:
+        out["load_issue"] = issue
+    return out
+
+
+def _histogram(metrics: Mapping[str, Any], name: str, label: str | None) -> Times:
+    """{label value ("" when unlabelled): (count, seconds)} of histogram ``hicache_<name>``."""
+    def key(x: Mapping[str, Any]) -> str:
+        return x["labels"][label] if label else ""
+    sums = {key(x): x["value"] or 0.0 for x in metrics.get(f"hicache_{name}_sum", [])}
+    return {key(x): (int(x["value"] or 0), float(sums.get(key(x), 0.0)))
+            for x in metrics.get(f"hicache_{name}_count", [])}
 
 
 def mean_ms(before: Times, after: Times, command: str) -> float | None:

@@ -12,7 +12,9 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   (``load_reply_ms``: layer 0 is issued before the reply);
 * the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
   (``load_handler_ms``, ``backup_handler_ms``: from its ``stats``, ``bench.daemon_times``), so
-  the reply's time splits into the daemon's handling and the trip there and back;
+  the reply's time splits into the daemon's handling and the trip there and back; and the mean
+  time its server thread spent issuing the later layers after each reply (``load_issue_ms``,
+  GPU: host time the link may wait for, and that the engine's next command waits behind);
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.bench.daemon_times import command_times, mean_ms
+from hicache.bench.daemon_times import daemon_times, mean_ms
 from hicache.bench.plotting import pyplot
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
@@ -215,12 +217,13 @@ def run(args: argparse.Namespace) -> int:
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
                 measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev)
-                before = command_times(c.stats()["metrics"])
+                before = daemon_times(c.stats()["metrics"])
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
-                after = command_times(c.stats()["metrics"])
+                after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
-                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")})
+                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
+                    load_issue_ms=mean_ms(before, after, "load_issue"))
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -343,7 +346,7 @@ def _table(result: dict[str, Any]) -> None:
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
-          f"{'reply ms':>8} {'daemon ms':>9}")
+          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -352,7 +355,8 @@ def _table(result: dict[str, Any]) -> None:
                   f"{m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} {f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
-                  f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9}")
+                  f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
+                  f"{f(m.get('load_issue_ms')):>8}")
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
