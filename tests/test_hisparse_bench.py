@@ -37,7 +37,8 @@ def test_cpu_run_is_verified_and_says_what_it_is():
                                        (("--batches", "0"), "positive"),
                                        (("--steps", "0"), "--steps must be positive"),
                                        (("--configs", "32x6"), "powers of two"),
-                                       (("--configs", "fast"), "TOKENSxWARPS")])
+                                       (("--configs", "fast"), "TOKENSxWARPS"),
+                                       (("--read-sweep",), "needs a CUDA device")])
 def test_bad_arguments(args, msg):
     p = _bench(*args)
     assert p.returncode == 2 and msg in p.stderr, p.stderr

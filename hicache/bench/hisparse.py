@@ -17,7 +17,8 @@ each top-k token's device location holds its host bytes, every layer. Beside it:
 request with the full C4 KV on the device vs the hot buffers.
 
 ``--configs 32x8,64x8,...`` repeats each row per swap-in launch shape (tokens per copy loop
-iteration x warps). Without CUDA the command runs the torch reference on small shapes (no ratio, no graph), so the
+iteration x warps). ``--read-sweep`` adds ``token_read_sweep``: isolated C4-token reads (the
+copy's read pattern, no mapping), random and sequential, by CTA count (``hisparse_limits``). Without CUDA the command runs the torch reference on small shapes (no ratio, no graph), so the
 code path is exercised on CPU.
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-rows", type=int, default=4096, help="host C4 page rows per layer")
     p.add_argument("--warmup", type=int, default=6, help="warm-up steps per row (default 6)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row, eager and graph")
+    p.add_argument("--read-sweep", action="store_true",
+                   help="also time isolated C4-token reads, random and sequential, at 4 / 16 / "
+                        "32 / 64 CTAs and every SM (what bounds the copy's rate)")
     p.add_argument("--configs", default="32x8",
                    help="swap-in launch shapes TOKENSxWARPS to compare (tokens copied per loop "
                         "iteration of a program x num_warps; default 32x8)")
@@ -100,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--warmup and --slots must not be negative")
     import torch
 
+    if args.read_sweep and not torch.cuda.is_available():
+        raise UsageError("--read-sweep times GPU reads of pinned host memory; it needs a CUDA "
+                         "device")
     result = _Bench(args, batches, overlaps, torch.cuda.is_available()).run()
     if args.plot:
         result["plot"] = _plot(result, args.plot)
@@ -334,7 +341,7 @@ class _Bench:
         torch = self.torch
         self.host = self._host()
         self.limit = self.token_limit = 0.0
-        probes = None
+        probes = sweep = None
         if self.cuda:
             from hicache.bench import hisparse_limits as lim
 
@@ -343,6 +350,9 @@ class _Bench:
                                                      self.fmt, self.dev)
             probes = lim.layout_probes(self._arena, self.L, self.host_rows, self.dev)
             _log(f"random tokens by host layout: {probes}")
+            if self.args.read_sweep:
+                sweep = lim.read_sweep(self._arena, self.L, self.host_rows, self.dev)
+                _log(f"token reads by pattern and CTAs (GB/s): {sweep}")
         if self.cuda:
             _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
                  f"random single tokens (copy_tokens, all SMs): {self.token_limit:.1f} GB/s")
@@ -361,6 +371,7 @@ class _Bench:
             "limit_h2d_gbps": round(self.limit, 2) if self.cuda else None,
             "random_token_h2d_gbps": round(self.token_limit, 2) if self.cuda else None,
             "random_token_h2d_by_layout": probes,
+            "token_read_sweep": sweep,
             "target": f"graph step <= {TARGET_FACTOR} x link time + {TARGET_FIXED_US} us; "
                       f"host issue <= 20 us per layer",
             "device_bytes_per_request": {"full_c4_on_device": full, "hot_buffer": hot,
@@ -386,6 +397,10 @@ def _print(result: dict[str, Any]) -> None:
               f"{r['bytes_per_step'] / 1e6:>7.2f} {r.get('link_us', '-')!s:>8} "
               f"{r.get('ratio_to_limit', '-')!s:>6} {r['issue_us_per_layer']:>10} "
               f"{str(r.get('meets_target', '-')):<7} {'verified' if r['verified'] else 'WRONG'}")
+    if result.get("token_read_sweep"):
+        print("C4 token reads, GB/s by CTAs: " + "; ".join(
+            f"{p}: " + ", ".join(f"{r['ctas']} {r['gbps']}" for r in result["token_read_sweep"]
+                                 if r["pattern"] == p) for p in ("random", "sequential")))
     d = result["device_bytes_per_request"]
     print(f"device bytes per request: full C4 on device {d['full_c4_on_device'] / 1e6:.1f} MB, "
           f"hot buffers {d['hot_buffer'] / 1e6:.1f} MB ({d['ratio']}x less)")

@@ -5,10 +5,16 @@
 * ``random_tokens_h2d(arena, layers, rows, fmt, device)``: 4,096 isolated random tokens per
   layer, every layer in one ``copy_tokens`` launch on every SM, host rows of ``fmt`` laid over
   the same pinned arena, best of 6 (GB/s of the format's token bytes).
+  ``sequential=True`` takes tokens 0..4,095 of each layer instead (values back to back in their
+  pages), ``ctas`` a CTA count instead of every SM.
 * ``layout_probes(...)``: the same for three host layouts of one C4 token, to show what the
   layout costs on the link: ``page_584`` (the C4 page format: 576-B value, 8-B scale elsewhere in
   the page), ``value_576`` (the value alone), ``record_640`` (value and scale together, padded to
   five whole 128-B lines). Each also as GB/s of the 584 useful bytes of a C4 token.
+* ``read_sweep(...)``: ``random_tokens_h2d`` of the C4 page format, random and sequential, at
+  each of ``SWEEP_CTAS`` (0: every SM): whether the isolated-token rate is bound by the launch's
+  parallelism (it grows with CTAs), by scattered host addresses (random below sequential), or
+  by the token read itself (flat, random = sequential).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ def contiguous_h2d(arena: Any, device: Any) -> float:
     return max(n / _timed(torch, lambda: d.copy_(h, non_blocking=True)) / 1e9 for _ in range(5))
 
 
-def random_tokens_h2d(arena: Any, layers: int, rows_584: int, fmt: Any, device: Any) -> float:
+def random_tokens_h2d(arena: Any, layers: int, rows_584: int, fmt: Any, device: Any, *,
+                      sequential: bool = False, ctas: int = 0) -> float:
     import torch
 
     from hicache.kernels.dispatch import copy_tokens
@@ -49,11 +56,11 @@ def random_tokens_h2d(arena: Any, layers: int, rows_584: int, fmt: Any, device: 
     dev = LayerTable([torch.empty(n // P, fmt.page_bytes, dtype=torch.uint8, device=device)
                       for _ in range(layers)], "device")
     g = torch.Generator().manual_seed(1)
-    src = torch.randperm(rows * P, generator=g)[:n]
+    src = torch.arange(n) if sequential else torch.randperm(rows * P, generator=g)[:n]
     dst = torch.randperm(n, generator=g)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    k = ctas or torch.cuda.get_device_properties(device).multi_processor_count
     return max(n * layers * fmt.token_bytes
-               / _timed(torch, lambda: copy_tokens(host, dev, src, dst, fmt, ctas=sms)) / 1e9
+               / _timed(torch, lambda: copy_tokens(host, dev, src, dst, fmt, ctas=k)) / 1e9
                for _ in range(6))
 
 
@@ -69,3 +76,16 @@ def layout_probes(arena: Any, layers: int, rows_584: int, device: Any) -> dict[s
         out[name] = {"gbps": round(gbps, 2),
                      "c4_token_gbps": round(gbps * 584 / f.token_bytes, 2)}
     return out
+
+
+SWEEP_CTAS = (4, 16, 32, 64, 0)  # 0: every SM
+
+
+def read_sweep(arena: Any, layers: int, rows_584: int, device: Any) -> list[dict[str, Any]]:
+    from hicache.kernels.tables import TokenFormat
+
+    fmt = TokenFormat.mla(P)
+    return [{"pattern": "sequential" if seq else "random", "ctas": k or "all",
+             "gbps": round(random_tokens_h2d(arena, layers, rows_584, fmt, device,
+                                             sequential=seq, ctas=k), 2)}
+            for seq in (False, True) for k in SWEEP_CTAS]
