@@ -42,3 +42,29 @@ def test_cpu_run_is_verified_and_says_what_it_is():
 def test_bad_arguments(args, msg):
     p = _bench(*args)
     assert p.returncode == 2 and msg in p.stderr, p.stderr
+
+
+def test_the_token_read_probe_checks_every_device_byte():
+    """``hisparse_limits._check`` (run after each timed GPU probe) passes the reference copy
+    of the tokens into zeroed rows, and refuses one flipped byte, in a copied token or not."""
+    import torch
+
+    from hicache.bench.hisparse_limits import _check
+    from hicache.kernels.reference import copy_tokens_ref
+    from hicache.kernels.tables import LayerTable, TokenFormat
+
+    fmt = TokenFormat.mla(64)
+    g = torch.Generator().manual_seed(0)
+    host = LayerTable([torch.randint(0, 256, (8, fmt.page_bytes), dtype=torch.uint8, generator=g)
+                       for _ in range(2)], "host")
+    dev = LayerTable([torch.zeros(4, fmt.page_bytes, dtype=torch.uint8) for _ in range(2)],
+                     "device")
+    src, dst = torch.randperm(512, generator=g)[:128], torch.randperm(256, generator=g)[:128]
+    copy_tokens_ref(host.layers, dev.layers, src, dst, fmt)
+    _check(host, dev, src, dst, fmt)
+    for row, byte in ((int(dst[0]) // 64, (int(dst[0]) % 64) * 576), (3, fmt.page_bytes - 1)):
+        dev.layers[1][row, byte] ^= 1
+        with pytest.raises(RuntimeError, match="layer 1"):
+            _check(host, dev, src, dst, fmt)
+        dev.layers[1][row, byte] ^= 1
+    _check(host, dev, src, dst, fmt)

@@ -18,8 +18,9 @@ request with the full C4 KV on the device vs the hot buffers.
 
 ``--configs 32x8,64x8,...`` repeats each row per swap-in launch shape (tokens per copy loop
 iteration x warps). ``--read-sweep`` adds ``token_read_sweep``: isolated C4-token reads (the
-copy's read pattern, no mapping), random and sequential, by CTA count (``hisparse_limits``). Without CUDA the command runs the torch reference on small shapes (no ratio, no graph), so the
-code path is exercised on CPU.
+copy's read pattern, no mapping), random and sequential, by CTA count (``hisparse_limits``;
+refused without CUDA). Without CUDA the command runs the torch reference on small shapes (no
+ratio, no graph), so the code path is exercised on CPU.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
   the limit of the target.
 * ``random_tokens_h2d(arena, layers, rows, fmt, device)``: 4,096 isolated random tokens per
   layer, every layer in one ``copy_tokens`` launch on every SM, host rows of ``fmt`` laid over
-  the same pinned arena, best of 6 (GB/s of the format's token bytes).
+  the same pinned arena, best of 6 (GB/s of the format's token bytes); then every byte of the
+  device rows is checked against the reference copy (``RuntimeError`` if one differs).
   ``sequential=True`` takes tokens 0..4,095 of each layer instead (values back to back in their
   pages), ``ctas`` a CTA count instead of every SM.
 * ``layout_probes(...)``: the same for three host layouts of one C4 token, to show what the
@@ -59,9 +60,28 @@ def random_tokens_h2d(arena: Any, layers: int, rows_584: int, fmt: Any, device: 
     src = torch.arange(n) if sequential else torch.randperm(rows * P, generator=g)[:n]
     dst = torch.randperm(n, generator=g)
     k = ctas or torch.cuda.get_device_properties(device).multi_processor_count
-    return max(n * layers * fmt.token_bytes
+    for t in dev.layers:
+        t.zero_()
+    best = max(n * layers * fmt.token_bytes
                / _timed(torch, lambda: copy_tokens(host, dev, src, dst, fmt, ctas=k)) / 1e9
                for _ in range(6))
+    _check(host, dev, src, dst, fmt)
+    return best
+
+
+def _check(host: Any, dev: Any, src: Any, dst: Any, fmt: Any) -> None:
+    """Every byte of the device rows is what the reference copy of the same tokens into zeroed
+    rows gives (the copied tokens, zeros elsewhere); else the probe's figure is not reported."""
+    import torch
+
+    from hicache.kernels.reference import copy_tokens_ref
+
+    want = [torch.zeros(t.shape, dtype=t.dtype) for t in dev.layers]
+    copy_tokens_ref(host.layers, want, src, dst, fmt)
+    for l, (t, w) in enumerate(zip(dev.layers, want)):
+        if not torch.equal(t.cpu(), w):
+            raise RuntimeError(f"token read probe: layer {l} of the device rows differs from "
+                               f"the reference copy")
 
 
 def layout_probes(arena: Any, layers: int, rows_584: int, device: Any) -> dict[str, Any]:
