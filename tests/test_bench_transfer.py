@@ -45,6 +45,19 @@ def test_bad_arguments_refused_in_one_line(argv: tuple, words: str) -> None:
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch) -> None:
+    """``--plot`` with no matplotlib: one-line refusal from the argument check, before any
+    timing (the same ``plotting.check_plot`` serves ``bench e2e`` and ``bench hisparse``)."""
+    from hicache.bench import plotting
+
+    monkeypatch.setattr(plotting, "pyplot", lambda: None)
+    plotting.check_plot(None)  # no --plot: nothing to refuse
+    with pytest.raises(UsageError, match="--plot needs matplotlib"):
+        transfer.check_args(args("--plot", "x.png"))
+    monkeypatch.setattr(plotting, "pyplot", lambda: object())
+    transfer.check_args(args("--plot", "x.png"))
+
+
 def test_every_row_case_has_the_peer_on_the_same_patterns() -> None:
     for case in transfer.cases():
         for pattern in case.patterns:

@@ -2,6 +2,7 @@
 arguments (the GPU figures come from the H200 run in docs/hisparse.md)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -68,3 +69,11 @@ def test_the_token_read_probe_checks_every_device_byte():
             _check(host, dev, src, dst, fmt)
         dev.layers[1][row, byte] ^= 1
     _check(host, dev, src, dst, fmt)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None,
+                    reason="matplotlib is installed: --plot applies")
+def test_plot_without_matplotlib_is_refused_before_the_run():
+    p = _bench("--plot", "x.png", "--batches", "2")
+    assert p.returncode == 2 and "--plot needs matplotlib" in p.stderr, p.stderr
+    assert "batch" not in p.stderr  # refused before any row ran

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from hicache.bench.daemon_times import daemon_times, mean_ms
-from hicache.bench.plotting import pyplot
+from hicache.bench.plotting import check_plot, pyplot
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
 from hicache.engine.client import Client
@@ -119,11 +119,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("bench e2e on cuda needs a CUDA GPU; use --device cpu for a "
                          "functional run without one")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    check_plot(args.plot)
 
 
 def pinned_limit(device: torch.device, nbytes: int = 1 << 30, trials: int = 5) -> dict[str, float]:

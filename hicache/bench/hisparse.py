@@ -24,7 +24,7 @@ ratio, no graph), so the code path is exercised on CPU.
 """
 from __future__ import annotations
 
-from hicache.bench.plotting import pyplot
+from hicache.bench.plotting import check_plot, pyplot
 
 import argparse
 import json
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup < 0 or args.slots < 0:
         raise UsageError("--warmup and --slots must not be negative")
+    check_plot(args.plot)
     import torch
 
     if args.read_sweep and not torch.cuda.is_available():
@@ -411,10 +412,7 @@ def _print(result: dict[str, Any]) -> None:
 
 def _plot(result: dict[str, Any], path: str) -> str:
     plt = pyplot()
-    if plt is None:
-        msg = "matplotlib is not installed: no plot written"
-        _log(msg)
-        return msg
+    assert plt is not None  # run() refused --plot without matplotlib
     fig, ax = plt.subplots(figsize=(8, 5))
     for ov in sorted({r["overlap"] for r in result["rows"]}):
         rs = [r for r in result["rows"] if r["overlap"] == ov]

@@ -37,6 +37,7 @@ from hicache.bench.transfer_rows import (DEFAULT_RUNS, PATTERNS, Write, check, h
 from hicache.bench.transfer_support import (C4_ROW, STATE_ROW, SWA_ROW, TOKEN584, _pinned,
                                             _triton_version, _unpin, cpu_bench, peer_name, plot,
                                             print_table)
+from hicache.bench.plotting import check_plot
 from hicache.core.errors import UsageError
 
 BUDGETS = (1, 2, 4, 8, 16, 0)  # 0 = all SMs
@@ -91,6 +92,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"that many trials), got {args.limit_trials}")
     parse_runs(args.runs)
     budgets(args)
+    check_plot(args.plot)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -174,10 +174,7 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
 
 def plot(result: dict[str, Any], path: str) -> str:
     plt = pyplot()
-    if plt is None:
-        msg = "matplotlib is not installed: no plot written"
-        _log(msg)
-        return msg
+    assert plt is not None  # check_args refused --plot without matplotlib
     series: dict[tuple, list[tuple[int, float]]] = {}
     for r in result["rows"]:
         if r["ctas"] is None or r["ratio_to_limit"] is None:
