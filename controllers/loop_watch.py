@@ -1,9 +1,9 @@
 """How long the server loop's single steps take, and what the longest one was doing.
 
 The server thread calls ``mark = begin()`` before and ``step(what, mark)`` after each piece of
-work it does between two polls (one command, the issue of a GPU load's later layers after its
-reply, finishing the operations that completed, one release turn, housekeeping); ``what`` names
-it (a command name, ``load_issue``, ``finish``, ``release``, ``housekeeping``). The watch keeps
+work it does between two polls (one command, finishing the operations that completed, one
+release turn, housekeeping); ``what`` names it (a command name, ``finish``, ``release``,
+``housekeeping``). The watch keeps
 the longest step since ``restart()`` (wall time, and the CPU time the server thread spent in it:
 a long step with little CPU waited for a core or the GIL) and how many steps it saw.
 ``DaemonState`` restarts it when a client's rows start going back in the background (a reap, an

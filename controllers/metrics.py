@@ -116,10 +116,9 @@ CATALOG: tuple[MetricDef, ...] = (
               "Seconds from receiving a command to sending its reply.",
               "Is the control plane adding latency to the engine's step?"),
     MetricDef("load_issue_seconds", "histogram", (),
-              "Seconds the server thread spends issuing a GPU LOAD's copies after layer 0, "
-              "right after the reply; no other command is handled meanwhile.",
-              "Is the host's issue of big loads what the link waits for, and how long does "
-              "it hold up the engine's next command?"),
+              "Seconds the issuer thread spends issuing a GPU LOAD's copies after layer 0, "
+              "right after the reply (the server thread answers other commands meanwhile).",
+              "Is the host's issue of big loads what the link waits for?"),
     MetricDef("errors", "counter", ("kind",),
               "Errors by kind: protocol error codes for refused commands, 'transfer' for failed "
               "copies, 'internal' for daemon bugs.",

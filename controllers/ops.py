@@ -112,6 +112,7 @@ class Operation:
     done_event: Any = None
     rest: Any = None  # GPU load: the launch groups left to issue after the reply (a generator)
     issued: int = 0  # GPU load: stage layers whose events are recorded
+    issue_s: float = 0.0  # GPU load: the issuer thread's time on its layers after the reply
     inline: bool = False
     _per_pool: dict[str, tuple[int, int]] | None = None
 

@@ -1,7 +1,8 @@
 """The scheduler: runs validated operations and hands completed ones back to the server.
 
 Verbs: ``run_inline(op) -> bool`` (CPU: ran now, before the reply), ``submit(op)``,
-``take_completed()`` (server thread: operations finished since the last call), ``idle()``,
+``defer_issue(op)`` (GPU load, after its reply), ``take_issued()`` and ``take_completed()``
+(server thread: loads fully issued, and operations finished, since the last call), ``idle()``,
 ``close()``. A completion wakes the server through ``wake()`` (a pipe), never through the
 socket.
 
@@ -10,7 +11,9 @@ through ``kernels.dispatch``'s reference path. GPU mode — a load or swap-in go
 layer by layer through ``dispatch.issue_by_layer`` (``issue_layers``: one launch covers every
 pool of its layers, layer 0 first) and records layer ``i``'s interprocess event right after
 the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
-the engine, then ``finish_issue`` issues the other layers before it reads another command. A
+the engine, then ``defer_issue`` hands the op to the issuer thread, which issues the other layers
+while the server reads the next commands (``take_issued`` gives the server the ops whose layers
+are all issued, for their "issued" notices). A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
 ``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
 kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
@@ -29,7 +32,12 @@ each acked ``ok: false`` with ``cancelled``; a merged run stops only when all it
 were cancelled. The op still completes through ``take_completed``, so its rows are released only
 after the worker stopped writing them. GPU copies are not cancelled (the DMA is enqueued).
 
-GPU mode: every operation is enqueued from the server thread before its reply. Backups and
+GPU mode: every operation's first copies are enqueued from the server thread before its reply;
+a load's later layers go out from the issuer thread. Stream order stays command order: before
+the server thread enqueues anything on the load stream, or an op that must wait for a load whose
+layers are still being issued (its completion event does not exist yet), it waits until the
+issuer has no load left (``_wait_issues``); a backup with no such dependency goes out at once on
+its own stream. Backups and
 swap-outs run on the backup stream, which first waits on the engine's interprocess event named
 by the command; loads, swap-ins and clears run on the load stream. One completion thread per
 stream waits on each operation's completion event, in stream order. The GPU path does not merge.
@@ -49,6 +57,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 import numpy as np
+
+from hicache.core.id_sets import has_duplicates
 
 from hicache.kernels.cpu_copy import clear_slots, copy_few
 from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
@@ -159,7 +169,7 @@ def merge(ops: list[Operation]) -> list[Item]:
     for k in range(len(ops[0].items)):
         parts = [op.items[k] for op in ops]
         dst = np.concatenate([p.dst_ids.np() for p in parts])
-        if np.unique(dst).size != dst.size:
+        if has_duplicates(dst):
             return []  # overlapping destinations: keep the ops apart, in order
         src = np.concatenate([p.src_ids.np() for p in parts])
         p0 = parts[0]
@@ -195,10 +205,16 @@ class Scheduler:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self.merged_ops = 0
         self._cancelled: set[int] = set()  # op ids (server thread adds and drops; worker reads)
+        # GPU loads handed to the issuer and not yet fully issued, and those whose issue ended
+        # (the server takes them with ``take_issued``); both under ``_issue_cv``
+        self._issue_cv = threading.Condition()
+        self._issuing = 0
+        self._issued: list[Operation] = []
         if self.cuda:
             warm_up(device)  # the first load must not wait for Triton's compiler
             self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
             self._last: dict[str, Operation | None] = {"backup": None, "load": None}
+            self._start("issue", self._issuer)  # first: ``close`` stops it before the others
             for k in ("backup", "load"):
                 self._start(k, self._gpu_completer)
         else:
@@ -260,22 +276,63 @@ class Scheduler:
         if op.rest is None:
             self._queues[op.stream].put(op)
 
-    def finish_issue(self, op: Operation) -> None:
-        """GPU load whose first launch group went out with ``submit``: issue the other groups
-        (server thread, right after the reply and before any other command, so stream order is
-        command order), then hand the op to its completion thread."""
-        stream = self.streams[op.stream]
-        try:
-            for op.issued in op.rest:
-                pass
-        except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
-            op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
-        op.rest = None
-        with on_stream(stream):
-            op.done_event = torch.cuda.Event()
-            op.done_event.record(stream)
-        self._last[op.stream] = op
-        self._queues[op.stream].put(op)
+    def defer_issue(self, op: Operation) -> None:
+        """GPU load whose first launch group went out with ``submit``, after its reply: the
+        issuer thread issues the other groups, records its completion event and hands it to its
+        completion thread; the server reads the next commands meanwhile."""
+        self._last[op.stream] = op  # a later op that must wait for it waits for its issue too
+        with self._issue_cv:
+            self._issuing += 1
+        self._queues["issue"].put(op)
+
+    def issuing(self) -> bool:
+        """A load's later layers are being issued (the issuer thread holds work)."""
+        return self._issuing > 0
+
+    def take_issued(self) -> list[Operation]:
+        """Server thread: the deferred loads whose layers are all issued since the last call
+        (``op.issue_s`` says how long that took), before their completions are taken."""
+        if not self._issued:
+            return []
+        with self._issue_cv:
+            done, self._issued = self._issued, []
+        return done
+
+    def _wait_issues(self) -> None:
+        """Server thread: block until the issuer has issued every load handed to it."""
+        if not self._issuing:
+            return
+        with self._issue_cv:
+            while self._issuing:
+                self._issue_cv.wait()
+
+    def _issuer(self, q: queue.SimpleQueue) -> None:
+        """The issuer thread: each deferred load's later layers, then its completion event;
+        the op is listed as issued before its completion thread can finish it."""
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                for op.issued in op.rest:
+                    pass
+            except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
+                op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+            op.rest = None
+            stream = self.streams[op.stream]
+            with on_stream(stream):
+                done = torch.cuda.Event()
+                done.record(stream)
+            op.done_event = done
+            op.issue_s = time.perf_counter() - t0
+            with self._issue_cv:
+                self._issued.append(op)
+                self._issuing -= 1
+                self._issue_cv.notify_all()
+            self._queues[op.stream].put(op)
+            self._wake()
+            op = None  # hold no op while idle (see _cpu_worker)
 
     def take_completed(self) -> list[Operation]:
         if not self._done:
@@ -315,9 +372,11 @@ class Scheduler:
         self._closed = True
         if self.cuda:
             self._last = {"backup": None, "load": None}
-        for q in self._queues.values():
-            q.put(None)
         deadline = time.monotonic() + timeout
+        for name, q in self._queues.items():  # the issuer (first) ends before the completers
+            q.put(None)
+            if name == "issue":
+                self._threads[0].join(max(0.0, deadline - time.monotonic()))
         for th in self._threads:
             th.join(max(0.0, deadline - time.monotonic()))
         return not any(th.is_alive() for th in self._threads)
@@ -418,8 +477,10 @@ class Scheduler:
     # ------------------------------------------------------------------ GPU mode
     def _launch_gpu(self, op: Operation) -> None:
         """Enqueue ``op`` on its stream. A load with per-layer events issues its first launch
-        group (layer 0) only and keeps the rest in ``op.rest`` for ``finish_issue``."""
+        group (layer 0) only and keeps the rest in ``op.rest`` for the issuer (``defer_issue``)."""
         stream = self.streams[op.stream]
+        if op.stream == "load" or any(o.done_event is None for o in op.after):
+            self._wait_issues()  # stream order is command order; dependencies have events
         op.t_start = time.perf_counter()
         with on_stream(stream):
             if op.wait_event is not None:

@@ -7,7 +7,9 @@ timeout when that is shorter) reap clients silent for longer than the heartbeat 
 refresh the gauges. While the engine is idle the loop waits on the socket alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
-oversubscribed one). Under CURVE each client key has a name (its file in the clients directory)
+oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
+then the loop blocks on the socket and the wake-up pipe, so the GIL stays with the issuer until
+a request or a completion comes. Under CURVE each client key has a name (its file in the clients directory)
 and a client is bound to the key that first spoke for it (``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
 counted in metrics, and internal errors are logged with their traceback.
 """
@@ -192,6 +194,7 @@ class Server:
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         st, sock = self.state, self.sock
+        sched = st.scheduler
         items, zmq_poll = [(sock, _POLLIN)], zmq.zmq_poll
         spin = self.spin_s
         last = 0.0
@@ -202,7 +205,9 @@ class Server:
                 mark = st.watch.begin()
                 self._housekeeping(now)
                 st.watch.step("housekeeping", mark)
-            if spin and time.perf_counter() - last < spin:
+            # no busy-poll while the issuer thread issues a load's later layers: the spin would
+            # take the GIL from it (each handover waits out the switch interval)
+            if spin and time.perf_counter() - last < spin and not sched.issuing():
                 # busy-poll a short while after traffic: no sleep / wake-up between requests
                 if zmq_poll(items, 0):
                     self._request()

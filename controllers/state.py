@@ -80,7 +80,7 @@ class DaemonState:
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         # work that waits until the reply is sent: accounting of inline ops, and the launch
-        # groups after layer 0 of GPU loads (``scheduler.finish_issue``)
+        # groups after layer 0 of GPU loads (handed to the issuer: ``scheduler.defer_issue``)
         self.post: list[Operation] = []
         self.notices: list[tuple[ClientState, int]] = []  # "issued" pushes: (client, op id)
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
@@ -197,15 +197,13 @@ class DaemonState:
         return None
 
     def after_reply(self) -> None:
-        """Work deferred until the reply is sent: a GPU load's launches after layer 0 (then an
-        "issued" notice to its client), metrics and frees of inline ops."""
+        """Work deferred until the reply is sent: a GPU load's launches after layer 0 go to the
+        issuer thread (``collect`` sends the "issued" notice once they are out), metrics and
+        frees of inline ops."""
         post, self.post = self.post, []
         for op in post:
             if op.rest is not None:
-                mark = self.watch.begin()
-                self.scheduler.finish_issue(op)
-                self.metrics.observe("load_issue_seconds", self.watch.step("load_issue", mark))
-                self.notices.append((self.ops[op.op_id][1], op.op_id))
+                self.scheduler.defer_issue(op)
                 continue
             self._account(op)
             if self.tracker.deferred:
@@ -237,8 +235,14 @@ class DaemonState:
             self._finish(op)
 
     def collect(self) -> int:
-        """Finish every op the scheduler (and the L3 client) completed since the last call
-        (acks to ``outbox``)."""
+        """Queue the "issued" notices of GPU loads whose layers are all issued, then finish every
+        op the scheduler (and the L3 client) completed since the last call (acks to
+        ``outbox``)."""
+        for op in self.scheduler.take_issued():  # before completions: notice, then ack
+            self.metrics.observe("load_issue_seconds", op.issue_s)
+            entry = self.ops.get(op.op_id)
+            if entry is not None:
+                self.notices.append((entry[1], op.op_id))
         done = self.scheduler.take_completed()
         if done:
             mark = self.watch.begin()

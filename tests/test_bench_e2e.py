@@ -62,6 +62,9 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
+    # a heartbeat right after a load's reply: timed once per run, both mirrors
+    assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
+    assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0
     # the daemon's own handling of this size's commands (its stats), below what the engine waits
     assert 0 < m["load_handler_ms"] < m["load_ack_ms"]
     assert 0 < m["backup_handler_ms"] < m["backup_ack_ms"]

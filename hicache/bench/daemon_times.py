@@ -2,7 +2,7 @@
 command, from the request to the reply (its ``hicache_command_seconds`` histogram).
 
 Contract: ``command_times(metrics) -> {command: (count, seconds)}`` from a ``stats`` reply's
-``metrics``; ``daemon_times(metrics)`` the same plus the key ``load_issue``: the server thread's
+``metrics``; ``daemon_times(metrics)`` the same plus the key ``load_issue``: the issuer thread's
 issue of GPU loads' later layers after their replies (its ``hicache_load_issue_seconds``
 histogram); ``mean_ms(before, after, key)`` is the mean time in ms of that key's commands (or
 issues) between two such readings (None when there were none). Benches use it to split what the

@@ -13,8 +13,11 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 * the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
   (``load_handler_ms``, ``backup_handler_ms``: from its ``stats``, ``bench.daemon_times``), so
   the reply's time splits into the daemon's handling and the trip there and back; and the mean
-  time its server thread spent issuing the later layers after each reply (``load_issue_ms``,
-  GPU: host time the link may wait for, and that the engine's next command waits behind);
+  time its issuer thread spent issuing the later layers after each reply (``load_issue_ms``,
+  GPU: host time the link may wait for);
+* a heartbeat sent right after a load's reply, while those layers are being issued: its round
+  trip (``load_cmd_ms``, column ``cmd ms``): how long the engine's next command waits behind a
+  load;
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
@@ -342,7 +345,7 @@ def _table(result: dict[str, Any]) -> None:
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
-          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8}")
+          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -352,7 +355,7 @@ def _table(result: dict[str, Any]) -> None:
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
-                  f"{f(m.get('load_issue_ms')):>8}")
+                  f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7}")
 
 
 def _plot(result: dict[str, Any], path: str) -> None:

@@ -6,6 +6,9 @@ load by the kernels in-process, and the per-size summary.
   a size's figures): seconds from the command to the
   first / last stage layer ready (CUDA events on the engine's stream after its waits) and to
   the ack; CPU mode: the ack for all three. The command -> reply time goes to ``REPLY``.
+* ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
+  of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
+  how long the engine's next command waits behind a load.
 * ``inproc_load(local, layout, items, dev) -> seconds``: the same items copied layer by
   layer by ``dispatch.copy_by_layer`` in this process (GPU time); its host time goes to
   ``ISSUE``.
@@ -27,7 +30,8 @@ from hicache.kernels.dispatch import copy_by_layer, layer_part
 from hicache.kernels.tables import TokenFormat
 
 INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
-FIGURES = ("backup_ack", "load_first", "load_last", "load_ack", "inproc_last", "busy_last")
+FIGURES = ("backup_ack", "load_first", "load_last", "load_ack", "inproc_last", "busy_last",
+           "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)
 now = time.perf_counter
@@ -56,6 +60,7 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "backup_ratio": nbytes / med["backup_ack"] / 1e9 / limit["d2h"] if cuda else None,
         "daemon_vs_inproc": med["load_last"] / med["inproc_last"] if out["inproc_last"] else None,
         "busy_vs_solo": med["load_last"] / med["busy_last"] if out["busy_last"] else None,
+        "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
         "verified": verified,
     }
     return {"summary": summary, "runs": out}
@@ -63,11 +68,24 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
 
 def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
               cuda: bool) -> None:
-    """``timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``)."""
+    """``timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``), then
+    ``command_during_load`` of the same load."""
     first, last, ack = timed_load(c, items, stream, cuda)
     out["load_first"].append(first)
     out["load_last"].append(last)
     out["load_ack"].append(ack)
+    out["cmd_during_load"].append(command_during_load(c, items))
+
+
+def command_during_load(c: Client, items: dict[str, tuple]) -> float:
+    """LOAD ``items``, then at once a heartbeat: its round trip in seconds (the load is
+    waited for after it)."""
+    op = c.load(items)
+    t0 = now()
+    c.heartbeat()
+    t = now() - t0
+    c.wait_ack(op, timeout=120)
+    return t
 
 
 def timed_load(c: Client, items: dict[str, tuple], stream: Any,

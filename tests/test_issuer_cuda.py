@@ -1,0 +1,147 @@
+"""GPU: a load's later layers go out from the scheduler's issuer thread, and stream order stays
+command order.
+
+An in-process ``Scheduler`` on cuda:0 gets a per-layer load whose later layers are held back
+(the test gates the generator the scheduler runs after the reply). While they are held:
+
+* ``defer_issue`` has returned, so the server thread is free; nothing is listed as issued;
+* a backup with no dependency goes out on its own stream at once and completes;
+* a backup that must wait for the held load (its host rows) does not launch, and neither does
+  a second load on the load stream; both launch once the held layers are issued, in command
+  order;
+* the load is listed by ``take_issued`` no later than ``take_completed`` returns it, and every
+  byte of every layer of both loads and of the backups is what was copied.
+
+Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hicache.controllers.ops import Ids, Item, Operation  # noqa: E402
+from hicache.controllers.scheduler import Scheduler  # noqa: E402
+from hicache.kernels.tables import LayerTable  # noqa: E402
+
+DEV = torch.device("cuda:0")
+LAYERS = (0, 1, 2)
+ROWS, ROW = 16, 4096
+
+
+def _tables() -> tuple[LayerTable, LayerTable]:
+    host = LayerTable([torch.randint(0, 256, (ROWS, ROW), dtype=torch.uint8).pin_memory()
+                       for _ in LAYERS], "host")
+    dev = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8, device=DEV) for _ in LAYERS],
+                     "dev")
+    return host, dev
+
+
+def _op(op_id: int, kind: str, src: LayerTable, dst: LayerTable, s: list[int], d: list[int],
+        host_rows: list[int]) -> Operation:
+    it = Item("p", src, dst, Ids.of(s), Ids.of(d), None, LAYERS, len(s) * ROW * len(LAYERS))
+    op = Operation(op_id, "c", kind, [it], [("page", host_rows, kind == "backup")],
+                   nbytes=it.nbytes)
+    if kind == "load":
+        op.layer_events = [torch.cuda.Event() for _ in LAYERS]
+        op.stage_layers = LAYERS
+    return op
+
+
+def _collect(eng: Scheduler, woke: threading.Event, want: int) -> tuple[list, list]:
+    """(issued, completed) in the order the server thread would see them."""
+    seen: list[tuple[str, int]] = []
+    done: list[Operation] = []
+    deadline = time.monotonic() + 30
+    while len(done) < want and time.monotonic() < deadline:
+        woke.wait(0.2)
+        woke.clear()
+        seen += [("issued", op.op_id) for op in eng.take_issued()]
+        got = eng.take_completed()
+        seen += [("done", op.op_id) for op in got]
+        done += got
+    return seen, done
+
+
+def test_later_layers_issue_off_the_server_thread_in_command_order():
+    torch.cuda.set_device(DEV)
+    woke = threading.Event()
+    eng = Scheduler(DEV, woke.set)
+    host, dev = _tables()
+    back = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8).pin_memory() for _ in LAYERS],
+                      "back")
+    for t in dev.layers:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV))
+    torch.cuda.synchronize()
+    dev_before = [t.cpu() for t in dev.layers]
+    host_before = [t.clone() for t in host.layers]
+
+    # 1) load A: host rows 0..3 -> device rows 8..11; its later layers are held back
+    a = _op(1, "load", host, dev, [0, 1, 2, 3], [8, 9, 10, 11], [0, 1, 2, 3])
+    eng.submit(a)
+    assert a.issued == 1 and a.rest is not None  # layer 0 went out with submit
+    gate = threading.Event()
+    inner = a.rest
+
+    def held():
+        gate.wait(30)
+        yield from inner
+
+    a.rest = held()
+    t0 = time.perf_counter()
+    eng.defer_issue(a)
+    assert time.perf_counter() - t0 < 0.05  # the server thread is not held
+    assert eng.take_issued() == [] and a.done_event is None
+
+    # 2) backup B of other device rows to other host rows: no dependency, goes out at once
+    b = _op(2, "backup", dev, back, [0, 1], [0, 1], [0, 1])
+    eng.submit(b)
+    assert b.done_event is not None
+    b.done_event.synchronize()
+
+    # 3) backup C writes host row 2, which A reads: it must wait for A (after its issue);
+    #    load D on the load stream waits too. Both are submitted from a helper thread.
+    c = _op(3, "backup", dev, host, [12], [2], [2])
+    c.after.append(a)
+    d = _op(4, "load", host, dev, [5, 6], [13, 14], [5, 6])
+    order: list[str] = []
+
+    def server():
+        eng.submit(c)
+        order.append("c")
+        eng.submit(d)
+        order.append("d")
+        eng.defer_issue(d)
+
+    th = threading.Thread(target=server)
+    th.start()
+    time.sleep(0.3)
+    assert order == [] and c.t_start == 0.0  # held behind A's issue
+    t_gate = time.perf_counter()
+    gate.set()
+    th.join(30)
+    assert order == ["c", "d"] and a.done_event is not None and c.t_start >= t_gate
+    seen, done = _collect(eng, woke, 4)
+    assert eng.close()
+    assert sorted(op.op_id for op in done) == [1, 2, 3, 4] and all(op.ok for op in done)
+    for op_id in (1, 4):  # each load is listed as issued before (or with) its completion
+        assert seen.index(("issued", op_id)) < seen.index(("done", op_id))
+    assert a.issue_s > 0 and a.rest is None and a.issued == len(LAYERS)
+
+    # every byte: A read host rows 0..3 before C overwrote row 2; D; B; nothing else changed
+    for li in range(len(LAYERS)):
+        got, was, h = dev.layers[li].cpu(), dev_before[li], host_before[li]
+        assert torch.equal(got[8:12], h[0:4]) and torch.equal(got[13:15], h[5:7])
+        untouched = [r for r in range(ROWS) if r not in (8, 9, 10, 11, 13, 14)]
+        assert torch.equal(got[untouched], was[untouched])
+        assert torch.equal(back.layers[li][0:2], was[0:2])
+        assert not back.layers[li][2:].any()
+        assert torch.equal(host.layers[li][2], was[12])  # C wrote it, after A read it
+        rest = [r for r in range(ROWS) if r != 2]
+        assert torch.equal(host.layers[li][rest], h[rest])
