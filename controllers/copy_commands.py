@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from hicache.core.layout import PoolSpec
+from hicache.core.id_sets import has_duplicates, sorted_unique
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
 from hicache.kernels.tables import TokenFormat
 
@@ -53,8 +54,8 @@ def _bounds(ids: Ids, limit: int, what: str, side: str = "") -> None:
 
 
 def _distinct(ids: Ids, what: str) -> None:
-    if ids.n > 1 and (len(set(ids.list())) if ids.n <= OWNER_LOOP_MAX
-                      else np.unique(ids.np()).size) != ids.n:
+    if ids.n > 1 and (len(set(ids.list())) != ids.n if ids.n <= OWNER_LOOP_MAX
+                      else has_duplicates(ids.np())):
         raise ProtocolError("bad_rows", f"{what}: a destination id is listed twice")
 
 
@@ -62,7 +63,7 @@ def _host_pages(ids: Ids, P: int | None) -> Any:
     """Host rows an item touches: the ids themselves (rows), or their pages (tokens)."""
     if P is None:
         return ids.list() if ids.n <= OWNER_LOOP_MAX else ids.np()
-    return np.unique(ids.np() // P)
+    return sorted_unique(ids.np() // P)
 
 
 _SIDES = (("device rows", "host rows"), ("device tokens", "host tokens"))  # [token]
@@ -170,7 +171,7 @@ def _rows_of(parts: list[Any]) -> Any:
     both; converting is left to it, so inline ops never pay for it)."""
     if len(parts) == 1:
         return parts[0]
-    return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+    return sorted_unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
 
 def _reply(op: Operation, ack: dict | None, extra: dict | None = None) -> dict[str, Any]:

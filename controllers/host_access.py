@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.core.id_sets import sorted_unique
 from hicache.core.protocol import ProtocolError
 from hicache.host_pools.group import FEW_ROWS, HostPoolGroup
 from hicache.host_pools.paged_pool import PagedHostPool
@@ -45,7 +46,7 @@ def _host_rows(it: Any) -> Any:
     """Host rows an item of a writing op writes (a list when it names only a few rows)."""
     ids = it.dst_ids
     if it.fmt is not None:  # token-granular: the pages of its tokens
-        return np.unique(ids.np() // it.fmt.tokens_per_page)
+        return sorted_unique(ids.np() // it.fmt.tokens_per_page)
     return ids.list() if ids.n <= FEW_ROWS else ids.np()
 
 

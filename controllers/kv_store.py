@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from hicache.core.id_sets import has_duplicates
 from hicache.core.protocol import ProtocolError
 
 from .copy_commands import Reply
@@ -252,7 +253,7 @@ def _pages(ep: EnginePool, keys: list[str], arrays: Sequence, frame: int,
         bad = int(pages[(pages < 0) | (pages >= ep.pages)][0])
         raise ProtocolError("bad_rows", f"page {bad} is out of range for pool {ep.name} "
                                         f"({ep.pages} pages)")
-    if distinct and np.unique(pages).size != pages.size:
+    if distinct and has_duplicates(pages):
         raise ProtocolError("bad_rows", "pages repeats a destination page")
     return pages
 

@@ -31,12 +31,14 @@ class RowTracker:
         self.readers = {s: np.zeros(n, np.int32) for s, n in rows.items()}
         self.writers = {s: np.zeros(n, np.int32) for s, n in rows.items()}
         self.freeing = {s: np.zeros(n, np.bool_) for s, n in rows.items()}
+        self.live = [0, 0]  # (space, rows) entries in flight: [reads, writes]
         self.deferred: list[tuple[dict[str, np.ndarray], Any]] = []  # (rows by space, owner)
         self.held = 0  # rows marked freeing by hold() and not yet unhold()
 
     # ------------------------------------------------------------------ in-flight counts
     def _add(self, host: Iterable[tuple[str, np.ndarray, bool]], delta: int) -> None:
         for space, rows, writes in host:
+            self.live[bool(writes)] += delta
             rows = rows_np(rows)
             arr = (self.writers if writes else self.readers)[space]
             if rows.size <= SMALL:
@@ -58,6 +60,8 @@ class RowTracker:
     def hazard(self, host: list[tuple[str, np.ndarray, bool]]) -> bool:
         """True when some row is used by the other stream's kind of access."""
         for space, rows, writes in host:
+            if not self.live[not writes]:  # nothing of the other kind in flight
+                continue
             other = (self.readers if writes else self.writers)[space]
             if other[rows_np(rows)].any():
                 return True

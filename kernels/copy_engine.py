@@ -129,6 +129,9 @@ def enabled() -> bool:
     return _mode != "off" and status() is None
 
 
+_ATTRS: dict[tuple[bool, int], _Attrs] = {}  # DmaPlan.direction's structs
+
+
 class DmaPlan:
     """Host arrays of one operation's copy-engine copies, grouped by layer position."""
 
@@ -139,10 +142,15 @@ class DmaPlan:
         self.attrs: Optional[_Attrs] = None
 
     def direction(self, to_device: bool, device: int) -> "DmaPlan":
-        """Location hints of the copies (host→device when ``to_device``) on GPU ``device``."""
-        host, dev = _Loc(_LOC_HOST, 0), _Loc(_LOC_DEVICE, device)
-        self.attrs = _Attrs(_SRC_ORDER_STREAM, host if to_device else dev,
-                            dev if to_device else host, 0)
+        """Location hints of the copies (host→device when ``to_device``) on GPU ``device`` (one
+        read-only attribute struct per direction and device, made once)."""
+        key = (to_device, device)
+        attrs = _ATTRS.get(key)
+        if attrs is None:
+            host, dev = _Loc(_LOC_HOST, 0), _Loc(_LOC_DEVICE, device)
+            attrs = _ATTRS[key] = _Attrs(_SRC_ORDER_STREAM, host if to_device else dev,
+                                         dev if to_device else host, 0)
+        self.attrs = attrs
         return self
 
     @classmethod
