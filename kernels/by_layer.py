@@ -6,7 +6,8 @@
 * ``copy_by_layer(parts, layer_order, on_layer)`` copies them layer by layer in
   ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
   answers its client after layer 0's step and issues the rest right after the reply).
-  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``). Whole rows of 64 KiB or more
+  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
+  copy-engine copies plans layer 1's group on its own before the other later layers. Whole rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
   tokens go to one segment-kernel launch per group on the current stream, which then waits for
@@ -36,6 +37,8 @@ DEFAULT_CTAS = 4
 # copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
 # link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy
 LEAD_BYTES = 32 << 20
+# a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first)
+SPLIT_COPIES = 4096
 
 
 def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -101,10 +104,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     # uploaded (the latency the engine waits for first); with no segment launch (SWA rows
     # only) they go on the load stream itself
     with on_stream(stream, dev):
-        first = _LayerPlan(parts, lambda g: g == g0, [g0], dev, [(0, 1)])
-        first.launch(device, 0, ctas)
-        if on_layer is not None:
-            on_layer(0)
+        _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev)
     yield 1
     if more is not None:
         extra = list(more())
@@ -116,15 +116,36 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
+    # a big rest is planned in two: layer 1's group alone first, so its copies start while the
+    # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
+    head = 1 if len(groups) > 1 and _dma_copies(parts) >= SPLIT_COPIES else len(groups)
     with on_stream(stream, dev):  # one step: nothing answers a client between these groups
-        rest = _LayerPlan(parts, lambda g: g != g0, layer_order[1:], dev,
-                          [(a - 1, b - 1) for a, b in groups])
-        for k, (a, b) in enumerate(groups):  # positions in layer_order; the plan starts at 1
-            rest.launch(device, k, ctas)
-            if on_layer is not None:
-                for i in range(a, b):
-                    on_layer(i)
+        _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev)
+        if head < len(groups):
+            _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas, dev)
     yield len(layer_order)
+
+
+def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
+                  groups: Sequence[tuple[int, int]], on_layer: Optional[Callable[[int], None]],
+                  device: torch.device, ctas: int, dev: Optional[torch.device]) -> None:
+    """One plan for the layers of consecutive launch ``groups`` (positions ``[a, b)`` of
+    ``layer_order``), launched group by group; ``on_layer(i)`` after the group holding
+    position ``i``."""
+    lo, hi = groups[0][0], groups[-1][1]
+    mine = set(layer_order[lo:hi])
+    plan = _LayerPlan(parts, mine.__contains__, layer_order[lo:hi], dev,
+                      [(a - lo, b - lo) for a, b in groups])
+    for k, (a, b) in enumerate(groups):
+        plan.launch(device, k, ctas)
+        if on_layer is not None:
+            for i in range(a, b):
+                on_layer(i)
+
+
+def _dma_copies(parts: Sequence[SegmentPart]) -> int:
+    """Copy-engine copies the ``dma`` parts would make over all their layers."""
+    return sum(p.ranges[0][1].size * len(p.layers) for p in parts if p.dma)
 
 
 def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> None:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,6 +127,9 @@ import test_copy_by_layer as t
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False)
 t._run_and_check("cpu", False, split=True)
+t.by_layer.SPLIT_COPIES = 0  # the later layers planned in two (layer 1 first), as big loads do
+t._run_and_check("cpu", True)
+t._run_and_check("cpu", False, split=True)
 t.more_naming_the_first_layer_is_refused()
 print("ok")
 """
@@ -165,15 +169,22 @@ def test_layer_part_refuses_bad_input():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lead", ["default", "none"])
+@pytest.mark.parametrize("lead", ["default", "none", "split"])
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
     """``lead``: the copy-engine copies of every later group issued before the segment plan
-    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group)."""
-    if lead == "none":
-        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
+    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
+    _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
+
+
+def _lead(lead: str, monkeypatch: Any) -> None:
+    if lead == "none":
+        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+    elif lead == "split":
+        monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
@@ -186,14 +197,13 @@ def test_ranges_below_4_byte_alignment_are_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lead", ["default", "none"])
+@pytest.mark.parametrize("lead", ["default", "none", "split"])
 def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
     """Layer readiness on the copy-engine path: when the event recorded for layer ``i``
     completes, every pool's bytes of that layer are in place (copy-engine batches and kernel
     launches of a layer both come before its event), while later layers may still be copying.
     ``lead`` as in ``test_by_layer_on_gpu``."""
-    if lead == "none":
-        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+    _lead(lead, monkeypatch)
     parts, checks = _case("cuda", False, seed=3)
     _copy_and_check_each_layer_at_its_event(parts, checks, torch.cuda.Stream())
 
