@@ -59,7 +59,6 @@ import torch
 import numpy as np
 
 from hicache.core.id_sets import has_duplicates
-
 from hicache.kernels.cpu_copy import clear_slots, copy_few
 from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
 from hicache.kernels.streams import on_stream
@@ -315,23 +314,28 @@ class Scheduler:
                 return
             t0 = time.perf_counter()
             try:
-                for op.issued in op.rest:
-                    pass
-            except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
-                op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
-            op.rest = None
-            stream = self.streams[op.stream]
-            with on_stream(stream):
-                done = torch.cuda.Event()
-                done.record(stream)
-            op.done_event = done
-            op.issue_s = time.perf_counter() - t0
-            with self._issue_cv:
-                self._issued.append(op)
-                self._issuing -= 1
-                self._issue_cv.notify_all()
-            self._queues[op.stream].put(op)
-            self._wake()
+                try:
+                    for op.issued in op.rest:
+                        pass
+                except Exception as e:  # noqa: BLE001 - the layers issued so far still complete
+                    op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+                op.rest = None
+                stream = self.streams[op.stream]
+                with on_stream(stream):
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                op.done_event = done
+            except Exception as e:  # noqa: BLE001 - no completion event: reported on its ack
+                log.exception("load %s: its completion event failed", op.op_id)
+                op.ok, op.error = False, f"completion event failed: {type(e).__name__}: {e}"
+            finally:  # whatever happened, the server stops waiting and the op completes
+                op.issue_s = time.perf_counter() - t0
+                with self._issue_cv:
+                    self._issued.append(op)
+                    self._issuing -= 1
+                    self._issue_cv.notify_all()
+                self._queues[op.stream].put(op)
+                self._wake()
             op = None  # hold no op while idle (see _cpu_worker)
 
     def take_completed(self) -> list[Operation]:
@@ -504,7 +508,8 @@ class Scheduler:
             if op is None:
                 return
             try:
-                op.done_event.synchronize()
+                if op.done_event is not None:  # None: its issue failed (op.ok is False)
+                    op.done_event.synchronize()
             except Exception as e:  # noqa: BLE001 - a CUDA error: report it on the ack
                 op.ok, op.error = False, f"{type(e).__name__}: {e}"
             op.t_end = time.perf_counter()
