@@ -1,0 +1,94 @@
+"""The scheduler's issuer thread on its failure paths, on CPU (no GPU needed).
+
+A ``Scheduler`` shell holds only what the issuer and the completion thread touch; ``torch.cuda``'s
+``Event`` is replaced by a stand-in. Whatever fails, the issuer lists the load as issued,
+releases a server waiting in ``_wait_issues`` and hands the op to its completion thread, which
+completes it with its failure on the ack.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from hicache.controllers.ops import Operation
+from hicache.controllers.scheduler import Scheduler
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.recorded = False
+
+    def record(self, stream: object = None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _shell() -> tuple[Scheduler, queue.SimpleQueue, list[int]]:
+    s = object.__new__(Scheduler)
+    s._issue_cv = threading.Condition()
+    s._issuing = 0
+    s._issued = []
+    s._done, s._done_lock, s._pending = [], threading.Lock(), 0
+    woke: list[int] = []
+    s._wake = lambda: woke.append(1)
+    s.streams = {"load": None, "backup": None}  # on_stream(None) does nothing
+    s._last = {"load": None, "backup": None}
+    issue_q: queue.SimpleQueue = queue.SimpleQueue()
+    s._queues = {"issue": issue_q, "load": queue.SimpleQueue(), "backup": queue.SimpleQueue()}
+    return s, issue_q, woke
+
+
+def _load(op_id: int, fail_at: int | None) -> Operation:
+    op = Operation(op_id, "c", "load")
+
+    def rest():
+        for n in (2, 3):
+            if n == fail_at:
+                raise RuntimeError("launch refused")
+            yield n
+
+    op.rest = rest()
+    return op
+
+
+@pytest.mark.parametrize("case", ["ok", "launch", "event"])
+def test_issuer_always_releases_the_server_and_completes_the_op(case, monkeypatch):
+    class Failing(_Event):
+        def record(self, stream: object = None) -> None:
+            raise RuntimeError("no event")
+
+    monkeypatch.setattr(torch.cuda, "Event", Failing if case == "event" else _Event)
+    s, issue_q, woke = _shell()
+    op = _load(1, 3 if case == "launch" else None)
+    s._pending = 1
+    s.defer_issue(op)
+    assert s.issuing() and s._last["load"] is op
+    issue_q.put(None)
+    th = threading.Thread(target=s._issuer, args=(issue_q,), daemon=True)
+    th.start()
+    # the server's wait returns once the issuer is done with the op, whatever happened
+    waiter = threading.Thread(target=s._wait_issues, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    th.join(10)
+    assert not waiter.is_alive() and not th.is_alive() and not s.issuing()
+    assert s.take_issued() == [op] and s.take_issued() == [] and woke
+    assert op.rest is None and op.issue_s > 0
+    if case == "ok":
+        assert op.ok and op.issued == 3 and op.done_event.recorded
+    elif case == "launch":  # the layers issued so far still complete, the ack says it failed
+        assert not op.ok and "launch failed" in op.error and op.issued == 2
+        assert op.done_event.recorded
+    else:
+        assert not op.ok and "completion event failed" in op.error and op.done_event is None
+    # the completion thread finishes it (a missing event is not waited for)
+    load_q = s._queues["load"]
+    load_q.put(None)
+    s._gpu_completer(load_q)
+    assert s.take_completed() == [op] and op.t_end > 0
+    assert op.ok == (case == "ok") and (case != "event" or "completion event failed" in op.error)
