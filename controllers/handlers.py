@@ -46,7 +46,7 @@ def error_code(e: BaseException) -> str | None:
 def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     out = {"t": time.time(), "version": __version__, "protocol": VERSION,
            "device": str(st.device), "heartbeat_timeout": st.heartbeat_timeout,
-           "registered": c.worker is not None}
+           "registered": c.worker is not None, "reaped": c.reaped}
     if h.get("full"):
         out.update(host_rows=st.host_rows, layout=st.layout.to_dict(),
                    stage_layers=list(st.stage_layers))
@@ -99,6 +99,7 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         raise
     c.worker = RegisteredWorker(h.get("name"), tp_rank, dict(dev_rows), bufs, tables, events,
                                 load_events)
+    c.reaped = None  # registered afresh: the old client's reap is no news any more
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles}, []
 

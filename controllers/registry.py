@@ -9,7 +9,11 @@ A reaped client is *retiring* (``retire``): it no longer counts as connected and
 but its rows and device mappings stay until its last operation ends; then its mappings close
 and its rows are given back in time-bounded turns (``release.Releaser``), and only when the
 last row is back is it ``remove``d. Meanwhile its identity is refused (``busy``), so a
-reconnecting peer can neither use nor lose what the old one held. Under CURVE a client is bound
+reconnecting peer can neither use nor lose what the old one held. Afterwards the identity is a
+new client, which keeps why the old one was reaped (``ClientState.reaped``, the last
+``REAPED_KEEP`` identities remembered) until it registers again: the heartbeat reply names it,
+and the server adds it to every refusal, so a client that went silent learns why its rows are
+gone instead of reading "not allocated". Under CURVE a client is bound
 to the name of the key that created it (``touch``): another key presenting its routing
 identity is refused.
 Single-threaded: only the server thread calls in here.
@@ -23,6 +27,8 @@ from typing import Any, Callable
 from hicache.core.protocol import ProtocolError
 
 from .device_buffers import DeviceBuffers
+
+REAPED_KEEP = 1024  # reaped identities whose reason is kept for their next connection
 
 
 @dataclass(eq=False)
@@ -65,6 +71,7 @@ class ClientState:
     in_flight: int = 0  # operations of this client not yet completed
     key: str | None = None  # CURVE: the name of the key this client is bound to
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
+    reaped: str | None = None  # why an earlier client of this identity was reaped, until register
 
 
 class Registry:
@@ -73,6 +80,7 @@ class Registry:
         self.retention = retention
         self.clients: dict[bytes, ClientState] = {}
         self.retiring: dict[bytes, ClientState] = {}
+        self.reaped: "OrderedDict[bytes, str]" = OrderedDict()  # identity -> why (REAPED_KEEP)
         # takes a closed worker's mappings (``background.Unmapper.hand``): unmapped off-loop
         self.handoff: Callable[[list[Any]], None] | None = None
 
@@ -91,7 +99,8 @@ class Registry:
             if len(self.clients) >= self.max_clients:
                 raise ProtocolError("too_many_clients", f"the daemon already tracks "
                                                         f"{self.max_clients} clients")
-            c = ClientState(ident.decode("utf-8", "replace"), ident, now, key=key)
+            c = ClientState(ident.decode("utf-8", "replace"), ident, now, key=key,
+                            reaped=self.reaped.pop(ident, None))
             self.clients[ident] = c
         c.last_seen = now
         return c
@@ -106,7 +115,13 @@ class Registry:
         self.retiring[c.ident] = c
         c.acks.clear()
 
-    def remove(self, c: ClientState) -> None:
+    def remove(self, c: ClientState, reaped: str | None = None) -> None:
+        """Forget ``c``; ``reaped``: why it was reaped, kept for its identity's next client."""
+        if reaped is not None:
+            self.reaped[c.ident] = reaped
+            self.reaped.move_to_end(c.ident)
+            while len(self.reaped) > REAPED_KEEP:
+                self.reaped.popitem(last=False)
         self.clients.pop(c.ident, None)
         if self.retiring.get(c.ident) is c:
             del self.retiring[c.ident]

@@ -220,7 +220,7 @@ class Releaser:
         took = time.monotonic() - rel.t0
         c = rel.c
         if rel.why.startswith("reaped"):
-            self.registry.remove(c)  # forgotten: its identity may connect afresh
+            self.registry.remove(c, rel.why)  # forgotten: its identity may connect afresh
             log.warning("client %s: %d host rows freed, device mappings closed, %.2f s after "
                         "the reap; %s", rel.c.cid, rel.total, took, self.watch.describe())
         elif rel.forget and c.worker is None and self.registry.clients.get(c.ident) is c and \

@@ -267,6 +267,7 @@ class Server:
         mark = st.watch.begin()
         ident, body = frames[0], frames[1:]
         cmd, rid, code = "invalid", None, None
+        c = None
         try:
             c = st.registry.touch(ident, time.monotonic(), self.user)
             if refused is not None:
@@ -282,7 +283,10 @@ class Server:
             if rid is None and body:
                 rid = P.request_id(body[0])
             if code is not None:  # a refusal: the command changed nothing
-                reply = P.encode_error(rid, code, str(e))
+                why = str(e) if c is None or c.reaped is None else \
+                    f"{e} (this client was {c.reaped}: its rows were freed and its device " \
+                    f"mappings closed; register again)"
+                reply = P.encode_error(rid, code, why)
             else:  # a daemon bug: answer, log, keep serving
                 code = "internal"
                 log.exception("command %s (id %s) failed", cmd, rid)
@@ -319,7 +323,8 @@ class Server:
     def _housekeeping(self, now: float) -> None:
         st = self.state
         for c in st.registry.silent(now, st.heartbeat_timeout):
-            st.reap(c, f"silent for {now - c.last_seen:.1f} s")
+            st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout of "
+                       f"{st.heartbeat_timeout:g} s")
             st.metrics.inc("clients_reaped")
         st.refresh_gauges()
 

@@ -317,7 +317,7 @@ def test_free_of_rows_in_flight_is_deferred(worker):
 def test_silent_client_is_reaped(daemon_factory):
     d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
     with d.client() as quiet, d.client() as watcher:
-        quiet.alloc({"page": 5})
+        rows = quiet.alloc({"page": 5})
         assert watcher.stats()["host"]["spaces"]["page"]["used"] == 5
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -328,8 +328,19 @@ def test_silent_client_is_reaped(daemon_factory):
         assert s["host"]["spaces"]["page"]["used"] == 0
         reaped = s["metrics"]["hicache_clients_reaped_total"][0]["value"]
         assert reaped >= 1
-        # the reaped client is a stranger now: its next call starts a fresh entry
-        assert not quiet.heartbeat()["registered"]
+        # the reaped client is a stranger now: its next call starts a fresh entry, which says
+        # why the old one is gone, in the heartbeat and in every refusal, until it registers
+        hb = quiet.heartbeat()
+        assert not hb["registered"] and "silent for" in hb["reaped"]
+        assert "heartbeat timeout of 0.6 s" in hb["reaped"]
+        with pytest.raises(CommandRefused, match=r"not allocated.*this client was reaped "
+                                                 r"\(silent for .*register again"):
+            quiet.free(rows)
+        assert watcher.heartbeat()["reaped"] is None  # others are not told anything
+        with DevicePools(FLASH, ROWS) as pools:  # registering again closes the matter
+            quiet.register(pools)
+            assert quiet.heartbeat()["reaped"] is None
+            quiet.unregister()
 
 
 def test_dead_daemon_raises_daemon_unreachable(tmp_path):

@@ -320,6 +320,8 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                 s_i = torch.tensor(src[spec.index], device=pools.layers[name][0].device)
                 d_i = torch.tensor(dst[spec.index], device=pools.layers[name][0].device)
                 for t in pools.layers[name]:
+                    # CPU mode compares GBs for seconds: stay alive (a reap would free the rows)
+                    c.maybe_heartbeat()
                     if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
                         raise RuntimeError(f"load of {n} pages: pool {name} differs")
             verified = True
