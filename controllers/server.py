@@ -9,8 +9,9 @@ refresh the gauges. While the engine is idle the loop waits on the socket alone.
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
 oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
 then the loop blocks on the socket and the wake-up pipe, so the GIL stays with the issuer until
-a request or a completion comes. Under CURVE each client key has a name (its file in the clients directory)
-and a client is bound to the key that first spoke for it (``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
+a request or a completion comes. Under CURVE each client key has a name (its file in the
+clients directory) and a client is bound to the key that first spoke for it
+(``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
 counted in metrics, and internal errors are logged with their traceback.
 """
 from __future__ import annotations

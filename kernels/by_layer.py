@@ -7,7 +7,8 @@
   ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
   answers its client after layer 0's step and issues the rest right after the reply).
   Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
-  copy-engine copies plans layer 1's group on its own before the other later layers. Whole rows of 64 KiB or more
+  copy-engine copies plans layer 1's group on its own before the other later layers. Whole
+  rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
   tokens go to one segment-kernel launch per group on the current stream, which then waits for
@@ -118,7 +119,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         return
     # a big rest is planned in two: layer 1's group alone first, so its copies start while the
     # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
-    head = 1 if len(groups) > 1 and _dma_copies(parts) >= SPLIT_COPIES else len(groups)
+    head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
     with on_stream(stream, dev):  # one step: nothing answers a client between these groups
         _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev)
         if head < len(groups):
@@ -143,9 +144,10 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 on_layer(i)
 
 
-def _dma_copies(parts: Sequence[SegmentPart]) -> int:
-    """Copy-engine copies the ``dma`` parts would make over all their layers."""
-    return sum(p.ranges[0][1].size * len(p.layers) for p in parts if p.dma)
+def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:
+    """Copy-engine copies the parts make over all their layers (those ``_split`` sends to the
+    copy engines: none off a GPU or with the copy engines off)."""
+    return sum(p.ranges[0][1].size * len(p.layers) for p in _split(parts, dev)[0])
 
 
 def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> None:
