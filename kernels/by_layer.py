@@ -11,7 +11,8 @@
   rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
-  tokens go to one segment-kernel launch per group on the current stream, which then waits for
+  tokens go to one segment-kernel launch per group and word width (``segments``) on the
+  current stream, which then waits for
   the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
   records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
   (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
@@ -229,9 +230,10 @@ class _LayerPlan:
         while self.dma and self.issued <= k:
             self._issue_dma(self.issued)
         a, b = self.groups[k]
-        lo, hi = self.seg.layers[a][0], self.seg.layers[b - 1][1]
-        if hi > lo:
+        spans = self.seg.spans(a, b)
+        if spans:
             self.seg.to(device)
+        for lo, hi in spans:  # one launch per word width (segments.py)
             launch_segments(self.seg, lo, hi, ctas)
         done = self.done[k]
         if done is not None:

@@ -2,8 +2,11 @@
 
 A *segment* copies ``n`` ranges of ``nbytes`` bytes: range ``k`` goes from
 ``src_base + src_off[k]`` to ``dst_base + dst_off[k]``. A page row is one range (offset
-``row * stride``); a DSV4 token is two (its 576-B value and its 8-B scale). A per-layer load is
-the segments of every pool of that layer, so one launch serves the layer whatever its pools.
+``row * stride``); a DSV4 token is two (its 576-B value and its 8-B scale), and a run of tokens
+consecutive on both sides is two per block of the run (``token_offsets``). A per-layer load is
+the segments of every pool of that layer, in one launch per word width: segments whose ranges
+allow 16-byte accesses never share a launch with narrower ones (a launch moves every segment
+in its narrowest width, and 8-byte words halved a checkpoint load's rate on an H200).
 
 Contract:
 
@@ -11,8 +14,9 @@ Contract:
   per (buffer pair, id list): per-layer base addresses of both sides, the global layer id of each
   of those layers, and the byte offsets of the ranges (``row_offsets`` / ``token_offsets`` make
   them). Segments are grouped by the position of their layer in ``layer_order``; a layer of a
-  part that ``layer_order`` does not list is refused. ``plan.layers[i] = (lo, hi)`` are the
-  segments of ``layer_order[i]``.
+  part that ``layer_order`` does not list is refused. Segments are ordered by width class
+  (16-byte, then narrower), then layer position: ``plan.spans(a, b)`` are the non-empty
+  ``(lo, hi)`` segment ranges, one per class, of layer positions ``[a, b)``.
 * ``plan.to(device)`` uploads the descriptor table and offsets in one copy on the current
   stream (through pinned memory: the host is not blocked).
 * ``launch_segments(dev_plan, lo, hi, ctas)`` copies segments ``[lo, hi)`` on the current
@@ -65,13 +69,41 @@ def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray,
 
 def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
                   fmt: TokenFormat) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Tokens of ``fmt``: the value range and, when the format has one, the scale range."""
+    """Tokens of ``fmt``: value ranges and, when the format has one, scale ranges. Tokens
+    listed one after another on both sides within one page (a checkpoint's SWA tail, a
+    partial page) move as one block: each such run is cut into blocks of 2^k tokens (its
+    length's binary digits), and every block size gets one value and one scale range list.
+    So a run of 128 tokens is two ranges, not 256, and its 8-byte scales move as one 1-KiB
+    range (16-byte aligned when both runs start on an even slot)."""
     P, vb, sb, so = fmt.tokens_per_page, fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
     sp, ss = np.divmod(src_tok, P)
     dp, ds = np.divmod(dst_tok, P)
-    out = [(vb, sp * src.stride + ss * vb, dp * dst.stride + ds * vb)]
-    if sb:
-        out.append((sb, sp * src.stride + so + ss * sb, dp * dst.stride + so + ds * sb))
+    out: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for k, i in _token_blocks(src_tok, dst_tok, ss, ds):
+        s_row, d_row = sp[i] * src.stride, dp[i] * dst.stride
+        out.append((vb << k, s_row + ss[i] * vb, d_row + ds[i] * vb))
+        if sb:
+            out.append((sb << k, s_row + so + ss[i] * sb, d_row + so + ds[i] * sb))
+    return out
+
+
+def _token_blocks(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
+                  ds: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """[(k, first token index of every block of 2^k tokens)]: runs of tokens consecutive on
+    both sides and inside one page on both sides, each cut largest block first."""
+    n = int(src_tok.size)
+    if n < 2:
+        return [(0, np.arange(n))]
+    brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    if starts.size == n:  # no two tokens in a row: one range per token
+        return [(0, np.arange(n))]
+    lens = np.diff(np.append(starts, n))
+    out = []
+    for k in range(int(lens.max()).bit_length() - 1, -1, -1):
+        has = (lens >> k) & 1 == 1
+        if has.any():  # the block of bit k starts after the blocks of the higher bits
+            out.append((k, starts[has] + (lens[has] >> (k + 1) << (k + 1))))
     return out
 
 
@@ -79,9 +111,11 @@ class SegmentPlan:
     """Descriptor table + offsets of one operation (see the module docstring)."""
 
     def __init__(self, desc: np.ndarray, src_off: np.ndarray, dst_off: np.ndarray,
-                 layers: list[tuple[int, int]], nbytes: int) -> None:
+                 bounds: list[int], nbytes: int) -> None:
         self.desc, self.src_off, self.dst_off = desc, src_off, dst_off
-        self.layers = layers
+        # segments of width class c (0: 16-byte, 1: narrower) and layer position i are
+        # bounds[c * L + i] .. bounds[c * L + i + 1], L = len(bounds) // 2
+        self.bounds = bounds
         self.nbytes = nbytes
         self.dev: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         # launch arithmetic as Python ints: piece prefix of every segment plus the total, and
@@ -98,7 +132,8 @@ class SegmentPlan:
         offs_d: list[np.ndarray] = []
         # per segment (one per layer of a part's range): layer position, both bases; per block
         # (one per range of a part, repeated over its layers): nbytes, off, n, align
-        lpos: list[int] = []
+        L = len(layer_order)
+        lpos: list[int] = []  # class * L + layer position
         sbase: list[int] = []
         dbase: list[int] = []
         block: list[tuple[int, int, int, int]] = []
@@ -127,7 +162,7 @@ class SegmentPlan:
                 if al < 4:
                     raise ValueError(f"a range of {rb} B at these offsets/addresses is not "
                                      f"4-byte aligned; segments move 4- or 8-byte words")
-                lpos += lp
+                lpos += lp if al >= 16 else [L + i for i in lp]
                 sbase += part.src_ptrs
                 dbase += part.dst_ptrs
                 block.append((rb, start, n, al))
@@ -136,7 +171,7 @@ class SegmentPlan:
         empty = np.zeros(0, dtype=np.int64)
         if not block:
             return cls(np.zeros((0, DESC_COLS), dtype=np.int64), empty, empty,
-                       [(0, 0)] * len(layer_order), 0)
+                       [0] * (2 * L + 1), 0)
         lpa = np.array(lpos, dtype=np.int64)
         order = np.argsort(lpa, kind="stable")
         desc = np.zeros((len(lpa), DESC_COLS), dtype=np.int64)
@@ -145,10 +180,14 @@ class SegmentPlan:
         desc[:, 2:6] = np.repeat(np.array(block, dtype=np.int64), counts, axis=0)[order]
         pieces = desc[:, 4] * ((desc[:, 2] + CH - 1) // CH)
         desc[:, 6] = np.cumsum(pieces) - pieces  # pieces before each segment, over the plan
-        bounds = np.searchsorted(lpa[order], np.arange(len(layer_order) + 1)).tolist()
-        layers = [(bounds[i], bounds[i + 1]) for i in range(len(layer_order))]
-        return cls(desc, np.concatenate(offs_s), np.concatenate(offs_d), layers,
+        bounds = np.searchsorted(lpa[order], np.arange(2 * L + 1)).tolist()
+        return cls(desc, np.concatenate(offs_s), np.concatenate(offs_d), bounds,
                    int((desc[:, 2] * desc[:, 4]).sum()))
+
+    def spans(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Non-empty segment ranges of layer positions ``[a, b)``, one per width class."""
+        L, bd = len(self.bounds) // 2, self.bounds
+        return [(bd[c + a], bd[c + b]) for c in (0, L) if bd[c + b] > bd[c + a]]
 
     def to(self, device: torch.device) -> "SegmentPlan":
         """Upload once (one pinned buffer, one non-blocking copy on the current stream)."""

@@ -44,6 +44,29 @@ def _expect_tokens(src, dst, s, d, fmt):
     return out
 
 
+def token_ids(rng: np.random.Generator, src_tokens: int, dst_tokens: int, P: int,
+              n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` token pairs, destinations distinct: runs consecutive on both sides (a whole page
+    from even slots, one crossing a page boundary, one from odd slots) between single tokens
+    at random, so a load moves blocks of several tokens and single tokens, of both widths."""
+    runs = [(P, 2 * P, P), (3 * P + P - 2, 5 * P + P - 2, 4), (6 * P + 1, 9 * P + 3, 2)]
+    s_run = [[a + i for i in range(m)] for a, _, m in runs]
+    d_run = [[b + i for i in range(m)] for _, b, m in runs]
+    k = n - sum(m for _, _, m in runs)
+    s_one = rng.choice(sorted(set(range(src_tokens)) - {x for r in s_run for x in r}), k,
+                       replace=False).tolist()
+    d_one = rng.choice(sorted(set(range(dst_tokens)) - {x for r in d_run for x in r}), k,
+                       replace=False).tolist()
+    s, d = s_one[:1], d_one[:1]
+    for i in range(len(runs)):  # each run listed in one piece, a single token after it
+        s += s_run[i] + s_one[1 + i:2 + i]
+        d += d_run[i] + d_one[1 + i:2 + i]
+    s += s_one[1 + len(runs):]
+    d += d_one[1 + len(runs):]
+    assert len(s) == len(d) == n and len(set(d)) == n
+    return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+
+
 def _case(device: str, src_dev: bool, seed: int = 0):
     """Three pools over five global layers (pool A on all, B on odd, C tokens on 0, 2, 4)."""
     g = torch.Generator().manual_seed(seed)
@@ -74,8 +97,11 @@ def _case(device: str, src_dev: bool, seed: int = 0):
         dst = buf(layers, rows + 3, rb, not src_dev, False)
         k = fmt.tokens_per_page if fmt else 1
         n = 21 if fmt is not None else (5 if name == "H" else 16 if rb >= 65536 else 9)
-        s = rng.choice(rows * k, n, replace=False).astype(np.int64)
-        d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
+        if fmt is None:
+            s = rng.choice(rows * k, n, replace=False).astype(np.int64)
+            d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
+        else:
+            s, d = token_ids(rng, rows * k, (rows + 3) * k, k, n)
         before = [t.cpu().clone() for t in dst]
         S, D = LayerTable(src, f"{name}.src"), LayerTable(dst, f"{name}.dst")
         parts.append(layer_part(S, D, s, d, fmt, layers))

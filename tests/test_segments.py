@@ -1,0 +1,130 @@
+"""``kernels.segments`` host side: token runs cut into blocks, and launches split by word width.
+
+* ``token_offsets`` moves tokens listed one after another on both sides (inside one page) as
+  blocks of 2^k tokens: property-tested that the ranges, applied as plain byte copies, give
+  exactly the per-token copy (every value and scale byte, nothing else), and that blocks
+  never cross a page or a break in either side's run.
+* ``SegmentPlan.spans``: each span holds segments of one width class only, and the spans of
+  layers ``[a, b)`` hold exactly the segments of those layers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.kernels.segments import SegmentPart, SegmentPlan, _token_blocks, token_offsets
+from hicache.kernels.tables import LayerTable, TokenFormat
+
+FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # DSV4's value / 8-B scale, small pages
+ROWS = 6  # pages per side
+
+
+@st.composite
+def token_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of token ids made of runs (consecutive on both sides, may cross pages) and single
+    tokens, destinations distinct."""
+    P, n_tok = FMT.tokens_per_page, ROWS * FMT.tokens_per_page
+    s: list[int] = []
+    d: list[int] = []
+    used: set[int] = set()
+    for _ in range(draw(st.integers(1, 8))):
+        m = draw(st.integers(1, 2 * P))
+        a = draw(st.integers(0, n_tok - m))
+        b = draw(st.integers(0, n_tok - m))
+        run = [b + i for i in range(m)]
+        if used.intersection(run):
+            continue
+        used.update(run)
+        s += [a + i for i in range(m)]
+        d += run
+    return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+
+
+def _apply(ranges: list, src: bytearray, dst: bytearray) -> None:
+    for rb, so, do in ranges:
+        for a, b in zip(so.tolist(), do.tolist()):
+            dst[b:b + rb] = src[a:a + rb]
+
+
+def _per_token(s: np.ndarray, d: np.ndarray, src: bytearray, dst: bytearray) -> None:
+    P, vb, sb, so = FMT.tokens_per_page, FMT.value_bytes, FMT.scale_bytes, FMT.scale_offset
+    pb = FMT.page_bytes
+    for a, b in zip(s.tolist(), d.tolist()):
+        (ap, asl), (bp, bsl) = divmod(a, P), divmod(b, P)
+        dst[bp * pb + bsl * vb:bp * pb + (bsl + 1) * vb] = \
+            src[ap * pb + asl * vb:ap * pb + (asl + 1) * vb]
+        dst[bp * pb + so + bsl * sb:bp * pb + so + (bsl + 1) * sb] = \
+            src[ap * pb + so + asl * sb:ap * pb + so + (asl + 1) * sb]
+
+
+@settings(max_examples=150, deadline=None)
+@given(token_lists(), st.integers(0, 2**31))
+def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray],
+                                              seed: int) -> None:
+    s, d = ids
+    g = torch.Generator().manual_seed(seed)
+    src_t = torch.randint(0, 256, (ROWS, FMT.page_bytes), dtype=torch.uint8, generator=g)
+    dst_t = torch.randint(0, 256, (ROWS, FMT.page_bytes), dtype=torch.uint8, generator=g)
+    ranges = token_offsets(LayerTable([src_t]), LayerTable([dst_t]), s, d, FMT)
+    src = bytearray(src_t.numpy().tobytes())
+    got, want = bytearray(dst_t.numpy().tobytes()), bytearray(dst_t.numpy().tobytes())
+    _apply(ranges, src, got)
+    _per_token(s, d, src, want)
+    assert got == want
+    # blocks: consecutive on both sides, inside one page on both sides, each token once
+    P = FMT.tokens_per_page
+    ss, ds = s % P, d % P
+    seen = np.zeros(s.size, dtype=int)
+    for k, starts in _token_blocks(s, d, ss, ds):
+        for i in starts.tolist():
+            j = i + (1 << k)
+            assert j <= s.size
+            assert np.all(np.diff(s[i:j]) == 1) and np.all(np.diff(d[i:j]) == 1)
+            assert s[i] // P == s[j - 1] // P and d[i] // P == d[j - 1] // P
+            seen[i:j] += 1
+    assert np.all(seen == 1)
+
+
+def test_a_checkpoint_tail_is_two_ranges_of_16_byte_width() -> None:
+    """128 tail tokens of a 256-token page (a checkpoint's SWA tail): one value range of 128 x
+    576 B and one scale range of 1 KiB, both allowing 16-byte words."""
+    fmt = TokenFormat(256, 576, 8, 256 * 576, 256 * 576 + 2048)
+    a = LayerTable([torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)])
+    b = LayerTable([torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)])
+    s = np.arange(1 * 256 + 128, 2 * 256, dtype=np.int64)
+    d = np.arange(2 * 256 + 128, 3 * 256, dtype=np.int64)
+    ranges = token_offsets(a, b, s, d, fmt)
+    assert [(rb, so.size) for rb, so, _ in ranges] == [(128 * 576, 1), (128 * 8, 1)]
+    plan = SegmentPlan.build([SegmentPart(a.ptrs, b.ptrs, [0], ranges)], [0])
+    assert plan.aligns == [16, 16] and plan.spans(0, 1) == [(0, 2)]
+
+
+def test_spans_keep_word_widths_apart() -> None:
+    """Segments of 16-byte and of narrower width in the same layers: each span one class, and
+    the spans of layers [a, b) hold exactly those layers' segments."""
+    layers = [0, 1, 2, 3]
+    wide = LayerTable([torch.zeros(4, 64, dtype=torch.uint8) for _ in layers])
+    narrow = LayerTable([torch.zeros(4, 36, dtype=torch.uint8) for _ in layers])
+    ids = np.array([0, 2]), np.array([1, 3])
+    parts = [SegmentPart(t.ptrs, t.ptrs, layers, [(t.row_bytes, ids[0] * t.stride,
+                                                   ids[1] * t.stride)])
+             for t in (narrow, wide)]
+    order = [2, 0, 3, 1]
+    plan = SegmentPlan.build(parts, order)
+    assert len(plan.desc) == 8
+    pos = {g: i for i, g in enumerate(order)}
+    seg_pos = {}  # segment -> layer position, from its bases
+    for k, row in enumerate(plan.desc.tolist()):
+        t = wide if row[0] in wide.ptrs else narrow
+        seg_pos[k] = pos[layers[t.ptrs.index(row[0])]]
+    for a in range(4):
+        for b in range(a + 1, 5):
+            spans = plan.spans(a, b)
+            covered = [k for lo, hi in spans for k in range(lo, hi)]
+            assert sorted(covered) == sorted(k for k, p in seg_pos.items() if a <= p < b)
+            for lo, hi in spans:
+                assert len({plan.aligns[k] >= 16 for k in range(lo, hi)}) == 1
+            assert len(spans) == 2
+    assert SegmentPlan.build([], order).spans(0, 4) == []
