@@ -60,7 +60,7 @@ import numpy as np
 
 from hicache.core.id_sets import has_duplicates
 from hicache.kernels.cpu_copy import clear_slots, copy_few
-from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_part, warm_up
+from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_parts, warm_up
 from hicache.kernels.streams import on_stream
 
 from .background import cpu_copy_thread
@@ -133,14 +133,14 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     g0 = op.stage_layers[0] if op.stage_layers else None
     first = [it for it in op.items if g0 in it.layers]  # built before layer 0's launch
     later = [it for it in op.items if g0 not in it.layers]  # built after it
-    return issue_by_layer([_part(it) for it in first], op.stage_layers,
+    return issue_by_layer(_parts(first), op.stage_layers,
                           lambda i: events[i].record(stream), device=device, ctas=ctas,
-                          stream=stream, more=(lambda: [_part(it) for it in later]) if later
-                          else None)
+                          stream=stream, more=(lambda: _parts(later)) if later else None)
 
 
-def _part(it: Item) -> Any:
-    return layer_part(it.src, it.dst, it.src_ids.np(), it.dst_ids.np(), it.fmt, it.layers)
+def _parts(items: list[Item]) -> list[Any]:
+    return [p for it in items for p in layer_parts(it.src, it.dst, it.src_ids.np(),
+                                                   it.dst_ids.np(), it.fmt, it.layers)]
 
 
 def merge_key(op: Operation) -> tuple | None:

@@ -1,13 +1,15 @@
 """Loads layer by layer: every pool of a stage layer in one launch group, layer 0 first.
 
-* ``layer_part(src, dst, src_ids, dst_ids, fmt, layers)`` makes one ``SegmentPart`` (a buffer
-  pair's byte ranges per layer, and whether its whole rows qualify for the copy engines);
-  ``check_layer_part`` is its validation (``TransferError`` before anything is built).
+* ``layer_parts(src, dst, src_ids, dst_ids, fmt, layers)`` makes a buffer pair's
+  ``SegmentPart`` s (its byte ranges per layer; the ranges that qualify for the copy engines
+  in a part of their own); ``check_layer_part`` is its validation (``TransferError`` before
+  anything is built).
 * ``copy_by_layer(parts, layer_order, on_layer)`` copies them layer by layer in
   ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
   answers its client after layer 0's step and issues the rest right after the reply).
   Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
-  copy-engine copies plans layer 1's group on its own before the other later layers. Whole
+  copy-engine copies plans layer 1's group on its own before the other later layers, and one
+  whose later layers hold under ``REST_ONE_GROUP_BYTES`` issues them as one group. Whole
   rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
@@ -41,17 +43,28 @@ DEFAULT_CTAS = 4
 LEAD_BYTES = 32 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first)
 SPLIT_COPIES = 4096
+# later layers holding fewer bytes than this (under 1 ms of an H200's link) are issued as one
+# launch group: for such a load the host is the bound, and issuing five or six groups one by
+# one cost 0.3-0.5 ms more host time than the copy itself of a 2k-token checkpoints resume
+REST_ONE_GROUP_BYTES = 48 << 20
 
 
-def layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-               fmt: Optional[TokenFormat], layers: Sequence[int]) -> SegmentPart:
-    """One buffer pair of a ``copy_by_layer`` call: rows (``fmt`` None) or tokens of ``fmt``;
-    ``layers[l]`` is the global layer id of buffer layer ``l``."""
+def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
+                fmt: Optional[TokenFormat], layers: Sequence[int]) -> list[SegmentPart]:
+    """The ``SegmentPart`` s of one buffer pair of a ``copy_by_layer`` call: rows (``fmt``
+    None) or tokens of ``fmt``; ``layers[l]`` is the global layer id of buffer layer ``l``.
+    Whole rows of ``copy_engine.MIN_BYTES`` or more between the GPU and pinned host memory are
+    one part marked for the copy engines; so are blocks of tokens whose values reach that size
+    (a checkpoint's SWA tail: 128 tokens, 72 KiB), beside a part of the other tokens."""
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
-    ranges = row_offsets(src, dst, src_ids, dst_ids) if fmt is None else \
-        token_offsets(src, dst, src_ids, dst_ids, fmt)
-    return SegmentPart(src.ptrs, dst.ptrs, list(layers), ranges,
-                       dma=_dma_direction(src, dst) if fmt is None else "")
+    way = _dma_direction(src, dst)
+    if fmt is None:
+        return [SegmentPart(src.ptrs, dst.ptrs, list(layers),
+                            row_offsets(src, dst, src_ids, dst_ids), dma=way)]
+    big, rest = token_offsets(src, dst, src_ids, dst_ids, fmt,
+                              copy_engine.MIN_BYTES if way else 0)
+    return [SegmentPart(src.ptrs, dst.ptrs, list(layers), r, dma=w)
+            for r, w in ((big, way), (rest, "")) if r]
 
 
 def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -118,6 +131,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
+    if _bytes(parts, g0) < REST_ONE_GROUP_BYTES:
+        groups = [(1, len(layer_order))]
     # a big rest is planned in two: layer 1's group alone first, so its copies start while the
     # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
     head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
@@ -145,10 +160,16 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 on_layer(i)
 
 
+def _bytes(parts: Sequence[SegmentPart], skip: int) -> int:
+    """Bytes the parts move over all their layers but global layer ``skip``."""
+    return sum(sum(rb * so.size for rb, so, _ in p.ranges) * sum(g != skip for g in p.layers)
+               for p in parts)
+
+
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:
     """Copy-engine copies the parts make over all their layers (those ``_split`` sends to the
     copy engines: none off a GPU or with the copy engines off)."""
-    return sum(p.ranges[0][1].size * len(p.layers) for p in _split(parts, dev)[0])
+    return sum(so.size * len(p.layers) for p in _split(parts, dev)[0] for _, so, _ in p.ranges)
 
 
 def _check_layers(parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> None:
@@ -274,8 +295,8 @@ def warm_up(device: torch.device) -> None:
     ta, tb = LayerTable(a), LayerTable(b)
     # 16-byte rows; 8-byte scales; 4-byte scales
     for fmt in (None, TokenFormat(1, 56, 8, 56, 64), TokenFormat(1, 60, 4, 60, 64)):
-        part = layer_part(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
-        plan = SegmentPlan.build([part], list(range(layers))).to(device)
+        parts = layer_parts(ta, tb, np.array([0]), np.array([1]), fmt, list(range(layers)))
+        plan = SegmentPlan.build(parts, list(range(layers))).to(device)
         launch_segments(plan, 0, len(plan.desc), 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

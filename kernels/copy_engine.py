@@ -155,19 +155,21 @@ class DmaPlan:
 
     @classmethod
     def build(cls, parts: Sequence, layer_order: Sequence[int]) -> "DmaPlan":
-        """``parts``: ``SegmentPart`` s of whole rows (one range each); every copy of layer
-        ``layer_order[i]`` lands in ``layers[i]``."""
+        """``parts``: ``SegmentPart`` s marked for the copy engines (whole rows, or blocks of
+        tokens: one copy per range per layer); every copy of layer ``layer_order[i]`` lands in
+        ``layers[i]``."""
         pos = {g: i for i, g in enumerate(layer_order)}
         blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for part in parts:
-            (rb, so, do), = part.ranges
-            if so.size == 0:
-                continue
             lpos = np.array([pos[g] for g in part.layers], dtype=np.int64)
-            sp = np.asarray(part.src_ptrs, dtype=np.uint64)[:, None] + so.astype(np.uint64)
-            dp = np.asarray(part.dst_ptrs, dtype=np.uint64)[:, None] + do.astype(np.uint64)
-            blocks.append((np.repeat(lpos, so.size), dp.ravel(), sp.ravel(),
-                           np.full(sp.size, rb, dtype=np.uint64)))
+            sb = np.asarray(part.src_ptrs, dtype=np.uint64)[:, None]
+            db = np.asarray(part.dst_ptrs, dtype=np.uint64)[:, None]
+            for rb, so, do in part.ranges:
+                if so.size == 0:
+                    continue
+                sp, dp = sb + so.astype(np.uint64), db + do.astype(np.uint64)
+                blocks.append((np.repeat(lpos, so.size), dp.ravel(), sp.ravel(),
+                               np.full(sp.size, rb, dtype=np.uint64)))
         if not blocks:
             e = np.zeros(0, dtype=np.uint64)
             return cls(e, e, e, [(0, 0)] * len(layer_order))

@@ -12,7 +12,7 @@
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead when the format has no padding (``fmt.covers_row``): a token copy
   moves values and scales only, never the padding bytes of a row.
-* ``copy_by_layer`` / ``issue_by_layer`` / ``layer_part`` / ``warm_up`` (``by_layer``, re-exported
+* ``copy_by_layer`` / ``issue_by_layer`` / ``layer_parts`` / ``warm_up`` (``by_layer``, re-exported
   here) — rows and tokens of many buffers, layer by layer, layer 0 first, copy-engine batches
   beside one segment launch per launch group; the daemon's loads.
 
@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from . import copy_engine
-from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups, layer_part,
+from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups, layer_parts,
                        warm_up)
 from .checks import _check_ctas, _check_pair, _dma_direction, _pinned
 from .copy_engine import DmaPlan
@@ -47,7 +47,7 @@ from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_part",
+__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
 IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")

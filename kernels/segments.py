@@ -57,33 +57,39 @@ class SegmentPart:
     dst_ptrs: Sequence[int]
     layers: Sequence[int]
     ranges: Sequence[tuple[int, np.ndarray, np.ndarray]]
-    # "h2d" / "d2h": whole rows between host and device, big enough for the copy engines
+    # "h2d" / "d2h": ranges between host and device big enough for the copy engines (whole
+    # rows, or blocks of many tokens)
     dma: str = ""
 
 
+Range = tuple[int, np.ndarray, np.ndarray]  # (bytes, source offsets, destination offsets)
+
+
 def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray,
-                dst_ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+                dst_ids: np.ndarray) -> list[Range]:
     """Whole rows: one range of ``row_bytes`` per id pair."""
     return [(src.row_bytes, src_ids * src.stride, dst_ids * dst.stride)]
 
 
 def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
-                  fmt: TokenFormat) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Tokens of ``fmt``: value ranges and, when the format has one, scale ranges. Tokens
-    listed one after another on both sides within one page (a checkpoint's SWA tail, a
-    partial page) move as one block: each such run is cut into blocks of 2^k tokens (its
-    length's binary digits), and every block size gets one value and one scale range list.
-    So a run of 128 tokens is two ranges, not 256, and its 8-byte scales move as one 1-KiB
-    range (16-byte aligned when both runs start on an even slot)."""
+                  fmt: TokenFormat, big: int = 0) -> tuple[list[Range], list[Range]]:
+    """Tokens of ``fmt``: value ranges and, when the format has one, scale ranges, as
+    ``(ranges of blocks whose values hold >= big bytes, the other ranges)`` (``big`` 0: all in
+    the second list). Tokens listed one after another on both sides within one page (a
+    checkpoint's SWA tail, a partial page) move as one block: each such run is cut into
+    blocks of 2^k tokens (its length's binary digits), and every block size gets one value
+    and one scale range list. So a run of 128 tokens is two ranges, not 256, and its 8-byte
+    scales move as one 1-KiB range (16-byte aligned when both runs start on an even slot)."""
     P, vb, sb, so = fmt.tokens_per_page, fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
     sp, ss = np.divmod(src_tok, P)
     dp, ds = np.divmod(dst_tok, P)
-    out: list[tuple[int, np.ndarray, np.ndarray]] = []
+    out: tuple[list[Range], list[Range]] = ([], [])
     for k, i in _token_blocks(src_tok, dst_tok, ss, ds):
         s_row, d_row = sp[i] * src.stride, dp[i] * dst.stride
-        out.append((vb << k, s_row + ss[i] * vb, d_row + ds[i] * vb))
+        to = out[0 if big and vb << k >= big else 1]
+        to.append((vb << k, s_row + ss[i] * vb, d_row + ds[i] * vb))
         if sb:
-            out.append((sb << k, s_row + so + ss[i] * sb, d_row + so + ds[i] * sb))
+            to.append((sb << k, s_row + so + ss[i] * sb, d_row + so + ds[i] * sb))
     return out
 
 
@@ -92,17 +98,18 @@ def _token_blocks(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
     """[(k, first token index of every block of 2^k tokens)]: runs of tokens consecutive on
     both sides and inside one page on both sides, each cut largest block first."""
     n = int(src_tok.size)
-    if n < 2:
+    if n > 1:
+        brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
+        starts = np.flatnonzero(brk) + 1
+    if n < 2 or starts.size == n - 1:  # no two tokens in a row: one range per token
         return [(0, np.arange(n))]
-    brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
-    starts = np.flatnonzero(np.concatenate(([True], brk)))
-    if starts.size == n:  # no two tokens in a row: one range per token
-        return [(0, np.arange(n))]
+    starts = np.concatenate(([0], starts))
     lens = np.diff(np.append(starts, n))
+    bits = int(np.bitwise_or.reduce(lens))
     out = []
-    for k in range(int(lens.max()).bit_length() - 1, -1, -1):
-        has = (lens >> k) & 1 == 1
-        if has.any():  # the block of bit k starts after the blocks of the higher bits
+    for k in range(bits.bit_length() - 1, -1, -1):
+        if bits >> k & 1:  # the block of bit k starts after the blocks of the higher bits
+            has = (lens >> k) & 1 == 1
             out.append((k, starts[has] + (lens[has] >> (k + 1) << (k + 1))))
     return out
 

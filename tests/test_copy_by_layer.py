@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from hicache.kernels import by_layer
-from hicache.kernels.dispatch import copy_by_layer, issue_by_layer, layer_part
+from hicache.kernels.dispatch import copy_by_layer, issue_by_layer, layer_parts
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
 FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
+TMLA = TokenFormat.mla(128)  # DSV4's token format on 128-token pages
+LEADS = ["default", "staged", "none", "split"]  # how the later layers are grouped (``_lead``)
 
 
 def _expect_rows(src, dst, s, d):
@@ -90,13 +92,17 @@ def _case(device: str, src_dev: bool, seed: int = 0):
     if device != "cpu":  # rows big enough for the copy engines (the SWA / state rows' path)
         specs += [("F", (0, 2, 3), 24, 73_728, None), ("G", (4,), 20, 131_072, None),
                   # few big rows: copy engines for the first layer (4) only, kernel elsewhere
-                  ("H", (4, 1), 8, 65_536, None)]
+                  ("H", (4, 1), 8, 65_536, None),
+                  # 128-token pages: a whole-page run is a 72-KiB block (the copy engines'
+                  # share of a token load, as a checkpoint's SWA tail), the rest the kernel's
+                  ("T", (0, 3, 4), 8, TMLA.page_bytes, TMLA)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
         dst = buf(layers, rows + 3, rb, not src_dev, False)
         k = fmt.tokens_per_page if fmt else 1
-        n = 21 if fmt is not None else (5 if name == "H" else 16 if rb >= 65536 else 9)
+        n = (21 if fmt.tokens_per_page < 64 else fmt.tokens_per_page + 12) if fmt is not None \
+            else (5 if name == "H" else 16 if rb >= 65536 else 9)
         if fmt is None:
             s = rng.choice(rows * k, n, replace=False).astype(np.int64)
             d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
@@ -104,11 +110,12 @@ def _case(device: str, src_dev: bool, seed: int = 0):
             s, d = token_ids(rng, rows * k, (rows + 3) * k, k, n)
         before = [t.cpu().clone() for t in dst]
         S, D = LayerTable(src, f"{name}.src"), LayerTable(dst, f"{name}.dst")
-        parts.append(layer_part(S, D, s, d, fmt, layers))
+        ps = layer_parts(S, D, s, d, fmt, layers)
+        parts += ps
         src_cpu = [t.cpu().clone() for t in src]
         exp = _expect_rows(src_cpu, before, s, d) if fmt is None else \
             _expect_tokens(src_cpu, before, s, d, fmt)
-        checks.append((src, src_cpu, dst, exp))
+        checks.append((layers, ps, src, src_cpu, dst, exp))
     return parts, checks
 
 
@@ -121,7 +128,7 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
     dev = torch.device(device)
     if device != "cpu":  # whole rows of 64 KiB or more qualify for the copy engines
         big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= 65536]
-        assert len(big) == 3 and all(x == ("d2h" if src_dev else "h2d") for x in big)
+        assert len(big) == 4 and all(x == ("d2h" if src_dev else "h2d") for x in big)
         assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
     order = [4, 0, 1, 2, 3]
     if split:
@@ -138,7 +145,7 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
     assert seen == [0, 1, 2, 3, 4]
     if device != "cpu":
         torch.cuda.synchronize()
-    for src, src_cpu, dst, exp in checks:
+    for *_, src, src_cpu, dst, exp in checks:
         for a, b in zip(src, src_cpu):
             assert torch.equal(a.cpu(), b)  # sources untouched
         for a, b in zip(dst, exp):
@@ -152,6 +159,9 @@ sys.path.insert(0, {tests!r})
 import test_copy_by_layer as t
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False)
+t._run_and_check("cpu", False, split=True)
+t.by_layer.REST_ONE_GROUP_BYTES = 0  # the later layers in groups of 1, 2, 4, ... (big loads)
+t._run_and_check("cpu", True)
 t._run_and_check("cpu", False, split=True)
 t.by_layer.SPLIT_COPIES = 0  # the later layers planned in two (layer 1 first), as big loads do
 t._run_and_check("cpu", True)
@@ -179,51 +189,72 @@ def test_by_layer_under_the_triton_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-def test_layer_part_refuses_bad_input():
+def test_layer_parts_refuses_bad_input():
     a = LayerTable([torch.zeros(4, 64, dtype=torch.uint8)] * 2)
     b = LayerTable([torch.zeros(4, 64, dtype=torch.uint8)] * 2)
     with pytest.raises(TransferError, match="layer ids"):
-        layer_part(a, b, np.array([0]), np.array([1]), None, [0])
+        layer_parts(a, b, np.array([0]), np.array([1]), None, [0])
     with pytest.raises(TransferError, match="out of range"):
-        layer_part(a, b, np.array([0]), np.array([4]), None, [0, 1])
+        layer_parts(a, b, np.array([0]), np.array([4]), None, [0, 1])
     with pytest.raises(TransferError, match="source ids"):
-        layer_part(a, b, np.array([0, 1]), np.array([1]), None, [0, 1])
+        layer_parts(a, b, np.array([0, 1]), np.array([1]), None, [0, 1])
     with pytest.raises(ValueError, match="layer order"):
-        copy_by_layer([layer_part(a, b, np.array([0]), np.array([1]), None, [0, 7])], [0, 1],
+        copy_by_layer(layer_parts(a, b, np.array([0]), np.array([1]), None, [0, 7]), [0, 1],
                       device=torch.device("cpu"))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lead", ["default", "none", "split"])
+@pytest.mark.parametrize("lead", LEADS)
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
-    """``lead``: the copy-engine copies of every later group issued before the segment plan
-    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
-    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
+    """``lead``: this case's later layers as one group (it is under ``REST_ONE_GROUP_BYTES``),
+    or in groups of 1, 2, 4 ... as big loads issue them: with the copy-engine copies of every
+    later group issued before the segment plan (``staged``: under ``LEAD_BYTES``), or none of
+    them (each with its group), or the later layers planned in two, layer 1 first
+    (``SPLIT_COPIES``)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
 
 
 def _lead(lead: str, monkeypatch: Any) -> None:
+    if lead != "default":
+        monkeypatch.setattr(by_layer, "REST_ONE_GROUP_BYTES", 0)
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
     elif lead == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
 
 
+def test_later_layers_go_as_one_group_below_the_threshold(monkeypatch):
+    """The later layers are one launch group when they hold under ``REST_ONE_GROUP_BYTES``,
+    the 1, 2, 4, ... groups of ``layer_groups`` otherwise; layer 0 is always alone."""
+    parts, _ = _case("cpu", True)
+    order = [4, 0, 1, 2, 3]
+    later = sum(rb * so.size * sum(g != 4 for g in p.layers) for p in parts
+                for rb, so, _ in p.ranges)
+    seen: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(by_layer, "_issue_groups", lambda _p, _o, groups, *a: seen.append(groups))
+    for limit, want in ((later + 1, [[(0, 1)], [(1, 5)]]),
+                        (later, [[(0, 1)], by_layer.layer_groups(5)[1:]])):
+        monkeypatch.setattr(by_layer, "REST_ONE_GROUP_BYTES", limit)
+        seen.clear()
+        copy_by_layer(parts, order, device=torch.device("cpu"))
+        assert seen == want
+
+
 def test_ranges_below_4_byte_alignment_are_refused():
     a = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
     b = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
     with pytest.raises(ValueError, match="not 4-byte aligned"):
-        copy_by_layer([layer_part(a, b, np.array([1]), np.array([2]), None, [0, 1])], [0, 1],
+        copy_by_layer(layer_parts(a, b, np.array([1]), np.array([2]), None, [0, 1]), [0, 1],
                       device=torch.device("cpu"))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lead", ["default", "none", "split"])
+@pytest.mark.parametrize("lead", LEADS)
 def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
     """Layer readiness on the copy-engine path: when the event recorded for layer ``i``
     completes, every pool's bytes of that layer are in place (copy-engine batches and kernel
@@ -243,9 +274,9 @@ def _copy_and_check_each_layer_at_its_event(parts, checks, stream) -> None:
                   ctas=2, stream=stream)
     for i, g in enumerate(order):
         events[i].synchronize()
-        for part, (src, src_cpu, dst, exp) in zip(parts, checks):
-            if g in part.layers:
-                k = list(part.layers).index(g)
+        for layers, _, src, src_cpu, dst, exp in checks:
+            if g in layers:
+                k = list(layers).index(g)
                 assert torch.equal(dst[k].cpu(), exp[k]), f"layer {g} not ready at its event"
     torch.cuda.synchronize()
 
@@ -277,13 +308,14 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
 
     if not copy_engine.enabled():
         pytest.skip(f"no batched copy-engine DMA here: {copy_engine.status()}")
-    parts, checks = _case("cuda", src_dev, seed=5)
-    big = [i for i, p in enumerate(parts) if p.dma]
-    parts, checks = [parts[i] for i in big], [checks[i] for i in big]
+    _, checks = _case("cuda", src_dev, seed=5)
+    checks = [c for c in checks if all(p.dma for p in c[1])]  # pools wholly on the engines
+    parts = [p for c in checks for p in c[1]]
+    assert len(checks) == 3
     stream = torch.cuda.Stream()  # from torch's pool: an earlier test may have made its side
     copy_engine._side.pop((stream.device_index, stream.cuda_stream), None)
     _copy_and_check_each_layer_at_its_event(parts, checks, stream)
     assert (stream.device_index, stream.cuda_stream) not in copy_engine._side
-    for src, src_cpu, dst, exp in checks:
+    for *_, src, src_cpu, dst, exp in checks:
         assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))

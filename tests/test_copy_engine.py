@@ -61,8 +61,8 @@ def test_policy_modes():
 def test_cpu_buffers_never_take_the_copy_engines():
     a = LayerTable([torch.zeros(4, 1 << 17, dtype=torch.uint8)] * 2)
     b = LayerTable([torch.zeros(4, 1 << 17, dtype=torch.uint8)] * 2)
-    part = dispatch.layer_part(a, b, np.array([1]), np.array([2]), None, [0, 1])
-    assert part.dma == ""
+    parts = dispatch.layer_parts(a, b, np.array([1]), np.array([2]), None, [0, 1])
+    assert [p.dma for p in parts] == [""]
     with pytest.raises(TransferError, match=r"impl='dma' cannot run: it needs a GPU"):
         dispatch.copy_rows(a, b, torch.tensor([1]), torch.tensor([2]), impl="dma")
     assert not torch.count_nonzero(b.layers[0])  # nothing moved

@@ -60,14 +60,20 @@ def _per_token(s: np.ndarray, d: np.ndarray, src: bytearray, dst: bytearray) -> 
 
 
 @settings(max_examples=150, deadline=None)
-@given(token_lists(), st.integers(0, 2**31))
-def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray],
-                                              seed: int) -> None:
+@given(token_lists(), st.integers(0, 2**31), st.sampled_from([0, 576, 2304]))
+def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray], seed: int,
+                                              big: int) -> None:
+    """Also with ``big``: the blocks whose values reach ``big`` bytes (and their scales) in the
+    first list, every other range in the second; the two together copy every token once."""
     s, d = ids
     g = torch.Generator().manual_seed(seed)
     src_t = torch.randint(0, 256, (ROWS, FMT.page_bytes), dtype=torch.uint8, generator=g)
     dst_t = torch.randint(0, 256, (ROWS, FMT.page_bytes), dtype=torch.uint8, generator=g)
-    ranges = token_offsets(LayerTable([src_t]), LayerTable([dst_t]), s, d, FMT)
+    large, small = token_offsets(LayerTable([src_t]), LayerTable([dst_t]), s, d, FMT, big)
+    assert all(rb >= big if rb % FMT.value_bytes == 0 else rb * 72 >= big
+               for rb, _, _ in large) and not (large and not big)
+    assert all(rb < big for rb, _, _ in small if rb % FMT.value_bytes == 0) or not big
+    ranges = large + small
     src = bytearray(src_t.numpy().tobytes())
     got, want = bytearray(dst_t.numpy().tobytes()), bytearray(dst_t.numpy().tobytes())
     _apply(ranges, src, got)
@@ -95,8 +101,10 @@ def test_a_checkpoint_tail_is_two_ranges_of_16_byte_width() -> None:
     b = LayerTable([torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)])
     s = np.arange(1 * 256 + 128, 2 * 256, dtype=np.int64)
     d = np.arange(2 * 256 + 128, 3 * 256, dtype=np.int64)
-    ranges = token_offsets(a, b, s, d, fmt)
-    assert [(rb, so.size) for rb, so, _ in ranges] == [(128 * 576, 1), (128 * 8, 1)]
+    large, ranges = token_offsets(a, b, s, d, fmt)
+    assert large == [] and [(rb, so.size) for rb, so, _ in ranges] == [(128 * 576, 1), (128 * 8, 1)]
+    large, small = token_offsets(a, b, s, d, fmt, 64 << 10)  # a copy-engine block
+    assert small == [] and [(rb, so.size) for rb, so, _ in large] == [(128 * 576, 1), (128 * 8, 1)]
     plan = SegmentPlan.build([SegmentPart(a.ptrs, b.ptrs, [0], ranges)], [0])
     assert plan.aligns == [16, 16] and plan.spans(0, 1) == [(0, 2)]
 

@@ -26,7 +26,7 @@ import torch
 
 from hicache.core.layout import Layout
 from hicache.engine.client import Client
-from hicache.kernels.dispatch import copy_by_layer, layer_part
+from hicache.kernels.dispatch import copy_by_layer, layer_parts
 from hicache.kernels.tables import TokenFormat
 
 INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
@@ -126,7 +126,7 @@ def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
             continue
         fmt = TokenFormat.from_spec(spec) if len(it) > 2 and it[2] == "token" else None
         dev_t, host_t = tabs[name]
-        parts.append(layer_part(host_t, dev_t, np.asarray(it[0], dtype=np.int64),
+        parts.extend(layer_parts(host_t, dev_t, np.asarray(it[0], dtype=np.int64),
                                 np.asarray(it[1], dtype=np.int64), fmt, spec.layers))
     order = layout.stage.layers("swa")
     torch.cuda.synchronize(dev)
