@@ -8,8 +8,7 @@
   ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
   answers its client after layer 0's step and issues the rest right after the reply).
   Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
-  copy-engine copies plans layer 1's group on its own before the other later layers, and one
-  whose later layers hold under ``REST_ONE_GROUP_BYTES`` issues them as one group. Whole
+  copy-engine copies plans layer 1's group on its own before the other later layers. Whole
   rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA on a side stream, one event after each group; the other rows and
@@ -43,10 +42,6 @@ DEFAULT_CTAS = 4
 LEAD_BYTES = 32 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first)
 SPLIT_COPIES = 4096
-# later layers holding fewer bytes than this (under 1 ms of an H200's link) are issued as one
-# launch group: for such a load the host is the bound, and issuing five or six groups one by
-# one cost 0.3-0.5 ms more host time than the copy itself of a 2k-token checkpoints resume
-REST_ONE_GROUP_BYTES = 48 << 20
 
 
 def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
@@ -131,8 +126,6 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(len(layer_order))[1:]
     if not groups:
         return
-    if _bytes(parts, g0) < REST_ONE_GROUP_BYTES:
-        groups = [(1, len(layer_order))]
     # a big rest is planned in two: layer 1's group alone first, so its copies start while the
     # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
     head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
@@ -158,12 +151,6 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         if on_layer is not None:
             for i in range(a, b):
                 on_layer(i)
-
-
-def _bytes(parts: Sequence[SegmentPart], skip: int) -> int:
-    """Bytes the parts move over all their layers but global layer ``skip``."""
-    return sum(sum(rb * so.size for rb, so, _ in p.ranges) * sum(g != skip for g in p.layers)
-               for p in parts)
 
 
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:

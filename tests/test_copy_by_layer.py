@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
 FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
 TMLA = TokenFormat.mla(128)  # DSV4's token format on 128-token pages
-LEADS = ["default", "staged", "none", "split"]  # how the later layers are grouped (``_lead``)
+LEADS = ["default", "none", "split"]  # how the later layers' copies are issued (``_lead``)
 
 
 def _expect_rows(src, dst, s, d):
@@ -160,9 +160,6 @@ import test_copy_by_layer as t
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False)
 t._run_and_check("cpu", False, split=True)
-t.by_layer.REST_ONE_GROUP_BYTES = 0  # the later layers in groups of 1, 2, 4, ... (big loads)
-t._run_and_check("cpu", True)
-t._run_and_check("cpu", False, split=True)
 t.by_layer.SPLIT_COPIES = 0  # the later layers planned in two (layer 1 first), as big loads do
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False, split=True)
@@ -208,40 +205,19 @@ def test_layer_parts_refuses_bad_input():
 @pytest.mark.parametrize("lead", LEADS)
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
-    """``lead``: this case's later layers as one group (it is under ``REST_ONE_GROUP_BYTES``),
-    or in groups of 1, 2, 4 ... as big loads issue them: with the copy-engine copies of every
-    later group issued before the segment plan (``staged``: under ``LEAD_BYTES``), or none of
-    them (each with its group), or the later layers planned in two, layer 1 first
-    (``SPLIT_COPIES``)."""
+    """``lead``: the copy-engine copies of every later group issued before the segment plan
+    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
+    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
 
 
 def _lead(lead: str, monkeypatch: Any) -> None:
-    if lead != "default":
-        monkeypatch.setattr(by_layer, "REST_ONE_GROUP_BYTES", 0)
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
     elif lead == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
-
-
-def test_later_layers_go_as_one_group_below_the_threshold(monkeypatch):
-    """The later layers are one launch group when they hold under ``REST_ONE_GROUP_BYTES``,
-    the 1, 2, 4, ... groups of ``layer_groups`` otherwise; layer 0 is always alone."""
-    parts, _ = _case("cpu", True)
-    order = [4, 0, 1, 2, 3]
-    later = sum(rb * so.size * sum(g != 4 for g in p.layers) for p in parts
-                for rb, so, _ in p.ranges)
-    seen: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(by_layer, "_issue_groups", lambda _p, _o, groups, *a: seen.append(groups))
-    for limit, want in ((later + 1, [[(0, 1)], [(1, 5)]]),
-                        (later, [[(0, 1)], by_layer.layer_groups(5)[1:]])):
-        monkeypatch.setattr(by_layer, "REST_ONE_GROUP_BYTES", limit)
-        seen.clear()
-        copy_by_layer(parts, order, device=torch.device("cpu"))
-        assert seen == want
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
