@@ -98,10 +98,11 @@ def _token_blocks(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
     """[(k, first token index of every block of 2^k tokens)]: runs of tokens consecutive on
     both sides and inside one page on both sides, each cut largest block first."""
     n = int(src_tok.size)
-    if n > 1:
-        brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
-        starts = np.flatnonzero(brk) + 1
-    if n < 2 or starts.size == n - 1:  # no two tokens in a row: one range per token
+    if n < 2:
+        return [(0, np.arange(n))]
+    brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
+    starts = np.flatnonzero(brk) + 1
+    if starts.size == n - 1:  # no two tokens in a row: one range per token
         return [(0, np.arange(n))]
     starts = np.concatenate(([0], starts))
     lens = np.diff(np.append(starts, n))
