@@ -19,6 +19,7 @@ import torch
 
 from hicache.kernels import by_layer
 from hicache.kernels.dispatch import copy_by_layer, issue_by_layer, layer_parts
+from hicache.kernels.segments import SegmentPart, token_offsets
 from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,8 @@ def token_ids(rng: np.random.Generator, src_tokens: int, dst_tokens: int, P: int
 
 
 def _case(device: str, src_dev: bool, seed: int = 0):
-    """Three pools over five global layers (pool A on all, B on odd, C tokens on 0, 2, 4)."""
+    """Pools over five global layers (A rows on all, B on odd, C and D tokens with runs, E
+    36-B rows; on a GPU also big rows for the copy engines and T, 128-token pages)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     pin = device != "cpu"
@@ -164,8 +166,31 @@ t.by_layer.SPLIT_COPIES = 0  # the later layers planned in two (layer 1 first), 
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False, split=True)
 t.more_naming_the_first_layer_is_refused()
+t.token_blocks_marked_for_the_copy_engines_take_the_kernel_without_them()
 print("ok")
 """
+
+
+def token_blocks_marked_for_the_copy_engines_take_the_kernel_without_them() -> None:
+    """Where the copy engines cannot run (here: no GPU), a part of token blocks marked for them
+    (a value and a scale range per block, as ``layer_parts`` makes on a GPU) is copied by the
+    segment kernel, byte-exact, nothing else changed."""
+    g = torch.Generator().manual_seed(7)
+    layers = (0, 2)
+    src = [torch.randint(0, 256, (8, TMLA.page_bytes), generator=g, dtype=torch.uint8)
+           for _ in layers]
+    dst = [torch.zeros(11, TMLA.page_bytes, dtype=torch.uint8) for _ in layers]
+    P = TMLA.tokens_per_page
+    s, d = token_ids(np.random.default_rng(7), 8 * P, 11 * P, P, P + 12)
+    exp = _expect_tokens(src, dst, s, d, TMLA)
+    S, D = LayerTable(src), LayerTable(dst)
+    big, rest = token_offsets(S, D, s, d, TMLA, 64 << 10)
+    assert [rb for rb, _, _ in big] == [P * TMLA.value_bytes, P * TMLA.scale_bytes]
+    parts = [SegmentPart(S.ptrs, D.ptrs, list(layers), big, dma="h2d"),
+             SegmentPart(S.ptrs, D.ptrs, list(layers), rest)]
+    copy_by_layer(parts, [2, 0], device=torch.device("cpu"), ctas=2)
+    for a, b in zip(dst, exp):
+        assert torch.equal(a, b)
 
 
 def more_naming_the_first_layer_is_refused() -> None:

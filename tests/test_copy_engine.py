@@ -43,6 +43,18 @@ def test_issue_without_direction_or_driver_is_refused():
         copy_engine.issue(plan, 0, 1, 0)  # no direction set (and on CPU: no driver)
 
 
+def test_plan_of_a_part_with_several_ranges_makes_one_copy_per_range_per_layer():
+    """A token block on the copy engines: its value range and its scale range, each layer."""
+    part = SegmentPart([1000, 2000], [5000, 6000], [4, 9],
+                       [(576, np.array([0]), np.array([1152])), (8, np.array([900]), np.array([916]))],
+                       "h2d")
+    plan = DmaPlan.build([part], [9, 4])
+    assert plan.layers == [(0, 2), (2, 4)]
+    assert plan.src.tolist() == [2000, 2900, 1000, 1900]
+    assert plan.dst.tolist() == [7152, 6916, 6152, 5916]
+    assert plan.size.tolist() == [576, 8, 576, 8]
+
+
 def test_policy_modes():
     with pytest.raises(TransferError, match="not one of"):
         copy_engine.configure("sometimes")
