@@ -41,6 +41,8 @@ BATCH = 32  # requests handled per wake-up before completions and housekeeping g
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 # complete messages queued per peer before libzmq stops reading that peer's connection
 TRANSPORT_RCVHWM = 8
+# how long closing the socket at shutdown may wait for queued replies and acks to go out
+CLOSE_LINGER_MS = 1000
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _COPY_MAX = 64 << 10  # index frames up to this size are taken as bytes (cheaper than a Frame)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -342,7 +344,9 @@ class Server:
             self.poller.unregister(self.sock)
         except KeyError:
             pass
-        self.sock.close(0)
+        # what is still queued (the reply to ``shutdown``, the last acks) goes out to peers that
+        # are connected; one that is gone holds the close at most this long
+        self.sock.close(CLOSE_LINGER_MS)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

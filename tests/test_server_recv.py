@@ -52,3 +52,30 @@ def test_recv_request_keeps_frames_and_refuses_over_the_caps():
         d.close(0)
         r.close(0)
         ctx.term()
+
+
+def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
+    """The daemon answers ``shutdown`` (and pushes its last acks) just before it closes its
+    socket: ``Server.close`` lets what is queued to a connected peer go out (a bounded linger)
+    instead of dropping it. A 32 MiB reply is still in the I/O thread when close is called."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.server import Server
+
+    srv = Server(SimpleNamespace(heartbeat_timeout=10.0), f"ipc://{tmp_path}/s.sock")
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVHWM, 0)
+    d.connect(srv.endpoint)
+    d.send_multipart([b"hello"])
+    _wait(srv.sock)
+    frames, refused = srv._recv()
+    body = np.arange(8 << 20, dtype=np.int32).tobytes()
+    assert srv._send(frames[0], [b"last", body])
+    srv.close()
+    _wait(d)
+    got = d.recv_multipart()
+    assert got[0] == b"last" and got[1] == body
+    d.close()
+    ctx.term()
