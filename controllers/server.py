@@ -307,8 +307,8 @@ class Server:
         st = self.state
         if st.notices:
             notices, st.notices = st.notices, []
-            for c, op_id in notices:  # False: peer gone or full; its ack still says it is done
-                self._send(c.ident, P.encode_issued(op_id))
+            for c, op_id, n in notices:  # False: peer gone or full; its ack still says it is done
+                self._send(c.ident, P.encode_issued(op_id, n))
         if not st.outbox:
             return
         out, st.outbox = st.outbox, []

@@ -82,7 +82,8 @@ class DaemonState:
         # work that waits until the reply is sent: accounting of inline ops, and the launch
         # groups after layer 0 of GPU loads (handed to the issuer: ``scheduler.defer_issue``)
         self.post: list[Operation] = []
-        self.notices: list[tuple[ClientState, int]] = []  # "issued" pushes: (client, op id)
+        # "issued" pushes: (client, op id, layers issued; None: all of them)
+        self.notices: list[tuple[ClientState, int, int | None]] = []
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
         self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
         self.l3_ns = ""  # the namespace of this stage's L3 objects
@@ -235,14 +236,20 @@ class DaemonState:
             self._finish(op)
 
     def collect(self) -> int:
-        """Queue the "issued" notices of GPU loads whose layers are all issued, then finish every
+        """Queue the "issued" notices of GPU loads issued further (a launch group's worth, with
+        the number of layers) or wholly, then finish every
         op the scheduler (and the L3 client) completed since the last call (acks to
         ``outbox``)."""
-        for op in self.scheduler.take_issued():  # before completions: notice, then ack
+        progress, issued = self.scheduler.take_issued()
+        for op, n in progress:  # before the op's last notice and its ack
+            entry = self.ops.get(op.op_id)
+            if entry is not None:
+                self.notices.append((entry[1], op.op_id, n))
+        for op in issued:  # before completions: notice, then ack
             self.metrics.observe("load_issue_seconds", op.issue_s)
             entry = self.ops.get(op.op_id)
             if entry is not None:
-                self.notices.append((entry[1], op.op_id))
+                self.notices.append((entry[1], op.op_id, None))
         done = self.scheduler.take_completed()
         if done:
             mark = self.watch.begin()

@@ -5,8 +5,10 @@
   in a part of their own); ``check_layer_part`` is its validation (``TransferError`` before
   anything is built).
 * ``copy_by_layer(parts, layer_order, on_layer)`` copies them layer by layer in
-  ``layer_order``; ``issue_by_layer`` is the same in two steps (a generator: the daemon
-  answers its client after layer 0's step and issues the rest right after the reply).
+  ``layer_order``; ``issue_by_layer`` is the same as a generator: it yields after layer 0's
+  step (the daemon answers its client there and issues the rest right after the reply), then
+  after each later launch group, the number of layers issued so far (the daemon tells its
+  client how far the issue got, so a layer's wait need not wait for the whole issue).
   Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
   copy-engine copies plans layer 1's group on its own before the other later layers. Whole
   rows of 64 KiB or more
@@ -40,7 +42,10 @@ DEFAULT_CTAS = 4
 # copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
 # link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy
 LEAD_BYTES = 32 << 20
-# a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first)
+# a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
+# so its copy, and the engine's word that it is issued, come before the rest is planned).
+# 1,024 (8k tokens of DSV4-Flash's full mirror split too) brought 8k's second layer from
+# 3.0-3.3 to 1.8-2.5 ms but left its last layer at the bottom of its spread (H200, 2 runs)
 SPLIT_COPIES = 4096
 
 
@@ -95,10 +100,11 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None,
                    more: Optional[Callable[[], Sequence[SegmentPart]]] = None) -> Iterator[int]:
-    """``copy_by_layer`` in two steps, each yielding how many layers are issued so far. The
-    first step plans and issues layer 0 alone (its own small plan, so its copy starts before
-    the other layers are planned); the second plans and issues the rest, one launch group
-    after another. A caller may answer its client between steps; every step enters
+    """``copy_by_layer`` step by step, each step yielding how many layers of ``layer_order``
+    are issued so far (their ``on_layer`` calls made). The first step plans and issues layer 0
+    alone (its own small plan, so its copy starts before the other layers are planned); every
+    later step issues one launch group of the rest (planned when the first of them is issued).
+    A caller may answer its client, or report progress, between steps; every step enters
     ``stream`` itself, so nothing of the stream context leaks across a pause. Parts naming a
     layer outside ``layer_order`` are refused before anything is launched. ``more``
     (optional) builds further parts after the first step, so building parts that do not hold
@@ -113,9 +119,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     # layer 0's big rows start on the copy engines before its segment plan is built or
     # uploaded (the latency the engine waits for first); with no segment launch (SWA rows
     # only) they go on the load stream itself
-    with on_stream(stream, dev):
-        _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev)
-    yield 1
+    yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
     if more is not None:
         extra = list(more())
         if any(g0 in p.layers for p in extra):
@@ -129,28 +133,32 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     # a big rest is planned in two: layer 1's group alone first, so its copies start while the
     # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
     head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
-    with on_stream(stream, dev):  # one step: nothing answers a client between these groups
-        _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev)
-        if head < len(groups):
-            _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas, dev)
-    yield len(layer_order)
+    yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
+                             stream)
+    if head < len(groups):
+        yield from _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas,
+                                 dev, stream)
 
 
 def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   groups: Sequence[tuple[int, int]], on_layer: Optional[Callable[[int], None]],
-                  device: torch.device, ctas: int, dev: Optional[torch.device]) -> None:
+                  device: torch.device, ctas: int, dev: Optional[torch.device],
+                  stream: Optional["torch.cuda.Stream"]) -> Iterator[int]:
     """One plan for the layers of consecutive launch ``groups`` (positions ``[a, b)`` of
-    ``layer_order``), launched group by group; ``on_layer(i)`` after the group holding
-    position ``i``."""
+    ``layer_order``), launched group by group on ``stream``; ``on_layer(i)`` after the group
+    holding position ``i``; yields ``b`` after each group."""
     lo, hi = groups[0][0], groups[-1][1]
     mine = set(layer_order[lo:hi])
-    plan = _LayerPlan(parts, mine.__contains__, layer_order[lo:hi], dev,
-                      [(a - lo, b - lo) for a, b in groups])
+    with on_stream(stream, dev):
+        plan = _LayerPlan(parts, mine.__contains__, layer_order[lo:hi], dev,
+                          [(a - lo, b - lo) for a, b in groups])
     for k, (a, b) in enumerate(groups):
-        plan.launch(device, k, ctas)
-        if on_layer is not None:
-            for i in range(a, b):
-                on_layer(i)
+        with on_stream(stream, dev):
+            plan.launch(device, k, ctas)
+            if on_layer is not None:
+                for i in range(a, b):
+                    on_layer(i)
+        yield b
 
 
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:

@@ -32,7 +32,7 @@ def test_issued_notice_releases_the_later_layers():
     c = Scripted([{"v": 1, "k": "ack", "op": 3, "status": "ok"} | ACK | {"op": 3},
                   {"v": 1, "k": "issued", "op": 7}])
     op = Op(7, "load", event_set=0, issued=1)
-    c._wait_issued(op, 1.0)
+    c._wait_issued(op, 1, 1.0)
     assert op.issued is None and 7 not in c._issued  # consumed
     assert 3 in c._acks  # the other op's ack, pushed meanwhile, is kept
     c.close()
@@ -41,7 +41,7 @@ def test_issued_notice_releases_the_later_layers():
 def test_an_ack_counts_as_issued_and_stays_for_wait_ack():
     c = Scripted([ACK])
     op = Op(7, "load", event_set=0, issued=1)
-    c._wait_issued(op, 1.0)
+    c._wait_issued(op, 1, 1.0)
     assert op.issued is None
     assert c.wait_ack(op, 0.1).ok  # still there for the caller
     c.close()
@@ -51,5 +51,44 @@ def test_a_lost_notice_falls_back_to_the_ack_and_times_out_cleanly():
     c = Scripted([])
     op = Op(7, "load", event_set=0, issued=1)
     with pytest.raises(AckTimeout):
-        c._wait_issued(op, 0.6)
+        c._wait_issued(op, 1, 0.6)
+    c.close()
+
+
+def test_progress_notices_release_the_layers_they_cover():
+    """``layers: K`` releases stage layer positions below K; a wait beyond them takes the next
+    notice; the notice without ``layers`` releases all and is consumed."""
+    c = Scripted([{"v": 1, "k": "issued", "op": 7, "layers": 4},
+                  {"v": 1, "k": "issued", "op": 7, "layers": 12},
+                  {"v": 1, "k": "issued", "op": 7}])
+    op = Op(7, "load", event_set=0, issued=1)
+    c._wait_issued(op, 1, 1.0)  # covered by the first notice: the second is not read yet
+    assert op.issued == 4 and len(c.script) == 2 and c._issued[7] == 4
+    c._wait_issued(op, 11, 1.0)  # position 11 < 12
+    assert op.issued == 12 and len(c.script) == 1
+    c._wait_issued(op, 12, 1.0)  # beyond every progress notice: the last one
+    assert op.issued is None and 7 not in c._issued and not c.script
+    c.close()
+
+
+def test_a_late_progress_notice_never_undoes_the_last_one_and_never_shrinks():
+    c = Scripted([])
+    c._pushed({"v": 1, "k": "issued", "op": 7, "layers": 9})
+    c._pushed({"v": 1, "k": "issued", "op": 7, "layers": 5})
+    assert c._issued[7] == 9
+    c._pushed({"v": 1, "k": "issued", "op": 7})
+    c._pushed({"v": 1, "k": "issued", "op": 7, "layers": 20})
+    assert c._issued[7] is None
+    op = Op(7, "load", event_set=0, issued=1)
+    c._wait_issued(op, 30, 1.0)
+    assert op.issued is None and 7 not in c._issued
+    c.close()
+
+
+def test_an_ack_after_a_progress_notice_releases_every_layer():
+    c = Scripted([{"v": 1, "k": "issued", "op": 7, "layers": 3}, ACK])
+    op = Op(7, "load", event_set=0, issued=1)
+    c._wait_issued(op, 5, 1.0)  # the progress notice does not cover 5; the ack does
+    assert op.issued is None and 7 not in c._issued
+    assert c.wait_ack(op, 0.1).ok
     c.close()

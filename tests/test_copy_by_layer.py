@@ -140,7 +140,10 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
         steps = issue_by_layer(first, order, seen.append, device=dev, ctas=3,
                                more=lambda: built.append(len(seen)) or later)
         assert next(steps) == 1 and built == []  # layer 0 issued before the rest are built
-        assert list(steps)[-1] == len(order) and built == [1]
+        # then one step per launch group, each after its layers' on_layer calls
+        later = [(n, len(seen)) for n in steps]
+        assert [n for n, _ in later] == [b for _, b in by_layer.layer_groups(len(order))[1:]]
+        assert all(n == k for n, k in later) and built == [1]
     else:
         path = copy_by_layer(parts, order, seen.append, device=dev, ctas=3)
         assert path == "by_layer"
@@ -320,3 +323,17 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     for *_, src, src_cpu, dst, exp in checks:
         assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
+
+
+def test_layer_groups_double():
+    """Groups tile [0, n) in order: layer 0 alone, then 1, 2, 4, ... layers (the last one
+    what is left); O(log n) groups."""
+    assert [b - a for a, b in by_layer.layer_groups(44)] == [1, 1, 2, 4, 8, 16, 12]
+    assert by_layer.layer_groups(0) == []
+    for n in range(1, 300):
+        g = by_layer.layer_groups(n)
+        assert g[0] == (0, 1) and g[-1][1] == n
+        assert all(g[i][1] == g[i + 1][0] for i in range(len(g) - 1))
+        sizes = [b - a for a, b in g]
+        assert all(x == 1 << max(0, i - 1) for i, x in enumerate(sizes[:-1]))
+        assert 0 < sizes[-1] <= 1 << max(0, len(sizes) - 2)

@@ -33,6 +33,7 @@ def _shell() -> tuple[Scheduler, queue.SimpleQueue, list[int]]:
     s._issue_cv = threading.Condition()
     s._issuing = 0
     s._issued = []
+    s._progress = []
     s._done, s._done_lock, s._pending = [], threading.Lock(), 0
     woke: list[int] = []
     s._wake = lambda: woke.append(1)
@@ -77,7 +78,7 @@ def test_issuer_always_releases_the_server_and_completes_the_op(case, monkeypatc
     waiter.join(10)
     th.join(10)
     assert not waiter.is_alive() and not th.is_alive() and not s.issuing()
-    assert s.take_issued() == [op] and s.take_issued() == [] and woke
+    assert s.take_issued() == ([], [op]) and s.take_issued() == ([], []) and woke
     assert op.rest is None and op.issue_s > 0
     if case == "ok":
         assert op.ok and op.issued == 3 and op.done_event.recorded
@@ -92,3 +93,26 @@ def test_issuer_always_releases_the_server_and_completes_the_op(case, monkeypatc
     s._gpu_completer(load_q)
     assert s.take_completed() == [op] and op.t_end > 0
     assert op.ok == (case == "ok") and (case != "event" or "completion event failed" in op.error)
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_issuer_reports_progress_before_the_end(every, monkeypatch):
+    """After a launch group that ends ``PROGRESS_S`` or more after the last word, the issuer
+    lists (op, layers issued) for a progress notice, and wakes the server; never for the last
+    group (the end says it), and everything of an op is taken before or with its end."""
+    import hicache.controllers.scheduler as sched_mod
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(sched_mod, "PROGRESS_S", 0.0 if every else 3600.0)
+    s, issue_q, woke = _shell()
+    op = Operation(4, "c", "load")
+    op.stage_layers = tuple(range(6))
+    op.rest = iter([2, 4, 6])
+    s._pending = 1
+    s.defer_issue(op)
+    issue_q.put(None)
+    s._issuer(issue_q)
+    progress, issued = s.take_issued()
+    assert issued == [op] and op.issued == 6
+    assert progress == ([(op, 2), (op, 4)] if every else [])
+    assert len(woke) == (3 if every else 1)
+    assert s.take_issued() == ([], [])

@@ -62,7 +62,9 @@ def _collect(eng: Scheduler, woke: threading.Event, want: int) -> tuple[list, li
     while len(done) < want and time.monotonic() < deadline:
         woke.wait(0.2)
         woke.clear()
-        seen += [("issued", op.op_id) for op in eng.take_issued()]
+        progress, issued = eng.take_issued()
+        seen += [("progress", op.op_id) for op, _ in progress]
+        seen += [("issued", op.op_id) for op in issued]
         got = eng.take_completed()
         seen += [("done", op.op_id) for op in got]
         done += got
@@ -97,7 +99,7 @@ def test_later_layers_issue_off_the_server_thread_in_command_order():
     t0 = time.perf_counter()
     eng.defer_issue(a)
     assert time.perf_counter() - t0 < 0.05  # the server thread is not held
-    assert eng.take_issued() == [] and a.done_event is None
+    assert eng.take_issued() == ([], []) and a.done_event is None
 
     # 2) backup B of other device rows to other host rows: no dependency, goes out at once
     b = _op(2, "backup", dev, back, [0, 1], [0, 1], [0, 1])
@@ -145,3 +147,43 @@ def test_later_layers_issue_off_the_server_thread_in_command_order():
         assert torch.equal(host.layers[li][2], was[12])  # C wrote it, after A read it
         rest = [r for r in range(ROWS) if r != 2]
         assert torch.equal(host.layers[li][rest], h[rest])
+
+
+def test_a_slow_issue_reports_its_progress_before_its_end(monkeypatch):
+    """With every group worth a notice (``PROGRESS_S`` 0), a load of 8 layers (groups 1, 1, 2,
+    4) is listed with 2 and then 4 layers issued before it is listed as fully issued, and that
+    before it completes; every byte arrives."""
+    import hicache.controllers.scheduler as sched_mod
+    monkeypatch.setattr(sched_mod, "PROGRESS_S", 0.0)
+    torch.cuda.set_device(DEV)
+    layers = tuple(range(8))
+    woke = threading.Event()
+    eng = Scheduler(DEV, woke.set)
+    host = LayerTable([torch.randint(0, 256, (ROWS, ROW), dtype=torch.uint8).pin_memory()
+                       for _ in layers], "host")
+    dev = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8, device=DEV) for _ in layers],
+                     "dev")
+    it = Item("p", host, dev, Ids.of([3, 1, 4]), Ids.of([9, 2, 6]), None, layers,
+              3 * ROW * len(layers))
+    op = Operation(1, "c", "load", [it], [("page", [1, 3, 4], False)], nbytes=it.nbytes)
+    op.layer_events = [torch.cuda.Event() for _ in layers]
+    op.stage_layers = layers
+    eng.submit(op)
+    assert op.issued == 1
+    eng.defer_issue(op)
+    seen: list[tuple] = []
+    deadline = time.monotonic() + 30
+    while ("done", 1) not in seen and time.monotonic() < deadline:
+        woke.wait(0.2)
+        woke.clear()
+        progress, issued = eng.take_issued()
+        seen += [("progress", o.op_id, n) for o, n in progress]
+        seen += [("issued", o.op_id) for o in issued]
+        seen += [("done", o.op_id) for o in eng.take_completed()]
+    assert eng.close()
+    assert seen == [("progress", 1, 2), ("progress", 1, 4), ("issued", 1), ("done", 1)]
+    assert op.ok and op.issued == len(layers)
+    for li in range(len(layers)):
+        got = dev.layers[li].cpu()
+        assert torch.equal(got[[9, 2, 6]], host.layers[li][[3, 1, 4]])
+        assert not got[[r for r in range(ROWS) if r not in (9, 2, 6)]].any()

@@ -258,3 +258,9 @@ def test_ack_template_writes_what_json_writes(n, kind, status, path, pools, flag
     assert P.encode_ack(ack) == [json.dumps({"v": 1, "k": "ack", **ack},
                                             separators=(",", ":")).encode()]
     assert P.decode_reply([want])[0]["ack"] == ack
+
+
+def test_issued_notice_names_the_layers_only_for_progress():
+    assert json.loads(P.encode_issued(5)[0]) == {"v": P.VERSION, "k": "issued", "op": 5}
+    assert json.loads(P.encode_issued(5, 12)[0]) == {"v": P.VERSION, "k": "issued", "op": 5,
+                                                     "layers": 12}

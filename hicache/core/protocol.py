@@ -11,7 +11,9 @@ schema check (``check_fields``), index frames through a length check and a ``mem
            ``{"v": 1, "k": "reply", "id": INT, "ok": false, "error": {"code", "message"}}``
 * ack      ``{"v": 1, "k": "ack", "op": INT, "status": "ok"|"error", ...}`` (pushed, no reply)
 * issued   ``{"v": 1, "k": "issued", "op": INT}`` (pushed, GPU loads: every layer's event is
-           recorded; the reply said how many were at reply time)
+           recorded; the reply said how many were at reply time), before it maybe progress
+           notices ``{"v": 1, "k": "issued", "op": INT, "layers": INT}`` (the first that many
+           stage layers' events are recorded)
 
 See docs/protocol.md for every command, its fields and its reply.
 """
@@ -299,8 +301,13 @@ def encode_ack(ack: dict[str, Any]) -> list[bytes]:
     return [_dumps(h)]
 
 
-def encode_issued(op_id: int) -> list[bytes]:
-    return [_dumps({"v": VERSION, "k": "issued", "op": op_id})]
+def encode_issued(op_id: int, layers: int | None = None) -> list[bytes]:
+    """The "issued" push: every layer of load ``op_id`` (``layers`` None), or its first
+    ``layers`` stage layers, have their events recorded."""
+    h: dict[str, Any] = {"v": VERSION, "k": "issued", "op": op_id}
+    if layers is not None:
+        h["layers"] = layers
+    return [_dumps(h)]
 
 
 def _loads(frame: Any, what: str) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._pollin = [(s, _POLLIN)]
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
-        self._issued: OrderedDict[int, None] = OrderedDict()  # GPU loads fully issued (pushed)
+        # GPU loads' "issued" pushes: layers issued so far (None: all of them)
+        self._issued: OrderedDict[int, int | None] = OrderedDict()
         self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._spin_set = reply_spin_us  # None: chosen at register (GPU or not)
         self._reply_spin = (reply_spin_us or 0.0) * 1e-6

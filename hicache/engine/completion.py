@@ -4,8 +4,9 @@ notices), ``poll_acks``, ``drain``, ``wait_ack(op)`` and, on GPU, ``wait_layer(o
 stream)``: the wait for one layer of a load. Every wait is bounded by a timeout.
 
 ``wait_layer``: the daemon answers a GPU load once layer 0's copy is enqueued (``op.issued``
-layers' events are recorded), so a later layer's wait first takes the daemon's "issued" notice
-(or the op's ack). Then the host polls the layer's event until it completes (``spin_us`` None,
+layers' events are recorded), so a later layer's wait first takes a daemon's "issued" notice
+that covers it: a progress notice (``layers``: the first that many are recorded) or the last
+one (all of them), or the op's ack. Then the host polls the layer's event until it completes (``spin_us`` None,
 the default) or for ``spin_us`` microseconds before it puts a wait on the stream: a CUDA
 stream's wait on another process's event was seen ~1.7 ms late on an H200 without MPS, so a
 host wait is the faster one; an engine that must not hold its thread sets ``spin_us``.
@@ -29,7 +30,7 @@ class Completion:
     timeout: float
     spin_us: float | None
     _acks: OrderedDict[int, Ack]
-    _issued: OrderedDict[int, None]
+    _issued: OrderedDict[int, int | None]
     _load_events: list
     _layer_pos: dict
     stage_layers: list
@@ -41,7 +42,13 @@ class Completion:
             self._keep_ack(h)
             return True
         if k == "issued":
-            self._issued[int(h["op"])] = None
+            op, n = int(h["op"]), h.get("layers")
+            if n is None:
+                self._issued[op] = None
+            else:  # a progress notice: it only ever grows, and never undoes the last one
+                had = self._issued.get(op, 0)
+                if had is not None:
+                    self._issued[op] = max(had, int(n))
             while len(self._issued) > ACK_KEEP:
                 self._issued.popitem(last=False)
             return True
@@ -128,7 +135,7 @@ class Completion:
         if pos is None:
             raise ValueError(f"layer {layer} is not on this stage ({self.stage_layers})")
         if op.issued is not None and pos >= op.issued:
-            self._wait_issued(op, timeout)
+            self._wait_issued(op, pos, timeout)
         ev = self._load_events[op.event_set][pos]
         # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
         # MPS, even for a record that already completed. So the host polls the event (until
@@ -146,11 +153,23 @@ class Completion:
                 (stream or torch.cuda.current_stream()).wait_event(ev)
                 return
 
-    def _wait_issued(self, op: Op, timeout: float | None) -> None:
+    def _wait_issued(self, op: Op, pos: int, timeout: float | None) -> None:
+        """Until a notice covers stage layer position ``pos`` of ``op`` (or its ack is in);
+        then ``op.issued`` is what the notices say (None: every layer is recorded)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         lost = time.monotonic() + min(0.5, timeout / 2)  # the notice follows the reply at once
-        while op.op_id not in self._issued and op.op_id not in self._acks:
+        op_id = op.op_id
+
+        def covered() -> bool:
+            if op_id in self._acks:
+                return True
+            if op_id not in self._issued:
+                return False
+            n = self._issued[op_id]
+            return n is None or n > pos
+
+        while not covered():
             left = min(deadline, lost) - time.monotonic()
             if left <= 0:  # a lost push: the op's ack (pushed or polled) also says it
                 a = self.wait_ack(op, max(0.0, deadline - time.monotonic()), check=False)
@@ -159,5 +178,9 @@ class Completion:
             got = self._recv(max(1, int(left * 1000)))
             if got is not None:
                 self._pushed(got[0])
-        self._issued.pop(op.op_id, None)
+        n = self._issued.get(op_id)
+        if n is not None and op_id not in self._acks:
+            op.issued = n  # later layers may still wait for a further notice
+            return
+        self._issued.pop(op_id, None)
         op.issued = None  # every layer is recorded: later waits go straight to the event
