@@ -331,7 +331,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
             bop = c.backup_new(other)
-            _, last_busy, _ = timed_load(c, items, stream, cuda)
+            last_busy = timed_load(c, items, stream, cuda).last
             out["busy_last"].append(last_busy)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)
@@ -345,7 +345,8 @@ def _table(result: dict[str, Any]) -> None:
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
-    print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'last ms':>8} {'load GB/s':>9} "
+    print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} {'last ms':>8} "
+          f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
@@ -353,7 +354,8 @@ def _table(result: dict[str, Any]) -> None:
         for s, r in result.get(key, {}).items():
             m = r["summary"]
             print(f"{mirror:>11} {s:>5} {m['bytes'] / 1e6:7.0f} {m['load_first_ms']:9.2f} "
-                  f"{m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} {f(m['load_ratio']):>6} "
+                  f"{m['load_second_ms']:9.2f} {m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} "
+                  f"{f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "

@@ -2,10 +2,12 @@
 ``e2e_checkpoint``): a timed LOAD through the daemon with the engine's per-layer waits, the same
 load by the kernels in-process, and the per-size summary.
 
-* ``timed_load(c, items, stream, cuda) -> (first, last, ack)`` (``load_into`` appends them to
-  a size's figures): seconds from the command to the
-  first / last stage layer ready (CUDA events on the engine's stream after its waits) and to
-  the ack; CPU mode: the ack for all three. The command -> reply time goes to ``REPLY``.
+* ``timed_load(c, items, stream, cuda) -> LoadTimes`` (``load_into`` appends them to a size's
+  figures): seconds from the command to the first, second and last stage layer ready (CUDA
+  events on the engine's stream after its waits) and to the ack; CPU mode: the ack for all
+  four. The command -> reply time goes to ``REPLY``. The second layer is the first that the
+  daemon issues after its reply: when it is ready says whether an engine's forward pass can
+  follow the load layer by layer or must wait for the whole issue.
 * ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
   of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
   how long the engine's next command waits behind a load.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +32,8 @@ from hicache.kernels.dispatch import copy_by_layer, layer_parts
 from hicache.kernels.tables import TokenFormat
 
 INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
-FIGURES = ("backup_ack", "load_first", "load_last", "load_ack", "inproc_last", "busy_last",
-           "cmd_during_load")
+FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
+           "busy_last", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)
 now = time.perf_counter
@@ -51,7 +53,8 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
     ISSUE.clear()
     summary = {
         "pages": n, "bytes": nbytes,
-        "load_first_ms": med["load_first"] * 1e3, "load_last_ms": med["load_last"] * 1e3,
+        "load_first_ms": med["load_first"] * 1e3, "load_second_ms": med["load_second"] * 1e3,
+        "load_last_ms": med["load_last"] * 1e3,
         "load_ack_ms": med["load_ack"] * 1e3, "backup_ack_ms": med["backup_ack"] * 1e3,
         "load_reply_ms": reply_ms, "inproc_issue_ms": issue_ms,
         "load_gbps": nbytes / med["load_last"] / 1e9,
@@ -68,12 +71,13 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
 
 def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
               cuda: bool) -> None:
-    """``timed_load`` of ``items``, its three times appended to ``out`` (``FIGURES``), then
+    """``timed_load`` of ``items``, its four times appended to ``out`` (``FIGURES``), then
     ``command_during_load`` of the same load."""
-    first, last, ack = timed_load(c, items, stream, cuda)
-    out["load_first"].append(first)
-    out["load_last"].append(last)
-    out["load_ack"].append(ack)
+    t = timed_load(c, items, stream, cuda)
+    out["load_first"].append(t.first)
+    out["load_second"].append(t.second)
+    out["load_last"].append(t.last)
+    out["load_ack"].append(t.ack)
     out["cmd_during_load"].append(command_during_load(c, items))
 
 
@@ -88,16 +92,25 @@ def command_during_load(c: Client, items: dict[str, tuple]) -> float:
     return t
 
 
-def timed_load(c: Client, items: dict[str, tuple], stream: Any,
-                cuda: bool) -> tuple[float, float, float]:
-    """LOAD ``items`` (``Client.load``'s argument): (command -> first layer ready, -> last layer
-    ready, -> ack) in seconds."""
+class LoadTimes(NamedTuple):
+    """Seconds from a LOAD command to its first, second and last stage layer ready, and to its
+    ack."""
+
+    first: float
+    second: float
+    last: float
+    ack: float
+
+
+def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> LoadTimes:
+    """LOAD ``items`` (``Client.load``'s argument) with the engine's per-layer waits: its
+    ``LoadTimes``."""
     t0 = time.perf_counter()
     if not cuda:
         op = c.load(items)
         c.wait_ack(op, timeout=120)
         t = time.perf_counter() - t0
-        return t, t, t
+        return LoadTimes(t, t, t, t)
     start = torch.cuda.Event(enable_timing=True)
     start.record(stream)
     op = c.load(items)
@@ -111,7 +124,9 @@ def timed_load(c: Client, items: dict[str, tuple], stream: Any,
     c.wait_ack(op, timeout=120)
     t_ack = time.perf_counter() - t0
     ready[-1].synchronize()
-    return (start.elapsed_time(ready[0]) * 1e-3, start.elapsed_time(ready[-1]) * 1e-3, t_ack)
+    at = [start.elapsed_time(e) * 1e-3 for e in (ready[0], ready[min(1, len(ready) - 1)],
+                                                  ready[-1])]
+    return LoadTimes(at[0], at[1], at[2], t_ack)
 
 
 def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
