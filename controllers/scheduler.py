@@ -14,9 +14,10 @@ pool of its layers, layer 0 first) and records layer ``i``'s interprocess event 
 the launch holding layer ``i``. ``submit`` issues layer 0's launch only; the server answers
 the engine, then ``defer_issue`` hands the op to the issuer thread, which issues the other layers
 while the server reads the next commands (``take_issued`` gives the server the ops whose layers
-are all issued, for their "issued" notices, and those whose issue went on by a launch group
-at least ``PROGRESS_S`` after the last word to their client, for a notice of how many layers
-are issued: an engine then waits for a layer, not for the whole load's issue). A
+are all issued, for their "issued" notices, and, for a load of ``PROGRESS_BYTES`` or more,
+those whose issue went on by a launch group at least ``PROGRESS_S`` after the last word to
+their client, for a notice of how many layers are issued: an engine then waits for a layer,
+not for the whole load's issue). A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
 ``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
 kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
@@ -75,9 +76,13 @@ log = logging.getLogger("hicache.scheduler")
 # ----------------------------------------------------------------------------- how bytes move
 SMALL_IDS = 64  # up to this many ids per pool, CPU copies go id by id (numpy / memmove)
 CHUNK_BYTES = 32 << 20  # a larger CPU copy goes this many bytes (all layers) at a time
-# a load's issue reports its progress (an "issued" notice naming the layers issued) after a
-# launch group that ends at least this long after the reply or the last such notice: a 2k
-# load's whole issue takes ~2 ms, a 128k load's 26-40 ms (H200 host)
+# a load of at least PROGRESS_BYTES reports its issue's progress (an "issued" notice naming the
+# layers issued) after a launch group that ends at least PROGRESS_S after the reply or the last
+# such notice. Each notice takes the server thread (and the GIL) from the issuer for a while; a
+# smaller load's whole issue takes ~2 ms (H200 host, 2k tokens of DSV4-Flash's full mirror:
+# 88 MB), where notices moved its second layer by nothing and its last layer by -0 to -6 %
+# (8 A/B pairs); a 128k load's takes 26-40 ms
+PROGRESS_BYTES = 256 << 20
 PROGRESS_S = 0.5e-3
 
 
@@ -325,9 +330,12 @@ class Scheduler:
             if op is None:
                 return
             t0 = told = time.perf_counter()
+            report = op.nbytes >= PROGRESS_BYTES
             try:
                 try:
                     for op.issued in op.rest:
+                        if not report:
+                            continue
                         t = time.perf_counter()
                         # the last group is told by the load's end (take_issued's second list)
                         if t - told >= PROGRESS_S and op.issued < len(op.stage_layers):

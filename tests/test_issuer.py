@@ -103,10 +103,12 @@ def test_issuer_reports_progress_before_the_end(every, monkeypatch):
     import hicache.controllers.scheduler as sched_mod
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(sched_mod, "PROGRESS_S", 0.0 if every else 3600.0)
+    monkeypatch.setattr(sched_mod, "PROGRESS_BYTES", 100)
     s, issue_q, woke = _shell()
     op = Operation(4, "c", "load")
     op.stage_layers = tuple(range(6))
     op.rest = iter([2, 4, 6])
+    op.nbytes = 100
     s._pending = 1
     s.defer_issue(op)
     issue_q.put(None)
@@ -116,3 +118,19 @@ def test_issuer_reports_progress_before_the_end(every, monkeypatch):
     assert progress == ([(op, 2), (op, 4)] if every else [])
     assert len(woke) == (3 if every else 1)
     assert s.take_issued() == ([], [])
+
+
+def test_a_small_load_reports_no_progress(monkeypatch):
+    """Below ``PROGRESS_BYTES`` the issue is short: only its end is told."""
+    import hicache.controllers.scheduler as sched_mod
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(sched_mod, "PROGRESS_S", 0.0)
+    s, issue_q, woke = _shell()
+    op = Operation(5, "c", "load", nbytes=sched_mod.PROGRESS_BYTES - 1)
+    op.stage_layers = tuple(range(6))
+    op.rest = iter([2, 4, 6])
+    s._pending = 1
+    s.defer_issue(op)
+    issue_q.put(None)
+    s._issuer(issue_q)
+    assert s.take_issued() == ([], [op]) and op.issued == 6 and len(woke) == 1
