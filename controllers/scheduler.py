@@ -80,8 +80,8 @@ CHUNK_BYTES = 32 << 20  # a larger CPU copy goes this many bytes (all layers) at
 # layers issued) after a launch group that ends at least PROGRESS_S after the reply or the last
 # such notice. Each notice takes the server thread (and the GIL) from the issuer for a while; a
 # smaller load's whole issue takes ~2 ms (H200 host, 2k tokens of DSV4-Flash's full mirror:
-# 88 MB), where notices moved its second layer by nothing and its last layer by -0 to -6 %
-# (8 A/B pairs); a 128k load's takes 26-40 ms
+# 88 MB), and notices brought its second layer nothing (its last layer follows 0.1-0.4 ms
+# later); a 128k load's issue takes 26-40 ms
 PROGRESS_BYTES = 256 << 20
 PROGRESS_S = 0.5e-3
 

@@ -150,9 +150,9 @@ def test_later_layers_issue_off_the_server_thread_in_command_order():
 
 
 def test_a_slow_issue_reports_its_progress_before_its_end(monkeypatch):
-    """With every group worth a notice (``PROGRESS_S`` and ``PROGRESS_BYTES`` 0), a load of 8 layers (groups 1, 1, 2,
-    4) is listed with 2 and then 4 layers issued before it is listed as fully issued, and that
-    before it completes; every byte arrives."""
+    """With every group worth a notice (``PROGRESS_S`` and ``PROGRESS_BYTES`` 0), a load of 8
+    layers (groups 1, 1, 2, 4) is listed with 2 and then 4 layers issued before it is listed as
+    fully issued, and that before it completes; every byte arrives."""
     import hicache.controllers.scheduler as sched_mod
     monkeypatch.setattr(sched_mod, "PROGRESS_S", 0.0)
     monkeypatch.setattr(sched_mod, "PROGRESS_BYTES", 0)

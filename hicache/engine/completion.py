@@ -6,10 +6,11 @@ stream)``: the wait for one layer of a load. Every wait is bounded by a timeout.
 ``wait_layer``: the daemon answers a GPU load once layer 0's copy is enqueued (``op.issued``
 layers' events are recorded), so a later layer's wait first takes a daemon's "issued" notice
 that covers it: a progress notice (``layers``: the first that many are recorded) or the last
-one (all of them), or the op's ack. Then the host polls the layer's event until it completes (``spin_us`` None,
-the default) or for ``spin_us`` microseconds before it puts a wait on the stream: a CUDA
-stream's wait on another process's event was seen ~1.7 ms late on an H200 without MPS, so a
-host wait is the faster one; an engine that must not hold its thread sets ``spin_us``.
+one (all of them), or the op's ack. Then the host polls the layer's event until it completes
+(``spin_us`` None, the default) or for ``spin_us`` microseconds before it puts a wait on the
+stream: a CUDA stream's wait on another process's event was seen ~1.7 ms late on an H200
+without MPS, so a host wait is the faster one; an engine that must not hold its thread sets
+``spin_us``.
 """
 from __future__ import annotations
 
