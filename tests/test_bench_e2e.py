@@ -62,6 +62,12 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
+    # first, second and last layer ready: in CPU mode (no per-layer events) all three are the
+    # ack, so they are equal run by run
+    runs = out["sizes"]["2k"]["runs"]
+    assert len(runs["load_second"]) == 2 and runs["load_second"] == runs["load_last"]
+    assert runs["load_first"] == runs["load_second"]
+    assert m["load_second_ms"] == m["load_last_ms"] > 0
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
     assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0
