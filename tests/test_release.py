@@ -206,11 +206,19 @@ def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypat
                 t[torch.from_numpy(other)] = 0xCD
         zeroing_threads: list[str] = []
         real = g._zero  # every zeroing, on the zero thread or in a free, goes through here
-        monkeypatch.setattr(g, "_zero", lambda pool, r: (
-            zeroing_threads.append(threading.current_thread().name), real(pool, r)))
+        gate = threading.Event()  # holds the zero thread until start() has returned
+
+        def zero(pool: str, r: object) -> None:
+            zeroing_threads.append(threading.current_thread().name)
+            gate.wait(10)  # (a zeroing on the loop would wait too, and fail the check below)
+            real(pool, r)
+
+        monkeypatch.setattr(g, "_zero", zero)
         freed, deferred = rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[],
                                    forget=False)
-        assert deferred and freed == 0  # 300 rows of 141 KiB: zeroed on the zero thread first
+        # 300 rows of 141 KiB: handed to the zero thread, none freed before they are zeroed
+        assert deferred and freed == 0
+        gate.set()
         deadline = time.monotonic() + 10
         while rel.pending and time.monotonic() < deadline:
             rel.step()
