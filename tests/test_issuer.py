@@ -134,3 +134,26 @@ def test_a_small_load_reports_no_progress(monkeypatch):
     issue_q.put(None)
     s._issuer(issue_q)
     assert s.take_issued() == ([], [op]) and op.issued == 6 and len(woke) == 1
+
+
+def test_state_queues_progress_then_the_end_and_skips_loads_of_gone_clients():
+    """``DaemonState.collect``: a load's progress notices (with their layer counts) before its
+    last notice (no count), in that order; a load whose client is gone (no entry in
+    ``ops``) gets no notice."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.state import DaemonState
+    a, gone = Operation(1, "c", "load"), Operation(2, "d", "load")
+    a.issue_s = 0.002
+    client = object()
+    observed: list[str] = []
+    st = object.__new__(DaemonState)
+    st.scheduler = SimpleNamespace(take_issued=lambda: ([(a, 2), (gone, 2), (a, 4)], [a]),
+                                   take_completed=lambda: [])
+    st.ops = {1: (a, client)}
+    st.metrics = SimpleNamespace(observe=lambda name, v: observed.append(name))
+    st.notices, st.l3_ops = [], {}
+    st.releaser = SimpleNamespace(pending=False)
+    assert st.collect() == 0
+    assert st.notices == [(client, 1, 2), (client, 1, 4), (client, 1, None)]
+    assert observed == ["load_issue_seconds"]
