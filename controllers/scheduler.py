@@ -17,7 +17,8 @@ while the server reads the next commands (``take_issued`` gives the server the o
 are all issued, for their "issued" notices, and, for a load of ``PROGRESS_BYTES`` or more,
 those whose issue went on by a launch group at least ``PROGRESS_S`` after the last word to
 their client, for a notice of how many layers are issued: an engine then waits for a layer,
-not for the whole load's issue). A
+not for the whole load's issue; a smaller load's later layers go as one launch group, since
+its client hears of them only when all are issued). A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
 ``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
 kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
@@ -147,7 +148,8 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     later = [it for it in op.items if g0 not in it.layers]  # built after it
     return issue_by_layer(_parts(first), op.stage_layers,
                           lambda i: events[i].record(stream), device=device, ctas=ctas,
-                          stream=stream, more=(lambda: _parts(later)) if later else None)
+                          stream=stream, more=(lambda: _parts(later)) if later else None,
+                          fine=op.nbytes >= PROGRESS_BYTES)
 
 
 def _parts(items: list[Item]) -> list[Any]:

@@ -9,7 +9,9 @@
   step (the daemon answers its client there and issues the rest right after the reply), then
   after each later launch group, the number of layers issued so far (the daemon tells its
   client how far the issue got, so a layer's wait need not wait for the whole issue).
-  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); a load of ``SPLIT_COPIES`` or more
+  Groups are 1, 1, 2, 4, 8, ... layers (``layer_groups``); with ``fine=False`` (a caller
+  whose client hears of the later layers only when all are issued) the later layers are one
+  group. A load of ``SPLIT_COPIES`` or more
   copy-engine copies plans layer 1's group on its own before the other later layers. Whole
   rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
@@ -18,8 +20,9 @@
   current stream, which then waits for
   the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
   records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
-  (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
-  is built.
+  (up to ``LEAD_BYTES``) before it builds its segment plan, and after each group (its
+  ``on_layer`` calls made) those of the next groups until ``LEAD_BYTES`` are queued again, so
+  the link is busy while the host builds that plan and launches the next groups.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -40,7 +43,9 @@ from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
 # copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
-# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy
+# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy; and
+# kept queued beyond each launched group: issuing a group's copies only at its own launch left
+# the link idle while the host launched the groups before it (8k tokens: ~0.8 ms)
 LEAD_BYTES = 32 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
 # so its copy, and the engine's word that it is issued, come before the rest is planned).
@@ -99,7 +104,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    on_layer: Optional[Callable[[int], None]] = None, *, device: torch.device,
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None,
-                   more: Optional[Callable[[], Sequence[SegmentPart]]] = None) -> Iterator[int]:
+                   more: Optional[Callable[[], Sequence[SegmentPart]]] = None,
+                   fine: bool = True) -> Iterator[int]:
     """``copy_by_layer`` step by step, each step yielding how many layers of ``layer_order``
     are issued so far (their ``on_layer`` calls made). The first step plans and issues layer 0
     alone (its own small plan, so its copy starts before the other layers are planned); every
@@ -109,7 +115,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     layer outside ``layer_order`` are refused before anything is launched. ``more``
     (optional) builds further parts after the first step, so building parts that do not hold
     layer 0 waits until layer 0's copy is issued: its parts must not name layer 0 or a layer
-    outside ``layer_order`` (ValueError at the second step)."""
+    outside ``layer_order`` (ValueError at the second step). ``fine`` False: every layer after
+    the first in one launch group (one step after the first)."""
     ctas = _check_ctas(ctas)
     _check_layers(parts, layer_order)
     if not layer_order:
@@ -127,7 +134,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                              f"step issued")
         _check_layers(extra, layer_order)
         parts = list(parts) + extra
-    groups = layer_groups(len(layer_order))[1:]
+    n = len(layer_order)
+    groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
     if not groups:
         return
     # a big rest is planned in two: layer 1's group alone first, so its copies start while the
@@ -158,6 +166,7 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
+            plan.ahead(k)
         yield b
 
 
@@ -208,6 +217,7 @@ class _LayerPlan:
         self.done: list[Optional["torch.cuda.Event"]] = [None] * len(self.groups)
         self.dma: list[DmaPlan] = []
         self.issued = 0  # groups whose copy-engine copies are issued
+        self.sent: list[int] = []  # copy-engine bytes of each issued group
         self.side: Optional["torch.cuda.Stream"] = None  # None: on the current stream
         for way in ("h2d", "d2h"):
             mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
@@ -218,9 +228,7 @@ class _LayerPlan:
             assert dev is not None
             self.side = copy_engine.side_stream(dev)
             self.side.wait_stream(current_stream(dev))
-            lead = 0
-            while self.issued < len(self.groups) and lead < LEAD_BYTES:
-                lead += self._issue_dma(self.issued)
+            self.ahead(-1)
         self.seg = SegmentPlan.build(seg_parts, order)
 
     def _issue_dma(self, k: int) -> int:
@@ -240,7 +248,18 @@ class _LayerPlan:
             self.done[k] = torch.cuda.Event()
             self.done[k].record(self.side)
         self.issued = k + 1
+        self.sent.append(nbytes)
         return nbytes
+
+    def ahead(self, k: int) -> None:
+        """On the side stream's path: issue the copy-engine copies of the groups after group
+        ``k`` until ``LEAD_BYTES`` of them are queued, so the link stays busy while the host
+        builds the segment plan and launches the groups up to there."""
+        if self.side is None:
+            return
+        queued = sum(self.sent[k + 1:])
+        while self.issued < len(self.groups) and queued < LEAD_BYTES:
+            queued += self._issue_dma(self.issued)
 
     def launch(self, device: torch.device, k: int, ctas: int) -> None:
         while self.dma and self.issued <= k:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
 FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
 TMLA = TokenFormat.mla(128)  # DSV4's token format on 128-token pages
-LEADS = ["default", "none", "split"]  # how the later layers' copies are issued (``_lead``)
+LEADS = ["default", "none", "rolling", "split"]  # how later layers' copies go out (``_lead``)
 
 
 def _expect_rows(src, dst, s, d):
@@ -121,10 +121,11 @@ def _case(device: str, src_dev: bool, seed: int = 0):
     return parts, checks
 
 
-def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
+def _run_and_check(device: str, src_dev: bool, split: bool = False, fine: bool = True) -> None:
     """``copy_by_layer`` of ``_case``; every byte checked. ``split``: ``issue_by_layer`` given
     the parts holding the first layer of the order, and the others through ``more`` (built
-    after the first step), as the daemon's loads do."""
+    after the first step), as the daemon's loads do; ``fine`` False: the later layers in one
+    launch group, as the daemon's loads that send no progress notice."""
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
@@ -138,11 +139,12 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False) -> None:
         later = [p for p in parts if order[0] not in p.layers]
         built: list[int] = []
         steps = issue_by_layer(first, order, seen.append, device=dev, ctas=3,
-                               more=lambda: built.append(len(seen)) or later)
+                               more=lambda: built.append(len(seen)) or later, fine=fine)
         assert next(steps) == 1 and built == []  # layer 0 issued before the rest are built
         # then one step per launch group, each after its layers' on_layer calls
         later = [(n, len(seen)) for n in steps]
-        assert [n for n, _ in later] == [b for _, b in by_layer.layer_groups(len(order))[1:]]
+        assert [n for n, _ in later] == ([b for _, b in by_layer.layer_groups(len(order))[1:]]
+                                         if fine else [len(order)])
         assert all(n == k for n, k in later) and built == [1]
     else:
         path = copy_by_layer(parts, order, seen.append, device=dev, ctas=3)
@@ -165,6 +167,7 @@ import test_copy_by_layer as t
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False)
 t._run_and_check("cpu", False, split=True)
+t._run_and_check("cpu", True, split=True, fine=False)
 t.by_layer.SPLIT_COPIES = 0  # the later layers planned in two (layer 1 first), as big loads do
 t._run_and_check("cpu", True)
 t._run_and_check("cpu", False, split=True)
@@ -235,15 +238,46 @@ def test_layer_parts_refuses_bad_input():
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
     """``lead``: the copy-engine copies of every later group issued before the segment plan
     (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
-    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
+    each one group ahead, or the later layers planned in two, layer 1 first (``SPLIT_COPIES``:
+    big loads)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
+    _run_and_check("cuda", src_dev, split=True, fine=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_engines_are_kept_lead_bytes_ahead(monkeypatch):
+    """After each launch group, the copy-engine copies of the groups after it are issued until
+    ``LEAD_BYTES`` of them are queued (or all are), so the link keeps working while the host
+    launches the next groups; every byte exact."""
+    from hicache.kernels import copy_engine
+
+    if not copy_engine.enabled():
+        pytest.skip(f"no batched copy-engine DMA here: {copy_engine.status()}")
+    parts, checks = _case("cuda", False, seed=4)
+    order = [4, 0, 1, 2, 3]
+    groups = [(i, i + 1) for i in range(len(order))]  # one layer each, each with big rows
+    dev = torch.device("cuda")
+    monkeypatch.setattr(by_layer, "LEAD_BYTES", 1)
+    plan = by_layer._LayerPlan(parts, set(order).__contains__, order, dev, groups)
+    assert plan.issued == 1  # the lead before the segment plan: the first group's copies
+    for k in range(len(groups)):
+        plan.launch(dev, k, 2)
+        assert plan.issued == k + 1
+        plan.ahead(k)
+        assert plan.issued == min(k + 2, len(groups))
+    torch.cuda.synchronize()
+    for *_, src, src_cpu, dst, exp in checks:
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
 
 
 def _lead(lead: str, monkeypatch: Any) -> None:
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+    elif lead == "rolling":  # each group's copy-engine copies go out one group ahead
+        monkeypatch.setattr(by_layer, "LEAD_BYTES", 1)
     elif lead == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
 

@@ -136,6 +136,26 @@ def test_a_small_load_reports_no_progress(monkeypatch):
     assert s.take_issued() == ([], [op]) and op.issued == 6 and len(woke) == 1
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_a_small_load_issues_its_later_layers_in_one_group(small, monkeypatch):
+    """A load that sends no progress notice (under ``PROGRESS_BYTES``) issues its layers after
+    layer 0 as one launch group: the engine hears of them only at the issue's end, so finer
+    groups would cost host time for nothing; a bigger one issues them group by group."""
+    import hicache.controllers.scheduler as sched_mod
+    got = {}
+
+    def fake(first, order, on_layer, **kw):
+        got.update(kw, first=first, order=order)
+        return iter([1])
+
+    monkeypatch.setattr(sched_mod, "issue_by_layer", fake)
+    nbytes = sched_mod.PROGRESS_BYTES - 1 if small else sched_mod.PROGRESS_BYTES
+    op = Operation(6, "c", "load", nbytes=nbytes)
+    op.stage_layers, op.layer_events = (3, 4, 5), [_Event() for _ in range(3)]
+    assert next(sched_mod.issue_layers(op, None, 4, torch.device("cpu"))) == 1
+    assert got["fine"] is (not small) and got["order"] == (3, 4, 5) and got["first"] == []
+
+
 def test_state_queues_progress_then_the_end_and_skips_loads_of_gone_clients():
     """``DaemonState.collect``: a load's progress notices (with their layer counts) before its
     last notice (no count), in that order; a load whose client is gone (no entry in
