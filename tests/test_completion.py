@@ -92,3 +92,19 @@ def test_an_ack_after_a_progress_notice_releases_every_layer():
     assert op.issued is None and 7 not in c._issued
     assert c.wait_ack(op, 0.1).ok
     c.close()
+
+
+def test_taking_a_load_s_ack_drops_its_kept_pushes():
+    """An engine that waits for a load's ack alone (no ``wait_layer``) keeps none of its
+    "issued" pushes afterwards: they all came before the ack."""
+    c = Scripted([])
+    c._pushed({"v": 1, "k": "issued", "op": 7, "layers": 3})
+    c._pushed({"v": 1, "k": "issued", "op": 7})
+    c._pushed(ACK)
+    op = Op(7, "load", event_set=0, issued=1)
+    assert c.wait_ack(op, 0.1).ok
+    assert 7 not in c._issued and op.issued is None
+    c._pushed({"v": 1, "k": "issued", "op": 8})
+    c._pushed(ACK | {"op": 8})
+    assert [a.op for a in c.poll_acks([8])] == [8] and 8 not in c._issued
+    c.close()

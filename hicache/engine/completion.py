@@ -76,6 +76,7 @@ class Completion:
             [self._acks[o] for o in ops if o in self._acks]
         for a in out:
             self._acks.pop(a.op, None)
+            self._issued.pop(a.op, None)  # its pushes all came before its ack
         return out
 
     def drain(self) -> int:
@@ -103,6 +104,9 @@ class Completion:
         while True:
             a = self._acks.pop(op_id, None)
             if a is not None:
+                self._issued.pop(op_id, None)  # its pushes all came before its ack
+                if isinstance(op, Op):
+                    op.issued = None  # done: every layer's event is recorded
                 if check and not a.ok:
                     raise TransferFailed(a)
                 return a
