@@ -149,7 +149,14 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     return issue_by_layer(_parts(first), op.stage_layers,
                           lambda i: events[i].record(stream), device=device, ctas=ctas,
                           stream=stream, more=(lambda: _parts(later)) if later else None,
-                          fine=op.nbytes >= PROGRESS_BYTES)
+                          fine=reports_progress(op))
+
+
+def reports_progress(op: Operation) -> bool:
+    """A load big enough for progress notices (``PROGRESS_BYTES``): its later layers go in
+    launch groups of 1, 2, 4, ... layers; a smaller one's as one group, as its client hears of
+    them only when all are issued."""
+    return op.nbytes >= PROGRESS_BYTES
 
 
 def _parts(items: list[Item]) -> list[Any]:
@@ -332,7 +339,7 @@ class Scheduler:
             if op is None:
                 return
             t0 = told = time.perf_counter()
-            report = op.nbytes >= PROGRESS_BYTES
+            report = reports_progress(op)
             try:
                 try:
                     for op.issued in op.rest:
