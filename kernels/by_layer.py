@@ -20,9 +20,8 @@
   current stream, which then waits for
   the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
   records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
-  (up to ``LEAD_BYTES``) before it builds its segment plan, and after each group (its
-  ``on_layer`` calls made) those of the next groups until ``LEAD_BYTES`` are queued again, so
-  the link is busy while the host builds that plan and launches the next groups.
+  (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
+  is built; each later group's copies go out at its own launch.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -43,9 +42,9 @@ from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
 # copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
-# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy; and
-# kept queued beyond each launched group: issuing a group's copies only at its own launch left
-# the link idle while the host launched the groups before it (8k tokens: ~0.8 ms)
+# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy. Only
+# then: keeping the copy engines this far ahead of every launched group as well (tried) gained
+# nothing measurable on an H200
 LEAD_BYTES = 32 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
 # so its copy, and the engine's word that it is issued, come before the rest is planned).
@@ -166,7 +165,6 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
-            plan.ahead(k)
         yield b
 
 
@@ -217,7 +215,6 @@ class _LayerPlan:
         self.done: list[Optional["torch.cuda.Event"]] = [None] * len(self.groups)
         self.dma: list[DmaPlan] = []
         self.issued = 0  # groups whose copy-engine copies are issued
-        self.sent: list[int] = []  # copy-engine bytes of each issued group
         self.side: Optional["torch.cuda.Stream"] = None  # None: on the current stream
         for way in ("h2d", "d2h"):
             mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
@@ -228,7 +225,9 @@ class _LayerPlan:
             assert dev is not None
             self.side = copy_engine.side_stream(dev)
             self.side.wait_stream(current_stream(dev))
-            self.ahead(-1)
+            lead = 0
+            while self.issued < len(self.groups) and lead < LEAD_BYTES:
+                lead += self._issue_dma(self.issued)
         self.seg = SegmentPlan.build(seg_parts, order)
 
     def _issue_dma(self, k: int) -> int:
@@ -248,18 +247,7 @@ class _LayerPlan:
             self.done[k] = torch.cuda.Event()
             self.done[k].record(self.side)
         self.issued = k + 1
-        self.sent.append(nbytes)
         return nbytes
-
-    def ahead(self, k: int) -> None:
-        """On the side stream's path: issue the copy-engine copies of the groups after group
-        ``k`` until ``LEAD_BYTES`` of them are queued, so the link stays busy while the host
-        builds the segment plan and launches the groups up to there."""
-        if self.side is None:
-            return
-        queued = sum(self.sent[k + 1:])
-        while self.issued < len(self.groups) and queued < LEAD_BYTES:
-            queued += self._issue_dma(self.issued)
 
     def launch(self, device: torch.device, k: int, ctas: int) -> None:
         while self.dma and self.issued <= k:

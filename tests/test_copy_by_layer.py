@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
 FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
 TMLA = TokenFormat.mla(128)  # DSV4's token format on 128-token pages
-LEADS = ["default", "none", "rolling", "split"]  # how later layers' copies go out (``_lead``)
+LEADS = ["default", "none", "split"]  # how the later layers' copies are issued (``_lead``)
 
 
 def _expect_rows(src, dst, s, d):
@@ -238,46 +238,16 @@ def test_layer_parts_refuses_bad_input():
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
     """``lead``: the copy-engine copies of every later group issued before the segment plan
     (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
-    each one group ahead, or the later layers planned in two, layer 1 first (``SPLIT_COPIES``:
-    big loads)."""
+    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
     _run_and_check("cuda", src_dev, split=True, fine=False)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_copy_engines_are_kept_lead_bytes_ahead(monkeypatch):
-    """After each launch group, the copy-engine copies of the groups after it are issued until
-    ``LEAD_BYTES`` of them are queued (or all are), so the link keeps working while the host
-    launches the next groups; every byte exact."""
-    from hicache.kernels import copy_engine
-
-    if not copy_engine.enabled():
-        pytest.skip(f"no batched copy-engine DMA here: {copy_engine.status()}")
-    parts, checks = _case("cuda", False, seed=4)
-    order = [4, 0, 1, 2, 3]
-    groups = [(i, i + 1) for i in range(len(order))]  # one layer each, each with big rows
-    dev = torch.device("cuda")
-    monkeypatch.setattr(by_layer, "LEAD_BYTES", 1)
-    plan = by_layer._LayerPlan(parts, set(order).__contains__, order, dev, groups)
-    assert plan.issued == 1  # the lead before the segment plan: the first group's copies
-    for k in range(len(groups)):
-        plan.launch(dev, k, 2)
-        assert plan.issued == k + 1
-        plan.ahead(k)
-        assert plan.issued == min(k + 2, len(groups))
-    torch.cuda.synchronize()
-    for *_, src, src_cpu, dst, exp in checks:
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
-
-
 def _lead(lead: str, monkeypatch: Any) -> None:
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
-    elif lead == "rolling":  # each group's copy-engine copies go out one group ahead
-        monkeypatch.setattr(by_layer, "LEAD_BYTES", 1)
     elif lead == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
 
