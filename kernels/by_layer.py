@@ -42,9 +42,9 @@ from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
 # copy-engine bytes issued before the segment plan of a step is built (about 0.6 ms of an H200's
-# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy. Only
-# then: keeping the copy engines this far ahead of every launched group as well (tried) gained
-# nothing measurable on an H200
+# link): building that plan first left the GPU idle for 0.3-0.7 ms after layer 0's copy. The
+# later groups' copies go out at their own launch: keeping the copy engines this far ahead of
+# every launched group as well (tried) gained nothing measurable on an H200
 LEAD_BYTES = 32 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
 # so its copy, and the engine's word that it is issued, come before the rest is planned).
