@@ -68,6 +68,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert len(runs["load_second"]) == 2 and runs["load_second"] == runs["load_last"]
     assert runs["load_first"] == runs["load_second"]
     assert m["load_second_ms"] == m["load_last_ms"] > 0
+    assert m["load_second_max_ms"] == max(runs["load_second"]) * 1e3  # the slowest run's
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
     assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0

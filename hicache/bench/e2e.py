@@ -345,7 +345,8 @@ def _table(result: dict[str, Any]) -> None:
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
-    print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} {'last ms':>8} "
+    print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
+          f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7}")
@@ -354,7 +355,8 @@ def _table(result: dict[str, Any]) -> None:
         for s, r in result.get(key, {}).items():
             m = r["summary"]
             print(f"{mirror:>11} {s:>5} {m['bytes'] / 1e6:7.0f} {m['load_first_ms']:9.2f} "
-                  f"{m['load_second_ms']:9.2f} {m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} "
+                  f"{m['load_second_ms']:9.2f} {m['load_second_max_ms']:8.2f} "
+                  f"{m['load_last_ms']:8.2f} {m['load_gbps']:9.1f} "
                   f"{f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
