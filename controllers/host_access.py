@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from hicache.core.id_sets import sorted_unique
 from hicache.core.protocol import ProtocolError
 from hicache.host_pools.group import FEW_ROWS, HostPoolGroup
@@ -35,9 +33,9 @@ WRITES = ("backup", "swap_out")  # operation kinds that write host rows
 
 def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:
     """Refuse (``not_written``) unless every row of ``pool`` in ``rows`` was written."""
-    bad = group.unwritten(pool, np.asarray(rows, dtype=np.int64))
-    if bad.size:
-        raise ProtocolError("not_written", f"{what}: host row {int(bad[0])} of pool {pool} "
+    bad = group.first_unwritten(pool, rows)
+    if bad is not None:
+        raise ProtocolError("not_written", f"{what}: host row {bad} of pool {pool} "
                                            f"holds nothing you backed up (no backup into it "
                                            f"has completed since it was allocated)")
 

@@ -21,7 +21,8 @@ Contract:
   completed: readable). ``begin_write(pool, rows, zero)`` (at a backup's acceptance;
   ``zero=True`` zeroes the UNWRITTEN rows first: a token backup writes part of a row),
   ``end_write(pool, rows, ok)`` (at its completion: WRITTEN, or back to UNWRITTEN if it
-  failed), ``unwritten(pool, rows)`` (the rows a load must not read). Every release of a row
+  failed), ``unwritten(pool, rows)`` (the rows a load must not read; ``first_unwritten`` the
+  first of them, or None: a load's check, a few rows read one by one). Every release of a row
   (free, free_owner, deferred frees) returns it to UNWRITTEN inside the allocator's release;
   with ``zero_on_free=True`` its bytes are zeroed there too.
 * ``pool(name)``, ``buffer_infos()`` (per pool, per layer ``(ptr, nbytes, item_bytes)``),
@@ -49,6 +50,7 @@ from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_space
 
 UNWRITTEN, CLEAN, WRITTEN = 0, 1, 2  # written state of a pool row (see the module docstring)
 FEW_ROWS = 8  # begin_write / end_write of at most this many rows index them one by one
+SCALAR_ROWS = 64  # first_unwritten of at most this many rows reads them one by one
 
 
 class HostPoolGroup:
@@ -162,6 +164,18 @@ class HostPoolGroup:
     def unwritten(self, pool: str, rows: np.ndarray) -> np.ndarray:
         """The rows of ``pool`` among ``rows`` that no completed backup wrote."""
         return rows[self.written[pool][rows] != WRITTEN]
+
+    def first_unwritten(self, pool: str, rows: Any) -> int | None:
+        """The first row of ``pool`` among ``rows`` (a list or an int64 array) that no completed
+        backup wrote, or None (a load's check: a few rows are read one by one)."""
+        if len(rows) <= SCALAR_ROWS:
+            w = self._written_mv[pool]
+            for r in rows if type(rows) is list else rows.tolist():
+                if w[r] != WRITTEN:
+                    return r
+            return None
+        bad = self.unwritten(pool, np.asarray(rows, dtype=np.int64))
+        return int(bad[0]) if bad.size else None
 
     # ------------------------------------------------------------------ allocation
     def _check_counts(self, counts: Mapping[str, int]) -> dict[str, int]:

@@ -362,7 +362,7 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
         st = SimpleNamespace(
             sparse=region, host_rows={"page": 8}, host_tables={"c4_kv": host_tier},
             check_owned=lambda *a: None, next_op_id=lambda: 41,
-            group=SimpleNamespace(unwritten=lambda pool, rows: np.zeros(0, dtype=np.int64)),
+            group=SimpleNamespace(first_unwritten=lambda pool, rows: None),
             start=lambda c, op: started.append(op))
         c = SimpleNamespace(cid="eng", worker=SimpleNamespace(tables={"c4_kv": dev}))
         hits, devrows = np.array([5, 2], dtype=np.int64), np.array([7], dtype=np.int64)

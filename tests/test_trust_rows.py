@@ -10,7 +10,8 @@ import torch
 from hicache.engine.client import CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.core.layout import build_layout, preset
-from hicache.host_pools.group import CLEAN, FEW_ROWS, UNWRITTEN, WRITTEN, HostPoolGroup
+from hicache.host_pools.group import (CLEAN, FEW_ROWS, SCALAR_ROWS, UNWRITTEN, WRITTEN,
+                                     HostPoolGroup)
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
 FLASH = build_layout(preset("dsv4-flash"))
@@ -170,3 +171,24 @@ def test_written_state_same_for_few_and_many_rows(n, as_list):
         g.end_write(pool, rows, ok=True)
         assert (g.written[pool][r] == WRITTEN).all() and g.unwritten(pool, r).size == 0
         assert (g.written[pool][others] == UNWRITTEN).all()
+
+
+@pytest.mark.parametrize("n", [5, SCALAR_ROWS, SCALAR_ROWS + 9])
+@pytest.mark.parametrize("as_list", [True, False])
+def test_first_unwritten_same_for_few_and_many_rows(n, as_list):
+    """A load's check (``first_unwritten``) reads a few rows one by one and more through numpy:
+    a list or an array of either size names the same row, the first unwritten one in the
+    order given, and None when every row was written."""
+    lay = build_layout(preset("dsv4-tiny"))
+    with HostPoolGroup(lay, {"page": 96, "swa_page": 4, "req_slot": 2}) as g:
+        r = g.alloc({"page": n}, ("a", None))["page"].numpy()[::-1].copy()  # not sorted
+        pool = lay.space_pools("page")[0].name
+        rows = r.tolist() if as_list else r
+        assert g.first_unwritten(pool, rows) == int(r[0])  # nothing written yet
+        g.begin_write(pool, r, zero=False)
+        g.end_write(pool, r, ok=True)
+        assert g.first_unwritten(pool, rows) is None
+        late = r[[n // 2, n - 1]]
+        g.written[pool][late] = 0  # as a free does: back to UNWRITTEN
+        assert g.first_unwritten(pool, rows) == int(r[n // 2])
+        assert g.first_unwritten(pool, rows) == int(g.unwritten(pool, r)[0])
