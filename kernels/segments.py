@@ -128,10 +128,13 @@ class SegmentPlan:
         self.dev: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         # launch arithmetic as Python ints: piece prefix of every segment plus the total, and
         # each segment's alignment (the hot path reads these, not the numpy table)
-        pieces = desc[:, 4] * ((desc[:, 2] + CH - 1) // CH)
-        self.prefix: list[int] = desc[:, 6].tolist() + [int(desc[:, 6][-1] + pieces[-1])] \
-            if len(desc) else [0]
-        self.aligns: list[int] = desc[:, 5].tolist()
+        self.prefix: list[int] = [0]
+        self.aligns: list[int] = []
+        if len(desc):  # (a load's layer 0 of SWA rows has no segments: nothing to work out)
+            last = desc[-1]
+            end = int(last[6] + last[4] * ((last[2] + CH - 1) // CH))
+            self.prefix = desc[:, 6].tolist() + [end]
+            self.aligns = desc[:, 5].tolist()
 
     @classmethod
     def build(cls, parts: Sequence[SegmentPart], layer_order: Sequence[int]) -> "SegmentPlan":

@@ -55,6 +55,38 @@ def test_plan_of_a_part_with_several_ranges_makes_one_copy_per_range_per_layer()
     assert plan.size.tolist() == [576, 8, 576, 8]
 
 
+@pytest.mark.parametrize("layer", [0, 2, 4])
+def test_plan_of_one_range_of_one_layer_matches_the_general_grouping(layer):
+    """One part, one range, one layer (a load's layer 0 of SWA rows) takes a shortcut; its plan
+    is the one the general path makes for the same copies (checked against a two-part build
+    whose second part is empty of copies)."""
+    order = [4, 0, 2]
+    part = SegmentPart([1000], [5000], [layer], [(64, np.array([0, 640, 128]),
+                                                   np.array([192, 0, 64]))], "h2d")
+    fast = DmaPlan.build([part], order)
+    pos = order.index(layer)
+    assert fast.layers == [(0, 0)] * pos + [(0, 3)] + [(3, 3)] * (len(order) - pos - 1)
+    assert fast.src.tolist() == [1000, 1640, 1128]
+    assert fast.dst.tolist() == [5192, 5000, 5064]
+    assert fast.size.tolist() == [64, 64, 64]
+    two = SegmentPart([1000, 3000], [5000, 7000], [layer, order[pos - 1]],
+                      [(64, np.array([0, 640, 128]), np.array([192, 0, 64]))], "h2d")
+    general = DmaPlan.build([two], order)
+    a, b = general.layers[pos]
+    assert general.src[a:b].tolist() == fast.src.tolist()
+    assert general.dst[a:b].tolist() == fast.dst.tolist()
+    assert all(x.dtype == np.uint64 and x.flags.c_contiguous
+               for x in (fast.src, fast.dst, fast.size))
+    assert fast.addresses() == (fast.dst.ctypes.data, fast.src.ctypes.data, fast.size.ctypes.data)
+
+
+def test_plan_addresses_refuse_arrays_the_driver_cannot_read():
+    plan = DmaPlan.rows([100], [1000], 8, np.array([0, 16, 32, 48]), np.array([0, 8, 16, 24]))
+    plan.src = plan.src[::2]  # a strided view
+    with pytest.raises(TransferError, match="contiguous 8-byte words"):
+        plan.addresses()
+
+
 def test_policy_modes():
     with pytest.raises(TransferError, match="not one of"):
         copy_engine.configure("sometimes")
