@@ -521,18 +521,20 @@ class Scheduler:
         if op.stream == "load" or any(o.done_event is None for o in op.after):
             self._wait_issues()  # stream order is command order; dependencies have events
         op.t_start = time.perf_counter()
-        with on_stream(stream):
-            if op.wait_event is not None:
-                stream.wait_event(op.wait_event)
-            for other in op.after:
-                if other.done_event is not None:
-                    stream.wait_event(other.done_event)
-            if op.layer_events is None:
+        # the waits name their stream: no switch of the current stream for them (a load's
+        # layers enter their stream themselves)
+        if op.wait_event is not None:
+            stream.wait_event(op.wait_event)
+        for other in op.after:
+            if other.done_event is not None:
+                stream.wait_event(other.done_event)
+        if op.layer_events is None:
+            with on_stream(stream):
                 op.path = issue_gpu(op, stream, self.ctas, self.device)
                 op.done_event = torch.cuda.Event()
                 op.done_event.record(stream)
-                self._last[op.stream] = op
-                return
+            self._last[op.stream] = op
+            return
         rest = issue_layers(op, stream, self.ctas, self.device)
         op.issued = next(rest)  # plan, upload, layer 0's launch and event
         op.path, op.rest = "by_layer", rest

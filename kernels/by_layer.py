@@ -155,12 +155,12 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     ``layer_order``), launched group by group on ``stream``; ``on_layer(i)`` after the group
     holding position ``i``; yields ``b`` after each group."""
     lo, hi = groups[0][0], groups[-1][1]
-    mine = set(layer_order[lo:hi])
-    with on_stream(stream, dev):
-        plan = _LayerPlan(parts, mine.__contains__, layer_order[lo:hi], dev,
-                          [(a - lo, b - lo) for a, b in groups])
+    plan: Optional[_LayerPlan] = None
     for k, (a, b) in enumerate(groups):
-        with on_stream(stream, dev):
+        with on_stream(stream, dev):  # one stream switch for the plan and the first launch
+            if plan is None:
+                plan = _LayerPlan(parts, set(layer_order[lo:hi]).__contains__,
+                                  layer_order[lo:hi], dev, [(x - lo, y - lo) for x, y in groups])
             plan.launch(device, k, ctas)
             if on_layer is not None:
                 for i in range(a, b):
