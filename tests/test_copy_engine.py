@@ -58,8 +58,8 @@ def test_plan_of_a_part_with_several_ranges_makes_one_copy_per_range_per_layer()
 @pytest.mark.parametrize("layer", [0, 2, 4])
 def test_plan_of_one_range_of_one_layer_matches_the_general_grouping(layer):
     """One part, one range, one layer (a load's layer 0 of SWA rows) takes a shortcut; its plan
-    is the one the general path makes for the same copies (checked against a two-part build
-    whose second part is empty of copies)."""
+    is the one the general path makes for the same copies (checked against the same range
+    over that layer and one other, which takes the general path)."""
     order = [4, 0, 2]
     part = SegmentPart([1000], [5000], [layer], [(64, np.array([0, 640, 128]),
                                                    np.array([192, 0, 64]))], "h2d")
