@@ -87,6 +87,40 @@ def test_plan_addresses_refuse_arrays_the_driver_cannot_read():
         plan.addresses()
 
 
+class _RecordingDriver:
+    """Stands in for the driver entry point: records each call's copies (no GPU here)."""
+
+    def __init__(self) -> None:
+        self.reason, self.v2, self.attr_idx = None, True, object()
+        self.calls: list[tuple[int, int, int, int]] = []
+
+    def fn(self, dst: int, src: int, size: int, n: int, attrs: object, idx: object, k: int,
+           stream: object) -> int:
+        self.calls.append((dst, src, size, n))
+        return 0
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 3), (0, 8), (0, 9), (5, 5 + 8 + 256 + 1)])
+def test_issue_calls_the_driver_short_first_then_full(monkeypatch, lo, hi):
+    """``HEAD_COPIES`` in the first driver call, at most ``PER_CALL`` after, every call at the
+    addresses of its first copy, all copies once."""
+    n = 300
+    plan = DmaPlan.rows([0], [1 << 20], 64, np.arange(n) * 64, np.arange(n) * 64)
+    plan.direction(True, 0)
+    drv = _RecordingDriver()
+    monkeypatch.setattr(copy_engine, "_probe", lambda: drv)
+    copy_engine.issue(plan, lo, hi, 0)
+    sizes = [c[3] for c in drv.calls]
+    first = min(hi - lo, copy_engine.HEAD_COPIES)
+    assert sizes[0] == first and sum(sizes) == hi - lo
+    assert all(k <= copy_engine.PER_CALL for k in sizes[1:])
+    dst, src, size = plan.addresses()
+    at = lo
+    for d, s_, z, k in drv.calls:  # each call starts at the next uncopied copy
+        assert (d, s_, z) == (dst + 8 * at, src + 8 * at, size + 8 * at)
+        at += k
+
+
 def test_policy_modes():
     with pytest.raises(TransferError, match="not one of"):
         copy_engine.configure("sometimes")
