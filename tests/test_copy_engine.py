@@ -121,6 +121,23 @@ def test_issue_calls_the_driver_short_first_then_full(monkeypatch, lo, hi):
         at += k
 
 
+def test_issue_names_the_copies_of_a_failed_driver_call(monkeypatch):
+    plan = DmaPlan.rows([0], [1 << 20], 64, np.arange(20) * 64, np.arange(20) * 64)
+    plan.direction(True, 0)
+    drv = _RecordingDriver()
+    record = drv.fn
+
+    def second_call_fails(*args: object) -> int:
+        record(*args)  # type: ignore[arg-type]
+        return 0 if len(drv.calls) == 1 else 700
+
+    drv.fn = second_call_fails  # type: ignore[method-assign]
+    monkeypatch.setattr(copy_engine, "_probe", lambda: drv)
+    with pytest.raises(TransferError, match=r"CUresult 700 on copies 8\.\.19 of 20"):
+        copy_engine.issue(plan, 0, 20, 0)
+    assert len(drv.calls) == 2  # nothing issued after the failed call
+
+
 def test_policy_modes():
     with pytest.raises(TransferError, match="not one of"):
         copy_engine.configure("sometimes")
