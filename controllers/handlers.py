@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from hicache.core.channel import Channel, WakeFifo, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
 from hicache.core.protocol import COMMANDS, VERSION, ProtocolError
@@ -134,6 +135,29 @@ def poll_acks(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
         raise ProtocolError("bad_field", "max must be in 1..4096")
     return {"acks": st.registry.take_acks(c, h.get("ops"), limit),
             "in_flight": c.in_flight}, []
+
+
+def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    """Open this client's shared-memory command channel (``hicache.core.channel``): the file
+    and the daemon's wake-up FIFO, both mode 0600 in the first shm directory."""
+    why = supported()
+    if why is not None:
+        raise ProtocolError("unsupported", f"channel: {why}; requests go over ZMQ")
+    if not st.spin_us:
+        raise ProtocolError("unsupported", "channel: this daemon sleeps between requests "
+                                           "(--spin-us 0), where a channel saves nothing over "
+                                           "ZMQ; requests go over ZMQ")
+    if c.key is not None:
+        raise ProtocolError("unsupported", "channel: this daemon authenticates clients by CURVE "
+                                           "key, and a shared-memory channel carries no key; "
+                                           "requests go over ZMQ")
+    if c.channel is not None:
+        raise ProtocolError("bad_field", "channel: this client has one open already")
+    if st.wake_fifo is None:
+        st.wake_fifo = WakeFifo.create(st.shm_dirs[0])
+    ch = Channel.create(st.shm_dirs[0])
+    st.registry.open_channel(c, ch)
+    return dict(ch.info(), fifo=st.wake_fifo.path), []
 
 
 def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -129,6 +129,10 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("workers_registered", "gauge", (),
               "Clients with registered device pools.",
               "Is the serving worker attached?"),
+    MetricDef("channels_open", "gauge", (),
+              "Clients whose requests come through a shared-memory channel (a busy-polling "
+              "daemon grants one to a local client; docs/protocol.md, `channel`).",
+              "Does the engine skip ZMQ's two thread wake-ups per command?"),
     MetricDef("clients_reaped", "counter", (),
               "Clients reaped after missing heartbeats (their rows freed, mappings closed).",
               "Did a worker die or hang without saying goodbye?"),

@@ -15,7 +15,9 @@ new client, which keeps why the old one was reaped (``ClientState.reaped``, the 
 and the server adds it to every refusal, so a client that went silent learns why its rows are
 gone instead of reading "not allocated". Under CURVE a client is bound
 to the name of the key that created it (``touch``): another key presenting its routing
-identity is refused.
+identity is refused. A client's shared-memory command channel (``open_channel``) is listed in
+``channels`` (the server scans them) and closed, its file unlinked, when the client retires or
+is removed.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
@@ -72,6 +74,7 @@ class ClientState:
     key: str | None = None  # CURVE: the name of the key this client is bound to
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
     reaped: str | None = None  # why an earlier client of this identity was reaped, until register
+    channel: Any = None  # hicache.core.channel.Channel: its shared-memory command channel
 
 
 class Registry:
@@ -81,6 +84,7 @@ class Registry:
         self.clients: dict[bytes, ClientState] = {}
         self.retiring: dict[bytes, ClientState] = {}
         self.reaped: "OrderedDict[bytes, str]" = OrderedDict()  # identity -> why (REAPED_KEEP)
+        self.channels: list[ClientState] = []  # clients with a channel open (the server scans)
         # takes a closed worker's mappings (``background.Unmapper.hand``): unmapped off-loop
         self.handoff: Callable[[list[Any]], None] | None = None
 
@@ -113,6 +117,7 @@ class Registry:
         if self.clients.get(c.ident) is c:
             del self.clients[c.ident]
         self.retiring[c.ident] = c
+        self.close_channel(c)
         c.acks.clear()
 
     def remove(self, c: ClientState, reaped: str | None = None) -> None:
@@ -127,7 +132,20 @@ class Registry:
             del self.retiring[c.ident]
         self.close_worker(c)
         self.close_kv(c)
+        self.close_channel(c)
         c.acks.clear()
+
+    def open_channel(self, c: ClientState, channel: Any) -> None:
+        """Give ``c`` its channel (it has none open) and list it for the server's scans."""
+        c.channel = channel
+        self.channels.append(c)
+
+    def close_channel(self, c: ClientState) -> None:
+        """Close ``c``'s channel, if any: unmapped, its file unlinked, no longer scanned."""
+        if c.channel is not None:
+            self.channels.remove(c)
+            c.channel.close(unlink=True)
+            c.channel = None
 
     def close_kv(self, c: ClientState) -> None:
         """Unmap the engine host pools ``c`` attached for the key store, if any."""

@@ -4,7 +4,11 @@ One thread owns the socket. Each turn: handle the requests waiting (decode -> ha
 reply, up to ``BATCH``), deliver the acks of operations the engine completed (the engine wakes
 the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
 timeout when that is shorter) reap clients silent for longer than the heartbeat timeout and
-refresh the gauges. While the engine is idle the loop waits on the socket alone. With
+refresh the gauges. Local clients may also send through a shared-memory channel
+(``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
+sleeping loop also wakes on their FIFO; a channel request is handled exactly like a socket one,
+its reply written to the channel's slot and sent over the socket too. While the engine is idle
+the loop waits on the socket (and that FIFO) alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
 oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
@@ -161,6 +165,7 @@ class Server:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stop = False
+        self._fifo_polled = False
         self._next_house = 0.0
         # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
@@ -199,6 +204,7 @@ class Server:
         st, sock = self.state, self.sock
         sched = st.scheduler
         items, zmq_poll = [(sock, _POLLIN)], zmq.zmq_poll
+        chans = st.registry.channels  # clients' shared-memory channels (scanned in place)
         spin = self.spin_s
         last = 0.0
         while not self._stop and not st.stopping:
@@ -215,23 +221,67 @@ class Server:
                 if zmq_poll(items, 0):
                     self._request()
                     last = time.perf_counter()
+                elif chans and self._channels():
+                    last = time.perf_counter()
                 elif not st.idle():
                     st.collect()
                 self.send_acks()
                 continue
-            if st.idle():  # nothing can complete: wait on the socket alone (cheaper)
-                if zmq_poll(items, 100):
-                    self._request()
+            fifo = self._fifo()
+            if st.idle():  # nothing can complete: wait on the socket (and the FIFO) alone
+                ready = zmq_poll(items if fifo is None else [items[0], (fifo.fd, _POLLIN)], 100)
+                if ready and self._woken(ready, fifo):
                     last = time.perf_counter()
                 continue
             events = dict(self.poller.poll(100))
-            if sock in events:
-                self._request()
+            if events and self._woken(events, fifo):
                 last = time.perf_counter()
             if self._wake_r in events:
                 self._drain_wake()
             st.collect()
             self.send_acks()
+
+    def _fifo(self) -> Any:
+        """The channels' wake-up FIFO once the first channel made it (added to the poller)."""
+        fifo = self.state.wake_fifo
+        if fifo is not None and not self._fifo_polled:
+            self.poller.register(fifo.fd, zmq.POLLIN)
+            self._fifo_polled = True
+        return fifo
+
+    def _woken(self, ready: Any, fifo: Any) -> bool:
+        """After a sleeping poll: the socket's requests, then the channels' (a FIFO byte says
+        one may wait; each is scanned anyway, as a request can land between two polls). True
+        when the socket was readable or a channel held a request."""
+        socks = [r[0] for r in ready] if isinstance(ready, list) else ready
+        got = self.sock in socks
+        if got:
+            self._request()
+        if fifo is not None:
+            if fifo.fd in socks:
+                fifo.drain()
+            got = self._channels() or got
+        return got
+
+    def _channels(self) -> bool:
+        """Handle the requests waiting in clients' channels (one per channel); True when there
+        was one. A malformed slot is answered like a malformed message (``bad_frame``)."""
+        got = False
+        for c in tuple(self.state.registry.channels):
+            ch = c.channel
+            if ch is None:  # closed by a request handled in this scan
+                continue
+            r = ch.request(_KEEP - 1)
+            if r is None:
+                continue
+            got = True
+            seq, frames = r
+            self.user = c.key
+            if isinstance(frames, str):
+                self._handle([c.ident], f"channel request: {frames}", (ch, seq))
+            else:
+                self._handle([c.ident, *frames], None, (ch, seq))
+        return got
 
     def _request(self) -> None:
         """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
@@ -265,7 +315,11 @@ class Server:
             self.user = user
         return frames, refused
 
-    def _handle(self, frames: list[bytes], refused: str | None = None) -> None:
+    def _handle(self, frames: list[Any], refused: str | None = None,
+                chan: tuple[Any, int] | None = None) -> None:
+        """One request: decode, run its handler, reply. ``chan``: (channel, sequence) of a
+        request that came through a channel: the reply goes into its slot first, then over ZMQ
+        as well (the copy a client that stopped spinning sleeps on; the other one it drops)."""
         st = self.state
         mark = st.watch.begin()
         ident, body = frames[0], frames[1:]
@@ -294,6 +348,8 @@ class Server:
                 code = "internal"
                 log.exception("command %s (id %s) failed", cmd, rid)
                 reply = P.encode_error(rid, "internal", f"{cmd}: {type(e).__name__}: {e}"[:500])
+        if chan is not None and not chan[0].closed:
+            chan[0].put_reply(chan[1], reply)
         self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
         st.metrics.command(cmd, code is None, st.watch.step(cmd, mark), code)
         if st.post:
@@ -329,11 +385,15 @@ class Server:
             st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout of "
                        f"{st.heartbeat_timeout:g} s")
             st.metrics.inc("clients_reaped")
+        if st.wake_fifo is not None:  # bytes rung while the loop busy-polled; a drained byte's
+            st.wake_fifo.drain()  # request is taken right here, as the next sleep would miss it
+            self._channels()
         st.refresh_gauges()
 
     # ------------------------------------------------------------------ shutdown
     def refuse_pending(self) -> None:
         """Answer every request already waiting with ``shutting_down`` (state is stopping)."""
+        self._channels()
         for _ in range(10_000):
             if not zmq.zmq_poll([(self.sock, _POLLIN)], 0):
                 return
@@ -347,6 +407,12 @@ class Server:
         # what is still queued (the reply to ``shutdown``, the last acks) goes out to peers that
         # are connected; one that is gone holds the close at most this long
         self.sock.close(CLOSE_LINGER_MS)
+        reg = self.state.registry
+        for c in tuple(reg.channels):
+            reg.close_channel(c)
+        if self.state.wake_fifo is not None:
+            self.state.wake_fifo.close()
+            self.state.wake_fifo = None
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

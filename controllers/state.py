@@ -78,6 +78,7 @@ class DaemonState:
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
+        self.wake_fifo: Any = None  # core.channel.WakeFifo, made by the first channel command
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         # work that waits until the reply is sent: accounting of inline ops, and the launch
         # groups after layer 0 of GPU loads (handed to the issuer: ``scheduler.defer_issue``)
@@ -357,6 +358,7 @@ class DaemonState:
         out = {"device": str(self.device), "clients": len(self.registry.clients),
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
                "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
+               "channels": len(self.registry.channels),
                "host": self.group.usage(),
                "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
                "metrics": self.metrics.snapshot()}
@@ -396,6 +398,7 @@ class DaemonState:
         self._run_gauges()
         m.set("clients_connected", len(self.registry.clients))
         m.set("workers_registered", self.registry.workers())
+        m.set("channels_open", len(self.registry.channels))
         refresh_sparse_gauges(self)
 
     def _run_gauges(self) -> None:

@@ -61,6 +61,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
+    assert out["channel"] is False and "--spin-us 0" in out["channel_refused"]  # it sleeps
     assert len(out["sizes"]["2k"]["runs"]["load_last"]) == 2
     # first, second and last layer ready: in CPU mode (no per-layer events) all three are the
     # ack, so they are equal run by run

@@ -62,7 +62,9 @@ def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
 
     from hicache.controllers.server import Server
 
-    srv = Server(SimpleNamespace(heartbeat_timeout=10.0), f"ipc://{tmp_path}/s.sock")
+    srv = Server(SimpleNamespace(heartbeat_timeout=10.0, wake_fifo=None,
+                                 registry=SimpleNamespace(channels=[])),
+                 f"ipc://{tmp_path}/s.sock")
     ctx = zmq.Context()
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)

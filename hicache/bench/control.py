@@ -13,7 +13,10 @@ flipped each round) so that load from other processes hits both alike; each roun
 daemon / echo ratios are reported with their spread. A 1-client run of ``backup_new`` (a
 BACKUP that allocates its own host rows) counts the requests each one sent: one round trip.
 ``--no-echo`` skips the baseline. ``--spin-us`` sets the daemon's busy-poll window and gives
-the echo server the same one, so the ratio stays the daemon's own cost.
+the echo server the same one, so the ratio stays the daemon's own cost. Every client sends over
+ZMQ (``channel=False``): a busy-polling daemon would grant a local client a shared-memory
+channel (``hicache.core.channel``), which the echo does not have, and the ratio would then
+measure the transport instead of the daemon.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
 
     pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
                                                               "req_slot": 4})
-    with Client(address, timeout=10.0, name="bench") as c:
+    with Client(address, timeout=10.0, name="bench", channel=False) as c:
         c.register(pools)
         row = c.alloc({"page": 1})["page"]
         items = {"c128_kv": ([3], row)}
@@ -103,7 +106,7 @@ def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -
 
     pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
                                                               "req_slot": 4})
-    with Client(address, timeout=10.0, name="bench") as c:
+    with Client(address, timeout=10.0, name="bench", channel=False) as c:
         c.register(pools)
         gc.collect()
         gc.freeze()
@@ -174,7 +177,7 @@ def _echo_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) ->
 
     from hicache.engine.client import Client, recv_message
 
-    with Client(address, timeout=10.0, name="bench") as c:
+    with Client(address, timeout=10.0, name="bench", channel=False) as c:
         msg = P.encode_request("backup", 1, {"items": [{"pool": "c128_kv", "src": 0, "dst": 1}]},
                                [[3], [5]])
         send, poll, pollin, sock = c._send, zmq.zmq_poll, c._pollin, c._sock

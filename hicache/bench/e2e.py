@@ -31,7 +31,10 @@ Each figure is the median of ``--runs`` runs, after one untimed round of the sam
 daemon's handling times are means: a cold first round once read 20-140 ms); ratios divide by the
 contiguous pinned-copy limit measured in the same run (best of 5 trials per direction). The
 report names the busy-poll windows in force (``daemon_spin_us`` from the daemon's ``stats``,
-``client_reply_spin_us``: the defaults, 50,000 and 2,000 µs on a GPU). ``--plot`` draws the
+``client_reply_spin_us``: the defaults, 50,000 and 2,000 µs on a GPU) and whether the engine's
+requests went through a shared-memory channel (``channel``: ``--channel auto``, the client's
+default, uses one where the daemon grants it, as on a GPU; ``off`` keeps every request on ZMQ,
+for a like-for-like comparison; ``channel_refused`` says why none was granted). ``--plot`` draws the
 ratios (needs matplotlib; refused with a message without it).
 """
 from __future__ import annotations
@@ -82,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=1,
                    help="N > 1: one engine + daemon per GPU (cuda:0..N-1), each a PP=N stage, "
                         "all loading at once; reports each GPU's figures")
+    p.add_argument("--channel", choices=("auto", "off"), default="auto",
+                   help="the engine's requests through a shared-memory channel where the "
+                        "daemon grants one (auto, the client's default) or over ZMQ only")
     p.add_argument("--barrier", help=argparse.SUPPRESS)  # --gpus children: a shared folder
 
 
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         for layers in pools.layers.values():
             for t in layers:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
-        c = d.client(timeout=60.0)
+        c = d.client(timeout=60.0, channel=None if args.channel == "auto" else False)
         c.register(pools, events=1 if cuda else 0)
         say(f"[e2e] registered; churning the host allocator ({args.churn} ops)")
         churn(c, spaces, args.churn, rng)
@@ -202,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
                   "ctas": INPROC_CTAS, "runs": args.runs,
                   "daemon_spin_us": c.stats().get("spin_us"),
-                  "client_reply_spin_us": c.reply_spin_us}
+                  "client_reply_spin_us": c.reply_spin_us, "channel": c.uses_channel,
+                  "channel_refused": c.channel_refused}
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:
             key = "sizes" if mirror == "full" else "checkpoints"
@@ -258,7 +265,8 @@ def run_gpus(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "hicache.cli", "bench", "e2e", "--json",
                    "--device", f"cuda:{r}", "--preset", args.preset, "--sizes", args.sizes,
                    "--runs", str(args.runs), "--churn", str(args.churn), "--mirror", args.mirror,
-                   "--pp-size", str(n), "--pp-rank", str(r), "--barrier", folder]
+                   "--pp-size", str(n), "--pp-rank", str(r), "--channel", args.channel,
+                   "--barrier", folder]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         while any(p.poll() is None for p in procs):  # one failed: the others would wait
             if any(p.poll() not in (None, 0) for p in procs):
@@ -344,7 +352,8 @@ def _table(result: dict[str, Any]) -> None:
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
-          f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us")
+          f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
+          f"channel: {'yes' if result['channel'] else 'no (' + str(result['channel_refused']) + ')'}")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "

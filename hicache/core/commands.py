@@ -70,8 +70,12 @@ _TABLE: tuple[Command, ...] = (
             "zero request slots, or apply the MTP draft rule to their state rings"),
     Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
             ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
+    Command("channel", {}, ("path", "request_bytes", "reply_bytes", "fifo"), False, "channel",
+            "open a shared-memory command channel (a local client): requests and replies "
+            "through a mapped file, the daemon woken through a FIFO"),
     Command("stats", {"check": ("bool", False)},
-            ("device", "clients", "workers", "in_flight", "merged_ops", "spin_us", "host",
+            ("device", "clients", "workers", "in_flight", "merged_ops", "spin_us", "channels",
+             "host",
              "pending_free", "metrics", "invariants"), False, "stats",
             "usage, metrics, invariant check"),
     Command("buffer_infos", {}, ("pools",), False, "buffer_infos",

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.core.channel import Channel, WakeFifo, supported
 from hicache.engine.completion import WAIT_SPIN_US, Completion
 from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
@@ -61,6 +62,12 @@ def _default_address() -> str:
 
 
 _as_ids = P.as_index
+_LOOPBACK = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
+def _local(address: str) -> bool:
+    """Whether ``address`` names a daemon on this host (where a channel can be mapped)."""
+    return address.startswith("ipc://") or address.startswith(_LOOPBACK)
 
 
 def recv_message(sock: zmq.Socket) -> list[bytes]:
@@ -81,14 +88,17 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
                  curve_secret_key: str | None = None,
-                 reply_spin_us: float | None = None) -> None:
+                 reply_spin_us: float | None = None, channel: bool | None = None) -> None:
         """``curve_server_key``: the daemon's public key file; ``curve_secret_key``: this
         client's secret key file (``zmq.auth`` certificate format). Both or neither.
         ``reply_spin_us``: how long a call busy-polls for its reply (and a wait for an ack or a
         notice for its next message) before it sleeps in ``poll``; None: ``REPLY_SPIN_US_GPU``
         once registered with CUDA pools (the engine's thread waits for the reply anyway, and
         sleeping threads on both ends cost a LOAD's reply 0.05-0.65 ms on an H200 host),
-        else 0."""
+        else 0. ``channel``: send requests through a shared-memory channel
+        (``hicache.core.channel``; ``register`` opens it): True asks for it (a refusal raises),
+        False never, None (default) when the daemon is on this host (an ``ipc://`` address or
+        a loopback one without CURVE) and grants it (why it did not: ``channel_refused``)."""
         if reply_spin_us is not None and not 0 <= reply_spin_us <= 1e6:
             raise ValueError(f"reply_spin_us must be 0..1000000, got {reply_spin_us}")
         self.address = address or _default_address()
@@ -118,6 +128,12 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             s.curve_publickey = public
             s.curve_secretkey = secret
         s.connect(self.address)
+        self._want_channel = channel if channel is not None else \
+            (None if curve_server_key is None and _local(self.address) else False)
+        self._chan: Channel | None = None
+        self._chan_fd = -1  # the daemon's wake-up FIFO, write end
+        self._chan_seq = 0  # the request a call waits for through the channel (0: none)
+        self.channel_refused: str | None = None
         self._pollin = [(s, _POLLIN)]
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
@@ -138,8 +154,48 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
+        self._close_channel()
         if not self._sock.closed:
             self._sock.close(0)
+
+    @property
+    def uses_channel(self) -> bool:
+        """Whether requests go through a shared-memory channel now."""
+        return self._chan is not None
+
+    def channel(self, timeout: float | None = None) -> bool:
+        """Ask the daemon for a shared-memory channel and map it (``register`` does, see
+        ``__init__``'s ``channel``). True when mapped; False when refused or unmappable, with
+        the reason in ``channel_refused`` (raises ``CommandRefused`` for ``channel=True``)."""
+        if self._chan is not None:
+            return True
+        why = supported()
+        if why is None:
+            try:
+                h, _ = self.call("channel", timeout=timeout)
+            except CommandRefused as e:
+                why = e.message
+            else:
+                try:
+                    chan = Channel.open(h)
+                    fd = WakeFifo.open_writer(str(h["fifo"]))
+                except (OSError, ValueError, KeyError) as e:
+                    why = f"cannot map the daemon's channel: {e}"
+                else:
+                    self._chan, self._chan_fd = chan, fd
+                    self.channel_refused = None
+                    return True
+        if self._want_channel:
+            raise CommandRefused("channel", "unsupported", why)
+        self.channel_refused = why
+        return False
+
+    def _close_channel(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
+            os.close(self._chan_fd)
+            self._chan_fd = -1
 
     def __enter__(self) -> "Client":
         return self
@@ -154,14 +210,26 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
 
     def _recv(self, wait_ms: int) -> tuple[dict[str, Any], list[Any]] | None:
         """The next message within ``wait_ms``: busy-polled for up to the reply spin, then a
-        sleeping ``poll`` for the rest."""
+        sleeping ``poll`` for the rest. While a call waits for a reply through the channel
+        (``_chan_seq``), the channel's reply slot is read too (before each sleep as well)."""
         s, poll, pollin = self._sock, zmq.zmq_poll, self._pollin
-        spin = min(self._reply_spin, wait_ms * 1e-3)
+        spin = self._reply_spin
         ready = False
+        chan, seq = self._chan, self._chan_seq
+        if seq:
+            got = self._chan_reply(chan, seq)  # type: ignore[arg-type]
+            if got is not None:
+                return got
         if spin > 0:
             end = time.perf_counter() + spin
-            while not (ready := bool(poll(pollin, 0))) and time.perf_counter() < end:
-                pass
+            if seq:
+                while not (ready := bool(poll(pollin, 0))) and time.perf_counter() < end:
+                    got = self._chan_reply(chan, seq)  # type: ignore[arg-type]
+                    if got is not None:
+                        return got
+            else:
+                while not (ready := bool(poll(pollin, 0))) and time.perf_counter() < end:
+                    pass
             wait_ms = max(0, wait_ms - int(spin * 1e3))
         if not ready and not poll(pollin, wait_ms if wait_ms > 0 else 0):
             return None
@@ -169,6 +237,17 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             return P.decode_reply(recv_message(s))
         except zmq.Again:
             return None
+
+    def _chan_reply(self, chan: "Channel", seq: int) -> tuple[dict[str, Any], list[Any]] | None:
+        """The reply to ``seq`` from the channel's slot, or None (not there yet; or there only
+        as a note that it went over ZMQ alone, which ``call`` then waits for)."""
+        frames = chan.reply(seq, P.MAX_INDEX_FRAMES + 1)
+        if frames is None:
+            return None
+        if isinstance(frames, str):  # too big for the slot (or garbled): the ZMQ copy is read
+            self._chan_seq = 0
+            return None
+        return P.decode_reply(frames)
 
     def _send(self, frames: list[bytes]) -> None:
         """One message, NOBLOCK, frame by frame with int flags (``send_multipart`` costs ~2 us
@@ -186,8 +265,16 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         frames = P.encode_request(cmd, rid, fields, arrays)
         s = self._sock
         deadline = time.monotonic() + timeout
+        chan = self._chan
         try:
-            self._send(frames)
+            if chan is not None and chan.put_request(rid, frames):
+                if not WakeFifo.ring(self._chan_fd):
+                    self._close_channel()
+                    raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is "
+                                            f"gone (its wake-up FIFO has no reader)")
+                self._chan_seq = rid
+            else:
+                self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
             if not zmq.zmq_poll([(s, _POLLOUT)], max(1, int(timeout * 1000))):
                 raise DaemonUnreachable(f"{cmd}: cannot reach the hicache daemon at "
@@ -199,6 +286,19 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                                         f"or full") from None
         now = self._last_send = time.monotonic()
         self.sent += 1
+        try:
+            return self._reply_to(cmd, rid, deadline, now, timeout)
+        except DaemonUnreachable:
+            if self._chan_seq:  # the daemon may still read that slot: never write it again
+                self._close_channel()
+            raise
+        finally:
+            self._chan_seq = 0
+
+    def _reply_to(self, cmd: str, rid: int, deadline: float, now: float, timeout: float
+                  ) -> tuple[dict[str, Any], list[Any]]:
+        """Wait for the reply to request ``rid`` (keeping the pushes that come meanwhile, and
+        dropping a late copy of an earlier reply)."""
         while True:
             left = deadline - now
             got = self._recv(max(1, int(left * 1000))) if left > 0 else None
@@ -266,6 +366,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                   "buffers": dict(buffers), "mode": mode, "tp_rank": tp_rank, "name": name}
         if handles:
             fields["events"] = handles
+        if self._want_channel is not False and self._chan is None:
+            self.channel(timeout)  # first: a refused channel=True registers nothing
         h, _ = self.call("register", fields, timeout=timeout)
         self.registered = h
         self.stage_layers = list(h.get("stage_layers", []))

@@ -1,0 +1,291 @@
+"""A local client's shared-memory command channel: one mapped file with a request slot and a
+reply slot, and the daemon's wake-up FIFO.
+
+What it saves: a ZMQ message crosses two I/O threads (the sender's and the receiver's), each a
+thread wake-up; on a GPU host between loads that is 0.1-0.2 ms each way. Through the channel a
+request is a memory write the daemon's busy-polling loop sees at once (or one FIFO write that
+wakes its ``poll`` directly), and a reply is a memory write the client's reply spin sees.
+
+Contract:
+- ``Channel.create(shm_dir, request_bytes, reply_bytes)`` (the daemon) makes
+  ``<shm_dir>/hicache-chan-<pid>-<random>``, mode 0600, exclusive; ``Channel.open(info)`` (the
+  client) maps the file ``info()`` describes, checks its size and magic, and unlinks it, so no
+  other process can open it afterwards (``close(unlink=True)`` on the daemon side removes a file
+  no client opened).
+- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities; the client's
+  request sequence and length; the daemon's reply sequence and length), then the request slot,
+  then the reply slot. A slot holds one message: u32 frame count, u32 length per frame, the
+  frames' bytes.
+- Ordering: the writer stores the payload, then the length, then the sequence word (one aligned
+  8-byte store); the reader loads the sequence first. On x86-64 (TSO: stores are seen in order,
+  loads are not reordered with older loads) that is enough; ``supported()`` says whether this
+  machine is one (elsewhere the channel is refused and ZMQ carries everything).
+- One request at a time per channel (a ``Client`` waits for each reply). The client's request
+  sequence is its request id; the daemon answers with the same sequence. The daemon copies a
+  request out of the mapping before it decodes it (the client cannot change bytes under the
+  decoder), and bounds every count and length: a bad slot gives a reason string, never an
+  exception or a read outside the slot.
+- A message that does not fit its slot is not written (``put_*`` returns False): the request
+  goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
+  daemon sends every reply over ZMQ too).
+- ``WakeFifo``: the daemon's named pipe (mode 0600). The daemon holds both ends (so it never
+  reads end-of-file); a client opens the write end and writes a byte after each request, which
+  wakes a daemon that sleeps in ``poll``; a full pipe (the daemon busy-polled meanwhile) is
+  fine, a broken one means the daemon is gone.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import struct
+from typing import Any, Sequence
+
+CHANNEL_PREFIX = "hicache-chan-"
+FIFO_PREFIX = "hicache-wake-"
+MAGIC = int.from_bytes(b"HICHAN01", "little")
+HEADER = 4096
+REQUEST_BYTES = 256 << 10  # a load of 32k pages' ids, or of 32k token ids, fits
+REPLY_BYTES = 64 << 10
+MAX_SLOT_BYTES = 16 << 20
+TOO_BIG = (1 << 64) - 1  # reply length word: the reply did not fit, take the ZMQ copy
+# u64 word indices in the header page
+_MAGIC, _REQ_CAP, _REP_CAP = 0, 1, 2
+_REQ_SEQ, _REQ_LEN = 8, 9  # the client's words (own cache line)
+_REP_SEQ, _REP_LEN = 16, 17  # the daemon's words (own cache line)
+_U32 = struct.Struct("<I")
+
+
+def supported() -> str | None:
+    """None when the channel's memory ordering holds on this machine, else why not."""
+    m = platform.machine().lower()
+    if m in ("x86_64", "amd64"):
+        return None
+    return (f"this machine is {m or 'unknown'}; the shared-memory channel relies on x86-64's "
+            f"store ordering")
+
+
+def pack(frames: Sequence[Any], cap: int) -> bytes | None:
+    """One slot's bytes for ``frames`` (bytes-like), or None when they exceed ``cap``."""
+    views = [memoryview(f).cast("B") for f in frames]
+    n = 4 + 4 * len(views) + sum(v.nbytes for v in views)
+    if n > cap:
+        return None
+    return b"".join([struct.pack(f"<{len(views) + 1}I", len(views), *(v.nbytes for v in views)),
+                     *views])
+
+
+def unpack(blob: bytes, max_frames: int) -> list[Any] | str:
+    """Frames of one slot's bytes (the first as ``bytes``, the rest as memoryviews into
+    ``blob``), or why they are malformed."""
+    n = len(blob)
+    if n < 4:
+        return f"{n} bytes; a message needs at least 4"
+    count = _U32.unpack_from(blob, 0)[0]
+    if not 1 <= count <= max_frames:
+        return f"{count} frames; a message has 1..{max_frames}"
+    table = 4 + 4 * count
+    if table > n:
+        return f"{count} frame lengths do not fit in {n} bytes"
+    lens = struct.unpack_from(f"<{count}I", blob, 4)
+    if table + sum(lens) != n:
+        return f"frame lengths add up to {sum(lens)} bytes, the message holds {n - table}"
+    mv = memoryview(blob)
+    out: list[Any] = []
+    at = table
+    for i, k in enumerate(lens):
+        out.append(blob[at:at + k] if i == 0 else mv[at:at + k])
+        at += k
+    return out
+
+
+class Channel:
+    """One mapped channel file (see the module docstring)."""
+
+    def __init__(self, path: str, mm: mmap.mmap, request_bytes: int, reply_bytes: int) -> None:
+        self.path, self._mm = path, mm
+        self.request_bytes, self.reply_bytes = request_bytes, reply_bytes
+        self._words = memoryview(mm).cast("B")[:HEADER].cast("Q")
+        self._req_at, self._rep_at = HEADER, HEADER + request_bytes
+        self.seen = 0  # daemon: the last request sequence taken
+        self.closed = False
+
+    @staticmethod
+    def size(request_bytes: int, reply_bytes: int) -> int:
+        return HEADER + request_bytes + reply_bytes
+
+    @classmethod
+    def create(cls, shm_dir: str, request_bytes: int = REQUEST_BYTES,
+               reply_bytes: int = REPLY_BYTES) -> "Channel":
+        for what, v in (("request", request_bytes), ("reply", reply_bytes)):
+            if not 64 <= v <= MAX_SLOT_BYTES or v % 8:
+                raise ValueError(f"channel {what} slot of {v} bytes; give a multiple of 8 in "
+                                 f"64..{MAX_SLOT_BYTES}")
+        path = os.path.join(shm_dir, f"{CHANNEL_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        nbytes = cls.size(request_bytes, reply_bytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        ch = cls(path, mm, request_bytes, reply_bytes)
+        w = ch._words
+        w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
+        w[_MAGIC] = MAGIC
+        return ch
+
+    def info(self) -> dict[str, Any]:
+        return {"path": self.path, "request_bytes": self.request_bytes,
+                "reply_bytes": self.reply_bytes}
+
+    @classmethod
+    def open(cls, info: dict[str, Any]) -> "Channel":
+        """Map the channel the daemon created, check it, and unlink its file."""
+        path, req, rep = str(info["path"]), int(info["request_bytes"]), int(info["reply_bytes"])
+        nbytes = cls.size(req, rep)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                raise ValueError(f"channel file {path} has {os.fstat(fd).st_size} bytes, "
+                                 f"expected {nbytes}")
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        ch = cls(path, mm, req, rep)
+        w = ch._words
+        if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP]) != (MAGIC, req, rep):
+            ch.close()
+            raise ValueError(f"channel file {path} is not a hicache channel of these sizes")
+        os.unlink(path)  # mapped on both ends: nobody else can open it from here on
+        return ch
+
+    # ---------------------------------------------------------------- client side
+    def put_request(self, seq: int, frames: Sequence[Any]) -> bool:
+        """Write request ``seq`` (> 0); False (nothing written) when it does not fit."""
+        blob = pack(frames, self.request_bytes)
+        if blob is None:
+            return False
+        n = len(blob)
+        self._mm[self._req_at:self._req_at + n] = blob
+        w = self._words
+        w[_REQ_LEN] = n
+        w[_REQ_SEQ] = seq
+        return True
+
+    def reply(self, seq: int, max_frames: int) -> list[Any] | str | None:
+        """The reply to request ``seq``: its frames, ``"too_big"`` (take the ZMQ copy), a reason
+        it is malformed, or None when it has not come."""
+        w = self._words
+        if w[_REP_SEQ] != seq:
+            return None
+        n = w[_REP_LEN]
+        if n == TOO_BIG:
+            return "too_big"
+        if n > self.reply_bytes:
+            return f"reply of {n} bytes in a {self.reply_bytes}-byte slot"
+        return unpack(self._mm[self._rep_at:self._rep_at + n], max_frames)
+
+    # ---------------------------------------------------------------- daemon side
+    def request(self, max_frames: int) -> tuple[int, list[Any] | str] | None:
+        """A new request: (its sequence, its frames or why they are malformed); None when the
+        sequence word has not changed since the last one taken. The bytes are copied out of the
+        mapping first."""
+        w = self._words
+        seq = w[_REQ_SEQ]
+        if seq == self.seen:
+            return None
+        self.seen = seq
+        n = w[_REQ_LEN]
+        if n > self.request_bytes:
+            return seq, f"request of {n} bytes in a {self.request_bytes}-byte slot"
+        return seq, unpack(self._mm[self._req_at:self._req_at + n], max_frames)
+
+    def put_reply(self, seq: int, frames: Sequence[Any]) -> bool:
+        """Write the reply to request ``seq``; one that does not fit writes ``TOO_BIG`` (the
+        client takes the ZMQ copy) and returns False."""
+        blob = pack(frames, self.reply_bytes)
+        w = self._words
+        if blob is None:
+            w[_REP_LEN] = TOO_BIG
+        else:
+            self._mm[self._rep_at:self._rep_at + len(blob)] = blob
+            w[_REP_LEN] = len(blob)
+        w[_REP_SEQ] = seq
+        return blob is not None
+
+    def close(self, unlink: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._words.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view: the mapping goes with it
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class WakeFifo:
+    """The daemon's wake-up FIFO: ``create`` (daemon, both ends held), ``open_writer`` (client)."""
+
+    def __init__(self, path: str, read_fd: int, write_fd: int) -> None:
+        self.path, self.fd, self._write_fd = path, read_fd, write_fd
+
+    @classmethod
+    def create(cls, shm_dir: str) -> "WakeFifo":
+        path = os.path.join(shm_dir, f"{FIFO_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        os.mkfifo(path, 0o600)
+        try:
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except BaseException:
+            os.unlink(path)
+            raise
+        return cls(path, r, w)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    @staticmethod
+    def open_writer(path: str) -> int:
+        """The write end for a client (non-blocking); raises OSError when nobody reads it."""
+        import stat
+
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            raise ValueError(f"{path} is not a FIFO")
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    @staticmethod
+    def ring(fd: int) -> bool:
+        """One wake-up byte; False when the daemon's end is gone (broken pipe)."""
+        try:
+            os.write(fd, b"\0")
+        except BlockingIOError:  # full: the daemon has wake-ups pending already
+            pass
+        except BrokenPipeError:
+            return False
+        return True

@@ -1,0 +1,293 @@
+"""The shared-memory command channel (``hicache.core.channel``, the ``channel`` command).
+
+* format: frames round-trip through a slot; any bytes in a slot give frames or a reason, never
+  an exception or a read past the slot; a request or reply that does not fit is not written.
+* file: mode 0600, unlinked once the client mapped it; a file of the wrong size or magic is
+  refused.
+* daemon (CPU mode, busy-polling): a client that registers gets a channel; every command gives
+  the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
+  and changes nothing; a client's channel requests act as that client (no other's rows); a
+  sleeping daemon wakes on the FIFO; a reply too big for its slot comes over ZMQ; a call that
+  timed out stops the channel; a reaped client's channel file is gone; a sleeping daemon
+  (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.core import channel as C
+from hicache.core.layout import build_layout, preset
+from hicache.engine.acks import CommandRefused, DaemonUnreachable
+from hicache.engine.daemon_process import DaemonProcess
+from hicache.engine.device_pools import DevicePools
+
+ROWS = {"page": 64, "swa_page": 64, "req_slot": 4}
+DEV_ROWS = ",".join(f"{k}={v}" for k, v in ROWS.items())
+MAXF = 65
+
+
+# ----------------------------------------------------------------------------- format
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=8))
+def test_frames_round_trip(frames: list[bytes]) -> None:
+    blob = C.pack(frames, 1 << 16)
+    assert blob is not None
+    out = C.unpack(blob, MAXF)
+    assert isinstance(out, list) and [bytes(f) for f in out] == frames
+    assert type(out[0]) is bytes  # the header as bytes (the protocol's header cache wants it)
+    assert C.pack(frames, len(blob) - 1) is None
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_any_slot_bytes_give_frames_or_a_reason(blob: bytes) -> None:
+    out = C.unpack(blob, MAXF)
+    if isinstance(out, list):
+        assert 1 <= len(out) <= MAXF
+        assert 4 + 4 * len(out) + sum(len(bytes(f)) for f in out) == len(blob)
+    else:
+        assert isinstance(out, str) and out
+
+
+def test_malformed_slots_name_what_is_wrong() -> None:
+    assert "at least 4" in C.unpack(b"\x01", MAXF)
+    assert "0 frames; a message has 1..65" in C.unpack(struct.pack("<I", 0), MAXF)
+    assert "66 frames; a message has 1..65" in C.unpack(struct.pack("<I", 66) + b"\0" * 400, MAXF)
+    assert "do not fit" in C.unpack(struct.pack("<I", 3) + b"\0" * 4, MAXF)
+    assert "add up to 10" in C.unpack(struct.pack("<II", 1, 10) + b"x" * 3, MAXF)
+
+
+def test_channel_file_slots_and_unlink(tmp_path) -> None:
+    ch = C.Channel.create(str(tmp_path), 1024, 256)
+    assert stat.S_IMODE(os.stat(ch.path).st_mode) == 0o600
+    peer = C.Channel.open(ch.info())
+    assert not os.path.exists(ch.path)  # mapped on both ends, then unlinked
+    assert ch.request(MAXF) is None
+    assert peer.put_request(7, [b'{"x":1}', b"\1" * 16])
+    seq, frames = ch.request(MAXF)
+    assert seq == 7 and [bytes(f) for f in frames] == [b'{"x":1}', b"\1" * 16]
+    assert ch.request(MAXF) is None  # taken once
+    assert not peer.put_request(8, [b"y" * 2000])  # does not fit: nothing written
+    assert ch.request(MAXF) is None
+    assert peer.reply(7, MAXF) is None
+    assert ch.put_reply(7, [b"ok"])
+    assert [bytes(f) for f in peer.reply(7, MAXF)] == [b"ok"]
+    assert not ch.put_reply(9, [b"z" * 300])  # too big: the client takes the ZMQ copy
+    assert peer.reply(9, MAXF) == "too_big"
+    assert peer.reply(7, MAXF) is None  # the slot moved on
+    peer._words[C._REQ_LEN] = 1 << 40  # a lying length word: refused, nothing read
+    peer._words[C._REQ_SEQ] = 10
+    assert ch.request(MAXF) == (10, "request of 1099511627776 bytes in a 1024-byte slot")
+    peer.close()
+    ch.close(unlink=True)
+
+
+def test_channel_open_checks_the_file(tmp_path) -> None:
+    ch = C.Channel.create(str(tmp_path), 1024, 256)
+    with pytest.raises(ValueError, match="expected"):
+        C.Channel.open(dict(ch.info(), reply_bytes=512))
+    ch._words[C._MAGIC] = 1
+    with pytest.raises(ValueError, match="not a hicache channel"):
+        C.Channel.open(ch.info())
+    ch.close(unlink=True)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        C.Channel.create(str(tmp_path), 1001, 256)
+
+
+def test_wake_fifo(tmp_path) -> None:
+    f = C.WakeFifo.create(str(tmp_path))
+    assert stat.S_ISFIFO(os.stat(f.path).st_mode) and stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    w = C.WakeFifo.open_writer(f.path)
+    for _ in range(70_000):  # past the pipe's capacity: a full pipe is fine
+        assert C.WakeFifo.ring(w)
+    f.drain()
+    with pytest.raises(BlockingIOError):
+        os.read(f.fd, 1)  # drained
+    f.close()
+    assert not os.path.exists(f.path)
+    assert not C.WakeFifo.ring(w)  # nobody reads: the daemon is gone
+    os.close(w)
+    with pytest.raises(ValueError, match="not a FIFO"):
+        C.WakeFifo.open_writer(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- daemon
+@pytest.fixture(scope="module")
+def spinning():
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       heartbeat_timeout=2.0, extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        yield d, pools
+
+
+def _fill(pools, seed: int) -> None:
+    g = np.random.default_rng(seed)
+    for layers in pools.layers.values():
+        for t in layers:
+            t.copy_(torch.from_numpy(g.integers(0, 256, size=tuple(t.shape), dtype=np.uint8)))
+
+
+def test_commands_through_the_channel_match_zmq(spinning) -> None:
+    d, pools = spinning
+    _fill(pools, 1)
+    a, b = d.client(), d.client(channel=False)
+    try:
+        a.register(pools)
+        assert a.uses_channel and a.channel_refused is None
+        assert a.stats()["channels"] >= 1
+        b.register(pools)
+        assert not b.uses_channel
+        sent = {}
+        for c in (a, b):
+            n0 = c.sent
+            host = c.alloc({"page": 8, "swa_page": 8})
+            dev = {s: list(range(8, 16)) for s in host}
+            c.wait_ack(c.backup({s: (dev[s], host[s]) for s in host}), timeout=10)
+            back = {s: list(range(40, 48)) for s in host}
+            c.wait_ack(c.load({s: (host[s], back[s]) for s in host}), timeout=10)
+            for name, layers in pools.layers.items():
+                spec = pools.layout.pools[name]
+                if spec.index not in host:
+                    continue
+                for t in layers:  # every loaded row equals its source row
+                    assert (t[40:48] == t[8:16]).all(), name
+            c.free(host)
+            sent[c] = c.sent - n0
+        assert sent[a] == sent[b] == 4  # one request per call either way
+        ha, hb = a.heartbeat(full=True), b.heartbeat(full=True)
+        for k in ("layout", "host_rows", "stage_layers", "registered"):
+            assert ha[k] == hb[k]
+        assert a.call("stats", {"check": True})[0]["invariants"] == "ok"
+    finally:
+        for c in (a, b):
+            c.unregister()
+            c.close()
+
+
+def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
+    d, pools = spinning
+    c = d.client()
+    try:
+        c.register(pools)
+        before = c.stats()["host"]
+        ch = c._chan
+        for blob_len, seq in ((2, 9001), (1 << 40, 9002)):
+            if blob_len == 2:
+                ch._mm[ch._req_at:ch._req_at + 2] = b"\7\7"
+            ch._words[C._REQ_LEN] = blob_len
+            ch._words[C._REQ_SEQ] = seq
+            C.WakeFifo.ring(c._chan_fd)
+            end = time.monotonic() + 5
+            while (got := ch.reply(seq, MAXF)) is None and time.monotonic() < end:
+                time.sleep(0.001)
+            assert isinstance(got, list), got
+            assert b'"bad_frame"' in got[0] and b"channel request" in got[0]
+        assert c.stats()["host"] == before
+        assert c.heartbeat()["registered"]  # the channel still serves
+    finally:
+        c.unregister()
+        c.close()
+
+
+def test_channel_requests_act_as_their_client(spinning) -> None:
+    d, pools = spinning
+    a, b = d.client(), d.client()
+    try:
+        a.register(pools)
+        b.register(pools)
+        assert a.uses_channel and b.uses_channel
+        rows = a.alloc({"page": 2})
+        with pytest.raises(CommandRefused) as e:
+            b.free(rows)
+        assert e.value.code == "not_owner"
+        assert a.free(rows)["freed"] == 2
+        assert a._chan.path != b._chan.path and not os.path.exists(a._chan.path)
+    finally:
+        for c in (a, b):
+            c.unregister()
+            c.close()
+
+
+def test_a_sleeping_daemon_wakes_on_the_fifo(spinning) -> None:
+    d, pools = spinning
+    c = d.client(reply_spin_us=0)
+    try:
+        c.register(pools)
+        assert c.uses_channel
+        took = []
+        for _ in range(8):
+            time.sleep(0.15)  # the daemon's 2 ms spin is over: it sleeps in poll (100 ms)
+            t = time.perf_counter()
+            c.heartbeat()
+            took.append(time.perf_counter() - t)
+        assert sorted(took)[len(took) // 2] < 0.05, took
+    finally:
+        c.unregister()
+        c.close()
+
+
+def test_a_reply_too_big_for_the_slot_comes_over_zmq() -> None:
+    layout = build_layout(preset("dsv4-tiny"))
+    rows = {"page": 5000, "swa_page": 8, "req_slot": 2}
+    with DaemonProcess(device="cpu", preset="dsv4-tiny",
+                       device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+                       extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, rows, device="cpu") as pools:
+        c = d.client()
+        c.register(pools)
+        assert c.uses_channel
+        got = c.alloc({"page": 9000})["page"]  # 72 KB of row ids > the 64 KiB reply slot
+        assert len(got) == len(set(got)) == 9000
+        assert c.free({"page": got})["freed"] == 9000
+        assert c.uses_channel
+        c.unregister()
+        c.close()
+
+
+def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
+    d, pools = spinning
+    c = d.client()
+    c.register(pools)
+    path = c._chan.path
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnreachable):
+            c.heartbeat(timeout=0.3)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    assert not c.uses_channel  # the daemon may still read that slot: never written again
+    assert c.heartbeat(timeout=5)["registered"]  # over ZMQ
+    c.close()  # no unregister: the daemon reaps it after its 2 s heartbeat timeout
+    probe = d.client()
+    end = time.monotonic() + 15
+    while probe.stats()["channels"] and time.monotonic() < end:
+        time.sleep(0.2)
+    assert probe.stats()["channels"] == 0
+    assert not os.path.exists(path)
+    probe.close()
+
+
+def test_a_sleeping_daemon_refuses_channels() -> None:
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        c = d.client()
+        c.register(pools)
+        assert not c.uses_channel and "--spin-us 0" in c.channel_refused
+        c.unregister()
+        c.close()
+        strict = d.client(channel=True)
+        with pytest.raises(CommandRefused, match="--spin-us 0"):
+            strict.register(pools)
+        assert strict.stats()["workers"] == 0  # refused before registering anything
+        strict.close()
