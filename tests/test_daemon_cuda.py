@@ -4,6 +4,8 @@ layout and shares them with a ``hicache serve --device cuda:0`` subprocess throu
 * backup waits on the engine's interprocess event: the engine writes the KV on its own stream
   behind a long GPU sleep, records the event and sends the backup at once; the host copy must
   hold the new bytes.
+* the engine's client talks through a shared-memory channel (a GPU daemon busy-polls, so it
+  grants one): every command here, and the replies the per-layer waits follow, go through it.
 * load is consumed layer by layer: for each stage layer the engine's stream waits on that
   layer's interprocess event and then copies the layer's destination rows into a scratch
   buffer; every scratch byte must equal what was backed up (a read before the event would see
@@ -58,6 +60,7 @@ def gpu(tmp_path_factory):
 
 def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
     d, c, pools = gpu
+    assert c.uses_channel and c.stats()["channels"] == 1, c.channel_refused
     engine = torch.cuda.Stream(DEV)
     host = c.alloc({"page": 32, "swa_page": 8})
     src = {"page": list(range(0, 64, 2)), "swa_page": list(range(0, 16, 2))}
