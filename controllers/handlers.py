@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from hicache.core.channel import Channel, WakeFifo, supported
+from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
 from hicache.core.protocol import COMMANDS, VERSION, ProtocolError
@@ -139,7 +139,7 @@ def poll_acks(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Open this client's shared-memory command channel (``hicache.core.channel``): the file
-    and the daemon's wake-up FIFO, both mode 0600 in the first shm directory."""
+    and the daemon's wake-up socket, both mode 0600 in the first shm directory."""
     why = supported()
     if why is not None:
         raise ProtocolError("unsupported", f"channel: {why}; requests go over ZMQ")
@@ -153,11 +153,11 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
                                            "requests go over ZMQ")
     if c.channel is not None:
         raise ProtocolError("bad_field", "channel: this client has one open already")
-    if st.wake_fifo is None:
-        st.wake_fifo = WakeFifo.create(st.shm_dirs[0])
+    if st.wake_socket is None:
+        st.wake_socket = WakeSocket.create(st.shm_dirs[0])
     ch = Channel.create(st.shm_dirs[0])
     st.registry.open_channel(c, ch)
-    return dict(ch.info(), fifo=st.wake_fifo.path), []
+    return dict(ch.info(), wake=st.wake_socket.path), []
 
 
 def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

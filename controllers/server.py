@@ -6,9 +6,9 @@ the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the
 timeout when that is shorter) reap clients silent for longer than the heartbeat timeout and
 refresh the gauges. Local clients may also send through a shared-memory channel
 (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
-sleeping loop also wakes on their FIFO; a channel request is handled exactly like a socket one,
+sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a socket one,
 its reply written to the channel's slot and sent over the socket too. While the engine is idle
-the loop waits on the socket (and that FIFO) alone. With
+the loop waits on the socket (and that wake-up socket) alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
 oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
@@ -165,7 +165,7 @@ class Server:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stop = False
-        self._fifo_polled = False
+        self._wake_polled = False
         self._next_house = 0.0
         # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
@@ -227,39 +227,39 @@ class Server:
                     st.collect()
                 self.send_acks()
                 continue
-            fifo = self._fifo()
-            if st.idle():  # nothing can complete: wait on the socket (and the FIFO) alone
-                ready = zmq_poll(items if fifo is None else [items[0], (fifo.fd, _POLLIN)], 100)
-                if ready and self._woken(ready, fifo):
+            wake = self._wake_sock()
+            if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
+                ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)], 100)
+                if ready and self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
             events = dict(self.poller.poll(100))
-            if events and self._woken(events, fifo):
+            if events and self._woken(events, wake):
                 last = time.perf_counter()
             if self._wake_r in events:
                 self._drain_wake()
             st.collect()
             self.send_acks()
 
-    def _fifo(self) -> Any:
-        """The channels' wake-up FIFO once the first channel made it (added to the poller)."""
-        fifo = self.state.wake_fifo
-        if fifo is not None and not self._fifo_polled:
-            self.poller.register(fifo.fd, zmq.POLLIN)
-            self._fifo_polled = True
-        return fifo
+    def _wake_sock(self) -> Any:
+        """The channels' wake-up socket once the first channel made it (added to the poller)."""
+        wake = self.state.wake_socket
+        if wake is not None and not self._wake_polled:
+            self.poller.register(wake.fd, zmq.POLLIN)
+            self._wake_polled = True
+        return wake
 
-    def _woken(self, ready: Any, fifo: Any) -> bool:
-        """After a sleeping poll: the socket's requests, then the channels' (a FIFO byte says
+    def _woken(self, ready: Any, wake: Any) -> bool:
+        """After a sleeping poll: the socket's requests, then the channels' (a wake-up says
         one may wait; each is scanned anyway, as a request can land between two polls). True
         when the socket was readable or a channel held a request."""
         socks = [r[0] for r in ready] if isinstance(ready, list) else ready
         got = self.sock in socks
         if got:
             self._request()
-        if fifo is not None:
-            if fifo.fd in socks:
-                fifo.drain()
+        if wake is not None:
+            if wake.fd in socks:
+                wake.drain()
             got = self._channels() or got
         return got
 
@@ -385,8 +385,8 @@ class Server:
             st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout of "
                        f"{st.heartbeat_timeout:g} s")
             st.metrics.inc("clients_reaped")
-        if st.wake_fifo is not None:  # bytes rung while the loop busy-polled; a drained byte's
-            st.wake_fifo.drain()  # request is taken right here, as the next sleep would miss it
+        if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled; a drained
+            st.wake_socket.drain()  # one's request is taken right here (the next sleep would miss it)
             self._channels()
         st.refresh_gauges()
 
@@ -410,9 +410,9 @@ class Server:
         reg = self.state.registry
         for c in tuple(reg.channels):
             reg.close_channel(c)
-        if self.state.wake_fifo is not None:
-            self.state.wake_fifo.close()
-            self.state.wake_fifo = None
+        if self.state.wake_socket is not None:
+            self.state.wake_socket.close()
+            self.state.wake_socket = None
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

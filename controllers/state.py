@@ -78,7 +78,7 @@ class DaemonState:
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
-        self.wake_fifo: Any = None  # core.channel.WakeFifo, made by the first channel command
+        self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
         # work that waits until the reply is sent: accounting of inline ops, and the launch
         # groups after layer 0 of GPU loads (handed to the issuer: ``scheduler.defer_issue``)

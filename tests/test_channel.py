@@ -7,7 +7,7 @@
 * daemon (CPU mode, busy-polling): a client that registers gets a channel; every command gives
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
-  sleeping daemon wakes on the FIFO; a reply too big for its slot comes over ZMQ; a call that
+  sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a call that
   timed out stops the channel; a reaped client's channel file is gone; a sleeping daemon
   (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
 """
@@ -103,21 +103,21 @@ def test_channel_open_checks_the_file(tmp_path) -> None:
         C.Channel.create(str(tmp_path), 1001, 256)
 
 
-def test_wake_fifo(tmp_path) -> None:
-    f = C.WakeFifo.create(str(tmp_path))
-    assert stat.S_ISFIFO(os.stat(f.path).st_mode) and stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
-    w = C.WakeFifo.open_writer(f.path)
-    for _ in range(70_000):  # past the pipe's capacity: a full pipe is fine
-        assert C.WakeFifo.ring(w)
-    f.drain()
+def test_wake_socket(tmp_path) -> None:
+    w = C.WakeSocket.create(str(tmp_path))
+    assert stat.S_ISSOCK(os.stat(w.path).st_mode) and stat.S_IMODE(os.stat(w.path).st_mode) == 0o600
+    s = C.WakeSocket.open_writer(w.path)
+    for _ in range(2000):  # past the socket's queue: a full queue is fine
+        assert C.WakeSocket.ring(s)
+    w.drain()
     with pytest.raises(BlockingIOError):
-        os.read(f.fd, 1)  # drained
-    f.close()
-    assert not os.path.exists(f.path)
-    assert not C.WakeFifo.ring(w)  # nobody reads: the daemon is gone
-    os.close(w)
-    with pytest.raises(ValueError, match="not a FIFO"):
-        C.WakeFifo.open_writer(str(tmp_path))
+        w._sock.recv(1)  # drained
+    w.close()
+    assert not os.path.exists(w.path)
+    assert not C.WakeSocket.ring(s)  # nobody listens: the daemon is gone, and no signal
+    s.close()
+    with pytest.raises(OSError):
+        C.WakeSocket.open_writer(w.path)
 
 
 # ----------------------------------------------------------------------------- daemon
@@ -186,7 +186,7 @@ def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
                 ch._mm[ch._req_at:ch._req_at + 2] = b"\7\7"
             ch._words[C._REQ_LEN] = blob_len
             ch._words[C._REQ_SEQ] = seq
-            C.WakeFifo.ring(c._chan_fd)
+            C.WakeSocket.ring(c._chan_wake)
             end = time.monotonic() + 5
             while (got := ch.reply(seq, MAXF)) is None and time.monotonic() < end:
                 time.sleep(0.001)
@@ -218,7 +218,7 @@ def test_channel_requests_act_as_their_client(spinning) -> None:
             c.close()
 
 
-def test_a_sleeping_daemon_wakes_on_the_fifo(spinning) -> None:
+def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
     d, pools = spinning
     c = d.client(reply_spin_us=0)
     try:

@@ -1,9 +1,9 @@
 """A local client's shared-memory command channel: one mapped file with a request slot and a
-reply slot, and the daemon's wake-up FIFO.
+reply slot, and the daemon's wake-up socket.
 
 What it saves: a ZMQ message crosses two I/O threads (the sender's and the receiver's), each a
 thread wake-up; on a GPU host between loads that is 0.1-0.2 ms each way. Through the channel a
-request is a memory write the daemon's busy-polling loop sees at once (or one FIFO write that
+request is a memory write the daemon's busy-polling loop sees at once (or one datagram that
 wakes its ``poll`` directly), and a reply is a memory write the client's reply spin sees.
 
 Contract:
@@ -28,10 +28,10 @@ Contract:
 - A message that does not fit its slot is not written (``put_*`` returns False): the request
   goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
   daemon sends every reply over ZMQ too).
-- ``WakeFifo``: the daemon's named pipe (mode 0600). The daemon holds both ends (so it never
-  reads end-of-file); a client opens the write end and writes a byte after each request, which
-  wakes a daemon that sleeps in ``poll``; a full pipe (the daemon busy-polled meanwhile) is
-  fine, a broken one means the daemon is gone.
+- ``WakeSocket``: the daemon's Unix datagram socket (file mode 0600). A client connects to it
+  and sends one byte after each request, which wakes a daemon that sleeps in ``poll``; a full
+  queue (the daemon busy-polled meanwhile) is fine, a refused send means the daemon is gone (a
+  datagram socket, not a pipe: no SIGPIPE can reach an engine that restored its default).
 """
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ import mmap
 import os
 import platform
 import secrets
+import socket
 import struct
 from typing import Any, Sequence
 
 CHANNEL_PREFIX = "hicache-chan-"
-FIFO_PREFIX = "hicache-wake-"
+WAKE_PREFIX = "hicache-wake-"
 MAGIC = int.from_bytes(b"HICHAN01", "little")
 HEADER = 4096
 REQUEST_BYTES = 256 << 10  # a load of 32k pages' ids, or of 32k token ids, fits
@@ -234,58 +235,63 @@ class Channel:
                 pass
 
 
-class WakeFifo:
-    """The daemon's wake-up FIFO: ``create`` (daemon, both ends held), ``open_writer`` (client)."""
+class WakeSocket:
+    """The daemon's wake-up socket: ``create`` (daemon), ``open_writer`` / ``ring`` (client)."""
 
-    def __init__(self, path: str, read_fd: int, write_fd: int) -> None:
-        self.path, self.fd, self._write_fd = path, read_fd, write_fd
+    def __init__(self, path: str, sock: socket.socket) -> None:
+        self.path, self._sock = path, sock
+        self.fd = sock.fileno()
 
     @classmethod
-    def create(cls, shm_dir: str) -> "WakeFifo":
-        path = os.path.join(shm_dir, f"{FIFO_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-        os.mkfifo(path, 0o600)
+    def create(cls, shm_dir: str) -> "WakeSocket":
+        path = os.path.join(shm_dir, f"{WAKE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.setblocking(False)
+        old = os.umask(0o177)  # the socket file is created 0600
         try:
-            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            s.bind(path)
         except BaseException:
-            os.unlink(path)
+            s.close()
             raise
-        return cls(path, r, w)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return cls(path, s)
 
     def drain(self) -> None:
         try:
-            while os.read(self.fd, 65536):
+            while self._sock.recv(64):
                 pass
         except (BlockingIOError, InterruptedError):
             pass
 
     def close(self) -> None:
-        for fd in (self.fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._sock.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
 
     @staticmethod
-    def open_writer(path: str) -> int:
-        """The write end for a client (non-blocking); raises OSError when nobody reads it."""
-        import stat
-
-        if not stat.S_ISFIFO(os.stat(path).st_mode):
-            raise ValueError(f"{path} is not a FIFO")
-        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    def open_writer(path: str) -> socket.socket:
+        """A client's end (non-blocking, connected); raises OSError when nobody listens."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BaseException:
+            s.close()
+            raise
+        return s
 
     @staticmethod
-    def ring(fd: int) -> bool:
-        """One wake-up byte; False when the daemon's end is gone (broken pipe)."""
+    def ring(s: socket.socket) -> bool:
+        """One wake-up datagram; False when the daemon's socket is gone (no signal is raised,
+        unlike a write to a pipe nobody reads)."""
         try:
-            os.write(fd, b"\0")
-        except BlockingIOError:  # full: the daemon has wake-ups pending already
+            s.send(b"\0")
+        except BlockingIOError:  # its queue is full: the daemon has wake-ups pending already
             pass
-        except BrokenPipeError:
+        except OSError:  # ECONNREFUSED / ENOENT: the daemon closed it
             return False
         return True

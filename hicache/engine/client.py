@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
-from hicache.core.channel import Channel, WakeFifo, supported
+from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.engine.completion import WAIT_SPIN_US, Completion
 from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
@@ -131,7 +131,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._want_channel = channel if channel is not None else \
             (None if curve_server_key is None and _local(self.address) else False)
         self._chan: Channel | None = None
-        self._chan_fd = -1  # the daemon's wake-up FIFO, write end
+        self._chan_wake: Any = None  # a socket connected to the daemon's wake-up socket
         self._chan_seq = 0  # the request a call waits for through the channel (0: none)
         self.channel_refused: str | None = None
         self._pollin = [(s, _POLLIN)]
@@ -178,11 +178,11 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             else:
                 try:
                     chan = Channel.open(h)
-                    fd = WakeFifo.open_writer(str(h["fifo"]))
+                    wake = WakeSocket.open_writer(str(h["wake"]))
                 except (OSError, ValueError, KeyError) as e:
                     why = f"cannot map the daemon's channel: {e}"
                 else:
-                    self._chan, self._chan_fd = chan, fd
+                    self._chan, self._chan_wake = chan, wake
                     self.channel_refused = None
                     return True
         if self._want_channel:
@@ -194,8 +194,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if self._chan is not None:
             self._chan.close()
             self._chan = None
-            os.close(self._chan_fd)
-            self._chan_fd = -1
+            self._chan_wake.close()
+            self._chan_wake = None
 
     def __enter__(self) -> "Client":
         return self
@@ -268,10 +268,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         chan = self._chan
         try:
             if chan is not None and chan.put_request(rid, frames):
-                if not WakeFifo.ring(self._chan_fd):
+                if not WakeSocket.ring(self._chan_wake):
                     self._close_channel()
                     raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is "
-                                            f"gone (its wake-up FIFO has no reader)")
+                                            f"gone (its wake-up socket refuses)")
                 self._chan_seq = rid
             else:
                 self._send(frames)
