@@ -112,6 +112,7 @@ def _short(v: Any) -> str:
 
 def unregister(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     worker_of(c)
+    st.registry.close_channel(c)  # the client drops its side too; register opens a new one
     freed, deferred = st.release_client(c, "unregister")
     return {"freed": freed, "deferred": deferred}, []
 
@@ -153,9 +154,13 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
                                            "requests go over ZMQ")
     if c.channel is not None:
         raise ProtocolError("bad_field", "channel: this client has one open already")
-    if st.wake_socket is None:
-        st.wake_socket = WakeSocket.create(st.shm_dirs[0])
-    ch = Channel.create(st.shm_dirs[0])
+    try:
+        if st.wake_socket is None:
+            st.wake_socket = WakeSocket.create(st.shm_dirs[0])
+        ch = Channel.create(st.shm_dirs[0])
+    except OSError as e:
+        raise ProtocolError("unsupported", f"channel: cannot create it in {st.shm_dirs[0]} "
+                                           f"({e}); requests go over ZMQ") from None
     st.registry.open_channel(c, ch)
     return dict(ch.info(), wake=st.wake_socket.path), []
 

@@ -8,7 +8,8 @@
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
   sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a call that
-  timed out stops the channel; a reaped client's channel file is gone; a sleeping daemon
+  timed out stops the channel; unregister and a reap close it on both sides (the client goes
+  back to ZMQ at once); a reaped client's channel file is gone; a sleeping daemon
   (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
 """
 from __future__ import annotations
@@ -275,6 +276,27 @@ def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
     assert probe.stats()["channels"] == 0
     assert not os.path.exists(path)
     probe.close()
+
+
+def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
+    d, pools = spinning
+    c = d.client()
+    try:
+        c.register(pools)
+        first = c._chan
+        c.unregister()
+        assert not c.uses_channel and first.closed
+        c.register(pools)  # a new channel, and only one
+        assert c.uses_channel and c.stats()["channels"] == 1
+        chan = c._chan
+        time.sleep(3.5)  # silent past the 2 s heartbeat timeout: reaped, its channel closed
+        assert chan.peer_closed()
+        t = time.perf_counter()
+        h = c.heartbeat(timeout=5)  # over ZMQ at once, not a timeout on a dead slot
+        assert time.perf_counter() - t < 1.0 and not c.uses_channel
+        assert h["reaped"] and not h["registered"]
+    finally:
+        c.close()
 
 
 def test_a_sleeping_daemon_refuses_channels() -> None:

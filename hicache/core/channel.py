@@ -25,6 +25,9 @@ Contract:
   request out of the mapping before it decodes it (the client cannot change bytes under the
   decoder), and bounds every count and length: a bad slot gives a reason string, never an
   exception or a read outside the slot.
+- The daemon sets the header's closed word when it drops the channel (the client unregistered
+  or was reaped): the client sees it before its next request (``peer_closed``) and goes back
+  to ZMQ.
 - A message that does not fit its slot is not written (``put_*`` returns False): the request
   goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
   daemon sends every reply over ZMQ too).
@@ -52,7 +55,7 @@ REPLY_BYTES = 64 << 10
 MAX_SLOT_BYTES = 16 << 20
 TOO_BIG = (1 << 64) - 1  # reply length word: the reply did not fit, take the ZMQ copy
 # u64 word indices in the header page
-_MAGIC, _REQ_CAP, _REP_CAP = 0, 1, 2
+_MAGIC, _REQ_CAP, _REP_CAP, _CLOSED = 0, 1, 2, 3
 _REQ_SEQ, _REQ_LEN = 8, 9  # the client's words (own cache line)
 _REP_SEQ, _REP_LEN = 16, 17  # the daemon's words (own cache line)
 _U32 = struct.Struct("<I")
@@ -166,6 +169,10 @@ class Channel:
         return ch
 
     # ---------------------------------------------------------------- client side
+    def peer_closed(self) -> bool:
+        """Whether the daemon dropped this channel (it reads no more requests from it)."""
+        return self._words[_CLOSED] != 0
+
     def put_request(self, seq: int, frames: Sequence[Any]) -> bool:
         """Write request ``seq`` (> 0); False (nothing written) when it does not fit."""
         blob = pack(frames, self.request_bytes)
@@ -220,9 +227,13 @@ class Channel:
         return blob is not None
 
     def close(self, unlink: bool = False) -> None:
+        """Unmap; ``unlink`` (the daemon's side) also marks the channel closed for the client
+        and removes the file if the client never opened it."""
         if self.closed:
             return
         self.closed = True
+        if unlink:
+            self._words[_CLOSED] = 1
         self._words.release()
         try:
             self._mm.close()

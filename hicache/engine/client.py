@@ -176,11 +176,14 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             except CommandRefused as e:
                 why = e.message
             else:
+                chan = None
                 try:
                     chan = Channel.open(h)
                     wake = WakeSocket.open_writer(str(h["wake"]))
                 except (OSError, ValueError, KeyError) as e:
                     why = f"cannot map the daemon's channel: {e}"
+                    if chan is not None:
+                        chan.close()
                 else:
                     self._chan, self._chan_wake = chan, wake
                     self.channel_refused = None
@@ -213,7 +216,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         sleeping ``poll`` for the rest. While a call waits for a reply through the channel
         (``_chan_seq``), the channel's reply slot is read too (before each sleep as well)."""
         s, poll, pollin = self._sock, zmq.zmq_poll, self._pollin
-        spin = self._reply_spin
+        spin = min(self._reply_spin, wait_ms * 1e-3)
         ready = False
         chan, seq = self._chan, self._chan_seq
         if seq:
@@ -266,6 +269,9 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         s = self._sock
         deadline = time.monotonic() + timeout
         chan = self._chan
+        if chan is not None and chan.peer_closed():  # unregistered or reaped: back to ZMQ
+            self._close_channel()
+            chan = None
         try:
             if chan is not None and chan.put_request(rid, frames):
                 if not WakeSocket.ring(self._chan_wake):
@@ -385,7 +391,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         return h
 
     def unregister(self, timeout: float | None = None) -> dict[str, Any]:
+        """Free this client's rows and close its device mappings; the daemon forgets the
+        client, its channel included (``register`` asks for a new one)."""
         h, _ = self.call("unregister", timeout=timeout)
+        self._close_channel()
         self.registered = None
         self._load_events = []
         return h
