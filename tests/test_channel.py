@@ -289,7 +289,9 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         c.register(pools)  # a new channel, and only one
         assert c.uses_channel and c.stats()["channels"] == 1
         chan = c._chan
-        time.sleep(3.5)  # silent past the 2 s heartbeat timeout: reaped, its channel closed
+        end = time.monotonic() + 15  # silent past the 2 s heartbeat timeout: reaped, and its
+        while not chan.peer_closed() and time.monotonic() < end:  # channel marked closed
+            time.sleep(0.1)
         assert chan.peer_closed()
         t = time.perf_counter()
         h = c.heartbeat(timeout=5)  # over ZMQ at once, not a timeout on a dead slot

@@ -12,8 +12,8 @@ Contract:
   client) maps the file ``info()`` describes, checks its size and magic, and unlinks it, so no
   other process can open it afterwards (``close(unlink=True)`` on the daemon side removes a file
   no client opened).
-- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities; the client's
-  request sequence and length; the daemon's reply sequence and length), then the request slot,
+- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed; the
+  client's request sequence and length; the daemon's reply sequence and length), then the request slot,
   then the reply slot. A slot holds one message: u32 frame count, u32 length per frame, the
   frames' bytes.
 - Ordering: the writer stores the payload, then the length, then the sequence word (one aligned
@@ -50,7 +50,7 @@ CHANNEL_PREFIX = "hicache-chan-"
 WAKE_PREFIX = "hicache-wake-"
 MAGIC = int.from_bytes(b"HICHAN01", "little")
 HEADER = 4096
-REQUEST_BYTES = 256 << 10  # a load of 32k pages' ids, or of 32k token ids, fits
+REQUEST_BYTES = 256 << 10  # up to ~32k ids (8 bytes each) in all; larger requests use ZMQ
 REPLY_BYTES = 64 << 10
 MAX_SLOT_BYTES = 16 << 20
 TOO_BIG = (1 << 64) - 1  # reply length word: the reply did not fit, take the ZMQ copy
