@@ -46,6 +46,8 @@ import socket
 import struct
 from typing import Any, Sequence
 
+from .shm_file import new_mapped_file
+
 CHANNEL_PREFIX = "hicache-chan-"
 WAKE_PREFIX = "hicache-wake-"
 MAGIC = int.from_bytes(b"HICHAN01", "little")
@@ -128,16 +130,7 @@ class Channel:
                                  f"64..{MAX_SLOT_BYTES}")
         path = os.path.join(shm_dir, f"{CHANNEL_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         nbytes = cls.size(request_bytes, reply_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        ch = cls(path, mm, request_bytes, reply_bytes)
+        ch = cls(path, new_mapped_file(path, nbytes), request_bytes, reply_bytes)
         w = ch._words
         w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
         w[_MAGIC] = MAGIC

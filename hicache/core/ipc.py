@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .shm_file import new_mapped_file
+
 SHM_PREFIX = "hicache-dev-"
 SHM_ALIGN = 4096
 STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not be mapped yet)
@@ -74,19 +76,7 @@ def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
         raise ValueError(f"shared-memory directory {shm_dir} does not exist")
     sweep_stale_shm(shm_dir)
     path = os.path.join(shm_dir, f"{SHM_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, max(nbytes, SHM_ALIGN))
-        mm = mmap.mmap(fd, max(nbytes, SHM_ALIGN))
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        raise
-    os.close(fd)
-    return path, mm
+    return path, new_mapped_file(path, max(nbytes, SHM_ALIGN))
 MAX_B64 = 4096  # longest handle string accepted from the wire
 
 

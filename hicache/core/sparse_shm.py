@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .shm_file import new_mapped_file
+
 SPARSE_PREFIX = "hicache-sparse-"
 ALIGN = 4096
 
@@ -48,16 +50,7 @@ class SparseShm:
             raise ValueError(f"shared-memory directory {shm_dir} does not exist")
         path = os.path.join(shm_dir, f"{SPARSE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         nbytes = max(ALIGN, layers * _align(rows * page_bytes))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        return cls(path, mm, layers, rows, page_bytes, owner=True)
+        return cls(path, new_mapped_file(path, nbytes), layers, rows, page_bytes, owner=True)
 
     @classmethod
     def open(cls, info: dict[str, Any]) -> "SparseShm":

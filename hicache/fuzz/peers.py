@@ -25,6 +25,7 @@ import zmq
 
 from hicache.core import protocol as P
 from hicache.core.layout import Layout
+from hicache.core.shm_file import new_mapped_file
 
 ALIGN = 4096
 _M64 = (1 << 64) - 1
@@ -56,15 +57,7 @@ class ShmBuffers:
             end += stride * spec.num_layers
         self.path = os.path.join(shm_dir, f"hicache-dev-{os.getpid()}-{tag}-"
                                           f"{secrets.token_hex(4)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, max(end, ALIGN))
-            self._mm: mmap.mmap | None = mmap.mmap(fd, max(end, ALIGN))
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
+        self._mm: mmap.mmap | None = new_mapped_file(self.path, max(end, ALIGN))
         self.plan = plan
         self._views: dict[str, np.ndarray] = {}
         for name, (off, stride, n, rb, layers) in plan.items():
