@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -131,6 +132,22 @@ def spinning():
         yield d, pools
 
 
+@contextlib.contextmanager
+def _clients(d, pools, *kws):
+    """Clients of ``d`` (one per keyword dict) registered with ``pools``; unregistered and
+    closed after."""
+    cs = [d.client(**kw) for kw in kws]
+    try:
+        for c in cs:
+            c.register(pools)
+        yield cs
+    finally:
+        for c in cs:
+            if c.registered is not None:
+                c.unregister()
+            c.close()
+
+
 def _fill(pools, seed: int) -> None:
     g = np.random.default_rng(seed)
     for layers in pools.layers.values():
@@ -141,12 +158,9 @@ def _fill(pools, seed: int) -> None:
 def test_commands_through_the_channel_match_zmq(spinning) -> None:
     d, pools = spinning
     _fill(pools, 1)
-    a, b = d.client(), d.client(channel=False)
-    try:
-        a.register(pools)
+    with _clients(d, pools, {}, {"channel": False}) as (a, b):
         assert a.uses_channel and a.channel_refused is None
         assert a.stats()["channels"] >= 1
-        b.register(pools)
         assert not b.uses_channel
         sent = {}
         for c in (a, b):
@@ -155,13 +169,15 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
             dev = {s: list(range(8, 16)) for s in host}
             c.wait_ack(c.backup({s: (dev[s], host[s]) for s in host}), timeout=10)
             back = {s: list(range(40, 48)) for s in host}
+            snap = {n: [t.clone() for t in ls] for n, ls in pools.layers.items()}
             c.wait_ack(c.load({s: (host[s], back[s]) for s in host}), timeout=10)
             for name, layers in pools.layers.items():
-                spec = pools.layout.pools[name]
-                if spec.index not in host:
-                    continue
-                for t in layers:  # every loaded row equals its source row
-                    assert (t[40:48] == t[8:16]).all(), name
+                moved = pools.layout.pools[name].index in host
+                for t, was in zip(layers, snap[name]):
+                    if moved:  # every loaded row equals its source row
+                        assert torch.equal(t[40:48], was[8:16]), name
+                        was[40:48] = t[40:48]
+                    assert torch.equal(t, was), name  # and nothing else changed
             c.free(host)
             sent[c] = c.sent - n0
         assert sent[a] == sent[b] == 4  # one request per call either way
@@ -169,17 +185,11 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
         for k in ("layout", "host_rows", "stage_layers", "registered"):
             assert ha[k] == hb[k]
         assert a.call("stats", {"check": True})[0]["invariants"] == "ok"
-    finally:
-        for c in (a, b):
-            c.unregister()
-            c.close()
 
 
 def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
     d, pools = spinning
-    c = d.client()
-    try:
-        c.register(pools)
+    with _clients(d, pools, {}) as (c,):
         before = c.stats()["host"]
         ch = c._chan
         for blob_len, seq in ((2, 9001), (1 << 40, 9002)):
@@ -195,17 +205,11 @@ def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
             assert b'"bad_frame"' in got[0] and b"channel request" in got[0]
         assert c.stats()["host"] == before
         assert c.heartbeat()["registered"]  # the channel still serves
-    finally:
-        c.unregister()
-        c.close()
 
 
 def test_channel_requests_act_as_their_client(spinning) -> None:
     d, pools = spinning
-    a, b = d.client(), d.client()
-    try:
-        a.register(pools)
-        b.register(pools)
+    with _clients(d, pools, {}, {}) as (a, b):
         assert a.uses_channel and b.uses_channel
         rows = a.alloc({"page": 2})
         with pytest.raises(CommandRefused) as e:
@@ -213,17 +217,11 @@ def test_channel_requests_act_as_their_client(spinning) -> None:
         assert e.value.code == "not_owner"
         assert a.free(rows)["freed"] == 2
         assert a._chan.path != b._chan.path and not os.path.exists(a._chan.path)
-    finally:
-        for c in (a, b):
-            c.unregister()
-            c.close()
 
 
 def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
     d, pools = spinning
-    c = d.client(reply_spin_us=0)
-    try:
-        c.register(pools)
+    with _clients(d, pools, {"reply_spin_us": 0}) as (c,):
         assert c.uses_channel
         took = []
         for _ in range(8):
@@ -232,9 +230,6 @@ def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
             c.heartbeat()
             took.append(time.perf_counter() - t)
         assert sorted(took)[len(took) // 2] < 0.05, took
-    finally:
-        c.unregister()
-        c.close()
 
 
 def test_a_reply_too_big_for_the_slot_comes_over_zmq() -> None:
