@@ -53,6 +53,23 @@ def test_fuzz_every_hostile_message_refused_state_unchanged(runner):
     assert rep["deep_check"] == "ok"  # the allocator's own invariant check ran in the daemon
 
 
+def test_fuzz_through_shared_memory_channels():
+    """The attacker's and the stranger's hostile messages enter a busy-polling daemon through
+    their channels (those that fit a slot): the same refusals, nothing changed."""
+    address, d = private_address("hcf-")
+    r = DaemonRunner(address, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0,
+                     extra=SPARSE_FLAGS + ("--spin-us", "2000"))
+    r.start()
+    try:
+        rep = run_fuzz(address, 800, seed=99, daemon_pid=r.pid, channel=True)
+        _assert_clean(rep)
+        assert rep["channel"] and len(rep["kinds"]) >= 20
+        assert rep["channel_messages"] >= rep["messages"] // 2  # most entered through a slot
+    finally:
+        assert r.clean_exit(r.stop())
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_fuzz_rare_and_heavy_kinds(runner):
     kinds = ["oversize_header", "deep_json", "too_many_frames", "long_list", "double_free",
              "use_after_free", "bad_register", "mixed_ownership"]

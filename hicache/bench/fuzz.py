@@ -10,7 +10,9 @@ frames). Every message must get an error reply within ``--reply-timeout``; after
 daemon must answer, its host row accounting and allocator invariants must hold, its error
 metric must have counted every refusal, the victim's rows must load back byte for byte, and
 no row may stay used once everyone unregistered. The daemon is then stopped with SIGTERM and
-must exit 0 with no traceback in its log.
+must exit 0 with no traceback in its log. ``--channel``: the daemon busy-polls and the attacker
+and the stranger send through shared-memory channels (``hicache.core.channel``), so the
+hostile messages that fit a slot enter the daemon there.
 
 Exit status 0 when every check holds, 1 when any fails (``failed_checks`` names them: a
 hostile message accepted, an unexpected error code, the errors metric not matching ...). ``--json`` prints one object with at least
@@ -37,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=None,
                    help="stop sending after this many seconds (reported)")
     p.add_argument("--keep-log", action="store_true", help="print the daemon log path, keep it")
+    p.add_argument("--channel", action="store_true",
+                   help="the daemon busy-polls (--spin-us 2000) and the attacker and stranger "
+                        "send through shared-memory channels")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     log = os.path.join(tmp, "daemon.log")
     rows = "page=16,swa_page=8,req_slot=4"
     runner = DaemonRunner(address, preset_name=args.preset, device_rows=rows,
-                          heartbeat_timeout=60.0, log_path=log, extra=SPARSE_FLAGS)
+                          heartbeat_timeout=60.0, log_path=log,
+                          extra=SPARSE_FLAGS + (("--spin-us", "2000") if args.channel else ()))
     report: dict[str, Any] = {}
     try:
         runner.start()
@@ -63,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
         report = run_fuzz(address, args.messages, seed=args.seed, layout=layout,
                           reply_timeout=args.reply_timeout, time_limit=args.time_limit,
-                          daemon_pid=runner.pid, progress=progress)
+                          daemon_pid=runner.pid, channel=args.channel, progress=progress)
     finally:
         code = runner.stop()
         out = runner.output()

@@ -24,6 +24,7 @@ import numpy as np
 import zmq
 
 from hicache.core import protocol as P
+from hicache.core.channel import Channel, WakeSocket
 from hicache.core.layout import Layout
 from hicache.core.shm_file import new_mapped_file
 
@@ -161,7 +162,9 @@ class Pattern:
 
 # ----------------------------------------------------------------------------- raw peer
 class RawPeer:
-    """One DEALER identity that sends frames as given and reads replies (acks are kept aside)."""
+    """One DEALER identity that sends frames as given and reads replies (acks are kept aside).
+    After ``open_channel`` its messages go through a shared-memory channel where they fit (the
+    daemon sends every reply over ZMQ too, which is what ``reply`` reads)."""
 
     def __init__(self, address: str, name: str, ctx: zmq.Context | None = None) -> None:
         self.address = address
@@ -176,12 +179,30 @@ class RawPeer:
         self.sock = s
         self._ids = 1 << 40  # far from anything a Client would use
         self.acks = 0
+        self._chan: Channel | None = None
+        self._wake: Any = None
+        self._seq = 0  # the channel's request sequence
+        self.via_channel = 0  # messages that went through the channel
 
     def next_id(self) -> int:
         self._ids += 1
         return self._ids
 
+    def open_channel(self) -> None:
+        """Send through a shared-memory channel from now on (a busy-polling daemon grants one;
+        the daemon closes it when this peer unregisters, and sends go back to ZMQ)."""
+        h = self.call("channel")
+        self._chan = Channel.open(h)
+        self._wake = WakeSocket.open_writer(str(h["wake"]))
+
     def send(self, frames: Sequence[bytes]) -> None:
+        ch = self._chan
+        if ch is not None and not ch.peer_closed():
+            self._seq += 1
+            if ch.put_request(self._seq, frames):  # what does not fit goes over ZMQ
+                WakeSocket.ring(self._wake)
+                self.via_channel += 1
+                return
         self.sock.send_multipart(list(frames), copy=True)
 
     def reply(self, timeout: float, want_id: Any = "any") -> dict[str, Any] | None:
@@ -215,6 +236,10 @@ class RawPeer:
         return h
 
     def close(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+            self._wake.close()
+            self._chan = None
         self.sock.close(0)
 
 

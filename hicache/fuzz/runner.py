@@ -136,7 +136,7 @@ def failed_checks(rep: Mapping[str, Any], messages: int) -> list[str]:
 def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | None = None,
              dev_rows: Mapping[str, int] | None = None, reply_timeout: float = 5.0,
              time_limit: float | None = None, daemon_pid: int | None = None,
-             kinds: Sequence[str] | None = None,
+             kinds: Sequence[str] | None = None, channel: bool = False,
              progress: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Send ``messages`` hostile messages to the daemon at ``address`` and check it afterwards.
 
@@ -148,6 +148,8 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
     what the victim and attacker hold, the allocator invariants hold, the daemon counted every
     refusal in its errors metric, and the victim's rows load back byte for byte; finally
     everyone unregisters and no host row stays used. Returns the report (``ok`` sums it up).
+    ``channel``: the attacker and the stranger send through shared-memory channels (the daemon
+    must busy-poll to grant them), so every hostile message that fits a slot enters there.
     """
     layout = layout or build_layout(preset("dsv4-tiny"))
     dev_rows = _space_rows(layout, dev_rows or {"page": 8, "swa_page": 4, "req_slot": 4})
@@ -156,7 +158,8 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
     abufs = ShmBuffers(layout, dev_rows, tag="attacker")
     gbufs = ShmBuffers(layout, dev_rows, tag="ghost")
     peers: dict[str, RawPeer] = {}
-    report: dict[str, Any] = {"bench": "fuzz", "seed": seed, "address": address}
+    report: dict[str, Any] = {"bench": "fuzz", "seed": seed, "address": address,
+                              "channel": channel}
     vic: Victim | None = None
     try:
         # ---- the victim: rows with known content in every space
@@ -173,6 +176,9 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
         arows = {s: [int(x) for x in arows_h["_arrays"][i]] for s, i in arows_h["rows"].items()}
         peers["ghost"].call("register", gbufs.register_fields())
         peers["ghost"].call("unregister")
+        if channel:
+            att.open_channel()
+            peers["anon"].open_channel()
         spv = SparseVictim(victim, vrows.get("page", []))
         world = World(layout, host_rows, dict(dev_rows), vrows, arows, abufs.register_fields(),
                       sparse=spv.world())
@@ -300,6 +306,7 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
             "metrics_match": err_delta == counts["error_replies"],
             "codes": dict(sorted(codes.items())), "kinds": dict(sorted(kinds.items())),
             "stopped_early": stopped_early,
+            "channel_messages": sum(p.via_channel for p in peers.values()),
             "seconds": round(time.monotonic() - t_start, 2),
             "fuzz_seconds": round(fuzz_seconds, 2),
             "messages_per_s": round(counts["messages"] / max(fuzz_seconds, 1e-9), 1),
