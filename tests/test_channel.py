@@ -234,20 +234,18 @@ def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
 
 def test_a_reply_too_big_for_the_slot_comes_over_zmq() -> None:
     layout = build_layout(preset("dsv4-tiny"))
-    rows = {"page": 5000, "swa_page": 8, "req_slot": 2}
+    rows = {"page": 1, "swa_page": 1, "req_slot": 64}  # 8,320 small request-slot host rows
     with DaemonProcess(device="cpu", preset="dsv4-tiny",
                        device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
-                       extra=("--spin-us", "2000")) as d, \
+                       host=("--host-ratio", "130"), extra=("--spin-us", "2000")) as d, \
             DevicePools(layout, rows, device="cpu") as pools:
-        c = d.client()
-        c.register(pools)
-        assert c.uses_channel
-        got = c.alloc({"page": 9000})["page"]  # 72 KB of row ids > the 64 KiB reply slot
-        assert len(got) == len(set(got)) == 9000
-        assert c.free({"page": got})["freed"] == 9000
-        assert c.uses_channel
-        c.unregister()
-        c.close()
+        with _clients(d, pools, {}) as (c,):
+            assert c.uses_channel
+            got = c.alloc({"req_slot": 8300})["req_slot"]  # 66 KB of ids > the 64 KiB slot
+            assert c._chan._words[C._REP_LEN] == C.TOO_BIG  # so it came over ZMQ
+            assert len(got) == len(set(got)) == 8300
+            assert c.free({"req_slot": got})["freed"] == 8300
+            assert c.uses_channel
 
 
 def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
