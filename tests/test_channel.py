@@ -19,6 +19,8 @@ import os
 import signal
 import stat
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 
 from hicache.core import channel as C
 from hicache.core.layout import build_layout, preset
+from hicache.core.shm_file import STALE_AFTER_S
 from hicache.engine.acks import CommandRefused, DaemonUnreachable
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
@@ -120,6 +123,27 @@ def test_wake_socket(tmp_path) -> None:
     s.close()
     with pytest.raises(OSError):
         C.WakeSocket.open_writer(w.path)
+
+
+def test_a_killed_daemons_channel_files_are_swept(tmp_path) -> None:
+    """Files a killed daemon left (its wake socket, a channel nobody opened) go when the next
+    daemon makes its wake socket; a live process's and a fresh one stay."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    old = time.time() - STALE_AFTER_S - 5
+    names = {"dead_chan": f"{C.CHANNEL_PREFIX}{p.pid}-0a1b2c", "dead_wake":
+             f"{C.WAKE_PREFIX}{p.pid}-0a1b2d", "live": f"{C.CHANNEL_PREFIX}{os.getpid()}-0a1b2e",
+             "young": f"{C.CHANNEL_PREFIX}{p.pid}-0a1b2f"}
+    for k, n in names.items():
+        path = tmp_path / n
+        path.write_bytes(b"x")
+        if k != "young":
+            os.utime(path, (old, old))
+    w = C.WakeSocket.create(str(tmp_path))
+    left = set(os.listdir(tmp_path))
+    assert names["dead_chan"] not in left and names["dead_wake"] not in left
+    assert {names["live"], names["young"]} <= left
+    w.close()
 
 
 # ----------------------------------------------------------------------------- daemon

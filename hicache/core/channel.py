@@ -31,7 +31,8 @@ Contract:
 - A message that does not fit its slot is not written (``put_*`` returns False): the request
   goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
   daemon sends every reply over ZMQ too).
-- ``WakeSocket``: the daemon's Unix datagram socket (file mode 0600). A client connects to it
+- ``WakeSocket``: the daemon's Unix datagram socket (file mode 0600); making it first sweeps
+  the channel files and sockets of daemons that were killed. A client connects to it
   and sends one byte after each request, which wakes a daemon that sleeps in ``poll``; a full
   queue (the daemon busy-polled meanwhile) is fine, a refused send means the daemon is gone (a
   datagram socket, not a pipe: no SIGPIPE can reach an engine that restored its default).
@@ -46,7 +47,7 @@ import socket
 import struct
 from typing import Any, Sequence
 
-from .shm_file import new_mapped_file
+from .shm_file import new_mapped_file, sweep_stale
 
 CHANNEL_PREFIX = "hicache-chan-"
 WAKE_PREFIX = "hicache-wake-"
@@ -248,6 +249,9 @@ class WakeSocket:
 
     @classmethod
     def create(cls, shm_dir: str) -> "WakeSocket":
+        """The daemon's socket (made with its first channel); first removes the channel files
+        and sockets a killed daemon left in ``shm_dir`` (``shm_file.sweep_stale``)."""
+        sweep_stale(shm_dir, (CHANNEL_PREFIX, WAKE_PREFIX))
         path = os.path.join(shm_dir, f"{WAKE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         s.setblocking(False)

@@ -22,51 +22,21 @@ import base64
 import binascii
 import mmap
 import os
-import re
 import secrets
-import time
 from typing import Any
 
 import torch
 
-from .shm_file import new_mapped_file
+from .shm_file import STALE_AFTER_S, new_mapped_file, sweep_stale  # noqa: F401 (re-exported)
 
 SHM_PREFIX = "hicache-dev-"
 SHM_ALIGN = 4096
-STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not be mapped yet)
-_CREATOR = re.compile(r"(\d+)-[0-9a-f]+$")  # the creating pid before the random suffix
 
 
 def sweep_stale_shm(shm_dir: str) -> int:
     """Remove this user's ``hicache-dev-*`` files in ``shm_dir`` whose creating process no
-    longer exists (killed before it could unlink them) and that were not modified for
-    ``STALE_AFTER_S``; returns how many. Mappings other processes hold stay valid."""
-    n, uid, now = 0, os.getuid(), time.time()
-    try:
-        names = [e for e in os.listdir(shm_dir) if e.startswith(SHM_PREFIX)]
-    except OSError:
-        return 0
-    for name in names:
-        m = _CREATOR.search(name)
-        if m is None:
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            st = os.stat(path)
-            if st.st_uid != uid or now - st.st_mtime < STALE_AFTER_S:
-                continue
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or the pid was reused): keep it
-        except ProcessLookupError:
-            pass
-        except (OSError, OverflowError):
-            continue  # gone already, or another user's process
-        try:
-            os.unlink(path)
-            n += 1
-        except OSError:
-            pass
-    return n
+    longer exists (``shm_file.sweep_stale``); returns how many."""
+    return sweep_stale(shm_dir, (SHM_PREFIX,))
 
 
 def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
@@ -77,6 +47,8 @@ def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
     sweep_stale_shm(shm_dir)
     path = os.path.join(shm_dir, f"{SHM_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}")
     return path, new_mapped_file(path, max(nbytes, SHM_ALIGN))
+
+
 MAX_B64 = 4096  # longest handle string accepted from the wire
 
 
