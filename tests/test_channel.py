@@ -8,7 +8,8 @@
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
   sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a call that
-  timed out stops the channel; unregister and a reap close it on both sides (the client goes
+  timed out stops the channel; one the daemon cannot make is refused with the reason;
+  unregister and a reap close it on both sides (the client goes
   back to ZMQ at once); a reaped client's channel file is gone; a sleeping daemon
   (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
 """
@@ -316,6 +317,23 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         assert h["reaped"] and not h["registered"]
     finally:
         c.close()
+
+
+def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
+    """The first shm directory's path is too long for a Unix socket: the channel is refused
+    with the reason, and the client carries on over ZMQ."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       extra=("--spin-us", "2000"),
+                       env={"HICACHE_SHM_DIRS": f"{deep}:/dev/shm"}) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        with _clients(d, pools, {}) as (c,):
+            assert not c.uses_channel and "cannot create it in" in c.channel_refused
+            assert "\n" not in c.channel_refused
+            assert c.heartbeat()["registered"] and c.stats()["channels"] == 0
+        assert not os.listdir(deep)  # nothing left behind
 
 
 def test_a_sleeping_daemon_refuses_channels() -> None:
