@@ -6,9 +6,9 @@ the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the
 timeout when that is shorter) reap clients silent for longer than the heartbeat timeout and
 refresh the gauges. Local clients may also send through a shared-memory channel
 (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
-sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a socket one,
-its reply written to the channel's slot and sent over the socket too. While the engine is idle
-the loop waits on the socket (and that wake-up socket) alone. With
+sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
+socket one, its reply written to the channel's slot and sent over the socket too. While the
+engine is idle the loop waits on the socket (and that wake-up socket) alone. With
 ``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
 traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
 oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
@@ -385,8 +385,8 @@ class Server:
             st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout of "
                        f"{st.heartbeat_timeout:g} s")
             st.metrics.inc("clients_reaped")
-        if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled; a drained
-            st.wake_socket.drain()  # one's request is taken right here (the next sleep would miss it)
+        if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
+            st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
             self._channels()
         st.refresh_gauges()
 

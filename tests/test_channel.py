@@ -2,16 +2,17 @@
 
 * format: frames round-trip through a slot; any bytes in a slot give frames or a reason, never
   an exception or a read past the slot; a request or reply that does not fit is not written.
-* file: mode 0600, unlinked once the client mapped it; a file of the wrong size or magic is
-  refused.
+* files: the channel file is 0600 and unlinked once the client mapped it; a file of the wrong
+  size or magic is refused; a client end that cannot connect leaves its mapping closed; the
+  files a killed daemon left are swept.
 * daemon (CPU mode, busy-polling): a client that registers gets a channel; every command gives
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
-  sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a call that
-  timed out stops the channel; one the daemon cannot make is refused with the reason;
-  unregister and a reap close it on both sides (the client goes
-  back to ZMQ at once); a reaped client's channel file is gone; a sleeping daemon
-  (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
+  sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a
+  killed daemon is named at the next call; a call that timed out stops the channel; one the
+  daemon cannot make is refused with the reason; unregister and a reap close it on both sides
+  (the client goes back to ZMQ at once); a reaped client's channel file is gone; a sleeping
+  daemon (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
 """
 from __future__ import annotations
 
@@ -216,13 +217,13 @@ def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
     d, pools = spinning
     with _clients(d, pools, {}) as (c,):
         before = c.stats()["host"]
-        ch = c._chan
+        ch = c._chan.chan
         for blob_len, seq in ((2, 9001), (1 << 40, 9002)):
             if blob_len == 2:
                 ch._mm[ch._req_at:ch._req_at + 2] = b"\7\7"
             ch._words[C._REQ_LEN] = blob_len
             ch._words[C._REQ_SEQ] = seq
-            C.WakeSocket.ring(c._chan_wake)
+            c._chan.ring()
             end = time.monotonic() + 5
             while (got := ch.reply(seq, MAXF)) is None and time.monotonic() < end:
                 time.sleep(0.001)
@@ -241,7 +242,8 @@ def test_channel_requests_act_as_their_client(spinning) -> None:
             b.free(rows)
         assert e.value.code == "not_owner"
         assert a.free(rows)["freed"] == 2
-        assert a._chan.path != b._chan.path and not os.path.exists(a._chan.path)
+        pa, pb = a._chan.chan.path, b._chan.chan.path
+        assert pa != pb and not os.path.exists(pa)
 
 
 def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
@@ -257,27 +259,49 @@ def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
         assert sorted(took)[len(took) // 2] < 0.05, took
 
 
-def test_a_reply_too_big_for_the_slot_comes_over_zmq() -> None:
+def test_a_reply_too_big_comes_over_zmq_and_a_killed_daemon_is_named() -> None:
     layout = build_layout(preset("dsv4-tiny"))
     rows = {"page": 1, "swa_page": 1, "req_slot": 64}  # 8,320 small request-slot host rows
     with DaemonProcess(device="cpu", preset="dsv4-tiny",
                        device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
                        host=("--host-ratio", "130"), extra=("--spin-us", "2000")) as d, \
             DevicePools(layout, rows, device="cpu") as pools:
-        with _clients(d, pools, {}) as (c,):
+        c = d.client()
+        try:
+            c.register(pools)
             assert c.uses_channel
             got = c.alloc({"req_slot": 8300})["req_slot"]  # 66 KB of ids > the 64 KiB slot
-            assert c._chan._words[C._REP_LEN] == C.TOO_BIG  # so it came over ZMQ
+            assert c._chan.chan._words[C._REP_LEN] == C.TOO_BIG  # so it came over ZMQ
             assert len(got) == len(set(got)) == 8300
             assert c.free({"req_slot": got})["freed"] == 8300
             assert c.uses_channel
+            os.kill(d.pid, signal.SIGKILL)  # no shutdown: the channel is not marked closed
+            d.proc.wait(10)
+            t = time.perf_counter()
+            with pytest.raises(DaemonUnreachable, match="is gone"):
+                c.heartbeat(timeout=5)
+            assert time.perf_counter() - t < 1.0 and not c.uses_channel
+        finally:
+            c.close()
+
+
+def test_a_client_end_that_cannot_open_leaves_nothing(tmp_path, monkeypatch) -> None:
+    ch = C.Channel.create(str(tmp_path), 1024, 256)
+    closed = []
+    real = C.Channel.close
+    monkeypatch.setattr(C.Channel, "close", lambda self, unlink=False: (closed.append(self),
+                                                                         real(self, unlink)))
+    with pytest.raises(OSError):
+        C.ClientEnd.open(dict(ch.info(), wake=str(tmp_path / "nobody")))  # no wake-up socket
+    assert len(closed) == 1 and closed[0] is not ch and closed[0].closed  # its mapping went
+    ch.close(unlink=True)
 
 
 def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
     d, pools = spinning
     c = d.client()
     c.register(pools)
-    path = c._chan.path
+    path = c._chan.chan.path
     os.kill(d.pid, signal.SIGSTOP)
     try:
         with pytest.raises(DaemonUnreachable):
@@ -301,12 +325,12 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
     c = d.client()
     try:
         c.register(pools)
-        first = c._chan
+        first = c._chan.chan
         c.unregister()
         assert not c.uses_channel and first.closed
         c.register(pools)  # a new channel, and only one
         assert c.uses_channel and c.stats()["channels"] == 1
-        chan = c._chan
+        chan = c._chan.chan
         end = time.monotonic() + 15  # silent past the 2 s heartbeat timeout: reaped, and its
         while not chan.peer_closed() and time.monotonic() < end:  # channel marked closed
             time.sleep(0.1)

@@ -350,10 +350,11 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
 def _table(result: dict[str, Any]) -> None:
     lim = result["limit_gbps"]
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
+    chan = "yes" if result["channel"] else f"no ({result['channel_refused']})"
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
-          f"channel: {'yes' if result['channel'] else 'no (' + str(result['channel_refused']) + ')'}")
+          f"channel: {chan}")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "

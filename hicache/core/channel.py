@@ -13,9 +13,9 @@ Contract:
   other process can open it afterwards (``close(unlink=True)`` on the daemon side removes a file
   no client opened).
 - Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed; the
-  client's request sequence and length; the daemon's reply sequence and length), then the request slot,
-  then the reply slot. A slot holds one message: u32 frame count, u32 length per frame, the
-  frames' bytes.
+  client's request sequence and length; the daemon's reply sequence and length), then the
+  request slot, then the reply slot. A slot holds one message: u32 frame count, u32 length
+  per frame, the frames' bytes.
 - Ordering: the writer stores the payload, then the length, then the sequence word (one aligned
   8-byte store); the reader loads the sequence first. On x86-64 (TSO: stores are seen in order,
   loads are not reordered with older loads) that is enough; ``supported()`` says whether this
@@ -31,6 +31,9 @@ Contract:
 - A message that does not fit its slot is not written (``put_*`` returns False): the request
   goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
   daemon sends every reply over ZMQ too).
+- ``ClientEnd``: a client's end, the mapping plus a socket connected to the daemon's wake-up
+  socket: ``send`` writes a request and rings (False: it does not fit or the daemon closed the
+  channel, so it goes over ZMQ; ``ConnectionError``: the daemon is gone).
 - ``WakeSocket``: the daemon's Unix datagram socket (file mode 0600); making it first sweeps
   the channel files and sockets of daemons that were killed. A client connects to it
   and sends one byte after each request, which wakes a daemon that sleeps in ``poll``; a full
@@ -303,3 +306,38 @@ class WakeSocket:
         except OSError:  # ECONNREFUSED / ENOENT: the daemon closed it
             return False
         return True
+
+
+class ClientEnd:
+    """A client's end of a channel (see the module docstring)."""
+
+    def __init__(self, chan: Channel, wake: socket.socket) -> None:
+        self.chan, self._wake = chan, wake
+
+    @classmethod
+    def open(cls, info: dict[str, Any]) -> "ClientEnd":
+        """Map the channel and connect to the wake-up socket a ``channel`` reply names; on a
+        failure (``OSError``, ``ValueError``, ``KeyError``) nothing stays open."""
+        chan = Channel.open(info)
+        try:
+            wake = WakeSocket.open_writer(str(info["wake"]))
+        except BaseException:
+            chan.close()
+            raise
+        return cls(chan, wake)
+
+    def send(self, seq: int, frames: Sequence[Any]) -> bool:
+        """Request ``seq`` into the slot, then a wake-up. False (nothing written) when it does
+        not fit or the daemon closed the channel; ``ConnectionError`` when the daemon is gone."""
+        if self.chan.peer_closed() or not self.chan.put_request(seq, frames):
+            return False
+        self.ring()
+        return True
+
+    def ring(self) -> None:
+        if not WakeSocket.ring(self._wake):
+            raise ConnectionError("its wake-up socket refuses: the daemon is gone")
+
+    def close(self) -> None:
+        self.chan.close()
+        self._wake.close()

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import zmq
 
 from hicache.core import protocol as P
-from hicache.core.channel import Channel, WakeSocket, supported
+from hicache.core.channel import ClientEnd, supported
 from hicache.engine.completion import WAIT_SPIN_US, Completion
 from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
@@ -130,8 +130,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         s.connect(self.address)
         self._want_channel = channel if channel is not None else \
             (None if curve_server_key is None and _local(self.address) else False)
-        self._chan: Channel | None = None
-        self._chan_wake: Any = None  # a socket connected to the daemon's wake-up socket
+        self._chan: ClientEnd | None = None
         self._chan_seq = 0  # the request a call waits for through the channel (0: none)
         self.channel_refused: str | None = None
         self._pollin = [(s, _POLLIN)]
@@ -176,16 +175,11 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             except CommandRefused as e:
                 why = e.message
             else:
-                chan = None
                 try:
-                    chan = Channel.open(h)
-                    wake = WakeSocket.open_writer(str(h["wake"]))
+                    self._chan = ClientEnd.open(h)
                 except (OSError, ValueError, KeyError) as e:
                     why = f"cannot map the daemon's channel: {e}"
-                    if chan is not None:
-                        chan.close()
                 else:
-                    self._chan, self._chan_wake = chan, wake
                     self.channel_refused = None
                     return True
         if self._want_channel:
@@ -197,8 +191,6 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if self._chan is not None:
             self._chan.close()
             self._chan = None
-            self._chan_wake.close()
-            self._chan_wake = None
 
     def __enter__(self) -> "Client":
         return self
@@ -241,10 +233,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         except zmq.Again:
             return None
 
-    def _chan_reply(self, chan: "Channel", seq: int) -> tuple[dict[str, Any], list[Any]] | None:
+    def _chan_reply(self, chan: ClientEnd, seq: int) -> tuple[dict[str, Any], list[Any]] | None:
         """The reply to ``seq`` from the channel's slot, or None (not there yet; or there only
         as a note that it went over ZMQ alone, which ``call`` then waits for)."""
-        frames = chan.reply(seq, P.MAX_INDEX_FRAMES + 1)
+        frames = chan.chan.reply(seq, P.MAX_INDEX_FRAMES + 1)
         if frames is None:
             return None
         if isinstance(frames, str):  # too big for the slot (or garbled): the ZMQ copy is read
@@ -269,15 +261,17 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         s = self._sock
         deadline = time.monotonic() + timeout
         chan = self._chan
-        if chan is not None and chan.peer_closed():  # unregistered or reaped: back to ZMQ
+        if chan is not None and chan.chan.peer_closed():  # unregistered or reaped: back to ZMQ
             self._close_channel()
             chan = None
         try:
-            if chan is not None and chan.put_request(rid, frames):
-                if not WakeSocket.ring(self._chan_wake):
-                    self._close_channel()
-                    raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is "
-                                            f"gone (its wake-up socket refuses)")
+            try:
+                sent = chan is not None and chan.send(rid, frames)
+            except ConnectionError as e:
+                self._close_channel()
+                raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is gone "
+                                        f"({e})") from None
+            if sent:
                 self._chan_seq = rid
             else:
                 self._send(frames)

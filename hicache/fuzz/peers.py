@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from hicache.core import protocol as P
-from hicache.core.channel import Channel, WakeSocket
+from hicache.core.channel import ClientEnd
 from hicache.core.layout import Layout
 from hicache.core.shm_file import new_mapped_file
 
@@ -179,8 +179,7 @@ class RawPeer:
         self.sock = s
         self._ids = 1 << 40  # far from anything a Client would use
         self.acks = 0
-        self._chan: Channel | None = None
-        self._wake: Any = None
+        self._chan: ClientEnd | None = None
         self._seq = 0  # the channel's request sequence
         self.via_channel = 0  # messages that went through the channel
 
@@ -191,16 +190,13 @@ class RawPeer:
     def open_channel(self) -> None:
         """Send through a shared-memory channel from now on (a busy-polling daemon grants one;
         the daemon closes it when this peer unregisters, and sends go back to ZMQ)."""
-        h = self.call("channel")
-        self._chan = Channel.open(h)
-        self._wake = WakeSocket.open_writer(str(h["wake"]))
+        self._chan = ClientEnd.open(self.call("channel"))
 
     def send(self, frames: Sequence[bytes]) -> None:
         ch = self._chan
-        if ch is not None and not ch.peer_closed():
+        if ch is not None:
             self._seq += 1
-            if ch.put_request(self._seq, frames):  # what does not fit goes over ZMQ
-                WakeSocket.ring(self._wake)
+            if ch.send(self._seq, frames):  # what does not fit goes over ZMQ
                 self.via_channel += 1
                 return
         self.sock.send_multipart(list(frames), copy=True)
@@ -238,7 +234,6 @@ class RawPeer:
     def close(self) -> None:
         if self._chan is not None:
             self._chan.close()
-            self._wake.close()
             self._chan = None
         self.sock.close(0)
 
