@@ -21,7 +21,12 @@
   the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
   records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
   (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
-  is built; each later group's copies go out at its own launch.
+  is built; each later group's copies go out at its own launch. With ``fine`` False, before
+  any of that, right after layer 0's step, the copy-engine rows of the parts already built
+  (those holding layer 0) go out for the next whole layers (up to ``FIRST_LEAD_BYTES``, when
+  they reach ``FIRST_LEAD_MIN_BYTES``) on a lead stream, with an event after each launch
+  group's share, so the link has work while ``more`` builds the other parts and the later
+  layers are planned; a group's layers are marked ready after its share.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -46,6 +51,15 @@ DEFAULT_CTAS = 4
 # later groups' copies go out at their own launch: keeping the copy engines this far ahead of
 # every launched group as well (tried) gained nothing measurable on an H200
 LEAD_BYTES = 32 << 20
+# copy-engine bytes of the parts already built (those holding layer 0) issued for the next
+# layers as soon as layer 0's step returns, before the other parts are built and the later
+# layers planned: on an H200 host that host time (0.7-1.6 ms at 8k-32k tokens of DSV4-Flash)
+# left the link idle after layer 0's copy. About 1.2 ms of the link; 0 turns it off. Only
+# for loads in one later group (``fine`` False), and only when the lead holds at least
+# ``FIRST_LEAD_MIN_BYTES`` (a checkpoint's SWA tail, ~3 MB, is host-bound: the lead's own
+# plan and driver call would only add host time)
+FIRST_LEAD_BYTES = 64 << 20
+FIRST_LEAD_MIN_BYTES = 8 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
 # so its copy, and the engine's word that it is issued, come before the rest is planned).
 # 1,024 (8k tokens of DSV4-Flash's full mirror split too) brought 8k's second layer from
@@ -126,34 +140,44 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     # uploaded (the latency the engine waits for first); with no segment launch (SWA rows
     # only) they go on the load stream itself
     yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
-    if more is not None:
-        extra = list(more())
-        if any(g0 in p.layers for p in extra):
-            raise ValueError(f"a part built after the first step holds layer {g0}, which that "
-                             f"step issued")
-        _check_layers(extra, layer_order)
-        parts = list(parts) + extra
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
-    if not groups:
-        return
-    # a big rest is planned in two: layer 1's group alone first, so its copies start while the
-    # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
-    head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
-    yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
-                             stream)
-    if head < len(groups):
-        yield from _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas,
-                                 dev, stream)
+    # only where the client hears of the later layers when all are issued: a lead ahead of a
+    # progress-reporting load's plan held its first notice back (H200: at 8k tokens layer 1
+    # was seen with the last layer, 7.3-8.2 ms, against 2.5-3.2 ms without it)
+    parts, lead = (list(parts), _Lead()) if fine else \
+        _issue_first_lead(parts, layer_order, groups, dev, stream)
+    try:
+        if more is not None:
+            extra = list(more())
+            if any(g0 in p.layers for p in extra):
+                raise ValueError(f"a part built after the first step holds layer {g0}, which "
+                                 f"that step issued")
+            _check_layers(extra, layer_order)
+            parts = list(parts) + extra
+        if not groups:
+            return
+        # a big rest is planned in two: layer 1's group alone first, so its copies start while
+        # the other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
+        head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
+        yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
+                                 stream, lead)
+        if head < len(groups):
+            yield from _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas,
+                                     dev, stream, lead)
+    finally:  # the stream waits for the whole lead, whatever happened after it was issued
+        lead.join(dev, stream)
 
 
 def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   groups: Sequence[tuple[int, int]], on_layer: Optional[Callable[[int], None]],
                   device: torch.device, ctas: int, dev: Optional[torch.device],
-                  stream: Optional["torch.cuda.Stream"]) -> Iterator[int]:
+                  stream: Optional["torch.cuda.Stream"],
+                  lead: Optional["_Lead"] = None) -> Iterator[int]:
     """One plan for the layers of consecutive launch ``groups`` (positions ``[a, b)`` of
     ``layer_order``), launched group by group on ``stream``; ``on_layer(i)`` after the group
-    holding position ``i``; yields ``b`` after each group."""
+    holding position ``i`` (and after the ``lead`` copies of its layers); yields ``b`` after
+    each group."""
     lo, hi = groups[0][0], groups[-1][1]
     plan: Optional[_LayerPlan] = None
     for k, (a, b) in enumerate(groups):
@@ -162,10 +186,91 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 plan = _LayerPlan(parts, set(layer_order[lo:hi]).__contains__,
                                   layer_order[lo:hi], dev, [(x - lo, y - lo) for x, y in groups])
             plan.launch(device, k, ctas)
+            if lead is not None:
+                lead.wait(b, dev)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
         yield b
+
+
+class _Lead:
+    """A load's lead (``_issue_first_lead``): events on the lead stream, each after the lead's
+    copies of the layer positions below its end. The caller's stream waits on the one that
+    covers a launch group before that group's layers are marked ready, and on the last one
+    before the load's later work (``join``)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, "torch.cuda.Event"]] = []  # (end position, event)
+        self.waited = 0  # marks the caller's stream waits on
+
+    def wait(self, b: int, dev: Optional[torch.device]) -> None:
+        """The current stream waits for the lead's copies of positions below ``b``."""
+        ev = None
+        while self.waited < len(self.marks) and self.marks[self.waited][0] <= b:
+            ev = self.marks[self.waited][1]
+            self.waited += 1
+        if ev is not None:
+            assert dev is not None
+            current_stream(dev).wait_event(ev)
+
+    def join(self, dev: Optional[torch.device], stream: Optional["torch.cuda.Stream"]) -> None:
+        """``stream`` waits for every copy of the lead."""
+        if self.waited < len(self.marks):
+            with on_stream(stream, dev):
+                self.wait(self.marks[-1][0], dev)
+
+
+def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
+                      groups: Sequence[tuple[int, int]], dev: Optional[torch.device],
+                      stream: Optional["torch.cuda.Stream"]) -> tuple[list[SegmentPart], _Lead]:
+    """Right after layer 0's step: the copy-engine rows ``parts`` hold for the next layers,
+    whole layers up to ``FIRST_LEAD_BYTES``, issued at once on the lead stream (after what
+    ``stream`` holds: layer 0's copies), before ``more`` builds the other parts and the later
+    layers are planned (host time during which the link would sit idle once layer 0's copy is
+    done). An event after each launch group's share of them (``groups``) lets a group's layers
+    be ready without waiting for the rest of the lead, and the side stream's copies of those
+    layers' other pools need not queue behind it. Returns ``parts`` less the copies issued,
+    and the lead."""
+    lead = _Lead()
+    dma, seg = _split(parts, dev)
+    if not dma or not groups or FIRST_LEAD_BYTES <= 0:
+        return list(parts), lead
+    assert dev is not None
+    pos = {g: i for i, g in enumerate(layer_order)}
+    per = [0] * len(layer_order)  # copy-engine bytes of ``dma`` per layer position
+    for p in dma:
+        b = sum(rb * so.size for rb, so, _ in p.ranges)
+        for g in p.layers:
+            per[pos[g]] += b
+    k, total = 1, 0
+    while k < len(layer_order) and total < FIRST_LEAD_BYTES:
+        total += per[k]
+        k += 1
+    if not total or total < FIRST_LEAD_MIN_BYTES:  # less link time than its own host time
+        return list(parts), lead
+    keep = set(layer_order[1:k]).__contains__
+    with on_stream(stream, dev):
+        ls = copy_engine.lead_stream(dev)
+        ls.wait_stream(current_stream(dev))
+        plans = [DmaPlan.build(mine, layer_order).direction(way == "h2d", dev.index or 0)
+                 for way in ("h2d", "d2h")
+                 for mine in [_layers_of([p for p in dma if p.dma == way], keep)] if mine]
+        try:
+            for a, b in groups:
+                if a >= k:
+                    break
+                e = min(b, k)
+                for plan in plans:
+                    copy_engine.issue(plan, plan.layers[a][0], plan.layers[e - 1][1],
+                                      ls.cuda_stream)
+                ev = torch.cuda.Event()
+                ev.record(ls)
+                lead.marks.append((e, ev))
+        except BaseException:  # what went out still comes before the stream's later work
+            current_stream(dev).wait_stream(ls)
+            raise
+    return _layers_of(dma, lambda g: not keep(g)) + seg, lead
 
 
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:

@@ -188,12 +188,17 @@ class DmaPlan:
         if not blocks:
             e = np.zeros(0, dtype=np.uint64)
             return cls(e, e, e, [(0, 0)] * len(layer_order))
-        if len(blocks) == 1 and blocks[0][0][0] == blocks[0][0][-1]:
-            # one range of one layer (layer 0 of a load: DSV4-Flash's SWA rows): no reordering
+        if len(blocks) == 1 and (blocks[0][0][0] == blocks[0][0][-1] or
+                                 bool((blocks[0][0][1:] >= blocks[0][0][:-1]).all())):
+            # one range of layers already in order (layer 0 of a load, and the next layers'
+            # lead: DSV4-Flash's SWA rows): no reordering
             lp, dp, sp, sz = blocks[0]
-            i, n = int(lp[0]), sp.size
-            after = len(layer_order) - i - 1
-            return cls(dp, sp, sz, [(0, 0)] * i + [(0, n)] + [(n, n)] * after)
+            if lp[0] == lp[-1]:
+                i, n = int(lp[0]), sp.size
+                after = len(layer_order) - i - 1
+                return cls(dp, sp, sz, [(0, 0)] * i + [(0, n)] + [(n, n)] * after)
+            bounds = np.searchsorted(lp, np.arange(len(layer_order) + 1)).tolist()
+            return cls(dp, sp, sz, list(zip(bounds[:-1], bounds[1:])))
         lp = np.concatenate([b[0] for b in blocks])
         order = np.argsort(lp, kind="stable")
         bounds = np.searchsorted(lp[order], np.arange(len(layer_order) + 1))
@@ -236,18 +241,31 @@ def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
 
 
 _side: dict[tuple[int, int], "torch.cuda.Stream"] = {}
+_lead: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The copy-engine side stream of ``device``'s current stream (made once per stream: the
     daemon's load and backup streams each get their own, so a load's copies never queue
     behind a backup's)."""
+    return _stream_of(_side, device)
+
+
+def lead_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A second copy-engine stream of ``device``'s current stream: a load's lead of its next
+    layers (``by_layer``), which must not hold back the side stream's copies of those layers'
+    other pools."""
+    return _stream_of(_lead, device)
+
+
+def _stream_of(streams: dict[tuple[int, int], "torch.cuda.Stream"],
+               device: torch.device) -> "torch.cuda.Stream":
     cur = current_stream(device)
     key = (cur.device_index, cur.cuda_stream)
-    side = _side.get(key)
-    if side is None:
-        side = _side[key] = torch.cuda.Stream(torch.device("cuda", cur.device_index))
-    return side
+    s = streams.get(key)
+    if s is None:
+        s = streams[key] = torch.cuda.Stream(torch.device("cuda", cur.device_index))
+    return s
 
 
 def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device) -> None:

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # a small page of the DSV4 token format
 FMT4 = TokenFormat(4, 128, 4, 4 * 128, 4 * 128 + 16)  # 128-B values with 4-B scales
 TMLA = TokenFormat.mla(128)  # DSV4's token format on 128-token pages
-LEADS = ["default", "none", "split"]  # how the later layers' copies are issued (``_lead``)
+# how the later layers' copies are issued (``_lead``)
+LEADS = ["default", "none", "split", "first-layer"]
 
 
 def _expect_rows(src, dst, s, d):
@@ -236,9 +237,12 @@ def test_layer_parts_refuses_bad_input():
 @pytest.mark.parametrize("lead", LEADS)
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
-    """``lead``: the copy-engine copies of every later group issued before the segment plan
-    (this case's bytes are under ``LEAD_BYTES``), or none of them (each with its group), or
-    the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
+    """``lead``: in the one-group run (``fine`` False) the copy-engine copies of the parts
+    holding the first layer issued for all later layers right after the first step
+    (``FIRST_LEAD_BYTES``, its floor lowered to this case's bytes), and in every run the
+    others' before the segment plan (``LEAD_BYTES``); or only the first later layer's that
+    early ("first-layer"); or neither lead (each group's copies with its group); or no first
+    lead and the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
@@ -246,10 +250,36 @@ def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
 
 
 def _lead(lead: str, monkeypatch: Any) -> None:
+    monkeypatch.setattr(by_layer, "FIRST_LEAD_MIN_BYTES", 0)  # this case's leads are small
     if lead == "none":
         monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+        monkeypatch.setattr(by_layer, "FIRST_LEAD_BYTES", 0)
     elif lead == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
+        monkeypatch.setattr(by_layer, "FIRST_LEAD_BYTES", 0)
+    elif lead == "first-layer":  # whole layers up to 1 byte: the first later layer alone
+        monkeypatch.setattr(by_layer, "FIRST_LEAD_BYTES", 1)
+
+
+@pytest.mark.parametrize("fine", [True, False])
+def test_first_lead_only_for_a_load_in_one_later_group(fine, monkeypatch):
+    """The first lead (``_issue_first_lead``) is tried right after layer 0's step, before
+    ``more`` builds the other parts, and only when the later layers go as one launch group
+    (``fine`` False: the client hears of them when all are issued); a load in launch groups
+    (progress notices) never gets one."""
+    calls: list[tuple[int, list]] = []
+    built: list[int] = []
+
+    def first_lead(parts, order, groups, dev, stream):
+        calls.append((len(built), list(groups)))
+        return list(parts), by_layer._Lead()
+
+    monkeypatch.setattr(by_layer, "_issue_first_lead", first_lead)
+    steps = issue_by_layer([], [3, 0, 1, 2], device=torch.device("cpu"),
+                           more=lambda: built.append(1) or [], fine=fine)
+    assert list(steps) == ([1, 2, 4] if fine else [1, 4])
+    assert calls == ([] if fine else [(0, [(1, 4)])])
+    assert built == [1]
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
@@ -310,8 +340,9 @@ def test_repeated_loads_launch_the_compiled_kernel_directly():
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     """Parts that all go to the copy engines (no segment launch, as DSV4-Flash's layer 0):
-    their copies run on the caller's stream group by group, with no side stream; each layer is
-    complete at its event, every byte exact, the sources untouched."""
+    their copies run on the caller's stream group by group, with no side stream (and no lead
+    stream: a load in launch groups has no first lead); each layer is complete at its event,
+    every byte exact, the sources untouched."""
     from hicache.kernels import copy_engine
 
     if not copy_engine.enabled():
@@ -321,9 +352,11 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     parts = [p for c in checks for p in c[1]]
     assert len(checks) == 3
     stream = torch.cuda.Stream()  # from torch's pool: an earlier test may have made its side
-    copy_engine._side.pop((stream.device_index, stream.cuda_stream), None)
+    key = (stream.device_index, stream.cuda_stream)
+    copy_engine._side.pop(key, None)
+    copy_engine._lead.pop(key, None)
     _copy_and_check_each_layer_at_its_event(parts, checks, stream)
-    assert (stream.device_index, stream.cuda_stream) not in copy_engine._side
+    assert key not in copy_engine._side and key not in copy_engine._lead
     for *_, src, src_cpu, dst, exp in checks:
         assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))

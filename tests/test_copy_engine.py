@@ -80,6 +80,28 @@ def test_plan_of_one_range_of_one_layer_matches_the_general_grouping(layer):
     assert fast.addresses() == (fast.dst.ctypes.data, fast.src.ctypes.data, fast.size.ctypes.data)
 
 
+@pytest.mark.parametrize("layers", [[4, 0, 2], [0, 2], [4, 2], [2, 0, 4]])
+def test_plan_of_one_range_over_layers_matches_the_general_grouping(layers):
+    """One part, one range, several layers (the lead of a load's next layers): in layer order
+    it takes the shortcut, out of order the general path; either way the plan equals the one
+    the general path makes for the same copies split over one part per layer."""
+    order = [4, 0, 2]
+    so, do = np.array([0, 640, 128]), np.array([192, 0, 64])
+    src = [1000 + 10000 * g for g in layers]
+    dst = [5000 + 10000 * g for g in layers]
+    one = DmaPlan.build([SegmentPart(src, dst, layers, [(64, so, do)], "h2d")], order)
+    split = DmaPlan.build([SegmentPart([s], [d], [g], [(64, so, do)], "h2d")
+                           for s, d, g in zip(src, dst, layers)], order)
+    assert one.layers == split.layers
+    for a, b in ((one.src, split.src), (one.dst, split.dst), (one.size, split.size)):
+        assert a.tolist() == b.tolist() and a.dtype == np.uint64 and a.flags.c_contiguous
+    for i, g in enumerate(order):
+        a, b = one.layers[i]
+        assert b - a == (3 if g in layers else 0)
+        assert one.src[a:b].tolist() == ([1000 + 10000 * g + x for x in so.tolist()]
+                                         if g in layers else [])
+
+
 def test_plan_addresses_refuse_arrays_the_driver_cannot_read():
     plan = DmaPlan.rows([100], [1000], 8, np.array([0, 16, 32, 48]), np.array([0, 8, 16, 24]))
     plan.src = plan.src[::2]  # a strided view
