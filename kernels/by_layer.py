@@ -144,7 +144,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
     # only where the client hears of the later layers when all are issued: a lead ahead of a
     # progress-reporting load's plan held its first notice back (H200: at 8k tokens layer 1
-    # was seen with the last layer, 7.3-8.2 ms, against 2.5-3.2 ms without it)
+    # was seen with the last layer, 7.2-8.7 ms, against 2.4-3.3 ms without it)
     parts, lead = (list(parts), _Lead()) if fine else \
         _issue_first_lead(parts, layer_order, groups, dev, stream)
     try:
