@@ -142,9 +142,9 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
-    # only where the client hears of the later layers when all are issued: a lead ahead of a
-    # progress-reporting load's plan held its first notice back (H200: at 8k tokens layer 1
-    # was seen with the last layer, 7.2-8.7 ms, against 2.4-3.3 ms without it)
+    # only where the client hears of the later layers when all are issued: with a lead, a
+    # progress-reporting load's engine saw layer 1 late (H200, 8k tokens: with the last layer,
+    # 7.2-8.7 ms, against 2.4-3.3 ms without it; the cause is not found yet, docs/perf.md)
     parts, lead = (list(parts), _Lead()) if fine else \
         _issue_first_lead(parts, layer_order, groups, dev, stream)
     try:
