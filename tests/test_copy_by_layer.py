@@ -282,6 +282,37 @@ def test_first_lead_only_for_a_load_in_one_later_group(fine, monkeypatch):
     assert built == [1]
 
 
+def test_lead_marks_a_group_waits_on_and_the_join(monkeypatch):
+    """The stream waits, after each launch group, on the last lead event whose copies end at or
+    before the group's end (the lead stream runs in order), on each event at most once, and
+    ``join`` adds the wait for the rest of the lead (a load that stopped early)."""
+    waits: list[str] = []
+
+    class _Stream:
+        def wait_event(self, ev: str) -> None:
+            waits.append(ev)
+
+    monkeypatch.setattr(by_layer, "current_stream", lambda dev: _Stream())
+    dev = torch.device("cpu")
+    lead = by_layer._Lead()
+    lead.marks = [(2, "e2"), (4, "e4"), (8, "e8"), (15, "e15")]
+    for b in (2, 4, 8, 16, 32):
+        lead.wait(b, dev)
+    assert waits == ["e2", "e4", "e8", "e15"]
+    lead.join(dev, None)
+    assert waits == ["e2", "e4", "e8", "e15"]  # nothing left to wait for
+    waits.clear()
+    lead = by_layer._Lead()
+    lead.marks = [(2, "e2"), (4, "e4"), (8, "e8")]
+    lead.wait(2, dev)
+    lead.join(dev, None)  # a load that failed after its first group: the whole lead
+    assert waits == ["e2", "e8"]
+    lead = by_layer._Lead()
+    lead.wait(4, dev)
+    lead.join(dev, None)  # no lead: no wait
+    assert waits == ["e2", "e8"]
+
+
 def test_ranges_below_4_byte_alignment_are_refused():
     a = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
     b = LayerTable([torch.zeros(4, 18, dtype=torch.uint8)] * 2)
