@@ -188,17 +188,15 @@ class DmaPlan:
         if not blocks:
             e = np.zeros(0, dtype=np.uint64)
             return cls(e, e, e, [(0, 0)] * len(layer_order))
-        if len(blocks) == 1 and (blocks[0][0][0] == blocks[0][0][-1] or
-                                 bool((blocks[0][0][1:] >= blocks[0][0][:-1]).all())):
-            # one range of layers already in order (layer 0 of a load, and the next layers'
-            # lead: DSV4-Flash's SWA rows): no reordering
+        if len(blocks) == 1:  # one range: no reordering when its layers are in order
             lp, dp, sp, sz = blocks[0]
-            if lp[0] == lp[-1]:
+            if lp[0] == lp[-1]:  # one layer (layer 0 of a load: DSV4-Flash's SWA rows)
                 i, n = int(lp[0]), sp.size
                 after = len(layer_order) - i - 1
                 return cls(dp, sp, sz, [(0, 0)] * i + [(0, n)] + [(n, n)] * after)
-            bounds = np.searchsorted(lp, np.arange(len(layer_order) + 1)).tolist()
-            return cls(dp, sp, sz, list(zip(bounds[:-1], bounds[1:])))
+            if bool((lp[1:] >= lp[:-1]).all()):  # layers in order (a load's lead)
+                bounds = np.searchsorted(lp, np.arange(len(layer_order) + 1)).tolist()
+                return cls(dp, sp, sz, list(zip(bounds[:-1], bounds[1:])))
         lp = np.concatenate([b[0] for b in blocks])
         order = np.argsort(lp, kind="stable")
         bounds = np.searchsorted(lp[order], np.arange(len(layer_order) + 1))
