@@ -15,18 +15,19 @@
   copy-engine copies plans layer 1's group on its own before the other later layers. Whole
   rows of 64 KiB or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
-  engines as batched DMA on a side stream, one event after each group; the other rows and
-  tokens go to one segment-kernel launch per group and word width (``segments``) on the
-  current stream, which then waits for
-  the group's copy-engine event before ``on_layer(i)`` runs for the group's layers (the daemon
-  records layer ``i``'s event there). A step issues the copy-engine copies of its first groups
-  (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy while that plan
-  is built; each later group's copies go out at its own launch. With ``fine`` False, before
-  any of that, right after layer 0's step, the copy-engine rows of the parts already built
-  (those holding layer 0) go out for the next whole layers (up to ``FIRST_LEAD_BYTES``, when
-  they reach ``FIRST_LEAD_MIN_BYTES``) on a lead stream, with an event after each launch
-  group's share, so the link has work while ``more`` builds the other parts and the later
-  layers are planned; a group's layers are marked ready after its share.
+  engines as batched DMA, the other rows and tokens to one segment-kernel launch per group and
+  word width (``segments``); **everything of a load runs on the one stream it is issued on**,
+  so ``on_layer(i)`` (the daemon records layer ``i``'s event there) follows the group's copies
+  in stream order, with no wait on another stream. (A stream's wait on a copy-engine side
+  stream's event was seen 0.2-0.8 ms after that event on an H200, and 3-4 ms after it while
+  more copies were queued on other streams: a layer was held back until the whole load was
+  nearly done; docs/perf.md, eighteenth session.) A step issues the copy-engine copies of its
+  first groups (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy
+  while that plan is built; each later group's copies go out at its own launch. With ``fine``
+  False, before any of that, right after layer 0's step, the copy-engine rows of the parts
+  already built (those holding layer 0) go out for the next whole layers (the first lead: up
+  to ``FIRST_LEAD_BYTES``, when they reach ``FIRST_LEAD_MIN_BYTES``), so the link has work
+  while ``more`` builds the other parts and the later layers are planned.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -42,7 +43,7 @@ from . import copy_engine
 from .checks import _check_ctas, _check_pair, _dma_direction
 from .copy_engine import DmaPlan
 from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
-from .streams import current_stream, on_stream
+from .streams import on_stream
 from .tables import LayerTable, TokenFormat, TransferError
 
 DEFAULT_CTAS = 4
@@ -57,7 +58,7 @@ LEAD_BYTES = 32 << 20
 # left the link idle after layer 0's copy. About 1.2 ms of the link; 0 turns it off. Only
 # for loads in one later group (``fine`` False), and only when the lead holds at least
 # ``FIRST_LEAD_MIN_BYTES`` (a checkpoint's SWA tail, ~3 MB, is host-bound: the lead's own
-# plan and driver call would only add host time)
+# plan and driver calls would only add host time)
 FIRST_LEAD_BYTES = 64 << 20
 FIRST_LEAD_MIN_BYTES = 8 << 20
 # a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
@@ -142,42 +143,37 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
-    # only where the client hears of the later layers when all are issued: with a lead, a
-    # progress-reporting load's engine saw layer 1 late (H200, 8k tokens: with the last layer,
-    # 7.2-8.7 ms, against 2.4-3.3 ms without it; the cause is not found yet, docs/perf.md)
-    parts, lead = (list(parts), _Lead()) if fine else \
-        _issue_first_lead(parts, layer_order, groups, dev, stream)
-    try:
-        if more is not None:
-            extra = list(more())
-            if any(g0 in p.layers for p in extra):
-                raise ValueError(f"a part built after the first step holds layer {g0}, which "
-                                 f"that step issued")
-            _check_layers(extra, layer_order)
-            parts = list(parts) + extra
-        if not groups:
-            return
-        # a big rest is planned in two: layer 1's group alone first, so its copies start while
-        # the other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
-        head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
-        yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
-                                 stream, lead)
-        if head < len(groups):
-            yield from _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas,
-                                     dev, stream, lead)
-    finally:  # the stream waits for the whole lead, whatever happened after it was issued
-        lead.join(dev, stream)
+    # only where the client hears of the later layers when all are issued: a lead comes before
+    # layer 1's event in stream order (H200, 8k tokens, a lead for every load: layer 1 ready
+    # 5.2-5.4 ms after the command against 2.3 without it, the last layer ready no sooner)
+    parts = _issue_first_lead(parts, layer_order, dev, stream) if groups and not fine \
+        else list(parts)
+    if more is not None:
+        extra = list(more())
+        if any(g0 in p.layers for p in extra):
+            raise ValueError(f"a part built after the first step holds layer {g0}, which that "
+                             f"step issued")
+        _check_layers(extra, layer_order)
+        parts = parts + extra
+    if not groups:
+        return
+    # a big rest is planned in two: layer 1's group alone first, so its copies start while the
+    # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
+    head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
+    yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
+                             stream)
+    if head < len(groups):
+        yield from _issue_groups(parts, layer_order, groups[head:], on_layer, device, ctas, dev,
+                                 stream)
 
 
 def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   groups: Sequence[tuple[int, int]], on_layer: Optional[Callable[[int], None]],
                   device: torch.device, ctas: int, dev: Optional[torch.device],
-                  stream: Optional["torch.cuda.Stream"],
-                  lead: Optional["_Lead"] = None) -> Iterator[int]:
+                  stream: Optional["torch.cuda.Stream"]) -> Iterator[int]:
     """One plan for the layers of consecutive launch ``groups`` (positions ``[a, b)`` of
     ``layer_order``), launched group by group on ``stream``; ``on_layer(i)`` after the group
-    holding position ``i`` (and after the ``lead`` copies of its layers); yields ``b`` after
-    each group."""
+    holding position ``i``; yields ``b`` after each group."""
     lo, hi = groups[0][0], groups[-1][1]
     plan: Optional[_LayerPlan] = None
     for k, (a, b) in enumerate(groups):
@@ -186,56 +182,24 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                 plan = _LayerPlan(parts, set(layer_order[lo:hi]).__contains__,
                                   layer_order[lo:hi], dev, [(x - lo, y - lo) for x, y in groups])
             plan.launch(device, k, ctas)
-            if lead is not None:
-                lead.wait(b, dev)
             if on_layer is not None:
                 for i in range(a, b):
                     on_layer(i)
         yield b
 
 
-class _Lead:
-    """A load's lead (``_issue_first_lead``): events on the lead stream, each after the lead's
-    copies of the layer positions below its end. The caller's stream waits on the one that
-    covers a launch group before that group's layers are marked ready, and on the last one
-    before the load's later work (``join``)."""
-
-    def __init__(self) -> None:
-        self.marks: list[tuple[int, "torch.cuda.Event"]] = []  # (end position, event)
-        self.waited = 0  # marks the caller's stream waits on
-
-    def wait(self, b: int, dev: Optional[torch.device]) -> None:
-        """The current stream waits for the lead's copies of positions below ``b``."""
-        ev = None
-        while self.waited < len(self.marks) and self.marks[self.waited][0] <= b:
-            ev = self.marks[self.waited][1]
-            self.waited += 1
-        if ev is not None:
-            assert dev is not None
-            current_stream(dev).wait_event(ev)
-
-    def join(self, dev: Optional[torch.device], stream: Optional["torch.cuda.Stream"]) -> None:
-        """``stream`` waits for every copy of the lead."""
-        if self.waited < len(self.marks):
-            with on_stream(stream, dev):
-                self.wait(self.marks[-1][0], dev)
-
-
 def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
-                      groups: Sequence[tuple[int, int]], dev: Optional[torch.device],
-                      stream: Optional["torch.cuda.Stream"]) -> tuple[list[SegmentPart], _Lead]:
+                      dev: Optional[torch.device],
+                      stream: Optional["torch.cuda.Stream"]) -> list[SegmentPart]:
     """Right after layer 0's step: the copy-engine rows ``parts`` hold for the next layers,
-    whole layers up to ``FIRST_LEAD_BYTES``, issued at once on the lead stream (after what
-    ``stream`` holds: layer 0's copies), before ``more`` builds the other parts and the later
-    layers are planned (host time during which the link would sit idle once layer 0's copy is
-    done). An event after each launch group's share of them (``groups``) lets a group's layers
-    be ready without waiting for the rest of the lead, and the side stream's copies of those
-    layers' other pools need not queue behind it. Returns ``parts`` less the copies issued,
-    and the lead."""
-    lead = _Lead()
+    whole layers up to ``FIRST_LEAD_BYTES``, issued at once on ``stream`` (after layer 0's
+    copies), before ``more`` builds the other parts and the later layers are planned (host
+    time during which the link would sit idle once layer 0's copy is done). Their layers'
+    events come after them in stream order, as every layer's does after its copies. Returns
+    ``parts`` less the copies issued."""
     dma, seg = _split(parts, dev)
-    if not dma or not groups or FIRST_LEAD_BYTES <= 0:
-        return list(parts), lead
+    if not dma or FIRST_LEAD_BYTES <= 0:
+        return list(parts)
     assert dev is not None
     pos = {g: i for i, g in enumerate(layer_order)}
     per = [0] * len(layer_order)  # copy-engine bytes of ``dma`` per layer position
@@ -248,29 +212,15 @@ def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         total += per[k]
         k += 1
     if not total or total < FIRST_LEAD_MIN_BYTES:  # less link time than its own host time
-        return list(parts), lead
+        return list(parts)
     keep = set(layer_order[1:k]).__contains__
     with on_stream(stream, dev):
-        ls = copy_engine.lead_stream(dev)
-        ls.wait_stream(current_stream(dev))
-        plans = [DmaPlan.build(mine, layer_order).direction(way == "h2d", dev.index or 0)
-                 for way in ("h2d", "d2h")
-                 for mine in [_layers_of([p for p in dma if p.dma == way], keep)] if mine]
-        try:
-            for a, b in groups:
-                if a >= k:
-                    break
-                e = min(b, k)
-                for plan in plans:
-                    copy_engine.issue(plan, plan.layers[a][0], plan.layers[e - 1][1],
-                                      ls.cuda_stream)
-                ev = torch.cuda.Event()
-                ev.record(ls)
-                lead.marks.append((e, ev))
-        except BaseException:  # what went out still comes before the stream's later work
-            current_stream(dev).wait_stream(ls)
-            raise
-    return _layers_of(dma, lambda g: not keep(g)) + seg, lead
+        for way in ("h2d", "d2h"):
+            mine = _layers_of([p for p in dma if p.dma == way], keep)
+            if mine:
+                plan = DmaPlan.build(mine, layer_order).direction(way == "h2d", dev.index or 0)
+                copy_engine.issue_current(plan, 0, len(plan.dst), dev)
+    return _layers_of(dma, lambda g: not keep(g)) + seg
 
 
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:
@@ -300,15 +250,12 @@ def _split(parts: Sequence[SegmentPart],
 
 class _LayerPlan:
     """The copies of some layers of an operation, in launch groups ``groups`` (positions
-    ``[a, b)`` of ``order``), made on the stream the copies run after. With segment launches
-    beside them, copy-engine copies run on the side stream (after the work queued before the
-    plan on the current stream, an event after each group), and the plan issues those of the
-    first groups, up to ``LEAD_BYTES``, before it builds the segment plan, so the link is busy
-    while that plan is built. Without segment launches (layer 0 of DSV4-Flash: SWA rows only)
-    they go on the current stream, group by group: no side stream, no events. ``launch(k)``
-    issues group ``k``'s copy-engine copies if they are not issued yet, launches its segments
-    and, on the side stream's path, makes the current stream wait for the group's event, so
-    whatever the caller queues next (the layers' events) comes after both."""
+    ``[a, b)`` of ``order``), all on the stream current when it is made and launched. With
+    segment launches beside them, the plan issues the copy-engine copies of the first groups,
+    up to ``LEAD_BYTES``, before it builds the segment plan, so the link is busy while that
+    plan is built. ``launch(k)`` issues group ``k``'s copy-engine copies if they are not issued
+    yet and launches its segments, so whatever the caller queues next (the layers' events)
+    comes after both."""
 
     def __init__(self, parts: Sequence[SegmentPart], keep: Callable[[int], bool],
                  order: Sequence[int], dev: Optional[torch.device],
@@ -317,19 +264,14 @@ class _LayerPlan:
         seg_parts = _layers_of(seg_parts, keep)
         self.dev = dev
         self.groups = list(groups)
-        self.done: list[Optional["torch.cuda.Event"]] = [None] * len(self.groups)
         self.dma: list[DmaPlan] = []
         self.issued = 0  # groups whose copy-engine copies are issued
-        self.side: Optional["torch.cuda.Stream"] = None  # None: on the current stream
         for way in ("h2d", "d2h"):
             mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
             if mine:
                 assert dev is not None
                 self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
         if self.dma and seg_parts:
-            assert dev is not None
-            self.side = copy_engine.side_stream(dev)
-            self.side.wait_stream(current_stream(dev))
             lead = 0
             while self.issued < len(self.groups) and lead < LEAD_BYTES:
                 lead += self._issue_dma(self.issued)
@@ -342,15 +284,9 @@ class _LayerPlan:
         for plan in self.dma:
             x, y = plan.layers[a][0], plan.layers[b - 1][1]
             if y > x:
-                if self.side is None:
-                    assert self.dev is not None
-                    copy_engine.issue_current(plan, x, y, self.dev)
-                else:
-                    copy_engine.issue(plan, x, y, self.side.cuda_stream)
+                assert self.dev is not None
+                copy_engine.issue_current(plan, x, y, self.dev)
                 nbytes += int(plan.size[x:y].sum())
-        if nbytes and self.side is not None:
-            self.done[k] = torch.cuda.Event()
-            self.done[k].record(self.side)
         self.issued = k + 1
         return nbytes
 
@@ -363,9 +299,6 @@ class _LayerPlan:
             self.seg.to(device)
         for lo, hi in spans:  # one launch per word width (segments.py)
             launch_segments(self.seg, lo, hi, ctas)
-        done = self.done[k]
-        if done is not None:
-            current_stream(device).wait_event(done)
 
 
 def _layers_of(parts: Sequence[SegmentPart], keep: Callable[[int], bool]) -> list[SegmentPart]:

@@ -239,21 +239,13 @@ def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
 
 
 _side: dict[tuple[int, int], "torch.cuda.Stream"] = {}
-_lead: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The copy-engine side stream of ``device``'s current stream (made once per stream: the
-    daemon's load and backup streams each get their own, so a load's copies never queue
-    behind a backup's)."""
+    """The copy-engine side stream of ``device``'s current stream (made once per stream):
+    ``issue_current``'s batches when that stream is the legacy default stream, which the
+    driver refuses batches on."""
     return _stream_of(_side, device)
-
-
-def lead_stream(device: torch.device) -> "torch.cuda.Stream":
-    """A second copy-engine stream of ``device``'s current stream: a load's lead of its next
-    layers (``by_layer``), which must not hold back the side stream's copies of those layers'
-    other pools."""
-    return _stream_of(_lead, device)
 
 
 def _stream_of(streams: dict[tuple[int, int], "torch.cuda.Stream"],

@@ -237,12 +237,12 @@ def test_layer_parts_refuses_bad_input():
 @pytest.mark.parametrize("lead", LEADS)
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_by_layer_on_gpu(src_dev, lead, monkeypatch):
-    """``lead``: in the one-group run (``fine`` False) the copy-engine copies of the parts
-    holding the first layer issued for all later layers right after the first step
-    (``FIRST_LEAD_BYTES``, its floor lowered to this case's bytes), and in every run the
-    others' before the segment plan (``LEAD_BYTES``); or only the first later layer's that
-    early ("first-layer"); or neither lead (each group's copies with its group); or no first
-    lead and the later layers planned in two, layer 1 first (``SPLIT_COPIES``: big loads)."""
+    """``lead``: the copy-engine copies of the parts holding the first layer issued for the
+    later layers right after the first step (``FIRST_LEAD_BYTES``, its floor lowered to this
+    case's bytes), and the others' before the segment plan (``LEAD_BYTES``); or only the first
+    later layer's that early ("first-layer"); or neither lead (each group's copies with its
+    group); or no first lead and the later layers planned in two, layer 1 first
+    (``SPLIT_COPIES``: big loads)."""
     _lead(lead, monkeypatch)
     _run_and_check("cuda", src_dev)
     _run_and_check("cuda", src_dev, split=True)
@@ -265,52 +265,23 @@ def _lead(lead: str, monkeypatch: Any) -> None:
 def test_first_lead_only_for_a_load_in_one_later_group(fine, monkeypatch):
     """The first lead (``_issue_first_lead``) is tried right after layer 0's step, before
     ``more`` builds the other parts, and only when the later layers go as one launch group
-    (``fine`` False: the client hears of them when all are issued); a load in launch groups
-    (progress notices) never gets one."""
-    calls: list[tuple[int, list]] = []
+    (``fine`` False: the client hears of them when all are issued; a lead would come before
+    layer 1's event in stream order); a load of one layer has none."""
+    calls: list[int] = []
     built: list[int] = []
 
-    def first_lead(parts, order, groups, dev, stream):
-        calls.append((len(built), list(groups)))
-        return list(parts), by_layer._Lead()
+    def first_lead(parts, order, dev, stream):
+        calls.append(len(built))
+        return list(parts)
 
     monkeypatch.setattr(by_layer, "_issue_first_lead", first_lead)
     steps = issue_by_layer([], [3, 0, 1, 2], device=torch.device("cpu"),
                            more=lambda: built.append(1) or [], fine=fine)
     assert list(steps) == ([1, 2, 4] if fine else [1, 4])
-    assert calls == ([] if fine else [(0, [(1, 4)])])
-    assert built == [1]
-
-
-def test_lead_marks_a_group_waits_on_and_the_join(monkeypatch):
-    """The stream waits, after each launch group, on the last lead event whose copies end at or
-    before the group's end (the lead stream runs in order), on each event at most once, and
-    ``join`` adds the wait for the rest of the lead (a load that stopped early)."""
-    waits: list[str] = []
-
-    class _Stream:
-        def wait_event(self, ev: str) -> None:
-            waits.append(ev)
-
-    monkeypatch.setattr(by_layer, "current_stream", lambda dev: _Stream())
-    dev = torch.device("cpu")
-    lead = by_layer._Lead()
-    lead.marks = [(2, "e2"), (4, "e4"), (8, "e8"), (15, "e15")]
-    for b in (2, 4, 8, 16, 32):
-        lead.wait(b, dev)
-    assert waits == ["e2", "e4", "e8", "e15"]
-    lead.join(dev, None)
-    assert waits == ["e2", "e4", "e8", "e15"]  # nothing left to wait for
-    waits.clear()
-    lead = by_layer._Lead()
-    lead.marks = [(2, "e2"), (4, "e4"), (8, "e8")]
-    lead.wait(2, dev)
-    lead.join(dev, None)  # a load that failed after its first group: the whole lead
-    assert waits == ["e2", "e8"]
-    lead = by_layer._Lead()
-    lead.wait(4, dev)
-    lead.join(dev, None)  # no lead: no wait
-    assert waits == ["e2", "e8"]
+    assert calls == ([] if fine else [0]) and built == [1]
+    calls.clear()
+    assert list(issue_by_layer([], [3], device=torch.device("cpu"), fine=fine)) == [1]
+    assert calls == []
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
@@ -336,11 +307,18 @@ def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
 
 def _copy_and_check_each_layer_at_its_event(parts, checks, stream) -> None:
     """``copy_by_layer`` on ``stream`` with an event per layer; when layer ``i``'s event
-    completes, every pool's bytes of that layer are in place."""
+    completes, every pool's bytes of that layer are in place. Every copy of the load runs on
+    ``stream`` itself: no other stream is made for it (a copy-engine side stream, whose events
+    a stream sees late)."""
+    from hicache.kernels import copy_engine
+
+    key = (stream.device_index, stream.cuda_stream)
+    copy_engine._side.pop(key, None)  # torch's pool: an earlier test may have made its side
     order = [4, 0, 1, 2, 3]
     events = [torch.cuda.Event() for _ in order]
     copy_by_layer(parts, order, lambda i: events[i].record(stream), device=torch.device("cuda"),
                   ctas=2, stream=stream)
+    assert key not in copy_engine._side
     for i, g in enumerate(order):
         events[i].synchronize()
         for layers, _, src, src_cpu, dst, exp in checks:
@@ -371,9 +349,8 @@ def test_repeated_loads_launch_the_compiled_kernel_directly():
 @pytest.mark.parametrize("src_dev", [True, False], ids=["d2h", "h2d"])
 def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     """Parts that all go to the copy engines (no segment launch, as DSV4-Flash's layer 0):
-    their copies run on the caller's stream group by group, with no side stream (and no lead
-    stream: a load in launch groups has no first lead); each layer is complete at its event,
-    every byte exact, the sources untouched."""
+    their copies run on the caller's stream; each layer is complete at its event, every byte
+    exact, the sources untouched."""
     from hicache.kernels import copy_engine
 
     if not copy_engine.enabled():
@@ -382,12 +359,7 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
     checks = [c for c in checks if all(p.dma for p in c[1])]  # pools wholly on the engines
     parts = [p for c in checks for p in c[1]]
     assert len(checks) == 3
-    stream = torch.cuda.Stream()  # from torch's pool: an earlier test may have made its side
-    key = (stream.device_index, stream.cuda_stream)
-    copy_engine._side.pop(key, None)
-    copy_engine._lead.pop(key, None)
-    _copy_and_check_each_layer_at_its_event(parts, checks, stream)
-    assert key not in copy_engine._side and key not in copy_engine._lead
+    _copy_and_check_each_layer_at_its_event(parts, checks, torch.cuda.Stream())
     for *_, src, src_cpu, dst, exp in checks:
         assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))

@@ -12,8 +12,8 @@ load by the kernels in-process, and the per-size summary.
   of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
   how long the engine's next command waits behind a load.
 * ``inproc_load(local, layout, items, dev) -> seconds``: the same items copied layer by
-  layer by ``dispatch.copy_by_layer`` in this process (GPU time); its host time goes to
-  ``ISSUE``.
+  layer by ``dispatch.copy_by_layer`` in this process, on a stream of its own (GPU time); its
+  host time goes to ``ISSUE``.
 * ``summarize(out, n, nbytes, limit, cuda, verified)``: medians of ``FIGURES`` (and the
   slowest run's second layer), GB/s, ratios to the limit; empties ``REPLY`` and ``ISSUE``.
 """
@@ -32,6 +32,9 @@ from hicache.kernels.dispatch import copy_by_layer, layer_parts
 from hicache.kernels.tables import TokenFormat
 
 INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the same
+# the in-process copy's stream per GPU: a stream of its own, as an engine's copy stream (the
+# legacy default stream takes no copy-engine batches: they would go through a fenced side stream)
+_INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
            "busy_last", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
@@ -147,12 +150,15 @@ def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
         parts.extend(layer_parts(host_t, dev_t, np.asarray(it[0], dtype=np.int64),
                                 np.asarray(it[1], dtype=np.int64), fmt, spec.layers))
     order = layout.stage.layers("swa")
+    stream = _INPROC_STREAMS.get(dev.index or 0)
+    if stream is None:
+        stream = _INPROC_STREAMS[dev.index or 0] = torch.cuda.Stream(dev)
     torch.cuda.synchronize(dev)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
+    s.record(stream)
     t0 = time.perf_counter()
-    copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS)
+    copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS, stream=stream)
     ISSUE.append(time.perf_counter() - t0)
-    e.record()
+    e.record(stream)
     e.synchronize()
     return s.elapsed_time(e) * 1e-3
