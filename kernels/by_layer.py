@@ -138,8 +138,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     dev = device if device.type == "cuda" else None
     g0 = layer_order[0]
     # layer 0's big rows start on the copy engines before its segment plan is built or
-    # uploaded (the latency the engine waits for first); with no segment launch (SWA rows
-    # only) they go on the load stream itself
+    # uploaded (the latency the engine waits for first)
     yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
