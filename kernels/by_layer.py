@@ -18,10 +18,10 @@
   engines as batched DMA, the other rows and tokens to one segment-kernel launch per group and
   word width (``segments``); **everything of a load runs on the one stream it is issued on**,
   so ``on_layer(i)`` (the daemon records layer ``i``'s event there) follows the group's copies
-  in stream order, with no wait on another stream. (A stream's wait on a copy-engine side
-  stream's event was seen 0.2-0.8 ms after that event on an H200, and 3-4 ms after it while
-  more copies were queued on other streams: a layer was held back until the whole load was
-  nearly done; docs/perf.md, eighteenth session.) A step issues the copy-engine copies of its
+  in stream order, with nothing across streams. (On an H200, while copy-engine batches ran on
+  a side stream, the load stream's own commands, an event record or a wait, ran up to 0.3 ms
+  late, and 3.6-3.7 ms late with a lead stream beside it: a layer was held back until the
+  whole load was nearly done; docs/perf.md, eighteenth session.) A step issues the copy-engine copies of its
   first groups (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy
   while that plan is built; each later group's copies go out at its own launch. With ``fine``
   False, before any of that, right after layer 0's step, the copy-engine rows of the parts

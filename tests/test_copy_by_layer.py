@@ -308,8 +308,8 @@ def test_each_layer_is_complete_when_its_event_is(lead, monkeypatch):
 def _copy_and_check_each_layer_at_its_event(parts, checks, stream) -> None:
     """``copy_by_layer`` on ``stream`` with an event per layer; when layer ``i``'s event
     completes, every pool's bytes of that layer are in place. Every copy of the load runs on
-    ``stream`` itself: no other stream is made for it (a copy-engine side stream, whose events
-    a stream sees late)."""
+    ``stream`` itself: no other stream is made for it (with copies on a side stream, the
+    load stream's own commands ran late)."""
     from hicache.kernels import copy_engine
 
     key = (stream.device_index, stream.cuda_stream)
