@@ -70,6 +70,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert runs["load_first"] == runs["load_second"]
     assert m["load_second_ms"] == m["load_last_ms"] > 0
     assert m["load_second_max_ms"] == max(runs["load_second"]) * 1e3  # the slowest run's
+    assert m["busy_second_ms"] is None and m["busy_vs_solo"] is None  # GPU runs only
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
     assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0
@@ -83,6 +84,23 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert ck["verified"] is True and ck["pages"] == 8
     assert ck["bytes"] == ResumeModel(build_layout(preset("dsv4-tiny"))).load_bytes(8, "checkpoints")
     assert ck["bytes"] < m["bytes"]
+
+
+def test_summary_of_a_load_while_a_backup_streams():
+    """The busy load's figures: its second layer (median, ms) beside its last layer's rate
+    against the solo load's."""
+    from hicache.bench.e2e_measure import FIGURES, summarize
+
+    out = {k: [] for k in FIGURES}
+    for k, v in (("backup_ack", 0.01), ("load_first", 0.001), ("load_second", 0.002),
+                 ("load_last", 0.010), ("load_ack", 0.011)):
+        out[k] = [v] * 3
+    out["busy_second"] = [0.002, 0.006, 0.003]
+    out["busy_last"] = [0.0125, 0.0125, 0.020]
+    m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True)["summary"]
+    assert m["busy_second_ms"] == pytest.approx(3.0)
+    assert m["busy_vs_solo"] == pytest.approx(0.8)
+    assert m["load_ratio"] == pytest.approx(0.2)
 
 
 def test_checkpoint_verification_catches_a_wrong_byte():

@@ -21,7 +21,8 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
-* a load while a backup of the same size streams, against the solo load.
+* a load while a backup of the same size streams: its last layer against the solo load's
+  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``).
 
 ``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
@@ -61,8 +62,8 @@ from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, timed_load,
-                                       load_into, summarize)
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into,
+                                       load_while_busy, summarize)
 
 PAGE_TOKENS = 256
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
@@ -339,8 +340,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
             bop = c.backup_new(other)
-            last_busy = timed_load(c, items, stream, cuda).last
-            out["busy_last"].append(last_busy)
+            load_while_busy(out, c, items, stream, cuda)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)
         c.free(host)
@@ -359,6 +359,7 @@ def _table(result: dict[str, Any]) -> None:
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
+          f"{'busy 2nd':>8} "
           f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
@@ -370,6 +371,7 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
+                  f"{f(m['busy_second_ms']):>8} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7}")
 

@@ -72,8 +72,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
             bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],
                                                  to_host=True))
             bop = c.backup(bitems)
-            last_busy = e2e.timed_load(c, load, stream, cuda).last
-            out["busy_last"].append(last_busy)
+            e2e.load_while_busy(out, c, load, stream, cuda)
             c.wait_ack(bop, timeout=120)
             c.free(other)
         c.free(host)

@@ -14,6 +14,8 @@ load by the kernels in-process, and the per-size summary.
 * ``inproc_load(local, layout, items, dev) -> seconds``: the same items copied layer by
   layer by ``dispatch.copy_by_layer`` in this process, on a stream of its own (GPU time); its
   host time goes to ``ISSUE``.
+* ``load_while_busy(out, c, items, stream, cuda)``: the same timed load while the caller's
+  backup streams; its second and last layer go to ``out``.
 * ``summarize(out, n, nbytes, limit, cuda, verified)``: medians of ``FIGURES`` (and the
   slowest run's second layer), GB/s, ratios to the limit; empties ``REPLY`` and ``ISSUE``.
 """
@@ -36,7 +38,7 @@ INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the
 # legacy default stream takes no copy-engine batches: they would go through a fenced side stream)
 _INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
-           "busy_last", "cmd_during_load")
+           "busy_second", "busy_last", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)
 now = time.perf_counter
@@ -69,6 +71,9 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "backup_ratio": nbytes / med["backup_ack"] / 1e9 / limit["d2h"] if cuda else None,
         "daemon_vs_inproc": med["load_last"] / med["inproc_last"] if out["inproc_last"] else None,
         "busy_vs_solo": med["load_last"] / med["busy_last"] if out["busy_last"] else None,
+        # the second layer of a load while a backup streams: a layer's event held back by the
+        # backup stream's copies shows here, not in the last layer's rate
+        "busy_second_ms": med["busy_second"] * 1e3 if out["busy_second"] else None,
         "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
         "verified": verified,
     }
@@ -85,6 +90,15 @@ def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
     out["load_last"].append(t.last)
     out["load_ack"].append(t.ack)
     out["cmd_during_load"].append(command_during_load(c, items))
+
+
+def load_while_busy(out: dict[str, list[float]], c: Client, items: dict[str, tuple],
+                    stream: Any, cuda: bool) -> None:
+    """``timed_load`` of ``items`` while the caller's backup streams: its second and last
+    layer appended to ``out`` (``busy_second``, ``busy_last``)."""
+    t = timed_load(c, items, stream, cuda)
+    out["busy_second"].append(t.second)
+    out["busy_last"].append(t.last)
 
 
 def command_during_load(c: Client, items: dict[str, tuple]) -> float:
