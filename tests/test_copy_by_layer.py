@@ -365,6 +365,75 @@ def test_big_rows_alone_go_on_the_stream_itself(src_dev):
         assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, exp))
 
 
+@pytest.mark.parametrize("fine", [True, False])
+@pytest.mark.parametrize("how", ["default", "split", "at-launch"])
+def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fine, how,
+                                                                               monkeypatch):
+    """The plan-level order behind a load's readiness, without a GPU: the copy-engine copies
+    go through ``issue_current`` (the stream the load is issued on, no other stream), each
+    exactly once, and every copy of a layer is issued before that layer's ``on_layer``; the
+    first lead (one later group only) goes out before ``more`` builds the other parts.
+    ``how``: the later layers planned in two ("split", as big loads), or each group's copies
+    issued at its own launch ("at-launch": no copies ahead of the segment plan)."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+
+    from hicache.kernels import copy_engine
+    from hicache.kernels.segments import SegmentPlan
+
+    parts, checks = _case("cpu", False)
+    # the 4160-B rows of pool A stand for the copy engines' rows (on a GPU: 64 KiB or more)
+    parts = [replace(p, dma="h2d") if p.ranges[0][0] == 4160 else p for p in parts]
+    order = [4, 0, 1, 2, 3]
+    pos = {g: i for i, g in enumerate(order)}
+    want = [0] * len(order)  # copy-engine copies per layer position
+    for p in parts:
+        if p.dma:
+            for g in p.layers:
+                want[pos[g]] += sum(so.size for _, so, _ in p.ranges)
+    # which layer a copy lands in: pool A's destination buffers
+    (layers_a, _, _, _, dst_a, _), = [c for c in checks if c[1][0].ranges[0][0] == 4160]
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel(), pos[g]) for g, t in zip(layers_a, dst_a)]
+    log: list[tuple] = []
+    monkeypatch.setattr(by_layer, "_split", lambda ps, dev: ([p for p in ps if p.dma],
+                                                           [p for p in ps if not p.dma]))
+    monkeypatch.setattr(by_layer, "on_stream", lambda stream, dev: nullcontext())
+    monkeypatch.setattr(by_layer, "launch_segments", lambda plan, lo, hi, ctas: None)
+    monkeypatch.setattr(SegmentPlan, "to", lambda self, device: self)
+    monkeypatch.setattr(copy_engine, "issue", lambda *a: log.append(("other stream",)))
+    monkeypatch.setattr(copy_engine, "issue_current",
+                        lambda plan, lo, hi, dev: log.append(("copies", plan, lo, hi)))
+    monkeypatch.setattr(by_layer, "FIRST_LEAD_MIN_BYTES", 0)
+    if how == "split":
+        monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
+    elif how == "at-launch":
+        monkeypatch.setattr(by_layer, "LEAD_BYTES", 0)
+        monkeypatch.setattr(by_layer, "FIRST_LEAD_BYTES", 0)
+    first = [p for p in parts if order[0] in p.layers]
+    later = [p for p in parts if order[0] not in p.layers]
+    steps = issue_by_layer(first, order, lambda i: log.append(("layer", i)),
+                           device=torch.device("cuda", 0),
+                           more=lambda: log.append(("more",)) or later, fine=fine)
+    assert list(steps)[-1] == len(order)
+    assert ("other stream",) not in log
+    issued = [0] * len(order)
+    marked: list[int] = []
+    for e in log:
+        if e[0] == "copies":
+            _, plan, lo, hi = e
+            for addr in plan.dst[lo:hi].tolist():
+                issued[next(i for a, b, i in spans if a <= addr < b)] += 1
+        elif e[0] == "layer":
+            assert issued[e[1]] == want[e[1]], f"layer position {e[1]} marked before its copies"
+            marked.append(e[1])
+    assert marked == list(range(len(order))) and issued == want  # each copy once
+    if not fine and how != "at-launch":
+        # the first lead: copies of a later layer go out before the other parts are built
+        k = log.index(("more",))
+        early = [addr for e in log[:k] if e[0] == "copies" for addr in e[1].dst[e[2]:e[3]]]
+        assert any(next(i for a, b, i in spans if a <= addr < b) > 0 for addr in early)
+
+
 def test_layer_groups_double():
     """Groups tile [0, n) in order: layer 0 alone, then 1, 2, 4, ... layers (the last one
     what is left); O(log n) groups."""
