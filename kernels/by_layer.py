@@ -21,13 +21,14 @@
   in stream order, with nothing across streams. (On an H200, while copy-engine batches ran on
   a side stream, the load stream's own commands, an event record or a wait, ran up to 0.3 ms
   late, and 3.6-3.7 ms late with a lead stream beside it: a layer was held back until the
-  whole load was nearly done; docs/perf.md, eighteenth session.) A step issues the copy-engine copies of its
-  first groups (up to ``LEAD_BYTES``) before it builds its segment plan, so the link is busy
-  while that plan is built; each later group's copies go out at its own launch. With ``fine``
-  False, before any of that, right after layer 0's step, the copy-engine rows of the parts
-  already built (those holding layer 0) go out for the next whole layers (the first lead: up
-  to ``FIRST_LEAD_BYTES``, when they reach ``FIRST_LEAD_MIN_BYTES``), so the link has work
-  while ``more`` builds the other parts and the later layers are planned.
+  whole load was nearly done; docs/perf.md, eighteenth session.) A step issues the
+  copy-engine copies of its first groups (up to ``LEAD_BYTES``) before it builds its segment
+  plan, so the link is busy while that plan is built; each later group's copies go out at its
+  own launch. With ``fine`` False, before any of that, right after layer 0's step, the
+  copy-engine rows of the parts already built (those holding layer 0) go out for the next
+  whole layers (the first lead: up to ``FIRST_LEAD_BYTES``, when they reach
+  ``FIRST_LEAD_MIN_BYTES``), so the link has work while ``more`` builds the other parts and
+  the later layers are planned.
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
@@ -214,12 +215,22 @@ def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         return list(parts)
     keep = set(layer_order[1:k]).__contains__
     with on_stream(stream, dev):
-        for way in ("h2d", "d2h"):
-            mine = _layers_of([p for p in dma if p.dma == way], keep)
-            if mine:
-                plan = DmaPlan.build(mine, layer_order).direction(way == "h2d", dev.index or 0)
-                copy_engine.issue_current(plan, 0, len(plan.dst), dev)
+        for plan in _dma_plans(dma, keep, layer_order, dev):
+            copy_engine.issue_current(plan, 0, len(plan.dst), dev)
     return _layers_of(dma, lambda g: not keep(g)) + seg
+
+
+def _dma_plans(dma: Sequence[SegmentPart], keep: Callable[[int], bool], order: Sequence[int],
+               dev: Optional[torch.device]) -> list[DmaPlan]:
+    """The copy-engine plans (one per direction present) of the ``dma`` parts' layers that
+    ``keep`` accepts, grouped by position in ``order``."""
+    plans = []
+    for way in ("h2d", "d2h"):
+        mine = _layers_of([p for p in dma if p.dma == way], keep)
+        if mine:
+            assert dev is not None
+            plans.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
+    return plans
 
 
 def _dma_copies(parts: Sequence[SegmentPart], dev: Optional[torch.device]) -> int:
@@ -263,13 +274,8 @@ class _LayerPlan:
         seg_parts = _layers_of(seg_parts, keep)
         self.dev = dev
         self.groups = list(groups)
-        self.dma: list[DmaPlan] = []
+        self.dma = _dma_plans(dma_parts, keep, order, dev)
         self.issued = 0  # groups whose copy-engine copies are issued
-        for way in ("h2d", "d2h"):
-            mine = _layers_of([p for p in dma_parts if p.dma == way], keep)
-            if mine:
-                assert dev is not None
-                self.dma.append(DmaPlan.build(mine, order).direction(way == "h2d", dev.index or 0))
         if self.dma and seg_parts:
             lead = 0
             while self.issued < len(self.groups) and lead < LEAD_BYTES:

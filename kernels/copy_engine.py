@@ -245,17 +245,12 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The copy-engine side stream of ``device``'s current stream (made once per stream):
     ``issue_current``'s batches when that stream is the legacy default stream, which the
     driver refuses batches on."""
-    return _stream_of(_side, device)
-
-
-def _stream_of(streams: dict[tuple[int, int], "torch.cuda.Stream"],
-               device: torch.device) -> "torch.cuda.Stream":
     cur = current_stream(device)
     key = (cur.device_index, cur.cuda_stream)
-    s = streams.get(key)
-    if s is None:
-        s = streams[key] = torch.cuda.Stream(torch.device("cuda", cur.device_index))
-    return s
+    side = _side.get(key)
+    if side is None:
+        side = _side[key] = torch.cuda.Stream(torch.device("cuda", cur.device_index))
+    return side
 
 
 def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device) -> None:
