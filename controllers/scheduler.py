@@ -139,8 +139,9 @@ def issue_gpu(op: Operation, stream: Any, ctas: int, device: torch.device) -> st
 
 def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) -> Iterator[int]:
     """A load's copies layer by layer (``dispatch.issue_by_layer``): one launch covers every pool
-    of its layers, layer 0 first; layer ``i``'s interprocess event is recorded right after the
-    launch holding it."""
+    of its layers, layer 0 first; layer ``i``'s interprocess event is recorded right after its
+    copies are queued (the launch holding it, or layer 1's share of the first lead; the later
+    items' layers are named, so the lead knows which layers their parts may hold)."""
     events = op.layer_events
     assert events is not None
     g0 = op.stage_layers[0] if op.stage_layers else None
@@ -149,6 +150,7 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     return issue_by_layer(_parts(first), op.stage_layers,
                           lambda i: events[i].record(stream), device=device, ctas=ctas,
                           stream=stream, more=(lambda: _parts(later)) if later else None,
+                          more_layers={g for it in later for g in it.layers},
                           fine=reports_progress(op))
 
 

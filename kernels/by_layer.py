@@ -24,18 +24,22 @@
   whole load was nearly done; docs/perf.md, eighteenth session.) A step issues the
   copy-engine copies of its first groups (up to ``LEAD_BYTES``) before it builds its segment
   plan, so the link is busy while that plan is built; each later group's copies go out at its
-  own launch. With ``fine`` False, before any of that, right after layer 0's step, the
-  copy-engine rows of the parts already built (those holding layer 0) go out for the next
-  whole layers (the first lead: up to ``FIRST_LEAD_BYTES``, when they reach
-  ``FIRST_LEAD_MIN_BYTES``), so the link has work while ``more`` builds the other parts and
-  the later layers are planned.
+  own launch. Before any of that, right after layer 0's step, the copy-engine rows of the
+  parts already built (those holding layer 0) go out for the next whole layers (the first
+  lead: up to ``FIRST_LEAD_BYTES``, when they reach ``FIRST_LEAD_MIN_BYTES``), so the link
+  has work while ``more`` builds the other parts and the later layers are planned. In a load
+  in launch groups (``fine``) the lead goes only when it holds all of layer 1 (no segment
+  part and no part ``more`` may build, ``more_layers``, holds it: DSV4-Flash's layer 1 is
+  SWA only), and layer 1 is marked right after its share, so its event does not wait for the
+  rest of the lead (H200, 8k tokens: last layer 0.797-0.815 of the limit against
+  0.709-0.788, layer 1 ready sooner; docs/perf.md, nineteenth session).
 * ``warm_up(device)`` compiles the segment kernel's variants before the first load.
 
 Public through ``hicache.kernels.dispatch`` (the one entry point of the copy paths).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Collection, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,14 +60,16 @@ LEAD_BYTES = 32 << 20
 # copy-engine bytes of the parts already built (those holding layer 0) issued for the next
 # layers as soon as layer 0's step returns, before the other parts are built and the later
 # layers planned: on an H200 host that host time (0.7-1.6 ms at 8k-32k tokens of DSV4-Flash)
-# left the link idle after layer 0's copy. About 1.2 ms of the link; 0 turns it off. Only
-# for loads in one later group (``fine`` False), and only when the lead holds at least
-# ``FIRST_LEAD_MIN_BYTES`` (a checkpoint's SWA tail, ~3 MB, is host-bound: the lead's own
-# plan and driver calls would only add host time)
+# left the link idle after layer 0's copy. About 1.2 ms of the link; 0 turns it off. In a
+# load in launch groups only when it holds all of layer 1 (see the docstring); in any load
+# only when it holds at least ``FIRST_LEAD_MIN_BYTES`` (a checkpoint's SWA tail, ~3 MB, is
+# host-bound: the lead's own plan and driver calls would only add host time)
 FIRST_LEAD_BYTES = 64 << 20
 FIRST_LEAD_MIN_BYTES = 8 << 20
-# a load whose copy-engine copies reach this many plans its later layers in two (layer 1 first,
-# so its copy, and the engine's word that it is issued, come before the rest is planned).
+# a load whose copy-engine copies reach this many plans its later layers in two (the first
+# group first, so its copy, and the engine's word that it is issued, come before the rest is
+# planned; a plan of the first two groups up to 48 or 96 MiB gained nothing clear either,
+# nineteenth session).
 # 1,024 (8k tokens of DSV4-Flash's full mirror split too) brought 8k's second layer from
 # 3.0-3.3 to 1.8-2.5 ms but left its last layer at the bottom of its spread (H200, 2 runs)
 SPLIT_COPIES = 4096
@@ -120,6 +126,7 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                    ctas: int = DEFAULT_CTAS,
                    stream: Optional["torch.cuda.Stream"] = None,
                    more: Optional[Callable[[], Sequence[SegmentPart]]] = None,
+                   more_layers: Optional[Collection[int]] = None,
                    fine: bool = True) -> Iterator[int]:
     """``copy_by_layer`` step by step, each step yielding how many layers of ``layer_order``
     are issued so far (their ``on_layer`` calls made). The first step plans and issues layer 0
@@ -129,35 +136,46 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     ``stream`` itself, so nothing of the stream context leaks across a pause. Parts naming a
     layer outside ``layer_order`` are refused before anything is launched. ``more``
     (optional) builds further parts after the first step, so building parts that do not hold
-    layer 0 waits until layer 0's copy is issued: its parts must not name layer 0 or a layer
-    outside ``layer_order`` (ValueError at the second step). ``fine`` False: every layer after
-    the first in one launch group (one step after the first)."""
+    layer 0 waits until layer 0's copy is issued; ``more_layers``: the layers its parts may
+    hold (None: any after the first), so a layer outside it may be issued before ``more``
+    runs. Its parts must not name a layer already issued, one outside ``more_layers``, or one
+    outside ``layer_order`` (ValueError before they are planned). ``fine`` False: every layer
+    after the first in one launch group (one step after the first)."""
     ctas = _check_ctas(ctas)
     _check_layers(parts, layer_order)
     if not layer_order:
         return
     dev = device if device.type == "cuda" else None
-    g0 = layer_order[0]
     # layer 0's big rows start on the copy engines before its segment plan is built or
     # uploaded (the latency the engine waits for first)
     yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
-    # only where the client hears of the later layers when all are issued: a lead comes before
-    # layer 1's event in stream order (H200, 8k tokens, a lead for every load: layer 1 ready
-    # 5.2-5.4 ms after the command against 2.3 without it, the last layer ready no sooner)
-    parts = _issue_first_lead(parts, layer_order, dev, stream) if groups and not fine \
-        else list(parts)
+    announced = set() if more is None else set(layer_order[1:]) if more_layers is None \
+        else set(more_layers)
+    done = 1
+    if groups:
+        parts, done = _issue_first_lead(parts, layer_order, dev, stream,
+                                        on_layer if fine else None, announced)
+        if done > 1:  # layer 1 marked after its share of the lead: its group is issued
+            groups = groups[1:]
+            yield done
     if more is not None:
         extra = list(more())
-        if any(g0 in p.layers for p in extra):
-            raise ValueError(f"a part built after the first step holds layer {g0}, which that "
-                             f"step issued")
+        held = {g for p in extra for g in p.layers}
+        issued = sorted(held & set(layer_order[:done]))
+        if issued:
+            raise ValueError(f"a part built after the first step holds layer {issued[0]}, "
+                             f"which that step issued")
         _check_layers(extra, layer_order)
+        unknown = sorted(held - announced)
+        if unknown:
+            raise ValueError(f"a part built after the first step holds layer {unknown[0]}, "
+                             f"which more_layers does not name")
         parts = parts + extra
     if not groups:
         return
-    # a big rest is planned in two: layer 1's group alone first, so its copies start while the
+    # a big rest is planned in two: its first group alone first, so its copies start while the
     # other layers are planned (one plan of 33k copies took 1-2 ms before its first copy)
     head = 1 if len(groups) > 1 and _dma_copies(parts, dev) >= SPLIT_COPIES else len(groups)
     yield from _issue_groups(parts, layer_order, groups[:head], on_layer, device, ctas, dev,
@@ -189,35 +207,55 @@ def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
 
 
 def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
-                      dev: Optional[torch.device],
-                      stream: Optional["torch.cuda.Stream"]) -> list[SegmentPart]:
+                      dev: Optional[torch.device], stream: Optional["torch.cuda.Stream"],
+                      on_layer: Optional[Callable[[int], None]],
+                      more_layers: set[int]) -> tuple[list[SegmentPart], int]:
     """Right after layer 0's step: the copy-engine rows ``parts`` hold for the next layers,
     whole layers up to ``FIRST_LEAD_BYTES``, issued at once on ``stream`` (after layer 0's
     copies), before ``more`` builds the other parts and the later layers are planned (host
-    time during which the link would sit idle once layer 0's copy is done). Their layers'
-    events come after them in stream order, as every layer's does after its copies. Returns
-    ``parts`` less the copies issued."""
+    time during which the link would sit idle once layer 0's copy is done). With ``on_layer``
+    (a load in launch groups, whose client hears of each), only when the lead holds all of
+    layer 1 (no segment part and no later part, ``more_layers``, holds it): ``on_layer(1)``
+    right after layer 1's share, so its event does not wait for the rest of the lead. The
+    other layers' events come after the lead in stream order, as every layer's does after its
+    copies. Returns ``parts`` less the copies issued, and the layers marked (2 when layer 1
+    was, else 1)."""
     dma, seg = _split(parts, dev)
     if not dma or FIRST_LEAD_BYTES <= 0:
-        return list(parts)
+        return list(parts), 1
     assert dev is not None
-    pos = {g: i for i, g in enumerate(layer_order)}
-    per = [0] * len(layer_order)  # copy-engine bytes of ``dma`` per layer position
-    for p in dma:
-        b = sum(rb * so.size for rb, so, _ in p.ranges)
-        for g in p.layers:
-            per[pos[g]] += b
+    per = _dma_bytes(dma, layer_order)
     k, total = 1, 0
     while k < len(layer_order) and total < FIRST_LEAD_BYTES:
         total += per[k]
         k += 1
     if not total or total < FIRST_LEAD_MIN_BYTES:  # less link time than its own host time
-        return list(parts)
+        return list(parts), 1
+    g1 = layer_order[1]
+    whole = per[1] > 0 and g1 not in more_layers and not any(g1 in p.layers for p in seg)
+    if on_layer is not None and not whole:
+        return list(parts), 1
     keep = set(layer_order[1:k]).__contains__
     with on_stream(stream, dev):
-        for plan in _dma_plans(dma, keep, layer_order, dev):
-            copy_engine.issue_current(plan, 0, len(plan.dst), dev)
-    return _layers_of(dma, lambda g: not keep(g)) + seg
+        plans = _dma_plans(dma, keep, layer_order, dev)
+        for plan in plans:  # layer 1's share first
+            copy_engine.issue_current(plan, *plan.layers[1], dev)
+        if on_layer is not None:
+            on_layer(1)
+        for plan in plans:
+            copy_engine.issue_current(plan, plan.layers[1][1], len(plan.dst), dev)
+    return _layers_of(dma, lambda g: not keep(g)) + seg, 2 if on_layer is not None else 1
+
+
+def _dma_bytes(dma: Sequence[SegmentPart], layer_order: Sequence[int]) -> list[int]:
+    """Copy-engine bytes of the ``dma`` parts per position of ``layer_order``."""
+    pos = {g: i for i, g in enumerate(layer_order)}
+    per = [0] * len(layer_order)
+    for p in dma:
+        b = sum(rb * so.size for rb, so, _ in p.ranges)
+        for g in p.layers:
+            per[pos[g]] += b
+    return per
 
 
 def _dma_plans(dma: Sequence[SegmentPart], keep: Callable[[int], bool], order: Sequence[int],

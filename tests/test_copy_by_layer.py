@@ -262,26 +262,45 @@ def _lead(lead: str, monkeypatch: Any) -> None:
 
 
 @pytest.mark.parametrize("fine", [True, False])
-def test_first_lead_only_for_a_load_in_one_later_group(fine, monkeypatch):
+@pytest.mark.parametrize("marks", [1, 2])
+def test_first_lead_goes_before_more_and_may_mark_layer_1(fine, marks, monkeypatch):
     """The first lead (``_issue_first_lead``) is tried right after layer 0's step, before
-    ``more`` builds the other parts, and only when the later layers go as one launch group
-    (``fine`` False: the client hears of them when all are issued; a lead would come before
-    layer 1's event in stream order); a load of one layer has none."""
-    calls: list[int] = []
+    ``more`` builds the other parts, with the layers ``more`` may hold; it may mark layers
+    (``on_layer``) only in a load in launch groups (``fine``: the client hears of each), and
+    when it marked layer 1, that layer's group is not launched again; a load of one layer has
+    none. A later part naming a layer the lead marked, or one not announced, is refused."""
+    calls: list[tuple] = []
     built: list[int] = []
+    launched: list[list] = []
 
-    def first_lead(parts, order, dev, stream):
-        calls.append(len(built))
-        return list(parts)
+    def first_lead(parts, order, dev, stream, on_layer, announced):
+        calls.append((len(built), on_layer is not None, sorted(announced)))
+        return list(parts), marks if on_layer is not None else 1
 
     monkeypatch.setattr(by_layer, "_issue_first_lead", first_lead)
-    steps = issue_by_layer([], [3, 0, 1, 2], device=torch.device("cpu"),
-                           more=lambda: built.append(1) or [], fine=fine)
+    real = by_layer._issue_groups
+    monkeypatch.setattr(by_layer, "_issue_groups",
+                        lambda parts, order, groups, *a: launched.append(list(groups))
+                        or real(parts, order, groups, *a))
+    steps = issue_by_layer([], [3, 0, 1, 2], lambda i: None, device=torch.device("cpu"),
+                           more=lambda: built.append(1) or [], more_layers=[1, 2], fine=fine)
     assert list(steps) == ([1, 2, 4] if fine else [1, 4])
-    assert calls == ([] if fine else [0]) and built == [1]
+    assert calls == [(0, fine, [1, 2])] and built == [1]
+    later = [g for gs in launched[1:] for g in gs]
+    assert later == ([(2, 4)] if fine and marks == 2 else [(1, 2), (2, 4)] if fine
+                     else [(1, 4)])
     calls.clear()
     assert list(issue_by_layer([], [3], device=torch.device("cpu"), fine=fine)) == [1]
     assert calls == []
+    if fine and marks == 2:  # layer 0 (position 1) was marked by the lead
+        t = LayerTable([torch.zeros(4, 16, dtype=torch.uint8)] * 4)
+        part = layer_parts(t, t, np.array([0]), np.array([1]), None, [3, 0, 1, 2])[0]
+        for layers, why in (([0], "which that step issued"), ([2], "more_layers does not")):
+            p = by_layer._layers_of([part], set(layers).__contains__)
+            steps = issue_by_layer([], [3, 0, 1, 2], lambda i: None, device=torch.device("cpu"),
+                                   more=lambda: p, more_layers=[1], fine=True)
+            with pytest.raises(ValueError, match=why):
+                list(steps)
 
 
 def test_ranges_below_4_byte_alignment_are_refused():
@@ -385,6 +404,8 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
     # the 4160-B rows of pool A stand for the copy engines' rows (on a GPU: 64 KiB or more)
     parts = [replace(p, dma="h2d") if p.ranges[0][0] == 4160 else p for p in parts]
     order = [4, 0, 1, 2, 3]
+    # layer 0 (position 1) only in pool A's rows, all on the copy engines: a lead can hold it
+    parts = [q for p in parts for q in ([p] if p.dma else by_layer._layers_of([p], (0).__ne__))]
     pos = {g: i for i, g in enumerate(order)}
     want = [0] * len(order)  # copy-engine copies per layer position
     for p in parts:
@@ -413,7 +434,8 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
     later = [p for p in parts if order[0] not in p.layers]
     steps = issue_by_layer(first, order, lambda i: log.append(("layer", i)),
                            device=torch.device("cuda", 0),
-                           more=lambda: log.append(("more",)) or later, fine=fine)
+                           more=lambda: log.append(("more",)) or later,
+                           more_layers={g for p in later for g in p.layers}, fine=fine)
     assert list(steps)[-1] == len(order)
     assert ("other stream",) not in log
     issued = [0] * len(order)
@@ -427,11 +449,13 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
             assert issued[e[1]] == want[e[1]], f"layer position {e[1]} marked before its copies"
             marked.append(e[1])
     assert marked == list(range(len(order))) and issued == want  # each copy once
-    if not fine and how != "at-launch":
-        # the first lead: copies of a later layer go out before the other parts are built
+    if how != "at-launch":
+        # the first lead: copies of a later layer go out before the other parts are built;
+        # in a load in launch groups, layer 1 (all in the lead here) is marked before too
         k = log.index(("more",))
         early = [addr for e in log[:k] if e[0] == "copies" for addr in e[1].dst[e[2]:e[3]]]
         assert any(next(i for a, b, i in spans if a <= addr < b) > 0 for addr in early)
+        assert (("layer", 1) in log[:k]) == fine
 
 
 def test_layer_groups_double():
