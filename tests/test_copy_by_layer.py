@@ -349,6 +349,49 @@ def _copy_and_check_each_layer_at_its_event(parts, checks, stream) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_1_marked_inside_the_first_lead_is_complete_at_its_event(monkeypatch):
+    """A load in launch groups whose layer 1 is all in the first lead (here: layer 0, second in
+    the order, kept only in pool F's 72-KiB rows, which the parts of the first step hold, and
+    named in no later part): its event is recorded before ``more`` builds the other parts, and
+    when it completes, F's rows of that layer are in place; every other layer is complete at
+    its event, every byte exact, and the rows of layer 0 left out of the other pools are
+    untouched."""
+    monkeypatch.setattr(by_layer, "FIRST_LEAD_MIN_BYTES", 0)  # this case's lead is small
+    parts, checks = _case("cuda", False, seed=5)
+    order = [2, 0, 1, 3, 4]
+    f_parts = {id(p) for c in checks if tuple(c[0]) == (0, 2, 3) for p in c[1]}  # pool F
+    kept = [q for p in parts
+            for q in ([p] if id(p) in f_parts else by_layer._layers_of([p], (0).__ne__))]
+    first = [p for p in kept if order[0] in p.layers]
+    later = [p for p in kept if order[0] not in p.layers]
+    assert any(0 in p.layers and p.dma for p in first)
+    stream = torch.cuda.Stream()
+    events = [torch.cuda.Event() for _ in order]
+    log: list[tuple] = []
+
+    def mark(i: int) -> None:
+        events[i].record(stream)
+        log.append(("layer", i))
+
+    steps = issue_by_layer(first, order, mark, device=torch.device("cuda"), ctas=2,
+                           stream=stream, more=lambda: log.append(("more",)) or later,
+                           more_layers={g for p in later for g in p.layers}, fine=True)
+    assert list(steps)[:2] == [1, 2]
+    assert log.index(("layer", 1)) < log.index(("more",))
+    for i, g in enumerate(order):
+        events[i].synchronize()
+        for layers, ps, src, src_cpu, dst, exp in checks:
+            if g in layers:
+                k = list(layers).index(g)
+                want = exp[k] if g != 0 or id(ps[0]) in f_parts else torch.zeros_like(exp[k])
+                assert torch.equal(dst[k].cpu(), want), f"layer {g} not ready at its event"
+    torch.cuda.synchronize()
+    for layers, _, src, src_cpu, *_ in checks:
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(src, src_cpu))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_repeated_loads_launch_the_compiled_kernel_directly():
     """After one load, the same load again launches every group through the kept compiled
     kernels (no JIT call), and its bytes are exact."""
