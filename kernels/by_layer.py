@@ -224,7 +224,12 @@ def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     if not dma or FIRST_LEAD_BYTES <= 0:
         return list(parts), 1
     assert dev is not None
-    per = _dma_bytes(dma, layer_order)
+    pos = {g: i for i, g in enumerate(layer_order)}
+    per = [0] * len(layer_order)  # copy-engine bytes of ``dma`` per layer position
+    for p in dma:
+        b = sum(rb * so.size for rb, so, _ in p.ranges)
+        for g in p.layers:
+            per[pos[g]] += b
     k, total = 1, 0
     while k < len(layer_order) and total < FIRST_LEAD_BYTES:
         total += per[k]
@@ -245,17 +250,6 @@ def _issue_first_lead(parts: Sequence[SegmentPart], layer_order: Sequence[int],
         for plan in plans:
             copy_engine.issue_current(plan, plan.layers[1][1], len(plan.dst), dev)
     return _layers_of(dma, lambda g: not keep(g)) + seg, 2 if on_layer is not None else 1
-
-
-def _dma_bytes(dma: Sequence[SegmentPart], layer_order: Sequence[int]) -> list[int]:
-    """Copy-engine bytes of the ``dma`` parts per position of ``layer_order``."""
-    pos = {g: i for i, g in enumerate(layer_order)}
-    per = [0] * len(layer_order)
-    for p in dma:
-        b = sum(rb * so.size for rb, so, _ in p.ranges)
-        for g in p.layers:
-            per[pos[g]] += b
-    return per
 
 
 def _dma_plans(dma: Sequence[SegmentPart], keep: Callable[[int], bool], order: Sequence[int],
