@@ -80,9 +80,10 @@ class DaemonState:
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command
         self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
-        # work that waits until the reply is sent: accounting of inline ops, and the launch
-        # groups after layer 0 of GPU loads (handed to the issuer: ``scheduler.defer_issue``)
-        self.post: list[Operation] = []
+        # work that waits until the reply is sent, (op, its client; None: it ran inline): the
+        # in-flight bookkeeping of submitted ops and the launch groups after layer 0 of GPU
+        # loads (handed to the issuer: ``scheduler.defer_issue``); accounting of inline ops
+        self.post: list[tuple[Operation, ClientState | None]] = []
         # "issued" pushes: (client, op id, layers issued; None: all of them)
         self.notices: list[tuple[ClientState, int, int | None]] = []
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
@@ -179,33 +180,37 @@ class DaemonState:
     def start(self, c: ClientState, op: Operation) -> dict[str, Any] | None:
         """Run or submit ``op``. Returns its ack when it ran inline (CPU mode, small, engine
         idle: nothing else can touch its rows meanwhile, so no in-flight bookkeeping; metrics
-        are recorded after the reply went out), else None (the ack is pushed later)."""
+        are recorded after the reply went out), else None (the ack is pushed later). A
+        submitted op's in-flight bookkeeping (its host rows in the row tracker, the client's
+        count, the op table, the gauge) is done by ``after_reply``, which the server calls
+        right after the reply goes out and before it reads another command or takes a
+        completion: a GPU load's layer 0 and its reply do not wait for it."""
         begin_writes(self.group, op)
         if self.scheduler.run_inline(op):
             end_writes(self.group, op)
-            self.post.append(op)
+            self.post.append((op, None))
             return op.ack()
         if self.scheduler.cuda and self.tracker.hazard(op.host):
             other = self.scheduler.last_op("load" if op.stream == "backup" else "backup")
             if other is not None:
                 op.after.append(other)
-        self.tracker.begin(op.host)
-        c.in_flight += 1
-        self.ops[op.op_id] = (op, c)
-        self.metrics.in_flight(op.kind, 1)
         self.scheduler.submit(op)
-        if op.rest is not None:
-            self.post.append(op)
+        self.post.append((op, c))
         return None
 
     def after_reply(self) -> None:
-        """Work deferred until the reply is sent: a GPU load's launches after layer 0 go to the
-        issuer thread (``collect`` sends the "issued" notice once they are out), metrics and
-        frees of inline ops."""
+        """Work deferred until the reply is sent: the in-flight bookkeeping of submitted ops,
+        then a GPU load's launches after layer 0 go to the issuer thread (``collect`` sends the
+        "issued" notice once they are out); metrics and frees of inline ops."""
         post, self.post = self.post, []
-        for op in post:
-            if op.rest is not None:
-                self.scheduler.defer_issue(op)
+        for op, c in post:
+            if c is not None:
+                self.tracker.begin(op.host)
+                c.in_flight += 1
+                self.ops[op.op_id] = (op, c)
+                self.metrics.in_flight(op.kind, 1)
+                if op.rest is not None:
+                    self.scheduler.defer_issue(op)
                 continue
             self._account(op)
             if self.tracker.deferred:
