@@ -148,7 +148,8 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
     dev = device if device.type == "cuda" else None
     # layer 0's big rows start on the copy engines before its segment plan is built or
     # uploaded (the latency the engine waits for first)
-    yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream)
+    yield from _issue_groups(parts, layer_order, [(0, 1)], on_layer, device, ctas, dev, stream,
+                             ramp=True)
     n = len(layer_order)
     groups = layer_groups(n)[1:] if fine else [(1, n)] if n > 1 else []
     announced = set() if more is None else set(layer_order[1:]) if more_layers is None \
@@ -188,17 +189,19 @@ def issue_by_layer(parts: Sequence[SegmentPart], layer_order: Sequence[int],
 def _issue_groups(parts: Sequence[SegmentPart], layer_order: Sequence[int],
                   groups: Sequence[tuple[int, int]], on_layer: Optional[Callable[[int], None]],
                   device: torch.device, ctas: int, dev: Optional[torch.device],
-                  stream: Optional["torch.cuda.Stream"]) -> Iterator[int]:
+                  stream: Optional["torch.cuda.Stream"], ramp: bool = False) -> Iterator[int]:
     """One plan for the layers of consecutive launch ``groups`` (positions ``[a, b)`` of
     ``layer_order``), launched group by group on ``stream``; ``on_layer(i)`` after the group
-    holding position ``i``; yields ``b`` after each group."""
+    holding position ``i``; yields ``b`` after each group. ``ramp``: the copy engines' calls
+    grow from a short first one (``copy_engine.issue``; layer 0's step, the link idle)."""
     lo, hi = groups[0][0], groups[-1][1]
     plan: Optional[_LayerPlan] = None
     for k, (a, b) in enumerate(groups):
         with on_stream(stream, dev):  # one stream switch for the plan and the first launch
             if plan is None:
                 plan = _LayerPlan(parts, set(layer_order[lo:hi]).__contains__,
-                                  layer_order[lo:hi], dev, [(x - lo, y - lo) for x, y in groups])
+                                  layer_order[lo:hi], dev, [(x - lo, y - lo) for x, y in groups],
+                                  ramp)
             plan.launch(device, k, ctas)
             if on_layer is not None:
                 for i in range(a, b):
@@ -301,10 +304,11 @@ class _LayerPlan:
 
     def __init__(self, parts: Sequence[SegmentPart], keep: Callable[[int], bool],
                  order: Sequence[int], dev: Optional[torch.device],
-                 groups: Sequence[tuple[int, int]]) -> None:
+                 groups: Sequence[tuple[int, int]], ramp: bool = False) -> None:
         dma_parts, seg_parts = _split(parts, dev)
         seg_parts = _layers_of(seg_parts, keep)
         self.dev = dev
+        self.ramp = ramp
         self.groups = list(groups)
         self.dma = _dma_plans(dma_parts, keep, order, dev)
         self.issued = 0  # groups whose copy-engine copies are issued
@@ -322,7 +326,7 @@ class _LayerPlan:
             x, y = plan.layers[a][0], plan.layers[b - 1][1]
             if y > x:
                 assert self.dev is not None
-                copy_engine.issue_current(plan, x, y, self.dev)
+                copy_engine.issue_current(plan, x, y, self.dev, self.ramp)
                 nbytes += int(plan.size[x:y].sum())
         self.issued = k + 1
         return nbytes

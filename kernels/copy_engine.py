@@ -21,8 +21,9 @@ Contract:
   as host arrays of addresses and sizes; ``DmaPlan.rows(...)`` the same for one buffer pair.
 * ``plan.direction(to_device, device)`` sets the copies' location hints; then
   ``issue(plan, lo, hi, stream)`` enqueues copies ``[lo, hi)`` on ``stream`` (a raw
-  ``cudaStream_t``): a first call of ``HEAD_COPIES`` copies, then calls of at most
-  ``PER_CALL``. The copies of one call run in any
+  ``cudaStream_t``): a first call of ``HEAD_COPIES`` copies, then calls of ``PER_CALL``, or
+  with ``ramp`` (copies the link would otherwise wait for) calls ``GROWTH`` times larger each
+  up to ``PER_CALL``. The copies of one call run in any
   order among themselves; the batch as a whole runs in stream order (after earlier work on the
   stream, before later work). A driver error raises ``TransferError`` naming the result code.
 * ``issue_current(plan, lo, hi, device)`` does the same on ``device``'s current stream. The
@@ -54,6 +55,14 @@ PER_CALL = 256  # copies per driver call (one call of thousands ran at 0.87-0.93
 # the link, so its copies began during the call); a short first call starts the link at once,
 # and the rest are queued while it moves
 HEAD_COPIES = 8
+# ``issue(..., ramp=True)`` (the link idle: a load's layer 0): each later call has up to this
+# many times the copies of the one before (at most ``PER_CALL``), so one call queues its copies
+# while the previous call's move. After a head of 8 rows (1.2 MB, 22 µs of an H200's link) one
+# call of the other 120 took 0.18-0.21 ms of host time while the link idled: layer 0 of a
+# 32k-token load was ready 0.49 ms after its first call, for 0.36 ms of link. For copies
+# queued behind others (the link busy) the ramp only adds calls: a whole load that ramped every
+# issue took 2-3% longer at 32k tokens (docs/perf.md, twentieth session)
+GROWTH = 2
 MODES = ("auto", "on", "off")
 _SRC_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _LOC_DEVICE, _LOC_HOST = 1, 2  # CUmemLocationType
@@ -173,6 +182,16 @@ class DmaPlan:
         """``parts``: ``SegmentPart`` s marked for the copy engines (whole rows, or blocks of
         tokens: one copy per range per layer); every copy of layer ``layer_order[i]`` lands in
         ``layers[i]``."""
+        if len(parts) == 1 and len(parts[0].layers) == 1 and len(parts[0].ranges) == 1:
+            # one layer of one range (a load's layer 0: DSV4-Flash's SWA rows): 5 numpy calls
+            # where the general path makes ~15 (each ~5 µs in a daemon's cold host path)
+            p = parts[0]
+            rb, so, do = p.ranges[0]
+            i, n = list(layer_order).index(p.layers[0]), int(so.size)
+            return cls(do.astype(np.uint64) + np.uint64(p.dst_ptrs[0]),
+                       so.astype(np.uint64) + np.uint64(p.src_ptrs[0]),
+                       np.full(n, rb, dtype=np.uint64),
+                       [(0, 0)] * i + [(0, n)] + [(n, n)] * (len(layer_order) - i - 1))
         pos = {g: i for i, g in enumerate(layer_order)}
         blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for part in parts:
@@ -190,10 +209,6 @@ class DmaPlan:
             return cls(e, e, e, [(0, 0)] * len(layer_order))
         if len(blocks) == 1:  # one range: no reordering when its layers are in order
             lp, dp, sp, sz = blocks[0]
-            if lp[0] == lp[-1]:  # one layer (layer 0 of a load: DSV4-Flash's SWA rows)
-                i, n = int(lp[0]), sp.size
-                after = len(layer_order) - i - 1
-                return cls(dp, sp, sz, [(0, 0)] * i + [(0, n)] + [(n, n)] * after)
             if bool((lp[1:] >= lp[:-1]).all()):  # layers in order (a load's lead)
                 bounds = np.searchsorted(lp, np.arange(len(layer_order) + 1)).tolist()
                 return cls(dp, sp, sz, list(zip(bounds[:-1], bounds[1:])))
@@ -215,8 +230,10 @@ class DmaPlan:
                    np.full(n, row_bytes, dtype=np.uint64), [(0, n)])
 
 
-def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
-    """Enqueue copies ``[lo, hi)`` of ``plan`` on the raw stream handle ``stream``."""
+def issue(plan: DmaPlan, lo: int, hi: int, stream: int, ramp: bool = False) -> None:
+    """Enqueue copies ``[lo, hi)`` of ``plan`` on the raw stream handle ``stream``: a first call
+    of ``HEAD_COPIES``, then calls of ``PER_CALL`` (``ramp``: ``GROWTH`` times larger each, up
+    to ``PER_CALL``)."""
     if hi <= lo:
         return
     d = _probe()
@@ -227,15 +244,15 @@ def issue(plan: DmaPlan, lo: int, hi: int, stream: int) -> None:
     s = ctypes.c_void_p(stream)
     attrs = ctypes.byref(plan.attrs)
     dst, src, size = plan.addresses()
-    a = lo
+    a, k = lo, HEAD_COPIES
     while a < hi:
-        b = min(hi, a + (HEAD_COPIES if a == lo else PER_CALL))
+        b = min(hi, a + k)
         args = (dst + 8 * a, src + 8 * a, size + 8 * a, b - a, attrs, d.attr_idx, 1)
         rc = d.fn(*args, s) if d.v2 else d.fn(*args, ctypes.byref(d.fail), s)
         if rc != 0:
             raise TransferError(f"cuMemcpyBatchAsync failed with CUresult {rc} on copies "
                                 f"{a}..{b - 1} of {len(plan.dst)}")
-        a = b
+        a, k = b, min(PER_CALL, k * GROWTH) if ramp else PER_CALL
 
 
 _side: dict[tuple[int, int], "torch.cuda.Stream"] = {}
@@ -253,15 +270,16 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return side
 
 
-def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device) -> None:
+def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device,
+                  ramp: bool = False) -> None:
     """``issue`` on ``device``'s current stream (see the module docstring)."""
     if hi <= lo:
         return
     cur = current_stream(device)
     if cur.cuda_stream != 0:
-        issue(plan, lo, hi, cur.cuda_stream)
+        issue(plan, lo, hi, cur.cuda_stream, ramp)
         return
     side = side_stream(device)
     side.wait_stream(cur)
-    issue(plan, lo, hi, side.cuda_stream)
+    issue(plan, lo, hi, side.cuda_stream, ramp)
     cur.wait_stream(side)

@@ -280,7 +280,7 @@ def test_first_lead_goes_before_more_and_may_mark_layer_1(fine, marks, monkeypat
     monkeypatch.setattr(by_layer, "_issue_first_lead", first_lead)
     real = by_layer._issue_groups
     monkeypatch.setattr(by_layer, "_issue_groups",
-                        lambda parts, order, groups, *a: launched.append(list(groups))
+                        lambda parts, order, groups, *a, **k: launched.append(list(groups))
                         or real(parts, order, groups, *a))
     steps = issue_by_layer([], [3, 0, 1, 2], lambda i: None, device=torch.device("cpu"),
                            more=lambda: built.append(1) or [], more_layers=[1, 2], fine=fine)
@@ -465,8 +465,10 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
     monkeypatch.setattr(by_layer, "launch_segments", lambda plan, lo, hi, ctas: None)
     monkeypatch.setattr(SegmentPlan, "to", lambda self, device: self)
     monkeypatch.setattr(copy_engine, "issue", lambda *a: log.append(("other stream",)))
+    ramps: list[bool] = []
     monkeypatch.setattr(copy_engine, "issue_current",
-                        lambda plan, lo, hi, dev: log.append(("copies", plan, lo, hi)))
+                        lambda plan, lo, hi, dev, ramp=False: log.append(("copies", plan, lo, hi))
+                        or ramps.append(ramp))
     monkeypatch.setattr(by_layer, "FIRST_LEAD_MIN_BYTES", 0)
     if how == "split":
         monkeypatch.setattr(by_layer, "SPLIT_COPIES", 0)
@@ -492,6 +494,8 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
             assert issued[e[1]] == want[e[1]], f"layer position {e[1]} marked before its copies"
             marked.append(e[1])
     assert marked == list(range(len(order))) and issued == want  # each copy once
+    # layer 0's copies (the first call; the link idle) ramp up, the copies behind them do not
+    assert ramps[0] and not any(ramps[1:])
     if how != "at-launch":
         # the first lead: copies of a later layer go out before the other parts are built;
         # in a load in launch groups, layer 1 (all in the lead here) is marked before too

@@ -122,20 +122,28 @@ class _RecordingDriver:
         return 0
 
 
-@pytest.mark.parametrize("lo,hi", [(0, 3), (0, 8), (0, 9), (5, 5 + 8 + 256 + 1)])
-def test_issue_calls_the_driver_short_first_then_full(monkeypatch, lo, hi):
-    """``HEAD_COPIES`` in the first driver call, at most ``PER_CALL`` after, every call at the
-    addresses of its first copy, all copies once."""
-    n = 300
+@pytest.mark.parametrize("ramp", [False, True])
+@pytest.mark.parametrize("lo,hi", [(0, 3), (0, 8), (0, 9), (0, 128), (5, 5 + 1300)])
+def test_issue_calls_the_driver_short_first_then_more(monkeypatch, lo, hi, ramp):
+    """``HEAD_COPIES`` in the first driver call, then ``PER_CALL`` per call, or with ``ramp``
+    ``GROWTH`` times more per call up to ``PER_CALL`` (the last call takes what is left);
+    every call at the addresses of its first copy, all copies once."""
+    n = 1400
     plan = DmaPlan.rows([0], [1 << 20], 64, np.arange(n) * 64, np.arange(n) * 64)
     plan.direction(True, 0)
     drv = _RecordingDriver()
     monkeypatch.setattr(copy_engine, "_probe", lambda: drv)
-    copy_engine.issue(plan, lo, hi, 0)
+    copy_engine.issue(plan, lo, hi, 0, ramp)
     sizes = [c[3] for c in drv.calls]
-    first = min(hi - lo, copy_engine.HEAD_COPIES)
-    assert sizes[0] == first and sum(sizes) == hi - lo
-    assert all(k <= copy_engine.PER_CALL for k in sizes[1:])
+    want, k, left = [], copy_engine.HEAD_COPIES, hi - lo
+    while left:
+        want.append(min(k, left))
+        left -= want[-1]
+        k = min(copy_engine.PER_CALL, k * copy_engine.GROWTH) if ramp else copy_engine.PER_CALL
+    assert sizes == want and sum(sizes) == hi - lo
+    if hi - lo == 128:
+        assert sizes == ([8, 16, 32, 64, 8] if ramp else [8, 120])
+    assert max(sizes) <= copy_engine.PER_CALL
     dst, src, size = plan.addresses()
     at = lo
     for d, s_, z, k in drv.calls:  # each call starts at the next uncopied copy
