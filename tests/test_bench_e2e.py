@@ -51,6 +51,29 @@ def test_sizes_and_arguments_are_checked():
             e2e.check_args(_args(device="cuda:0"))
 
 
+def test_cpu_run_refuses_sizes_that_do_not_fit_in_memory(monkeypatch):
+    """CPU mode keeps the engine's pools in host memory beside the daemon's: sizes whose two
+    pools exceed the memory available (less the daemon's reserve) are refused at once, with
+    what it needs, what there is and the sizes that fit."""
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.sizes import arena_bytes, host_rows, used_spaces
+
+    layout = build_layout(preset("dsv4-flash"), 1, 0)
+    used = {s: n for s, n in e2e._rows_for(layout, ["32k"]).items() if s in used_spaces(layout)}
+    need_32k = arena_bytes(layout, used) + arena_bytes(layout, host_rows(layout, used,
+                                                                         ratio=e2e.HOST_RATIO))
+    reserve = e2e.default_reserve(e2e.psutil.virtual_memory().total)
+    # room for exactly 32k: 128k is refused, naming 2k, 8k and 32k as fitting
+    monkeypatch.setattr(e2e, "available_bytes", lambda: (need_32k + reserve, "of memory is "
+                                                                              "available"))
+    e2e.check_cpu_memory(layout, ["2k", "32k"])
+    with pytest.raises(UsageError, match=r"--sizes 2k,128k needs .* --sizes 2k,8k,32k fits"):
+        e2e.check_cpu_memory(layout, ["2k", "128k"])
+    monkeypatch.setattr(e2e, "available_bytes", lambda: (reserve, "of memory is available"))
+    with pytest.raises(UsageError, match="no size fits"):
+        e2e.check_cpu_memory(layout, ["2k"])
+
+
 def test_functional_run_on_cpu_verifies_every_loaded_byte():
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "e2e", "--device", "cpu",
                         "--preset", "dsv4-tiny", "--sizes", "2k", "--runs", "2", "--churn",

@@ -50,15 +50,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from hicache.bench.daemon_times import daemon_times, mean_ms
 from hicache.bench.plotting import check_plot, pyplot
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
+from hicache.core.sizes import arena_bytes, format_bytes, host_rows, used_spaces
 from hicache.engine.client import Client
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
+from hicache.host_pools.arena import available_bytes, default_reserve
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
@@ -67,6 +70,7 @@ from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_i
 
 PAGE_TOKENS = 256
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
+HOST_RATIO = 2.0  # the daemon's host rows : the engine's device rows
 MIRRORS = ("full", "checkpoints")
 
 
@@ -132,6 +136,35 @@ def check_args(args: argparse.Namespace) -> None:
     check_plot(args.plot)
 
 
+def _rows_for(layout: Layout, sizes: list[str]) -> dict[str, int]:
+    """The engine's device rows for a run of ``sizes``: room for a prefix of the largest size
+    twice over (its backup's source and its load's destination), and a few request slots."""
+    pages = max(SIZES[s] for s in sizes) // PAGE_TOKENS
+    return {"page": 2 * pages + 8, "swa_page": 2 * pages + 8, "req_slot": 8}
+
+
+def check_cpu_memory(layout: Layout, sizes: list[str]) -> None:
+    """CPU mode: the engine's "device" pools are host memory beside the daemon's pool (at
+    ``HOST_RATIO`` times their rows); refuse sizes whose two together do not fit in the memory
+    available, less the daemon's reserve, naming what would fit (without this check the run
+    pages for minutes, then reports a daemon it cannot reach)."""
+    def need(upto: list[str]) -> int:
+        dev = _rows_for(layout, upto)
+        used = {s: n for s, n in dev.items() if s in used_spaces(layout)}
+        return arena_bytes(layout, used) + arena_bytes(layout, host_rows(layout, used,
+                                                                         ratio=HOST_RATIO))
+    avail, what = available_bytes()
+    room = avail - default_reserve(psutil.virtual_memory().total)
+    if need(sizes) <= room:
+        return
+    fits = [s for s in SIZES if need([s]) <= room]
+    raise UsageError(f"bench e2e --device cpu --sizes {','.join(sizes)} needs "
+                     f"{format_bytes(need(sizes))} of host memory (the engine's pools and the "
+                     f"daemon's pool at {HOST_RATIO:g}x their rows) and {format_bytes(avail)} "
+                     f"{what} ({format_bytes(max(room, 0))} after the daemon's reserve); "
+                     + (f"--sizes {','.join(fits)} fits" if fits else "no size fits"))
+
+
 def pinned_limit(device: torch.device, nbytes: int = 1 << 30, trials: int = 5) -> dict[str, float]:
     """Best of ``trials`` contiguous pinned copies per direction, GB/s (1e9 B/s)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -178,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.set_device(dev)  # Triton launches on the current device
     layout = build_layout(preset(args.preset), args.pp_size, args.pp_rank)
-    pages = max(SIZES[s] for s in sizes) // PAGE_TOKENS
-    dev_rows = {"page": 2 * pages + 8, "swa_page": 2 * pages + 8, "req_slot": 8}
+    if not cuda:
+        check_cpu_memory(layout, sizes)
+    dev_rows = _rows_for(layout, sizes)
     spaces = {s: n for s, n in dev_rows.items() if s in ("page", "swa_page")}
     rng = np.random.default_rng(0)
     limit: dict[str, Any] = {"h2d": None, "d2h": None}
@@ -192,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"[e2e] pinned-copy limit (GB/s): {limit}")
     rows_flag = ",".join(f"{k}={v}" for k, v in dev_rows.items())
     with DaemonProcess(device=args.device, preset=args.preset, device_rows=rows_flag,
-                       host=("--host-ratio", "2"), ready_timeout=300,
+                       host=("--host-ratio", f"{HOST_RATIO:g}"), ready_timeout=300,
                        extra=("--pp-size", str(args.pp_size),
                               "--pp-rank", str(args.pp_rank))) as d, \
             DevicePools(layout, dev_rows, device=args.device) as pools:
