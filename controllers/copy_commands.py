@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from hicache.core.layout import PoolSpec
-from hicache.core.id_sets import has_duplicates, sorted_unique
+from hicache.core.id_sets import has_duplicates, sort_checked, sorted_unique
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
 from hicache.kernels.tables import TokenFormat
 
@@ -74,9 +74,9 @@ def _destination(ids: Ids, limit: int, what: str, side: str = "") -> None:
         _bounds(ids, limit, what, side)
         _distinct(ids, what)
         return
-    s = np.sort(ids.np())
+    s, twice = sort_checked(ids.np())
     _check_range(int(s[0]), int(s[-1]), limit, what, side)
-    if bool((s[1:] == s[:-1]).any()):
+    if twice:
         _twice(what)
 
 
