@@ -179,3 +179,24 @@ def test_daemon_times_add_the_load_issue_after_the_reply():
     m.observe("load_issue_seconds", 0.004)
     m.observe("load_issue_seconds", 0.002)
     assert abs(mean_ms(first, daemon_times(m.snapshot()), "load_issue") - 3.0) < 1e-9
+
+
+def test_table_notes_busy_second_only_when_measured(capsys):
+    """The table names what ``busy 2nd`` is (GPU events at time-slice steps) only when a GPU
+    run measured it; a CPU run's table has no such line."""
+    def result(busy2: float | None) -> dict:
+        keys = ("load_first_ms", "load_second_ms", "load_second_max_ms", "load_last_ms",
+                "load_gbps", "backup_gbps")
+        m = {k: 1.0 for k in keys} | {
+            "bytes": 88e6, "load_ratio": 0.5, "backup_ratio": 0.5, "daemon_vs_inproc": None,
+            "busy_vs_solo": None if busy2 is None else 0.9, "busy_second_ms": busy2,
+            "load_reply_ms": None, "load_handler_ms": 0.3, "load_issue_ms": None,
+            "load_cmd_ms": 0.2}
+        return {"device": "x", "preset": "dsv4-flash", "pp_size": 1, "pp_rank": 0, "ctas": 4,
+                "runs": 5, "limit_gbps": {}, "daemon_spin_us": 0.0, "client_reply_spin_us": 0.0,
+                "channel": True, "channel_refused": None, "sizes": {"2k": {"summary": m}}}
+    e2e._table(result(2.11))
+    assert "busy 2nd: GPU events" in capsys.readouterr().out
+    e2e._table(result(None))
+    out = capsys.readouterr().out
+    assert "busy 2nd: GPU events" not in out and " 2k " in out

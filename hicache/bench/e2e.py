@@ -22,7 +22,11 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
 * a load while a backup of the same size streams: its last layer against the solo load's
-  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``).
+  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``). While the
+  daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
+  the engine's events, its start event included, run at slice boundaries, so ``busy 2nd``
+  reads in steps of ~1.05 ms from a start that may itself be late (an H200, docs/perf.md,
+  twentieth session); ``busy_vs_solo`` (tens of ms) is off by at most one slice.
 
 ``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
@@ -408,6 +412,11 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['busy_second_ms']):>8} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7}")
+    if any(r["summary"]["busy_second_ms"] is not None
+           for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):
+        print("busy 2nd: GPU events of the engine's stream, which run at the GPU's time-slice "
+              "boundaries (~1 ms) while the daemon's kernels run: steps, not the command's "
+              "time (docs/perf.md)")
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
