@@ -22,7 +22,9 @@ its client hears of them only when all are issued). A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
 ``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
 kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
-Which kernel and path: ``kernels.dispatch``.
+Which kernel and path: ``kernels.dispatch``. The kernels' SM budget is ``CTAS``, and
+``BUSY_LOAD_CTAS`` for a load or swap-in issued while a backup or swap-out is in flight (its
+reads from host memory wait longer then; see the constants).
 
 CPU mode (shared-memory "device" pools): an operation of at most ``inline_max_bytes`` runs
 inline on the server thread when nothing is queued, so its ack rides in the reply; anything
@@ -85,6 +87,16 @@ CHUNK_BYTES = 32 << 20  # a larger CPU copy goes this many bytes (all layers) at
 # later); a 128k load's issue takes 26-40 ms
 PROGRESS_BYTES = 256 << 20
 PROGRESS_S = 0.5e-3
+# SM budget of the daemon's kernels (the copy engines take no SMs): CTAS, and BUSY_LOAD_CTAS for
+# a load or swap-in issued while a backup or swap-out is in flight. An SM kernel's H2D copy
+# reads host memory over PCIe, so its rate is bound by the reads it has in flight, and a copy
+# streaming the other way lengthens each read: a checkpoints-mirror load of 128k (its rows of
+# under 64 KiB on the SM kernels) kept 0.73-0.81 of its solo rate with 4 CTAs while a backup
+# streamed, 0.79-0.84 with 8 (H200, 20th and 21st sessions); alone, 8 CTAs gained it nothing
+# and left 32k loads of that mirror no faster. Without MPS the engine's and the daemon's kernels
+# take turns on the GPU, so more CTAs also mean shorter turns for the daemon.
+CTAS = 4
+BUSY_LOAD_CTAS = 8
 
 
 class Cancelled(Exception):
@@ -213,11 +225,13 @@ class Scheduler:
     """See the module docstring."""
 
     def __init__(self, device: torch.device, wake: Callable[[], None], *,
-                 inline_max_bytes: int = 256 << 10, ctas: int = 4) -> None:
+                 inline_max_bytes: int = 256 << 10, ctas: int = CTAS,
+                 busy_load_ctas: int = BUSY_LOAD_CTAS) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.inline_max_bytes = inline_max_bytes
         self.ctas = ctas
+        self.busy_load_ctas = busy_load_ctas  # a load's while a backup is in flight
         self._wake = wake
         self._done: list[Operation] = []
         self._done_lock = threading.Lock()
@@ -537,7 +551,8 @@ class Scheduler:
                 op.done_event.record(stream)
             self._last[op.stream] = op
             return
-        rest = issue_layers(op, stream, self.ctas, self.device)
+        busy = self._last["backup"] is not None  # a backup not yet completed and collected
+        rest = issue_layers(op, stream, self.busy_load_ctas if busy else self.ctas, self.device)
         op.issued = next(rest)  # plan, upload, layer 0's launch and event
         op.path, op.rest = "by_layer", rest
 

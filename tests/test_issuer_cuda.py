@@ -12,6 +12,8 @@ An in-process ``Scheduler`` on cuda:0 gets a per-layer load whose later layers a
 * the load is listed by ``take_issued`` no later than ``take_completed`` returns it, and every
   byte of every layer of both loads and of the backups is what was copied.
 
+A load's kernels get the busy CTA budget only while a backup is in flight.
+
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -188,3 +190,58 @@ def test_a_slow_issue_reports_its_progress_before_its_end(monkeypatch):
         got = dev.layers[li].cpu()
         assert torch.equal(got[[9, 2, 6]], host.layers[li][[3, 1, 4]])
         assert not got[[r for r in range(ROWS) if r not in (9, 2, 6)]].any()
+
+
+def test_a_load_issued_while_a_backup_is_in_flight_gets_the_busy_cta_budget(monkeypatch):
+    """A load's kernels get ``CTAS`` alone and ``BUSY_LOAD_CTAS`` while a backup is in flight
+    (submitted, not yet completed and forgotten by the server thread); with either budget every
+    byte of every layer arrives and nothing else changes."""
+    import hicache.controllers.scheduler as sched_mod
+    budgets: list[int] = []
+    real = sched_mod.issue_layers
+
+    def spy(op, stream, ctas, device):
+        budgets.append(ctas)
+        return real(op, stream, ctas, device)
+
+    monkeypatch.setattr(sched_mod, "issue_layers", spy)
+    torch.cuda.set_device(DEV)
+    woke = threading.Event()
+    eng = Scheduler(DEV, woke.set)
+    host, dev = _tables()
+    back = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8).pin_memory() for _ in LAYERS],
+                      "back")
+    for t in dev.layers:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV))
+    torch.cuda.synchronize()
+    dev_before = [t.cpu() for t in dev.layers]
+
+    def load(op_id: int, s: list[int], d: list[int]) -> Operation:
+        op = _op(op_id, "load", host, dev, s, d, s)
+        eng.submit(op)
+        eng.defer_issue(op)
+        return op
+
+    load(1, [0, 1], [2, 3])  # nothing else in flight
+    b = _op(2, "backup", dev, back, [4, 5], [4, 5], [4, 5])  # device rows nobody loads into
+    eng.submit(b)
+    load(3, [6, 7, 8], [9, 10, 11])  # the backup is held as in flight
+    _, done = _collect(eng, woke, 3)
+    for op in done:
+        eng.forget(op)
+    load(4, [12], [13])  # the backup completed and was forgotten
+    _, done4 = _collect(eng, woke, 1)
+    assert eng.close()
+    assert budgets == [sched_mod.CTAS, sched_mod.BUSY_LOAD_CTAS, sched_mod.CTAS]
+    assert sched_mod.BUSY_LOAD_CTAS > sched_mod.CTAS
+    assert sorted(op.op_id for op in done + done4) == [1, 2, 3, 4]
+    assert all(op.ok for op in done + done4)
+    moved = {2: 0, 3: 1, 9: 6, 10: 7, 11: 8, 13: 12}  # device row <- host row
+    for li in range(len(LAYERS)):
+        got, h = dev.layers[li].cpu(), host.layers[li]
+        for d, s in moved.items():
+            assert torch.equal(got[d], h[s])
+        rest = [r for r in range(ROWS) if r not in moved]
+        assert torch.equal(got[rest], dev_before[li][rest])
+        assert torch.equal(back.layers[li][[4, 5]], dev_before[li][[4, 5]])
+        assert not back.layers[li][[r for r in range(ROWS) if r not in (4, 5)]].any()
