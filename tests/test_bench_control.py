@@ -22,8 +22,14 @@ def test_short_run_reports_rows_echo_and_ratios():
     for r in rep["rows"] + rep["echo"]:
         assert r["ops"] == 2 * 60 * r["clients"]  # both rounds pooled
         assert 0 < r["p50_us"] <= r["p99_us"] and r["commands_per_s"] > 0
-        assert r["server_cpu_us_per_cmd"] >= 0
+        # CPU over the timed commands only: a client process spends some on each command
+        assert r["server_cpu_us_per_cmd"] >= 0 and r["client_cpu_us_per_cmd"] > 0
     assert [v["clients"] for v in rep["vs_echo"]] == [1, 2]
+    for v, r in zip(rep["vs_echo"], rep["rows"]):
+        e = next(x for x in rep["echo"] if x["clients"] == r["clients"])
+        for side in ("server", "client"):
+            k = f"{side}_cpu_us_per_cmd"
+            assert v[f"{side}_cpu_extra_us"] == round(r[k] - e[k], 1)
     for v in rep["vs_echo_rounds"]:
         for k in ("p50", "p99", "rate"):
             assert len(v[k]["rounds"]) == 2 and v[k]["min"] <= v[k]["median"] <= v[k]["max"]
@@ -39,6 +45,10 @@ def test_ratios_are_daemon_over_echo():
             {"clients": 4, "p50_us": 1.0, "p99_us": 1.0, "commands_per_s": 1.0}]
     assert _vs_echo(rows, echo) == [{"clients": 1, "p50": 1.5, "p99": 0.75, "rate": 0.5}]
     assert _vs_echo(rows, []) == []
+    cpu = {"server_cpu_us_per_cmd": 120.0, "client_cpu_us_per_cmd": 70.5}
+    ecpu = {"server_cpu_us_per_cmd": 48.0, "client_cpu_us_per_cmd": 27.0}
+    (v,) = _vs_echo([{**rows[0], **cpu}], [{**echo[0], **ecpu}])
+    assert v["server_cpu_extra_us"] == 72.0 and v["client_cpu_extra_us"] == 43.5
 
 
 def test_bad_clients_is_a_clear_usage_error():
@@ -88,3 +98,21 @@ def test_echo_spins_the_window_it_is_given(tmp_path):
             _stop_echo(srv, addr)
     assert used[3_000_000.0] > 0.05, used
     assert used[0.0] < 0.02, used
+
+
+def _exits_at_once(address, ops, warmup, barrier, out) -> None:  # a client that never warms up
+    raise SystemExit(3)
+
+
+def test_a_client_that_exits_before_the_timed_run_is_named_at_once():
+    import time
+
+    import pytest
+
+    from hicache.bench.control import _run_clients
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"[12] of 2 client process\(es\) exited before "
+                                           r"the timed run \(exit codes \[3(, 3)?\]\)"):
+        _run_clients(_exits_at_once, "ipc:///nonexistent", 2, 10, 0)
+    assert time.monotonic() - t0 < 60  # not the warm-up timeout

@@ -1,22 +1,24 @@
 """``hicache bench control``: control-plane latency and throughput of a live daemon (CPU mode).
 
 A daemon subprocess serves the DSV4-Flash layout with tiny shared-memory pools; 1 and 4 client
-processes each register their pools and issue backups of one ``c128_kv`` row (one 1,728-byte
-row per C128 layer, so the figure is the control plane, not the copy), each timed from send to
-completion ack. Reported per client count: p50 / p99 latency (us) and commands per second over
-all clients. The baseline is a bare echo over the same transport: the daemon's ROUTER socket
-(``server.router_socket``, same options, same receive call ``server.recv_request``) in its own
-process, the engine's ``Client`` DEALER socket (same options, same send / poll / receive calls,
-``client.recv_message``), the same request frames, and a reply of one frame the size of the
-daemon's. Daemon and echo runs alternate (``--rounds``, order
-flipped each round) so that load from other processes hits both alike; each round's
-daemon / echo ratios are reported with their spread. A 1-client run of ``backup_new`` (a
-BACKUP that allocates its own host rows) counts the requests each one sent: one round trip.
-``--no-echo`` skips the baseline. ``--spin-us`` sets the daemon's busy-poll window and gives
-the echo server the same one, so the ratio stays the daemon's own cost. Every client sends over
-ZMQ (``channel=False``): a busy-polling daemon would grant a local client a shared-memory
-channel (``hicache.core.channel``), which the echo does not have, and the ratio would then
-measure the transport instead of the daemon.
+processes each register their pools and issue backups of one ``c128_kv`` row (one 1,728-byte row
+per C128 layer, so the figure is the control plane, not the copy), each timed from send to
+completion ack. Reported per client count: p50 / p99 latency (us), commands per second over all
+clients, and the CPU per timed command of the server process and of the client processes (their
+ZMQ I/O threads included; from the end of the warm-up, at the clients' barrier). The baseline is
+a bare echo over the same transport: the daemon's ROUTER socket (``server.router_socket``, same
+options, same receive call ``server.recv_request``) in its own process, the engine's ``Client``
+DEALER socket (same options, same send / poll / receive calls, ``client.recv_message``), the
+same request frames, and a reply of one frame the size of the daemon's. Daemon and echo runs
+alternate (``--rounds``, order flipped each round) so that load from other processes hits both
+alike; each round's daemon / echo ratios are reported with their spread, and the CPU per command
+the daemon's side adds over the echo's on each end (where a latency ratio comes from). A
+1-client run of ``backup_new`` (a BACKUP that allocates its own host rows) counts the requests
+each one sent: one round trip. ``--no-echo`` skips the baseline. ``--spin-us`` sets the daemon's
+busy-poll window and gives the echo server the same one, so the ratio stays the daemon's own
+cost. Every client sends over ZMQ (``channel=False``): a busy-polling daemon would grant a local
+client a shared-memory channel (``hicache.core.channel``), which the echo does not have, and the
+ratio would then measure the transport instead of the daemon.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
 # wake-ups cost more than the anchor's can be compared on the daemon's own overhead.
 ANCHOR_ECHO = {"p50_us_1": 82.0, "p99_us_1": 139.0, "commands_per_s_4": 29_700.0}
 ROWS = "page=8,swa_page=4,req_slot=4"
+WARMUP_TIMEOUT_S = 300.0  # registration and warm-up of every client process
 # the echo's reply: one frame the size of the daemon's reply to a one-row backup (ack inline)
 ECHO_REPLY = P.encode_reply(1000, {"op": 1000, "ack": {
     "op": 1000, "kind": "backup", "status": "ok", "bytes": 34560, "ns": 40000, "exec_ns": 30000,
@@ -60,19 +63,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- client processes
-def _timed(step: Any, ops: int, warmup: int, barrier: Any) -> tuple[list[int], float, float]:
-    """Run ``step`` ``warmup`` times, wait at the barrier, then time ``ops`` calls (ns each)."""
+def _timed(step: Any, ops: int, warmup: int, barrier: Any
+           ) -> tuple[list[int], float, float, float]:
+    """Run ``step`` ``warmup`` times, wait at the barrier, then time ``ops`` calls: (ns each,
+    start, end, this process's CPU seconds over the timed calls, its ZMQ I/O thread
+    included)."""
     for _ in range(warmup):
         step()
     lat = [0] * ops
     pc = time.perf_counter_ns
     barrier.wait()
-    t_start = time.perf_counter()
+    t_start, cpu0 = time.perf_counter(), time.process_time()
     for i in range(ops):
         t0 = pc()
         step()
         lat[i] = pc() - t0
-    return lat, t_start, time.perf_counter()
+    return lat, t_start, time.perf_counter(), time.process_time() - cpu0
 
 
 def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
@@ -113,7 +119,7 @@ def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -
         lat, trips, bad = [0] * ops, 0, 0
         pc = time.perf_counter_ns
         barrier.wait()
-        t_start = time.perf_counter()
+        t_start, cpu0 = time.perf_counter(), time.process_time()
         for i in range(-warmup, ops):
             sent, t0 = c.sent, pc()
             op = c.backup_new({"c128_kv": [3]})
@@ -123,7 +129,7 @@ def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -
                 lat[i], trips = t1 - t0, trips + c.sent - sent
                 bad += not (ack.ok and op.rows and len(op.rows["page"]) == 1)
             c.free(op.rows)
-        out.put((lat, t_start, time.perf_counter(), trips, bad))
+        out.put((lat, t_start, time.perf_counter(), time.process_time() - cpu0, trips, bad))
         c.unregister()
     pools.close()
 
@@ -211,17 +217,20 @@ def _cpu_s(pid: int | None) -> float:
 def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
                  server_pid: int | None = None) -> dict[str, Any]:
     """One run of ``n`` client processes: their latencies (ns), the span over all of them,
-    the server's CPU seconds meanwhile, and what ``_alloc_client`` adds (trips, bad)."""
+    the server's CPU seconds from the end of the warm-up (this process waits at the clients'
+    barrier) to the last result, the clients' CPU seconds over their timed calls, and what
+    ``_alloc_client`` adds (trips, bad)."""
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(n), ctx.Queue()
+    barrier, out = ctx.Barrier(n + 1), ctx.Queue()
     procs = [ctx.Process(target=target, args=(address, ops, warmup, barrier, out), daemon=True)
              for _ in range(n)]
     for p in procs:
         p.start()
-    cpu0 = _cpu_s(server_pid)
     try:
-        results = [out.get(timeout=300) for _ in procs]  # warm-up done once the first arrives
-    except BaseException:  # interrupted: the workers stop now
+        _await_warm(barrier, procs, WARMUP_TIMEOUT_S)
+        cpu0 = _cpu_s(server_pid)
+        results = [out.get(timeout=300) for _ in procs]
+    except BaseException:  # interrupted or failed: the workers stop now
         for p in procs:
             p.terminate()
         raise
@@ -230,9 +239,27 @@ def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
         p.join(30)
     return {"clients": n, "lat": [x for r in results for x in r[0]],
             "span": max(r[2] for r in results) - min(r[1] for r in results),
-            "cpu": cpu1 - cpu0, "cmds": n * (ops + warmup),
-            "trips": sum(r[3] for r in results if len(r) > 3),
-            "bad": sum(r[4] for r in results if len(r) > 4)}
+            "cpu": cpu1 - cpu0, "client_cpu": sum(r[3] for r in results),
+            "trips": sum(r[4] for r in results if len(r) > 4),
+            "bad": sum(r[5] for r in results if len(r) > 5)}
+
+
+def _await_warm(barrier: Any, procs: list[Any], timeout: float) -> None:
+    """Pass the clients' barrier once every client waits at it (registered and warmed up); a
+    client that exits first, or a warm-up longer than ``timeout`` seconds, is a RuntimeError
+    naming it (the other clients are then stopped by the caller)."""
+    deadline = time.monotonic() + timeout
+    while barrier.n_waiting < len(procs):
+        dead = [p.exitcode for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"bench control: {len(dead)} of {len(procs)} client process(es) "
+                               f"exited before the timed run (exit codes {dead}); see their "
+                               f"output above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench control: the client processes did not finish their "
+                               f"warm-up within {timeout:g} s")
+        time.sleep(0.02)
+    barrier.wait()
 
 
 def _stats(run: dict[str, Any]) -> dict[str, Any]:
@@ -244,16 +271,18 @@ def _stats(run: dict[str, Any]) -> dict[str, Any]:
     return {"clients": run["clients"], "ops": len(lat), "p50_us": round(pct(0.50), 1),
             "p99_us": round(pct(0.99), 1),
             "commands_per_s": round(len(lat) / run["span"], 1),
-            # includes warm-up (and registration for the daemon): an upper bound
-            "server_cpu_us_per_cmd": round(run["cpu"] / run["cmds"] * 1e6, 1)}
+            # the timed commands' window (a client's unregister may fall inside it)
+            "server_cpu_us_per_cmd": round(run["cpu"] / len(lat) * 1e6, 1),
+            # every client process, its ZMQ I/O thread included
+            "client_cpu_us_per_cmd": round(run["client_cpu"] / len(lat) * 1e6, 1)}
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """All rounds of one client count together: latency percentiles over every op, rate over
-    the summed spans, server CPU over all commands."""
+    the summed spans, server and client CPU over all timed commands."""
     return _stats({"clients": runs[0]["clients"], "lat": [x for r in runs for x in r["lat"]],
                    "span": sum(r["span"] for r in runs), "cpu": sum(r["cpu"] for r in runs),
-                   "cmds": sum(r["cmds"] for r in runs)})
+                   "client_cpu": sum(r["client_cpu"] for r in runs)})
 
 
 def _stop_echo(srv: Any, address: str) -> None:
@@ -294,17 +323,28 @@ def _start_daemon(address: str, spin_us: float = 0.0) -> DaemonProcess:
 
 
 def _vs_echo(rows: list[dict[str, Any]], echo: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Daemon / echo ratios per client count (latency: lower is better; rate: higher)."""
+    """Daemon / echo ratios per client count (latency: lower is better; rate: higher), and
+    where both give them, the CPU per command the daemon's side adds over the echo's, in the
+    server process and in the clients (``*_cpu_extra_us``)."""
     by_n = {e["clients"]: e for e in echo}
     out = []
     for r in rows:
         e = by_n.get(r["clients"])
         if e:
-            out.append({"clients": r["clients"],
-                        "p50": round(r["p50_us"] / e["p50_us"], 2),
-                        "p99": round(r["p99_us"] / e["p99_us"], 2),
-                        "rate": round(r["commands_per_s"] / e["commands_per_s"], 2)})
+            v = {"clients": r["clients"], "p50": round(r["p50_us"] / e["p50_us"], 2),
+                 "p99": round(r["p99_us"] / e["p99_us"], 2),
+                 "rate": round(r["commands_per_s"] / e["commands_per_s"], 2)}
+            for side in ("server", "client"):
+                k = f"{side}_cpu_us_per_cmd"
+                if k in r and k in e:
+                    v[f"{side}_cpu_extra_us"] = round(r[k] - e[k], 1)
+            out.append(v)
     return out
+
+
+def _cpu(row: dict[str, Any], side: str) -> str:
+    v = row.get(f"{side}_cpu_us_per_cmd")
+    return "-" if v is None else f"{v:.0f} us/cmd"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -375,24 +415,29 @@ def run(args: argparse.Namespace) -> int:
           f"{args.ops} timed ops per client per round, {rounds} rounds (daemon and echo "
           f"alternate), {os.cpu_count()} CPUs, daemon spin {args.spin_us:g} us")
     print(f"  {'clients':>7} {'p50 us':>9} {'p99 us':>9} {'commands/s':>11} "
-          f"{'server cpu':>11}   vs bare echo (same sockets, frames, processes; same run)")
+          f"{'server cpu':>11} {'client cpu':>11}   vs bare echo (same sockets, frames, "
+          f"processes; same run)")
     by_n = {e["clients"]: e for e in echo}
     for r in rows:
         e = by_n.get(r["clients"])
-        cmp = (f"   echo {e['p50_us']:.0f} / {e['p99_us']:.0f} us, {e['commands_per_s']:.0f}/s "
+        cmp = (f"   echo {e['p50_us']:.0f} / {e['p99_us']:.0f} us, {e['commands_per_s']:.0f}/s, "
+               f"cpu {_cpu(e, 'server')} + {_cpu(e, 'client')} "
                f"(daemon = {r['commands_per_s'] / e['commands_per_s']:.0%} of echo rate)"
                if e else "")
-        cpu = f"{r['server_cpu_us_per_cmd']:.0f} us/cmd" if "server_cpu_us_per_cmd" in r else "-"
         print(f"  {r['clients']:>7} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} "
-              f"{r['commands_per_s']:>11.0f} {cpu:>11}{cmp}")
+              f"{r['commands_per_s']:>11.0f} {_cpu(r, 'server'):>11} "
+              f"{_cpu(r, 'client'):>11}{cmp}")
     print(f"  targets: 1 client p50 <= {TARGETS['p50_us_1']:.0f} us, p99 <= "
           f"{TARGETS['p99_us_1']:.0f} us; 4 clients >= {TARGETS['commands_per_s_4']:.0f}/s "
           f"(set against an echo of {ANCHOR_ECHO['p50_us_1']:.0f} / "
           f"{ANCHOR_ECHO['p99_us_1']:.0f} us and {ANCHOR_ECHO['commands_per_s_4']:.0f}/s with 4: "
           f"1.83x / 3.6x / 0.34x of it)")
     for v in report["vs_echo"]:
+        extra = (f"; per command the daemon's side adds {v['server_cpu_extra_us']:+.0f} us of "
+                 f"server CPU and {v['client_cpu_extra_us']:+.0f} us of client CPU"
+                 if "server_cpu_extra_us" in v else "")
         print(f"  daemon / echo, {v['clients']} client(s), all rounds pooled: p50 "
-              f"{v['p50']:.2f}x  p99 {v['p99']:.2f}x  rate {v['rate']:.2f}x")
+              f"{v['p50']:.2f}x  p99 {v['p99']:.2f}x  rate {v['rate']:.2f}x{extra}")
     for v in report["vs_echo_rounds"]:
         print(f"  per round ({rounds}), {v['clients']} client(s): " + "  ".join(
             f"{k} {v[k]['median']:.2f}x [{v[k]['min']:.2f}-{v[k]['max']:.2f}]"
