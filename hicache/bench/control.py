@@ -104,7 +104,8 @@ def _daemon_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) 
 
 def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -> None:
     """``backup_new`` of one page (the daemon allocates the host row): timed send -> ack, with
-    the requests it sent counted; the row is freed after each, untimed."""
+    the requests it sent counted; the row is freed after each (inside the timed run's clocks,
+    outside each latency)."""
     _quiet()
     from hicache.engine.client import Client
     from hicache.engine.device_pools import DevicePools
@@ -118,9 +119,11 @@ def _alloc_client(address: str, ops: int, warmup: int, barrier: Any, out: Any) -
         gc.freeze()
         lat, trips, bad = [0] * ops, 0, 0
         pc = time.perf_counter_ns
-        barrier.wait()
-        t_start, cpu0 = time.perf_counter(), time.process_time()
+        t_start = cpu0 = 0.0
         for i in range(-warmup, ops):
+            if i == 0:  # warmed up: the timed run (and its clocks) starts with the others
+                barrier.wait()
+                t_start, cpu0 = time.perf_counter(), time.process_time()
             sent, t0 = c.sent, pc()
             op = c.backup_new({"c128_kv": [3]})
             ack = c.wait_ack(op)
