@@ -45,6 +45,22 @@ def _tables() -> tuple[LayerTable, LayerTable]:
     return host, dev
 
 
+def _engine_and_tables() -> tuple[Scheduler, threading.Event, LayerTable, LayerTable,
+                                  LayerTable, list[torch.Tensor]]:
+    """A scheduler on cuda:0 and the event its completions set; host rows, device rows filled
+    at random, a zeroed pinned table for backups, and the device rows' bytes before."""
+    torch.cuda.set_device(DEV)
+    woke = threading.Event()
+    eng = Scheduler(DEV, woke.set)
+    host, dev = _tables()
+    back = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8).pin_memory() for _ in LAYERS],
+                      "back")
+    for t in dev.layers:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV))
+    torch.cuda.synchronize()
+    return eng, woke, host, dev, back, [t.cpu() for t in dev.layers]
+
+
 def _op(op_id: int, kind: str, src: LayerTable, dst: LayerTable, s: list[int], d: list[int],
         host_rows: list[int]) -> Operation:
     it = Item("p", src, dst, Ids.of(s), Ids.of(d), None, LAYERS, len(s) * ROW * len(LAYERS))
@@ -74,16 +90,7 @@ def _collect(eng: Scheduler, woke: threading.Event, want: int) -> tuple[list, li
 
 
 def test_later_layers_issue_off_the_server_thread_in_command_order():
-    torch.cuda.set_device(DEV)
-    woke = threading.Event()
-    eng = Scheduler(DEV, woke.set)
-    host, dev = _tables()
-    back = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8).pin_memory() for _ in LAYERS],
-                      "back")
-    for t in dev.layers:
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV))
-    torch.cuda.synchronize()
-    dev_before = [t.cpu() for t in dev.layers]
+    eng, woke, host, dev, back, dev_before = _engine_and_tables()
     host_before = [t.clone() for t in host.layers]
 
     # 1) load A: host rows 0..3 -> device rows 8..11; its later layers are held back
@@ -205,16 +212,7 @@ def test_a_load_issued_while_a_backup_is_in_flight_gets_the_busy_cta_budget(monk
         return real(op, stream, ctas, device)
 
     monkeypatch.setattr(sched_mod, "issue_layers", spy)
-    torch.cuda.set_device(DEV)
-    woke = threading.Event()
-    eng = Scheduler(DEV, woke.set)
-    host, dev = _tables()
-    back = LayerTable([torch.zeros(ROWS, ROW, dtype=torch.uint8).pin_memory() for _ in LAYERS],
-                      "back")
-    for t in dev.layers:
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV))
-    torch.cuda.synchronize()
-    dev_before = [t.cpu() for t in dev.layers]
+    eng, woke, host, dev, back, dev_before = _engine_and_tables()
 
     def load(op_id: int, s: list[int], d: list[int]) -> Operation:
         op = _op(op_id, "load", host, dev, s, d, s)
