@@ -91,9 +91,9 @@ PROGRESS_S = 0.5e-3
 # a load or swap-in issued while a backup or swap-out is in flight. An SM kernel's H2D copy
 # reads host memory over PCIe, so its rate is bound by the reads it has in flight, and a copy
 # streaming the other way lengthens each read: a checkpoints-mirror load of 128k (its rows of
-# under 64 KiB on the SM kernels) kept 0.73-0.81 of its solo rate with 4 CTAs while a backup
-# streamed, 0.79-0.84 with 8 (H200, 20th and 21st sessions); alone, 8 CTAs gained it nothing
-# and left 32k loads of that mirror no faster. Without MPS the engine's and the daemon's kernels
+# under 64 KiB on the SM kernels) kept a median 0.77 of its solo rate with 4 CTAs while a backup
+# streamed, 0.81 with 8 (13 runs each, H200, 20th and 21st sessions); alone, 8 CTAs gained it
+# nothing and left 32k loads of that mirror no faster. Without MPS the engine's and the daemon's kernels
 # take turns on the GPU, so more CTAs also mean shorter turns for the daemon.
 CTAS = 4
 BUSY_LOAD_CTAS = 8
