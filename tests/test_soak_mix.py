@@ -111,7 +111,7 @@ def test_every_wrong_byte_is_reported(tmp_path: Path) -> None:
     try:
         run_with_wrong_bytes(d.address, "cpu")
     finally:
-        d.stop()
+        d.close()  # stop, and remove its private socket folder
     assert "Traceback" not in d.output()
 
 
