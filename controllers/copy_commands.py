@@ -364,8 +364,7 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     extra = _layer_events(st, w, op)
     if h.get("release", False):
         st.free_after_use({"req_slot": rows}, owner)
-    ack = st.start(c, op)
-    st.release_ready()
+    ack = st.start(c, op)  # a released row is freed once the op has read it
     return _reply(op, ack, _issued(op, extra)), []
 
 

@@ -184,7 +184,8 @@ class DaemonState:
         submitted op's in-flight bookkeeping (its host rows in the row tracker, the client's
         count, the op table, the gauge) is done by ``after_reply``, which the server calls
         right after the reply goes out and before it reads another command or takes a
-        completion: a GPU load's layer 0 and its reply do not wait for it."""
+        completion: a GPU load's layer 0 and its reply do not wait for it. Until then the row
+        tracker does not list its rows, so ``release_ready`` frees nothing meanwhile."""
         begin_writes(self.group, op)
         if self.scheduler.run_inline(op):
             end_writes(self.group, op)
@@ -203,7 +204,7 @@ class DaemonState:
         then a GPU load's launches after layer 0 go to the issuer thread (``collect`` sends the
         "issued" notice once they are out); metrics and frees of inline ops."""
         post, self.post = self.post, []
-        for op, c in post:
+        for op, c in post:  # first: the rows of every submitted op count as in use
             if c is not None:
                 self.tracker.begin(op.host)
                 c.in_flight += 1
@@ -211,10 +212,11 @@ class DaemonState:
                 self.metrics.in_flight(op.kind, 1)
                 if op.rest is not None:
                     self.scheduler.defer_issue(op)
-                continue
-            self._account(op)
-            if self.tracker.deferred:
-                self.release_ready()
+        for op, c in post:
+            if c is None:
+                self._account(op)
+        if self.tracker.deferred:
+            self.release_ready()
 
     def _finish(self, op: Operation) -> None:
         """Bookkeeping of one completed asynchronous op; its ack goes to the outbox."""
@@ -299,6 +301,11 @@ class DaemonState:
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:
+        """Carry out the deferred frees whose rows no operation uses. Not while a submitted op
+        waits for ``after_reply`` (its rows are not in the tracker yet: a free now could give
+        away a row it is about to read or write); its completion releases them."""
+        if any(c is not None for _, c in self.post):
+            return
         for rows, owner in self.tracker.ready():
             try:
                 self.group.free(rows, owner)

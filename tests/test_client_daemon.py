@@ -168,6 +168,33 @@ def test_swap_out_clear_swap_in(worker):
     assert usage(c) == used0  # release=True gave the host row back
 
 
+def test_swap_in_release_frees_its_host_row_only_once_the_copy_read_it(daemon_factory):
+    """Every op goes to the copy worker (``inline_max_bytes`` 1) and a big backup queued first
+    keeps it busy, so the swap-in is still in flight when the next command comes: its host row
+    (``release=True``) must not be handed out again before the swap-in's ack; the swap-in's
+    bytes arrive."""
+    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False)
+    state_pools = [p.name for p in FLASH.space_pools("req_slot")]
+    with DevicePools(FLASH, ROWS) as pools, d.client() as c:
+        fill(pools, 5)
+        c.register(pools)
+        before = snap(pools)
+        out = c.swap_out(1, request="req-a")
+        assert c.wait_ack(out).ok
+        host = c.alloc({"page": 8, "swa_page": 4})
+        big = c.backup({"page": (list(range(8)), host["page"]),
+                        "swa_page": (list(range(4)), host["swa_page"])})
+        inn = c.swap_in(out.host_row, 3, request="req-a")
+        assert inn.ack is None  # queued behind the backup, not run inline
+        got = c.alloc({"req_slot": 1}, request="req-b")["req_slot"]
+        assert out.host_row not in got  # still being read: not free yet
+        assert c.wait_ack(big).ok and c.wait_ack(inn).ok
+        for name in state_pools:
+            for t, old in zip(pools.layers[name], before[name]):
+                assert torch.equal(t[3], old[1])
+        c.unregister()
+
+
 def test_clear_slot_draft_rule_offline(daemon_factory):
     d = daemon_factory(extra=("--c128-state", "offline"), metrics=False)
     lay = build_layout(preset("dsv4-flash"), c128_state="offline")
