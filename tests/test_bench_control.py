@@ -116,3 +116,22 @@ def test_a_client_that_exits_before_the_timed_run_is_named_at_once():
                                            r"the timed run \(exit codes \[3(, 3)?\]\)"):
         _run_clients(_exits_at_once, "ipc:///nonexistent", 2, 10, 0)
     assert time.monotonic() - t0 < 60  # not the warm-up timeout
+
+
+def test_a_warm_up_past_its_timeout_is_named():
+    """Clients alive but never at the barrier: a RuntimeError after ``timeout``, not a hang."""
+    import pytest
+
+    from hicache.bench.control import _await_warm
+
+    class Barrier:
+        n_waiting = 0
+
+        def wait(self) -> None:
+            raise AssertionError("passed a barrier nobody reached")
+
+    class Alive:
+        exitcode = None
+
+    with pytest.raises(RuntimeError, match=r"did not finish their warm-up within 0.05 s"):
+        _await_warm(Barrier(), [Alive(), Alive()], 0.05)
