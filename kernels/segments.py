@@ -18,7 +18,8 @@ Contract:
   (16-byte, then narrower), then layer position: ``plan.spans(a, b)`` are the non-empty
   ``(lo, hi)`` segment ranges, one per class, of layer positions ``[a, b)``.
 * ``plan.to(device)`` uploads the descriptor table and offsets in one copy on the current
-  stream (through pinned memory: the host is not blocked).
+  stream (through the calling thread's pinned staging buffer, ``uploads``: the host is not
+  blocked).
 * ``launch_segments(dev_plan, lo, hi, ctas)`` copies segments ``[lo, hi)`` on the current
   stream (on a GPU through ``launch_cache``: the compiled kernel launched directly after its
   first launch per specialization) with a persistent grid of ``ctas`` CTAs (under interpreters without runtime loop
@@ -37,6 +38,7 @@ import triton.language as tl
 from .grid import runtime_loops
 from .launch_cache import CachedKernel
 from .tables import LayerTable, TokenFormat, _pow2_align
+from .uploads import upload
 
 CH = 2048  # bytes per piece
 CHK: tl.constexpr = tl.constexpr(CH)  # the same, for the kernels
@@ -201,16 +203,9 @@ class SegmentPlan:
         return [(bd[c + a], bd[c + b]) for c in (0, L) if bd[c + b] > bd[c + a]]
 
     def to(self, device: torch.device) -> "SegmentPlan":
-        """Upload once (one pinned buffer, one non-blocking copy on the current stream)."""
+        """Upload once (one non-blocking copy on the current stream, ``uploads.upload``)."""
         if self.dev is None:
-            flat = np.concatenate([self.desc.ravel(), self.src_off, self.dst_off])
-            host = torch.from_numpy(flat)
-            if device.type == "cuda":
-                pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
-                pinned.copy_(host)
-                t = pinned.to(device, non_blocking=True)
-            else:
-                t = host
+            t = upload([self.desc.ravel(), self.src_off, self.dst_off], device)
             nd, ns = self.desc.size, self.src_off.size
             self.dev = (t[:nd], t[nd:nd + ns], t[nd + ns:])
         return self

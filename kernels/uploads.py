@@ -1,0 +1,134 @@
+"""Small host-to-device uploads (a plan's descriptor tables) at a few driver calls each.
+
+Contract: ``upload(arrays, device)`` concatenates the int64 numpy ``arrays`` into one new int64
+tensor on ``device``, copied on the current stream without blocking the host. Off a GPU it
+returns the concatenation itself.
+
+On a GPU the bytes go through pinned staging buffers owned by the calling thread: each buffer
+has a driver event recorded right after the copy that reads it, and a buffer is written again
+only once its event says that copy is done (otherwise the thread takes another one, or a new
+one; past ``MAX_BUFFERS`` it waits for the oldest). So a caller normally never waits, and no
+upload overwrites bytes a copy still reads. The copy and the event are raw driver calls
+(``cuMemcpyHtoDAsync``, ``cuEventRecord``, ``cuEventQuery``) on the raw current stream.
+
+Why: on an H200 host, PyTorch's route (a pinned tensor per upload, ``copy_``, an event
+recorded on ``current_stream()``) cost a daemon's issuer thread 0.2-0.27 ms of CPU per upload,
+on the critical path of a load's later layers (docs/perf.md, twenty-second session).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .tables import TransferError
+
+MIN_WORDS = 1 << 12  # a staging buffer's smallest size, in int64 words (32 KiB)
+MAX_BUFFERS = 8  # staging buffers per thread; past it an upload waits for the oldest copy
+_CU_EVENT_DISABLE_TIMING = 2
+_CUDA_SUCCESS, _CUDA_ERROR_NOT_READY = 0, 600
+
+
+class _Calls:
+    """The driver functions an upload uses (``libcuda``, loaded once per process)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+        self.htod = lib.cuMemcpyHtoDAsync_v2
+        self.htod.argtypes = [u64, vp, ctypes.c_size_t, vp]
+        self.create = lib.cuEventCreate
+        self.create.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        self.record = lib.cuEventRecord
+        self.record.argtypes = [vp, vp]
+        self.query = lib.cuEventQuery
+        self.query.argtypes = [vp]
+        self.sync = lib.cuEventSynchronize
+        self.sync.argtypes = [vp]
+        self.destroy = lib.cuEventDestroy_v2
+        self.destroy.argtypes = [vp]
+        for f in (self.htod, self.create, self.record, self.query, self.sync, self.destroy):
+            f.restype = ctypes.c_int
+
+
+_calls: Optional[_Calls] = None
+
+
+def _driver() -> _Calls:
+    global _calls
+    if _calls is None:
+        _calls = _Calls()
+    return _calls
+
+
+@dataclass
+class _Buffer:
+    host: torch.Tensor  # pinned int64 words
+    view: np.ndarray  # the same memory as numpy
+    ptr: int  # its address
+    device: int  # the GPU whose context made ``event``
+    event: ctypes.c_void_p  # recorded after the last copy out of ``host``
+    used: bool = False  # ``event`` was recorded at least once
+
+
+class _Staging(threading.local):
+    buffers: list[_Buffer]
+
+    def __init__(self) -> None:
+        self.buffers = []
+
+
+_STAGING = _Staging()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != _CUDA_SUCCESS:
+        raise TransferError(f"{what} failed with CUresult {rc}")
+
+
+def _free_buffer(d: _Calls, n: int, device: int) -> _Buffer:
+    """A staging buffer of at least ``n`` words on ``device`` whose last copy is done."""
+    bufs = _STAGING.buffers
+    for b in bufs:
+        if b.device == device and b.view.size >= n:
+            if not b.used:
+                return b
+            rc = d.query(b.event)
+            if rc == _CUDA_SUCCESS:
+                return b
+            if rc != _CUDA_ERROR_NOT_READY:
+                _check(rc, "cuEventQuery")
+    if len(bufs) >= MAX_BUFFERS:  # wait for the oldest copy, then replace that buffer
+        old = bufs.pop(0)
+        _check(d.sync(old.event), "cuEventSynchronize")
+        _check(d.destroy(old.event), "cuEventDestroy")
+    ev = ctypes.c_void_p()
+    _check(d.create(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    words = max(MIN_WORDS, 1 << max(0, n - 1).bit_length())
+    host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+    b = _Buffer(host, host.numpy(), host.data_ptr(), device, ev)
+    bufs.append(b)
+    return b
+
+
+def upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """See the module docstring."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    n = sum(int(a.size) for a in arrays)
+    out = torch.empty(n, dtype=torch.int64, device=device)  # makes the device's context current
+    if n == 0:
+        return out
+    idx = out.device.index
+    d = _driver()
+    b = _free_buffer(d, n, idx)
+    np.concatenate(arrays, out=b.view[:n])
+    stream = torch._C._cuda_getCurrentRawStream(idx)
+    _check(d.htod(out.data_ptr(), b.ptr, 8 * n, stream), "cuMemcpyHtoDAsync")
+    _check(d.record(b.event, stream), "cuEventRecord")
+    b.used = True
+    return out

@@ -1,0 +1,84 @@
+"""``kernels.uploads.upload``: the bytes arrive, and a staging buffer a copy may still read is
+never written again (CUDA), so no upload can change another's bytes."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.kernels import uploads
+from hicache.kernels.uploads import upload
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_cpu_upload_is_the_concatenation() -> None:
+    a, b = np.arange(5, dtype=np.int64), np.array([7, -1], dtype=np.int64)
+    t = upload([a, b], torch.device("cpu"))
+    assert t.dtype == torch.int64 and t.tolist() == [0, 1, 2, 3, 4, 7, -1]
+
+
+def _in_fresh_thread(body: Callable[[], None]) -> None:
+    """Run ``body`` on a new thread (its own, empty staging buffers); re-raise what it raised."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            err.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    if err:
+        raise err[0]
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_buffer_a_copy_may_still_read_is_not_written_again() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(1)
+
+    def body() -> None:
+        torch.cuda.set_device(dev)
+        s = torch.cuda.Stream(dev)
+        sent: list[tuple[np.ndarray, Any]] = []
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(300_000_000)  # the copies below wait behind this
+            a = rng.integers(-2**40, 2**40, 1000)
+            sent.append((a, upload([a[:600], a[600:]], dev)))
+            b1 = uploads._STAGING.buffers[0]
+            b = rng.integers(-2**40, 2**40, 1000)
+            sent.append((b, upload([b], dev)))  # the first copy has not run: another buffer
+            assert len(uploads._STAGING.buffers) == 2
+        s.synchronize()
+        with torch.cuda.stream(s):
+            c = np.arange(3000, dtype=np.int64)
+            sent.append((c, upload([c], dev)))  # both done: the first buffer again
+            assert len(uploads._STAGING.buffers) == 2 and uploads._STAGING.buffers[0] is b1
+            big = np.arange(b1.view.size + 1, dtype=np.int64)
+            sent.append((big, upload([big], dev)))  # larger than both: a new one
+            assert uploads._STAGING.buffers[-1].view.size >= big.size
+            torch.cuda._sleep(300_000_000)
+            for k in range(uploads.MAX_BUFFERS + 2):  # all busy: past the cap, the oldest waits
+                x = rng.integers(0, 2**40, 2000 + k)
+                sent.append((x, upload([x], dev)))
+            assert len(uploads._STAGING.buffers) <= uploads.MAX_BUFFERS
+        s.synchronize()
+        for arr, t in sent:
+            assert t.device == dev and torch.equal(t.cpu(), torch.from_numpy(arr))
+
+    _in_fresh_thread(body)
+
+
+@cuda
+@pytest.mark.cuda
+def test_an_empty_upload_is_an_empty_tensor() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = upload([np.zeros(0, dtype=np.int64)], dev)
+    assert t.numel() == 0 and t.device == dev
