@@ -9,7 +9,10 @@ has a driver event recorded right after the copy that reads it, and a buffer is 
 only once its event says that copy is done (otherwise the thread takes another one, or a new
 one; past ``MAX_BUFFERS`` it waits for the oldest). So a caller normally never waits, and no
 upload overwrites bytes a copy still reads. The copy and the event are raw driver calls
-(``cuMemcpyHtoDAsync``, ``cuEventRecord``, ``cuEventQuery``) on the raw current stream.
+(``cuMemcpyHtoDAsync``, ``cuEventRecord``, ``cuEventQuery``) on the raw current stream of
+``device``, with ``device`` made the current device for the call when it is not. A thread's
+buffers live as long as the thread; when it ends, it first waits for the copies they may still
+feed (PyTorch, which gets their memory back, knows nothing of those copies).
 
 Why: on an H200 host, PyTorch's route (a pinned tensor per upload, ``copy_``, an event
 recorded on ``current_stream()``) cost a daemon's issuer thread 0.2-0.27 ms of CPU per upload,
@@ -75,11 +78,26 @@ class _Buffer:
     used: bool = False  # ``event`` was recorded at least once
 
 
+class _Held(list[_Buffer]):
+    """One thread's buffers. When the thread ends they are dropped, and their pinned memory goes
+    back to PyTorch, which knows nothing of the raw copies: so the end of a thread first waits
+    for the copies its buffers may still feed."""
+
+    def __del__(self) -> None:
+        d = _calls
+        if d is None:
+            return
+        for b in self:
+            if b.used:  # return codes ignored: at interpreter exit the driver may be gone
+                d.sync(b.event)
+                d.destroy(b.event)
+
+
 class _Staging(threading.local):
-    buffers: list[_Buffer]
+    buffers: _Held
 
     def __init__(self) -> None:
-        self.buffers = []
+        self.buffers = _Held()
 
 
 _STAGING = _Staging()
@@ -119,8 +137,17 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
     """See the module docstring."""
     if device.type != "cuda":
         return torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    idx = device.index if device.index is not None else torch._C._cuda_getDevice()
+    if torch._C._cuda_getDevice() != idx:  # the driver calls use the current context
+        with torch.cuda.device(idx):
+            return _upload(arrays, torch.device("cuda", idx))
+    return _upload(arrays, torch.device("cuda", idx))
+
+
+def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """``upload`` on a GPU that is the current device."""
     n = sum(int(a.size) for a in arrays)
-    out = torch.empty(n, dtype=torch.int64, device=device)  # makes the device's context current
+    out = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
         return out
     idx = out.device.index

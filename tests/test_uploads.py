@@ -82,3 +82,25 @@ def test_an_empty_upload_is_an_empty_tensor() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     t = upload([np.zeros(0, dtype=np.int64)], dev)
     assert t.numel() == 0 and t.device == dev
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_thread_that_ends_before_its_copy_ran_does_not_give_its_buffer_away() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.Stream(dev)
+    arr = np.arange(5000, dtype=np.int64) * 7 + 3
+    got: list[torch.Tensor] = []
+
+    def body() -> None:
+        torch.cuda.set_device(dev)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(300_000_000)
+            got.append(upload([arr], dev))  # queued behind the sleep; the thread ends now
+
+    _in_fresh_thread(body)
+    # pinned blocks handed out now would be the dropped buffer's if nobody had waited
+    junk = [torch.full((8192,), -1, dtype=torch.int64, pin_memory=True) for _ in range(8)]
+    s.synchronize()
+    assert torch.equal(got[0].cpu(), torch.from_numpy(arr))
+    del junk
