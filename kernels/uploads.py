@@ -7,7 +7,7 @@ returns the concatenation itself.
 On a GPU the bytes go through pinned staging buffers owned by the calling thread: each buffer
 has a driver event recorded right after the copy that reads it, and a buffer is written again
 only once its event says that copy is done (otherwise the thread takes another one, or a new
-one; past ``MAX_BUFFERS`` it waits for the oldest). So a caller normally never waits, and no
+one; past ``MAX_BUFFERS`` (32) it waits for the oldest). So a caller normally never waits, and no
 upload overwrites bytes a copy still reads. The copy and the event are raw driver calls
 (``cuMemcpyHtoDAsync``, ``cuEventRecord``, ``cuEventQuery``) on the raw current stream of
 ``device``, with ``device`` made the current device for the call when it is not. A thread's
@@ -31,7 +31,12 @@ import torch
 from .tables import TransferError
 
 MIN_WORDS = 1 << 12  # a staging buffer's smallest size, in int64 words (32 KiB)
-MAX_BUFFERS = 8  # staging buffers per thread; past it an upload waits for the oldest copy
+# staging buffers per thread; past it an upload waits for the oldest copy. A buffer is busy from
+# its upload until the stream reaches that copy: with loads queued back to back, each load's
+# plans hold one until the loads before it are copied. 32 lets that many plans wait in the
+# stream before a thread (the issuer; the server's, when a load's layer 0 has segments)
+# blocks. A buffer is 32 KiB, or the next power of two of a bigger plan's words.
+MAX_BUFFERS = 32
 _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_SUCCESS, _CUDA_ERROR_NOT_READY = 0, 600
 
