@@ -104,3 +104,22 @@ def test_a_thread_that_ends_before_its_copy_ran_does_not_give_its_buffer_away() 
     s.synchronize()
     assert torch.equal(got[0].cpu(), torch.from_numpy(arr))
     del junk
+
+
+class _FailingQuery:
+    """A driver whose event query fails (CUresult 999) and records nothing else."""
+
+    def query(self, event: Any) -> int:
+        return 999
+
+
+def test_a_failed_event_query_is_an_error_naming_the_call() -> None:
+    def body() -> None:
+        host = torch.zeros(16, dtype=torch.int64)
+        uploads._STAGING.buffers.append(
+            uploads._Buffer(host, host.numpy(), host.data_ptr(), 0, None, used=True))
+        with pytest.raises(uploads.TransferError, match="cuEventQuery failed with CUresult 999"):
+            uploads._free_buffer(_FailingQuery(), 8, 0)  # type: ignore[arg-type]
+        uploads._STAGING.buffers.clear()  # nothing to wait for at this thread's end
+
+    _in_fresh_thread(body)
