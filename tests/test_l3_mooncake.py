@@ -44,7 +44,10 @@ def store():
 @pytest.fixture
 def l3_daemon(tmp_path, store):
     """Start ``hicache serve --l3 mooncake`` daemons against the store; all are closed at
-    teardown, and so are the workers made with ``worker`` (also when a test fails)."""
+    teardown, and so are the workers made with ``worker`` (also when a test fails). The store's
+    segment is mounted first (after an earlier test's master restart the member mounts it
+    again only after a while)."""
+    store.wait_mounted()
     started: list = []
 
     def make(**kw):
@@ -272,6 +275,17 @@ def test_master_down_then_back(l3_daemon, worker, store):
     print(f"L3 online {online:.2f} s, writes stored {writes:.2f} s after the master restarted")
     w.close()
     d.close()
+
+
+def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:
+    s = l3_master.LocalStore(segment="64MB")
+    try:
+        s.start_master()
+        assert s.capacity() == 0  # a master alone counts no segment
+        with pytest.raises(RuntimeError, match="no storage segment mounted"):
+            s.wait_mounted(timeout=0.5)
+    finally:
+        s.close()
 
 
 def test_no_listener_off_loopback(l3_daemon, worker, store):

@@ -13,8 +13,10 @@ Contract:
   127.0.0.1, and sets ``MC_TCP_BIND_ADDRESS`` so the advertised address is loopback too.
 * ``LocalStore(segment="512MiB")``: ``start()`` runs ``mooncake_master`` (RPC, embedded HTTP
   metadata server and metrics, each on a free loopback port) and one ``mooncake_client``
-  storage member contributing ``segment`` bytes (so pages outlive the daemons that wrote them);
-  ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
+  storage member contributing ``segment`` bytes (so pages outlive the daemons that wrote them),
+  and returns once the master counts that segment as mounted (``wait_mounted()``: also after
+  an outage; ``capacity()`` reads the master's metric); ``kill_master()`` / ``start_master()``
+  (same ports) for outage tests; ``pids()``,
   ``master_addr``, ``metadata_url``; ``close()`` stops both.
 * ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
   (from ``ss -ltnpH``); ``non_loopback(listeners)`` keeps those not on a loopback address.
@@ -31,6 +33,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Mapping
 
@@ -184,7 +187,38 @@ class LocalStore:
             f"--global_segment_size={self.segment}", f"--master_server_address={self.master_addr}",
             f"--metadata_server={self.metadata_url}", "--protocol=tcp"], "member.log")
         _wait_port(self.member_port, self.member, timeout, "mooncake_client storage member")
+        self.wait_mounted(timeout)
         return self
+
+    def capacity(self) -> int | None:
+        """Bytes of the segments the master counts as mounted (its metric
+        ``master_total_capacity_bytes``); None while its metrics do not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=1.0) as r:
+                body = r.read().decode(errors="replace")
+        except OSError:
+            return None
+        m = _CAPACITY_RE.search(body)
+        return int(m.group(1)) if m else None
+
+    def wait_mounted(self, timeout: float = 30.0) -> None:
+        """Return once the master counts a mounted segment. A storage member listens before
+        its segment is mounted, and a master that lost a member (its own restart, or a member
+        that missed its heartbeats) counts no segment of it until the member mounts it again:
+        puts meanwhile fail for "insufficient space"."""
+        deadline = time.monotonic() + timeout
+        cap = None
+        while time.monotonic() < deadline:
+            if self.member is not None and self.member.poll() is not None:
+                raise RuntimeError(f"mooncake_client storage member exited with code "
+                                   f"{self.member.returncode}\n{self.log_tail()}")
+            cap = self.capacity()
+            if cap:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"no storage segment mounted at the mooncake_master within "
+                           f"{timeout:g} s (capacity {cap})\n{self.log_tail()}")
 
     def kill_master(self) -> None:
         if self.master is not None and self.master.poll() is None:
@@ -218,6 +252,7 @@ class LocalStore:
         self.close()
 
 
+_CAPACITY_RE = re.compile(r"^master_total_capacity_bytes (\d+)", re.M)
 _SS_RE = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+\S+.*pid=(\d+)")
 
 
