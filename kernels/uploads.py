@@ -73,14 +73,14 @@ def _driver() -> _Calls:
     return _calls
 
 
-@dataclass
+@dataclass(eq=False)  # a buffer is itself: compared by identity
 class _Buffer:
     host: torch.Tensor  # pinned int64 words
     view: np.ndarray  # the same memory as numpy
     ptr: int  # its address
     device: int  # the GPU whose context made ``event``
-    event: ctypes.c_void_p  # recorded after the last copy out of ``host``
-    used: bool = False  # ``event`` was recorded at least once
+    event: ctypes.c_void_p  # recorded after the last copy out of ``host`` (a driver event
+    # never recorded reports done: a new buffer needs no flag)
 
 
 class _Held(list[_Buffer]):
@@ -92,10 +92,9 @@ class _Held(list[_Buffer]):
         d = _calls
         if d is None:
             return
-        for b in self:
-            if b.used:  # return codes ignored: at interpreter exit the driver may be gone
-                d.sync(b.event)
-                d.destroy(b.event)
+        for b in self:  # return codes ignored: at interpreter exit the driver may be gone
+            d.sync(b.event)
+            d.destroy(b.event)
 
 
 class _Staging(threading.local):
@@ -118,16 +117,15 @@ def _free_buffer(d: _Calls, n: int, device: int) -> _Buffer:
     bufs = _STAGING.buffers
     for b in bufs:
         if b.device == device and b.view.size >= n:
-            if not b.used:
-                return b
             rc = d.query(b.event)
             if rc == _CUDA_SUCCESS:
                 return b
             if rc != _CUDA_ERROR_NOT_READY:
                 _check(rc, "cuEventQuery")
     if len(bufs) >= MAX_BUFFERS:  # wait for the oldest copy, then replace that buffer
-        old = bufs.pop(0)
-        _check(d.sync(old.event), "cuEventSynchronize")
+        old = bufs[0]
+        _check(d.sync(old.event), "cuEventSynchronize")  # failed: the buffer stays, held
+        del bufs[0]  # its copy is done: the buffer may go even if its event cannot be destroyed
         _check(d.destroy(old.event), "cuEventDestroy")
     ev = ctypes.c_void_p()
     _check(d.create(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
@@ -162,5 +160,4 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
     stream = torch._C._cuda_getCurrentRawStream(idx)
     _check(d.htod(out.data_ptr(), b.ptr, 8 * n, stream), "cuMemcpyHtoDAsync")
     _check(d.record(b.event, stream), "cuEventRecord")
-    b.used = True
     return out

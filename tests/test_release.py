@@ -1,7 +1,8 @@
 """The pieces that keep the reaper off the server loop (issue 17, item 5): a reaped client's rows
 go back a slice at a time (``HostPoolGroup.free_client_rows``, all or nothing, only its own
 rows, zeroed with ``zero_on_free``), and its mappings are unmapped on the ``Unmapper`` thread,
-never while a view of them is alive. CPU only, in-process."""
+never while a view of them is alive; a daemon's stop waits for that thread (and says when it
+could not). CPU only, in-process."""
 from __future__ import annotations
 
 import mmap
@@ -231,3 +232,59 @@ def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypat
         assert g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
         assert (g.written["c4_kv"][mine] == UNWRITTEN).all()
         g.check_invariants()
+
+
+def test_a_stop_waits_for_the_unmapper_and_names_what_it_could_not_drop(tmp_path, monkeypatch,
+                                                                      caplog):
+    """``Daemon.close`` waits for the unmapper (up to ``UNMAP_WAIT_S``) before the process may
+    exit, and when the wait runs out it logs how many workers' mappings were still being
+    dropped, then finishes its teardown. A real in-process CPU daemon; the held-up job is an
+    object whose drop blocks until the test lets it go."""
+    import logging
+
+    from hicache.controllers import daemon as daemon_mod
+    from hicache.core.config import ServeConfig
+
+    cfg = ServeConfig(preset="dsv4-tiny", device_rows=dict(ROWS), host_ratio=2.0,
+                      socket=f"ipc://{tmp_path}/d.sock", numa_node="off")
+    d = daemon_mod.Daemon(cfg)
+    let_go, dropped = threading.Event(), threading.Event()
+
+    class Slow:
+        def __del__(self) -> None:
+            let_go.wait(30)
+            dropped.set()
+
+    monkeypatch.setattr(daemon_mod, "UNMAP_WAIT_S", 0.3)
+    unmapper = d.state.unmapper
+    unmapper.hand([Slow()])
+    try:
+        with caplog.at_level(logging.INFO, logger=daemon_mod.log.name):
+            t0 = time.monotonic()
+            d.close()
+            took = time.monotonic() - t0
+        assert 0.3 <= took < 10  # waited the whole window, then went on
+        msgs = [r.getMessage() for r in caplog.records]
+        assert "shutdown: device mappings of 1 workers were still being dropped after 0 s" \
+            in msgs, msgs
+        assert any(m.startswith("shutdown: drained in") for m in msgs)  # teardown went on
+        assert not dropped.is_set() and unmapper.pending() == 1
+    finally:
+        let_go.set()
+    assert unmapper.flush(10.0) and dropped.is_set()
+
+
+def test_a_stop_with_nothing_left_to_unmap_logs_no_wait(tmp_path, caplog):
+    import logging
+
+    from hicache.controllers import daemon as daemon_mod
+    from hicache.core.config import ServeConfig
+
+    cfg = ServeConfig(preset="dsv4-tiny", device_rows=dict(ROWS), host_ratio=2.0,
+                      socket=f"ipc://{tmp_path}/d.sock", numa_node="off")
+    d = daemon_mod.Daemon(cfg)
+    with caplog.at_level(logging.INFO, logger=daemon_mod.log.name):
+        d.close()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert not any("still being dropped" in m for m in msgs), msgs
+    assert any(m.startswith("shutdown: drained in") for m in msgs)

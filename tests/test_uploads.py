@@ -106,20 +106,75 @@ def test_a_thread_that_ends_before_its_copy_ran_does_not_give_its_buffer_away() 
     del junk
 
 
-class _FailingQuery:
-    """A driver whose event query fails (CUresult 999) and records nothing else."""
+class _Driver:
+    """A driver whose calls return the CUresults given (``fail``: call name -> code; the rest
+    succeed) and that records the calls made, by name, in ``calls``."""
+
+    def __init__(self, **fail: int) -> None:
+        self.fail, self.calls = fail, []
+
+    def _call(self, name: str) -> int:
+        self.calls.append(name)
+        return self.fail.get(name, 0)
 
     def query(self, event: Any) -> int:
-        return 999
+        return self._call("query")
+
+    def sync(self, event: Any) -> int:
+        return self._call("sync")
+
+    def destroy(self, event: Any) -> int:
+        return self._call("destroy")
+
+
+def _fake_buffers(n: int) -> list[uploads._Buffer]:
+    """``n`` staging buffers of 16 words on device 0 (CPU memory; events never used)."""
+    out = []
+    for _ in range(n):
+        host = torch.zeros(16, dtype=torch.int64)
+        out.append(uploads._Buffer(host, host.numpy(), host.data_ptr(), 0, None))
+    return out
 
 
 def test_a_failed_event_query_is_an_error_naming_the_call() -> None:
     def body() -> None:
-        host = torch.zeros(16, dtype=torch.int64)
-        uploads._STAGING.buffers.append(
-            uploads._Buffer(host, host.numpy(), host.data_ptr(), 0, None, used=True))
+        held = uploads._STAGING.buffers
+        held.extend(_fake_buffers(1))
+        before = list(held)
         with pytest.raises(uploads.TransferError, match="cuEventQuery failed with CUresult 999"):
-            uploads._free_buffer(_FailingQuery(), 8, 0)  # type: ignore[arg-type]
-        uploads._STAGING.buffers.clear()  # nothing to wait for at this thread's end
+            uploads._free_buffer(_Driver(query=999), 8, 0)  # type: ignore[arg-type]
+        assert held == before
+        held.clear()  # nothing to wait for at this thread's end
+
+    _in_fresh_thread(body)
+
+
+def test_at_the_cap_a_failed_wait_keeps_the_buffer_it_could_not_wait_for() -> None:
+    def body() -> None:
+        held = uploads._STAGING.buffers
+        held.extend(_fake_buffers(uploads.MAX_BUFFERS))
+        before = list(held)
+        d = _Driver(query=uploads._CUDA_ERROR_NOT_READY, sync=700)  # all busy; the wait fails
+        with pytest.raises(uploads.TransferError,
+                           match="cuEventSynchronize failed with CUresult 700"):
+            uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
+        assert held == before  # the copy may still read it: it is neither dropped nor reused
+        assert d.calls == ["query"] * uploads.MAX_BUFFERS + ["sync"]
+        held.clear()
+
+    _in_fresh_thread(body)
+
+
+def test_at_the_cap_a_failed_event_destroy_drops_the_waited_buffer_and_says_so() -> None:
+    def body() -> None:
+        held = uploads._STAGING.buffers
+        held.extend(_fake_buffers(uploads.MAX_BUFFERS))
+        before = list(held)
+        d = _Driver(query=uploads._CUDA_ERROR_NOT_READY, destroy=4)
+        with pytest.raises(uploads.TransferError, match="cuEventDestroy failed with CUresult 4"):
+            uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
+        assert held == before[1:]  # its copy was waited for: the oldest buffer is gone
+        assert d.calls[-2:] == ["sync", "destroy"]
+        held.clear()
 
     _in_fresh_thread(body)
