@@ -27,6 +27,7 @@ from hicache.core.config import ServeConfig, check_address, check_curve, default
 from hicache.core.errors import UsageError
 from hicache.host_pools.errors import PoolError
 from hicache.kernels import copy_engine
+from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import TransferError
 from hicache.host_pools.group import HostPoolGroup
 from hicache.host_pools.numa_node import online_nodes
@@ -297,6 +298,8 @@ class Daemon:
             + (f"busy-polls {self.cfg.server_spin_us / 1e3:g} ms after a request"
                if self.cfg.server_spin_us else "sleeps between requests (--spin-us 0)"),
             f"  copy path: {self.copy_path()}",
+            *([f"  GPU sharing: {gpu_sharing(self.cfg.cuda_index)[1]}"]
+              if self.device.type == "cuda" else []),
         ]
         if self.state.l3 is not None:
             lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "

@@ -33,6 +33,7 @@ import torch
 
 from hicache.host_pools.errors import PoolError, PoolExhausted
 from hicache.host_pools.group import HostPoolGroup
+from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import LayerTable
 from hicache.core.layout import Layout, LayoutError, PoolSpec
 from hicache.core.protocol import ProtocolError
@@ -371,6 +372,7 @@ class DaemonState:
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
                "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
                "channels": len(self.registry.channels),
+               "gpu_sharing": gpu_sharing(self.device.index if self.cuda else None)[0],
                "host": self.group.usage(),
                "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
                "metrics": self.metrics.snapshot()}

@@ -1,5 +1,6 @@
-"""``hicache bench e2e``: its arguments (CPU) and one functional run in CPU mode (a real daemon,
-shared-memory device pools, churned host allocator, every loaded byte verified)."""
+"""``hicache bench e2e``: its arguments (CPU), one functional run in CPU mode (a real daemon,
+shared-memory device pools, churned host allocator, every loaded byte verified), and one GPU
+run (CUDA) with the engine's probe steps."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,8 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["load_second_ms"] == m["load_last_ms"] > 0
     assert m["load_second_max_ms"] == max(runs["load_second"]) * 1e3  # the slowest run's
     assert m["busy_second_ms"] is None and m["busy_vs_solo"] is None  # GPU runs only
+    assert m["engine_wait"] is None  # GPU runs only (the engine's probe steps)
+    assert out["gpu_sharing"] == {"engine": "unknown", "daemon": "unknown"}  # no GPU at all
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
     assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0
@@ -200,3 +203,49 @@ def test_table_notes_busy_second_only_when_measured(capsys):
     e2e._table(result(None))
     out = capsys.readouterr().out
     assert "busy 2nd: GPU events" not in out and " 2k " in out
+
+
+def test_engine_wait_statistics_and_table(capsys):
+    """The engine's probe steps: p50 / p99 / max per kind in ms, None for a kind with no step;
+    the table prints them (and nothing for a run without them)."""
+    from hicache.bench.e2e_engine import wait_stats
+    from hicache.bench.e2e_measure import FIGURES, summarize
+
+    steps = [0.001 * (i + 1) for i in range(100)]  # 1..100 ms, shuffled
+    steps = steps[37:] + steps[:37]
+    w = wait_stats(steps)
+    assert w == {"steps": 100, "p50_ms": pytest.approx(51.0), "p99_ms": pytest.approx(100.0),
+                 "max_ms": pytest.approx(100.0)}
+    assert wait_stats([]) is None
+    out = {k: [0.01] for k in FIGURES}
+    m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True,
+                  {"idle": [2e-5, 1e-5], "load": steps, "backup": []})["summary"]
+    assert m["engine_wait"]["idle"]["max_ms"] == pytest.approx(0.02)
+    assert m["engine_wait"]["load"] == w and m["engine_wait"]["backup"] is None
+    e2e._engine_table({"sizes": {"8k": {"summary": m}}})
+    text = capsys.readouterr().out
+    assert "engine step" in text and "51.000/100.000/100.00" in text and "n/a" in text
+    e2e._engine_table({"sizes": {"8k": {"summary": {"engine_wait": None}}}})
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work():
+    """One GPU run of both mirrors at 2k: every byte verified, and the engine's probe steps
+    taken idle and while a LOAD and a BACKUP ran, in both mirrors."""
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "e2e", "--sizes", "2k",
+                        "--runs", "2", "--churn", "60", "--json"], capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    # this process and the daemon it started share one environment: the same MPS or none
+    assert out["gpu_sharing"]["engine"] == out["gpu_sharing"]["daemon"] in ("mps", "time-slices")
+    for key in ("sizes", "checkpoints"):
+        m = out[key]["2k"]["summary"]
+        assert m["verified"] is True and m["load_ratio"] > 0
+        w = m["engine_wait"]
+        assert w["idle"]["steps"] == 200
+        for kind in ("idle", "load", "backup"):
+            assert w[kind]["steps"] >= 1
+            assert 0 < w[kind]["p50_ms"] <= w[kind]["p99_ms"] <= w[kind]["max_ms"] < 5000

@@ -21,6 +21,9 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
   overhead shows as a ratio;
+* the engine's own smallest GPU step (one ``add_`` and a host wait, on its stream) in a loop,
+  idle and while a LOAD or a BACKUP of the size runs (``engine_wait``: p50 / p99 / max ms per
+  kind, ``e2e_engine``): without MPS an engine kernel may wait for the daemon's time slice;
 * a load while a backup of the same size streams: its last layer against the solo load's
   (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``). While the
   daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
@@ -69,6 +72,8 @@ from hicache.host_pools.arena import available_bytes, default_reserve
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
+from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
+from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into,
                                        load_while_busy, summarize)
 
@@ -248,7 +253,10 @@ def run(args: argparse.Namespace) -> int:
                   "ctas": INPROC_CTAS, "runs": args.runs,
                   "daemon_spin_us": c.stats().get("spin_us"),
                   "client_reply_spin_us": c.reply_spin_us, "channel": c.uses_channel,
-                  "channel_refused": c.channel_refused}
+                  "channel_refused": c.channel_refused,
+                  # MPS or time slices: this process's (the engine's) and the daemon's
+                  "gpu_sharing": {"engine": gpu_sharing(dev.index if cuda else None)[0],
+                                  "daemon": c.stats().get("gpu_sharing")}}
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:
             key = "sizes" if mirror == "full" else "checkpoints"
@@ -261,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
                 # one untimed round first: a size's first load and backup pay one-time costs
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
-                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev)
+                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False)
                 before = daemon_times(c.stats()["metrics"])
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
@@ -337,12 +345,13 @@ def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.
 
 def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
              rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
-             dev: torch.device) -> dict[str, Any]:
+             dev: torch.device, probe: bool = True) -> dict[str, Any]:
     spaces = ("page", "swa_page")
     nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
                  if p.index in spaces)
     stream = torch.cuda.current_stream(dev) if cuda else None
     out: dict[str, list[float]] = {k: [] for k in FIGURES}
+    waits = new_waits()
     verified = False
     for r in range(runs):
         total = pools.rows["page"]
@@ -381,18 +390,23 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             load_while_busy(out, c, items, stream, cuda)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)
+            if probe and r == runs - 1:  # after the timed runs: the engine's own steps beside the daemon
+                probe_rounds(waits, c, stream, dev, lambda: c.load(items),
+                             lambda: c.backup_new(src), lambda op: c.free(op.rows))
         c.free(host)
-    return summarize(out, n, nbytes, limit, cuda, verified)
+    return summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
 
 
 def _table(result: dict[str, Any]) -> None:
     lim = result["limit_gbps"]
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
     chan = "yes" if result["channel"] else f"no ({result['channel_refused']})"
+    sharing = result.get("gpu_sharing", {})
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
-          f"channel: {chan}")
+          f"channel: {chan}; GPU sharing: engine {sharing.get('engine')}, daemon "
+          f"{sharing.get('daemon')}")
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "
@@ -412,11 +426,28 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['busy_second_ms']):>8} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7}")
+    _engine_table(result)
     if any(r["summary"]["busy_second_ms"] is not None
            for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):
         print("busy 2nd: GPU events of the engine's stream, which run at the GPU's time-slice "
               "boundaries (~1 ms) while the daemon's kernels run: steps, not the command's "
               "time (docs/perf.md)")
+
+
+def _engine_table(result: dict[str, Any]) -> None:
+    """The engine's probe steps (GPU runs): p50 / p99 / max ms per kind of daemon work."""
+    rows = [(mirror, s, r["summary"]["engine_wait"])
+            for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints"))
+            for s, r in result.get(key, {}).items() if r["summary"].get("engine_wait")]
+    if not rows:
+        return
+    print("engine step (one add_ on the engine's stream, host wait), ms p50 / p99 / max: "
+          "idle, then while the daemon runs a LOAD or a BACKUP of the size")
+    print(f"{'mirror':>11} {'size':>5} " + " ".join(f"{k:>20}" for k in KINDS))
+    for mirror, s, w in rows:
+        cells = ["n/a" if w[k] is None else
+                 f"{w[k]['p50_ms']:.3f}/{w[k]['p99_ms']:.3f}/{w[k]['max_ms']:.2f}" for k in KINDS]
+        print(f"{mirror:>11} {s:>5} " + " ".join(f"{x:>20}" for x in cells))
 
 
 def _plot(result: dict[str, Any], path: str) -> None:

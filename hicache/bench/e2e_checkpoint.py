@@ -1,16 +1,18 @@
 """``bench e2e --mirror checkpoints``: what a resume loads when the host tier keeps compressed
 pages plus one checkpoint per prefix (DESIGN §15), instead of a full mirror of every pool.
 
-``one_size_ckpt(c, pools, layout, n, runs, rng, local, limit, cuda, dev)`` measures one prefix
-of ``n`` pages, ``runs`` times. Per run:
+``one_size_ckpt(c, pools, layout, n, runs, rng, local, limit, cuda, dev, probe)`` measures one
+prefix of ``n`` pages, ``runs`` times (``probe`` False: without the engine's probe steps). Per
+run:
 
 * BACKUP: the ``n`` page rows of the ``page`` space (device rows scattered at random) and one
   checkpoint (the boundary page's SWA tail tokens and its C4 / C4-indexer compress-state rows,
   from a random ``swa_page`` device row) into host rows allocated for it; command -> ack;
 * LOAD of the same into other device rows, timed as the full mirror's (``e2e.timed_load``:
   first and last stage layer ready from the engine's stream after its per-layer waits, ack);
-* the same load by the kernels in-process (``e2e.inproc_load``) and a load while a backup of
-  the same shape streams.
+* the same load by the kernels in-process (``e2e.inproc_load``), a load while a backup of
+  the same shape streams, and the engine's probe steps while that load, then that backup,
+  runs (``e2e_engine.probe_rounds``, after the size's last timed run).
 
 Every loaded byte is verified once per size: the page rows, the tail tokens (value and scale)
 and the state rows. Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from hicache.bench import e2e_measure as e2e
+from hicache.bench.e2e_engine import new_waits, probe_rounds
 from hicache.core.layout import Layout
 from hicache.core.resume import ResumeModel
 from hicache.engine.client import Client
@@ -34,7 +37,7 @@ from hicache.kernels.tables import TokenFormat
 
 def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                   rng: np.random.Generator, local: Any, limit: dict[str, Any], cuda: bool,
-                  dev: torch.device) -> dict[str, Any]:
+                  dev: torch.device, probe: bool = True) -> dict[str, Any]:
     resume = ResumeModel(layout)
     if resume.checkpoint_space != "swa_page":
         raise RuntimeError("the checkpoints mirror bench needs paged SWA")
@@ -42,8 +45,9 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
     nbytes = resume.load_bytes(n, "checkpoints")
     stream = torch.cuda.current_stream(dev) if cuda else None
     out: dict[str, list[float]] = {k: [] for k in e2e.FIGURES}
+    waits = new_waits()
     verified = False
-    for _ in range(runs):
+    for r in range(runs):
         pp = rng.permutation(pools.rows["page"])
         sp = rng.permutation(pools.rows["swa_page"])
         src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
@@ -74,9 +78,12 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
             bop = c.backup(bitems)
             e2e.load_while_busy(out, c, load, stream, cuda)
             c.wait_ack(bop, timeout=120)
+            if probe and r == runs - 1:  # after the timed runs: the engine's own steps beside the daemon
+                probe_rounds(waits, c, stream, dev, lambda: c.load(load),
+                             lambda: c.backup(bitems), lambda op: None)
             c.free(other)
         c.free(host)
-    return e2e.summarize(out, n, nbytes, limit, cuda, verified)
+    return e2e.summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
 
 
 def _verify(pools: DevicePools, resume: ResumeModel, src: list[int], dst: list[int],

@@ -16,18 +16,21 @@ load by the kernels in-process, and the per-size summary.
   host time goes to ``ISSUE``.
 * ``load_while_busy(out, c, items, stream, cuda)``: the same timed load while the caller's
   backup streams; its second and last layer go to ``out``.
-* ``summarize(out, n, nbytes, limit, cuda, verified)``: medians of ``FIGURES`` (and the
-  slowest run's second layer), GB/s, ratios to the limit; empties ``REPLY`` and ``ISSUE``.
+* ``summarize(out, n, nbytes, limit, cuda, verified, waits)``: medians of ``FIGURES`` (and
+  the slowest run's second layer), GB/s, ratios to the limit, and (``waits``, GPU) the
+  engine's probe steps per kind (``e2e_engine``: ``engine_wait``); empties ``REPLY`` and
+  ``ISSUE``.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from hicache.bench.e2e_engine import wait_stats
 from hicache.core.layout import Layout
 from hicache.engine.client import Client
 from hicache.kernels.dispatch import copy_by_layer, layer_parts
@@ -49,8 +52,10 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str, Any],
-              cuda: bool, verified: bool) -> dict[str, Any]:
-    """Medians of one size's runs (``FIGURES``), GB/s and ratios to the limit."""
+              cuda: bool, verified: bool,
+              waits: Optional[dict[str, list[float]]] = None) -> dict[str, Any]:
+    """Medians of one size's runs (``FIGURES``), GB/s and ratios to the limit; the engine's
+    probe steps (``waits``) as p50 / p99 / max per kind, None where none were taken."""
     med = {k: _median(v) for k, v in out.items()}
     reply_ms = _median(REPLY) * 1e3 if REPLY else None
     issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
@@ -76,6 +81,7 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "busy_second_ms": med["busy_second"] * 1e3 if out["busy_second"] else None,
         "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
         "verified": verified,
+        "engine_wait": {k: wait_stats(v) for k, v in waits.items()} if waits else None,
     }
     return {"summary": summary, "runs": out}
 
