@@ -20,7 +20,7 @@ their client, for a notice of how many layers are issued: an engine then waits f
 not for the whole load's issue; a smaller load's later layers go as one launch group, since
 its client hears of them only when all are issued). A
 backup or swap-out (``issue_gpu``) goes pool by pool through ``dispatch.copy_rows`` /
-``copy_tokens`` (copy-engine batches for 16 or more rows of 64 KiB or more; else the zero-copy
+``copy_tokens`` (copy-engine batches for 16 or more rows of 32 KiB or more; else the zero-copy
 kernel, whose writes into pinned memory beat a staged gather + DMA even on long host runs).
 Which kernel and path: ``kernels.dispatch``. The kernels' SM budget is ``CTAS``, and
 ``BUSY_LOAD_CTAS`` for a load or swap-in issued while a backup or swap-out is in flight (its
@@ -90,10 +90,11 @@ PROGRESS_S = 0.5e-3
 # SM budget of the daemon's kernels (the copy engines take no SMs): CTAS, and BUSY_LOAD_CTAS for
 # a load or swap-in issued while a backup or swap-out is in flight. An SM kernel's H2D copy
 # reads host memory over PCIe, so its rate is bound by the reads it has in flight, and a copy
-# streaming the other way lengthens each read: a checkpoints-mirror load of 128k (its rows of
-# under 64 KiB on the SM kernels) kept a median 0.77 of its solo rate with 4 CTAs while a backup
-# streamed, 0.81 with 8 (13 runs each, H200, 20th and 21st sessions); alone, 8 CTAs gained it
-# nothing and left 32k loads of that mirror no faster. Without MPS the engine's and the daemon's kernels
+# streaming the other way lengthens each read: a checkpoints-mirror load of 128k (then all its
+# rows, under 64 KiB, on the SM kernels) kept a median 0.77 of its solo rate with 4 CTAs while a
+# backup streamed, 0.81 with 8 (13 runs each, H200, 20th and 21st sessions); alone, 8 CTAs
+# gained it nothing and left 32k loads of that mirror no faster. Since the 23rd session its C4
+# rows (37 KiB, most of its bytes) go to the copy engines (``copy_engine.MIN_BYTES``). Without MPS the engine's and the daemon's kernels
 # take turns on the GPU, so more CTAs also mean shorter turns for the daemon.
 CTAS = 4
 BUSY_LOAD_CTAS = 8

@@ -13,7 +13,7 @@
   whose client hears of the later layers only when all are issued) the later layers are one
   group. A load of ``SPLIT_COPIES`` or more
   copy-engine copies plans layer 1's group on its own before the other later layers. Whole
-  rows of 64 KiB or more
+  rows of ``copy_engine.MIN_BYTES`` (32 KiB) or more
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA, the other rows and tokens to one segment-kernel launch per group and
   word width (``segments``); **everything of a load runs on the one stream it is issued on**,

@@ -4,10 +4,14 @@ Whole page rows of the big pools (DSV4-Flash: the 146-KiB SWA rows, the 128-KiB 
 move at the link through the GPU's copy engines when they go in batches: on an H200,
 ``cuMemcpyBatchAsync`` with 256 copies per call moved random 128-150 KiB rows host→device at
 0.985 of a contiguous pinned copy for 0.44 µs of host time per row, where one ``cuMemcpyAsync``
-per row reached 0.45-0.52 and the zero-copy SM kernels top out near 0.91. Small rows do not
-pay: 37-KiB rows reached 0.84, 8-KiB rows 0.35 (the SM kernels do better there). So callers
-send rows of at least ``MIN_BYTES`` here (backups: ``MIN_ROWS`` or more at a time) and the rest
-to the kernels (``dispatch``).
+per row reached 0.45-0.52 and the zero-copy SM kernels top out near 0.91. Small rows pay
+less: 37-KiB rows reached 0.84 alone, 8-KiB rows 0.35 (the SM kernels do better there). So
+callers send rows of at least ``MIN_BYTES`` (32 KiB: DSV4's 37-KiB C4 rows included) here
+(backups: ``MIN_ROWS`` or more at a time) and the rest to the kernels (``dispatch``). The C4
+rows come here, although the kernels move them a little faster alone, because a kernel of the
+daemon holds the engine's kernels back for up to a GPU time slice (no MPS) and slows a load
+that runs while a backup streams; the copy engines do neither (docs/perf.md, twenty-third
+session).
 
 Contract:
 
@@ -43,7 +47,11 @@ import torch
 from .streams import current_stream
 from .tables import TransferError
 
-MIN_BYTES = 64 << 10  # rows at least this large go to the copy engines
+# rows at least this large go to the copy engines. 64 KiB until the twenty-third session; 32
+# KiB sends DSV4's C4 rows too (H200, no MPS, 2 runs against 2): the engine's longest step
+# during a checkpoints load 1.2 ms instead of 2.4 (p99 0.5-0.9 instead of 0.8-2.4), a
+# checkpoints load of 128k while a backup streams 0.93-1.00 of its solo rate instead of 0.75-0.80
+MIN_BYTES = 32 << 10
 # ... when a backup's buffer pair has at least this many rows to move (``dispatch``): below it
 # the driver's per-copy host time (0.4-2 µs a row) costs more than the kernel loses. Loads
 # (``by_layer``) send every big row: they issue a step's copy-engine copies before planning

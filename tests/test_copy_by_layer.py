@@ -130,10 +130,11 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False, fine: bool =
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
-    if device != "cpu":  # whole rows of 64 KiB or more qualify for the copy engines
-        big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= 65536]
+    if device != "cpu":  # whole rows of MIN_BYTES or more qualify for the copy engines
+        from hicache.kernels.copy_engine import MIN_BYTES
+        big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= MIN_BYTES]
         assert len(big) == 4 and all(x == ("d2h" if src_dev else "h2d") for x in big)
-        assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < 65536)
+        assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < MIN_BYTES)
     order = [4, 0, 1, 2, 3]
     if split:
         first = [p for p in parts if order[0] in p.layers]

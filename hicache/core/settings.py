@@ -46,7 +46,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
     Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
             "thread", flag=False),
-    Setting("copy_engine", _D, "GPU mode: auto, on or off: big page rows (64 KiB or more) move "
+    Setting("copy_engine", _D, "GPU mode: auto, on or off: big page rows (32 KiB or more) move "
             "between host and GPU as batched copy-engine DMA (needs a CUDA 12.8+ driver; 'on' "
             "refuses to start without it) [auto]"),
     Setting("load_event_sets", _D, "GPU mode: sets of per-layer load events, used round robin",
