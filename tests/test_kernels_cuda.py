@@ -108,7 +108,9 @@ def test_auto_stages_long_host_runs_host_to_device_only():
     the zero-copy kernel device to host (its writes into pinned memory measured faster)."""
     from hicache.kernels import dispatch
 
-    n, rb = 96, 37_440  # 3.6 MB of consecutive host rows; below the copy engines' row size
+    n, rb = 128, 28_672  # 3.7 MB of consecutive host rows; below the copy engines' row size
+    from hicache.kernels import copy_engine
+    assert rb < copy_engine.MIN_BYTES
     for direction in ("h2d", "d2h"):
         s_where, d_where = DIRS[direction]
         src, dst = _bufs(s_where, 2, n + 8, rb, 1), _bufs(d_where, 2, n + 8, rb, 2)
