@@ -249,3 +249,42 @@ def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work():
         for kind in ("idle", "load", "backup"):
             assert w[kind]["steps"] >= 1
             assert 0 < w[kind]["p50_ms"] <= w[kind]["p99_ms"] <= w[kind]["max_ms"] < 5000
+
+
+def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch):
+    """``op_waits`` times steps until the op's ack is there (read through ``drain`` and a
+    zero-timeout ``wait_ack``), and gives up with ``AckTimeout`` naming the op after its
+    timeout; a failed op's ``TransferFailed`` goes through. The GPU step itself is stubbed."""
+    from types import SimpleNamespace
+
+    from hicache.bench import e2e_engine
+    from hicache.engine.acks import AckTimeout, TransferFailed
+
+    monkeypatch.setattr(e2e_engine, "_step", lambda stream, probe: 0.001)
+
+    class Fake:
+        def __init__(self, acked_after: int | None, fail: bool = False) -> None:
+            self.left, self.fail, self.drained = acked_after, fail, 0
+
+        def drain(self) -> int:
+            self.drained += 1
+            return 0
+
+        def wait_ack(self, op, timeout=None):
+            assert timeout == 0  # never blocks between steps
+            if self.left is not None:
+                self.left -= 1
+                if self.left <= 0:
+                    if self.fail:
+                        raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
+                                                          error={"message": "x"}))
+                    return SimpleNamespace(ok=True)
+            raise AckTimeout("not yet")
+
+    op = SimpleNamespace(op_id=7)
+    c = Fake(acked_after=5)
+    assert e2e_engine.op_waits(c, op, None, None) == [0.001] * 5 and c.drained == 5
+    with pytest.raises(AckTimeout, match="op 7 did not complete within 0.05 s"):
+        e2e_engine.op_waits(Fake(acked_after=None), op, None, None, timeout=0.05)
+    with pytest.raises(TransferFailed):
+        e2e_engine.op_waits(Fake(acked_after=2, fail=True), op, None, None)

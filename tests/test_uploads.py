@@ -149,32 +149,24 @@ def test_a_failed_event_query_is_an_error_naming_the_call() -> None:
     _in_fresh_thread(body)
 
 
-def test_at_the_cap_a_failed_wait_keeps_the_buffer_it_could_not_wait_for() -> None:
+@pytest.mark.parametrize("fail, message, kept, last_calls", [
+    # the wait failed: the copy may still read the oldest buffer, so it stays, held
+    ({"sync": 700}, "cuEventSynchronize failed with CUresult 700", slice(None), ["query", "sync"]),
+    # the wait passed, the destroy failed: the oldest buffer (its copy done) is gone
+    ({"destroy": 4}, "cuEventDestroy failed with CUresult 4", slice(1, None), ["sync", "destroy"]),
+])
+def test_at_the_cap_a_failed_wait_or_destroy_leaves_only_buffers_no_copy_reads(
+        fail: dict, message: str, kept: slice, last_calls: list[str]) -> None:
     def body() -> None:
         held = uploads._STAGING.buffers
         held.extend(_fake_buffers(uploads.MAX_BUFFERS))
         before = list(held)
-        d = _Driver(query=uploads._CUDA_ERROR_NOT_READY, sync=700)  # all busy; the wait fails
-        with pytest.raises(uploads.TransferError,
-                           match="cuEventSynchronize failed with CUresult 700"):
+        d = _Driver(query=uploads._CUDA_ERROR_NOT_READY, **fail)  # every buffer busy
+        with pytest.raises(uploads.TransferError, match=message):
             uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
-        assert held == before  # the copy may still read it: it is neither dropped nor reused
-        assert d.calls == ["query"] * uploads.MAX_BUFFERS + ["sync"]
-        held.clear()
-
-    _in_fresh_thread(body)
-
-
-def test_at_the_cap_a_failed_event_destroy_drops_the_waited_buffer_and_says_so() -> None:
-    def body() -> None:
-        held = uploads._STAGING.buffers
-        held.extend(_fake_buffers(uploads.MAX_BUFFERS))
-        before = list(held)
-        d = _Driver(query=uploads._CUDA_ERROR_NOT_READY, destroy=4)
-        with pytest.raises(uploads.TransferError, match="cuEventDestroy failed with CUresult 4"):
-            uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
-        assert held == before[1:]  # its copy was waited for: the oldest buffer is gone
-        assert d.calls[-2:] == ["sync", "destroy"]
+        assert held == before[kept]
+        assert d.calls[:uploads.MAX_BUFFERS] == ["query"] * uploads.MAX_BUFFERS
+        assert d.calls[-2:] == last_calls
         held.clear()
 
     _in_fresh_thread(body)
