@@ -94,8 +94,9 @@ PROGRESS_S = 0.5e-3
 # rows, under 64 KiB, on the SM kernels) kept a median 0.77 of its solo rate with 4 CTAs while a
 # backup streamed, 0.81 with 8 (13 runs each, H200, 20th and 21st sessions); alone, 8 CTAs
 # gained it nothing and left 32k loads of that mirror no faster. Since the 23rd session its C4
-# rows (37 KiB, most of its bytes) go to the copy engines (``copy_engine.MIN_BYTES``). Without MPS the engine's and the daemon's kernels
-# take turns on the GPU, so more CTAs also mean shorter turns for the daemon.
+# rows (37 KiB, most of its bytes) go to the copy engines (``copy_engine.MIN_BYTES``). Without
+# MPS the engine's and the daemon's kernels take turns on the GPU, so more CTAs also mean
+# shorter turns for the daemon.
 CTAS = 4
 BUSY_LOAD_CTAS = 8
 

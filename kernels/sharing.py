@@ -10,9 +10,10 @@ Why it matters: the engine and the daemon are two processes with a CUDA context 
 MPS the GPU runs one context's kernels at a time, switching at time-slice ends, so while a
 kernel of the daemon runs, a kernel of the engine may wait for the slice to end: on an H200 the
 engine's smallest step waited up to 2.4 ms while the daemon moved KV, and at nearly every step
-of a checkpoints-mirror load of 32k or more, where MPS kept it under 0.7 ms with the same
-transfer rates (docs/perf.md, twenty-third session). ``hicache serve`` prints the mode at start
-and reports it in ``stats``; ``bench e2e`` records the engine's and the daemon's.
+of a checkpoints-mirror load of 32k or more, where MPS kept it under 0.8 ms (one run 1.2 ms)
+with the same transfer rates (docs/perf.md, twenty-third session). ``hicache serve`` prints
+the mode at start and reports it in ``stats``; ``bench e2e`` records the engine's and the
+daemon's.
 """
 from __future__ import annotations
 

@@ -390,7 +390,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             load_while_busy(out, c, items, stream, cuda)
             c.wait_ack(bop, timeout=120)
             c.free(bop.rows)
-            if probe and r == runs - 1:  # after the timed runs: the engine's own steps beside the daemon
+            if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(items),
                              lambda: c.backup_new(src), lambda op: c.free(op.rows))
         c.free(host)

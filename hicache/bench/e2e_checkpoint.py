@@ -78,7 +78,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
             bop = c.backup(bitems)
             e2e.load_while_busy(out, c, load, stream, cuda)
             c.wait_ack(bop, timeout=120)
-            if probe and r == runs - 1:  # after the timed runs: the engine's own steps beside the daemon
+            if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(load),
                              lambda: c.backup(bitems), lambda op: None)
             c.free(other)
