@@ -12,6 +12,9 @@ rows come here, although the kernels move them a little faster alone, because a 
 daemon holds the engine's kernels back for up to a GPU time slice (no MPS) and slows a load
 that runs while a backup streams; the copy engines do neither (docs/perf.md, twenty-third
 session).
+Two other ways lose (H200, twenty-fourth session): ``cuMemcpy3DBatchAsync`` ops covering a row
+of several layers (2-3 µs of host time per op, and the copy engines run them at 0.19-0.57 of the
+link), and several host threads issuing parts of a batch (the driver serializes them).
 
 Contract:
 
