@@ -10,8 +10,9 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
   is the client's (model, parallel rank, ...) prefixed with its CURVE key name, so a client
   reads only what was stored under its own namespace; entries outlive the client that stored
   them (an engine restart finds them).
-* Store rows belong to ``OWNER`` (a routing identity ZMQ never gives a peer: it starts with a
-  zero byte), so no client can free, load or overwrite them through the row commands.
+* Store rows belong to ``OWNER``, whose id starts with a zero byte: no client's id does
+  (``registry.client_id``), so no client can free, load or overwrite them through the row
+  commands.
 * Room: a put takes free rows, evicting the least recently used entries of the space (never
   the call's own keys); keys that do not fit report 0. A client ``alloc`` that finds no free
   rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).

@@ -1,6 +1,10 @@
 """Clients of one daemon: who they are, when they were last heard, their worker and their acks.
 
-A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id string owns host rows.
+A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id string
+(``client_id``) owns host rows. ``client_id`` is one-to-one: a printable ASCII identity not
+starting with ``~`` is its own id, any other is ``~`` and its hex digits. So two identities
+never share an owner, and no identity gets an id starting with a zero byte, which the daemon's
+own owners use (the key store's ``\x00kvstore``).
 ``touch(ident, now)`` finds or adds it (refusing beyond ``max_clients``); ``silent(now, timeout)``
 lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
 kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
@@ -31,6 +35,15 @@ from hicache.core.protocol import ProtocolError
 from .device_buffers import DeviceBuffers
 
 REAPED_KEEP = 1024  # reaped identities whose reason is kept for their next connection
+_PLAIN = frozenset(range(0x20, 0x7F))  # printable ASCII bytes
+
+
+def client_id(ident: bytes) -> str:
+    """The owner id of routing identity ``ident`` (see the module docstring): one-to-one, and
+    never starting with a zero byte."""
+    if ident and ident[0] != 0x7E and _PLAIN.issuperset(ident):
+        return ident.decode("ascii")
+    return "~" + ident.hex()
 
 
 @dataclass(eq=False)
@@ -103,7 +116,7 @@ class Registry:
             if len(self.clients) >= self.max_clients:
                 raise ProtocolError("too_many_clients", f"the daemon already tracks "
                                                         f"{self.max_clients} clients")
-            c = ClientState(ident.decode("utf-8", "replace"), ident, now, key=key,
+            c = ClientState(client_id(ident), ident, now, key=key,
                             reaped=self.reaped.pop(ident, None))
             self.clients[ident] = c
         c.last_seen = now

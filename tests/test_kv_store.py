@@ -124,6 +124,45 @@ def test_put_restart_get_every_byte(store: Any) -> None:
         assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
+def test_a_peer_with_the_stores_identity_cannot_free_its_rows(store: Any) -> None:
+    """The store's rows belong to an owner id starting with a zero byte. A peer whose ZMQ
+    routing identity is that zero byte and ``kvstore`` gets an id of its own
+    (``registry.client_id``): freeing any host row is refused, and the stored page reads back
+    intact."""
+    import zmq
+
+    from hicache.core import protocol as P
+
+    d, pools, host_rows = store
+    layers, pb = _geom(pools, "c4_kv")
+    ep = EnginePool(layers, 4, pb, seed=7)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, b"\x00kvstore")
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(d.address)
+    try:
+        with d.client(name="victim") as c:
+            ep.attach(c, "c4_kv", "c4_kv")
+            assert c.kv_put("c4_kv", ["k0"], [2]) == [True]
+            page = [t[2].clone() for t in ep.layers]
+            for i, row in enumerate(range(host_rows["page"])):
+                s.send_multipart(P.encode_request("free", 1 + i, {"rows": {"page": 0}},
+                                                  [np.array([row], dtype=np.int64)]))
+                assert s.poll(10_000)
+                h = P.decode_reply(s.recv_multipart())[0]
+                assert not h["ok"], f"host row {row} freed by a peer posing as the store"
+            for t in ep.layers:
+                t.zero_()
+            assert c.kv_get("c4_kv", ["k0"], [1]) == [True]
+            assert all(torch.equal(t[1], x) for t, x in zip(ep.layers, page))
+            assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+    finally:
+        s.close(0)
+        ctx.term()
+        ep.close()
+
+
 def test_namespaces_are_walls(store: Any) -> None:
     d, pools, _ = store
     layers, pb = _geom(pools, "c4_kv")
