@@ -4,7 +4,8 @@ Each is ``fn(state, client, header, arrays) -> (reply fields, reply arrays)``: v
 item against the daemon's state (pools, spaces, bounds, distinct destinations, ownership), and
 only then build an ``Operation`` and ``state.start`` it, so a refused command changes nothing.
 ``backup`` with ``alloc`` allocates its destination rows itself (owner recorded in the same
-step), in one round trip; a refused backup allocates nothing.
+step), in one round trip; a refused backup allocates nothing, and when allocating would have
+the key store evict entries, its items are checked before anything is evicted.
 """
 from __future__ import annotations
 
@@ -252,6 +253,9 @@ def backup(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
         return _reply(op, st.start(c, op)), []
     counts = _alloc_counts(st, h, arrays)
     owner = (c.cid, request_of(h))
+    if st.alloc_evicts(counts):  # every check first: the store's evictions cannot be undone
+        _items(st, c, w, h, arrays, to_host=True,
+               fresh={s: Ids.of(np.zeros(n, dtype=np.int64)) for s, n in counts.items()})
     fresh_t = st.alloc_rows(counts, owner)  # all or none; refusals below give them back
     fresh = {s: Ids.of(t.numpy()) for s, t in fresh_t.items()}
     try:
@@ -312,6 +316,18 @@ def _host_row(st: DaemonState, row: int) -> None:
                                         f"0..{st.host_rows['req_slot'] - 1}")
 
 
+def _slot_row_owner(st: DaemonState, c: ClientState, row: int, request: str | None
+                    ) -> tuple[str, str | None]:
+    """The owner of request-state host row ``row``: the client's (``not_owner`` if not), and
+    when ``request`` is named, that request's."""
+    st.check_owned(c.cid, "req_slot", np.array([row]), "host_row")
+    owner = st.owner_of("req_slot", row)
+    if request is not None and owner != (c.cid, request):
+        raise ProtocolError("not_owner", f"host_row {row} belongs to request {owner[1]!r}, "
+                                         f"not {request!r}")
+    return owner
+
+
 def _state_items(st: DaemonState, w: RegisteredWorker, pools: list[PoolSpec], slot: int,
                  row: int, to_host: bool) -> tuple[list[Item], int]:
     items, total = [], 0
@@ -334,7 +350,7 @@ def swap_out(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     row = h.get("host_row")
     if row is not None:
         _host_row(st, row)
-        st.check_owned(c.cid, "req_slot", np.array([row]), "host_row")
+        _slot_row_owner(st, c, row, request)
     else:
         row = int(st.alloc_rows({"req_slot": 1}, (c.cid, request))["req_slot"][0])
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=True)
@@ -350,12 +366,7 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     row = h["host_row"]
     _host_row(st, row)
     rows = np.array([row])
-    st.check_owned(c.cid, "req_slot", rows, "host_row")
-    owner = st.owner_of("req_slot", row)
-    request = request_of(h)
-    if request is not None and owner != (c.cid, request):
-        raise ProtocolError("not_owner", f"host_row {row} belongs to request {owner[1]!r}, "
-                                         f"not {request!r}")
+    owner = _slot_row_owner(st, c, row, request_of(h))
     for spec in pools:
         check_readable(st.group, spec.name, rows, "host_row")
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)

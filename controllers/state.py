@@ -151,6 +151,15 @@ class DaemonState:
     def owner_of(self, space: str, row: int) -> tuple[str, str | None] | None:
         return self.group.allocators[space].owner_of(row)
 
+    def alloc_evicts(self, counts: dict[str, int]) -> bool:
+        """Whether ``alloc_rows(counts, ...)`` would have the key store evict entries (some
+        space has fewer free rows than asked): a caller that may still refuse the command
+        checks everything before it allocates, as eviction cannot be undone."""
+        if self.kv_store is None:
+            return False
+        return any(n > self.group.allocators[self.check_space(s)].free_rows
+                   for s, n in counts.items())
+
     def alloc_rows(self, counts: dict[str, int], owner: tuple[str, str | None]) -> dict[str, Any]:
         """Rows in every space of ``counts`` for ``owner``, all or none (``no_space``)."""
         for space in counts:

@@ -270,3 +270,41 @@ def test_lru_eviction_and_client_rows_first(store: Any) -> None:
         assert c.kv_put("c4_kv", keys[:1], [0]) == [False]  # no room left: reported, not raised
         c.free({"page": rows})
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_a_refused_backup_with_alloc_evicts_nothing(store: Any) -> None:
+    """A backup that allocates its rows (``alloc``) when only evicting store entries would make
+    room, refused for its device rows (out of bounds) or a pool named twice: no entry is
+    evicted, every key still reads back."""
+    from hicache.engine.device_pools import DevicePools
+
+    d, pools, host_rows = store
+    layers, pb = _geom(pools, "c4_kv")
+    n = host_rows["page"]
+    ep = EnginePool(layers, n, pb, seed=6)
+    keys = [f"key{i}" for i in range(n)]
+    dev = DevicePools(Layout.from_dict(_spec(d)["layout"]),
+                      {k: int(v) for k, v in (x.split("=") for x in ROWS.split(","))})
+    try:
+        with d.client(name="e") as c, d.client(name="other") as o:
+            ep.attach(c, "c4_kv", "c4_kv")
+            assert c.kv_put("c4_kv", keys, list(range(n))) == [True] * n  # every page row
+            o.register(dev)
+            before = c.stats()["kv_store"]
+            for fields, ids in (
+                    ({"alloc": True, "items": [{"pool": "c4_kv", "src": 0}]}, [99, 100]),
+                    ({"alloc": True, "items": [{"pool": "c4_kv", "src": 0},
+                                               {"space": "page", "src": 0}]}, [0, 1])):
+                with pytest.raises(CommandRefused) as e:
+                    o.call("backup", fields, [np.array(ids, dtype=np.int64)])
+                assert e.value.code in ("bad_rows", "bad_field"), e.value
+                assert c.stats()["kv_store"] == before
+            assert c.kv_exists("c4_kv", keys) == [True] * n
+            got = o.backup_new({"c4_kv": [0, 1]})  # a good one may evict
+            assert o.wait_ack(got).ok and c.stats()["kv_store"]["evicted"] == before["evicted"] + 2
+            o.free(got.rows)
+            o.unregister()
+            assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+    finally:
+        dev.close()
+        ep.close()
