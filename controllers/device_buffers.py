@@ -5,13 +5,16 @@ against the layout (one per owned layer, ``rows`` = the worker's rows of the poo
 ``row_bytes`` = ``page_bytes``) *before* opening anything, then returns ``DeviceBuffers``:
 ``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: shm paths
 must be regular files owned by this user inside an allowed directory, CUDA handles must name the
-GPU this daemon serves (by UUID). ``close(handoff)`` drops every mapping the daemon holds; a mapping
+GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
+lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
+layer can reach past the worker's own memory. ``close(handoff)`` drops every mapping the daemon holds; a mapping
 still used by an in-flight operation is released when that operation lets go of it. With
 ``handoff`` (``background.Unmapper.hand``) the objects that keep the mappings alive go to it,
 so the unmapping itself runs off the server thread.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import stat
@@ -83,7 +86,8 @@ def check_shapes(layout: Layout, device_rows: Mapping[str, int],
             where = f"buffers[{name}][{i}]"
             if not isinstance(h, dict):
                 raise _bad(f"{where} must be an object")
-            if h.get("rows") != rows or h.get("row_bytes") != spec.page_bytes:
+            if type(h.get("rows")) is not int or type(h.get("row_bytes")) is not int or \
+                    h["rows"] != rows or h["row_bytes"] != spec.page_bytes:
                 raise _bad(f"{where}: shape [{h.get('rows')}, {h.get('row_bytes')}] but pool "
                            f"{name} needs [{rows}, {spec.page_bytes}] (device_rows[{spec.index}] "
                            f"x page_bytes)")
@@ -193,11 +197,33 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
                 except Exception as e:  # noqa: BLE001 - report, never crash the daemon
                     raise _bad(f"{where}: cannot open the CUDA IPC handle ({e}); is the "
                                f"worker's memory from expandable_segments or another GPU?") from None
+                _check_within_allocation(st, r, where)
                 storages[key] = st
             t = torch.empty(0, dtype=torch.uint8, device=device)
             t.set_(st, r["offset"], (r["rows"], r["row_bytes"]), (r["row_bytes"], 1))
             layers.setdefault(name, []).append(t)
     return DeviceBuffers(layers, "cuda", keep=list(storages.values()))
+
+
+def _check_within_allocation(st: Any, r: Mapping[str, Any], where: str) -> None:
+    """Refuse a storage the handle's allocation does not hold: it starts
+    ``r["storage_offset"]`` bytes into the allocation the IPC handle opened and claims
+    ``r["storage_bytes"]``; both come from the client."""
+    base = st.data_ptr() - r["storage_offset"]  # where the handle's allocation was mapped
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise _bad(f"{where}: cannot check the handle's allocation: the CUDA driver library "
+                   f"could not be loaded ({e})") from None
+    start, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size),
+                                     ctypes.c_uint64(base))
+    if rc != 0:
+        raise _bad(f"{where}: the CUDA driver cannot say what the handle maps (CUresult {rc})")
+    if start.value != base or r["storage_offset"] + r["storage_bytes"] > size.value:
+        raise _bad(f"{where}: storage_offset {r['storage_offset']} + storage_bytes "
+                   f"{r['storage_bytes']} runs past the {size.value}-byte CUDA allocation the "
+                   f"handle opens")
 
 
 def open_events(handles: Sequence[str], device: torch.device) -> list[Any]:

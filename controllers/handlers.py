@@ -73,9 +73,10 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         raise ProtocolError("layout_mismatch", f"the worker's layout differs from the daemon's: {detail}")
     dev_rows = h["device_rows"]
     spaces = sorted({p.index for p in st.layout.pools.values()})
-    if sorted(dev_rows) != spaces or any(v <= 0 for v in dev_rows.values()):
+    if not isinstance(dev_rows, dict) or sorted(dev_rows) != spaces or \
+            any(type(v) is not int or v <= 0 for v in dev_rows.values()):
         raise ProtocolError("bad_field", f"device_rows must give a positive row count for exactly the "
-                                f"spaces {spaces}, got {dict(list(dev_rows.items())[:8])}")
+                                f"spaces {spaces}, got {_short(dev_rows)}")
     tp_rank = h.get("tp_rank", 0)
     if tp_rank < 0:
         raise ProtocolError("bad_field", "tp_rank must not be negative")

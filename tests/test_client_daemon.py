@@ -289,7 +289,22 @@ def test_unregistered_and_mismatched_workers_are_refused(shared_daemon):
             with pytest.raises(CommandRefused) as e:
                 c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=h, mode="cpu")
             assert e.value.code == "bad_handle"
+            # numbers of the wrong type: refused with one line, not an internal error
+            for key in ("rows", "row_bytes"):
+                bad = {n: [dict(x, **{key: float(x[key])}) for x in hs] for n, hs in
+                       pools.handles().items()}
+                with pytest.raises(CommandRefused) as e:
+                    c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=bad,
+                               mode="cpu")
+                assert e.value.code == "bad_handle" and "shape" in e.value.message, e.value
+            for rows in ({**pools.rows, "page": 8.0}, {**pools.rows, "page": "8"},
+                         {**pools.rows, "page": True}):
+                with pytest.raises(CommandRefused) as e:
+                    c.register(layout=FLASH.to_dict(), device_rows=rows,
+                               buffers=pools.handles(), mode="cpu")
+                assert e.value.code == "bad_field" and "device_rows" in e.value.message, e.value
         assert not c.heartbeat()["registered"]
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
 def test_malformed_frames_get_error_replies(shared_daemon):

@@ -152,6 +152,32 @@ def test_token_granular_and_request_swap_on_gpu(gpu):
             assert torch.equal(t[5], o)
 
 
+def test_a_handle_claiming_more_than_its_allocation_is_refused(gpu):
+    """The storage a CUDA IPC handle claims (its offset and size, both sent by the client) must
+    lie inside the allocation the handle opens: a claim past its end, with a layer placed in
+    the claimed part, would let copies reach memory that is not the worker's."""
+    from hicache.engine.client import CommandRefused
+
+    d, c, pools = gpu
+    name = next(iter(FLASH.pools))  # the first handle the daemon opens
+    real = pools.handles()[name][0]
+    past = real["storage_bytes"] + (1 << 30)
+    for change in ({"storage_bytes": past},
+                   {"storage_bytes": past, "offset": past - real["rows"] * real["row_bytes"]},
+                   {"storage_offset": real["storage_offset"] + (1 << 30)}):
+        h = pools.handles()
+        h[name][0] = dict(real, **change)
+        with d.client(timeout=60) as o:
+            with pytest.raises(CommandRefused) as e:
+                o.register(layout=FLASH.to_dict(), device_rows=dict(pools.rows), buffers=h,
+                           mode="cuda")
+            assert e.value.code == "bad_handle" and "runs past" in e.value.message, e.value
+            assert not o.heartbeat()["registered"]
+    with d.client(timeout=60) as o:  # the real handles still register
+        o.register(pools)
+        o.unregister()
+
+
 def test_expandable_segments_are_refused_clearly():
     code = ("import torch; from hicache.engine.device_pools import DevicePools; "
             "from hicache.core.layout import build_layout, preset; "

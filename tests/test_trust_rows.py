@@ -120,6 +120,25 @@ def test_swap_in_of_another_clients_row_and_of_unwritten_rows(two):
     b.free({"req_slot": [row]}, request="rb")
 
 
+def test_swap_out_into_another_requests_row_is_refused(two):
+    """``swap_out`` into a named ``host_row`` checks the request as ``swap_in`` does: the row of
+    request ``ra`` is not overwritten by a swap-out for request ``rb`` of the same client."""
+    a, pa, b, pb = two
+    req_pools = [n for n, spec in FLASH.pools.items() if spec.index == "req_slot"]
+    assert req_pools
+    out = a.swap_out(1, request="ra")  # slot 1 holds SECRET
+    assert a.wait_ack(out).ok
+    for n in req_pools:
+        for t in pa.layers[n]:
+            t[0].fill_(0x33)
+    refused("not_owner", lambda: a.swap_out(0, request="rb", host_row=out.host_row))
+    for n in req_pools:  # what comes back is still slot 1's
+        for t in pa.layers[n]:
+            t[2].zero_()
+    assert a.wait_ack(a.swap_in(out.host_row, 2, request="ra")).ok
+    assert all(bool((t[2] == SECRET).all()) for n in req_pools for t in pa.layers[n])
+
+
 def test_written_state_in_the_pool_group():
     """Group level: begin/end of a write, failure, release back to UNWRITTEN, zero on free."""
     lay = build_layout(preset("dsv4-tiny"))
