@@ -292,5 +292,7 @@ def issue_current(plan: DmaPlan, lo: int, hi: int, device: torch.device,
         return
     side = side_stream(device)
     side.wait_stream(cur)
-    issue(plan, lo, hi, side.cuda_stream, ramp)
-    cur.wait_stream(side)
+    try:
+        issue(plan, lo, hi, side.cuda_stream, ramp)
+    finally:  # copies a failed issue queued before its error are fenced too
+        cur.wait_stream(side)

@@ -43,7 +43,10 @@ def gpu_sharing(index: Optional[int]) -> tuple[str, str]:
 
 
 def _ask(index: int) -> tuple[str, str]:
-    torch.cuda.init()  # the driver is initialised before it is asked
+    try:
+        torch.cuda.init()  # the driver is initialised before it is asked
+    except RuntimeError as e:
+        return "unknown", f"CUDA could not be initialised ({e})"
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:

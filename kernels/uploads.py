@@ -7,8 +7,10 @@ returns the concatenation itself.
 On a GPU the bytes go through pinned staging buffers owned by the calling thread: each buffer
 has a driver event recorded right after the copy that reads it, and a buffer is written again
 only once its event says that copy is done (otherwise the thread takes another one, or a new
-one; past ``MAX_BUFFERS`` (32) it waits for the oldest). So a caller normally never waits, and no
-upload overwrites bytes a copy still reads. The copy and the event are raw driver calls
+one; past ``MAX_BUFFERS`` (32) it waits for the copy of the buffer used longest ago). So a
+caller normally never waits, and no upload overwrites bytes a copy still reads: a buffer whose
+event could not be recorded after its copy was queued is never used again (it stays allocated,
+``_ORPHANS``). The copy and the event are raw driver calls
 (``cuMemcpyHtoDAsync``, ``cuEventRecord``, ``cuEventQuery``) on the raw current stream of
 ``device``, with ``device`` made the current device for the call when it is not. A thread's
 buffers live as long as the thread; when it ends, it first waits for the copies they may still
@@ -84,7 +86,7 @@ class _Buffer:
 
 
 class _Held(list[_Buffer]):
-    """One thread's buffers. When the thread ends they are dropped, and their pinned memory goes
+    """One thread's buffers, the one used longest ago first. When the thread ends they are dropped, and their pinned memory goes
     back to PyTorch, which knows nothing of the raw copies: so the end of a thread first waits
     for the copies its buffers may still feed."""
 
@@ -105,6 +107,9 @@ class _Staging(threading.local):
 
 
 _STAGING = _Staging()
+# buffers whose copy was queued but whose event could not be recorded: nothing can tell when that
+# copy is done, so they are neither written again nor given back to PyTorch
+_ORPHANS: list[_Buffer] = []
 
 
 def _check(rc: int, what: str) -> None:
@@ -113,16 +118,18 @@ def _check(rc: int, what: str) -> None:
 
 
 def _free_buffer(d: _Calls, n: int, device: int) -> _Buffer:
-    """A staging buffer of at least ``n`` words on ``device`` whose last copy is done."""
+    """A staging buffer of at least ``n`` words on ``device`` whose last copy is done, moved to
+    the end of the thread's list (the list runs from the buffer used longest ago)."""
     bufs = _STAGING.buffers
-    for b in bufs:
+    for i, b in enumerate(bufs):
         if b.device == device and b.view.size >= n:
             rc = d.query(b.event)
             if rc == _CUDA_SUCCESS:
+                bufs.append(bufs.pop(i))
                 return b
             if rc != _CUDA_ERROR_NOT_READY:
                 _check(rc, "cuEventQuery")
-    if len(bufs) >= MAX_BUFFERS:  # wait for the oldest copy, then replace that buffer
+    if len(bufs) >= MAX_BUFFERS:  # wait for the copy of the buffer used longest ago, replace it
         old = bufs[0]
         _check(d.sync(old.event), "cuEventSynchronize")  # failed: the buffer stays, held
         del bufs[0]  # its copy is done: the buffer may go even if its event cannot be destroyed
@@ -130,7 +137,11 @@ def _free_buffer(d: _Calls, n: int, device: int) -> _Buffer:
     ev = ctypes.c_void_p()
     _check(d.create(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
     words = max(MIN_WORDS, 1 << max(0, n - 1).bit_length())
-    host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+    try:
+        host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+    except BaseException:
+        d.destroy(ev)  # no buffer for it
+        raise
     b = _Buffer(host, host.numpy(), host.data_ptr(), device, ev)
     bufs.append(b)
     return b
@@ -159,5 +170,15 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
     np.concatenate(arrays, out=b.view[:n])
     stream = torch._C._cuda_getCurrentRawStream(idx)
     _check(d.htod(out.data_ptr(), b.ptr, 8 * n, stream), "cuMemcpyHtoDAsync")
-    _check(d.record(b.event, stream), "cuEventRecord")
+    _record(d, b, stream)
     return out
+
+
+def _record(d: _Calls, b: _Buffer, stream: int) -> None:
+    """Record ``b``'s event after the copy just queued out of it; when that fails, its old
+    event would say done while the copy may still read it: ``b`` goes to ``_ORPHANS``."""
+    rc = d.record(b.event, stream)
+    if rc != _CUDA_SUCCESS:
+        _STAGING.buffers.remove(b)
+        _ORPHANS.append(b)
+        _check(rc, "cuEventRecord")

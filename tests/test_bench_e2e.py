@@ -281,6 +281,10 @@ def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch)
                     return SimpleNamespace(ok=True)
             raise AckTimeout("not yet")
 
+        def poll_acks(self, ops):
+            self.polled = getattr(self, "polled", 0) + 1
+            return list(self.held) if hasattr(self, "held") else []
+
     op = SimpleNamespace(op_id=7)
     c = Fake(acked_after=5)
     assert e2e_engine.op_waits(c, op, None, None) == [0.001] * 5 and c.drained == 5
@@ -288,3 +292,11 @@ def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch)
         e2e_engine.op_waits(Fake(acked_after=None), op, None, None, timeout=0.05)
     with pytest.raises(TransferFailed):
         e2e_engine.op_waits(Fake(acked_after=2, fail=True), op, None, None)
+    # an ack whose push was lost: asked for every POLL_S (each ask is a heartbeat too)
+    monkeypatch.setattr(e2e_engine, "POLL_S", 0.0)
+    lost = Fake(acked_after=None)
+    lost.held = [SimpleNamespace(op=7, ok=True)]
+    assert e2e_engine.op_waits(lost, op, None, None, timeout=5) == [0.001] and lost.polled == 1
+    lost.held = [SimpleNamespace(op=7, ok=False, kind="load", error={"message": "x"})]
+    with pytest.raises(TransferFailed):
+        e2e_engine.op_waits(lost, op, None, None, timeout=5)

@@ -69,3 +69,12 @@ def test_a_missing_driver_library_is_named(monkeypatch) -> None:
     monkeypatch.setattr(sharing.ctypes, "CDLL", missing)
     mode, why = sharing._ask(0)
     assert mode == "unknown" and "libcuda.so.1: cannot open" in why
+
+
+def test_a_cuda_init_failure_is_unknown_with_its_reason(monkeypatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(sharing.torch.cuda, "init", broken)
+    mode, why = sharing._ask(0)
+    assert mode == "unknown" and "initialization failed" in why

@@ -60,7 +60,7 @@ def test_a_buffer_a_copy_may_still_read_is_not_written_again() -> None:
         with torch.cuda.stream(s):
             c = np.arange(3000, dtype=np.int64)
             sent.append((c, upload([c], dev)))  # both done: the first buffer again
-            assert len(uploads._STAGING.buffers) == 2 and uploads._STAGING.buffers[0] is b1
+            assert len(uploads._STAGING.buffers) == 2 and uploads._STAGING.buffers[-1] is b1
             big = np.arange(b1.view.size + 1, dtype=np.int64)
             sent.append((big, upload([big], dev)))  # larger than both: a new one
             assert uploads._STAGING.buffers[-1].view.size >= big.size
@@ -108,32 +108,95 @@ def test_a_thread_that_ends_before_its_copy_ran_does_not_give_its_buffer_away() 
 
 class _Driver:
     """A driver whose calls return the CUresults given (``fail``: call name -> code; the rest
-    succeed) and that records the calls made, by name, in ``calls``."""
+    succeed) and that records the calls made, by name, in ``calls`` (and the events they
+    named, in ``events``). ``done``: events whose query says done when ``query`` is not set."""
 
-    def __init__(self, **fail: int) -> None:
-        self.fail, self.calls = fail, []
+    def __init__(self, done: Any = None, **fail: int) -> None:
+        self.fail, self.calls, self.events, self.done = fail, [], [], done
 
-    def _call(self, name: str) -> int:
+    def _call(self, name: str, event: Any = None) -> int:
         self.calls.append(name)
+        self.events.append(event)
         return self.fail.get(name, 0)
 
     def query(self, event: Any) -> int:
-        return self._call("query")
+        rc = self._call("query", event)
+        if "query" in self.fail or self.done is None:
+            return rc
+        return 0 if event in self.done else uploads._CUDA_ERROR_NOT_READY
 
     def sync(self, event: Any) -> int:
-        return self._call("sync")
+        return self._call("sync", event)
 
     def destroy(self, event: Any) -> int:
-        return self._call("destroy")
+        return self._call("destroy", event)
+
+    def create(self, out: Any, flags: int) -> int:
+        return self._call("create")
+
+    def record(self, event: Any, stream: Any) -> int:
+        return self._call("record", event)
 
 
 def _fake_buffers(n: int) -> list[uploads._Buffer]:
-    """``n`` staging buffers of 16 words on device 0 (CPU memory; events never used)."""
+    """``n`` staging buffers of 16 words on device 0 (CPU memory; event ``i`` stands for the
+    driver event of buffer ``i``)."""
     out = []
-    for _ in range(n):
+    for i in range(n):
         host = torch.zeros(16, dtype=torch.int64)
-        out.append(uploads._Buffer(host, host.numpy(), host.data_ptr(), 0, None))
+        out.append(uploads._Buffer(host, host.numpy(), host.data_ptr(), 0, i))
     return out
+
+
+def test_a_reused_buffer_goes_last_so_the_cap_waits_for_the_one_used_longest_ago() -> None:
+    """At the cap an upload waits for the copy of the buffer used longest ago, not for the one
+    just reused (whose copy is likely the newest in the stream)."""
+    def body() -> None:
+        held = uploads._STAGING.buffers
+        held.extend(_fake_buffers(uploads.MAX_BUFFERS))
+        first = list(held)
+        got = uploads._free_buffer(_Driver(done={0}), 8, 0)  # type: ignore[arg-type]
+        assert got is first[0] and held == first[1:] + first[:1]
+        d = _Driver(done=set(), create=1)  # all busy; a new buffer's event cannot be made
+        with pytest.raises(uploads.TransferError, match="cuEventCreate failed"):
+            uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
+        waited = [e for c, e in zip(d.calls, d.events) if c == "sync"]
+        assert waited == [1]  # the buffer used longest ago, not buffer 0
+        assert held == first[2:] + first[:1]
+        held.clear()
+
+    _in_fresh_thread(body)
+
+
+def test_a_buffer_whose_event_was_not_recorded_is_never_used_again() -> None:
+    def body() -> None:
+        held = uploads._STAGING.buffers
+        held.extend(_fake_buffers(2))
+        b0, b1 = held
+        with pytest.raises(uploads.TransferError, match="cuEventRecord failed with CUresult 3"):
+            uploads._record(_Driver(record=3), b0, 0)  # type: ignore[arg-type]
+        assert held == [b1] and uploads._ORPHANS[-1] is b0
+        uploads._ORPHANS.remove(b0)
+        held.clear()
+
+    _in_fresh_thread(body)
+
+
+def test_a_new_buffers_event_is_destroyed_when_its_memory_cannot_be_pinned(monkeypatch) -> None:
+    def no_memory(*a: Any, **k: Any) -> torch.Tensor:
+        raise RuntimeError("out of pinned memory")
+
+    def body() -> None:
+        d = _Driver()
+        monkeypatch.setattr(torch, "empty", no_memory)
+        try:
+            with pytest.raises(RuntimeError, match="out of pinned memory"):
+                uploads._free_buffer(d, 8, 0)  # type: ignore[arg-type]
+        finally:
+            monkeypatch.undo()
+        assert d.calls == ["create", "destroy"] and uploads._STAGING.buffers == []
+
+    _in_fresh_thread(body)
 
 
 def test_a_failed_event_query_is_an_error_naming_the_call() -> None:

@@ -121,6 +121,11 @@ def parse_mirrors(text: str) -> list[str]:
     return ms
 
 
+def _index(dev: torch.device) -> int:
+    """The GPU ``dev`` names (``cuda`` alone: the current one)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def check_args(args: argparse.Namespace) -> None:
     parse_mirrors(args.mirror)
     if args.runs < 1:
@@ -255,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
                   "client_reply_spin_us": c.reply_spin_us, "channel": c.uses_channel,
                   "channel_refused": c.channel_refused,
                   # MPS or time slices: this process's (the engine's) and the daemon's
-                  "gpu_sharing": {"engine": gpu_sharing(dev.index if cuda else None)[0],
+                  "gpu_sharing": {"engine": gpu_sharing(_index(dev) if cuda else None)[0],
                                   "daemon": c.stats().get("gpu_sharing")}}
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:

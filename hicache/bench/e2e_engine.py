@@ -9,7 +9,8 @@ feels that as a late decode step. So ``bench e2e`` times the engine's smallest G
 * ``idle_waits(stream, probe, n)``: ``n`` steps with nothing moving (the baseline);
 * ``op_waits(c, op, stream, probe)``: steps from right after ``op`` was sent (a LOAD or a
   BACKUP) until its ack arrives (``TransferFailed`` if the op failed, ``AckTimeout`` after
-  ``timeout`` seconds); each step's seconds.
+  ``timeout`` seconds); each step's seconds. Every ``POLL_S`` without the ack it asks the
+  daemon for it (``poll_acks``: a push that was lost, and a heartbeat).
 * ``probe_rounds(waits, c, stream, dev, load, backup, release)``: one size's steps into
   ``waits`` (``new_waits()``: a list per ``KINDS``): the idle baseline, then ``ROUNDS`` times
   while a LOAD (``load()`` sends it) and a BACKUP (``backup()``) run, ``release(op)`` after
@@ -31,12 +32,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hicache.engine.acks import AckTimeout, Op
+from hicache.engine.acks import AckTimeout, Op, TransferFailed
 from hicache.engine.client import Client
 
 KINDS = ("idle", "load", "backup")  # what the daemon does while the steps are timed
 IDLE_STEPS = 200  # steps of the idle baseline, per size
 ROUNDS = 3  # loads and backups probed per size
+POLL_S = 0.5  # op_waits asks the daemon for an ack this often while it has not come
 _PROBES: dict[int, torch.Tensor] = {}  # the probe tensor per GPU
 
 
@@ -68,7 +70,8 @@ def idle_waits(stream: Any, probe: torch.Tensor, n: int = IDLE_STEPS) -> list[fl
 def op_waits(c: Client, op: Op, stream: Any, probe: torch.Tensor,
              timeout: float = 120.0) -> list[float]:
     out: list[float] = []
-    deadline = time.monotonic() + timeout
+    now = time.monotonic()
+    deadline, next_poll = now + timeout, now + POLL_S
     while True:
         out.append(_step(stream, probe))
         c.drain()  # pushed acks that arrived meanwhile
@@ -76,7 +79,15 @@ def op_waits(c: Client, op: Op, stream: Any, probe: torch.Tensor,
             c.wait_ack(op, timeout=0)  # no wait: the ack is here, or AckTimeout at once
             return out
         except AckTimeout:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_poll:  # ask for it (a push may have been lost); a heartbeat too
+                next_poll = now + POLL_S
+                got = c.poll_acks([op.op_id])
+                if got:
+                    if not got[0].ok:
+                        raise TransferFailed(got[0]) from None
+                    return out
+            if now > deadline:
                 raise AckTimeout(f"op {op.op_id} did not complete within {timeout:g} s "
                                  f"(bench e2e's engine probe)") from None
 
