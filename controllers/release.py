@@ -24,7 +24,8 @@ and owned by the client meanwhile, so nothing else touches them. Only a release 
 itself, so a client with nothing in flight and a few hundred rows is done before the reply.
 When its last row is back a reaped client is forgotten (``Registry.remove``), and so is an
 unregistered one that had copies in flight (it stayed known meanwhile, so their acks reached
-it), unless it registered again or allocated rows. While any release is under way the loop
+it), unless it registered again or allocated rows (host rows, or sparse-region rows: a client
+still known can be reaped, which gives them back). While any release is under way the loop
 watch records the longest loop step; when the last one ends it is logged and published as the
 gauge ``release_loop_step_seconds``.
 Single-threaded: only the server thread calls in here.
@@ -215,6 +216,12 @@ class Releaser:
         rel.freed += n
         return n
 
+    def _sparse_rows(self, cid: str) -> int:
+        """Rows of the sparse region ``cid`` holds (a request it admitted after an
+        ``unregister`` began: it stays known, so a reap can still give them back)."""
+        sp = self.sparse()
+        return 0 if sp is None else int(sp.alloc.rows_of(cid).numel())
+
     def _done(self, rel: Release) -> None:
         self.pending.remove(rel)
         took = time.monotonic() - rel.t0
@@ -224,7 +231,8 @@ class Releaser:
             log.warning("client %s: %d host rows freed, device mappings closed, %.2f s after "
                         "the reap; %s", rel.c.cid, rel.total, took, self.watch.describe())
         elif rel.forget and c.worker is None and self.registry.clients.get(c.ident) is c and \
-                not any(t.numel() for t in self.group.rows_of(c.cid).values()):
+                not any(t.numel() for t in self.group.rows_of(c.cid).values()) and \
+                not self._sparse_rows(c.cid):
             self.registry.remove(c)  # unregistered, its operations ended: forgotten now
         if not rel.why.startswith("reaped") and took > 0.01:
             log.info("client %s %s: its %d host rows are back after %.2f s; %s", rel.c.cid,

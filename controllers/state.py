@@ -332,9 +332,12 @@ class DaemonState:
         return False
 
     def _ops_of(self, c: ClientState) -> list[int]:
-        """Ids of every operation (copies and L3 jobs) of ``c`` still in flight."""
+        """Ids of every operation (copies and L3 jobs) of ``c`` still in flight. The key
+        store's own L3 jobs (tagged ``kv_l3._Tag``, not ``(op_id, client, rows)``) belong to
+        no client."""
         ids = [i for i, (_, x) in self.ops.items() if x is c]
-        return ids + [i for i, job in self.l3_ops.items() if job.tag[1] is c]
+        return ids + [i for i, job in self.l3_ops.items()
+                      if isinstance(job.tag, tuple) and job.tag[1] is c]
 
     def _live(self, op_id: int) -> bool:
         return op_id in self.ops or op_id in self.l3_ops
@@ -346,11 +349,11 @@ class DaemonState:
         is forgotten: at once when nothing is in flight, else once they ended (meanwhile their
         acks are still delivered, so the engine knows when its device memory is no longer
         used). Returns (rows freed before the reply, whether rows are still to go back)."""
+        ops = self._ops_of(c)  # before anything changes
         worker, forget = None, False
         if why == "unregister":
             worker, c.worker = c.worker, None
             self.registry.close_kv(c)
-        ops = self._ops_of(c)
         if why == "unregister" and not ops:
             self.registry.remove(c)
         else:
@@ -360,8 +363,8 @@ class DaemonState:
     def reap(self, c: ClientState, why: str) -> None:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused
         ``busy``), cancel its CPU copies; its mappings and rows go once they ended."""
+        ops = self._ops_of(c)  # before anything changes
         self.registry.retire(c)
-        ops = self._ops_of(c)
         if ops:
             gb = sum(self.ops[i][0].nbytes for i in ops if i in self.ops) / 1e9
             log.warning("client %s %s: %d operations still running (%.2f GB), cancelled; its "
@@ -399,8 +402,10 @@ class DaemonState:
                 known.update(x.cid for _, x in self.ops.values())
                 if self.kv_store is not None:
                     known.add(self.kv_store.owner_id)
-                stray = sorted({o[0] for a in self.group.allocators.values() for o in a.owners()}
-                               - known)
+                allocs = list(self.group.allocators.values())
+                if self.sparse is not None:  # the sparse region's rows too
+                    allocs.append(self.sparse.alloc)
+                stray = sorted({o[0] for a in allocs for o in a.owners()} - known)
                 out["invariants"] = "ok" if not stray else \
                     f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"
             except PoolError as e:

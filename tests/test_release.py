@@ -288,3 +288,76 @@ def test_a_stop_with_nothing_left_to_unmap_logs_no_wait(tmp_path, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert not any("still being dropped" in m for m in msgs), msgs
     assert any(m.startswith("shutdown: drained in") for m in msgs)
+
+
+def _daemon(tmp_path, **kw):
+    from hicache.controllers import daemon as daemon_mod
+    from hicache.core.config import ServeConfig
+
+    return daemon_mod.Daemon(ServeConfig(preset="dsv4-tiny", device_rows=dict(ROWS),
+                                         host_ratio=2.0, socket=f"ipc://{tmp_path}/d.sock",
+                                         numa_node="off", **kw))
+
+
+@pytest.mark.parametrize("how", ["reap", "reset", "unregister"])
+def test_a_key_store_l3_job_in_flight_belongs_to_no_client(tmp_path, how):
+    """The key store's own L3 jobs (write-through, fetch) sit in the same table as the clients'
+    L3 jobs but carry no client. A reap, ``reset`` or ``unregister`` while one is in flight used
+    to fail on it (the reap on the server loop itself, stopping the daemon); now the client's
+    rows go back at once and the job is left alone."""
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.controllers.kv_l3 import _Tag
+    from hicache.controllers.l3_store import L3Job
+
+    d = _daemon(tmp_path)
+    st = d.state
+    try:
+        c = st.registry.touch(b"engine-b", 0.0)
+        c.worker = _Worker()
+        HANDLERS["alloc"](st, c, {"counts": {"page": 2}}, [])
+        st.l3_ops[999] = L3Job("put", ["k"], tag=_Tag(999, lambda job: None))
+        if how == "reap":
+            st.reap(c, "silent")
+        else:
+            HANDLERS[how](st, c, {}, [])
+        assert not st.group.rows_of(c.cid)["page"].numel() and not st.releaser.pending
+        assert b"engine-b" not in st.registry.retiring and 999 in st.l3_ops
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.l3_ops.pop(999, None)  # no L3 tier here to finish it
+        d.close()
+
+
+class _Worker:
+    """Stands in for a registered worker (nothing mapped)."""
+
+    def close(self, handoff=None) -> None:
+        pass
+
+
+def test_sparse_rows_admitted_while_an_unregister_waits_keep_the_client_known(tmp_path):
+    """A client that unregisters with a copy in flight stays known until it ends; a sparse
+    request it admits meanwhile must not outlive it unseen: the client stays known (a reap can
+    still give the rows back) and ``stats check`` counts sparse-region owners too."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.handlers import HANDLERS
+
+    d = _daemon(tmp_path, sparse_rows=8, min_sparse_prompt_len=64, shm_dirs=(str(tmp_path),))
+    try:
+        st = d.state
+        c = st.registry.touch(b"engine-s", 0.0)
+        c.worker = _Worker()
+        st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
+        HANDLERS["unregister"](st, c, {}, [])
+        HANDLERS["sparse_admit"](st, c, {"request": "r", "prompt_tokens": 256}, [])
+        del st.ops[777]
+        st.releaser.dirty = True
+        st.releaser.step()  # the copy ended: the release is done
+        assert st.registry.clients.get(b"engine-s") is c  # still known: it holds sparse rows
+        assert st.report(True)["invariants"] == "ok"
+        st.reap(c, "silent")  # what a dead engine gets: its sparse rows go back
+        st.releaser.step()
+        assert st.sparse.alloc.used_rows == 0 and st.report(True)["invariants"] == "ok"
+    finally:
+        d.close()
