@@ -12,7 +12,8 @@ Contract:
 * ``EnginePool.open(...)`` validates the geometry and maps every distinct file once (read and
   write, shared). Only regular files whose link reads ``/memfd:...`` or ``/dev/shm/...`` are
   accepted (opened ``O_PATH`` first and checked, so naming a pipe or a device has no effect),
-  and never the daemon's own files. Each layer is a ``[pages, page_bytes]`` strided view:
+  and never the daemon's own files (``pid`` naming the daemon, or a thread of it, is refused).
+  Each layer is a ``[pages, page_bytes]`` strided view:
   page ``p`` of layer ``l`` starts at byte ``offset_l + p * stride_l`` of its file. Any
   failure raises ``ValueError`` with one line and leaves nothing mapped.
 * A fresh pool is *pending*: naming (pid, fd) proves nothing, since any local client could name
@@ -76,7 +77,7 @@ class EnginePool:
             return ep
         if pid is None or pid <= 0:
             raise ValueError("'pid' must name the engine process that holds the files")
-        if pid == os.getpid():
+        if _process_of(pid) == os.getpid():  # a thread id of ours reads our fd table too
             raise ValueError("'pid' names the daemon itself")
         if not isinstance(layers, list) or len(layers) != num_layers:
             raise ValueError(f"pool {pool} has {num_layers} layers on this stage; 'layers' "
@@ -154,6 +155,19 @@ def _layer_spec(i: int, x: Any, page_bytes: int) -> tuple[int, int, int]:
     if stride < page_bytes:
         raise ValueError(f"layers[{i}].stride {stride} is smaller than a page ({page_bytes} B)")
     return fd, off, stride
+
+
+def _process_of(pid: int) -> int:
+    """The process (thread group) that task ``pid`` belongs to; ``pid`` itself for a process.
+    ``/proc/<tid>/fd`` is its process's descriptor table, so a thread id stands for it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    raise ValueError(f"no process {pid} visible to the daemon")
 
 
 def _open_shared(pid: int, fd: int) -> tuple[int, int]:

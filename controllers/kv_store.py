@@ -8,7 +8,8 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
 * An entry is ``(namespace, key)`` in one index space: one host row of that space, holding the
   page of every pool of the space that was put under the key (``Entry.slots``). The namespace
   is the client's (model, parallel rank, ...) prefixed with its CURVE key name, so a client
-  reads only what was stored under its own namespace; entries outlive the client that stored
+  reads only what was stored under its own namespace (without CURVE the prefix is empty: clients
+  naming the same namespace share it); entries outlive the client that stored
   them (an engine restart finds them).
 * Store rows belong to ``OWNER``, whose id starts with a zero byte: no client's id does
   (``registry.client_id``), so no client can free, load or overwrite them through the row

@@ -221,6 +221,13 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
             gone.wait()
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", pid=gone.pid, layers=ep.spec)  # no such process
+            # a thread of the daemon: its fd table is the daemon's own
+            tids = [int(t) for t in os.listdir(f"/proc/{d.proc.pid}/task")
+                    if int(t) != d.proc.pid]
+            assert tids
+            msg = _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                           pool="c4_kv", pid=tids[0], layers=ep.spec)
+            assert "the daemon itself" in msg
             r, w = os.pipe()
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", layers=[{**s, "fd": r} for s in ep.spec])
