@@ -7,10 +7,10 @@ against the layout (one per owned layer, ``rows`` = the worker's rows of the poo
 must be regular files owned by this user inside an allowed directory, CUDA handles must name the
 GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
 lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
-layer can reach past the worker's own memory. ``close(handoff)`` drops every mapping the daemon holds; a mapping
-still used by an in-flight operation is released when that operation lets go of it. With
-``handoff`` (``background.Unmapper.hand``) the objects that keep the mappings alive go to it,
-so the unmapping itself runs off the server thread.
+layer can reach past the worker's own memory. ``close(handoff)`` drops every mapping the
+daemon holds; a mapping still used by an in-flight operation is released when that operation
+lets go of it. With ``handoff`` (``background.Unmapper.hand``) the objects that keep the
+mappings alive go to it, so the unmapping itself runs off the server thread.
 """
 from __future__ import annotations
 

@@ -86,9 +86,9 @@ class _Buffer:
 
 
 class _Held(list[_Buffer]):
-    """One thread's buffers, the one used longest ago first. When the thread ends they are dropped, and their pinned memory goes
-    back to PyTorch, which knows nothing of the raw copies: so the end of a thread first waits
-    for the copies its buffers may still feed."""
+    """One thread's buffers, the one used longest ago first. When the thread ends they are
+    dropped, and their pinned memory goes back to PyTorch, which knows nothing of the raw
+    copies: so the end of a thread first waits for the copies its buffers may still feed."""
 
     def __del__(self) -> None:
         d = _calls
