@@ -12,6 +12,8 @@ everything, then act; a refusal changes nothing).
   ``device_rows``, backs the prompt's C4 KV up from the registered worker's ``c4_kv`` pool.
   Pages that are host-tier prefix hits (``host_rows``: the client's written ``c4_kv`` host rows
   of the first pages) are filled from host memory instead: nothing is read from the device.
+  Without ``device_rows`` the pages the hits do not cover are zeroed (a row may have held an
+  earlier request's bytes).
   ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
   token locations (``device_tokens``, the hot buffer's newest-token slots, for C4 tokens
   ``first ..``). The copies of one command are one ``sparse_backup`` operation of the daemon's
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from hicache.core.layout import Layout
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
@@ -134,6 +137,12 @@ def _pages(sp: SparseRegion, c4_tokens: int) -> int:
     return -(-c4_tokens // sp.P)
 
 
+def _zero(sp: SparseRegion, rows: list[int]) -> None:
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    for t in sp.shm.layers:
+        t.index_fill_(0, idx, 0)
+
+
 def _take(sp: SparseRegion, n: int, owner: tuple[str, str]) -> list[int]:
     if n > sp.alloc.free_rows:
         raise _err("no_space", f"{n} sparse host rows needed, {sp.alloc.free_rows} free")
@@ -183,6 +192,8 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
         if len(src) and (src.min() < 0 or src.max() >= dev.rows):
             raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
     rows = _take(sp, n, (c.cid, r))
+    if dev is None and n > k:  # pages no copy fills: zeroed, never an earlier request's bytes
+        _zero(sp, rows[k:])
     e = sp.requests[r] = SparseRequest(c.cid, c4, rows)
     items = []
     if k:  # prefix hits: host memory to host memory, nothing crosses PCIe

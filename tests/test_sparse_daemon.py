@@ -176,6 +176,25 @@ def test_refusals_change_nothing(sparse_daemon, call, code, msg):
     pools.close()
 
 
+def test_pages_an_admission_does_not_fill_are_zeroed(sparse_daemon):
+    """A row freed by one request and admitted by another without ``device_rows`` reads zeros,
+    not the earlier request's C4 KV."""
+    a, pa = _worker(sparse_daemon, "a")
+    b, pb = _worker(sparse_daemon, "b")
+    try:
+        shm = a.map_sparse_region()
+        rows_a = a.sparse_admit("ra", 6 * 64 * 4, device_rows=list(range(6)))  # every row
+        assert all(bool(t[rows_a].any()) for t in shm.layers)  # random KV from a's device
+        assert a.sparse_free("ra") == 6
+        rows_b = b.sparse_admit("rb", 2 * 64 * 4)
+        assert all(not t[rows_b].any() for t in shm.layers)
+        assert b.sparse_free("rb") == 2
+    finally:
+        for c, p in ((a, pa), (b, pb)):
+            c.close()
+            p.close()
+
+
 def test_foreign_request_refused_and_dead_client_reaped(sparse_daemon):
     a, pa = _worker(sparse_daemon, "a")
     b, pb = _worker(sparse_daemon, "b")
