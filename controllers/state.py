@@ -54,6 +54,12 @@ from .scheduler import Scheduler
 log = logging.getLogger("hicache.daemon")
 
 
+def _client_tag(job: Any) -> tuple[int, Any, Any] | None:
+    """``(op id, client, host rows)`` of a client's L3 job in ``l3_ops``; None for the key
+    store's own jobs (tagged ``kv_l3._Tag``), which belong to no client and get no ack."""
+    return job.tag if isinstance(job.tag, tuple) else None
+
+
 class DaemonState:
     def __init__(self, layout: Layout, group: HostPoolGroup, scheduler: Scheduler,
                  registry: Registry, metrics: Metrics, device: torch.device, *,
@@ -287,12 +293,13 @@ class DaemonState:
         """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
         n = 0
         for job in self.l3.take_completed():
-            if not isinstance(job.tag, tuple):  # the key store's own job (kv_l3): no ack
+            tag = _client_tag(job)
+            if tag is None:  # the key store's own job (kv_l3): no ack
                 self.l3_ops.pop(job.tag.op_id, None)
                 job.tag.done(job)
                 n += 1
                 continue
-            op_id, c, host = job.tag
+            op_id, c, host = tag
             self.l3_ops.pop(op_id, None)
             if job.kind == "prefetch":  # before the rows can be released
                 end_fill(self.group, job.pools, host, job.hits)
@@ -332,12 +339,11 @@ class DaemonState:
         return False
 
     def _ops_of(self, c: ClientState) -> list[int]:
-        """Ids of every operation (copies and L3 jobs) of ``c`` still in flight. The key
-        store's own L3 jobs (tagged ``kv_l3._Tag``, not ``(op_id, client, rows)``) belong to
-        no client."""
+        """Ids of every operation (copies and L3 jobs) of ``c`` still in flight (the key
+        store's own L3 jobs belong to no client: ``_client_tag``)."""
         ids = [i for i, (_, x) in self.ops.items() if x is c]
         return ids + [i for i, job in self.l3_ops.items()
-                      if isinstance(job.tag, tuple) and job.tag[1] is c]
+                      if (t := _client_tag(job)) is not None and t[1] is c]
 
     def _live(self, op_id: int) -> bool:
         return op_id in self.ops or op_id in self.l3_ops
