@@ -40,6 +40,15 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   offline they are misses at once, and so are a namespace's keys while ``clear`` removes its
   objects (a read then could bring cleared pages back).
 
+Clear (``kv_clear``): reads of the namespace in flight drop their result (its generation
+moves on), answers remembered before the clear are forgotten, and its objects are removed by one
+``remove_by_regex`` on its prefix. Bounded whatever a client sends: a namespace's generation is
+kept only while a put or prefetch of it is in flight, clear times only for ``PRESENT_TTL``
+seconds (older answers have expired anyway), and every namespace cleared while a remove job
+waits in the write queue joins that job (unless a put of it is in flight: the put, queued after
+the job, would outlive it). With ``REMOVING_MAX`` namespaces waiting, a clear of one more is
+refused ``busy`` before anything changes.
+
 A job's bookkeeping (``_Tag``) is finished by ``DaemonState.finish_l3`` on the server thread.
 """
 from __future__ import annotations
@@ -53,6 +62,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from . import l3_format as F
+from hicache.core.protocol import ProtocolError
+
 from .l3_store import L3Job
 
 if TYPE_CHECKING:  # kv_store imports this module: its types are named, not imported
@@ -63,6 +74,7 @@ PRESENT_TTL = 30.0  # s: an object written or seen is reported present this long
 ABSENT_TTL = 2.0  # s: an object found absent or corrupt is a miss this long
 FETCH_DEADLINE = 10.0  # s: a read-through prefetch stops at the first batch past it
 KNOWN_MAX = 1 << 18  # remembered (entry, slot) answers, oldest dropped first
+REMOVING_MAX = 4096  # namespaces waiting for their L3 removal; a clear past it is refused
 _REGEX_SPECIAL = set(".^$|?*+()[]{}\\")
 
 Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
@@ -130,9 +142,16 @@ class KvL3:
         self.known: OrderedDict[Ident, tuple[bool, float]] = OrderedDict()
         self.fetching: set[Ident] = set()
         self.querying: set[Ident] = set()
-        self.generation: dict[str, int] = {}  # namespace -> kv_clear count
+        # namespace -> its puts and prefetches in flight, and -> the kv_clears since the
+        # oldest of them began (an entry only while a job of that namespace is in flight)
+        self.inflight: dict[str, int] = {}
+        self.generation: dict[str, int] = {}
+        self.cleared_at: OrderedDict[str, float] = OrderedDict()  # the last PRESENT_TTL s
         self.removing: dict[str, int] = {}  # namespace -> its removals in flight (no reads)
+        self.removal: L3Job | None = None  # the last remove job submitted
+        self.removal_ns: list[str] = []  # ... and the namespaces it removes
         self.pinned = 0
+        self.jobs = 0  # the key store's L3 jobs in flight
 
     # ------------------------------------------------------------------ objects
     def fmt(self, ep: "EnginePool") -> Any:
@@ -152,8 +171,14 @@ class KvL3:
 
     def _submit(self, job: L3Job, done: Callable[[L3Job], None]) -> None:
         op_id = self.st.next_op_id()
-        job.tag = _Tag(op_id, done)
+
+        def ended(j: L3Job) -> None:
+            self.jobs -= 1
+            done(j)
+
+        job.tag = _Tag(op_id, ended)
         self.st.l3_ops[op_id] = job
+        self.jobs += 1
         self.l3.submit(job)
 
     def _remember(self, ident: Ident, present: bool) -> None:
@@ -168,10 +193,23 @@ class KvL3:
         if k is None:
             return None
         present, t = k
-        if now - t <= (PRESENT_TTL if present else ABSENT_TTL):
+        if now - t <= (PRESENT_TTL if present else ABSENT_TTL) \
+                and t > self.cleared_at.get(ident[1], -1.0):
             return present
         del self.known[ident]
         return None
+
+    def _begin(self, ns: str) -> int:
+        """A put or prefetch of ``ns`` starts: the generation its result is checked against."""
+        self.inflight[ns] = self.inflight.get(ns, 0) + 1
+        return self.generation.get(ns, 0)
+
+    def _end(self, ns: str) -> None:
+        """A put or prefetch of ``ns`` ended: the last one forgets the namespace."""
+        self.inflight[ns] -= 1
+        if not self.inflight[ns]:
+            del self.inflight[ns]
+            self.generation.pop(ns, None)
 
     def _unknown_is_pending(self, ns: str) -> bool | None:
         """True: ask the store; None: still connecting (pending, nothing asked); False: offline
@@ -197,7 +235,7 @@ class KvL3:
         self.pinned += len(entries)
         self.st.tracker.begin(host)
         idents = [(space, ep.ns, ep.slot, k) for k, _ in stored]
-        gen = self.generation.get(ep.ns, 0)
+        gen = self._begin(ep.ns)
         job = L3Job("put", [self._key(ep, k) for k, _ in stored],
                     [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
 
@@ -211,6 +249,7 @@ class KvL3:
             if not j.misses and self.generation.get(ep.ns, 0) == gen:  # all in the store
                 for i in idents:
                     self._remember(i, True)
+            self._end(ep.ns)
 
         self._submit(job, done)
 
@@ -253,7 +292,7 @@ class KvL3:
             return pending
         idents = [i for _, i in todo]
         self.fetching.update(idents)
-        gen = self.generation.get(ep.ns, 0)
+        gen = self._begin(ep.ns)
         job = L3Job("prefetch", [self._key(ep, i[3]) for i in idents],
                     [{ep.space: r} for r in rows], time.monotonic() + FETCH_DEADLINE,
                     fmt=self.fmt(ep), each=True)
@@ -292,6 +331,7 @@ class KvL3:
             free.append(row)
         if free:
             self.st.group.free({space: np.asarray(free, dtype=np.int64)}, self.store.owner)
+        self._end(ns)
 
     def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],
                                                                                  list[int]]:
@@ -330,22 +370,52 @@ class KvL3:
                 self._remember(ident, bool(job.present[n]))
 
     # ------------------------------------------------------------------ clear
+    def check_clear(self, ns: str) -> None:
+        """Refuse (``busy``, nothing changed) a clear that would queue one namespace too many
+        for removal while the L3 write thread is behind."""
+        if ns in self.removing or len(self.removing) < REMOVING_MAX:
+            return
+        raise ProtocolError("busy", f"kv_clear: {len(self.removing)} namespaces wait for their "
+                                    "L3 removal; retry when they are done")
+
+    def _joins(self, ns: str) -> bool:
+        """Whether ``ns``'s removal can ride on the queued remove job: no worker took it yet,
+        and no put of ``ns`` is in flight (a put queued after it would outlive it)."""
+        job = self.removal
+        return job is not None and not job.started and ns not in self.inflight
+
     def clear(self, ns: str) -> None:
-        """Forget ``ns`` (reads in flight drop their result) and remove its objects."""
-        self.generation[ns] = self.generation.get(ns, 0) + 1
-        for ident in [i for i in self.known if i[1] == ns]:
-            del self.known[ident]
+        """Forget ``ns`` (reads in flight drop their result, remembered answers go) and remove
+        its objects: one queued remove job takes every namespace cleared before it starts."""
+        now = time.monotonic()
+        if ns in self.inflight:
+            self.generation[ns] = self.generation.get(ns, 0) + 1
+        self.cleared_at[ns] = now
+        self.cleared_at.move_to_end(ns)
+        while self.cleared_at and now - next(iter(self.cleared_at.values())) > PRESENT_TTL:
+            self.cleared_at.popitem(last=False)  # every answer older than this has expired
+        regex = _regex_prefix(ns_prefix(self.prefix, ns))
+        if self._joins(ns):
+            if ns in self.removal_ns or self.l3.extend_queued(self.removal, regex):
+                if ns not in self.removal_ns:
+                    self.removal_ns.append(ns)
+                    self.removing[ns] = self.removing.get(ns, 0) + 1
+                return
+        self.removal, self.removal_ns = L3Job("remove", [regex]), [ns]
         self.removing[ns] = self.removing.get(ns, 0) + 1
-        job = L3Job("remove", [_regex_prefix(ns_prefix(self.prefix, ns))])
+        names = self.removal_ns
 
         def done(j: L3Job) -> None:
-            self.removing[ns] -= 1
-            if not self.removing[ns]:
-                del self.removing[ns]
+            for n in names:
+                self.removing[n] -= 1
+                if not self.removing[n]:
+                    del self.removing[n]
 
-        self._submit(job, done)
+        self._submit(self.removal, done)
 
     def summary(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "pinned": self.pinned, "fetching": len(self.fetching),
+        return {"prefix": self.prefix, "pinned": self.pinned, "jobs": self.jobs,
+                "fetching": len(self.fetching),
                 "querying": len(self.querying), "known": len(self.known),
-                "removing": len(self.removing)}
+                "removing": len(self.removing), "namespaces_in_flight": len(self.inflight),
+                "namespaces_cleared": len(self.cleared_at)}

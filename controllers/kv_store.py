@@ -187,7 +187,10 @@ class KeyStore:
 
     def clear(self, ns: str) -> int:
         """Drop every entry of ``ns`` (a row an L3 write still reads is freed when it ends)
-        and, with L3, its objects there."""
+        and, with L3, its objects there. Refused (``busy``, nothing dropped) while too many
+        namespaces wait for their L3 removal (``KvL3.check_clear``)."""
+        if self.l3 is not None:
+            self.l3.check_clear(ns)
         n = 0
         for space, od in self.entries.items():
             rows = [od.pop(k).row for k in [k for k in od if k[0] == ns]]

@@ -16,7 +16,8 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
   whose key matches a regex) on another, in submission order, so a long write never delays a
-  prefix lookup. A prefetch with ``each`` goes on past a missing or corrupt object. A
+  prefix lookup. A prefetch with ``each`` goes on past a missing or corrupt object.
+  ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it. A
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
@@ -80,7 +81,7 @@ class L3Settings:
 
 @dataclass
 class L3Job:
-    kind: str  # query | prefetch | put | remove (keys[0]: a regex)
+    kind: str  # query | prefetch | put | remove (keys: regexes)
     keys: list[str]  # full object keys
     rows: list[dict[str, int]] = field(default_factory=list)  # per page: space -> host row
     deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it
@@ -100,6 +101,7 @@ class L3Job:
     present: list[int] = field(default_factory=list)  # with ``each``: 1/0 per key (a prefix
     # of the keys when the job stopped early: the rest are 0)
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefetch: pools it fills
+    started: bool = False  # set (under the tier's lock) when a worker takes the job
 
     def result(self) -> dict[str, Any]:
         """The ack's ``l3`` field."""
@@ -222,12 +224,23 @@ class MooncakeL3:
             self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
         self._queues["write" if job.kind in ("put", "remove") else "read"].put(job)
 
+    def extend_queued(self, job: L3Job, key: str) -> bool:
+        """Add ``key`` to a queued ``remove`` job that no worker has taken yet (False, and
+        nothing added, once one has: its keys are then fixed)."""
+        with self._lock:
+            if job.started:
+                return False
+            job.keys.append(key)
+            return True
+
     def _worker(self, which: str) -> None:
         q = self._queues[which]
         while True:
             job = q.get()
             if job is None:
                 return
+            with self._lock:
+                job.started = True
             try:
                 if not self.online:
                     job.misses["offline"] = len(job.keys)
@@ -350,14 +363,15 @@ class MooncakeL3:
         return None
 
     def _remove(self, job: L3Job) -> None:
-        """Remove every object whose key matches the regex ``keys[0]`` (``written``: how
-        many went)."""
-        rc = self.store.remove_by_regex(job.keys[0], True)
-        if rc < 0:
-            job.misses["error"] = 1
-            self._failed(rc, "remove_by_regex")
-        else:
-            job.written = rc
+        """Remove every object whose key matches one of the regexes ``keys`` (``written``:
+        how many went; ``misses["error"]``: the regexes whose call failed)."""
+        for regex in job.keys:
+            rc = self.store.remove_by_regex(regex, True)
+            if rc < 0:
+                job.misses["error"] = job.misses.get("error", 0) + 1
+                self._failed(rc, "remove_by_regex")
+            else:
+                job.written += rc
 
     def _put(self, job: L3Job) -> None:
         hdr = self._headers["write"]

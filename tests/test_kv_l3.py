@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from hicache.controllers import l3_format
-from hicache.controllers.kv_l3 import kv_prefix, object_key
+from hicache.controllers.kv_l3 import REMOVING_MAX, kv_prefix, object_key
 from hicache.core.layout import Layout
 from hicache.engine import l3_master
 
-from test_kv_store import EnginePool
+from test_kv_store import EnginePool, _refused
 from test_l3_mooncake import l3_daemon, metric, raw_puts, store, wait_online  # noqa: F401
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
@@ -229,5 +229,48 @@ def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -
             assert c.stats()["kv_store"]["l3"]["querying"] == 1
         finally:
             os.kill(store.master.pid, signal.SIGCONT)
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+    ep.close()
+
+
+def test_clears_stay_bounded_while_the_l3_writer_is_stuck(l3_daemon: Any, store: Any) -> None:
+    """With the master stopped (SIGSTOP) a put hangs the L3 write thread. Clears of thousands
+    of namespaces then share one queued remove job; the one past ``REMOVING_MAX`` is refused
+    ``busy`` and drops nothing; once the master is back every removal runs, the daemon forgets
+    the namespaces, and the cleared pages are gone from host rows and L3."""
+    d = l3_daemon()
+    with d.client(name="clr") as c:
+        wait_online(c)
+        c4 = _layout(c).pools["c4_kv"]
+        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=47)
+        ep.attach(c, "c4_kv", "c4_kv", ns="busy")
+        assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
+        _written(c)
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            assert c.kv_put("c4_kv", ["p0"], [1]) == [True]  # its L3 job hangs
+            for i in range(REMOVING_MAX):
+                assert c.kv_clear(f"idle-{i}") == 0
+            l3 = c.stats()["kv_store"]["l3"]
+            assert l3["removing"] == REMOVING_MAX, l3
+            assert l3["namespaces_in_flight"] == 1, l3  # "busy": its put
+            assert l3["jobs"] <= 3, l3  # the put and one or two remove jobs, not thousands
+            msg = _refused("busy", c.kv_clear, "busy")
+            assert "L3 removal" in msg
+            assert c.kv_get("c4_kv", ["k0", "p0"], [2, 3], l3_wait=0) == [True, True]
+            assert c.kv_clear(f"idle-{REMOVING_MAX - 1}") == 0  # already waiting: accepted
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while c.stats()["kv_store"]["l3"]["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        l3 = c.stats()["kv_store"]["l3"]
+        assert (l3["jobs"], l3["removing"], l3["namespaces_in_flight"]) == (0, 0, 0), l3
+        assert c.kv_clear("busy") == 2
+        while c.stats()["kv_store"]["l3"]["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ep.layers[0].zero_()
+        assert c.kv_get("c4_kv", ["k0", "p0"], [2, 3]) == [False, False]  # gone from L3 too
+        assert not ep.layers[0][[2, 3]].any()
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
     ep.close()

@@ -61,7 +61,7 @@ ERROR_CODES = {
     "bad_handle": "a device buffer or event handle cannot be opened",
     "bad_rows": "row ids out of range, duplicated destinations, or length mismatch",
     "not_owner": "host rows not allocated to this client (or request)",
-    "busy": "host rows are being freed",
+    "busy": "what the command needs is still in use (rows being freed, work in flight); retry",
     "not_written": "host rows that no completed backup of this client wrote (nothing to read)",
     "no_space": "not enough free host rows",
     "too_many_clients": "the daemon's client table is full",
