@@ -38,8 +38,9 @@ def test_sizes_and_arguments_are_checked():
         e2e.check_args(_args(device="cpu", runs=0))
     with pytest.raises(UsageError, match="--churn"):
         e2e.check_args(_args(device="cpu", churn=-1))
-    with pytest.raises(UsageError, match="cuda:N or cpu"):
-        e2e.check_args(_args(device="tpu"))
+    for bad in ("tpu", "cuda", "cuda:x"):  # the daemon's own check: cuda names its index
+        with pytest.raises(UsageError, match="'cpu' or 'cuda:N'"):
+            e2e.check_args(_args(device=bad))
     with pytest.raises(UsageError, match="--pp-rank 2 is outside 0..1"):
         e2e.check_args(_args(device="cpu", pp_size=2, pp_rank=2))
     with pytest.raises(UsageError, match="--gpus must be at least 1"):

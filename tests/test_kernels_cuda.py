@@ -270,3 +270,29 @@ def test_stream_helpers_switch_only_when_needed():
     assert torch.cuda.current_stream(dev).cuda_stream == before.cuda_stream
     with on_stream(s, None):  # "not on a GPU": nothing happens
         assert torch.cuda.current_stream(dev).cuda_stream == before.cuda_stream
+
+
+def test_a_failed_issue_on_the_default_stream_still_fences_the_side_stream(monkeypatch):
+    """On the legacy default stream the batches run on a side stream. When an issue fails
+    partway, what it queued before the error still comes before later work on the default
+    stream (an event recorded after the failure waits for the side stream's work)."""
+    from hicache.kernels import copy_engine
+    from hicache.kernels.tables import TransferError
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def fails_after_queueing(plan, lo, hi, stream, ramp=False):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+            torch.cuda._sleep(int(2e8))  # GPU work the failed issue left queued (~0.1 s)
+        raise TransferError("injected: the driver refused the second batch")
+
+    monkeypatch.setattr(copy_engine, "issue", fails_after_queueing)
+    torch.cuda.synchronize(dev)
+    default = torch.cuda.default_stream(dev)
+    assert default.cuda_stream == 0
+    with torch.cuda.stream(default):
+        with pytest.raises(TransferError, match="injected"):
+            copy_engine.issue_current(object(), 0, 1, dev)
+        after = torch.cuda.Event()
+        after.record()
+    assert not after.query(), "the default stream did not wait for the side stream"
+    after.synchronize()

@@ -62,6 +62,7 @@ import torch
 
 from hicache.bench.daemon_times import daemon_times, mean_ms
 from hicache.bench.plotting import check_plot, pyplot
+from hicache.core.config import check_device
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
 from hicache.core.sizes import arena_bytes, format_bytes, host_rows, used_spaces
@@ -121,11 +122,6 @@ def parse_mirrors(text: str) -> list[str]:
     return ms
 
 
-def _index(dev: torch.device) -> int:
-    """The GPU ``dev`` names (``cuda`` alone: the current one)."""
-    return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
 def check_args(args: argparse.Namespace) -> None:
     parse_mirrors(args.mirror)
     if args.runs < 1:
@@ -142,8 +138,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     if args.gpus > 1 and (args.pp_size != 1 or args.plot):
         raise UsageError("--gpus sets the stages itself (PP = N) and draws no plot")
-    if args.device != "cpu" and not args.device.startswith("cuda"):
-        raise UsageError(f"--device must be cuda:N or cpu, got {args.device!r}")
+    check_device(args.device)  # the daemon's own check: cuda needs its index
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("bench e2e on cuda needs a CUDA GPU; use --device cpu for a "
                          "functional run without one")
@@ -260,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                   "client_reply_spin_us": c.reply_spin_us, "channel": c.uses_channel,
                   "channel_refused": c.channel_refused,
                   # MPS or time slices: this process's (the engine's) and the daemon's
-                  "gpu_sharing": {"engine": gpu_sharing(_index(dev) if cuda else None)[0],
+                  "gpu_sharing": {"engine": gpu_sharing(dev.index if cuda else None)[0],
                                   "daemon": c.stats().get("gpu_sharing")}}
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:
@@ -343,7 +338,7 @@ def run_gpus(args: argparse.Namespace) -> int:
 
 def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.device) -> Any:
     """An in-process pinned pool of the same layout (the in-engine copy's host side)."""
-    g = HostPoolGroup(layout, rows, device_index=dev.index or 0)
+    g = HostPoolGroup(layout, rows, device_index=dev.index)
     tabs = {n: (LayerTable(pools.layers[n]), LayerTable(g.pool(n).layers)) for n in layout.pools}
     return g, tabs
 

@@ -282,14 +282,19 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
 
 # ------------------------------------------------------------------------------- validation
 _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
+
+
+def check_device(text: str) -> None:
+    """Refuse a device the daemon cannot serve: ``cpu`` or ``cuda:N`` (an index, always)."""
+    if not _DEVICE_RE.match(text):
+        raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
 
 
 def validate(cfg: ServeConfig) -> None:
     """Checks that need nothing but the values (the daemon checks the machine before it
     allocates: ports, socket folder, NUMA node)."""
-    if not _DEVICE_RE.match(cfg.device):
-        raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {cfg.device!r}")
+    check_device(cfg.device)
     if cfg.preset is not None and cfg.model_config is not None:
         raise UsageError("give either --preset or --model-config, not both")
     choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
