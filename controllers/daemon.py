@@ -13,6 +13,7 @@ socket and remove its file.
 """
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import os
@@ -43,9 +44,35 @@ UNMAP_WAIT_S = 10.0  # at shutdown, the longest wait for the unmapper to drop th
 log = logging.getLogger("hicache.daemon")
 
 
-def _prepare_ipc(address: str) -> str | None:
-    """Create the socket's directory (0700 when we create it) and refuse a live socket.
-    Returns the directory when this call created it."""
+class SocketLock:
+    """``<socket>.lock``, held (``flock``) for the daemon's life: a second daemon on the same
+    socket is refused even while the first is too busy, or stopped, to answer a probe."""
+
+    def __init__(self, path: str, address: str) -> None:
+        self.path = path + ".lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise UsageError(f"another daemon already serves {address} (it holds "
+                             f"{self.path})") from None
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.unlink(self.path)  # while still held: a daemon starting now makes a new one
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _prepare_ipc(address: str) -> tuple[str | None, SocketLock]:
+    """Create the socket's directory (0700 when we create it), take the socket's lock, and
+    refuse a live socket or a path that is not a socket. Returns the directory when this call
+    created it, and the lock."""
     path = address[len("ipc://"):]
     d = os.path.dirname(os.path.abspath(path))
     made = None
@@ -64,11 +91,19 @@ def _prepare_ipc(address: str) -> str | None:
     if st.st_mode & 0o077:
         log.warning("socket directory %s is accessible by other users (mode %o); the socket "
                     "itself is 0600", d, stat.S_IMODE(st.st_mode))
-    if os.path.exists(path):
-        if _answers(address):
-            raise UsageError(f"another daemon already serves {address}")
-        os.unlink(path)  # stale socket file of a dead daemon
-    return made
+    lock = SocketLock(path, address)
+    try:
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise UsageError(f"--socket {address}: {path} exists and is not a socket; "
+                                 "name another path")
+            if _answers(address):  # a daemon of a version without the lock
+                raise UsageError(f"another daemon already serves {address}")
+            os.unlink(path)  # stale socket file of a dead daemon
+    except BaseException:
+        lock.release()
+        raise
+    return made, lock
 
 
 def _check_tcp_port(address: str) -> None:
@@ -169,10 +204,12 @@ class Daemon:
         if not ipc:
             _check_tcp_port(self.address)
         numa = _numa_node(cfg)
-        made = _prepare_ipc(self.address) if ipc else None
+        made, self.socket_lock = _prepare_ipc(self.address) if ipc else (None, None)
         try:
             self._bring_up(cfg, numa, curve)
         except BaseException:
+            if self.socket_lock is not None:
+                self.socket_lock.release()
             if made is not None:  # a failed start leaves no folder of ours behind
                 try:
                     os.rmdir(made)
@@ -316,7 +353,10 @@ class Daemon:
         # cyclic GC from re-scanning it on every collection of the hot loop's short-lived objects
         gc.collect()
         gc.freeze()
-        self.server.serve()
+        try:
+            self.server.serve()
+        finally:  # frozen objects are never freed at exit: Triton's nanobind would report
+            gc.unfreeze()  # them all as leaks on every stop
 
     def stop(self) -> None:
         """Ask the loop to return (safe from a signal handler)."""
@@ -365,6 +405,8 @@ class Daemon:
             sparse.close()
         if self.server is not None:
             self.server.close()
+        if getattr(self, "socket_lock", None) is not None:
+            self.socket_lock.release()
         self.metrics.close()
         if not getattr(self, "_leak_arena", False):
             self.group.close()

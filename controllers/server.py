@@ -147,6 +147,7 @@ class Server:
             self.sock.curve_publickey = public
             self.sock.curve_server = True
         self.ipc_path: str | None = None
+        self.ipc_ino = -1
         if address.startswith("ipc://"):
             self.ipc_path = address[len("ipc://"):]
             old = os.umask(0o177)  # the socket file is created 0600
@@ -155,6 +156,7 @@ class Server:
             finally:
                 os.umask(old)
             os.chmod(self.ipc_path, 0o600)
+            self.ipc_ino = os.lstat(self.ipc_path).st_ino
         else:
             self._bind(address)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -421,8 +423,9 @@ class Server:
                 os.close(fd)
             except OSError:
                 pass
-        if self.ipc_path:
+        if self.ipc_path:  # ours only: never another daemon's socket bound since
             try:
-                os.unlink(self.ipc_path)
+                if os.lstat(self.ipc_path).st_ino == self.ipc_ino:
+                    os.unlink(self.ipc_path)
             except FileNotFoundError:
                 pass

@@ -101,7 +101,9 @@ def test_serve_stops_cleanly(tmp_path, sig):
     assert not sock.exists()
 
 
-@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+# demo and soak share serve's signal path (``cli.main``), which every signal above exercises:
+# one signal each keeps the suite short
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=lambda s: signal.Signals(s).name)
 def test_demo_stops_cleanly(tmp_path, sig):
     p, out = launch(tmp_path, "demo", *DEMO)
     wait_for(p, out, r"\[demo\] replaying")
@@ -109,7 +111,7 @@ def test_demo_stops_cleanly(tmp_path, sig):
     interrupt_and_check(p, out, sig, f"hicache demo: interrupted by {signal.Signals(sig).name}")
 
 
-@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
 def test_bench_soak_stops_cleanly(tmp_path, sig):
     p, out = launch(tmp_path, "bench", "soak", "--clients", "2", "--ops", "1000000")
     deadline = time.monotonic() + 120

@@ -104,16 +104,22 @@ def _busy_port() -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "touch-threads", "numa-node"])
+@pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "socket-file",
+                                  "touch-threads", "numa-node", "heartbeat"])
 def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     """--host-mem 1TiB cannot be mapped here: had the check run after the arena, the arena's
-    refusal would be the message instead."""
+    refusal would be the message instead. A regular file at the socket's path is left as it
+    was (it used to be deleted as a stale socket)."""
     argv = [*TINY, "--host-mem", "1TiB", "--socket", f"ipc://{tmp_path}/s/d.sock"]
     busy = _busy_port()
+    keep = tmp_path / "important.conf"
+    keep.write_text("data")
     try:
         extra, want = {
             "metrics-port": (["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
             "socket-folder": (["--socket", "ipc:///proc/hicache-nope/d.sock"], "--socket"),
+            "socket-file": (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
+            "heartbeat": (["--heartbeat-timeout", "inf"], "not a finite number"),
             "touch-threads": (["--touch-threads", "0"], "--touch-threads"),
             "numa-node": (["--numa-node", "7"], "--numa-node 7"),
         }[case]
@@ -125,6 +131,43 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("hicache serve: error: "), p.stderr
     assert want in lines[0] and "pin" not in lines[0], lines[0]
     assert not (tmp_path / "s").exists()  # no socket folder left by a refused start
+    assert keep.read_text() == "data" and os.listdir(tmp_path) == ["important.conf"]
+
+
+def test_a_second_daemon_is_refused_while_the_first_cannot_answer(tmp_path):
+    """The first daemon is stopped (SIGSTOP), so it cannot answer a probe: the second is
+    refused by the socket's lock, and the first's socket survives and serves afterwards."""
+    sock = tmp_path / "d.sock"
+    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    first = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY,
+                              "--host-ratio", "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT),
+                             env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:
+            if "hicache serve: ready" in line:
+                break
+        first.send_signal(signal.SIGSTOP)
+        p = hicache("serve", *TINY, "--host-ratio", "2", "--socket", f"ipc://{sock}")
+        first.send_signal(signal.SIGCONT)
+        assert p.returncode == 2 and "another daemon already serves" in p.stderr, p.stderr
+        from hicache.engine.client import Client
+        with Client(f"ipc://{sock}", timeout=10.0, name="probe", channel=False) as c:
+            assert c.heartbeat()["heartbeat_timeout"] > 0  # the first still serves its socket
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+        assert first.returncode == 143
+        assert os.listdir(tmp_path) == []  # socket and lock removed by their daemon
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def test_non_finite_numbers_and_ratio_forms():
+    with pytest.raises(UsageError, match="not a finite number"):
+        load_config({"preset": "dsv4-tiny", "heartbeat_timeout": "inf"}, env={})
+    assert load_config({"preset": "dsv4-tiny", "host_ratio": "4:1"}, env={}).host_ratio == 4.0
 
 
 def test_arena_refusal_is_one_line():

@@ -16,6 +16,7 @@ unless ``force``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -209,7 +210,12 @@ def _convert(name: str, v: Any, key: str) -> Any:
     if name in ("host_ratio", "heartbeat_timeout", "spin_us"):
         if isinstance(v, bool):
             raise ValueError(f"not a number: {v!r}")
-        return float(v)
+        if name == "host_ratio" and isinstance(v, str) and ":" in v:
+            return float(parse_fraction(v, "host_ratio"))  # "4:1", as plan reads it
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"not a finite number: {v!r}")
+        return f
     if name == "numa_node":
         return str(v)
     if not isinstance(v, str):
