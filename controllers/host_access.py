@@ -7,10 +7,13 @@ The daemon calls, for every operation:
 
 * ``check_readable(group, pool, rows, what)`` — in the handler of a load / swap-in, after the
   ownership check: raises ``ProtocolError("not_written")`` naming the first unwritten row.
-* ``begin_writes(group, op)`` — when a backup / swap-out is accepted (before it runs): its rows
-  become CLEAN; rows a token-granular item writes only part of are zeroed first if UNWRITTEN.
+* ``begin_writes(group, op)`` — when a backup / swap-out is accepted (before it runs): its
+  UNWRITTEN rows become STALE; rows a token-granular item writes only part of are zeroed first
+  and become CLEAN.
 * ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
-  it succeeded, else back to UNWRITTEN.
+  it succeeded (a token item's rows only where CLEAN: never a row whose other bytes may be a
+  previous owner's, e.g. a whole-row write into it failed or is still in flight), else back
+  to UNWRITTEN.
 * ``begin_fill`` / ``end_fill`` — the same for an L3 prefetch: only the leading pages it read
   and verified become WRITTEN. An L3 put reads rows, so ``check_readable`` applies to it.
 
@@ -57,7 +60,7 @@ def begin_writes(group: HostPoolGroup, op: Any) -> None:
 def end_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
         for it in op.items:
-            group.end_write(it.pool, _host_rows(it), op.ok)
+            group.end_write(it.pool, _host_rows(it), op.ok, it.fmt is not None)
 
 
 def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,
@@ -70,12 +73,14 @@ def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,
             group.begin_write(pool, rows, zero=pool in partial)
 
 
-def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int) -> None:
-    """It ended: the first ``pages`` rows were read and verified (WRITTEN); the rest hold
-    nothing usable (back to UNWRITTEN)."""
+def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int,
+             partial: Any = frozenset()) -> None:
+    """It ended: the first ``pages`` rows were read and verified (WRITTEN; in ``partial``
+    pools only where still zeroed, as for a token backup); the rest hold nothing usable (back
+    to UNWRITTEN)."""
     for space, rows, _ in host:
         for pool in pools[space]:
-            group.end_write(pool, rows[:pages], True)
+            group.end_write(pool, rows[:pages], True, pool in partial)
             group.end_write(pool, rows[pages:], False)
 
 

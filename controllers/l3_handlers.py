@@ -105,8 +105,8 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
     if job.kind == "prefetch":
         pools = job.fmt.pools()
         job.pools = {s: list(p) for s, p in pools.items()}
-        begin_fill(st.group, job.pools, host,
-                   partial={p for ps in pools.values() for p, part in ps.items() if part})
+        job.partial = {p for ps in pools.values() for p, part in ps.items() if part}
+        begin_fill(st.group, job.pools, host, partial=job.partial)
     st.tracker.begin(host)
     c.in_flight += 1
     st.l3_ops[op_id] = job

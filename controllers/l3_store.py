@@ -101,6 +101,7 @@ class L3Job:
     present: list[int] = field(default_factory=list)  # with ``each``: 1/0 per key (a prefix
     # of the keys when the job stopped early: the rest are 0)
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefetch: pools it fills
+    partial: set[str] = field(default_factory=set)  # ... those it fills only in part
     started: bool = False  # set (under the tier's lock) when a worker takes the job
 
     def result(self) -> dict[str, Any]:

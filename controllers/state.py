@@ -302,7 +302,7 @@ class DaemonState:
             op_id, c, host = tag
             self.l3_ops.pop(op_id, None)
             if job.kind == "prefetch":  # before the rows can be released
-                end_fill(self.group, job.pools, host, job.hits)
+                end_fill(self.group, job.pools, host, job.hits, job.partial)
             self.tracker.end(host)
             c.in_flight -= 1
             self.releaser.dirty = True

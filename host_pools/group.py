@@ -16,12 +16,16 @@ Contract:
   unregisters). ``free_client_rows(client_id, rows_by_space) -> int``: the given rows, each held
   by some request of ``client_id``, all or nothing (a reaped client's rows, slice by slice).
 * Written state, per pool and row (a row is readable only once its owner wrote it):
-  ``UNWRITTEN`` (fresh or freed: may hold a previous owner's bytes), ``CLEAN`` (a backup into
-  it was accepted: it holds zeros or the owner's bytes only), ``WRITTEN`` (a backup into it
-  completed: readable). ``begin_write(pool, rows, zero)`` (at a backup's acceptance;
-  ``zero=True`` zeroes the UNWRITTEN rows first: a token backup writes part of a row),
-  ``end_write(pool, rows, ok)`` (at its completion: WRITTEN, or back to UNWRITTEN if it
-  failed), ``unwritten(pool, rows)`` (the rows a load must not read; ``first_unwritten`` the
+  ``UNWRITTEN`` (fresh or freed: may hold a previous owner's bytes), ``STALE`` (a whole-row
+  write into it was accepted: a previous owner's bytes stay until it lands), ``CLEAN`` (a
+  partial write into it was accepted and zeroed it first: zeros or the owner's bytes only),
+  ``WRITTEN`` (a write into it completed: readable). ``begin_write(pool, rows, zero)`` (at a
+  write's acceptance; ``zero=True`` for a partial write, a token backup: UNWRITTEN rows are
+  zeroed and become CLEAN; else they become STALE), ``end_write(pool, rows, ok, partial)`` (at
+  its completion: a whole-row write's rows become WRITTEN; a partial write's only where they
+  are CLEAN, never where a previous owner's bytes may remain, STALE or UNWRITTEN again after
+  a failed write; a failed write's rows not yet WRITTEN go back to UNWRITTEN),
+  ``unwritten(pool, rows)`` (the rows a load must not read; ``first_unwritten`` the
   first of them, or None: a load's check, a few rows read one by one). Every release of a row
   (free, free_owner, deferred frees) returns it to UNWRITTEN inside the allocator's release;
   with ``zero_on_free=True`` its bytes are zeroed there too.
@@ -48,7 +52,7 @@ from .errors import InvariantError, PoolError, PoolExhausted
 from .paged_pool import BufferInfo, PagedHostPool
 from hicache.core.sizes import arena_bytes, check_rows, plan_regions, used_spaces
 
-UNWRITTEN, CLEAN, WRITTEN = 0, 1, 2  # written state of a pool row (see the module docstring)
+UNWRITTEN, CLEAN, WRITTEN, STALE = 0, 1, 2, 3  # written state of a pool row (module docstring)
 FEW_ROWS = 8  # begin_write / end_write of at most this many rows index them one by one
 SCALAR_ROWS = 64  # first_unwritten of at most this many rows reads them one by one
 
@@ -123,8 +127,10 @@ class HostPoolGroup:
             a[rows] = 0
 
     def begin_write(self, pool: str, rows: Any, zero: bool) -> int:
-        """A backup into ``rows`` of ``pool`` was accepted: UNWRITTEN rows become CLEAN
-        (zeroed first when ``zero``). Returns the rows zeroed."""
+        """A write into ``rows`` of ``pool`` was accepted: UNWRITTEN rows are zeroed and become
+        CLEAN when ``zero`` (a partial write), else they become STALE. Returns the rows
+        zeroed."""
+        mark = CLEAN if zero else STALE
         with self._lock:
             if len(rows) <= FEW_ROWS:  # a few rows (a list or an array): scalar reads, no fancy ops
                 w = self._written_mv[pool]
@@ -134,7 +140,7 @@ class HostPoolGroup:
                 if zero:
                     self._zero(pool, np.array(fresh, dtype=np.int64))
                 for r in fresh:
-                    w[r] = CLEAN
+                    w[r] = mark
                 return len(fresh) if zero else 0
             w = self.written[pool]
             rows = np.asarray(rows, dtype=np.int64)
@@ -142,23 +148,28 @@ class HostPoolGroup:
             if fresh.size:
                 if zero:
                     self._zero(pool, fresh)
-                w[fresh] = CLEAN
+                w[fresh] = mark
             return int(fresh.size) if zero else 0
 
-    def end_write(self, pool: str, rows: Any, ok: bool) -> None:
-        """A backup into ``rows`` completed: WRITTEN when it succeeded, else rows not yet
-        WRITTEN go back to UNWRITTEN (a partial copy may have left old bytes)."""
+    def end_write(self, pool: str, rows: Any, ok: bool, partial: bool = False) -> None:
+        """A write into ``rows`` completed. Succeeded: a whole-row write's rows are WRITTEN, a
+        partial write's only where CLEAN (a row STALE or UNWRITTEN may still hold a previous
+        owner's bytes beside the ones it wrote). Failed: rows not yet WRITTEN go back to
+        UNWRITTEN (a partial copy may have left old bytes)."""
         with self._lock:
-            if ok and len(rows) <= FEW_ROWS:
+            if ok and not partial and len(rows) <= FEW_ROWS:
                 mv = self._written_mv[pool]
                 for r in rows:
                     mv[r] = WRITTEN
                 return
             w = self.written[pool]
-            if ok:
+            if ok and not partial:
                 w[rows] = WRITTEN
+                return
+            rows = np.asarray(rows, dtype=np.int64)
+            if ok:
+                w[rows[w[rows] == CLEAN]] = WRITTEN
             else:
-                rows = np.asarray(rows, dtype=np.int64)
                 w[rows[w[rows] != WRITTEN]] = UNWRITTEN
 
     def unwritten(self, pool: str, rows: np.ndarray) -> np.ndarray:
@@ -298,4 +309,5 @@ class HostPoolGroup:
         self.close()
 
 
-__all__ = ["CLEAN", "HostPoolGroup", "PoolError", "PoolExhausted", "UNWRITTEN", "WRITTEN"]
+__all__ = ["CLEAN", "HostPoolGroup", "PoolError", "PoolExhausted", "STALE", "UNWRITTEN",
+           "WRITTEN"]

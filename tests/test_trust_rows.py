@@ -10,7 +10,7 @@ import torch
 from hicache.engine.client import CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.core.layout import build_layout, preset
-from hicache.host_pools.group import (CLEAN, FEW_ROWS, SCALAR_ROWS, UNWRITTEN, WRITTEN,
+from hicache.host_pools.group import (CLEAN, FEW_ROWS, SCALAR_ROWS, STALE, UNWRITTEN, WRITTEN,
                                      HostPoolGroup)
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
@@ -162,6 +162,47 @@ def test_written_state_in_the_pool_group():
         assert (g.written[pool][r] == UNWRITTEN).all()
         for t in g.pools[pool].layers:  # zero_on_free
             assert not t[r].any()
+        g.check_invariants()
+
+
+@pytest.mark.parametrize("token_first", [True, False])
+@pytest.mark.parametrize("n", [2, FEW_ROWS + 3])
+def test_a_token_write_beside_a_failed_whole_row_write_never_makes_old_bytes_readable(
+        token_first, n):
+    """A whole-row write (a row backup, an L3 prefetch) leaves a previous owner's bytes until
+    it lands. A token write accepted meanwhile cannot zero the row, and when the whole-row
+    write then fails (or an L3 read misses), the row must stay unreadable whichever of the two
+    ends first (it used to become readable: the token write's success marked it WRITTEN)."""
+    lay = build_layout(preset("dsv4-tiny"))
+    with HostPoolGroup(lay, {"page": 32, "swa_page": 4, "req_slot": 2}) as g:
+        r = g.alloc({"page": n}, ("b", None))["page"].numpy()
+        pool = lay.space_pools("page")[0].name
+        for t in g.pools[pool].layers:
+            t[torch.from_numpy(r)] = 7  # the previous owner's bytes
+        g.begin_write(pool, r, zero=False)  # whole rows: nothing zeroed
+        assert (g.written[pool][r] == STALE).all()
+        assert g.begin_write(pool, r, zero=True) == 0  # a token write cannot zero them now
+        if token_first:
+            g.end_write(pool, r, ok=True, partial=True)
+            assert g.unwritten(pool, r).size == n  # the whole-row write has not landed
+            g.end_write(pool, r, ok=False)
+        else:
+            g.end_write(pool, r, ok=False)
+            g.end_write(pool, r, ok=True, partial=True)
+        assert g.unwritten(pool, r).size == n and g.first_unwritten(pool, r) == int(r[0])
+        # a later token write zeroes them again, and its success makes them readable
+        assert g.begin_write(pool, r, zero=True) == n
+        g.end_write(pool, r, ok=True, partial=True)
+        assert g.unwritten(pool, r).size == 0
+        assert all(not t[torch.from_numpy(r)].any() for t in g.pools[pool].layers)
+        # a whole-row write that succeeds makes its rows readable whatever came before
+        r2 = g.alloc({"page": 1}, ("b", None))["page"].numpy()
+        g.begin_write(pool, r2, zero=False)
+        g.begin_write(pool, r2, zero=True)
+        g.end_write(pool, r2, ok=True, partial=True)
+        assert g.unwritten(pool, r2).size == 1
+        g.end_write(pool, r2, ok=True)
+        assert g.unwritten(pool, r2).size == 0
         g.check_invariants()
 
 
