@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from typing import Any, Callable
 
@@ -52,6 +53,7 @@ from .ops import Operation
 from .scheduler import Scheduler
 
 log = logging.getLogger("hicache.daemon")
+OP_ID_BITS = 44  # random base of a run's op ids (far below 2**53: exact in any JSON reader)
 
 
 def _client_tag(job: Any) -> tuple[int, Any, Any] | None:
@@ -81,7 +83,9 @@ class DaemonState:
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
         # per pool or space name: what a backup / load item of it needs (copy_commands._plans)
         self.item_plans: dict[tuple[str, str], tuple] = {}
-        self._op_ids = itertools.count(1)
+        # op ids start at a random base each run: a client that re-registers with a restarted
+        # daemon never takes an ack the old daemon pushed for the same id as its new op's
+        self._op_ids = itertools.count(1 + secrets.randbits(OP_ID_BITS))
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)

@@ -50,3 +50,41 @@ def test_sigkilled_daemon_fails_calls_fast_then_worker_reregisters(address):
     assert rep["corrupted_pages"] == 0 and rep["pages_verified"] > 0
     assert rep["ok"], rep
     assert r.starts == 3
+
+
+def test_a_restarted_daemon_never_answers_a_new_op_with_an_old_ack():
+    """An ack of the old daemon the client holds unconsumed (pushed, read by another call)
+    must not answer a new op after the daemon restarts and the client registers again: op
+    ids start at a random base per run (they used to start at 1 each time, so the new daemon's
+    first op took the old daemon's first ack at once)."""
+    import time
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.client import Client
+    from hicache.engine.daemon_process import DaemonProcess
+    from hicache.engine.device_pools import DevicePools
+
+    rows_flag = "page=8,swa_page=4,req_slot=4"
+    pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
+                                                             "req_slot": 4})
+    dp = DaemonProcess(device_rows=rows_flag, heartbeat_timeout=30.0).start()
+    c = Client(dp.address, timeout=10.0, name="restart", channel=False)
+    try:
+        c.register(pools)
+        old = c.backup({"page": ([3], c.alloc({"page": 1})["page"])})  # a whole page: pushed
+        deadline = time.monotonic() + 10
+        while old.op_id not in c._acks and time.monotonic() < deadline:
+            time.sleep(0.05)
+            c.stats()  # reads the push without consuming it
+        stale = c._acks[old.op_id]
+        dp.kill()
+        dp.start()
+        c.register(pools)
+        new = c.backup({"page": ([5], c.alloc({"page": 1})["page"])})
+        assert new.op_id != old.op_id
+        ack = c.wait_ack(new)
+        assert ack is not stale and ack.ok and ack.op == new.op_id
+    finally:
+        c.close()
+        dp.close()
+        pools.close()
