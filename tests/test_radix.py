@@ -301,3 +301,33 @@ def test_random_workload_keeps_invariants_and_content(policy, seed, fault):
     else:
         assert (s.transfer_failures > 0) == (fault == "transfer")
         assert len(hooks.free_rows) + tree.host_pages == hooks.capacity  # no host row leaks
+
+
+def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_reset():
+    """The daemon answered but the load's ack never came: the copy may still be writing its
+    device rows, so the tree goes device-only and holds them aside (a recompute takes other
+    rows); ``reset_host_tier`` (after the old registration is gone) gives them back."""
+    from hicache.engine.hooks import CopyOutcomeUnknown
+
+    class AckLost(FakeHooks):
+        def wait(self, ticket):
+            if self.calls and self.calls[-1][0] == "load":
+                raise CopyOutcomeUnknown("op 7 did not complete within 5 s (fake)")
+            super().wait(ticket)
+
+    dev: dict = {}
+    hooks = AckLost(device=dev)
+    tree = RadixTree(12, hooks, policy="write_through")
+    run_request(tree, seq("a", 4), dev)
+    tree.drain()
+    assert tree.evict_device(4) == 4
+    assert tree.match(seq("a", 4)) == (0, 4)
+    p = run_request(tree, seq("a", 4), dev)  # recomputed, in rows the load did not take
+    assert p.pages == 0 and not tree.host_online
+    held = list(tree.held_device_rows)
+    assert len(held) == 4 and held == [c for c in hooks.calls if c[0] == "load"][-1][2]
+    assert not set(held) & {n.device for n in tree.nodes() if n.device is not None}
+    assert tree.device.available() == 12 - 4 - 4
+    tree.reset_host_tier()
+    assert tree.held_device_rows == [] and tree.device.available() == 12 - 4
+    tree.check()

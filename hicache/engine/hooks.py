@@ -56,6 +56,11 @@ class HostUnavailable(HostTierError):
     """The host tier is gone (daemon unreachable, restarted or reaped us)."""
 
 
+class CopyOutcomeUnknown(HostUnavailable):
+    """The daemon answers but a copy's ack never came (``AckTimeout``): the copy may still be
+    running, so a load's device rows must not be reused until the registration is gone."""
+
+
 class TransferFailed(HostTierError):
     """A backup or load did not complete; the pages involved hold no trusted copy."""
 
@@ -162,7 +167,7 @@ class ClientHooks:
         except DaemonUnreachable as e:
             raise HostUnavailable(str(e)) from e
         except AckTimeout as e:  # the daemon answers but a copy never completes: do not trust it
-            raise HostUnavailable(str(e)) from e
+            raise CopyOutcomeUnknown(str(e)) from e
         except ClientTransferFailed as e:
             raise TransferFailed(str(e)) from e
         except CommandRefused as e:

@@ -52,14 +52,16 @@ to L3 too.
 
 Host tier failures never fail a request: ``HostExhausted`` drops the page, ``HostUnavailable``
 empties the host tier (every host copy and checkpoint is forgotten, ``stats.host_offline``)
-and the tree runs device-only until ``reset_host_tier``. ``hooks=None``: device-only.
+and the tree runs device-only until ``reset_host_tier``. A load that ends so may still be
+writing its device rows (``CopyOutcomeUnknown``: its ack timed out): they are held aside
+(``held_device_rows``) and reused only after ``reset_host_tier``. ``hooks=None``: device-only.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any, Hashable, Iterable, Sequence
 
-from hicache.engine.hooks import HostTierError, HostUnavailable, TierHooks
+from hicache.engine.hooks import CopyOutcomeUnknown, HostTierError, HostUnavailable, TierHooks
 from hicache.engine.radix_nodes import DeviceFull, Node, Prefix, RowFreeList, TreeStats
 from hicache.engine.radix_transfers import Transfers
 
@@ -116,6 +118,9 @@ class RadixTree(Transfers):
         self.checkpoint_branch = checkpoint_branch
         self.host_ckpt_capacity = host_ckpt_capacity
         self.host_online = hooks is not None
+        # device rows of loads whose outcome is unknown (the daemon went unreachable or timed
+        # out while it may still be writing them): reused only after ``reset_host_tier``
+        self.held_device_rows: list[int] = []
         self.root = Node(None, None)
         self.stats = TreeStats()
         # LRU orders, oldest first. A path is touched leaf-first, so an ancestor always sits
@@ -253,12 +258,15 @@ class RadixTree(Transfers):
             else:
                 dst = rows[-1]  # the boundary is the last host page
             ckpts.append((dst, ckpt_node.ckpt_host, ckpt_node.depth))  # type: ignore[arg-type]
-        ok = False
+        ok = unknown = False
         try:
             kw = {"ckpts": ckpts} if ckpts else {}
             ticket = self.hooks.load([n.host for n in host_nodes], rows, **kw)
             self.hooks.wait(ticket)
             ok = True
+        except CopyOutcomeUnknown:  # the load may still be writing its rows: hold them
+            unknown = True
+            self._go_offline()
         except HostUnavailable:
             self._go_offline()
         except HostTierError:
@@ -269,7 +277,10 @@ class RadixTree(Transfers):
             if ckpt_node is not None and ckpt_node not in host_nodes:
                 ckpt_node.io -= 1
         if not ok:
-            self.device.free(rows)
+            if unknown:
+                self.held_device_rows.extend(rows)
+            else:
+                self.device.free(rows)
             self.stats.load_failed_pages += len(host_nodes)
             prefix.load_failed_pages = len(host_nodes)
             if self.host_online:  # the copies are suspect: drop them (leaf first)

@@ -24,6 +24,7 @@ class TierOps:
     host_capacity: int | None
     host_ckpt_capacity: int | None
     host_online: bool
+    held_device_rows: list[int]
     ckpt_mode: bool
     device_ckpts: bool
     root: Node
@@ -216,10 +217,15 @@ class TierOps:
         self._go_offline()
 
     def reset_host_tier(self, hooks: TierHooks | None = None) -> None:
-        """Start using a (re-registered) host tier again after ``HostUnavailable``."""
+        """Start using a (re-registered) host tier again after ``HostUnavailable``. Call it
+        once the old registration is gone (the daemon restarted, or ``unregister`` returned:
+        no copy of it writes device rows any more): the device rows of loads whose outcome was
+        unknown go back to the free list only then."""
         if hooks is not None:
             self.hooks = hooks
         self.host_online = self.hooks is not None
+        held, self.held_device_rows = self.held_device_rows, []
+        self.device.free(held)
 
     # ------------------------------------------------------------------ checking
     def nodes(self) -> Iterable[Node]:
@@ -270,4 +276,4 @@ class TierOps:
         assert ck == len(self._ckpt_lru), (ck, len(self._ckpt_lru))
         if self.host_ckpt_capacity is not None:
             assert self.host_checkpoints <= self.host_ckpt_capacity
-        assert dev + self.device.available() <= self.device.capacity
+        assert dev + self.device.available() + len(self.held_device_rows) <= self.device.capacity
