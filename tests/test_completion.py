@@ -108,3 +108,38 @@ def test_taking_a_load_s_ack_drops_its_kept_pushes():
     c._pushed(ACK | {"op": 8})
     assert [a.op for a in c.poll_acks([8])] == [8] and 8 not in c._issued
     c.close()
+
+
+class _Done:
+    """An event of a reused set: recorded, and completed, by an earlier load."""
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_wait_layer_raises_when_the_loads_ack_says_it_failed(when):
+    """A load that failed after the daemon accepted it records no events, and a reused event
+    set's old records say done: ``wait_layer`` must raise ``TransferFailed`` once the error ack
+    is in (it used to return for every layer). The ack stays the caller's to take."""
+    from hicache.engine.acks import TransferFailed
+
+    err = ACK | {"status": "error", "error": {"code": "transfer_failed",
+                                               "message": "launch failed: boom"}}
+    c = Scripted([err] if when == "during" else [])
+    c.stage_layers = [0, 1, 2, 3]
+    c._layer_pos = {g: i for i, g in enumerate(c.stage_layers)}
+    c._load_events = [[_Done() for _ in range(4)]]
+    op = Op(op_id=7, kind="load", event_set=0, issued=1)  # the reply: layer 0 issued
+    if when == "before":
+        c._pushed(err)
+        with pytest.raises(TransferFailed):
+            c.wait_layer(op, 0)
+    else:
+        c.wait_layer(op, 0)  # layer 0 is issued and its event done: nothing known yet
+        with pytest.raises(TransferFailed):
+            c.wait_layer(op, 1)  # waits for the notice, gets the error ack instead
+    with pytest.raises(TransferFailed):
+        c.wait_ack(op)
+    assert 7 not in c._acks
+    c.close()

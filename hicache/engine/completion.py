@@ -139,8 +139,10 @@ class Completion:
         pos = self._layer_pos.get(layer)
         if pos is None:
             raise ValueError(f"layer {layer} is not on this stage ({self.stage_layers})")
+        self._check_failed(op)
         if op.issued is not None and pos >= op.issued:
             self._wait_issued(op, pos, timeout)
+            self._check_failed(op)
         ev = self._load_events[op.event_set][pos]
         # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
         # MPS, even for a record that already completed. So the host polls the event (until
@@ -157,6 +159,14 @@ class Completion:
                     raise AckTimeout(f"op {op.op_id}: layer {layer} not copied in time")
                 (stream or torch.cuda.current_stream()).wait_event(ev)
                 return
+        self._check_failed(op)  # a failed load records no events: an old record says done
+
+    def _check_failed(self, op: Op) -> None:
+        """``TransferFailed`` when ``op``'s ack is in and says it failed (the ack stays the
+        caller's to take)."""
+        a = op.ack if op.ack is not None else self._acks.get(op.op_id)
+        if a is not None and not a.ok:
+            raise TransferFailed(a)
 
     def _wait_issued(self, op: Op, pos: int, timeout: float | None) -> None:
         """Until a notice covers stage layer position ``pos`` of ``op`` (or its ack is in);

@@ -121,6 +121,9 @@ class _DaemonPoolMixin:
             if layer_id == self.layer_num - 1:
                 del self._loads[key]
         c.wait_layer(op, self.link.pool_global_layer(self.ours, layer_id))
+        if layer_id == self.layer_num - 1 and op.event_set is not None:
+            c.wait_ack(op, check=True)  # a failed load raises here at the latest; and its ack
+            # is taken (the GPU path's acks would otherwise pile up in the client)
 
     get_data_page = _refuse("get_data_page")
     set_from_flat_data_page = _refuse("set_from_flat_data_page")
