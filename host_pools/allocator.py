@@ -236,11 +236,16 @@ class RowAllocator:
         if not n:
             return torch.empty(0, dtype=torch.int64)
         pieces = self._take_rows(n)
-        if len(pieces) == 1:
-            rows = np.arange(pieces[0][0], pieces[0][0] + n, dtype=np.int64)
-        else:
-            rows = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
-        oid = self._intern(owner)
+        try:
+            if len(pieces) == 1:
+                rows = np.arange(pieces[0][0], pieces[0][0] + n, dtype=np.int64)
+            else:
+                rows = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
+            oid = self._intern(owner)
+        except BaseException:  # e.g. MemoryError: the rows go back, nothing changed
+            for s, k in pieces:
+                self._add_run(s, k)
+            raise
         self._free -= n
         self._owner[rows] = oid
         self._counts[oid] += n

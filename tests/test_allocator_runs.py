@@ -245,3 +245,28 @@ def test_ownership_checks_do_not_scale_with_the_requests_a_client_holds():
         assert a.foreign_rows("c1", rows).size == 0
     per = (time.perf_counter() - t) / 200
     assert per < 150e-6, f"{per * 1e6:.0f} us per check of 256 rows"
+
+
+def test_an_alloc_that_fails_halfway_gives_its_rows_back(monkeypatch):
+    """Building the row array can fail (``MemoryError`` for a huge request) after the free
+    runs gave up their rows: they go back, and nothing changed (they used to be lost)."""
+    import numpy as np
+
+    from hicache.host_pools import allocator as A
+
+    a = A.RowAllocator(1000, "page")
+    a.alloc(100, ("x", None))
+    runs, free = a.runs(), a.free_rows
+    real = np.arange
+
+    def arange(*args, **kw):
+        if len(args) >= 2 and args[1] - args[0] > 500:
+            raise MemoryError("simulated")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(A.np, "arange", arange)
+    with pytest.raises(MemoryError):
+        a.alloc(600, ("c", None))
+    monkeypatch.setattr(A.np, "arange", real)
+    assert a.runs() == runs and a.free_rows == free and ("c", None) not in a.owners()
+    a.check_invariants()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import pytest
+
 from hicache.core.layout import build_layout, preset
 from hicache.core.resume import ResumeModel
 from hicache.engine.radix import RadixTree
@@ -128,3 +130,26 @@ def test_a_checkpoint_alone_makes_the_trees_own_pages_resumable():
     assert c.stats.l3_hit_checkpoints == 1 and hc.fetched == [("ckpt", [4])]
     c.abort(p)
     c.check()
+
+
+@pytest.mark.parametrize("fails", ["l3_prefetch", "l3_ckpt_prefetch"])
+def test_a_failed_l3_fetch_gives_its_host_rows_back(fails):
+    """A refused or failed prefetch (``TransferFailed``) after the tree took host rows for it:
+    the rows go back (they used to stay allocated, owned by nobody)."""
+    from hicache.engine.hooks import TransferFailed
+
+    class Failing(StoreHooks):
+        pass
+
+    def boom(self, keys, handles):
+        raise TransferFailed(f"{fails} refused (busy)")
+
+    setattr(Failing, fails, boom)
+    h = Failing({"page": {1, 2, 3, 4}, "ckpt": {4}})
+    t = tree(h)
+    before = h.free_rows()
+    p = t.prepare([1, 2, 3, 4, 5])
+    t.abort(p)
+    t.check()
+    assert p.pages == 0 and t.host_pages == 0 and t.host_checkpoints == 0
+    assert h.free_rows() == before

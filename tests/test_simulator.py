@@ -173,3 +173,16 @@ def test_hooks_report_unreachable_daemon():
         with pytest.raises(HostUnavailable):
             hooks.host_alloc(1)
         assert time.monotonic() - t0 < 3
+
+
+def test_hook_latencies_keep_only_the_newest():
+    """A long-running engine's ``HookStats`` stays flat: each direction keeps the newest
+    ``LATENCY_SAMPLES`` latencies (it used to keep every one)."""
+    from hicache.engine.hooks import LATENCY_SAMPLES, HookStats
+    from hicache.sim.replay import percentile
+
+    st = HookStats()
+    for i in range(LATENCY_SAMPLES + 10):
+        st.latencies["load"].append(float(i))
+    assert len(st.latencies["load"]) == LATENCY_SAMPLES and st.latencies["load"][0] == 10.0
+    assert percentile(st.latencies["load"], 100) == LATENCY_SAMPLES + 9

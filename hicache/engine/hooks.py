@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -100,17 +101,22 @@ class Ticket:
     t_done: float | None = None
 
 
+LATENCY_SAMPLES = 1 << 16  # per direction: the latencies HookStats keeps (the newest)
+
+
 @dataclass
 class HookStats:
     """What the adapter saw, per direction: ops, pages, bytes, copy execution seconds (ops the
-    daemon merged into one copy counted once) and latencies (daemon-side, accept to completion)."""
+    daemon merged into one copy counted once) and latencies (daemon-side, accept to completion;
+    the last ``LATENCY_SAMPLES`` per direction, so a long-running engine's memory stays flat)."""
 
     ops: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     pages: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     ckpts: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     bytes: dict[str, int] = field(default_factory=lambda: {"backup": 0, "load": 0})
     exec_seconds: dict[str, float] = field(default_factory=lambda: {"backup": 0.0, "load": 0.0})
-    latencies: dict[str, list[float]] = field(default_factory=lambda: {"backup": [], "load": []})
+    latencies: dict[str, deque[float]] = field(default_factory=lambda: {
+        "backup": deque(maxlen=LATENCY_SAMPLES), "load": deque(maxlen=LATENCY_SAMPLES)})
 
 
 class ClientHooks:

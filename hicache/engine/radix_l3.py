@@ -76,16 +76,23 @@ class L3Tier(TierOps):
         handles = self._host_alloc(n) if n else []
         if handles is None:
             return []
-        got = hooks.l3_prefetch(rest[:n], handles) if n else 0
-        ck_handle = None
-        if self.ckpt_mode and got == n and self.host_online:
-            ck_key = rest[n - 1] if ck_node is None else ck_node.key
-            ck = self._ckpt_alloc(1)
-            if ck:
-                if hooks.l3_ckpt_prefetch([ck_key], ck) == 1:
-                    ck_handle = ck[0]
-                else:
+        ck_handle, ck = None, []
+        try:
+            got = hooks.l3_prefetch(rest[:n], handles) if n else 0
+            if self.ckpt_mode and got == n and self.host_online:
+                ck_key = rest[n - 1] if ck_node is None else ck_node.key
+                ck = self._ckpt_alloc(1) or []
+                if ck:
+                    if hooks.l3_ckpt_prefetch([ck_key], ck) == 1:
+                        ck_handle = ck[0]
+                    else:
+                        self._free_handles(ck, "ckpt")
+        except HostTierError as e:  # a refused or failed prefetch: its rows go back
+            if self.host_online and not isinstance(e, HostUnavailable):
+                self._free_handles(handles)
+                if ck and ck_handle is None:
                     self._free_handles(ck, "ckpt")
+            raise
         if not self.host_online:
             return []
         if self.ckpt_mode and ck_handle is None:
