@@ -324,8 +324,10 @@ class Daemon:
             f"  host rows: {rows} (device rows "
             f"{', '.join(f'{s}={n}' for s, n in self.device_rows.items())} from "
             f"{self.sizing_source}); write policy {self.cfg.write_policy}",
-            f"  arena: {format_bytes(self.group.arena_bytes)}, NUMA node {a.get('numa_node')} "
-            f"({a.get('numa_policy')}), {'pinned' if a.get('registered') else 'not pinned (CPU mode)'}"
+            f"  arena: {format_bytes(self.group.arena_bytes)}, NUMA "
+            + (f"node {a['numa_node']} ({a.get('numa_policy')})" if a.get("numa_node") is not None
+               else f"off ({a.get('numa_policy')})") + ","
+            f" {'pinned' if a.get('registered') else 'not pinned (CPU mode)'}"
             f" in {a.get('seconds')} s = {a.get('gib_per_s')} GiB/s with "
             f"{a.get('touch_threads')} touch threads, huge pages {a.get('hugepages')}",
             f"  socket: {self.server.endpoint if self.server else self.address}; metrics: "

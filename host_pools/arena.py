@@ -101,7 +101,7 @@ class _Mapping:
             try:
                 mm.close()
             except BufferError:  # views are alive; the mapping goes with the last of them
-                log.info("host arena closed; tensor views still alive keep it mapped")
+                log.debug("host arena closed; tensor views still alive keep it mapped")
         return errors
 
 

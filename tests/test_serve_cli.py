@@ -105,7 +105,7 @@ def _busy_port() -> socket.socket:
 
 
 @pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "socket-file",
-                                  "touch-threads", "numa-node", "heartbeat"])
+                                  "touch-threads", "numa-node", "heartbeat", "parent-pid"])
 def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     """--host-mem 1TiB cannot be mapped here: had the check run after the arena, the arena's
     refusal would be the message instead. A regular file at the socket's path is left as it
@@ -120,6 +120,8 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
             "socket-folder": (["--socket", "ipc:///proc/hicache-nope/d.sock"], "--socket"),
             "socket-file": (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
             "heartbeat": (["--heartbeat-timeout", "inf"], "not a finite number"),
+            # a pid that is not the daemon's parent: it used to stop at once, reason unsaid
+            "parent-pid": (["--parent-pid", "2"], "is not this process's parent"),
             "touch-threads": (["--touch-threads", "0"], "--touch-threads"),
             "numa-node": (["--numa-node", "7"], "--numa-node 7"),
         }[case]

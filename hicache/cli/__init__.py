@@ -63,7 +63,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    bench = sub.add_parser("bench", help="benchmarks (pin, transfer, control, fuzz, soak, l3, hisparse)")
+    bench = sub.add_parser("bench", help=f"benchmarks ({', '.join(BENCHES)})")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     wanted_b = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_) in BENCHES.items():

@@ -27,10 +27,14 @@ from hicache.core.planner import (
 from hicache.core.sizes import check_host_larger
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Let "-5GiB" reach our own checks as a value (argparse only knows "-5" and "-.5").
+def negatives_as_values(p: argparse.ArgumentParser) -> None:
+    """Let "-5GiB" reach our own checks as a value (argparse only knows "-5" and "-.5")."""
     if hasattr(p, "_negative_number_matcher"):
         p._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    negatives_as_values(p)
     src = p.add_argument_group("model (one of)")
     src.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")
     src.add_argument("--model-config", metavar="FILE", help="a Hugging Face style config.json")

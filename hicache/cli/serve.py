@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
+from hicache.cli.plan import negatives_as_values
 from hicache.core.config import BOOL_FIELDS, SETTINGS
+from hicache.core.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    negatives_as_values(p)
     groups: dict[str, Any] = {}
     for s in SETTINGS:
         if s.option is None:
@@ -60,6 +64,10 @@ def serve(cfg: Any) -> int:
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
     if cfg.parent_pid is not None:  # a launcher's daemon: stop with it
+        if cfg.parent_pid != os.getppid():  # it would stop at once, for no reason it could say
+            raise UsageError(f"--parent-pid {cfg.parent_pid} is not this process's parent (its "
+                             f"parent is {os.getppid()}): it names the launcher that started "
+                             "this daemon, which it exits with")
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
     try:
         daemon = Daemon(cfg)
