@@ -225,3 +225,17 @@ def test_version_help_and_quiet_broken_pipe():
     assert p.stdout == "{\n" and "Traceback" not in p.stderr and p.stderr == "", p.stderr
     assert re.search(r"serve lines", hicache("plan", "--preset", "dsv4-flash", "--kv-mem",
                                              "100GiB").stdout)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    ({"metrics_addr": "0.0.0.0"}, "--metrics-addr applies with --metrics-port"),
+    ({"min_sparse_prompt_len": "100"}, "--min-sparse-prompt-len applies with --sparse-rows"),
+    ({"allow_remote": True, "socket": "ipc:///tmp/x/d.sock"}, "--allow-remote applies to a tcp"),
+    ({"allow_remote": True}, "--allow-remote applies to a tcp"),
+    ({"l3_protocol": "rdma"}, "l3_protocol given but l3 is off"),
+    ({"l3_local_host": "10.0.0.1"}, "l3_local_host given but l3 is off"),
+])
+def test_options_that_do_not_apply_are_refused(flags, msg):
+    base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
+    with pytest.raises(UsageError, match=msg):
+        load_config({**base, **flags}, env={})

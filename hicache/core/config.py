@@ -353,10 +353,28 @@ def validate(cfg: ServeConfig) -> None:
                          "the CPU")
     if cfg.parent_pid is not None and cfg.parent_pid <= 1:
         raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
+    _refuse_unused(cfg)
     _validate_l3(cfg)
     curve = check_curve(cfg)
     if cfg.socket is not None:
         check_address(cfg.socket, cfg.allow_remote, curve)
+
+
+def _refuse_unused(cfg: ServeConfig) -> None:
+    """An option set away from its default where it does not apply is refused, never ignored."""
+    def given(name: str) -> bool:
+        return getattr(cfg, name) != FIELDS[name].default
+
+    if given("metrics_addr") and not cfg.metrics_port:
+        raise UsageError("--metrics-addr applies with --metrics-port (metrics are off)")
+    if given("min_sparse_prompt_len") and not cfg.sparse_rows:
+        raise UsageError("--min-sparse-prompt-len applies with --sparse-rows (HiSparse is off)")
+    if cfg.allow_remote and not (cfg.socket or "").startswith("tcp://"):
+        raise UsageError("--allow-remote applies to a tcp:// --socket only (this one is ipc)")
+    if cfg.l3 == "off":
+        off = [n for n in ("l3_protocol", "l3_rdma_devices", "l3_local_host") if given(n)]
+        if off:
+            raise UsageError(f"{', '.join(off)} given but l3 is off (add --l3 mooncake)")
 
 
 def _validate_l3(cfg: ServeConfig) -> None:
