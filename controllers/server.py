@@ -384,9 +384,9 @@ class Server:
     def _housekeeping(self, now: float) -> None:
         st = self.state
         for c in st.registry.silent(now, st.heartbeat_timeout):
-            st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout of "
-                       f"{st.heartbeat_timeout:g} s")
-            st.metrics.inc("clients_reaped")
+            if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
+                          f"of {st.heartbeat_timeout:g} s"):
+                st.metrics.inc("clients_reaped")
         if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
             st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
             self._channels()

@@ -370,12 +370,18 @@ class DaemonState:
             forget = why == "unregister"
         return self.releaser.start(c, why, ops, worker, cancel=[], forget=forget)
 
-    def reap(self, c: ClientState, why: str) -> None:
+    def reap(self, c: ClientState, why: str) -> bool:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused
-        ``busy``), cancel its CPU copies; its mappings and rows go once they ended."""
+        ``busy``), cancel its CPU copies; its mappings and rows go once they ended. Returns
+        False for a peer that never registered and holds nothing (a ``stats`` probe): it is
+        forgotten quietly."""
         ops = self._ops_of(c)  # before anything changes
+        probe = c.worker is None and c.kv is None and c.channel is None and not ops \
+            and not any(a.rows_of(c.cid).numel() for a in self.group.allocators.values())
         self.registry.retire(c)
-        if ops:
+        if probe:
+            log.debug("peer %s %s: it never registered and holds nothing; forgotten", c.cid, why)
+        elif ops:
             gb = sum(self.ops[i][0].nbytes for i in ops if i in self.ops) / 1e9
             log.warning("client %s %s: %d operations still running (%.2f GB), cancelled; its "
                         "rows and device mappings go when they end", c.cid, why, len(ops), gb)
@@ -385,6 +391,7 @@ class DaemonState:
         worker, c.worker = c.worker, None
         self.releaser.start(c, f"reaped ({why})", ops, worker,
                             cancel=[i for i in ops if i in self.ops], forget=True)
+        return not probe
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:

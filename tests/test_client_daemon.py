@@ -356,6 +356,23 @@ def test_free_of_rows_in_flight_is_deferred(worker):
     assert usage(c)["swa_page"][1] == free0 + 4
 
 
+def test_a_silent_stats_probe_is_forgotten_quietly(daemon_factory):
+    """A peer that only asked for ``stats`` (never registered, holds nothing) is forgotten when
+    it falls silent, without counting as a reaped client (it used to, with two warnings)."""
+    d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
+    with d.client() as watcher:
+        n = watcher.stats()["clients"]
+        with d.client() as probe:
+            probe.stats()
+        assert watcher.stats()["clients"] == n + 1
+        deadline = time.monotonic() + 10
+        while watcher.stats()["clients"] > n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        s = watcher.stats()
+        assert s["clients"] <= n  # (the fixture's own readiness probe may go too: also quiet)
+        assert s["metrics"]["hicache_clients_reaped_total"][0]["value"] == 0
+
+
 def test_silent_client_is_reaped(daemon_factory):
     d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
     with d.client() as quiet, d.client() as watcher:

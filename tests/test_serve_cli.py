@@ -239,3 +239,29 @@ def test_options_that_do_not_apply_are_refused(flags, msg):
     base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
     with pytest.raises(UsageError, match=msg):
         load_config({**base, **flags}, env={})
+
+
+def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path):
+    """``hicache stats`` prints a summary (or the reply as JSON, with the invariant check) of
+    a running daemon, and one line with exit 1 when nothing answers on the socket."""
+    sock = tmp_path / "d.sock"
+    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    d = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--host-ratio",
+                          "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT), env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert d.stdout is not None
+        for line in d.stdout:
+            if "hicache serve: ready" in line:
+                break
+        p = hicache("stats", "--socket", f"ipc://{sock}")
+        assert p.returncode == 0, p.stderr
+        assert "host page: 0 of 16 rows used, 16 free in 1 runs" in p.stdout, p.stdout
+        j = hicache("stats", "--socket", f"ipc://{sock}", "--json", "--check")
+        assert j.returncode == 0 and json.loads(j.stdout)["invariants"] == "ok", j.stderr
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.communicate(timeout=60)
+    gone = hicache("stats", "--socket", f"ipc://{sock}", "--timeout", "0.5")
+    lines = gone.stderr.strip().splitlines()
+    assert gone.returncode == 1 and len(lines) == 1 and "no daemon answered on" in lines[0]

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hicache.cli.plan", "capacity plan: tokens that fit per stage, device and host pools"),
     "serve": ("hicache.cli.serve", "run the per-GPU host-offload daemon"),
     "demo": ("hicache.sim.demo", "daemon + simulated DSV4 worker replaying a multi-turn workload"),
+    "stats": ("hicache.cli.stats", "what a running daemon holds (clients, rows, operations)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "pin": ("hicache.bench.pin", "bring up the pinned host arena vs torch's pinned allocator"),
