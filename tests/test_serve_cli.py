@@ -104,7 +104,7 @@ def _busy_port() -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "socket-file",
+@pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "socket-file", "socket-long",
                                   "touch-threads", "numa-node", "heartbeat", "parent-pid"])
 def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     """--host-mem 1TiB cannot be mapped here: had the check run after the arena, the arena's
@@ -119,6 +119,8 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
             "metrics-port": (["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
             "socket-folder": (["--socket", "ipc:///proc/hicache-nope/d.sock"], "--socket"),
             "socket-file": (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
+            "socket-long": (["--socket", f"ipc://{tmp_path}/{'x' * 100}/d.sock"],
+                            "over the 107 a Unix socket takes"),
             "heartbeat": (["--heartbeat-timeout", "inf"], "not a finite number"),
             # a pid that is not the daemon's parent: it used to stop at once, reason unsaid
             "parent-pid": (["--parent-pid", "2"], "is not this process's parent"),

@@ -49,6 +49,9 @@ def default_socket(device: str) -> str:
     return f"ipc://{os.path.join(runtime_dir(), tag + '.sock')}"
 
 
+IPC_PATH_MAX = 107  # bytes of a Unix socket path (sun_path, less its terminating zero)
+
+
 def check_address(addr: str, allow_remote: bool = False, curve: bool = False) -> str:
     """Return the transport ('ipc' or 'tcp') of an acceptable address, else raise UsageError:
     a non-loopback tcp address needs ``allow_remote`` and CURVE."""
@@ -57,6 +60,9 @@ def check_address(addr: str, allow_remote: bool = False, curve: bool = False) ->
         if not path or path.startswith("@"):
             raise UsageError(f"ipc socket {addr!r}: give a filesystem path (abstract sockets "
                              f"have no permissions)")
+        if len(path.encode()) > IPC_PATH_MAX:
+            raise UsageError(f"ipc socket path is {len(path.encode())} bytes, over the "
+                             f"{IPC_PATH_MAX} a Unix socket takes: name a shorter one")
         return "ipc"
     if addr.startswith("tcp://"):
         host, _, port = addr[len("tcp://"):].rpartition(":")
