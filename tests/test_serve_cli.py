@@ -267,3 +267,20 @@ def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path):
     gone = hicache("stats", "--socket", f"ipc://{sock}", "--timeout", "0.5")
     lines = gone.stderr.strip().splitlines()
     assert gone.returncode == 1 and len(lines) == 1 and "no daemon answered on" in lines[0]
+
+
+def test_a_later_source_replaces_the_other_of_an_exclusive_pair(tmp_path):
+    """One TOML file for every stage, each daemon adding flags: a flag or variable that sets
+    one of ``kv_mem`` / ``device_rows``, ``host_mem`` / ``host_ratio`` or ``preset`` /
+    ``model_config`` replaces the file's other (it used to be refused as "not both"); both
+    in one source are still refused."""
+    f = tmp_path / "g.toml"
+    f.write_text('preset = "dsv4-tiny"\nkv_mem = "16MiB"\nhost_mem = "64MiB"\n')
+    c = load_config({"host_ratio": "3"}, str(f), env={})
+    assert (c.host_mem, c.host_ratio) == (None, 3.0)
+    c = load_config({"device_rows": "page=8,swa_page=8,req_slot=4"}, str(f), env={})
+    assert c.kv_mem is None and c.device_rows["page"] == 8
+    c = load_config({}, str(f), env={"HICACHE_HOST_RATIO": "2"})
+    assert (c.host_mem, c.host_ratio) == (None, 2.0)
+    with pytest.raises(UsageError, match="not both"):
+        load_config({"host_ratio": "3", "host_mem": "1GiB"}, str(f), env={})

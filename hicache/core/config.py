@@ -223,7 +223,20 @@ def _convert(name: str, v: Any, key: str) -> Any:
     return v
 
 
+# settings of which one names a thing the other would name too: a later source (env over the
+# file, flags over both) that sets one replaces an earlier source's other
+EXCLUSIVE = (("kv_mem", "device_rows"), ("host_mem", "host_ratio"), ("preset", "model_config"))
+
+
 def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str) -> None:
+    given = {("model_config" if k in ("config", "model-config") else k.replace("-", "_"))
+             for k, v in values.items() if v is not None}
+    for a, b in EXCLUSIVE:
+        for mine, other in ((a, b), (b, a)):
+            if mine in given and other not in given:
+                setattr(cfg, other, FIELDS[other].default_factory()  # type: ignore[misc]
+                        if FIELDS[other].default is dataclasses.MISSING
+                        else FIELDS[other].default)
     for key, v in values.items():
         name = key.replace("-", "_")
         if name == "config":  # the old spelling of model_config
