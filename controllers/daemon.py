@@ -69,21 +69,44 @@ class SocketLock:
         self.fd = -1
 
 
-def _prepare_ipc(address: str) -> tuple[str | None, SocketLock]:
+def remove_folders(folders: list[str]) -> None:
+    """Remove the folders ``_prepare_ipc`` created, deepest first, while they are empty."""
+    for d in folders:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
     """Create the socket's directory (0700 when we create it), take the socket's lock, and
-    refuse a live socket or a path that is not a socket. Returns the directory when this call
-    created it, and the lock."""
+    refuse a live socket or a path that is not a socket. Returns the folders this call created
+    (deepest first: ``remove_folders`` takes them away again; a refusal here does), and the
+    lock."""
     path = address[len("ipc://"):]
     d = os.path.dirname(os.path.abspath(path))
-    made = None
+    made: list[str] = []
+    up = d
+    while not os.path.isdir(up) and up != os.path.dirname(up):
+        made.append(up)
+        up = os.path.dirname(up)
     try:
-        if not os.path.isdir(d):
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            made = d
-        st = os.stat(d)
-    except OSError as e:
-        raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "
-                         f"{e.strerror}") from None
+        try:
+            if made:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            st = os.stat(d)
+        except OSError as e:
+            raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "
+                             f"{e.strerror}") from None
+        return made, _take_socket(address, path, d, st)
+    except BaseException:
+        remove_folders(made)
+        raise
+
+
+def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketLock:
+    """The checks of an existing socket folder ``d``, then the socket's lock and a stale
+    socket file removed."""
     if not os.access(d, os.W_OK | os.X_OK):
         raise UsageError(f"--socket {address}: the socket folder {d} is not writable")
     if st.st_uid != os.getuid():
@@ -103,7 +126,7 @@ def _prepare_ipc(address: str) -> tuple[str | None, SocketLock]:
     except BaseException:
         lock.release()
         raise
-    return made, lock
+    return lock
 
 
 def _check_tcp_port(address: str) -> None:
@@ -204,17 +227,13 @@ class Daemon:
         if not ipc:
             _check_tcp_port(self.address)
         numa = _numa_node(cfg)
-        made, self.socket_lock = _prepare_ipc(self.address) if ipc else (None, None)
+        self.made_folders, self.socket_lock = _prepare_ipc(self.address) if ipc else ([], None)
         try:
             self._bring_up(cfg, numa, curve)
         except BaseException:
             if self.socket_lock is not None:
                 self.socket_lock.release()
-            if made is not None:  # a failed start leaves no folder of ours behind
-                try:
-                    os.rmdir(made)
-                except OSError:
-                    pass
+            remove_folders(self.made_folders)  # a failed start leaves no folder of ours behind
             raise
 
     def _bring_up(self, cfg: ServeConfig, numa: int | str | None, curve: Any) -> None:
@@ -409,6 +428,7 @@ class Daemon:
             self.server.close()
         if getattr(self, "socket_lock", None) is not None:
             self.socket_lock.release()
+        remove_folders(getattr(self, "made_folders", []))  # nor does a stop
         self.metrics.close()
         if not getattr(self, "_leak_arena", False):
             self.group.close()

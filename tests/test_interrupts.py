@@ -98,7 +98,7 @@ def test_serve_stops_cleanly(tmp_path, sig):
     assert sock.exists()
     name = signal.Signals(sig).name
     interrupt_and_check(p, out, sig, f"hicache serve: stopped by {name}")
-    assert not sock.exists()
+    assert not sock.exists() and not sock.parent.exists()  # the folder it made goes too
 
 
 # demo and soak share serve's signal path (``cli.main``), which every signal above exercises:
