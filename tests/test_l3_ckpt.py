@@ -147,22 +147,22 @@ def test_checkpoint_objects_round_trip_between_instances(tmp_path, store, swa): 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="shared trace not beside the checkout")
 def test_demo_trace_two_instances_checkpoints(tmp_path):
-    """The synthetic trace's first three multi-turn conversations (31 requests), split by
+    """The synthetic trace's first two multi-turn conversations (19 requests), split by
     conversation over two instances, checkpoints mirror: with L3 the instances cache more
     than the same two without it, A's prefixes come back after its daemon is killed, a
     checkpoint object resumes them, and 0 bytes differ."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--l3", "mooncake",
-                        "--trace", str(TRACE), "--l3-conversations", "3", "--swa-mode", "paged",
+                        "--trace", str(TRACE), "--l3-conversations", "2", "--swa-mode", "paged",
                         "--checkpoint-every", "8", "--pages-per-checkpoint", "8",
                         "--device-pages", "768", "--host-pages", "96", "--device", "cpu",
                         "--preempt-every", "0", "--progress-seconds", "0", "--json"],
                        env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-1500:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["mirror"] == "checkpoints" and out["l3"]["requests"] == 31
-    assert out["routing"].startswith("by conversation") and out["conversations"] == 3
+    assert out["mirror"] == "checkpoints" and out["l3"]["requests"] == 19
+    assert out["routing"].startswith("by conversation") and out["conversations"] == 2
     assert out["verified"] and out["mismatched_bytes"] == 0 and out["l3_errors"] == 0
     assert out["l3"]["cached_tokens"] > out["independent"]["cached_tokens"]
     assert out["restart_hit_tokens"] > 0 and out["l3_checkpoints"] >= 1
