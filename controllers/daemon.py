@@ -443,4 +443,12 @@ def _sparse_region(layout: Any, cfg: Any) -> Any:
     if "c4_kv" not in layout.pools:
         raise UsageError("--sparse-rows: this stage has no C4 layers")
     reg = CudaHostRegistrar(cfg.cuda_index) if cfg.cuda_index is not None else None
-    return SparseRegion(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg, cfg.min_sparse_prompt_len)
+    try:
+        return SparseRegion(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg,
+                            cfg.min_sparse_prompt_len)
+    except (OSError, MemoryError) as e:
+        c4 = layout.pools["c4_kv"]
+        need = cfg.sparse_rows * c4.page_bytes * c4.num_layers
+        raise UsageError(f"--sparse-rows {cfg.sparse_rows}: cannot make the sparse region "
+                         f"(about {format_bytes(need)} of C4 KV in {cfg.shm_dirs[0]}): "
+                         f"{getattr(e, 'strerror', None) or e}") from None

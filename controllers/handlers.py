@@ -10,6 +10,7 @@ from the command table's ``handler`` names (here, in ``copy_commands``, ``l3_han
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Sequence
 
@@ -27,6 +28,8 @@ from .device_buffers import open_buffers, open_events
 from .ops import Ids
 from .registry import ClientState, RegisteredWorker
 from .state import DaemonState
+
+log = logging.getLogger("hicache.daemon")
 
 # a host-pool refusal's error code, by exception type (first match)
 POOL_ERROR_CODES: tuple[tuple[type, str], ...] = (
@@ -180,6 +183,7 @@ def reset(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 
 def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    log.warning("shutdown asked by client %s", c.cid[:64])
     st.stopping = True
     return {"stopping": True}, []
 

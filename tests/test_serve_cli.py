@@ -284,3 +284,12 @@ def test_a_later_source_replaces_the_other_of_an_exclusive_pair(tmp_path):
     assert (c.host_mem, c.host_ratio) == (None, 2.0)
     with pytest.raises(UsageError, match="not both"):
         load_config({"host_ratio": "3", "host_mem": "1GiB"}, str(f), env={})
+
+
+def test_a_sparse_region_too_big_is_one_line_naming_the_setting(tmp_path):
+    p = hicache("serve", *TINY, "--host-ratio", "2", "--sparse-rows", "99999999999",
+                "--socket", f"ipc://{tmp_path}/s/d.sock", env={"HICACHE_LOG_LEVEL": "warning"})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("hicache serve: error: --sparse-rows 99999999999: cannot make")
+    assert not (tmp_path / "s").exists()
