@@ -8,7 +8,8 @@ Contract (one instance per index space; pools of a space share its row ids; call
   size class (``floor(log2(length))``). A request of ``n`` rows takes a fitting run of its
   own class (the tightest fit, among the first few of that class), else the lowest-starting
   run of the smallest larger class (where every run fits); only when no
-  single run holds ``n`` rows does it take the largest runs first. So one request's rows are
+  single run holds ``n`` rows does it take runs of the largest size classes first (lowest
+  start first within a class). So one request's rows are
   consecutive whenever a free run can hold them. Raises ``PoolExhausted`` when fewer than
   ``n`` rows are free. O(n + runs touched + classes).
 * ``free(rows, owner)``: O(n log n). Out-of-range rows, rows listed twice, rows already free
@@ -183,10 +184,16 @@ class RowAllocator:
         c = n.bit_length() - 1  # the tightest class: runs of [2**c, 2**(c+1)), some >= n
         h = self._classes[c]
         if h:
-            for s in h[:_SCAN]:
-                if self._live(c, s) and self._by_start[s] >= n:
-                    self._take(s, n)
-                    return [(s, n)]
+            best, fit = -1, 0
+            for s in h[:_SCAN]:  # the tightest fit among the first few
+                if self._live(c, s) and n <= self._by_start[s] and (best < 0
+                                                                     or self._by_start[s] < fit):
+                    best, fit = s, self._by_start[s]
+                    if fit == n:
+                        break
+            if best >= 0:
+                self._take(best, n)
+                return [(best, n)]
         for c in range(c + 1, top):  # every run of a larger class holds n: lowest start
             s = self._top(c)
             if s is not None:

@@ -270,3 +270,16 @@ def test_an_alloc_that_fails_halfway_gives_its_rows_back(monkeypatch):
     monkeypatch.setattr(A.np, "arange", real)
     assert a.runs() == runs and a.free_rows == free and ("c", None) not in a.owners()
     a.check_invariants()
+
+
+def test_a_request_takes_the_tightest_fit_of_its_class():
+    """Runs (0, 15) and (20, 9) share a size class: 9 rows take the exact fit at 20, so a
+    later 15 still comes in one piece (the first fitting run in heap order used to be taken,
+    splitting the 15)."""
+    a = RowAllocator(40, "page")
+    a.alloc(40, ("a", None))
+    a.free(np.arange(0, 15), ("a", None))
+    a.free(np.arange(20, 29), ("a", None))
+    assert a.alloc(9, ("b", None)).tolist() == list(range(20, 29))
+    assert a.alloc(15, ("b", None)).tolist() == list(range(15))
+    a.check_invariants()
