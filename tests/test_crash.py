@@ -88,3 +88,22 @@ def test_a_restarted_daemon_never_answers_a_new_op_with_an_old_ack():
         c.close()
         dp.close()
         pools.close()
+
+
+def test_a_piped_daemon_that_writes_a_lot_never_blocks():
+    """With ``pipe=True`` a thread drains the daemon's output as it comes: a daemon writing
+    far more than a pipe holds (64 KiB; here Python's import trace, ``PYTHONVERBOSE``) starts
+    and serves, and ``output()`` has its last lines (it used to block on the full pipe)."""
+    from hicache.engine.daemon_process import PIPE_KEEP, DaemonProcess
+
+    dp = DaemonProcess(device_rows="page=8,swa_page=4,req_slot=4", preset="dsv4-tiny",
+                       pipe=True, heartbeat_timeout=30.0, ready_timeout=60.0,
+                       env={**os.environ, "PYTHONVERBOSE": "1"}).start()
+    try:
+        with dp.client(timeout=5.0, channel=False) as c:
+            assert c.stats()["clients"] >= 1
+        dp.stop()
+        out = dp.output()
+        assert "hicache serve: stopped" in out and 1 << 16 < len(out.encode()) <= PIPE_KEEP
+    finally:
+        dp.close()

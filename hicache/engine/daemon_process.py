@@ -8,7 +8,9 @@ Contract of ``DaemonProcess``:
   under /tmp (ipc paths are limited to ~100 bytes) and serves on ``ipc://<dir>/d.sock``;
   ``close()`` removes that directory.
 * Output (stdout and stderr together) goes to ``log_path`` (appended to, so a restarted daemon
-  keeps one log), or to a pipe (``pipe=True``; read by ``output()`` once the daemon has exited),
+  keeps one log), or to a pipe (``pipe=True``; a thread drains it as the daemon writes, so a
+  chatty daemon never blocks on a full pipe, keeping its last ``PIPE_KEEP`` bytes for
+  ``output()``),
   or, with neither, to ``<private dir>/daemon.log`` when the directory is ours and else nowhere.
 * ``start()`` launches it and returns once a heartbeat on ``address`` is answered. If the daemon
   exits first, or does not answer within ``ready_timeout`` seconds (it is then killed), it
@@ -36,11 +38,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+PIPE_KEEP = 1 << 20  # bytes of a piped daemon's output kept for output()
 
 
 class DaemonProcess:
@@ -101,6 +105,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._piped = b""
+        self._reader: threading.Thread | None = None
 
     # ------------------------------------------------------------------------- state
     @property
@@ -115,14 +120,12 @@ class DaemonProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def output(self, tail: int | None = None) -> str:
-        """The daemon's output so far (its last ``tail`` characters); with ``pipe=True`` only
-        what it wrote before it exited."""
+        """The daemon's output so far (its last ``tail`` characters; with ``pipe=True`` at most
+        the last ``PIPE_KEEP`` bytes)."""
         if self.pipe:
-            if self.proc is not None and self.proc.stdout is not None \
-                    and self.proc.poll() is not None:
-                self._piped += self.proc.stdout.read()
-                self.proc.stdout.close()
-                self.proc.stdout = None
+            reader = self._reader
+            if reader is not None and self.proc is not None and self.proc.poll() is not None:
+                reader.join(5.0)  # it exited: the rest of its output is in the pipe
             text = self._piped.decode(errors="replace")
         elif self.log_path is None:
             return ""
@@ -175,9 +178,21 @@ class DaemonProcess:
         finally:
             if not isinstance(out, int):
                 out.close()
+        if self.pipe:
+            self._reader = threading.Thread(target=self._drain, args=(self.proc.stdout,),
+                                            name="daemon-output", daemon=True)
+            self._reader.start()
         self.starts += 1
         self._wait_ready(timeout)
         return self
+
+    def _drain(self, f: IO[bytes]) -> None:
+        """Read the daemon's pipe until it closes, keeping the last ``PIPE_KEEP`` bytes."""
+        try:
+            for chunk in iter(lambda: f.read1(1 << 16), b""):  # type: ignore[attr-defined]
+                self._piped = (self._piped + chunk)[-PIPE_KEEP:]
+        finally:
+            f.close()
 
     def _wait_ready(self, timeout: float) -> None:
         from hicache.engine.client import Client, DaemonUnreachable
