@@ -186,3 +186,40 @@ def test_hook_latencies_keep_only_the_newest():
         st.latencies["load"].append(float(i))
     assert len(st.latencies["load"]) == LATENCY_SAMPLES and st.latencies["load"][0] == 10.0
     assert percentile(st.latencies["load"], 100) == LATENCY_SAMPLES + 9
+
+
+def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():
+    """``l3_settle(0)`` reads only pushed acks; once ``L3_POLL_AT`` writes wait it asks the
+    daemon for theirs (a lost push is found), and past ``L3_PUTS_MAX`` it stops waiting for
+    the oldest (counted ``unsettled``) instead of keeping them forever."""
+    from types import SimpleNamespace
+
+    from hicache.engine import hooks as H
+    from hicache.engine.acks import AckTimeout
+
+    class LostPushes:
+        def __init__(self) -> None:
+            self.held: set[int] = set()
+            self.polled = 0
+
+        def drain(self) -> int:
+            return 0
+
+        def poll_acks(self, ops):
+            self.polled += 1
+            self.held.update(o for o in ops if o % 2 == 0)  # the daemon still holds these
+
+        def wait_ack(self, op, timeout=None, check=True):
+            if op.op_id not in self.held:
+                raise AckTimeout("not yet")
+            return SimpleNamespace(l3={"written": 1}, bytes=10)
+
+    c = LostPushes()
+    h = H.ClientHooks(c, ["page"], l3=True)
+    h._l3_puts = [SimpleNamespace(op_id=i) for i in range(H.L3_POLL_AT - 1)]
+    assert h.l3_settle(0.0) == H.L3_POLL_AT - 1 and c.polled == 0  # below: pushes only
+    h._l3_puts.append(SimpleNamespace(op_id=H.L3_POLL_AT - 1))
+    left = h.l3_settle(0.0)
+    assert c.polled == 1 and left == H.L3_POLL_AT // 2 and h.l3_stats["written"] == left
+    h._l3_puts = [SimpleNamespace(op_id=2 * i + 1) for i in range(H.L3_PUTS_MAX + 5)]
+    assert h.l3_settle(0.0) == H.L3_PUTS_MAX and h.l3_stats["unsettled"] == 5

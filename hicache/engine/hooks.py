@@ -101,6 +101,8 @@ class Ticket:
     t_done: float | None = None
 
 
+L3_POLL_AT = 64  # L3 writes awaiting acks at which ``l3_settle(0)`` asks the daemon for them
+L3_PUTS_MAX = 4096  # ... and the most it keeps waiting for (the oldest are given up, counted)
 LATENCY_SAMPLES = 1 << 16  # per direction: the latencies HookStats keeps (the newest)
 
 
@@ -161,7 +163,7 @@ class ClientHooks:
         self.l3_deadline_ms = l3_deadline_ms
         self.l3_stats = {"query_pages": 0, "prefetch_pages": 0, "put_pages": 0, "written": 0,
                          "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
-                         "prefetch_ckpts": 0, "put_ckpts": 0}
+                         "prefetch_ckpts": 0, "put_ckpts": 0, "unsettled": 0}
         self._l3_puts: list[Any] = []
         self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
 
@@ -355,6 +357,8 @@ class ClientHooks:
 
         if timeout == 0.0:
             self._call(self.client.drain)
+            if len(self._l3_puts) >= L3_POLL_AT:  # pushes may be lost: ask for their acks
+                self._call(self.client.poll_acks, [op.op_id for op in self._l3_puts])
         keep = []
         for op in self._l3_puts:
             try:
@@ -367,6 +371,9 @@ class ClientHooks:
             st["skipped"] += int(a.l3.get("skipped", 0))
             st["bytes_written"] += int(a.bytes)
             st["errors"] += sum(v for k, v in a.l3.get("misses", {}).items() if k != "miss")
+        if len(keep) > L3_PUTS_MAX:  # acks the daemon no longer holds: stop waiting for them
+            self.l3_stats["unsettled"] += len(keep) - L3_PUTS_MAX
+            keep = keep[-L3_PUTS_MAX:]
         self._l3_puts = keep
         return len(keep)
 
