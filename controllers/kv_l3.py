@@ -360,10 +360,13 @@ class KvL3:
         """One background exists query for ``idents`` (none already asked)."""
         self.querying.update(idents)
         job = L3Job("query", [self._key(ep, i[3]) for i in idents], fmt=self.fmt(ep), each=True)
-        self._submit(job, lambda j: self._queried(j, idents))
+        t0 = time.monotonic()
+        self._submit(job, lambda j: self._queried(j, idents, t0))
 
-    def _queried(self, job: L3Job, idents: list[Ident]) -> None:
+    def _queried(self, job: L3Job, idents: list[Ident], t0: float) -> None:
         answered = len(job.present) == len(idents)  # else the store could not say: ask again
+        if self.cleared_at.get(idents[0][1], -1.0) >= t0:
+            answered = False  # a kv_clear came meanwhile: the answer may predate the removal
         for n, ident in enumerate(idents):
             self.querying.discard(ident)
             if answered:
