@@ -50,21 +50,32 @@ class SocketLock:
 
     def __init__(self, path: str, address: str) -> None:
         self.path = path + ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self.fd)
+                raise UsageError(f"another daemon already serves {address} (it holds "
+                                 f"{self.path})") from None
+            if self._named():
+                return
+            os.close(self.fd)  # a stopping daemon removed the file we locked: take the new one
+
+    def _named(self) -> bool:
+        """Whether the locked file is still the one at ``path`` (not removed meanwhile)."""
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise UsageError(f"another daemon already serves {address} (it holds "
-                             f"{self.path})") from None
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self.fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and mine.st_nlink > 0
 
     def release(self) -> None:
         if self.fd < 0:
             return
-        try:
-            os.unlink(self.path)  # while still held: a daemon starting now makes a new one
-        except FileNotFoundError:
-            pass
+        if self._named():  # while still held (a daemon that locked it meanwhile sees it gone
+            os.unlink(self.path)  # and takes a new one)
         os.close(self.fd)
         self.fd = -1
 

@@ -331,3 +331,19 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     tree.reset_host_tier()
     assert tree.held_device_rows == [] and tree.device.available() == 12 - 4
     tree.check()
+
+
+def test_a_daemon_silent_while_an_accepted_copy_runs_is_an_unknown_outcome():
+    """``ClientHooks.wait``: the daemon took the op and then stopped answering (a stalled loop:
+    ``DaemonUnreachable`` from the ack poll). The copy may still run, so the tree must hold a
+    load's rows: ``CopyOutcomeUnknown``, as for an ack timeout."""
+    from hicache.engine.acks import DaemonUnreachable, Op
+    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown, Ticket
+
+    class Stalled:
+        def wait_ack(self, op, timeout, check=False):
+            raise DaemonUnreachable("poll_acks: no reply from the hicache daemon within 5 s")
+
+    h = ClientHooks(Stalled(), ("page",))
+    with pytest.raises(CopyOutcomeUnknown):
+        h.wait(Ticket(Op(7, "load"), "load", 4, 0.0))

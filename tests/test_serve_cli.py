@@ -293,3 +293,30 @@ def test_a_sparse_region_too_big_is_one_line_naming_the_setting(tmp_path):
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith("hicache serve: error: --sparse-rows 99999999999: cannot make")
     assert not (tmp_path / "s").exists()
+
+
+def test_the_socket_lock_is_never_held_twice(tmp_path, monkeypatch):
+    """A daemon B that opened the lock file just before a stopping daemon A removed it, and
+    locks it just after, must not keep that unnamed file: it takes the new one, and a daemon C
+    starting next is refused (both used to hold "the" lock)."""
+    import fcntl
+
+    from hicache.controllers import daemon as D
+
+    sock, addr = str(tmp_path / "d.sock"), f"ipc://{tmp_path}/d.sock"
+    a = D.SocketLock(sock, addr)
+    real = fcntl.flock
+
+    def a_stops_first(fd, op):
+        monkeypatch.setattr(fcntl, "flock", real)
+        a.release()
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", a_stops_first)
+    b = D.SocketLock(sock, addr)
+    assert os.fstat(b.fd).st_nlink == 1 and os.stat(sock + ".lock").st_ino == \
+        os.fstat(b.fd).st_ino
+    with pytest.raises(UsageError, match="another daemon already serves"):
+        D.SocketLock(sock, addr)
+    b.release()
+    assert not os.path.exists(sock + ".lock")

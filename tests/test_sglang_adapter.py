@@ -80,3 +80,42 @@ def test_install_refuses_without_sglang() -> None:
     with pytest.raises(UnsupportedSglang, match="sglang is not installed"):
         hs.install("dsv4-tiny", address="ipc:///nonexistent")
     assert "sglang" not in sys.modules  # the gate runs before any SGLang import
+
+
+def test_a_gpu_loads_ack_is_taken_without_waiting_and_a_failure_raises() -> None:
+    """At a GPU load's last layer the adapter takes the op's ack if it is in (never waiting:
+    the engine's thread must not block on the daemon), keeps the ones not in yet for a later
+    last layer, and raises ``TransferFailed`` for one that says the load failed."""
+    import threading
+    from types import SimpleNamespace
+
+    from hicache.engine.acks import AckTimeout, TransferFailed
+    from hicache.engine.sglang.host_pools import _DaemonPoolMixin
+
+    class Acks:
+        def __init__(self) -> None:
+            self.acks: dict[int, bool] = {}
+
+        def drain(self) -> int:
+            return 0
+
+        def wait_ack(self, op, timeout=None, check=True):
+            assert timeout == 0
+            if op.op_id not in self.acks:
+                raise AckTimeout("not yet")
+            ok = self.acks.pop(op.op_id)
+            if check and not ok:
+                raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
+                                                     error={"message": "launch failed"}))
+            return SimpleNamespace(ok=ok)
+
+    pool = object.__new__(_DaemonPoolMixin)
+    pool._load_lock, pool._unsettled = threading.Lock(), []
+    c = Acks()
+    first, second = SimpleNamespace(op_id=1), SimpleNamespace(op_id=2)
+    pool._settle(c, first)  # its ack is not in: kept
+    assert pool._unsettled == [first]
+    c.acks.update({1: True, 2: False})
+    with pytest.raises(TransferFailed):
+        pool._settle(c, second)
+    assert pool._unsettled == [] and c.acks == {}  # both taken

@@ -198,28 +198,31 @@ def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():
     from hicache.engine.acks import AckTimeout
 
     class LostPushes:
+        """Even op ids: acks whose push was lost (the daemon holds them); ``poll_acks`` hands
+        them over and keeps none for ``wait_ack``, as ``Completion.poll_acks`` does."""
+
         def __init__(self) -> None:
-            self.held: set[int] = set()
-            self.polled = 0
+            self.polled: list[int] = []
 
         def drain(self) -> int:
             return 0
 
-        def poll_acks(self, ops):
-            self.polled += 1
-            self.held.update(o for o in ops if o % 2 == 0)  # the daemon still holds these
+        def poll_acks(self, ops, max=1024):
+            assert len(ops) <= max == H.POLL_MAX
+            self.polled.append(len(ops))
+            return [SimpleNamespace(op=o, l3={"written": 1}, bytes=10) for o in ops if o % 2 == 0]
 
         def wait_ack(self, op, timeout=None, check=True):
-            if op.op_id not in self.held:
-                raise AckTimeout("not yet")
-            return SimpleNamespace(l3={"written": 1}, bytes=10)
+            raise AckTimeout("not yet")
 
     c = LostPushes()
     h = H.ClientHooks(c, ["page"], l3=True)
     h._l3_puts = [SimpleNamespace(op_id=i) for i in range(H.L3_POLL_AT - 1)]
-    assert h.l3_settle(0.0) == H.L3_POLL_AT - 1 and c.polled == 0  # below: pushes only
+    assert h.l3_settle(0.0) == H.L3_POLL_AT - 1 and c.polled == []  # below: pushes only
     h._l3_puts.append(SimpleNamespace(op_id=H.L3_POLL_AT - 1))
     left = h.l3_settle(0.0)
-    assert c.polled == 1 and left == H.L3_POLL_AT // 2 and h.l3_stats["written"] == left
+    assert c.polled == [H.L3_POLL_AT] and left == H.L3_POLL_AT // 2
+    assert h.l3_stats["written"] == H.L3_POLL_AT // 2  # the polled acks settled their puts
     h._l3_puts = [SimpleNamespace(op_id=2 * i + 1) for i in range(H.L3_PUTS_MAX + 5)]
     assert h.l3_settle(0.0) == H.L3_PUTS_MAX and h.l3_stats["unsettled"] == 5
+    assert c.polled[1:] == [H.POLL_MAX] * 4 + [H.L3_PUTS_MAX + 5 - 4 * H.POLL_MAX]

@@ -168,6 +168,8 @@ class DaemonProcess:
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.pipe:
             out = subprocess.PIPE
+            if self._reader is not None:  # the last run's tail first, never into this run's
+                self._reader.join(5.0)
             self._piped = b""
         elif self.log_path is not None:
             out = open(self.log_path, "ab")

@@ -58,8 +58,9 @@ class HostUnavailable(HostTierError):
 
 
 class CopyOutcomeUnknown(HostUnavailable):
-    """The daemon answers but a copy's ack never came (``AckTimeout``): the copy may still be
-    running, so a load's device rows must not be reused until the registration is gone."""
+    """An accepted copy's ack never came (``AckTimeout``, or the daemon stopped answering while
+    we waited for it): the copy may still be running, so a load's device rows must not be
+    reused until the registration is gone."""
 
 
 class TransferFailed(HostTierError):
@@ -103,6 +104,7 @@ class Ticket:
 
 L3_POLL_AT = 64  # L3 writes awaiting acks at which ``l3_settle(0)`` asks the daemon for them
 L3_PUTS_MAX = 4096  # ... and the most it keeps waiting for (the oldest are given up, counted)
+POLL_MAX = 1024  # acks one poll_acks asks for (the daemon answers at most this many)
 LATENCY_SAMPLES = 1 << 16  # per direction: the latencies HookStats keeps (the newest)
 
 
@@ -272,7 +274,13 @@ class ClientHooks:
 
     def wait(self, ticket: Ticket) -> None:
         if ticket.ack is None:
-            ack = self._call(self.client.wait_ack, ticket.op, self.timeout, check=False)
+            try:
+                ack = self._call(self.client.wait_ack, ticket.op, self.timeout, check=False)
+            except HostUnavailable as e:  # the daemon took the op: it may still be copying
+                if isinstance(e, CopyOutcomeUnknown) or not isinstance(e.__cause__,
+                                                                        DaemonUnreachable):
+                    raise
+                raise CopyOutcomeUnknown(str(e)) from e
             self._complete(ticket, ack)
         if not ticket.ack.ok:
             err = ticket.ack.error or {}
@@ -355,17 +363,23 @@ class ClientHooks:
         returns how many are still pending."""
         from hicache.engine.client import AckTimeout
 
+        polled: dict[int, Any] = {}
         if timeout == 0.0:
             self._call(self.client.drain)
             if len(self._l3_puts) >= L3_POLL_AT:  # pushes may be lost: ask for their acks
-                self._call(self.client.poll_acks, [op.op_id for op in self._l3_puts])
+                ids = [op.op_id for op in self._l3_puts]
+                for i in range(0, len(ids), POLL_MAX):  # (poll_acks hands them over: kept here)
+                    for a in self._call(self.client.poll_acks, ids[i:i + POLL_MAX], POLL_MAX):
+                        polled[a.op] = a
         keep = []
         for op in self._l3_puts:
-            try:
-                a = self._call(self.client.wait_ack, op, timeout, check=False)
-            except (AckTimeout, HostUnavailable):
-                keep.append(op)
-                continue
+            a = polled.pop(op.op_id, None)
+            if a is None:
+                try:
+                    a = self._call(self.client.wait_ack, op, timeout, check=False)
+                except (AckTimeout, HostUnavailable):
+                    keep.append(op)
+                    continue
             st = self.l3_stats
             st["written"] += int(a.l3.get("written", 0))
             st["skipped"] += int(a.l3.get("skipped", 0))

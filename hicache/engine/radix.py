@@ -53,7 +53,8 @@ to L3 too.
 Host tier failures never fail a request: ``HostExhausted`` drops the page, ``HostUnavailable``
 empties the host tier (every host copy and checkpoint is forgotten, ``stats.host_offline``)
 and the tree runs device-only until ``reset_host_tier``. A load that ends so may still be
-writing its device rows (``CopyOutcomeUnknown``: its ack timed out): they are held aside
+writing its device rows (``CopyOutcomeUnknown``: it was accepted, and its ack timed out or
+the daemon stopped answering while the tree waited for it): they are held aside
 (``held_device_rows``) and reused only after ``reset_host_tier``. ``hooks=None``: device-only.
 """
 from __future__ import annotations
@@ -118,8 +119,8 @@ class RadixTree(Transfers):
         self.checkpoint_branch = checkpoint_branch
         self.host_ckpt_capacity = host_ckpt_capacity
         self.host_online = hooks is not None
-        # device rows of loads whose outcome is unknown (the daemon went unreachable or timed
-        # out while it may still be writing them): reused only after ``reset_host_tier``
+        # device rows of accepted loads whose ack never came (``CopyOutcomeUnknown``: the
+        # daemon may still be writing them): reused only after ``reset_host_tier``
         self.held_device_rows: list[int] = []
         self.root = Node(None, None)
         self.stats = TreeStats()

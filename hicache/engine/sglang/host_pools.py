@@ -28,9 +28,13 @@ from typing import Any
 import torch
 
 from hicache.core.errors import HicacheError
+from hicache.engine.acks import AckTimeout, TransferFailed
 from hicache.engine.client import Op
 from hicache.engine.sglang.link import DaemonLink
 from hicache.engine.sglang.stage_map import SGLANG_POOLS
+
+
+UNSETTLED_MAX = 1024  # GPU loads kept waiting for their ack (the oldest are given up)
 
 
 class HostBytesElsewhere(HicacheError, RuntimeError):
@@ -79,6 +83,7 @@ class _DaemonPoolMixin:
         self.start_layer, self.end_layer = 0, spec.num_layers
         self._loads: dict[tuple[int, int], Op] = {}
         self._load_lock = threading.Lock()
+        self._unsettled: list[Op] = []  # GPU loads whose ack was not in at their last layer
 
     def _items(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
                to_device: bool) -> dict[str, tuple]:
@@ -122,8 +127,28 @@ class _DaemonPoolMixin:
                 del self._loads[key]
         c.wait_layer(op, self.link.pool_global_layer(self.ours, layer_id))
         if layer_id == self.layer_num - 1 and op.event_set is not None:
-            c.wait_ack(op, check=True)  # a failed load raises here at the latest; and its ack
-            # is taken (the GPU path's acks would otherwise pile up in the client)
+            self._settle(c, op)
+
+    def _settle(self, c: Any, op: Op) -> None:
+        """A GPU load's last layer is ready: take its ack if it is in (``TransferFailed`` when
+        it failed), never waiting for it; acks not in yet are taken at a later last layer (the
+        GPU path's acks would otherwise pile up in the client)."""
+        c.drain()
+        with self._load_lock:
+            self._unsettled.append(op)
+            todo, self._unsettled = self._unsettled, []
+        left, failed = [], None
+        for o in todo:
+            try:
+                c.wait_ack(o, timeout=0, check=True)
+            except AckTimeout:
+                left.append(o)
+            except TransferFailed as e:
+                failed = failed or e
+        with self._load_lock:
+            self._unsettled = left[-UNSETTLED_MAX:] + self._unsettled
+        if failed is not None:
+            raise failed
 
     get_data_page = _refuse("get_data_page")
     set_from_flat_data_page = _refuse("set_from_flat_data_page")
