@@ -5,7 +5,8 @@ A client is one ZMQ routing identity (the DEALER's ``ROUTING_ID``); its id strin
 starting with ``~`` is its own id, any other is ``~`` and its hex digits. So two identities
 never share an owner, and no identity gets an id starting with a zero byte, which the daemon's
 own owners use (the key store's ``\x00kvstore``).
-``touch(ident, now)`` finds or adds it (refusing beyond ``max_clients``); ``silent(now, timeout)``
+``touch(ident, now)`` finds or adds it (beyond ``max_clients`` it forgets the least recently
+seen peer that holds nothing, ``is_probe``, else refuses); ``silent(now, timeout)``
 lists clients whose last message is older than ``timeout`` (the reaper's candidates). Acks are
 kept per client, newest ``retention`` only, until ``poll_acks`` takes them.
 
@@ -26,6 +27,7 @@ Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,6 +35,8 @@ from typing import Any, Callable
 from hicache.core.protocol import ProtocolError
 
 from .device_buffers import DeviceBuffers
+
+log = logging.getLogger("hicache.daemon")
 
 REAPED_KEEP = 1024  # reaped identities whose reason is kept for their next connection
 _PLAIN = frozenset(range(0x20, 0x7F))  # printable ASCII bytes
@@ -100,6 +104,8 @@ class Registry:
         self.channels: list[ClientState] = []  # clients with a channel open (the server scans)
         # takes a closed worker's mappings (``background.Unmapper.hand``): unmapped off-loop
         self.handoff: Callable[[list[Any]], None] | None = None
+        # whether a client holds nothing (``DaemonState.is_probe``): forgotten when full
+        self.is_probe: Callable[[ClientState], bool] | None = None
 
     def touch(self, ident: bytes, now: float, key: str | None = None) -> ClientState:
         """The client of routing identity ``ident``; ``key``: the CURVE key name the message
@@ -113,7 +119,7 @@ class Registry:
             if ident in self.retiring:
                 raise ProtocolError("busy", "this client was reaped and its operations are "
                                             "still draining; retry in a moment")
-            if len(self.clients) >= self.max_clients:
+            if len(self.clients) >= self.max_clients and not self._forget_a_probe():
                 raise ProtocolError("too_many_clients", f"the daemon already tracks "
                                                         f"{self.max_clients} clients")
             c = ClientState(client_id(ident), ident, now, key=key,
@@ -121,6 +127,18 @@ class Registry:
             self.clients[ident] = c
         c.last_seen = now
         return c
+
+    def _forget_a_probe(self) -> bool:
+        """The table is full: forget the least recently seen peer that holds nothing
+        (``is_probe``, set by the daemon's state), making room; False when there is none."""
+        probes = [c for c in self.clients.values() if self.is_probe is not None
+                  and self.is_probe(c)]
+        if not probes:
+            return False
+        c = min(probes, key=lambda x: x.last_seen)
+        del self.clients[c.ident]
+        log.debug("client table full: forgot peer %s, which held nothing", c.cid)
+        return True
 
     def silent(self, now: float, timeout: float) -> list[ClientState]:
         return [c for c in self.clients.values() if now - c.last_seen > timeout]

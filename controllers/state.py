@@ -104,6 +104,7 @@ class DaemonState:
         self.kv_store: Any = None  # controllers.kv_store.KeyStore, made by the first kv_* command
         self.unmapper = Unmapper()
         registry.handoff = self.unmapper.hand
+        registry.is_probe = self.is_probe
         self.watch = LoopWatch()  # the server times its steps here (loop_watch.py)
         self.releaser = Releaser(group, self.tracker, registry, scheduler.cancel, self._live,
                                  lambda: self.sparse, self.watch,
@@ -370,14 +371,23 @@ class DaemonState:
             forget = why == "unregister"
         return self.releaser.start(c, why, ops, worker, cancel=[], forget=forget)
 
+    def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
+        """A peer that never registered and holds nothing (no worker, key-store pools,
+        channel, operations or rows): a ``stats`` probe, say. O(rows): called at a reap, or
+        when the client table is full."""
+        if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight:
+            return False
+        if (self._ops_of(c) if ops is None else ops):
+            return False
+        return not any(a.rows_of(c.cid).numel() for a in self.group.allocators.values())
+
     def reap(self, c: ClientState, why: str) -> bool:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused
         ``busy``), cancel its CPU copies; its mappings and rows go once they ended. Returns
         False for a peer that never registered and holds nothing (a ``stats`` probe): it is
         forgotten quietly."""
         ops = self._ops_of(c)  # before anything changes
-        probe = c.worker is None and c.kv is None and c.channel is None and not ops \
-            and not any(a.rows_of(c.cid).numel() for a in self.group.allocators.values())
+        probe = self.is_probe(c, ops)
         self.registry.retire(c)
         if probe:
             log.debug("peer %s %s: it never registered and holds nothing; forgotten", c.cid, why)

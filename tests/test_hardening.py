@@ -297,6 +297,8 @@ def test_shm_handles_confined_to_allowed_dirs(shared, what, tmp_path):
 
 
 def test_client_table_is_bounded(shared):
+    """Peers that hold nothing (heartbeats only) make room for new ones when the table is full
+    (the least recently seen is forgotten); the table never grows past its bound."""
     peers = []
     try:
         codes = []
@@ -307,11 +309,33 @@ def test_client_table_is_bounded(shared):
             h = p.reply(10)
             assert h is not None
             codes.append("ok" if h["ok"] else h["error"]["code"])
-        assert "too_many_clients" in codes
-        assert codes.count("ok") <= MAX_CLIENTS
+        assert codes == ["ok"] * (MAX_CLIENTS + 2)
+        p = RawPeer(shared.address, "counter")
+        peers.append(p)
+        p.send(P.encode_request("stats", 1))
+        h = p.reply(10)
+        assert h is not None and h["ok"] and h["clients"] <= MAX_CLIENTS
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_full_client_table_refuses_when_every_client_holds_something(daemon_factory):
+    from hicache.engine.client import CommandRefused
+
+    d = daemon_factory(env={"HICACHE_MAX_CLIENTS": "3"}, metrics=False)
+    holders = [d.client(name=f"holder{i}", channel=False) for i in range(3)]
+    try:
+        for c in holders:
+            c.alloc({"page": 1})  # holds a row: never forgotten to make room
+        late = d.client(name="late", channel=False)
+        with pytest.raises(CommandRefused) as e:
+            late.heartbeat()
+        assert e.value.code == "too_many_clients"
+        late.close()
+    finally:
+        for c in holders:
+            c.close()
 
 
 def test_nothing_received_is_unpickled_or_evaluated():
