@@ -65,13 +65,14 @@ def test_a_restarted_daemon_never_answers_a_new_op_with_an_old_ack():
     from hicache.engine.device_pools import DevicePools
 
     rows_flag = "page=8,swa_page=4,req_slot=4"
-    pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
-                                                             "req_slot": 4})
-    dp = DaemonProcess(device_rows=rows_flag, heartbeat_timeout=30.0).start()
+    pools = DevicePools(build_layout(preset("dsv4-tiny")), {"page": 8, "swa_page": 4,
+                                                            "req_slot": 4})
+    dp = DaemonProcess(device_rows=rows_flag, preset="dsv4-tiny", heartbeat_timeout=30.0,
+                       env={"HICACHE_INLINE_MAX_BYTES": "1"}).start()  # every ack pushed
     c = Client(dp.address, timeout=10.0, name="restart", channel=False)
     try:
         c.register(pools)
-        old = c.backup({"page": ([3], c.alloc({"page": 1})["page"])})  # a whole page: pushed
+        old = c.backup({"page": ([3], c.alloc({"page": 1})["page"])})
         deadline = time.monotonic() + 10
         while old.op_id not in c._acks and time.monotonic() < deadline:
             time.sleep(0.05)
