@@ -373,13 +373,12 @@ class DaemonState:
 
     def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
         """A peer that never registered and holds nothing (no worker, key-store pools,
-        channel, operations or rows): a ``stats`` probe, say. O(rows): called at a reap, or
-        when the client table is full."""
-        if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight:
+        channel, operations or rows): a ``stats`` probe, say. O(index spaces): called at a
+        reap, and for every client when the table is full."""
+        if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight \
+                or ops:  # (``in_flight`` counts its copies and L3 jobs; ``ops``: a reap's list)
             return False
-        if (self._ops_of(c) if ops is None else ops):
-            return False
-        return not any(a.rows_of(c.cid).numel() for a in self.group.allocators.values())
+        return not any(a.holds(c.cid) for a in self.group.allocators.values())
 
     def reap(self, c: ClientState, why: str) -> bool:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused

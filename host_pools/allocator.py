@@ -352,6 +352,10 @@ class RowAllocator:
         holds: one pass over ``rows``, whatever the client holds elsewhere."""
         return rows[self._oid_client[self._owner[rows]] != self._client_number(client_id)]
 
+    def holds(self, client_id: str) -> bool:
+        """Whether ``client_id`` holds any row (O(1): its owner ids are counted)."""
+        return client_id in self._clients
+
     def _client_number(self, client_id: str) -> int:
         """The client's number while it owns rows, else -2 (matches no owner id's client)."""
         c = self._clients.get(client_id)

@@ -283,3 +283,15 @@ def test_a_request_takes_the_tightest_fit_of_its_class():
     assert a.alloc(9, ("b", None)).tolist() == list(range(20, 29))
     assert a.alloc(15, ("b", None)).tolist() == list(range(15))
     a.check_invariants()
+
+
+def test_holds_says_whether_a_client_owns_any_row():
+    a = RowAllocator(16, "page")
+    assert not a.holds("c")
+    rows = a.alloc(3, ("c", "r1"))
+    a.alloc(2, ("c", "r2"))
+    assert a.holds("c") and not a.holds("d")
+    a.free(rows, ("c", "r1"))
+    assert a.holds("c")  # r2's rows are still its
+    a.free_owner("c")
+    assert not a.holds("c")
