@@ -223,6 +223,8 @@ def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():
     left = h.l3_settle(0.0)
     assert c.polled == [H.L3_POLL_AT] and left == H.L3_POLL_AT // 2
     assert h.l3_stats["written"] == H.L3_POLL_AT // 2  # the polled acks settled their puts
+    assert h.l3_settle(0.0) == left and len(c.polled) == 1  # not again within L3_POLL_S
+    h._l3_next_poll = 0.0
     h._l3_puts = [SimpleNamespace(op_id=2 * i + 1) for i in range(H.L3_PUTS_MAX + 5)]
     assert h.l3_settle(0.0) == H.L3_PUTS_MAX and h.l3_stats["unsettled"] == 5
     assert c.polled[1:] == [H.POLL_MAX] * 4 + [H.L3_PUTS_MAX + 5 - 4 * H.POLL_MAX]

@@ -105,6 +105,7 @@ class Ticket:
 L3_POLL_AT = 64  # L3 writes awaiting acks at which ``l3_settle(0)`` asks the daemon for them
 L3_PUTS_MAX = 4096  # ... and the most it keeps waiting for (the oldest are given up, counted)
 POLL_MAX = 1024  # acks one poll_acks asks for (the daemon answers at most this many)
+L3_POLL_S = 0.5  # ... and at most this often (a backlog must not add a round trip to every put)
 LATENCY_SAMPLES = 1 << 16  # per direction: the latencies HookStats keeps (the newest)
 
 
@@ -167,6 +168,7 @@ class ClientHooks:
                          "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
                          "prefetch_ckpts": 0, "put_ckpts": 0, "unsettled": 0}
         self._l3_puts: list[Any] = []
+        self._l3_next_poll = 0.0  # monotonic: the next time l3_settle may ask for lost acks
         self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
 
     # errors: translate the client's exceptions into the three the tree understands
@@ -366,7 +368,9 @@ class ClientHooks:
         polled: dict[int, Any] = {}
         if timeout == 0.0:
             self._call(self.client.drain)
-            if len(self._l3_puts) >= L3_POLL_AT:  # pushes may be lost: ask for their acks
+            now = time.monotonic()
+            if len(self._l3_puts) >= L3_POLL_AT and now >= self._l3_next_poll:
+                self._l3_next_poll = now + L3_POLL_S  # pushes may be lost: ask for their acks
                 ids = [op.op_id for op in self._l3_puts]
                 for i in range(0, len(ids), POLL_MAX):  # (poll_acks hands them over: kept here)
                     for a in self._call(self.client.poll_acks, ids[i:i + POLL_MAX], POLL_MAX):
