@@ -280,3 +280,65 @@ def test_plan_reports_the_host_tier_under_both_mirrors(capsys):
                  "--pages-per-checkpoint", "16", "--force"]) == 0
     out = capsys.readouterr().out
     assert "per host GiB" in out and "one checkpoint per 16 pages" in out
+
+
+class LostLoadHooks(CkptHooks):
+    """Every load is taken by the daemon but its outcome never comes back (a command without
+    a reply, or an ack that never came): ``wait`` raises ``CopyOutcomeUnknown``."""
+
+    def wait(self, ticket):
+        from hicache.engine.hooks import CopyOutcomeUnknown
+
+        if self.ops and self.ops[-1][0] == "load":
+            raise CopyOutcomeUnknown("load: no reply from the hicache daemon within 5 s (fake)")
+
+
+def test_a_lost_checkpoint_load_holds_the_nodes_row_once_it_is_evicted():
+    """Paged SWA: the checkpoint of a device page was to be loaded into that page's own row
+    and the load's outcome is unknown. The row stays the node's (its KV is fine), but once the
+    node is evicted the row is held, not reused, until ``reset_host_tier``."""
+    h = LostLoadHooks()
+    tree = RadixTree(16, h, mirror="checkpoints")
+    a = seq("a", 4)
+    run(tree, h, a)
+    tree.drain()
+    end = next(n for n in tree.nodes() if n.key == "a3")
+    end.ckpt_dev = False  # the engine reused that page's SWA rows
+    row = end.device
+    p = run(tree, h, a + ["x"])  # the checkpoint load is lost: recomputed
+    assert p.ckpt != "host" and not tree.host_online and tree.suspect_rows == {row}
+    assert tree.held_device_rows == []
+    assert end.device == row  # the node keeps its row (its KV is intact)
+    tree.evict_device(16)
+    assert end.device is None and tree.held_device_rows == [row] and not tree.suspect_rows
+    assert tree.device.available() == 15
+    assert row not in tree.alloc_device(15)
+    tree.check()
+    tree.reset_host_tier()
+    assert tree.held_device_rows == [] and not tree.suspect_rows
+    assert tree.device.alloc(1) == [row]  # the row held until the reset is free again
+
+
+def test_a_lost_checkpoint_load_into_a_request_slot_holds_the_slot():
+    """Ring SWA: the checkpoint load into request slot 2 had an unknown outcome. The prefix
+    says ``slot_held``, the tree refuses slot 2 until ``reset_host_tier``, and other slots
+    work."""
+    h = LostLoadHooks()
+    h.slots = True
+    tree = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, policy="write_back")
+    a = seq("a", 4)
+    run(tree, h, a, slot=1)
+    tree.drain()
+    prefix = tree.prepare(a + ["x"], slot=2)
+    assert prefix.slot_held and prefix.pages == 0 and tree.held_slots == {2}
+    rows = tree.alloc_device(5)
+    tree.release(prefix, a + ["x"], rows, slot=3)  # the request moved to slot 3
+    with pytest.raises(ValueError, match="request slot 2 is held"):
+        tree.prepare(a, slot=2)
+    other = tree.prepare(a, slot=3)  # another slot is taken (device-only now: no resume point)
+    assert not other.slot_held
+    tree.abort(other)
+    tree.reset_host_tier()
+    assert tree.held_slots == set()
+    tree.abort(tree.prepare(a, slot=2))
+    tree.check()

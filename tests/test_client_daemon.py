@@ -410,6 +410,29 @@ def test_dead_daemon_raises_daemon_unreachable(tmp_path):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_request_that_went_out_without_a_reply_is_no_reply(tmp_path):
+    """A peer took the request and never answered: ``NoReply`` (a ``DaemonUnreachable``: the
+    daemon may have acted on it). A daemon that is not there at all is not ``NoReply``."""
+    import zmq
+
+    from hicache.engine.client import NoReply
+
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)
+    mute.bind(f"ipc://{tmp_path}/mute.sock")
+    try:
+        with Client(f"ipc://{tmp_path}/mute.sock", timeout=0.3) as c:
+            with pytest.raises(NoReply, match="no reply"):
+                c.heartbeat()
+        assert mute.poll(1000), "the request did not go out"
+    finally:
+        mute.close(0)
+    with Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.3) as c:
+        with pytest.raises(DaemonUnreachable) as e:
+            c.heartbeat()
+        assert not isinstance(e.value, NoReply)
+
+
 def test_sigterm_shuts_down_cleanly(daemon_factory):
     d = daemon_factory(metrics=False)
     path = d.address[len("ipc://"):]

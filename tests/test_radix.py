@@ -333,6 +333,30 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     tree.check()
 
 
+def test_a_load_command_without_a_reply_holds_its_device_rows():
+    """``ClientHooks``: a load command that went out and got no reply (``NoReply``) may have
+    been taken, so it is ``CopyOutcomeUnknown`` (rows held), not a plain unreachable daemon
+    (rows freed); a command that could not be sent at all stays ``HostUnavailable``."""
+    from hicache.engine.acks import DaemonUnreachable, NoReply
+    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown
+
+    class Mute:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def load(self, items, timeout=None):
+            raise self.exc
+
+    h = ClientHooks(Mute(NoReply("load: no reply from the hicache daemon within 5 s")),
+                    ("page",))
+    with pytest.raises(CopyOutcomeUnknown):
+        h.load([(1,)], [0])
+    h = ClientHooks(Mute(DaemonUnreachable("load: cannot reach the hicache daemon")), ("page",))
+    with pytest.raises(HostUnavailable) as e:
+        h.load([(1,)], [0])
+    assert not isinstance(e.value, CopyOutcomeUnknown)
+
+
 def test_a_daemon_silent_while_an_accepted_copy_runs_is_an_unknown_outcome():
     """``ClientHooks.wait``: the daemon took the op and then stopped answering (a stalled loop:
     ``DaemonUnreachable`` from the ack poll). The copy may still run, so the tree must hold a

@@ -228,7 +228,10 @@ class RadixWorker:
 
 
 def _unreachable_calls(w: RadixWorker, timeout: float) -> list[tuple[str, float, str]]:
-    """Every kind of client call against a dead daemon: (call, seconds, exception name)."""
+    """Every kind of client call against a dead daemon: (call, seconds, exception name; a
+    ``NoReply`` counts as the ``DaemonUnreachable`` it is)."""
+    from hicache.engine.client import DaemonUnreachable
+
     c = w.client
     calls: list[tuple[str, Callable[[], Any]]] = [
         ("heartbeat", c.heartbeat), ("stats", c.stats),
@@ -245,7 +248,7 @@ def _unreachable_calls(w: RadixWorker, timeout: float) -> list[tuple[str, float,
             fn()
             exc = "none"
         except Exception as e:  # noqa: BLE001 - recorded and judged by the caller
-            exc = type(e).__name__
+            exc = "DaemonUnreachable" if isinstance(e, DaemonUnreachable) else type(e).__name__
         out.append((name, time.monotonic() - t, exc))
     return out
 

@@ -1,6 +1,6 @@
 """What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
-completion report), and the client's exceptions (``DaemonUnreachable``, ``CommandRefused``,
-``TransferFailed``, ``AckTimeout``). Plain data: no socket, no torch.
+completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply``,
+``CommandRefused``, ``TransferFailed``, ``AckTimeout``). Plain data: no socket, no torch.
 """
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from hicache.core.errors import HicacheError
 
 class DaemonUnreachable(HicacheError, TimeoutError):
     """The daemon did not answer within the timeout (not running, stuck, or wrong address)."""
+
+
+class NoReply(DaemonUnreachable):
+    """The request went out and no reply came within the timeout: the daemon may have taken
+    it (and may still be running what it asked for), or may never have seen it. A caller
+    whose command moves bytes into memory it will reuse must treat the outcome as unknown."""
 
 
 class CommandRefused(HicacheError):

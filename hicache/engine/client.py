@@ -3,7 +3,8 @@
 ``Client(address, timeout=5.0)`` opens one DEALER socket and no thread: every call sends one
 request and polls for its reply (acks pushed meanwhile are kept); registered with CUDA pools it
 busy-polls up to ``REPLY_SPIN_US_GPU`` before it sleeps in ``poll`` (``reply_spin_us``). A
-daemon that does not answer within the timeout raises ``DaemonUnreachable`` (never a hang); a
+daemon that does not answer within the timeout raises ``DaemonUnreachable`` (never a hang;
+``NoReply`` when the request went out, so the daemon may have taken it); a
 refused command raises ``CommandRefused`` with the daemon's error code and message.
 
 Transfers return an ``Op``; ``wait_ack(op, timeout)`` returns its ``Ack`` (pushed by the daemon,
@@ -34,9 +35,10 @@ from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
-from .acks import Ack, AckTimeout, CommandRefused, DaemonUnreachable, Op, TransferFailed
+from .acks import (Ack, AckTimeout, CommandRefused, DaemonUnreachable, NoReply, Op,
+                   TransferFailed)
 
-__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreachable",
+__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreachable", "NoReply",
            "TransferFailed", "Items"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -305,8 +307,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             if got is None:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise DaemonUnreachable(f"{cmd}: no reply from the hicache daemon at "
-                                            f"{self.address} within {timeout:g} s")
+                    raise NoReply(f"{cmd}: no reply from the hicache daemon at "
+                                  f"{self.address} within {timeout:g} s")
                 continue
             h, arr = got
             if h.get("id") != rid:  # a push (it has no id), or a late reply to a call that

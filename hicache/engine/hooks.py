@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from hicache.core.errors import HicacheError
 from hicache.core.resume import ResumeModel
-from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable
+from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable, NoReply
 from hicache.engine.acks import TransferFailed as ClientTransferFailed
 
 
@@ -58,8 +58,9 @@ class HostUnavailable(HostTierError):
 
 
 class CopyOutcomeUnknown(HostUnavailable):
-    """An accepted copy's ack never came (``AckTimeout``, or the daemon stopped answering while
-    we waited for it): the copy may still be running, so a load's device rows must not be
+    """A copy may have been taken and may still run: its command went out and got no reply
+    (``NoReply``), its ack never came (``AckTimeout``), or the daemon stopped answering while
+    we waited for it. A load's device rows (and its checkpoint's destination) must not be
     reused until the registration is gone."""
 
 
@@ -176,6 +177,8 @@ class ClientHooks:
 
         try:
             return fn(*args, **kw)
+        except NoReply as e:  # the daemon may have taken the command: it may still copy
+            raise CopyOutcomeUnknown(str(e)) from e
         except DaemonUnreachable as e:
             raise HostUnavailable(str(e)) from e
         except AckTimeout as e:  # the daemon answers but a copy never completes: do not trust it

@@ -54,8 +54,12 @@ Host tier failures never fail a request: ``HostExhausted`` drops the page, ``Hos
 empties the host tier (every host copy and checkpoint is forgotten, ``stats.host_offline``)
 and the tree runs device-only until ``reset_host_tier``. A load that ends so may still be
 writing its device rows (``CopyOutcomeUnknown``: it was accepted, and its ack timed out or
-the daemon stopped answering while the tree waited for it): they are held aside
-(``held_device_rows``) and reused only after ``reset_host_tier``. ``hooks=None``: device-only.
+the daemon stopped answering while the tree waited for it, or its command got no reply):
+they are held aside (``held_device_rows``) and reused only after ``reset_host_tier``. So is
+the destination of its checkpoint: a node's device row stays the node's and is held once
+evicted (``suspect_rows``); a request slot (ring SWA) is held (``held_slots``), the
+``Prefix`` says ``slot_held`` (the request must move to another slot), and ``prepare`` refuses
+a held slot. ``hooks=None``: device-only.
 """
 from __future__ import annotations
 
@@ -122,6 +126,10 @@ class RadixTree(Transfers):
         # device rows of accepted loads whose ack never came (``CopyOutcomeUnknown``: the
         # daemon may still be writing them): reused only after ``reset_host_tier``
         self.held_device_rows: list[int] = []
+        # a checkpoint destination of such a load: a live node's device row (held once it is
+        # evicted) or a request slot (ring SWA: ``prepare`` refuses it); both until the reset
+        self.suspect_rows: set[int] = set()
+        self.held_slots: set[int] = set()
         self.root = Node(None, None)
         self.stats = TreeStats()
         # LRU orders, oldest first. A path is touched leaf-first, so an ancestor always sits
@@ -192,6 +200,10 @@ class RadixTree(Transfers):
     def prepare(self, keys: Sequence[Hashable], slot: int | None = None) -> Prefix:
         """Lock the resumable cached prefix of ``keys``; load its host part first."""
         self.poll()
+        if slot is not None and slot in self.held_slots:
+            raise ValueError(f"request slot {slot} is held: a checkpoint load into it had an "
+                             f"unknown outcome and may still land; use another slot until "
+                             f"reset_host_tier")
         path, n_dev = self._cached_path(keys, idle=True)
         end, where = self._resume_point(path, n_dev)
         l3_nodes = self._l3_extend(keys, path, end)  # L3: pages, checkpoint (radix_l3)
@@ -280,6 +292,12 @@ class RadixTree(Transfers):
         if not ok:
             if unknown:
                 self.held_device_rows.extend(rows)
+                for dst, _, _ in ckpts:
+                    if not self.device_ckpts:
+                        self.held_slots.add(dst)
+                        prefix.slot_held = True
+                    elif dst not in rows:  # a live node's own row: held when it is evicted
+                        self.suspect_rows.add(dst)
             else:
                 self.device.free(rows)
             self.stats.load_failed_pages += len(host_nodes)

@@ -83,6 +83,8 @@ class Prefix:
     ``ckpt``: where the boundary checkpoint of the prefix came from — ``"page"`` (full mirror:
     the page copy carries it), ``"device"``, ``"host"`` (loaded by this prepare) or ``None``
     (empty prefix). ``ckpt_dst``: the device row or request slot it was loaded into.
+    ``slot_held``: a checkpoint load into the request's slot had an unknown outcome (it may
+    still land): the request must run in another slot (the tree's ``held_slots``).
     """
 
     nodes: list[Node]
@@ -94,6 +96,7 @@ class Prefix:
     ckpt_dst: int | None = None
     unresumable_pages: int = 0  # cached pages past the deepest checkpoint (recomputed)
     l3_pages: int = 0  # of host_pages: pages the L3 tier supplied (fetched at match time)
+    slot_held: bool = False
 
     @property
     def pages(self) -> int:

@@ -25,6 +25,8 @@ class TierOps:
     host_ckpt_capacity: int | None
     host_online: bool
     held_device_rows: list[int]
+    suspect_rows: set[int]
+    held_slots: set[int]
     ckpt_mode: bool
     device_ckpts: bool
     root: Node
@@ -220,12 +222,27 @@ class TierOps:
         """Start using a (re-registered) host tier again after ``HostUnavailable``. Call it
         once the old registration is gone (the daemon restarted, or ``unregister`` returned:
         no copy of it writes device rows any more): the device rows of loads whose outcome was
-        unknown go back to the free list only then."""
+        unknown go back to the free list only then, and their request slots are usable again."""
         if hooks is not None:
             self.hooks = hooks
         self.host_online = self.hooks is not None
         held, self.held_device_rows = self.held_device_rows, []
+        self.suspect_rows.clear()
+        self.held_slots.clear()
         self.device.free(held)
+
+    def _free_node_rows(self, rows: list[int]) -> int:
+        """Evicted nodes' device rows back to the free list, but for those a load of unknown
+        outcome may still write (``suspect_rows``): held until ``reset_host_tier``. Returns how
+        many went back."""
+        sus = self.suspect_rows
+        if sus and not sus.isdisjoint(rows):
+            held = sus.intersection(rows)
+            sus -= held
+            self.held_device_rows.extend(sorted(held))
+            rows = [r for r in rows if r not in held]
+        self.device.free(rows)
+        return len(rows)
 
     # ------------------------------------------------------------------ checking
     def nodes(self) -> Iterable[Node]:

@@ -157,7 +157,8 @@ class Transfers(L3Tier):
         return freed
 
     def _evict_batch(self, victims: list[Node]) -> int:
-        """Take the device copies of ``victims`` (leaf first); back up or drop as the policy says."""
+        """Take the device copies of ``victims`` (leaf first); back up or drop as the policy says.
+        Returns how many rows went back to the free list (a held row does not)."""
         rows = [v.device for v in victims]
         wb = self.policy == "write_back" and self.host_online
         ck = [(v, r) for v, r in zip(victims, rows) if wb and v.ckpt_dev and v.ckpt_host is None]
@@ -171,12 +172,12 @@ class Transfers(L3Tier):
             lost = [v for v, _ in need_backup if v not in saved]
         else:
             lost = [v for v, _ in need_backup]
-        self.device.free(rows)  # type: ignore[arg-type]
+        freed = self._free_node_rows(rows)  # type: ignore[arg-type]
         self.stats.device_evicted_pages += len(victims) - len(lost)
         for v in lost:  # leaf first; a lost page takes its host-only subtree with it
             if v.parent is not None and v.parent.children.get(v.key) is v:
                 self._drop_subtree(v)
-        return len(rows)
+        return freed
 
     def _backup_now(self, nodes: list[Node], rows: list[int],
                     ck: list[tuple[Node, int]]) -> set[Node]:

@@ -182,7 +182,15 @@ class Replay:
         """After the last request's backups settled (the L3 writes of a daemon replay)."""
 
     def slot(self, req: Request) -> int:
-        return req.rid % self.cfg.req_slots
+        """The request's slot: ``rid % req_slots``, or the next one the tree does not hold (a
+        checkpoint load of unknown outcome may still land in a held one)."""
+        n, held = self.cfg.req_slots, self.tree.held_slots
+        for k in range(n):
+            s = (req.rid + k) % n
+            if s not in held:
+                return s
+        raise RuntimeError(f"all {n} request slots are held by loads of unknown outcome; "
+                           f"reset the host tier first")
 
     def run_request(self, req: Request) -> None:
         keys = list(req.cache_pages[: req.max_prefix_pages])
@@ -190,6 +198,8 @@ class Replay:
         if self.cfg.lockstep:
             self.tree.drain()
         prefix = self.tree.prepare(keys, slot=slot)
+        if prefix.slot_held:  # the checkpoint load may still land there: move the request
+            slot = self.slot(req)
         self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
             if prefix.l3_pages else []
         self.result.l3_hit_tokens += prefix.l3_pages * PAGE_TOKENS
