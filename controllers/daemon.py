@@ -446,17 +446,18 @@ class Daemon:
 
 
 def _sparse_region(layout: Any, cfg: Any) -> Any:
-    """The HiSparse host region (``--sparse-rows``), pinned for the daemon's GPU."""
+    """The HiSparse host regions (``--sparse-rows`` rows each, ``--sparse-clients`` at most),
+    pinned for the daemon's GPU; the first one is made now."""
     from hicache.host_pools.cuda_host import CudaHostRegistrar
 
-    from .sparse import SparseRegion
+    from .sparse_regions import SparseRegions
 
     if "c4_kv" not in layout.pools:
         raise UsageError("--sparse-rows: this stage has no C4 layers")
     reg = CudaHostRegistrar(cfg.cuda_index) if cfg.cuda_index is not None else None
     try:
-        return SparseRegion(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg,
-                            cfg.min_sparse_prompt_len)
+        return SparseRegions(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg,
+                             cfg.min_sparse_prompt_len, cfg.sparse_clients)
     except (OSError, MemoryError) as e:
         c4 = layout.pools["c4_kv"]
         need = cfg.sparse_rows * c4.page_bytes * c4.num_layers

@@ -14,8 +14,9 @@ worker (device mappings). At once:
 It then waits until the operations ``ops`` (those of ``c`` in flight when asked) have ended
 (looked at again only after some operation ended: ``dirty``, set by the state):
 only then may the rows and mappings go, so no copy ever writes a row that was given back. Then
-the worker is handed to the unmapper (unmapped on its own thread), the sparse rows are freed,
-and the rows go back in turns bounded by time: each loop turn (``step``) frees slices of
+the worker is handed to the unmapper (unmapped on its own thread), the sparse rows are freed
+(and but for a ``reset``, the client's sparse region, once it holds no row), and the rows go
+back in turns bounded by time: each loop turn (``step``) frees slices of
 ``SLICE_ROWS`` rows until ``BUDGET_S`` has passed, at least one slice. With zero-on-free the
 rows are first zeroed on a background thread (``background.Jobs``; ``ZERO_BYTES`` at a time,
 each chunk handed back to the loop, which frees it without zeroing again): the rows are held
@@ -161,11 +162,14 @@ class Releaser:
             rel.worker.close(self.registry.handoff)  # unmapped on the unmapper's thread
             rel.worker = None
         sp = self.sparse()
-        if sp is not None:
+        reg = sp.of(rel.c.cid) if sp is not None else None
+        if reg is not None:
             if rel.sparse:
-                sp.alloc.free_client_rows(rel.c.cid, np.asarray(rel.sparse, np.int64))
+                reg.alloc.free_client_rows(rel.c.cid, np.asarray(rel.sparse, np.int64))
             if rel.why.startswith("reaped"):
-                sp.alloc.free_owner(rel.c.cid)  # nobody acts for a reaped client any more
+                reg.alloc.free_owner(rel.c.cid)  # nobody acts for a reaped client any more
+            if rel.why != "reset":  # gone (or going): its region's file goes once it is empty
+                sp.drop(rel.c.cid)
         rel.sparse = []
         rel.ready = True
         if self.jobs is not None and \
@@ -220,7 +224,7 @@ class Releaser:
         """Rows of the sparse region ``cid`` holds (a request it admitted after an
         ``unregister`` began: it stays known, so a reap can still give them back)."""
         sp = self.sparse()
-        return 0 if sp is None else int(sp.alloc.rows_of(cid).numel())
+        return 0 if sp is None else sp.rows_held(cid)
 
     def _done(self, rel: Release) -> None:
         self.pending.remove(rel)

@@ -1,15 +1,15 @@
-"""HiSparse on the daemon side: the sparse host region, who owns which of its rows, and the
-commands ``sparse_region``, ``sparse_admit``, ``sparse_extend``, ``sparse_free`` and
-``sparse_report`` (handlers in ``SPARSE_HANDLERS``, same contract as ``handlers``: validate
-everything, then act; a refusal changes nothing).
+"""HiSparse on the daemon side: the commands ``sparse_region``, ``sparse_admit``,
+``sparse_extend``, ``sparse_free`` and ``sparse_report`` (handlers in ``SPARSE_HANDLERS``, same
+contract as ``handlers``: validate everything, then act; a refusal changes nothing). The host
+memory is ``controllers.sparse_regions``: one region (file) per client.
 
-* ``SparseRegion(layout, rows, shm_dir, registrar, min_prompt)``: one named shared-memory file
-  (``hicache.core.sparse_shm``), ``rows`` C4 page rows per C4 layer of the stage, pinned with
-  ``registrar`` on a GPU (the engine maps and registers the same file, then runs the swap-in
-  kernel on it). Rows come from a ``RowAllocator`` owned by ``(client, request)``.
+* ``sparse_region`` names the client's own region (binding one to it: the spare made at start,
+  or a new file, at most ``--sparse-clients`` at once); the engine maps that file and runs the
+  swap-in kernel on it. A client's first admission binds its region too.
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
-  its C4 pages fit. Admission takes ``floor(prompt_tokens / 4)`` C4 tokens' pages and, with
-  ``device_rows``, backs the prompt's C4 KV up from the registered worker's ``c4_kv`` pool.
+  its C4 pages fit in the client's region. Admission takes ``floor(prompt_tokens / 4)`` C4
+  tokens' pages and, with ``device_rows``, backs the prompt's C4 KV up from the registered
+  worker's ``c4_kv`` pool.
   Pages that are host-tier prefix hits (``host_rows``: the client's written ``c4_kv`` host rows
   of the first pages) are filled from host memory instead: nothing is read from the device.
   Without ``device_rows`` the pages the hits do not cover are zeroed (a row may have held an
@@ -21,82 +21,35 @@ everything, then act; a refusal changes nothing).
   stream), so a large admission does not hold the server loop; the reply carries ``op`` (and
   ``ack`` when it ran inline), and the engine reads those rows after the ack (the engine calls
   after its own stream wrote the device rows). ``sparse_free`` is refused ``busy`` while a copy
-  into the request's rows is in flight; a reaped client's requests are freed once its
-  operations completed (``state.release_client``).
+  into the request's rows is in flight; a reaped or unregistered client's requests are freed
+  once its operations completed, and its region then goes (``release``).
 * Request names are global to the daemon: another client's request is refused ``not_owner``;
-  an unknown one ``bad_field``. A reaped or unregistered client's requests are freed
-  (``free_client``).
+  an unknown one ``bad_field``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from hicache.core.layout import Layout
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
-from hicache.core.sparse_shm import SparseShm
-from hicache.host_pools.allocator import RowAllocator
 from hicache.kernels.tables import LayerTable, TokenFormat
 
 from .host_access import check_readable
 from .ops import Ids, Item, Operation
 from .registry import ClientState
+from .sparse_regions import ClientRegion, SparseRegions, SparseRequest
 
 C4_RATIO = 4
 Reply = tuple[dict[str, Any], list[Any]]
-
-
-@dataclass
-class SparseRequest:
-    cid: str
-    c4_tokens: int
-    rows: list[int] = field(default_factory=list)
-    ops: list[int] = field(default_factory=list)  # sparse_backup operations possibly in flight
-
-
-class SparseRegion:
-    """The sparse host region of one daemon (see the module docstring)."""
-
-    def __init__(self, layout: Layout, rows: int, shm_dir: str, registrar: Any,
-                 min_prompt: int) -> None:
-        spec = layout.pool("c4_kv")
-        self.spec, self.fmt = spec, TokenFormat.from_spec(spec)
-        self.P = spec.tokens_per_page
-        self.min_prompt = min_prompt
-        self.shm = SparseShm.create(shm_dir, spec.num_layers, rows, spec.page_bytes)
-        self.registrar = registrar
-        if registrar is not None:
-            registrar.register(self.shm.base_ptr, self.shm.nbytes)
-        self.table = LayerTable(self.shm.layers, "sparse host")
-        self.alloc = RowAllocator(rows, "sparse")
-        self.requests: dict[str, SparseRequest] = {}
-
-    def info(self) -> dict[str, Any]:
-        return dict(self.shm.info(), tokens_per_page=self.P, min_sparse_prompt_len=self.min_prompt,
-                    c4_layers=list(self.spec.layers))
-
-    def free_client(self, cid: str) -> int:
-        """Free every request of client ``cid``; returns the rows freed."""
-        gone = [r for r, e in self.requests.items() if e.cid == cid]
-        for r in gone:
-            del self.requests[r]
-        return self.alloc.free_owner(cid)
-
-    def close(self) -> None:
-        if self.registrar is not None:
-            self.registrar.unregister(self.shm.base_ptr)
-            self.registrar = None
-        self.shm.close()
 
 
 def _err(code: str, msg: str) -> ProtocolError:
     return ProtocolError(code, msg)
 
 
-def _region(st: Any) -> SparseRegion:
+def _region(st: Any) -> SparseRegions:
     sp = getattr(st, "sparse", None)
     if sp is None:
         raise _err("unsupported", "this daemon has no sparse region: start it with "
@@ -111,7 +64,7 @@ def _name(h: dict) -> str:
     return r
 
 
-def _own(sp: SparseRegion, c: ClientState, r: str) -> SparseRequest:
+def _own(sp: SparseRegions, c: ClientState, r: str) -> SparseRequest:
     e = sp.requests.get(r)
     if e is None:
         raise _err("bad_field", f"unknown sparse request {r[:64]!r}: sparse_admit it first")
@@ -133,27 +86,30 @@ def _frame(arrays: Sequence, h: dict, key: str) -> np.ndarray | None:
     return np.frombuffer(arrays[h[key]], dtype=np.int64)
 
 
-def _pages(sp: SparseRegion, c4_tokens: int) -> int:
+def _pages(sp: SparseRegions, c4_tokens: int) -> int:
     return -(-c4_tokens // sp.P)
 
 
-def _zero(sp: SparseRegion, rows: list[int]) -> None:
+def _zero(reg: ClientRegion, rows: list[int]) -> None:
     idx = torch.as_tensor(rows, dtype=torch.long)
-    for t in sp.shm.layers:
+    for t in reg.shm.layers:
         t.index_fill_(0, idx, 0)
 
 
-def _take(sp: SparseRegion, n: int, owner: tuple[str, str]) -> list[int]:
-    if n > sp.alloc.free_rows:
-        raise _err("no_space", f"{n} sparse host rows needed, {sp.alloc.free_rows} free")
-    return sp.alloc.alloc(n, owner).tolist() if n else []
+def _take(sp: SparseRegions, n: int, owner: tuple[str, str]) -> tuple[ClientRegion, list[int]]:
+    """``n`` rows of the client's own region (bound to it now if it had none)."""
+    reg = sp.bind(owner[0])
+    if n > reg.alloc.free_rows:
+        raise _err("no_space", f"{n} sparse host rows needed, {reg.alloc.free_rows} free in "
+                               f"this client's region of {sp.rows}")
+    return reg, (reg.alloc.alloc(n, owner).tolist() if n else [])
 
 
 def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    return _region(st).info(), []
+    return _region(st).info(c.cid), []
 
 
-def _prefix_hits(st: Any, sp: SparseRegion, c: ClientState, hits: np.ndarray, n: int) -> None:
+def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n: int) -> None:
     """``host_rows``: the client's host-tier rows of the ``c4_kv`` pool holding the prompt's
     first pages (prefix hits), each written by a completed backup of this client."""
     if len(hits) > n:
@@ -191,15 +147,15 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                    f" pages, {k} of them from host_rows")
         if len(src) and (src.min() < 0 or src.max() >= dev.rows):
             raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
-    rows = _take(sp, n, (c.cid, r))
+    reg, rows = _take(sp, n, (c.cid, r))
     if dev is None and n > k:  # pages no copy fills: zeroed, never an earlier request's bytes
-        _zero(sp, rows[k:])
+        _zero(reg, rows[k:])
     e = sp.requests[r] = SparseRequest(c.cid, c4, rows)
     items = []
     if k:  # prefix hits: host memory to host memory, nothing crosses PCIe
-        items.append(_item(sp, st.host_tables["c4_kv"], hits, rows[:k], None))
+        items.append(_item(sp, reg, st.host_tables["c4_kv"], hits, rows[:k], None))
     if dev is not None and n > k:
-        items.append(_item(sp, dev, src, rows[k:], None))
+        items.append(_item(sp, reg, dev, src, rows[k:], None))
     reply = {"c4_tokens": c4, "pages": n, "reused_pages": k}
     # the host-tier rows it reads stay allocated until it is done (frees of them are deferred)
     reads = [(sp.spec.index, np.array(hits, dtype=np.int64), False)] if k else []
@@ -207,12 +163,12 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     return reply, [np.asarray(rows, dtype=np.int64)]
 
 
-def _item(sp: SparseRegion, src: LayerTable, src_ids: Any, dst_ids: Any,
+def _item(sp: SparseRegions, reg: ClientRegion, src: LayerTable, src_ids: Any, dst_ids: Any,
           fmt: TokenFormat | None) -> Item:
-    """Copy ``src_ids`` of ``src`` (rows, or tokens of ``fmt``) to ``dst_ids`` of the region."""
+    """Copy ``src_ids`` of ``src`` (rows, or tokens of ``fmt``) to ``dst_ids`` of ``reg``."""
     s, d = Ids.of(src_ids), Ids.of(dst_ids)
     unit = fmt.token_bytes if fmt is not None else sp.spec.page_bytes
-    return Item("c4_kv", src, sp.table, s, d, fmt, tuple(sp.spec.layers),
+    return Item("c4_kv", src, reg.table, s, d, fmt, tuple(sp.spec.layers),
                 s.n * unit * sp.spec.num_layers)
 
 
@@ -258,13 +214,13 @@ def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                    f"the request's [0, {c4})")
         if len(toks) and (toks.min() < 0 or toks.max() >= dev.rows * sp.P):
             raise _err("bad_rows", f"device_tokens out of range [0, {dev.rows * sp.P})")
-    new = _take(sp, _pages(sp, c4) - len(e.rows), (c.cid, r))
+    reg, new = _take(sp, _pages(sp, c4) - len(e.rows), (c.cid, r))
     e.rows, e.c4_tokens = e.rows + new, c4
     reply = {"c4_tokens": c4, "pages": len(e.rows)}
     if dev is not None and len(toks):
         t = np.arange(first, first + len(toks))
         host_tok = np.asarray(e.rows, dtype=np.int64)[t // sp.P] * sp.P + t % sp.P
-        reply.update(_copy(st, c, e, [_item(sp, dev, toks, host_tok, sp.fmt)]))
+        reply.update(_copy(st, c, e, [_item(sp, reg, dev, toks, host_tok, sp.fmt)]))
     return reply, [np.asarray(e.rows, dtype=np.int64)]
 
 
@@ -274,7 +230,8 @@ def sparse_free(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     if _in_flight(st, e):
         raise _err("busy", f"sparse request {r[:64]!r}: copies into its rows are in flight "
                            f"(ops {e.ops[:4]}); free it after their acks")
-    n = sp.alloc.free(e.rows, (c.cid, r)) if e.rows else 0
+    reg = sp.of(c.cid)
+    n = reg.alloc.free(e.rows, (c.cid, r)) if e.rows and reg is not None else 0
     del sp.requests[r]
     return {"freed_rows": n}, []
 
@@ -294,8 +251,8 @@ def sparse_report(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 def refresh_gauges(st: Any) -> None:
     """HiSparse gauges (zeros without a region) and a first sample of each counter."""
     sp, m = getattr(st, "sparse", None), st.metrics
-    m.set("hisparse_host_rows", sp.alloc.used_rows if sp else 0, "used")
-    m.set("hisparse_host_rows", sp.alloc.free_rows if sp else 0, "free")
+    m.set("hisparse_host_rows", sp.used_rows if sp else 0, "used")
+    m.set("hisparse_host_rows", sp.free_rows if sp else 0, "free")
     m.set("hisparse_requests", len(sp.requests) if sp else 0)
     for name in ("hisparse_lookups", "hisparse_swapped_in_tokens", "hisparse_swapped_in_bytes"):
         m.inc(name, 0)

@@ -90,7 +90,7 @@ class DaemonState:
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command
-        self.sparse: Any = None  # controllers.sparse.SparseRegion when --sparse-rows is set
+        self.sparse: Any = None  # controllers.sparse_regions.SparseRegions with --sparse-rows
         # work that waits until the reply is sent, (op, its client; None: it ran inline): the
         # in-flight bookkeeping of submitted ops and the launch groups after layer 0 of GPU
         # loads (handed to the issuer: ``scheduler.defer_issue``); accounting of inline ops
@@ -373,10 +373,12 @@ class DaemonState:
 
     def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
         """A peer that never registered and holds nothing (no worker, key-store pools,
-        channel, operations or rows): a ``stats`` probe, say. O(index spaces): called at a
+        channel, sparse region, operations or rows): a ``stats`` probe, say. O(index spaces): called at a
         reap, and for every client when the table is full."""
         if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight \
                 or ops:  # (``in_flight`` counts its copies and L3 jobs; ``ops``: a reap's list)
+            return False
+        if self.sparse is not None and self.sparse.of(c.cid) is not None:  # a sparse region
             return False
         return not any(a.holds(c.cid) for a in self.group.allocators.values())
 
@@ -429,8 +431,8 @@ class DaemonState:
                 if self.kv_store is not None:
                     known.add(self.kv_store.owner_id)
                 allocs = list(self.group.allocators.values())
-                if self.sparse is not None:  # the sparse region's rows too
-                    allocs.append(self.sparse.alloc)
+                if self.sparse is not None:  # the sparse regions' rows too
+                    allocs.extend(self.sparse.allocators())
                 stray = sorted({o[0] for a in allocs for o in a.owners()} - known)
                 out["invariants"] = "ok" if not stray else \
                     f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"

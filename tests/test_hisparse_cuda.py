@@ -78,11 +78,11 @@ def test_cuda_graph_replay():
 
 
 def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
-    """The daemon's sparse region (``controllers.sparse.SparseRegion``, page-locked with its
-    registrar) mapped a second time the way the engine does (``SparseShm.open`` +
+    """A client's sparse region (``controllers.sparse_regions.SparseRegions.bind``, page-locked
+    with the daemon's registrar) mapped a second time the way the engine does (``SparseShm.open`` +
     ``cudaHostRegister``); the kernel reads the engine's mapping: bytes written through the
     daemon's mapping arrive at every top-k location."""
-    from hicache.controllers.sparse import SparseRegion
+    from hicache.controllers.sparse_regions import SparseRegions
     from hicache.core.layout import build_layout, preset
     from hicache.core.sparse_shm import SparseShm
     from hicache.engine.hot_buffer import HotBuffer
@@ -90,12 +90,13 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
 
     lay = build_layout(preset("dsv4-flash"))
     dev = torch.cuda.current_device()
-    region = SparseRegion(lay, 8, "/dev/shm", CudaHostRegistrar(dev), 1)
+    regions = SparseRegions(lay, 8, "/dev/shm", CudaHostRegistrar(dev), 1)
     try:
+        region = regions.bind("engine")
         g = torch.Generator().manual_seed(5)
         for t in region.shm.layers:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
-        eng = SparseShm.open(region.info())
+        eng = SparseShm.open(regions.info("engine"))
         rc = torch.cuda.cudart().cudaHostRegister(eng.base_ptr, eng.nbytes, 0)
         assert int(rc) == 0
         try:
@@ -118,7 +119,7 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(eng.base_ptr)
     finally:
-        region.close()
+        regions.close()
 
 
 def test_cached_launches_match_the_reference_across_specializations():

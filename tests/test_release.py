@@ -358,6 +358,7 @@ def test_sparse_rows_admitted_while_an_unregister_waits_keep_the_client_known(tm
         assert st.report(True)["invariants"] == "ok"
         st.reap(c, "silent")  # what a dead engine gets: its sparse rows go back
         st.releaser.step()
-        assert st.sparse.alloc.used_rows == 0 and st.report(True)["invariants"] == "ok"
+        assert st.sparse.used_rows == 0 and st.report(True)["invariants"] == "ok"
+        assert st.sparse.of(c.cid) is None  # its region's file went with its last row
     finally:
         d.close()

@@ -232,6 +232,8 @@ def test_version_help_and_quiet_broken_pipe():
 @pytest.mark.parametrize("flags, msg", [
     ({"metrics_addr": "0.0.0.0"}, "--metrics-addr applies with --metrics-port"),
     ({"min_sparse_prompt_len": "100"}, "--min-sparse-prompt-len applies with --sparse-rows"),
+    ({"sparse_clients": "2"}, "--sparse-clients applies with --sparse-rows"),
+    ({"sparse_rows": "4", "sparse_clients": "0"}, r"--sparse-clients must be 1\.\.64"),
     ({"allow_remote": True, "socket": "ipc:///tmp/x/d.sock"}, "--allow-remote applies to a tcp"),
     ({"allow_remote": True}, "--allow-remote applies to a tcp"),
     ({"l3_protocol": "rdma"}, "l3_protocol given but l3 is off"),

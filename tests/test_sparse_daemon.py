@@ -17,7 +17,7 @@ from hicache.engine.device_pools import DevicePools
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
 FLASH = build_layout(preset("dsv4-flash"))
 P, VB, SOFF = 64, 576, 36_864
-EXTRA = ("--sparse-rows", "6", "--min-sparse-prompt-len", "300")
+EXTRA = ("--sparse-rows", "6", "--min-sparse-prompt-len", "300", "--sparse-clients", "4")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,14 @@ def _worker(d, name="engine"):
     c = d.client(name=name)
     c.register(pools)
     return c, pools
+
+
+def _leave(*pairs):
+    """Unregister and close each (client, pools): the client's sparse region goes with it."""
+    for c, pools in pairs:
+        c.unregister()
+        c.close()
+        pools.close()
 
 
 def test_region_admit_extend_free_bytes(sparse_daemon):
@@ -112,8 +120,7 @@ def test_admit_reuses_host_tier_prefix_hits(sparse_daemon):
         assert torch.equal(hl[rows2[0]], prefix[l][1]) and torch.equal(hl[rows2[1]], prefix[l][0])
     assert c.sparse_free("hit2") == 2
     c.free({"page": host}, request="prefix")
-    c.close()
-    pools.close()
+    _leave((c, pools))
 
 
 def test_prefix_hits_refused_change_nothing(sparse_daemon):
@@ -142,9 +149,7 @@ def test_prefix_hits_refused_change_nothing(sparse_daemon):
     assert all(torch.equal(x, y) for x, y in zip(snap, shm.layers)), "region bytes changed"
     assert len(a.sparse_admit("all", 6 * 64 * 4)) == 6, "sparse rows were taken"
     assert a.sparse_free("all") == 6
-    for c, p in ((a, pa), (b, pb)):
-        c.close()
-        p.close()
+    _leave((a, pa), (b, pb))
 
 
 @pytest.mark.parametrize("call, code, msg", [
@@ -172,54 +177,84 @@ def test_refusals_change_nothing(sparse_daemon, call, code, msg):
     assert all(torch.equal(a, b) for a, b in zip(snap, shm.layers)), "region bytes changed"
     assert len(s.sparse_admit("fill", 4 * 64 * 4)) == 4, "free rows changed"
     assert s.sparse_free("r0") == 2 and s.sparse_free("fill") == 4
-    c.close()
-    pools.close()
+    _leave((c, pools))
 
 
 def test_pages_an_admission_does_not_fill_are_zeroed(sparse_daemon):
     """A row freed by one request and admitted by another without ``device_rows`` reads zeros,
     not the earlier request's C4 KV."""
     a, pa = _worker(sparse_daemon, "a")
-    b, pb = _worker(sparse_daemon, "b")
     try:
         shm = a.map_sparse_region()
         rows_a = a.sparse_admit("ra", 6 * 64 * 4, device_rows=list(range(6)))  # every row
         assert all(bool(t[rows_a].any()) for t in shm.layers)  # random KV from a's device
         assert a.sparse_free("ra") == 6
-        rows_b = b.sparse_admit("rb", 2 * 64 * 4)
+        rows_b = a.sparse_admit("rb", 2 * 64 * 4)
         assert all(not t[rows_b].any() for t in shm.layers)
-        assert b.sparse_free("rb") == 2
+        assert a.sparse_free("rb") == 2
     finally:
-        for c, p in ((a, pa), (b, pb)):
-            c.close()
-            p.close()
+        _leave((a, pa))
 
 
-def test_foreign_request_refused_and_dead_client_reaped(sparse_daemon):
+def test_each_client_has_its_own_region_file(sparse_daemon):
+    """Two engines get two files: neither maps the other's rows, and one's admissions take
+    nothing from the other's. Another's request is refused ``not_owner``. A dead client's
+    region file goes after its reap; one that unregisters loses its file at once; ``reset``
+    keeps it (the engine's mapping stays valid)."""
     a, pa = _worker(sparse_daemon, "a")
     b, pb = _worker(sparse_daemon, "b")
-    sa, sb = a, b
-    sa.sparse_admit("mine", 5 * 64 * 4)  # 5 of 6 rows
-    for call in (lambda: sb.sparse_extend("mine", 5 * 64 * 4), lambda: sb.sparse_free("mine")):
+    ia, ib = a.sparse_region(), b.sparse_region()
+    assert ia["path"] != ib["path"] and ia["rows"] == ib["rows"] == 6
+    assert a.sparse_region()["path"] == ia["path"]  # asking again names the same file
+    sa, sb = a.map_sparse_region(), b.map_sparse_region()
+    rows_a = a.sparse_admit("mine", 5 * 64 * 4, device_rows=[0, 1, 2, 3, 4])  # 5 of a's 6
+    snap_a = [t.clone() for t in sa.layers]
+    for call in (lambda: b.sparse_extend("mine", 5 * 64 * 4), lambda: b.sparse_free("mine")):
         with pytest.raises(CommandRefused) as e:
             call()
         assert e.value.code == "not_owner" and "another client" in e.value.message
-    with pytest.raises(CommandRefused, match="no_space|needed"):
-        sb.sparse_admit("theirs", 2 * 64 * 4)
+    rows_b = b.sparse_admit("theirs", 6 * 64 * 4)  # all of b's own region: a's took nothing
+    assert len(rows_b) == 6 and all(not t.any() for t in sb.layers)  # zeros, never a's KV
+    assert all(torch.equal(x, y) for x, y in zip(snap_a, sa.layers)), "a's region changed"
+    assert all(bool(t[rows_a].any()) for t in sa.layers)
+    assert b.sparse_free("theirs") == 6
+    b.reset()
+    assert b.sparse_region()["path"] == ib["path"] and os.path.exists(ib["path"])
+    _leave((b, pb))
+    assert not os.path.exists(ib["path"]), "an unregistered client's region file is left"
     a.close()  # no unregister, no heartbeats: reaped after the 3 s timeout
     deadline = time.monotonic() + 15
-    while True:
-        b.heartbeat()
-        try:
-            assert len(sb.sparse_admit("theirs", 6 * 64 * 4)) == 6
-            sb.sparse_free("theirs")
-            break
-        except CommandRefused:
-            assert time.monotonic() < deadline, "dead client's sparse rows never reclaimed"
-            time.sleep(0.3)
-    b.close()
+    while os.path.exists(ia["path"]):
+        assert time.monotonic() < deadline, "a dead client's region file was never removed"
+        time.sleep(0.3)
     pa.close()
-    pb.close()
+
+
+def test_sparse_clients_bounds_the_regions(tmp_path):
+    """``--sparse-clients 1``: a second client's first sparse command is refused ``no_space``
+    naming the option, and changes nothing; once the first unregisters, the second gets a new
+    file (never the first's)."""
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path, extra=("--sparse-rows", "2", "--min-sparse-prompt-len", "256"))
+    try:
+        a, pa = _worker(d, "a")
+        b, pb = _worker(d, "b")
+        first = a.sparse_region()["path"]
+        for call in (b.sparse_region, lambda: b.sparse_admit("r", 256)):
+            with pytest.raises(CommandRefused) as e:
+                call()
+            assert e.value.code == "no_space" and "--sparse-clients 1" in e.value.message
+        assert len(a.sparse_admit("r", 2 * 64 * 4)) == 2  # a's region is whole
+        assert a.sparse_free("r") == 2
+        _leave((a, pa))
+        second = b.sparse_region()["path"]
+        assert second != first and not os.path.exists(first)
+        assert len(b.sparse_admit("r", 2 * 64 * 4)) == 2
+        assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
+        _leave((b, pb))
+    finally:
+        d.close()
 
 
 def test_no_sparse_region_is_refused(shared_daemon):
@@ -264,8 +299,7 @@ def test_metrics_and_hot_buffer_on_the_daemon_region(sparse_daemon):
         c.heartbeat()
         time.sleep(0.2)
     s.sparse_free("long")
-    c.close()
-    pools.close()
+    _leave((c, pools))
 
 
 def sparse_daemon_metrics(d) -> str:
@@ -293,7 +327,7 @@ def _hostile():
         st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
             {"request": _NAMES, "prompt_tokens": st.integers(-2**63, 299)}), st.just([])),
         st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
-            {"request": st.just("huge"), "prompt_tokens": st.integers(5 * 64 * 4, 2**62)}),
+            {"request": st.just("huge"), "prompt_tokens": st.integers(7 * 64 * 4, 2**62)}),
             st.just([])),
         st.tuples(st.just("sparse_admit"), st.fixed_dictionaries(
             {"request": st.just("rows"), "prompt_tokens": st.just(300), "device_rows": st.just(0)}),
@@ -313,9 +347,7 @@ def fuzz_world(sparse_daemon):
     shm = sv.map_sparse_region()
     yield sv, a, shm, rows
     sv.sparse_free("victim")
-    for c, p in ((v, vp), (a, ap)):
-        c.close()
-        p.close()
+    _leave((v, vp), (a, ap))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -341,22 +373,24 @@ def test_free_refused_busy_while_a_copy_is_in_flight(tmp_path):
     is not freed (its rows could be reallocated under the copy); once the op is done it is."""
     from types import SimpleNamespace
 
-    from hicache.controllers.sparse import SparseRegion, SparseRequest, sparse_free
+    from hicache.controllers.sparse import sparse_free
+    from hicache.controllers.sparse_regions import SparseRegions, SparseRequest
     from hicache.core.protocol import ProtocolError
 
-    region = SparseRegion(FLASH, 4, str(tmp_path), None, 1)
+    region = SparseRegions(FLASH, 4, str(tmp_path), None, 1)
     try:
         c = SimpleNamespace(cid="eng")
         st = SimpleNamespace(sparse=region, ops={7: object()})
-        rows = region.alloc.alloc(2, ("eng", "r")).tolist()
+        alloc = region.bind("eng").alloc
+        rows = alloc.alloc(2, ("eng", "r")).tolist()
         region.requests["r"] = SparseRequest("eng", 100, rows, ops=[7])
         with pytest.raises(ProtocolError) as e:
             sparse_free(st, c, {"request": "r"}, [])
         assert e.value.code == "busy" and "in flight" in e.value.message
-        assert "r" in region.requests and region.alloc.free_rows == 2
+        assert "r" in region.requests and alloc.free_rows == 2
         del st.ops[7]  # the op completed
         assert sparse_free(st, c, {"request": "r"}, [])[0] == {"freed_rows": 2}
-        assert region.alloc.free_rows == 4 and not region.requests
+        assert alloc.free_rows == 4 and not region.requests
     finally:
         region.close()
 
@@ -369,10 +403,11 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
 
     import numpy as np
 
-    from hicache.controllers.sparse import SparseRegion, sparse_admit
+    from hicache.controllers.sparse import sparse_admit
+    from hicache.controllers.sparse_regions import SparseRegions
     from hicache.kernels.tables import LayerTable
 
-    region = SparseRegion(FLASH, 6, str(tmp_path), None, 1)
+    region = SparseRegions(FLASH, 6, str(tmp_path), None, 1)
     try:
         pb = region.spec.page_bytes
         host_tier = LayerTable([torch.zeros(8, pb, dtype=torch.uint8) for _ in range(21)], "h")
@@ -394,7 +429,7 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
         assert op.kind == "sparse_backup" and op.op_id == 41
         assert [(s, r.tolist(), w) for s, r, w in op.host] == [("page", [5, 2], False)]
         (a, b) = op.items
-        assert a.src is host_tier and a.dst is region.table and a.fmt is None
+        assert a.src is host_tier and a.dst is region.of("eng").table and a.fmt is None
         assert a.src_ids.list() == [5, 2] and a.dst_ids.list() == rows[:2]
         assert b.src is dev and b.src_ids.list() == [7] and b.dst_ids.list() == rows[2:]
         assert op.nbytes == 3 * pb * 21 == a.nbytes + b.nbytes

@@ -95,7 +95,8 @@ class ServeConfig:
     l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
     l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
     l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
-    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of the sparse host region (0 = off)
+    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of a client's sparse region (0 = off)
+    sparse_clients: int = 1  # HiSparse: clients that may hold a sparse region at once
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
 
     @property
@@ -205,7 +206,7 @@ def _convert(name: str, v: Any, key: str) -> Any:
         return _parse_bool(v)
     if name in ("tp_size", "pp_size", "pp_rank", "metrics_port", "touch_threads",
                 "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid",
-                "sparse_rows", "min_sparse_prompt_len"):
+                "sparse_rows", "sparse_clients", "min_sparse_prompt_len"):
         return _int(v)
     if name in ("host_ratio", "heartbeat_timeout", "spin_us"):
         if isinstance(v, bool):
@@ -358,6 +359,9 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.sparse_rows < 0 or cfg.min_sparse_prompt_len <= 0:
         raise UsageError(f"--sparse-rows must be >= 0 and --min-sparse-prompt-len > 0, got "
                          f"{cfg.sparse_rows} and {cfg.min_sparse_prompt_len}")
+    if not 1 <= cfg.sparse_clients <= cfg.max_clients:
+        raise UsageError(f"--sparse-clients must be 1..{cfg.max_clients} (--max-clients), got "
+                         f"{cfg.sparse_clients}")
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
                          f"got {cfg.numa_node!r}")
@@ -380,8 +384,10 @@ def _refuse_unused(cfg: ServeConfig) -> None:
 
     if given("metrics_addr") and not cfg.metrics_port:
         raise UsageError("--metrics-addr applies with --metrics-port (metrics are off)")
-    if given("min_sparse_prompt_len") and not cfg.sparse_rows:
-        raise UsageError("--min-sparse-prompt-len applies with --sparse-rows (HiSparse is off)")
+    for name in ("min_sparse_prompt_len", "sparse_clients"):
+        if given(name) and not cfg.sparse_rows:
+            raise UsageError(f"--{name.replace('_', '-')} applies with --sparse-rows (HiSparse "
+                             f"is off)")
     if cfg.allow_remote and not (cfg.socket or "").startswith("tcp://"):
         raise UsageError("--allow-remote applies to a tcp:// --socket only (this one is ipc)")
     if cfg.l3 == "off":

@@ -84,8 +84,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "
                                 "their owner backs something up into them either way)"),
     Setting("touch_threads", _H, "threads first-touching the host pool [by node and size]"),
-    Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of the sparse host region "
-            "(0 = no sparse mode; docs/hisparse.md)"),
+    Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of each client's sparse "
+            "host region (0 = no sparse mode; docs/hisparse.md)"),
+    Setting("sparse_clients", _H, "HiSparse: clients that may hold a sparse region at once, "
+            "each its own file of --sparse-rows rows, made on its first sparse command [1]"),
     Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
             "sparse mode"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "

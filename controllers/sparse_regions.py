@@ -1,0 +1,145 @@
+"""HiSparse host memory, one region per client: no engine can map another engine's sparse rows.
+
+Contract:
+* ``SparseRegions(layout, rows, shm_dir, registrar, min_prompt, max_regions)``: every client
+  that uses sparse mode gets its own ``ClientRegion``, a named shared-memory file
+  (``hicache.core.sparse_shm``) of ``rows`` C4 page rows per C4 layer of the stage, pinned with
+  ``registrar`` on a GPU, with its own ``LayerTable`` and ``RowAllocator`` (rows owned by
+  ``(client, request)``). The engine maps only its own file (``sparse_region`` names it), so the
+  bytes of one client's requests are never in memory another client maps.
+* One region is made at start (``spare``: the memory is checked then, and the first client
+  takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare or making a
+  new file, at most ``max_regions`` at once (``no_space`` beyond, naming
+  ``--sparse-clients``). A region made on a later bind is made on the server loop (a
+  ``ftruncate`` and, on a GPU, a ``cudaHostRegister`` of its size).
+* ``drop(cid)``: once a client holds no sparse row (its release ended), its region is unpinned
+  and its file unlinked; the memory goes when the engine's mapping goes too. A region is never
+  handed to another client: a later client gets a new file.
+* ``requests``: sparse requests by name (names are global to the daemon), each with its
+  client. ``used_rows`` / ``allocators()`` cover the bound regions, ``free_rows`` the rows
+  still to admit (the regions not bound count whole): gauges and the invariant check. ``close()`` drops every region (daemon stop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.core.layout import Layout
+from hicache.core.protocol import ProtocolError
+from hicache.core.sparse_shm import SparseShm
+from hicache.host_pools.allocator import RowAllocator
+from hicache.kernels.tables import LayerTable, TokenFormat
+
+
+@dataclass
+class SparseRequest:
+    cid: str
+    c4_tokens: int
+    rows: list[int] = field(default_factory=list)
+    ops: list[int] = field(default_factory=list)  # sparse_backup operations possibly in flight
+
+
+@dataclass
+class ClientRegion:
+    """One client's sparse host memory: its file, its kernel table, its rows."""
+
+    shm: SparseShm
+    table: LayerTable
+    alloc: RowAllocator
+
+
+class SparseRegions:
+    """The sparse host regions of one daemon (see the module docstring)."""
+
+    def __init__(self, layout: Layout, rows: int, shm_dir: str, registrar: Any,
+                 min_prompt: int, max_regions: int = 1) -> None:
+        spec = layout.pool("c4_kv")
+        self.spec, self.fmt = spec, TokenFormat.from_spec(spec)
+        self.P = spec.tokens_per_page
+        self.rows, self.shm_dir, self.registrar = rows, shm_dir, registrar
+        self.min_prompt, self.max_regions = min_prompt, max_regions
+        self.regions: dict[str, ClientRegion] = {}
+        self.requests: dict[str, SparseRequest] = {}
+        self.spare: ClientRegion | None = self._make()
+
+    def _make(self) -> ClientRegion:
+        shm = SparseShm.create(self.shm_dir, self.spec.num_layers, self.rows,
+                               self.spec.page_bytes)
+        if self.registrar is not None:
+            try:
+                self.registrar.register(shm.base_ptr, shm.nbytes)
+            except BaseException:
+                shm.close()
+                raise
+        return ClientRegion(shm, LayerTable(shm.layers, "sparse host"),
+                            RowAllocator(self.rows, "sparse"))
+
+    def of(self, cid: str) -> ClientRegion | None:
+        return self.regions.get(cid)
+
+    def bind(self, cid: str) -> ClientRegion:
+        """The client's region: its own, else the spare, else a new one (``no_space`` when
+        ``max_regions`` clients hold one; ``no_space`` too when the file cannot be made)."""
+        reg = self.regions.get(cid)
+        if reg is not None:
+            return reg
+        if len(self.regions) >= self.max_regions:
+            raise ProtocolError("no_space", f"all {self.max_regions} sparse regions are held by "
+                                            f"other clients (--sparse-clients "
+                                            f"{self.max_regions})")
+        reg, self.spare = self.spare, None
+        if reg is None:
+            try:
+                reg = self._make()
+            except (OSError, MemoryError, RuntimeError) as e:
+                raise ProtocolError("no_space", f"cannot make a sparse region of "
+                                                f"{self.region_bytes} B in {self.shm_dir}: "
+                                                f"{getattr(e, 'strerror', None) or e}") from None
+        self.regions[cid] = reg
+        return reg
+
+    @property
+    def region_bytes(self) -> int:
+        return self.rows * self.spec.page_bytes * self.spec.num_layers
+
+    def info(self, cid: str) -> dict[str, Any]:
+        return dict(self.bind(cid).shm.info(), tokens_per_page=self.P,
+                    min_sparse_prompt_len=self.min_prompt, c4_layers=list(self.spec.layers))
+
+    def rows_held(self, cid: str) -> int:
+        reg = self.regions.get(cid)
+        return 0 if reg is None else reg.alloc.used_rows
+
+    def drop(self, cid: str) -> bool:
+        """Close the client's region if it holds no row; True when it went (or had none)."""
+        reg = self.regions.get(cid)
+        if reg is None:
+            return True
+        if reg.alloc.used_rows:
+            return False
+        del self.regions[cid]
+        self._close(reg)
+        return True
+
+    def _close(self, reg: ClientRegion) -> None:
+        if self.registrar is not None:
+            self.registrar.unregister(reg.shm.base_ptr)
+        reg.shm.close()
+
+    @property
+    def used_rows(self) -> int:
+        return sum(r.alloc.used_rows for r in self.regions.values())
+
+    @property
+    def free_rows(self) -> int:
+        """Rows still to admit: free rows of the bound regions, and the regions not bound."""
+        unbound = self.max_regions - len(self.regions)
+        return sum(r.alloc.free_rows for r in self.regions.values()) + unbound * self.rows
+
+    def allocators(self) -> list[RowAllocator]:
+        return [r.alloc for r in self.regions.values()]
+
+    def close(self) -> None:
+        for reg in list(self.regions.values()) + ([self.spare] if self.spare else []):
+            self._close(reg)
+        self.regions, self.spare = {}, None
