@@ -90,7 +90,7 @@ def remove_folders(folders: list[str]) -> None:
 
 
 def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
-    """Create the socket's directory (0700 when we create it), take the socket's lock, and
+    """Create the socket's directory (each folder made, 0700), take the socket's lock, and
     refuse a live socket or a path that is not a socket. Returns the folders this call created
     (deepest first: ``remove_folders`` takes them away again; a refusal here does), and the
     lock."""
@@ -103,8 +103,8 @@ def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
         up = os.path.dirname(up)
     try:
         try:
-            if made:
-                os.makedirs(d, mode=0o700, exist_ok=True)
+            for f in reversed(made):  # every folder made here is 0700 (makedirs: the leaf only)
+                os.mkdir(f, 0o700)
             st = os.stat(d)
         except OSError as e:
             raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "

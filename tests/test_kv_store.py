@@ -315,3 +315,23 @@ def test_a_refused_backup_with_alloc_evicts_nothing(store: Any) -> None:
     finally:
         dev.close()
         ep.close()
+
+
+def test_a_failed_proof_write_leaves_no_file_grown(tmp_path):
+    """``kv_prove`` grows each file to hold its nonce; when a later write fails, the files it
+    grew already shrink back before the error goes up (nothing is left changed)."""
+    import mmap
+
+    from hicache.engine.kv_client import KVStoreCommands
+
+    a = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o600)
+    b = os.open(tmp_path / "b", os.O_RDONLY | os.O_CREAT, 0o600)  # the write into b fails
+    try:
+        os.ftruncate(a, 100)
+        reply = {"nonce": "ab" * 16, "proofs": [(a, 8 * mmap.PAGESIZE), (b, 0)]}
+        with pytest.raises(OSError):
+            KVStoreCommands.kv_prove(reply)
+        assert os.fstat(a).st_size == 100 and os.fstat(b).st_size == 0
+    finally:
+        os.close(a)
+        os.close(b)

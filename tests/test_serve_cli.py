@@ -322,3 +322,23 @@ def test_the_socket_lock_is_never_held_twice(tmp_path, monkeypatch):
         D.SocketLock(sock, addr)
     b.release()
     assert not os.path.exists(sock + ".lock")
+
+
+def test_every_socket_folder_the_daemon_makes_is_private(tmp_path):
+    """``--socket ipc://<new>/<new>/d.sock``: each folder made is 0700 (``os.makedirs`` gave
+    the parents the umask's 0755), and a stop takes them all away again."""
+    from hicache.controllers.daemon import _prepare_ipc, remove_folders
+
+    old = os.umask(0o022)
+    try:
+        made, lock = _prepare_ipc(f"ipc://{tmp_path}/a/b/d.sock")
+    finally:
+        os.umask(old)
+    try:
+        assert sorted(made) == [str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+        for f in made:
+            assert os.stat(f).st_mode & 0o777 == 0o700, (f, oct(os.stat(f).st_mode))
+    finally:
+        lock.release()
+        remove_folders(made)
+    assert os.listdir(tmp_path) == []

@@ -45,15 +45,20 @@ class KVStoreCommands:
     @staticmethod
     def kv_prove(reply: Mapping[str, Any]) -> list[tuple[int, int]]:
         """Write the nonce of a ``kv_attach`` reply into this process's files at the offsets
-        the daemon named. Returns [(fd, original size)] for ``kv_unprove``."""
+        the daemon named. Returns [(fd, original size)] for ``kv_unprove``; a write that fails
+        shrinks the files it grew back first."""
         nonce = bytes.fromhex(reply["nonce"])
-        done = []
-        for fd, off in reply["proofs"]:
-            size = os.fstat(fd).st_size
-            os.ftruncate(fd, max(size, off + mmap.PAGESIZE))
-            done.append((fd, size))
-            if os.pwrite(fd, nonce, off) != len(nonce):
-                raise OSError(f"short write of the proof into fd {fd}")
+        done: list[tuple[int, int]] = []
+        try:
+            for fd, off in reply["proofs"]:
+                size = os.fstat(fd).st_size
+                os.ftruncate(fd, max(size, off + mmap.PAGESIZE))
+                done.append((fd, size))
+                if os.pwrite(fd, nonce, off) != len(nonce):
+                    raise OSError(f"short write of the proof into fd {fd}")
+        except BaseException:  # the files grown so far shrink back: nothing is left changed
+            KVStoreCommands.kv_unprove(done)
+            raise
         return done
 
     @staticmethod
