@@ -104,7 +104,10 @@ def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
     try:
         try:
             for f in reversed(made):  # every folder made here is 0700 (makedirs: the leaf only)
-                os.mkdir(f, 0o700)
+                try:
+                    os.mkdir(f, 0o700)
+                except FileExistsError:  # another daemon starting beside us made it: its own
+                    made.remove(f)
             st = os.stat(d)
         except OSError as e:
             raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "

@@ -142,8 +142,13 @@ CATALOG: tuple[MetricDef, ...] = (
               "Does giving a dead or departing client's rows back stall other clients?"),
     # --- HiSparse
     MetricDef("hisparse_host_rows", "gauge", ("state",),
-              "C4 page rows of the sparse host region by state: used, free.",
-              "How full is the HiSparse host region, and how many more long requests fit?"),
+              "C4 page rows of the clients' sparse host regions (the bound ones) by state: "
+              "used, free.",
+              "How full are the HiSparse host regions, and how many more long requests fit?"),
+    MetricDef("hisparse_regions", "gauge", ("state",),
+              "Sparse host regions (one per client in sparse mode) by state: bound, max "
+              "(--sparse-clients).",
+              "Can another engine start sparse mode on this daemon?"),
     MetricDef("hisparse_requests", "gauge", (),
               "Requests admitted to sparse mode and not yet freed.",
               "How many long requests run with their C4 KV on the host?"),

@@ -15,8 +15,8 @@ It then waits until the operations ``ops`` (those of ``c`` in flight when asked)
 (looked at again only after some operation ended: ``dirty``, set by the state):
 only then may the rows and mappings go, so no copy ever writes a row that was given back. Then
 the worker is handed to the unmapper (unmapped on its own thread), the sparse rows are freed
-(and but for a ``reset``, the client's sparse region, once it holds no row), and the rows go
-back in turns bounded by time: each loop turn (``step``) frees slices of
+(a ``reset``) or the client's sparse region, taken from it at the start, is closed (unregister,
+reap), and the rows go back in turns bounded by time: each loop turn (``step``) frees slices of
 ``SLICE_ROWS`` rows until ``BUDGET_S`` has passed, at least one slice. With zero-on-free the
 rows are first zeroed on a background thread (``background.Jobs``; ``ZERO_BYTES`` at a time,
 each chunk handed back to the loop, which frees it without zeroing again): the rows are held
@@ -64,7 +64,8 @@ class Release:
     rows: dict[str, np.ndarray]  # left to give back, per space
     ops: set[int]  # operations in flight when asked: the rows and mappings wait for them
     worker: RegisteredWorker | None  # mappings to close once ``ops`` ended
-    sparse: list[int]  # rows of the sparse region, freed once ``ops`` ended
+    sparse: list[int]  # rows of the sparse region, freed once ``ops`` ended (a reset)
+    region: Any  # the client's sparse region, closed once ``ops`` ended (unregister, reap)
     total: int
     forget: bool  # drop the client from the registry when done
     t0: float = field(default_factory=time.monotonic)
@@ -110,15 +111,17 @@ class Releaser:
                 self.tracker.hold(s, a)
                 rows[s] = a
         sparse: list[int] = []
-        sp = self.sparse()
+        sp, region = self.sparse(), None
         if sp is not None:
             for name in [r for r, e in sp.requests.items() if e.cid == c.cid]:
                 sparse.extend(sp.requests.pop(name).rows)
+            if why != "reset":  # taken away now: a later bind gets a new file, never this one
+                region, sparse = sp.detach(c.cid), []
         if cancel:
             self.cancel(cancel)
         if not self.pending:
             self.watch.restart()
-        rel = Release(c, why, rows, set(ops), worker, sparse,
+        rel = Release(c, why, rows, set(ops), worker, sparse, region,
                       sum(int(a.size) for a in rows.values()), forget)
         self.pending.append(rel)
         self.dirty = True
@@ -162,14 +165,13 @@ class Releaser:
             rel.worker.close(self.registry.handoff)  # unmapped on the unmapper's thread
             rel.worker = None
         sp = self.sparse()
-        reg = sp.of(rel.c.cid) if sp is not None else None
-        if reg is not None:
-            if rel.sparse:
+        if sp is not None:
+            reg = sp.of(rel.c.cid)
+            if rel.sparse and reg is not None:  # a reset: the region stays, its rows go back
                 reg.alloc.free_client_rows(rel.c.cid, np.asarray(rel.sparse, np.int64))
-            if rel.why.startswith("reaped"):
-                reg.alloc.free_owner(rel.c.cid)  # nobody acts for a reaped client any more
-            if rel.why != "reset":  # gone (or going): its region's file goes once it is empty
-                sp.drop(rel.c.cid)
+            if rel.region is not None:  # unregister or reap: the copies into it ended
+                sp.close_region(rel.region)
+                rel.region = None
         rel.sparse = []
         rel.ready = True
         if self.jobs is not None and \
@@ -220,6 +222,11 @@ class Releaser:
         rel.freed += n
         return n
 
+    def _drop_region(self, cid: str) -> None:
+        sp = self.sparse()
+        if sp is not None:
+            sp.drop(cid)
+
     def _sparse_rows(self, cid: str) -> int:
         """Rows of the sparse region ``cid`` holds (a request it admitted after an
         ``unregister`` began: it stays known, so a reap can still give them back)."""
@@ -231,12 +238,14 @@ class Releaser:
         took = time.monotonic() - rel.t0
         c = rel.c
         if rel.why.startswith("reaped"):
+            self._drop_region(c.cid)
             self.registry.remove(c, rel.why)  # forgotten: its identity may connect afresh
             log.warning("client %s: %d host rows freed, device mappings closed, %.2f s after "
                         "the reap; %s", rel.c.cid, rel.total, took, self.watch.describe())
         elif rel.forget and c.worker is None and self.registry.clients.get(c.ident) is c and \
                 not any(t.numel() for t in self.group.rows_of(c.cid).values()) and \
                 not self._sparse_rows(c.cid):
+            self._drop_region(c.cid)  # one it bound meanwhile, empty: it goes with the client
             self.registry.remove(c)  # unregistered, its operations ended: forgotten now
         if not rel.why.startswith("reaped") and took > 0.01:
             log.info("client %s %s: its %d host rows are back after %.2f s; %s", rel.c.cid,

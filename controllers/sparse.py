@@ -4,8 +4,9 @@ contract as ``handlers``: validate everything, then act; a refusal changes nothi
 memory is ``controllers.sparse_regions``: one region (file) per client.
 
 * ``sparse_region`` names the client's own region (binding one to it: the spare made at start,
-  or a new file, at most ``--sparse-clients`` at once); the engine maps that file and runs the
-  swap-in kernel on it. A client's first admission binds its region too.
+  or a new file, at most ``--sparse-clients`` at once; only a registered worker binds one);
+  the engine maps that file and runs the swap-in kernel on it. A client's first admission
+  binds its region too (after every check: a refused admission binds nothing).
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
   its C4 pages fit in the client's region. Admission takes ``floor(prompt_tokens / 4)`` C4
   tokens' pages and, with ``device_rows``, backs the prompt's C4 KV up from the registered
@@ -96,17 +97,33 @@ def _zero(reg: ClientRegion, rows: list[int]) -> None:
         t.index_fill_(0, idx, 0)
 
 
-def _take(sp: SparseRegions, n: int, owner: tuple[str, str]) -> tuple[ClientRegion, list[int]]:
-    """``n`` rows of the client's own region (bound to it now if it had none)."""
-    reg = sp.bind(owner[0])
+def _bind(sp: SparseRegions, c: ClientState) -> ClientRegion:
+    """The client's region; binding one takes a registered worker (an engine)."""
+    reg = sp.of(c.cid)
+    if reg is None:
+        if c.worker is None:
+            raise _err("not_registered", "a sparse region is for a registered worker: "
+                                         "register first")
+        reg = sp.bind(c.cid)
+    return reg
+
+
+def _take(sp: SparseRegions, c: ClientState, n: int, r: str) -> tuple[ClientRegion, list[int]]:
+    """``n`` rows of the client's own region (bound to it now if it had none), for request
+    ``r``."""
+    if n > sp.rows:  # checked before a bind: a refusal binds nothing
+        raise _err("no_space", f"{n} sparse host rows needed; a client's region has {sp.rows}")
+    reg = _bind(sp, c)
     if n > reg.alloc.free_rows:
         raise _err("no_space", f"{n} sparse host rows needed, {reg.alloc.free_rows} free in "
                                f"this client's region of {sp.rows}")
-    return reg, (reg.alloc.alloc(n, owner).tolist() if n else [])
+    return reg, (reg.alloc.alloc(n, (c.cid, r)).tolist() if n else [])
 
 
 def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    return _region(st).info(c.cid), []
+    sp = _region(st)
+    _bind(sp, c)
+    return sp.info(c.cid), []
 
 
 def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n: int) -> None:
@@ -147,7 +164,7 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                    f" pages, {k} of them from host_rows")
         if len(src) and (src.min() < 0 or src.max() >= dev.rows):
             raise _err("bad_rows", f"device_rows out of range [0, {dev.rows})")
-    reg, rows = _take(sp, n, (c.cid, r))
+    reg, rows = _take(sp, c, n, r)
     if dev is None and n > k:  # pages no copy fills: zeroed, never an earlier request's bytes
         _zero(reg, rows[k:])
     e = sp.requests[r] = SparseRequest(c.cid, c4, rows)
@@ -214,7 +231,7 @@ def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                                    f"the request's [0, {c4})")
         if len(toks) and (toks.min() < 0 or toks.max() >= dev.rows * sp.P):
             raise _err("bad_rows", f"device_tokens out of range [0, {dev.rows * sp.P})")
-    reg, new = _take(sp, _pages(sp, c4) - len(e.rows), (c.cid, r))
+    reg, new = _take(sp, c, _pages(sp, c4) - len(e.rows), r)
     e.rows, e.c4_tokens = e.rows + new, c4
     reply = {"c4_tokens": c4, "pages": len(e.rows)}
     if dev is not None and len(toks):
@@ -253,6 +270,8 @@ def refresh_gauges(st: Any) -> None:
     sp, m = getattr(st, "sparse", None), st.metrics
     m.set("hisparse_host_rows", sp.used_rows if sp else 0, "used")
     m.set("hisparse_host_rows", sp.free_rows if sp else 0, "free")
+    m.set("hisparse_regions", len(sp.regions) if sp else 0, "bound")
+    m.set("hisparse_regions", sp.max_regions if sp else 0, "max")
     m.set("hisparse_requests", len(sp.requests) if sp else 0)
     for name in ("hisparse_lookups", "hisparse_swapped_in_tokens", "hisparse_swapped_in_bytes"):
         m.inc(name, 0)

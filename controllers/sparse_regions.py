@@ -12,12 +12,14 @@ Contract:
   new file, at most ``max_regions`` at once (``no_space`` beyond, naming
   ``--sparse-clients``). A region made on a later bind is made on the server loop (a
   ``ftruncate`` and, on a GPU, a ``cudaHostRegister`` of its size).
-* ``drop(cid)``: once a client holds no sparse row (its release ended), its region is unpinned
-  and its file unlinked; the memory goes when the engine's mapping goes too. A region is never
-  handed to another client: a later client gets a new file.
+* ``detach(cid)``: an ``unregister`` or a reap takes the client's region away at once (a later
+  bind, even by the same client, gets a new file) and ``close_region`` closes it once the
+  copies into it ended: unpinned, file unlinked (the memory goes when the engine's mapping goes
+  too). ``drop(cid)`` closes a bound region that holds no row (a client forgotten). A region
+  is never handed to another client.
 * ``requests``: sparse requests by name (names are global to the daemon), each with its
-  client. ``used_rows`` / ``allocators()`` cover the bound regions, ``free_rows`` the rows
-  still to admit (the regions not bound count whole): gauges and the invariant check. ``close()`` drops every region (daemon stop).
+  client. ``used_rows`` / ``free_rows`` / ``allocators()`` cover the bound regions (gauges and
+  the invariant check). ``close()`` drops every region (daemon stop).
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ class SparseRegions:
         if reg is None:
             try:
                 reg = self._make()
-            except (OSError, MemoryError, RuntimeError) as e:
+            except Exception as e:  # noqa: BLE001 - tmpfs full, pinning refused: one line
                 raise ProtocolError("no_space", f"cannot make a sparse region of "
                                                 f"{self.region_bytes} B in {self.shm_dir}: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
@@ -103,12 +105,17 @@ class SparseRegions:
         return self.rows * self.spec.page_bytes * self.spec.num_layers
 
     def info(self, cid: str) -> dict[str, Any]:
-        return dict(self.bind(cid).shm.info(), tokens_per_page=self.P,
+        """The bound region of ``cid`` as the engine maps it."""
+        return dict(self.regions[cid].shm.info(), tokens_per_page=self.P,
                     min_sparse_prompt_len=self.min_prompt, c4_layers=list(self.spec.layers))
 
     def rows_held(self, cid: str) -> int:
         reg = self.regions.get(cid)
         return 0 if reg is None else reg.alloc.used_rows
+
+    def detach(self, cid: str) -> ClientRegion | None:
+        """Unbind the client's region (it stays open for ``close_region``)."""
+        return self.regions.pop(cid, None)
 
     def drop(self, cid: str) -> bool:
         """Close the client's region if it holds no row; True when it went (or had none)."""
@@ -118,10 +125,10 @@ class SparseRegions:
         if reg.alloc.used_rows:
             return False
         del self.regions[cid]
-        self._close(reg)
+        self.close_region(reg)
         return True
 
-    def _close(self, reg: ClientRegion) -> None:
+    def close_region(self, reg: ClientRegion) -> None:
         if self.registrar is not None:
             self.registrar.unregister(reg.shm.base_ptr)
         reg.shm.close()
@@ -132,14 +139,12 @@ class SparseRegions:
 
     @property
     def free_rows(self) -> int:
-        """Rows still to admit: free rows of the bound regions, and the regions not bound."""
-        unbound = self.max_regions - len(self.regions)
-        return sum(r.alloc.free_rows for r in self.regions.values()) + unbound * self.rows
+        return sum(r.alloc.free_rows for r in self.regions.values())
 
     def allocators(self) -> list[RowAllocator]:
         return [r.alloc for r in self.regions.values()]
 
     def close(self) -> None:
         for reg in list(self.regions.values()) + ([self.spare] if self.spare else []):
-            self._close(reg)
+            self.close_region(reg)
         self.regions, self.spare = {}, None

@@ -434,8 +434,11 @@ class DaemonState:
                 if self.sparse is not None:  # the sparse regions' rows too
                     allocs.extend(self.sparse.allocators())
                 stray = sorted({o[0] for a in allocs for o in a.owners()} - known)
-                out["invariants"] = "ok" if not stray else \
-                    f"host rows owned by clients the daemon no longer tracks: {stray[:4]}"
+                lost = sorted(set(self.sparse.regions) - known) if self.sparse else []
+                out["invariants"] = "ok" if not stray and not lost else \
+                    f"host rows owned by clients the daemon no longer tracks: {stray[:4]}" \
+                    if stray else f"sparse regions bound to clients the daemon no longer " \
+                                  f"tracks: {lost[:4]}"
             except PoolError as e:
                 out["invariants"] = f"{type(e).__name__}: {e}"
         return out

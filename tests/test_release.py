@@ -335,30 +335,45 @@ class _Worker:
         pass
 
 
-def test_sparse_rows_admitted_while_an_unregister_waits_keep_the_client_known(tmp_path):
-    """A client that unregisters with a copy in flight stays known until it ends; a sparse
-    request it admits meanwhile must not outlive it unseen: the client stays known (a reap can
-    still give the rows back) and ``stats check`` counts sparse-region owners too."""
+def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
+    """``unregister`` with a copy in flight: the client's sparse region is taken from it at
+    once (its file closes when the copy ended), and while the client waits to be forgotten it
+    cannot bind another (``not_registered``: binding takes a worker). A client that registers
+    again meanwhile gets a new file, never the one that is closing. ``stats check`` flags a
+    region bound to a client the daemon forgot."""
+    import os
     from types import SimpleNamespace
 
     from hicache.controllers.handlers import HANDLERS
+    from hicache.core.protocol import ProtocolError
 
     d = _daemon(tmp_path, sparse_rows=8, min_sparse_prompt_len=64, shm_dirs=(str(tmp_path),))
     try:
         st = d.state
         c = st.registry.touch(b"engine-s", 0.0)
         c.worker = _Worker()
+        first = HANDLERS["sparse_region"](st, c, {}, [])[0]["path"]
+        HANDLERS["sparse_admit"](st, c, {"request": "r", "prompt_tokens": 256}, [])
         st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
         HANDLERS["unregister"](st, c, {}, [])
-        HANDLERS["sparse_admit"](st, c, {"request": "r", "prompt_tokens": 256}, [])
+        assert st.sparse.of(c.cid) is None and os.path.exists(first)  # detached, still open
+        with pytest.raises(ProtocolError) as e:
+            HANDLERS["sparse_admit"](st, c, {"request": "r2", "prompt_tokens": 256}, [])
+        assert e.value.code == "not_registered" and st.sparse.of(c.cid) is None
+        c.worker = _Worker()  # it registers again: a new file
+        second = HANDLERS["sparse_region"](st, c, {}, [])[0]["path"]
+        assert second != first
         del st.ops[777]
         st.releaser.dirty = True
-        st.releaser.step()  # the copy ended: the release is done
-        assert st.registry.clients.get(b"engine-s") is c  # still known: it holds sparse rows
+        st.releaser.step()  # the copy ended: the first region closes, the second stays
+        assert not os.path.exists(first) and os.path.exists(second)
         assert st.report(True)["invariants"] == "ok"
-        st.reap(c, "silent")  # what a dead engine gets: its sparse rows go back
+        st.sparse.regions["ghost"] = st.sparse.regions[c.cid]  # as if its client were forgotten
+        assert "sparse regions bound to clients" in st.report(True)["invariants"]
+        del st.sparse.regions["ghost"]
+        st.reap(c, "silent")
         st.releaser.step()
-        assert st.sparse.used_rows == 0 and st.report(True)["invariants"] == "ok"
-        assert st.sparse.of(c.cid) is None  # its region's file went with its last row
+        assert st.sparse.of(c.cid) is None and not os.path.exists(second)
+        assert st.report(True)["invariants"] == "ok"
     finally:
         d.close()

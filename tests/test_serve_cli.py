@@ -342,3 +342,23 @@ def test_every_socket_folder_the_daemon_makes_is_private(tmp_path):
         lock.release()
         remove_folders(made)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_socket_folder_another_daemon_makes_meanwhile_is_not_ours(tmp_path, monkeypatch):
+    """Two daemons with default sockets start at once and race to make the shared folder:
+    the loser takes the folder as it is (not "File exists") and never removes it."""
+    from hicache.controllers import daemon as D
+
+    real, shared = os.mkdir, str(tmp_path / "hicache")
+
+    def racing_mkdir(p, mode=0o777):
+        if p == shared and not os.path.isdir(p):
+            real(p, 0o700)  # the other daemon made it just now
+        return real(p, mode)
+
+    monkeypatch.setattr(D.os, "mkdir", racing_mkdir)
+    made, lock = D._prepare_ipc(f"ipc://{shared}/cuda1.sock")
+    lock.release()
+    assert made == []
+    D.remove_folders(made)
+    assert os.path.isdir(shared)

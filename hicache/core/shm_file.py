@@ -20,10 +20,15 @@ STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not b
 _CREATOR = re.compile(r"(\d+)-[0-9a-f]+$")  # the creating pid before the random suffix
 
 
-def new_mapped_file(path: str, nbytes: int) -> mmap.mmap:
+def new_mapped_file(path: str, nbytes: int, reserve: bool = False) -> mmap.mmap:
+    """Make ``path`` (0600, exclusive) of ``nbytes`` and map it. ``reserve``: allocate its
+    blocks now (``posix_fallocate``), so a full tmpfs is an ``OSError`` here, not a SIGBUS
+    at the first touch of a page."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes)
     except BaseException:
         try:

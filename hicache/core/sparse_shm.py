@@ -1,8 +1,9 @@
-"""The HiSparse host region as a named shared-memory file both processes map.
+"""One client's HiSparse host region as a named shared-memory file the daemon and that engine map.
 
 Contract: ``SparseShm.create(shm_dir, layers, rows, page_bytes)`` (the daemon) makes
 ``/dev/shm/hicache-sparse-<pid>-<random>``, mode 0600, exclusive, one 4 KiB-aligned region of
-``rows`` C4 page rows per C4 layer; ``SparseShm.open(info)`` (the engine) maps the file a
+``rows`` C4 page rows per C4 layer, its memory reserved at once (a full tmpfs is an
+``OSError`` then, never a SIGBUS later); ``SparseShm.open(info)`` (the engine) maps the file a
 ``info()`` dict describes, checking its size. ``layers`` are per-layer ``[rows, page_bytes]``
 uint8 tensors over the mapping (row ``k`` of every layer holds the same 64 C4 tokens of one
 request). ``close()`` drops the mapping; the creator also unlinks the file. Pinning is the
@@ -50,7 +51,8 @@ class SparseShm:
             raise ValueError(f"shared-memory directory {shm_dir} does not exist")
         path = os.path.join(shm_dir, f"{SPARSE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         nbytes = max(ALIGN, layers * _align(rows * page_bytes))
-        return cls(path, new_mapped_file(path, nbytes), layers, rows, page_bytes, owner=True)
+        return cls(path, new_mapped_file(path, nbytes, reserve=True), layers, rows, page_bytes,
+                   owner=True)
 
     @classmethod
     def open(cls, info: dict[str, Any]) -> "SparseShm":

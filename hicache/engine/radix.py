@@ -404,8 +404,8 @@ class RadixTree(Transfers):
                     ckpt_nodes.append(child)
             path.append(child)
             node = child
-        if duplicate:
-            self.device.free(duplicate)
+        if duplicate:  # (a node's own row may be suspect: held, not freed)
+            self._free_node_rows(duplicate)
         for n in prefix.nodes:
             n.lock -= 1
         self._touch(path)

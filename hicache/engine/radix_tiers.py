@@ -294,3 +294,6 @@ class TierOps:
         if self.host_ckpt_capacity is not None:
             assert self.host_checkpoints <= self.host_ckpt_capacity
         assert dev + self.device.available() + len(self.held_device_rows) <= self.device.capacity
+        live = {n.device for n in self.nodes() if n.device is not None}
+        assert self.suspect_rows <= live, f"suspect rows no page holds: {self.suspect_rows - live}"
+        assert not live & set(self.held_device_rows), "a held row is a page's device copy"
