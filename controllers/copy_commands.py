@@ -176,6 +176,7 @@ def _items(st: DaemonState, c: ClientState, w: RegisteredWorker, h: dict, arrays
                 if fresh is None:
                     pages = _host_pages(host_ids, P)
                     st.check_owned(c.cid, space, pages, what)
+                    st.check_l3_clash(space, pages, to_host, what)
                 else:
                     pages = dst.np()
                 parts = host.get(space)

@@ -15,7 +15,8 @@ The daemon calls, for every operation:
   previous owner's, e.g. a whole-row write into it failed or is still in flight), else back
   to UNWRITTEN.
 * ``begin_fill`` / ``end_fill`` — the same for an L3 prefetch: only the leading pages it read
-  and verified become WRITTEN. An L3 put reads rows, so ``check_readable`` applies to it.
+  and verified become WRITTEN, every other row it was to fill UNWRITTEN (written before or
+  not). An L3 put reads rows, so ``check_readable`` applies to it.
 
 ``host_table(pool)`` builds the pointer table of one host pool with the arena's *device*
 addresses wherever they differ from the host addresses (``cuMemHostGetDevicePointer``), so
@@ -77,11 +78,12 @@ def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages
              partial: Any = frozenset()) -> None:
     """It ended: the first ``pages`` rows were read and verified (WRITTEN; in ``partial``
     pools only where still zeroed, as for a token backup); the rest hold nothing usable (back
-    to UNWRITTEN)."""
+    to UNWRITTEN, even rows a backup had written: the store's read may have overwritten
+    them with bytes that failed their checks)."""
     for space, rows, _ in host:
         for pool in pools[space]:
             group.end_write(pool, rows[:pages], True, pool in partial)
-            group.end_write(pool, rows[pages:], False)
+            group.end_write(pool, rows[pages:], False, overwritten=True)
 
 
 def host_table(pool: PagedHostPool) -> LayerTable:

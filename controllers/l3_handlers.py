@@ -108,6 +108,7 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
         job.partial = {p for ps in pools.values() for p, part in ps.items() if part}
         begin_fill(st.group, job.pools, host, partial=job.partial)
     st.tracker.begin(host)
+    st.l3_rows.begin(host)
     c.in_flight += 1
     st.l3_ops[op_id] = job
     st.l3.submit(job)

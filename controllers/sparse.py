@@ -138,6 +138,7 @@ def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n
     if hits.min() < 0 or hits.max() >= total:
         raise _err("bad_rows", f"host_rows out of range [0, {total}) of space {space}")
     st.check_owned(c.cid, space, hits, "sparse_admit host_rows")
+    st.check_l3_clash(space, hits, False, "sparse_admit host_rows")
     check_readable(st.group, "c4_kv", hits, "sparse_admit host_rows")
 
 

@@ -47,7 +47,7 @@ from .registry import ClientState, Registry
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 from .loop_watch import LoopWatch
 from .release import Releaser
-from .row_tracker import RowTracker
+from .row_tracker import RowTracker, rows_np
 from .sparse import refresh_gauges as refresh_sparse_gauges
 from .ops import Operation
 from .scheduler import Scheduler
@@ -78,6 +78,8 @@ class DaemonState:
         self.shm_dirs = shm_dirs
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
+        # client L3 jobs' rows alone: copies (not scheduler ops) a backup or load must not race
+        self.l3_rows = RowTracker(self.host_rows)
         self.host_tables: dict[str, LayerTable] = {name: host_table(p)
                                                    for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
@@ -158,6 +160,19 @@ class DaemonState:
                                                  f"{space} is not allocated to this client")
         if self.tracker.busy(space, rows):
             raise ProtocolError("busy", f"{what}: host rows of space {space} are being freed")
+
+    def check_l3_clash(self, space: str, rows: Any, writes: bool, what: str) -> None:
+        """Refuse (``busy``) a copy that would race a client L3 job in flight on ``rows``: a
+        write into rows an L3 put reads or a prefetch writes, or a read of rows a prefetch
+        writes. (L3 jobs run on their own threads, not the scheduler's streams, so nothing
+        would order the two.) Free when no L3 job is in flight."""
+        if not self.l3_ops:
+            return
+        t, r = self.l3_rows, rows_np(rows)
+        if t.writers[space][r].any() or (writes and t.readers[space][r].any()):
+            raise ProtocolError("busy", f"{what}: host rows of space {space} are in an L3 "
+                                        f"{'prefetch' if t.writers[space][r].any() else 'put'}"
+                                        f" in flight; send it after that op's ack")
 
     def owner_of(self, space: str, row: int) -> tuple[str, str | None] | None:
         return self.group.allocators[space].owner_of(row)
@@ -309,6 +324,7 @@ class DaemonState:
             if job.kind == "prefetch":  # before the rows can be released
                 end_fill(self.group, job.pools, host, job.hits, job.partial)
             self.tracker.end(host)
+            self.l3_rows.end(host)
             c.in_flight -= 1
             self.releaser.dirty = True
             if self.tracker.deferred:

@@ -151,11 +151,18 @@ class HostPoolGroup:
                 w[fresh] = mark
             return int(fresh.size) if zero else 0
 
-    def end_write(self, pool: str, rows: Any, ok: bool, partial: bool = False) -> None:
+    def end_write(self, pool: str, rows: Any, ok: bool, partial: bool = False,
+                  overwritten: bool = False) -> None:
         """A write into ``rows`` completed. Succeeded: a whole-row write's rows are WRITTEN, a
         partial write's only where CLEAN (a row STALE or UNWRITTEN may still hold a previous
         owner's bytes beside the ones it wrote). Failed: rows not yet WRITTEN go back to
-        UNWRITTEN (a partial copy may have left old bytes)."""
+        UNWRITTEN (a partial copy may have left old bytes); with ``overwritten`` (the failed
+        write may have replaced bytes a completed backup put there: an L3 read that failed its
+        checks) every row does."""
+        if not ok and overwritten:
+            with self._lock:
+                self.written[pool][np.asarray(rows, dtype=np.int64)] = UNWRITTEN
+            return
         with self._lock:
             if ok and not partial and len(rows) <= FEW_ROWS:
                 mv = self._written_mv[pool]

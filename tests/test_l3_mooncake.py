@@ -20,7 +20,7 @@ import torch
 
 from hicache.controllers import l3_format
 from hicache.core.layout import build_layout, preset
-from hicache.engine.client import Client
+from hicache.engine.client import Client, CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.engine import l3_master
 
@@ -234,6 +234,66 @@ def test_corrupted_and_truncated_objects_are_counted_misses(l3_daemon, worker, s
     assert metric(w.c, "hicache_l3_errors_total", kind="corrupt") == 2
     w.close()
     d.close()
+
+
+def test_a_failed_prefetch_into_rows_a_backup_wrote_leaves_them_unreadable(l3_daemon, worker,
+                                                                           store):
+    """The store's read lands in the rows before the checks: a prefetch into rows this client
+    had backed up, whose object fails its checks, leaves those rows unreadable (``not_written``),
+    never readable with bytes that failed verification (they used to stay "written")."""
+    d = l3_daemon()
+    w = worker(d, 8)
+    c = w.c
+    ns = l3_format.namespace(TINY)
+    n = l3_format.HEADER_BYTES + sum(TINY.row_bytes(s) for s in SPACES)
+    raw_put(store, l3_format.object_key(ns, "fx-bad"), b"\xab" * n)  # right size, forged
+    host = c.alloc({s: 1 for s in SPACES})
+    assert c.wait_ack(c.backup({s: ([0], host[s]) for s in SPACES})).ok
+    ack = c.l3_prefetch(["fx-bad"], host, timeout=30)
+    assert ack.l3["hits"] == 0 and ack.l3["misses"] == {"corrupt": 1}, ack.l3
+    before = w.page(3)
+    with pytest.raises(CommandRefused) as e:
+        c.load({s: (host[s], [3]) for s in SPACES})
+    assert e.value.code == "not_written", e.value
+    assert same(w.page(3), before)
+    c.free(host)
+
+
+def test_a_copy_racing_an_l3_job_on_its_rows_is_refused_busy(l3_daemon, worker, store):
+    """L3 jobs run on their own threads, outside the copy streams: with the master stopped
+    (SIGSTOP) a put of row H and a prefetch into row G hang. A backup into H (the put would
+    publish the new bytes under the old key) and a load from G (half-written) are refused
+    ``busy``; a load from H (both read) is not. Once the jobs end, both go through."""
+    import signal
+
+    d = l3_daemon()
+    w = worker(d, 9)
+    c = w.c
+    h = c.alloc({s: 1 for s in SPACES})
+    g = c.alloc({s: 1 for s in SPACES})
+    assert c.wait_ack(c.backup({s: ([0], h[s]) for s in SPACES})).ok
+    assert c.wait_ack(c.backup({s: ([1], g[s]) for s in SPACES})).ok
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        put = c.l3_put(["race-h"], h)
+        r, frames = c._l3_rows(g)  # the prefetch's op without waiting for its ack
+        fetch = int(c.call("l3_prefetch", {"keys": ["race-g"], "rows": r,
+                                           "deadline_ms": 60_000}, frames)[0]["op"])
+        with pytest.raises(CommandRefused) as e:
+            c.backup({s: ([2], h[s]) for s in SPACES})
+        assert e.value.code == "busy" and "L3 put" in e.value.message, e.value
+        assert c.wait_ack(c.load({s: (h[s], [4]) for s in SPACES})).ok  # read beside a read
+        assert same(w.page(4), w.page(0))
+        with pytest.raises(CommandRefused) as e:
+            c.load({s: (g[s], [5]) for s in SPACES})
+        assert e.value.code == "busy" and "L3 prefetch" in e.value.message, e.value
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    assert c.wait_ack(put, timeout=60).ok
+    c.wait_ack(fetch, timeout=60, check=False)  # a miss (no such object): its rows unreadable
+    assert c.wait_ack(c.backup({s: ([2], h[s]) for s in SPACES})).ok
+    c.free(h)
+    c.free(g)
 
 
 def test_master_down_then_back(l3_daemon, worker, store):
