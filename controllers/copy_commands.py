@@ -272,8 +272,9 @@ def backup(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 def load(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     w = worker_of(c)
+    wait = _wait_event(st, w, h.get("wait_event"))
     items, host, nbytes = _items(st, c, w, h, arrays, to_host=False)
-    op = Operation(st.next_op_id(), c.cid, "load", items, host, nbytes=nbytes)
+    op = Operation(st.next_op_id(), c.cid, "load", items, host, wait_event=wait, nbytes=nbytes)
     extra = _layer_events(st, w, op)
     ack = st.start(c, op)
     return _reply(op, ack, _issued(op, extra)), []

@@ -98,7 +98,7 @@ class Operation:
     items: list[Item] = field(default_factory=list)
     host: list[tuple[str, np.ndarray, bool]] = field(default_factory=list)  # (space, rows, writes)
     clear: ClearSpec | None = None
-    wait_event: Any = None  # GPU: engine's interprocess event (backup)
+    wait_event: Any = None  # GPU: engine's interprocess event the copy waits for
     layer_events: list[Any] | None = None  # GPU load: one interprocess event per stage layer
     stage_layers: tuple[int, ...] = ()
     after: list["Operation"] = field(default_factory=list)  # GPU: other-stream ops to wait for

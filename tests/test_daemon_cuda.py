@@ -58,6 +58,43 @@ def gpu(tmp_path_factory):
     pools.close()
 
 
+def test_a_load_waits_for_the_engines_event(gpu):
+    """``load(wait_event=k)``: the daemon's copy starts only after the engine's event, as
+    SGLang's load fence needs (rows freed under overlap scheduling may still be written by the
+    previous forward). The engine's stream writes the destination rows behind a long GPU sleep:
+    without the wait the load lands first and the engine's bytes win (the race is real), with
+    it the loaded bytes are what stays."""
+    d, c, pools = gpu
+    engine = torch.cuda.Stream(DEV)
+    moved = [n for n, sp in FLASH.pools.items() if sp.index == "page"]
+    src, dst = [0, 1, 2, 3], [40, 41, 42, 43]
+    host = c.alloc({"page": 4})["page"]
+    torch.cuda.synchronize()
+    assert c.wait_ack(c.backup({"page": (src, host)}), timeout=120).ok
+    idx = torch.tensor(dst, device=DEV)
+    want = {n: [t[torch.tensor(src, device=DEV)].clone() for t in pools.layers[n]] for n in moved}
+
+    def overwrite_late() -> None:
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time
+            for n in moved:
+                for t in pools.layers[n]:
+                    t.index_fill_(0, idx, 0xEE)
+            c.backup_events[1].record(engine)
+
+    overwrite_late()
+    assert c.wait_ack(c.load({"page": (host, dst)}), timeout=120).ok  # no wait: it races
+    engine.synchronize()
+    assert all(bool((t[idx] == 0xEE).all()) for n in moved for t in pools.layers[n])
+    overwrite_late()
+    assert c.wait_ack(c.load({"page": (host, dst)}, wait_event=1), timeout=120).ok
+    torch.cuda.synchronize()
+    for n in moved:
+        for li, t in enumerate(pools.layers[n]):
+            assert torch.equal(t[idx], want[n][li]), (n, li)
+    c.free({"page": host})
+
+
 def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
     d, c, pools = gpu
     assert c.uses_channel and c.stats()["channels"] == 1, c.channel_refused

@@ -28,7 +28,7 @@ from hicache.engine.sglang.version import installed_sglang
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
 INNER = ["tests/sglang/check_dsv4_l2.py", "tests/sglang/check_dynamic_backend.py"]
-INNER_TESTS = 8
+INNER_TESTS = 9
 
 
 def _tail(text: str, n: int = 6000) -> str:
@@ -82,40 +82,78 @@ def test_install_refuses_without_sglang() -> None:
     assert "sglang" not in sys.modules  # the gate runs before any SGLang import
 
 
-def test_a_gpu_loads_ack_is_taken_without_waiting_and_a_failure_raises() -> None:
-    """At a GPU load's last layer the adapter takes the op's ack if it is in (never waiting:
-    the engine's thread must not block on the daemon), keeps the ones not in yet for a later
-    last layer, and raises ``TransferFailed`` for one that says the load failed."""
+def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None:
+    """At a GPU load's last layer the adapter waits for the op's ack and checks it: a load that
+    failed (say a later layer's launch) raises ``TransferFailed`` there, so SGLang never counts
+    it as loaded. Earlier layers return once their event says they are copied."""
     import threading
     from types import SimpleNamespace
 
-    from hicache.engine.acks import AckTimeout, TransferFailed
+    import torch
+
+    from hicache.engine.acks import TransferFailed
     from hicache.engine.sglang.host_pools import _DaemonPoolMixin
 
-    class Acks:
-        def __init__(self) -> None:
-            self.acks: dict[int, bool] = {}
+    class GpuClient:
+        backup_events: list = []  # (no CUDA here: the load fence is the CUDA test's)
 
-        def drain(self) -> int:
-            return 0
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def load(self, items, wait_event=None):
+            self.calls.append(("load", items))
+            return SimpleNamespace(op_id=7, event_set=0, ack=None)
+
+        def wait_layer(self, op, layer):
+            self.calls.append(("layer", layer))
 
         def wait_ack(self, op, timeout=None, check=True):
-            assert timeout == 0
-            if op.op_id not in self.acks:
-                raise AckTimeout("not yet")
-            ok = self.acks.pop(op.op_id)
-            if check and not ok:
-                raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
-                                                     error={"message": "launch failed"}))
-            return SimpleNamespace(ok=ok)
+            self.calls.append(("ack", check))
+            raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
+                                                 error={"message": "launch failed"}))
 
+    c = GpuClient()
     pool = object.__new__(_DaemonPoolMixin)
-    pool._load_lock, pool._unsettled = threading.Lock(), []
-    c = Acks()
-    first, second = SimpleNamespace(op_id=1), SimpleNamespace(op_id=2)
-    pool._settle(c, first)  # its ack is not in: kept
-    assert pool._unsettled == [first]
-    c.acks.update({1: True, 2: False})
-    with pytest.raises(TransferFailed):
-        pool._settle(c, second)
-    assert pool._unsettled == [] and c.acks == {}  # both taken
+    pool.link = SimpleNamespace(client=c, lock=threading.RLock(),
+                                pool_global_layer=lambda p, l: l)
+    pool.ours, pool.layer_num, pool.page_size = "c4_kv", 2, 4
+    pool._loads, pool._load_lock = {}, threading.Lock()
+    host, dev = torch.arange(4, 8), torch.arange(8, 12)
+    pool.load_to_device_per_layer(None, host, dev, 0, "direct")
+    assert c.calls == [("load", {"c4_kv": ([1], [2])}), ("layer", 0)]
+    with pytest.raises(TransferFailed, match="launch failed"):
+        pool.load_to_device_per_layer(None, host, dev, 1, "direct")
+    assert c.calls[-2:] == [("layer", 1), ("ack", True)] and pool._loads == {}
+
+
+def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_factory) -> None:
+    """SGLang calls the host pools only when it moves KV: the link's heartbeat thread keeps an
+    idle worker registered past the daemon's timeout (it used to be reaped, its host rows freed
+    under SGLang's tree). ``free_all`` (SGLang's ``flush_cache``) gives back every row the
+    link holds; ``close`` unregisters and closes the client."""
+    import time
+    from types import SimpleNamespace
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.client import Client
+    from hicache.engine.device_pools import DevicePools
+    from hicache.engine.sglang.link import DaemonLink
+
+    d = daemon_factory(heartbeat_timeout=1.0, metrics=False)
+    layout = build_layout(preset("dsv4-flash"))
+    with DevicePools(layout, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools:
+        client = Client(d.address, timeout=5.0, name="sglang-idle")
+        h = client.register(pools)
+        link = DaemonLink(client, SimpleNamespace(layout=layout), h["host_rows"], None)
+        rows = link.alloc("page", 3)
+        assert rows is not None and link.free_rows("page") == link.capacity("page") - 3
+        time.sleep(3.0)  # three heartbeat timeouts with no call from SGLang
+        assert link.beat_error is None
+        with d.client(name="watch") as w:
+            assert w.stats()["workers"] == 1, "the idle worker was reaped"
+        assert link.alloc("page", 1) is not None  # still registered: no not_registered
+        assert link.free_all("page") == 4 and link.free_rows("page") == link.capacity("page")
+        link.close()
+        assert not link._beat.is_alive()
+        with d.client(name="watch") as w:
+            assert w.stats()["workers"] == 0

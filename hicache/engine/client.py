@@ -469,10 +469,16 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         h, arr = self.call("backup", fields, frames, timeout=timeout)
         return self._op("backup", h, arr)
 
-    def load(self, items: Items, *, timeout: float | None = None) -> Op:
-        """Host rows -> device rows. ``items``: {pool or space: (host ids, device ids[, unit])}."""
+    def load(self, items: Items, *, wait_event: int | None = None,
+             timeout: float | None = None) -> Op:
+        """Host rows -> device rows. ``items``: {pool or space: (host ids, device ids[, unit])}.
+        ``wait_event`` (GPU): index of an event of ``backup_events`` the engine recorded on its
+        stream: the copy starts only after it (e.g. after work still writing those rows)."""
         its, frames = self._items(items)
-        return self._op("load", self.call("load", {"items": its}, frames, timeout=timeout)[0])
+        fields: dict[str, Any] = {"items": its}
+        if wait_event is not None:
+            fields["wait_event"] = wait_event
+        return self._op("load", self.call("load", fields, frames, timeout=timeout)[0])
 
     def swap_out(self, slot: int, *, request: str | None = None, host_row: int | None = None,
                  wait_event: int | None = None, timeout: float | None = None) -> Op:

@@ -45,9 +45,15 @@ class Installation:
         """Restore SGLang's builder; with ``close``, unregister every connected worker."""
         self.module.build_deepseek_v4_hicache_stack = self.original
         if close:
-            for link in self.links:
-                link.close()
-            self.links.clear()
+            links, self.links = list(self.links), []
+            first: BaseException | None = None
+            for link in links:  # every link is closed, whatever one of them raises
+                try:
+                    link.close()
+                except Exception as e:  # noqa: BLE001 - re-raised after the others
+                    first = first or e
+            if first is not None:
+                raise first
 
 
 def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, end: int) -> int:
@@ -91,15 +97,19 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             except BaseException:
                 client.close()
                 raise
-            inst.links.append(link)
             anchor, paged, state = bind_host_pools(link)
             saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
             A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
                 anchor, paged, state
             try:
-                return original(*args, **kw)
+                stack = original(*args, **kw)
+            except BaseException:  # SGLang's builder refused: the worker is not left registered
+                link.close()
+                raise
             finally:
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
+            inst.links.append(link)
+            return stack
 
         build.__hicache__ = True  # type: ignore[attr-defined]
         A.build_deepseek_v4_hicache_stack = build

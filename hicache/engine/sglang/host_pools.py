@@ -12,8 +12,16 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
 * ``backup_from_device_all_layer``: one daemon ``backup`` of this pool (every layer), waited for
   before returning, since SGLang records its completion event right after the call returns.
 * ``load_to_device_per_layer``: the pool's first layer submits one daemon ``load`` for every
-  layer; each layer then waits for its own part (GPU: the current stream waits on the daemon's
-  interprocess event for that layer, no host sync; CPU: the op's ack, taken once).
+  layer; on a GPU it first records the link's load event on the current stream (SGLang's H2D
+  stream, which waits on its load fence: pages freed under overlap scheduling may still be
+  written by the previous forward) and the daemon's copy waits for it. Each layer then waits
+  for its own part (GPU: ``Client.wait_layer`` polls the daemon's interprocess event for that
+  layer from this thread, so the call returns once the layer is copied; CPU: the op's ack,
+  taken at layer 0). At the last layer a GPU load's ack is waited for and checked: a load that
+  failed raises ``TransferFailed`` there and is never counted as loaded.
+* Every use of the daemon's ``Client`` holds the link's lock (its heartbeat thread shares it).
+* ``clear()`` (SGLang's ``flush_cache``) on the anchor and the SWA pool gives back every row
+  of its space the link holds.
 * The ``_physical`` wrappers and ``prepare_transfer_indices`` are SGLang's own (they call the
   methods above with the indices unchanged).
 
@@ -28,13 +36,11 @@ from typing import Any
 import torch
 
 from hicache.core.errors import HicacheError
-from hicache.engine.acks import AckTimeout, TransferFailed
 from hicache.engine.client import Op
 from hicache.engine.sglang.link import DaemonLink
 from hicache.engine.sglang.stage_map import SGLANG_POOLS
 
-
-UNSETTLED_MAX = 1024  # GPU loads kept waiting for their ack (the oldest are given up)
+LOAD_EVENT = 1  # the link's interprocess event recorded before each GPU load (0: backups)
 
 
 class HostBytesElsewhere(HicacheError, RuntimeError):
@@ -83,7 +89,6 @@ class _DaemonPoolMixin:
         self.start_layer, self.end_layer = 0, spec.num_layers
         self._loads: dict[tuple[int, int], Op] = {}
         self._load_lock = threading.Lock()
-        self._unsettled: list[Op] = []  # GPU loads whose ack was not in at their last layer
 
     def _items(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
                to_device: bool) -> dict[str, tuple]:
@@ -99,11 +104,12 @@ class _DaemonPoolMixin:
             return
         items = self._items(host_indices, device_indices, to_device=False)
         c = self.link.client
-        wait_event = None
-        if c.backup_events:  # GPU: the daemon waits for what this stream wrote so far
-            c.backup_events[0].record(torch.cuda.current_stream())
-            wait_event = 0
-        c.wait_ack(c.backup(items, wait_event=wait_event))
+        with self.link.lock:
+            wait_event = None
+            if c.backup_events:  # GPU: the daemon waits for what this stream wrote so far
+                c.backup_events[0].record(torch.cuda.current_stream())
+                wait_event = 0
+            c.wait_ack(c.backup(items, wait_event=wait_event))
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor,
                                  device_indices: torch.Tensor, layer_id: int, io_backend: str,
@@ -114,9 +120,14 @@ class _DaemonPoolMixin:
             return
         key = (id(host_indices), id(device_indices))
         c = self.link.client
-        with self._load_lock:
+        with self._load_lock, self.link.lock:
             if layer_id == 0:
-                op = c.load(self._items(host_indices, device_indices, to_device=True))
+                items = self._items(host_indices, device_indices, to_device=True)
+                if c.backup_events:  # GPU: the copy waits for SGLang's load fence
+                    c.backup_events[LOAD_EVENT].record(torch.cuda.current_stream())
+                    op = c.load(items, wait_event=LOAD_EVENT)
+                else:
+                    op = c.load(items)
                 if op.event_set is None:  # CPU: no per-layer events; the ack covers all layers
                     op.ack = c.wait_ack(op)
                 self._loads[key] = op
@@ -125,30 +136,10 @@ class _DaemonPoolMixin:
                 raise RuntimeError(f"{self.ours}: layer {layer_id} loaded before layer 0")
             if layer_id == self.layer_num - 1:
                 del self._loads[key]
-        c.wait_layer(op, self.link.pool_global_layer(self.ours, layer_id))
-        if layer_id == self.layer_num - 1 and op.event_set is not None:
-            self._settle(c, op)
-
-    def _settle(self, c: Any, op: Op) -> None:
-        """A GPU load's last layer is ready: take its ack if it is in (``TransferFailed`` when
-        it failed), never waiting for it; acks not in yet are taken at a later last layer (the
-        GPU path's acks would otherwise pile up in the client)."""
-        c.drain()
-        with self._load_lock:
-            self._unsettled.append(op)
-            todo, self._unsettled = self._unsettled, []
-        left, failed = [], None
-        for o in todo:
-            try:
-                c.wait_ack(o, timeout=0, check=True)
-            except AckTimeout:
-                left.append(o)
-            except TransferFailed as e:
-                failed = failed or e
-        with self._load_lock:
-            self._unsettled = left[-UNSETTLED_MAX:] + self._unsettled
-        if failed is not None:
-            raise failed
+        with self.link.lock:
+            c.wait_layer(op, self.link.pool_global_layer(self.ours, layer_id))
+            if layer_id == self.layer_num - 1 and op.event_set is not None:
+                c.wait_ack(op, check=True)  # the whole load, verified: TransferFailed if not
 
     get_data_page = _refuse("get_data_page")
     set_from_flat_data_page = _refuse("set_from_flat_data_page")
@@ -181,6 +172,7 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
         def clear(self) -> None:
             self.free_slots = torch.empty(0, dtype=torch.int64)
             self.release_slots, self.num_release_slots = [], 0
+            link.free_all("page")  # SGLang forgot every host node: their rows go back
 
         def available_size(self) -> int:
             return link.free_rows("page") * page
@@ -230,7 +222,8 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
             self.can_use_jit = self.can_use_write_back_jit = False
 
         def clear(self) -> None:
-            return None
+            if self.space == "swa_page":  # SGLang forgot every host node: their rows go back
+                link.free_all("swa_page")
 
         def available_size(self) -> int:
             return link.free_rows(self.space) * page

@@ -11,9 +11,18 @@
   ``connect`` must run before the host pools take their views, which the assembler patch
   guarantees). ``close()`` unlinks the file; the daemon's mapping stays valid.
 
-Host rows: ``alloc(space, pages)`` / ``free(space, rows)`` forward to the daemon (it owns them);
-``capacity(space)`` is the daemon's host row count. ``pool_global_layer(pool, local)`` turns a
-pool-local layer id into the global layer the daemon's per-layer events are indexed by.
+Host rows: ``alloc(space, pages)`` / ``free(space, rows)`` forward to the daemon (it owns them),
+and the link keeps the set it holds: ``free_all(space)`` gives them all back (SGLang's
+``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row count.
+``pool_global_layer(pool, local)`` turns a pool-local layer id into the global layer the
+daemon's per-layer events are indexed by.
+
+Liveness: SGLang calls the host pools only when it moves or allocates KV, so an idle server
+would be reaped by the daemon (its host rows freed under SGLang's tree). A daemon thread of the
+link sends a heartbeat when nothing else was sent for a third of the daemon's timeout. The
+``Client`` is not thread-safe: every use of it goes through ``lock`` (the host pools take it
+too). A heartbeat that fails is kept in ``beat_error`` (SGLang's next call meets the same
+daemon). ``close()`` stops the thread, unregisters and closes the client.
 """
 from __future__ import annotations
 
@@ -22,6 +31,8 @@ import os
 import threading
 import weakref
 from typing import Any, Mapping
+
+from hicache.core.errors import HicacheError
 
 import torch
 
@@ -70,10 +81,26 @@ class DaemonLink:
         self.layout: Layout = stage.layout
         self.host_rows = dict(host_rows)
         self.lock = threading.RLock()
-        self._allocated = {s: 0 for s in self.host_rows}
+        self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
         self._mm = shm[1] if shm else None
         self.shm_path = shm[0] if shm else None
         self._fin = weakref.finalize(self, _unlink, shm[0]) if shm else None
+        self.beat_error: HicacheError | None = None
+        client.heartbeat()  # the daemon's timeout sets the client's heartbeat interval
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, name="hicache-heartbeat",
+                                      daemon=True)
+        self._beat.start()
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(max(0.05, self.client.heartbeat_interval / 4)):
+            try:
+                with self.lock:
+                    if not self._stop.is_set():
+                        self.client.maybe_heartbeat()
+                self.beat_error = None
+            except HicacheError as e:
+                self.beat_error = e
 
     @classmethod
     def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
@@ -96,10 +123,11 @@ class DaemonLink:
                        for p, ts in shared.items()}
             mode = "cpu"
         try:
-            # GPU: one interprocess event the engine records before each backup
             client._device = next(iter(shared.values()))[0].device if cuda else None
+            # GPU: interprocess events the engine records on its stream: 0 before each backup
+            # (the KV it wrote), 1 before each load (SGLang's load fence)
             h = client.register(layout=layout.to_dict(), device_rows=stage.rows, buffers=buffers,
-                                mode=mode, name=name, events=1 if cuda else 0)
+                                mode=mode, name=name, events=2 if cuda else 0)
         except BaseException:
             if shm:
                 _unlink(shm[0])
@@ -112,7 +140,7 @@ class DaemonLink:
 
     def free_rows(self, space: str) -> int:
         with self.lock:
-            return self.host_rows[space] - self._allocated[space]
+            return self.host_rows[space] - len(self._held[space])
 
     def alloc(self, space: str, pages: int) -> list[int] | None:
         """``pages`` host rows of ``space`` from the daemon, or None when it has too few."""
@@ -123,20 +151,33 @@ class DaemonLink:
                 if e.code == "no_space":
                     return None
                 raise
-            self._allocated[space] += len(rows)
+            self._held[space].update(int(r) for r in rows)
             return rows
 
     def free(self, space: str, rows: list[int]) -> None:
         with self.lock:
             self.client.free({space: rows})
-            self._allocated[space] -= len(rows)
+            self._held[space].difference_update(int(r) for r in rows)
+
+    def free_all(self, space: str) -> int:
+        """Give back every row of ``space`` this link holds (the daemon defers the free of
+        rows a copy still uses); returns how many."""
+        with self.lock:
+            rows = sorted(self._held[space])
+            if rows:
+                self.free(space, rows)
+            return len(rows)
 
     def pool_global_layer(self, pool: str, local: int) -> int:
         return self.layout.stage.global_id(self.layout.pool(pool).family, local)
 
     def close(self) -> None:
+        self._stop.set()
+        self._beat.join()
         try:
-            self.client.unregister()
+            with self.lock:
+                self.client.unregister()
         finally:
+            self.client.close()
             if self._fin is not None:
                 self._fin()
