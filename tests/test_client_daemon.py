@@ -256,6 +256,7 @@ def test_refused_commands_change_nothing(shared_daemon, worker):
             ("bad_field", lambda: c.clear_slot([1], draft={"seq_lens": [1], "num_draft": 2})),
             ("already_registered", lambda: c.register(DevicePools(FLASH, ROWS))),
             ("bad_field", lambda: c.poll_acks(max=0)),
+            ("unsupported", lambda: c.load({"c4_kv": (host["page"][:1], [0])}, wait_event=0)),
         ]
         for code, fn in bad:
             other.heartbeat()  # snapshots of the Flash pools are slow: keep "other" from the reaper
