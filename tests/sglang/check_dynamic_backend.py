@@ -37,7 +37,7 @@ from conftest import ROOT, start_daemon
 from hicache.engine import l3_master
 from hicache.engine.client import Client
 from hicache.engine.daemon_process import DaemonProcess
-from hicache.engine.sglang.storage import HicacheStorage, StorageRefused
+from hicache.engine.sglang.storage import DaemonStalled, HicacheStorage, StorageRefused
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -61,9 +61,11 @@ def _daemon(tmp: Path) -> Any:
 
 
 @contextmanager
-def engine(address: str, namespace: str = "dsv4-tiny-test") -> Iterator[tuple[Any, dict]]:
+def engine(address: str, namespace: str = "dsv4-tiny-test",
+           **more: Any) -> Iterator[tuple[Any, dict]]:
     """SGLang's DSV4 stack with our backend, attached by SGLang; detached on exit."""
-    extra = json.dumps({**EXTRA, "hicache_socket": address, "hicache_namespace": namespace})
+    extra = json.dumps({**EXTRA, "hicache_socket": address, "hicache_namespace": namespace,
+                        **more})
 
     def server_args() -> ServerArgs:
         sa = ServerArgs(model_path="dummy", page_size=F.PAGE, hicache_io_backend="direct",
@@ -176,6 +178,48 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
                                                      keys=keys)])
             assert got == {"deepseek_v4_c4": [False] * 3}
             assert all(int(t.count_nonzero()) == 0 for t in pools["deepseek_v4_c4"].kv_buffer)
+    finally:
+        d.close()
+
+
+def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> None:
+    """The daemon is stopped (SIGSTOP) under a ``batch_get_v2``: the call gets no reply. When
+    the daemon answers the fence after it (it copies inline, in order, so the late get's copy is
+    done by then) the call is a miss; when the fence gets no reply either, ``DaemonStalled``
+    is raised instead (the daemon may still write those pages). Then the backend works on."""
+    import signal
+    import threading
+
+    d = _daemon(tmp_path)
+    try:
+        with engine(d.address, hicache_timeout=1.0) as (backend, pools):
+            keys = _keys(3, seed=91)
+            saved = _put(backend, pools, keys, seed=91, kv_skip=0, swa_skip=0)
+            kv_idx = _alloc(pools["kv"], 3, skip=1)
+            swa_idx = _alloc(pools["swa"], 3, skip=1)
+            os.kill(d.pid, signal.SIGSTOP)
+            resume = threading.Timer(1.6, os.kill, (d.pid, signal.SIGCONT))
+            resume.start()
+            try:
+                got = backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))
+            finally:
+                resume.join()
+            # one call per pool: the first got no reply (a miss after the fence); the daemon
+            # was back for the others
+            first = KV_DERIVED[0]
+            assert got == {n: [n != first] * 3 for n in KV_DERIVED + SWA_INDEXED}, got
+            # the late copies landed before the fence's answer: nothing can write these later
+            dst = _page_rows(kv_idx)
+            assert all(torch.equal(t[dst], saved["deepseek_v4_c4"][i])
+                       for i, t in enumerate(pools["deepseek_v4_c4"].kv_buffer))
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DaemonStalled, match="may still copy into these pages"):
+                    backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
+                {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
     finally:
         d.close()
 

@@ -22,7 +22,11 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   model name, plus the TP rank for non-MLA models, DP and PP ranks), so they survive an engine
   restart and are shared by engines of the same namespace on the node. A daemon that dropped
   this client (heartbeat timeout) is re-attached once, transparently; an unreachable daemon
-  makes the call fail (all False, logged), never hang.
+  makes the call fail (all False, logged), never hang. A call that went out and got no reply
+  (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
+  client's commands in order and copies inline, so any late copy of that call is done by
+  then); when that fence gets no reply either, ``DaemonStalled`` is raised: the daemon may
+  still copy into those pages, so they must not be reused as if missed.
 * A daemon with an L3 tier (``--l3 mooncake``) writes every stored page through to Mooncake
   Store and reads back pages its host rows lack (after a daemon restart, or from another node's
   daemon): it answers such keys *pending* and ``kv_get`` / ``kv_exists`` ask again until they
@@ -52,7 +56,8 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage,  # noqa: E402
                                                   HiCacheStorageExtraInfo, PoolHitPolicy,
                                                   PoolTransfer, PoolTransferResult)
 
-from hicache.engine.client import Client, CommandRefused, DaemonUnreachable  # noqa: E402
+from hicache.engine.client import (Client, CommandRefused, DaemonUnreachable,  # noqa: E402
+                                   NoReply)
 from hicache.engine.sglang.host_pools import _pages  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS  # noqa: E402
 
@@ -65,6 +70,11 @@ CONFIG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "all
 
 class StorageRefused(ValueError):
     """A configuration or a pool the hicache storage backend cannot serve."""
+
+
+class DaemonStalled(RuntimeError):
+    """A key-store call got no reply and neither did the fence after it: the daemon may still
+    copy into the pages it named, so they cannot be treated as a miss."""
 
 
 def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
@@ -194,9 +204,22 @@ class HicacheStorage(HiCacheStorage):
                     log.warning("%s: the daemon dropped this client (%s); re-attaching", what, e)
                     self._reattach()
                     return fn()
+            except NoReply as e:
+                self._fence(what, e)
+                log.error("%s failed: %s", what, e)
+                return [False] * n
             except (CommandRefused, DaemonUnreachable, OSError) as e:
                 log.error("%s failed: %s", what, e)
                 return [False] * n
+
+    def _fence(self, what: str, e: NoReply) -> None:
+        """After ``NoReply``: one more round trip. Its answer means the call was handled (its
+        inline copy done) or never arrived; no answer raises ``DaemonStalled``."""
+        try:
+            self.client.heartbeat()
+        except DaemonUnreachable as f:
+            raise DaemonStalled(f"{what}: {e}; and no answer to the fence after it ({f}): the "
+                                f"daemon may still copy into these pages") from None
 
     def _page_ids(self, name: str, keys: list[str], host_indices: Any) -> list[int] | None:
         pool = self.pools[name][0]
