@@ -404,6 +404,8 @@ class Daemon:
         self._closed = True
         st = self.state
         st.stopping = True
+        if st.l3 is not None:  # queued L3 jobs complete unrun: no backlog of writes at a stop
+            st.l3.drain()
         t0 = time.monotonic()
         if not st.wait_idle(timeout):
             log.error("shutdown: %d operations did not finish within %.0f s; their acks report "

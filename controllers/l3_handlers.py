@@ -24,7 +24,10 @@ of the checkpoint space); see ``l3_format``. A kind this stage cannot store is r
   and they must have been written by this client.
 
 While a job runs, its rows count as in flight (a free is deferred until the job ends);
-``DaemonState.finish_l3`` ends that and queues the ack.
+``DaemonState.finish_l3`` ends that and queues the ack. At most ``L3_READS_PER_CLIENT`` reads
+(queries, prefetches) of one client and ``L3_READS_MAX`` in all are in flight (``busy``
+beyond): one client's queries cannot queue without bound ahead of every other client's
+prefetches on the one read thread.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ from .registry import ClientState
 from .state import DaemonState
 
 MAX_DEADLINE_MS = 60_000
+L3_READS_PER_CLIENT = 32  # L3 queries and prefetches of one client in flight at once
+L3_READS_MAX = 256  # ... of all clients (puts have their own queue, bounded by host rows)
 
 
 def _l3(st: DaemonState) -> Any:
@@ -100,6 +105,13 @@ def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int, wr
 
 def _start(st: DaemonState, c: ClientState, job: L3Job,
            host: list[tuple[str, np.ndarray, bool]]) -> Reply:
+    reads = job.kind != "put"
+    if reads and c.l3_reads >= L3_READS_PER_CLIENT:
+        raise ProtocolError("busy", f"{c.l3_reads} L3 reads of this client are in flight "
+                                    f"(at most {L3_READS_PER_CLIENT}); send more after acks")
+    if reads and st.l3_reads >= L3_READS_MAX:
+        raise ProtocolError("busy", f"{st.l3_reads} L3 reads are in flight (at most "
+                                    f"{L3_READS_MAX}); send more after acks")
     op_id = st.next_op_id()
     job.tag = (op_id, c, host)
     if job.kind == "prefetch":
@@ -110,6 +122,9 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
     st.tracker.begin(host)
     st.l3_rows.begin(host)
     c.in_flight += 1
+    if reads:
+        c.l3_reads += 1
+        st.l3_reads += 1
     st.l3_ops[op_id] = job
     st.l3.submit(job)
     return {"op": op_id}, []

@@ -26,6 +26,10 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   writes go straight between the arena and the store (``batch_get_into_multi_buffers`` /
   ``batch_put_from_multi_buffers``: the header from a registered slab, the object from its
   arena rows). Puts skip keys that exist.
+* A job marked ``cancelled`` (a read of a client that was reaped), and every job still queued
+  once ``drain()`` was called (the daemon is stopping), completes unrun when a worker takes it
+  (``misses[why]``, not counted as errors): a stop does not wait for a backlog of writes, nor
+  a reap for its reads.
 * ``close()`` stops the threads (waiting up to ``timeout``) and closes the store.
 """
 from __future__ import annotations
@@ -103,6 +107,7 @@ class L3Job:
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefetch: pools it fills
     partial: set[str] = field(default_factory=set)  # ... those it fills only in part
     started: bool = False  # set (under the tier's lock) when a worker takes the job
+    cancelled: str = ""  # why it is to be dropped unrun when a worker takes it ("" = run it)
 
     def result(self) -> dict[str, Any]:
         """The ack's ``l3`` field."""
@@ -132,6 +137,7 @@ class MooncakeL3:
         self.put_pages_queued = 0
         self.completed: collections.deque[L3Job] = collections.deque()
         self._stop = threading.Event()
+        self._draining = threading.Event()  # the daemon is stopping: queued jobs go unrun
         self._lock = threading.Lock()
         self._backoff = 0.25
         self._next_probe = 0.0
@@ -242,8 +248,12 @@ class MooncakeL3:
                 return
             with self._lock:
                 job.started = True
+            why = "stopping" if self._draining.is_set() else job.cancelled
             try:
-                if not self.online:
+                if why:  # nobody waits for it any more: no Mooncake call
+                    job.misses[why] = len(job.keys)
+                    job.present = [0] * len(job.keys) if job.each else []
+                elif not self.online:
                     job.misses["offline"] = len(job.keys)
                     job.present = [0] * len(job.keys) if job.each else []
                 elif job.kind == "query":
@@ -271,7 +281,7 @@ class MooncakeL3:
         m = self.metrics
         m.observe("l3_seconds", job.t_end - job.t_submit, job.kind)
         for why, n in job.misses.items():
-            if why not in ("miss", "deadline"):
+            if why not in ("miss", "deadline", "cancelled", "stopping"):  # (not the store's)
                 m.inc("l3_errors", n, why)
         ck = "ckpt_" if job.fmt is not None and job.fmt.kind == "ckpt" else ""
         if job.kind == "prefetch":
@@ -427,7 +437,13 @@ class MooncakeL3:
                 "put_queue_pages": self.put_pages_queued,
                 "segment_bytes": s.segment_bytes}
 
+    def drain(self) -> None:
+        """The daemon is stopping: jobs not yet taken by a worker complete at once, unrun
+        (``misses["stopping"]``); one in a Mooncake call finishes it."""
+        self._draining.set()
+
     def close(self, timeout: float = 5.0) -> None:
+        self._draining.set()
         self._stop.set()
         for q in self._queues.values():
             q.put(None)

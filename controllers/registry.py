@@ -88,6 +88,7 @@ class ClientState:
     worker: RegisteredWorker | None = None
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
+    l3_reads: int = 0  # of them: L3 queries and prefetches
     key: str | None = None  # CURVE: the name of the key this client is bound to
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
     reaped: str | None = None  # why an earlier client of this identity was reaped, until register

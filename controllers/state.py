@@ -80,6 +80,7 @@ class DaemonState:
         self.tracker = RowTracker(self.host_rows)
         # client L3 jobs' rows alone: copies (not scheduler ops) a backup or load must not race
         self.l3_rows = RowTracker(self.host_rows)
+        self.l3_reads = 0  # client L3 queries and prefetches in flight (l3_handlers bounds them)
         self.host_tables: dict[str, LayerTable] = {name: host_table(p)
                                                    for name, p in group.pools.items()}
         self.stage_layers = layout.stage.layers("swa")  # every layer of the stage, in order
@@ -326,6 +327,9 @@ class DaemonState:
             self.tracker.end(host)
             self.l3_rows.end(host)
             c.in_flight -= 1
+            if job.kind != "put":
+                c.l3_reads -= 1
+                self.l3_reads -= 1
             self.releaser.dirty = True
             if self.tracker.deferred:
                 self.release_ready()
@@ -416,6 +420,10 @@ class DaemonState:
             log.warning("client %s %s: its rows go back and its device mappings close", c.cid,
                         why)
         worker, c.worker = c.worker, None
+        for i in ops:  # its queued L3 reads complete unrun: nobody waits for them (its puts
+            job = self.l3_ops.get(i)  # still publish pages other instances may hit)
+            if job is not None and job.kind != "put":
+                job.cancelled = "cancelled"
         self.releaser.start(c, f"reaped ({why})", ops, worker,
                             cancel=[i for i in ops if i in self.ops], forget=True)
         return not probe
