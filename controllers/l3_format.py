@@ -18,9 +18,10 @@ Contract:
 * ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object
   holds of one row per space. ``pieces(rows)`` gives its (address, size) list, layer by layer,
   straight from the host arena (zero copy); ``checksum(rows)``: per segment and layer the
-  64-bit wrap-around sum of its 8-byte words, times an odd multiplier that depends on the
-  position, all summed (a change of any single word, and so any bit flip, always changes it;
-  truncation is caught by the length); ``payload_bytes`` is the object's size without its
+  64-bit wrap-around sum of its 8-byte words each times an odd multiplier of its place in the
+  layer, times an odd multiplier of the layer and segment, all summed (a change of any single
+  word, and so any bit flip, always changes it; words moved within a layer change it unless
+  their weights happen to collide; truncation is caught by the length); ``payload_bytes`` is the object's size without its
   header, ``obj_bytes`` with it. ``page_format(layout, group, spaces)`` and
   ``ckpt_format(layout, group)`` build the two shapes; ``Objects(layout, group)`` holds every
   kind this stage can store, with its namespace.
@@ -43,7 +44,7 @@ import numpy as np
 from hicache.core.layout import Layout, LayoutError
 from hicache.core.resume import MIRRORS, ResumeModel
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: words weighted by their place in a layer (1 summed them)
 MAGIC = b"HCL3"
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHHQQ16s")  # magic, version, reserved, payload, checksum, key digest
@@ -51,6 +52,7 @@ PAGE_SPACES = ("page", "swa_page")  # index spaces addressed by a radix page (re
 KINDS = ("full", "page", "ckpt")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_MIX2 = np.uint64(0xD6E8FEB86659FD93)
 
 
 def layout_fingerprint(layout: Layout) -> str:
@@ -142,6 +144,7 @@ class ObjectFormat:
         self.page_tokens = 0  # tokens one object stands for (pages; 0 for checkpoints)
         self._row: list[int] = []
         self._views: list[tuple[str, int, int, int, np.ndarray]] = []
+        self._weights: list[np.ndarray] = []
         for seg in segments:
             pool = group.pools[seg.pool]
             spec = pool.spec
@@ -156,6 +159,9 @@ class ObjectFormat:
                 shape=(spec.num_layers, pool.num_rows, seg.length // 8),
                 strides=(pool.stride, spec.page_bytes, 8), writeable=False)
             self._views.append((seg.space, base + at, pool.stride, spec.page_bytes, words))
+            # odd weight per word of a layer: a word moved within the layer changes the sum
+            self._weights.append((np.arange(seg.length // 8, dtype=np.uint64) * _MIX2
+                                  + _MIX) | np.uint64(1))
         self.obj_bytes = HEADER_BYTES + self.payload_bytes
         self.pieces_per_object = sum(w.shape[0] for *_, w in self._views)
 
@@ -182,9 +188,9 @@ class ObjectFormat:
     def checksum(self, rows: dict[str, int]) -> int:
         total = np.uint64(0)
         with np.errstate(over="ignore"):
-            for i, (space, _, _, _, words) in enumerate(self._views):
+            for i, ((space, _, _, _, words), w) in enumerate(zip(self._views, self._weights)):
                 v = words[:, rows[space], :]
-                s = v.sum(axis=1, dtype=np.uint64)  # one sum per layer
+                s = np.dot(v, w)  # one weighted sum per layer (wraps mod 2^64, ~2x a sum)
                 # odd multipliers: a bijection mod 2^64, so no change in a layer's sum is lost
                 k = (np.arange(1, s.size + 1, dtype=np.uint64) * _MIX + np.uint64(2 * i)) | \
                     np.uint64(1)

@@ -115,6 +115,17 @@ def test_pieces_cover_exactly_one_page_and_checksum_sees_every_byte():
             assert fmt.checksum(page) != c0
             arena[off] = old
         assert fmt.checksum(page) == c0
+        # words moved within one layer (a slice delivered at the wrong offset, two halves
+        # swapped) change it too (format 1 summed a layer's words: the same sum)
+        for p, size in ((ptrs[0], sizes[0]), (ptrs[-1], sizes[-1])):
+            off, half = p - base, size // 2 // 8 * 8
+            old = arena[off:off + size].copy()
+            arena[off:off + size] = np.concatenate([old[half:2 * half], old[:half],
+                                                    old[2 * half:]])
+            assert not np.array_equal(arena[off:off + size], old)
+            assert fmt.checksum(page) != c0
+            arena[off:off + size] = old
+        assert fmt.checksum(page) == c0
 
 
 def test_object_kinds_keys_and_refusals():
