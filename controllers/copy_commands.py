@@ -353,6 +353,7 @@ def swap_out(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     if row is not None:
         _host_row(st, row)
         _slot_row_owner(st, c, row, request)
+        st.check_l3_clash("req_slot", [row], True, "host_row")  # (a ring-mode checkpoint's row)
     else:
         row = int(st.alloc_rows({"req_slot": 1}, (c.cid, request))["req_slot"][0])
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=True)
@@ -369,6 +370,7 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     _host_row(st, row)
     rows = np.array([row])
     owner = _slot_row_owner(st, c, row, request_of(h))
+    st.check_l3_clash("req_slot", rows, False, "host_row")
     for spec in pools:
         check_readable(st.group, spec.name, rows, "host_row")
     items, nbytes = _state_items(st, w, pools, h["slot"], row, to_host=False)

@@ -412,6 +412,7 @@ class Daemon:
                       "them failed and the host arena stays mapped until the process exits",
                       self.scheduler.in_flight if self.scheduler else -1, timeout)
             self._leak_arena = True  # a copy may still touch it: never unmap under it
+            st.releaser.abandoned = True  # nor a client's sparse region
             st.fail_pending("daemon shutting down")
         st.collect()
         if self.server is not None:

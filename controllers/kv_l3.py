@@ -12,7 +12,7 @@ Objects and keys:
   ``Segment``); a marker pool's object is the header alone (``MarkerFormat``). Both carry the
   same verified header (magic, version, length, checksum, key digest) as every L3 object.
 * ``object_key(prefix, ns, slot, key) = "<prefix>/<ns digest>/<slot digest>/<key>"`` with
-  ``prefix = kv_prefix(objects) = "hc1/<model>/<layout fingerprint>/kv/pp<r>of<n>"``: the
+  ``prefix = kv_prefix(objects) = "hc2/<model>/<layout fingerprint>/kv/pp<r>of<n>"``: the
   namespace is the key store's own (CURVE key name + the client's namespace), digested, so
   two namespaces never name the same object, and a namespace's objects share one key prefix
   (``kv_clear`` removes them by regex).
@@ -81,7 +81,7 @@ Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
 
 
 def kv_prefix(full_ns: str) -> str:
-    """``hc1/<model>/<fingerprint>/kv/pp<r>of<n>`` from the stage's full-mirror namespace
+    """``hc2/<model>/<fingerprint>/kv/pp<r>of<n>`` from the stage's full-mirror namespace
     (``l3_format.namespace(layout)``): the key-store objects of this stage."""
     head, _, pp = full_ns.rsplit("/", 2)
     return f"{head}/kv/{pp}"

@@ -8,7 +8,7 @@ Contract:
   tokens of ``swa_kv`` plus the C4 / C4-indexer state rows, in one row of the checkpoint space,
   ``swa_page`` in paged SWA mode or ``req_slot`` in ring mode). ``kind_of(mirror, ckpt)`` maps
   the command's fields to a kind, or raises ``ValueError`` with the reason.
-* ``namespace(layout, mirror)`` -> ``"hc1/<model>/<fingerprint>/<mirror>/pp<rank>of<size>"``:
+* ``namespace(layout, mirror)`` -> ``"hc2/<model>/<fingerprint>/<mirror>/pp<rank>of<size>"``:
   the layout fingerprint is a digest of the stage's layout (pools, layers, row sizes, SWA
   mode), so two models, two PP stages, two layout versions or two mirror modes never share an
   object. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page

@@ -92,6 +92,8 @@ class Releaser:
                                         for p in group.pools.values() if p.spec.index == s))
                           for s in group.allocators}
         self.jobs = Jobs("hicache-zero") if group.zero_on_free else None
+        # a stop gave up waiting for copies: memory they may touch is never unmapped
+        self.abandoned = False
 
     def cids(self) -> set[str]:
         return {r.c.cid for r in self.pending}
@@ -170,7 +172,8 @@ class Releaser:
             if rel.sparse and reg is not None:  # a reset: the region stays, its rows go back
                 reg.alloc.free_client_rows(rel.c.cid, np.asarray(rel.sparse, np.int64))
             if rel.region is not None:  # unregister or reap: the copies into it ended
-                sp.close_region(rel.region)
+                if not self.abandoned:  # (else one may still run: left mapped until exit)
+                    sp.close_region(rel.region)
                 rel.region = None
         rel.sparse = []
         rel.ready = True
@@ -228,8 +231,8 @@ class Releaser:
             sp.drop(cid)
 
     def _sparse_rows(self, cid: str) -> int:
-        """Rows of the sparse region ``cid`` holds (a request it admitted after an
-        ``unregister`` began: it stays known, so a reap can still give them back)."""
+        """Rows of the sparse region ``cid`` holds now (one it bound after registering again
+        while an ``unregister`` waited: it stays known, so a reap can still give them back)."""
         sp = self.sparse()
         return 0 if sp is None else sp.rows_held(cid)
 

@@ -97,14 +97,16 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             except BaseException:
                 client.close()
                 raise
-            anchor, paged, state = bind_host_pools(link)
             saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
-            A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
-                anchor, paged, state
             try:
+                A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
+                    bind_host_pools(link)
                 stack = original(*args, **kw)
             except BaseException:  # SGLang's builder refused: the worker is not left registered
-                link.close()
+                try:
+                    link.close()
+                except Exception:  # noqa: BLE001 - the builder's error is the one to report
+                    pass
                 raise
             finally:
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved

@@ -217,6 +217,8 @@ class HicacheStorage(HiCacheStorage):
         inline copy done) or never arrived; no answer raises ``DaemonStalled``."""
         try:
             self.client.heartbeat()
+        except CommandRefused:  # a refusal is an answer too, in order: the fence passed
+            return
         except DaemonUnreachable as f:
             raise DaemonStalled(f"{what}: {e}; and no answer to the fence after it ({f}): the "
                                 f"daemon may still copy into these pages") from None
