@@ -377,3 +377,49 @@ def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
         assert st.report(True)["invariants"] == "ok"
     finally:
         d.close()
+
+
+def test_l3_reads_are_bounded_and_a_reaped_clients_are_dropped(tmp_path):
+    """One client's L3 reads (queries, prefetches) in flight are capped (32; 256 in all), so
+    its queries cannot queue without bound ahead of every other client's on the one read
+    thread: the next is refused ``busy`` and changes nothing, another client's is taken. A
+    reap marks the reaped client's queued reads to complete unrun (its puts are left to
+    publish); others' jobs are untouched. (An L3 tier that never runs its jobs stands in for a
+    stalled master.)"""
+    from types import SimpleNamespace
+
+    from hicache.controllers import l3_format as F
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.controllers.l3_handlers import L3_READS_MAX, L3_READS_PER_CLIENT
+    from hicache.core.protocol import ProtocolError
+
+    d = _daemon(tmp_path)
+    try:
+        st = d.state
+        queued = []
+        st.l3 = SimpleNamespace(objects=F.Objects(st.layout, st.group), submit=queued.append)
+        a = st.registry.touch(b"engine-a", 0.0)
+        b = st.registry.touch(b"engine-b", 0.0)
+        for i in range(L3_READS_PER_CLIENT):
+            HANDLERS["l3_query"](st, a, {"keys": [f"qa-{i}"]}, [])
+        with pytest.raises(ProtocolError) as e:
+            HANDLERS["l3_query"](st, a, {"keys": ["qa-x"]}, [])
+        assert e.value.code == "busy" and f"{L3_READS_PER_CLIENT} L3 reads of this client" \
+            in e.value.message
+        assert len(queued) == len(st.l3_ops) == st.l3_reads == a.l3_reads == L3_READS_PER_CLIENT
+        HANDLERS["l3_query"](st, b, {"keys": ["qb-0"]}, [])  # another client's is taken
+        assert b.l3_reads == 1 and len(queued) == L3_READS_PER_CLIENT + 1
+        st.l3_reads = L3_READS_MAX  # as if the other clients filled the rest
+        with pytest.raises(ProtocolError, match=f"at most {L3_READS_MAX}"):
+            HANDLERS["l3_query"](st, b, {"keys": ["qb-1"]}, [])
+        st.l3_reads = L3_READS_PER_CLIENT + 1
+        st.reap(a, "silent")
+        mine = [j for j in queued if j.tag[1] is a]
+        assert len(mine) == L3_READS_PER_CLIENT and all(j.cancelled == "cancelled" for j in mine)
+        assert [j.cancelled for j in queued if j.tag[1] is b] == [""]
+    finally:
+        st.l3_ops.clear()  # no tier here to finish them: the reap's release may go now
+        st.l3 = None
+        st.releaser.dirty = True
+        st.releaser.step()
+        d.close()
