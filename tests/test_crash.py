@@ -42,14 +42,14 @@ def test_sigkilled_clients_are_reaped_within_the_heartbeat_timeout(address):
 def test_sigkilled_daemon_fails_calls_fast_then_worker_reregisters(address):
     addr, d = address
     r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"))
-    rep = crash_daemon(r, 2, call_timeout=0.4, seed=5, slack=0.3)
+    rep = crash_daemon(r, 1, call_timeout=0.4, seed=5, slack=0.3)  # (one kill: suite time)
     assert rep["calls_wrong_exception"] == 0, rep["failures"]
     assert rep["calls_over_timeout"] == 0, rep["failures"]
     assert rep["max_call_seconds"] < 0.4 + 0.3
-    assert rep["radix_fallbacks"] == 2 and rep["reregistered"] == 2, rep["failures"]
+    assert rep["radix_fallbacks"] == 1 and rep["reregistered"] == 1, rep["failures"]
     assert rep["corrupted_pages"] == 0 and rep["pages_verified"] > 0
     assert rep["ok"], rep
-    assert r.starts == 3
+    assert r.starts == 2
 
 
 def test_a_restarted_daemon_never_answers_a_new_op_with_an_old_ack():

@@ -198,7 +198,7 @@ def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> 
             kv_idx = _alloc(pools["kv"], 3, skip=1)
             swa_idx = _alloc(pools["swa"], 3, skip=1)
             os.kill(d.pid, signal.SIGSTOP)
-            resume = threading.Timer(1.6, os.kill, (d.pid, signal.SIGCONT))
+            resume = threading.Timer(1.2, os.kill, (d.pid, signal.SIGCONT))
             resume.start()
             try:
                 got = backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))
