@@ -162,15 +162,22 @@ def test_checkpoint_capacity_evicts_checkpoints_apart_from_pages():
     assert tree.match(seq("c", 3) + ["x"]) == (0, 3)
 
 
-def test_checkpoint_on_host_restores_into_a_device_page():
-    """Pages on the device, their checkpoint only on the host: the load carries it alone."""
-    h = CkptHooks()
+def _checkpoint_on_host_only(h: CkptHooks) -> tuple[RadixTree, list, object]:
+    """Four pages a0..a3 on the device and the host; a3's checkpoint only on the host (as
+    after the engine reused the SWA rows of that page). Returns (tree, keys, a3's node)."""
     tree = RadixTree(16, h, mirror="checkpoints")
     a = seq("a", 4)
     run(tree, h, a)
     tree.drain()
     end = next(n for n in tree.nodes() if n.key == "a3")
-    end.ckpt_dev = False  # as after the engine reused the SWA rows of that page
+    end.ckpt_dev = False
+    return tree, a, end
+
+
+def test_checkpoint_on_host_restores_into_a_device_page():
+    """Pages on the device, their checkpoint only on the host: the load carries it alone."""
+    h = CkptHooks()
+    tree, a, end = _checkpoint_on_host_only(h)
     h.dev_ckpt[end.device] = "garbage"
     p = run(tree, h, a + ["x"])
     assert (p.device_pages, p.host_pages, p.ckpt) == (4, 0, "host")
@@ -298,12 +305,7 @@ def test_a_lost_checkpoint_load_holds_the_nodes_row_once_it_is_evicted():
     and the load's outcome is unknown. The row stays the node's (its KV is fine), but once the
     node is evicted the row is held, not reused, until ``reset_host_tier``."""
     h = LostLoadHooks()
-    tree = RadixTree(16, h, mirror="checkpoints")
-    a = seq("a", 4)
-    run(tree, h, a)
-    tree.drain()
-    end = next(n for n in tree.nodes() if n.key == "a3")
-    end.ckpt_dev = False  # the engine reused that page's SWA rows
+    tree, a, end = _checkpoint_on_host_only(h)
     row = end.device
     p = run(tree, h, a + ["x"])  # the checkpoint load is lost: recomputed
     assert p.ckpt != "host" and not tree.host_online and tree.suspect_rows == {row}
