@@ -423,3 +423,40 @@ def test_l3_reads_are_bounded_and_a_reaped_clients_are_dropped(tmp_path):
         st.releaser.dirty = True
         st.releaser.step()
         d.close()
+
+
+def test_request_state_swaps_racing_an_l3_job_on_their_host_row_are_refused(tmp_path):
+    """Ring mode keeps a checkpoint in one ``req_slot`` host row, which ``swap_out`` writes and
+    ``swap_in`` reads: a ``swap_out`` into a row an L3 put reads, and a ``swap_in`` from a row
+    an L3 prefetch writes, are refused ``busy`` (nothing orders them with L3 jobs); a
+    ``swap_in`` beside a put (both read) is not refused for it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.core.protocol import ProtocolError
+
+    d = _daemon(tmp_path)
+    try:
+        st = d.state
+        c = st.registry.touch(b"engine-r", 0.0)
+        c.worker = SimpleNamespace(device_rows={"req_slot": 4}, close=lambda handoff=None: None)
+        row = int(st.alloc_rows({"req_slot": 1}, (c.cid, None))["req_slot"][0])
+        for writes, cmd, fields, refused in (
+                (False, "swap_out", {"slot": 1, "host_row": row}, True),  # an L3 put reads it
+                (False, "swap_in", {"slot": 1, "host_row": row}, False),
+                (True, "swap_in", {"slot": 1, "host_row": row}, True)):  # a prefetch writes it
+            host = [("req_slot", np.array([row]), writes)]
+            st.l3_ops[999] = SimpleNamespace(kind="prefetch" if writes else "put")
+            st.l3_rows.begin(host)
+            try:
+                with pytest.raises(ProtocolError) as e:
+                    HANDLERS[cmd](st, c, fields, [])
+                assert (e.value.code == "busy" and "L3" in e.value.message) == refused, \
+                    (cmd, writes, e.value.code, e.value.message)
+            finally:
+                st.l3_rows.end(host)
+                del st.l3_ops[999]
+    finally:
+        d.close()
