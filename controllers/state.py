@@ -170,10 +170,11 @@ class DaemonState:
         if not self.l3_ops:
             return
         t, r = self.l3_rows, rows_np(rows)
-        if t.writers[space][r].any() or (writes and t.readers[space][r].any()):
-            raise ProtocolError("busy", f"{what}: host rows of space {space} are in an L3 "
-                                        f"{'prefetch' if t.writers[space][r].any() else 'put'}"
-                                        f" in flight; send it after that op's ack")
+        job = "prefetch" if t.writers[space][r].any() else \
+            "put" if writes and t.readers[space][r].any() else None
+        if job is not None:
+            raise ProtocolError("busy", f"{what}: host rows of space {space} are in an L3 {job} "
+                                        f"in flight; send it after that op's ack")
 
     def owner_of(self, space: str, row: int) -> tuple[str, str | None] | None:
         return self.group.allocators[space].owner_of(row)
@@ -393,8 +394,8 @@ class DaemonState:
 
     def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
         """A peer that never registered and holds nothing (no worker, key-store pools,
-        channel, sparse region, operations or rows): a ``stats`` probe, say. O(index spaces): called at a
-        reap, and for every client when the table is full."""
+        channel, sparse region, operations or rows): a ``stats`` probe, say. O(index spaces):
+        called at a reap, and for every client when the table is full."""
         if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight \
                 or ops:  # (``in_flight`` counts its copies and L3 jobs; ``ops``: a reap's list)
             return False
@@ -459,10 +460,13 @@ class DaemonState:
                     allocs.extend(self.sparse.allocators())
                 stray = sorted({o[0] for a in allocs for o in a.owners()} - known)
                 lost = sorted(set(self.sparse.regions) - known) if self.sparse else []
-                out["invariants"] = "ok" if not stray and not lost else \
-                    f"host rows owned by clients the daemon no longer tracks: {stray[:4]}" \
-                    if stray else f"sparse regions bound to clients the daemon no longer " \
-                                  f"tracks: {lost[:4]}"
+                out["invariants"] = "ok"
+                if stray:
+                    out["invariants"] = (f"host rows owned by clients the daemon no longer "
+                                         f"tracks: {stray[:4]}")
+                elif lost:
+                    out["invariants"] = (f"sparse regions bound to clients the daemon no "
+                                         f"longer tracks: {lost[:4]}")
             except PoolError as e:
                 out["invariants"] = f"{type(e).__name__}: {e}"
         return out

@@ -95,7 +95,7 @@ class ServeConfig:
     l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
     l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
     l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
-    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of a client's sparse region (0 = off)
+    sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of each client region (0: off)
     sparse_clients: int = 1  # HiSparse: clients that may hold a sparse region at once
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
 
