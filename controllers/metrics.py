@@ -34,8 +34,8 @@ import platform
 from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
 from hicache.core.protocol import COMMANDS, ERROR_CODES
 from hicache.core.version import __version__
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, \
-    start_http_server
+from hicache.core.metrics_http import MetricsHttp
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -419,14 +419,12 @@ class Metrics:
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the /metrics endpoint on a daemon thread; returns the bound port."""
-        res = start_http_server(port, addr=addr, registry=self.registry)
-        self._http = res[0] if isinstance(res, tuple) else None
-        return int(self._http.server_port) if self._http is not None else port
+        self._http = MetricsHttp(self.registry, port, addr)
+        return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
 

@@ -17,11 +17,16 @@ Contract:
 * ``quiet_worker(ppid)``: for worker processes of a bench: SIGINT and SIGHUP ignored (the parent
   decides), SIGTERM raises ``SystemExit(143)`` (``finally`` blocks run, no traceback), and the
   worker exits when the parent dies.
+* ``exit_now(code)``: end a process whose command has already released everything it owns
+  (``serve`` after its orderly stop): output flushed, logging shut down, then ``os._exit`` without
+  the interpreter's finalization (on a 2-core VM, collecting the heap torch leaves and running
+  its library finalizers took 1.1-1.4 s of every daemon stop, after the daemon was done).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import signal
 import sys
@@ -138,3 +143,15 @@ def quiet_worker(ppid: int | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_term)
     if ppid is not None:
         exit_with_parent(ppid, signal_self(signal.SIGTERM))
+
+
+def exit_now(code: int) -> None:
+    """Flush stdout, stderr and logging, then ``os._exit(code)`` (see the module docstring):
+    only for a process that owns nothing more (no child, no file or socket left to remove)."""
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say there
+            pass
+    os._exit(code)

@@ -8,7 +8,8 @@ whole host pool, so an overcommit fails at start-up. Every refusal is one line
 
 Stopping: SIGINT, SIGTERM or SIGHUP drain in-flight transfers, close the socket and unmap the
 pool, print ``hicache serve: stopped by SIGNAL`` and exit 128 + signal; the ``shutdown`` command
-exits 0. With ``--parent-pid`` the daemon stops the same way when that process is gone.
+exits 0. With ``--parent-pid`` the daemon stops the same way when that process is gone. Once
+the daemon has released everything, the process ends at once (``lifecycle.exit_now``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(flags, getattr(args, "config_file", None))
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(cfg)
+    code = serve(cfg)
+    from hicache.cli import lifecycle
+
+    lifecycle.exit_now(code)  # everything is released: skip the interpreter's slow teardown
+    return code
 
 
 def serve(cfg: Any) -> int:

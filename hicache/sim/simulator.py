@@ -93,11 +93,9 @@ class DemoMetrics:
                 self.m[name].labels(v)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        from prometheus_client import start_http_server
+        from hicache.core.metrics_http import MetricsHttp
 
-        res = start_http_server(port, addr=addr, registry=self.registry)
-        server = res[0] if isinstance(res, tuple) else None
-        return int(server.server_port) if server is not None else port
+        return MetricsHttp(self.registry, port, addr).port
 
 
 class Worker(Replay):
