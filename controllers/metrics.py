@@ -186,7 +186,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "Bytes read from (read) or written to (write) the L3 store, headers included.",
               "How much traffic does this daemon put on the store's network?"),
     MetricDef("l3_seconds", "histogram", ("op",),
-              "Seconds from accepting an L3 job (query, prefetch, put) to its completion.",
+              "Seconds from accepting an L3 job (query, prefetch, put, remove) to its "
+              "completion.",
               "How long does the engine wait for an L3 lookup or prefetch?"),
     MetricDef("l3_batch_seconds", "histogram", ("call",),
               "Seconds of one Mooncake batch call (get, put) of at most 128 pages.",
@@ -253,7 +254,7 @@ class Metrics:
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
         self._zero("l3_errors", ("offline", "corrupt", "full", "error"))
-        self._zero_hist("l3_seconds", ("query", "prefetch", "put"))
+        self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))
         if process_metrics:

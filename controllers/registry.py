@@ -94,6 +94,12 @@ class ClientState:
     reaped: str | None = None  # why an earlier client of this identity was reaped, until register
     channel: Any = None  # hicache.core.channel.Channel: its shared-memory command channel
 
+    def in_session(self) -> bool:
+        """It holds something besides host and sparse rows: a worker, key-store pools, a
+        channel, or operations (copies, L3 jobs) not yet completed."""
+        return self.worker is not None or self.kv is not None or self.channel is not None \
+            or self.in_flight > 0
+
 
 class Registry:
     def __init__(self, max_clients: int, retention: int) -> None:

@@ -71,7 +71,7 @@ class Release:
     t0: float = field(default_factory=time.monotonic)
     ready: bool = False
     freed: int = 0
-    zeroed: deque = field(default_factory=deque)  # (space, rows) zeroed, not yet freed
+    zeroed: deque = field(default_factory=deque)  # (space, rows, zeroed?) back from the zero thread
     zeroing: bool = False  # rows handed to the zero thread and not all zeroed yet
 
 
@@ -146,7 +146,9 @@ class Releaser:
                 n += self._slice(rel)
                 if time.perf_counter() >= deadline:
                     break
-            if not (rel.rows or rel.zeroed or rel.zeroing):
+            # ``zeroing`` read first: the zero thread hands its last chunk back, then clears it
+            zeroing = rel.zeroing
+            if not (rel.rows or rel.zeroed or zeroing):
                 self._done(rel)
             if time.perf_counter() >= deadline:
                 break
@@ -185,29 +187,39 @@ class Releaser:
         return True
 
     def _zero(self, rel: Release, todo: list[tuple[str, np.ndarray]]) -> None:
-        """Zero thread: zero ``todo`` a chunk at a time, handing each chunk back to the loop."""
+        """Zero thread: zero ``todo`` a chunk at a time, handing each chunk back to the loop
+        (marked zeroed). Should zeroing fail, the chunks left go back unmarked: the loop's free
+        zeroes them itself (never a row freed unzeroed, never one dropped)."""
+        chunks = [(s, arr[a:a + k]) for s, arr in todo
+                  for k in (max(1, ZERO_BYTES // self.row_bytes[s]),)
+                  for a in range(0, arr.size, k)]
+        done = 0
         try:
-            for s, arr in todo:
-                k = max(1, ZERO_BYTES // self.row_bytes[s])
-                for a in range(0, arr.size, k):
-                    self.group.zero_space_rows(s, arr[a:a + k])
-                    rel.zeroed.append((s, arr[a:a + k]))
-                    self.wake()
+            for s, part in chunks:
+                self.group.zero_space_rows(s, part)
+                rel.zeroed.append((s, part, True))
+                done += 1
+                self.wake()
+        except Exception:  # noqa: BLE001 - logged; the loop frees (and zeroes) the rest
+            log.exception("release of client %s: zeroing off the loop failed; the loop zeroes "
+                          "the %d chunks left as it frees them", rel.c.cid, len(chunks) - done)
         finally:
+            for s, part in chunks[done:]:
+                rel.zeroed.append((s, part, False))
             rel.zeroing = False
             self.wake()
 
     def _slice(self, rel: Release) -> int:
         """Free one slice: up to ``SLICE_ROWS`` rows of one space (zeroed chunks, or rows)."""
-        zeroed = not rel.rows
-        if zeroed:
-            s, part = rel.zeroed.popleft()
+        if not rel.rows:
+            s, part, zeroed = rel.zeroed.popleft()
             parts = [part]
-            while rel.zeroed and rel.zeroed[0][0] == s and \
+            while rel.zeroed and rel.zeroed[0][0] == s and rel.zeroed[0][2] == zeroed and \
                     sum(p.size for p in parts) + rel.zeroed[0][1].size <= SLICE_ROWS:
                 parts.append(rel.zeroed.popleft()[1])
             part = np.concatenate(parts) if len(parts) > 1 else part
         else:
+            zeroed = False
             s, arr = next(iter(rel.rows.items()))
             part = arr[:SLICE_ROWS]
             if arr.size > SLICE_ROWS:
@@ -245,7 +257,7 @@ class Releaser:
             self.registry.remove(c, rel.why)  # forgotten: its identity may connect afresh
             log.warning("client %s: %d host rows freed, device mappings closed, %.2f s after "
                         "the reap; %s", rel.c.cid, rel.total, took, self.watch.describe())
-        elif rel.forget and c.worker is None and self.registry.clients.get(c.ident) is c and \
+        elif rel.forget and not c.in_session() and self.registry.clients.get(c.ident) is c and \
                 not any(t.numel() for t in self.group.rows_of(c.cid).values()) and \
                 not self._sparse_rows(c.cid):
             self._drop_region(c.cid)  # one it bound meanwhile, empty: it goes with the client

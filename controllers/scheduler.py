@@ -307,13 +307,38 @@ class Scheduler:
             return
         try:
             self._launch_gpu(op)
-        except Exception as e:  # noqa: BLE001 - failed before the GPU saw it: report it
+        except Exception as e:  # noqa: BLE001 - reported on its ack
             op.ok, op.error, op.rest = False, f"launch failed: {type(e).__name__}: {e}", None
-            op.t_start = op.t_end = time.perf_counter()
-            self._finish([op])
-            return
+            op.t_start = op.t_start or time.perf_counter()
+            if not self._fence_failed(op):
+                op.t_end = time.perf_counter()
+                self._finish([op])
+                return
         if op.rest is None:
             self._queues[op.stream].put(op)
+
+    def _fence_failed(self, op: Operation) -> bool:
+        """A launch that failed part-way may have queued copies already (an earlier item,
+        layer 0): ``op`` completes after what its stream holds, as every op does, so its rows
+        are never freed or reused under a copy. True when its completion event is recorded
+        (its completion thread finishes it); else the stream was waited for here (or the
+        context is broken, and nothing more runs on it)."""
+        stream = self.streams[op.stream]
+        try:
+            with on_stream(stream):
+                done = torch.cuda.Event()
+                done.record(stream)
+            op.done_event = done
+            self._last[op.stream] = op
+            return True
+        except Exception:  # noqa: BLE001 - no event: wait for the stream instead
+            op.done_event = None
+            try:
+                stream.synchronize()
+            except Exception:  # noqa: BLE001 - a broken context runs nothing more
+                log.exception("op %s: its stream could not be waited for after a failed "
+                              "launch", op.op_id)
+            return False
 
     def defer_issue(self, op: Operation) -> None:
         """GPU load whose first launch group went out with ``submit``, after its reply: the

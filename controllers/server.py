@@ -366,7 +366,8 @@ class Server:
         if st.notices:
             notices, st.notices = st.notices, []
             for c, op_id, n in notices:  # False: peer gone or full; its ack still says it is done
-                self._send(c.ident, P.encode_issued(op_id, n))
+                if st.registry.clients.get(c.ident) is c:  # (not to a later client of its identity)
+                    self._send(c.ident, P.encode_issued(op_id, n))
         if not st.outbox:
             return
         out, st.outbox = st.outbox, []

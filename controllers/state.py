@@ -257,8 +257,13 @@ class DaemonState:
             self.release_ready()
 
     def _finish(self, op: Operation) -> None:
-        """Bookkeeping of one completed asynchronous op; its ack goes to the outbox."""
-        _, c = self.ops.pop(op.op_id)
+        """Bookkeeping of one completed asynchronous op; its ack goes to the outbox. An op
+        finished already (failed by ``fail_pending`` at a stop, then completed by its thread)
+        is not finished twice."""
+        entry = self.ops.pop(op.op_id, None)
+        if entry is None:
+            return
+        c = entry[1]
         self.scheduler.forget(op)
         end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
@@ -396,8 +401,7 @@ class DaemonState:
         """A peer that never registered and holds nothing (no worker, key-store pools,
         channel, sparse region, operations or rows): a ``stats`` probe, say. O(index spaces):
         called at a reap, and for every client when the table is full."""
-        if c.worker is not None or c.kv is not None or c.channel is not None or c.in_flight \
-                or ops:  # (``in_flight`` counts its copies and L3 jobs; ``ops``: a reap's list)
+        if c.in_session() or ops:  # (``ops``: a reap's list)
             return False
         if self.sparse is not None and self.sparse.of(c.cid) is not None:  # a sparse region
             return False
@@ -411,9 +415,11 @@ class DaemonState:
         ops = self._ops_of(c)  # before anything changes
         probe = self.is_probe(c, ops)
         self.registry.retire(c)
-        if probe:
+        if probe:  # nothing to release, and no reap to remember for its identity
             log.debug("peer %s %s: it never registered and holds nothing; forgotten", c.cid, why)
-        elif ops:
+            self.registry.remove(c)
+            return False
+        if ops:
             gb = sum(self.ops[i][0].nbytes for i in ops if i in self.ops) / 1e9
             log.warning("client %s %s: %d operations still running (%.2f GB), cancelled; its "
                         "rows and device mappings go when they end", c.cid, why, len(ops), gb)
@@ -427,7 +433,7 @@ class DaemonState:
                 job.cancelled = "cancelled"
         self.releaser.start(c, f"reaped ({why})", ops, worker,
                             cancel=[i for i in ops if i in self.ops], forget=True)
-        return not probe
+        return True
 
     # ------------------------------------------------------------------ reports
     def report(self, check: bool) -> dict[str, Any]:

@@ -78,6 +78,9 @@ class CkptHooks:
         self._check()
         return True
 
+    def copies_running(self, tickets):
+        return False
+
 
 def run(tree: RadixTree, hooks: CkptHooks | None, keys, slot: int = 0):
     """prepare -> check every page and the checkpoint -> compute the rest -> release."""

@@ -243,3 +243,34 @@ def test_a_load_issued_while_a_backup_is_in_flight_gets_the_busy_cta_budget(monk
         assert torch.equal(got[rest], dev_before[li][rest])
         assert torch.equal(back.layers[li][[4, 5]], dev_before[li][[4, 5]])
         assert not back.layers[li][[r for r in range(ROWS) if r not in (4, 5)]].any()
+
+
+def test_a_launch_that_fails_part_way_completes_after_what_it_queued(monkeypatch):
+    """A backup's second item fails to launch after its first item's copy is queued (behind a
+    long kernel on the backup stream): the op is acked failed only once that copy is done, so
+    its rows are never freed or reused under it."""
+    from hicache.controllers import scheduler
+
+    eng, woke, host, dev, back, dev_before = _engine_and_tables()
+    real, calls = scheduler.copy_rows, []
+
+    def fail_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("second item (test)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(scheduler, "copy_rows", fail_second)
+    with torch.cuda.stream(eng.streams["backup"]):
+        torch.cuda._sleep(int(1e9))  # the first item's copy waits behind ~0.5 s of kernel
+    n = 2 * ROW * len(LAYERS)
+    items = [Item(name, dev, back, Ids.of(rows), Ids.of(rows), None, LAYERS, n)
+             for name, rows in (("p", [0, 1]), ("q", [2, 3]))]
+    op = Operation(5, "c", "backup", items, [("page", [0, 1, 2, 3], True)], nbytes=2 * n)
+    eng.submit(op)
+    assert not op.ok and "second item (test)" in op.error and len(calls) == 2
+    _, done = _collect(eng, woke, 1)
+    assert done == [op]
+    for layer, t in enumerate(back.layers):  # the queued copy had landed when it completed
+        assert torch.equal(t[:2].cpu(), dev_before[layer][:2])
+        assert int(t[2:].count_nonzero()) == 0

@@ -39,7 +39,7 @@ def test_l3_settings_from_flags_env_and_file(tmp_path):
     ({"l3": "mooncake", "l3_master": "h:1"}, "--l3-metadata"),
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "ftp://x"}, "--l3-metadata"),
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
-      "l3_protocol": "udp"}, "l3_protocol"),
+      "l3_protocol": "udp"}, "--l3-protocol must be"),
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
       "l3_rdma_devices": "mlx5_0"}, "rdma only"),
     ({"l3_master": "h:1"}, "l3 is off"),

@@ -78,6 +78,11 @@ class FakeHooks:
         self._check()
         return ticket not in self.pending
 
+    running = False  # what copies_running answers (a load of unknown outcome still copying)
+
+    def copies_running(self, tickets):
+        return self.running
+
     def finish_all(self):
         for t in list(self.pending):
             self.pending.pop(t)()
@@ -328,8 +333,13 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     assert len(held) == 4 and held == [c for c in hooks.calls if c[0] == "load"][-1][2]
     assert not set(held) & {n.device for n in tree.nodes() if n.device is not None}
     assert tree.device.available() == 12 - 4 - 4
-    tree.reset_host_tier()
+    hooks.running = True  # the daemon still runs it: nothing changes
+    assert tree.reset_host_tier() is False
+    assert tree.held_device_rows == held and not tree.host_online and tree.unknown_loads
+    hooks.running = False
+    assert tree.reset_host_tier() is True
     assert tree.held_device_rows == [] and tree.device.available() == 12 - 4
+    assert tree.host_online and tree.unknown_loads == []
     tree.check()
 
 
@@ -371,3 +381,33 @@ def test_a_daemon_silent_while_an_accepted_copy_runs_is_an_unknown_outcome():
     h = ClientHooks(Stalled(), ("page",))
     with pytest.raises(CopyOutcomeUnknown):
         h.wait(Ticket(Op(7, "load"), "load", 4, 0.0))
+
+
+def test_client_hooks_say_a_load_of_unknown_outcome_runs_until_acked_or_nothing_runs():
+    """``ClientHooks.copies_running`` (what ``reset_host_tier`` asks): one ``poll_acks`` for the
+    loads' op ids; they may still copy unless each was acked or the daemon holds no operation
+    of this client (a restarted daemon, or the old registration's operations all ended). A
+    load whose request got no reply (None: op id unknown) counts until nothing runs."""
+    from types import SimpleNamespace
+
+    from hicache.engine.hooks import ClientHooks, Ticket
+
+    class Polled:
+        def __init__(self, acked, in_flight):
+            self.acked, self.daemon_in_flight, self.asked = acked, in_flight, []
+
+        def poll_acks(self, ops, max=1024, timeout=None):
+            self.asked.append(list(ops))
+            return [SimpleNamespace(op=i) for i in ops if i in self.acked]
+
+    def ticket(op_id):
+        return Ticket(SimpleNamespace(op_id=op_id), "load", 1, 0.0)
+
+    for acked, in_flight, tickets, running in (
+            ((), 2, [ticket(5)], True), ((5,), 2, [ticket(5)], False),
+            ((), 0, [ticket(5)], False), ((5,), 1, [ticket(5), None], True),
+            ((5,), 0, [ticket(5), None], False), ((5,), 1, [ticket(5), ticket(6)], True)):
+        client = Polled(set(acked), in_flight)
+        hooks = ClientHooks(client, ["page"])
+        assert hooks.copies_running(tickets) is running, (acked, in_flight, tickets)
+        assert client.asked == [[t.op.op_id for t in tickets if t is not None]]

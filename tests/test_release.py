@@ -234,6 +234,93 @@ def test_releaser_zeroes_off_the_loop_then_frees_without_zeroing_again(monkeypat
         g.check_invariants()
 
 
+def test_a_zeroing_that_fails_leaves_no_row_behind_and_none_unzeroed(monkeypatch):
+    """The zero thread fails after its first chunk: the loop frees the rest and zeroes them
+    itself; every row goes back zeroed, none stays held."""
+    from hicache.controllers import release
+
+    monkeypatch.setattr(release, "ZERO_BYTES", 64 << 10)  # several chunks
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 512, "swa_page": 6,
+                                                           "req_slot": 4},
+                       zero_on_free=True) as g:
+        rel, tracker, reg, _, _ = _releaser(g, set(), [])
+        mine = g.alloc({"page": 300}, ("a", None))["page"].numpy()
+        for t in g.pools["c4_kv"].layers:
+            t[torch.from_numpy(mine)] = 0xAB
+        real, calls = g.zero_space_rows, []
+
+        def zero_then_fail(space: str, rows: np.ndarray) -> None:
+            calls.append(rows.size)
+            if len(calls) > 1:
+                raise OSError("zeroing failed (test)")
+            real(space, rows)
+
+        monkeypatch.setattr(g, "zero_space_rows", zero_then_fail)
+        rel.start(reg.touch(b"a", 0.0), "reset", [], None, cancel=[], forget=False)
+        deadline = time.monotonic() + 10
+        while rel.pending and time.monotonic() < deadline:
+            rel.step()
+            time.sleep(0.001)
+        assert not rel.pending and len(calls) == 2 and calls[0] < mine.size
+        assert g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
+        for t in g.pools["c4_kv"].layers:
+            assert int(t[torch.from_numpy(mine)].count_nonzero()) == 0
+        g.check_invariants()
+
+
+def test_a_release_is_not_done_while_its_last_zeroed_chunk_is_being_handed_back():
+    """The zero thread hands its last chunk back and clears ``zeroing`` between the loop's
+    reads: the loop must read ``zeroing`` first, or it ends the release with rows queued."""
+    from collections import deque
+
+    from hicache.controllers.release import Release
+
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), {"page": 64, "swa_page": 6,
+                                                           "req_slot": 4}) as g:
+        rel, tracker, reg, _, _ = _releaser(g, set(), [])
+        rows = g.alloc({"page": 16}, ("a", None))["page"].numpy()
+        tracker.hold("page", rows)
+        r = Release(reg.touch(b"a", 0.0), "reset", {}, set(), None, [], None, 16, False)
+        r.ready, r.zeroing = True, True
+
+        class Racy(deque):  # the zero thread runs right after the loop's first look
+            looks = 0
+
+            def __len__(self) -> int:
+                n = deque.__len__(self)
+                Racy.looks += 1
+                if Racy.looks == 2:
+                    self.append(("page", rows, True))
+                    r.zeroing = False
+                return n
+
+        r.zeroed = Racy()
+        rel.pending.append(r)
+        for _ in range(3):
+            rel.step()
+        assert not rel.pending and g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
+
+
+@pytest.mark.parametrize("holds", ["in_flight", "kv", "channel"])
+def test_an_unregistered_client_that_opened_more_is_not_forgotten(holds):
+    """An ``unregister`` waited for the client's copies; meanwhile it sent an L3 query, attached
+    key-store pools or opened a channel: when the release ends it stays known (forgetting it
+    dropped the query's ack, unmapped the pools, unlinked the channel)."""
+    with HostPoolGroup(build_layout(preset("dsv4-tiny")), dict(ROWS)) as g:
+        live = {3}
+        rel, _, reg, _, _ = _releaser(g, live, [])
+        c = reg.touch(b"a", 0.0)
+        rel.start(c, "unregister", [3], None, cancel=[], forget=True)
+        setattr(c, holds, 1 if holds == "in_flight" else object())
+        live.clear()
+        rel.dirty = True
+        rel.step()
+        assert not rel.pending and reg.clients.get(b"a") is c
+        setattr(c, holds, 0 if holds == "in_flight" else None)
+        rel.start(c, "unregister", [], None, cancel=[], forget=True)  # holds nothing now
+        assert not rel.pending and b"a" not in reg.clients
+
+
 def test_a_stop_waits_for_the_unmapper_and_names_what_it_could_not_drop(tmp_path, monkeypatch,
                                                                       caplog):
     """``Daemon.close`` waits for the unmapper (up to ``UNMAP_WAIT_S``) before the process may
@@ -297,6 +384,41 @@ def _daemon(tmp_path, **kw):
     return daemon_mod.Daemon(ServeConfig(preset="dsv4-tiny", device_rows=dict(ROWS),
                                          host_ratio=2.0, socket=f"ipc://{tmp_path}/d.sock",
                                          numa_node="off", **kw))
+
+
+def test_an_op_failed_at_a_stop_then_completed_is_finished_once(tmp_path):
+    """A stop whose drain timed out fails the ops left (``fail_pending``); one that completes
+    after that is not finished again (it raised ``KeyError``, and the teardown was skipped)."""
+    from hicache.controllers.ops import Operation
+
+    d = _daemon(tmp_path)
+    try:
+        st = d.state
+        c = st.registry.touch(b"x", time.monotonic())
+        op = Operation(st.next_op_id(), c.cid, "backup", [], [], nbytes=0)
+        op.t_submit = op.t_start = time.perf_counter()
+        st.ops[op.op_id] = (op, c)
+        c.in_flight += 1
+        st.fail_pending("daemon shutting down")
+        st._finish(op)  # its completion thread finished it after all
+        assert c.in_flight == 0 and not st.ops and len(st.outbox) == 1
+    finally:
+        d.close()
+
+
+def test_a_silent_probe_is_forgotten_without_a_reap_to_remember(tmp_path):
+    """A peer that never registered and holds nothing (a ``stats`` probe) going silent is
+    forgotten at once: its identity's next client is not told of a reap."""
+    d = _daemon(tmp_path)
+    try:
+        st = d.state
+        c = st.registry.touch(b"probe", 0.0)
+        assert st.reap(c, "silent (test)") is False
+        assert b"probe" not in st.registry.clients and b"probe" not in st.registry.retiring
+        assert b"probe" not in st.registry.reaped and not st.releaser.pending
+        assert st.registry.touch(b"probe", 1.0).reaped is None
+    finally:
+        d.close()
 
 
 @pytest.mark.parametrize("how", ["reap", "reset", "unregister"])

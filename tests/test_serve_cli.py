@@ -229,6 +229,22 @@ def test_version_help_and_quiet_broken_pipe():
                                              "100GiB").stdout)
 
 
+def test_a_refused_value_names_where_it_came_from(tmp_path):
+    """A check after the sources merged names the setting as a flag and, when the value came
+    from a HICACHE_* variable or the config file, that place too."""
+    base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
+    with pytest.raises(UsageError, match=r"^--swa-mode must be one of paged \| ring, got "
+                                         r"'bogus' \(from HICACHE_SWA_MODE\)$"):
+        load_config(base, env={"HICACHE_SWA_MODE": "bogus"})
+    f = tmp_path / "c.toml"
+    f.write_text("[serve]\nheartbeat_timeout = -1\n")
+    with pytest.raises(UsageError, match=r"\(from heartbeat_timeout in config file .*c\.toml\)$"):
+        load_config(base, config_file=str(f), env={})
+    with pytest.raises(UsageError) as e:  # on the command line: the flag says it all
+        load_config({**base, "swa_mode": "bogus"}, env={})
+    assert "(from" not in str(e.value)
+
+
 @pytest.mark.parametrize("flags, msg", [
     ({"metrics_addr": "0.0.0.0"}, "--metrics-addr applies with --metrics-port"),
     ({"min_sparse_prompt_len": "100"}, "--min-sparse-prompt-len applies with --sparse-rows"),
@@ -236,8 +252,8 @@ def test_version_help_and_quiet_broken_pipe():
     ({"sparse_rows": "4", "sparse_clients": "0"}, r"--sparse-clients must be 1\.\.64"),
     ({"allow_remote": True, "socket": "ipc:///tmp/x/d.sock"}, "--allow-remote applies to a tcp"),
     ({"allow_remote": True}, "--allow-remote applies to a tcp"),
-    ({"l3_protocol": "rdma"}, "l3_protocol given but l3 is off"),
-    ({"l3_local_host": "10.0.0.1"}, "l3_local_host given but l3 is off"),
+    ({"l3_protocol": "rdma"}, "--l3-protocol given but --l3 is off"),
+    ({"l3_local_host": "10.0.0.1"}, "--l3-local-host given but --l3 is off"),
 ])
 def test_options_that_do_not_apply_are_refused(flags, msg):
     base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
@@ -260,7 +276,10 @@ def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path):
                 break
         p = hicache("stats", "--socket", f"ipc://{sock}")
         assert p.returncode == 0, p.stderr
-        assert "host page: 0 of 16 rows used, 16 free in 1 runs" in p.stdout, p.stdout
+        assert "host page: 0 of 16 rows allocated (of them 0 waiting to be freed), 16 free " \
+            "in 1 runs" in p.stdout, p.stdout
+        env = hicache("stats", env={"HICACHE_SOCKET": f"ipc://{sock}"})  # as serve picks it
+        assert env.returncode == 0 and "host page: 0 of 16" in env.stdout, env.stderr
         j = hicache("stats", "--socket", f"ipc://{sock}", "--json", "--check")
         assert j.returncode == 0 and json.loads(j.stdout)["invariants"] == "ok", j.stderr
     finally:
@@ -269,6 +288,10 @@ def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path):
     gone = hicache("stats", "--socket", f"ipc://{sock}", "--timeout", "0.5")
     lines = gone.stderr.strip().splitlines()
     assert gone.returncode == 1 and len(lines) == 1 and "no daemon answered on" in lines[0]
+    bad = hicache("stats", "--socket", "foo")  # a malformed address: one line, no traceback
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "hicache stats: error: unsupported socket address 'foo'; use ipc://PATH or "
+        "tcp://127.0.0.1:PORT"], bad.stderr
 
 
 def test_a_later_source_replaces_the_other_of_an_exclusive_pair(tmp_path):

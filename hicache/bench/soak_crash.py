@@ -321,7 +321,9 @@ def crash_daemon(runner: Any, n: int, *, call_timeout: float = 1.0, seed: int = 
                 failures.append(f"iteration {it}: restarted daemon answered {h}")
                 continue
             w.register()
-            w.tree.reset_host_tier()
+            if not w.tree.reset_host_tier():  # the restarted daemon never ran the old loads
+                failures.append(f"iteration {it}: the host tier was not reset after the restart")
+                continue
             before = (w.tree.stats.backed_up_pages, w.tree.stats.loaded_pages)
             c = _push_to_host(w, "c", "d", it)
             w.request(c)  # a host hit again, loaded and verified

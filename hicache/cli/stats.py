@@ -1,20 +1,21 @@
 """``hicache stats``: what a running daemon holds, for an operator.
 
 ``hicache stats [--socket ADDR | --device DEV] [--check] [--json] [--timeout S]`` asks the
-daemon on ``ADDR`` (default: the default socket of ``--device``, as ``hicache serve`` picks it)
-for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
+daemon on ``ADDR`` (default: ``HICACHE_SOCKET``, else the default socket of ``--device``, itself
+defaulting to ``HICACHE_DEVICE`` or cpu, as ``hicache serve`` picks it) for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
 rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
 adds the allocators' invariant check (O(rows)). The probe never registers and holds nothing,
 so the daemon forgets it quietly.
 
 Exit status: 0 when the daemon answered (and, with ``--check``, its invariants hold), 1 when
-the check failed or no daemon answered within ``--timeout`` seconds (one line naming the
-socket).
+the check failed, the daemon refused (say, it is shutting down), or no daemon answered within
+``--timeout`` seconds (one line naming the socket); 2 for a malformed address or option.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -22,8 +23,10 @@ from hicache.core.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="the daemon's address (default: --device's default socket)")
-    p.add_argument("--device", default="cpu", help="cuda:N or cpu: names the default socket")
+    p.add_argument("--socket", help="the daemon's address (default: HICACHE_SOCKET, else "
+                                    "--device's default socket)")
+    p.add_argument("--device", help="cuda:N or cpu: names the default socket (default: "
+                                    "HICACHE_DEVICE, else cpu)")
     p.add_argument("--check", action="store_true", help="also run the invariant check (O(rows))")
     p.add_argument("--json", action="store_true", help="print the whole stats reply as JSON")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
@@ -35,9 +38,9 @@ def summary(s: dict[str, Any]) -> str:
              f"workers, {s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
     pending = s.get("pending_free", {})
     for space, a in s.get("host", {}).get("spaces", {}).items():
-        lines.append(f"  host {space}: {a['used']} of {a['rows']} rows used, {a['free']} free "
-                     f"in {a['free_runs']} runs (mean {a['mean_free_run']:.1f}), "
-                     f"{pending.get(space, 0)} waiting to be freed")
+        lines.append(f"  host {space}: {a['used']} of {a['rows']} rows allocated (of them "
+                     f"{pending.get(space, 0)} waiting to be freed), {a['free']} free in "
+                     f"{a['free_runs']} runs (mean {a['mean_free_run']:.1f})")
     if "l3" in s:
         lines.append(f"  l3: {s['l3'].get('state')}, put queue {s['l3'].get('put_queue_pages')} "
                      "pages")
@@ -50,20 +53,27 @@ def summary(s: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
-    from hicache.engine.acks import DaemonUnreachable
+    from hicache.engine.acks import CommandRefused, DaemonUnreachable
     from hicache.engine.client import Client
 
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
-    check_device(args.device)
-    address = args.socket or default_socket(args.device)
+    device = args.device or os.environ.get("HICACHE_DEVICE") or "cpu"
+    check_device(device)
+    address = args.socket or (None if args.device else os.environ.get("HICACHE_SOCKET")) \
+        or default_socket(device)
+    check_address(address, allow_remote=True, curve=True)  # malformed: one line, exit 2
     try:
         with Client(address, timeout=args.timeout, name="hicache-stats", channel=False) as c:
             s, _ = c.call("stats", {"check": True} if args.check else None)
     except DaemonUnreachable:
         print(f"hicache stats: no daemon answered on {address} within {args.timeout:g} s",
               file=sys.stderr)
+        return 1
+    except CommandRefused as e:
+        print(f"hicache stats: the daemon on {address} refused: {e}", file=sys.stderr)
         return 1
     print(json.dumps(s, indent=1, sort_keys=True) if args.json else summary(s))
     return 1 if args.check and s.get("invariants") != "ok" else 0

@@ -229,7 +229,8 @@ def _convert(name: str, v: Any, key: str) -> Any:
 EXCLUSIVE = (("kv_mem", "device_rows"), ("host_mem", "host_ratio"), ("preset", "model_config"))
 
 
-def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str) -> None:
+def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
+           sources: dict[str, str] | None = None) -> None:
     given = {("model_config" if k in ("config", "model-config") else k.replace("-", "_"))
              for k, v in values.items() if v is not None}
     for a, b in EXCLUSIVE:
@@ -249,6 +250,8 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str) -> None:
             continue
         what = ("--" + name.replace("_", "-") if source == "command line" else
                 ENV_PREFIX + name.upper() if source == "environment" else key)
+        if sources is not None:
+            sources[name] = f"{what} in {source}" if source.startswith("config file") else what
         try:
             setattr(cfg, name, _convert(name, v, what))
         except UsageError as e:  # already names the setting
@@ -290,14 +293,32 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
     """Merge defaults, the TOML file, HICACHE_* env and flags (later wins), then validate."""
     env = os.environ if env is None else env
     cfg = ServeConfig()
+    sources: dict[str, str] = {}  # setting -> where its value came from (not the command line)
     config_file = config_file or env.get("HICACHE_CONFIG_FILE")
     if config_file:
-        _apply(cfg, _read_toml(config_file), f"config file {config_file}")
-    _apply(cfg, _from_env(env), "environment")
+        _apply(cfg, _read_toml(config_file), f"config file {config_file}", sources)
+    _apply(cfg, _from_env(env), "environment", sources)
     if flags:
-        _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
-    validate(cfg)
+        _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line", sources)
+    try:
+        validate(cfg)
+    except UsageError as e:
+        raise UsageError(_with_source(str(e), sources)) from None
     return cfg
+
+
+_FLAG_RE = re.compile(r"--([a-z0-9-]+)")
+
+
+def _with_source(msg: str, sources: Mapping[str, str]) -> str:
+    """``msg`` (a check's refusal, naming settings as flags) plus where each setting it names
+    came from, when that is not the command line (a file's key, a HICACHE_* variable)."""
+    seen = []
+    for m in _FLAG_RE.finditer(msg):
+        where = sources.get(m.group(1).replace("-", "_"), "")
+        if where and not where.startswith("--") and where not in seen:
+            seen.append(where)
+    return f"{msg} (from {', '.join(seen)})" if seen else msg
 
 
 # ------------------------------------------------------------------------------- validation
@@ -356,9 +377,11 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.touch_threads is not None and not 1 <= cfg.touch_threads <= MAX_TOUCH_THREADS:
         raise UsageError(f"--touch-threads must be 1..{MAX_TOUCH_THREADS}, "
                          f"got {cfg.touch_threads}")
-    if cfg.sparse_rows < 0 or cfg.min_sparse_prompt_len <= 0:
-        raise UsageError(f"--sparse-rows must be >= 0 and --min-sparse-prompt-len > 0, got "
-                         f"{cfg.sparse_rows} and {cfg.min_sparse_prompt_len}")
+    if cfg.sparse_rows < 0:
+        raise UsageError(f"--sparse-rows must be >= 0, got {cfg.sparse_rows}")
+    if cfg.min_sparse_prompt_len <= 0:
+        raise UsageError(f"--min-sparse-prompt-len must be positive, got "
+                         f"{cfg.min_sparse_prompt_len}")
     if not 1 <= cfg.sparse_clients <= cfg.max_clients:
         raise UsageError(f"--sparse-clients must be 1..{cfg.max_clients} (--max-clients), got "
                          f"{cfg.sparse_clients}")
@@ -391,19 +414,20 @@ def _refuse_unused(cfg: ServeConfig) -> None:
     if cfg.allow_remote and not (cfg.socket or "").startswith("tcp://"):
         raise UsageError("--allow-remote applies to a tcp:// --socket only (this one is ipc)")
     if cfg.l3 == "off":
-        off = [n for n in ("l3_protocol", "l3_rdma_devices", "l3_local_host") if given(n)]
+        off = [f"--{n.replace('_', '-')}" for n in ("l3_protocol", "l3_rdma_devices",
+                                                     "l3_local_host") if given(n)]
         if off:
-            raise UsageError(f"{', '.join(off)} given but l3 is off (add --l3 mooncake)")
+            raise UsageError(f"{', '.join(off)} given but --l3 is off (add --l3 mooncake)")
 
 
 def _validate_l3(cfg: ServeConfig) -> None:
     if cfg.l3 not in ("off", "mooncake"):
-        raise UsageError(f"l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
+        raise UsageError(f"--l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
     given = [n for n in ("l3_master", "l3_metadata") if getattr(cfg, n)]
     if cfg.l3 == "off":
         if given or cfg.l3_segment:
-            raise UsageError(f"{', '.join(given or ['l3_segment'])} given but l3 is off "
-                             f"(add --l3 mooncake)")
+            names = [f"--{n.replace('_', '-')}" for n in given or ["l3_segment"]]
+            raise UsageError(f"{', '.join(names)} given but --l3 is off (add --l3 mooncake)")
         return
     if not cfg.l3_master or not re.match(r"^[^:\s]+:\d{1,5}$", cfg.l3_master):
         raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT, got {cfg.l3_master!r}")
@@ -412,9 +436,9 @@ def _validate_l3(cfg: ServeConfig) -> None:
         raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
                          f"P2PHANDSHAKE), got {md!r}")
     if cfg.l3_protocol not in ("tcp", "rdma"):
-        raise UsageError(f"l3_protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
+        raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if cfg.l3_rdma_devices and cfg.l3_protocol != "rdma":
-        raise UsageError("l3_rdma_devices applies to --l3-protocol rdma only")
+        raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
 
 
 # ------------------------------------------------------------------------------- sizing
@@ -461,7 +485,7 @@ def markdown() -> str:
             default = FIELDS[s.name].default_factory()  # type: ignore[misc]
         if isinstance(default, Fraction):
             default = float(default)
-        shown = "—" if default in (None, {}, ()) else f"`{default}`"
+        shown = "—" if default in (None, {}, (), "") else f"`{default}`"
         if isinstance(default, tuple):
             shown = f"`{':'.join(default)}`"
         flag = f"`{s.option}`" if s.option else "—"

@@ -28,6 +28,7 @@ WAIT_SPIN_US: float | None = None
 
 
 class Completion:
+    daemon_in_flight: int = 0  # as the last ``poll_acks`` reply said
     timeout: float
     spin_us: float | None
     _acks: OrderedDict[int, Ack]
@@ -64,11 +65,14 @@ class Completion:
 
     def poll_acks(self, ops: Sequence[int] | None = None, max: int = 1024,
                   timeout: float | None = None) -> list[Ack]:
-        """Acks the daemon still holds (all, or those of ``ops``), plus any pushed ones."""
+        """Acks the daemon still holds (all, or those of ``ops``), plus any pushed ones; the
+        daemon's count of this client's operations still in flight is kept in
+        ``daemon_in_flight``."""
         f: dict[str, Any] = {"max": max}
         if ops is not None:
             f["ops"] = [int(o) for o in ops]
         h, _ = self.call("poll_acks", f, timeout=timeout)
+        self.daemon_in_flight = int(h.get("in_flight", 0))
         for a in h.get("acks", []):
             self._keep_ack(a)
         self.drain()

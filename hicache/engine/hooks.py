@@ -88,6 +88,8 @@ class TierHooks(Protocol):
 
     def done(self, ticket: Any) -> bool: ...
 
+    def copies_running(self, tickets: Sequence[Any]) -> bool: ...
+
 
 # ---------------------------------------------------------------------------- client adapter
 @dataclass
@@ -281,16 +283,26 @@ class ClientHooks:
         if ticket.ack is None:
             try:
                 ack = self._call(self.client.wait_ack, ticket.op, self.timeout, check=False)
-            except HostUnavailable as e:  # the daemon took the op: it may still be copying
-                if isinstance(e, CopyOutcomeUnknown) or not isinstance(e.__cause__,
-                                                                        DaemonUnreachable):
-                    raise
+            except HostTierError as e:  # no ack came: the daemon took the op, which may still
+                if isinstance(e, CopyOutcomeUnknown):  # be copying (a refused poll, busy or
+                    raise  # internal, says nothing of the copy either)
                 raise CopyOutcomeUnknown(str(e)) from e
             self._complete(ticket, ack)
         if not ticket.ack.ok:
             err = ticket.ack.error or {}
             raise TransferFailed(f"{ticket.kind} op {ticket.ack.op} failed: "
                                  f"{err.get('message', 'unknown')}")
+
+    def copies_running(self, tickets: Sequence[Ticket | None]) -> bool:
+        """Whether loads whose outcome was unknown (``tickets``; None for one whose request got
+        no reply, so its op id is unknown) may still copy. False once the daemon acked every
+        one, or holds no operation of this client at all (a restarted daemon never ran them).
+        One ``poll_acks``; refused or unanswered: ``HostUnavailable`` / ``TransferFailed``."""
+        ids = [t.op.op_id for t in tickets if t is not None and t.ack is None]
+        acked = {a.op for a in self._call(self.client.poll_acks, ids, max=POLL_MAX,
+                                          timeout=self.timeout)}
+        left = any(t is None for t in tickets) or bool(set(ids) - acked)
+        return left and self.client.daemon_in_flight > 0
 
     def done(self, ticket: Ticket) -> bool:
         """Non-blocking: reads acks that already arrived, never waits for one."""
@@ -319,24 +331,34 @@ class ClientHooks:
             return {}
         return {"mirror": "checkpoints", "ckpt": ckpt}
 
+    def _l3_call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``_call`` for an L3 command whose unknown outcome harms nothing the tree holds (a
+        query writes nothing; a prefetch writes host rows whose free the daemon defers until
+        it ends): no reply or a late ack fails the call (a miss), it does not take the host
+        tier offline."""
+        try:
+            return self._call(fn, *args, **kw)
+        except CopyOutcomeUnknown as e:
+            raise TransferFailed(f"L3: {e}") from e
+
     def l3_query(self, keys: Sequence[Any]) -> int:
-        n = self._call(self.client.l3_query, [page_key(k) for k in keys], timeout=self.timeout,
-                       **self._l3_kind())
+        n = self._l3_call(self.client.l3_query, [page_key(k) for k in keys],
+                          timeout=self.timeout, **self._l3_kind())
         self.l3_stats["query_pages"] += n
         return n
 
     def l3_ckpt_present(self, keys: Sequence[Any]) -> list[int]:
         """1/0 per page key: does L3 hold that boundary's checkpoint."""
         self._ckpt_space()  # refuses hooks without a resume model
-        return self._call(self.client.l3_present, [page_key(k) for k in keys],
-                          timeout=self.timeout, **self._l3_kind(True))
+        return self._l3_call(self.client.l3_present, [page_key(k) for k in keys],
+                             timeout=self.timeout, **self._l3_kind(True))
 
     def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any],
                     ckpt: bool = False) -> int:
         """Fill ``handles`` with pages ``keys`` from L3; the number of leading pages filled."""
-        ack = self._call(self.client.l3_prefetch, [page_key(k) for k in keys],
-                         self._l3_handles(handles, ckpt), deadline_ms=self.l3_deadline_ms,
-                         timeout=self.timeout, **self._l3_kind(ckpt))
+        ack = self._l3_call(self.client.l3_prefetch, [page_key(k) for k in keys],
+                            self._l3_handles(handles, ckpt), deadline_ms=self.l3_deadline_ms,
+                            timeout=self.timeout, **self._l3_kind(ckpt))
         n = int(ack.l3["hits"])
         self.l3_stats["prefetch_ckpts" if ckpt else "prefetch_pages"] += n
         self.l3_stats["bytes_read"] += int(ack.bytes)

@@ -130,6 +130,9 @@ class RadixTree(Transfers):
         # evicted) or a request slot (ring SWA: ``prepare`` refuses it); both until the reset
         self.suspect_rows: set[int] = set()
         self.held_slots: set[int] = set()
+        # the tickets of those loads (None: a request that got no reply), asked about by
+        # ``reset_host_tier`` (``hooks.copies_running``)
+        self.unknown_loads: list[Any] = []
         self.root = Node(None, None)
         self.stats = TreeStats()
         # LRU orders, oldest first. A path is touched leaf-first, so an ancestor always sits
@@ -272,6 +275,7 @@ class RadixTree(Transfers):
                 dst = rows[-1]  # the boundary is the last host page
             ckpts.append((dst, ckpt_node.ckpt_host, ckpt_node.depth))  # type: ignore[arg-type]
         ok = unknown = False
+        ticket = None
         try:
             kw = {"ckpts": ckpts} if ckpts else {}
             ticket = self.hooks.load([n.host for n in host_nodes], rows, **kw)
@@ -291,6 +295,7 @@ class RadixTree(Transfers):
                 ckpt_node.io -= 1
         if not ok:
             if unknown:
+                self.unknown_loads.append(ticket)
                 self.held_device_rows.extend(rows)
                 for dst, _, _ in ckpts:
                     if not self.device_ckpts:

@@ -44,6 +44,8 @@ class RowFreeList:
 
     def free(self, rows: Iterable[int]) -> None:
         rows = list(rows)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"device rows {sorted(rows)[:16]} name a row twice")
         for r in rows:
             if not 0 <= r < self.capacity or not self._used[r]:
                 raise ValueError(f"device row {r} is not allocated (capacity {self.capacity})")

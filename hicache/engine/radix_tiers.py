@@ -84,6 +84,9 @@ class TierOps:
             except HostUnavailable:
                 self._go_offline()
                 return None
+            except HostTierError:  # any other refusal (busy, internal): no room this time
+                self.stats.transfer_failures += 1
+                return None
         return None
 
     def evict_host(self, n: int) -> int:
@@ -102,16 +105,20 @@ class TierOps:
             if not dropped:
                 break
             handles = []
-            for node in dropped:
+            gone = []
+            for node in dropped:  # the tree first, the daemon after (a call may go offline)
                 del self._host_lru[node]
                 handles.append(node.host)
                 node.host = None
                 if node.device is None:
                     self.stats.dropped_pages += 1
-                    self._drop_ckpts([node])  # the page left the tree: its checkpoint too
+                    gone.append(node)  # the page left the tree: its checkpoint too
             self.stats.host_evicted_pages += len(dropped)
             self._free_handles(handles)
+            self._drop_ckpts(gone)
             total += len(dropped)
+            if not self.host_online:  # a free found the daemon gone: every copy is forgotten
+                break
         return total
 
     def evict_checkpoints(self, n: int) -> int:
@@ -218,18 +225,24 @@ class TierOps:
         """The engine learned the host tier is gone (e.g. a failed state swap): forget it."""
         self._go_offline()
 
-    def reset_host_tier(self, hooks: TierHooks | None = None) -> None:
-        """Start using a (re-registered) host tier again after ``HostUnavailable``. Call it
-        once the old registration is gone (the daemon restarted, or ``unregister`` returned:
-        no copy of it writes device rows any more): the device rows of loads whose outcome was
-        unknown go back to the free list only then, and their request slots are usable again."""
-        if hooks is not None:
-            self.hooks = hooks
+    def reset_host_tier(self, hooks: TierHooks | None = None) -> bool:
+        """Start using a (re-registered) host tier again after ``HostUnavailable``; True when
+        it did. The device rows of loads whose outcome was unknown, and their request slots,
+        are usable again only once none of those loads can still copy: the daemon acked them,
+        or holds no operation of this client (it restarted, or the old registration's
+        operations all ended). While one may (``hooks.copies_running``, one ``poll_acks``)
+        nothing changes and False is returned: call it again later."""
+        hooks = hooks if hooks is not None else self.hooks
+        if self.unknown_loads and hooks is not None and hooks.copies_running(self.unknown_loads):
+            return False
+        self.hooks = hooks
         self.host_online = self.hooks is not None
         held, self.held_device_rows = self.held_device_rows, []
+        self.unknown_loads = []
         self.suspect_rows.clear()
         self.held_slots.clear()
         self.device.free(held)
+        return True
 
     def _free_node_rows(self, rows: list[int]) -> int:
         """Evicted nodes' device rows back to the free list, but for those a load of unknown

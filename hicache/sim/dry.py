@@ -62,6 +62,9 @@ class DryHooks:
     def done(self, ticket: Any) -> bool:
         return True
 
+    def copies_running(self, tickets: Any) -> bool:
+        return False  # its copies are done when they return
+
 
 class DryReplay(Replay):
     """``Replay`` over ``DryHooks`` (``host=False``: device-only, no host tier at all)."""
