@@ -8,10 +8,13 @@ Contract:
   ``(client, request)``). The engine maps only its own file (``sparse_region`` names it), so the
   bytes of one client's requests are never in memory another client maps.
 * One region is made at start (``spare``: the memory is checked then, and the first client
-  takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare or making a
-  new file, at most ``max_regions`` at once (``no_space`` beyond, naming
-  ``--sparse-clients``). A region made on a later bind is made on the server loop (a
-  ``ftruncate`` and, on a GPU, a ``cudaHostRegister`` of its size).
+  takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare, at most
+  ``max_regions`` at once (``no_space`` beyond, naming ``--sparse-clients``). Whenever no spare
+  is left and another client could still bind one (after a bind, a detach or a drop), the next
+  spare is made on a thread of its own (``hicache-sparse-region``): reserving the file and, on
+  a GPU, its ``cudaHostRegister`` take milliseconds per GiB that the server loop would
+  otherwise spend. A bind that comes first waits for that thread, or (it failed) makes the
+  region itself; so at most ``max_regions`` regions exist besides those still closing.
 * ``detach(cid)``: an ``unregister`` or a reap takes the client's region away at once (a later
   bind, even by the same client, gets a new file) and ``close_region`` closes it once the
   copies into it ended: unpinned, file unlinked (the memory goes when the engine's mapping goes
@@ -23,6 +26,8 @@ Contract:
 """
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,8 @@ from hicache.core.protocol import ProtocolError
 from hicache.core.sparse_shm import SparseShm
 from hicache.host_pools.allocator import RowAllocator
 from hicache.kernels.tables import LayerTable, TokenFormat
+
+log = logging.getLogger("hicache.daemon")
 
 
 @dataclass
@@ -63,6 +70,8 @@ class SparseRegions:
         self.regions: dict[str, ClientRegion] = {}
         self.requests: dict[str, SparseRequest] = {}
         self.spare: ClientRegion | None = self._make()
+        # the next spare being made off the loop: its thread and what it made (or raised)
+        self._making: tuple[threading.Thread, list[Any]] | None = None
 
     def _make(self) -> ClientRegion:
         shm = SparseShm.create(self.shm_dir, self.spec.num_layers, self.rows,
@@ -89,6 +98,7 @@ class SparseRegions:
             raise ProtocolError("no_space", f"all {self.max_regions} sparse regions are held by "
                                             f"other clients (--sparse-clients "
                                             f"{self.max_regions})")
+        self._collect(wait=True)
         reg, self.spare = self.spare, None
         if reg is None:
             try:
@@ -98,7 +108,48 @@ class SparseRegions:
                                                 f"{self.region_bytes} B in {self.shm_dir}: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
         self.regions[cid] = reg
+        self._refill()
         return reg
+
+    def _refill(self) -> None:
+        """Start making the next spare off the loop when none is left (or being made) and
+        another client could still bind one."""
+        self._collect(wait=False)
+        if self.spare is not None or self._making is not None or \
+                len(self.regions) >= self.max_regions:
+            return
+        box: list[Any] = []
+
+        def make() -> None:
+            try:
+                box.append(self._make())
+            except Exception as e:  # noqa: BLE001 - the bind that needs it makes its own
+                box.append(e)
+
+        t = threading.Thread(target=make, name="hicache-sparse-region", daemon=True)
+        self._making = (t, box)
+        t.start()
+
+    def _collect(self, wait: bool) -> None:
+        """Take the spare the thread made (``wait``: wait for it); one it failed to make is
+        logged, and the next bind makes its own (and says why it could not)."""
+        if self._making is None:
+            return
+        t, box = self._making
+        if not wait and t.is_alive():
+            return
+        t.join()
+        self._making = None
+        got = box[0] if box else None
+        if isinstance(got, ClientRegion):
+            self.spare = got
+        else:
+            log.warning("sparse region: making the next one in the background failed: %s", got)
+
+    @property
+    def making(self) -> bool:
+        """A spare is being made off the loop."""
+        return self._making is not None and self._making[0].is_alive()
 
     @property
     def region_bytes(self) -> int:
@@ -115,7 +166,10 @@ class SparseRegions:
 
     def detach(self, cid: str) -> ClientRegion | None:
         """Unbind the client's region (it stays open for ``close_region``)."""
-        return self.regions.pop(cid, None)
+        reg = self.regions.pop(cid, None)
+        if reg is not None:
+            self._refill()
+        return reg
 
     def drop(self, cid: str) -> bool:
         """Close the client's region if it holds no row; True when it went (or had none)."""
@@ -126,6 +180,7 @@ class SparseRegions:
             return False
         del self.regions[cid]
         self.close_region(reg)
+        self._refill()
         return True
 
     def close_region(self, reg: ClientRegion) -> None:
@@ -145,6 +200,7 @@ class SparseRegions:
         return [r.alloc for r in self.regions.values()]
 
     def close(self) -> None:
+        self._collect(wait=True)  # a spare still being made is closed too
         for reg in list(self.regions.values()) + ([self.spare] if self.spare else []):
             self.close_region(reg)
         self.regions, self.spare = {}, None

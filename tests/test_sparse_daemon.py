@@ -436,3 +436,53 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
         assert region.requests["r"].ops == [41]
     finally:
         region.close()
+
+
+def test_later_sparse_regions_are_made_off_the_loop(tmp_path, monkeypatch):
+    """After a bind (and after a detach) the next client's region is made on a thread of its
+    own, so that client's bind only takes it; at most ``max_regions`` regions exist besides
+    those closing; one the thread failed to make is made by the bind (a one-line refusal when
+    that fails too)."""
+    import threading
+
+    from hicache.controllers.sparse_regions import SparseRegions
+    from hicache.core.protocol import ProtocolError
+
+    made: list[str] = []
+    fail: list[bool] = []
+    region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
+    real = region._make
+
+    def make():
+        made.append(threading.current_thread().name)
+        if fail:
+            raise OSError(28, "No space left on device")
+        return real()
+
+    monkeypatch.setattr(region, "_make", make)
+    try:
+        files = lambda: sorted(p.name for p in tmp_path.iterdir())  # noqa: E731
+        assert len(files()) == 1  # the spare made at start
+        a = region.bind("a")
+        region._making[0].join(10)  # the next spare, for a second client
+        assert made == ["hicache-sparse-region"] and len(files()) == 2
+        b = region.bind("b")  # takes it: nothing made on this thread
+        assert made == ["hicache-sparse-region"] and b is not a and not region.making
+        with pytest.raises(ProtocolError, match="--sparse-clients 2"):
+            region.bind("c")
+        assert len(files()) == 2  # two bound, no spare beyond max_regions
+        region.close_region(region.detach("a"))  # a place is free: the next spare is made
+        region._making[0].join(10)
+        assert made == ["hicache-sparse-region"] * 2 and len(files()) == 2
+        fail.append(True)
+        region.bind("c")  # takes that spare; two bound: no refill
+        assert len(made) == 2 and not region.making
+        region.close_region(region.detach("b"))  # a refill, which fails on its thread
+        region._making[0].join(10)
+        assert made[-1] == "hicache-sparse-region" and region.spare is None
+        with pytest.raises(ProtocolError, match="cannot make a sparse region .*No space left"):
+            region.bind("d")  # the thread failed, and so does the bind's own attempt
+        assert made[-1] == threading.current_thread().name and region.of("d") is None
+    finally:
+        region.close()
+    assert list(tmp_path.iterdir()) == []  # every region closed, none left behind
