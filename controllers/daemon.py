@@ -439,8 +439,11 @@ class Daemon:
         if self.scheduler is not None:
             self.scheduler.close(timeout=5.0)
         sparse = getattr(getattr(self, "state", None), "sparse", None)
-        if sparse is not None and not getattr(self, "_leak_arena", False):
-            sparse.close()
+        if sparse is not None:
+            if getattr(self, "_leak_arena", False):
+                sparse.unlink_all()  # mapped until exit, but no file left behind
+            else:
+                sparse.close()
         if self.server is not None:
             self.server.close()
         if getattr(self, "socket_lock", None) is not None:

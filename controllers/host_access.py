@@ -13,7 +13,9 @@ The daemon calls, for every operation:
 * ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
   it succeeded (a token item's rows only where CLEAN: never a row whose other bytes may be a
   previous owner's, e.g. a whole-row write into it failed or is still in flight), else back
-  to UNWRITTEN.
+  to UNWRITTEN, rows a completed backup had written included (a failed write may have
+  replaced some of their bytes: a launch that failed after its first pools, a cancelled CPU
+  copy; a load of them would mix two prefixes).
 * ``begin_fill`` / ``end_fill`` — the same for an L3 prefetch: only the leading pages it read
   and verified become WRITTEN, every other row it was to fill UNWRITTEN (written before or
   not). An L3 put reads rows, so ``check_readable`` applies to it.
@@ -61,7 +63,8 @@ def begin_writes(group: HostPoolGroup, op: Any) -> None:
 def end_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
         for it in op.items:
-            group.end_write(it.pool, _host_rows(it), op.ok, it.fmt is not None)
+            group.end_write(it.pool, _host_rows(it), op.ok, it.fmt is not None,
+                            overwritten=not op.ok)
 
 
 def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,

@@ -180,7 +180,10 @@ CATALOG: tuple[MetricDef, ...] = (
               "was consulted (absent or corrupt there, offline, or no free row).",
               "How much of the prefix traffic does L3 serve, and how much do we write?"),
     MetricDef("l3_hit_tokens", "counter", (),
-              "Tokens of the pages prefetched from L3 and verified (pages x page tokens).",
+              "Tokens of the pages prefetched from L3 and verified (pages x page tokens); in "
+              "the checkpoints mirror an engine drops a prefix whose checkpoint (or a page) "
+              "it then cannot read, so this can exceed what it used (rare: both were found "
+              "by its query just before).",
               "How many tokens did L3 save from being recomputed?"),
     MetricDef("l3_bytes", "counter", ("direction",),
               "Bytes read from (read) or written to (write) the L3 store, headers included.",

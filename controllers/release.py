@@ -65,7 +65,8 @@ class Release:
     ops: set[int]  # operations in flight when asked: the rows and mappings wait for them
     worker: RegisteredWorker | None  # mappings to close once ``ops`` ended
     sparse: list[int]  # rows of the sparse region, freed once ``ops`` ended (a reset)
-    region: Any  # the client's sparse region, closed once ``ops`` ended (unregister, reap)
+    region: Any  # the client's sparse region, closed once ``ops`` ended (unregister, reap);
+    # a reset: the region ``sparse`` are rows of (the client may hold another by then)
     total: int
     forget: bool  # drop the client from the registry when done
     t0: float = field(default_factory=time.monotonic)
@@ -119,6 +120,8 @@ class Releaser:
                 sparse.extend(sp.requests.pop(name).rows)
             if why != "reset":  # taken away now: a later bind gets a new file, never this one
                 region, sparse = sp.detach(c.cid), []
+            elif sparse:
+                region = sp.of(c.cid)  # its rows go back to this region, whatever comes next
         if cancel:
             self.cancel(cancel)
         if not self.pending:
@@ -169,14 +172,16 @@ class Releaser:
             rel.worker.close(self.registry.handoff)  # unmapped on the unmapper's thread
             rel.worker = None
         sp = self.sparse()
-        if sp is not None:
-            reg = sp.of(rel.c.cid)
-            if rel.sparse and reg is not None:  # a reset: the region stays, its rows go back
-                reg.alloc.free_client_rows(rel.c.cid, np.asarray(rel.sparse, np.int64))
-            if rel.region is not None:  # unregister or reap: the copies into it ended
-                if not self.abandoned:  # (else one may still run: left mapped until exit)
-                    sp.close_region(rel.region)
-                rel.region = None
+        if sp is not None and rel.region is not None:
+            if rel.why == "reset":  # the region stays (if still bound), its rows go back
+                try:
+                    rel.region.alloc.free_client_rows(rel.c.cid,
+                                                      np.asarray(rel.sparse, np.int64))
+                except PoolError as e:  # not expected: never let it reach the loop
+                    log.error("reset of client %s: sparse rows: %s", rel.c.cid, e)
+            elif not self.abandoned:  # unregister or reap: the copies into it ended (else
+                sp.close_region(rel.region)  # one may still run: left mapped until exit)
+            rel.region = None
         rel.sparse = []
         rel.ready = True
         if self.jobs is not None and \

@@ -203,6 +203,7 @@ def _copy(st: Any, c: ClientState, e: SparseRequest, items: list[Item],
                    nbytes=sum(it.nbytes for it in items))
     ack = st.start(c, op)
     if ack is None:
+        _in_flight(st, e)  # drop the ops that ended: a decode's list stays short
         e.ops.append(op.op_id)
         return {"op": op.op_id}
     return {"op": op.op_id, "ack": ack}
@@ -233,6 +234,8 @@ def sparse_extend(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
         if len(toks) and (toks.min() < 0 or toks.max() >= dev.rows * sp.P):
             raise _err("bad_rows", f"device_tokens out of range [0, {dev.rows * sp.P})")
     reg, new = _take(sp, c, _pages(sp, c4) - len(e.rows), r)
+    if new:  # new pages hold no earlier request's bytes (only the tokens copied below land)
+        _zero(reg, new)
     e.rows, e.c4_tokens = e.rows + new, c4
     reply = {"c4_tokens": c4, "pages": len(e.rows)}
     if dev is not None and len(toks):
@@ -254,15 +257,23 @@ def sparse_free(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     return {"freed_rows": n}, []
 
 
+REPORT_MAX = 1 << 40  # lookups one sparse_report may add (a decode step reports thousands)
+
+
 def sparse_report(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    _region(st)
+    sp = _region(st)
+    if sp.of(c.cid) is None:
+        raise _err("bad_field", "sparse_report: this client holds no sparse region (report "
+                                "what its hot buffer did over its own region)")
     looked, copied = h["lookups"], h["swapped_in"]
-    if looked < 0 or copied < 0 or copied > looked:
-        raise _err("bad_field", f"need 0 <= swapped_in <= lookups, got {copied} and {looked}")
+    if not 0 <= copied <= looked <= REPORT_MAX:
+        raise _err("bad_field", f"need 0 <= swapped_in <= lookups <= {REPORT_MAX}, got "
+                                f"{copied} and {looked}")
+    nbytes = copied * sp.fmt.token_bytes  # every amount known before the first counter moves
     m = st.metrics
     m.inc("hisparse_lookups", looked)
     m.inc("hisparse_swapped_in_tokens", copied)
-    m.inc("hisparse_swapped_in_bytes", copied * st.sparse.fmt.token_bytes)
+    m.inc("hisparse_swapped_in_bytes", nbytes)
     return {}, []
 
 

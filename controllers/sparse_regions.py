@@ -14,7 +14,8 @@ Contract:
   spare is made on a thread of its own (``hicache-sparse-region``): reserving the file and, on
   a GPU, its ``cudaHostRegister`` take milliseconds per GiB that the server loop would
   otherwise spend. A bind that comes first waits for that thread, or (it failed) makes the
-  region itself; so at most ``max_regions`` regions exist besides those still closing.
+  region itself. Regions detached and not yet closed count against ``max_regions`` too (a
+  bind then is refused ``busy``): at most ``max_regions`` regions exist, spare aside.
 * ``detach(cid)``: an ``unregister`` or a reap takes the client's region away at once (a later
   bind, even by the same client, gets a new file) and ``close_region`` closes it once the
   copies into it ended: unpinned, file unlinked (the memory goes when the engine's mapping goes
@@ -68,6 +69,7 @@ class SparseRegions:
         self.rows, self.shm_dir, self.registrar = rows, shm_dir, registrar
         self.min_prompt, self.max_regions = min_prompt, max_regions
         self.regions: dict[str, ClientRegion] = {}
+        self.closing: list[ClientRegion] = []  # detached, open until their copies ended
         self.requests: dict[str, SparseRequest] = {}
         self.spare: ClientRegion | None = self._make()
         # the next spare being made off the loop: its thread and what it made (or raised)
@@ -98,6 +100,10 @@ class SparseRegions:
             raise ProtocolError("no_space", f"all {self.max_regions} sparse regions are held by "
                                             f"other clients (--sparse-clients "
                                             f"{self.max_regions})")
+        if len(self.regions) + len(self.closing) >= self.max_regions:
+            raise ProtocolError("busy", f"{len(self.closing)} sparse region(s) of gone clients "
+                                        f"still close (copies into them run; --sparse-clients "
+                                        f"{self.max_regions}); retry in a moment")
         self._collect(wait=True)
         reg, self.spare = self.spare, None
         if reg is None:
@@ -116,7 +122,7 @@ class SparseRegions:
         another client could still bind one."""
         self._collect(wait=False)
         if self.spare is not None or self._making is not None or \
-                len(self.regions) >= self.max_regions:
+                len(self.regions) + len(self.closing) >= self.max_regions:
             return
         box: list[Any] = []
 
@@ -168,7 +174,7 @@ class SparseRegions:
         """Unbind the client's region (it stays open for ``close_region``)."""
         reg = self.regions.pop(cid, None)
         if reg is not None:
-            self._refill()
+            self.closing.append(reg)  # (no refill: it still counts until it is closed)
         return reg
 
     def drop(self, cid: str) -> bool:
@@ -184,9 +190,13 @@ class SparseRegions:
         return True
 
     def close_region(self, reg: ClientRegion) -> None:
+        """Unpin and close ``reg`` (the copies into it ended); a place for the next spare."""
         if self.registrar is not None:
             self.registrar.unregister(reg.shm.base_ptr)
         reg.shm.close()
+        if any(r is reg for r in self.closing):
+            self.closing = [r for r in self.closing if r is not reg]
+            self._refill()
 
     @property
     def used_rows(self) -> int:
@@ -199,8 +209,17 @@ class SparseRegions:
     def allocators(self) -> list[RowAllocator]:
         return [r.alloc for r in self.regions.values()]
 
+    def unlink_all(self) -> None:
+        """A stop that gave up waiting for copies: every region's file is unlinked, its
+        mapping (and pinning) left alone until the process exits (a copy may still touch
+        it), so no full-size file outlives the daemon."""
+        self._collect(wait=True)
+        for reg in [*self.regions.values(), *self.closing, *([self.spare] if self.spare else [])]:
+            reg.shm.close()  # unlinks; the mapping lives on in the region's table
+
     def close(self) -> None:
         self._collect(wait=True)  # a spare still being made is closed too
-        for reg in list(self.regions.values()) + ([self.spare] if self.spare else []):
+        self.max_regions = 0  # no refill while closing
+        for reg in [*self.regions.values(), *self.closing, *([self.spare] if self.spare else [])]:
             self.close_region(reg)
-        self.regions, self.spare = {}, None
+        self.regions, self.closing, self.spare = {}, [], None

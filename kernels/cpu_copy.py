@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from .tables import LayerTable, TokenFormat
+from .tables import LayerTable, TokenFormat, TransferError
 
 _memmove = ctypes.memmove
 
@@ -44,7 +44,13 @@ def _np3(table: LayerTable) -> np.ndarray | None:
 def copy_few(src: LayerTable, dst: LayerTable, src_ids: Sequence[int], dst_ids: Sequence[int],
              fmt: TokenFormat | None) -> str:
     """A few ids: one strided numpy copy per id over all layers (``ctypes.memmove`` per layer
-    and id when a buffer's layers are not equally spaced)."""
+    and id when a buffer's layers are not equally spaced). Ids out of range (rows, or tokens
+    of ``fmt``) are refused (``TransferError``) before anything is copied, as on every path."""
+    k = fmt.tokens_per_page if fmt is not None else 1
+    for name, ids, t in (("source", src_ids, src), ("destination", dst_ids, dst)):
+        if ids and (min(ids) < 0 or max(ids) >= t.rows * k):
+            raise TransferError(f"{name} id {min(ids) if min(ids) < 0 else max(ids)} out of "
+                                f"range [0, {t.rows * k})")
     sv, dv = _np3(src), _np3(dst)
     pairs = zip(src_ids, dst_ids)
     f = fmt

@@ -66,7 +66,7 @@ def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
         raise TransferError(f"{name}: expected a 1-D tensor, got shape {tuple(idx.shape)}")
     if n is not None and idx.numel() != n:
         raise TransferError(f"{name} has {idx.numel()} entries, the source list has {n}")
-    return idx
+    return idx.contiguous()  # the kernels read the ids as packed int64 (a view: its copy)
 
 
 def _kernel_device(src: LayerTable, dst: LayerTable, impl: str) -> Optional[torch.device]:
@@ -149,8 +149,8 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
     """dst[l][dst_idx[i]] = src[l][src_idx[i]] for every layer l; returns the path used."""
     src, dst = as_table(src, "source"), as_table(dst, "destination")
     _check_pair(src, dst)
-    _check_index("src_idx", src_idx, None)
-    _check_index("dst_idx", dst_idx, src_idx.numel())
+    src_idx = _check_index("src_idx", src_idx, None)
+    dst_idx = _check_index("dst_idx", dst_idx, src_idx.numel())
     ctas = _check_ctas(ctas)
     device = _kernel_device(src, dst, impl)
     path = _resolve(impl, device)
@@ -174,8 +174,9 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
             path = "zero_copy" if runs is None else "staged"
     elif path == "staged":
         raise TransferError("staged path needs a GPU: one device and one host buffer")
-    if path == "reference":
-        copy_rows_ref(src.layers, dst.layers, src_idx, dst_idx)
+    if path == "reference":  # on ``stream`` too, after the caller's waits there
+        with on_stream(stream):
+            copy_rows_ref(src.layers, dst.layers, src_idx, dst_idx)
         return "rows_" + path
     kdev = device if device is not None else torch.device("cpu")
     with on_stream(stream, device):
@@ -266,8 +267,8 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     if src.row_bytes != fmt.page_bytes:
         raise TransferError(f"rows are {src.row_bytes} B, token format pages are "
                             f"{fmt.page_bytes} B")
-    _check_index("src_tok", src_tok, None)
-    _check_index("dst_tok", dst_tok, src_tok.numel())
+    src_tok = _check_index("src_tok", src_tok, None)
+    dst_tok = _check_index("dst_tok", dst_tok, src_tok.numel())
     ctas = _check_ctas(ctas)
     device = _kernel_device(src, dst, impl)
     path = _resolve(impl, device)
@@ -281,8 +282,9 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
         sp, dp = _whole_pages(src_tok, P), _whole_pages(dst_tok, P)
         if sp is not None and dp is not None:
             return copy_rows(src, dst, sp, dp, ctas=ctas, impl=impl, stream=stream)
-    if path == "reference":
-        copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
+    if path == "reference":  # on ``stream`` too, after the caller's waits there
+        with on_stream(stream):
+            copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
     with on_stream(stream, device):

@@ -206,8 +206,8 @@ def copy_rows_staged(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor,
                                 ctas=ctas, cfg=cfg.rows)
                 lane.free[b].record(cons)
                 lane.used[b] = True
-    finally:
-        set_stream(caller)
-    caller.wait_stream(ks)
-    for ds in lane.dmas:
-        caller.wait_stream(ds)
+    finally:  # also when a launch failed part way: what went out completes before the caller's
+        set_stream(caller)  # next work (its rows are not freed under an orphaned copy)
+        caller.wait_stream(ks)
+        for ds in lane.dmas:
+            caller.wait_stream(ds)

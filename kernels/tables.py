@@ -3,7 +3,8 @@
 A buffer is a list of per-layer 2-D ``torch.uint8`` tensors ``[rows, row_bytes]`` (device
 memory, or pinned host memory the GPU can address). ``LayerTable`` wraps one such list, checks
 that every layer has the same shape, row stride and device, and caches the int64 table of the
-layers' base addresses on each device a kernel runs on (built once, reused by every call).
+layers' base addresses on each device a kernel runs on (built once, uploaded on a stream of its
+own and waited for, so any stream may use it at once; reused by every call).
 """
 from __future__ import annotations
 
@@ -135,8 +136,14 @@ class LayerTable:
         if t is None:
             t = torch.tensor(self.ptrs, dtype=torch.int64)
             if device.type == "cuda":
-                # through pinned memory: a pageable upload would wait for the stream to drain
-                t = t.pin_memory().to(device, non_blocking=True)
+                # on a stream of its own, waited for here: the cached table is used on every
+                # stream (a backup's, a load's), so its upload must not sit queued behind one
+                # stream's work while another's kernel reads it (and through pinned memory: a
+                # pageable upload would wait for that stream to drain)
+                side = _upload_stream(device)
+                with torch.cuda.stream(side):
+                    t = t.pin_memory().to(device, non_blocking=True)
+                side.synchronize()
             self._tables[device] = t
         return t
 
@@ -155,3 +162,14 @@ Buffer = Union[LayerTable, Sequence[torch.Tensor]]
 def as_table(buf: Buffer, name: str) -> LayerTable:
     """Accept a LayerTable (cached tables) or a list of per-layer tensors (a new table)."""
     return buf if isinstance(buf, LayerTable) else LayerTable(buf, name)
+
+
+_UPLOAD_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _upload_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A stream per GPU for the layer tables' one-time uploads (``LayerTable.table``)."""
+    s = _UPLOAD_STREAMS.get(device)
+    if s is None:
+        s = _UPLOAD_STREAMS[device] = torch.cuda.Stream(device)
+    return s

@@ -21,7 +21,7 @@ TOKEN_CASES = ["swa_mla_256", "c4_mla_64", "c128_mla_2", "indexer_fp8_64", "inde
 CASES = ([f"rows_{rb}" for rb in ROW_CASES] + [f"tokens_{f}" for f in TOKEN_CASES]
          + [f"tokens_line_aligned_{side}_{f}" for side in (1, 2)
             for f in ("c4_mla_64", "swa_mla_256")]
-         + ["tokens_whole_pages_go_to_rows", "rows_unaligned_view"])
+         + ["tokens_whole_pages_go_to_rows", "rows_unaligned_view", "strided_ids"])
 
 
 def _run_case(name: str) -> None:
@@ -102,6 +102,23 @@ def _run_case(name: str) -> None:
             for r in di.tolist():
                 mask[l, 5 + r * 104: 5 + r * 104 + 100] = False
         assert torch.equal(base_d[mask], full_before[mask])
+    elif name == "strided_ids":
+        # id tensors that are views with a stride: the kernels read packed int64 ids, so
+        # dispatch hands them a packed copy (they used to read the raw storage: rows [1, 7, 2]
+        # for the ids [1, 2, 3], and any row at all past the bounds check)
+        src, dst = layers(2, 8, 64, 12), layers(2, 8, 64, 13)
+        si = torch.tensor([1, 7, 2, 7, 3, 7], dtype=torch.int64)[::2]
+        di = torch.tensor([4, 9, 5, 9, 6, 9], dtype=torch.int64)[::2]
+        before = [t.clone() for t in dst]
+        dispatch.copy_rows(src, dst, si, di, impl="triton")
+        assert_same(dst, expected_rows(src, before, si.clone(), di.clone()))
+        fmt = FORMATS["c4_mla_64"]
+        src, dst = layers(2, 2, fmt.page_bytes, 14), layers(2, 2, fmt.page_bytes, 15)
+        st = torch.tensor([3, 100, 70, 100], dtype=torch.int64)[::2]
+        dt = torch.tensor([5, 1, 66, 1], dtype=torch.int64)[::2]
+        before = [t.clone() for t in dst]
+        dispatch.copy_tokens(src, dst, st, dt, fmt, impl="triton")
+        assert_same(dst, expected_tokens(src, before, st.clone(), dt.clone(), fmt))
     else:
         raise KeyError(name)
 

@@ -278,3 +278,23 @@ def test_tune_staged_variants_are_well_formed():
     for v in vs:
         assert isinstance(v.rows, RowsConfig)
         assert all(type(x) is int and x > 0 for x in (v.chunk_bytes, v.buffers, v.dma_streams))
+
+
+def test_cpu_copy_few_refuses_ids_out_of_range_like_every_path():
+    """The CPU path for a few ids (``cpu_copy.copy_few``) checks its ids as ``copy_rows`` does:
+    a negative id used to wrap to the last row, an id past the end to copy outside the buffer."""
+    import torch
+
+    from hicache.kernels.cpu_copy import copy_few
+    from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
+
+    src = LayerTable([torch.arange(8, dtype=torch.uint8).repeat_interleave(16).view(8, 16).clone()
+                      for _ in range(2)])
+    dst = LayerTable([torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2)])
+    fmt = TokenFormat(2, 8, 0, 16, 16)
+    for s, d, f in (([-1], [0], None), ([8], [0], None), ([0], [8], None), ([0], [16], fmt)):
+        with pytest.raises(TransferError, match="out of range"):
+            copy_few(src, dst, s, d, f)
+        assert all(int(t.count_nonzero()) == 0 for t in dst.layers)
+    assert copy_few(src, dst, [3], [1], None) in ("numpy", "memmove")
+    assert int(dst.layers[1][1][0]) == 3

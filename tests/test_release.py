@@ -461,15 +461,16 @@ def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
     """``unregister`` with a copy in flight: the client's sparse region is taken from it at
     once (its file closes when the copy ended), and while the client waits to be forgotten it
     cannot bind another (``not_registered``: binding takes a worker). A client that registers
-    again meanwhile gets a new file, never the one that is closing. ``stats check`` flags a
-    region bound to a client the daemon forgot."""
+    again meanwhile gets a new file (``--sparse-clients 2``: the closing one still counts),
+    never the one that is closing. ``stats check`` flags a region bound to a client the daemon
+    forgot."""
     import os
     from types import SimpleNamespace
 
     from hicache.controllers.handlers import HANDLERS
     from hicache.core.protocol import ProtocolError
 
-    d = _daemon(tmp_path, sparse_rows=8, min_sparse_prompt_len=64, shm_dirs=(str(tmp_path),))
+    d = _sparse_daemon(tmp_path, 2)
     try:
         st = d.state
         c = st.registry.touch(b"engine-s", 0.0)
@@ -582,3 +583,124 @@ def test_request_state_swaps_racing_an_l3_job_on_their_host_row_are_refused(tmp_
                 del st.l3_ops[999]
     finally:
         d.close()
+
+
+def _sparse_daemon(tmp_path, clients: int):
+    return _daemon(tmp_path, sparse_rows=8, min_sparse_prompt_len=64,
+                   shm_dirs=(str(tmp_path),), sparse_clients=clients)
+
+
+def test_a_reset_frees_its_sparse_rows_in_the_region_they_came_from(tmp_path):
+    """A ``reset`` waits for a copy in flight; meanwhile the client unregisters, registers
+    again and admits a request into its new region: when the copy ends the reset frees its
+    rows in the old region, never the new request's rows (it used to free them under it, or
+    raise on the server loop)."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.handlers import HANDLERS
+
+    d = _sparse_daemon(tmp_path, 2)
+    try:
+        st = d.state
+        c = st.registry.touch(b"engine-s", 0.0)
+        c.worker = _Worker()
+        HANDLERS["sparse_region"](st, c, {}, [])
+        HANDLERS["sparse_admit"](st, c, {"request": "old", "prompt_tokens": 512}, [])
+        old = st.sparse.of(c.cid)
+        st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
+        HANDLERS["reset"](st, c, {}, [])
+        HANDLERS["unregister"](st, c, {}, [])
+        c.worker = _Worker()
+        HANDLERS["sparse_region"](st, c, {}, [])
+        _, b = HANDLERS["sparse_admit"](st, c, {"request": "new", "prompt_tokens": 512}, [])
+        new = st.sparse.of(c.cid)
+        assert new is not old and new.alloc.used_rows == 2
+        del st.ops[777]
+        st.releaser.dirty = True
+        st.releaser.step()
+        assert new.alloc.used_rows == 2 and st.sparse.requests["new"].rows == b[0].tolist()
+        assert old.alloc.used_rows == 0 and old not in st.sparse.closing
+        assert HANDLERS["sparse_free"](st, c, {"request": "new"}, [])[0] == {"freed_rows": 2}
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        d.close()
+
+
+def test_regions_still_closing_count_against_sparse_clients(tmp_path):
+    """``--sparse-clients 1``: a client that unregisters while a copy into its region runs,
+    registers again and asks for a region is refused ``busy`` until that copy ended and the
+    region closed (it used to get a new full-size file each time); then it gets one."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.core.protocol import ProtocolError
+
+    d = _sparse_daemon(tmp_path, 1)
+    try:
+        st = d.state
+        c = st.registry.touch(b"engine-s", 0.0)
+        c.worker = _Worker()
+        HANDLERS["sparse_region"](st, c, {}, [])
+        st.ops[777] = (SimpleNamespace(nbytes=1), c)
+        files = lambda: [f for f in os.listdir(tmp_path) if f.startswith("hicache-sparse-")]  # noqa: E731
+        for _ in range(3):
+            HANDLERS["unregister"](st, c, {}, [])
+            c.worker = _Worker()
+            with pytest.raises(ProtocolError) as e:
+                HANDLERS["sparse_region"](st, c, {}, [])
+            assert e.value.code == "busy" and "still close" in str(e.value)
+        assert len(files()) == 1 and len(st.sparse.closing) == 1
+        del st.ops[777]
+        st.releaser.dirty = True
+        st.releaser.step()  # the copy ended: the region closes, the next is made off the loop
+        assert not st.sparse.closing
+        HANDLERS["sparse_region"](st, c, {}, [])
+        assert len(files()) == 1 and st.sparse.of(c.cid) is not None
+    finally:
+        d.close()
+
+
+def test_sparse_report_is_bounded_and_needs_a_region(tmp_path):
+    """``sparse_report`` from a client without a region is refused; numbers past the cap are
+    refused before any counter moves (they used to move two counters, then fail)."""
+    from hicache.controllers.handlers import HANDLERS
+    from hicache.controllers.sparse import REPORT_MAX
+    from hicache.core.protocol import ProtocolError
+
+    d = _sparse_daemon(tmp_path, 1)
+    try:
+        st = d.state
+        c = st.registry.touch(b"engine-s", 0.0)
+        with pytest.raises(ProtocolError, match="holds no sparse region"):
+            HANDLERS["sparse_report"](st, c, {"lookups": 4, "swapped_in": 1}, [])
+        c.worker = _Worker()
+        HANDLERS["sparse_region"](st, c, {}, [])
+        before = st.metrics.snapshot()
+        for n in (REPORT_MAX + 1, 10 ** 308):
+            with pytest.raises(ProtocolError, match="lookups <="):
+                HANDLERS["sparse_report"](st, c, {"lookups": n, "swapped_in": n}, [])
+        assert st.metrics.snapshot()["hicache_hisparse_lookups_total"] == \
+            before["hicache_hisparse_lookups_total"]
+        HANDLERS["sparse_report"](st, c, {"lookups": 4, "swapped_in": 1}, [])
+        assert st.metrics.snapshot()["hicache_hisparse_lookups_total"][0]["value"] == \
+            before["hicache_hisparse_lookups_total"][0]["value"] + 4
+    finally:
+        d.close()
+
+
+def test_a_dead_daemons_sparse_region_files_are_swept(tmp_path):
+    """A region file whose creating process is gone (a killed daemon) is removed when the next
+    region is made; a live process's file stays."""
+    from hicache.core import shm_file
+    from hicache.core.sparse_shm import SPARSE_PREFIX, SparseShm
+
+    dead = tmp_path / f"{SPARSE_PREFIX}{2 ** 22 + 12345}-abcdef"
+    live = tmp_path / f"{SPARSE_PREFIX}{os.getpid()}-abcdef"
+    for p in (dead, live):
+        p.write_bytes(b"x")
+        os.utime(p, (time.time() - 2 * shm_file.STALE_AFTER_S,) * 2)
+    shm = SparseShm.create(str(tmp_path), 2, 2, 64)
+    try:
+        assert not dead.exists() and live.exists()
+    finally:
+        shm.close()

@@ -252,3 +252,26 @@ def test_first_unwritten_same_for_few_and_many_rows(n, as_list):
         g.written[pool][late] = 0  # as a free does: back to UNWRITTEN
         assert g.first_unwritten(pool, rows) == int(r[n // 2])
         assert g.first_unwritten(pool, rows) == int(g.unwritten(pool, r)[0])
+
+
+def test_a_failed_backup_into_written_rows_leaves_them_unreadable():
+    """A backup into rows an earlier backup wrote fails (a launch failing after its first
+    pools, a cancelled CPU copy): some of their bytes may be new, some old, so every row it
+    was to write becomes unreadable, not a mix a load would return."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.host_access import begin_writes, end_writes
+
+    with HostPoolGroup(FLASH, ROWS) as g:
+        rows = g.alloc({"page": 3}, ("a", None))["page"].numpy()
+        item = SimpleNamespace(pool="c4_kv", dst_ids=SimpleNamespace(
+            n=3, np=lambda: rows, list=lambda: rows.tolist()), fmt=None)
+        op = SimpleNamespace(kind="backup", items=[item], ok=True)
+        begin_writes(g, op)
+        end_writes(g, op)
+        assert (g.written["c4_kv"][rows] == WRITTEN).all()
+        op.ok = False  # the same rows written again, and that write failed
+        begin_writes(g, op)
+        end_writes(g, op)
+        assert (g.written["c4_kv"][rows] == UNWRITTEN).all()
+        assert g.first_unwritten("c4_kv", rows) == rows[0]

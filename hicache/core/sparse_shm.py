@@ -7,7 +7,10 @@ Contract: ``SparseShm.create(shm_dir, layers, rows, page_bytes)`` (the daemon) m
 ``info()`` dict describes, checking its size. ``layers`` are per-layer ``[rows, page_bytes]``
 uint8 tensors over the mapping (row ``k`` of every layer holds the same 64 C4 tokens of one
 request). ``close()`` drops the mapping; the creator also unlinks the file. Pinning is the
-caller's (the daemon registers the mapping with CUDA, the engine registers its own).
+caller's (the daemon registers the mapping with CUDA through its registrar); ``pin(device)``
+page-locks this mapping for a GPU (the engine's side) and ``close()`` unpins it again. A
+creator sweeps the files of creators that died (``shm_file.sweep_stale``: a killed daemon's
+regions, reserved at full size, would hold tmpfs memory until a reboot).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .shm_file import new_mapped_file
+from .shm_file import new_mapped_file, sweep_stale
 
 SPARSE_PREFIX = "hicache-sparse-"
 ALIGN = 4096
@@ -37,6 +40,7 @@ class SparseShm:
         self.stride = _align(rows * page_bytes)
         self.nbytes = max(ALIGN, layers * self.stride)
         self._owner = owner
+        self._pinned_on: int | None = None  # the GPU ``pin`` page-locked it for
         base = torch.frombuffer(mm, dtype=torch.uint8)
         self.base_ptr = int(base.data_ptr())
         self.layers = [base[l * self.stride: l * self.stride + rows * page_bytes]
@@ -49,6 +53,7 @@ class SparseShm:
                              f"{layers}, {rows}, {page_bytes}")
         if not os.path.isdir(shm_dir):
             raise ValueError(f"shared-memory directory {shm_dir} does not exist")
+        sweep_stale(shm_dir, (SPARSE_PREFIX,))
         path = os.path.join(shm_dir, f"{SPARSE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         nbytes = max(ALIGN, layers * _align(rows * page_bytes))
         return cls(path, new_mapped_file(path, nbytes, reserve=True), layers, rows, page_bytes,
@@ -78,7 +83,22 @@ class SparseShm:
                 "page_bytes": self.page_bytes, "layer_stride": self.stride,
                 "bytes": self.nbytes}
 
+    def pin(self, device: torch.device) -> None:
+        """Page-lock the mapping for ``device`` (once); ``close`` unpins it."""
+        if self._pinned_on is not None:
+            return
+        with torch.cuda.device(device):
+            rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of the sparse region failed ({int(rc)})")
+        self._pinned_on = device.index if device.index is not None else \
+            torch.cuda.current_device()
+
     def close(self) -> None:
+        if self._pinned_on is not None:  # the caller's kernels no longer read it
+            with torch.cuda.device(self._pinned_on):
+                torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
+            self._pinned_on = None
         self.layers = []
         if self._owner:
             try:

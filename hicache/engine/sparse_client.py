@@ -5,7 +5,8 @@ mapping of the sparse host region.
 * ``sparse_region() -> dict``: the region's file, layers, rows, page bytes,
   ``min_sparse_prompt_len``.
 * ``map_sparse_region(device) -> SparseShm``: maps that file; on a GPU it page-locks the mapping
-  for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly. Its ``layers``
+  for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly; its
+  ``close()`` unpins it (call it once the engine's kernels no longer read it). Its ``layers``
   go to ``HotBuffer(host=...)``.
 * ``sparse_admit(request, prompt_tokens, device_rows=None, host_rows=None) -> list[int]`` host
   page rows. ``host_rows``: this client's host-tier ``c4_kv`` rows of the prompt's first pages
@@ -55,10 +56,11 @@ class SparseCommands:
         shm = SparseShm.open(self.sparse_region())
         device = torch.device(device)
         if device.type == "cuda":
-            with torch.cuda.device(device):
-                rc = torch.cuda.cudart().cudaHostRegister(shm.base_ptr, shm.nbytes, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of the sparse region failed ({int(rc)})")
+            try:
+                shm.pin(device)  # unpinned by shm.close()
+            except BaseException:
+                shm.close()
+                raise
         return shm
 
     def sparse_admit(self, request: str, prompt_tokens: int,
