@@ -411,3 +411,19 @@ def test_client_hooks_say_a_load_of_unknown_outcome_runs_until_acked_or_nothing_
         hooks = ClientHooks(client, ["page"])
         assert hooks.copies_running(tickets) is running, (acked, in_flight, tickets)
         assert client.asked == [[t.op.op_id for t in tickets if t is not None]]
+
+
+def test_full_mirror_hooks_must_cover_every_page_space_of_the_stage():
+    """Without a resume model a page handle must mirror every page space the registered stage
+    has (its SWA and compress states too); a ring-SWA stage cannot be full-mirrored."""
+    from types import SimpleNamespace
+
+    from hicache.engine.hooks import ClientHooks
+
+    paged = SimpleNamespace(registered={"host_rows": {"page": 8, "swa_page": 4, "req_slot": 4}})
+    ClientHooks(paged, ["page", "swa_page"])
+    with pytest.raises(ValueError, match=r"must cover the page spaces \['page', 'swa_page'\]"):
+        ClientHooks(paged, ["page"])
+    ring = SimpleNamespace(registered={"host_rows": {"page": 8, "req_slot": 4}})
+    with pytest.raises(ValueError, match="ring SWA mode"):
+        ClientHooks(ring, ["page"])

@@ -91,6 +91,24 @@ class TierHooks(Protocol):
     def copies_running(self, tickets: Sequence[Any]) -> bool: ...
 
 
+def _check_full_mirror(registered: Any, spaces: Sequence[str]) -> None:
+    """Without a resume model a page is resumable only when its handle mirrors every page
+    space of the registered stage (paged SWA: ``page`` and ``swa_page``; the SWA and the
+    compress states of every page); refused otherwise (checked once the client registered)."""
+    rows = registered.get("host_rows") if isinstance(registered, dict) else None
+    if not isinstance(rows, dict):
+        return  # not registered yet: the daemon's refusals say what is missing then
+    if "swa_page" not in rows:
+        raise ValueError("this stage keeps its SWA per request slot (ring SWA mode): a full "
+                         "mirror cannot resume from it; give the hooks a resume model "
+                         "(checkpoints)")
+    need = sorted(s for s in rows if s != "req_slot")
+    if sorted(spaces) != need:
+        raise ValueError(f"a full-mirror page handle must cover the page spaces {need} of "
+                         f"this stage, got {sorted(spaces)}: pages would be reported resumable "
+                         f"without their SWA and compress states")
+
+
 # ---------------------------------------------------------------------------- client adapter
 @dataclass
 class Ticket:
@@ -157,6 +175,8 @@ class ClientHooks:
             why = resume.copyable
             if why:
                 raise ValueError(why)
+        else:
+            _check_full_mirror(getattr(client, "registered", None), spaces)
         self.client = client
         self.resume = resume
         self.spaces = tuple(spaces)

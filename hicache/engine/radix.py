@@ -55,7 +55,9 @@ empties the host tier (every host copy and checkpoint is forgotten, ``stats.host
 and the tree runs device-only until ``reset_host_tier``. A load that ends so may still be
 writing its device rows (``CopyOutcomeUnknown``: it was accepted, and its ack timed out or
 the daemon stopped answering while the tree waited for it, or its command got no reply):
-they are held aside (``held_device_rows``) and reused only after ``reset_host_tier``. So is
+they are held aside (``held_device_rows``) and reused only after ``reset_host_tier``, which
+goes on only once none of those loads can still copy (``hooks.copies_running``; it returns
+False and changes nothing while one may). So is
 the destination of its checkpoint: a node's device row stays the node's and is held once
 evicted (``suspect_rows``); a request slot (ring SWA) is held (``held_slots``), the
 ``Prefix`` says ``slot_held`` (the request must move to another slot), and ``prepare`` refuses
