@@ -363,7 +363,10 @@ class Daemon:
             f" {'pinned' if a.get('registered') else 'not pinned (CPU mode)'}"
             f" in {a.get('seconds')} s = {a.get('gib_per_s')} GiB/s with "
             f"{a.get('touch_threads')} touch threads, huge pages {a.get('hugepages')}",
-            f"  socket: {self.server.endpoint if self.server else self.address}; metrics: "
+            f"  socket: {self.server.endpoint if self.server else self.address}"
+            + (" (tcp without CURVE: every local user can connect; the ipc socket or CURVE "
+               "keys restrict it)" if self.address.startswith("tcp://")
+               and not self.cfg.curve_secret_key else "") + "; metrics: "
             + (f"http://{self.cfg.metrics_addr}:{self.metrics_port}/metrics"
                if self.metrics_port else "off")
             + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s; "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import stat
 from typing import Any, Callable, Mapping, Sequence
 
@@ -114,10 +115,25 @@ def _check_path(path: Any, shm_dirs: Sequence[str], where: str) -> str:
     if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
         raise _bad(f"{where}: 'path' must be a file path")
     real = os.path.realpath(path)
-    roots = [os.path.realpath(d) for d in shm_dirs]
-    if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
+    if not _inside(real, shm_dirs):
         raise _bad(f"{where}: {path} is not inside an allowed shm directory {list(shm_dirs)}")
     return real
+
+
+def _inside(real: str, shm_dirs: Sequence[str]) -> bool:
+    return any(real.startswith(os.path.realpath(d).rstrip("/") + "/") for d in shm_dirs)
+
+
+def _opened_inside(fd: int, path: str, shm_dirs: Sequence[str]) -> None:
+    """The file ``fd`` really opened is inside the allowed directories: a folder on the path
+    swapped for a symlink between ``_check_path`` and the open (``O_NOFOLLOW`` guards only
+    the last name) would have opened a file elsewhere."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: the check before the open stands alone
+        return
+    if not _inside(real, shm_dirs):
+        raise _bad(f"{path} resolved outside the allowed shm directories while it was opened")
 
 
 def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str]) -> DeviceBuffers:
@@ -140,6 +156,7 @@ def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str
         except OSError as e:
             raise _bad(f"cannot open {path}: {e.strerror}") from None
         try:
+            _opened_inside(fd, path, shm_dirs)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise _bad(f"{path} is not a regular file")
@@ -173,6 +190,7 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
             uuid = h.get("uuid")
             if my_uuid and uuid and uuid != my_uuid:
                 raise _bad(f"{where}: buffer is on GPU {uuid}, this daemon serves {my_uuid}")
+            _check_ipc_fields(h, where)
             rec = dict(
                 handle=_handle_bytes(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
                 storage_offset=_int(h, "storage_offset", where),
@@ -203,6 +221,31 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
             t.set_(st, r["offset"], (r["rows"], r["row_bytes"]), (r["row_bytes"], 1))
             layers.setdefault(name, []).append(t)
     return DeviceBuffers(layers, "cuda", keep=list(storages.values()))
+
+
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+REF_COUNTER_SLOTS = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters per file
+_REF_COUNTER_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")  # torch names its counter files so
+
+
+def _check_ipc_fields(h: Mapping[str, Any], where: str) -> None:
+    """What torch trusts when it opens a shared CUDA storage: the handles' sizes, the
+    reference-counter file's name and the counter's slot in it. torch decrements
+    ``counter + ref_counter_offset`` in the mapped counter file when the storage goes: an
+    offset past the file wrote (and crashed) outside it, and another name opened another
+    engine's counters."""
+    for k, optional in (("handle", False), ("event", True)):
+        b = _handle_bytes(h, k, where, optional)
+        if b is not None and len(b) != IPC_HANDLE_BYTES:
+            raise _bad(f"{where}: {k} is {len(b)} bytes; a CUDA IPC handle is "
+                       f"{IPC_HANDLE_BYTES}")
+    name = _handle_bytes(h, "ref_counter", where, optional=True)
+    if name is not None and not _REF_COUNTER_NAME.match(name):
+        raise _bad(f"{where}: ref_counter must name a torch counter file (/torch_<n>_<n>_<n>)")
+    off = _int(h, "ref_counter_offset", where)
+    if not 0 <= off < REF_COUNTER_SLOTS:
+        raise _bad(f"{where}: ref_counter_offset {off} is outside the counter file's "
+                   f"{REF_COUNTER_SLOTS} slots")
 
 
 def _check_within_allocation(st: Any, r: Mapping[str, Any], where: str) -> None:

@@ -40,8 +40,10 @@ HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
-# libzmq's MAXMSGSIZE bounds each frame, not the multipart message: the frame count and the
-# message total are checked by ``recv_request`` as frames are taken off the socket, before any decode.
+# libzmq's MAXMSGSIZE bounds each frame, not the multipart message (libzmq holds a message's
+# frames until its last one arrives: docs/reliability.md, section 7); the frame count and the
+# message total are checked by ``recv_request`` as frames are taken off the socket, before any
+# decode.
 TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 # complete messages queued per peer before libzmq stops reading that peer's connection
 TRANSPORT_RCVHWM = 8

@@ -388,9 +388,10 @@ class DaemonState:
         used). Returns (rows freed before the reply, whether rows are still to go back)."""
         ops = self._ops_of(c)  # before anything changes
         worker, forget = None, False
-        if why == "unregister":
-            worker, c.worker = c.worker, None
+        if why == "unregister":  # its worker, key-store pools and channel go now; one it
+            worker, c.worker = c.worker, None  # opens before it is forgotten keeps it known
             self.registry.close_kv(c)
+            self.registry.close_channel(c)
         if why == "unregister" and not ops:
             self.registry.remove(c)
         else:

@@ -345,3 +345,28 @@ def test_nothing_received_is_unpickled_or_evaluated():
     hits = [f"{f.name}:{i + 1}: {line.strip()}" for f in files
             for i, line in enumerate(f.read_text().splitlines()) if pat.search(line)]
     assert not hits, hits
+
+
+def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
+    """``register`` in GPU mode: torch decrements ``ref_counter_offset``'s int64 in the mapped
+    counter file when a shared storage goes, and opens the counter file the client names. An
+    offset past the file's 10,000 slots (it segfaulted the daemon on an H200), a name that is
+    not a torch counter file, or handles of the wrong size are refused before torch sees them."""
+    from hicache.controllers.device_buffers import _check_ipc_fields
+    from hicache.core.ipc import encode_b64
+    from hicache.core.protocol import ProtocolError
+
+    good = {"handle": encode_b64(b"h" * 64), "event": encode_b64(b"e" * 64),
+            "ref_counter": encode_b64(b"/torch_123_456_7"), "ref_counter_offset": 9_999}
+    _check_ipc_fields(good, "buffers[c4_kv][0]")
+    _check_ipc_fields({**good, "event": None, "ref_counter": None}, "buffers[c4_kv][0]")
+    for k, v, msg in (("ref_counter_offset", 10_000, "outside the counter file"),
+                      ("ref_counter_offset", 1 << 40, "outside the counter file"),
+                      ("ref_counter_offset", -1, "non-negative"),
+                      ("ref_counter", encode_b64(b"/dev/shm/other"), "torch counter file"),
+                      ("ref_counter", encode_b64(b"/torch_1_2_3/../x"), "torch counter file"),
+                      ("handle", encode_b64(b"h" * 63), "is 63 bytes"),
+                      ("event", encode_b64(b"e" * 65), "is 65 bytes")):
+        with pytest.raises(ProtocolError, match=msg) as e:
+            _check_ipc_fields({**good, k: v}, "buffers[c4_kv][0]")
+        assert str(e.value).startswith("buffers[c4_kv][0]: ") and "\n" not in str(e.value)
