@@ -590,24 +590,39 @@ def _sparse_daemon(tmp_path, clients: int):
                    shm_dirs=(str(tmp_path),), sparse_clients=clients)
 
 
+def _engine_with_region(st):
+    """A registered engine (no mappings) holding its sparse region, and a copy of it in flight
+    (op 777; ``_copy_ends`` ends it)."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.handlers import HANDLERS
+
+    c = st.registry.touch(b"engine-s", 0.0)
+    c.worker = _Worker()
+    HANDLERS["sparse_region"](st, c, {}, [])
+    st.ops[777] = (SimpleNamespace(nbytes=1), c)
+    return c
+
+
+def _copy_ends(st) -> None:
+    del st.ops[777]
+    st.releaser.dirty = True
+    st.releaser.step()
+
+
 def test_a_reset_frees_its_sparse_rows_in_the_region_they_came_from(tmp_path):
     """A ``reset`` waits for a copy in flight; meanwhile the client unregisters, registers
     again and admits a request into its new region: when the copy ends the reset frees its
     rows in the old region, never the new request's rows (it used to free them under it, or
     raise on the server loop)."""
-    from types import SimpleNamespace
-
     from hicache.controllers.handlers import HANDLERS
 
     d = _sparse_daemon(tmp_path, 2)
     try:
         st = d.state
-        c = st.registry.touch(b"engine-s", 0.0)
-        c.worker = _Worker()
-        HANDLERS["sparse_region"](st, c, {}, [])
+        c = _engine_with_region(st)  # a copy of c in flight
         HANDLERS["sparse_admit"](st, c, {"request": "old", "prompt_tokens": 512}, [])
         old = st.sparse.of(c.cid)
-        st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
         HANDLERS["reset"](st, c, {}, [])
         HANDLERS["unregister"](st, c, {}, [])
         c.worker = _Worker()
@@ -615,9 +630,7 @@ def test_a_reset_frees_its_sparse_rows_in_the_region_they_came_from(tmp_path):
         _, b = HANDLERS["sparse_admit"](st, c, {"request": "new", "prompt_tokens": 512}, [])
         new = st.sparse.of(c.cid)
         assert new is not old and new.alloc.used_rows == 2
-        del st.ops[777]
-        st.releaser.dirty = True
-        st.releaser.step()
+        _copy_ends(st)
         assert new.alloc.used_rows == 2 and st.sparse.requests["new"].rows == b[0].tolist()
         assert old.alloc.used_rows == 0 and old not in st.sparse.closing
         assert HANDLERS["sparse_free"](st, c, {"request": "new"}, [])[0] == {"freed_rows": 2}
@@ -630,18 +643,13 @@ def test_regions_still_closing_count_against_sparse_clients(tmp_path):
     """``--sparse-clients 1``: a client that unregisters while a copy into its region runs,
     registers again and asks for a region is refused ``busy`` until that copy ended and the
     region closed (it used to get a new full-size file each time); then it gets one."""
-    from types import SimpleNamespace
-
     from hicache.controllers.handlers import HANDLERS
     from hicache.core.protocol import ProtocolError
 
     d = _sparse_daemon(tmp_path, 1)
     try:
         st = d.state
-        c = st.registry.touch(b"engine-s", 0.0)
-        c.worker = _Worker()
-        HANDLERS["sparse_region"](st, c, {}, [])
-        st.ops[777] = (SimpleNamespace(nbytes=1), c)
+        c = _engine_with_region(st)
         files = lambda: [f for f in os.listdir(tmp_path) if f.startswith("hicache-sparse-")]  # noqa: E731
         for _ in range(3):
             HANDLERS["unregister"](st, c, {}, [])
@@ -650,9 +658,7 @@ def test_regions_still_closing_count_against_sparse_clients(tmp_path):
                 HANDLERS["sparse_region"](st, c, {}, [])
             assert e.value.code == "busy" and "still close" in str(e.value)
         assert len(files()) == 1 and len(st.sparse.closing) == 1
-        del st.ops[777]
-        st.releaser.dirty = True
-        st.releaser.step()  # the copy ended: the region closes, the next is made off the loop
+        _copy_ends(st)  # the region closes, the next is made off the loop
         assert not st.sparse.closing
         HANDLERS["sparse_region"](st, c, {}, [])
         assert len(files()) == 1 and st.sparse.of(c.cid) is not None
