@@ -223,7 +223,9 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
     return DeviceBuffers(layers, "cuda", keep=list(storages.values()))
 
 
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+# a storage's handle: torch sends a version and a kind byte before the 64-byte cudaIpcMemHandle_t
+# (torch 2.11); an event's is the 64-byte cudaIpcEventHandle_t
+IPC_HANDLE_BYTES = {"handle": (66, 64), "event": (64,)}
 REF_COUNTER_SLOTS = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters per file
 _REF_COUNTER_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")  # torch names its counter files so
 
@@ -236,9 +238,9 @@ def _check_ipc_fields(h: Mapping[str, Any], where: str) -> None:
     engine's counters."""
     for k, optional in (("handle", False), ("event", True)):
         b = _handle_bytes(h, k, where, optional)
-        if b is not None and len(b) != IPC_HANDLE_BYTES:
-            raise _bad(f"{where}: {k} is {len(b)} bytes; a CUDA IPC handle is "
-                       f"{IPC_HANDLE_BYTES}")
+        if b is not None and len(b) not in IPC_HANDLE_BYTES[k]:
+            raise _bad(f"{where}: {k} is {len(b)} bytes; a CUDA IPC {k} is "
+                       f"{' or '.join(map(str, IPC_HANDLE_BYTES[k]))}")
     name = _handle_bytes(h, "ref_counter", where, optional=True)
     if name is not None and not _REF_COUNTER_NAME.match(name):
         raise _bad(f"{where}: ref_counter must name a torch counter file (/torch_<n>_<n>_<n>)")

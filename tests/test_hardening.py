@@ -356,7 +356,7 @@ def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
     from hicache.core.ipc import encode_b64
     from hicache.core.protocol import ProtocolError
 
-    good = {"handle": encode_b64(b"h" * 64), "event": encode_b64(b"e" * 64),
+    good = {"handle": encode_b64(b"h" * 66), "event": encode_b64(b"e" * 64),
             "ref_counter": encode_b64(b"/torch_123_456_7"), "ref_counter_offset": 9_999}
     _check_ipc_fields(good, "buffers[c4_kv][0]")
     _check_ipc_fields({**good, "event": None, "ref_counter": None}, "buffers[c4_kv][0]")
@@ -366,6 +366,7 @@ def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
                       ("ref_counter", encode_b64(b"/dev/shm/other"), "torch counter file"),
                       ("ref_counter", encode_b64(b"/torch_1_2_3/../x"), "torch counter file"),
                       ("handle", encode_b64(b"h" * 63), "is 63 bytes"),
+                      ("handle", encode_b64(b"h" * 1024), "is 1024 bytes"),
                       ("event", encode_b64(b"e" * 65), "is 65 bytes")):
         with pytest.raises(ProtocolError, match=msg) as e:
             _check_ipc_fields({**good, k: v}, "buffers[c4_kv][0]")
