@@ -486,3 +486,19 @@ def test_later_sparse_regions_are_made_off_the_loop(tmp_path, monkeypatch):
     finally:
         region.close()
     assert list(tmp_path.iterdir()) == []  # every region closed, none left behind
+
+
+def test_an_abandoned_stop_unlinks_every_region_file_and_keeps_the_mappings(tmp_path):
+    """A stop that gave up waiting for copies (``unlink_all``): no region file outlives the
+    daemon, while the mappings a late copy may still touch stay valid."""
+    from hicache.controllers.sparse_regions import SparseRegions
+
+    region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
+    a = region.bind("a")
+    region._collect(wait=True)  # the spare made for a second client
+    region.detach("a")  # closing: still mapped
+    assert len(list(tmp_path.iterdir())) == 2
+    region.unlink_all()
+    assert list(tmp_path.iterdir()) == []
+    a.table.layers[0][1].fill_(7)  # the mapping is still there
+    assert int(a.table.layers[0][1][0]) == 7

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -56,14 +55,13 @@ def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
     from hicache.engine.acks import CommandRefused, DaemonUnreachable
-    from hicache.engine.client import Client
+    from hicache.engine.client import Client, default_address
 
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
-    device = args.device or os.environ.get("HICACHE_DEVICE") or "cpu"
-    check_device(device)
-    address = args.socket or (None if args.device else os.environ.get("HICACHE_SOCKET")) \
-        or default_socket(device)
+    if args.device:
+        check_device(args.device)
+    address = args.socket or (default_socket(args.device) if args.device else default_address())
     check_address(address, allow_remote=True, curve=True)  # malformed: one line, exit 2
     try:
         with Client(address, timeout=args.timeout, name="hicache-stats", channel=False) as c:

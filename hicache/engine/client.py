@@ -54,7 +54,9 @@ Items = Mapping[str, tuple]  # pool or space -> (src ids, dst ids[, "token"])
 _SPACES = frozenset(("page", "swa_page", "req_slot"))  # item keys that name an index space
 
 
-def _default_address() -> str:
+def default_address() -> str:
+    """The daemon address an engine uses when given none: ``HICACHE_SOCKET``, else the default
+    socket of ``HICACHE_DEVICE`` (cpu when unset), as ``hicache serve`` picks it."""
     addr = os.environ.get("HICACHE_SOCKET")
     if addr:
         return addr
@@ -103,7 +105,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         a loopback one without CURVE) and grants it (why it did not: ``channel_refused``)."""
         if reply_spin_us is not None and not 0 <= reply_spin_us <= 1e6:
             raise ValueError(f"reply_spin_us must be 0..1000000, got {reply_spin_us}")
-        self.address = address or _default_address()
+        self.address = address or default_address()
         self.timeout = float(timeout)
         tag = (name or "client").replace("/", "_")[:48]
         self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
