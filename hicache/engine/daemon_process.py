@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 PIPE_KEEP = 1 << 20  # bytes of a piped daemon's output kept for output()
 
 

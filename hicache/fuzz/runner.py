@@ -33,7 +33,7 @@ __all__ = ["ALIGN", "ROOT", "Case", "DaemonRunner", "Deferred", "Hostile", "Patt
            "ShmBuffers", "Victim", "World", "daemon_check", "failed_checks", "metric_total", "mix64",
            "private_address", "run_fuzz"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SPARSE_FLAGS = ("--sparse-rows", "8", "--min-sparse-prompt-len", "256")  # fuzz daemons: a region
 
 
