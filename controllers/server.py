@@ -378,8 +378,16 @@ class Server:
 
     def _deliver(self, c: ClientState, ack: dict[str, Any]) -> None:
         st = self.state
-        if st.registry.clients.get(c.ident) is not c:
-            return  # reaped or unregistered meanwhile
+        reg = st.registry
+        now = reg.clients.get(c.ident)
+        if now is not c:
+            # an unregistered client is forgotten by the release step that ran in the same
+            # ``collect`` as its last op's completion: its ack still goes to its (live)
+            # identity, once, with nothing retained. A reaped one (retiring, or its reap
+            # remembered for the identity) and an identity registered afresh get nothing.
+            if now is None and c.ident not in reg.retiring and c.ident not in reg.reaped:
+                self._send(c.ident, P.encode_ack(ack))
+            return
         pushed = self._send(c.ident, P.encode_ack(ack))  # False: poll_acks still has it
         if st.registry.retain(c, ack["op"], ack, pushed):
             st.metrics.inc("acks_dropped")

@@ -112,6 +112,30 @@ def test_unregister_with_copies_in_flight_replies_at_once(daemon):
         pools.close()
 
 
+def test_a_small_unregistered_clients_ack_still_reaches_it(daemon):
+    """256 rows go back in one release turn, the one that runs right after the copy completes:
+    the client was forgotten before its ack went out, and the ack was dropped."""
+    addr, vic = daemon
+    base = _used(vic.client)
+    pools = DevicePools(LAYOUT, {"page": 256, "swa_page": 4, "req_slot": 4})
+    c = Client(addr, timeout=30, name="small", channel=False)
+    try:
+        for _ in range(3):
+            c.register(pools)
+            rows = c.alloc({"page": 256})["page"]
+            op = c.backup({"page": (list(range(256)), rows)})
+            assert op.ack is None  # queued, not inline: in flight at the unregister
+            r = c.unregister()
+            assert r["deferred"] is True, r
+            a = c.wait_ack(op, timeout=10)
+            assert a.ok and a.pools and all(v["rows"] == 256 for v in a.pools.values()), a
+        _until_back(vic, base)
+        _check_clean(vic, base)
+    finally:
+        c.close()
+        pools.close()
+
+
 def test_reset_with_copies_in_flight_replies_at_once_and_acks_follow(daemon):
     addr, vic = daemon
     base = _used(vic.client)
