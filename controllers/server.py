@@ -343,6 +343,8 @@ class Server:
             code = error_code(e)
             if rid is None and body:
                 rid = P.request_id(body[0])
+            if rid is None and chan is not None:  # a slot that did not parse: its sequence
+                rid = chan[1]  # is the request's id (``core.channel``)
             if code is not None:  # a refusal: the command changed nothing
                 why = str(e) if c is None or c.reaped is None else \
                     f"{e} (this client was {c.reaped}: its rows were freed and its device " \

@@ -32,6 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.core import channel as C
+from hicache.core import protocol as P
 from hicache.core.layout import build_layout, preset
 from hicache.core.shm_file import STALE_AFTER_S
 from hicache.engine.acks import CommandRefused, DaemonUnreachable
@@ -96,6 +97,20 @@ def test_channel_file_slots_and_unlink(tmp_path) -> None:
     assert ch.request(MAXF) == (10, "request of 1099511627776 bytes in a 1024-byte slot")
     peer.close()
     ch.close(unlink=True)
+
+
+def test_a_full_shm_folder_refuses_a_channel_with_an_oserror(tmp_path, monkeypatch) -> None:
+    """The file's blocks are reserved at creation: a full tmpfs is an ``OSError`` there (the
+    daemon refuses ``channel`` as unsupported), never a SIGBUS at the first header write."""
+    import errno
+
+    def full(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        C.Channel.create(str(tmp_path), 1024, 256)
+    assert os.listdir(tmp_path) == []  # nothing left behind
 
 
 def test_channel_open_checks_the_file(tmp_path) -> None:
@@ -229,6 +244,15 @@ def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
                 time.sleep(0.001)
             assert isinstance(got, list), got
             assert b'"bad_frame"' in got[0] and b"channel request" in got[0]
+            assert b'"id":%d' % seq in got[0]  # answered as that request: never dropped
+        # an honest request that does not fit the slot's frame limit: refused at once, as over
+        # ZMQ (it was answered with no id, and the client waited out its timeout)
+        many = [[i] for i in range(P.MAX_INDEX_FRAMES + 1)]
+        t = time.monotonic()
+        with pytest.raises(CommandRefused) as e:
+            c.call("free", {"rows": {"page": 0}}, many)
+        assert e.value.code == "bad_frame" and time.monotonic() - t < 2, e.value
+        assert c.uses_channel  # and the channel still serves
         assert c.stats()["host"] == before
         assert c.heartbeat()["registered"]  # the channel still serves
 

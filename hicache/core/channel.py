@@ -134,7 +134,9 @@ class Channel:
                                  f"64..{MAX_SLOT_BYTES}")
         path = os.path.join(shm_dir, f"{CHANNEL_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         nbytes = cls.size(request_bytes, reply_bytes)
-        ch = cls(path, new_mapped_file(path, nbytes), request_bytes, reply_bytes)
+        # blocks reserved now: on a full tmpfs an OSError (refused ``unsupported``), not a
+        # SIGBUS at the first write of a header word
+        ch = cls(path, new_mapped_file(path, nbytes, reserve=True), request_bytes, reply_bytes)
         w = ch._words
         w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
         w[_MAGIC] = MAGIC
