@@ -221,13 +221,17 @@ class Server:
             # no busy-poll while the issuer thread issues a load's later layers: the spin would
             # take the GIL from it (each handover waits out the switch interval)
             if spin and time.perf_counter() - last < spin and not sched.issuing():
-                # busy-poll a short while after traffic: no sleep / wake-up between requests
-                if zmq_poll(items, 0):
+                # busy-poll a short while after traffic: no sleep / wake-up between requests.
+                # Each turn takes the socket's requests, then the channels', then completions:
+                # a peer that keeps the socket busy starves neither the channels nor the acks
+                got = bool(zmq_poll(items, 0))
+                if got:
                     self._request()
+                if chans and self._channels():
+                    got = True
+                if got:
                     last = time.perf_counter()
-                elif chans and self._channels():
-                    last = time.perf_counter()
-                elif not st.idle():
+                if not st.idle():
                     st.collect()
                 self.send_acks()
                 continue
@@ -289,14 +293,18 @@ class Server:
 
     def _request(self) -> None:
         """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
-        ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised)."""
+        ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised), and
+        the channels are scanned (a busy socket does not hold their requests back)."""
         recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
+        chans = st.registry.channels
         for _ in range(BATCH):
             try:
                 frames, err = recv()
             except zmq.Again:
                 return
             handle(frames, err)
+            if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
+                self._channels()  # queueing gives each of its peers
             if st.stopping or not events(_EVENTS) & _POLLIN:
                 return
 
