@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
-from hicache.core.protocol import COMMANDS, VERSION, ProtocolError
+from hicache.core import wire_json
+from hicache.core.protocol import COMMANDS, MAX_HEADER_BYTES, VERSION, ProtocolError
 from hicache.core.version import __version__
 from hicache.host_pools.errors import NotOwnerError, PoolError, PoolExhausted, RowRangeError
 from hicache.kernels.tables import LayerTable, TransferError
@@ -138,8 +139,15 @@ def poll_acks(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     limit = h.get("max", 1024)
     if not 0 < limit <= 4096:
         raise ProtocolError("bad_field", "max must be in 1..4096")
-    return {"acks": st.registry.take_acks(c, h.get("ops"), limit),
-            "in_flight": c.in_flight}, []
+    acks = st.registry.take_acks(c, h.get("ops"), limit, _ack_size, ACKS_REPLY_BYTES)
+    return {"acks": acks, "in_flight": c.in_flight}, []
+
+
+ACKS_REPLY_BYTES = MAX_HEADER_BYTES // 2  # a poll_acks reply's acks; the rest stay retained
+
+
+def _ack_size(ack: dict[str, Any]) -> int:
+    return len(wire_json.dumps(ack)) + 1
 
 
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

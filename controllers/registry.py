@@ -210,14 +210,19 @@ class Registry:
             lost += not was_pushed
         return lost
 
-    def take_acks(self, c: ClientState, ops: list[int] | None, limit: int) -> list[dict[str, Any]]:
-        out = []
-        if ops is None:
-            while c.acks and len(out) < limit:
-                out.append(c.acks.popitem(last=False)[1][0])
-        else:
-            for op in ops[:limit]:
-                a = c.acks.pop(op, None)
-                if a is not None:
-                    out.append(a[0])
+    def take_acks(self, c: ClientState, ops: list[int] | None, limit: int,
+                  size: Callable[[dict[str, Any]], int], budget: int) -> list[dict[str, Any]]:
+        """Take (remove) up to ``limit`` retained acks of ``c``, oldest first (or those of
+        ``ops``), stopping before their ``size`` passes ``budget`` (at least one is taken): the
+        reply must stay under the header limit, and what it cannot carry stays retained."""
+        out: list[dict[str, Any]] = []
+        used = 0
+        keys = list(c.acks) if ops is None else [op for op in ops if op in c.acks]
+        for op in keys[:limit]:
+            ack = c.acks[op][0]
+            used += size(ack)
+            if out and used > budget:
+                break
+            del c.acks[op]
+            out.append(ack)
         return out
