@@ -143,3 +143,20 @@ def test_wait_layer_raises_when_the_loads_ack_says_it_failed(when):
         c.wait_ack(op)
     assert 7 not in c._acks
     c.close()
+
+
+def test_an_ack_taken_once_never_comes_back():
+    """The daemon retains pushed acks: a later ``poll_acks()`` (or a late push) brought an ack
+    the engine already took with ``wait_ack`` back again, as if a second op had completed."""
+    c = Scripted([])
+    c._pushed(ACK)
+    assert c.wait_ack(Op(7, "load"), 0.1).ok
+    c.script = [ACK]  # the daemon's retained copy
+    assert c.poll_acks() == []
+    c._pushed(ACK)  # a late duplicate push
+    assert 7 not in c._acks
+    c._pushed(ACK | {"op": 9})
+    assert [a.op for a in c.poll_acks()] == [9]
+    c.script = [ACK | {"op": 9}]
+    assert c.poll_acks() == []  # taken by poll_acks: not again either
+    c.close()

@@ -140,6 +140,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._pollin = [(s, _POLLIN)]
         self._ids = itertools.count(1)
         self._acks: OrderedDict[int, Ack] = OrderedDict()
+        self._taken: OrderedDict[int, None] = OrderedDict()
         # GPU loads' "issued" pushes: layers issued so far (None: all of them)
         self._issued: OrderedDict[int, int | None] = OrderedDict()
         self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait

@@ -32,6 +32,7 @@ class Completion:
     timeout: float
     spin_us: float | None
     _acks: OrderedDict[int, Ack]
+    _taken: OrderedDict[int, None]  # ops whose ack went to the caller (newest ACK_KEEP)
     _issued: OrderedDict[int, int | None]
     _load_events: list
     _layer_pos: dict
@@ -57,7 +58,12 @@ class Completion:
         return False
 
     def _keep_ack(self, h: Mapping[str, Any]) -> Ack:
+        """Keep an ack until it is taken; one whose op was handed out already (``_taken``: the
+        daemon retains pushed acks, and a later ``poll_acks`` or a late push brings them
+        again) is not kept twice."""
         a = Ack.from_wire(h)
+        if a.op in self._taken:
+            return a
         self._acks[a.op] = a
         while len(self._acks) > ACK_KEEP:
             self._acks.popitem(last=False)
@@ -81,7 +87,14 @@ class Completion:
         for a in out:
             self._acks.pop(a.op, None)
             self._issued.pop(a.op, None)  # its pushes all came before its ack
+            self._took(a.op)
         return out
+
+    def _took(self, op_id: int) -> None:
+        """``op_id``'s ack went to the caller: never again (the newest ``ACK_KEEP`` ids)."""
+        self._taken[op_id] = None
+        while len(self._taken) > ACK_KEEP:
+            self._taken.popitem(last=False)
 
     def drain(self) -> int:
         """Read pushed acks that already arrived (no wait). Returns how many."""
@@ -109,6 +122,7 @@ class Completion:
             a = self._acks.pop(op_id, None)
             if a is not None:
                 self._issued.pop(op_id, None)  # its pushes all came before its ack
+                self._took(op_id)
                 if isinstance(op, Op):
                     op.issued = None  # done: every layer's event is recorded
                 if check and not a.ok:
