@@ -11,6 +11,7 @@ from the command table's ``handler`` names (here, in ``copy_commands``, ``l3_han
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -51,7 +52,7 @@ def error_code(e: BaseException) -> str | None:
 def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     out = {"t": time.time(), "version": __version__, "protocol": VERSION,
            "device": str(st.device), "heartbeat_timeout": st.heartbeat_timeout,
-           "registered": c.worker is not None, "reaped": c.reaped}
+           "registered": c.worker is not None, "reaped": c.reaped, "pid": os.getpid()}
     if h.get("full"):
         out.update(host_rows=st.host_rows, layout=st.layout.to_dict(),
                    stage_layers=list(st.stage_layers))

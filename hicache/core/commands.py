@@ -36,7 +36,8 @@ class Command:
 _L3_KIND = {"mirror": ("str", False), "ckpt": ("bool", False)}
 _TABLE: tuple[Command, ...] = (
     Command("heartbeat", {"full": ("bool", False)},
-            ("t", "version", "protocol", "device", "heartbeat_timeout", "registered", "reaped"),
+            ("t", "version", "protocol", "device", "heartbeat_timeout", "registered", "reaped",
+             "pid"),
             False,
             "heartbeat", "liveness; with full, the daemon's layout and host rows"),
     Command("register", {"layout": ("dict", True), "device_rows": ("str_int_map", True),

@@ -37,7 +37,7 @@ from conftest import ROOT, start_daemon
 from hicache.engine import l3_master
 from hicache.engine.client import Client
 from hicache.engine.daemon_process import DaemonProcess
-from hicache.engine.sglang.storage import DaemonStalled, HicacheStorage, StorageRefused
+from hicache.engine.sglang.storage import HicacheStorage, StorageRefused
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -185,8 +185,9 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
 def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> None:
     """The daemon is stopped (SIGSTOP) under a ``batch_get_v2``: the call gets no reply. When
     the daemon answers the fence after it (it copies inline, in order, so the late get's copy is
-    done by then) the call is a miss; when the fence gets no reply either, ``DaemonStalled``
-    is raised instead (the daemon may still write those pages). Then the backend works on."""
+    done by then) the call is a miss; while the fence gets no reply either, the call does not
+    return (the daemon may still write those pages), until the daemon answers, or its process is
+    gone. The backend works on after a stall."""
     import signal
     import threading
 
@@ -212,14 +213,34 @@ def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> 
             dst = _page_rows(kv_idx)
             assert all(torch.equal(t[dst], saved["deepseek_v4_c4"][i])
                        for i, t in enumerate(pools["deepseek_v4_c4"].kv_buffer))
+            # stopped for longer than a fence: the call does not return (SGLang would take any
+            # exception for a miss and reuse the pages under the daemon's late copy)
             os.kill(d.pid, signal.SIGSTOP)
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(
+                backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))))
             try:
-                with pytest.raises(DaemonStalled, match="may still copy into these pages"):
-                    backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))
+                t.start()
+                t.join(3.5)  # 3 fences of 1 s went unanswered
+                assert t.is_alive() and not out
             finally:
                 os.kill(d.pid, signal.SIGCONT)
+            t.join(30)
+            assert not t.is_alive() and out and out[0][first] == [False] * 3, out
             assert backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx)) == \
                 {n: [True] * 3 for n in KV_DERIVED + SWA_INDEXED}
+            # a daemon that is gone copies nothing later: its stalled call is a miss at once
+            os.kill(d.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            t = threading.Thread(target=lambda: out.append(
+                backend.batch_get_v2(_transfers(keys, kv_idx, swa_idx))))
+            t.start()
+            time.sleep(1.5)
+            os.kill(d.pid, signal.SIGKILL)
+            d.proc.wait(10)
+            t.join(30)
+            assert not t.is_alive() and out[-1][first] == [False] * 3, out
+            assert time.monotonic() - t0 < 10
     finally:
         d.close()
 
@@ -282,6 +303,16 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
             with pytest.raises(StorageRefused, match=why) as e:
                 StorageBackendFactory.create_backend("dynamic", cfg, None)
             assert "\n" not in str(e.value)
+        # an MLA model with TP > 1: SGLang stores from TP rank 0 only and takes the least hit
+        # count over the ranks, so a daemon per rank would never hit; one shared daemon is fine
+        cfg.tp_size, cfg.tp_rank = 2, 1
+        cfg.extra_config = {**EXTRA, "hicache_socket": d.address + "{tp_rank}"}
+        with pytest.raises(StorageRefused, match="must share one daemon") as e:
+            StorageBackendFactory.create_backend("dynamic", cfg, None)
+        assert "\n" not in str(e.value)
+        cfg.extra_config = {**EXTRA, "hicache_socket": d.address}
+        StorageBackendFactory.create_backend("dynamic", cfg, None).client.close()
+        cfg.tp_size, cfg.tp_rank = 1, 0
         # the daemon kept nothing of the refused calls: the store holds what the test put
         with Client(d.address) as c:
             st = c.call("stats", {"check": True})[0]

@@ -25,8 +25,13 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   makes the call fail (all False, logged), never hang. A call that went out and got no reply
   (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
   client's commands in order and copies inline, so any late copy of that call is done by
-  then); when that fence gets no reply either, ``DaemonStalled`` is raised: the daemon may
-  still copy into those pages, so they must not be reused as if missed.
+  then) or the daemon's process is gone (its pid, from the first heartbeat, with its start
+  time). Until then the call does not return: SGLang takes any exception of a storage call
+  for a miss and reuses its pages, into which a stalled daemon may still copy (or from
+  which it may still store a page under the call's key), so the fence is asked again every
+  ``hicache_timeout`` seconds, with an error logged each time. SGLang's scheduler waits for
+  its I/O thread's acknowledgement before it frees a prefetch's pages, so they stay unused
+  meanwhile.
 * A daemon with an L3 tier (``--l3 mooncake``) writes every stored page through to Mooncake
   Store and reads back pages its host rows lack (after a daemon restart, or from another node's
   daemon): it answers such keys *pending* and ``kv_get`` / ``kv_exists`` ask again until they
@@ -43,6 +48,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,9 +78,20 @@ class StorageRefused(ValueError):
     """A configuration or a pool the hicache storage backend cannot serve."""
 
 
-class DaemonStalled(RuntimeError):
-    """A key-store call got no reply and neither did the fence after it: the daemon may still
-    copy into the pages it named, so they cannot be treated as a miss."""
+def process_start(pid: int | None) -> int | None:
+    """Start time (clock ticks after boot) of live process ``pid``; None when there is no such
+    process here (or it is a zombie): with the first reading it tells the same process from a
+    later one that reused the pid."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
+    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent
+        return None
+    return int(fields[19])
 
 
 def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
@@ -155,6 +172,15 @@ class HicacheStorage(HiCacheStorage):
         if not address:
             raise StorageRefused("no daemon address: set \"hicache_socket\" in the extra "
                                  "config or HICACHE_SOCKET")
+        if storage_config.is_mla_model and storage_config.tp_size > 1 and \
+                "{tp_rank}" in str(address):
+            # SGLang stores an MLA model's pages from TP rank 0 only and takes the least of the
+            # ranks' hits: a daemon per rank would never hit on ranks 1.. (nor at all)
+            raise StorageRefused(f"hicache_socket {str(address)[:200]!r} names {{tp_rank}}, but "
+                                 f"this model is MLA: SGLang writes storage from TP rank 0 only "
+                                 f"and takes the least hit count over the ranks, so the "
+                                 f"{storage_config.tp_size} TP ranks must share one daemon; "
+                                 f"drop {{tp_rank}} from the address")
         address = str(address).format(pp_rank=storage_config.pp_rank,
                                       tp_rank=storage_config.tp_rank)
         self.namespace = _namespace(storage_config, extra)
@@ -165,7 +191,15 @@ class HicacheStorage(HiCacheStorage):
         self.l3_wait = float(wait)
         self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
                              name=f"sglang-storage-tp{storage_config.tp_rank}")
-        self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
+        hb = self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
+        # the daemon's process, to tell a stalled daemon from a gone one after a NoReply (None:
+        # not visible from here, e.g. another pid namespace: a stalled call then waits for an
+        # answer however long it takes)
+        self.daemon_pid = hb.get("pid")
+        self.daemon_start = process_start(self.daemon_pid)
+        if self.daemon_start is None:
+            log.warning("the hicache daemon's process (pid %s) is not visible here: a call it "
+                        "stops answering waits until it answers again", self.daemon_pid)
         self.lock = threading.RLock()
         self.pools: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (pool, attach fields)
 
@@ -213,15 +247,25 @@ class HicacheStorage(HiCacheStorage):
                 return [False] * n
 
     def _fence(self, what: str, e: NoReply) -> None:
-        """After ``NoReply``: one more round trip. Its answer means the call was handled (its
-        inline copy done) or never arrived; no answer raises ``DaemonStalled``."""
-        try:
-            self.client.heartbeat()
-        except CommandRefused:  # a refusal is an answer too, in order: the fence passed
-            return
-        except DaemonUnreachable as f:
-            raise DaemonStalled(f"{what}: {e}; and no answer to the fence after it ({f}): the "
-                                f"daemon may still copy into these pages") from None
+        """After ``NoReply``: round trips until one is answered (the call was handled, its
+        inline copy done, or it never arrived) or the daemon's process is gone (nothing can
+        copy into these pages any more); see the module docstring."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.client.heartbeat()
+                return
+            except CommandRefused:  # a refusal is an answer too, in order: the fence passed
+                return
+            except DaemonUnreachable as f:
+                if self.daemon_start is not None and \
+                        process_start(self.daemon_pid) != self.daemon_start:
+                    log.error("%s: %s; the daemon's process %s is gone: a miss", what, e,
+                              self.daemon_pid)
+                    return
+                log.error("%s: %s; no answer to a fence for %.0f s (%s): this thread waits, as "
+                          "the daemon may still copy into these pages", what, e,
+                          time.monotonic() - t0, f)
 
     def _page_ids(self, name: str, keys: list[str], host_indices: Any) -> list[int] | None:
         pool = self.pools[name][0]
