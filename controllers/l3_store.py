@@ -7,6 +7,9 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   naming what to install (the daemon refuses ``--l3 mooncake`` at start without it).
 * A connector thread runs ``setup`` against the master and the metadata server, registers the
   whole host arena and two header slabs for zero-copy transfers, and marks the tier online.
+  Before each ``setup`` it checks that both accept a TCP connection (``unreachable``): Mooncake's
+  ``setup`` holds the GIL while it retries a master that is down (~90 s), which would stop the
+  whole daemon. A failed attempt marks the tier offline (state ``connecting`` only until then).
   When a call reports the master unreachable (RPC failure or timeout, client unknown) the tier
   goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
@@ -83,6 +86,37 @@ class L3Settings:
     max_backoff: float = 2.0
 
 
+CONNECT_CHECK_S = 1.0  # TCP connect timeout of the pre-setup reachability check
+
+
+def _endpoint(text: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` or ``scheme://HOST:PORT/...``; None when it names none."""
+    rest = text.split("://", 1)[1] if "://" in text else text
+    hostport = rest.split("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def unreachable(s: L3Settings) -> str | None:
+    """Why the master or the metadata server cannot be reached now (a TCP connect of
+    ``CONNECT_CHECK_S``, in Python: the GIL is free meanwhile), or None. Mooncake's ``setup``
+    retries an unreachable master ~20 times (~90 s) without letting go of the GIL: every other
+    thread of the daemon, its server loop included, would stand still."""
+    import socket
+
+    for what, addr in (("master", s.master), ("metadata server", s.metadata)):
+        ep = _endpoint(addr)
+        if ep is None:  # P2PHANDSHAKE, or a form Mooncake resolves itself
+            continue
+        try:
+            socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
+        except OSError as e:
+            return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
+    return None
+
+
 @dataclass
 class L3Job:
     kind: str  # query | prefetch | put | remove (keys: regexes)
@@ -142,6 +176,8 @@ class MooncakeL3:
         self._backoff = 0.25
         self._next_probe = 0.0
         self._codes_seen: set[int] = set()
+        self._last_down: str | None = None  # why the last connect found the servers down
+        self._was_online = False
         self._threads = [threading.Thread(target=self._connector, name="l3-connect", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
                                            daemon=True) for k in ("read", "write")]
@@ -152,12 +188,20 @@ class MooncakeL3:
     # ------------------------------------------------------------------ connection
     def _connect(self) -> bool:
         s = self.settings
+        down = unreachable(s)
+        if down is not None:  # Mooncake's setup would retry for ~90 s holding the GIL
+            if self.state == "connecting" or self._last_down != down:
+                log.warning("L3: %s; retrying (the tier is offline meanwhile)", down)
+            self._last_down = down
+            self.state = "offline"  # a kv key it has not seen is a miss, not pending
+            return False
         store = self.store_class()
         rc = store.setup(s.local_host, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
                          s.rdma_devices, s.master)
         if rc != 0:
             log.warning("L3: setup against master %s / metadata %s failed (code %s); retrying",
                         s.master, s.metadata, rc)
+            self.state = "offline"
             try:
                 store.close()
             except Exception:  # noqa: BLE001 - a half set-up client: nothing more to do
@@ -189,8 +233,9 @@ class MooncakeL3:
                     log.warning("L3: connecting or probing failed: %s: %s", type(e).__name__, e)
                     ok = False
                 if ok:
-                    self._set_online(True, "connected" if self.state == "connecting" else
-                                     "master answers again")
+                    self._set_online(True, "connected" if self.store is not None and
+                                     not self._was_online else "master answers again")
+                    self._was_online = True
                 else:
                     self._next_probe = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, self.settings.max_backoff)

@@ -337,6 +337,38 @@ def test_master_down_then_back(l3_daemon, worker, store):
     d.close()
 
 
+def test_a_daemon_started_while_the_master_is_down_serves_at_once(l3_daemon, worker, store):
+    """Mooncake's setup retries an unreachable master for ~90 s holding the GIL: the daemon
+    answered its first heartbeat after ~95 s and then one heartbeat in ~88 s, L1/L2 included,
+    and L3 stayed "connecting" (kv keys pending). Now it checks the master first: the daemon
+    serves at once, the tier is offline, and it connects when the master comes back."""
+    store.kill_master()
+    t0 = time.monotonic()
+    d = l3_daemon()
+    try:
+        with d.client(name="early", timeout=5) as c:
+            worst = 0.0
+            while time.monotonic() - t0 < 6:  # over two connect attempts
+                t = time.monotonic()
+                c.heartbeat()
+                worst = max(worst, time.monotonic() - t)
+                time.sleep(0.1)
+            l3 = c.stats()["l3"]
+        assert worst < 1.0, worst
+        assert l3["state"] == "offline" and not l3["online"], l3
+    finally:
+        store.start_master()
+    w = worker(d, 8)  # waits for the tier to come online
+    store.wait_mounted()  # a restarted master knows the storage member once it mounted again
+    keys = [f"late-{i}" for i in range(2)]
+    assert w.put(keys, [0, 1])["written"] == 2
+    assert w.get(keys, [4, 5]) == 2
+    for name, layers in w.pools.layers.items():
+        if w.pools.layout.pools[name].index in ("page", "swa_page"):
+            for t in layers:
+                assert torch.equal(t[4:6], t[0:2]), name
+
+
 def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:
     s = l3_master.LocalStore(segment="64MB")
     try:
