@@ -148,6 +148,7 @@ class KvL3:
         self.generation: dict[str, int] = {}
         self.cleared_at: OrderedDict[str, float] = OrderedDict()  # the last PRESENT_TTL s
         self.removing: dict[str, int] = {}  # namespace -> its removals in flight (no reads)
+        self.retry: list[str] = []  # namespaces whose removal did not run or failed
         self.removal: L3Job | None = None  # the last remove job submitted
         self.removal_ns: list[str] = []  # ... and the namespaces it removes
         self.pinned = 0
@@ -409,12 +410,31 @@ class KvL3:
         names = self.removal_ns
 
         def done(j: L3Job) -> None:
+            # not run (offline, stopping) or a regex's call failed: its objects may all still
+            # be there. The namespace stays ``removing`` (its reads miss) and the removal goes
+            # again once the tier is online (``retry_removals``): a clear is an invalidation
             for n in names:
+                if j.misses:
+                    if n not in self.retry:
+                        self.retry.append(n)
+                    continue
                 self.removing[n] -= 1
                 if not self.removing[n]:
                     del self.removing[n]
 
         self._submit(self.removal, done)
+
+    def retry_removals(self) -> None:
+        """Queue again the removals that did not run or failed, once the tier is online (the
+        server's housekeeping calls it)."""
+        if not self.retry or not self.l3.online:
+            return
+        names, self.retry = self.retry, []
+        for n in names:
+            self.removing[n] -= 1  # this removal is over; ``clear`` counts the next one
+            if not self.removing[n]:
+                del self.removing[n]
+            self.clear(n)
 
     def summary(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "pinned": self.pinned, "jobs": self.jobs,

@@ -274,3 +274,45 @@ def test_clears_stay_bounded_while_the_l3_writer_is_stuck(l3_daemon: Any, store:
         assert not ep.layers[0][[2, 3]].any()
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
     ep.close()
+
+
+def test_a_clear_the_tier_could_not_run_is_run_when_it_is_back(l3_daemon: Any,
+                                                               store: Any) -> None:
+    """A clear is an invalidation (e.g. new weights). With the master hung (SIGSTOP: its
+    objects survive) the remove job completed unrun as "offline" and the namespace was
+    forgotten: once the master answered again, the cleared page came back from L3. Now the
+    namespace's reads miss until a removal ran, which goes again once the tier is online.
+    (Mooncake's RPC timeout is cut to 3 s so the tier goes offline quickly.)"""
+    d = l3_daemon(env={"MC_RPC_TIMEOUT_MS": "3000"})
+    with d.client(name="clr", timeout=30) as c:
+        wait_online(c)
+        c4 = _layout(c).pools["c4_kv"]
+        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=53)
+        ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
+        assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
+        _written(c)  # k0 is in L3
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            assert c.kv_put("c4_kv", ["p0"], [1]) == [True]  # the write thread hangs on it
+            assert c.kv_clear("tenant") == 2
+            deadline = time.monotonic() + 60
+            while c.stats()["l3"]["online"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not c.stats()["l3"]["online"]
+            while c.stats()["kv_store"]["l3"]["jobs"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            l3 = c.stats()["kv_store"]["l3"]
+            assert l3["jobs"] == 0 and l3["removing"] == 1, l3  # not removed: still waiting
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        wait_online(c, timeout=30)
+        ep.layers[0].zero_()
+        assert c.kv_get("c4_kv", ["k0", "p0"], [2, 3], l3_wait=10) == [False, False]
+        assert not ep.layers[0][[2, 3]].any()  # nothing of the cleared pages came back
+        deadline = time.monotonic() + 30
+        while c.stats()["kv_store"]["l3"]["removing"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.stats()["kv_store"]["l3"]["removing"] == 0  # the removal ran, then forgotten
+        assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=10) == [False]  # gone from L3 itself
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+    ep.close()

@@ -53,8 +53,9 @@ def l3_daemon(tmp_path, store):
     def make(**kw):
         extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
                  "--l3-metadata", store.metadata_url)
+        env = {**l3_master.loopback_env(), **kw.pop("env", {})}
         d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
-                         env=l3_master.loopback_env(), **kw)
+                         env=env, **kw)
         started.append(d)
         return d
 
