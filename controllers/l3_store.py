@@ -390,7 +390,7 @@ class MooncakeL3:
             for j, rc in enumerate(res):
                 why = self._verify(fmt, rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
                                    job.rows[b0 + j])
-                if why is not None and job.each and why in ("miss", "corrupt"):
+                if why is not None and job.each and why in ("miss", "corrupt", "transfer"):
                     job.misses[why] = job.misses.get(why, 0) + 1  # this key only: go on
                     job.present.append(0)
                     continue
@@ -404,18 +404,34 @@ class MooncakeL3:
 
     def _verify(self, fmt: F.ObjectFormat, rc: int, hdr: memoryview, key: str,
                 rows: dict[str, int]) -> str | None:
-        """None when the page just read is ours and intact; else the miss reason."""
+        """None when the page just read is ours and intact; else the miss reason: ``miss``,
+        ``offline``, ``corrupt`` (the object is not a page of ours: wrong size, header or
+        checksum; it is removed, so a later put can store the page again) or ``transfer``
+        (the read failed on its way, e.g. a storage node is gone: nothing says the object is
+        bad)."""
         if rc < 0:
             if rc in MISS_CODES:
                 return "miss"
             self._failed(rc, "batch_get")
-            # anything else: a wrong size for our buffers, and the like
-            return "offline" if rc in OFFLINE_CODES else "corrupt"
-        if rc != fmt.obj_bytes or F.check_header(hdr, key, fmt.payload_bytes) is not None:
-            return "corrupt"
-        if F.header_checksum(hdr) != fmt.checksum(rows):
-            return "corrupt"
+            if rc in OFFLINE_CODES:
+                return "offline"
+            # an object of the wrong size fails the read too: ask for its size to tell
+            size = self.store.get_size(key)
+            if size < 0 or size == fmt.obj_bytes:
+                return "transfer"
+            return self._corrupt(key)
+        if rc != fmt.obj_bytes or F.check_header(hdr, key, fmt.payload_bytes) is not None or \
+                F.header_checksum(hdr) != fmt.checksum(rows):
+            return self._corrupt(key)
         return None
+
+    def _corrupt(self, key: str) -> str:
+        """A corrupt object under ``key`` goes: puts skip keys that exist, so it would block
+        that page for good (until Mooncake evicted it)."""
+        rc = self.store.remove(key, True)  # force: our own read holds a lease on it
+        if rc < 0 and rc not in MISS_CODES:
+            self._failed(rc, "remove")
+        return "corrupt"
 
     def _remove(self, job: L3Job) -> None:
         """Remove every object whose key matches one of the regexes ``keys`` (``written``:

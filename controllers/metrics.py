@@ -197,7 +197,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "Is the store itself slow, or is the queue in front of it?"),
     MetricDef("l3_errors", "counter", ("kind",),
               "L3 pages (or calls) that failed: offline, corrupt (header, length or checksum "
-              "mismatch: a miss, never data), full (store out of space), error.",
+              "mismatch: a miss, never data; the object is removed), transfer (a read that "
+              "failed on its way, e.g. a storage node gone), full (store out of space), error.",
               "Is L3 healthy, and did anything try to hand us wrong bytes?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",
@@ -256,7 +257,7 @@ class Metrics:
             "query_hit", "prefetch_hit", "written", "skipped_existing")) + ("kv_miss",))
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
-        self._zero("l3_errors", ("offline", "corrupt", "full", "error"))
+        self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error"))
         self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))

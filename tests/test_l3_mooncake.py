@@ -233,8 +233,40 @@ def test_corrupted_and_truncated_objects_are_counted_misses(l3_daemon, worker, s
     assert w.get(["cx-2"], [4]) == 0
     assert same(w.page(4), before)
     assert metric(w.c, "hicache_l3_errors_total", kind="corrupt") == 2
+    assert metric(w.c, "hicache_l3_errors_total", kind="transfer") == 0
+    # the corrupt objects were removed: the good pages are stored under their keys again
+    # (a put skips keys that exist, so they blocked those pages until Mooncake evicted them)
+    assert w.put(["cx-1", "cx-2"], [1, 2])["written"] == 2
+    assert w.get(["cx-1", "cx-2"], [4, 5]) == 2
+    assert same(w.page(4), w.page(1)) and same(w.page(5), w.page(2))
     w.close()
     d.close()
+
+
+def test_a_read_from_a_dead_storage_node_is_a_transfer_failure_not_corrupt(tmp_path):
+    """The storage member holding the objects dies: the reads fail on their way, which said
+    nothing about the objects; they were counted (and handled) as corrupt data."""
+    own = l3_master.LocalStore(segment="64MB").start()
+    try:
+        extra = ("--l3", "mooncake", "--l3-master", own.master_addr,
+                 "--l3-metadata", own.metadata_url)
+        d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
+                         env=l3_master.loopback_env())
+        w = Worker(d, 9)
+        try:
+            assert w.put(["dm-0", "dm-1"], [0, 1])["written"] == 2
+            own.member.kill()  # the node holding the segment dies
+            own.member.wait(10)
+            before = w.page(4)
+            assert w.get(["dm-0", "dm-1"], [4, 5]) == 0
+            assert same(w.page(4), before)  # nothing loaded
+            assert metric(w.c, "hicache_l3_errors_total", kind="corrupt") == 0
+            assert metric(w.c, "hicache_l3_errors_total", kind="transfer") >= 1
+        finally:
+            w.close()
+            d.close()
+    finally:
+        own.close()
 
 
 def test_a_failed_prefetch_into_rows_a_backup_wrote_leaves_them_unreadable(l3_daemon, worker,
