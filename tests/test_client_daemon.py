@@ -339,22 +339,35 @@ def test_malformed_frames_get_error_replies(shared_daemon):
 
 
 # ----------------------------------------------------------------------------- freeing, reaping
-def test_free_of_rows_in_flight_is_deferred(worker):
-    c, pools = worker
-    host = c.alloc({"swa_page": 4})["swa_page"]
-    free0 = usage(c)["swa_page"][1]
-    op = c.backup({"swa_page": ([0, 1, 2, 3], host)})
-    r = c.free({"swa_page": host})
-    ack = c.wait_ack(op, timeout=30)
-    assert ack.ok
-    if r["deferred"]:  # the copy was still running: rows are freed once it ended
+def test_free_of_rows_in_flight_is_deferred(daemon_factory):
+    """Every op goes to the copy worker (``inline_max_bytes`` 1) and a big backup is queued
+    first, so the small backup is in flight when its rows are freed: the free is deferred (its
+    rows are not handed out, nor freed twice) and they come back once the copy ended, with its
+    bytes written. (It used to check the deferral only when the timing happened to give one.)"""
+    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False)
+    with DevicePools(FLASH, ROWS) as pools, d.client() as c:
+        fill(pools, 6)
+        c.register(pools)
+        free0 = usage(c)["swa_page"][1]
+        big_rows = c.alloc({"page": 8})["page"]
+        big = c.backup({"page": (list(range(8)), big_rows)})
+        host = c.alloc({"swa_page": 4})["swa_page"]
+        op = c.backup({"swa_page": ([0, 1, 2, 3], host)})
+        assert op.ack is None  # queued behind the big backup
+        r = c.free({"swa_page": host})
+        assert r["deferred"] is True and r["freed"] == 4, r
+        assert usage(c)["swa_page"][1] == free0 - 4  # not back before the copy ended
         with pytest.raises(CommandRefused) as e:
             c.free({"swa_page": host})
         assert e.value.code in ("busy", "not_owner")
-    deadline = time.monotonic() + 5
-    while usage(c)["swa_page"][1] != free0 + 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert usage(c)["swa_page"][1] == free0 + 4
+        assert c.wait_ack(big).ok and c.wait_ack(op, timeout=30).ok
+        deadline = time.monotonic() + 5
+        while usage(c)["swa_page"][1] != free0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert usage(c)["swa_page"][1] == free0
+        c.free({"page": big_rows})
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+        c.unregister()
 
 
 def test_a_silent_stats_probe_is_forgotten_quietly(daemon_factory):

@@ -279,8 +279,10 @@ def test_shm_handles_confined_to_allowed_dirs(shared, what, tmp_path):
         elif what == "fifo":
             path = extra = f"/dev/shm/hicache-dev-fifo-{os.getpid()}"
             os.mkfifo(path, 0o600)
-        else:
-            path = "/dev/shm/../../" + str(tmp_path / "nope").lstrip("/")
+        else:  # an existing file of ours outside /dev/shm, named through /dev/shm/..
+            target = tmp_path / "dev.bin"
+            shutil.copy(b.path, target)
+            path = "/dev/shm/../../" + str(target).lstrip("/")
         for hs in fields["buffers"].values():
             for h in hs:
                 h["path"] = path
@@ -289,6 +291,10 @@ def test_shm_handles_confined_to_allowed_dirs(shared, what, tmp_path):
             p.send(P.encode_request("register", 8, fields))
             h = p.reply(10)
             assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
+            # refused for the rule this case is about (not because the file does not exist)
+            why = "is not a regular file" if what == "fifo" else \
+                "not inside an allowed shm directory"
+            assert why in h["error"]["message"], h["error"]["message"]
         finally:
             p.close()
             if extra:

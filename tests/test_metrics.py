@@ -114,13 +114,33 @@ def test_live_daemon_serves_metrics_over_http(shared_daemon):
     with DevicePools(lay, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools, \
             shared_daemon.client() as c:
         c.register(pools)
+        url = f"http://127.0.0.1:{shared_daemon.metrics_port}/metrics"
+        # the shared daemon serves other tests too: counters are compared before and after
+        was = urllib.request.urlopen(url, timeout=10).read().decode()
         rows = c.alloc({"page": 1})["page"]
         c.wait_ack(c.backup({"c128_kv": ([0], rows)}))
         c.stats()  # refreshes the gauges
-        body = urllib.request.urlopen(
-            f"http://127.0.0.1:{shared_daemon.metrics_port}/metrics", timeout=10).read().decode()
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        c.free({"page": rows})
         c.unregister()
     fams = {f.name: f for f in text_string_to_metric_families(body)}
+    before = {f.name: f for f in text_string_to_metric_families(was)}
+
+    def moved(fam: str, **labels: str) -> float:
+        def val(fs: dict) -> float:
+            return sum(x.value for x in fs[fam].samples if x.name.endswith("_total") and
+                       all(x.labels.get(k) == v for k, v in labels.items()))
+        return val(fams) - val(before)
+
+    c128 = lay.pools["c128_kv"]  # one row of every C128 layer: 20 x 1,728 bytes
+    assert moved("hicache_transfer_bytes", direction="backup", pool="c128_kv") == \
+        c128.page_bytes * len(c128.layers)
+    assert moved("hicache_transfer_rows", direction="backup", pool="c128_kv") == 1
+    assert moved("hicache_transfer_bytes", direction="backup", pool="c4_kv") == 0
+    assert moved("hicache_transfer_ops", direction="backup", status="ok") == 1
+    used = [x.value for x in fams["hicache_host_rows"].samples
+            if x.labels.get("space") == "page" and x.labels.get("state") == "used"]
+    assert used and used[0] >= 1
     for d in CATALOG:
         assert "hicache_" + d.name in fams, d.name
     ops = {(s.labels["direction"], s.labels["status"]): s.value

@@ -265,10 +265,17 @@ def test_transfer_failure_drops_suspect_copies():
     tree = RadixTree(4, hooks)
     run_request(tree, seq("a", 4), dev)
     run_request(tree, seq("b", 4), dev)
+    assert tree.host_pages == 8 and len(hooks.free_rows) == 992
     hooks.fail = "transfer"
     p = run_request(tree, seq("a", 4), dev)
     assert p.host_pages == 0 and tree.stats.transfer_failures >= 1
     assert tree.host_online
+    # the host copies of "a" the failed load read are dropped and their rows freed (a load
+    # that failed may have read torn rows); "b"'s stay
+    a_keys = set(seq("a", 4))
+    assert tree.host_pages == 4 and len(hooks.free_rows) == 996
+    a_nodes = [n for n in tree.nodes() if n.key in a_keys]
+    assert a_nodes and all(n.host is None for n in a_nodes)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])

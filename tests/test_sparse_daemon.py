@@ -56,6 +56,11 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     mode = stat.S_IMODE(os.stat(info["path"]).st_mode)
     assert mode == 0o600, oct(mode)
     shm = s.map_sparse_region()
+    # every row of the region first holds another request's bytes (freed): what a new page
+    # shows must be what this request put there, or zeros
+    assert len(s.sparse_admit("r0", 6 * P * 4, device_rows=[0, 1, 2, 3, 4, 5])) == 6
+    assert s.sparse_free("r0") == 6
+    assert all(t.any() for t in shm.layers)
     before = [t.clone() for t in shm.layers]
     # 400 full tokens = 100 C4 tokens -> 2 pages, backed up from device rows 5 and 2
     rows = s.sparse_admit("r1", 400, device_rows=[5, 2])
@@ -76,6 +81,12 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
             assert torch.equal(h[hr, hs * VB:(hs + 1) * VB], d[dr, ds * VB:(ds + 1) * VB])
             assert torch.equal(h[hr, SOFF + hs * 8: SOFF + hs * 8 + 8],
                                d[dr, SOFF + ds * 8: SOFF + ds * 8 + 8])
+        # the page the extend added: zero past its 3 tokens (values and scales); the page
+        # before keeps its admitted tokens 64..99
+        new = rows2[2]
+        assert not h[new, 3 * VB:SOFF].any() and not h[new, SOFF + 3 * 8:SOFF + P * 8].any()
+        assert torch.equal(h[rows[1], :36 * VB], d[2, :36 * VB])
+        assert torch.equal(h[rows[1], SOFF:SOFF + 36 * 8], d[2, SOFF:SOFF + 36 * 8])
     assert s.sparse_free("r1") == 3
     with pytest.raises(CommandRefused, match="unknown sparse request"):
         s.sparse_free("r1")
