@@ -17,7 +17,9 @@ of the checkpoint space); see ``l3_format``. A kind this stage cannot store is r
   the client owns (one row per object in every space the kind uses); best effort: the ack's
   ``hits`` is the number of leading objects read and verified by the time the deadline passed;
   rows after them hold nothing usable. ``misses`` says why the chain stopped (miss, corrupt,
-  offline, deadline). Only the pools the kind holds become readable; the rest of a row a
+  transfer, offline, deadline). A store call that hangs past the deadline (a hung master) does
+  not hold the ack: it comes 50 ms after the deadline with 0 hits, and the rows stay busy until
+  the call returns (``DaemonState.expire_l3``). Only the pools the kind holds become readable; the rest of a row a
   checkpoint fills in part (the SWA head) is zeroed first, so no earlier owner's bytes show.
 * ``l3_put {keys, rows}``: writes the objects of those host rows in the background, skipping
   keys that exist; the ack's ``written`` / ``skipped``. Only the pools the kind holds are read,

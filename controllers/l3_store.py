@@ -142,6 +142,7 @@ class L3Job:
     partial: set[str] = field(default_factory=set)  # ... those it fills only in part
     started: bool = False  # set (under the tier's lock) when a worker takes the job
     cancelled: str = ""  # why it is to be dropped unrun when a worker takes it ("" = run it)
+    acked: bool = False  # prefetch: acked at its deadline while the store call still ran
 
     def result(self) -> dict[str, Any]:
         """The ack's ``l3`` field."""
@@ -271,9 +272,9 @@ class MooncakeL3:
     def submit(self, job: L3Job) -> None:
         job.t_submit = time.monotonic()
         if job.kind == "put":
-            with self._lock:
+            with self._lock:  # the gauge too: set under the lock, never an older value last
                 self.put_pages_queued += len(job.keys)
-            self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+                self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
         self._queues["write" if job.kind in ("put", "remove") else "read"].put(job)
 
     def extend_queued(self, job: L3Job, key: str) -> bool:
@@ -316,7 +317,7 @@ class MooncakeL3:
             if job.kind == "put":
                 with self._lock:
                     self.put_pages_queued -= len(job.keys)
-                self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+                    self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
             self._record(job)
             self.completed.append(job)
             self.wake()

@@ -56,6 +56,16 @@ log = logging.getLogger("hicache.daemon")
 OP_ID_BITS = 44  # random base of a run's op ids (far below 2**53: exact in any JSON reader)
 
 
+L3_DEADLINE_GRACE_S = 0.05  # past a prefetch's deadline before it is acked without its call
+
+
+def _l3_ack(op_id: int, job: Any, t_end: float, result: dict[str, Any]) -> dict[str, Any]:
+    ns = int((t_end - job.t_submit) * 1e9)
+    return {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
+            "bytes": job.nbytes if not job.acked else 0, "ns": ns, "exec_ns": ns,
+            "path": "mooncake", "pools": {}, "l3": result}
+
+
 def _client_tag(job: Any) -> tuple[int, Any, Any] | None:
     """``(op id, client, host rows)`` of a client's L3 job in ``l3_ops``; None for the key
     store's own jobs (tagged ``kv_l3._Tag``), which belong to no client and get no ack."""
@@ -307,7 +317,10 @@ class DaemonState:
             for op in done:
                 self._finish(op)
             self.watch.step("finish", mark)
-        n = len(done) + (self.finish_l3() if self.l3_ops else 0)
+        n = len(done)
+        if self.l3_ops:
+            n += self.finish_l3()
+            self.expire_l3(time.monotonic())
         if self.releaser.pending:
             n += self.releaser.step()
         return n
@@ -328,8 +341,10 @@ class DaemonState:
                 continue
             op_id, c, host = tag
             self.l3_ops.pop(op_id, None)
-            if job.kind == "prefetch":  # before the rows can be released
-                end_fill(self.group, job.pools, host, job.hits, job.partial)
+            if job.kind == "prefetch":  # before the rows can be released; acked at its
+                # deadline: it said 0 hits, so nothing it read late becomes readable
+                end_fill(self.group, job.pools, host, 0 if job.acked else job.hits,
+                         job.partial)
             self.tracker.end(host)
             self.l3_rows.end(host)
             c.in_flight -= 1
@@ -339,13 +354,28 @@ class DaemonState:
             self.releaser.dirty = True
             if self.tracker.deferred:
                 self.release_ready()
-            ns = int((job.t_end - job.t_submit) * 1e9)
-            self.outbox.append((c, {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
-                                    "bytes": job.nbytes, "ns": ns, "exec_ns": ns,
-                                    "path": "mooncake", "pools": {},
-                                    "l3": job.result()}))
+            if not job.acked:
+                self.outbox.append((c, _l3_ack(op_id, job, job.t_end, job.result())))
             n += 1
         return n
+
+    def expire_l3(self, now: float) -> None:
+        """Ack every client prefetch whose deadline passed ``L3_DEADLINE_GRACE_S`` ago with 0
+        hits (``misses: {deadline: n}``) while its store call still runs (a master or storage
+        node that hangs holds a Mooncake call up to its RPC timeout, 30 s by default). Its rows
+        stay in flight until the call returns (a free of them waits; a copy into them is
+        refused ``busy``), and nothing it reads becomes readable; a job still queued is dropped
+        unrun when a worker takes it."""
+        for op_id, job in self.l3_ops.items():
+            if job.kind != "prefetch" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
+                continue
+            tag = _client_tag(job)
+            if tag is None:
+                continue
+            job.acked = True
+            job.cancelled = job.cancelled or "deadline"
+            self.outbox.append((tag[1], _l3_ack(op_id, job, now, {
+                "hits": 0, "misses": {"deadline": len(job.keys)}})))
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:

@@ -402,6 +402,45 @@ def test_a_daemon_started_while_the_master_is_down_serves_at_once(l3_daemon, wor
                 assert torch.equal(t[4:6], t[0:2]), name
 
 
+def test_a_prefetch_is_acked_at_its_deadline_while_the_master_hangs(l3_daemon, worker,
+                                                                   store):
+    """A hung master (SIGSTOP) holds a Mooncake call up to its RPC timeout (30 s): the
+    prefetch was acked only then, whatever its deadline. Now it is acked at its deadline with 0
+    hits; its rows stay busy until the call returns, and nothing read late becomes readable."""
+    import signal
+
+    d = l3_daemon()
+    w = worker(d, 12)
+    assert w.put(["dl-0"], [0])["written"] == 1
+    c = w.c
+    host = c.alloc({s: 1 for s in SPACES})
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        ack = c.l3_prefetch(["dl-0"], host, deadline_ms=1000, timeout=60)
+        took = time.monotonic() - t0
+        assert ack.l3 == {"hits": 0, "misses": {"deadline": 1}}, ack.l3
+        assert took < 3.0, took
+        c.poll_acks([])
+        assert c.daemon_in_flight == 1  # the store call still runs: its rows are busy
+        with pytest.raises(CommandRefused) as e:
+            c.backup({s: ([1], host[s]) for s in SPACES})
+        assert e.value.code == "busy"
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while c.poll_acks([]) == [] and c.daemon_in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.daemon_in_flight == 0
+    with pytest.raises(CommandRefused) as e:  # what the late call read is not readable
+        c.load({s: (host[s], [4]) for s in SPACES})
+    assert e.value.code == "not_written"
+    c.free(host)
+    assert w.get(["dl-0"], [5]) == 1  # the tier serves on
+    assert same(w.page(5), w.page(0))
+    assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
 def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:
     s = l3_master.LocalStore(segment="64MB")
     try:
