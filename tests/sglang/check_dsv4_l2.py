@@ -219,6 +219,24 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
                          "deepseek_v4_c4_state": "DaemonStateHostPool",
                          "deepseek_v4_c4_indexer_state": "DaemonStateHostPool"}
         assert len(inst.links) == 1
+        assert all(link.client.timeout == 5.0 for link in inst.links)
+    finally:
+        if inst is not None:
+            inst.uninstall()
+    # HICACHE_SGLANG_TIMEOUT: the daemon calls' (and the copies' host waits') timeout
+    monkeypatch.setenv(plugin.ENV_TIMEOUT, "abc")
+    with pytest.raises(ValueError, match="HICACHE_SGLANG_TIMEOUT must be seconds"):
+        plugin.load()
+    monkeypatch.setenv(plugin.ENV_TIMEOUT, "0")
+    with pytest.raises(ValueError, match="0.1..3600"):
+        plugin.load()
+    assert A.build_deepseek_v4_hicache_stack is original  # a refusal installs nothing
+    monkeypatch.setenv(plugin.ENV_TIMEOUT, "42")
+    inst = None
+    try:
+        inst = plugin.load()
+        F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        assert [link.client.timeout for link in inst.links] == [42.0]
     finally:
         if inst is not None:
             inst.uninstall()

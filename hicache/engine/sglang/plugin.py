@@ -25,6 +25,7 @@ from hicache.core.layout import load_model
 
 log = logging.getLogger("hicache.sglang")
 ENV_MODEL, ENV_PP, ENV_SOCKET = "HICACHE_SGLANG_MODEL", "HICACHE_SGLANG_PP_SIZE", "HICACHE_SGLANG_SOCKET"
+ENV_TIMEOUT = "HICACHE_SGLANG_TIMEOUT"  # seconds a daemon call, and a copy's host wait, may take
 
 
 def _gpu() -> int | None:
@@ -55,7 +56,14 @@ def load() -> Any:
     except ValueError:
         raise ValueError(f"{ENV_PP} must be an integer, got {os.environ[ENV_PP]!r}") from None
     template = os.environ.get(ENV_SOCKET)
+    raw = os.environ.get(ENV_TIMEOUT, "5")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT} must be seconds, got {raw!r}") from None
+    if not 0.1 <= timeout <= 3600:
+        raise ValueError(f"{ENV_TIMEOUT} must be 0.1..3600 seconds, got {raw!r}")
     inst = install(spec, address=lambda rank: address_for(rank, template, _gpu()),
-                   pp_size=pp_size)
+                   pp_size=pp_size, timeout=timeout)
     log.info("hicache SGLang adapter installed: model %s, pp size %d", spec.name, pp_size)
     return inst
