@@ -364,6 +364,7 @@ def test_master_down_then_back(l3_daemon, worker, store):
     writes = time.monotonic() - t_back
     assert tries[-1]["written"] == 2, tries
     assert w.get(keys, [4, 5]) == 2
+    assert same(w.page(4), w.page(0)) and same(w.page(5), w.page(1))  # the pages, byte for byte
     assert metric(w.c, "hicache_l3_transitions_total", to="offline") >= 1
     print(f"L3 online {online:.2f} s, writes stored {writes:.2f} s after the master restarted")
     w.close()
