@@ -301,3 +301,29 @@ def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch)
     lost.held = [SimpleNamespace(op=7, ok=False, kind="load", error={"message": "x"})]
     with pytest.raises(TransferFailed):
         e2e_engine.op_waits(lost, op, None, None, timeout=5)
+
+
+def test_scramble_gives_the_verified_rows_fresh_distinct_bytes_and_nothing_else():
+    """Before the run whose load is verified, its source and destination rows get fresh random
+    bytes: rows earlier runs copied onto each other hold equal bytes, and a load that moved
+    nothing passed the comparison on them."""
+    import torch
+
+    from hicache.bench.e2e_measure import scramble
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.device_pools import DevicePools
+
+    lay = build_layout(preset("dsv4-tiny"))
+    with DevicePools(lay, {"page": 8, "swa_page": 8, "req_slot": 4}) as pools:
+        for ls in pools.layers.values():
+            for t in ls:
+                t.fill_(7)  # every row equal, as after many copies
+        before = {n: [t.clone() for t in ls] for n, ls in pools.layers.items()}
+        scramble(pools, {"c4_kv": [1, 5], "swa_kv": [2]}, seed=3)
+        for name, ls in pools.layers.items():
+            for t, was in zip(ls, before[name]):
+                rows = {"c4_kv": [1, 5], "swa_kv": [2]}.get(name, [])
+                for r in range(t.shape[0]):
+                    assert torch.equal(t[r], was[r]) == (r not in rows), (name, r)
+        c4 = pools.layers["c4_kv"][0]
+        assert not torch.equal(c4[1], c4[5])  # the source and destination differ

@@ -75,7 +75,7 @@ from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into,
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into, scramble,
                                        load_while_busy, summarize)
 
 PAGE_TOKENS = 256
@@ -358,6 +358,24 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         perm = rng.permutation(total)
         src = {sp: perm[:n].tolist() for sp in spaces}  # device rows scattered at random
         dst = {sp: perm[n:2 * n].tolist() for sp in spaces}
+        check = None
+        if not verified:  # this run's load is compared byte for byte, right after it
+            names = [m for m, spec in layout.pools.items() if spec.index in spaces]
+            scramble(pools, {m: src[layout.pools[m].index] + dst[layout.pools[m].index]
+                             for m in names}, seed=n)
+
+            def check() -> None:
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                for name in names:
+                    sp = layout.pools[name].index
+                    s_i = torch.tensor(src[sp], device=pools.layers[name][0].device)
+                    d_i = torch.tensor(dst[sp], device=pools.layers[name][0].device)
+                    for t in pools.layers[name]:
+                        # CPU mode compares GBs for seconds: stay alive (a reap frees rows)
+                        c.maybe_heartbeat()
+                        if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
+                            raise RuntimeError(f"load of {n} pages: pool {name} differs")
         if cuda:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
@@ -366,21 +384,8 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
         items = {sp: (host[sp], dst[sp]) for sp in host}
-        load_into(out, c, items, stream, cuda)
-        if not verified:
-            if cuda:
-                torch.cuda.synchronize(dev)
-            for name, spec in layout.pools.items():
-                if spec.index not in spaces:
-                    continue
-                s_i = torch.tensor(src[spec.index], device=pools.layers[name][0].device)
-                d_i = torch.tensor(dst[spec.index], device=pools.layers[name][0].device)
-                for t in pools.layers[name]:
-                    # CPU mode compares GBs for seconds: stay alive (a reap would free the rows)
-                    c.maybe_heartbeat()
-                    if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
-                        raise RuntimeError(f"load of {n} pages: pool {name} differs")
-            verified = True
+        load_into(out, c, items, stream, cuda, check)
+        verified = True
         if local is not None:
             out["inproc_last"].append(inproc_load(local, layout, items, dev))
         if cuda:  # a load while a backup of the same size streams
@@ -402,7 +407,8 @@ def _table(result: dict[str, Any]) -> None:
     stage = f", PP stage {result['pp_rank']} of {result['pp_size']}" if result["pp_size"] > 1 else ""
     chan = "yes" if result["channel"] else f"no ({result['channel_refused']})"
     sharing = result.get("gpu_sharing", {})
-    print(f"bench e2e on {result['device']} ({result['preset']}{stage}, {result['ctas']} CTAs, "
+    print(f"bench e2e on {result['device']} ({result['preset']}{stage}, in-process copy "
+          f"{result['ctas']} CTAs, "
           f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
           f"channel: {chan}; GPU sharing: engine {sharing.get('engine')}, daemon "

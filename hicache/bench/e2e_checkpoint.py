@@ -51,6 +51,18 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         pp = rng.permutation(pools.rows["page"])
         sp = rng.permutation(pools.rows["swa_page"])
         src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
+        check = None
+        if not verified:  # this run's load is compared byte for byte, right after it
+            ck_rows = [int(sp[0]), int(sp[1])]
+            e2e.scramble(pools, {**{p.name: src + dst for p in resume.page_pools},
+                                 **{p.name: ck_rows for p in resume.state_pools},
+                                 **({resume.swa_pool.name: ck_rows}
+                                    if resume.swa_pool is not None else {})}, seed=n)
+
+            def check() -> None:
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
         host = c.alloc({"page": n, "swa_page": 1})
         ck = host["swa_page"][0]
         items = {"page": (src, host["page"])}
@@ -62,12 +74,8 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         out["backup_ack"].append(e2e.now() - t0)
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
-        e2e.load_into(out, c, load, stream, cuda)
-        if not verified:
-            if cuda:
-                torch.cuda.synchronize(dev)
-            _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
-            verified = True
+        e2e.load_into(out, c, load, stream, cuda, check)
+        verified = True
         if local is not None:
             out["inproc_last"].append(e2e.inproc_load(local, layout, load, dev))
         if cuda:  # a load while a backup of the same shape streams

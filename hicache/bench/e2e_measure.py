@@ -5,9 +5,12 @@ load by the kernels in-process, and the per-size summary.
 * ``timed_load(c, items, stream, cuda) -> LoadTimes`` (``load_into`` appends them to a size's
   figures): seconds from the command to the first, second and last stage layer ready (CUDA
   events on the engine's stream after its waits) and to the ack; CPU mode: the ack for all
-  four. The command -> reply time goes to ``REPLY``. The second layer is the first that the
+  four; and (GPU) the command -> reply time, which ``load_into`` (solo loads only) appends to
+  ``REPLY``. The second layer is the first that the
   daemon issues after its reply: when it is ready says whether an engine's forward pass can
   follow the load layer by layer or must wait for the whole issue.
+* ``scramble(pools, rows, seed)``: fresh random bytes in those device rows before the run whose
+  load is verified, so the comparison cannot pass on rows that already held equal bytes.
 * ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
   of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
   how long the engine's next command waits behind a load.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -43,7 +46,7 @@ _INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
            "busy_second", "busy_last", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
-REPLY: list[float] = []  # command -> reply of every timed GPU load (the daemon's issue time)
+REPLY: list[float] = []  # command -> reply of each solo timed GPU load (the daemon's issue time)
 now = time.perf_counter
 
 
@@ -87,15 +90,32 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
 
 
 def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
-              cuda: bool) -> None:
-    """``timed_load`` of ``items``, its four times appended to ``out`` (``FIGURES``), then
-    ``command_during_load`` of the same load."""
+              cuda: bool, check: Optional[Callable[[], None]] = None) -> None:
+    """``timed_load`` of ``items``, its four times appended to ``out`` (``FIGURES``) and its
+    reply time to ``REPLY``; ``check()`` (the byte comparison) right after it, before
+    ``command_during_load`` loads the same items again."""
     t = timed_load(c, items, stream, cuda)
     out["load_first"].append(t.first)
     out["load_second"].append(t.second)
     out["load_last"].append(t.last)
     out["load_ack"].append(t.ack)
+    if t.reply is not None:
+        REPLY.append(t.reply)
+    if check is not None:
+        check()
     out["cmd_during_load"].append(command_during_load(c, items))
+
+
+def scramble(pools: Any, rows: dict[str, list[int]], seed: int) -> None:
+    """Fresh random bytes in ``rows`` ({pool name: device rows}) of every layer, so a byte
+    comparison after a load can only pass if the load moved them (rows that earlier runs
+    copied onto each other could hold equal bytes already)."""
+    for name, ids in rows.items():
+        for k, t in enumerate(pools.layers[name]):
+            g = torch.Generator(device=t.device).manual_seed(seed * 1009 + k)
+            idx = torch.tensor(sorted(set(ids)), device=t.device)
+            t.index_copy_(0, idx, torch.randint(0, 256, (len(idx), *t.shape[1:]),
+                                                dtype=t.dtype, generator=g, device=t.device))
 
 
 def load_while_busy(out: dict[str, list[float]], c: Client, items: dict[str, tuple],
@@ -119,13 +139,14 @@ def command_during_load(c: Client, items: dict[str, tuple]) -> float:
 
 
 class LoadTimes(NamedTuple):
-    """Seconds from a LOAD command to its first, second and last stage layer ready, and to its
-    ack."""
+    """Seconds from a LOAD command to its first, second and last stage layer ready, to its
+    ack, and (GPU) to its reply."""
 
     first: float
     second: float
     last: float
     ack: float
+    reply: Optional[float] = None
 
 
 def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> LoadTimes:
@@ -140,7 +161,7 @@ def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> L
     start = torch.cuda.Event(enable_timing=True)
     start.record(stream)
     op = c.load(items)
-    REPLY.append(time.perf_counter() - t0)
+    t_reply = time.perf_counter() - t0
     ready = []
     for g in c.stage_layers:
         c.wait_layer(op, g, stream)
@@ -152,7 +173,7 @@ def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> L
     ready[-1].synchronize()
     at = [start.elapsed_time(e) * 1e-3 for e in (ready[0], ready[min(1, len(ready) - 1)],
                                                   ready[-1])]
-    return LoadTimes(at[0], at[1], at[2], t_ack)
+    return LoadTimes(at[0], at[1], at[2], t_ack, t_reply)
 
 
 def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
