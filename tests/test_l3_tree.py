@@ -153,3 +153,21 @@ def test_a_failed_l3_fetch_gives_its_host_rows_back(fails):
     t.check()
     assert p.pages == 0 and t.host_pages == 0 and t.host_checkpoints == 0
     assert h.free_rows() == before
+
+
+def test_an_l3_put_of_unknown_outcome_leaves_the_host_tier_online():
+    """A put whose command got no reply may or may not have been queued; L3 is best effort and
+    writes nothing the tree holds (the daemon keeps the rows busy until it read them). It took
+    the whole host tier offline, dropping every host page and checkpoint."""
+    from hicache.engine.hooks import CopyOutcomeUnknown
+
+    class NoReplyPut(StoreHooks):
+        def l3_put(self, keys, handles):
+            raise CopyOutcomeUnknown("no reply")
+
+    t = tree(NoReplyPut({"page": set(), "ckpt": set()}))
+    p = t.prepare([1, 2, 3])
+    t.release(p, [1, 2, 3], t.alloc_device(3))
+    t.drain()
+    assert t.host_online and t.stats.host_offline == 0
+    assert t.host_pages == 3

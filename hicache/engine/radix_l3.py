@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Sequence
 
-from hicache.engine.hooks import HostTierError, HostUnavailable
+from hicache.engine.hooks import CopyOutcomeUnknown, HostTierError, HostUnavailable
 from hicache.engine.radix_nodes import Node
 from hicache.engine.radix_tiers import TierOps
 
@@ -126,7 +126,9 @@ class L3Tier(TierOps):
             if ckpts:
                 hooks.l3_ckpt_put([n.key for n in ckpts], [n.ckpt_host for n in ckpts])
                 self.stats.l3_put_checkpoints += len(ckpts)
-        except HostUnavailable:
+        except CopyOutcomeUnknown:  # the put may or may not have been queued: L3 is best
+            pass  # effort, it writes nothing the tree holds, and the daemon keeps its rows
+        except HostUnavailable:  # busy until it read them (a free meanwhile waits)
             self._go_offline()
         except HostTierError:
             pass  # L3 is best effort: the host copies stand
