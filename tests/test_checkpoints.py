@@ -347,3 +347,74 @@ def test_a_lost_checkpoint_load_into_a_request_slot_holds_the_slot():
     assert tree.held_slots == set()
     tree.abort(tree.prepare(a, slot=2))
     tree.check()
+
+
+class SlotHooks:
+    """Ring SWA hooks whose copies run only when waited for (as an asynchronous daemon's
+    would land late): a checkpoint backup reads the slot's rings then, not when it is sent."""
+
+    def __init__(self) -> None:
+        self.free = {"page": list(range(50)), "ckpt": list(range(50))}
+        self.host: dict = {}
+        self.ring: dict = {}
+        self.dev: dict = {}
+        self.tickets: dict = {}
+
+    def host_alloc(self, n, kind="page"):
+        out = self.free[kind][:n]
+        del self.free[kind][:n]
+        return out
+
+    def host_free(self, handles, kind="page"):
+        self.free[kind] += list(handles)
+
+    def backup(self, rows, handles, ckpts=()):
+        t = len(self.tickets) + 1
+        self.tickets[t] = (list(rows), list(handles), list(ckpts))
+        return t
+
+    def load(self, handles, rows, ckpts=()):
+        for h, r in zip(handles, rows):
+            self.dev[r] = self.host[("p", h)]
+        for dst, h, _ in ckpts:
+            self.ring[dst] = self.host[("c", h)]
+        return 0
+
+    def wait(self, t):
+        rows, handles, ckpts = self.tickets.pop(t, ((), (), ()))
+        for r, h in zip(rows, handles):
+            self.host[("p", h)] = self.dev[r]
+        for src, h, _ in ckpts:
+            self.host[("c", h)] = self.ring[src]  # the copy reads the slot now
+
+    def done(self, t):
+        return False
+
+    def copies_running(self, tickets):
+        return False
+
+
+def test_ring_release_backs_the_slot_up_before_it_returns():
+    """Ring SWA: the checkpoint backup ``release`` starts reads the request slot. The next
+    request could reuse the slot (and a later one restored the wrong request's window as a
+    hit); ``release`` now returns once that backup read the slot."""
+    h = SlotHooks()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
+    a, b = ["a0", "a1"], ["b0", "b1", "b2"]
+    p = t.prepare(a[:1], slot=0)
+    rows = t.alloc_device(2)
+    for k, r in zip(a, rows):
+        h.dev[r] = k
+    h.ring[0] = a[-1]
+    t.release(p, a, rows, slot=0)
+    p = t.prepare(b[:2], slot=0)  # the next request in the same slot, at once
+    rows = t.alloc_device(3)
+    for k, r in zip(b, rows):
+        h.dev[r] = k
+    h.ring[0] = b[-1]
+    t.release(p, b, rows, slot=0)
+    t.drain()
+    p = t.prepare(a + ["a2"], slot=1)  # resumes a in another slot
+    assert p.pages == 2 and p.nodes[-1].key == "a1"
+    assert h.ring.get(1) == "a1"  # a1's window, not b2's
+    t.check()

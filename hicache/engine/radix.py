@@ -368,7 +368,12 @@ class RadixTree(Transfers):
 
     def release(self, prefix: Prefix, keys: Sequence[Hashable], rows: Sequence[int],
                 slot: int | None = None) -> None:
-        """Insert ``keys[prefix.pages:]`` computed into ``rows``; unlock the prefix."""
+        """Insert ``keys[prefix.pages:]`` computed into ``rows``; unlock the prefix. Ring SWA
+        (``slot``): the slot's rings and states are those after ``keys[-1]``'s page, the one
+        page that gets a checkpoint (``checkpoint_every`` / ``_branch`` are refused in ring
+        mode), and its backup has read the slot when this returns (the engine may reuse the
+        slot at once). (A slot whose state went past the last full page, a prompt
+        that ends mid-page, gives that page a wrong checkpoint: docs/reliability.md, section 7.)"""
         new_keys = keys[prefix.pages:]
         if len(new_keys) != len(rows):
             raise ValueError(f"{len(new_keys)} new pages but {len(rows)} rows given")
@@ -427,6 +432,8 @@ class RadixTree(Transfers):
                                  or not self.device_ckpts], slot)
         elif not self.device_ckpts:  # write_back, ring: the slot is reused, now or never
             self._backup([], ckpts, slot)
+        if slot is not None and not self.device_ckpts:
+            self._settle_slot_backup()  # before the engine reuses the slot
 
     def abort(self, prefix: Prefix) -> None:
         """Unlock a prefix whose request is dropped without inserting anything."""

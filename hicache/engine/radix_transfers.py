@@ -47,6 +47,12 @@ class Transfers(L3Tier):
             ticket, nodes, ckpts = self._inflight.pop(0)
             self._finish_backup(ticket, nodes, ckpts)
 
+    def _settle_slot_backup(self) -> None:
+        """Wait for the backup just started, if it reads checkpoints from a request slot."""
+        if self._inflight and self._inflight[-1][2] and not self.device_ckpts:
+            ticket, nodes, ckpts = self._inflight.pop()
+            self._finish_backup(ticket, nodes, ckpts)
+
     def _finish_backup(self, ticket: Any, nodes: list[Node], ckpts: list[Node]) -> None:
         """Settle one backup that left ``_inflight``: its pages become host copies or not."""
         assert self.hooks is not None
