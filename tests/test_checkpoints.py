@@ -418,3 +418,33 @@ def test_ring_release_backs_the_slot_up_before_it_returns():
     assert p.pages == 2 and p.nodes[-1].key == "a1"
     assert h.ring.get(1) == "a1"  # a1's window, not b2's
     t.check()
+
+
+def test_a_write_back_eviction_batch_counts_each_page_once():
+    """write_back, host tier full: one eviction batch takes x (its host copy kept) and y (no
+    host copy). Making room for y's backup used to drop x from the host tier too, while x was
+    counted as evicted from the device with its host copy kept; x is pinned meanwhile now."""
+    h = CkptHooks()
+    t = RadixTree(4, h, policy="write_back", host_capacity=1)
+
+    def run(keys):
+        p = t.prepare(keys[:-1] if len(keys) > 1 else [])
+        rows = t.alloc_device(len(keys) - p.pages)
+        for k, r in zip(keys[p.pages:], rows):
+            h.device[r] = k
+        t.release(p, keys, rows)
+        t.check()
+
+    run(["x"])
+    t.evict_device(1)  # x -> host
+    p = t.prepare(["x"])
+    t.release(p, ["x"], [])  # x back on the device, its host copy kept
+    run(["y"])
+    before = t.stats.as_dict()
+    t.evict_device(2)
+    after = t.stats.as_dict()
+    delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert delta == {"device_evicted_pages": 1, "backup_dropped_pages": 1,
+                     "dropped_pages": 1}, delta
+    assert [(n.key, n.device, n.host is not None) for n in t.nodes()] == [("x", None, True)]
+    t.check()

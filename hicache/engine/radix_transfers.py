@@ -174,7 +174,17 @@ class Transfers(L3Tier):
             v.ckpt_dev = False
         need_backup = [(v, r) for v, r in zip(victims, rows) if v.host is None]
         if (need_backup or ck) and wb:
-            saved = self._backup_now([v for v, _ in need_backup], [r for _, r in need_backup], ck)
+            # the victims that keep a host copy are pinned while room is made for the others:
+            # dropping one of them there left it counted as kept on the host
+            kept = [v for v in victims if v.host is not None]
+            for v in kept:
+                v.io += 1
+            try:
+                saved = self._backup_now([v for v, _ in need_backup],
+                                         [r for _, r in need_backup], ck)
+            finally:
+                for v in kept:
+                    v.io -= 1
             lost = [v for v, _ in need_backup if v not in saved]
         else:
             lost = [v for v, _ in need_backup]
