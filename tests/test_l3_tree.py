@@ -171,3 +171,23 @@ def test_an_l3_put_of_unknown_outcome_leaves_the_host_tier_online():
     t.drain()
     assert t.host_online and t.stats.host_offline == 0
     assert t.host_pages == 3
+
+
+def test_l3_is_asked_for_a_deeper_checkpoint_when_the_tree_holds_every_page():
+    """The tree holds every page of a re-sent prompt but its own deepest checkpoint is
+    shallower; L3 holds the one at the end. L3 was asked only when the prompt went one page
+    past what the tree held, so the same prompt resumed 2 pages instead of 4."""
+    store: dict[str, set] = {"page": set(), "ckpt": set()}
+    run(tree(StoreHooks(store)), [1, 2, 3, 4])  # L3: pages 1..4, a checkpoint at 4
+    hooks = StoreHooks({"page": set(), "ckpt": set()})
+    t = tree(hooks)
+    run(t, [1, 2])
+    run(t, [1, 2, 3, 4, 5, 6])  # the tree: pages 1..6, checkpoints at 2 and 6
+    t.evict_checkpoints(99)
+    hooks.store = store
+    hooks.fetched.clear()
+    p = t.prepare([1, 2, 3, 4])
+    assert (p.pages, p.ckpt, p.unresumable_pages) == (4, "host", 0), p
+    assert hooks.fetched == [("ckpt", [4])]  # the checkpoint only: the pages are the tree's
+    t.abort(p)
+    t.check()

@@ -9,8 +9,9 @@ nothing unless the hooks have ``l3 = True`` (``ClientHooks(l3=True)``), whose ex
   and ``end`` its resume point. Full mirror (every page is a resume point): when the whole
   path is resumable, the pages after it that L3 holds are fetched into new host handles and
   become host-only nodes. Checkpoints: a prefix is resumable only up to a checkpoint, so L3
-  is asked for the pages after the path and for the checkpoints of every boundary past
-  ``end`` (the tree's own unresumable pages included); the pages up to the deepest boundary
+  is asked for the pages after the path (unless the tree holds them, or holds the next one)
+  and for the checkpoints of every boundary past ``end`` (the tree's own unresumable pages
+  included, also when the tree holds every page of ``keys``); the pages up to the deepest boundary
   whose checkpoint L3 holds are fetched, and that checkpoint into a host checkpoint handle of
   the boundary node. All or nothing: when a page or the checkpoint does not arrive, what was
   fetched is freed. The nodes of ``path`` are pinned meanwhile (making room on the host tier
@@ -35,16 +36,19 @@ class L3Tier(TierOps):
         return self.host_online and bool(getattr(self.hooks, "l3", False))
 
     def _l3_extend(self, keys: Sequence[Hashable], path: list[Node], end: int) -> list[Node]:
-        if not self._l3_on() or len(path) >= len(keys) or \
-                (not self.ckpt_mode and end < len(path)):
+        if not self._l3_on() or (not self.ckpt_mode and end < len(path)):
             return []
         parent = path[-1] if path else self.root
-        if keys[len(path)] in parent.children:  # the tree holds it (busy): not an L3 matter
+        # pages after the path come from L3 unless the tree holds them all, or holds the next
+        # one (busy: not an L3 matter); checkpoints of the path's own boundaries past ``end``
+        # are asked for either way
+        pages = len(path) < len(keys) and keys[len(path)] not in parent.children
+        if not pages and not (self.ckpt_mode and end < len(path)):
             return []
         for n in path:
             n.io += 1
         try:
-            return self._l3_fetch(keys, path, end, parent)
+            return self._l3_fetch(keys, path, end, parent, pages)
         except HostUnavailable:
             self._go_offline()
             return []
@@ -55,10 +59,10 @@ class L3Tier(TierOps):
                 n.io -= 1
 
     def _l3_fetch(self, keys: Sequence[Hashable], path: list[Node], end: int,
-                  parent: Node) -> list[Node]:
+                  parent: Node, pages: bool) -> list[Node]:
         hooks: Any = self.hooks
-        rest = list(keys[len(path):])
-        n = hooks.l3_query(rest)
+        rest = list(keys[len(path):]) if pages else []
+        n = hooks.l3_query(rest) if rest else 0
         ck_node: Node | None = None
         if self.ckpt_mode:  # only up to the deepest boundary whose checkpoint L3 holds
             cand = list(keys[end:len(path) + n])
