@@ -180,7 +180,8 @@ class RawPeer:
         self._ids = 1 << 40  # far from anything a Client would use
         self.acks = 0
         self._chan: ClientEnd | None = None
-        self._seq = 0  # the channel's request sequence
+        self._seq = 0  # the channel's last request sequence
+        self._own_seq = 1 << 62  # sequences of requests without a usable id
         self.via_channel = 0  # messages that went through the channel
 
     def next_id(self) -> int:
@@ -195,7 +196,15 @@ class RawPeer:
     def send(self, frames: Sequence[bytes]) -> None:
         ch = self._chan
         if ch is not None:
-            self._seq += 1
+            # the channel's sequence is the request's id (``core.channel``: a slot the daemon
+            # cannot parse is answered under it); a header without a usable id, or one that
+            # repeats the last, gets a sequence of its own
+            rid = P.request_id(frames[0]) if frames else None
+            if isinstance(rid, int) and 0 < rid < 1 << 62 and rid != self._seq:
+                self._seq = rid
+            else:
+                self._own_seq += 1
+                self._seq = self._own_seq
             if ch.send(self._seq, frames):  # what does not fit goes over ZMQ
                 self.via_channel += 1
                 return
