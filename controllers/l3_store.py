@@ -234,8 +234,8 @@ class MooncakeL3:
                     log.warning("L3: connecting or probing failed: %s: %s", type(e).__name__, e)
                     ok = False
                 if ok:
-                    self._set_online(True, "connected" if self.store is not None and
-                                     not self._was_online else "master answers again")
+                    self._set_online(True, "master answers again" if self._was_online
+                                     else "connected")
                     self._was_online = True
                 else:
                     self._next_probe = time.monotonic() + self._backoff

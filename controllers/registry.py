@@ -217,7 +217,7 @@ class Registry:
         reply must stay under the header limit, and what it cannot carry stays retained."""
         out: list[dict[str, Any]] = []
         used = 0
-        keys = list(c.acks) if ops is None else [op for op in ops if op in c.acks]
+        keys = list(c.acks) if ops is None else [op for op in dict.fromkeys(ops) if op in c.acks]
         for op in keys[:limit]:
             ack = c.acks[op][0]
             used += size(ack)
