@@ -14,7 +14,7 @@ import pytest
 from hicache.core.layout import LayoutError, build_layout, preset
 from hicache.core.resume import ResumeModel
 from hicache.engine.hooks import HostExhausted, HostUnavailable, TransferFailed
-from hicache.engine.radix import POLICIES, RadixTree
+from hicache.engine.radix import PAGE_TOKENS, POLICIES, RadixTree
 
 
 class CkptHooks:
@@ -102,7 +102,7 @@ def run(tree: RadixTree, hooks: CkptHooks | None, keys, slot: int = 0):
             hooks.dev_ckpt[r] = k  # prefill writes SWA and states of every page
         if not tree.device_ckpts and len(keys) > prefix.pages:
             hooks.ring[slot] = keys[-1]  # the slot's rings at the last page written
-    tree.release(prefix, keys, rows, slot=slot)
+    tree.release(prefix, keys, rows, slot=slot, slot_tokens=len(keys) * PAGE_TOKENS)
     tree.check()
     return prefix
 
@@ -337,7 +337,8 @@ def test_a_lost_checkpoint_load_into_a_request_slot_holds_the_slot():
     prefix = tree.prepare(a + ["x"], slot=2)
     assert prefix.slot_held and prefix.pages == 0 and tree.held_slots == {2}
     rows = tree.alloc_device(5)
-    tree.release(prefix, a + ["x"], rows, slot=3)  # the request moved to slot 3
+    tree.release(prefix, a + ["x"], rows, slot=3,  # the request moved to slot 3
+                 slot_tokens=5 * PAGE_TOKENS)
     with pytest.raises(ValueError, match="request slot 2 is held"):
         tree.prepare(a, slot=2)
     other = tree.prepare(a, slot=3)  # another slot is taken (device-only now: no resume point)
@@ -406,18 +407,106 @@ def test_ring_release_backs_the_slot_up_before_it_returns():
     for k, r in zip(a, rows):
         h.dev[r] = k
     h.ring[0] = a[-1]
-    t.release(p, a, rows, slot=0)
+    t.release(p, a, rows, slot=0, slot_tokens=len(a) * PAGE_TOKENS)
     p = t.prepare(b[:2], slot=0)  # the next request in the same slot, at once
     rows = t.alloc_device(3)
     for k, r in zip(b, rows):
         h.dev[r] = k
     h.ring[0] = b[-1]
-    t.release(p, b, rows, slot=0)
+    t.release(p, b, rows, slot=0, slot_tokens=len(b) * PAGE_TOKENS)
     t.drain()
     p = t.prepare(a + ["a2"], slot=1)  # resumes a in another slot
     assert p.pages == 2 and p.nodes[-1].key == "a1"
     assert h.ring.get(1) == "a1"  # a1's window, not b2's
     t.check()
+
+
+def _ring_request(t: RadixTree, h: SlotHooks, keys: list, slot: int) -> tuple:
+    """prepare ``keys[:1]`` in ``slot``, compute every page; the slot's rings stand after
+    ``keys[-1]`` (the boundary). Returns (prefix, rows)."""
+    p = t.prepare(keys[:1], slot=slot)
+    rows = t.alloc_device(len(keys))
+    for k, r in zip(keys, rows):
+        h.dev[r] = k
+    h.ring[slot] = keys[-1]
+    return p, rows
+
+
+def test_a_ring_slot_past_its_last_page_makes_no_checkpoint():
+    """Ring SWA: a request whose prompt ends mid-page (or that decodes) hands ``release`` a
+    slot past its last full page. Backing that slot up gave the page a checkpoint of other
+    tokens, and a later hit restored it as the page's window. No checkpoint is made now, and
+    a release that does not say where the slot stands is refused with nothing changed."""
+    h = SlotHooks()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
+    a = ["a0", "a1"]
+    p, rows = _ring_request(t, h, a, 0)
+    h.ring[0] = "a-own-state"  # 20 more tokens went in: the slot left a1's boundary
+    free = t.device.available()
+    with pytest.raises(ValueError, match="slot_tokens"):
+        t.release(p, a, rows, slot=0)
+    assert t.root.children == {} and t.device.available() == free and not h.tickets
+    t.release(p, a, rows, slot=0, slot_tokens=len(a) * PAGE_TOKENS + 20)
+    t.drain()
+    assert t.stats.checkpoints_skipped == 1 and t.host_checkpoints == 0
+    assert all(not ck for _, _, ck in h.tickets.values())  # no backup read the slot
+    p = t.prepare(a + ["a2"], slot=1)
+    assert p.pages == 0 and 1 not in h.ring  # nothing to resume from: recomputed, not wrong
+    t.abort(p)
+    t.check()
+
+
+def test_a_boundary_snapshot_checkpoints_a_request_that_writes_on():
+    """``snapshot_slot`` at the boundary backs the slot up before the request writes on;
+    ``release`` attaches it to the page, and a later hit restores that boundary's window.
+    A snapshot of other keys, a second one for the slot, or one of an abort is freed."""
+    h = SlotHooks()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=4)
+    a = ["a0", "a1"]
+    p, rows = _ring_request(t, h, a, 0)
+    ckpt_free = len(h.free["ckpt"])
+    assert t.snapshot_slot(0, a) is True  # settled: the copy read the slot here
+    assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    h.ring[0] = "a-own-state"  # then the request writes on
+    t.release(p, a, rows, slot=0, slot_tokens=len(a) * PAGE_TOKENS + 20)
+    t.drain()
+    assert t.stats.checkpoints_skipped == 0 and t.stats.checkpoints_backed_up == 1
+    assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    p = t.prepare(a + ["a2"], slot=1)
+    assert p.pages == 2 and p.ckpt == "host" and h.ring[1] == "a1"
+    t.abort(p)
+    b = ["b0", "b1"]
+    p, rows = _ring_request(t, h, b, 2)
+    assert t.snapshot_slot(2, ["z0"]) and t.snapshot_slot(2, ["z0", "z1"])  # the first freed
+    assert t.host_checkpoints == 2
+    h.ring[2] = "b-own-state"
+    t.release(p, b, rows, slot=2, slot_tokens=3 * PAGE_TOKENS)  # not that snapshot's keys
+    assert t.stats.checkpoints_skipped == 1 and t.host_checkpoints == 1
+    assert len(h.free["ckpt"]) == ckpt_free - 1
+    p = t.prepare(["c0"], slot=3)
+    h.ring[3] = "c0"
+    assert t.snapshot_slot(3, ["c0"]) and t.host_checkpoints == 2
+    t.abort(p, slot=3)
+    assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    with pytest.raises(ValueError, match="ring SWA"):
+        RadixTree(4, h, mirror="checkpoints").snapshot_slot(0, ["a0"])
+    t.check()
+
+
+def test_a_boundary_snapshot_is_refused_room_and_forgotten_with_the_tier():
+    h = SlotHooks()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=0)
+    p, rows = _ring_request(t, h, ["a0"], 0)
+    assert t.snapshot_slot(0, ["a0"]) is False and t.stats.checkpoint_backup_dropped == 1
+    t.release(p, ["a0"], rows, slot=0, slot_tokens=PAGE_TOKENS + 1)
+    assert t.host_checkpoints == 0 and t.stats.checkpoints_skipped == 1
+    t2 = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
+    p, rows = _ring_request(t2, h, ["b0"], 1)
+    assert t2.snapshot_slot(1, ["b0"]) and t2.host_checkpoints == 1
+    t2.lose_host_tier()
+    assert t2.host_checkpoints == 0 and t2._snapshots == {}
+    t2.release(p, ["b0"], rows, slot=1)  # offline: no checkpoint wanted, nothing to say
+    t2.check()
 
 
 def test_a_write_back_eviction_batch_counts_each_page_once():

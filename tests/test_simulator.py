@@ -10,9 +10,9 @@ import torch
 from hicache.engine.hooks import ClientHooks, HostExhausted, HostUnavailable
 from hicache.core.layout import build_layout, preset
 from hicache.sim.page_content import PageContent
-from hicache.engine.radix import RadixTree
+from hicache.engine.radix import PAGE_TOKENS, RadixTree
 from hicache.sim.simulator import Worker, WorkerConfig
-from hicache.sim.workload import multi_turn
+from hicache.sim.workload import Request, multi_turn
 
 TINY_ROWS = "page=16,swa_page=16,req_slot=4"
 
@@ -80,6 +80,54 @@ def test_worker_against_daemon_loads_and_verifies(daemon_factory, mirror):
         assert s["load_ops"] <= s["tree"]["host_hit_pages"] + ck["loaded"]
     assert s["state_swaps"] == 8 and s["state_swap_failures"] == 0
     assert r.verified_bytes >= s["bytes_loaded"]
+    w.tree.check()
+
+
+def _mid_page_requests(n: int) -> list[Request]:
+    """Trace-like turns: 3 conversations over a 2-page system prompt, each turn's prompt the
+    last one plus a page, ending 40 tokens into a page and decoding 12 (the slot ends past
+    the last full page, as almost every request of a Mooncake trace does)."""
+    out: list[Request] = []
+    for turn in range(n // 3):
+        for conv in range(3):
+            pages = (0, 1) + tuple(100 * (conv + 1) + k for k in range(turn + 1))
+            out.append(Request(len(out), 0.0, len(pages) * PAGE_TOKENS + 40, 12, pages, pages))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "none", "told_at_boundary"])
+def test_ring_checkpoints_of_requests_that_end_mid_page(daemon_factory, monkeypatch, mode):
+    """Ring SWA: a slot past its last full page is not that page's checkpoint. With a boundary
+    snapshot the hits resume and verify; without one none is made (recomputed, not wrong); a
+    release told the slot stood at the boundary (what the tree assumed before) backs up the
+    request's own state, and the verification rejects those hits."""
+    if mode == "told_at_boundary":
+        real = RadixTree.release
+
+        def told(self, prefix, keys, rows, slot=None, slot_tokens=None):
+            return real(self, prefix, keys, rows, slot, len(keys) * PAGE_TOKENS)
+        monkeypatch.setattr(RadixTree, "release", told)
+    d = tiny_daemon(daemon_factory, swa="ring")
+    with d.client(timeout=20) as c:
+        cfg = WorkerConfig(swa_mode="ring", device_pages=8, host_pages=64, policy="write_back",
+                           boundary_snapshots=mode == "snapshot")
+        w = Worker(cfg, c)
+        try:
+            r = w.run(_mid_page_requests(12))
+            s = w.summary()
+        finally:
+            w.close()
+    ck = s["checkpoints"]
+    if mode == "snapshot":
+        assert s["verified"], s["first_mismatch"]
+        assert s["host_hit_tokens"] > 0 and ck["loaded"] > 0 and r.rejected_hit_tokens == 0
+        assert w.tree.stats.checkpoints_skipped == 0
+    elif mode == "none":
+        assert s["verified"] and r.rejected_hit_tokens == 0
+        assert s["host_hit_tokens"] == 0 and ck["backed_up"] == 0
+        assert w.tree.stats.checkpoints_skipped == 12
+    else:
+        assert not s["verified"] and r.rejected_hit_tokens > 0 and r.mismatched_bytes > 0
     w.tree.check()
 
 

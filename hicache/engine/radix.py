@@ -11,10 +11,14 @@ hashable the engine uses), at most one device row, at most one host handle and, 
   (paged SWA) or into request slot ``slot`` (ring SWA). Every page is locked until ``release``.
 * ``alloc_device(n) -> rows`` — device rows for the pages the engine computes, evicting least
   recently used device copies when the pool is short.
-* ``release(prefix, keys, rows, slot=None)`` — the request finished: its new pages enter the
-  tree, the last page it wrote (and every ``checkpoint_every``-th, and with ``checkpoint_branch``
-  the deepest cached page it had to recompute) becomes a checkpoint, the
+* ``release(prefix, keys, rows, slot=None, slot_tokens=None)`` — the request finished: its new
+  pages enter the tree, the last page it wrote (and every ``checkpoint_every``-th, and with
+  ``checkpoint_branch`` the deepest cached page it had to recompute) becomes a checkpoint, the
   prefix is unlocked and the write policy runs. ``free_device(rows)`` returns rows not cached.
+* ``snapshot_slot(slot, keys)`` — ring SWA: the request stands at the end of page ``keys[-1]``
+  and will write on (its prompt ends mid-page, or it decodes): its checkpoint is backed up from
+  the slot now (``hicache.engine.radix_snapshots``). Without one, ``release`` checkpoints a
+  ring slot only when ``slot_tokens`` says it stands exactly at the end of ``keys[-1]``.
 
 Mirrors. ``full`` (default): a page copy carries every pool (SWA and states included), so
 every cached page is a resumable boundary — SGLang HiCache's behaviour. ``checkpoints``: a
@@ -70,7 +74,7 @@ from typing import Any, Hashable, Iterable, Sequence
 
 from hicache.engine.hooks import CopyOutcomeUnknown, HostTierError, HostUnavailable, TierHooks
 from hicache.engine.radix_nodes import DeviceFull, Node, Prefix, RowFreeList, TreeStats
-from hicache.engine.radix_transfers import Transfers
+from hicache.engine.radix_snapshots import Snapshots
 
 __all__ = ["DeviceFull", "MIRRORS", "Node", "PAGE_TOKENS", "POLICIES", "Prefix", "RadixTree",
            "RowFreeList", "TreeStats"]
@@ -80,7 +84,7 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 MIRRORS = ("full", "checkpoints")
 
 
-class RadixTree(Transfers):
+class RadixTree(Snapshots):
     """Two-tier page cache for one worker (see the module docstring for the contract)."""
 
     def __init__(
@@ -145,6 +149,7 @@ class RadixTree(Transfers):
         self._host_pending = 0  # host handles held by backups not yet in _host_lru
         self._ckpt_pending = 0  # checkpoint handles held by backups not yet in _ckpt_lru
         self._inflight: list[tuple[Any, list[Node], list[Node]]] = []  # (ticket, pages, ckpts)
+        self._snapshots: dict[int, tuple[tuple[Hashable, ...], Any]] = {}  # slot -> (keys, handle)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -367,21 +372,35 @@ class RadixTree(Transfers):
         return sorted(out)
 
     def release(self, prefix: Prefix, keys: Sequence[Hashable], rows: Sequence[int],
-                slot: int | None = None) -> None:
+                slot: int | None = None, slot_tokens: int | None = None) -> None:
         """Insert ``keys[prefix.pages:]`` computed into ``rows``; unlock the prefix. Ring SWA
-        (``slot``): the slot's rings and states are those after ``keys[-1]``'s page, the one
-        page that gets a checkpoint (``checkpoint_every`` / ``_branch`` are refused in ring
-        mode), and its backup has read the slot when this returns (the engine may reuse the
-        slot at once). (A slot whose state went past the last full page, a prompt
-        that ends mid-page, gives that page a wrong checkpoint: docs/reliability.md, section 7.)"""
+        (``slot``): page ``keys[-1]`` is the one page that gets a checkpoint
+        (``checkpoint_every`` / ``_branch`` are refused in ring mode). It is the snapshot
+        ``snapshot_slot(slot, keys)`` took, or else the slot itself when its rings and states
+        took in exactly ``len(keys) * PAGE_TOKENS`` tokens (``slot_tokens``, required then);
+        a slot that went past that boundary (a prompt ending mid-page, decode) makes no
+        checkpoint (``stats.checkpoints_skipped``). A backup from the slot has read it when
+        this returns (the engine may reuse the slot at once)."""
         new_keys = keys[prefix.pages:]
         if len(new_keys) != len(rows):
             raise ValueError(f"{len(new_keys)} new pages but {len(rows)} rows given")
         bounds = set(self.checkpoint_indices(prefix.pages, len(keys),
                                              prefix.pages + prefix.unresumable_pages))
-        if bounds and not self.device_ckpts and slot is None and self.host_online:
+        ring = bool(bounds) and not self.device_ckpts and self.host_online
+        if ring and slot is None:
             raise ValueError("ring SWA mode backs a checkpoint up from a request slot: "
                              "pass release(..., slot=...)")
+        snap = self._snapshots.get(slot) if ring and slot is not None else None
+        if ring and slot_tokens is None and (snap is None or snap[0] != tuple(keys)):
+            raise ValueError("ring SWA mode: pass release(..., slot_tokens=...), the tokens "
+                             "the slot's rings and states took in (a checkpoint is the slot "
+                             "at a page boundary), or take snapshot_slot() at the boundary")
+        snap_handle = self._snapshot_for(slot, keys) if ring else None
+        if ring and snap_handle is None and slot_tokens != len(keys) * PAGE_TOKENS:
+            bounds.discard(len(keys) - 1)  # the slot is past that page: its state is not it
+            self.stats.checkpoints_skipped += 1
+        elif slot is not None and not self.device_ckpts:
+            self.drop_snapshot(slot)  # no checkpoint wanted here: a stale snapshot goes
         node = prefix.nodes[-1] if prefix.nodes else self.root
         path = list(prefix.nodes)
         created: list[Node] = []
@@ -421,6 +440,8 @@ class RadixTree(Transfers):
         for n in prefix.nodes:
             n.lock -= 1
         self._touch(path)
+        if snap_handle is not None:  # the boundary's checkpoint, taken before it wrote on
+            self._attach_snapshot(path[-1], snap_handle)
         ckpts = [n for n in ckpt_nodes if n.ckpt_host is None]
         if self.policy == "write_through":
             self._backup([n for n in created if n.host is None], ckpts, slot)
@@ -435,10 +456,13 @@ class RadixTree(Transfers):
         if slot is not None and not self.device_ckpts:
             self._settle_slot_backup()  # before the engine reuses the slot
 
-    def abort(self, prefix: Prefix) -> None:
-        """Unlock a prefix whose request is dropped without inserting anything."""
+    def abort(self, prefix: Prefix, slot: int | None = None) -> None:
+        """Unlock a prefix whose request is dropped without inserting anything (and free the
+        snapshot taken for its ``slot``, if any)."""
         for n in prefix.nodes:
             n.lock -= 1
+        if slot is not None:
+            self.drop_snapshot(slot)
 
     # ------------------------------------------------------------------ helpers
     def _set_device(self, node: Node, row: int) -> None:

@@ -129,6 +129,7 @@ class TreeStats:
     checkpoints_loaded: int = 0
     checkpoints_dropped: int = 0  # host checkpoints evicted or lost with their page
     checkpoint_backup_dropped: int = 0  # a checkpoint backup found no host room
+    checkpoints_skipped: int = 0  # ring SWA: the slot was past the page at release, no snapshot
     l3_hit_pages: int = 0  # pages fetched from L3 into the host tier at match time
     l3_put_pages: int = 0  # pages handed to L3 after their backup (written or skipped there)
     l3_hit_checkpoints: int = 0  # checkpoints fetched from L3 at match time (checkpoints mirror)

@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"host tier split: one checkpoint row per K page rows (default "
                         f"{GENERATOR_DEFAULTS['pages_per_ckpt']} for the generator's short "
                         f"sessions, {TRACE_DEFAULTS['pages_per_ckpt']} with a trace)")
+    m.add_argument("--boundary-snapshots", action=argparse.BooleanOptionalAction, default=True,
+                   help="ring SWA: a request that goes on past its last full page (a prompt "
+                        "ending mid-page, decode) stops there and has its slot backed up as "
+                        "that page's checkpoint (default on; off: such a request makes none)")
     m.add_argument("--state-slots", choices=("ring", "overlap"), default="ring",
                    help="what a checkpoint keeps of the C4 compress states: the whole ring row "
                         "(default) or the overlap slots only (byte model: --dry and sweeps)")
@@ -228,7 +232,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
                        checkpoint_every=args.checkpoint_every,
                        checkpoint_branch=args.checkpoint_branch,
                        host_ckpts=host_ckpts if args.mirror == "checkpoints" else None,
-                       state_slots=args.state_slots)
+                       state_slots=args.state_slots,
+                       boundary_snapshots=args.boundary_snapshots)
     cfg.check()
     why = cfg.resume().copyable
     if why and not (args.dry or args.sweep_host):

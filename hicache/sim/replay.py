@@ -46,6 +46,8 @@ class WorkerConfig:
     l3: bool = False  # the daemon serves an L3 tier: the tree fetches from and writes to it
     lockstep: bool = False  # wait for every backup before the next request (as a dry replay
     #                         does by construction): a daemon replay then has the same hits
+    boundary_snapshots: bool = True  # ring SWA: a request that writes on past its last cached
+    #                         page stops there for a snapshot_slot (else it checkpoints nothing)
 
     def layout(self) -> Layout:
         return build_layout(preset(self.preset), swa_mode=self.swa_mode)
@@ -74,6 +76,10 @@ class WorkerConfig:
                              "request, so only the last page a request wrote is checkpointed")
         if self.checkpoint_every < 0:
             raise UsageError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if not self.boundary_snapshots and (self.swa_mode != "ring"
+                                            or self.mirror != "checkpoints"):
+            raise UsageError("--no-boundary-snapshots applies to ring SWA with --mirror "
+                             "checkpoints only (paged SWA keeps every boundary in its page row)")
 
     def device_rows(self, layout: Layout | None = None) -> dict[str, int]:
         layout = layout or self.layout()
@@ -134,6 +140,7 @@ class Replay:
         self.layout = cfg.layout()
         self.resume = cfg.resume(self.layout)
         self.ckpt = cfg.mirror == "checkpoints"
+        self.ring_ckpt = self.ckpt and cfg.swa_mode == "ring"  # checkpoints live in slots
         tree_kw: dict[str, Any] = {"mirror": cfg.mirror}
         if self.ckpt:
             paged = cfg.swa_mode == "paged"
@@ -170,6 +177,9 @@ class Replay:
 
     def _before_release(self, req: Request, slot: int, wrote: bool) -> None:
         """Last chance to touch the request slot before its checkpoint is backed up."""
+
+    def _past_boundary(self, req: Request, slot: int) -> None:
+        """Ring SWA: the request writes on past its last cached page (the slot leaves it)."""
 
     def _after_release(self, req: Request) -> None:
         """The request left the tree."""
@@ -208,7 +218,13 @@ class Replay:
         rows = self.tree.alloc_device(req.total_pages - prefix.pages)
         self._write(req, new_keys, rows[: len(new_keys)])  # prefill (and decode) writes the KV
         self._before_release(req, slot, bool(new_keys))
-        self.tree.release(prefix, list(req.cache_pages), rows[: len(new_keys)], slot=slot)
+        end = req.input_tokens + req.output_tokens  # what the slot took in (ring SWA)
+        if self.ring_ckpt and new_keys and end != len(req.cache_pages) * PAGE_TOKENS:
+            if self.cfg.boundary_snapshots:  # the engine stops at the boundary, then goes on
+                self.tree.snapshot_slot(slot, list(req.cache_pages))
+            self._past_boundary(req, slot)
+        self.tree.release(prefix, list(req.cache_pages), rows[: len(new_keys)], slot=slot,
+                          slot_tokens=end)
         self.tree.free_device(rows[len(new_keys):])
         self._after_release(req)
         dev_only = self._counterfactual(req, keys, slot)
@@ -224,7 +240,8 @@ class Replay:
         sp = self.shadow.prepare(keys, slot=slot)
         n_new = len(req.cache_pages) - sp.pages
         rows = self.shadow.alloc_device(req.total_pages - sp.pages)
-        self.shadow.release(sp, list(req.cache_pages), rows[:n_new], slot=slot)
+        self.shadow.release(sp, list(req.cache_pages), rows[:n_new], slot=slot,
+                            slot_tokens=req.input_tokens + req.output_tokens)
         self.shadow.free_device(rows[n_new:])
         return sp.device_pages * PAGE_TOKENS
 

@@ -12,7 +12,10 @@ device-only counterfactual, accounting). What it adds is the bytes:
    wrong is recomputed (``rejected_hit_tokens``) and the mismatch reported;
 2. "prefill" writes the content of every new page (``PageContent``: derived from (page key,
    pool, layer)) into fresh device rows of every page space; in ring mode the request slot's
-   SWA ring and state rows get the checkpoint content of the last page it wrote;
+   SWA ring and state rows get the checkpoint content of the last page it wrote and, when the
+   request goes on past that page (a prompt ending mid-page, decode), then its own state, after
+   the boundary snapshot (``boundary_snapshots``) or none: a checkpoint read from the slot
+   then would not verify;
 3. with ``preempt_every=N`` every N-th request's slot state (``req_slot`` pools) is swapped out
    to the host and back into another slot through the daemon, and verified.
 
@@ -177,6 +180,20 @@ class Worker(Replay):
                 self.content.fill(spec.name, layer, buf, row, ids)
         self._written()
 
+    def _past_boundary(self, req: Request, slot: int) -> None:
+        """The slot's rings and states move on to the request's own state (no page's)."""
+        self._fill_slot(slot, req)
+        self._written()
+
+    def _fill_slot(self, slot: int, req: Request) -> torch.Tensor:
+        """Write request ``req``'s own state content into every pool row of request slot
+        ``slot``; returns its content id (ids of request state never collide with page keys)."""
+        ids = torch.tensor([-(req.rid + 1)], dtype=torch.int64)
+        for spec in self.slot_pools:
+            for layer, buf in enumerate(self.pools.layers[spec.name]):
+                self.content.fill(spec.name, layer, buf, torch.tensor([slot]), ids)
+        return ids
+
     def _after_release(self, req: Request) -> None:
         if self.ckpt and self.cfg.swa_mode == "ring":
             self.tree.drain()  # the ring backup must read the slot before the next request
@@ -270,11 +287,7 @@ class Worker(Replay):
         assert self.client is not None
         n = self.cfg.req_slots
         src, dst = req.rid % n, (req.rid + 1) % n
-        state_id = -(req.rid + 1)  # content ids of request state never collide with page keys
-        ids = torch.tensor([state_id], dtype=torch.int64)
-        for spec in self.slot_pools:
-            for layer, buf in enumerate(self.pools.layers[spec.name]):
-                self.content.fill(spec.name, layer, buf, torch.tensor([src]), ids)
+        ids = self._fill_slot(src, req)
         if self.cuda:
             torch.cuda.synchronize()
         from hicache.engine.acks import AckTimeout, DaemonUnreachable
