@@ -64,11 +64,42 @@ def test_every_row_case_has_the_peer_on_the_same_patterns() -> None:
             for both in (False, True):
                 im = transfer.impls(case, pattern, both, peer=True)
                 assert (transfer.PEER in im) == (case.fmt is None)
-                assert im[0] == ("staged" if pattern == "runs" else "zero_copy")
+                assert im[0] == "auto"  # what the daemon runs, first
+                assert im[1] == ("staged" if pattern == "runs" else "zero_copy")
     assert {p for c in transfer.cases() for p in c.patterns} == {"random", "runs"}
 
 
+def test_one_direction_rows_are_the_backup_half_of_both() -> None:
+    """Like for like: a case's one-direction rows are exactly the backup half of its "both"
+    rows, and the swap-in half has runs like them (drawn apart, "both" had runs of 93 rows
+    where one direction had 21)."""
+    case = next(c for c in transfer.cases() if c.both and "runs" in c.patterns)
+    units = 2048
+    for seed, pattern in enumerate(case.patterns):
+        drawn = transfer.case_rows(case, pattern, seed, units, parse_runs("alloc:32"))
+        (d1, h1), (d2, h2) = drawn[False], drawn[True]
+        assert len(h1) == case.n and len(h2) == 2 * case.n
+        assert torch.equal(h1, h2[: case.n]) and torch.equal(d1, d2[: case.n])
+        assert len(set(h2.tolist())) == len(set(d2.tolist())) == 2 * case.n  # disjoint halves
+        one, back, swap = mean_run(h1), mean_run(h2[: case.n]), mean_run(h2[case.n:])
+        assert one == back
+        if pattern == "runs":
+            assert 0.5 <= swap / one <= 2.0, (one, swap)
+
+
 # ----------------------------------------------------------------------------- patterns
+@pytest.mark.parametrize("pattern,spec", [("random", "alloc:32"), ("runs", "alloc:32"),
+                                          ("runs", "alloc:8"), ("runs", "fixed:16")])
+def test_host_rows_in_parts_start_with_the_one_part_rows(pattern: str, spec: str) -> None:
+    runs = parse_runs(spec)
+    one = host_rows(pattern, 2048, 512, 3, runs)
+    two = host_rows(pattern, 2048, 512, 3, runs, parts=2)
+    assert torch.equal(two[:512], one) and len(set(two.tolist())) == 1024
+    assert 0 <= int(two.min()) and int(two.max()) < 2048
+    with pytest.raises(UsageError, match="3 x 512 host rows"):
+        host_rows(pattern, 1024, 512, 3, runs, parts=3)
+
+
 def test_random_rows_distinct_in_range_and_seeded() -> None:
     spec = parse_runs("alloc:32")
     a = host_rows("random", 2048, 512, 7, spec)

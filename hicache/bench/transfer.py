@@ -11,10 +11,15 @@ On a GPU, in one process:
   the closest the peer has to a token copy);
 * backup (D2H) and swap-in (H2D) at once, on two streams from two issuing threads.
 
-Each row names its host-row pattern (``transfer_rows``): ``random`` (ours: the zero-copy
-kernel) or ``runs`` (rows from a churned run-forming allocator, ``--runs``; ours: the staged
-DMA path, and the zero-copy kernel beside it). The peer (SGLang's transfer kernel, loaded from
-``--peer-lib`` when present) runs on exactly the same device and host rows of each pattern.
+Each row names its host-row pattern (``transfer_rows``): ``random`` or ``runs`` (rows from a
+churned run-forming allocator, ``--runs``). Ours runs ``auto`` first, the path the daemon takes
+(the copy engines for rows of 32 KiB and up, else the staged DMA path on long runs or the
+zero-copy kernel; the row says which, ``path_used``), then the paths that apply to the pattern
+(zero-copy; on ``runs`` the staged DMA path). The peer (SGLang's transfer kernel, loaded from
+``--peer-lib`` when present, named from the library: ``kernels/peer_sglang.py``) runs on
+exactly the same device and host rows of each pattern. A case's one-direction rows are the
+backup half of its "both" rows: the swap-in half is drawn right after them from the same
+allocator state, so the rows compared have the same runs.
 Device rows are always random. Each row: GB/s of useful bytes (mean over ``--reps`` calls) and
 the ratio to the limit of its direction. Every row is verified after its timed calls: both
 buffers get fresh random bytes first, and afterwards every byte of both must equal that state
@@ -35,8 +40,7 @@ from typing import Any, Callable, Optional
 from hicache.bench.transfer_rows import (DEFAULT_RUNS, PATTERNS, Write, check, host_rows,
                                          mean_run, parse_runs)
 from hicache.bench.transfer_support import (C4_ROW, STATE_ROW, SWA_ROW, TOKEN584, _pinned,
-                                            _triton_version, _unpin, cpu_bench, peer_name, plot,
-                                            print_table)
+                                            _triton_version, _unpin, cpu_bench, plot, print_table)
 from hicache.bench.plotting import check_plot
 from hicache.core.errors import UsageError
 
@@ -136,11 +140,31 @@ def cases() -> list[Case]:
 
 
 def impls(case: Case, pattern: str, both: bool, peer: bool) -> list[str]:
-    """Ours on its best path for the pattern (staged DMA on runs, and zero-copy beside it for
-    one direction), then the peer on the same rows (row copies only)."""
+    """Ours as the daemon runs it (``auto``), then our paths for the pattern (staged DMA on
+    runs, and zero-copy beside it for one direction), then the peer on the same rows (row
+    copies only)."""
     ours = ["staged"] if pattern == "runs" and both else \
         ["staged", "zero_copy"] if pattern == "runs" else ["zero_copy"]
-    return ours + ([PEER] if peer and case.fmt is None else [])
+    return ["auto"] + ours + ([PEER] if peer and case.fmt is None else [])
+
+
+def case_rows(case: Case, pattern: str, seed: int, units: int,
+              runs: Any) -> dict[bool, tuple[Any, Any]]:
+    """{both: (device rows, host rows)} of one case and pattern, from one draw: the
+    one-direction rows (False) are the first ``case.n`` of the "both" rows (True), whose
+    second half is the swap-in's, allocated next in the same full pool
+    (``host_rows(..., parts=2)``). (Drawn apart, the "both" rows came from a pool the churn had
+    left half empty: runs of 93 rows against 21.)"""
+    import torch
+
+    parts = 2 if case.both else 1
+    g = torch.Generator().manual_seed(100 + seed)
+    dev_all = torch.randperm(units, generator=g)[:case.n * parts]
+    host_all = host_rows(pattern, units, case.n, seed, runs, parts)
+    out = {False: (dev_all[: case.n], host_all[: case.n])}
+    if case.both:
+        out[True] = (dev_all, host_all)
+    return out
 
 
 @dataclass
@@ -181,6 +205,7 @@ class _GpuBench:
         self.trials: dict[str, list[float]] = {}
         self.notes: list[str] = []
         self.peer: Optional[Callable] = None
+        self.peer_name = ""
         self._tables: dict[tuple[bool, int], Any] = {}
 
     # ---- memory
@@ -281,27 +306,28 @@ class _GpuBench:
              + "".join(f"  {k} {v:.1f} (trials {self.trials[k]})" for k, v in self.limits.items()))
 
     # ---- rows
-    def _mover(self, job: Job, impl: str) -> Callable[[int], None]:
+    def _mover(self, job: Job, impl: str) -> Callable[[int], Optional[str]]:
         torch = self.torch
         from hicache.kernels import dispatch
 
         case = job.case
         if impl == PEER:
-            def move(c: int) -> None:
+            def move(c: int) -> Optional[str]:
                 with torch.cuda.stream(job.stream):
                     self.peer(job.src.table(self.dev), job.dst.table(self.dev), job.s_gpu,
                               job.d_gpu, case.row_bytes, self.L, c)
+                return None
         elif case.fmt is not None:
-            def move(c: int) -> None:
-                dispatch.copy_tokens(job.src, job.dst, job.s_idx, job.d_idx, case.fmt, ctas=c,
-                                     impl=impl, stream=job.stream)
+            def move(c: int) -> Optional[str]:
+                return dispatch.copy_tokens(job.src, job.dst, job.s_idx, job.d_idx, case.fmt,
+                                            ctas=c, impl=impl, stream=job.stream)
         else:
-            def move(c: int) -> None:
-                dispatch.copy_rows(job.src, job.dst, job.s_idx, job.d_idx, ctas=c, impl=impl,
-                                   stream=job.stream)
+            def move(c: int) -> Optional[str]:
+                return dispatch.copy_rows(job.src, job.dst, job.s_idx, job.d_idx, ctas=c,
+                                          impl=impl, stream=job.stream)
         return move
 
-    def measure(self, meta: dict[str, Any], moves: list[Callable[[int], None]], streams: list,
+    def measure(self, meta: dict[str, Any], moves: list[Callable[[int], Optional[str]]], streams: list,
                 writes: list[Write], nbytes: int, ctas: int) -> dict[str, Any]:
         """Fresh bytes, time ``moves`` (one, or two from two threads at once), then verify."""
         def fn() -> None:
@@ -322,8 +348,9 @@ class _GpuBench:
             if err:
                 raise err[0]
 
-        for m in moves:  # compile and allocate outside the threads
-            m(ctas)
+        used = sorted({str(m(ctas)) for m in moves})  # compile and allocate outside the threads
+        if meta["impl"] == "auto":
+            meta = {**meta, "path_used": ",".join(used)}
         self._fresh()
         secs = self._time(fn, streams, self.reps, warm=False)
         bad = self._verify(writes)
@@ -352,11 +379,8 @@ class _GpuBench:
         per = case.fmt.token_bytes if case.fmt else case.row_bytes
         streams = [torch.cuda.Stream(self.dev), torch.cuda.Stream(self.dev)]
         for seed, pattern in enumerate(case.patterns):
-            for both in (False, True) if case.both else (False,):
-                count = case.n * (2 if both else 1)
-                g = torch.Generator().manual_seed(100 + seed)
-                dev_idx = torch.randperm(units, generator=g)[:count]
-                host_idx = host_rows(pattern, units, count, seed, self.runs)
+            drawn = case_rows(case, pattern, seed, units, self.runs)
+            for both, (dev_idx, host_idx) in drawn.items():
                 if both:  # backup: first half; swap-in: second half (disjoint rows both sides)
                     pairs = [(dev_t, host_t, dev_idx[: case.n], host_idx[: case.n]),
                              (host_t, dev_t, host_idx[case.n:], dev_idx[case.n:])]
@@ -373,7 +397,7 @@ class _GpuBench:
                                 for k, (s, d, si, di) in enumerate(pp)]
                         meta = {"case": case.name, "pattern": pattern, "mean_run_rows": run_len,
                                 "path": "tokens" if case.fmt else "rows", "direction": direction,
-                                "impl": peer_name() if impl == PEER else impl}
+                                "impl": self.peer_name if impl == PEER else impl}
                         moves = [self._mover(j, impl) for j in jobs]
                         for ctas in self.budgets:
                             self.rows.append(self._guarded(
@@ -399,7 +423,7 @@ class _GpuBench:
         t0 = time.perf_counter()
         self._setup()
         self._limits()
-        self.peer, msg = peer_sglang.load(self.args.peer_lib)
+        self.peer, msg, self.peer_name = peer_sglang.load(self.args.peer_lib)
         _log(msg)
         self.notes.append(msg)
         self.notes.append(f"'runs' host rows: {self.runs} (transfer_rows.parse_runs); device rows "

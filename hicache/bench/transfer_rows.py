@@ -10,8 +10,11 @@
   and then keep it there (a cache at steady state: the free rows are the holes frees left),
   then requests of ``R`` rows until the case has its rows. ``fixed:N``: runs of exactly ``N``
   consecutive rows at random, non-overlapping places. A bad spec raises ``UsageError``.
-* ``host_rows(pattern, rows, n, seed, spec) -> int64 CPU tensor``: ``n`` distinct rows of
-  ``[0, rows)``, deterministic for a seed; ``UsageError`` when the pool cannot hold them.
+* ``host_rows(pattern, rows, n, seed, spec, parts=1) -> int64 CPU tensor``: ``parts * n``
+  distinct rows of ``[0, rows)``, deterministic for a seed; ``UsageError`` when the pool cannot
+  hold them. The first ``n`` are the rows ``parts=1`` gives; with ``alloc:R`` each further
+  ``n`` is allocated after random churn allocations were freed to make room for it (a full
+  cache evicting), so every part has the runs of a pool at steady state.
 * ``mean_run(*idx) -> float``: rows per run of consecutive ids, in the given order (what the
   staged path turns into one DMA per layer).
 * ``check(before, after, writes) -> None | str``: every byte of every side (``before``: the
@@ -58,17 +61,18 @@ def parse_runs(spec: str) -> RunsSpec:
     return RunsSpec(kind, int(size))
 
 
-def host_rows(pattern: str, rows: int, n: int, seed: int, spec: RunsSpec) -> torch.Tensor:
+def host_rows(pattern: str, rows: int, n: int, seed: int, spec: RunsSpec,
+              parts: int = 1) -> torch.Tensor:
     if pattern not in PATTERNS:
         raise UsageError(f"row pattern {pattern!r} is not one of {PATTERNS}")
-    if not 0 < n <= rows:
-        raise UsageError(f"{n} host rows asked of a pool of {rows}")
+    if parts < 1 or not 0 < n * parts <= rows:
+        raise UsageError(f"{parts} x {n} host rows asked of a pool of {rows}")
     if pattern == "random":
         g = torch.Generator().manual_seed(seed)
-        return torch.randperm(rows, generator=g)[:n].contiguous()
+        return torch.randperm(rows, generator=g)[:n * parts].contiguous()
     if spec.kind == "fixed":
-        return _fixed_runs(rows, n, seed, spec.size)
-    return _allocated_runs(rows, n, seed, spec.size)
+        return _fixed_runs(rows, n * parts, seed, spec.size)
+    return _allocated_runs(rows, n, seed, spec.size, parts)
 
 
 def _fixed_runs(rows: int, n: int, seed: int, size: int) -> torch.Tensor:
@@ -81,7 +85,7 @@ def _fixed_runs(rows: int, n: int, seed: int, size: int) -> torch.Tensor:
     return (starts[:, None] + torch.arange(size)).reshape(-1)[:n].contiguous()
 
 
-def _allocated_runs(rows: int, n: int, seed: int, request: int) -> torch.Tensor:
+def _allocated_runs(rows: int, n: int, seed: int, request: int, parts: int) -> torch.Tensor:
     from hicache.host_pools.allocator import RowAllocator
 
     alloc = RowAllocator(rows, "bench host rows")
@@ -99,11 +103,19 @@ def _allocated_runs(rows: int, n: int, seed: int, request: int) -> torch.Tensor:
             owner = ("churn", str(op))
             held.append((alloc.alloc(k, owner), owner))
             used += k
-    out, i = [], 0
-    while n > 0:
-        k = min(request, n)
-        out.append(alloc.alloc(k, ("bench", str(i))))
-        n, i = n - k, i + 1
+    out: list[torch.Tensor] = []
+    for part in range(parts):
+        if part:  # the pool is full: churn allocations leave, as a cache evicts, for n more
+            free = rows - used - n * part
+            while free < n:
+                got, owner = held.pop(int(rng.integers(len(held))))
+                alloc.free(got, owner)
+                used, free = used - got.numel(), free + got.numel()
+        left = n
+        while left > 0:
+            k = min(request, left)
+            out.append(alloc.alloc(k, ("bench", f"{part}.{len(out)}")))
+            left -= k
     return torch.cat(out)
 
 

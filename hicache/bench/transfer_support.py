@@ -1,5 +1,5 @@
 """What ``bench transfer`` needs beside its GPU cases: pinned buffers (exact-size registered
-memory, torch's allocator as the fallback), the peer's and Triton's names, the DSV4 row sizes,
+memory, torch's allocator as the fallback), Triton's version, the DSV4 row sizes,
 the staged shapes ``--tune`` sweeps, the CPU run (the torch reference path on small data, when
 there is no GPU, with the GPU run's row patterns and byte check), the markdown table (one line
 per case x pattern x impl x direction, a column per CTA budget) and the GB/s-per-budget plot.
@@ -33,10 +33,6 @@ def staged_variants() -> list:
     return [StagedConfig(chunk_bytes=mb << 20, buffers=b, dma_streams=d, rows=r)
             for mb, b, d, r in ((32, 3, 3, wide), (32, 3, 1, wide), (32, 2, 2, wide),
                                 (32, 3, 3, narrow), (16, 3, 3, wide), (64, 3, 3, wide))]
-
-
-def peer_name() -> str:
-    return "sglang-0.4.6"
 
 
 def _triton_version() -> str:
@@ -127,15 +123,16 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- output
 def table_lines(result: dict[str, Any]) -> list[str]:
-    """The rows as a markdown table, one line per case x pattern x impl x direction: the ratio
-    to the limit per CTA budget and GB/s at 4 CTAs (GPU), or GB/s (CPU); "verified" is ok only
+    """The rows as a markdown table, one line per case x pattern x impl x direction (``auto``
+    with the path it took): the ratio to the limit per CTA budget and GB/s at 4 CTAs (GPU), or GB/s (CPU); "verified" is ok only
     when every budget's row passed its byte check."""
     rows = [r for r in result["rows"] if r.get("ctas") is not None or "error" not in r]
     budgets = sorted({r["ctas"] for r in rows if r.get("ctas") is not None})
     at = 4 if 4 in budgets else (budgets[-1] if budgets else None)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["case"], r.get("pattern", "-"), r.get("mean_run_rows", "-"), r["impl"],
+        impl = f"{r['impl']} ({r['path_used']})" if r.get("path_used") else r["impl"]
+        key = (r["case"], r.get("pattern", "-"), r.get("mean_run_rows", "-"), impl,
                r["direction"])
         groups.setdefault(key, []).append(r)
     head = ["case", "pattern", "mean run", "impl", "dir"] + [f"{b}" for b in budgets] + \
