@@ -33,6 +33,7 @@ Contract:
   up to ``PER_CALL``. The copies of one call run in any
   order among themselves; the batch as a whole runs in stream order (after earlier work on the
   stream, before later work). A driver error raises ``TransferError`` naming the result code.
+  Any thread may issue: one with no current CUDA context gets the stream's made current.
 * ``issue_current(plan, lo, hi, device)`` does the same on ``device``'s current stream. The
   driver refuses batches on the legacy default stream, so there the batch runs on a side
   stream fenced on both ends (it starts after the work queued before it, and work queued
@@ -125,6 +126,26 @@ class _Driver:
         self.fn.restype = ctypes.c_int
         self.attr_idx = (SZ * 1)(0)
         self.fail = SZ(0)
+        self.ctx_get, self.ctx_set = lib.cuCtxGetCurrent, lib.cuCtxSetCurrent
+        self.stream_ctx = lib.cuStreamGetCtx
+        self.ctx_get.argtypes = [P(VP)]
+        self.ctx_set.argtypes = [VP]
+        self.stream_ctx.argtypes = [VP, P(VP)]
+
+    def ensure_context(self, stream: int) -> None:
+        """Make ``stream``'s context current on this thread when it has none. The driver call
+        needs one, and a thread that made no CUDA runtime call yet (a fresh worker thread,
+        even one that made a torch stream) has none: the batch then failed with CUresult 1."""
+        cur = ctypes.c_void_p()
+        if self.ctx_get(ctypes.byref(cur)) == 0 and cur.value:
+            return
+        ctx = ctypes.c_void_p()
+        rc = self.stream_ctx(ctypes.c_void_p(stream), ctypes.byref(ctx))
+        if rc == 0:
+            rc = self.ctx_set(ctx)
+        if rc != 0:
+            raise TransferError(f"no CUDA context on this thread and the stream's could not be "
+                                f"made current (CUresult {rc})")
 
 
 _driver: Optional[_Driver] = None
@@ -252,6 +273,7 @@ def issue(plan: DmaPlan, lo: int, hi: int, stream: int, ramp: bool = False) -> N
         raise TransferError(f"batched DMA is not available: {d.reason}")
     if plan.attrs is None:
         raise TransferError("DmaPlan.direction(...) was not set before issue")
+    d.ensure_context(stream)
     s = ctypes.c_void_p(stream)
     attrs = ctypes.byref(plan.attrs)
     dst, src, size = plan.addresses()

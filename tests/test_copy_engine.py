@@ -121,6 +121,43 @@ class _RecordingDriver:
         self.calls.append((dst, src, size, n))
         return 0
 
+    def ensure_context(self, stream: int) -> None:
+        pass
+
+
+def test_issue_makes_the_streams_context_current_on_a_thread_without_one():
+    """A thread with no current CUDA context (one that made no runtime call yet) gets the
+    stream's context before the batch; one that has a context is left alone; a stream whose
+    context cannot be had is refused by name (it failed as CUresult 1 at the batch)."""
+    import ctypes
+
+    drv = copy_engine._Driver.__new__(copy_engine._Driver)
+    state = {"current": 0, "set": []}
+
+    def ctx_get(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = state["current"] or None
+        return 0
+
+    def stream_ctx(stream, out):
+        if stream.value == 99:
+            return 400
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x5000 + stream.value
+        return 0
+
+    def ctx_set(ctx):
+        state["set"].append(ctx.value if isinstance(ctx, ctypes.c_void_p) else ctx)
+        return 0
+
+    drv.ctx_get, drv.stream_ctx, drv.ctx_set = ctx_get, stream_ctx, ctx_set
+    drv.ensure_context(7)
+    assert state["set"] == [0x5007]
+    state["current"] = 0x1234
+    drv.ensure_context(8)
+    assert state["set"] == [0x5007]  # a context was current: untouched
+    state["current"] = 0
+    with pytest.raises(TransferError, match="no CUDA context on this thread.*CUresult 400"):
+        drv.ensure_context(99)
+
 
 @pytest.mark.parametrize("ramp", [False, True])
 @pytest.mark.parametrize("lo,hi", [(0, 3), (0, 8), (0, 9), (0, 128), (5, 5 + 1300)])

@@ -229,6 +229,44 @@ def test_cuda_index_on_wrong_device_or_bounds():
     assert_same(dst, before)
 
 
+def test_a_fresh_thread_issues_copy_engine_batches():
+    """A thread that made no CUDA runtime call has no current context; its batch failed with
+    CUresult 1 (``bench transfer``'s backup + swap-in rows on the copy engines did). Now the
+    stream's context is made current first, and both directions at once from two threads
+    move every byte."""
+    import threading
+
+    from hicache.kernels import copy_engine, dispatch
+
+    if not copy_engine.enabled():
+        pytest.skip(f"copy engines unavailable: {copy_engine.status()}")
+    rb, n = 37_440, 48
+    dev, host = _bufs("cuda", 2, 64, rb, 21), _bufs("cpu", 2, 64, rb, 22)
+    dev0, host0 = [t.cpu().clone() for t in dev], [t.cpu().clone() for t in host]
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randperm(64, generator=g)
+    out_d, out_h = rows[:n // 2], rows[n // 2:n]  # disjoint: backup reads, swap-in writes
+    got: dict = {}
+
+    def run(name, src, dst, si, di):
+        try:
+            s = torch.cuda.Stream(torch.device("cuda", 0))
+            got[name] = dispatch.copy_rows(src, dst, si, di, impl="dma", stream=s)
+            s.synchronize()
+        except Exception as e:  # surfaced by the assert below
+            got[name] = e
+
+    ts = [threading.Thread(target=run, args=("backup", dev, host, out_d, out_d)),
+          threading.Thread(target=run, args=("swap_in", host, dev, out_h, out_h))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got == {"backup": "rows_dma", "swap_in": "rows_dma"}, got
+    assert_same(host, expected_rows(dev0, host0, out_d, out_d), "backup")
+    assert_same(dev, expected_rows(host0, dev0, out_h, out_h), "swap-in")
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_auto_takes_the_copy_engines_for_many_big_rows(direction):
     """``auto`` sends whole rows of ``MIN_BYTES`` or more to the copy engines once a call has

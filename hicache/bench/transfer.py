@@ -403,7 +403,7 @@ class _GpuBench:
                             self.rows.append(self._guarded(
                                 meta, lambda: self.measure(meta, moves, streams[: len(jobs)],
                                                            [j.write() for j in jobs],
-                                                           count * self.L * per, ctas)))
+                                                           len(dev_idx) * self.L * per, ctas)))
 
     def _guarded(self, meta: dict[str, Any], fn: Callable[[], dict]) -> dict:
         """A row that raised is reported as a failed row; the rest still run."""
