@@ -152,30 +152,34 @@ def _ack_size(ack: dict[str, Any]) -> int:
 
 
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    """Open this client's shared-memory command channel (``hicache.core.channel``): the file
-    and the daemon's wake-up socket, both mode 0600 in the first shm directory."""
+    """Open this client's shared-memory command channel (``hicache.core.channel``): a sealed
+    memfd, and the daemon's wake-up socket (mode 0600 in the first shm directory)."""
     why = supported()
+    if why is None and not st.spin_us:
+        why = ("this daemon sleeps between requests (--spin-us 0), where a channel saves "
+               "nothing over ZMQ")
+    if why is None and c.key is not None:
+        why = "this daemon authenticates clients by CURVE key, and a shared-memory channel " \
+              "carries no key"
     if why is not None:
-        raise ProtocolError("unsupported", f"channel: {why}; requests go over ZMQ")
-    if not st.spin_us:
-        raise ProtocolError("unsupported", "channel: this daemon sleeps between requests "
-                                           "(--spin-us 0), where a channel saves nothing over "
-                                           "ZMQ; requests go over ZMQ")
-    if c.key is not None:
-        raise ProtocolError("unsupported", "channel: this daemon authenticates clients by CURVE "
-                                           "key, and a shared-memory channel carries no key; "
-                                           "requests go over ZMQ")
+        raise _no_channel(why)
     if c.channel is not None:
         raise ProtocolError("bad_field", "channel: this client has one open already")
     try:
         if st.wake_socket is None:
             st.wake_socket = WakeSocket.create(st.shm_dirs[0])
-        ch = Channel.create(st.shm_dirs[0])
     except OSError as e:
-        raise ProtocolError("unsupported", f"channel: cannot create it in {st.shm_dirs[0]} "
-                                           f"({e}); requests go over ZMQ") from None
+        raise _no_channel(f"cannot create its wake-up socket in {st.shm_dirs[0]} ({e})") from None
+    try:
+        ch = Channel.create()
+    except OSError as e:
+        raise _no_channel(f"cannot create its sealed memfd ({e})") from None
     st.registry.open_channel(c, ch)
     return dict(ch.info(), wake=st.wake_socket.path), []
+
+
+def _no_channel(why: str) -> ProtocolError:
+    return ProtocolError("unsupported", f"channel: {why}; requests go over ZMQ")
 
 
 def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

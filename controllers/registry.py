@@ -21,7 +21,7 @@ and the server adds it to every refusal, so a client that went silent learns why
 gone instead of reading "not allocated". Under CURVE a client is bound
 to the name of the key that created it (``touch``): another key presenting its routing
 identity is refused. A client's shared-memory command channel (``open_channel``) is listed in
-``channels`` (the server scans them) and closed, its file unlinked, when the client retires or
+``channels`` (the server scans them) and closed, its memfd with it, when the client retires or
 is removed.
 Single-threaded: only the server thread calls in here.
 """
@@ -179,10 +179,10 @@ class Registry:
         self.channels.append(c)
 
     def close_channel(self, c: ClientState) -> None:
-        """Close ``c``'s channel, if any: unmapped, its file unlinked, no longer scanned."""
+        """Close ``c``'s channel, if any: marked closed, unmapped, no longer scanned."""
         if c.channel is not None:
             self.channels.remove(c)
-            c.channel.close(unlink=True)
+            c.channel.close()
             c.channel = None
 
     def close_kv(self, c: ClientState) -> None:

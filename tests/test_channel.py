@@ -2,22 +2,27 @@
 
 * format: frames round-trip through a slot; any bytes in a slot give frames or a reason, never
   an exception or a read past the slot; a request or reply that does not fit is not written.
-* files: the channel file is 0600 and unlinked once the client mapped it; a file of the wrong
-  size or magic is refused; a client end that cannot connect leaves its mapping closed; the
-  files a killed daemon left are swept.
+* memory: the channel is a sealed memfd (0600, no name) the client opens through the daemon's
+  /proc fd link: nobody can shrink or grow it (EPERM), one of the wrong size, magic or token
+  is refused, one that cannot be opened says why; a client end that cannot connect leaves its
+  mapping closed; the files a killed daemon left are swept.
 * daemon (CPU mode, busy-polling): a client that registers gets a channel; every command gives
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
   sleeping daemon wakes on its wake-up socket; a reply too big for its slot comes over ZMQ; a
   killed daemon is named at the next call; a call that timed out stops the channel; one the
   daemon cannot make is refused with the reason; unregister and a reap close it on both sides
-  (the client goes back to ZMQ at once); a reaped client's channel file is gone; a sleeping
-  daemon (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing.
+  (the client goes back to ZMQ at once); a reaped client's memfd is closed; a sleeping
+  daemon (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing; a
+  client that truncates its channel cannot take the daemon down; one that cannot open the
+  memfd is told why and carries on over ZMQ.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
 import signal
 import stat
 import struct
@@ -74,11 +79,12 @@ def test_malformed_slots_name_what_is_wrong() -> None:
     assert "add up to 10" in C.unpack(struct.pack("<II", 1, 10) + b"x" * 3, MAXF)
 
 
-def test_channel_file_slots_and_unlink(tmp_path) -> None:
-    ch = C.Channel.create(str(tmp_path), 1024, 256)
+def test_channel_memfd_and_slots() -> None:
+    ch = C.Channel.create(1024, 256)
+    assert ch.path == f"/proc/{os.getpid()}/fd/{ch._fd}"
+    assert os.readlink(ch.path).startswith(f"/memfd:{C.CHANNEL_PREFIX}")  # no name in a folder
     assert stat.S_IMODE(os.stat(ch.path).st_mode) == 0o600
     peer = C.Channel.open(ch.info())
-    assert not os.path.exists(ch.path)  # mapped on both ends, then unlinked
     assert ch.request(MAXF) is None
     assert peer.put_request(7, [b'{"x":1}', b"\1" * 16])
     seq, frames = ch.request(MAXF)
@@ -96,33 +102,59 @@ def test_channel_file_slots_and_unlink(tmp_path) -> None:
     peer._words[C._REQ_SEQ] = 10
     assert ch.request(MAXF) == (10, "request of 1099511627776 bytes in a 1024-byte slot")
     peer.close()
-    ch.close(unlink=True)
+    assert ch._words[C._CLOSED] == 0  # the client's close marks nothing
+    ch.close()  # the daemon's end marks the channel closed and closes its memfd
+    assert not os.path.exists(ch.path)
 
 
-def test_a_full_shm_folder_refuses_a_channel_with_an_oserror(tmp_path, monkeypatch) -> None:
-    """The file's blocks are reserved at creation: a full tmpfs is an ``OSError`` there (the
+def test_nobody_can_resize_the_channel() -> None:
+    """Sealed: a truncate or a growth through any descriptor of it (the client's) is refused,
+    and the seals cannot be changed; so the daemon's mapping never loses a page (SIGBUS)."""
+    ch = C.Channel.create(1024, 256)
+    fd = os.open(ch.path, os.O_RDWR)  # as the client opens it
+    try:
+        full = C.Channel.size(1024, 256)
+        for size in (0, C.HEADER, full - 8, full + 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        import fcntl
+
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        assert os.fstat(fd).st_size == full
+    finally:
+        os.close(fd)
+        ch.close()
+
+
+def test_a_channel_whose_memory_cannot_be_reserved_is_an_oserror(monkeypatch) -> None:
+    """The memfd's pages are reserved at creation: no memory is an ``OSError`` there (the
     daemon refuses ``channel`` as unsupported), never a SIGBUS at the first header write."""
-    import errno
-
     def full(fd: int, off: int, n: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    before = set(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space"):
-        C.Channel.create(str(tmp_path), 1024, 256)
-    assert os.listdir(tmp_path) == []  # nothing left behind
+        C.Channel.create(1024, 256)
+    assert set(os.listdir("/proc/self/fd")) <= before  # nothing left open
 
 
-def test_channel_open_checks_the_file(tmp_path) -> None:
-    ch = C.Channel.create(str(tmp_path), 1024, 256)
+def test_channel_open_checks_the_memfd() -> None:
+    ch = C.Channel.create(1024, 256)
     with pytest.raises(ValueError, match="expected"):
         C.Channel.open(dict(ch.info(), reply_bytes=512))
+    with pytest.raises(ValueError, match="not this hicache channel"):  # another channel's link
+        C.Channel.open(dict(ch.info(), token=ch.info()["token"] ^ 1))
     ch._words[C._MAGIC] = 1
-    with pytest.raises(ValueError, match="not a hicache channel"):
+    with pytest.raises(ValueError, match="not this hicache channel"):
         C.Channel.open(ch.info())
-    ch.close(unlink=True)
+    info = ch.info()
+    ch.close()
+    with pytest.raises(OSError, match="in its pid namespace"):  # gone, or /proc refused
+        C.Channel.open(info)
     with pytest.raises(ValueError, match="multiple of 8"):
-        C.Channel.create(str(tmp_path), 1001, 256)
+        C.Channel.create(1001, 256)
 
 
 def test_wake_socket(tmp_path) -> None:
@@ -267,7 +299,7 @@ def test_channel_requests_act_as_their_client(spinning) -> None:
         assert e.value.code == "not_owner"
         assert a.free(rows)["freed"] == 2
         pa, pb = a._chan.chan.path, b._chan.chan.path
-        assert pa != pb and not os.path.exists(pa)
+        assert pa != pb and pa.startswith(f"/proc/{d.pid}/fd/")
 
 
 def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
@@ -316,18 +348,42 @@ def test_a_reply_too_big_comes_over_zmq_and_a_killed_daemon_is_named() -> None:
 
 
 def test_a_client_end_that_cannot_open_leaves_nothing(tmp_path, monkeypatch) -> None:
-    ch = C.Channel.create(str(tmp_path), 1024, 256)
+    ch = C.Channel.create(1024, 256)
     closed = []
     real = C.Channel.close
-    monkeypatch.setattr(C.Channel, "close", lambda self, unlink=False: (closed.append(self),
-                                                                         real(self, unlink)))
+    monkeypatch.setattr(C.Channel, "close", lambda self: (closed.append(self), real(self)))
     with pytest.raises(OSError):
         C.ClientEnd.open(dict(ch.info(), wake=str(tmp_path / "nobody")))  # no wake-up socket
     assert len(closed) == 1 and closed[0] is not ch and closed[0].closed  # its mapping went
-    ch.close(unlink=True)
+    ch.close()
 
 
-def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
+def test_a_client_that_cannot_open_the_memfd_is_told_why_and_uses_zmq(spinning,
+                                                                     monkeypatch) -> None:
+    """/proc restricted (or another pid namespace): the daemon's fd link cannot be opened; the
+    client says why in ``channel_refused`` and carries on over ZMQ (``channel=True`` raises)."""
+    d, pools = spinning
+    real = os.open
+
+    def no_proc(path, *a, **kw):
+        if str(path).startswith(f"/proc/{d.pid}/fd/"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", no_proc)
+    with _clients(d, pools, {}) as (c,):
+        assert not c.uses_channel
+        assert "cannot map the daemon's channel" in c.channel_refused
+        assert "Permission denied" in c.channel_refused and "/proc" in c.channel_refused
+        rows = c.alloc({"page": 2})
+        assert c.free(rows)["freed"] == 2 and c.heartbeat()["registered"]
+    strict = d.client(channel=True)
+    with pytest.raises(CommandRefused, match="Permission denied"):
+        strict.register(pools)
+    strict.close()
+
+
+def test_timeout_stops_the_channel_and_reap_closes_its_memfd(spinning) -> None:
     d, pools = spinning
     c = d.client()
     c.register(pools)
@@ -346,7 +402,8 @@ def test_timeout_stops_the_channel_and_reap_removes_its_file(spinning) -> None:
     while probe.stats()["channels"] and time.monotonic() < end:
         time.sleep(0.2)
     assert probe.stats()["channels"] == 0
-    assert not os.path.exists(path)
+    with contextlib.suppress(FileNotFoundError):  # closed (or its number reused for another file)
+        assert not os.readlink(path).startswith(f"/memfd:{C.CHANNEL_PREFIX}")
     probe.close()
 
 
@@ -384,7 +441,8 @@ def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
                        env={"HICACHE_SHM_DIRS": f"{deep}:/dev/shm"}) as d, \
             DevicePools(layout, ROWS, device="cpu") as pools:
         with _clients(d, pools, {}) as (c,):
-            assert not c.uses_channel and "cannot create it in" in c.channel_refused
+            assert not c.uses_channel and "cannot create its wake-up socket in" in \
+                c.channel_refused
             assert "\n" not in c.channel_refused
             assert c.heartbeat()["registered"] and c.stats()["channels"] == 0
         assert not os.listdir(deep)  # nothing left behind
@@ -450,3 +508,62 @@ def test_a_busy_socket_does_not_starve_the_channels(spinning) -> None:
     print(f"median heartbeat under a flood: channel {med[True] * 1e3:.2f} ms, "
           f"ZMQ {med[False] * 1e3:.2f} ms")
     assert med[True] < max(1.5e-3, 4 * med[False]), med
+
+
+_MARK = 40  # a header word neither end uses: the tests' marker
+
+
+def _mapped_fd(ch: C.Channel) -> int:
+    """The descriptor this process holds for ``ch``'s memory (the one its ``mmap`` keeps), the
+    one a client that truncates its channel would use."""
+    marker = secrets.randbits(63) | 1
+    ch._words[_MARK] = marker
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if C.CHANNEL_PREFIX in os.readlink(f"/proc/self/fd/{name}") and \
+                    os.pread(int(name), 8, _MARK * 8) == struct.pack("<Q", marker):
+                return int(name)
+    raise AssertionError("this process holds no descriptor of the channel")
+
+
+def test_a_client_that_truncates_its_channel_cannot_take_the_daemon_down() -> None:
+    """Client A shrinks its channel's memory (``ftruncate`` on the descriptor it holds) to cut
+    the reply slot, then to nothing, then grows it, sending through the channel after each: the
+    daemon maps that memory too, and died of SIGBUS at its next write of the reply slot (or
+    read of the header), every client with it. The memory is sealed now: each truncate is
+    refused (EPERM), the daemon lives, A is served through its channel and over ZMQ, and so is
+    client B."""
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        a, b = d.client(reply_spin_us=1000), d.client(reply_spin_us=1000)
+        try:
+            for c in (a, b):
+                c.register(pools)
+                assert c.uses_channel, c.channel_refused
+            ch = a._chan.chan
+            fd = _mapped_fd(ch)
+            full = C.Channel.size(ch.request_bytes, ch.reply_bytes)
+            for size in (C.HEADER + ch.request_bytes, 0, full + 4096):
+                try:
+                    os.ftruncate(fd, size)
+                    refused = None
+                except OSError as e:
+                    refused = e.errno
+                with contextlib.suppress(DaemonUnreachable):
+                    a.heartbeat(timeout=5)  # through A's channel
+                assert d.alive(), (f"A's channel truncated to {size} bytes killed the daemon "
+                                   f"(exit status {d.returncode})")
+                assert refused == errno.EPERM and os.fstat(fd).st_size == full, (size, refused)
+                assert a.uses_channel and a.heartbeat()["registered"]
+                sent = b.sent
+                rows = b.alloc({"page": 2})  # B is served, through its channel
+                assert b.free(rows)["freed"] == 2 and b.uses_channel and b.sent == sent + 2
+            a._close_channel()  # and A over ZMQ
+            assert a.heartbeat()["registered"] and b.stats()["channels"] == 2
+        finally:
+            for c in (a, b):
+                if d.alive() and c.registered is not None:
+                    c.unregister()
+                c.close()

@@ -1,5 +1,5 @@
-"""A local client's shared-memory command channel: one mapped file with a request slot and a
-reply slot, and the daemon's wake-up socket.
+"""A local client's shared-memory command channel: one sealed memfd both map, with a request
+slot and a reply slot, and the daemon's wake-up socket.
 
 What it saves: a ZMQ message crosses two I/O threads (the sender's and the receiver's), each a
 thread wake-up; on a GPU host between loads that is 0.1-0.2 ms each way. Through the channel a
@@ -7,12 +7,19 @@ request is a memory write the daemon's busy-polling loop sees at once (or one da
 wakes its ``poll`` directly), and a reply is a memory write the client's reply spin sees.
 
 Contract:
-- ``Channel.create(shm_dir, request_bytes, reply_bytes)`` (the daemon) makes
-  ``<shm_dir>/hicache-chan-<pid>-<random>``, mode 0600, exclusive; ``Channel.open(info)`` (the
-  client) maps the file ``info()`` describes, checks its size and magic, and unlinks it, so no
-  other process can open it afterwards (``close(unlink=True)`` on the daemon side removes a file
-  no client opened).
-- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed; the
+- ``Channel.create(request_bytes, reply_bytes)`` (the daemon) makes an anonymous sealed memfd:
+  sized, its pages reserved (no memory is an ``OSError`` there, not a fault at a first touch),
+  mode 0600, and sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
+  F_SEAL_SEAL``), so no process holding it, the client included, can change its size: a
+  truncate is refused (EPERM) instead of making the daemon's next touch of the mapping a
+  SIGBUS. A hole punched in it reads as zeros (a malformed slot), never a fault.
+  ``info()`` names it as ``/proc/<daemon pid>/fd/<fd>``, with a random token the header holds
+  too; ``Channel.open(info)`` (the client) opens that path (the daemon's uid, the same pid
+  namespace, /proc not restricted: else an ``OSError`` that says so), checks the size, magic
+  and token, and maps it. No file name exists anywhere; the daemon's descriptor stays open
+  until it closes the channel (reachable by the processes that may read the daemon's /proc
+  fds, those that may ptrace it).
+- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token; the
   client's request sequence and length; the daemon's reply sequence and length), then the
   request slot, then the reply slot. A slot holds one message: u32 frame count, u32 length
   per frame, the frames' bytes.
@@ -35,13 +42,15 @@ Contract:
   socket: ``send`` writes a request and rings (False: it does not fit or the daemon closed the
   channel, so it goes over ZMQ; ``ConnectionError``: the daemon is gone).
 - ``WakeSocket``: the daemon's Unix datagram socket (file mode 0600); making it first sweeps
-  the channel files and sockets of daemons that were killed. A client connects to it
-  and sends one byte after each request, which wakes a daemon that sleeps in ``poll``; a full
-  queue (the daemon busy-polled meanwhile) is fine, a refused send means the daemon is gone (a
-  datagram socket, not a pipe: no SIGPIPE can reach an engine that restored its default).
+  the sockets of daemons that were killed (and the channel files earlier versions made there).
+  A client connects to it and sends one byte after each request, which wakes a daemon that
+  sleeps in ``poll``; a full queue (the daemon busy-polled meanwhile) is fine, a refused send
+  means the daemon is gone (a datagram socket, not a pipe: no SIGPIPE can reach an engine that
+  restored its default).
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
@@ -50,7 +59,7 @@ import socket
 import struct
 from typing import Any, Sequence
 
-from .shm_file import new_mapped_file, sweep_stale
+from .shm_file import sweep_stale
 
 CHANNEL_PREFIX = "hicache-chan-"
 WAKE_PREFIX = "hicache-wake-"
@@ -61,10 +70,11 @@ REPLY_BYTES = 64 << 10
 MAX_SLOT_BYTES = 16 << 20
 TOO_BIG = (1 << 64) - 1  # reply length word: the reply did not fit, take the ZMQ copy
 # u64 word indices in the header page
-_MAGIC, _REQ_CAP, _REP_CAP, _CLOSED = 0, 1, 2, 3
+_MAGIC, _REQ_CAP, _REP_CAP, _CLOSED, _TOKEN = 0, 1, 2, 3, 4
 _REQ_SEQ, _REQ_LEN = 8, 9  # the client's words (own cache line)
 _REP_SEQ, _REP_LEN = 16, 17  # the daemon's words (own cache line)
 _U32 = struct.Struct("<I")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def supported() -> str | None:
@@ -111,10 +121,11 @@ def unpack(blob: bytes, max_frames: int) -> list[Any] | str:
 
 
 class Channel:
-    """One mapped channel file (see the module docstring)."""
+    """One mapped channel memfd (see the module docstring)."""
 
-    def __init__(self, path: str, mm: mmap.mmap, request_bytes: int, reply_bytes: int) -> None:
-        self.path, self._mm = path, mm
+    def __init__(self, path: str, mm: mmap.mmap, request_bytes: int, reply_bytes: int,
+                 fd: int = -1) -> None:
+        self.path, self._mm, self._fd = path, mm, fd  # fd: the daemon's memfd (-1: client)
         self.request_bytes, self.reply_bytes = request_bytes, reply_bytes
         self._words = memoryview(mm).cast("B")[:HEADER].cast("Q")
         self._req_at, self._rep_at = HEADER, HEADER + request_bytes
@@ -126,45 +137,57 @@ class Channel:
         return HEADER + request_bytes + reply_bytes
 
     @classmethod
-    def create(cls, shm_dir: str, request_bytes: int = REQUEST_BYTES,
+    def create(cls, request_bytes: int = REQUEST_BYTES,
                reply_bytes: int = REPLY_BYTES) -> "Channel":
         for what, v in (("request", request_bytes), ("reply", reply_bytes)):
             if not 64 <= v <= MAX_SLOT_BYTES or v % 8:
                 raise ValueError(f"channel {what} slot of {v} bytes; give a multiple of 8 in "
                                  f"64..{MAX_SLOT_BYTES}")
-        path = os.path.join(shm_dir, f"{CHANNEL_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         nbytes = cls.size(request_bytes, reply_bytes)
-        # blocks reserved now: on a full tmpfs an OSError (refused ``unsupported``), not a
-        # SIGBUS at the first write of a header word
-        ch = cls(path, new_mapped_file(path, nbytes, reserve=True), request_bytes, reply_bytes)
+        fd = os.memfd_create(CHANNEL_PREFIX, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)  # pages now: an OSError, not a SIGBUS at a touch
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # nobody changes its size from here on
+            mm = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        ch = cls(f"/proc/{os.getpid()}/fd/{fd}", mm, request_bytes, reply_bytes, fd)
         w = ch._words
-        w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
+        w[_REQ_CAP], w[_REP_CAP], w[_TOKEN] = request_bytes, reply_bytes, secrets.randbits(64)
         w[_MAGIC] = MAGIC
         return ch
 
     def info(self) -> dict[str, Any]:
         return {"path": self.path, "request_bytes": self.request_bytes,
-                "reply_bytes": self.reply_bytes}
+                "reply_bytes": self.reply_bytes, "token": self._words[_TOKEN]}
 
     @classmethod
     def open(cls, info: dict[str, Any]) -> "Channel":
-        """Map the channel the daemon created, check it, and unlink its file."""
+        """Open and map the memfd the daemon created (through its /proc fd link), and check it."""
         path, req, rep = str(info["path"]), int(info["request_bytes"]), int(info["reply_bytes"])
         nbytes = cls.size(req, rep)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot open {path} ({e.strerror}): the channel is the "
+                                   f"daemon's memfd, open to a process of its uid, in its pid "
+                                   f"namespace, where /proc is not restricted") from None
         try:
             if os.fstat(fd).st_size != nbytes:
-                raise ValueError(f"channel file {path} has {os.fstat(fd).st_size} bytes, "
+                raise ValueError(f"channel {path} has {os.fstat(fd).st_size} bytes, "
                                  f"expected {nbytes}")
             mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         ch = cls(path, mm, req, rep)
         w = ch._words
-        if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP]) != (MAGIC, req, rep):
+        if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP], w[_TOKEN]) != \
+                (MAGIC, req, rep, int(info["token"])):
             ch.close()
-            raise ValueError(f"channel file {path} is not a hicache channel of these sizes")
-        os.unlink(path)  # mapped on both ends: nobody else can open it from here on
+            raise ValueError(f"{path} is not this hicache channel")
         return ch
 
     # ---------------------------------------------------------------- client side
@@ -225,24 +248,20 @@ class Channel:
         w[_REP_SEQ] = seq
         return blob is not None
 
-    def close(self, unlink: bool = False) -> None:
-        """Unmap; ``unlink`` (the daemon's side) also marks the channel closed for the client
-        and removes the file if the client never opened it."""
+    def close(self) -> None:
+        """Unmap; the daemon's end (the one that made it) first marks the channel closed for
+        the client, and closes its memfd."""
         if self.closed:
             return
         self.closed = True
-        if unlink:
+        if self._fd >= 0:
             self._words[_CLOSED] = 1
+            os.close(self._fd)
         self._words.release()
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view: the mapping goes with it
             pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class WakeSocket:
@@ -254,8 +273,8 @@ class WakeSocket:
 
     @classmethod
     def create(cls, shm_dir: str) -> "WakeSocket":
-        """The daemon's socket (made with its first channel); first removes the channel files
-        and sockets a killed daemon left in ``shm_dir`` (``shm_file.sweep_stale``)."""
+        """The daemon's socket (made with its first channel); first removes the sockets (and
+        channel files) a killed daemon left in ``shm_dir`` (``shm_file.sweep_stale``)."""
         sweep_stale(shm_dir, (CHANNEL_PREFIX, WAKE_PREFIX))
         path = os.path.join(shm_dir, f"{WAKE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -4,7 +4,7 @@ killed process left behind.
 Contract: ``new_mapped_file(path, nbytes)`` creates ``path`` (mode 0600, exclusive: an existing
 file is an error), sizes it to ``nbytes`` and maps it read-write; on any failure the file is
 removed and the error raised, so nothing is left behind. Naming and unlinking are the callers'
-(``core.ipc``, ``core.sparse_shm``, ``core.channel``, the fuzzer's peers).
+(``core.ipc``, ``core.sparse_shm``, the fuzzer's peers).
 ``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
 whose creating process is gone and that were not modified for ``STALE_AFTER_S``.
 """
