@@ -10,9 +10,11 @@ pool of every page space; ``checkpoints``: a page carries its ``page`` rows) and
 (with ``checkpoints``: the objects are the resume checkpoints of those page keys, one row each
 of the checkpoint space); see ``l3_format``. A kind this stage cannot store is refused.
 
-* ``l3_query {keys}``: ack ``l3 = {"hits": N}``, the number of leading objects of the key chain
-  the store holds (an offline store answers 0); with ``each``, ``l3 = {"hits": N, "present":
-  [0|1 per key]}`` (checkpoints exist at some boundaries only).
+* ``l3_query {keys, deadline_ms}``: ack ``l3 = {"hits": N}``, the number of leading objects of
+  the key chain the store holds (an offline store answers 0); with ``each``, ``l3 = {"hits": N,
+  "present": [0|1 per key]}`` (checkpoints exist at some boundaries only). A store call that
+  hangs past the deadline does not hold the ack either: 0 hits (none present), ``misses:
+  {deadline: n}``, 50 ms after it (the engine's request waits for that answer).
 * ``l3_prefetch {keys, rows: {space: frame}, deadline_ms}``: reads the objects into host rows
   the client owns (one row per object in every space the kind uses); best effort: the ack's
   ``hits`` is the number of leading objects read and verified by the time the deadline passed;
@@ -132,23 +134,29 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
     return {"op": op_id}, []
 
 
+def _deadline(h: dict) -> float:
+    """The job's deadline (monotonic) from ``deadline_ms`` (1..60,000; default 5,000)."""
+    ms = h.get("deadline_ms", 5000)
+    if not 0 < ms <= MAX_DEADLINE_MS:
+        raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
+    return time.monotonic() + ms / 1000
+
+
 def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
     fmt = _format(st, h)
     keys = _keys(st, h["keys"], fmt)
-    return _start(st, c, L3Job("query", keys, fmt=fmt, each=bool(h.get("each", False))), [])
+    return _start(st, c, L3Job("query", keys, deadline=_deadline(h), fmt=fmt,
+                               each=bool(h.get("each", False))), [])
 
 
 def l3_prefetch(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
     fmt = _format(st, h)
     keys = _keys(st, h["keys"], fmt)
-    ms = h.get("deadline_ms", 5000)
-    if not 0 < ms <= MAX_DEADLINE_MS:
-        raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
+    deadline = _deadline(h)
     rows, host = _rows(st, c, h, arrays, len(keys), True, fmt)
-    return _start(st, c, L3Job("prefetch", keys, rows, time.monotonic() + ms / 1000, fmt=fmt),
-                  host)
+    return _start(st, c, L3Job("prefetch", keys, rows, deadline, fmt=fmt), host)
 
 
 def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

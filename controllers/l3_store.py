@@ -122,7 +122,8 @@ class L3Job:
     kind: str  # query | prefetch | put | remove (keys: regexes)
     keys: list[str]  # full object keys
     rows: list[dict[str, int]] = field(default_factory=list)  # per page: space -> host row
-    deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it
+    deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it;
+    #                                 a query or prefetch still running past it is acked then
     # results
     hits: int = 0  # query: leading keys present; prefetch: leading pages loaded and verified
     written: int = 0
@@ -142,7 +143,7 @@ class L3Job:
     partial: set[str] = field(default_factory=set)  # ... those it fills only in part
     started: bool = False  # set (under the tier's lock) when a worker takes the job
     cancelled: str = ""  # why it is to be dropped unrun when a worker takes it ("" = run it)
-    acked: bool = False  # prefetch: acked at its deadline while the store call still ran
+    acked: bool = False  # query, prefetch: acked at its deadline while the store call ran
 
     def result(self) -> dict[str, Any]:
         """The ack's ``l3`` field."""
@@ -151,6 +152,14 @@ class L3Job:
         if self.each:
             out["present"] = self.present
         return {**out, "misses": self.misses}
+
+    def expired_result(self) -> dict[str, Any]:
+        """The ack's ``l3`` field when the job is acked at its deadline, its call still
+        running: nothing found, nothing read."""
+        out: dict[str, Any] = {"hits": 0}
+        if self.each:
+            out["present"] = [0] * len(self.keys)
+        return {**out, "misses": {"deadline": len(self.keys)}}
 
 
 class MooncakeL3:

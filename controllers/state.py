@@ -56,7 +56,7 @@ log = logging.getLogger("hicache.daemon")
 OP_ID_BITS = 44  # random base of a run's op ids (far below 2**53: exact in any JSON reader)
 
 
-L3_DEADLINE_GRACE_S = 0.05  # past a prefetch's deadline before it is acked without its call
+L3_DEADLINE_GRACE_S = 0.05  # past a read's deadline before it is acked without its call
 
 
 def _l3_ack(op_id: int, job: Any, t_end: float, result: dict[str, Any]) -> dict[str, Any]:
@@ -360,22 +360,21 @@ class DaemonState:
         return n
 
     def expire_l3(self, now: float) -> None:
-        """Ack every client prefetch whose deadline passed ``L3_DEADLINE_GRACE_S`` ago with 0
-        hits (``misses: {deadline: n}``) while its store call still runs (a master or storage
-        node that hangs holds a Mooncake call up to its RPC timeout, 30 s by default). Its rows
-        stay in flight until the call returns (a free of them waits; a copy into them is
-        refused ``busy``), and nothing it reads becomes readable; a job still queued is dropped
-        unrun when a worker takes it."""
+        """Ack every client read (query, prefetch) whose deadline passed
+        ``L3_DEADLINE_GRACE_S`` ago with 0 hits (``misses: {deadline: n}``) while its store
+        call still runs (a master or storage node that hangs holds a Mooncake call up to its
+        RPC timeout, 30 s by default). A prefetch's rows stay in flight until the call returns
+        (a free of them waits; a copy into them is refused ``busy``), and nothing it reads
+        becomes readable; a job still queued is dropped unrun when a worker takes it."""
         for op_id, job in self.l3_ops.items():
-            if job.kind != "prefetch" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
+            if job.kind == "put" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
                 continue
             tag = _client_tag(job)
             if tag is None:
                 continue
             job.acked = True
             job.cancelled = job.cancelled or "deadline"
-            self.outbox.append((tag[1], _l3_ack(op_id, job, now, {
-                "hits": 0, "misses": {"deadline": len(job.keys)}})))
+            self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.expired_result())))
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:

@@ -442,6 +442,38 @@ def test_a_prefetch_is_acked_at_its_deadline_while_the_master_hangs(l3_daemon, w
     assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
+def test_a_query_is_answered_at_its_deadline_while_the_master_hangs(l3_daemon, worker, store):
+    """A query or presence check waited out a hung master's Mooncake call (30 s RPC timeout),
+    and the engine's request with it (its tree asks L3 at match time). Now the ack comes at the
+    query's deadline: nothing found, ``misses: {deadline: n}``; the tier answers again once
+    the master does."""
+    import signal
+
+    d = l3_daemon()
+    w = worker(d, 12)
+    assert w.put(["dq-0"], [0])["written"] == 1
+    c = w.c
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert c.l3_query(["dq-0"], timeout=60, deadline_ms=800) == 0
+        assert c.l3_present(["dq-0", "dq-1"], timeout=60, mirror="full", ckpt=False,
+                            deadline_ms=800) == [0, 0]
+        took = time.monotonic() - t0
+        assert took < 4.0, took
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while c.poll_acks([]) == [] and c.daemon_in_flight and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.daemon_in_flight == 0  # the late calls ended; their acks were not sent twice
+    assert c.poll_acks([]) == []
+    assert c.l3_query(["dq-0"], timeout=60) == 1  # the tier serves on
+    with pytest.raises(CommandRefused, match="deadline_ms must be in 1..60000"):
+        c.l3_query(["dq-0"], timeout=10, deadline_ms=0)
+    assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
 def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:
     s = l3_master.LocalStore(segment="64MB")
     try:

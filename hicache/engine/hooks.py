@@ -363,7 +363,8 @@ class ClientHooks:
 
     def l3_query(self, keys: Sequence[Any]) -> int:
         n = self._l3_call(self.client.l3_query, [page_key(k) for k in keys],
-                          timeout=self.timeout, **self._l3_kind())
+                          timeout=self.timeout, deadline_ms=self.l3_deadline_ms,
+                          **self._l3_kind())
         self.l3_stats["query_pages"] += n
         return n
 
@@ -371,7 +372,8 @@ class ClientHooks:
         """1/0 per page key: does L3 hold that boundary's checkpoint."""
         self._ckpt_space()  # refuses hooks without a resume model
         return self._l3_call(self.client.l3_present, [page_key(k) for k in keys],
-                             timeout=self.timeout, **self._l3_kind(True))
+                             timeout=self.timeout, deadline_ms=self.l3_deadline_ms,
+                             **self._l3_kind(True))
 
     def l3_prefetch(self, keys: Sequence[Any], handles: Sequence[Any],
                     ckpt: bool = False) -> int:

@@ -23,24 +23,33 @@ def _kind(mirror: str, ckpt: bool) -> dict[str, Any]:
     return {**out, "ckpt": True} if ckpt else out
 
 
+def _deadline(ms: int | None) -> dict[str, Any]:
+    return {} if ms is None else {"deadline_ms": int(ms)}
+
+
 class L3Commands:
     def _l3_rows(self, rows: Mapping[str, Any]) -> tuple[dict[str, int], list[Any]]:
         names = list(rows)
         return {s: i for i, s in enumerate(names)}, [as_index(rows[s]) for s in names]
 
     def l3_query(self, keys: Sequence[str], timeout: float | None = None, *,
-                 mirror: str = "full", ckpt: bool = False) -> int:
+                 mirror: str = "full", ckpt: bool = False,
+                 deadline_ms: int | None = None) -> int:
         """How many leading objects of the key chain ``keys`` the L3 store holds (0 while it
-        is offline). Bounded by ``timeout`` (``AckTimeout`` past it)."""
-        fields = {"keys": list(keys), **_kind(mirror, ckpt)}
+        is offline, or when the store did not answer by ``deadline_ms``: the daemon's default
+        5,000). Bounded by ``timeout`` (``AckTimeout`` past it)."""
+        fields = {"keys": list(keys), **_kind(mirror, ckpt), **_deadline(deadline_ms)}
         h, _ = self.call("l3_query", fields, timeout=timeout)
         a = self.wait_ack(int(h["op"]), timeout=timeout)
         return int((a.l3 or {}).get("hits", 0))
 
     def l3_present(self, keys: Sequence[str], timeout: float | None = None, *,
-                   mirror: str = "checkpoints", ckpt: bool = True) -> list[int]:
-        """1/0 per key: does the store hold that object (all 0 while it is offline)."""
-        fields = {"keys": list(keys), "each": True, **_kind(mirror, ckpt)}
+                   mirror: str = "checkpoints", ckpt: bool = True,
+                   deadline_ms: int | None = None) -> list[int]:
+        """1/0 per key: does the store hold that object (all 0 while it is offline, or past
+        ``deadline_ms``)."""
+        fields = {"keys": list(keys), "each": True, **_kind(mirror, ckpt),
+                  **_deadline(deadline_ms)}
         h, _ = self.call("l3_query", fields, timeout=timeout)
         a = self.wait_ack(int(h["op"]), timeout=timeout)
         got = list((a.l3 or {}).get("present", []))
