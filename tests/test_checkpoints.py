@@ -458,38 +458,66 @@ def test_a_ring_slot_past_its_last_page_makes_no_checkpoint():
 
 def test_a_boundary_snapshot_checkpoints_a_request_that_writes_on():
     """``snapshot_slot`` at the boundary backs the slot up before the request writes on;
-    ``release`` attaches it to the page, and a later hit restores that boundary's window.
-    A snapshot of other keys, a second one for the slot, or one of an abort is freed."""
+    ``release(..., snapshot=)`` attaches it to the page, and a later hit restores that
+    boundary's window. A snapshot of other keys, or one of an abort, is freed."""
     h = SlotHooks()
     t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=4)
     a = ["a0", "a1"]
     p, rows = _ring_request(t, h, a, 0)
     ckpt_free = len(h.free["ckpt"])
-    assert t.snapshot_slot(0, a) is True  # settled: the copy read the slot here
-    assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    s = t.snapshot_slot(0, a)  # settled: the copy read the slot here
+    assert s is not None and t.host_checkpoints == 1 and t.held_snapshots == 1
+    assert len(h.free["ckpt"]) == ckpt_free - 1
     h.ring[0] = "a-own-state"  # then the request writes on
-    t.release(p, a, rows, slot=0, slot_tokens=len(a) * PAGE_TOKENS + 20)
+    t.release(p, a, rows, snapshot=s)  # neither slot nor slot_tokens needed: it covers a1
     t.drain()
     assert t.stats.checkpoints_skipped == 0 and t.stats.checkpoints_backed_up == 1
-    assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    assert t.host_checkpoints == 1 and t.held_snapshots == 0 and s.handle is None
+    assert len(h.free["ckpt"]) == ckpt_free - 1
     p = t.prepare(a + ["a2"], slot=1)
     assert p.pages == 2 and p.ckpt == "host" and h.ring[1] == "a1"
     t.abort(p)
     b = ["b0", "b1"]
     p, rows = _ring_request(t, h, b, 2)
-    assert t.snapshot_slot(2, ["z0"]) and t.snapshot_slot(2, ["z0", "z1"])  # the first freed
-    assert t.host_checkpoints == 2
+    z = t.snapshot_slot(2, ["z0", "z1"])
+    assert z is not None and t.host_checkpoints == 2
     h.ring[2] = "b-own-state"
-    t.release(p, b, rows, slot=2, slot_tokens=3 * PAGE_TOKENS)  # not that snapshot's keys
-    assert t.stats.checkpoints_skipped == 1 and t.host_checkpoints == 1
+    t.release(p, b, rows, slot=2, slot_tokens=2 * PAGE_TOKENS + 1, snapshot=z)  # other keys
+    assert t.stats.checkpoints_skipped == 1 and t.host_checkpoints == 1 and t.held_snapshots == 0
     assert len(h.free["ckpt"]) == ckpt_free - 1
     p = t.prepare(["c0"], slot=3)
     h.ring[3] = "c0"
-    assert t.snapshot_slot(3, ["c0"]) and t.host_checkpoints == 2
-    t.abort(p, slot=3)
+    c = t.snapshot_slot(3, ["c0"])
+    assert c is not None and t.host_checkpoints == 2
+    t.abort(p, snapshot=c)
     assert t.host_checkpoints == 1 and len(h.free["ckpt"]) == ckpt_free - 1
+    t.drop_snapshot(c)  # freed once only
+    assert len(h.free["ckpt"]) == ckpt_free - 1
     with pytest.raises(ValueError, match="ring SWA"):
         RadixTree(4, h, mirror="checkpoints").snapshot_slot(0, ["a0"])
+    t.check()
+
+
+def test_a_snapshot_at_the_prompts_last_page_serves_a_request_that_decodes_on():
+    """The snapshot taken where prefill ended (the prompt's last full page) is that page's
+    checkpoint even when decode then fills more cached pages, and whichever slot the request
+    ends in (found by the snapshot, not the slot; a review found both were thrown away)."""
+    h = SlotHooks()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=1)
+    prompt, keys = ["a0", "a1"], ["a0", "a1", "a2"]  # decode fills a2, then 12 tokens more
+    p, rows = _ring_request(t, h, keys, 0)
+    h.ring[0] = "a1"  # prefill's chunk ended at the prompt's last full page
+    s = t.snapshot_slot(0, prompt)
+    assert s is not None
+    h.ring[3] = "a-own-state"  # the request moved to slot 3 (preempted, swapped back in)
+    t.release(p, keys, rows, slot=3, slot_tokens=3 * PAGE_TOKENS + 12, snapshot=s)
+    t.drain()
+    assert t.stats.checkpoints_skipped == 1  # a2: the slot is past it
+    assert t.root.children["a0"].children["a1"].ckpt_host is not None
+    assert t.host_checkpoints == 1 and t.held_snapshots == 0 and t.stats.checkpoints_made == 1
+    q = t.prepare(prompt + ["b"], slot=1)
+    assert q.pages == 2 and h.ring[1] == "a1"
+    t.abort(q)
     t.check()
 
 
@@ -497,15 +525,16 @@ def test_a_boundary_snapshot_is_refused_room_and_forgotten_with_the_tier():
     h = SlotHooks()
     t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=0)
     p, rows = _ring_request(t, h, ["a0"], 0)
-    assert t.snapshot_slot(0, ["a0"]) is False and t.stats.checkpoint_backup_dropped == 1
+    assert t.snapshot_slot(0, ["a0"]) is None and t.stats.checkpoint_backup_dropped == 1
     t.release(p, ["a0"], rows, slot=0, slot_tokens=PAGE_TOKENS + 1)
     assert t.host_checkpoints == 0 and t.stats.checkpoints_skipped == 1
     t2 = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
     p, rows = _ring_request(t2, h, ["b0"], 1)
-    assert t2.snapshot_slot(1, ["b0"]) and t2.host_checkpoints == 1
+    s = t2.snapshot_slot(1, ["b0"])
+    assert s is not None and t2.host_checkpoints == 1
     t2.lose_host_tier()
-    assert t2.host_checkpoints == 0 and t2._snapshots == {}
-    t2.release(p, ["b0"], rows, slot=1)  # offline: no checkpoint wanted, nothing to say
+    assert t2.host_checkpoints == 0 and t2.held_snapshots == 0 and s.handle is None
+    t2.release(p, ["b0"], rows, snapshot=s)  # offline: no checkpoint wanted, nothing to say
     t2.check()
 
 

@@ -104,8 +104,8 @@ def test_ring_checkpoints_of_requests_that_end_mid_page(daemon_factory, monkeypa
     if mode == "told_at_boundary":
         real = RadixTree.release
 
-        def told(self, prefix, keys, rows, slot=None, slot_tokens=None):
-            return real(self, prefix, keys, rows, slot, len(keys) * PAGE_TOKENS)
+        def told(self, prefix, keys, rows, slot=None, slot_tokens=None, snapshot=None):
+            return real(self, prefix, keys, rows, slot, len(keys) * PAGE_TOKENS, snapshot)
         monkeypatch.setattr(RadixTree, "release", told)
     d = tiny_daemon(daemon_factory, swa="ring")
     with d.client(timeout=20) as c:

@@ -11,14 +11,16 @@ hashable the engine uses), at most one device row, at most one host handle and, 
   (paged SWA) or into request slot ``slot`` (ring SWA). Every page is locked until ``release``.
 * ``alloc_device(n) -> rows`` — device rows for the pages the engine computes, evicting least
   recently used device copies when the pool is short.
-* ``release(prefix, keys, rows, slot=None, slot_tokens=None)`` — the request finished: its new
-  pages enter the tree, the last page it wrote (and every ``checkpoint_every``-th, and with
-  ``checkpoint_branch`` the deepest cached page it had to recompute) becomes a checkpoint, the
-  prefix is unlocked and the write policy runs. ``free_device(rows)`` returns rows not cached.
-* ``snapshot_slot(slot, keys)`` — ring SWA: the request stands at the end of page ``keys[-1]``
-  and will write on (its prompt ends mid-page, or it decodes): its checkpoint is backed up from
-  the slot now (``hicache.engine.radix_snapshots``). Without one, ``release`` checkpoints a
-  ring slot only when ``slot_tokens`` says it stands exactly at the end of ``keys[-1]``.
+* ``release(prefix, keys, rows, slot=None, slot_tokens=None, snapshot=None)`` — the request
+  finished: its new pages enter the tree, the last page it wrote (and every
+  ``checkpoint_every``-th, and with ``checkpoint_branch`` the deepest cached page it had to
+  recompute) becomes a checkpoint, the prefix is unlocked and the write policy runs.
+  ``free_device(rows)`` returns rows not cached.
+* ``snapshot_slot(slot, keys) -> Snapshot`` — ring SWA: the request stands at the end of page
+  ``keys[-1]`` and will write on (its prompt ends mid-page, or it decodes): that boundary's
+  checkpoint is backed up from the slot now, and ``release(..., snapshot=)`` attaches it
+  (``hicache.engine.radix_snapshots``). Without one, ``release`` checkpoints a ring slot only
+  when ``slot_tokens`` says it stands exactly at the end of ``keys[-1]``.
 
 Mirrors. ``full`` (default): a page copy carries every pool (SWA and states included), so
 every cached page is a resumable boundary — SGLang HiCache's behaviour. ``checkpoints``: a
@@ -74,10 +76,10 @@ from typing import Any, Hashable, Iterable, Sequence
 
 from hicache.engine.hooks import CopyOutcomeUnknown, HostTierError, HostUnavailable, TierHooks
 from hicache.engine.radix_nodes import DeviceFull, Node, Prefix, RowFreeList, TreeStats
-from hicache.engine.radix_snapshots import Snapshots
+from hicache.engine.radix_snapshots import Snapshot, Snapshots
 
 __all__ = ["DeviceFull", "MIRRORS", "Node", "PAGE_TOKENS", "POLICIES", "Prefix", "RadixTree",
-           "RowFreeList", "TreeStats"]
+           "RowFreeList", "Snapshot", "TreeStats"]
 
 PAGE_TOKENS = 256
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -149,7 +151,7 @@ class RadixTree(Snapshots):
         self._host_pending = 0  # host handles held by backups not yet in _host_lru
         self._ckpt_pending = 0  # checkpoint handles held by backups not yet in _ckpt_lru
         self._inflight: list[tuple[Any, list[Node], list[Node]]] = []  # (ticket, pages, ckpts)
-        self._snapshots: dict[int, tuple[tuple[Hashable, ...], Any]] = {}  # slot -> (keys, handle)
+        self._snapshots: set[Snapshot] = set()  # boundary snapshots held (radix_snapshots)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -372,35 +374,36 @@ class RadixTree(Snapshots):
         return sorted(out)
 
     def release(self, prefix: Prefix, keys: Sequence[Hashable], rows: Sequence[int],
-                slot: int | None = None, slot_tokens: int | None = None) -> None:
-        """Insert ``keys[prefix.pages:]`` computed into ``rows``; unlock the prefix. Ring SWA
-        (``slot``): page ``keys[-1]`` is the one page that gets a checkpoint
-        (``checkpoint_every`` / ``_branch`` are refused in ring mode). It is the snapshot
-        ``snapshot_slot(slot, keys)`` took, or else the slot itself when its rings and states
-        took in exactly ``len(keys) * PAGE_TOKENS`` tokens (``slot_tokens``, required then);
-        a slot that went past that boundary (a prompt ending mid-page, decode) makes no
-        checkpoint (``stats.checkpoints_skipped``). A backup from the slot has read it when
-        this returns (the engine may reuse the slot at once)."""
+                slot: int | None = None, slot_tokens: int | None = None,
+                snapshot: Snapshot | None = None) -> None:
+        """Insert ``keys[prefix.pages:]`` computed into ``rows``; unlock the prefix. Ring SWA:
+        page ``keys[-1]`` is the one page whose checkpoint is read from the request ``slot``
+        (``checkpoint_every`` / ``_branch`` are refused in ring mode), and only when the
+        slot's rings and states took in exactly ``len(keys) * PAGE_TOKENS`` tokens
+        (``slot_tokens``, required unless ``snapshot`` covers that page); a slot past that
+        boundary (a prompt ending mid-page, decode) makes none there
+        (``stats.checkpoints_skipped``). ``snapshot`` (``snapshot_slot``), taken after the
+        first ``k`` of ``keys``, becomes page ``keys[k - 1]``'s checkpoint; one of other keys
+        is freed. A backup from the slot has read it when this returns (the engine may reuse
+        the slot at once)."""
         new_keys = keys[prefix.pages:]
         if len(new_keys) != len(rows):
             raise ValueError(f"{len(new_keys)} new pages but {len(rows)} rows given")
         bounds = set(self.checkpoint_indices(prefix.pages, len(keys),
                                              prefix.pages + prefix.unresumable_pages))
         ring = bool(bounds) and not self.device_ckpts and self.host_online
-        if ring and slot is None:
-            raise ValueError("ring SWA mode backs a checkpoint up from a request slot: "
-                             "pass release(..., slot=...)")
-        snap = self._snapshots.get(slot) if ring and slot is not None else None
-        if ring and slot_tokens is None and (snap is None or snap[0] != tuple(keys)):
-            raise ValueError("ring SWA mode: pass release(..., slot_tokens=...), the tokens "
-                             "the slot's rings and states took in (a checkpoint is the slot "
-                             "at a page boundary), or take snapshot_slot() at the boundary")
-        snap_handle = self._snapshot_for(slot, keys) if ring else None
-        if ring and snap_handle is None and slot_tokens != len(keys) * PAGE_TOKENS:
+        covered = self._covers(snapshot, keys)  # pages the snapshot stands after (0: none)
+        at_end = ring and covered == len(keys)  # the snapshot is the last page's checkpoint
+        if ring and not at_end and (slot is None or slot_tokens is None):
+            raise ValueError("ring SWA mode: pass release(..., slot=..., slot_tokens=...), the "
+                             "request slot and the tokens its rings and states took in (a "
+                             "checkpoint is the slot at a page boundary), or a snapshot_slot() "
+                             "taken at the boundary")
+        if not covered:
+            self.drop_snapshot(snapshot)  # other keys (or none held): nothing to attach
+        if ring and not at_end and slot_tokens != len(keys) * PAGE_TOKENS:
             bounds.discard(len(keys) - 1)  # the slot is past that page: its state is not it
             self.stats.checkpoints_skipped += 1
-        elif slot is not None and not self.device_ckpts:
-            self.drop_snapshot(slot)  # no checkpoint wanted here: a stale snapshot goes
         node = prefix.nodes[-1] if prefix.nodes else self.root
         path = list(prefix.nodes)
         created: list[Node] = []
@@ -440,8 +443,9 @@ class RadixTree(Snapshots):
         for n in prefix.nodes:
             n.lock -= 1
         self._touch(path)
-        if snap_handle is not None:  # the boundary's checkpoint, taken before it wrote on
-            self._attach_snapshot(path[-1], snap_handle)
+        if covered and snapshot is not None:  # a boundary's checkpoint, taken before it wrote on
+            if self._attach_snapshot(snapshot, path[covered - 1]) and covered < len(keys):
+                self.stats.checkpoints_made += 1  # (the last page's is counted above)
         ckpts = [n for n in ckpt_nodes if n.ckpt_host is None]
         if self.policy == "write_through":
             self._backup([n for n in created if n.host is None], ckpts, slot)
@@ -456,13 +460,12 @@ class RadixTree(Snapshots):
         if slot is not None and not self.device_ckpts:
             self._settle_slot_backup()  # before the engine reuses the slot
 
-    def abort(self, prefix: Prefix, slot: int | None = None) -> None:
-        """Unlock a prefix whose request is dropped without inserting anything (and free the
-        snapshot taken for its ``slot``, if any)."""
+    def abort(self, prefix: Prefix, snapshot: Snapshot | None = None) -> None:
+        """Unlock a prefix whose request is dropped without inserting anything (and free its
+        ``snapshot``, if any)."""
         for n in prefix.nodes:
             n.lock -= 1
-        if slot is not None:
-            self.drop_snapshot(slot)
+        self.drop_snapshot(snapshot)
 
     # ------------------------------------------------------------------ helpers
     def _set_device(self, node: Node, row: int) -> None:

@@ -37,7 +37,7 @@ class TierOps:
     _host_pending: int
     _ckpt_pending: int
     _inflight: list[tuple[Any, list[Node], list[Node]]]
-    _snapshots: dict[int, Any]  # request slot -> (keys, checkpoint handle): radix_snapshots
+    _snapshots: set[Any]  # held boundary snapshots (radix_snapshots.Snapshot)
 
     @property
     def host_pages(self) -> int:
@@ -204,7 +204,9 @@ class TierOps:
                 n.ckpt_host = None
         self._inflight.clear()
         self._host_pending = self._ckpt_pending = 0
-        self._snapshots.clear()  # their handles went with the tier
+        for snap in self._snapshots:  # their handles went with the tier
+            snap.handle = None
+        self._snapshots.clear()
         for n in list(self._host_lru):
             n.host = None
         self._host_lru.clear()

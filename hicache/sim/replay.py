@@ -219,12 +219,13 @@ class Replay:
         self._write(req, new_keys, rows[: len(new_keys)])  # prefill (and decode) writes the KV
         self._before_release(req, slot, bool(new_keys))
         end = req.input_tokens + req.output_tokens  # what the slot took in (ring SWA)
+        snap = None
         if self.ring_ckpt and new_keys and end != len(req.cache_pages) * PAGE_TOKENS:
             if self.cfg.boundary_snapshots:  # the engine stops at the boundary, then goes on
-                self.tree.snapshot_slot(slot, list(req.cache_pages))
+                snap = self.tree.snapshot_slot(slot, list(req.cache_pages))
             self._past_boundary(req, slot)
         self.tree.release(prefix, list(req.cache_pages), rows[: len(new_keys)], slot=slot,
-                          slot_tokens=end)
+                          slot_tokens=end, snapshot=snap)
         self.tree.free_device(rows[len(new_keys):])
         self._after_release(req)
         dev_only = self._counterfactual(req, keys, slot)
