@@ -10,8 +10,9 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   engine's stream right after its per-layer waits on the daemon's events (CPU mode: the ack);
   command -> ack; GB/s; every loaded byte verified once per size; command -> reply
   (``load_reply_ms``: layer 0 is issued before the reply);
-* the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
-  (``load_handler_ms``, ``backup_handler_ms``: from its ``stats``, ``bench.daemon_times``), so
+* the daemon's own mean handling time of this size's solo LOAD and BACKUP commands, request to
+  reply (``load_handler_ms``, ``backup_handler_ms``: from its ``stats`` around each solo
+  timed command, ``e2e_measure.solo``; the loads beside a backup and the probes are left out), so
   the reply's time splits into the daemon's handling and the trip there and back; and the mean
   time its issuer thread spent issuing the later layers after each reply (``load_issue_ms``,
   GPU: host time the link may wait for);
@@ -60,7 +61,6 @@ import numpy as np
 import psutil
 import torch
 
-from hicache.bench.daemon_times import daemon_times, mean_ms
 from hicache.bench.plotting import check_plot, pyplot
 from hicache.core.config import check_device
 from hicache.core.errors import UsageError
@@ -76,7 +76,7 @@ from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into, scramble,
-                                       load_while_busy, summarize)
+                                       load_while_busy, solo, summarize)
 
 PAGE_TOKENS = 256
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
@@ -270,13 +270,8 @@ def run(args: argparse.Namespace) -> int:
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
                 measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False)
-                before = daemon_times(c.stats()["metrics"])
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
-                after = daemon_times(c.stats()["metrics"])
-                result[key][s]["summary"].update(
-                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
-                    load_issue_ms=mean_ms(before, after, "load_issue"))
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -378,10 +373,11 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                             raise RuntimeError(f"load of {n} pages: pool {name} differs")
         if cuda:
             torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        op = c.backup_new(src)
-        c.wait_ack(op, timeout=120)
-        out["backup_ack"].append(time.perf_counter() - t0)
+        with solo(c):
+            t0 = time.perf_counter()
+            op = c.backup_new(src)
+            c.wait_ack(op, timeout=120)
+            out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
         items = {sp: (host[sp], dst[sp]) for sp in host}
         load_into(out, c, items, stream, cuda, check)

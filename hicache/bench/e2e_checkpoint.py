@@ -69,9 +69,10 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         items.update(hooks.checkpoint_items([(int(sp[0]), ck, n)], to_host=True))
         if cuda:
             torch.cuda.synchronize(dev)
-        t0 = e2e.now()
-        c.wait_ack(c.backup(items), timeout=120)
-        out["backup_ack"].append(e2e.now() - t0)
+        with e2e.solo(c):
+            t0 = e2e.now()
+            c.wait_ack(c.backup(items), timeout=120)
+            out["backup_ack"].append(e2e.now() - t0)
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
         e2e.load_into(out, c, load, stream, cuda, check)
