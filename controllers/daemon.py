@@ -444,7 +444,7 @@ class Daemon:
         sparse = getattr(getattr(self, "state", None), "sparse", None)
         if sparse is not None:
             if getattr(self, "_leak_arena", False):
-                sparse.unlink_all()  # mapped until exit, but no file left behind
+                sparse.close_memfds()  # mapped (and pinned) until exit
             else:
                 sparse.close()
         if self.server is not None:
@@ -474,5 +474,5 @@ def _sparse_region(layout: Any, cfg: Any) -> Any:
         c4 = layout.pools["c4_kv"]
         need = cfg.sparse_rows * c4.page_bytes * c4.num_layers
         raise UsageError(f"--sparse-rows {cfg.sparse_rows}: cannot make the sparse region "
-                         f"(about {format_bytes(need)} of C4 KV in {cfg.shm_dirs[0]}): "
+                         f"(about {format_bytes(need)} of C4 KV): "
                          f"{getattr(e, 'strerror', None) or e}") from None

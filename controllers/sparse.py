@@ -1,11 +1,11 @@
 """HiSparse on the daemon side: the commands ``sparse_region``, ``sparse_admit``,
 ``sparse_extend``, ``sparse_free`` and ``sparse_report`` (handlers in ``SPARSE_HANDLERS``, same
 contract as ``handlers``: validate everything, then act; a refusal changes nothing). The host
-memory is ``controllers.sparse_regions``: one region (file) per client.
+memory is ``controllers.sparse_regions``: one region (a sealed memfd) per client.
 
 * ``sparse_region`` names the client's own region (binding one to it: the spare made at start,
-  or a new file, at most ``--sparse-clients`` at once; only a registered worker binds one);
-  the engine maps that file and runs the swap-in kernel on it. A client's first admission
+  or a new one, at most ``--sparse-clients`` at once; only a registered worker binds one): its
+  ``/proc`` path and token; the engine maps it and runs the swap-in kernel on it. A client's first admission
   binds its region too (after every check: a refused admission binds nothing).
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
   its C4 pages fit in the client's region. Admission takes ``floor(prompt_tokens / 4)`` C4

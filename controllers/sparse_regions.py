@@ -2,23 +2,25 @@
 
 Contract:
 * ``SparseRegions(layout, rows, shm_dir, registrar, min_prompt, max_regions)``: every client
-  that uses sparse mode gets its own ``ClientRegion``, a named shared-memory file
-  (``hicache.core.sparse_shm``) of ``rows`` C4 page rows per C4 layer of the stage, pinned with
-  ``registrar`` on a GPU, with its own ``LayerTable`` and ``RowAllocator`` (rows owned by
-  ``(client, request)``). The engine maps only its own file (``sparse_region`` names it), so the
-  bytes of one client's requests are never in memory another client maps.
+  that uses sparse mode gets its own ``ClientRegion``, a sealed memfd
+  (``hicache.core.sparse_shm``: no engine can truncate it under the daemon's mapping) of
+  ``rows`` C4 page rows per C4 layer of the stage, pinned with ``registrar`` on a GPU, with its
+  own ``LayerTable`` and ``RowAllocator`` (rows owned by ``(client, request)``). The engine maps
+  only its own region (``sparse_region`` names it: its ``/proc`` path and token), so the bytes
+  of one client's requests are never in memory another client maps. ``shm_dir`` is only swept
+  once, at start, of the region files earlier versions' killed daemons left there.
 * One region is made at start (``spare``: the memory is checked then, and the first client
   takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare, at most
   ``max_regions`` at once (``no_space`` beyond, naming ``--sparse-clients``). Whenever no spare
   is left and another client could still bind one (after a bind, a detach or a drop), the next
-  spare is made on a thread of its own (``hicache-sparse-region``): reserving the file and, on
+  spare is made on a thread of its own (``hicache-sparse-region``): reserving the memory and, on
   a GPU, its ``cudaHostRegister`` take milliseconds per GiB that the server loop would
   otherwise spend. A bind that comes first waits for that thread, or (it failed) makes the
   region itself. Regions detached and not yet closed count against ``max_regions`` too (a
   bind then is refused ``busy``): at most ``max_regions`` regions exist, spare aside.
 * ``detach(cid)``: an ``unregister`` or a reap takes the client's region away at once (a later
-  bind, even by the same client, gets a new file) and ``close_region`` closes it once the
-  copies into it ended: unpinned, file unlinked (the memory goes when the engine's mapping goes
+  bind, even by the same client, gets a new region) and ``close_region`` closes it once the
+  copies into it ended: unpinned, memfd closed (the memory goes when the engine's mapping goes
   too). ``drop(cid)`` closes a bound region that holds no row (a client forgotten). A region
   is never handed to another client.
 * ``requests``: sparse requests by name (names are global to the daemon), each with its
@@ -34,7 +36,7 @@ from typing import Any
 
 from hicache.core.layout import Layout
 from hicache.core.protocol import ProtocolError
-from hicache.core.sparse_shm import SparseShm
+from hicache.core.sparse_shm import SparseShm, sweep_old_regions
 from hicache.host_pools.allocator import RowAllocator
 from hicache.kernels.tables import LayerTable, TokenFormat
 
@@ -51,7 +53,7 @@ class SparseRequest:
 
 @dataclass
 class ClientRegion:
-    """One client's sparse host memory: its file, its kernel table, its rows."""
+    """One client's sparse host memory: its memfd, its kernel table, its rows."""
 
     shm: SparseShm
     table: LayerTable
@@ -71,13 +73,13 @@ class SparseRegions:
         self.regions: dict[str, ClientRegion] = {}
         self.closing: list[ClientRegion] = []  # detached, open until their copies ended
         self.requests: dict[str, SparseRequest] = {}
+        sweep_old_regions(shm_dir)
         self.spare: ClientRegion | None = self._make()
         # the next spare being made off the loop: its thread and what it made (or raised)
         self._making: tuple[threading.Thread, list[Any]] | None = None
 
     def _make(self) -> ClientRegion:
-        shm = SparseShm.create(self.shm_dir, self.spec.num_layers, self.rows,
-                               self.spec.page_bytes)
+        shm = SparseShm.create(self.spec.num_layers, self.rows, self.spec.page_bytes)
         if self.registrar is not None:
             try:
                 self.registrar.register(shm.base_ptr, shm.nbytes)
@@ -92,7 +94,8 @@ class SparseRegions:
 
     def bind(self, cid: str) -> ClientRegion:
         """The client's region: its own, else the spare, else a new one (``no_space`` when
-        ``max_regions`` clients hold one; ``no_space`` too when the file cannot be made)."""
+        ``max_regions`` clients hold one; ``no_space`` too when the memory cannot be
+        reserved)."""
         reg = self.regions.get(cid)
         if reg is not None:
             return reg
@@ -109,9 +112,9 @@ class SparseRegions:
         if reg is None:
             try:
                 reg = self._make()
-            except Exception as e:  # noqa: BLE001 - tmpfs full, pinning refused: one line
+            except Exception as e:  # noqa: BLE001 - no memory, pinning refused: one line
                 raise ProtocolError("no_space", f"cannot make a sparse region of "
-                                                f"{self.region_bytes} B in {self.shm_dir}: "
+                                                f"{self.region_bytes} B: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
         self.regions[cid] = reg
         self._refill()
@@ -209,13 +212,13 @@ class SparseRegions:
     def allocators(self) -> list[RowAllocator]:
         return [r.alloc for r in self.regions.values()]
 
-    def unlink_all(self) -> None:
-        """A stop that gave up waiting for copies: every region's file is unlinked, its
-        mapping (and pinning) left alone until the process exits (a copy may still touch
-        it), so no full-size file outlives the daemon."""
+    def close_memfds(self) -> None:
+        """A stop that gave up waiting for copies: every region's memfd is closed (no engine
+        opens one any more), its mapping (and pinning) left alone until the process exits (a
+        copy may still touch it)."""
         self._collect(wait=True)
         for reg in [*self.regions.values(), *self.closing, *([self.spare] if self.spare else [])]:
-            reg.shm.close()  # unlinks; the mapping lives on in the region's table
+            reg.shm.close()  # the mapping lives on in the region's table
 
     def close(self) -> None:
         self._collect(wait=True)  # a spare still being made is closed too

@@ -9,6 +9,12 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 
 ``shared_daemon`` is the same default daemon shared by a whole test module.
 
+``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
+in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
+tensor view still keeps; garbage is collected first); ``region_held(info)`` says whether the region a
+``sparse_region`` reply names is still open in its daemon (the ``/proc`` path alone is not
+enough: the daemon may reuse the descriptor number, so the token is checked too).
+
 ``DaemonProcess`` is ``hicache.engine.daemon_process.DaemonProcess``: ``.address``, ``.metrics_port``,
 ``.proc``, ``.output()`` (stdout+stderr so far), ``.client(**kw)`` (a ``hicache.engine.client.Client``),
 ``.stop(sig=SIGTERM) -> returncode``.
@@ -78,3 +84,30 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     d = start_daemon(tmp_path_factory.mktemp("daemon"))
     yield d
     d.close()
+
+
+def sparse_memfds() -> int:
+    import gc
+
+    from hicache.core.sparse_shm import SPARSE_PREFIX
+
+    gc.collect()
+    inodes = set()  # a mapping keeps a descriptor of its own (``mmap`` dups it)
+    for name in os.listdir("/proc/self/fd"):
+        path = f"/proc/self/fd/{name}"
+        try:
+            if os.readlink(path).startswith(f"/memfd:{SPARSE_PREFIX}"):
+                inodes.add(os.stat(path).st_ino)
+        except OSError:
+            pass
+    return len(inodes)
+
+
+def region_held(info: dict[str, Any]) -> bool:
+    from hicache.core.sparse_shm import SparseShm
+
+    try:
+        SparseShm.open(info).close()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -459,13 +459,14 @@ class _Worker:
 
 def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
     """``unregister`` with a copy in flight: the client's sparse region is taken from it at
-    once (its file closes when the copy ended), and while the client waits to be forgotten it
+    once (its memfd closes when the copy ended), and while the client waits to be forgotten it
     cannot bind another (``not_registered``: binding takes a worker). A client that registers
-    again meanwhile gets a new file (``--sparse-clients 2``: the closing one still counts),
+    again meanwhile gets a new region (``--sparse-clients 2``: the closing one still counts),
     never the one that is closing. ``stats check`` flags a region bound to a client the daemon
     forgot."""
-    import os
     from types import SimpleNamespace
+
+    from conftest import region_held
 
     from hicache.controllers.handlers import HANDLERS
     from hicache.core.protocol import ProtocolError
@@ -475,28 +476,28 @@ def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
         st = d.state
         c = st.registry.touch(b"engine-s", 0.0)
         c.worker = _Worker()
-        first = HANDLERS["sparse_region"](st, c, {}, [])[0]["path"]
+        first = HANDLERS["sparse_region"](st, c, {}, [])[0]
         HANDLERS["sparse_admit"](st, c, {"request": "r", "prompt_tokens": 256}, [])
         st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
         HANDLERS["unregister"](st, c, {}, [])
-        assert st.sparse.of(c.cid) is None and os.path.exists(first)  # detached, still open
+        assert st.sparse.of(c.cid) is None and region_held(first)  # detached, still open
         with pytest.raises(ProtocolError) as e:
             HANDLERS["sparse_admit"](st, c, {"request": "r2", "prompt_tokens": 256}, [])
         assert e.value.code == "not_registered" and st.sparse.of(c.cid) is None
-        c.worker = _Worker()  # it registers again: a new file
-        second = HANDLERS["sparse_region"](st, c, {}, [])[0]["path"]
-        assert second != first
+        c.worker = _Worker()  # it registers again: a new region
+        second = HANDLERS["sparse_region"](st, c, {}, [])[0]
+        assert second["path"] != first["path"] and second["token"] != first["token"]
         del st.ops[777]
         st.releaser.dirty = True
         st.releaser.step()  # the copy ended: the first region closes, the second stays
-        assert not os.path.exists(first) and os.path.exists(second)
+        assert not region_held(first) and region_held(second)
         assert st.report(True)["invariants"] == "ok"
         st.sparse.regions["ghost"] = st.sparse.regions[c.cid]  # as if its client were forgotten
         assert "sparse regions bound to clients" in st.report(True)["invariants"]
         del st.sparse.regions["ghost"]
         st.reap(c, "silent")
         st.releaser.step()
-        assert st.sparse.of(c.cid) is None and not os.path.exists(second)
+        assert st.sparse.of(c.cid) is None and not region_held(second)
         assert st.report(True)["invariants"] == "ok"
     finally:
         d.close()
@@ -642,26 +643,29 @@ def test_a_reset_frees_its_sparse_rows_in_the_region_they_came_from(tmp_path):
 def test_regions_still_closing_count_against_sparse_clients(tmp_path):
     """``--sparse-clients 1``: a client that unregisters while a copy into its region runs,
     registers again and asks for a region is refused ``busy`` until that copy ended and the
-    region closed (it used to get a new full-size file each time); then it gets one."""
+    region closed (it used to get a new full-size region each time); then it gets one."""
+    from conftest import sparse_memfds
+
     from hicache.controllers.handlers import HANDLERS
     from hicache.core.protocol import ProtocolError
 
+    before = sparse_memfds()
     d = _sparse_daemon(tmp_path, 1)
     try:
         st = d.state
         c = _engine_with_region(st)
-        files = lambda: [f for f in os.listdir(tmp_path) if f.startswith("hicache-sparse-")]  # noqa: E731
+        regions_open = lambda: sparse_memfds() - before  # noqa: E731
         for _ in range(3):
             HANDLERS["unregister"](st, c, {}, [])
             c.worker = _Worker()
             with pytest.raises(ProtocolError) as e:
                 HANDLERS["sparse_region"](st, c, {}, [])
             assert e.value.code == "busy" and "still close" in str(e.value)
-        assert len(files()) == 1 and len(st.sparse.closing) == 1
+        assert regions_open() == 1 and len(st.sparse.closing) == 1
         _copy_ends(st)  # the region closes, the next is made off the loop
         assert not st.sparse.closing
         HANDLERS["sparse_region"](st, c, {}, [])
-        assert len(files()) == 1 and st.sparse.of(c.cid) is not None
+        assert regions_open() == 1 and st.sparse.of(c.cid) is not None
     finally:
         d.close()
 
@@ -695,18 +699,19 @@ def test_sparse_report_is_bounded_and_needs_a_region(tmp_path):
 
 
 def test_a_dead_daemons_sparse_region_files_are_swept(tmp_path):
-    """A region file whose creating process is gone (a killed daemon) is removed when the next
-    region is made; a live process's file stays."""
+    """A region file (``/dev/shm/hicache-sparse-*``, what earlier versions made) whose creating
+    process is gone (a killed daemon) is removed when the next daemon with sparse regions
+    starts; a live process's file stays."""
     from hicache.core import shm_file
-    from hicache.core.sparse_shm import SPARSE_PREFIX, SparseShm
+    from hicache.core.sparse_shm import SPARSE_PREFIX
 
     dead = tmp_path / f"{SPARSE_PREFIX}{2 ** 22 + 12345}-abcdef"
     live = tmp_path / f"{SPARSE_PREFIX}{os.getpid()}-abcdef"
     for p in (dead, live):
         p.write_bytes(b"x")
         os.utime(p, (time.time() - 2 * shm_file.STALE_AFTER_S,) * 2)
-    shm = SparseShm.create(str(tmp_path), 2, 2, 64)
+    d = _sparse_daemon(tmp_path, 1)
     try:
         assert not dead.exists() and live.exists()
     finally:
-        shm.close()
+        d.close()

@@ -1,8 +1,11 @@
-"""HiSparse on a live CPU daemon: the sparse host region (named shm, 0600), admission, backup
-from the worker's C4 device rows and decode tokens, ownership, reaping, metrics, and refusals
-that change nothing. Then the engine's hot buffer runs on the daemon's region."""
+"""HiSparse on a live CPU daemon: the sparse host region (a sealed memfd, 0600, that an engine
+cannot truncate under the daemon), admission, backup from the worker's C4 device rows and decode
+tokens, ownership, reaping, metrics, and refusals that change nothing. Then the engine's hot
+buffer runs on the daemon's region."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import time
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from hicache.core.layout import build_layout, preset
-from hicache.engine.client import CommandRefused
+from hicache.engine.client import CommandRefused, DaemonUnreachable
 from hicache.engine.device_pools import DevicePools
 
 ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
@@ -207,16 +210,18 @@ def test_pages_an_admission_does_not_fill_are_zeroed(sparse_daemon):
         _leave((a, pa))
 
 
-def test_each_client_has_its_own_region_file(sparse_daemon):
-    """Two engines get two files: neither maps the other's rows, and one's admissions take
+def test_each_client_has_its_own_region(sparse_daemon):
+    """Two engines get two regions: neither maps the other's rows, and one's admissions take
     nothing from the other's. Another's request is refused ``not_owner``. A dead client's
-    region file goes after its reap; one that unregisters loses its file at once; ``reset``
+    region goes after its reap; one that unregisters loses its region at once; ``reset``
     keeps it (the engine's mapping stays valid)."""
+    from conftest import region_held
+
     a, pa = _worker(sparse_daemon, "a")
     b, pb = _worker(sparse_daemon, "b")
     ia, ib = a.sparse_region(), b.sparse_region()
     assert ia["path"] != ib["path"] and ia["rows"] == ib["rows"] == 6
-    assert a.sparse_region()["path"] == ia["path"]  # asking again names the same file
+    assert a.sparse_region() == ia  # asking again names the same region
     sa, sb = a.map_sparse_region(), b.map_sparse_region()
     rows_a = a.sparse_admit("mine", 5 * 64 * 4, device_rows=[0, 1, 2, 3, 4])  # 5 of a's 6
     snap_a = [t.clone() for t in sa.layers]
@@ -230,13 +235,13 @@ def test_each_client_has_its_own_region_file(sparse_daemon):
     assert all(bool(t[rows_a].any()) for t in sa.layers)
     assert b.sparse_free("theirs") == 6
     b.reset()
-    assert b.sparse_region()["path"] == ib["path"] and os.path.exists(ib["path"])
+    assert b.sparse_region() == ib and region_held(ib)
     _leave((b, pb))
-    assert not os.path.exists(ib["path"]), "an unregistered client's region file is left"
+    assert not region_held(ib), "an unregistered client's region is left open"
     a.close()  # no unregister, no heartbeats: reaped after the 3 s timeout
     deadline = time.monotonic() + 15
-    while os.path.exists(ia["path"]):
-        assert time.monotonic() < deadline, "a dead client's region file was never removed"
+    while region_held(ia):
+        assert time.monotonic() < deadline, "a dead client's region was never closed"
         time.sleep(0.3)
     pa.close()
 
@@ -244,14 +249,14 @@ def test_each_client_has_its_own_region_file(sparse_daemon):
 def test_sparse_clients_bounds_the_regions(tmp_path):
     """``--sparse-clients 1``: a second client's first sparse command is refused ``no_space``
     naming the option, and changes nothing; once the first unregisters, the second gets a new
-    file (never the first's)."""
-    from conftest import start_daemon
+    region (never the first's)."""
+    from conftest import region_held, start_daemon
 
     d = start_daemon(tmp_path, extra=("--sparse-rows", "2", "--min-sparse-prompt-len", "256"))
     try:
         a, pa = _worker(d, "a")
         b, pb = _worker(d, "b")
-        first = a.sparse_region()["path"]
+        first = a.sparse_region()
         for call in (b.sparse_region, lambda: b.sparse_admit("r", 256)):
             with pytest.raises(CommandRefused) as e:
                 call()
@@ -259,11 +264,62 @@ def test_sparse_clients_bounds_the_regions(tmp_path):
         assert len(a.sparse_admit("r", 2 * 64 * 4)) == 2  # a's region is whole
         assert a.sparse_free("r") == 2
         _leave((a, pa))
-        second = b.sparse_region()["path"]
-        assert second != first and not os.path.exists(first)
+        second = b.sparse_region()
+        assert second["token"] != first["token"] and not region_held(first)
         assert len(b.sparse_admit("r", 2 * 64 * 4)) == 2
         assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
         _leave((b, pb))
+    finally:
+        d.close()
+
+
+def _touch_rows(a, r: str) -> list[int]:
+    """Commands that make the daemon write A's region: an admission without device rows (its
+    pages zeroed), an extend by one page (zeroed), an admission copied from device rows."""
+    rows = a.sparse_admit(r, 2 * 64 * 4)
+    rows = a.sparse_extend(r, 3 * 64 * 4)
+    return rows + a.sparse_admit(r + "-copy", 2 * 64 * 4, device_rows=[5, 2])
+
+
+def test_an_engine_that_truncates_its_region_cannot_take_the_daemon_down(tmp_path):
+    """Engine A truncates its sparse region (through the path ``sparse_region`` names, as any
+    process of its uid could) to half its rows, then to nothing, then grows it, and after each
+    makes the daemon write the region (zeroing rows, copying device rows into them): the daemon
+    maps that memory too, and died of SIGBUS at its first such write (exit -7), every client's
+    work with it. The region is sealed now: each truncate is refused (EPERM), the daemon lives,
+    A's region holds what the daemon wrote, and engine B is served."""
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path, extra=("--sparse-rows", "6", "--min-sparse-prompt-len", "256",
+                                      "--sparse-clients", "2"))
+    try:
+        (a, pa), (b, pb) = _worker(d, "a"), _worker(d, "b")
+        shm, info = a.map_sparse_region(), a.sparse_region()
+        fd = os.open(info["path"], os.O_RDWR)
+        full = os.fstat(fd).st_size
+        try:
+            for i, size in enumerate((info["bytes"] // 2, 0, full + 4096)):
+                try:
+                    os.ftruncate(fd, size)
+                    refused = None
+                except OSError as e:
+                    refused = e.errno
+                rows = []
+                with contextlib.suppress(DaemonUnreachable):
+                    rows = _touch_rows(a, f"r{i}")
+                assert d.alive(), (f"A's region truncated to {size} bytes killed the daemon "
+                                   f"(exit status {d.returncode})")
+                assert refused == errno.EPERM and os.fstat(fd).st_size == full, (size, refused)
+                for h, dv in zip(shm.layers, pa.layers["c4_kv"]):
+                    assert not h[rows[:3]].any()  # zeroed
+                    assert torch.equal(h[rows[3]], dv[5]) and torch.equal(h[rows[4]], dv[2])
+                assert a.sparse_free(f"r{i}") == 3 and a.sparse_free(f"r{i}-copy") == 2
+                got = b.sparse_admit("b", 2 * 64 * 4, device_rows=[1, 4])  # B is served
+                assert len(got) == 2 and b.sparse_free("b") == 2
+        finally:
+            os.close(fd)
+        assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
+        _leave((a, pa), (b, pb))
     finally:
         d.close()
 
@@ -456,10 +512,13 @@ def test_later_sparse_regions_are_made_off_the_loop(tmp_path, monkeypatch):
     that fails too)."""
     import threading
 
+    from conftest import sparse_memfds
+
     from hicache.controllers.sparse_regions import SparseRegions
     from hicache.core.protocol import ProtocolError
 
     made: list[str] = []
+    before = sparse_memfds()
     fail: list[bool] = []
     region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
     real = region._make
@@ -472,19 +531,20 @@ def test_later_sparse_regions_are_made_off_the_loop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(region, "_make", make)
     try:
-        files = lambda: sorted(p.name for p in tmp_path.iterdir())  # noqa: E731
-        assert len(files()) == 1  # the spare made at start
+        files = lambda: sparse_memfds() - before  # noqa: E731 - regions open
+        assert files() == 1  # the spare made at start
         a = region.bind("a")
         region._making[0].join(10)  # the next spare, for a second client
-        assert made == ["hicache-sparse-region"] and len(files()) == 2
+        assert made == ["hicache-sparse-region"] and files() == 2
         b = region.bind("b")  # takes it: nothing made on this thread
         assert made == ["hicache-sparse-region"] and b is not a and not region.making
+        del a  # (the closed region's memory goes with its last view)
         with pytest.raises(ProtocolError, match="--sparse-clients 2"):
             region.bind("c")
-        assert len(files()) == 2  # two bound, no spare beyond max_regions
+        assert files() == 2  # two bound, no spare beyond max_regions
         region.close_region(region.detach("a"))  # a place is free: the next spare is made
         region._making[0].join(10)
-        assert made == ["hicache-sparse-region"] * 2 and len(files()) == 2
+        assert made == ["hicache-sparse-region"] * 2 and files() == 2
         fail.append(True)
         region.bind("c")  # takes that spare; two bound: no refill
         assert len(made) == 2 and not region.making
@@ -496,20 +556,65 @@ def test_later_sparse_regions_are_made_off_the_loop(tmp_path, monkeypatch):
         assert made[-1] == threading.current_thread().name and region.of("d") is None
     finally:
         region.close()
-    assert list(tmp_path.iterdir()) == []  # every region closed, none left behind
+    del b
+    assert sparse_memfds() == before  # every region closed, its memory gone
+    assert list(tmp_path.iterdir()) == []  # and no file made
 
 
-def test_an_abandoned_stop_unlinks_every_region_file_and_keeps_the_mappings(tmp_path):
-    """A stop that gave up waiting for copies (``unlink_all``): no region file outlives the
-    daemon, while the mappings a late copy may still touch stay valid."""
+def test_an_abandoned_stop_closes_every_region_memfd_and_keeps_the_mappings(tmp_path):
+    """A stop that gave up waiting for copies (``close_memfds``): no engine can open a region
+    any more, while the mappings a late copy may still touch stay valid."""
+    from conftest import region_held, sparse_memfds
+
     from hicache.controllers.sparse_regions import SparseRegions
 
+    before = sparse_memfds()
     region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
     a = region.bind("a")
     region._collect(wait=True)  # the spare made for a second client
+    info = region.info("a")
     region.detach("a")  # closing: still mapped
-    assert len(list(tmp_path.iterdir())) == 2
-    region.unlink_all()
-    assert list(tmp_path.iterdir()) == []
+    assert sparse_memfds() - before == 2 and region_held(info)
+    region.close_memfds()
+    assert not region_held(info) and list(tmp_path.iterdir()) == []
     a.table.layers[0][1].fill_(7)  # the mapping is still there
     assert int(a.table.layers[0][1][0]) == 7
+
+
+def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch):
+    """The region (``core.sealed_memfd``): no descriptor of it can change its size, the engine's
+    open checks the size and the token (a reused descriptor number is never taken for it), a
+    closed one cannot be opened, and one larger than the memory available is refused up front
+    (ENOMEM, nothing left open: a memfd has no tmpfs cap, and reserving past memory would end
+    in the OOM killer)."""
+    from hicache.core import sealed_memfd
+    from hicache.core.sparse_shm import ALIGN, SparseShm
+
+    shm = SparseShm.create(3, 5, 1000)
+    info = shm.info()
+    assert (info["bytes"], info["layer_stride"]) == (3 * 8192, 8192)
+    eng = SparseShm.open(info)
+    fd = os.open(info["path"], os.O_RDWR)
+    try:
+        assert os.fstat(fd).st_size == info["bytes"] + ALIGN
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        for size in (0, ALIGN, info["bytes"], info["bytes"] + 2 * ALIGN):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    eng.layers[2][4].fill_(3)  # one memory: the daemon's view sees the engine's write
+    assert bool((shm.layers[2][4] == 3).all())
+    with pytest.raises(ValueError, match="not this hicache sparse region"):
+        SparseShm.open(dict(info, token=info["token"] ^ 2))
+    with pytest.raises(ValueError, match="expected"):
+        SparseShm.open(dict(info, rows=4))
+    shm.close()
+    with pytest.raises(OSError, match="in its pid namespace"):
+        SparseShm.open(info)
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(sealed_memfd, "memory_available", lambda: 1 << 20)
+    with pytest.raises(OSError) as e:
+        SparseShm.create(3, 200, 8192)
+    assert e.value.errno == errno.ENOMEM and "available" in str(e.value)
+    assert set(os.listdir("/proc/self/fd")) <= before

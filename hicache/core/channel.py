@@ -7,8 +7,8 @@ request is a memory write the daemon's busy-polling loop sees at once (or one da
 wakes its ``poll`` directly), and a reply is a memory write the client's reply spin sees.
 
 Contract:
-- ``Channel.create(request_bytes, reply_bytes)`` (the daemon) makes an anonymous sealed memfd:
-  sized, its pages reserved (no memory is an ``OSError`` there, not a fault at a first touch),
+- ``Channel.create(request_bytes, reply_bytes)`` (the daemon) makes an anonymous sealed memfd
+  (``core.sealed_memfd``, shared with the sparse region): sized, its pages reserved (no memory is an ``OSError`` there, not a fault at a first touch),
   mode 0600, and sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
   F_SEAL_SEAL``), so no process holding it, the client included, can change its size: a
   truncate is refused (EPERM) instead of making the daemon's next touch of the mapping a
@@ -50,7 +50,6 @@ Contract:
 """
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import platform
@@ -59,6 +58,7 @@ import socket
 import struct
 from typing import Any, Sequence
 
+from .sealed_memfd import create_sealed, open_sealed
 from .shm_file import sweep_stale
 
 CHANNEL_PREFIX = "hicache-chan-"
@@ -74,7 +74,6 @@ _MAGIC, _REQ_CAP, _REP_CAP, _CLOSED, _TOKEN = 0, 1, 2, 3, 4
 _REQ_SEQ, _REQ_LEN = 8, 9  # the client's words (own cache line)
 _REP_SEQ, _REP_LEN = 16, 17  # the daemon's words (own cache line)
 _U32 = struct.Struct("<I")
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def supported() -> str | None:
@@ -143,20 +142,10 @@ class Channel:
             if not 64 <= v <= MAX_SLOT_BYTES or v % 8:
                 raise ValueError(f"channel {what} slot of {v} bytes; give a multiple of 8 in "
                                  f"64..{MAX_SLOT_BYTES}")
-        nbytes = cls.size(request_bytes, reply_bytes)
-        fd = os.memfd_create(CHANNEL_PREFIX, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)  # pages now: an OSError, not a SIGBUS at a touch
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # nobody changes its size from here on
-            mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        ch = cls(f"/proc/{os.getpid()}/fd/{fd}", mm, request_bytes, reply_bytes, fd)
+        m = create_sealed(CHANNEL_PREFIX, cls.size(request_bytes, reply_bytes), _TOKEN * 8)
+        ch = cls(m.path, m.mm, request_bytes, reply_bytes, m.fd)
         w = ch._words
-        w[_REQ_CAP], w[_REP_CAP], w[_TOKEN] = request_bytes, reply_bytes, secrets.randbits(64)
+        w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
         w[_MAGIC] = MAGIC
         return ch
 
@@ -168,24 +157,10 @@ class Channel:
     def open(cls, info: dict[str, Any]) -> "Channel":
         """Open and map the memfd the daemon created (through its /proc fd link), and check it."""
         path, req, rep = str(info["path"]), int(info["request_bytes"]), int(info["reply_bytes"])
-        nbytes = cls.size(req, rep)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot open {path} ({e.strerror}): the channel is the "
-                                   f"daemon's memfd, open to a process of its uid, in its pid "
-                                   f"namespace, where /proc is not restricted") from None
-        try:
-            if os.fstat(fd).st_size != nbytes:
-                raise ValueError(f"channel {path} has {os.fstat(fd).st_size} bytes, "
-                                 f"expected {nbytes}")
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        mm = open_sealed(path, cls.size(req, rep), int(info["token"]), _TOKEN * 8, "channel")
         ch = cls(path, mm, req, rep)
         w = ch._words
-        if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP], w[_TOKEN]) != \
-                (MAGIC, req, rep, int(info["token"])):
+        if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP]) != (MAGIC, req, rep):
             ch.close()
             raise ValueError(f"{path} is not this hicache channel")
         return ch

@@ -87,7 +87,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sparse_rows", _H, "HiSparse: C4 page rows per C4 layer of each client's sparse "
             "host region (0 = no sparse mode; docs/hisparse.md)"),
     Setting("sparse_clients", _H, "HiSparse: clients that may hold a sparse region at once, "
-            "each its own file of --sparse-rows rows, made on its first sparse command [1]"),
+            "each its own region of --sparse-rows rows, made on its first sparse command [1]"),
     Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
             "sparse mode"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "

@@ -4,7 +4,8 @@ killed process left behind.
 Contract: ``new_mapped_file(path, nbytes)`` creates ``path`` (mode 0600, exclusive: an existing
 file is an error), sizes it to ``nbytes`` and maps it read-write; on any failure the file is
 removed and the error raised, so nothing is left behind. Naming and unlinking are the callers'
-(``core.ipc``, ``core.sparse_shm``, the fuzzer's peers).
+(``core.ipc``, the fuzzer's peers; memory a client must not resize is a sealed memfd,
+``core.sealed_memfd``, instead).
 ``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
 whose creating process is gone and that were not modified for ``STALE_AFTER_S``.
 """
@@ -20,15 +21,11 @@ STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not b
 _CREATOR = re.compile(r"(\d+)-[0-9a-f]+$")  # the creating pid before the random suffix
 
 
-def new_mapped_file(path: str, nbytes: int, reserve: bool = False) -> mmap.mmap:
-    """Make ``path`` (0600, exclusive) of ``nbytes`` and map it. ``reserve``: allocate its
-    blocks now (``posix_fallocate``), so a full tmpfs is an ``OSError`` here, not a SIGBUS
-    at the first touch of a page."""
+def new_mapped_file(path: str, nbytes: int) -> mmap.mmap:
+    """Make ``path`` (0600, exclusive) of ``nbytes`` and map it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
-        if reserve:
-            os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes)
     except BaseException:
         try:
