@@ -104,7 +104,6 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     # the daemon's own handling of this size's commands (its stats), below what the engine waits
     assert 0 < m["load_handler_ms"] < m["load_ack_ms"]
     assert 0 < m["backup_handler_ms"] < m["backup_ack_ms"]
-    assert m["load_issue_ms"] is None  # CPU loads have no later layers to issue
     # the checkpoints mirror: compressed pages plus one checkpoint, every byte verified
     from hicache.core.layout import build_layout, preset
     from hicache.core.resume import ResumeModel
@@ -168,22 +167,6 @@ def test_daemon_times_mean_between_two_readings():
     assert a == {"load": (3, 0.003)}
     assert abs(mean_ms(a, b, "load") - 2.0) < 1e-9
     assert mean_ms(a, a, "load") is None and mean_ms(a, b, "backup") is None
-
-
-def test_windows_sum_chosen_stretches_only():
-    """``Windows`` adds the deltas of (before, after) pairs only: commands between the
-    stretches (a bench's loads beside a backup, its probes) are not counted."""
-    from hicache.bench.daemon_times import Windows
-
-    w = Windows()
-    w.add({"load": (1, 0.001)}, {"load": (2, 0.003), "backup": (1, 0.004)})
-    w.add({"load": (9, 0.100), "backup": (4, 0.050)}, {"load": (10, 0.104), "backup": (4, 0.050)})
-    assert w.sums.keys() == {"load", "backup"}
-    assert w.sums["load"][0] == 2 and w.sums["backup"][0] == 1
-    assert abs(w.mean_ms("load") - 3.0) < 1e-9 and abs(w.mean_ms("backup") - 4.0) < 1e-9
-    assert w.mean_ms("load_issue") is None
-    w.clear()
-    assert w.mean_ms("load") is None
 
 
 def test_daemon_times_add_the_load_issue_after_the_reply():

@@ -5,11 +5,9 @@ Contract: ``command_times(metrics) -> {command: (count, seconds)}`` from a ``sta
 ``metrics``; ``daemon_times(metrics)`` the same plus the key ``load_issue``: the issuer thread's
 issue of GPU loads' later layers after their replies (its ``hicache_load_issue_seconds``
 histogram); ``mean_ms(before, after, key)`` is the mean time in ms of that key's commands (or
-issues) between two such readings (None when there were none). ``Windows`` sums the deltas of
-several such pairs (``add(before, after)``; ``mean_ms(key)``, ``clear()``): the commands of
-chosen stretches only, e.g. a bench's solo loads without the loads it runs beside a backup.
-Benches use it to split what the engine waits for into the daemon's handling and the rest
-(transport, client), and to show how long the daemon's host work after the reply lasts.
+issues) between two such readings (None when there were none). Benches use it to split what the
+engine waits for into the daemon's handling and the rest (transport, client), and to show how
+long the daemon's host work after the reply lasts.
 """
 from __future__ import annotations
 
@@ -43,22 +41,3 @@ def mean_ms(before: Times, after: Times, command: str) -> float | None:
     n0, s0 = before.get(command, (0, 0.0))
     n1, s1 = after.get(command, (0, 0.0))
     return (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else None
-
-
-class Windows:
-    """The count and seconds of each key summed over several (before, after) readings."""
-
-    def __init__(self) -> None:
-        self.sums: Times = {}
-
-    def add(self, before: Times, after: Times) -> None:
-        for key, (n1, s1) in after.items():
-            n0, s0 = before.get(key, (0, 0.0))
-            n, s = self.sums.get(key, (0, 0.0))
-            self.sums[key] = (n + n1 - n0, s + s1 - s0)
-
-    def mean_ms(self, key: str) -> float | None:
-        return mean_ms({}, self.sums, key)
-
-    def clear(self) -> None:
-        self.sums.clear()

@@ -10,9 +10,9 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   engine's stream right after its per-layer waits on the daemon's events (CPU mode: the ack);
   command -> ack; GB/s; every loaded byte verified once per size; command -> reply
   (``load_reply_ms``: layer 0 is issued before the reply);
-* the daemon's own mean handling time of this size's solo LOAD and BACKUP commands, request to
-  reply (``load_handler_ms``, ``backup_handler_ms``: from its ``stats`` around each solo
-  timed command, ``e2e_measure.solo``; the loads beside a backup and the probes are left out), so
+* the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
+  (``load_handler_ms``, ``backup_handler_ms``: from its ``stats`` before and after
+  ``HANDLER_RUNS`` extra solo runs that follow the timed ones, ``bench.daemon_times``), so
   the reply's time splits into the daemon's handling and the trip there and back; and the mean
   time its issuer thread spent issuing the later layers after each reply (``load_issue_ms``,
   GPU: host time the link may wait for);
@@ -61,6 +61,7 @@ import numpy as np
 import psutil
 import torch
 
+from hicache.bench.daemon_times import daemon_times, mean_ms
 from hicache.bench.plotting import check_plot, pyplot
 from hicache.core.config import check_device
 from hicache.core.errors import UsageError
@@ -76,9 +77,10 @@ from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into, scramble,
-                                       load_while_busy, solo, summarize)
+                                       load_while_busy, summarize)
 
 PAGE_TOKENS = 256
+HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after the timed runs)
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
 HOST_RATIO = 2.0  # the daemon's host rows : the engine's device rows
 MIRRORS = ("full", "checkpoints")
@@ -272,6 +274,16 @@ def run(args: argparse.Namespace) -> int:
                 measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False)
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev)
+                # the daemon's handling times: extra solo runs (no load beside a backup, no
+                # probe) between two stats readings; none taken during the timed runs, where a
+                # stats call before a load slowed its first layer (H200, twenty-ninth session)
+                before = daemon_times(c.stats()["metrics"])
+                measure(c, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda, dev,
+                        probe=False, busy=False)
+                after = daemon_times(c.stats()["metrics"])
+                result[key][s]["summary"].update(
+                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
+                    load_issue_ms=mean_ms(before, after, "load_issue"))
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -340,7 +352,7 @@ def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.
 
 def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
              rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
-             dev: torch.device, probe: bool = True) -> dict[str, Any]:
+             dev: torch.device, probe: bool = True, busy: bool = True) -> dict[str, Any]:
     spaces = ("page", "swa_page")
     nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
                  if p.index in spaces)
@@ -373,18 +385,17 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                             raise RuntimeError(f"load of {n} pages: pool {name} differs")
         if cuda:
             torch.cuda.synchronize(dev)
-        with solo(c):
-            t0 = time.perf_counter()
-            op = c.backup_new(src)
-            c.wait_ack(op, timeout=120)
-            out["backup_ack"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        op = c.backup_new(src)
+        c.wait_ack(op, timeout=120)
+        out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
         items = {sp: (host[sp], dst[sp]) for sp in host}
         load_into(out, c, items, stream, cuda, check)
         verified = True
         if local is not None:
             out["inproc_last"].append(inproc_load(local, layout, items, dev))
-        if cuda:  # a load while a backup of the same size streams
+        if cuda and busy:  # a load while a backup of the same size streams
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
             bop = c.backup_new(other)

@@ -37,7 +37,7 @@ from hicache.kernels.tables import TokenFormat
 
 def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                   rng: np.random.Generator, local: Any, limit: dict[str, Any], cuda: bool,
-                  dev: torch.device, probe: bool = True) -> dict[str, Any]:
+                  dev: torch.device, probe: bool = True, busy: bool = True) -> dict[str, Any]:
     resume = ResumeModel(layout)
     if resume.checkpoint_space != "swa_page":
         raise RuntimeError("the checkpoints mirror bench needs paged SWA")
@@ -69,17 +69,16 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         items.update(hooks.checkpoint_items([(int(sp[0]), ck, n)], to_host=True))
         if cuda:
             torch.cuda.synchronize(dev)
-        with e2e.solo(c):
-            t0 = e2e.now()
-            c.wait_ack(c.backup(items), timeout=120)
-            out["backup_ack"].append(e2e.now() - t0)
+        t0 = e2e.now()
+        c.wait_ack(c.backup(items), timeout=120)
+        out["backup_ack"].append(e2e.now() - t0)
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
         e2e.load_into(out, c, load, stream, cuda, check)
         verified = True
         if local is not None:
             out["inproc_last"].append(e2e.inproc_load(local, layout, load, dev))
-        if cuda:  # a load while a backup of the same shape streams
+        if cuda and busy:  # a load while a backup of the same shape streams
             other = c.alloc({"page": n, "swa_page": 1})
             bitems = {"page": (src, other["page"])}  # the load's sources: read by both
             bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],

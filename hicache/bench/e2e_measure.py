@@ -19,27 +19,20 @@ load by the kernels in-process, and the per-size summary.
   host time goes to ``ISSUE``.
 * ``load_while_busy(out, c, items, stream, cuda)``: the same timed load while the caller's
   backup streams; its second and last layer go to ``out``.
-* ``solo(c)``: a context around a solo timed command (the backup; ``load_into``'s load): the
-  daemon's handling and issue times of what runs inside it go to ``SOLO`` (its ``stats``
-  read before and after, outside the timed stretch), so ``load_handler_ms``,
-  ``backup_handler_ms`` and ``load_issue_ms`` leave out the loads beside a backup and the
-  probes.
 * ``summarize(out, n, nbytes, limit, cuda, verified, waits)``: medians of ``FIGURES`` (and
-  the slowest run's second layer), GB/s, ratios to the limit, the solo handler times, and
-  (``waits``, GPU) the engine's probe steps per kind (``e2e_engine``: ``engine_wait``);
-  empties ``REPLY``, ``ISSUE`` and ``SOLO``.
+  the slowest run's second layer), GB/s, ratios to the limit, and (``waits``, GPU) the
+  engine's probe steps per kind (``e2e_engine``: ``engine_wait``); empties ``REPLY`` and
+  ``ISSUE``.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from hicache.bench.daemon_times import Windows, daemon_times
 from hicache.bench.e2e_engine import wait_stats
 from hicache.core.layout import Layout
 from hicache.engine.client import Client
@@ -54,16 +47,7 @@ FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "
            "busy_second", "busy_last", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of each solo timed GPU load (the daemon's issue time)
-SOLO = Windows()  # the daemon's handling times of the solo timed commands
 now = time.perf_counter
-
-
-@contextmanager
-def solo(c: Client) -> Iterator[None]:
-    """The daemon's times of the commands run inside go to ``SOLO`` (see the docstring)."""
-    before = daemon_times(c.stats()["metrics"])
-    yield
-    SOLO.add(before, daemon_times(c.stats()["metrics"]))
 
 
 def _median(xs: list[float]) -> float:
@@ -78,11 +62,8 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
     med = {k: _median(v) for k, v in out.items()}
     reply_ms = _median(REPLY) * 1e3 if REPLY else None
     issue_ms = _median(ISSUE) * 1e3 if ISSUE else None
-    handler = {f"{k}_handler_ms": SOLO.mean_ms(k) for k in ("load", "backup")}
-    handler["load_issue_ms"] = SOLO.mean_ms("load_issue")
     REPLY.clear()
     ISSUE.clear()
-    SOLO.clear()
     summary = {
         "pages": n, "bytes": nbytes,
         "load_first_ms": med["load_first"] * 1e3, "load_second_ms": med["load_second"] * 1e3,
@@ -104,7 +85,6 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
         "verified": verified,
         "engine_wait": {k: wait_stats(v) for k, v in waits.items()} if waits else None,
-        **handler,
     }
     return {"summary": summary, "runs": out}
 
@@ -114,8 +94,7 @@ def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
     """``timed_load`` of ``items``, its four times appended to ``out`` (``FIGURES``) and its
     reply time to ``REPLY``; ``check()`` (the byte comparison) right after it, before
     ``command_during_load`` loads the same items again."""
-    with solo(c):
-        t = timed_load(c, items, stream, cuda)
+    t = timed_load(c, items, stream, cuda)
     out["load_first"].append(t.first)
     out["load_second"].append(t.second)
     out["load_last"].append(t.last)
