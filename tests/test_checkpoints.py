@@ -521,6 +521,30 @@ def test_a_snapshot_at_the_prompts_last_page_serves_a_request_that_decodes_on():
     t.check()
 
 
+@pytest.mark.parametrize("error", [TransferFailed, HostUnavailable])
+def test_a_boundary_snapshot_whose_copy_fails_holds_nothing(error):
+    """A snapshot's copy that fails frees its row and counts the failure (the tree goes on);
+    one that loses the daemon takes the host tier offline, as for pages."""
+    class Failing(SlotHooks):
+        def wait(self, t):
+            self.tickets.pop(t, None)
+            raise error("copy failed")
+
+    h = Failing()
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
+    p, rows = _ring_request(t, h, ["a0"], 0)
+    free = len(h.free["ckpt"])
+    assert t.snapshot_slot(0, ["a0"]) is None
+    assert t.held_snapshots == 0 and t.host_checkpoints == 0
+    if error is TransferFailed:
+        assert t.host_online and t.stats.transfer_failures == 1 and len(h.free["ckpt"]) == free
+    else:
+        assert not t.host_online and t.stats.host_offline == 1
+    t.release(p, ["a0"], rows, slot=0, slot_tokens=PAGE_TOKENS + 5)
+    assert t.host_checkpoints == 0
+    t.check()
+
+
 def test_a_boundary_snapshot_is_refused_room_and_forgotten_with_the_tier():
     h = SlotHooks()
     t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False, host_ckpt_capacity=0)
