@@ -5,9 +5,12 @@ Contract:
   that uses sparse mode gets its own ``ClientRegion``, a sealed memfd
   (``hicache.core.sparse_shm``: no engine can truncate it under the daemon's mapping) of
   ``rows`` C4 page rows per C4 layer of the stage, pinned with ``registrar`` on a GPU, with its
-  own ``LayerTable`` and ``RowAllocator`` (rows owned by ``(client, request)``). The engine maps
-  only its own region (``sparse_region`` names it: its ``/proc`` path and token), so the bytes
-  of one client's requests are never in memory another client maps. ``shm_dir`` is only swept
+  own ``LayerTable`` and ``RowAllocator`` (rows owned by ``(client, request)``). An honest
+  engine maps only its own region (``sparse_region`` names it: its ``/proc`` path and token),
+  so the bytes of one client's requests are never in memory another client is handed. (Any
+  process of the daemon's uid that may read its ``/proc/<pid>/fd`` can open every region: the
+  token only tells a reused descriptor number from the region; clients are isolated across
+  uids only, as with the ``/dev/shm`` files before.) ``shm_dir`` is only swept
   once, at start, of the region files earlier versions' killed daemons left there.
 * One region is made at start (``spare``: the memory is checked then, and the first client
   takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare, at most
@@ -213,9 +216,10 @@ class SparseRegions:
         return [r.alloc for r in self.regions.values()]
 
     def close_memfds(self) -> None:
-        """A stop that gave up waiting for copies: every region's memfd is closed (no engine
-        opens one any more), its mapping (and pinning) left alone until the process exits (a
-        copy may still touch it)."""
+        """A stop that gave up waiting for copies: every region's memfd is closed (the
+        ``/proc`` path the reply named goes; the mapping's own descriptor stays until it is
+        unmapped), its mapping (and pinning) left alone until the process exits (a copy may
+        still touch it)."""
         self._collect(wait=True)
         for reg in [*self.regions.values(), *self.closing, *([self.spare] if self.spare else [])]:
             reg.shm.close()  # the mapping lives on in the region's table

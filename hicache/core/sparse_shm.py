@@ -11,8 +11,9 @@ namespace, /proc not restricted: else an ``OSError`` that says so), checks the s
 and maps it. ``layers`` are per-layer ``[rows, page_bytes]`` uint8 tensors over the mapping (row
 ``k`` of every layer holds the same 64 C4 tokens of one request); ``nbytes`` (``bytes``) covers
 the layers, not the token page. ``close()`` drops the layers; the creator also closes its memfd
-(no process can open the region afterwards; the memory goes with the last mapping, which goes
-with the last tensor view). Pinning is the caller's (the daemon registers ``base_ptr`` /
+(the path the reply named no longer opens it; Python's mapping keeps a descriptor of its own
+until it is unmapped, and the memory goes with the last mapping, which goes with the last tensor
+view). Pinning is the caller's (the daemon registers ``base_ptr`` /
 ``nbytes`` with CUDA through its registrar); ``pin(device)`` page-locks this mapping for a GPU
 (the engine's side) and ``close()`` unpins it again. ``sweep_old_regions(shm_dir)`` removes the
 ``hicache-sparse-*`` files earlier versions' killed daemons left in a shared-memory folder
@@ -103,7 +104,7 @@ class SparseShm:
                 torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned_on = None
         self.layers = []
-        if self._fd >= 0:  # nobody opens it from here on
+        if self._fd >= 0:  # the path the reply named goes (the mapping keeps its own descriptor)
             os.close(self._fd)
             self._fd = -1
         # the mapping itself goes with the last tensor view (mmap refuses to close under them)
