@@ -283,6 +283,7 @@ class Daemon:
                                      load_event_sets=cfg.load_event_sets,
                                      shm_dirs=tuple(cfg.shm_dirs))
             self.state.wake = self._wake  # a reaped client's rows go back a slice per turn
+            self.state.address = self.address
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.server_spin_us, curve)

@@ -42,7 +42,10 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
 
 Clear (``kv_clear``): reads of the namespace in flight drop their result (its generation
 moves on), answers remembered before the clear are forgotten, and its objects are removed by one
-``remove_by_regex`` on its prefix. Bounded whatever a client sends: a namespace's generation is
+``remove_by_regex`` on its prefix. The namespaces whose removal has not run yet are also kept
+on disk (``kv_clears.ClearJournal``, in the first shared-memory folder): a daemon that stops or
+is killed first leaves them there, and the next one with the same L3 master, key prefix and
+address clears them again when its key store starts, before it serves their keys. Bounded whatever a client sends: a namespace's generation is
 kept only while a put or prefetch of it is in flight, clear times only for ``PRESENT_TTL``
 seconds (older answers have expired anyway), and every namespace cleared while a remove job
 waits in the write queue joins that job (unless a put of it is in flight: the put, queued after
@@ -64,6 +67,7 @@ import numpy as np
 from . import l3_format as F
 from hicache.core.protocol import ProtocolError
 
+from .kv_clears import ClearJournal
 from .l3_store import L3Job
 
 if TYPE_CHECKING:  # kv_store imports this module: its types are named, not imported
@@ -153,6 +157,11 @@ class KvL3:
         self.removal_ns: list[str] = []  # ... and the namespaces it removes
         self.pinned = 0
         self.jobs = 0  # the key store's L3 jobs in flight
+        # ``removing`` on disk: clears a daemon stopped (or killed) before it removed them
+        self.journal = ClearJournal(st.shm_dirs[0], f"{self.l3.settings.master}|{self.prefix}|"
+                                                    f"{st.address}")
+        for ns in self.journal.load():
+            self.clear(ns)
 
     # ------------------------------------------------------------------ objects
     def fmt(self, ep: "EnginePool") -> Any:
@@ -404,6 +413,7 @@ class KvL3:
                 if ns not in self.removal_ns:
                     self.removal_ns.append(ns)
                     self.removing[ns] = self.removing.get(ns, 0) + 1
+                    self.journal.save(self.removing)
                 return
         self.removal, self.removal_ns = L3Job("remove", [regex]), [ns]
         self.removing[ns] = self.removing.get(ns, 0) + 1
@@ -421,7 +431,9 @@ class KvL3:
                 self.removing[n] -= 1
                 if not self.removing[n]:
                     del self.removing[n]
+            self.journal.save(self.removing)
 
+        self.journal.save(self.removing)
         self._submit(self.removal, done)
 
     def retry_removals(self) -> None:

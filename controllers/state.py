@@ -86,6 +86,7 @@ class DaemonState:
         self.heartbeat_timeout = heartbeat_timeout
         self.load_event_sets = load_event_sets
         self.shm_dirs = shm_dirs
+        self.address = ""  # the daemon's socket address (set by ``Daemon``)
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
         # client L3 jobs' rows alone: copies (not scheduler ops) a backup or load must not race

@@ -20,8 +20,10 @@ from hicache.controllers.kv_l3 import REMOVING_MAX, kv_prefix, object_key
 from hicache.core.layout import Layout
 from hicache.engine import l3_master
 
+from conftest import ROOT
+from hicache.engine.daemon_process import DaemonProcess
 from test_kv_store import EnginePool, _refused
-from test_l3_mooncake import l3_daemon, metric, raw_puts, store, wait_online  # noqa: F401
+from test_l3_mooncake import ROWS_FLAG, l3_daemon, metric, raw_puts, store, wait_online  # noqa: F401
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -316,3 +318,63 @@ def test_a_clear_the_tier_could_not_run_is_run_when_it_is_back(l3_daemon: Any,
         assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=10) == [False]  # gone from L3 itself
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
     ep.close()
+
+
+def test_a_clear_still_pending_when_the_daemon_dies_is_run_by_the_next_one(store: Any,
+                                                                         tmp_path: Any) -> None:
+    """A clear whose removal had not run (the master hung) was only in the daemon's memory: a
+    daemon that stopped or died then forgot it, and the next one served the cleared page from
+    L3. The namespaces waiting for their removal are kept in a journal file; the next daemon
+    at the same address (same master, same key prefix) clears them again before it serves
+    their keys, and the file goes once the removal ran."""
+    store.wait_mounted()
+    addr = f"ipc://{tmp_path}/kv.sock"
+    env = {**l3_master.loopback_env(), "MC_RPC_TIMEOUT_MS": "3000",
+           "HICACHE_SHM_DIRS": f"{tmp_path}:/dev/shm"}  # the journal lands in tmp_path
+    extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
+             "--l3-metadata", store.metadata_url)
+
+    def daemon(n: int) -> DaemonProcess:
+        return DaemonProcess(addr, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
+                             env=env, metrics_port=0, log_path=str(tmp_path / f"d{n}.log"),
+                             cwd=ROOT).start()
+
+    def journal() -> list[Any]:
+        return sorted(tmp_path.glob("hicache-kv-clears-*.json"))
+
+    d = daemon(1)
+    try:
+        with d.client(name="clr", timeout=30) as c:
+            wait_online(c)
+            c4 = _layout(c).pools["c4_kv"]
+            ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=57)
+            ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
+            assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
+            _written(c)  # k0 is in L3
+            assert journal() == []
+            os.kill(store.master.pid, signal.SIGSTOP)
+            try:
+                assert c.kv_clear("tenant") == 1
+                assert len(journal()) == 1 and "tenant" in journal()[0].read_text()
+                os.kill(d.pid, signal.SIGKILL)  # dies before the removal could run
+                d.close()
+            finally:
+                os.kill(store.master.pid, signal.SIGCONT)
+            ep.close()
+        d = daemon(2)
+        with d.client(name="clr", timeout=30) as c:
+            wait_online(c, timeout=30)
+            ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=58)
+            ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
+            ep.layers[0].zero_()
+            assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=10) == [False]  # not brought back
+            assert not ep.layers[0][2].any()
+            deadline = time.monotonic() + 30
+            while c.stats()["kv_store"]["l3"]["removing"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.stats()["kv_store"]["l3"]["removing"] == 0
+            assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=10) == [False]  # gone from L3
+            assert journal() == []  # every removal ran: nothing left behind
+            ep.close()
+    finally:
+        d.close()
