@@ -160,8 +160,10 @@ class KvL3:
         # ``removing`` on disk: clears a daemon stopped (or killed) before it removed them
         self.journal = ClearJournal(st.shm_dirs[0], f"{self.l3.settings.master}|{self.prefix}|"
                                                     f"{st.address}")
+        self._loading = True  # the file holds them already: no write per namespace
         for ns in self.journal.load():
             self.clear(ns)
+        self._loading = False
 
     # ------------------------------------------------------------------ objects
     def fmt(self, ep: "EnginePool") -> Any:
@@ -413,7 +415,7 @@ class KvL3:
                 if ns not in self.removal_ns:
                     self.removal_ns.append(ns)
                     self.removing[ns] = self.removing.get(ns, 0) + 1
-                    self.journal.save(self.removing)
+                    self._journal()
                 return
         self.removal, self.removal_ns = L3Job("remove", [regex]), [ns]
         self.removing[ns] = self.removing.get(ns, 0) + 1
@@ -431,10 +433,15 @@ class KvL3:
                 self.removing[n] -= 1
                 if not self.removing[n]:
                     del self.removing[n]
-            self.journal.save(self.removing)
+            self._journal()
 
-        self.journal.save(self.removing)
+        self._journal()
         self._submit(self.removal, done)
+
+    def _journal(self) -> None:
+        """The namespaces waiting for their removal, to disk (``kv_clears``)."""
+        if not self._loading:
+            self.journal.save(self.removing)
 
     def retry_removals(self) -> None:
         """Queue again the removals that did not run or failed, once the tier is online (the
