@@ -59,6 +59,18 @@ def _written(c: Any, timeout: float = 20.0) -> dict[str, Any]:
     raise AssertionError(f"write-through still in flight: {c.stats()['kv_store']}")
 
 
+def _tenant_page_in_l3(c: Any, seed: int) -> EnginePool:
+    """A C4 engine pool attached in namespace "tenant", its page 0 put as key "k0" and written
+    through to L3."""
+    wait_online(c)
+    c4 = _layout(c).pools["c4_kv"]
+    ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=seed)
+    ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
+    assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
+    _written(c)  # k0 is in L3
+    return ep
+
+
 def _close(eng: dict[str, EnginePool]) -> None:
     for ep in eng.values():
         ep.close()
@@ -287,12 +299,7 @@ def test_a_clear_the_tier_could_not_run_is_run_when_it_is_back(l3_daemon: Any,
     (Mooncake's RPC timeout is cut to 3 s so the tier goes offline quickly.)"""
     d = l3_daemon(env={"MC_RPC_TIMEOUT_MS": "3000"})
     with d.client(name="clr", timeout=30) as c:
-        wait_online(c)
-        c4 = _layout(c).pools["c4_kv"]
-        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=53)
-        ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
-        assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
-        _written(c)  # k0 is in L3
+        ep = _tenant_page_in_l3(c, 53)
         os.kill(store.master.pid, signal.SIGSTOP)
         try:
             assert c.kv_put("c4_kv", ["p0"], [1]) == [True]  # the write thread hangs on it
@@ -345,12 +352,8 @@ def test_a_clear_still_pending_when_the_daemon_dies_is_run_by_the_next_one(store
     d = daemon(1)
     try:
         with d.client(name="clr", timeout=30) as c:
-            wait_online(c)
+            ep = _tenant_page_in_l3(c, 57)
             c4 = _layout(c).pools["c4_kv"]
-            ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=57)
-            ep.attach(c, "c4_kv", "c4_kv", ns="tenant")
-            assert c.kv_put("c4_kv", ["k0"], [0]) == [True]
-            _written(c)  # k0 is in L3
             assert journal() == []
             os.kill(store.master.pid, signal.SIGSTOP)
             try:
