@@ -45,10 +45,10 @@ moves on), answers remembered before the clear are forgotten, and its objects ar
 ``remove_by_regex`` on its prefix. The namespaces whose removal has not run yet are also kept
 on disk (``kv_clears.ClearJournal``, in the first shared-memory folder): a daemon that stops or
 is killed first leaves them there, and the next one with the same L3 master, key prefix and
-address clears them again when its key store starts, before it serves their keys. Bounded whatever a client sends: a namespace's generation is
-kept only while a put or prefetch of it is in flight, clear times only for ``PRESENT_TTL``
-seconds (older answers have expired anyway), and every namespace cleared while a remove job
-waits in the write queue joins that job (unless a put of it is in flight: the put, queued after
+address clears them again when its key store starts, before it serves their keys. Bounded
+whatever a client sends: a namespace's generation is kept only while a put or prefetch of it
+is in flight, clear times only for ``PRESENT_TTL`` seconds (older answers have expired anyway),
+and every namespace cleared while a remove job waits in the write queue joins that job (unless a put of it is in flight: the put, queued after
 the job, would outlive it). With ``REMOVING_MAX`` namespaces waiting, a clear of one more is
 refused ``busy`` before anything changes.
 
