@@ -58,15 +58,16 @@ class ClearJournal:
             return
         try:
             if not names:
-                os.unlink(self.path)
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass  # nothing to remove
             else:
                 tmp = f"{self.path}.{os.getpid()}.tmp"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump({"namespaces": names}, f)
                 os.replace(tmp, self.path)
-        except FileNotFoundError:
-            pass  # nothing to remove
         except OSError as e:
             if not self._warned:
                 log.error("L3 clears journal %s cannot be written (%s): a clear whose removal "
