@@ -216,3 +216,24 @@ def test_table_pivots_budgets_and_flags_wrong_rows() -> None:
     assert lines[0] == "| case | pattern | mean run | impl | dir | 1 | 4 | GB/s @4 | verified |"
     assert lines[2] == "| c4 page rows | runs | 20.5 | staged | d2h | 0.400 | 0.900 | 50.00 | ok |"
     assert lines[3] == "| c4 page rows | runs | 20.5 | sglang | d2h |  | 0.500 | 30.00 | WRONG (1 of 1) |"
+
+
+def test_the_peer_is_named_from_the_library_it_loads(tmp_path) -> None:
+    """The peer's row names what was loaded: the version file ``fetch_peer.sh`` writes beside
+    the library, else the library's sha256 (it used to print ``sglang-0.4.6`` whatever it
+    loaded); a library that is not there is reported, not fatal."""
+    import hashlib
+
+    from hicache.kernels import peer_sglang
+
+    lib = tmp_path / "common_ops.abi3.so"
+    lib.write_bytes(b"not really a library")
+    digest = hashlib.sha256(lib.read_bytes()).hexdigest()[:12]
+    assert peer_sglang.describe(str(lib)) == \
+        f"sglang transfer_kv_all_layer_mla (common_ops.abi3.so sha256:{digest})"
+    (tmp_path / "common_ops.abi3.so.version").write_text("sglang-kernel 9.9.9\n")
+    assert peer_sglang.describe(str(lib)) == "sglang-kernel 9.9.9 transfer_kv_all_layer_mla"
+    fn, msg, name = peer_sglang.load(str(tmp_path / "missing.so"))
+    assert fn is None and name == "" and "fetch_peer.sh" in msg
+    fn, msg, name = peer_sglang.load(str(lib))  # not a loadable library: said, not raised
+    assert fn is None and "did not load" in msg and name.startswith("sglang-kernel 9.9.9")
