@@ -11,9 +11,9 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
-tensor view still keeps; garbage is collected first); ``region_held(info)`` says whether the region a
-``sparse_region`` reply names is still open in its daemon (the ``/proc`` path alone is not
-enough: the daemon may reuse the descriptor number, so the token is checked too).
+tensor view still keeps; garbage is collected first); ``region_held(info)`` says whether the
+region a ``sparse_region`` reply names is still open in its daemon (the ``/proc`` path alone is
+not enough: the daemon may reuse the descriptor number, so the token is checked too).
 
 ``DaemonProcess`` is ``hicache.engine.daemon_process.DaemonProcess``: ``.address``, ``.metrics_port``,
 ``.proc``, ``.output()`` (stdout+stderr so far), ``.client(**kw)`` (a ``hicache.engine.client.Client``),

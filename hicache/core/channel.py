@@ -8,11 +8,12 @@ wakes its ``poll`` directly), and a reply is a memory write the client's reply s
 
 Contract:
 - ``Channel.create(request_bytes, reply_bytes)`` (the daemon) makes an anonymous sealed memfd
-  (``core.sealed_memfd``, shared with the sparse region): sized, its pages reserved (no memory is an ``OSError`` there, not a fault at a first touch),
-  mode 0600, and sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW |
-  F_SEAL_SEAL``), so no process holding it, the client included, can change its size: a
-  truncate is refused (EPERM) instead of making the daemon's next touch of the mapping a
-  SIGBUS. A hole punched in it reads as zeros (a malformed slot), never a fault.
+  (``core.sealed_memfd``, shared with the sparse region): sized, its pages reserved (no memory
+  is an ``OSError`` there, not a fault at a first touch), mode 0600, and sealed against
+  shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), so no process holding
+  it, the client included, can change its size: a truncate is refused (EPERM) instead of
+  making the daemon's next touch of the mapping a SIGBUS. A hole punched in it reads as zeros
+  (a malformed slot), never a fault.
   ``info()`` names it as ``/proc/<daemon pid>/fd/<fd>``, with a random token the header holds
   too; ``Channel.open(info)`` (the client) opens that path (the daemon's uid, the same pid
   namespace, /proc not restricted: else an ``OSError`` that says so), checks the size, magic
