@@ -153,7 +153,8 @@ def _ack_size(ack: dict[str, Any]) -> int:
 
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Open this client's shared-memory command channel (``hicache.core.channel``): a sealed
-    memfd, and the daemon's wake-up socket (mode 0600 in the first shm directory)."""
+    memfd, handed over on the daemon's descriptor socket, and its wake-up socket (both mode
+    0600 in the first shm directory)."""
     why = supported()
     if why is None and not st.spin_us:
         why = ("this daemon sleeps between requests (--spin-us 0), where a channel saves "
@@ -168,14 +169,15 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     try:
         if st.wake_socket is None:
             st.wake_socket = WakeSocket.create(st.shm_dirs[0])
+        handout = st.handout()
     except OSError as e:
-        raise _no_channel(f"cannot create its wake-up socket in {st.shm_dirs[0]} ({e})") from None
+        raise _no_channel(f"cannot create its sockets in {st.shm_dirs[0]} ({e})") from None
     try:
         ch = Channel.create()
     except OSError as e:
         raise _no_channel(f"cannot create its sealed memfd ({e})") from None
     st.registry.open_channel(c, ch)
-    return dict(ch.info(), wake=st.wake_socket.path), []
+    return dict(ch.hand_out(handout), wake=st.wake_socket.path), []
 
 
 def _no_channel(why: str) -> ProtocolError:

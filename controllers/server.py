@@ -438,6 +438,7 @@ class Server:
         if self.state.wake_socket is not None:
             self.state.wake_socket.close()
             self.state.wake_socket = None
+        self.state.close_handout()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

@@ -123,7 +123,12 @@ def _take(sp: SparseRegions, c: ClientState, n: int, r: str) -> tuple[ClientRegi
 def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     sp = _region(st)
     _bind(sp, c)
-    return sp.info(c.cid), []
+    try:
+        handout = st.handout()
+    except OSError as e:
+        raise ProtocolError("unsupported", f"sparse_region: cannot create the descriptor socket "
+                                           f"in {st.shm_dirs[0]} ({e})") from None
+    return sp.hand_out(c.cid, handout), []
 
 
 def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n: int) -> None:

@@ -6,11 +6,9 @@ Contract:
   (``hicache.core.sparse_shm``: no engine can truncate it under the daemon's mapping) of
   ``rows`` C4 page rows per C4 layer of the stage, pinned with ``registrar`` on a GPU, with its
   own ``LayerTable`` and ``RowAllocator`` (rows owned by ``(client, request)``). An honest
-  engine maps only its own region (``sparse_region`` names it: its ``/proc`` path and token),
-  so the bytes of one client's requests are never in memory another client is handed. (Any
-  process of the daemon's uid that may read its ``/proc/<pid>/fd`` can open every region: the
-  token only tells a reused descriptor number from the region; clients are isolated across
-  uids only, as with the ``/dev/shm`` files before.) ``shm_dir`` is only swept
+  engine maps only its own region (``hand_out``: each ``sparse_region`` reply offers its memfd
+  once on the daemon's descriptor socket, to be taken with a token only that reply holds), so
+  the bytes of one client's requests are never in memory another client is handed. ``shm_dir`` is only swept
   once, at start, of the region files earlier versions' killed daemons left there.
 * One region is made at start (``spare``: the memory is checked then, and the first client
   takes it with no wait); ``bind(cid)`` gives a client its region, taking the spare, at most
@@ -37,6 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.core.fd_handout import FdHandout
 from hicache.core.layout import Layout
 from hicache.core.protocol import ProtocolError
 from hicache.core.sparse_shm import SparseShm, sweep_old_regions
@@ -167,9 +166,10 @@ class SparseRegions:
     def region_bytes(self) -> int:
         return self.rows * self.spec.page_bytes * self.spec.num_layers
 
-    def info(self, cid: str) -> dict[str, Any]:
-        """The bound region of ``cid`` as the engine maps it."""
-        return dict(self.regions[cid].shm.info(), tokens_per_page=self.P,
+    def hand_out(self, cid: str, handout: FdHandout) -> dict[str, Any]:
+        """The bound region of ``cid`` as the engine maps it, its memfd offered once on
+        ``handout``."""
+        return dict(self.regions[cid].shm.hand_out(handout), tokens_per_page=self.P,
                     min_sparse_prompt_len=self.min_prompt, c4_layers=list(self.spec.layers))
 
     def rows_held(self, cid: str) -> int:
@@ -217,7 +217,7 @@ class SparseRegions:
 
     def close_memfds(self) -> None:
         """A stop that gave up waiting for copies: every region's memfd is closed (the
-        ``/proc`` path the reply named goes; the mapping's own descriptor stays until it is
+        offer not taken goes; the mapping's own descriptor stays until it is
         unmapped), its mapping (and pinning) left alone until the process exits (a copy may
         still touch it)."""
         self._collect(wait=True)

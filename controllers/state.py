@@ -37,6 +37,7 @@ from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import LayerTable
 from hicache.core.layout import Layout, LayoutError, PoolSpec
+from hicache.core.fd_handout import FdHandout
 from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
@@ -104,6 +105,7 @@ class DaemonState:
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command
+        self._handout: FdHandout | None = None  # made by the first descriptor it hands out
         self.sparse: Any = None  # controllers.sparse_regions.SparseRegions with --sparse-rows
         # work that waits until the reply is sent, (op, its client; None: it ran inline): the
         # in-flight bookkeeping of submitted ops and the launch groups after layer 0 of GPU
@@ -123,6 +125,19 @@ class DaemonState:
         self.releaser = Releaser(group, self.tracker, registry, scheduler.cancel, self._live,
                                  lambda: self.sparse, self.watch,
                                  lambda s: metrics.set("release_loop_step_seconds", s))
+
+    def handout(self) -> FdHandout:
+        """The socket a client takes its channel's and sparse region's descriptors from
+        (``core.fd_handout``, in the first shm directory), made at its first use; an
+        ``OSError`` when it cannot be made."""
+        if self._handout is None:
+            self._handout = FdHandout.create(self.shm_dirs[0])
+        return self._handout
+
+    def close_handout(self) -> None:
+        if self._handout is not None:
+            self._handout.close()
+            self._handout = None
 
     @property
     def wake(self) -> Callable[[], None]:

@@ -12,8 +12,10 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
 tensor view still keeps; garbage is collected first); ``region_held(info)`` says whether the
-region a ``sparse_region`` reply names is still open in its daemon (the ``/proc`` path alone is
-not enough: the daemon may reuse the descriptor number, so the token is checked too).
+region a ``sparse_region`` reply names is still offered by its daemon: it takes one of the
+hand-outs the replies naming the region made (``core.fd_handout``), so a test that asks it
+about a region it expects closed keeps a hand-out untaken for that question (else the answer
+would be False whatever the daemon did).
 
 ``DaemonProcess`` is ``hicache.engine.daemon_process.DaemonProcess``: ``.address``, ``.metrics_port``,
 ``.proc``, ``.output()`` (stdout+stderr so far), ``.client(**kw)`` (a ``hicache.engine.client.Client``),

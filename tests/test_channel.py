@@ -2,10 +2,10 @@
 
 * format: frames round-trip through a slot; any bytes in a slot give frames or a reason, never
   an exception or a read past the slot; a request or reply that does not fit is not written.
-* memory: the channel is a sealed memfd (0600, no name) the client opens through the daemon's
-  /proc fd link: nobody can shrink or grow it (EPERM), one of the wrong size, magic or token
-  is refused, one that cannot be opened says why; a client end that cannot connect leaves its
-  mapping closed; the files a killed daemon left are swept.
+* memory: the channel is a sealed memfd (0600, no name) the daemon hands the client over its
+  descriptor socket, once per offer: nobody can shrink or grow it (EPERM), one of the wrong
+  size, magic or token is refused, one that cannot be taken says why; a client end that cannot
+  connect leaves its mapping closed; the files a killed daemon left are swept.
 * daemon (CPU mode, busy-polling): a client that registers gets a channel; every command gives
   the same reply and moves the same bytes as over ZMQ; a garbled slot is refused ``bad_frame``
   and changes nothing; a client's channel requests act as that client (no other's rows); a
@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 
 from hicache.core import channel as C
 from hicache.core import protocol as P
+from hicache.core.fd_handout import FdHandout, fetch_fd
 from hicache.core.layout import build_layout, preset
 from hicache.core.shm_file import STALE_AFTER_S
 from hicache.engine.acks import CommandRefused, DaemonUnreachable
@@ -79,12 +80,24 @@ def test_malformed_slots_name_what_is_wrong() -> None:
     assert "add up to 10" in C.unpack(struct.pack("<II", 1, 10) + b"x" * 3, MAXF)
 
 
-def test_channel_memfd_and_slots() -> None:
+@pytest.fixture
+def handout(tmp_path):
+    h = FdHandout.create(str(tmp_path))
+    yield h
+    h.close()
+
+
+def test_channel_memfd_and_slots(handout) -> None:
     ch = C.Channel.create(1024, 256)
-    assert ch.path == f"/proc/{os.getpid()}/fd/{ch._fd}"
-    assert os.readlink(ch.path).startswith(f"/memfd:{C.CHANNEL_PREFIX}")  # no name in a folder
-    assert stat.S_IMODE(os.stat(ch.path).st_mode) == 0o600
-    peer = C.Channel.open(ch.info())
+    fd = ch._sealed.fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{C.CHANNEL_PREFIX}")  # no name
+    assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+    info = ch.hand_out(handout)
+    assert info == {"fds": handout.path, "token": ch._words[C._TOKEN], "request_bytes": 1024,
+                    "reply_bytes": 256}
+    peer = C.Channel.open(info)
+    with pytest.raises(OSError, match="no memory is offered for this token"):
+        C.Channel.open(info)  # one reply, one open
     assert ch.request(MAXF) is None
     assert peer.put_request(7, [b'{"x":1}', b"\1" * 16])
     seq, frames = ch.request(MAXF)
@@ -103,15 +116,20 @@ def test_channel_memfd_and_slots() -> None:
     assert ch.request(MAXF) == (10, "request of 1099511627776 bytes in a 1024-byte slot")
     peer.close()
     assert ch._words[C._CLOSED] == 0  # the client's close marks nothing
+    ch.hand_out(handout)  # an offer nobody took goes with the channel
+    assert handout.pending == 1
     ch.close()  # the daemon's end marks the channel closed and closes its memfd
-    assert not os.path.exists(ch.path)
+    assert ch._sealed.fd == -1 and handout.pending == 0
+    with pytest.raises(OSError):
+        os.fstat(fd)  # (unless the number was reused meanwhile: not in this test)
 
 
-def test_nobody_can_resize_the_channel() -> None:
+def test_nobody_can_resize_the_channel(handout) -> None:
     """Sealed: a truncate or a growth through any descriptor of it (the client's) is refused,
     and the seals cannot be changed; so the daemon's mapping never loses a page (SIGBUS)."""
     ch = C.Channel.create(1024, 256)
-    fd = os.open(ch.path, os.O_RDWR)  # as the client opens it
+    info = ch.hand_out(handout)
+    fd = fetch_fd(info["fds"], info["token"], "channel")  # as the client takes it
     try:
         full = C.Channel.size(1024, 256)
         for size in (0, C.HEADER, full - 8, full + 4096):
@@ -140,19 +158,28 @@ def test_a_channel_whose_memory_cannot_be_reserved_is_an_oserror(monkeypatch) ->
     assert set(os.listdir("/proc/self/fd")) <= before  # nothing left open
 
 
-def test_channel_open_checks_the_memfd() -> None:
+def test_channel_open_checks_the_memfd(handout) -> None:
     ch = C.Channel.create(1024, 256)
     with pytest.raises(ValueError, match="expected"):
-        C.Channel.open(dict(ch.info(), reply_bytes=512))
-    with pytest.raises(ValueError, match="not this hicache channel"):  # another channel's link
-        C.Channel.open(dict(ch.info(), token=ch.info()["token"] ^ 1))
+        C.Channel.open(dict(ch.hand_out(handout), reply_bytes=512))
+    info = ch.hand_out(handout)
+    C.Channel.open(info).close()  # (the hand-out taken)
+    other = C.Channel.create(1024, 256)  # another memfd handed over for a token of ours
+    handout.offer(other._sealed.fd, info["token"])
+    with pytest.raises(ValueError, match="not this hicache channel"):
+        C.Channel.open(info)
+    other.close()
+    with pytest.raises(OSError, match="no memory is offered for this token"):  # a wrong token
+        C.Channel.open(dict(ch.hand_out(handout), token=info["token"] ^ 1))
     ch._words[C._MAGIC] = 1
     with pytest.raises(ValueError, match="not this hicache channel"):
-        C.Channel.open(ch.info())
-    info = ch.info()
+        C.Channel.open(ch.hand_out(handout))
+    info = ch.hand_out(handout)
     ch.close()
-    with pytest.raises(OSError, match="in its pid namespace"):  # gone, or /proc refused
+    with pytest.raises(OSError, match="no memory is offered for this token"):  # withdrawn
         C.Channel.open(info)
+    with pytest.raises(OSError, match="daemon's socket .*No such file"):  # no daemon there
+        C.Channel.open(dict(info, fds=info["fds"] + "-gone"))
     with pytest.raises(ValueError, match="multiple of 8"):
         C.Channel.create(1001, 256)
 
@@ -298,8 +325,10 @@ def test_channel_requests_act_as_their_client(spinning) -> None:
             b.free(rows)
         assert e.value.code == "not_owner"
         assert a.free(rows)["freed"] == 2
-        pa, pb = a._chan.chan.path, b._chan.chan.path
-        assert pa != pb and pa.startswith(f"/proc/{d.pid}/fd/")
+        ta, tb = a._chan.chan._words[C._TOKEN], b._chan.chan._words[C._TOKEN]
+        assert ta != tb  # two memfds: a mark in one is not in the other
+        a._chan.chan._words[_MARK] = 7
+        assert b._chan.chan._words[_MARK] == 0
 
 
 def test_a_sleeping_daemon_wakes_on_its_wake_socket(spinning) -> None:
@@ -347,38 +376,36 @@ def test_a_reply_too_big_comes_over_zmq_and_a_killed_daemon_is_named() -> None:
                 os.unlink(f)
 
 
-def test_a_client_end_that_cannot_open_leaves_nothing(tmp_path, monkeypatch) -> None:
+def test_a_client_end_that_cannot_open_leaves_nothing(tmp_path, monkeypatch, handout) -> None:
     ch = C.Channel.create(1024, 256)
     closed = []
     real = C.Channel.close
     monkeypatch.setattr(C.Channel, "close", lambda self: (closed.append(self), real(self)))
-    with pytest.raises(OSError):
-        C.ClientEnd.open(dict(ch.info(), wake=str(tmp_path / "nobody")))  # no wake-up socket
+    with pytest.raises(OSError):  # no wake-up socket
+        C.ClientEnd.open(dict(ch.hand_out(handout), wake=str(tmp_path / "nobody")))
     assert len(closed) == 1 and closed[0] is not ch and closed[0].closed  # its mapping went
     ch.close()
 
 
 def test_a_client_that_cannot_open_the_memfd_is_told_why_and_uses_zmq(spinning,
                                                                      monkeypatch) -> None:
-    """/proc restricted (or another pid namespace): the daemon's fd link cannot be opened; the
-    client says why in ``channel_refused`` and carries on over ZMQ (``channel=True`` raises)."""
+    """The daemon's descriptor socket cannot be reached (here: its folder is not this
+    client's); the client says why in ``channel_refused`` and carries on over ZMQ
+    (``channel=True`` raises)."""
     d, pools = spinning
-    real = os.open
+    from hicache.core import sealed_memfd
 
-    def no_proc(path, *a, **kw):
-        if str(path).startswith(f"/proc/{d.pid}/fd/"):
-            raise PermissionError(errno.EACCES, "Permission denied")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(os, "open", no_proc)
+    real = sealed_memfd.fetch_fd
+    monkeypatch.setattr(sealed_memfd, "fetch_fd", lambda path, token, what:
+                        real(path + "-elsewhere", token, what))
     with _clients(d, pools, {}) as (c,):
         assert not c.uses_channel
         assert "cannot map the daemon's channel" in c.channel_refused
-        assert "Permission denied" in c.channel_refused and "/proc" in c.channel_refused
+        assert "No such file" in c.channel_refused and "socket" in c.channel_refused
         rows = c.alloc({"page": 2})
         assert c.free(rows)["freed"] == 2 and c.heartbeat()["registered"]
     strict = d.client(channel=True)
-    with pytest.raises(CommandRefused, match="Permission denied"):
+    with pytest.raises(CommandRefused, match="No such file"):
         strict.register(pools)
     strict.close()
 
@@ -387,7 +414,7 @@ def test_timeout_stops_the_channel_and_reap_closes_its_memfd(spinning) -> None:
     d, pools = spinning
     c = d.client()
     c.register(pools)
-    path = c._chan.chan.path
+    assert _daemon_channel_fds(d.pid)  # its memfd (and its mapping's own descriptor)
     os.kill(d.pid, signal.SIGSTOP)
     try:
         with pytest.raises(DaemonUnreachable):
@@ -402,9 +429,20 @@ def test_timeout_stops_the_channel_and_reap_closes_its_memfd(spinning) -> None:
     while probe.stats()["channels"] and time.monotonic() < end:
         time.sleep(0.2)
     assert probe.stats()["channels"] == 0
-    with contextlib.suppress(FileNotFoundError):  # closed (or its number reused for another file)
-        assert not os.readlink(path).startswith(f"/memfd:{C.CHANNEL_PREFIX}")
+    assert not _daemon_channel_fds(d.pid)  # closed and unmapped
     probe.close()
+
+
+def _daemon_channel_fds(pid: int) -> list[str]:
+    """The daemon's descriptors of channel memfds (a non-dumpable daemon's are listed for a
+    caller with CAP_SYS_PTRACE, as root; any other gets PermissionError, never an empty list)."""
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+            if link.startswith(f"/memfd:{C.CHANNEL_PREFIX}"):
+                out.append(link)
+    return out
 
 
 def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
@@ -441,7 +479,7 @@ def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
                        env={"HICACHE_SHM_DIRS": f"{deep}:/dev/shm"}) as d, \
             DevicePools(layout, ROWS, device="cpu") as pools:
         with _clients(d, pools, {}) as (c,):
-            assert not c.uses_channel and "cannot create its wake-up socket in" in \
+            assert not c.uses_channel and "cannot create its sockets in" in \
                 c.channel_refused
             assert "\n" not in c.channel_refused
             assert c.heartbeat()["registered"] and c.stats()["channels"] == 0

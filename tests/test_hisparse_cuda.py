@@ -83,6 +83,7 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
     ``cudaHostRegister``); the kernel reads the engine's mapping: bytes written through the
     daemon's mapping arrive at every top-k location."""
     from hicache.controllers.sparse_regions import SparseRegions
+    from hicache.core.fd_handout import FdHandout
     from hicache.core.layout import build_layout, preset
     from hicache.core.sparse_shm import SparseShm
     from hicache.engine.hot_buffer import HotBuffer
@@ -91,12 +92,13 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
     lay = build_layout(preset("dsv4-flash"))
     dev = torch.cuda.current_device()
     regions = SparseRegions(lay, 8, "/dev/shm", CudaHostRegistrar(dev), 1)
+    handout = FdHandout.create("/dev/shm")
     try:
         region = regions.bind("engine")
         g = torch.Generator().manual_seed(5)
         for t in region.shm.layers:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
-        eng = SparseShm.open(regions.info("engine"))
+        eng = SparseShm.open(regions.hand_out("engine", handout))
         rc = torch.cuda.cudart().cudaHostRegister(eng.base_ptr, eng.nbytes, 0)
         assert int(rc) == 0
         try:
@@ -120,6 +122,7 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
             torch.cuda.cudart().cudaHostUnregister(eng.base_ptr)
     finally:
         regions.close()
+        handout.close()
 
 
 def test_cached_launches_match_the_reference_across_specializations():

@@ -477,6 +477,7 @@ def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
         c = st.registry.touch(b"engine-s", 0.0)
         c.worker = _Worker()
         first = HANDLERS["sparse_region"](st, c, {}, [])[0]
+        HANDLERS["sparse_region"](st, c, {}, [])  # a second hand-out: region_held takes one
         HANDLERS["sparse_admit"](st, c, {"request": "r", "prompt_tokens": 256}, [])
         st.ops[777] = (SimpleNamespace(nbytes=1), c)  # a copy of c still in flight
         HANDLERS["unregister"](st, c, {}, [])
@@ -486,7 +487,8 @@ def test_a_sparse_region_goes_with_its_client_and_never_comes_back(tmp_path):
         assert e.value.code == "not_registered" and st.sparse.of(c.cid) is None
         c.worker = _Worker()  # it registers again: a new region
         second = HANDLERS["sparse_region"](st, c, {}, [])[0]
-        assert second["path"] != first["path"] and second["token"] != first["token"]
+        HANDLERS["sparse_region"](st, c, {}, [])
+        assert second["token"] != first["token"]
         del st.ops[777]
         st.releaser.dirty = True
         st.releaser.step()  # the copy ended: the first region closes, the second stays

@@ -8,11 +8,13 @@ import contextlib
 import errno
 import os
 import stat
+import tempfile
 import time
 
 import pytest
 import torch
 
+from hicache.core.fd_handout import FdHandout, fetch_fd
 from hicache.core.layout import build_layout, preset
 from hicache.engine.client import CommandRefused, DaemonUnreachable
 from hicache.engine.device_pools import DevicePools
@@ -56,7 +58,9 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     s = c
     info = s.sparse_region()
     assert info["rows"] == 6 and info["layers"] == 21 and info["min_sparse_prompt_len"] == 300
-    mode = stat.S_IMODE(os.stat(info["path"]).st_mode)
+    fd = fetch_fd(info["fds"], info["token"], "sparse region")
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    os.close(fd)
     assert mode == 0o600, oct(mode)
     shm = s.map_sparse_region()
     # every row of the region first holds another request's bytes (freed): what a new page
@@ -220,7 +224,7 @@ def test_each_client_has_its_own_region(sparse_daemon):
     a, pa = _worker(sparse_daemon, "a")
     b, pb = _worker(sparse_daemon, "b")
     ia, ib = a.sparse_region(), b.sparse_region()
-    assert ia["path"] != ib["path"] and ia["rows"] == ib["rows"] == 6
+    assert ia["token"] != ib["token"] and ia["rows"] == ib["rows"] == 6
     assert a.sparse_region() == ia  # asking again names the same region
     sa, sb = a.map_sparse_region(), b.map_sparse_region()
     rows_a = a.sparse_admit("mine", 5 * 64 * 4, device_rows=[0, 1, 2, 3, 4])  # 5 of a's 6
@@ -235,9 +239,11 @@ def test_each_client_has_its_own_region(sparse_daemon):
     assert all(bool(t[rows_a].any()) for t in sa.layers)
     assert b.sparse_free("theirs") == 6
     b.reset()
-    assert b.sparse_region() == ib and region_held(ib)
+    assert b.sparse_region() == ib and region_held(ib)  # (b's first reply's hand-out is left)
     _leave((b, pb))
     assert not region_held(ib), "an unregistered client's region is left open"
+    for _ in range(60):  # hand-outs for the loop below to take: more than its turns
+        assert a.sparse_region() == ia
     a.close()  # no unregister, no heartbeats: reaped after the 3 s timeout
     deadline = time.monotonic() + 15
     while region_held(ia):
@@ -295,7 +301,7 @@ def test_an_engine_that_truncates_its_region_cannot_take_the_daemon_down(tmp_pat
     try:
         (a, pa), (b, pb) = _worker(d, "a"), _worker(d, "b")
         shm, info = a.map_sparse_region(), a.sparse_region()
-        fd = os.open(info["path"], os.O_RDWR)
+        fd = fetch_fd(info["fds"], info["token"], "sparse region")
         full = os.fstat(fd).st_size
         try:
             for i, size in enumerate((info["bytes"] // 2, 0, full + 4096)):
@@ -572,11 +578,16 @@ def test_an_abandoned_stop_closes_every_region_memfd_and_keeps_the_mappings(tmp_
     region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
     a = region.bind("a")
     region._collect(wait=True)  # the spare made for a second client
-    info = region.info("a")
-    region.detach("a")  # closing: still mapped
-    assert sparse_memfds() - before == 2 and region_held(info)
-    region.close_memfds()
-    assert not region_held(info) and list(tmp_path.iterdir()) == []
+    with tempfile.TemporaryDirectory() as folder:
+        handout = FdHandout.create(folder)
+        info = region.hand_out("a", handout)
+        region.hand_out("a", handout)  # two hand-outs: one for each region_held below
+        region.detach("a")  # closing: still mapped
+        assert sparse_memfds() - before == 2 and region_held(info)
+        region.close_memfds()
+        assert not region_held(info) and list(tmp_path.iterdir()) == []
+        assert handout.pending == 0
+        handout.close()
     a.table.layers[0][1].fill_(7)  # the mapping is still there
     assert int(a.table.layers[0][1][0]) == 7
 
@@ -591,10 +602,14 @@ def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch)
     from hicache.core.sparse_shm import ALIGN, SparseShm
 
     shm = SparseShm.create(3, 5, 1000)
-    info = shm.info()
+    folder = tempfile.mkdtemp()
+    handout = FdHandout.create(folder)
+    info = shm.hand_out(handout)
     assert (info["bytes"], info["layer_stride"]) == (3 * 8192, 8192)
+    assert info == dict(shm.info(), fds=handout.path)
     eng = SparseShm.open(info)
-    fd = os.open(info["path"], os.O_RDWR)
+    shm.hand_out(handout)
+    fd = fetch_fd(info["fds"], info["token"], "sparse region")
     try:
         assert os.fstat(fd).st_size == info["bytes"] + ALIGN
         assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
@@ -605,13 +620,22 @@ def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch)
         os.close(fd)
     eng.layers[2][4].fill_(3)  # one memory: the daemon's view sees the engine's write
     assert bool((shm.layers[2][4] == 3).all())
+    other = SparseShm.create(3, 5, 1000)  # another region handed over for our token
+    handout.offer(other._sealed.fd, info["token"])
     with pytest.raises(ValueError, match="not this hicache sparse region"):
-        SparseShm.open(dict(info, token=info["token"] ^ 2))
+        SparseShm.open(info)
+    other.close()
+    with pytest.raises(OSError, match="no memory is offered for this token"):
+        SparseShm.open(dict(shm.hand_out(handout), token=info["token"] ^ 2))
     with pytest.raises(ValueError, match="expected"):
         SparseShm.open(dict(info, rows=4))
+    shm.hand_out(handout)
     shm.close()
-    with pytest.raises(OSError, match="in its pid namespace"):
+    with pytest.raises(OSError, match="no memory is offered for this token"):  # withdrawn
         SparseShm.open(info)
+    assert handout.pending == 0
+    handout.close()
+    os.rmdir(folder)
     before = set(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(sealed_memfd, "memory_available", lambda: 1 << 20)
     with pytest.raises(OSError) as e:

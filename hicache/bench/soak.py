@@ -164,7 +164,10 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
             runner = DaemonRunner(address, preset_name=args.preset,
                                   device_rows="page=16,swa_page=8,req_slot=4",
                                   host=("--host-ratio", "2"),
-                                  heartbeat_timeout=args.heartbeat_timeout, log_path=log)
+                                  heartbeat_timeout=args.heartbeat_timeout, log_path=log,
+                                  # it reads the daemon's /proc maps (is a crashed client's
+                                  # file still mapped?), which only a dumpable daemon allows
+                                  extra=("--dumpable",))
             runner.start()
             rep = crash_clients(runner, args.crash_clients,
                                 heartbeat_timeout=args.heartbeat_timeout, seed=args.seed,

@@ -61,6 +61,21 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _set_dumpable(on: bool) -> str:
+    """Make this process (not) dumpable (``core.dumpable``); the line that says which."""
+    from hicache.core.dumpable import is_dumpable, set_dumpable
+
+    try:
+        set_dumpable(on)
+    except OSError as e:
+        raise UsageError(f"--dumpable {'on' if on else 'off'}: cannot set it ({e})") from None
+    if is_dumpable():
+        return ("dumpable (--dumpable): processes of this uid can read its memory and open its "
+                "descriptors")
+    return ("not dumpable: no other process of this uid can read its memory or open its "
+            "descriptors (--dumpable for a debugger)")
+
+
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
@@ -74,6 +89,7 @@ def serve(cfg: Any) -> int:
                              f"parent is {os.getppid()}): it names the launcher that started "
                              "this daemon, which it exits with")
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
+    dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
     try:
         daemon = Daemon(cfg)
     except Exception as e:  # noqa: BLE001 - OSError / ArenaError at start-up: one line
@@ -88,6 +104,7 @@ def serve(cfg: Any) -> int:
         with lifecycle.on_signals(on_signal):
             print(daemon.summary(), flush=True)
             print(f"hicache serve: {malloc}", flush=True)
+            print(f"hicache serve: {dumpable}", flush=True)
             print("hicache serve: ready", flush=True)
             daemon.serve()
     finally:

@@ -14,12 +14,12 @@ Contract:
   it, the client included, can change its size: a truncate is refused (EPERM) instead of
   making the daemon's next touch of the mapping a SIGBUS. A hole punched in it reads as zeros
   (a malformed slot), never a fault.
-  ``info()`` names it as ``/proc/<daemon pid>/fd/<fd>``, with a random token the header holds
-  too; ``Channel.open(info)`` (the client) opens that path (the daemon's uid, the same pid
-  namespace, /proc not restricted: else an ``OSError`` that says so), checks the size, magic
-  and token, and maps it. No file name exists anywhere; the daemon's descriptor stays open
-  until it closes the channel (reachable by the processes that may read the daemon's /proc
-  fds, those that may ptrace it).
+  ``hand_out(handout)`` offers its descriptor once on the daemon's descriptor socket
+  (``core.fd_handout``) and returns what the ``channel`` reply names: that socket and a
+  random token the header holds too. ``Channel.open(info)`` (the client) takes the descriptor
+  with the token (an ``OSError`` that says why when it cannot), checks the size, magic and
+  token, and maps it. No file name exists anywhere; only the process handed the token can
+  take the descriptor, once per reply.
 - Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token; the
   client's request sequence and length; the daemon's reply sequence and length), then the
   request slot, then the reply slot. A slot holds one message: u32 frame count, u32 length
@@ -59,7 +59,8 @@ import socket
 import struct
 from typing import Any, Sequence
 
-from .sealed_memfd import create_sealed, open_sealed
+from .fd_handout import FdHandout
+from .sealed_memfd import Sealed, create_sealed, open_sealed
 from .shm_file import sweep_stale
 
 CHANNEL_PREFIX = "hicache-chan-"
@@ -123,9 +124,9 @@ def unpack(blob: bytes, max_frames: int) -> list[Any] | str:
 class Channel:
     """One mapped channel memfd (see the module docstring)."""
 
-    def __init__(self, path: str, mm: mmap.mmap, request_bytes: int, reply_bytes: int,
-                 fd: int = -1) -> None:
-        self.path, self._mm, self._fd = path, mm, fd  # fd: the daemon's memfd (-1: client)
+    def __init__(self, mm: mmap.mmap, request_bytes: int, reply_bytes: int,
+                 sealed: Sealed | None = None) -> None:
+        self._mm, self._sealed = mm, sealed  # sealed: the daemon's memfd (None: the client's)
         self.request_bytes, self.reply_bytes = request_bytes, reply_bytes
         self._words = memoryview(mm).cast("B")[:HEADER].cast("Q")
         self._req_at, self._rep_at = HEADER, HEADER + request_bytes
@@ -144,26 +145,31 @@ class Channel:
                 raise ValueError(f"channel {what} slot of {v} bytes; give a multiple of 8 in "
                                  f"64..{MAX_SLOT_BYTES}")
         m = create_sealed(CHANNEL_PREFIX, cls.size(request_bytes, reply_bytes), _TOKEN * 8)
-        ch = cls(m.path, m.mm, request_bytes, reply_bytes, m.fd)
+        ch = cls(m.mm, request_bytes, reply_bytes, m)
         w = ch._words
         w[_REQ_CAP], w[_REP_CAP] = request_bytes, reply_bytes
         w[_MAGIC] = MAGIC
         return ch
 
-    def info(self) -> dict[str, Any]:
-        return {"path": self.path, "request_bytes": self.request_bytes,
-                "reply_bytes": self.reply_bytes, "token": self._words[_TOKEN]}
+    def hand_out(self, handout: FdHandout) -> dict[str, Any]:
+        """Offer the memfd once on ``handout`` (the daemon's end); the fields a client opens
+        it with."""
+        if self._sealed is None:
+            raise ValueError("only the daemon's end of a channel can hand it out")
+        return dict(self._sealed.offer(handout), request_bytes=self.request_bytes,
+                    reply_bytes=self.reply_bytes)
 
     @classmethod
     def open(cls, info: dict[str, Any]) -> "Channel":
-        """Open and map the memfd the daemon created (through its /proc fd link), and check it."""
-        path, req, rep = str(info["path"]), int(info["request_bytes"]), int(info["reply_bytes"])
-        mm = open_sealed(path, cls.size(req, rep), int(info["token"]), _TOKEN * 8, "channel")
-        ch = cls(path, mm, req, rep)
+        """Take the memfd a ``hand_out`` offered, map it, and check it."""
+        req, rep = int(info["request_bytes"]), int(info["reply_bytes"])
+        mm = open_sealed(str(info["fds"]), int(info["token"]), cls.size(req, rep), _TOKEN * 8,
+                         "channel")
+        ch = cls(mm, req, rep)
         w = ch._words
         if (w[_MAGIC], w[_REQ_CAP], w[_REP_CAP]) != (MAGIC, req, rep):
             ch.close()
-            raise ValueError(f"{path} is not this hicache channel")
+            raise ValueError("the memory the daemon handed over is not this hicache channel")
         return ch
 
     # ---------------------------------------------------------------- client side
@@ -230,9 +236,9 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        if self._fd >= 0:
+        if self._sealed is not None:
             self._words[_CLOSED] = 1
-            os.close(self._fd)
+            self._sealed.close()
         self._words.release()
         try:
             self._mm.close()

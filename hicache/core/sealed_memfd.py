@@ -1,6 +1,7 @@
 """Memory the daemon shares with one client whose size no process can change: an anonymous sealed
-memfd the daemon makes and maps, and the client opens through the daemon's /proc fd link. The
-one way hicache makes such memory (``core.channel``, ``core.sparse_shm``).
+memfd the daemon makes and maps, and hands the client over its descriptor socket
+(``core.fd_handout``). The one way hicache makes such memory (``core.channel``,
+``core.sparse_shm``).
 
 Why: a mapping of a shared file whose size another process may cut (``ftruncate``) is a SIGBUS
 at the mapper's next touch of a page past the new end. For the daemon that is every client's
@@ -15,18 +16,20 @@ Contract:
   an ``OSError`` here, not a fault at a first touch), sealed with ``F_SEAL_SHRINK |
   F_SEAL_GROW | F_SEAL_SEAL`` (a truncate or growth through any descriptor of it, a client's
   included, fails with EPERM, and no seal can be added or removed), mapped read-write, with a
-  random non-zero u64 token written little-endian at byte ``token_at``. Returns ``Sealed(path,
-  fd, mm, token)``: ``path`` is ``/proc/<pid>/fd/<fd>``, valid while the caller keeps ``fd``
-  open (it closes it when the client may no longer open the memory; the memory itself lives
-  until the last mapping goes too, and Python's ``mmap`` keeps a descriptor of its own while
-  it lives). On any failure nothing stays open. A hole punched in it
+  random non-zero u64 token written little-endian at byte ``token_at``. Returns a ``Sealed``
+  (descriptor, mapping, token). On any failure nothing stays open. A hole punched in it
   (``FALLOC_FL_PUNCH_HOLE``) reads as zeros, never a fault.
-- ``open_sealed(path, nbytes, token, token_at, what)`` (the client): opens ``path`` read-write,
-  checks its size is ``nbytes`` and the u64 at ``token_at`` is ``token`` (so a descriptor
-  number the daemon reused for other memory is never taken for this one), maps it and closes
-  the descriptor. A path it cannot open is an ``OSError`` saying why (only a process of the
-  daemon's uid, in its pid namespace, where /proc is not restricted, can open it); a wrong size
-  or token is a ``ValueError`` naming ``what``.
+- ``Sealed.offer(handout)``: offers the descriptor once on the daemon's ``FdHandout`` and
+  returns what the client needs to take it (``{"fds": socket path, "token": token}``);
+  ``Sealed.close()`` withdraws an offer not taken and closes the descriptor (the memory itself
+  lives until the last mapping goes too; Python's ``mmap`` keeps a descriptor of its own while
+  it lives). Only a process that was handed the token (in its own reply) can take the
+  descriptor.
+- ``open_sealed(fds, token, nbytes, token_at, what)`` (the client): takes the descriptor from
+  the socket ``fds`` (``fd_handout.fetch_fd``), checks its size is ``nbytes`` and the u64 at
+  ``token_at`` is ``token`` (the memory is the one the reply named), maps it and closes the
+  descriptor. A descriptor it cannot get is an ``OSError`` saying why; a wrong size or token is
+  a ``ValueError`` naming ``what``.
 """
 from __future__ import annotations
 
@@ -36,21 +39,39 @@ import mmap
 import os
 import secrets
 import struct
-from typing import NamedTuple
+from typing import Any
 
+from .fd_handout import FdHandout, fetch_fd
 from .sizes import format_bytes
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _TOKEN = struct.Struct("<Q")
 
 
-class Sealed(NamedTuple):
-    """A memfd ``create_sealed`` made: its /proc path, descriptor, mapping and token."""
+class Sealed:
+    """A memfd ``create_sealed`` made: its descriptor, mapping and token (see the module
+    docstring)."""
 
-    path: str
-    fd: int
-    mm: mmap.mmap
-    token: int
+    def __init__(self, fd: int, mm: mmap.mmap, token: int) -> None:
+        self.fd, self.mm, self.token = fd, mm, token
+        self._handout: FdHandout | None = None
+
+    def offer(self, handout: FdHandout) -> dict[str, Any]:
+        """Offer the descriptor once on ``handout``; what the client needs to take it."""
+        if self.fd < 0:
+            raise ValueError("this sealed memfd is closed")
+        handout.offer(self.fd, self.token)
+        self._handout = handout
+        return {"fds": handout.path, "token": self.token}
+
+    def close(self) -> None:
+        """Withdraw an offer not taken and close the descriptor (the mappings stay)."""
+        if self._handout is not None:
+            self._handout.withdraw(self.token)
+            self._handout = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def memory_available() -> int | None:
@@ -90,26 +111,22 @@ def create_sealed(name: str, nbytes: int, token_at: int) -> Sealed:
         raise
     token = secrets.randbits(64) | 1
     _TOKEN.pack_into(mm, token_at, token)
-    return Sealed(f"/proc/{os.getpid()}/fd/{fd}", fd, mm, token)
+    return Sealed(fd, mm, token)
 
 
-def open_sealed(path: str, nbytes: int, token: int, token_at: int, what: str) -> mmap.mmap:
-    """Map the memfd ``path`` names after checking its size and token (see the module
-    docstring); ``what`` names it in errors."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot open {path} ({e.strerror}): the {what} is the daemon's "
-                               f"memfd, open to a process of its uid, in its pid namespace, "
-                               f"where /proc is not restricted") from None
+def open_sealed(fds: str, token: int, nbytes: int, token_at: int, what: str) -> mmap.mmap:
+    """Take the memfd offered for ``token`` on the daemon's socket ``fds`` and map it after
+    checking its size and token (see the module docstring); ``what`` names it in errors."""
+    fd = fetch_fd(fds, token, what)
     try:
         size = os.fstat(fd).st_size
         if size != nbytes:
-            raise ValueError(f"{what} {path} has {size} bytes, expected {nbytes}")
+            raise ValueError(f"the {what} the daemon handed over has {size} bytes, expected "
+                             f"{nbytes}")
         mm = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
     if 0 <= token_at <= nbytes - _TOKEN.size and _TOKEN.unpack_from(mm, token_at)[0] == token:
         return mm
     mm.close()
-    raise ValueError(f"{path} is not this hicache {what}")
+    raise ValueError(f"the memory the daemon handed over is not this hicache {what}")

@@ -43,6 +43,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spin_us", _D, "busy-poll this many microseconds after a request before sleeping "
             "(lower latency, more CPU; 0 = never) [50000 in GPU mode: one core while the engine "
             "sends commands; 0 in CPU mode]"),
+    Setting("dumpable", _D, "leave the daemon dumpable: processes of its uid may then ptrace it, "
+            "read its memory (every client's host-tier bytes) and open its descriptors, and it "
+            "may write core files (for debuggers and profilers; off by default)"),
     Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
     Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
             "thread", flag=False),
@@ -102,4 +105,4 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("l3_segment", _L, "memory this daemon contributes to the store, e.g. 4GiB (0: pages "
                               "live in other members' segments)"),
 )
-BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free")
+BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free", "dumpable")

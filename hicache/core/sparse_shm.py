@@ -5,15 +5,15 @@ memfd (``core.sealed_memfd``: mode 0600, its memory reserved at once, so no memo
 ``OSError`` then, never a SIGBUS later; sealed against shrinking and growing, so an engine that
 truncates its region gets EPERM instead of killing the daemon at its next touch of a row) of
 one 4 KiB-aligned region of ``rows`` C4 page rows per C4 layer, then one 4 KiB page whose first
-u64 is a random token. ``info()`` names it as ``/proc/<daemon pid>/fd/<fd>`` with that token;
-``SparseShm.open(info)`` (the engine) opens that path (a process of the daemon's uid in its pid
-namespace, /proc not restricted: else an ``OSError`` that says so), checks the size and token,
-and maps it. ``layers`` are per-layer ``[rows, page_bytes]`` uint8 tensors over the mapping (row
+u64 is a random token. ``hand_out(handout)`` offers its descriptor once on the daemon's
+descriptor socket (``core.fd_handout``) and returns the fields a ``sparse_region`` reply gives
+(that socket and the token among them); ``SparseShm.open(info)`` (the engine) takes the
+descriptor with the token (an ``OSError`` that says why when it cannot), checks the size and
+token, and maps it; ``info()`` is the same fields without an offer. ``layers`` are per-layer ``[rows, page_bytes]`` uint8 tensors over the mapping (row
 ``k`` of every layer holds the same 64 C4 tokens of one request); ``nbytes`` (``bytes``) covers
-the layers, not the token page. ``close()`` drops the layers; the creator also closes its memfd
-(the path the reply named no longer opens it; Python's mapping keeps a descriptor of its own
-until it is unmapped, and the memory goes with the last mapping, which goes with the last tensor
-view). Pinning is the caller's (the daemon registers ``base_ptr`` /
+the layers, not the token page. ``close()`` drops the layers; the creator also withdraws an offer not taken and closes its
+memfd (Python's mapping keeps a descriptor of its own until it is unmapped, and the memory goes
+with the last mapping, which goes with the last tensor view). Pinning is the caller's (the daemon registers ``base_ptr`` /
 ``nbytes`` with CUDA through its registrar); ``pin(device)`` page-locks this mapping for a GPU
 (the engine's side) and ``close()`` unpins it again. ``sweep_old_regions(shm_dir)`` removes the
 ``hicache-sparse-*`` files earlier versions' killed daemons left in a shared-memory folder
@@ -22,12 +22,12 @@ view). Pinning is the caller's (the daemon registers ``base_ptr`` /
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Any
 
 import torch
 
-from .sealed_memfd import create_sealed, open_sealed
+from .fd_handout import FdHandout
+from .sealed_memfd import Sealed, create_sealed, open_sealed
 from .shm_file import sweep_stale
 
 SPARSE_PREFIX = "hicache-sparse-"
@@ -52,10 +52,10 @@ def sweep_old_regions(shm_dir: str) -> int:
 class SparseShm:
     """One mapped sparse host region (see the module docstring)."""
 
-    def __init__(self, path: str, mm: mmap.mmap, layers: int, rows: int, page_bytes: int,
-                 token: int, fd: int = -1) -> None:
-        self.path, self._mm, self.rows, self.page_bytes = path, mm, rows, page_bytes
-        self.token, self._fd = token, fd  # fd: the daemon's memfd (-1: the engine's mapping)
+    def __init__(self, mm: mmap.mmap, layers: int, rows: int, page_bytes: int,
+                 token: int, sealed: Sealed | None = None) -> None:
+        self._mm, self.rows, self.page_bytes = mm, rows, page_bytes
+        self.token, self._sealed = token, sealed  # the daemon's memfd (None: the engine's)
         self.stride = _align(rows * page_bytes)
         self.nbytes = _region_bytes(layers, rows, page_bytes)
         self._pinned_on: int | None = None  # the GPU ``pin`` page-locked it for
@@ -71,21 +71,29 @@ class SparseShm:
                              f"{layers}, {rows}, {page_bytes}")
         nbytes = _region_bytes(layers, rows, page_bytes)
         m = create_sealed(SPARSE_PREFIX, nbytes + ALIGN, nbytes)
-        return cls(m.path, m.mm, layers, rows, page_bytes, m.token, m.fd)
+        return cls(m.mm, layers, rows, page_bytes, m.token, m)
 
     @classmethod
     def open(cls, info: dict[str, Any]) -> "SparseShm":
-        """Open and map the region ``info`` (a ``sparse_region`` reply) names, and check it."""
-        path, layers = str(info["path"]), int(info["layers"])
-        rows, pb, token = int(info["rows"]), int(info["page_bytes"]), int(info["token"])
+        """Take, map and check the region a ``sparse_region`` reply (``hand_out``) offered."""
+        layers, token = int(info["layers"]), int(info["token"])
+        rows, pb = int(info["rows"]), int(info["page_bytes"])
         nbytes = _region_bytes(layers, rows, pb)
-        mm = open_sealed(path, nbytes + ALIGN, token, nbytes, "sparse region")
-        return cls(path, mm, layers, rows, pb, token)
+        mm = open_sealed(str(info["fds"]), token, nbytes + ALIGN, nbytes, "sparse region")
+        return cls(mm, layers, rows, pb, token)
 
     def info(self) -> dict[str, Any]:
-        return {"path": self.path, "token": self.token, "layers": len(self.layers),
-                "rows": self.rows, "page_bytes": self.page_bytes, "layer_stride": self.stride,
+        """The region's shape and token (no offer: ``hand_out`` makes one)."""
+        return {"token": self.token, "layers": len(self.layers), "rows": self.rows,
+                "page_bytes": self.page_bytes, "layer_stride": self.stride,
                 "bytes": self.nbytes}
+
+    def hand_out(self, handout: FdHandout) -> dict[str, Any]:
+        """Offer the memfd once on ``handout`` (the daemon's end); ``info()`` plus the socket
+        the engine takes it from."""
+        if self._sealed is None:
+            raise ValueError("only the daemon's end of a sparse region can hand it out")
+        return dict(self.info(), **self._sealed.offer(handout))
 
     def pin(self, device: torch.device) -> None:
         """Page-lock the mapping for ``device`` (once); ``close`` unpins it."""
@@ -104,7 +112,6 @@ class SparseShm:
                 torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._pinned_on = None
         self.layers = []
-        if self._fd >= 0:  # the path the reply named goes (the mapping keeps its own descriptor)
-            os.close(self._fd)
-            self._fd = -1
+        if self._sealed is not None:  # (the mapping keeps its own descriptor)
+            self._sealed.close()
         # the mapping itself goes with the last tensor view (mmap refuses to close under them)

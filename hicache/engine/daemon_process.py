@@ -150,13 +150,15 @@ class DaemonProcess:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
     def maps_path(self, path: str) -> bool:
-        """True when the daemon still maps ``path`` (Linux /proc; False elsewhere)."""
+        """True when the daemon still maps ``path`` (Linux /proc; False once it exited). The
+        daemon is not dumpable: only a caller with ``CAP_SYS_PTRACE`` may read its maps, and
+        any other gets the ``PermissionError`` (never a False it could not know)."""
         if self.proc is None:
             return False
         try:
             with open(f"/proc/{self.proc.pid}/maps") as f:
                 return any(path in line for line in f)
-        except OSError:
+        except (FileNotFoundError, ProcessLookupError):
             return False
 
     # ------------------------------------------------------------------------- lifecycle

@@ -2,7 +2,7 @@
 
 * ``SparseVictim(client)`` — on a daemon with a sparse region (``--sparse-rows``), the victim
   client admits one sparse request backed up from its patterned ``c4_kv`` device rows and
-  snapshots those sparse rows (read from the region file, no torch); ``verify()`` counts the
+  snapshots those sparse rows (read through the region's descriptor, no torch); ``verify()`` counts the
   (layer, row) pairs that changed, ``region_clean()`` frees the request and checks that the
   whole region can be admitted again (nobody else holds a row). Without a region it records
   ``world() is None`` and the sparse kinds expect ``unsupported``.
@@ -18,6 +18,7 @@ import os
 import secrets
 from typing import Any
 
+from hicache.core.fd_handout import fetch_fd
 from hicache.fuzz.cases import BAD_FIELD, BAD_ROWS, E, NOT_OWNER, Case, _ids
 from hicache.fuzz.trust_attacks import TrustAttacks
 
@@ -55,9 +56,9 @@ class SparseVictim:
                 "rows": int(self.info["rows"]), "victim_host_rows": self.host_rows}
 
     def _read(self) -> list[bytes]:
-        i = self.info
+        i = self.client.sparse_region()  # each reply offers the region's descriptor once
         pb, stride = int(i["page_bytes"]), int(i["layer_stride"])
-        fd = os.open(i["path"], os.O_RDONLY)
+        fd = fetch_fd(str(i["fds"]), int(i["token"]), "sparse region")
         try:
             return [os.pread(fd, pb, l * stride + r * pb)
                     for l in range(int(i["layers"])) for r in self.rows]

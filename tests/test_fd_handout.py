@@ -1,0 +1,269 @@
+"""The daemon's descriptor hand-out (``hicache.core.fd_handout``) and its non-dumpable process
+(``hicache.core.dumpable``).
+
+* hand-out: the socket is 0600; a descriptor taken is the memory offered (a write through one
+  shows in the other) and close-on-exec; each offer is one hand-out; a wrong token, a withdrawn
+  offer and a closed hand-out are refused with the reason and change nothing; a connection that
+  never sends its token holds the others back at most ``TOKEN_WAIT_S``; ``close`` removes the
+  socket and every duplicate; a killed daemon's socket is swept.
+* daemon: ``hicache serve`` says it is not dumpable, and a process of its uid (without
+  ``CAP_SYS_PTRACE``, as the daemon) can neither open its descriptors (a client's channel
+  memfd) nor read its memory; with ``--dumpable`` the same process can (the test's own check).
+* namespaces: an engine in another pid namespace (its own /proc) gets its channel and its
+  HiSparse region, which the daemon's /proc links could never give it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hicache.core import fd_handout as F
+from hicache.core.layout import build_layout, preset
+from hicache.core.shm_file import STALE_AFTER_S
+from hicache.engine.daemon_process import DaemonProcess
+from hicache.engine.device_pools import DevicePools
+
+ROWS = {"page": 64, "swa_page": 64, "req_slot": 4}
+DEV_ROWS = ",".join(f"{k}={v}" for k, v in ROWS.items())
+
+
+@pytest.fixture
+def handout(tmp_path):
+    h = F.FdHandout.create(str(tmp_path))
+    yield h
+    h.close()
+
+
+def _memfd(n: int = 4096) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create("hicache-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n)
+    return fd, mmap.mmap(fd, n)
+
+
+def test_a_descriptor_taken_is_the_memory_offered_once_per_offer(handout) -> None:
+    assert stat.S_IMODE(os.stat(handout.path).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(handout.path).st_mode)
+    fd, mm = _memfd()
+    handout.offer(fd, 11)
+    handout.offer(fd, 11)  # two replies named it: two hand-outs
+    os.close(fd)  # the owner may close its own: the hand-out keeps a duplicate
+    assert handout.pending == 2
+    got = [F.fetch_fd(handout.path, 11, "test memory") for _ in range(2)]
+    assert handout.pending == 0
+    with pytest.raises(OSError, match="test memory .* no memory is offered for this token"):
+        F.fetch_fd(handout.path, 11, "test memory")
+    for g in got:
+        assert fcntl.fcntl(g, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        m = mmap.mmap(g, 4096)
+        mm[100:104] = b"abcd"
+        assert m[100:104] == b"abcd"  # one memory
+        m.close()
+        os.close(g)
+    mm.close()
+
+
+def test_refusals_name_the_reason_and_change_nothing(handout, tmp_path) -> None:
+    fd, mm = _memfd()
+    handout.offer(fd, 5)
+    with pytest.raises(OSError, match="no memory is offered for this token"):
+        F.fetch_fd(handout.path, 6, "test memory")
+    assert handout.pending == 1  # the right token still gets it
+    g = F.fetch_fd(handout.path, 5, "test memory")
+    os.close(g)
+    handout.offer(fd, 7)
+    handout.withdraw(7)
+    handout.withdraw(8)  # nothing offered: nothing to do
+    assert handout.pending == 0
+    with pytest.raises(OSError, match="no memory is offered for this token"):
+        F.fetch_fd(handout.path, 7, "test memory")
+    with pytest.raises(OSError, match=r"cannot get the test memory from the daemon's socket .*"
+                                      r"No such file"):
+        F.fetch_fd(str(tmp_path / "nobody"), 5, "test memory")
+    os.close(fd)
+    mm.close()
+
+
+def test_a_silent_connection_holds_the_others_back_at_most_the_token_wait(handout,
+                                                                          monkeypatch) -> None:
+    monkeypatch.setattr(F, "TOKEN_WAIT_S", 0.3)
+    fd, mm = _memfd()
+    handout.offer(fd, 9)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(handout.path)
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half.connect(handout.path)
+    half.sendall(b"\1\2\3")  # part of a token, then gone
+    half.close()
+    t = time.monotonic()
+    g = F.fetch_fd(handout.path, 9, "test memory")
+    assert time.monotonic() - t < 2.0
+    assert silent.recv(1) == b""  # it was closed on
+    silent.close()
+    os.close(g)
+    os.close(fd)
+    mm.close()
+
+
+def test_close_removes_the_socket_and_every_duplicate(tmp_path) -> None:
+    h = F.FdHandout.create(str(tmp_path))
+    fd, mm = _memfd()
+    before = set(os.listdir("/proc/self/fd"))
+    for token in (1, 2, 3):
+        h.offer(fd, token)
+    assert len(set(os.listdir("/proc/self/fd")) - before) == 3
+    path = h.path
+    h.close()
+    assert not os.path.exists(path)
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert not any(t.name == "hicache-fd-handout" for t in threading.enumerate())
+    os.close(fd)
+    mm.close()
+
+
+def test_a_killed_daemons_socket_is_swept(tmp_path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead = tmp_path / f"{F.FDS_PREFIX}{p.pid}-00"
+    live = tmp_path / f"{F.FDS_PREFIX}{os.getpid()}-00"
+    for f in (dead, live):
+        f.write_bytes(b"")
+        os.utime(f, (time.time() - STALE_AFTER_S - 5,) * 2)
+    h = F.FdHandout.create(str(tmp_path))
+    try:
+        assert not dead.exists() and live.exists()
+    finally:
+        h.close()
+
+
+# ---------------------------------------------------------------------------- the daemon
+# Processes started without CAP_SYS_PTRACE (dropped from the bounding set, then exec: root's
+# capabilities come from that set). Root keeps it otherwise, and with it may read any process;
+# the daemon runs without it too, so the attacker's capabilities are no subset of the daemon's
+# (which the kernel would refuse for that reason alone, dumpable or not). Not root: nothing to
+# drop, the same uid already lacks it.
+_NO_PTRACE = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(24, 19, 0, 0, 0); "
+              "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+_ATTACK = """
+import json, os, sys
+pid, out = int(sys.argv[1]), {"opened": [], "refused": []}
+for n in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{n}")
+    except OSError as e:
+        out["refused"].append(e.strerror)
+        continue
+    if link.startswith("/memfd:hicache-chan-"):
+        try:
+            os.close(os.open(f"/proc/{pid}/fd/{n}", os.O_RDWR))
+            out["opened"].append(link)
+        except OSError as e:
+            out["refused"].append(e.strerror)
+try:
+    os.close(os.open(f"/proc/{pid}/mem", os.O_RDONLY))
+    out["mem"] = "read"
+except OSError as e:
+    out["mem"] = e.strerror
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("dumpable", [False, True], ids=["default", "dumpable"])
+def test_no_other_process_of_the_daemons_uid_opens_its_descriptors_or_memory(tmp_path,
+                                                                              dumpable) -> None:
+    sock = f"ipc://{tmp_path}/d.sock"
+    cmd = [sys.executable, "-c", _NO_PTRACE, "-m", "hicache.cli", "serve", "--device", "cpu",
+           "--preset", "dsv4-tiny", "--device-rows", DEV_ROWS, "--host-ratio", "2",
+           "--socket", sock, "--spin-us", "2000", "--parent-pid", str(os.getpid())]
+    proc = subprocess.Popen(cmd + (["--dumpable"] if dumpable else []), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "hicache serve: ready" in line:
+                break
+        said = "".join(lines)
+        assert "hicache serve: ready" in said, said
+        assert ("hicache serve: dumpable (--dumpable)" if dumpable else
+                "hicache serve: not dumpable") in said, said
+        from hicache.engine.client import Client
+
+        layout = build_layout(preset("dsv4-tiny"))
+        with DevicePools(layout, ROWS, device="cpu") as pools:
+            c = Client(sock, timeout=10.0)
+            try:
+                c.register(pools)
+                assert c.uses_channel  # its memfd came over the hand-out socket
+                r = subprocess.run([sys.executable, "-c", _NO_PTRACE, "-c", _ATTACK,
+                                    str(proc.pid)], capture_output=True, text=True, timeout=60)
+                assert r.returncode == 0, r.stderr
+                got = json.loads(r.stdout)
+                assert c.heartbeat()["registered"]
+            finally:
+                c.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    if dumpable:  # what the default prevents: the client's channel, and the daemon's memory
+        assert got["opened"] and got["mem"] == "read", got
+    else:
+        assert not got["opened"] and got["refused"] and got["mem"] == "Permission denied", got
+
+
+def _can_unshare() -> str | None:
+    try:
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare: {e}"
+    return None if r.returncode == 0 else f"unshare refused: {r.stderr.strip()}"
+
+
+_ENGINE = """
+import json, os, sys
+from hicache.core.layout import build_layout, preset
+from hicache.engine.client import Client
+from hicache.engine.device_pools import DevicePools
+rows = {"page": 8, "swa_page": 4, "req_slot": 4}
+with DevicePools(build_layout(preset("dsv4-flash")), rows, device="cpu") as pools:
+    c = Client(sys.argv[1], timeout=10.0)
+    c.register(pools)
+    shm = c.map_sparse_region()
+    shm.layers[0][1].fill_(5)
+    print(json.dumps({"pid": os.getpid(), "procs": len([p for p in os.listdir("/proc")
+                                                        if p.isdigit()]),
+                      "channel": c.uses_channel, "why": c.channel_refused,
+                      "rows": shm.rows}))
+    c.unregister()
+    c.close()
+"""
+
+
+def test_an_engine_in_another_pid_namespace_gets_its_channel_and_region(tmp_path) -> None:
+    why = _can_unshare()
+    if why is not None:
+        pytest.skip(f"needs a new pid namespace ({why})")
+    with DaemonProcess(device="cpu", preset="dsv4-flash", device_rows="page=8,swa_page=4,"
+                       "req_slot=4", extra=("--spin-us", "2000", "--sparse-rows", "4",
+                                            "--min-sparse-prompt-len", "256")) as d:
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                            sys.executable, "-c", _ENGINE, d.address], capture_output=True,
+                           text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["pid"] < 10 and got["procs"] < 10  # its own pid namespace and /proc
+        assert not os.path.exists(f"/proc/{d.pid}") or got["pid"] != d.pid
+        assert got["channel"], got["why"]
+        assert got["rows"] == 4
