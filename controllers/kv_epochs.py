@@ -143,8 +143,8 @@ class Epochs:
     * ``for_read(ns)``: the epoch to read L3 objects of ``ns`` under, when the read (or clear)
       that confirmed it was *submitted* at most ``recheck`` seconds ago; None when it must be
       read first (a read is started: answer the keys pending); False when L3 must not be read
-      for ``ns`` now (its stored value was refused, or the last read failed less than
-      ``FAILED_TTL`` ago: answer misses).
+      for ``ns`` now (its stored value was refused, or the last read failed, or found no answer
+      within ``read_deadline``, less than ``FAILED_TTL`` ago: answer misses).
     * ``for_write(ns, fn)``: ``fn(epoch)`` now when any epoch is known (one older than
       ``recheck`` starts a read: the write goes under the epoch the daemon knows, and objects
       it writes under an epoch already replaced are never read by a daemon that saw the
@@ -162,10 +162,11 @@ class Epochs:
       ``EPOCHS_MAX`` namespaces), since a change could no longer be noticed.
     """
 
-    def __init__(self, submit: Submit, prefix: str,
-                 recheck: float, changed: Callable[[str, list[str]], int],
+    def __init__(self, submit: Submit, prefix: str, recheck: float, read_deadline: float,
+                 changed: Callable[[str, list[str]], int],
                  forget: Callable[[str], None]) -> None:
         self._submit, self.prefix, self.recheck = submit, prefix, recheck
+        self.read_deadline = read_deadline
         self._changed, self._forget = changed, forget
         self.ns: OrderedDict[str, _Ns] = OrderedDict()
         self._told: set[tuple[str, str]] = set()  # (ns, refusal) logged already
@@ -234,24 +235,36 @@ class Epochs:
         e.reading = True
         self.reads += 1
         key = epoch_key(self.prefix, ns)
-        self._submit(L3Job("meta", [key], call=_read(key, new_epoch())),
-                     lambda job: self._read_done(ns, job))
+        job = L3Job("meta", [key], deadline=time.monotonic() + self.read_deadline,
+                    call=_read(key, new_epoch()))
+        self._submit(job, lambda j: self._read_done(ns, j),
+                     lambda j, now, queued: self._read_failed(ns))
+
+    def _read_failed(self, ns: str) -> None:
+        """A read failed, or passed its deadline (its late answer is not used): the
+        namespace's L3 reads miss for ``FAILED_TTL``, and writes waiting for it are dropped."""
+        e = self._entry(ns)
+        e.reading = False
+        e.failed = time.monotonic()
+        self._wake(e, None)
 
     def _read_done(self, ns: str, job: L3Job) -> None:
         self.reads -= 1
+        if job.acked:  # answered (as failed) at its deadline
+            return
         e = self._entry(ns)
+        if job.misses and "epoch" not in job.misses:
+            self._read_failed(ns)
+            return
         e.reading = False
         if job.misses:
-            if "epoch" in job.misses:
-                e.bad, e.checked = job.error, job.t_submit
-                if (ns, job.error) not in self._told:
-                    if len(self._told) >= TOLD_MAX:
-                        self._told.clear()
-                    self._told.add((ns, job.error))
-                    log.error("%s: the namespace's L3 objects are not used until a kv_clear "
-                              "writes a new epoch", job.error)
-            else:
-                e.failed = time.monotonic()
+            e.bad, e.checked = job.error, job.t_submit
+            if (ns, job.error) not in self._told:
+                if len(self._told) >= TOLD_MAX:
+                    self._told.clear()
+                self._told.add((ns, job.error))
+                log.error("%s: the namespace's L3 objects are not used until a kv_clear "
+                          "writes a new epoch", job.error)
             self._wake(e, None)
             return
         got: str = job.value
@@ -268,7 +281,7 @@ class Epochs:
 
     # ------------------------------------------------------------------ clear
     def clear(self, ns: str, deadline: float, done: Callable[[L3Job, int | None], None],
-              expire: Callable[[L3Job, float], None]) -> int:
+              expire: Callable[[L3Job, float, bool], None]) -> int:
         e = self._entry(ns)
         e.clears += 1
         self.clears += 1

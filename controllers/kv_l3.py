@@ -48,6 +48,12 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   key starts one asynchronous query and is answered *pending*; the client asks again.
 * While the tier connects, unknown keys are pending (nothing is submitted); while it is
   offline they are misses at once.
+* Every such read (prefetch, query; and ``kv_epochs``' epoch reads) is answered by
+  ``READ_DEADLINE``: past it (plus ``state.L3_DEADLINE_GRACE_S``) ``DaemonState.expire_l3``
+  marks the job and its ``expire`` hook makes its keys misses (remembered absent for
+  ``ABSENT_TTL``); a prefetch no worker took yet gives its rows back then (it never runs), one
+  whose call still runs gives them back when the call returns, and what that call read is not
+  used (``_free`` empties the row list it frees: the rows go back once).
 
 Clear (``kv_clear``, ``clear``): a new epoch is upserted on the L3 meta thread; the command is
 answered in its op's ack once that call returned, or at its deadline (plus
@@ -95,7 +101,11 @@ if TYPE_CHECKING:  # kv_store imports this module: its types are named, not impo
 log = logging.getLogger("hicache.l3")
 PRESENT_TTL = 30.0  # s: an object written or seen is reported present this long
 ABSENT_TTL = 2.0  # s: an object found absent or corrupt is a miss this long
-FETCH_DEADLINE = 10.0  # s: a read-through prefetch stops at the first batch past it
+# s: the key store's own reads (epoch reads, queries, prefetches) are answered by then: a
+# prefetch stops at the first batch past it, and one whose Mooncake call still runs (a hung
+# master holds it up to its RPC timeout, 30 s) is a miss from then on; below the client's
+# default wait (``kv_client.L3_WAIT``, 5 s), so a kv_get or kv_exists gets that miss
+READ_DEADLINE = 4.0
 KNOWN_MAX = 1 << 18  # remembered (entry, slot) answers, oldest dropped first
 CLEARS_MAX = 64  # kv_clears in flight (their epoch writes); one more is refused busy
 GC_MAX = 4096  # old epochs waiting for their removal; past it one more is left to eviction
@@ -149,14 +159,18 @@ class MarkerFormat:
         return 0
 
 
+Expire = Callable[[L3Job, float, bool], None]  # (job, now, queued: no worker took it)
+
+
 @dataclass
 class _Tag:
     """``L3Job.tag`` of the key store's jobs: ``DaemonState.finish_l3`` calls ``done(job)``;
-    ``DaemonState.expire_l3`` calls ``expire(job, now)`` where there is one (a clear's)."""
+    ``DaemonState.expire_l3`` calls ``expire(job, now, queued)`` where there is one (clears and
+    reads) once the job's deadline passed, the job marked ``acked`` and cancelled."""
 
     op_id: int
     done: Callable[[L3Job], None]
-    expire: Callable[[L3Job, float], None] | None = None
+    expire: Expire | None = None
 
 
 def _clear_error(job: L3Job, deadline_ms: int, expired: bool) -> str:
@@ -188,7 +202,7 @@ class KvL3:
         self.fetching: set[Ident] = set()
         self.querying: set[Ident] = set()
         self.epochs = Epochs(self._submit, self.prefix, self.l3.settings.kv_epoch_recheck,
-                             self._changed, self.store.drop)
+                             READ_DEADLINE, self._changed, self.store.drop)
         self.gc: L3Job | None = None  # the last remove job submitted
         self.gc_waiting = 0  # old epochs whose removal has not run yet
         self.gc_skipped = 0  # ... and those left to eviction (``GC_MAX`` were waiting)
@@ -212,7 +226,7 @@ class KvL3:
         return object_key(self.prefix, ep.ns, epoch, ep.slot, key)
 
     def _submit(self, job: L3Job, done: Callable[[L3Job], None],
-                expire: Callable[[L3Job, float], None] | None = None) -> int:
+                expire: Expire | None = None) -> int:
         op_id = self.st.next_op_id()
 
         def ended(j: L3Job) -> None:
@@ -338,18 +352,42 @@ class KvL3:
         idents = [i for _, i in todo]
         self.fetching.update(idents)
         job = L3Job("prefetch", [self._key(ep, epoch, i[3]) for i in idents],
-                    [{ep.space: r} for r in rows], time.monotonic() + FETCH_DEADLINE,
+                    [{ep.space: r} for r in rows], time.monotonic() + READ_DEADLINE,
                     fmt=self.fmt(ep), each=True)
-        self._submit(job, lambda j: self._fetched(j, ep.pool, idents, rows, epoch))
+
+        def expire(j: L3Job, now: float, queued: bool) -> None:
+            self._missed(self.fetching, idents, epoch)
+            if queued:  # no call will write them: free now (``_fetched`` frees the rest)
+                self._free(ep.space, rows)
+
+        self._submit(job, lambda j: self._fetched(j, ep.pool, idents, rows, epoch), expire)
         return sorted(pending + [j for j, _ in todo])
+
+    def _missed(self, inflight: set[Ident], idents: list[Ident], epoch: str) -> None:
+        """A read of ``idents`` passed its deadline: they are no longer in flight, and misses
+        for ``ABSENT_TTL`` (the client's next ask gets 0 at once)."""
+        for ident in idents:
+            inflight.discard(ident)
+            self._remember(ident, False, epoch)
+
+    def _free(self, space: str, rows: list[int]) -> None:
+        """Give a read's store rows back, once: the list is emptied."""
+        if rows:
+            self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, self.store.owner)
+            rows.clear()
 
     def _fetched(self, job: L3Job, pool: str | None, idents: list[Ident], rows: list[int],
                  epoch: str) -> None:
         """A read-through prefetch ended: verified objects become entries, the rest free
         their rows and are remembered absent. Nothing is used unless ``epoch`` is still the
         namespace's, confirmed within the recheck interval (a clear meanwhile, here or by
-        another daemon, replaced it): the client asks again."""
+        another daemon, replaced it): the client asks again. A prefetch answered at its
+        deadline (``acked``: its keys are misses already, and may be fetched again since)
+        only gives back the rows it still holds."""
         space, ns = idents[0][0], idents[0][1]
+        if job.acked:
+            self._free(space, rows)
+            return
         stale = not self.epochs.fresh(ns, epoch)
         present = job.present + [0] * (len(idents) - len(job.present))
         od = self.store.entries[space]
@@ -375,8 +413,7 @@ class KvL3:
                         t[e.row] = t[row]
                 e.slots.add(slot)
             free.append(row)
-        if free:
-            self.st.group.free({space: np.asarray(free, dtype=np.int64)}, self.store.owner)
+        self._free(space, free)
 
     def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],
                                                                                  list[int]]:
@@ -406,11 +443,14 @@ class KvL3:
     def _query(self, ep: "EnginePool", epoch: str, idents: list[Ident]) -> None:
         """One background exists query for ``idents`` (none already asked) under ``epoch``."""
         self.querying.update(idents)
-        job = L3Job("query", [self._key(ep, epoch, i[3]) for i in idents], fmt=self.fmt(ep),
-                    each=True)
-        self._submit(job, lambda j: self._queried(j, idents, epoch))
+        job = L3Job("query", [self._key(ep, epoch, i[3]) for i in idents],
+                    deadline=time.monotonic() + READ_DEADLINE, fmt=self.fmt(ep), each=True)
+        self._submit(job, lambda j: self._queried(j, idents, epoch),
+                     lambda j, now, queued: self._missed(self.querying, idents, epoch))
 
     def _queried(self, job: L3Job, idents: list[Ident], epoch: str) -> None:
+        if job.acked:  # answered at its deadline: its keys were misses (maybe asked again since)
+            return
         answered = len(job.present) == len(idents)  # else the store could not say: ask again
         for n, ident in enumerate(idents):
             self.querying.discard(ident)
@@ -441,7 +481,7 @@ class KvL3:
                 {"error": {"code": "l3_failed", "message": _clear_error(job, deadline_ms,
                                                                        False)}})))
 
-        def expire(job: L3Job, now: float) -> None:  # (marked acked, dropped if still queued)
+        def expire(job: L3Job, now: float, queued: bool) -> None:  # (dropped if still queued)
             self.st.outbox.append((c, l3_ack(job.tag.op_id, "kv_clear", job, now, {
                 "error": {"code": "l3_failed",
                           "message": _clear_error(job, deadline_ms, True)}})))

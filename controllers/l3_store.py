@@ -25,7 +25,9 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   ``SMALL_BYTES``, kept hard-pinned: Mooncake never evicts them; the key store's epochs,
   ``kv_epochs``) and leaves its result in ``job.value``; either raises ``L3CallFailed(why,
   message)``, which the worker records as ``misses[why]`` and ``job.error``.
-  ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it. A
+  ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it;
+  ``cancel(job, why)`` marks a job ``cancelled`` and says whether no worker had taken it (then
+  it completes unrun: no Mooncake call touches its rows). A
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
@@ -316,6 +318,14 @@ class MooncakeL3:
                 return False
             job.keys.append(key)
             return True
+
+    def cancel(self, job: L3Job, why: str) -> bool:
+        """Mark ``job`` to be dropped unrun (``misses[why]``) when a worker takes it; True when
+        none had taken it yet (no call of it will ever run), False when one had (its call may
+        still be running)."""
+        with self._lock:
+            job.cancelled = job.cancelled or why
+            return not job.started
 
     def _worker(self, which: str) -> None:
         q = self._queues[which]

@@ -374,8 +374,9 @@ class DaemonState:
         RPC timeout, 30 s by default). A prefetch's rows stay in flight until the call returns
         (a free of them waits; a copy into them is refused ``busy``), and nothing it reads
         becomes readable; a job still queued is dropped unrun when a worker takes it. A key
-        store job with an ``expire`` hook (a ``kv_clear``'s) is marked the same way and its
-        hook answers for it."""
+        store job with an ``expire`` hook (its clears and its own reads) is marked the same way
+        and its hook does the rest: ``expire(job, now, queued)``, ``queued`` True when no
+        worker had taken the job (none ever will run it)."""
         for op_id, job in self.l3_ops.items():
             if job.kind == "put" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
                 continue
@@ -383,11 +384,11 @@ class DaemonState:
             if tag is None and job.tag.expire is None:  # a key-store job nobody waits for
                 continue
             job.acked = True
-            job.cancelled = job.cancelled or "deadline"
+            queued = self.l3.cancel(job, "deadline")
             if tag is not None:
                 self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.expired_result())))
             else:
-                job.tag.expire(job, now)
+                job.tag.expire(job, now, queued)
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:

@@ -259,3 +259,34 @@ def test_clears_in_flight_are_bounded_while_the_master_hangs(l3_daemon: Any,
         assert (l3["clears"], l3["epoch_reads"]) == (0, 0), l3
         _until(lambda: not c.stats()["kv_store"]["l3"]["jobs"], 30, "the removals ran")
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_an_epoch_read_the_master_does_not_answer_is_a_miss_at_its_deadline(
+        l3_daemon: Any, store: Any) -> None:
+    """An epoch read held by a hung master (SIGSTOP) does not hold the namespace's keys
+    pending for the master's RPC timeout: at the key store's read deadline they are misses
+    (its host hits are served meanwhile), and once the master answers the namespace is read
+    from L3 again."""
+    from hicache.controllers.kv_epochs import FAILED_TTL
+    from hicache.controllers.kv_l3 import READ_DEADLINE
+
+    d = l3_daemon(env={"HICACHE_L3_EPOCH_RECHECK": "0.5"})
+    with d.client(name="e", timeout=30) as c:
+        ep = tenant_page_in_l3(c, 83, ns="slow")
+        assert c.kv_put("c4_kv", ["k1"], [1]) == [True]
+        written(c)
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.6)  # the epoch is due for a read
+            t0 = time.monotonic()
+            assert c.kv_get("c4_kv", ["k0", "absent"], [2, 3], l3_wait=15) == [True, False]
+            took = time.monotonic() - t0
+            assert READ_DEADLINE <= took < READ_DEADLINE + 2, took
+            assert c.kv_get("c4_kv", ["k1"], [2], l3_wait=0) == [True]  # host hits go on
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        _until(lambda: not c.stats()["kv_store"]["l3"]["jobs"], 60, "the held calls returned")
+        time.sleep(FAILED_TTL)
+        assert c.kv_exists("c4_kv", ["absent", "k0"], l3_wait=10) == [False, True]
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+        ep.close()

@@ -250,3 +250,66 @@ def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -
             os.kill(store.master.pid, signal.SIGCONT)
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
     ep.close()
+
+
+def _used(c: Any) -> int:
+    return c.stats()["host"]["spaces"]["page"]["used"]
+
+
+def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: Any,
+                                                                     store: Any) -> None:
+    """A hung master (SIGSTOP) held a read-through fetch's Mooncake call up to its RPC timeout
+    (30 s): the key stayed pending, its store row taken, and later fetches queued behind the
+    call on the one read thread. Now a key-store read is a miss at its deadline
+    (``READ_DEADLINE``): the fetch whose call hangs keeps its row until the call returns and
+    then frees it, a fetch still queued behind it frees its row at the deadline, and nothing
+    the late call read becomes an entry. (The epoch is kept fresh for the whole test: the
+    fetch itself hangs, not an epoch read.)"""
+    from hicache.controllers.kv_l3 import ABSENT_TTL, READ_DEADLINE
+
+    d = l3_daemon(env={"HICACHE_L3_EPOCH_RECHECK": "600"})
+    with d.client(name="f", timeout=30) as c:
+        ep = tenant_page_in_l3(c, 79, ns="fetch")
+        assert c.kv_put("c4_kv", ["k1"], [1]) == [True]
+        written(c)
+        want = [t[[0, 1]].clone() for t in ep.layers]
+        ep.close()
+    d.kill()
+    d.start()  # empty host rows: the pages are in L3 only
+    with d.client(name="f2", timeout=30) as c:
+        wait_online(c)
+        c4 = layout_of(c).pools["c4_kv"]
+        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=None)
+        ep.attach(c, "c4_kv", "c4_kv", ns="fetch")
+        assert c.kv_exists("c4_kv", ["k0", "k1"]) == [True, True]  # known present: fetched next
+        used = _used(c)
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=15) == [False]  # its call hangs
+            took = time.monotonic() - t0
+            assert READ_DEADLINE <= took < READ_DEADLINE + 2, took
+            t0 = time.monotonic()
+            assert c.kv_get("c4_kv", ["k1"], [3], l3_wait=15) == [False]  # queued behind it
+            took = time.monotonic() - t0
+            assert READ_DEADLINE <= took < READ_DEADLINE + 2, took
+            t0 = time.monotonic()
+            assert c.kv_exists("c4_kv", ["unknown"], l3_wait=15) == [False]  # a query too
+            assert time.monotonic() - t0 < READ_DEADLINE + 2
+            l3 = c.stats()["kv_store"]["l3"]
+            assert (l3["fetching"], l3["querying"]) == (0, 0), l3
+            assert _used(c) == used + 1  # the hung call's row only: the queued one went
+            assert c.kv_get("c4_kv", ["k0", "k1"], [2, 3], l3_wait=0) == [False, False]
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while c.stats()["kv_store"]["l3"]["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.stats()["kv_store"]["l3"]["jobs"] == 0
+        assert _used(c) == used  # the late call's row freed once, nothing made of what it read
+        assert c.stats()["kv_store"]["entries"]["page"] == 0
+        assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+        time.sleep(ABSENT_TTL)  # the misses are forgotten
+        assert c.kv_get("c4_kv", ["k0", "k1"], [2, 3], l3_wait=10) == [True, True]
+        assert all(torch.equal(t[[2, 3]], w) for t, w in zip(ep.layers, want))
+        ep.close()
