@@ -303,7 +303,8 @@ class Daemon:
         cfg = self.cfg
         store_class = load_store_class()  # one clear line naming what to install, or the class
         settings = L3Settings(cfg.l3_master, cfg.l3_metadata, cfg.l3_protocol,
-                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment)
+                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment,
+                              kv_epoch_recheck=cfg.l3_epoch_recheck)
         objects = l3_format.Objects(self.layout, self.group)
         if not objects.formats:
             raise UsageError(f"--l3: this stage has nothing to store: {objects.refused}")

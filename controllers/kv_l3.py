@@ -11,16 +11,25 @@ Objects and keys:
   pool's object is its whole host row in every layer (an ``l3_format.ObjectFormat`` of one
   ``Segment``); a marker pool's object is the header alone (``MarkerFormat``). Both carry the
   same verified header (magic, version, length, checksum, key digest) as every L3 object.
-* ``object_key(prefix, ns, slot, key) = "<prefix>/<ns digest>/<slot digest>/<key>"`` with
-  ``prefix = kv_prefix(objects) = "hc2/<model>/<layout fingerprint>/kv/pp<r>of<n>"``: the
-  namespace is the key store's own (CURVE key name + the client's namespace), digested, so
-  two namespaces never name the same object, and a namespace's objects share one key prefix
-  (``kv_clear`` removes them by regex).
+* ``object_key(prefix, ns, epoch, slot, key) = "<prefix>/<ns digest>/<epoch>/<slot
+  digest>/<key>"`` with ``prefix = kv_prefix(objects) = "hc2/<model>/<layout
+  fingerprint>/kv/pp<r>of<n>"``: the namespace is the key store's own (CURVE key name + the
+  client's namespace), digested, so two namespaces never name the same object; ``epoch`` is
+  the namespace's current epoch, kept in L3 (``kv_epochs``): a ``kv_clear`` replaces it, so
+  no daemon names the older objects again.
+
+Every L3 read of a namespace's objects (``fetch``, ``exists``) goes under an epoch confirmed
+less than ``--l3-epoch-recheck`` seconds ago (``kv_epochs.Epochs.for_read``), else its keys are
+answered *pending* while the epoch is read; a write goes under the epoch the daemon knows
+(waiting for the first one). A read's result is used only if its epoch is still current and
+fresh when it completes, and remembered answers only under the epoch they were found in.
 
 Write-through (``write``): the entries a ``kv_put`` filled go out as one put job. Their rows
 are pinned until it completes: ``Entry.pins`` (eviction skips pinned entries) and the row
 tracker (a ``kv_clear`` meanwhile defers the free until the job ends). A put completion is
-recorded in the L3 metrics like any other (written / skipped_existing / errors).
+recorded in the L3 metrics like any other (written / skipped_existing / errors); a write with
+no usable epoch (offline, or the stored value refused) is dropped and counted
+(``l3_errors{kind="offline" | "epoch"}``).
 
 Read-through, never blocking the server thread (every L3 call runs on the L3 worker threads):
 
@@ -28,35 +37,48 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   first asked about (as ``exists`` does) and answered *pending*, so rows are taken (and
   entries evicted) only for objects the store holds; for keys known present it allocates
   fresh store rows (LRU eviction as a put does; keys that find no row report 0), starts one
-  prefetch job and answers those keys *pending*. When the job completes, each object whose header, length and
-  checksum verify becomes an entry (or fills that slot of an entry a put made meanwhile);
-  the others free their rows and are remembered absent for ``ABSENT_TTL`` seconds, so the
-  client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after consulting L3
-  (known absent or corrupt, offline, no row free) counts in ``l3_pages{result="kv_miss"}``.
+  prefetch job and answers those keys *pending*. When the job completes, each object whose
+  header, length and checksum verify becomes an entry (or fills that slot of an entry a put
+  made meanwhile); the others free their rows and are remembered absent for ``ABSENT_TTL``
+  seconds, so the client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after
+  consulting L3 (known absent or corrupt, offline, no row free, no usable epoch) counts in
+  ``l3_pages{result="kv_miss"}``.
 * ``exists`` (``kv_exists``) answers from what the daemon knows: entries, objects it wrote
   or saw (present for ``PRESENT_TTL`` s), objects found absent (``ABSENT_TTL`` s). An unknown
   key starts one asynchronous query and is answered *pending*; the client asks again.
 * While the tier connects, unknown keys are pending (nothing is submitted); while it is
-  offline they are misses at once, and so are a namespace's keys while ``clear`` removes its
-  objects (a read then could bring cleared pages back).
+  offline they are misses at once.
+* Every such read (prefetch, query; and ``kv_epochs``' epoch reads) is answered by
+  ``READ_DEADLINE``: past it (plus ``state.L3_DEADLINE_GRACE_S``) ``DaemonState.expire_l3``
+  marks the job and its ``expire`` hook makes its keys misses (remembered absent for
+  ``ABSENT_TTL``); a prefetch no worker took yet gives its rows back then (it never runs), one
+  whose call still runs gives them back when the call returns, and what that call read is not
+  used (``_free`` empties the row list it frees: the rows go back once).
 
-Clear (``kv_clear``): reads of the namespace in flight drop their result (its generation
-moves on), answers remembered before the clear are forgotten, and its objects are removed by one
-``remove_by_regex`` on its prefix. The namespaces whose removal has not run yet are also kept
-on disk (``kv_clears.ClearJournal``, in the first shared-memory folder): a daemon that stops or
-is killed first leaves them there, and the next one with the same L3 master, key prefix and
-address clears them again when its key store starts, before it serves their keys. Bounded
-whatever a client sends: a namespace's generation is kept only while a put or prefetch of it
-is in flight, clear times only for ``PRESENT_TTL`` seconds (older answers have expired anyway),
-and every namespace cleared while a remove job waits in the write queue joins that job (unless a put of it is in flight: the put, queued after
-the job, would outlive it). With ``REMOVING_MAX`` namespaces waiting, a clear of one more is
-refused ``busy`` before anything changes.
+Clear (``kv_clear``, ``clear``): a new epoch is upserted on the L3 meta thread; the command is
+answered in its op's ack once that call returned, or at its deadline (plus
+``state.L3_DEADLINE_GRACE_S``) with an error when it has not. Nothing changes before the epoch is
+written: reads and writes of the namespace go on under the old epoch meanwhile. When it is
+written, the namespace's host entries are dropped (the ack's ``dropped``), results of reads
+under the old epoch are no longer used, and the old epoch's objects are removed in the
+background (``_collect``: one ``remove_by_regex`` on ``<prefix>/<ns digest>/<old epoch>/``;
+garbage collection only, never needed for correctness: every namespace collected while a remove
+job waits in the write queue joins it, and with ``GC_MAX`` regexes waiting, one more is skipped,
+logged and counted in ``gc_skipped``: its objects stay until Mooncake evicts them, unread). A
+clear whose call returns after its error ack and did write the epoch takes effect then. At most
+``CLEARS_MAX`` clears are in flight; one more is refused ``busy`` before anything changes.
 
-A job's bookkeeping (``_Tag``) is finished by ``DaemonState.finish_l3`` on the server thread.
+Another daemon's clear is seen here when an epoch read finds the new epoch
+(``kv_epochs.Epochs``): the same local effects (host entries of the namespace dropped, old
+epoch's objects collected).
+
+A job's bookkeeping (``_Tag``) is finished by ``DaemonState.finish_l3`` on the server thread;
+a clear's ``_Tag`` also has the ``expire`` hook ``DaemonState.expire_l3`` calls.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -67,18 +89,26 @@ import numpy as np
 from . import l3_format as F
 from hicache.core.protocol import ProtocolError
 
-from .kv_clears import ClearJournal
+from .kv_epochs import Epochs, ns_digest
 from .l3_store import L3Job
+from .state import l3_ack
 
 if TYPE_CHECKING:  # kv_store imports this module: its types are named, not imported
     from .kv_regions import EnginePool
+    from .registry import ClientState
     from .state import DaemonState
 
+log = logging.getLogger("hicache.l3")
 PRESENT_TTL = 30.0  # s: an object written or seen is reported present this long
 ABSENT_TTL = 2.0  # s: an object found absent or corrupt is a miss this long
-FETCH_DEADLINE = 10.0  # s: a read-through prefetch stops at the first batch past it
+# s: the key store's own reads (epoch reads, queries, prefetches) are answered by then: a
+# prefetch stops at the first batch past it, and one whose Mooncake call still runs (a hung
+# master holds it up to its RPC timeout, 30 s) is a miss from then on; below the client's
+# default wait (``kv_client.L3_WAIT``, 5 s), so a kv_get or kv_exists gets that miss
+READ_DEADLINE = 4.0
 KNOWN_MAX = 1 << 18  # remembered (entry, slot) answers, oldest dropped first
-REMOVING_MAX = 4096  # namespaces waiting for their L3 removal; a clear past it is refused
+CLEARS_MAX = 64  # kv_clears in flight (their epoch writes); one more is refused busy
+GC_MAX = 4096  # old epochs waiting for their removal; past it one more is left to eviction
 _REGEX_SPECIAL = set(".^$|?*+()[]{}\\")
 
 Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
@@ -95,12 +125,13 @@ def _digest(s: str, n: int) -> str:
     return hashlib.blake2b(s.encode(), digest_size=n).hexdigest()
 
 
-def ns_prefix(prefix: str, ns: str) -> str:
-    return f"{prefix}/{_digest(ns, 16)}/"
+def epoch_prefix(prefix: str, ns: str, epoch: str) -> str:
+    """Where every object of ``ns`` under ``epoch`` lies."""
+    return f"{prefix}/{ns_digest(ns)}/{epoch}/"
 
 
-def object_key(prefix: str, ns: str, slot: str, key: str) -> str:
-    return f"{ns_prefix(prefix, ns)}{_digest(slot, 8)}/{key}"
+def object_key(prefix: str, ns: str, epoch: str, slot: str, key: str) -> str:
+    return f"{epoch_prefix(prefix, ns, epoch)}{_digest(slot, 8)}/{key}"
 
 
 def _regex_prefix(s: str) -> str:
@@ -128,12 +159,35 @@ class MarkerFormat:
         return 0
 
 
+Expire = Callable[[L3Job, float, bool], None]  # (job, now, queued: no worker took it)
+
+
 @dataclass
 class _Tag:
-    """``L3Job.tag`` of the key store's jobs: ``DaemonState.finish_l3`` calls ``done(job)``."""
+    """``L3Job.tag`` of the key store's jobs: ``DaemonState.finish_l3`` calls ``done(job)``;
+    ``DaemonState.expire_l3`` calls ``expire(job, now, queued)`` where there is one (clears and
+    reads) once the job's deadline passed, the job marked ``acked`` and cancelled."""
 
     op_id: int
     done: Callable[[L3Job], None]
+    expire: Expire | None = None
+
+
+def _clear_error(job: L3Job, deadline_ms: int, expired: bool) -> str:
+    """The one line of a clear's error ack (nothing was cleared here)."""
+    if expired and job.started:
+        return (f"kv_clear: the L3 master did not answer within {deadline_ms} ms; nothing was "
+                "cleared here (the new epoch may still be written when the call returns, and "
+                "the clear then takes effect: clear again to know)")
+    if expired:
+        return (f"kv_clear: the L3 meta thread did not reach this clear within {deadline_ms} "
+                "ms (an earlier call hangs); nothing was cleared")
+    if "offline" in job.misses:
+        return "kv_clear: the L3 tier is offline; no new epoch was written, nothing was cleared"
+    if "stopping" in job.misses:
+        return "kv_clear: the daemon is stopping; nothing was cleared"
+    return (f"kv_clear: writing the namespace's new epoch failed ({job.error or 'Mooncake error'});"
+            " nothing was cleared")
 
 
 class KvL3:
@@ -143,27 +197,17 @@ class KvL3:
         self.st, self.store, self.l3 = st, store, st.l3
         self.prefix = kv_prefix(self.l3.objects.ns["full"])
         self.formats: dict[str, Any] = {}
-        self.known: OrderedDict[Ident, tuple[bool, float]] = OrderedDict()
+        # (entry, slot) -> (present, when, the epoch it was found under)
+        self.known: OrderedDict[Ident, tuple[bool, float, str]] = OrderedDict()
         self.fetching: set[Ident] = set()
         self.querying: set[Ident] = set()
-        # namespace -> its puts and prefetches in flight, and -> the kv_clears since the
-        # oldest of them began (an entry only while a job of that namespace is in flight)
-        self.inflight: dict[str, int] = {}
-        self.generation: dict[str, int] = {}
-        self.cleared_at: OrderedDict[str, float] = OrderedDict()  # the last PRESENT_TTL s
-        self.removing: dict[str, int] = {}  # namespace -> its removals in flight (no reads)
-        self.retry: list[str] = []  # namespaces whose removal did not run or failed
-        self.removal: L3Job | None = None  # the last remove job submitted
-        self.removal_ns: list[str] = []  # ... and the namespaces it removes
+        self.epochs = Epochs(self._submit, self.prefix, self.l3.settings.kv_epoch_recheck,
+                             READ_DEADLINE, self._changed, self.store.drop)
+        self.gc: L3Job | None = None  # the last remove job submitted
+        self.gc_waiting = 0  # old epochs whose removal has not run yet
+        self.gc_skipped = 0  # ... and those left to eviction (``GC_MAX`` were waiting)
         self.pinned = 0
         self.jobs = 0  # the key store's L3 jobs in flight
-        # ``removing`` on disk: clears a daemon stopped (or killed) before it removed them
-        self.journal = ClearJournal(st.shm_dirs[0], f"{self.l3.settings.master}|{self.prefix}|"
-                                                    f"{st.address}")
-        self._loading = True  # the file holds them already: no write per namespace
-        for ns in self.journal.load():
-            self.clear(ns)
-        self._loading = False
 
     # ------------------------------------------------------------------ objects
     def fmt(self, ep: "EnginePool") -> Any:
@@ -178,64 +222,59 @@ class KvL3:
             self.formats[ep.slot] = f
         return f
 
-    def _key(self, ep: "EnginePool", key: str) -> str:
-        return object_key(self.prefix, ep.ns, ep.slot, key)
+    def _key(self, ep: "EnginePool", epoch: str, key: str) -> str:
+        return object_key(self.prefix, ep.ns, epoch, ep.slot, key)
 
-    def _submit(self, job: L3Job, done: Callable[[L3Job], None]) -> None:
+    def _submit(self, job: L3Job, done: Callable[[L3Job], None],
+                expire: Expire | None = None) -> int:
         op_id = self.st.next_op_id()
 
         def ended(j: L3Job) -> None:
             self.jobs -= 1
             done(j)
 
-        job.tag = _Tag(op_id, ended)
+        job.tag = _Tag(op_id, ended, expire)
         self.st.l3_ops[op_id] = job
         self.jobs += 1
         self.l3.submit(job)
+        return op_id
 
-    def _remember(self, ident: Ident, present: bool) -> None:
-        self.known[ident] = (present, time.monotonic())
+    def _remember(self, ident: Ident, present: bool, epoch: str) -> None:
+        self.known[ident] = (present, time.monotonic(), epoch)
         self.known.move_to_end(ident)
         while len(self.known) > KNOWN_MAX:
             self.known.popitem(last=False)
 
-    def _answer(self, ident: Ident, now: float) -> bool | None:
-        """What the daemon knows of an object now: present, absent, or None (ask the store)."""
+    def _answer(self, ident: Ident, now: float, epoch: str) -> bool | None:
+        """What the daemon knows of an object under ``epoch`` now: present, absent, or None
+        (ask the store)."""
         k = self.known.get(ident)
         if k is None:
             return None
-        present, t = k
-        if now - t <= (PRESENT_TTL if present else ABSENT_TTL) \
-                and t > self.cleared_at.get(ident[1], -1.0):
+        present, t, e = k
+        if e == epoch and now - t <= (PRESENT_TTL if present else ABSENT_TTL):
             return present
         del self.known[ident]
         return None
 
-    def _begin(self, ns: str) -> int:
-        """A put or prefetch of ``ns`` starts: the generation its result is checked against."""
-        self.inflight[ns] = self.inflight.get(ns, 0) + 1
-        return self.generation.get(ns, 0)
+    def _read_epoch(self, ns: str) -> str | None | bool:
+        """The epoch to read ``ns``'s objects under; None: answer pending, nothing asked (the
+        tier is connecting, or the epoch is being read); False: a miss (the tier is offline,
+        or the namespace has no usable epoch now)."""
+        if not self.l3.online:
+            return None if self.l3.state == "connecting" else False
+        return self.epochs.for_read(ns)
 
-    def _end(self, ns: str) -> None:
-        """A put or prefetch of ``ns`` ended: the last one forgets the namespace."""
-        self.inflight[ns] -= 1
-        if not self.inflight[ns]:
-            del self.inflight[ns]
-            self.generation.pop(ns, None)
-
-    def _unknown_is_pending(self, ns: str) -> bool | None:
-        """True: ask the store; None: still connecting (pending, nothing asked); False: offline
-        or the namespace's objects are being removed (a miss)."""
-        if ns in self.removing:
-            return False
+    def touch(self, ns: str) -> None:
+        """``ns`` is used (a host hit, an attach): read its epoch again when it is due, so a
+        clear by another daemon is noticed (``kv_epochs``)."""
         if self.l3.online:
-            return True
-        return None if self.l3.state == "connecting" else False
+            self.epochs.touch(ns)
 
     # ------------------------------------------------------------------ write-through
     def write(self, ep: "EnginePool", stored: list[tuple[str, Any]]) -> None:
         """Write the slot ``ep.slot`` of these freshly filled entries (``(key, entry)``) to L3;
-        their rows stay pinned until the job completes."""
+        their rows stay pinned until the job completes (or is dropped for want of an epoch)."""
         if not stored:
             return
         space = ep.space
@@ -247,23 +286,29 @@ class KvL3:
         self.pinned += len(entries)
         self.st.tracker.begin(host)
         idents = [(space, ep.ns, ep.slot, k) for k, _ in stored]
-        gen = self._begin(ep.ns)
-        job = L3Job("put", [self._key(ep, k) for k, _ in stored],
-                    [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
 
-        def done(j: L3Job) -> None:
-            for e in entries:
-                e.pins -= 1
-            self.pinned -= len(entries)
-            self.st.tracker.end(host)
-            if self.st.tracker.deferred:
-                self.st.release_ready()
-            if not j.misses and self.generation.get(ep.ns, 0) == gen:  # all in the store
-                for i in idents:
-                    self._remember(i, True)
-            self._end(ep.ns)
+        def go(epoch: str | None) -> None:
+            def done(j: L3Job) -> None:
+                for e in entries:
+                    e.pins -= 1
+                self.pinned -= len(entries)
+                self.st.tracker.end(host)
+                if self.st.tracker.deferred:
+                    self.st.release_ready()
+                if not j.misses and epoch is not None:  # all in the store
+                    for i in idents:
+                        self._remember(i, True, epoch)
 
-        self._submit(job, done)
+            if epoch is None:  # no epoch to name the objects under: nothing is written
+                why = "epoch" if self.l3.online else "offline"
+                self.st.metrics.inc("l3_errors", len(stored), why)
+                done(L3Job("put", [], misses={why: len(stored)}))
+                return
+            job = L3Job("put", [self._key(ep, epoch, k) for k, _ in stored],
+                        [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
+            self._submit(job, done)
+
+        self.epochs.for_write(ep.ns, go)
 
     # ------------------------------------------------------------------ read-through
     def fetch(self, ep: "EnginePool", missing: list[tuple[int, str]],
@@ -272,7 +317,7 @@ class KvL3:
         pending (the others are misses). ``keep``: the call's entries, never evicted for
         the rows this takes."""
         now = time.monotonic()
-        mode = self._unknown_is_pending(ep.ns)
+        epoch = self._read_epoch(ep.ns)
         pending: list[int] = []
         misses = 0
         todo: list[tuple[int, Ident]] = []
@@ -280,13 +325,15 @@ class KvL3:
         unknown: dict[Ident, None] = {}
         for j, k in missing:
             ident = (ep.space, ep.ns, ep.slot, k)
-            a = self._answer(ident, now)
             if ident in self.fetching or ident in asked or ident in self.querying:
                 pending.append(j)
-            elif mode is False or a is False:
-                misses += 1
-            elif mode is None:
+                continue
+            if epoch is None:
                 pending.append(j)
+                continue
+            a = False if epoch is False else self._answer(ident, now, epoch)
+            if a is False:
+                misses += 1
             elif a is None:  # ask first: rows are taken (and entries evicted) only for objects
                 unknown[ident] = None  # the store holds
                 pending.append(j)
@@ -294,7 +341,7 @@ class KvL3:
                 asked.add(ident)
                 todo.append((j, ident))
         if unknown:
-            self._query(ep, list(unknown))
+            self._query(ep, epoch, list(unknown))
         rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
         misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]
@@ -304,32 +351,57 @@ class KvL3:
             return pending
         idents = [i for _, i in todo]
         self.fetching.update(idents)
-        gen = self._begin(ep.ns)
-        job = L3Job("prefetch", [self._key(ep, i[3]) for i in idents],
-                    [{ep.space: r} for r in rows], time.monotonic() + FETCH_DEADLINE,
+        job = L3Job("prefetch", [self._key(ep, epoch, i[3]) for i in idents],
+                    [{ep.space: r} for r in rows], time.monotonic() + READ_DEADLINE,
                     fmt=self.fmt(ep), each=True)
-        self._submit(job, lambda j: self._fetched(j, ep.pool, idents, rows, gen))
+
+        def expire(j: L3Job, now: float, queued: bool) -> None:
+            self._missed(self.fetching, idents, epoch)
+            if queued:  # no call will write them: free now (``_fetched`` frees the rest)
+                self._free(ep.space, rows)
+
+        self._submit(job, lambda j: self._fetched(j, ep.pool, idents, rows, epoch), expire)
         return sorted(pending + [j for j, _ in todo])
 
+    def _missed(self, inflight: set[Ident], idents: list[Ident], epoch: str) -> None:
+        """A read of ``idents`` passed its deadline: they are no longer in flight, and misses
+        for ``ABSENT_TTL`` (the client's next ask gets 0 at once)."""
+        for ident in idents:
+            inflight.discard(ident)
+            self._remember(ident, False, epoch)
+
+    def _free(self, space: str, rows: list[int]) -> None:
+        """Give a read's store rows back, once: the list is emptied."""
+        if rows:
+            self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, self.store.owner)
+            rows.clear()
+
     def _fetched(self, job: L3Job, pool: str | None, idents: list[Ident], rows: list[int],
-                 gen: int) -> None:
+                 epoch: str) -> None:
         """A read-through prefetch ended: verified objects become entries, the rest free
-        their rows and are remembered absent."""
+        their rows and are remembered absent. Nothing is used unless ``epoch`` is still the
+        namespace's, confirmed within the recheck interval (a clear meanwhile, here or by
+        another daemon, replaced it): the client asks again. A prefetch answered at its
+        deadline (``acked``: its keys are misses already, and may be fetched again since)
+        only gives back the rows it still holds."""
         space, ns = idents[0][0], idents[0][1]
-        cleared = self.generation.get(ns, 0) != gen
+        if job.acked:
+            self._free(space, rows)
+            return
+        stale = not self.epochs.fresh(ns, epoch)
         present = job.present + [0] * (len(idents) - len(job.present))
         od = self.store.entries[space]
         free = []
         for ident, row, ok in zip(idents, rows, present):
             self.fetching.discard(ident)
-            if cleared:
+            if stale:
                 free.append(row)
                 continue
             if not ok:
-                self._remember(ident, False)
+                self._remember(ident, False, epoch)
                 free.append(row)
                 continue
-            self._remember(ident, True)
+            self._remember(ident, True, epoch)
             slot, eid = ident[2], (ns, ident[3])
             e = od.get(eid)
             if e is None:
@@ -341,123 +413,111 @@ class KvL3:
                         t[e.row] = t[row]
                 e.slots.add(slot)
             free.append(row)
-        if free:
-            self.st.group.free({space: np.asarray(free, dtype=np.int64)}, self.store.owner)
-        self._end(ns)
+        self._free(space, free)
 
     def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],
                                                                                  list[int]]:
         """(positions present in L3, positions pending) of ``missing`` (position, key); the
         rest are absent. Unknown keys start one query job."""
         now = time.monotonic()
-        mode = self._unknown_is_pending(ep.ns)
+        epoch = self._read_epoch(ep.ns)
         present, pending, ask = [], [], {}
         for j, k in missing:
             ident = (ep.space, ep.ns, ep.slot, k)
-            a = self._answer(ident, now)
+            if epoch is False:
+                continue
+            a = None if epoch is None else self._answer(ident, now, epoch)
             if a is True:
                 present.append(j)
             elif a is False:
                 continue
-            elif ident in self.querying or ident in self.fetching or mode is None:
+            elif ident in self.querying or ident in self.fetching or epoch is None:
                 pending.append(j)
-            elif mode:
+            else:
                 ask.setdefault(ident, j)
                 pending.append(j)
         if ask:
-            self._query(ep, list(ask))
+            self._query(ep, epoch, list(ask))
         return present, pending
 
-    def _query(self, ep: "EnginePool", idents: list[Ident]) -> None:
-        """One background exists query for ``idents`` (none already asked)."""
+    def _query(self, ep: "EnginePool", epoch: str, idents: list[Ident]) -> None:
+        """One background exists query for ``idents`` (none already asked) under ``epoch``."""
         self.querying.update(idents)
-        job = L3Job("query", [self._key(ep, i[3]) for i in idents], fmt=self.fmt(ep), each=True)
-        t0 = time.monotonic()
-        self._submit(job, lambda j: self._queried(j, idents, t0))
+        job = L3Job("query", [self._key(ep, epoch, i[3]) for i in idents],
+                    deadline=time.monotonic() + READ_DEADLINE, fmt=self.fmt(ep), each=True)
+        self._submit(job, lambda j: self._queried(j, idents, epoch),
+                     lambda j, now, queued: self._missed(self.querying, idents, epoch))
 
-    def _queried(self, job: L3Job, idents: list[Ident], t0: float) -> None:
+    def _queried(self, job: L3Job, idents: list[Ident], epoch: str) -> None:
+        if job.acked:  # answered at its deadline: its keys were misses (maybe asked again since)
+            return
         answered = len(job.present) == len(idents)  # else the store could not say: ask again
-        if self.cleared_at.get(idents[0][1], -1.0) >= t0:
-            answered = False  # a kv_clear came meanwhile: the answer may predate the removal
         for n, ident in enumerate(idents):
             self.querying.discard(ident)
-            if answered:
-                self._remember(ident, bool(job.present[n]))
+            if answered:  # (used only while ``epoch`` is the namespace's: ``_answer``)
+                self._remember(ident, bool(job.present[n]), epoch)
 
     # ------------------------------------------------------------------ clear
-    def check_clear(self, ns: str) -> None:
-        """Refuse (``busy``, nothing changed) a clear that would queue one namespace too many
-        for removal while the L3 write thread is behind."""
-        if ns in self.removing or len(self.removing) < REMOVING_MAX:
-            return
-        raise ProtocolError("busy", f"kv_clear: {len(self.removing)} namespaces wait for their "
-                                    "L3 removal; retry when they are done")
+    def check_clear(self) -> None:
+        """Refuse (``busy``, nothing changed) a clear past ``CLEARS_MAX`` in flight."""
+        if self.epochs.clears >= CLEARS_MAX:
+            raise ProtocolError("busy", f"kv_clear: {self.epochs.clears} clears wait for the "
+                                        "L3 master; retry when they are answered")
 
-    def _joins(self, ns: str) -> bool:
-        """Whether ``ns``'s removal can ride on the queued remove job: no worker took it yet,
-        and no put of ``ns`` is in flight (a put queued after it would outlive it)."""
-        job = self.removal
-        return job is not None and not job.started and ns not in self.inflight
+    def clear(self, ns: str, c: "ClientState", deadline_ms: int) -> int:
+        """Write a new epoch for ``ns``; its op id. The ack (to ``c``) comes once the call
+        returned (``kv: {dropped}``) or failed, or at the deadline with an error."""
 
-    def clear(self, ns: str) -> None:
-        """Forget ``ns`` (reads in flight drop their result, remembered answers go) and remove
-        its objects: one queued remove job takes every namespace cleared before it starts."""
-        now = time.monotonic()
-        if ns in self.inflight:
-            self.generation[ns] = self.generation.get(ns, 0) + 1
-        self.cleared_at[ns] = now
-        self.cleared_at.move_to_end(ns)
-        while self.cleared_at and now - next(iter(self.cleared_at.values())) > PRESENT_TTL:
-            self.cleared_at.popitem(last=False)  # every answer older than this has expired
-        regex = _regex_prefix(ns_prefix(self.prefix, ns))
-        if self._joins(ns):
-            if ns in self.removal_ns or self.l3.extend_queued(self.removal, regex):
-                if ns not in self.removal_ns:
-                    self.removal_ns.append(ns)
-                    self.removing[ns] = self.removing.get(ns, 0) + 1
-                    self._journal()
+        def done(job: L3Job, dropped: int | None) -> None:
+            if job.acked:  # answered at its deadline: a late success still took effect
+                if dropped is not None:
+                    log.warning("kv_clear of a namespace took effect %.1f s after its deadline "
+                                "answered it failed", time.monotonic() - job.deadline)
                 return
-        self.removal, self.removal_ns = L3Job("remove", [regex]), [ns]
-        self.removing[ns] = self.removing.get(ns, 0) + 1
-        names = self.removal_ns
+            ok = dropped is not None
+            self.st.outbox.append((c, l3_ack(
+                job.tag.op_id, "kv_clear", job, job.t_end,
+                {"kv": {"dropped": dropped}} if ok else
+                {"error": {"code": "l3_failed", "message": _clear_error(job, deadline_ms,
+                                                                       False)}})))
+
+        def expire(job: L3Job, now: float, queued: bool) -> None:  # (dropped if still queued)
+            self.st.outbox.append((c, l3_ack(job.tag.op_id, "kv_clear", job, now, {
+                "error": {"code": "l3_failed",
+                          "message": _clear_error(job, deadline_ms, True)}})))
+
+        return self.epochs.clear(ns, time.monotonic() + deadline_ms / 1000, done, expire)
+
+    def _changed(self, ns: str, olds: list[str]) -> int:
+        """``ns`` has a new epoch (cleared here or elsewhere): its host entries go (how many),
+        and the objects of its older epochs are collected."""
+        dropped = self.store.drop(ns)
+        for old in olds:
+            self._collect(ns, old)
+        return dropped
+
+    def _collect(self, ns: str, old: str) -> None:
+        """Remove the objects of ``ns`` under ``old`` in the background: one queued remove job
+        takes every old epoch collected before it starts (none is read again either way)."""
+        regex = _regex_prefix(epoch_prefix(self.prefix, ns, old))
+        if self.gc_waiting >= GC_MAX:
+            if not self.gc_skipped:
+                log.warning("L3: %d old key-store epochs wait for their removal; further ones "
+                            "are left to Mooncake's eviction (never read again)", GC_MAX)
+            self.gc_skipped += 1
+            return
+        self.gc_waiting += 1
+        if self.gc is not None and self.l3.extend_queued(self.gc, regex):
+            return
+        self.gc = L3Job("remove", [regex])
 
         def done(j: L3Job) -> None:
-            # not run (offline, stopping) or a regex's call failed: its objects may all still
-            # be there. The namespace stays ``removing`` (its reads miss) and the removal goes
-            # again once the tier is online (``retry_removals``): a clear is an invalidation
-            for n in names:
-                if j.misses:
-                    if n not in self.retry:
-                        self.retry.append(n)
-                    continue
-                self.removing[n] -= 1
-                if not self.removing[n]:
-                    del self.removing[n]
-            self._journal()
+            self.gc_waiting -= len(j.keys)  # (fixed once a worker took it)
 
-        self._journal()
-        self._submit(self.removal, done)
-
-    def _journal(self) -> None:
-        """The namespaces waiting for their removal, to disk (``kv_clears``)."""
-        if not self._loading:
-            self.journal.save(self.removing)
-
-    def retry_removals(self) -> None:
-        """Queue again the removals that did not run or failed, once the tier is online (the
-        server's housekeeping calls it)."""
-        if not self.retry or not self.l3.online:
-            return
-        names, self.retry = self.retry, []
-        for n in names:
-            self.removing[n] -= 1  # this removal is over; ``clear`` counts the next one
-            if not self.removing[n]:
-                del self.removing[n]
-            self.clear(n)
+        self._submit(self.gc, done)
 
     def summary(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "pinned": self.pinned, "jobs": self.jobs,
-                "fetching": len(self.fetching),
-                "querying": len(self.querying), "known": len(self.known),
-                "removing": len(self.removing), "namespaces_in_flight": len(self.inflight),
-                "namespaces_cleared": len(self.cleared_at)}
+                "fetching": len(self.fetching), "querying": len(self.querying),
+                "known": len(self.known), **self.epochs.summary(),
+                "gc_waiting": self.gc_waiting, "gc_skipped": self.gc_skipped}

@@ -23,8 +23,11 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
   what it stored through to L3 (rows pinned, never evicted, until that write ends), and a
   ``kv_get`` / ``kv_exists`` of a key the host rows lack asks L3 asynchronously and answers it
   *pending* (``pending``: positions in ``keys``; their ``found`` / ``present`` is 0) until the
-  answer is in; the client asks again (``kv_client``, bounded wait). ``kv_clear`` also removes
-  the namespace's L3 objects. Without L3, ``pending`` is always empty.
+  answer is in; the client asks again (``kv_client``, bounded wait). ``kv_clear`` then
+  answers in an op's ack, once the namespace's new epoch is in L3 (its old objects unreachable
+  from then on, for every daemon on the store) or with an error saying why it could not be
+  written; its host entries are dropped only then. Without L3, ``pending`` is always empty
+  and ``kv_clear`` drops the entries and answers at once.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from hicache.core.protocol import ProtocolError
 from .copy_commands import Reply
 from .kv_l3 import KvL3
 from .kv_regions import MAX_POOLS_PER_CLIENT, ClientPools, EnginePool
+from .l3_handlers import deadline_ms
 from .ops import Ids
 from .registry import ClientState
 from .state import DaemonState
@@ -168,7 +172,10 @@ class KeyStore:
                 missing.append((j, k))
         if ep.pool is not None and src:
             _copy(ep.layers, self.st.group.pools[ep.pool].layers, dst, src, to_engine=True)
-        if self.l3 is None or not missing:
+        if self.l3 is None:
+            return found, []
+        if not missing:
+            self.l3.touch(ep.ns)
             return found, []
         return found, self.l3.fetch(ep, missing, {(ep.ns, k) for k in keys})
 
@@ -178,27 +185,25 @@ class KeyStore:
         present = [int((e := od.get((ep.ns, k))) is not None and ep.slot in e.slots)
                    for k in keys]
         missing = [(j, k) for j, k in enumerate(keys) if not present[j]]
-        if self.l3 is None or not missing:
+        if self.l3 is None:
+            return present, []
+        if not missing:
+            self.l3.touch(ep.ns)
             return present, []
         there, pending = self.l3.exists(ep, missing)
         for j in there:
             present[j] = 1
         return present, pending
 
-    def clear(self, ns: str) -> int:
-        """Drop every entry of ``ns`` (a row an L3 write still reads is freed when it ends)
-        and, with L3, its objects there. Refused (``busy``, nothing dropped) while too many
-        namespaces wait for their L3 removal (``KvL3.check_clear``)."""
-        if self.l3 is not None:
-            self.l3.check_clear(ns)
+    def drop(self, ns: str) -> int:
+        """Drop every entry of ``ns`` (a row an L3 write still reads is freed when it ends);
+        how many."""
         n = 0
         for space, od in self.entries.items():
             rows = [od.pop(k).row for k in [k for k in od if k[0] == ns]]
             if rows:
                 self.st.free_rows({space: np.asarray(rows, dtype=np.int64)}, OWNER)
                 n += len(rows)
-        if self.l3 is not None:
-            self.l3.clear(ns)
         return n
 
 
@@ -300,6 +305,8 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     if c.kv is None:
         c.kv = ClientPools()
     c.kv.pools[name] = ep
+    if store.l3 is not None:
+        store.l3.touch(ns)  # its epoch is read while the engine proves the pool
     return {"nonce": ep.nonce.hex(), "proofs": ep.proof_request()}, []
 
 
@@ -336,7 +343,15 @@ def kv_exists(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 
 
 def kv_clear(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    return {"dropped": store_of(st).clear(_ns(c, h["namespace"]))}, []
+    """Without L3: ``{dropped}``. With L3: ``{op}``, the ack once the namespace's new epoch is
+    in L3 (``kv: {dropped}``) or could not be written (status error, and why): ``kv_l3``."""
+    ns = _ns(c, h["namespace"])
+    ms = deadline_ms(h)  # (checked with or without L3: the same command either way)
+    store = store_of(st)
+    if store.l3 is None:
+        return {"dropped": store.drop(ns)}, []
+    store.l3.check_clear()
+    return {"op": store.l3.clear(ns, c, ms)}, []
 
 
 def kv_detach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

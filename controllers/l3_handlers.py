@@ -134,12 +134,18 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
     return {"op": op_id}, []
 
 
-def _deadline(h: dict) -> float:
-    """The job's deadline (monotonic) from ``deadline_ms`` (1..60,000; default 5,000)."""
+def deadline_ms(h: dict) -> int:
+    """A command's ``deadline_ms`` (1..60,000; default 5,000), or a refusal (``kv_clear``
+    takes it too)."""
     ms = h.get("deadline_ms", 5000)
     if not 0 < ms <= MAX_DEADLINE_MS:
         raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
-    return time.monotonic() + ms / 1000
+    return ms
+
+
+def _deadline(h: dict) -> float:
+    """The job's deadline (monotonic) from ``deadline_ms``."""
+    return time.monotonic() + deadline_ms(h) / 1000
 
 
 def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -18,9 +18,16 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
-  whose key matches a regex) on another, in submission order, so a long write never delays a
-  prefix lookup. A prefetch with ``each`` goes on past a missing or corrupt object.
-  ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it. A
+  whose key matches a regex) on another, and ``meta`` jobs on a third, each in submission
+  order, so a long write never delays a prefix lookup and neither delays a small metadata
+  call. A prefetch with ``each`` goes on past a missing or corrupt object. A ``meta`` job runs
+  ``job.call(self)``, which uses ``get_small`` / ``put_small`` (objects of at most
+  ``SMALL_BYTES``, kept hard-pinned: Mooncake never evicts them; the key store's epochs,
+  ``kv_epochs``) and leaves its result in ``job.value``; either raises ``L3CallFailed(why,
+  message)``, which the worker records as ``misses[why]`` and ``job.error``.
+  ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it;
+  ``cancel(job, why)`` marks a job ``cancelled`` and says whether no worker had taken it (then
+  it completes unrun: no Mooncake call touches its rows). A
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
@@ -59,6 +66,7 @@ BATCH_PAGES = 128
 SLICES_PER_CALL = 1024
 MISS_CODES = (-704, -703, -710, -712)  # not found, replica not ready / gone
 OFFLINE_CODES = (-900, -901, -103, -601)  # RPC failed / timed out, client unknown to the master
+SMALL_BYTES = 64  # the largest object ``get_small`` reads
 FULL_CODES = (-10, -101, -1700)  # no space: Mooncake's eviction will make room; a skipped write
 EXISTS = -705
 INSTALL_HINT = ("--l3 mooncake needs the Mooncake client: pip install 'hicache[l3]' "
@@ -84,6 +92,7 @@ class L3Settings:
     segment_bytes: int = 0  # memory this daemon contributes to the store (0 = none)
     buffer_bytes: int = 16 << 20  # Mooncake's local transfer buffer
     max_backoff: float = 2.0
+    kv_epoch_recheck: float = 2.0  # s: the key store reads under an epoch this long (kv_epochs)
 
 
 CONNECT_CHECK_S = 1.0  # TCP connect timeout of the pre-setup reachability check
@@ -117,9 +126,19 @@ def unreachable(s: L3Settings) -> str | None:
     return None
 
 
+class L3CallFailed(Exception):
+    """A ``meta`` job's Mooncake call failed: ``why`` is its miss reason (``offline``, ``full``,
+    ``error``, or the caller's own, e.g. ``epoch``), ``message`` one line naming the key."""
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(message)
+        self.why = why
+        self.message = message
+
+
 @dataclass
 class L3Job:
-    kind: str  # query | prefetch | put | remove (keys: regexes)
+    kind: str  # query | prefetch | put | remove (keys: regexes) | meta (``call`` runs)
     keys: list[str]  # full object keys
     rows: list[dict[str, int]] = field(default_factory=list)  # per page: space -> host row
     deadline: float = float("inf")  # monotonic; prefetch stops at the first batch past it;
@@ -144,6 +163,9 @@ class L3Job:
     started: bool = False  # set (under the tier's lock) when a worker takes the job
     cancelled: str = ""  # why it is to be dropped unrun when a worker takes it ("" = run it)
     acked: bool = False  # query, prefetch: acked at its deadline while the store call ran
+    call: Callable[["MooncakeL3"], Any] | None = None  # meta: run on the meta thread ...
+    value: Any = None  # ... and what it returned
+    error: str = ""  # meta: the one line of the ``L3CallFailed`` it raised
 
     def result(self) -> dict[str, Any]:
         """The ack's ``l3`` field."""
@@ -176,8 +198,9 @@ class MooncakeL3:
         self.state = "connecting"
         self._headers = {k: np.zeros(BATCH_PAGES * F.HEADER_BYTES, dtype=np.uint8)
                          for k in ("read", "write")}
-        self._queues: dict[str, queue.Queue[L3Job | None]] = {"read": queue.Queue(),
-                                                             "write": queue.Queue()}
+        self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
+        self._queues: dict[str, queue.Queue[L3Job | None]] = {
+            k: queue.Queue() for k in ("read", "write", "meta")}
         self.put_pages_queued = 0
         self.completed: collections.deque[L3Job] = collections.deque()
         self._stop = threading.Event()
@@ -190,7 +213,7 @@ class MooncakeL3:
         self._was_online = False
         self._threads = [threading.Thread(target=self._connector, name="l3-connect", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
-                                           daemon=True) for k in ("read", "write")]
+                                           daemon=True) for k in self._queues]
         metrics.set("l3_online", 0)
         for t in self._threads:
             t.start()
@@ -218,7 +241,7 @@ class MooncakeL3:
                 pass
             return False
         regs = [(self.arena_ptr, self.arena_bytes)] + \
-               [(h.ctypes.data, h.nbytes) for h in self._headers.values()]
+               [(h.ctypes.data, h.nbytes) for h in (*self._headers.values(), self._small)]
         for ptr, n in regs:
             rc = store.register_buffer(ptr, n)
             if rc != 0:
@@ -284,7 +307,8 @@ class MooncakeL3:
             with self._lock:  # the gauge too: set under the lock, never an older value last
                 self.put_pages_queued += len(job.keys)
                 self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
-        self._queues["write" if job.kind in ("put", "remove") else "read"].put(job)
+        self._queues["write" if job.kind in ("put", "remove") else
+                     "meta" if job.kind == "meta" else "read"].put(job)
 
     def extend_queued(self, job: L3Job, key: str) -> bool:
         """Add ``key`` to a queued ``remove`` job that no worker has taken yet (False, and
@@ -294,6 +318,14 @@ class MooncakeL3:
                 return False
             job.keys.append(key)
             return True
+
+    def cancel(self, job: L3Job, why: str) -> bool:
+        """Mark ``job`` to be dropped unrun (``misses[why]``) when a worker takes it; True when
+        none had taken it yet (no call of it will ever run), False when one had (its call may
+        still be running)."""
+        with self._lock:
+            job.cancelled = job.cancelled or why
+            return not job.started
 
     def _worker(self, which: str) -> None:
         q = self._queues[which]
@@ -317,8 +349,13 @@ class MooncakeL3:
                     self._prefetch(job)
                 elif job.kind == "remove":
                     self._remove(job)
+                elif job.kind == "meta":
+                    job.value = job.call(self)
                 else:
                     self._put(job)
+            except L3CallFailed as e:
+                job.misses[e.why] = 1
+                job.error = e.message
             except Exception:  # noqa: BLE001 - a bug or a Mooncake surprise: count, go on
                 log.exception("L3 %s failed", job.kind)  # (_record counts it kind="error")
                 job.misses["error"] = job.misses.get("error", 0) + 1
@@ -453,6 +490,42 @@ class MooncakeL3:
                 self._failed(rc, "remove_by_regex")
             else:
                 job.written += rc
+
+    # ------------------------------------------------------------------ small objects (meta)
+    def _call_failed(self, rc: int, what: str, key: str) -> L3CallFailed:
+        self._failed(rc, what)
+        why = "offline" if rc in OFFLINE_CODES else "full" if rc in FULL_CODES else "error"
+        return L3CallFailed(why, f"Mooncake {what} of {key} returned code {rc}")
+
+    def get_small(self, key: str) -> bytes | None:
+        """The value stored under ``key`` (at most ``SMALL_BYTES``), or None when the store
+        holds no object there. Raises ``L3CallFailed``: ``corrupt`` for a larger object (its
+        message says how large), else as the call failed. Meta thread only (one registered
+        buffer)."""
+        buf = self._small
+        rc = self.store.get_into(key, buf.ctypes.data, SMALL_BYTES)
+        if rc >= 0:
+            return bytes(buf[:rc])
+        if rc in MISS_CODES:
+            return None
+        if rc not in OFFLINE_CODES:  # an object too big for the buffer fails the read too
+            size = self.store.get_size(key)
+            if size > SMALL_BYTES:
+                raise L3CallFailed("corrupt", f"holds {size} bytes, more than the "
+                                              f"{SMALL_BYTES} of a small object")
+        raise self._call_failed(rc, "get", key)
+
+    def put_small(self, key: str, value: bytes, replace: bool) -> None:
+        """Store ``value`` under ``key``, hard-pinned (Mooncake never evicts it). ``replace``:
+        overwrite what is there (upsert); else an existing object stays as it is (the first
+        writer wins: read it back to learn what is stored). Raises ``L3CallFailed``."""
+        from mooncake.store import ReplicateConfig  # (the store class loaded it already)
+
+        cfg = ReplicateConfig()
+        cfg.with_hard_pin = True
+        rc = (self.store.upsert if replace else self.store.put)(key, value, cfg)
+        if rc != 0 and not (rc == EXISTS and not replace):
+            raise self._call_failed(rc, "upsert" if replace else "put", key)
 
     def _put(self, job: L3Job) -> None:
         hdr = self._headers["write"]

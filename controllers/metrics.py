@@ -189,8 +189,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "Bytes read from (read) or written to (write) the L3 store, headers included.",
               "How much traffic does this daemon put on the store's network?"),
     MetricDef("l3_seconds", "histogram", ("op",),
-              "Seconds from accepting an L3 job (query, prefetch, put, remove) to its "
-              "completion.",
+              "Seconds from accepting an L3 job (query, prefetch, put, remove, meta: a "
+              "key-store epoch read or write) to its completion.",
               "How long does the engine wait for an L3 lookup or prefetch?"),
     MetricDef("l3_batch_seconds", "histogram", ("call",),
               "Seconds of one Mooncake batch call (get, put) of at most 128 pages.",
@@ -198,7 +198,9 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("l3_errors", "counter", ("kind",),
               "L3 pages (or calls) that failed: offline, corrupt (header, length or checksum "
               "mismatch: a miss, never data; the object is removed), transfer (a read that "
-              "failed on its way, e.g. a storage node gone), full (store out of space), error.",
+              "failed on its way, e.g. a storage node gone), full (store out of space), error, "
+              "epoch (a key-store namespace's epoch object holds no well-formed epoch, or a "
+              "write had no epoch to go under: its L3 objects are not used).",
               "Is L3 healthy, and did anything try to hand us wrong bytes?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",
@@ -257,8 +259,8 @@ class Metrics:
             "query_hit", "prefetch_hit", "written", "skipped_existing")) + ("kv_miss",))
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
-        self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error"))
-        self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove"))
+        self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error", "epoch"))
+        self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove", "meta"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))
         if process_metrics:

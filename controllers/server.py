@@ -411,8 +411,6 @@ class Server:
         if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
             st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
             self._channels()
-        if st.kv_store is not None and st.kv_store.l3 is not None:
-            st.kv_store.l3.retry_removals()  # clears the L3 tier could not run before
         st.refresh_gauges()
 
     # ------------------------------------------------------------------ shutdown

@@ -60,11 +60,18 @@ OP_ID_BITS = 44  # random base of a run's op ids (far below 2**53: exact in any 
 L3_DEADLINE_GRACE_S = 0.05  # past a read's deadline before it is acked without its call
 
 
-def _l3_ack(op_id: int, job: Any, t_end: float, result: dict[str, Any]) -> dict[str, Any]:
+def l3_ack(op_id: int, kind: str, job: Any, t_end: float,
+           fields: dict[str, Any]) -> dict[str, Any]:
+    """The ack of an L3 job (docs/protocol.md, "acks"): ``kind``, and ``fields`` (``l3``: the
+    job's result; ``error``: status error, and why; a ``kv_clear``'s ``kv``)."""
     ns = int((t_end - job.t_submit) * 1e9)
-    return {"op": op_id, "kind": f"l3_{job.kind}", "status": "ok",
+    return {"op": op_id, "kind": kind, "status": "error" if "error" in fields else "ok",
             "bytes": job.nbytes if not job.acked else 0, "ns": ns, "exec_ns": ns,
-            "path": "mooncake", "pools": {}, "l3": result}
+            "path": "mooncake", "pools": {}, **fields}
+
+
+def _l3_ack(op_id: int, job: Any, t_end: float, result: dict[str, Any]) -> dict[str, Any]:
+    return l3_ack(op_id, f"l3_{job.kind}", job, t_end, {"l3": result})
 
 
 def _client_tag(job: Any) -> tuple[int, Any, Any] | None:
@@ -381,16 +388,22 @@ class DaemonState:
         call still runs (a master or storage node that hangs holds a Mooncake call up to its
         RPC timeout, 30 s by default). A prefetch's rows stay in flight until the call returns
         (a free of them waits; a copy into them is refused ``busy``), and nothing it reads
-        becomes readable; a job still queued is dropped unrun when a worker takes it."""
+        becomes readable; a job still queued is dropped unrun when a worker takes it. A key
+        store job with an ``expire`` hook (its clears and its own reads) is marked the same way
+        and its hook does the rest: ``expire(job, now, queued)``, ``queued`` True when no
+        worker had taken the job (none ever will run it)."""
         for op_id, job in self.l3_ops.items():
             if job.kind == "put" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
                 continue
             tag = _client_tag(job)
-            if tag is None:
+            if tag is None and job.tag.expire is None:  # a key-store job nobody waits for
                 continue
             job.acked = True
-            job.cancelled = job.cancelled or "deadline"
-            self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.expired_result())))
+            queued = self.l3.cancel(job, "deadline")
+            if tag is not None:
+                self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.expired_result())))
+            else:
+                job.tag.expire(job, now, queued)
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:

@@ -153,26 +153,48 @@ def raw_put(store: l3_master.LocalStore, key: str, value: bytes) -> None:
     raw_puts(store, {key: value})
 
 
-def raw_puts(store: l3_master.LocalStore, items: dict[str, bytes]) -> None:
-    """``raw_put`` of several objects, by one foreign client."""
+def raw_puts(store: l3_master.LocalStore, items: dict[str, bytes],
+             replace: bool = False) -> None:
+    """``raw_put`` of several objects, by one foreign client (``put`` keeps an object that
+    exists; with ``replace``, ``upsert`` overwrites it)."""
     sizes = [(k, len(v)) for k, v in items.items()]
+    call = "upsert" if replace else "put"
+    _raw(store, f"""
+        data, at, bad = sys.stdin.buffer.read(), 0, 0
+        for key, n in {sizes!r}:
+            bad += s.{call}(key, data[at:at + n]) != 0
+            at += n
+        sys.exit(3 if bad else 0)
+    """, b"".join(items.values()))
+
+
+def raw_gets(store: l3_master.LocalStore, keys: list[str]) -> dict[str, bytes | None]:
+    """The objects under ``keys`` as a foreign client reads them (None: not there)."""
+    out = _raw(store, f"""
+        import json
+        sizes = [s.get_size(k) for k in {keys!r}]
+        print("\\n" + json.dumps([s.get(k).hex() if n >= 0 else None
+                                  for k, n in zip({keys!r}, sizes)]))
+    """)
+    got = json.loads(out.strip().splitlines()[-1])
+    return {k: None if v is None else bytes.fromhex(v) for k, v in zip(keys, got)}
+
+
+def _raw(store: l3_master.LocalStore, body: str, stdin: bytes = b"") -> str:
+    """Run ``body`` with ``s``, a Mooncake client of ``store``, in a process of its own."""
     code = textwrap.dedent(f"""
         import sys
         from mooncake.store import MooncakeDistributedStore
         s = MooncakeDistributedStore()
         assert s.setup("127.0.0.1", {store.metadata_url!r}, 0, 16 << 20, "tcp", "",
                        {store.master_addr!r}) == 0
-        data, at, bad = sys.stdin.buffer.read(), 0, 0
-        for key, n in {sizes!r}:
-            bad += s.put(key, data[at:at + n]) != 0
-            at += n
-        s.close()
-        sys.exit(3 if bad else 0)
-    """)
+        try:
+    """) + textwrap.indent(textwrap.dedent(body), "    ") + "finally:\n    s.close()\n"
     env = {**os.environ, **l3_master.loopback_env()}
-    r = subprocess.run([sys.executable, "-c", code], input=b"".join(items.values()), env=env,
+    r = subprocess.run([sys.executable, "-c", code], input=stdin, env=env,
                        capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()[-800:]
+    return r.stdout.decode()
 
 
 # ----------------------------------------------------------------------------- tests

@@ -132,8 +132,10 @@ _TABLE: tuple[Command, ...] = (
     Command("kv_exists", {"name": ("str", True), "keys": ("str_list", True)},
             ("present", "pending"), False, "kv_exists",
             "key store: which keys hold a page of this pool"),
-    Command("kv_clear", {"namespace": ("str", True)}, ("dropped",), False, "kv_clear",
-            "key store: drop every page stored under a namespace"),
+    Command("kv_clear", {"namespace": ("str", True), "deadline_ms": ("int", False)},
+            ("dropped", "op"), True, "kv_clear",
+            "key store: drop every page stored under a namespace (with L3: a new epoch there "
+            "first, answered in the ack)"),
     Command("kv_detach", {}, ("detached",), False, "kv_detach",
             "key store: unmap every engine host pool of this client"),
 )

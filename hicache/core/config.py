@@ -96,6 +96,7 @@ class ServeConfig:
     l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
     l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
     l3_segment: int = 0  # bytes this daemon contributes to the store (0 = none)
+    l3_epoch_recheck: float = 2.0  # s: key store, how long an L3 namespace epoch read is used
     sparse_rows: int = 0  # HiSparse: C4 page rows per C4 layer of each client region (0: off)
     sparse_clients: int = 1  # HiSparse: clients that may hold a sparse region at once
     min_sparse_prompt_len: int = 32768  # HiSparse: shortest prompt (full tokens) admitted
@@ -209,7 +210,7 @@ def _convert(name: str, v: Any, key: str) -> Any:
                 "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid",
                 "sparse_rows", "sparse_clients", "min_sparse_prompt_len"):
         return _int(v)
-    if name in ("host_ratio", "heartbeat_timeout", "spin_us"):
+    if name in ("host_ratio", "heartbeat_timeout", "spin_us", "l3_epoch_recheck"):
         if isinstance(v, bool):
             raise ValueError(f"not a number: {v!r}")
         if name == "host_ratio" and isinstance(v, str) and ":" in v:
@@ -416,7 +417,8 @@ def _refuse_unused(cfg: ServeConfig) -> None:
         raise UsageError("--allow-remote applies to a tcp:// --socket only (this one is ipc)")
     if cfg.l3 == "off":
         off = [f"--{n.replace('_', '-')}" for n in ("l3_protocol", "l3_rdma_devices",
-                                                     "l3_local_host") if given(n)]
+                                                     "l3_local_host", "l3_epoch_recheck")
+               if given(n)]
         if off:
             raise UsageError(f"{', '.join(off)} given but --l3 is off (add --l3 mooncake)")
 
@@ -440,6 +442,9 @@ def _validate_l3(cfg: ServeConfig) -> None:
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if cfg.l3_rdma_devices and cfg.l3_protocol != "rdma":
         raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
+    if not 0 < cfg.l3_epoch_recheck <= 3600:
+        raise UsageError(f"--l3-epoch-recheck must be in (0, 3600] seconds, got "
+                         f"{cfg.l3_epoch_recheck:g}")
 
 
 # ------------------------------------------------------------------------------- sizing

@@ -104,5 +104,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("l3_local_host", _L, "address this daemon's store client advertises [127.0.0.1]"),
     Setting("l3_segment", _L, "memory this daemon contributes to the store, e.g. 4GiB (0: pages "
                               "live in other members' segments)"),
+    Setting("l3_epoch_recheck", _L, "key store: seconds a namespace's epoch read from L3 is used "
+            "for L3 reads before it is read again (another daemon's kv_clear is seen within "
+            "about this long), in (0, 3600] [2]"),
 )
 BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free", "dumpable")

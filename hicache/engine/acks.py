@@ -55,6 +55,7 @@ class Ack:
     path: str
     error: dict[str, str] | None = None
     l3: dict[str, Any] | None = None  # L3 jobs: hits / misses, or written / skipped
+    kv: dict[str, Any] | None = None  # kv_clear with L3: dropped
 
     @property
     def ok(self) -> bool:
@@ -66,7 +67,7 @@ class Ack:
                  for p, v in h.get("pools", {}).items()}
         return cls(int(h["op"]), str(h.get("kind", "")), str(h.get("status", "error")), pools,
                    int(h.get("bytes", 0)), h.get("ns", 0) * 1e-9, h.get("exec_ns", 0) * 1e-9,
-                   str(h.get("path", "")), h.get("error"), h.get("l3"))
+                   str(h.get("path", "")), h.get("error"), h.get("l3"), h.get("kv"))
 
 
 @dataclass

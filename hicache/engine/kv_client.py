@@ -12,8 +12,12 @@ of ``hicache.engine.client.Client``; the daemon side is ``controllers/kv_store.p
   or asks L3 in the background; ``kv_get`` / ``kv_exists`` then ask again for those keys only
   (sleeping 1 ms doubling to 50 ms between rounds) until none is pending or ``l3_wait`` seconds
   passed (still pending then: False). Every round is one ordinary call, so the daemon's loop
-  never waits on L3; ``kv_clear(namespace)`` -> entries dropped; ``kv_detach()`` -> pools
-  unmapped. Pages are the pool's page indices (one per key).
+  never waits on L3; ``kv_detach()`` -> pools unmapped. Pages are the pool's page indices (one
+  per key).
+* ``kv_clear(namespace, deadline_ms=None)`` -> entries dropped. With L3 the daemon answers in
+  an op's ack once the namespace's new epoch is in L3 (from then on no daemon on the store
+  reads its older objects); when that write fails or the master does not answer by the
+  deadline, ``TransferFailed`` with the daemon's one line of why, and nothing was cleared.
 """
 from __future__ import annotations
 
@@ -105,8 +109,20 @@ class KVStoreCommands:
 
         return _until_answered(list(keys), ask, l3_wait)
 
-    def kv_clear(self, namespace: str, timeout: float | None = None) -> int:
-        return int(self.call("kv_clear", {"namespace": namespace}, timeout=timeout)[0]["dropped"])
+    def kv_clear(self, namespace: str, timeout: float | None = None,
+                 deadline_ms: int | None = None) -> int:
+        """Entries dropped. With L3 the daemon answers in an ack once the namespace's new epoch
+        is in L3, or raises ``TransferFailed`` saying why it is not (nothing was cleared);
+        the wait covers the daemon's deadline (``deadline_ms``, its default 5,000)."""
+        f: dict[str, Any] = {"namespace": namespace}
+        if deadline_ms is not None:
+            f["deadline_ms"] = int(deadline_ms)
+        h, _ = self.call("kv_clear", f, timeout=timeout)
+        if "op" not in h:
+            return int(h["dropped"])
+        wait = (5000 if deadline_ms is None else deadline_ms) / 1000 + 1.0
+        wait = max(wait, self.timeout if timeout is None else timeout)
+        return int(self.wait_ack(int(h["op"]), timeout=wait).kv["dropped"])
 
     def kv_detach(self, timeout: float | None = None) -> int:
         return int(self.call("kv_detach", timeout=timeout)[0]["detached"])

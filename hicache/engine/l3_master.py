@@ -15,8 +15,8 @@ Contract:
   metadata server and metrics, each on a free loopback port) and one ``mooncake_client``
   storage member contributing ``segment`` bytes (so pages outlive the daemons that wrote them),
   and returns once the master counts that segment as mounted (``wait_mounted()``: also after
-  an outage; ``capacity()`` reads the master's metric); ``kill_master()`` / ``start_master()``
-  (same ports) for outage tests; ``pids()``,
+  an outage; ``capacity()`` reads the master's metric); ``keys()``: every object key the
+  master holds; ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
   ``master_addr``, ``metadata_url``; ``close()`` stops both.
 * ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
   (from ``ss -ltnpH``); ``non_loopback(listeners)`` keeps those not on a loopback address.
@@ -219,6 +219,13 @@ class LocalStore:
             time.sleep(0.05)
         raise RuntimeError(f"no storage segment mounted at the mooncake_master within "
                            f"{timeout:g} s (capacity {cap})\n{self.log_tail()}")
+
+    def keys(self) -> list[str]:
+        """Every object key the master holds (its HTTP ``/get_all_keys``, on the metrics
+        port)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/get_all_keys",
+                                    timeout=5.0) as r:
+            return [k for k in r.read().decode().splitlines() if k]
 
     def kill_master(self) -> None:
         if self.master is not None and self.master.poll() is None:
