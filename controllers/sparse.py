@@ -5,7 +5,8 @@ memory is ``controllers.sparse_regions``: one region (a sealed memfd) per client
 
 * ``sparse_region`` names the client's own region (binding one to it: the spare made at start,
   or a new one, at most ``--sparse-clients`` at once; only a registered worker binds one): its
-  ``/proc`` path and token; the engine maps it and runs the swap-in kernel on it. A client's first admission
+  descriptor socket and token (its memfd offered once per reply); the engine maps it and runs
+  the swap-in kernel on it. A client's first admission
   binds its region too (after every check: a refused admission binds nothing).
 * A request is admitted when its prompt has at least ``min_sparse_prompt_len`` full tokens and
   its C4 pages fit in the client's region. Admission takes ``floor(prompt_tokens / 4)`` C4
@@ -127,7 +128,7 @@ def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
         handout = st.handout()
     except OSError as e:
         raise ProtocolError("unsupported", f"sparse_region: cannot create the descriptor socket "
-                                           f"in {st.shm_dirs[0]} ({e})") from None
+                                           f"({e})") from None
     return sp.hand_out(c.cid, handout), []
 
 

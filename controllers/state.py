@@ -135,10 +135,10 @@ class DaemonState:
 
     def handout(self) -> FdHandout:
         """The socket a client takes its channel's and sparse region's descriptors from
-        (``core.fd_handout``, in the first shm directory), made at its first use; an
-        ``OSError`` when it cannot be made."""
+        (``core.fd_handout``: an abstract Unix socket), made at its first use; an ``OSError``
+        when it cannot be made."""
         if self._handout is None:
-            self._handout = FdHandout.create(self.shm_dirs[0])
+            self._handout = FdHandout.create()
         return self._handout
 
     def close_handout(self) -> None:

@@ -81,8 +81,8 @@ def test_malformed_slots_name_what_is_wrong() -> None:
 
 
 @pytest.fixture
-def handout(tmp_path):
-    h = FdHandout.create(str(tmp_path))
+def handout():
+    h = FdHandout.create()
     yield h
     h.close()
 
@@ -178,7 +178,7 @@ def test_channel_open_checks_the_memfd(handout) -> None:
     ch.close()
     with pytest.raises(OSError, match="no memory is offered for this token"):  # withdrawn
         C.Channel.open(info)
-    with pytest.raises(OSError, match="daemon's socket .*No such file"):  # no daemon there
+    with pytest.raises(OSError, match="daemon's socket .*Connection refused"):  # no daemon
         C.Channel.open(dict(info, fds=info["fds"] + "-gone"))
     with pytest.raises(ValueError, match="multiple of 8"):
         C.Channel.create(1001, 256)
@@ -316,6 +316,14 @@ def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
         assert c.heartbeat()["registered"]  # the channel still serves
 
 
+def test_a_channel_reply_has_the_declared_fields(spinning) -> None:
+    d, pools = spinning
+    with _clients(d, pools, {"channel": False}) as (c,):
+        h = c.call("channel")[0]
+        assert set(h) - {"v", "k", "id", "ok"} == set(P.COMMANDS["channel"].reply), h
+        C.ClientEnd.open(h).chan.close()  # it opens
+
+
 def test_channel_requests_act_as_their_client(spinning) -> None:
     d, pools = spinning
     with _clients(d, pools, {}, {}) as (a, b):
@@ -401,11 +409,11 @@ def test_a_client_that_cannot_open_the_memfd_is_told_why_and_uses_zmq(spinning,
     with _clients(d, pools, {}) as (c,):
         assert not c.uses_channel
         assert "cannot map the daemon's channel" in c.channel_refused
-        assert "No such file" in c.channel_refused and "socket" in c.channel_refused
+        assert "Connection refused" in c.channel_refused and "socket" in c.channel_refused
         rows = c.alloc({"page": 2})
         assert c.free(rows)["freed"] == 2 and c.heartbeat()["registered"]
     strict = d.client(channel=True)
-    with pytest.raises(CommandRefused, match="No such file"):
+    with pytest.raises(CommandRefused, match="Connection refused"):
         strict.register(pools)
     strict.close()
 

@@ -1,11 +1,13 @@
 """The daemon's descriptor hand-out (``hicache.core.fd_handout``) and its non-dumpable process
 (``hicache.core.dumpable``).
 
-* hand-out: the socket is 0600; a descriptor taken is the memory offered (a write through one
+* hand-out: the socket is an abstract name (no file anyone could move aside) that a process of
+  another uid is closed on by; a descriptor taken is the memory offered (a write through one
   shows in the other) and close-on-exec; each offer is one hand-out; a wrong token, a withdrawn
-  offer and a closed hand-out are refused with the reason and change nothing; a connection that
-  never sends its token holds the others back at most ``TOKEN_WAIT_S``; ``close`` removes the
-  socket and every duplicate; a killed daemon's socket is swept.
+  offer and a closed hand-out are refused with the reason and change nothing; connections that
+  never send their token hold no other back and are closed after ``TOKEN_WAIT_S``; past
+  ``MAX_CONNECTIONS`` a new one is closed at once; ``close`` ends the name and every duplicate;
+  a memfd that is not sealed against resizing is refused by the client.
 * daemon: ``hicache serve`` says it is not dumpable, and a process of its uid (without
   ``CAP_SYS_PTRACE``, as the daemon) can neither open its descriptors (a client's channel
   memfd) nor read its memory; with ``--dumpable`` the same process can (the test's own check).
@@ -19,7 +21,6 @@ import json
 import mmap
 import os
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -29,7 +30,6 @@ import pytest
 
 from hicache.core import fd_handout as F
 from hicache.core.layout import build_layout, preset
-from hicache.core.shm_file import STALE_AFTER_S
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
 
@@ -38,8 +38,8 @@ DEV_ROWS = ",".join(f"{k}={v}" for k, v in ROWS.items())
 
 
 @pytest.fixture
-def handout(tmp_path):
-    h = F.FdHandout.create(str(tmp_path))
+def handout():
+    h = F.FdHandout.create()
     yield h
     h.close()
 
@@ -51,8 +51,8 @@ def _memfd(n: int = 4096) -> tuple[int, mmap.mmap]:
 
 
 def test_a_descriptor_taken_is_the_memory_offered_once_per_offer(handout) -> None:
-    assert stat.S_IMODE(os.stat(handout.path).st_mode) == 0o600
-    assert stat.S_ISSOCK(os.stat(handout.path).st_mode)
+    assert handout.path.startswith(f"@{F.FDS_PREFIX}{os.getpid()}-")
+    assert not os.path.exists(handout.path)  # no file: nothing to rename or replace
     fd, mm = _memfd()
     handout.offer(fd, 11)
     handout.offer(fd, 11)  # two replies named it: two hand-outs
@@ -72,7 +72,7 @@ def test_a_descriptor_taken_is_the_memory_offered_once_per_offer(handout) -> Non
     mm.close()
 
 
-def test_refusals_name_the_reason_and_change_nothing(handout, tmp_path) -> None:
+def test_refusals_name_the_reason_and_change_nothing(handout) -> None:
     fd, mm = _memfd()
     handout.offer(fd, 5)
     with pytest.raises(OSError, match="no memory is offered for this token"):
@@ -87,62 +87,118 @@ def test_refusals_name_the_reason_and_change_nothing(handout, tmp_path) -> None:
     with pytest.raises(OSError, match="no memory is offered for this token"):
         F.fetch_fd(handout.path, 7, "test memory")
     with pytest.raises(OSError, match=r"cannot get the test memory from the daemon's socket .*"
-                                      r"No such file"):
-        F.fetch_fd(str(tmp_path / "nobody"), 5, "test memory")
+                                      r"Connection refused"):
+        F.fetch_fd(handout.path + "-nobody", 5, "test memory")
     os.close(fd)
     mm.close()
 
 
-def test_a_silent_connection_holds_the_others_back_at_most_the_token_wait(handout,
-                                                                          monkeypatch) -> None:
-    monkeypatch.setattr(F, "TOKEN_WAIT_S", 0.3)
+def test_silent_connections_hold_no_other_back_and_are_closed_after_the_token_wait(
+        handout, monkeypatch) -> None:
+    monkeypatch.setattr(F, "TOKEN_WAIT_S", 1.0)
     fd, mm = _memfd()
     handout.offer(fd, 9)
-    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.connect(handout.path)
+    silent = []
+    for _ in range(5):  # connections that never send their token
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(F._address(handout.path))
+        silent.append(c)
     half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    half.connect(handout.path)
+    half.connect(F._address(handout.path))
     half.sendall(b"\1\2\3")  # part of a token, then gone
     half.close()
+    time.sleep(0.1)
     t = time.monotonic()
     g = F.fetch_fd(handout.path, 9, "test memory")
-    assert time.monotonic() - t < 2.0
-    assert silent.recv(1) == b""  # it was closed on
-    silent.close()
+    assert time.monotonic() - t < 0.3  # served beside them, not after them
+    for c in silent:
+        c.settimeout(3.0)
+        assert c.recv(1) == b""  # closed on after the token wait
+        c.close()
     os.close(g)
     os.close(fd)
     mm.close()
 
 
-def test_close_removes_the_socket_and_every_duplicate(tmp_path) -> None:
-    h = F.FdHandout.create(str(tmp_path))
+def test_connections_past_the_bound_are_closed_at_once(handout, monkeypatch) -> None:
+    monkeypatch.setattr(F, "MAX_CONNECTIONS", 3)
+    held = []
+    for _ in range(3):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(F._address(handout.path))
+        held.append(c)
+    time.sleep(0.2)  # (accepted)
+    with pytest.raises(OSError, match="cannot get the test memory"):  # closed on, before or
+        F.fetch_fd(handout.path, 1, "test memory")  # after its token: reset, pipe, nothing
+    for c in held:
+        c.close()
+    time.sleep(0.2)
+    with pytest.raises(OSError, match="no memory is offered"):  # room again: answered
+        F.fetch_fd(handout.path, 1, "test memory")
+
+
+def test_close_ends_the_name_and_every_duplicate() -> None:
+    h = F.FdHandout.create()
     fd, mm = _memfd()
     before = set(os.listdir("/proc/self/fd"))
     for token in (1, 2, 3):
         h.offer(fd, token)
     assert len(set(os.listdir("/proc/self/fd")) - before) == 3
-    path = h.path
     h.close()
-    assert not os.path.exists(path)
     assert set(os.listdir("/proc/self/fd")) <= before
     assert not any(t.name == "hicache-fd-handout" for t in threading.enumerate())
+    with pytest.raises(OSError, match="Connection refused"):
+        F.fetch_fd(h.path, 1, "test memory")
     os.close(fd)
     mm.close()
 
 
-def test_a_killed_daemons_socket_is_swept(tmp_path) -> None:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    dead = tmp_path / f"{F.FDS_PREFIX}{p.pid}-00"
-    live = tmp_path / f"{F.FDS_PREFIX}{os.getpid()}-00"
-    for f in (dead, live):
-        f.write_bytes(b"")
-        os.utime(f, (time.time() - STALE_AFTER_S - 5,) * 2)
-    h = F.FdHandout.create(str(tmp_path))
-    try:
-        assert not dead.exists() and live.exists()
-    finally:
-        h.close()
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process of another uid")
+def test_a_process_of_another_uid_is_closed_on(handout) -> None:
+    fd, mm = _memfd()
+    handout.offer(fd, 3)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: uid nobody, the right token
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                F.fetch_fd(handout.path, 3, "test memory")
+                os.write(w, b"got it")
+            except OSError as e:
+                os.write(w, str(e).encode()[:500])
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    said = os.read(r, 1000).decode()
+    os.close(r)
+    assert "cannot get the test memory" in said and "got it" not in said, said
+    assert handout.pending == 1  # its offer is still there for the client
+    os.close(F.fetch_fd(handout.path, 3, "test memory"))
+    os.close(fd)
+    mm.close()
+
+
+def test_memory_that_is_not_sealed_is_refused(handout) -> None:
+    """Whoever hands a client memory it could cut under the client's mapping is refused."""
+    from hicache.core.sealed_memfd import create_sealed, open_sealed
+
+    fd, mm = _memfd()
+    struct_token = (7).to_bytes(8, "little")
+    mm[0:8] = struct_token
+    handout.offer(fd, 7)
+    with pytest.raises(ValueError, match="not sealed against resizing"):
+        open_sealed(handout.path, 7, 4096, 0, "test memory")
+    good = create_sealed("hicache-test", 4096, 0)
+    handout.offer(good.fd, good.token)
+    m = open_sealed(handout.path, good.token, 4096, 0, "test memory")
+    m.close()
+    good.close()
+    good.mm.close()
+    os.close(fd)
+    mm.close()
 
 
 # ---------------------------------------------------------------------------- the daemon

@@ -92,7 +92,7 @@ def test_daemon_region_pinned_and_swapped_in_from_the_engines_mapping():
     lay = build_layout(preset("dsv4-flash"))
     dev = torch.cuda.current_device()
     regions = SparseRegions(lay, 8, "/dev/shm", CudaHostRegistrar(dev), 1)
-    handout = FdHandout.create("/dev/shm")
+    handout = FdHandout.create()
     try:
         region = regions.bind("engine")
         g = torch.Generator().manual_seed(5)

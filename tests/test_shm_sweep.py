@@ -41,3 +41,39 @@ def test_stale_files_of_dead_processes_go_and_nothing_else(tmp_path):
     finally:
         mm.close()
         os.unlink(path)
+
+
+def test_a_socket_goes_when_nobody_listens_whatever_its_pid(tmp_path):
+    """A socket named with a pid that is nobody's here stays while something listens on it (a
+    live daemon in another pid namespace), of either kind; one nobody listens on goes, even
+    named with a live pid (that pid was reused)."""
+    import socket
+
+    from hicache.core.shm_file import sweep_stale
+
+    dead, old = _dead_pid(), STALE_AFTER_S + 5
+    held = []
+    paths = {}
+    for name, kind, listen in (("dgram", socket.SOCK_DGRAM, True),
+                               ("stream", socket.SOCK_STREAM, True),
+                               ("orphan", socket.SOCK_DGRAM, False)):
+        pid = os.getpid() if name == "orphan" else dead
+        path = str(tmp_path / f"hicache-wake-{pid}-{name.encode().hex()}")
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.bind(path)
+        if kind == socket.SOCK_STREAM:
+            s.listen(1)
+        if listen:
+            held.append(s)
+        else:
+            s.close()  # the file stays, nobody bound to it
+        t = time.time() - old
+        os.utime(path, (t, t))
+        paths[name] = path
+    try:
+        assert sweep_stale(str(tmp_path), ("hicache-wake-",)) == 1
+        assert os.path.exists(paths["dgram"]) and os.path.exists(paths["stream"])
+        assert not os.path.exists(paths["orphan"])
+    finally:
+        for s in held:
+            s.close()

@@ -8,7 +8,6 @@ import contextlib
 import errno
 import os
 import stat
-import tempfile
 import time
 
 import pytest
@@ -58,6 +57,9 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     s = c
     info = s.sparse_region()
     assert info["rows"] == 6 and info["layers"] == 21 and info["min_sparse_prompt_len"] == 300
+    from hicache.core.protocol import COMMANDS
+
+    assert set(info) == set(COMMANDS["sparse_region"].reply)  # what the table declares
     fd = fetch_fd(info["fds"], info["token"], "sparse region")
     mode = stat.S_IMODE(os.fstat(fd).st_mode)
     os.close(fd)
@@ -578,16 +580,15 @@ def test_an_abandoned_stop_closes_every_region_memfd_and_keeps_the_mappings(tmp_
     region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
     a = region.bind("a")
     region._collect(wait=True)  # the spare made for a second client
-    with tempfile.TemporaryDirectory() as folder:
-        handout = FdHandout.create(folder)
-        info = region.hand_out("a", handout)
-        region.hand_out("a", handout)  # two hand-outs: one for each region_held below
-        region.detach("a")  # closing: still mapped
-        assert sparse_memfds() - before == 2 and region_held(info)
-        region.close_memfds()
-        assert not region_held(info) and list(tmp_path.iterdir()) == []
-        assert handout.pending == 0
-        handout.close()
+    handout = FdHandout.create()
+    info = region.hand_out("a", handout)
+    region.hand_out("a", handout)  # two hand-outs: one for each region_held below
+    region.detach("a")  # closing: still mapped
+    assert sparse_memfds() - before == 2 and region_held(info)
+    region.close_memfds()
+    assert not region_held(info) and list(tmp_path.iterdir()) == []
+    assert handout.pending == 0
+    handout.close()
     a.table.layers[0][1].fill_(7)  # the mapping is still there
     assert int(a.table.layers[0][1][0]) == 7
 
@@ -602,8 +603,7 @@ def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch)
     from hicache.core.sparse_shm import ALIGN, SparseShm
 
     shm = SparseShm.create(3, 5, 1000)
-    folder = tempfile.mkdtemp()
-    handout = FdHandout.create(folder)
+    handout = FdHandout.create()
     info = shm.hand_out(handout)
     assert (info["bytes"], info["layer_stride"]) == (3 * 8192, 8192)
     assert info == dict(shm.info(), fds=handout.path)
@@ -635,7 +635,6 @@ def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch)
         SparseShm.open(info)
     assert handout.pending == 0
     handout.close()
-    os.rmdir(folder)
     before = set(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(sealed_memfd, "memory_available", lambda: 1 << 20)
     with pytest.raises(OSError) as e:

@@ -72,7 +72,7 @@ _TABLE: tuple[Command, ...] = (
             "zero request slots, or apply the MTP draft rule to their state rings"),
     Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
             ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
-    Command("channel", {}, ("path", "request_bytes", "reply_bytes", "token", "wake"), False,
+    Command("channel", {}, ("fds", "request_bytes", "reply_bytes", "token", "wake"), False,
             "channel", "open a shared-memory command channel (a local client): requests and "
             "replies through a sealed memfd both map, the daemon woken through a Unix datagram "
             "socket"),
@@ -84,7 +84,7 @@ _TABLE: tuple[Command, ...] = (
     Command("buffer_infos", {}, ("pools",), False, "buffer_infos",
             "host pool addresses for a transfer engine (PD direct-to-host)"),
     # HiSparse (controllers/sparse.py; docs/hisparse.md)
-    Command("sparse_region", {}, ("path", "token", "layers", "rows", "page_bytes",
+    Command("sparse_region", {}, ("fds", "token", "layers", "rows", "page_bytes",
                                   "layer_stride", "bytes", "tokens_per_page",
                                   "min_sparse_prompt_len", "c4_layers"), False, "sparse_region",
             "the sparse host region (a sealed memfd) an engine maps and registers"),

@@ -5,14 +5,22 @@ Why: a sealed memfd (``core.sealed_memfd``) has no name. Opened through the daem
 ``/proc/<pid>/fd`` link it is open to every process that may read the daemon's descriptors
 (each process of its uid, unless it is non-dumpable), and to none in another pid namespace. A
 descriptor passed over a socket reaches only the process that asked with the memory's token,
-in any pid namespace that shares the socket's folder; the daemon itself is made non-dumpable
-(``controllers.daemon``), so its ``/proc`` links open to no process of its uid.
+in any pid namespace; ``hicache serve`` makes itself non-dumpable (``core.dumpable``), so its
+``/proc`` links open to no process of its uid.
+
+Why an abstract socket (a name in the kernel, no file): a socket file lives in a folder its
+uid can write, so any process of that uid could rename it aside, bind its own in its place,
+and relay every client's token to the real one, keeping a copy of each descriptor. Nobody can
+move, replace or take over an abstract name while the daemon holds it, and the name is random
+and reaches a client only in its own reply. It leaves no file behind when the daemon dies.
+The cost: it is reachable only from the daemon's network namespace (a pod's containers share
+one), and it has no file mode, so the daemon checks each peer's uid (``SO_PEERCRED``).
 
 Contract:
-- ``FdHandout.create(folder)`` (the daemon): a listening Unix stream socket
-  ``<folder>/hicache-fds-<pid>-<hex>``, mode 0600 (a process of another uid cannot connect),
-  served by one thread (``hicache-fd-handout``). First removes the sockets that killed daemons
-  left there (``shm_file.sweep_stale``).
+- ``FdHandout.create()`` (the daemon): a listening abstract Unix stream socket named
+  ``@hicache-fds-<pid>-<hex>`` (``path``: ``@`` stands for the leading NUL), served by one
+  thread (``hicache-fd-handout``). A peer whose uid is neither the daemon's nor root is closed
+  on at once.
 - ``offer(fd, token)``: one more connection that presents ``token`` gets a duplicate of ``fd``.
   One offer is one hand-out: once the offers of a token are taken, a request with it is
   refused until the memory is offered again (each ``channel`` or ``sparse_region`` reply
@@ -21,12 +29,16 @@ Contract:
   memory closes). ``pending`` counts the offers not taken, all tokens together.
 - Wire: the client connects and sends the token, a little-endian u64; the daemon answers one
   byte, ``1`` with the descriptor attached, or ``0`` followed by the reason (UTF-8, at most 200
-  bytes) and no descriptor, then closes. A connection that sends no token within
-  ``TOKEN_WAIT_S`` is closed. A wrong token changes nothing.
+  bytes) and no descriptor, then closes. The thread serves connections side by side (one
+  ``selectors`` loop): a connection that sends no token is closed after ``TOKEN_WAIT_S`` and
+  holds no other back; past ``MAX_CONNECTIONS`` open at once, a new one is closed at once. A
+  wrong token changes nothing.
 - ``fetch_fd(path, token, what)`` (the client): the descriptor (close-on-exec), else an
   ``OSError`` naming ``what``, the socket and the reason (no daemon there, a refusal, a reply
-  with no descriptor).
-- ``close()`` stops the thread, removes the socket file and closes every offer's duplicate.
+  with no descriptor, no reply within ``TOKEN_WAIT_S`` + 3 s). ``path`` is an abstract name
+  (``@...``) or a file path.
+- ``close()`` stops the thread, closes the socket (the name goes with it) and every offer's
+  duplicate.
 """
 from __future__ import annotations
 
@@ -34,14 +46,15 @@ import array
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
-
-from .shm_file import sweep_stale
+import time
 
 FDS_PREFIX = "hicache-fds-"
 TOKEN_WAIT_S = 2.0  # s a connection may take to send its token
+MAX_CONNECTIONS = 64  # connections waiting for their token at once (more are closed at once)
 _TOKEN = struct.Struct("<Q")
 _REASON_MAX = 200
 
@@ -62,24 +75,15 @@ class FdHandout:
         self._thread.start()
 
     @classmethod
-    def create(cls, folder: str) -> "FdHandout":
-        sweep_stale(folder, (FDS_PREFIX,))
-        path = os.path.join(folder, f"{FDS_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    def create(cls) -> "FdHandout":
+        path = f"@{FDS_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)  # the socket file is created 0600
         try:
-            s.bind(path)
-            os.chmod(path, 0o600)
+            s.bind(_address(path))
             s.listen(64)
         except BaseException:
             s.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
             raise
-        finally:
-            os.umask(old)
         return cls(path, s)
 
     # ---------------------------------------------------------------- the daemon's side
@@ -112,38 +116,70 @@ class FdHandout:
             pass
         self._thread.join(TOKEN_WAIT_S + 1.0)
         self._sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         with self._lock:
             fds, self._offers = [o[0] for o in self._offers.values()], {}
         for fd in fds:
             os.close(fd)
 
     def _serve(self) -> None:
-        while not self._stop:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        waiting: dict[socket.socket, list] = {}  # connection -> [deadline, token bytes so far]
+        try:
+            while not self._stop:
+                now = time.monotonic()
+                timeout = min((w[0] for w in waiting.values()), default=now + 1.0) - now
+                for key, _ in sel.select(max(0.0, timeout)):
+                    if key.fileobj is self._sock:
+                        self._accept(sel, waiting)
+                    else:
+                        self._read(sel, waiting, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, w in waiting.items() if w[0] <= now]:  # silent too long
+                    self._drop(sel, waiting, conn)
+        finally:
+            for conn in list(waiting):
+                self._drop(sel, waiting, conn)
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector, waiting: dict) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:  # shut down (close), or the peer gave up already
+            return
+        if len(waiting) >= MAX_CONNECTIONS or not _same_user(conn):
+            conn.close()
+            return
+        conn.setblocking(False)
+        waiting[conn] = [time.monotonic() + TOKEN_WAIT_S, b""]
+        sel.register(conn, selectors.EVENT_READ)
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
+        sel.unregister(conn)
+        del waiting[conn]
+        conn.close()
+
+    def _read(self, sel: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
+        w = waiting[conn]
+        try:
+            part = conn.recv(_TOKEN.size - len(w[1]))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            part = b""
+        w[1] += part
+        if part and len(w[1]) < _TOKEN.size:
+            return
+        if part:  # a whole token: answered, then closed
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._stop:
-                    return
-                continue
-            try:
-                self._answer(conn)
+                self._answer(conn, w[1])
             except OSError as e:  # the client went away mid-answer: its loss alone
                 log.debug("fd hand-out: %s", e)
-            finally:
-                conn.close()
+        self._drop(sel, waiting, conn)
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(TOKEN_WAIT_S)
-        got = b""
-        while len(got) < _TOKEN.size:
-            part = conn.recv(_TOKEN.size - len(got))
-            if not part:
-                return
-            got += part
+    def _answer(self, conn: socket.socket, got: bytes) -> None:
+        conn.settimeout(TOKEN_WAIT_S)  # (a fresh socket's buffer takes the few bytes at once)
         token = _TOKEN.unpack(got)[0]
         with self._lock:  # the descriptor sent is ours alone (the last offer's, or a new
             o = self._offers.get(token)  # duplicate): a withdraw meanwhile cannot close it
@@ -162,6 +198,24 @@ class FdHandout:
             socket.send_fds(conn, [b"\1"], [fd])
         finally:
             os.close(fd)
+
+
+def _address(path: str) -> str | bytes:
+    """A socket address: ``@name`` is the abstract name (a leading NUL byte), else a path."""
+    return b"\0" + path[1:].encode() if path.startswith("@") else path
+
+
+_UCRED = struct.Struct("iII")  # pid, uid, gid
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """The peer runs as this process's effective uid, or as root."""
+    try:
+        _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _UCRED.size))
+    except OSError:
+        return False
+    return uid in (os.geteuid(), 0)
 
 
 def _receive(s: socket.socket) -> tuple[bytes, list[int]]:
@@ -184,12 +238,13 @@ def fetch_fd(path: str, token: int, what: str) -> int:
     try:
         s.settimeout(TOKEN_WAIT_S + 3.0)
         try:
-            s.connect(path)
+            s.connect(_address(path))
             s.sendall(_TOKEN.pack(token))
             msg, fds = _receive(s)
         except OSError as e:
+            why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
             raise OSError(e.errno, f"cannot get the {what} from the daemon's socket {path} "
-                                   f"({e.strerror or e})") from None
+                                   f"({why})") from None
         if msg[:1] == b"\1" and len(fds) == 1:
             return fds[0]
         for fd in fds:

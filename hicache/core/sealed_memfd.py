@@ -26,8 +26,9 @@ Contract:
   it lives). Only a process that was handed the token (in its own reply) can take the
   descriptor.
 - ``open_sealed(fds, token, nbytes, token_at, what)`` (the client): takes the descriptor from
-  the socket ``fds`` (``fd_handout.fetch_fd``), checks its size is ``nbytes`` and the u64 at
-  ``token_at`` is ``token`` (the memory is the one the reply named), maps it and closes the
+  the socket ``fds`` (``fd_handout.fetch_fd``), checks it is sealed as above (no one who
+  handed it over can cut it under the client's mapping), its size is ``nbytes`` and the u64
+  at ``token_at`` is ``token`` (the memory is the one the reply named), maps it and closes the
   descriptor. A descriptor it cannot get is an ``OSError`` saying why; a wrong size or token is
   a ``ValueError`` naming ``what``.
 """
@@ -119,6 +120,13 @@ def open_sealed(fds: str, token: int, nbytes: int, token_at: int, what: str) -> 
     checking its size and token (see the module docstring); ``what`` names it in errors."""
     fd = fetch_fd(fds, token, what)
     try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # EINVAL: no memfd, so no seals
+            seals = 0
+        if seals & _SEALS != _SEALS:  # else whoever handed it over could cut it under us
+            raise ValueError(f"the {what} the daemon handed over is not sealed against "
+                             f"resizing (seals {seals:#x})")
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise ValueError(f"the {what} the daemon handed over has {size} bytes, expected "

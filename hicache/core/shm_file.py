@@ -7,13 +7,19 @@ removed and the error raised, so nothing is left behind. Naming and unlinking ar
 (``core.ipc``, the fuzzer's peers; memory a client must not resize is a sealed memfd,
 ``core.sealed_memfd``, instead).
 ``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
-whose creating process is gone and that were not modified for ``STALE_AFTER_S``.
+whose creating process is gone and that were not modified for ``STALE_AFTER_S``. A socket is
+gone when nobody listens on it (a connect is refused); other files when no process has their
+pid here. (A socket of a live daemon in another pid namespace has a pid that is nobody's here,
+or another process's: its connect tells, where the pid cannot.)
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import socket
+import stat
 import time
 from typing import Sequence
 
@@ -37,6 +43,24 @@ def new_mapped_file(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
+def _listened(path: str) -> bool:
+    """Whether some process has a socket bound at ``path`` (a connect of either kind is not
+    refused; anything but a refusal counts as bound, so nothing live is removed)."""
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        s = socket.socket(socket.AF_UNIX, kind)
+        try:
+            s.connect(path)
+            return True
+        except OSError as e:
+            if e.errno == errno.EPROTOTYPE:  # bound, as the other kind
+                continue
+            if e.errno != errno.ECONNREFUSED:
+                return True
+        finally:
+            s.close()
+    return False
+
+
 def sweep_stale(shm_dir: str, prefixes: Sequence[str]) -> int:
     """Remove this user's files in ``shm_dir`` named with one of ``prefixes`` whose creating
     process no longer exists (killed before it could unlink them) and that were not modified
@@ -55,8 +79,12 @@ def sweep_stale(shm_dir: str, prefixes: Sequence[str]) -> int:
             st = os.stat(path)
             if st.st_uid != uid or now - st.st_mtime < STALE_AFTER_S:
                 continue
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or the pid was reused): keep it
+            if stat.S_ISSOCK(st.st_mode):
+                if _listened(path):
+                    continue
+            else:
+                os.kill(int(m.group(1)), 0)
+                continue  # alive (or the pid was reused): keep it
         except ProcessLookupError:
             pass
         except (OSError, OverflowError):
