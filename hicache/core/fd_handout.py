@@ -81,6 +81,7 @@ class FdHandout:
         try:
             s.bind(_address(path))
             s.listen(64)
+            s.setblocking(False)  # an accept after a peer gave up must not hold the loop
         except BaseException:
             s.close()
             raise
@@ -145,7 +146,11 @@ class FdHandout:
     def _accept(self, sel: selectors.BaseSelector, waiting: dict) -> None:
         try:
             conn, _ = self._sock.accept()
-        except OSError:  # shut down (close), or the peer gave up already
+        except (BlockingIOError, InterruptedError):  # the peer gave up already
+            return
+        except OSError:  # shut down (close); else (no descriptor left) not a busy loop
+            if not self._stop:
+                time.sleep(0.05)
             return
         if len(waiting) >= MAX_CONNECTIONS or not _same_user(conn):
             conn.close()
