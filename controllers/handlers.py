@@ -153,8 +153,8 @@ def _ack_size(ack: dict[str, Any]) -> int:
 
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Open this client's shared-memory command channel (``hicache.core.channel``): a sealed
-    memfd, handed over on the daemon's descriptor socket, and its wake-up socket (both mode
-    0600 in the first shm directory)."""
+    memfd, handed over on the daemon's descriptor socket, and its wake-up socket (mode 0600 in
+    the first shm directory). A client that has one open gets the same one offered again."""
     why = supported()
     if why is None and not st.spin_us:
         why = ("this daemon sleeps between requests (--spin-us 0), where a channel saves "
@@ -164,8 +164,11 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
               "carries no key"
     if why is not None:
         raise _no_channel(why)
-    if c.channel is not None:
-        raise ProtocolError("bad_field", "channel: this client has one open already")
+    if c.channel is not None:  # its hand-out failed, or the client maps it again: the same
+        try:  # channel, offered once more (a client never has two)
+            return dict(c.channel.hand_out(st.handout()), wake=st.wake_socket.path), []
+        except OSError as e:
+            raise _no_channel(f"cannot hand it out ({e})") from None
     try:
         if st.wake_socket is None:
             st.wake_socket = WakeSocket.create(st.shm_dirs[0])

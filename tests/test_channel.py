@@ -397,9 +397,9 @@ def test_a_client_end_that_cannot_open_leaves_nothing(tmp_path, monkeypatch, han
 
 def test_a_client_that_cannot_open_the_memfd_is_told_why_and_uses_zmq(spinning,
                                                                      monkeypatch) -> None:
-    """The daemon's descriptor socket cannot be reached (here: its folder is not this
-    client's); the client says why in ``channel_refused`` and carries on over ZMQ
-    (``channel=True`` raises)."""
+    """The daemon's descriptor socket cannot be reached (here: another name); the client says
+    why in ``channel_refused`` and carries on over ZMQ (``channel=True`` raises); once it can
+    reach it, asking again maps the channel the daemon kept for it."""
     d, pools = spinning
     from hicache.core import sealed_memfd
 
@@ -412,6 +412,11 @@ def test_a_client_that_cannot_open_the_memfd_is_told_why_and_uses_zmq(spinning,
         assert "Connection refused" in c.channel_refused and "socket" in c.channel_refused
         rows = c.alloc({"page": 2})
         assert c.free(rows)["freed"] == 2 and c.heartbeat()["registered"]
+        monkeypatch.setattr(sealed_memfd, "fetch_fd", real)  # it can reach the socket again:
+        assert c.channel() and c.uses_channel  # the channel it holds is offered once more
+        assert c.stats()["channels"] == 1 and c.heartbeat()["registered"]
+        monkeypatch.setattr(sealed_memfd, "fetch_fd", lambda path, token, what:
+                            real(path + "-elsewhere", token, what))
     strict = d.client(channel=True)
     with pytest.raises(CommandRefused, match="Connection refused"):
         strict.register(pools)

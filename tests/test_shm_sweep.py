@@ -77,3 +77,33 @@ def test_a_socket_goes_when_nobody_listens_whatever_its_pid(tmp_path):
     finally:
         for s in held:
             s.close()
+
+
+def test_a_socket_whose_backlog_is_full_is_live_and_does_not_hang_the_sweep(tmp_path):
+    import socket
+
+    from hicache.core.shm_file import sweep_stale
+
+    path = str(tmp_path / f"hicache-wake-{_dead_pid()}-0f")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)
+    filled = []
+    while True:  # connects nobody accepts, until the backlog is full
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        filled.append(c)
+    t = time.time() - STALE_AFTER_S - 5
+    os.utime(path, (t, t))
+    try:
+        t0 = time.monotonic()
+        assert sweep_stale(str(tmp_path), ("hicache-wake-",)) == 0
+        assert time.monotonic() - t0 < 1.0 and os.path.exists(path)
+    finally:
+        for c in filled:
+            c.close()
+        srv.close()

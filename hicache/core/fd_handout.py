@@ -16,11 +16,19 @@ and reaches a client only in its own reply. It leaves no file behind when the da
 The cost: it is reachable only from the daemon's network namespace (a pod's containers share
 one), and it has no file mode, so the daemon checks each peer's uid (``SO_PEERCRED``).
 
+What it does not do: stop an *active* process of the daemon's uid. Such a process can rename
+the daemon's ZMQ ipc socket file aside and relay every message (learning each reply's name and
+token; CURVE keeps replies unreadable to a relay), signal the daemon, and, where the kernel
+lets a process ptrace its uid's others (no Yama), read the engine's own mappings. What the
+descriptor socket and a non-dumpable daemon close is every *passive* way in: no process of
+the uid opens a client's memory or reads the daemon's through ``/proc``.
+
 Contract:
 - ``FdHandout.create()`` (the daemon): a listening abstract Unix stream socket named
   ``@hicache-fds-<pid>-<hex>`` (``path``: ``@`` stands for the leading NUL), served by one
-  thread (``hicache-fd-handout``). A peer whose uid is neither the daemon's nor root is closed
-  on at once.
+  thread (``hicache-fd-handout``). A peer whose uid is neither the daemon's nor root is told so
+  and closed on at once. (A peer whose uid has no mapping in the daemon's user namespace reads
+  as the overflow uid, 65534: a daemon running as that uid cannot tell such peers apart.)
 - ``offer(fd, token)``: one more connection that presents ``token`` gets a duplicate of ``fd``.
   One offer is one hand-out: once the offers of a token are taken, a request with it is
   refused until the memory is offered again (each ``channel`` or ``sparse_region`` reply
@@ -30,12 +38,15 @@ Contract:
 - Wire: the client connects and sends the token, a little-endian u64; the daemon answers one
   byte, ``1`` with the descriptor attached, or ``0`` followed by the reason (UTF-8, at most 200
   bytes) and no descriptor, then closes. The thread serves connections side by side (one
-  ``selectors`` loop): a connection that sends no token is closed after ``TOKEN_WAIT_S`` and
-  holds no other back; past ``MAX_CONNECTIONS`` open at once, a new one is closed at once. A
-  wrong token changes nothing.
+  ``selectors`` loop, the whole backlog taken each turn): a connection that sends no token is
+  closed after ``TOKEN_WAIT_S`` and holds no other back; past ``MAX_CONNECTIONS`` open at
+  once, the oldest silent one is closed (told why) to make room. A wrong token changes
+  nothing.
 - ``fetch_fd(path, token, what)`` (the client): the descriptor (close-on-exec), else an
-  ``OSError`` naming ``what``, the socket and the reason (no daemon there, a refusal, a reply
-  with no descriptor, no reply within ``TOKEN_WAIT_S`` + 3 s). ``path`` is an abstract name
+  ``OSError`` naming ``what``, the socket and the reason (no daemon there, which for an
+  abstract name says that it is reachable from the daemon's network namespace only; a
+  refusal; a reply with no descriptor; no connection or reply within ``TOKEN_WAIT_S`` + 3 s:
+  a full backlog is waited out, not failed at once). ``path`` is an abstract name
   (``@...``) or a file path.
 - ``close()`` stops the thread, closes the socket (the name goes with it) and every offer's
   duplicate.
@@ -43,6 +54,7 @@ Contract:
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import os
 import secrets
@@ -80,7 +92,7 @@ class FdHandout:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.bind(_address(path))
-            s.listen(64)
+            s.listen(socket.SOMAXCONN)
             s.setblocking(False)  # an accept after a peer gave up must not hold the loop
         except BaseException:
             s.close()
@@ -89,8 +101,11 @@ class FdHandout:
 
     # ---------------------------------------------------------------- the daemon's side
     def offer(self, fd: int, token: int) -> None:
-        """One more request with ``token`` gets a duplicate of ``fd``."""
+        """One more request with ``token`` gets a duplicate of ``fd`` (``ValueError`` once
+        closed)."""
         with self._lock:
+            if self._stop:
+                raise ValueError("the descriptor hand-out is closed")
             o = self._offers.get(token)
             if o is not None:
                 o[1] += 1
@@ -110,7 +125,8 @@ class FdHandout:
             return sum(o[1] for o in self._offers.values())
 
     def close(self) -> None:
-        self._stop = True
+        with self._lock:
+            self._stop = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept
         except OSError:
@@ -144,26 +160,37 @@ class FdHandout:
             sel.close()
 
     def _accept(self, sel: selectors.BaseSelector, waiting: dict) -> None:
-        try:
-            conn, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):  # the peer gave up already
-            return
-        except OSError:  # shut down (close); else (no descriptor left) not a busy loop
-            if not self._stop:
-                time.sleep(0.05)
-            return
-        if len(waiting) >= MAX_CONNECTIONS or not _same_user(conn):
-            conn.close()
-            return
-        conn.setblocking(False)
-        waiting[conn] = [time.monotonic() + TOKEN_WAIT_S, b""]
-        sel.register(conn, selectors.EVENT_READ)
+        """Take every connection waiting in the backlog. A peer of another uid is told so and
+        closed on; past ``MAX_CONNECTIONS`` the oldest silent connection makes room (a client
+        sends its token at once: only a silent one can hold a place)."""
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):  # the backlog is empty
+                return
+            except OSError:  # shut down (close); else (no descriptor left) not a busy loop
+                if not self._stop:
+                    time.sleep(0.05)
+                return
+            if not _same_user(conn):
+                _refuse(conn, "this socket serves processes of the daemon's uid")
+                continue
+            if len(waiting) >= MAX_CONNECTIONS:
+                oldest = min(waiting, key=lambda c: waiting[c][0])
+                _refuse(oldest, f"{MAX_CONNECTIONS} connections sent no token in time: "
+                                f"the oldest is closed")
+                self._drop(sel, waiting, oldest, closed=True)
+            conn.setblocking(False)
+            waiting[conn] = [time.monotonic() + TOKEN_WAIT_S, b""]
+            sel.register(conn, selectors.EVENT_READ)
 
     @staticmethod
-    def _drop(sel: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
+    def _drop(sel: selectors.BaseSelector, waiting: dict, conn: socket.socket,
+              closed: bool = False) -> None:
         sel.unregister(conn)
         del waiting[conn]
-        conn.close()
+        if not closed:
+            conn.close()
 
     def _read(self, sel: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
         w = waiting[conn]
@@ -223,6 +250,16 @@ def _same_user(conn: socket.socket) -> bool:
     return uid in (os.geteuid(), 0)
 
 
+def _refuse(conn: socket.socket, why: str) -> None:
+    """Tell a peer why it gets nothing (as far as it reads), and close."""
+    try:
+        conn.setblocking(False)
+        conn.send(b"\0" + why.encode()[:_REASON_MAX])
+    except OSError:
+        pass
+    conn.close()
+
+
 def _receive(s: socket.socket) -> tuple[bytes, list[int]]:
     """One reply and the descriptors it carries, close-on-exec from the start (Python 3.11's
     ``socket.recv_fds`` drops its ``flags``)."""
@@ -240,14 +277,24 @@ def fetch_fd(path: str, token: int, what: str) -> int:
     """The descriptor the daemon offered for ``token`` on its hand-out socket ``path`` (see the
     module docstring); ``what`` names the memory in errors."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        s.settimeout(TOKEN_WAIT_S + 3.0)
+    try:  # blocking, bounded by the kernel's timeouts: a full backlog is waited out, not
+        # refused at once (``settimeout`` would make the socket non-blocking: EAGAIN)
+        wait = struct.pack("ll", int(TOKEN_WAIT_S + 3.0), 0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
         try:
             s.connect(_address(path))
-            s.sendall(_TOKEN.pack(token))
+            try:
+                s.sendall(_TOKEN.pack(token))
+            except (BrokenPipeError, ConnectionResetError):  # closed on at once: the reason
+                pass  # it was told, if any, is still there to read
             msg, fds = _receive(s)
         except OSError as e:
-            why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+            why = "no answer in time" if e.errno in (errno.EAGAIN, errno.EINPROGRESS) else \
+                (e.strerror or str(e))
+            if e.errno == errno.ECONNREFUSED and path.startswith("@"):
+                why += ("; the name is reachable only from the daemon's network namespace, "
+                        "while it runs")
             raise OSError(e.errno, f"cannot get the {what} from the daemon's socket {path} "
                                    f"({why})") from None
         if msg[:1] == b"\1" and len(fds) == 1:

@@ -45,9 +45,10 @@ def new_mapped_file(path: str, nbytes: int) -> mmap.mmap:
 
 def _listened(path: str) -> bool:
     """Whether some process has a socket bound at ``path`` (a connect of either kind is not
-    refused; anything but a refusal counts as bound, so nothing live is removed)."""
+    refused; anything but a refusal counts as bound, so nothing live is removed). The connect
+    never waits: a listener whose backlog is full (``EAGAIN``) is bound, not a hang."""
     for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
-        s = socket.socket(socket.AF_UNIX, kind)
+        s = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK)
         try:
             s.connect(path)
             return True
