@@ -63,21 +63,24 @@ def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
     from hicache.controllers.server import Server
 
     srv = Server(SimpleNamespace(heartbeat_timeout=10.0, wake_socket=None,
-                                 registry=SimpleNamespace(channels=[])),
+                                 registry=SimpleNamespace(channels=[]),
+                                 close_handout=lambda: None),
                  f"ipc://{tmp_path}/s.sock")
     ctx = zmq.Context()
     d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    d.setsockopt(zmq.RCVHWM, 0)
-    d.connect(srv.endpoint)
-    d.send_multipart([b"hello"])
-    _wait(srv.sock)
-    frames, refused = srv._recv()
-    body = np.arange(8 << 20, dtype=np.int32).tobytes()
-    assert srv._send(frames[0], [b"last", body])
-    srv.close()
-    _wait(d)
-    got = d.recv_multipart()
-    assert got[0] == b"last" and got[1] == body
-    d.close()
-    ctx.term()
+    try:  # (a failure must not leave the context for the garbage collector: its term blocks)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVHWM, 0)
+        d.connect(srv.endpoint)
+        d.send_multipart([b"hello"])
+        _wait(srv.sock)
+        frames, refused = srv._recv()
+        body = np.arange(8 << 20, dtype=np.int32).tobytes()
+        assert srv._send(frames[0], [b"last", body])
+        srv.close()
+        _wait(d)
+        got = d.recv_multipart()
+        assert got[0] == b"last" and got[1] == body
+    finally:
+        d.close(0)
+        ctx.term()
