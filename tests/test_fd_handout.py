@@ -380,3 +380,32 @@ def test_an_engine_in_another_pid_namespace_gets_its_channel_and_region(tmp_path
         assert not os.path.exists(f"/proc/{d.pid}") or got["pid"] != d.pid
         assert got["channel"], got["why"]
         assert got["rows"] == 4
+
+
+def test_a_connection_made_room_for_while_its_token_waits_is_skipped(handout, monkeypatch,
+                                                                     caplog) -> None:
+    """At the bound, the oldest silent connection is closed by the accept of a new one; if
+    its token arrived in the same turn, the loop must skip it, not fail (the thread serves
+    on)."""
+    monkeypatch.setattr(F, "MAX_CONNECTIONS", 1)
+    fd, mm = _memfd()
+    for _ in range(20):
+        handout.offer(fd, 2)
+    for _ in range(20):
+        old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old.connect(F._address(handout.path))
+        time.sleep(0.02)  # accepted: it holds the one place
+        new = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        new.connect(F._address(handout.path))
+        try:  # its token and the new connect in one turn of the loop, as often as not
+            old.send((2).to_bytes(8, "little"))
+        except OSError:  # closed on already (made room for)
+            pass
+        new.close()
+        old.close()
+    time.sleep(0.1)
+    assert any(t.name == "hicache-fd-handout" for t in threading.enumerate())
+    os.close(F.fetch_fd(handout.path, 2, "test memory"))  # the loop still serves
+    assert not [r for r in caplog.records if "serving a connection failed" in r.getMessage()]
+    os.close(fd)
+    mm.close()

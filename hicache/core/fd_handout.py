@@ -147,10 +147,13 @@ class FdHandout:
                 now = time.monotonic()
                 timeout = min((w[0] for w in waiting.values()), default=now + 1.0) - now
                 for key, _ in sel.select(max(0.0, timeout)):
-                    if key.fileobj is self._sock:
-                        self._accept(sel, waiting)
-                    else:
-                        self._read(sel, waiting, key.fileobj)  # type: ignore[arg-type]
+                    try:
+                        if key.fileobj is self._sock:
+                            self._accept(sel, waiting)
+                        elif key.fileobj in waiting:  # (not made room for just now)
+                            self._read(sel, waiting, key.fileobj)  # type: ignore[arg-type]
+                    except Exception:  # noqa: BLE001 - a bug here must not end every hand-out
+                        log.exception("fd hand-out: serving a connection failed")
                 now = time.monotonic()
                 for conn in [c for c, w in waiting.items() if w[0] <= now]:  # silent too long
                     self._drop(sel, waiting, conn)
