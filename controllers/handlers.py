@@ -164,23 +164,24 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
               "carries no key"
     if why is not None:
         raise _no_channel(why)
-    if c.channel is not None:  # its hand-out failed, or the client maps it again: the same
-        try:  # channel, offered once more (a client never has two)
-            return dict(c.channel.hand_out(st.handout()), wake=st.wake_socket.path), []
-        except OSError as e:
-            raise _no_channel(f"cannot hand it out ({e})") from None
     try:
-        if st.wake_socket is None:
-            st.wake_socket = WakeSocket.create(st.shm_dirs[0])
         handout = st.handout()
+        if c.channel is None and st.wake_socket is None:
+            st.wake_socket = WakeSocket.create(st.shm_dirs[0])
     except OSError as e:
-        raise _no_channel(f"cannot create its sockets in {st.shm_dirs[0]} ({e})") from None
+        raise _no_channel(f"cannot create its sockets (the descriptor socket, the wake-up "
+                          f"socket in {st.shm_dirs[0]}): {e}") from None
+    ch = c.channel  # one open already: its hand-out failed, or the client maps it again; the
+    if ch is None:  # same channel is offered once more (a client never has two)
+        try:
+            ch = Channel.create()
+        except OSError as e:
+            raise _no_channel(f"cannot create its sealed memfd ({e})") from None
+        st.registry.open_channel(c, ch)
     try:
-        ch = Channel.create()
-    except OSError as e:
-        raise _no_channel(f"cannot create its sealed memfd ({e})") from None
-    st.registry.open_channel(c, ch)
-    return dict(ch.hand_out(handout), wake=st.wake_socket.path), []
+        return dict(ch.hand_out(handout), wake=st.wake_socket.path), []
+    except OSError as e:  # (no descriptor left for the offer's duplicate)
+        raise _no_channel(f"cannot hand it out ({e})") from None
 
 
 def _no_channel(why: str) -> ProtocolError:
