@@ -15,7 +15,8 @@
   (the client goes back to ZMQ at once); a reaped client's memfd is closed; a sleeping
   daemon (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing; a
   client that truncates its channel cannot take the daemon down; one that cannot open the
-  memfd is told why and carries on over ZMQ.
+  memfd is told why and carries on over ZMQ; a channel the daemon cannot hand out (no
+  descriptor for the offer) is refused ``unsupported`` and offered again on the next ask.
 """
 from __future__ import annotations
 
@@ -618,3 +619,53 @@ def test_a_client_that_truncates_its_channel_cannot_take_the_daemon_down() -> No
                 if d.alive() and c.registered is not None:
                     c.unregister()
                 c.close()
+
+
+def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
+                                                                     monkeypatch) -> None:
+    """The daemon's offer of a channel's memfd fails (no descriptor left for its duplicate):
+    the ``channel`` command is refused as ``unsupported``, naming why and that requests go
+    over ZMQ, and offers nothing; the channel stays the client's, so asking again once
+    descriptors are free offers that same channel, which the client maps."""
+    from hicache.controllers.handlers import channel
+    from hicache.controllers.registry import ClientState, Registry
+
+    h = FdHandout.create()
+
+    class State:
+        spin_us = 50.0
+        wake_socket = None
+        shm_dirs = (str(tmp_path),)
+        registry = Registry(4, 16)
+
+        def handout(self) -> FdHandout:
+            return h
+
+    st = State()
+    c = ClientState("c1", b"id-1", 0.0)
+    real = FdHandout.offer
+
+    def no_descriptor(self, fd: int, token: int) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(FdHandout, "offer", no_descriptor)
+    try:
+        with pytest.raises(P.ProtocolError) as e:
+            channel(st, c, {}, [])
+        assert e.value.code == "unsupported"
+        assert str(e.value) == ("channel: cannot hand it out ([Errno 24] Too many open files); "
+                                "requests go over ZMQ")
+        first = c.channel
+        assert first is not None and st.registry.channels == [c] and h.pending == 0
+        monkeypatch.setattr(FdHandout, "offer", real)
+        fields, arrays = channel(st, c, {}, [])
+        assert c.channel is first and st.registry.channels == [c] and h.pending == 1
+        assert fields["wake"] == st.wake_socket.path and not arrays
+        mine = C.Channel.open(fields)
+        assert h.pending == 0
+        mine.close()
+    finally:
+        st.registry.close_channel(c)
+        if st.wake_socket is not None:
+            st.wake_socket.close()
+        h.close()

@@ -15,6 +15,9 @@
   memfd) nor read its memory; with ``--dumpable`` the same process can (the test's own check).
 * namespaces: an engine in another pid namespace (its own /proc) gets its channel and its
   HiSparse region, which the daemon's /proc links could never give it.
+* error paths: an accept that fails for want of descriptors waits between tries (no busy
+  loop) and serves the client once they are free; ``hicache serve`` whose ``PR_SET_DUMPABLE``
+  the kernel refuses stops with one line (exit 2); the flag reads back what was set.
 """
 from __future__ import annotations
 
@@ -409,3 +412,79 @@ def test_a_connection_made_room_for_while_its_token_waits_is_skipped(handout, mo
     assert not [r for r in caplog.records if "serving a connection failed" in r.getMessage()]
     os.close(fd)
     mm.close()
+
+
+# ----------------------------------------------------------------------------- error paths
+_NO_DESCRIPTORS = r'''
+import os, resource, socket, sys, time
+from hicache.core import fd_handout as F
+h = F.FdHandout.create()
+fd = os.memfd_create("t", os.MFD_CLOEXEC)
+os.ftruncate(fd, 4096)
+h.offer(fd, 3)
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(x) for x in os.listdir("/proc/self/fd")) + 1,
+                                            hard))
+fill = []
+while True:  # every descriptor number taken: the hand-out's accept gets EMFILE
+    try:
+        fill.append(os.dup(0))
+    except OSError:
+        break
+c.connect(F._address(h.path))  # queued in the backlog; the client's socket exists already
+c.sendall(F._TOKEN.pack(3))
+cpu = time.process_time()
+time.sleep(1.0)
+cpu = time.process_time() - cpu
+for f in fill:
+    os.close(f)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+c.settimeout(5.0)
+msg, fds = F._receive(c)
+print(f"{cpu:.3f}", msg[:1] == b"\1", len(fds), flush=True)
+h.close()
+'''
+
+
+def test_an_accept_without_a_descriptor_left_waits_and_then_serves() -> None:
+    """The hand-out thread's accept fails (EMFILE) while the process has no descriptor left:
+    it waits between tries (no busy loop: the process spends little CPU over a second of it)
+    and serves the waiting client once descriptors are free again."""
+    out = subprocess.run([sys.executable, "-c", _NO_DESCRIPTORS], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0, out.stderr
+    cpu, ok, n = out.stdout.split()
+    assert ok == "True" and n == "1", out.stdout
+    assert float(cpu) < 0.3, f"the hand-out thread spun while accept failed: {cpu} s of CPU"
+
+
+def test_serve_that_cannot_set_dumpable_says_so_in_one_line() -> None:
+    """The kernel refusing ``PR_SET_DUMPABLE``: ``hicache serve`` stops before it allocates,
+    with one line naming the setting and the error, exit code 2."""
+    code = ("import errno, sys\n"
+            "import hicache.core.dumpable as d\n"
+            "def refuse(on):\n"
+            "    raise OSError(errno.EPERM, 'prctl(4): Operation not permitted')\n"
+            "d.set_dumpable = refuse\n"
+            "from hicache.cli import main\n"
+            "sys.exit(main(['serve', '--device', 'cpu', '--preset', 'dsv4-tiny',\n"
+            "               '--device-rows', 'page=8,swa_page=8,req_slot=2']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert lines == ["hicache serve: error: --dumpable off: cannot set it ([Errno 1] prctl(4): "
+                     "Operation not permitted)"], out.stderr
+    assert "ready" not in out.stdout
+
+
+def test_dumpable_round_trips_and_a_bad_prctl_names_its_error() -> None:
+    code = ("from hicache.core import dumpable as d\n"
+            "d.set_dumpable(False); a = d.is_dumpable()\n"
+            "d.set_dumpable(True); b = d.is_dumpable()\n"
+            "try:\n"
+            "    d._prctl(9999)\n"
+            "except OSError as e:\n"
+            "    print(a, b, e.errno, e.strerror)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False True 22 prctl(9999): Invalid argument", out
