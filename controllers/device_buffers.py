@@ -7,7 +7,8 @@ against the layout (one per owned layer, ``rows`` = the worker's rows of the poo
 must be regular files owned by this user inside an allowed directory, CUDA handles must name the
 GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
 lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
-layer can reach past the worker's own memory. ``close(handoff)`` drops every mapping the
+layer can reach past the worker's own memory; a GPU layer must start on a 4-byte boundary
+(``WORD``). ``close(handoff)`` drops every mapping the
 daemon holds; a mapping still used by an in-flight operation is released when that operation
 lets go of it. With ``handoff`` (``background.Unmapper.hand``) the objects that keep the
 mappings alive go to it, so the unmapping itself runs off the server thread.
@@ -179,6 +180,10 @@ def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str
 
 
 # ----------------------------------------------------------------------------- GPU: CUDA IPC
+# every GPU layer starts on this boundary: the segment kernels move 4-byte words at least, and a
+# misaligned layer would otherwise be refused only when a copy's segment plan is built, which
+# for a load's later layers comes after layer 0's copies went out
+WORD = 4
 def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device) -> DeviceBuffers:
     my_uuid = device_uuid(device.index)
     decoded = []
@@ -190,17 +195,7 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
             uuid = h.get("uuid")
             if my_uuid and uuid and uuid != my_uuid:
                 raise _bad(f"{where}: buffer is on GPU {uuid}, this daemon serves {my_uuid}")
-            _check_ipc_fields(h, where)
-            rec = dict(
-                handle=_handle_bytes(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
-                storage_offset=_int(h, "storage_offset", where),
-                ref_counter=_handle_bytes(h, "ref_counter", where, optional=True),
-                ref_counter_offset=_int(h, "ref_counter_offset", where),
-                event=_handle_bytes(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
-                offset=_int(h, "offset", where), rows=h["rows"], row_bytes=h["row_bytes"])
-            if rec["offset"] + rec["rows"] * rec["row_bytes"] > rec["storage_bytes"]:
-                raise _bad(f"{where}: layer bytes run past the end of its storage")
-            decoded.append((name, where, rec))
+            decoded.append((name, where, _ipc_record(h, where)))
     storages: dict[tuple[bytes, int], Any] = {}
     layers: dict[str, list[torch.Tensor]] = {}
     with torch.cuda.device(device):
@@ -228,6 +223,26 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
 IPC_HANDLE_BYTES = {"handle": (66, 64), "event": (64,)}
 REF_COUNTER_SLOTS = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters per file
 _REF_COUNTER_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")  # torch names its counter files so
+
+
+def _ipc_record(h: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """One layer's CUDA IPC handle, checked (``_check_ipc_fields``, the layer inside its
+    storage and on a ``WORD`` boundary) before anything is opened."""
+    _check_ipc_fields(h, where)
+    rec = dict(
+        handle=_handle_bytes(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
+        storage_offset=_int(h, "storage_offset", where),
+        ref_counter=_handle_bytes(h, "ref_counter", where, optional=True),
+        ref_counter_offset=_int(h, "ref_counter_offset", where),
+        event=_handle_bytes(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
+        offset=_int(h, "offset", where), rows=h["rows"], row_bytes=h["row_bytes"])
+    if rec["offset"] + rec["rows"] * rec["row_bytes"] > rec["storage_bytes"]:
+        raise _bad(f"{where}: layer bytes run past the end of its storage")
+    start = rec["storage_offset"] + rec["offset"]  # bytes into its (aligned) allocation
+    if start % WORD:
+        raise _bad(f"{where}: the layer starts {start} bytes into its CUDA allocation, not on a "
+                   f"{WORD}-byte boundary: the copy kernels move {WORD}-byte words")
+    return rec
 
 
 def _check_ipc_fields(h: Mapping[str, Any], where: str) -> None:

@@ -353,6 +353,26 @@ def test_nothing_received_is_unpickled_or_evaluated():
     assert not hits, hits
 
 
+def test_a_gpu_layer_off_a_4_byte_boundary_is_refused_at_register():
+    """The segment kernels move 4-byte words at least: a layer a client places 1-3 bytes off
+    a word boundary in its allocation is refused when it registers. (Before, the first copy
+    whose segment plan held it failed, and for a load's later layers that came after layer
+    0's copies had gone out.)"""
+    from hicache.controllers.device_buffers import _ipc_record
+    from hicache.core.ipc import encode_b64
+    from hicache.core.protocol import ProtocolError
+
+    h = {"handle": encode_b64(b"h" * 66), "ref_counter_offset": 0, "storage_bytes": 1 << 20,
+         "storage_offset": 512, "offset": 4096, "rows": 4, "row_bytes": 1728}
+    assert _ipc_record(h, "buffers[c128_kv][0]")["offset"] == 4096
+    assert _ipc_record({**h, "storage_offset": 2, "offset": 2}, "w")["offset"] == 2  # 4 in all
+    for so, off in ((0, 1), (512, 4098), (3, 0)):
+        with pytest.raises(ProtocolError, match=f"starts {so + off} bytes into its CUDA "
+                                                r"allocation, not on a 4-byte boundary") as e:
+            _ipc_record({**h, "storage_offset": so, "offset": off}, "buffers[c128_kv][1]")
+        assert e.value.code == "bad_handle" and str(e.value).startswith("buffers[c128_kv][1]: ")
+
+
 def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
     """``register`` in GPU mode: torch decrements ``ref_counter_offset``'s int64 in the mapped
     counter file when a shared storage goes, and opens the counter file the client names. An
