@@ -184,6 +184,8 @@ def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str
 # misaligned layer would otherwise be refused only when a copy's segment plan is built, which
 # for a load's later layers comes after layer 0's copies went out
 WORD = 4
+
+
 def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device) -> DeviceBuffers:
     my_uuid = device_uuid(device.index)
     decoded = []

@@ -451,8 +451,9 @@ def test_an_accept_without_a_descriptor_left_waits_and_then_serves() -> None:
     """The hand-out thread's accept fails (EMFILE) while the process has no descriptor left:
     it waits between tries (no busy loop: the process spends little CPU over a second of it)
     and serves the waiting client once descriptors are free again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", _NO_DESCRIPTORS], capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                         timeout=60, cwd=root)
     assert out.returncode == 0, out.stderr
     cpu, ok, n = out.stdout.split()
     assert ok == "True" and n == "1", out.stdout
