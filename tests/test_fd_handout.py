@@ -447,6 +447,45 @@ h.close()
 '''
 
 
+_ONE_DESCRIPTOR_LEFT = r'''
+import os, resource
+from hicache.core import fd_handout as F
+before = sorted(os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(x) for x in before) + 1, hard))
+fill = []
+while True:
+    try:
+        fill.append(os.dup(0))
+    except OSError:
+        break
+os.close(fill.pop())  # one left: the socket gets it, its selector none
+try:
+    F.FdHandout.create()
+    print("created")
+except OSError as e:
+    print("refused", e.errno)
+for f in fill:
+    os.close(f)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(sorted(os.listdir("/proc/self/fd")) == before)
+'''
+
+
+def test_a_hand_out_that_cannot_make_its_selector_fails_at_create_and_leaves_nothing_open(
+        ) -> None:
+    """One descriptor left: the socket takes it and the thread's selector (epoll) finds none.
+    ``create`` raises ``EMFILE`` and closes the socket. On the code before, the selector was
+    made by the thread, which died of it after ``create`` had returned: every later hand-out
+    timed out with nothing said."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _ONE_DESCRIPTOR_LEFT], capture_output=True,
+                         text=True, timeout=60, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "24", "True"], out.stdout + out.stderr
+    assert "Exception in thread" not in out.stderr
+
+
 def test_an_accept_without_a_descriptor_left_waits_and_then_serves() -> None:
     """The hand-out thread's accept fails (EMFILE) while the process has no descriptor left:
     it waits between tries (no busy loop: the process spends little CPU over a second of it)

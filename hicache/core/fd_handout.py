@@ -29,6 +29,8 @@ Contract:
   thread (``hicache-fd-handout``). A peer whose uid is neither the daemon's nor root is told so
   and closed on at once. (A peer whose uid has no mapping in the daemon's user namespace reads
   as the overflow uid, 65534: a daemon running as that uid cannot tell such peers apart.)
+  Everything the thread needs is made before ``create`` returns: no descriptor left raises
+  ``OSError`` there and leaves nothing open.
 - ``offer(fd, token)``: one more connection that presents ``token`` gets a duplicate of ``fd``.
   One offer is one hand-out: once the offers of a token are taken, a request with it is
   refused until the memory is offered again (each ``channel`` or ``sparse_region`` reply
@@ -76,8 +78,8 @@ log = logging.getLogger("hicache.daemon")
 class FdHandout:
     """The daemon's descriptor hand-out socket (see the module docstring)."""
 
-    def __init__(self, path: str, sock: socket.socket) -> None:
-        self.path, self._sock = path, sock
+    def __init__(self, path: str, sock: socket.socket, sel: selectors.BaseSelector) -> None:
+        self.path, self._sock, self._sel = path, sock, sel
         # token -> [our duplicate of the descriptor, offers left]
         self._offers: dict[int, list[int]] = {}
         self._lock = threading.Lock()
@@ -90,14 +92,21 @@ class FdHandout:
     def create(cls) -> "FdHandout":
         path = f"@{FDS_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sel: selectors.BaseSelector | None = None
         try:
             s.bind(_address(path))
             s.listen(socket.SOMAXCONN)
             s.setblocking(False)  # an accept after a peer gave up must not hold the loop
+            # made here, not in the thread: its descriptor can fail (EMFILE), and a thread that
+            # died of that would leave every later hand-out to time out, unexplained
+            sel = selectors.DefaultSelector()
+            sel.register(s, selectors.EVENT_READ)
         except BaseException:
+            if sel is not None:
+                sel.close()
             s.close()
             raise
-        return cls(path, s)
+        return cls(path, s, sel)
 
     # ---------------------------------------------------------------- the daemon's side
     def offer(self, fd: int, token: int) -> None:
@@ -139,8 +148,7 @@ class FdHandout:
             os.close(fd)
 
     def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._sock, selectors.EVENT_READ)
+        sel = self._sel
         waiting: dict[socket.socket, list] = {}  # connection -> [deadline, token bytes so far]
         try:
             while not self._stop:
