@@ -29,8 +29,8 @@ Contract:
   thread (``hicache-fd-handout``). A peer whose uid is neither the daemon's nor root is told so
   and closed on at once. (A peer whose uid has no mapping in the daemon's user namespace reads
   as the overflow uid, 65534: a daemon running as that uid cannot tell such peers apart.)
-  Everything the thread needs is made before ``create`` returns: no descriptor left raises
-  ``OSError`` there and leaves nothing open.
+  Everything the thread needs is made before ``create`` returns: no descriptor (or thread)
+  left raises ``OSError`` there and leaves nothing open.
 - ``offer(fd, token)``: one more connection that presents ``token`` gets a duplicate of ``fd``.
   One offer is one hand-out: once the offers of a token are taken, a request with it is
   refused until the memory is offered again (each ``channel`` or ``sparse_region`` reply
@@ -101,12 +101,15 @@ class FdHandout:
             # died of that would leave every later hand-out to time out, unexplained
             sel = selectors.DefaultSelector()
             sel.register(s, selectors.EVENT_READ)
+            try:
+                return cls(path, s, sel)
+            except RuntimeError as e:  # the thread could not start (no thread left)
+                raise OSError(errno.EAGAIN, f"cannot start the hand-out thread ({e})") from None
         except BaseException:
             if sel is not None:
                 sel.close()
             s.close()
             raise
-        return cls(path, s, sel)
 
     # ---------------------------------------------------------------- the daemon's side
     def offer(self, fd: int, token: int) -> None:
