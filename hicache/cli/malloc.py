@@ -9,9 +9,9 @@ saw +25 MiB steps come and go on a 1.9 GiB daemon).
 A fixed mmap threshold also turns off glibc's dynamic trim threshold, which then stays at its
 128 KiB default: every command that freed a block between 128 KiB and the mmap threshold at the
 top of the heap gave those pages back, and the next command faulted them in again. On the H200
-host a 128k-token load's 3.8 MB temporary cost 965 page faults per command that way (and loads
-of every size ran 1-4 % slower: docs/perf.md, thirty-second session). So the trim threshold is
-fixed too, at ``TRIM_THRESHOLD``: up to that much free heap stays resident between commands.
+host a 128k-token load's 3.8 MB temporary cost 965 page faults per command that way, about
+20,000 per ``bench e2e`` run in all (docs/perf.md, thirty-second session). So the trim threshold
+is fixed too, at ``TRIM_THRESHOLD``: up to that much free heap stays resident between commands.
 
 Contract: ``fix_mmap_threshold(nbytes=MMAP_THRESHOLD, trim=TRIM_THRESHOLD) -> str`` sets glibc's
 ``M_MMAP_THRESHOLD`` to a fixed ``nbytes`` (which also turns the dynamic adjustment off), so
