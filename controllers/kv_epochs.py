@@ -156,6 +156,10 @@ class Epochs:
     * ``clear(ns, deadline, done, expire) -> op id``: upsert a new epoch; ``done(job,
       dropped)`` once the call returned (``dropped``: what ``changed`` returned; None when
       the job failed); ``expire`` is the job's deadline hook (``DaemonState.expire_l3``).
+      Writes waiting for a first epoch when the clear succeeds were made while it was in
+      flight (their host entries are among those dropped): they go under the epoch the clear
+      replaced (``fn(old)``, before its objects' removal is queued), or are dropped
+      (``fn(None)``) when there was none; never under the new epoch.
     * A read that finds another epoch than the one known, and every successful clear, call
       ``changed(ns, old epochs) -> host entries dropped`` before anything else of the
       namespace happens; ``forget(ns)`` is called for a namespace whose idle entry goes (past
@@ -296,10 +300,14 @@ class Epochs:
             if j.misses:
                 done(j, None)
                 return
+            # writes still waiting for a first epoch were made while this clear was in
+            # flight: their host entries are dropped below, so their objects go under the epoch
+            # the clear replaced (None: there was none, and they are dropped), ahead of that
+            # epoch's removal, never under the new one (where a later read would find them)
+            self._wake(f, j.value if j.value != new else None)
             olds = [x for x in dict.fromkeys((f.epoch, j.value)) if x is not None and x != new]
             dropped = self._changed(ns, olds)
             f.epoch, f.checked, f.bad = new, j.t_submit, ""
-            self._wake(f, new)
             done(j, dropped)
 
         return self._submit(job, ended, expire)

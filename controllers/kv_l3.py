@@ -47,7 +47,9 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   or saw (present for ``PRESENT_TTL`` s), objects found absent (``ABSENT_TTL`` s). An unknown
   key starts one asynchronous query and is answered *pending*; the client asks again.
 * While the tier connects, unknown keys are pending (nothing is submitted); while it is
-  offline they are misses at once.
+  offline they are misses at once. With ``QUERIES_MAX`` query jobs in flight (a hung master
+  holds each up to its RPC timeout), an unknown key is a miss at once, counted
+  ``l3_errors{kind="busy"}``: the queue in front of the store stays bounded.
 * Every such read (prefetch, query; and ``kv_epochs``' epoch reads) is answered by
   ``READ_DEADLINE``: past it (plus ``state.L3_DEADLINE_GRACE_S``) ``DaemonState.expire_l3``
   marks the job and its ``expire`` hook makes its keys misses (remembered absent for
@@ -109,6 +111,10 @@ READ_DEADLINE = 4.0
 KNOWN_MAX = 1 << 18  # remembered (entry, slot) answers, oldest dropped first
 CLEARS_MAX = 64  # kv_clears in flight (their epoch writes); one more is refused busy
 GC_MAX = 4096  # old epochs waiting for their removal; past it one more is left to eviction
+# the key store's query jobs in flight (``exists``, and ``fetch`` of keys not known present);
+# past it an unknown key is a miss at once (as a client's own L3 reads stop at
+# ``l3_handlers.L3_READS_MAX``)
+QUERIES_MAX = 256
 _REGEX_SPECIAL = set(".^$|?*+()[]{}\\")
 
 Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
@@ -208,6 +214,7 @@ class KvL3:
         self.gc_skipped = 0  # ... and those left to eviction (``GC_MAX`` were waiting)
         self.pinned = 0
         self.jobs = 0  # the key store's L3 jobs in flight
+        self.queries = 0  # ... of which query jobs (at most ``QUERIES_MAX``)
 
     # ------------------------------------------------------------------ objects
     def fmt(self, ep: "EnginePool") -> Any:
@@ -340,8 +347,10 @@ class KvL3:
             else:
                 asked.add(ident)
                 todo.append((j, ident))
-        if unknown:
-            self._query(ep, epoch, list(unknown))
+        if unknown and not self._query(ep, epoch, list(unknown)):  # too many in flight: misses
+            gone = {j for j, k in missing if (ep.space, ep.ns, ep.slot, k) in unknown}
+            misses += len(gone)
+            pending = [j for j in pending if j not in gone]
         rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
         misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]
@@ -436,19 +445,28 @@ class KvL3:
             else:
                 ask.setdefault(ident, j)
                 pending.append(j)
-        if ask:
-            self._query(ep, epoch, list(ask))
+        if ask and not self._query(ep, epoch, list(ask)):  # too many in flight: absent
+            gone = {j for j, k in missing if (ep.space, ep.ns, ep.slot, k) in ask}
+            pending = [j for j in pending if j not in gone]
         return present, pending
 
-    def _query(self, ep: "EnginePool", epoch: str, idents: list[Ident]) -> None:
-        """One background exists query for ``idents`` (none already asked) under ``epoch``."""
+    def _query(self, ep: "EnginePool", epoch: str, idents: list[Ident]) -> bool:
+        """One background exists query for ``idents`` (none already asked) under ``epoch``;
+        False (nothing submitted, counted ``l3_errors{kind="busy"}``) with ``QUERIES_MAX``
+        query jobs in flight."""
+        if self.queries >= QUERIES_MAX:
+            self.st.metrics.inc("l3_errors", len(idents), "busy")
+            return False
+        self.queries += 1
         self.querying.update(idents)
         job = L3Job("query", [self._key(ep, epoch, i[3]) for i in idents],
                     deadline=time.monotonic() + READ_DEADLINE, fmt=self.fmt(ep), each=True)
         self._submit(job, lambda j: self._queried(j, idents, epoch),
                      lambda j, now, queued: self._missed(self.querying, idents, epoch))
+        return True
 
     def _queried(self, job: L3Job, idents: list[Ident], epoch: str) -> None:
+        self.queries -= 1  # (the job has ended, whether or not it was acked at its deadline)
         if job.acked:  # answered at its deadline: its keys were misses (maybe asked again since)
             return
         answered = len(job.present) == len(idents)  # else the store could not say: ask again
@@ -519,5 +537,5 @@ class KvL3:
     def summary(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "pinned": self.pinned, "jobs": self.jobs,
                 "fetching": len(self.fetching), "querying": len(self.querying),
-                "known": len(self.known), **self.epochs.summary(),
+                "known": len(self.known), "queries": self.queries, **self.epochs.summary(),
                 "gc_waiting": self.gc_waiting, "gc_skipped": self.gc_skipped}

@@ -200,7 +200,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "mismatch: a miss, never data; the object is removed), transfer (a read that "
               "failed on its way, e.g. a storage node gone), full (store out of space), error, "
               "epoch (a key-store namespace's epoch object holds no well-formed epoch, or a "
-              "write had no epoch to go under: its L3 objects are not used).",
+              "write had no epoch to go under: its L3 objects are not used), busy (a "
+              "key-store read answered as a miss: 256 queries were already in flight).",
               "Is L3 healthy, and did anything try to hand us wrong bytes?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",
@@ -259,7 +260,8 @@ class Metrics:
             "query_hit", "prefetch_hit", "written", "skipped_existing")) + ("kv_miss",))
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
-        self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error", "epoch"))
+        self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error", "epoch",
+                                "busy"))
         self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove", "meta"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))
