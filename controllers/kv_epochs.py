@@ -187,9 +187,12 @@ class Epochs:
         return e
 
     def _trim(self) -> None:
+        """Past ``EPOCHS_MAX`` namespaces, the least recently used idle ones go; never the
+        newest (the one ``_entry`` just made), so with every older one busy there may be more
+        for a while."""
         if len(self.ns) <= EPOCHS_MAX:
             return
-        for ns, e in list(self.ns.items()):
+        for ns, e in list(self.ns.items())[:-1]:
             if len(self.ns) <= EPOCHS_MAX:
                 return
             if not (e.reading or e.clears or e.waiting):

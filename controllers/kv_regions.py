@@ -89,7 +89,12 @@ class EnginePool:
                 if fd not in files:
                     ours, size = _open_shared(pid, fd)
                     ep.proofs.append((fd, ours, size))
-                    mm = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    try:
+                        mm = mmap.mmap(ours, size, mmap.MAP_SHARED,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+                    except OSError as e:  # e.g. a memfd sealed against writes: the engine's
+                        raise ValueError(f"cannot map fd {fd} of process {pid} shared and "
+                                         f"writable: {e.strerror}") from None
                     ep._maps.append(mm)
                     files[fd] = (size, mm, torch.frombuffer(mm, dtype=torch.uint8))
             for i, (fd, off, stride) in enumerate(specs):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from hicache.controllers import kv_epochs
 from hicache.controllers.kv_epochs import Epochs, encode, epoch_key, new_epoch
 
 
@@ -82,3 +85,19 @@ def test_a_write_waiting_during_a_clear_of_a_namespace_without_an_epoch_is_dropp
     assert now is not None
     assert got == [None]
     assert t.events == [("write", None), ("changed", ())]
+
+
+def test_a_new_namespace_past_the_bound_with_every_older_one_busy_is_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``EPOCHS_MAX`` the idle namespaces go first; when every older one is busy (an epoch
+    read in flight), the one just made stays (on the code before, ``_trim`` removed it and
+    ``_entry`` raised ``KeyError``)."""
+    monkeypatch.setattr(kv_epochs, "EPOCHS_MAX", 2)
+    t = _Tier()
+    ep = t.epochs()
+    assert ep.for_read("a") is None and ep.for_read("b") is None  # both reading
+    assert ep.for_read("c") is None  # a third, every older one busy: kept, its read started
+    assert list(ep.ns) == ["a", "b", "c"] and ep.reads == 3
+    t.run_all()
+    assert ep.for_read("d") is None  # now the idle oldest go
+    assert list(ep.ns) == ["c", "d"]

@@ -6,6 +6,7 @@ with layers). Every byte that moves is compared, and everything else is checked 
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import subprocess
@@ -232,6 +233,15 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", layers=[{**s, "fd": r} for s in ep.spec])
             os.close(r), os.close(w)
+            # a memfd sealed against writes cannot be mapped shared and writable: a refusal
+            # naming it (it was an internal error with a traceback in the daemon's log)
+            sealed = os.memfd_create("sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(sealed, 4 * pb)
+            fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            msg = _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                           pool="c4_kv", layers=[{**s, "fd": sealed} for s in ep.spec])
+            assert f"cannot map fd {sealed}" in msg
+            os.close(sealed)
             # the victim's memfd maps, but the proof cannot be written into it from here
             vspec = [{"fd": victim_fd, "offset": 0, "stride": pb}] * layers
             reply = c.kv_attach("victim", NS, pages=4, pool="c4_kv", pid=child.pid,
