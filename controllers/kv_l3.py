@@ -28,7 +28,8 @@ Write-through (``write``): the entries a ``kv_put`` filled go out as one put job
 are pinned until it completes: ``Entry.pins`` (eviction skips pinned entries) and the row
 tracker (a ``kv_clear`` meanwhile defers the free until the job ends). A put completion is
 recorded in the L3 metrics like any other (written / skipped_existing / errors); a write with
-no usable epoch (offline, or the stored value refused) is dropped and counted
+no usable epoch (the tier connecting or offline: nothing is submitted; or the stored value
+refused) is dropped and counted
 (``l3_errors{kind="offline" | "epoch"}``).
 
 Read-through, never blocking the server thread (every L3 call runs on the L3 worker threads):
@@ -315,6 +316,9 @@ class KvL3:
                         [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
             self._submit(job, done)
 
+        if not self.l3.online:  # connecting or offline: nothing is submitted (an epoch read
+            go(None)  # now would fail and make the namespace's reads miss for ``FAILED_TTL``)
+            return
         self.epochs.for_write(ep.ns, go)
 
     # ------------------------------------------------------------------ read-through

@@ -12,6 +12,9 @@ found by a review helper; each test fails on the code before.
   counted ``l3_errors{kind="busy"}``. On the code before, every call queued one more query job
   and ``l3_ops`` entry: with a hung master (each call held up to its 30 s RPC timeout) both grew
   without bound.
+* A ``kv_put`` while the tier is still connecting submits nothing (its write is dropped,
+  counted ``offline``), as the module promises: on the code before it started an epoch read,
+  which would fail and make the namespace's L3 reads miss for a second once connected.
 """
 from __future__ import annotations
 
@@ -81,3 +84,19 @@ def test_key_store_queries_in_flight_are_bounded(dstate: Any) -> None:
     assert st.kv_store.l3.queries == 0 and not st.l3_ops
     r, _ = call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["later"]})
     assert r["pending"] == [0] and st.kv_store.l3.queries == 1
+
+
+def test_a_put_while_the_tier_connects_submits_nothing(dstate: Any) -> None:
+    st = dstate
+    l3 = with_l3(st)
+    l3.online, l3.state = False, "connecting"
+    c = client(st)
+    engine_pool(st, c, "c4_kv", "c4_kv")
+    off0 = st.metrics.value("l3_errors", "offline")
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([3]))
+    assert r["stored"] == [1]
+    assert l3.queued == [] and not st.l3_ops
+    assert st.metrics.value("l3_errors", "offline") - off0 == 1
+    assert st.kv_store.l3.pinned == 0
+    r, _ = call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["b"]})
+    assert r["pending"] == [0] and l3.queued == []  # connecting: pending, nothing asked
