@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,6 +202,28 @@ def test_wake_socket(tmp_path) -> None:
     with pytest.raises(OSError):
         C.WakeSocket.open_writer(w.path)
 
+
+
+def test_a_drain_takes_a_bounded_number_of_wake_ups(tmp_path: Any) -> None:
+    """Processes that ring without pause cannot hold the daemon's loop in ``drain``: it takes at
+    most ``DRAIN_MAX`` wake-ups and returns (on the code before it read until the queue was
+    empty, which writers refilling it as fast as it drains never let happen)."""
+    w = C.WakeSocket.create(str(tmp_path))
+    calls = [0]
+
+    class Ringing:  # a queue that is never empty
+        def recv(self, n: int) -> bytes:
+            calls[0] += 1
+            assert calls[0] <= 10 * C.DRAIN_MAX, "drain does not stop"
+            return b"x"
+
+    real, w._sock = w._sock, Ringing()
+    try:
+        w.drain()
+    finally:
+        w._sock = real
+        w.close()
+    assert calls[0] == C.DRAIN_MAX
 
 def test_a_killed_daemons_channel_files_are_swept(tmp_path) -> None:
     """Files a killed daemon left (its wake socket, a channel nobody opened) go when the next

@@ -246,6 +246,9 @@ class Channel:
             pass
 
 
+DRAIN_MAX = 256  # wake-ups one ``WakeSocket.drain`` takes (a queue holds 10 by default)
+
+
 class WakeSocket:
     """The daemon's wake-up socket: ``create`` (daemon), ``open_writer`` / ``ring`` (client)."""
 
@@ -273,9 +276,13 @@ class WakeSocket:
         return cls(path, s)
 
     def drain(self) -> None:
+        """Take the wake-ups queued now, at most ``DRAIN_MAX``: processes that keep ringing
+        cannot hold the loop here (what is left wakes it again, after the others' turn)."""
+        recv = self._sock.recv
         try:
-            while self._sock.recv(64):
-                pass
+            for _ in range(DRAIN_MAX):
+                if not recv(64):
+                    return
         except (BlockingIOError, InterruptedError):
             pass
 
