@@ -122,14 +122,24 @@ def _take(sp: SparseRegions, c: ClientState, n: int, r: str) -> tuple[ClientRegi
 
 
 def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    """The client's region (bound now if it had none), its memfd offered on the daemon's
+    descriptor socket. A refusal binds nothing: the socket is made first, and a region bound
+    by this call is dropped again when its offer fails."""
     sp = _region(st)
-    _bind(sp, c)
     try:
         handout = st.handout()
     except OSError as e:
         raise ProtocolError("unsupported", f"sparse_region: cannot create the descriptor socket "
                                            f"({e})") from None
-    return sp.hand_out(c.cid, handout), []
+    fresh = sp.of(c.cid) is None
+    _bind(sp, c)
+    try:
+        return sp.hand_out(c.cid, handout), []
+    except OSError as e:  # (no descriptor left for the offer's duplicate)
+        if fresh:
+            sp.drop(c.cid)
+        raise ProtocolError("unsupported", f"sparse_region: cannot offer the region's memfd "
+                                           f"({e})") from None
 
 
 def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n: int) -> None:

@@ -19,6 +19,8 @@ import ctypes
 import logging
 from typing import Any, Protocol
 
+from hicache.core.cuda_runtime import clear_runtime_error
+
 from .errors import ArenaError
 
 log = logging.getLogger("hicache.host_pools")
@@ -67,17 +69,6 @@ def driver_pci_bus_id(ordinal: int) -> str | None:
     return buf.value.decode()
 
 
-def _clear_runtime_error() -> None:
-    """Reset the CUDA runtime's last error after a failed call (torch checks it later)."""
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
-            paths = {ln.split()[-1] for ln in f if "libcudart" in ln}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError, IndexError) as e:  # pragma: no cover - best effort
-        log.debug("could not clear the CUDA runtime error: %s", e)
-
-
 class CudaHostRegistrar:
     """Page-locks host ranges for ``device_index`` (default flags: this context only)."""
 
@@ -103,7 +94,7 @@ class CudaHostRegistrar:
             rc = rt.cudaHostRegister(ptr, nbytes, 0)
             if int(rc) != 0:
                 text = _error_text(rt, rc)
-                _clear_runtime_error()
+                clear_runtime_error()
                 raise ArenaError(
                     f"cudaHostRegister of {nbytes} bytes at {ptr:#x} on cuda:{self.device_index} "
                     f"failed: error {int(rc)} ({text})"
@@ -116,7 +107,7 @@ class CudaHostRegistrar:
             rt = torch.cuda.cudart()
             rc = rt.cudaHostUnregister(ptr)
             if int(rc) != 0:
-                _clear_runtime_error()
+                clear_runtime_error()
                 return f"error {int(rc)} ({_error_text(rt, rc)})"
         return None
 

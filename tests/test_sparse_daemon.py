@@ -9,6 +9,7 @@ import errno
 import os
 import stat
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -641,3 +642,41 @@ def test_a_region_is_sealed_checked_on_open_and_refused_past_memory(monkeypatch)
         SparseShm.create(3, 200, 8192)
     assert e.value.errno == errno.ENOMEM and "available" in str(e.value)
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_refused_sparse_region_binds_nothing_and_a_failed_offer_is_one_refusal(tmp_path):
+    """``sparse_region`` whose descriptor socket cannot be made, or whose memfd offer fails (no
+    descriptor left for the duplicate), is refused ``unsupported`` and leaves the client with
+    no region (from a review helper: on the code before the first bound a region, counted
+    against ``--sparse-clients``, and the second escaped as an internal error)."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.sparse import sparse_region
+    from hicache.controllers.sparse_regions import SparseRegions
+    from hicache.core.protocol import ProtocolError
+
+    region = SparseRegions(FLASH, 4, str(tmp_path), None, 1)
+    c = SimpleNamespace(cid="eng", worker=object())
+
+    def no_socket() -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    class NoOffer:  # FdHandout.offer's os.dup failing
+        path = "@x"
+
+        def offer(self, fd: int, token: bytes) -> None:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    try:
+        for handout, why in ((no_socket, "descriptor socket"), (NoOffer, "offer")):
+            with pytest.raises(ProtocolError) as e:
+                sparse_region(SimpleNamespace(sparse=region, handout=handout), c, {}, [])
+            assert e.value.code == "unsupported" and why in str(e.value), str(e.value)
+            assert region.of("eng") is None and not region.regions
+        # a client that holds a region keeps it when a later offer fails
+        region.bind("eng")
+        with pytest.raises(ProtocolError):
+            sparse_region(SimpleNamespace(sparse=region, handout=NoOffer), c, {}, [])
+        assert region.of("eng") is not None
+    finally:
+        region.close()

@@ -107,3 +107,26 @@ def test_sparse_region_over_zmq_prefix_hits_backups_and_swap_in(tmp_path):
             c.close()
         d.stop()
         pools.close()
+
+
+def test_a_failed_pin_leaves_no_cuda_error_for_the_engines_next_launch():
+    """``SparseShm.pin`` whose ``cudaHostRegister`` fails (here: the range is registered
+    already) raises, and clears the runtime's last error: the engine's next, unrelated launch
+    runs (from a review helper: on the code before it raised "part or all of the requested
+    memory range is already mapped")."""
+    from hicache.core.sparse_shm import SparseShm
+
+    dev = torch.device("cuda:0")
+    torch.ones(1, device=dev)
+    shm = SparseShm.create(2, 4, 4096)
+    rt = torch.cuda.cudart()
+    assert int(rt.cudaHostRegister(shm.base_ptr, shm.nbytes, 0)) == 0
+    try:
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            shm.pin(dev)
+        y = torch.ones(4, device=dev) * 2
+        torch.cuda.synchronize()
+        assert y.sum().item() == 8
+    finally:
+        rt.cudaHostUnregister(shm.base_ptr)
+        shm.close()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .cuda_runtime import clear_runtime_error
 from .fd_handout import FdHandout
 from .sealed_memfd import Sealed, create_sealed, open_sealed
 from .shm_file import sweep_stale
@@ -101,7 +102,8 @@ class SparseShm:
             return
         with torch.cuda.device(device):
             rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.nbytes, 0)
-        if int(rc) != 0:
+        if int(rc) != 0:  # the error is ours to report, not the engine's next launch's
+            clear_runtime_error()
             raise RuntimeError(f"cudaHostRegister of the sparse region failed ({int(rc)})")
         self._pinned_on = device.index if device.index is not None else \
             torch.cuda.current_device()
@@ -109,7 +111,8 @@ class SparseShm:
     def close(self) -> None:
         if self._pinned_on is not None:  # the caller's kernels no longer read it
             with torch.cuda.device(self._pinned_on):
-                torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
+                if int(torch.cuda.cudart().cudaHostUnregister(self.base_ptr)) != 0:
+                    clear_runtime_error()  # (nothing else to do at close)
             self._pinned_on = None
         self.layers = []
         if self._sealed is not None:  # (the mapping keeps its own descriptor)
