@@ -13,7 +13,8 @@ memory is ``controllers.sparse_regions``: one region (a sealed memfd) per client
   tokens' pages and, with ``device_rows``, backs the prompt's C4 KV up from the registered
   worker's ``c4_kv`` pool.
   Pages that are host-tier prefix hits (``host_rows``: the client's written ``c4_kv`` host rows
-  of the first pages) are filled from host memory instead: nothing is read from the device.
+  of the first pages) are filled from host memory instead: nothing is read from the device (on
+  a GPU daemon refused ``busy`` while a backup into those rows is in flight).
   Without ``device_rows`` the pages the hits do not cover are zeroed (a row may have held an
   earlier request's bytes).
   ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
@@ -156,6 +157,12 @@ def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n
     st.check_owned(c.cid, space, hits, "sparse_admit host_rows")
     st.check_l3_clash(space, hits, False, "sparse_admit host_rows")
     check_readable(st.group, "c4_kv", hits, "sparse_admit host_rows")
+    # on a GPU daemon these rows are copied host to host when the command is handled, which no
+    # stream wait orders after a backup into them still in flight: refused until its ack (on CPU
+    # the copy worker's FIFO orders them)
+    if st.scheduler.cuda and st.tracker.hazard([(space, hits, False)]):
+        raise _err("busy", "sparse_admit host_rows: a backup into these host rows is still in "
+                           "flight; send it after that op's ack")
 
 
 def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -493,7 +493,7 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
             sparse=region, host_rows={"page": 8}, host_tables={"c4_kv": host_tier},
             check_owned=lambda *a: None, check_l3_clash=lambda *a: None, next_op_id=lambda: 41,
             group=SimpleNamespace(first_unwritten=lambda pool, rows: None),
-            start=lambda c, op: started.append(op))
+            scheduler=SimpleNamespace(cuda=False), start=lambda c, op: started.append(op))
         c = SimpleNamespace(cid="eng", worker=SimpleNamespace(tables={"c4_kv": dev}))
         hits, devrows = np.array([5, 2], dtype=np.int64), np.array([7], dtype=np.int64)
         h, arr = sparse_admit(st, c, {"request": "r", "prompt_tokens": 3 * 64 * 4,

@@ -130,3 +130,45 @@ def test_a_failed_pin_leaves_no_cuda_error_for_the_engines_next_launch():
     finally:
         rt.cudaHostUnregister(shm.base_ptr)
         shm.close()
+
+
+def test_prefix_hits_with_a_backup_into_them_in_flight_are_refused_busy(tmp_path):
+    """On a GPU daemon ``sparse_admit`` copies its prefix hits host to host when it handles the
+    command, which no stream wait orders after a backup into those rows still in flight: it is
+    refused ``busy`` until that backup's ack, changing nothing (from a review helper: on the code
+    before it admitted, copying what the rows held before the backup landed)."""
+    from conftest import start_daemon
+    from hicache.engine.client import CommandRefused
+
+    d = start_daemon(tmp_path, device="cuda:0", device_rows="page=16,swa_page=4,req_slot=4",
+                     extra=("--sparse-rows", "8", "--min-sparse-prompt-len", "256"),
+                     metrics=False, ready_timeout=120, heartbeat_timeout=120.0)
+    torch.cuda.set_device(DEV)
+    pools = DevicePools(FLASH, ROWS, device=DEV)
+    c = None
+    try:
+        c = d.client(timeout=60)
+        c.register(pools, events=2)
+        host = c.alloc({"page": 2}, request="prefix")["page"]
+        assert c.wait_ack(c.backup({"c4_kv": ([1, 4], host)}), timeout=120).ok
+        shm = c.map_sparse_region(DEV)  # kept: dropping it would unmap a pinned region
+        engine = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(engine):  # the engine writes its KV, then records the event
+            torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time
+            c.backup_events[1].record(engine)
+        op = c.backup({"c4_kv": ([2, 5], host)}, wait_event=1)  # in flight behind the sleep
+        with pytest.raises(CommandRefused) as e:
+            c.sparse_admit("long", 1024, host_rows=host, device_rows=[6, 3])
+        assert e.value.code == "busy" and "still in flight" in str(e.value)
+        assert c.wait_ack(op, timeout=120).ok
+        rows = c.sparse_admit("long", 1024, host_rows=host, device_rows=[6, 3])  # now it runs
+        assert len(rows) == 4
+        assert c.sparse_free("long") == 4
+        c.free({"page": host}, request="prefix")
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(shm.base_ptr)  # as the test above does
+    finally:
+        if c is not None:
+            c.close()
+        d.stop()
+        pools.close()
