@@ -1,4 +1,4 @@
-"""The CUDA runtime's sticky "last error", reset after a call that failed on purpose-free ground.
+"""The CUDA runtime's sticky "last error", reset after a failed call that the caller handles.
 
 A failed ``cudaHostRegister`` / ``cudaHostUnregister`` (through torch's cudart) leaves the
 runtime's last error set; torch checks it after its next kernel launch and reports it there, as
