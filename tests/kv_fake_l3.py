@@ -72,14 +72,11 @@ class FakeL3:
         if replace or key not in self.small:
             self.small[key] = value
 
-    def run(self, job: Any, fail: str | None = None) -> None:
+    def run(self, job: Any) -> None:
         self.queued.remove(job)
         job.started = True
         if job.cancelled:
             job.misses[job.cancelled] = len(job.keys)
-            job.present = [0] * len(job.keys) if job.each else []
-        elif fail:
-            job.misses[fail] = len(job.keys) or 1
             job.present = [0] * len(job.keys) if job.each else []
         elif job.kind == "meta":
             try:
@@ -157,15 +154,6 @@ def engine_pool(st: Any, c: Any, name: str, pool: str, ns: str = "ns", pages: in
     ep.layers = [torch.randint(0, 256, (pages, spec.page_bytes), dtype=torch.uint8, generator=g)
                  for _ in range(spec.num_layers)]
     ep.verified = True
-    if c.kv is None:
-        c.kv = ClientPools()
-    c.kv.pools[name] = ep
-    return ep
-
-
-def marker_pool(st: Any, c: Any, name: str, space: str, ns: str = "ns",
-                pages: int = 8) -> EnginePool:
-    ep = EnginePool(name, K._ns(c, ns), None, space, pages)
     if c.kv is None:
         c.kv = ClientPools()
     c.kv.pools[name] = ep

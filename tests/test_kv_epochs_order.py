@@ -1,5 +1,5 @@
 """``controllers.kv_epochs.Epochs`` on its own, its L3 jobs run by the test in submission order
-(the meta thread's order) against a dict standing in for L3's small objects: no Mooncake needed.
+(the meta thread's order) against the stand-in tier of ``kv_fake_l3``: no Mooncake needed.
 
 A write made while a ``kv_clear`` is in flight, waiting for the namespace's first epoch (an
 engine that clears, attaches and puts at start-up), has its host entry dropped by the clear; its
@@ -16,24 +16,12 @@ import pytest
 from hicache.controllers import kv_epochs
 from hicache.controllers.kv_epochs import Epochs, encode, epoch_key, new_epoch
 
-
-class _Small:
-    """L3's small objects, as the meta calls see them."""
-
-    def __init__(self) -> None:
-        self.small: dict[str, bytes] = {}
-
-    def get_small(self, key: str) -> bytes | None:
-        return self.small.get(key)
-
-    def put_small(self, key: str, value: bytes, replace: bool) -> None:
-        if replace or key not in self.small:
-            self.small[key] = value
+from kv_fake_l3 import FakeL3
 
 
 class _Tier:
     def __init__(self) -> None:
-        self.l3 = _Small()
+        self.l3 = FakeL3()  # its meta calls: ``get_small`` / ``put_small``
         self.queued: list[tuple[Any, Any]] = []
         self.events: list[tuple[str, Any]] = []
 

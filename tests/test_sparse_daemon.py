@@ -680,3 +680,38 @@ def test_a_refused_sparse_region_binds_nothing_and_a_failed_offer_is_one_refusal
         assert region.of("eng") is not None
     finally:
         region.close()
+
+
+def test_prefix_hits_under_a_backup_in_flight_are_refused_busy_on_a_gpu_daemon():
+    """The handler's check on its own (the GPU test in ``test_sparse_daemon_cuda`` runs it
+    live): on a GPU daemon prefix hits that a backup still writes are refused ``busy``, as their
+    host-to-host copy would not wait for it; on a CPU daemon (the copy worker's FIFO orders
+    them) and with no writer in flight they pass."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hicache.controllers.row_tracker import RowTracker
+    from hicache.controllers.sparse import _prefix_hits
+    from hicache.core.protocol import ProtocolError
+
+    tracker = RowTracker({"page": 8})
+    sp = SimpleNamespace(spec=FLASH.pool("c4_kv"))
+    c = SimpleNamespace(cid="eng")
+    hits = np.array([5, 2], dtype=np.int64)
+
+    def st(cuda: bool) -> Any:
+        return SimpleNamespace(
+            host_rows={"page": 8}, check_owned=lambda *a: None, check_l3_clash=lambda *a: None,
+            group=SimpleNamespace(first_unwritten=lambda pool, rows: None), tracker=tracker,
+            scheduler=SimpleNamespace(cuda=cuda))
+
+    _prefix_hits(st(True), sp, c, hits, 4)  # nothing in flight
+    backup = [("page", np.array([2], dtype=np.int64), True)]
+    tracker.begin(backup)
+    with pytest.raises(ProtocolError) as e:
+        _prefix_hits(st(True), sp, c, hits, 4)
+    assert e.value.code == "busy" and "still in flight" in str(e.value)
+    _prefix_hits(st(False), sp, c, hits, 4)
+    tracker.end(backup)
+    _prefix_hits(st(True), sp, c, hits, 4)
