@@ -11,6 +11,8 @@ CUDA. GPU command: ``python3 -m pytest -q -m cuda tests/test_sparse_daemon_cuda.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -32,14 +34,19 @@ def _token(row: torch.Tensor, s: int) -> torch.Tensor:
     return torch.cat([row[s * VB:(s + 1) * VB], row[SOFF + s * 8: SOFF + s * 8 + 8]])
 
 
-def test_sparse_region_over_zmq_prefix_hits_backups_and_swap_in(tmp_path):
+def _gpu_daemon(tmp_path: Any) -> tuple[Any, DevicePools]:
+    """A GPU daemon with an 8-row sparse region, and the engine's device pools on that GPU."""
     from conftest import start_daemon
 
     d = start_daemon(tmp_path, device="cuda:0", device_rows="page=16,swa_page=4,req_slot=4",
                      extra=("--sparse-rows", "8", "--min-sparse-prompt-len", "256"),
                      metrics=False, ready_timeout=120, heartbeat_timeout=120.0)
     torch.cuda.set_device(DEV)
-    pools = DevicePools(FLASH, ROWS, device=DEV)
+    return d, DevicePools(FLASH, ROWS, device=DEV)
+
+
+def test_sparse_region_over_zmq_prefix_hits_backups_and_swap_in(tmp_path):
+    d, pools = _gpu_daemon(tmp_path)
     c = None
     try:
         g = torch.Generator(device=DEV).manual_seed(4)
@@ -137,14 +144,9 @@ def test_prefix_hits_with_a_backup_into_them_in_flight_are_refused_busy(tmp_path
     command, which no stream wait orders after a backup into those rows still in flight: it is
     refused ``busy`` until that backup's ack, changing nothing (from a review helper: on the code
     before it admitted, copying what the rows held before the backup landed)."""
-    from conftest import start_daemon
     from hicache.engine.client import CommandRefused
 
-    d = start_daemon(tmp_path, device="cuda:0", device_rows="page=16,swa_page=4,req_slot=4",
-                     extra=("--sparse-rows", "8", "--min-sparse-prompt-len", "256"),
-                     metrics=False, ready_timeout=120, heartbeat_timeout=120.0)
-    torch.cuda.set_device(DEV)
-    pools = DevicePools(FLASH, ROWS, device=DEV)
+    d, pools = _gpu_daemon(tmp_path)
     c = None
     try:
         c = d.client(timeout=60)
