@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from hicache.core.protocol import MAX_NAME_LEN, ProtocolError
+from hicache.core.resume import C4_RATIO
 from hicache.kernels.tables import LayerTable, TokenFormat
 
 from .host_access import check_readable
@@ -44,7 +45,6 @@ from .ops import Ids, Item, Operation
 from .registry import ClientState
 from .sparse_regions import ClientRegion, SparseRegions, SparseRequest
 
-C4_RATIO = 4
 Reply = tuple[dict[str, Any], list[Any]]
 
 

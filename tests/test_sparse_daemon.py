@@ -105,6 +105,25 @@ def test_region_admit_extend_free_bytes(sparse_daemon):
     pools.close()
 
 
+def test_the_planner_counts_the_host_pages_an_admission_takes(sparse_daemon):
+    """``hicache plan --hisparse``'s host C4 KV per request is the rows the daemon gives it,
+    also when the prompt's tokens modulo 256 are 1-3 (no C4 entry yet for those tokens: the
+    planner used to count one page more there)."""
+    from hicache.core.hisparse_plan import hisparse_plan
+
+    c, pools = _worker(sparse_daemon)
+    c.sparse_region()
+    c4_row = FLASH.pools["c4_kv"].page_bytes * FLASH.pools["c4_kv"].num_layers
+    try:
+        for tokens in (4 * P * 4, 4 * P * 4 + 1, 4 * P * 4 + 3, 4 * P * 4 + 4, 5 * P * 4 - 1):
+            planned = hisparse_plan([FLASH], 1 << 40, tokens).stages[0].host_c4_bytes
+            got = len(c.sparse_admit("p", tokens))
+            c.sparse_free("p")
+            assert planned == got * c4_row, (tokens, planned // c4_row, got)
+    finally:
+        _leave((c, pools))
+
+
 def test_admit_reuses_host_tier_prefix_hits(sparse_daemon):
     """The prompt's first pages are host-tier prefix hits (c4_kv rows this client backed up):
     they come from host memory, byte for byte, while the device rows they were backed up from

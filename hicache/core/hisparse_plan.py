@@ -14,6 +14,10 @@ Device bytes of one request of ``request_tokens`` full tokens, per pipeline stag
   order per slot and layer, int64 slot locations and host pages, the int64 top-k output per
   layer, and per batch row two int32 words per C4 token plus the small K/S vectors).
 
+A request has ``tokens // 4`` C4 tokens (a C4 entry exists once its 4 tokens do), as the daemon
+counts them at ``sparse_admit``; its host C4 KV takes ``ceil(c4 tokens / tokens_per_page)``
+pages of the C4 pool, the sparse region's rows the daemon allocates for it.
+
 ``concurrent = floor(kv_mem / bytes per request)``; a worker's is the minimum over its stages.
 ``ratio = sparse / dense``. The host keeps the C4 KV of every sparse request: its bytes are
 reported beside. Every figure is shown with the terms that make it.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hicache.core.layout import Layout
+from hicache.core.resume import C4_RATIO
 
 
 @dataclass(frozen=True)
@@ -112,13 +117,14 @@ def _stage_bytes(lay: Layout, tokens: int, topk: int, slots: int) -> StageReques
     swa = swa_pages * lay.row_bytes("swa_page") if lay.swa_mode == "paged" else 0
     slot_bytes = c4.page_bytes // c4.tokens_per_page if c4 else 0
     hot = c4_layers * (slots + 1) * slot_bytes
-    c4_tokens = math.ceil(tokens / 4)
+    c4_tokens = tokens // C4_RATIO
+    c4_pages = -(-c4_tokens // c4.tokens_per_page) if c4 else 0  # the sparse region's rows
     tables = (c4_layers * (2 * 4 * slots + 8 * topk)  # slot tokens, LRU order, top-k output
-              + 8 * (slots + 1) + 8 * math.ceil(c4_tokens / 64)  # slot locations, host pages
+              + 8 * (slots + 1) + 8 * c4_pages  # slot locations, host pages
               + 2 * 4 * c4_tokens + slots + (4 + 8 + 8) * topk) if c4 else 0  # scratch
     return StageRequestBytes(lay.stage.pp_rank, pages, lay.row_bytes("page"),
                              lay.row_bytes("page") - c4_row, swa, lay.row_bytes("req_slot"),
-                             c4_layers, hot, tables, pages * c4_row)
+                             c4_layers, hot, tables, c4_pages * c4_row)
 
 
 def hisparse_plan(layouts: Sequence[Layout], kv_mem: int, request_tokens: int,
