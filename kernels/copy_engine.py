@@ -214,15 +214,22 @@ class DmaPlan:
         """``parts``: ``SegmentPart`` s marked for the copy engines (whole rows, or blocks of
         tokens: one copy per range per layer); every copy of layer ``layer_order[i]`` lands in
         ``layers[i]``."""
-        if len(parts) == 1 and len(parts[0].layers) == 1 and len(parts[0].ranges) == 1:
-            # one layer of one range (a load's layer 0: DSV4-Flash's SWA rows): 5 numpy calls
-            # where the general path makes ~15 (each ~5 µs in a daemon's cold host path)
+        if len(parts) == 1 and len(parts[0].layers) == 1:
+            # one layer (a load's layer 0: DSV4-Flash's SWA rows, one range, or a checkpoint's
+            # SWA tail, a value and a scale range): ~5-8 numpy calls where the general path
+            # makes ~20 (each ~5 µs in a daemon's cold host path)
             p = parts[0]
-            rb, so, do = p.ranges[0]
+            rs = p.ranges
+            if len(rs) == 1:
+                rb, so, do = rs[0]
+                size = np.full(so.size, rb, dtype=np.uint64)
+            else:
+                so, do = np.concatenate([r[1] for r in rs]), np.concatenate([r[2] for r in rs])
+                size = np.repeat(np.array([r[0] for r in rs], dtype=np.uint64),
+                                 [r[1].size for r in rs])
             i, n = list(layer_order).index(p.layers[0]), int(so.size)
             return cls(do.astype(np.uint64) + np.uint64(p.dst_ptrs[0]),
-                       so.astype(np.uint64) + np.uint64(p.src_ptrs[0]),
-                       np.full(n, rb, dtype=np.uint64),
+                       so.astype(np.uint64) + np.uint64(p.src_ptrs[0]), size,
                        [(0, 0)] * i + [(0, n)] + [(n, n)] * (len(layer_order) - i - 1))
         pos = {g: i for i, g in enumerate(layer_order)}
         blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []

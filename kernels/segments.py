@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.core.id_sets import is_run
+
 from .grid import runtime_loops
 from .launch_cache import CachedKernel
 from .tables import LayerTable, TokenFormat, _pow2_align
@@ -82,23 +84,61 @@ def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok
     blocks of 2^k tokens (its length's binary digits), and every block size gets one value
     and one scale range list. So a run of 128 tokens is two ranges, not 256, and its 8-byte
     scales move as one 1-KiB range (16-byte aligned when both runs start on an even slot)."""
-    P, vb, sb, so = fmt.tokens_per_page, fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
-    sp, ss = np.divmod(src_tok, P)
-    dp, ds = np.divmod(dst_tok, P)
+    vb, sb, so = fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
     out: tuple[list[Range], list[Range]] = ([], [])
-    for k, i in _token_blocks(src_tok, dst_tok, ss, ds):
-        s_row, d_row = sp[i] * src.stride, dp[i] * dst.stride
+    for k, s_row, d_row, ss, ds in _token_blocks(src, dst, src_tok, dst_tok,
+                                                 fmt.tokens_per_page):
         to = out[0 if big and vb << k >= big else 1]
-        to.append((vb << k, s_row + ss[i] * vb, d_row + ds[i] * vb))
+        to.append((vb << k, _offsets(s_row + ss * vb), _offsets(d_row + ds * vb)))
         if sb:
-            to.append((sb << k, s_row + so + ss[i] * sb, d_row + so + ds[i] * sb))
+            to.append((sb << k, _offsets(s_row + so + ss * sb), _offsets(d_row + so + ds * sb)))
     return out
 
 
-def _token_blocks(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
+def _offsets(x: np.ndarray | int) -> np.ndarray:
+    """A range's offsets as an int64 array (one block of a run comes as a Python int)."""
+    return x if type(x) is np.ndarray else np.array([x], dtype=np.int64)
+
+
+Block = tuple[int, np.ndarray | int, np.ndarray | int, np.ndarray | int, np.ndarray | int]
+
+
+def _token_blocks(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
+                  P: int) -> list[Block]:
+    """[(k, source row offsets, destination row offsets, source slots, destination slots) of
+    the first token of every block of 2^k tokens]: runs of tokens consecutive on both sides
+    and inside one page on both sides, each cut largest block first (numpy arrays; Python
+    ints when the lists are one run)."""
+    n = int(src_tok.size)
+    run = _one_run(src_tok, dst_tok, P) if n > 1 else None
+    if run is not None:  # a checkpoint's tail: Python ints, not ~40 numpy calls on 128 ids
+        s0, d0 = run
+        out, i = [], 0
+        for k in range(n.bit_length() - 1, -1, -1):
+            if n >> k & 1:
+                s, d = s0 + i, d0 + i
+                out.append((k, s // P * src.stride, d // P * dst.stride, s % P, d % P))
+                i += 1 << k
+        return out
+    sp, ss = np.divmod(src_tok, P)
+    dp, ds = np.divmod(dst_tok, P)
+    return [(k, sp[i] * src.stride, dp[i] * dst.stride, ss[i], ds[i])
+            for k, i in _block_starts(src_tok, dst_tok, ss, ds)]
+
+
+def _one_run(src_tok: np.ndarray, dst_tok: np.ndarray, P: int) -> tuple[int, int] | None:
+    """(first source token, first destination token) when both lists are one run of
+    consecutive tokens inside one page; else None."""
+    s0, d0 = int(src_tok[0]), int(dst_tok[0])
+    if s0 // P != int(src_tok[-1]) // P or d0 // P != int(dst_tok[-1]) // P or \
+            not is_run(src_tok) or not is_run(dst_tok):
+        return None
+    return s0, d0
+
+
+def _block_starts(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
                   ds: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """[(k, first token index of every block of 2^k tokens)]: runs of tokens consecutive on
-    both sides and inside one page on both sides, each cut largest block first."""
+    """[(k, first token index of every block of 2^k tokens)] (see ``_token_blocks``)."""
     n = int(src_tok.size)
     if n < 2:
         return [(0, np.arange(n))]

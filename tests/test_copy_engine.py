@@ -80,6 +80,30 @@ def test_plan_of_one_range_of_one_layer_matches_the_general_grouping(layer):
     assert fast.addresses() == (fast.dst.ctypes.data, fast.src.ctypes.data, fast.size.ctypes.data)
 
 
+@pytest.mark.parametrize("layer", [0, 2, 4])
+def test_plan_of_several_ranges_of_one_layer_matches_the_general_grouping(layer):
+    """One part, one layer, several ranges (a load's layer 0 of a checkpoint's SWA tail: a
+    value and a scale range; an empty range among them) takes the shortcut too; its copies
+    are the ones, in the order, that the general path makes over that layer and one other."""
+    order = [4, 0, 2]
+    ranges = [(73728, np.array([0, 300_000]), np.array([150_000, 0])),
+              (8, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)),
+              (1024, np.array([147_456]), np.array([297_456]))]
+    fast = DmaPlan.build([SegmentPart([1000], [5000], [layer], ranges, "h2d")], order)
+    pos = order.index(layer)
+    assert fast.layers == [(0, 0)] * pos + [(0, 3)] + [(3, 3)] * (len(order) - pos - 1)
+    assert fast.src.tolist() == [1000, 301_000, 148_456]
+    assert fast.dst.tolist() == [155_000, 5000, 302_456]
+    assert fast.size.tolist() == [73728, 73728, 1024]
+    two = SegmentPart([1000, 3000], [5000, 7000], [layer, order[pos - 1]], ranges, "h2d")
+    general = DmaPlan.build([two], order)
+    a, b = general.layers[pos]
+    for x, y in ((general.src, fast.src), (general.dst, fast.dst), (general.size, fast.size)):
+        assert x[a:b].tolist() == y.tolist()
+    assert all(x.dtype == np.uint64 and x.flags.c_contiguous
+               for x in (fast.src, fast.dst, fast.size))
+
+
 @pytest.mark.parametrize("layers", [[4, 0, 2], [0, 2], [4, 2], [2, 0, 4]])
 def test_plan_of_one_range_over_layers_matches_the_general_grouping(layers):
     """One part, one range, several layers (the lead of a load's next layers): in layer order

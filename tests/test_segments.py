@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.kernels.segments import SegmentPart, SegmentPlan, _token_blocks, token_offsets
+from hicache.kernels import segments as S
+from hicache.kernels.segments import SegmentPart, SegmentPlan, _block_starts, token_offsets
 from hicache.kernels.tables import LayerTable, TokenFormat
 
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # DSV4's value / 8-B scale, small pages
@@ -83,7 +84,7 @@ def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray]
     P = FMT.tokens_per_page
     ss, ds = s % P, d % P
     seen = np.zeros(s.size, dtype=int)
-    for k, starts in _token_blocks(s, d, ss, ds):
+    for k, starts in _block_starts(s, d, ss, ds):
         for i in starts.tolist():
             j = i + (1 << k)
             assert j <= s.size
@@ -91,6 +92,37 @@ def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray]
             assert s[i] // P == s[j - 1] // P and d[i] // P == d[j - 1] // P
             seen[i:j] += 1
     assert np.all(seen == 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, FMT.tokens_per_page), st.integers(0, 2**31), st.sampled_from([0, 576, 2304]))
+def test_one_run_takes_the_short_path_and_gives_the_general_paths_ranges(
+        m: int, seed: int, big: int) -> None:
+    """A run of tokens consecutive on both sides inside one page (a checkpoint's tail) is cut
+    in Python ints; its ranges equal, in order, what the numpy path makes of the same lists;
+    lists that are not one such run take the numpy path."""
+    rng = np.random.default_rng(seed)
+    P = FMT.tokens_per_page
+    a = int(rng.integers(0, ROWS)) * P + int(rng.integers(0, P - m + 1))
+    b = int(rng.integers(0, ROWS)) * P + int(rng.integers(0, P - m + 1))
+    s, d = np.arange(a, a + m, dtype=np.int64), np.arange(b, b + m, dtype=np.int64)
+    t = LayerTable([torch.zeros(ROWS, FMT.page_bytes, dtype=torch.uint8)])
+    assert m == 1 or S._one_run(s, d, P) == (a, b)
+    short = token_offsets(t, t, s, d, FMT, big)
+    general = S._one_run
+    try:
+        S._one_run = lambda *x: None  # the numpy path on the same lists
+        full = token_offsets(t, t, s, d, FMT, big)
+    finally:
+        S._one_run = general
+    assert [[(rb, x.tolist(), y.tolist()) for rb, x, y in r] for r in short] == \
+        [[(rb, x.tolist(), y.tolist()) for rb, x, y in r] for r in full]
+    if m > 2:  # not a run: a gap, a page crossed, or a reversed pair
+        swapped = s.copy()
+        swapped[[1, 2]] = swapped[[2, 1]] if m > 3 else swapped[[1, 2]] + [1, -1]
+        for bad in (np.r_[s[:-1], s[-1] + 1], np.r_[s[1:], s[0]], swapped):
+            assert S._one_run(bad, d, P) is None
+        assert S._one_run(s, np.r_[d[:-1], d[-1] + P], P) is None
 
 
 def test_a_checkpoint_tail_is_two_ranges_of_16_byte_width() -> None:
