@@ -46,6 +46,8 @@ def _bounds(ids: Ids, limit: int, what: str, side: str = "") -> None:
     if ids.n <= OWNER_LOOP_MAX:
         v = ids.list()
         lo, hi = (v[0], v[0]) if ids.n == 1 else (min(v), max(v))
+    elif ids.run():  # its ends (a checkpoint's tail tokens)
+        lo, hi = ids.mv[0], ids.mv[-1]
     else:
         a = ids.np()
         lo, hi = int(a.min()), int(a.max())
@@ -60,7 +62,7 @@ def _check_range(lo: int, hi: int, limit: int, what: str, side: str) -> None:
 
 def _distinct(ids: Ids, what: str) -> None:
     if ids.n > 1 and (len(set(ids.list())) != ids.n if ids.n <= OWNER_LOOP_MAX
-                      else has_duplicates(ids.np())):
+                      else not ids.run() and has_duplicates(ids.np())):
         _twice(what)
 
 
@@ -71,7 +73,7 @@ def _twice(what: str) -> None:
 def _destination(ids: Ids, limit: int, what: str, side: str = "") -> None:
     """``_bounds`` then ``_distinct`` (a destination's ids), many ids in one sort: its ends
     are the bounds (a live daemon pays ~10-25 µs for each numpy pass over a command's ids)."""
-    if ids.n <= OWNER_LOOP_MAX:
+    if ids.n <= OWNER_LOOP_MAX or ids.run():  # a run: its ends, and distinct
         _bounds(ids, limit, what, side)
         _distinct(ids, what)
         return
@@ -85,6 +87,8 @@ def _host_pages(ids: Ids, P: int | None) -> Any:
     """Host rows an item touches: the ids themselves (rows), or their pages (tokens)."""
     if P is None:
         return ids.list() if ids.n <= OWNER_LOOP_MAX else ids.np()
+    if ids.run():  # a checkpoint's tail: one page, or a few in a row
+        return list(range(ids.mv[0] // P, ids.mv[-1] // P + 1))
     return sorted_unique(ids.np() // P)
 
 

@@ -1,6 +1,7 @@
 """The daemon's model of work: validated id lists, copy items and operations.
 
-* ``Ids`` — one validated index frame (int64 ids) with cached list / numpy / torch forms.
+* ``Ids`` — one validated index frame (int64 ids) with cached list / numpy / torch forms,
+  and whether they are one run of consecutive ids.
 * ``Item`` — copy ``src_ids`` of every layer of one pool's ``src`` buffers to ``dst_ids`` of
   ``dst`` (rows, or tokens of a ``TokenFormat``); ``layers`` names each buffer layer's global id.
 * ``ClearTarget`` / ``ClearSpec`` — request-slot state to zero, or the MTP draft rule.
@@ -17,13 +18,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from hicache.core.id_sets import is_run
 from hicache.kernels.tables import LayerTable, TokenFormat
 
 
 class Ids:
     """One validated index frame: int64 ids with cached list / numpy / torch forms."""
 
-    __slots__ = ("mv", "n", "_list", "_np", "_t")
+    __slots__ = ("mv", "n", "_list", "_np", "_t", "_run")
 
     def __init__(self, mv: Any) -> None:
         self.mv = mv
@@ -31,6 +33,7 @@ class Ids:
         self._list: list[int] | None = None
         self._np: np.ndarray | None = None
         self._t: torch.Tensor | None = None
+        self._run: bool | None = None
 
     @classmethod
     def of(cls, values: Sequence[int] | np.ndarray) -> "Ids":
@@ -48,6 +51,13 @@ class Ids:
         if self._np is None:
             self._np = np.frombuffer(self.mv, dtype=np.int64)
         return self._np
+
+    def run(self) -> bool:
+        """The ids are ``first, first + 1, ..., last`` (``id_sets.is_run``): ``mv[0]`` and
+        ``mv[-1]`` are then their bounds, none repeats, and their pages are one range."""
+        if self._run is None:
+            self._run = is_run(self.np())
+        return self._run
 
     def torch(self) -> torch.Tensor:
         if self._t is None:
