@@ -23,7 +23,6 @@ def test_sorted_unique_has_duplicates_and_sort_checked_match_numpy():
         assert np.array_equal(a, before)  # inputs are never changed
 
 
-
 def test_is_run_on_both_sides_of_the_list_limit():
     """A run is what ``np.arange(first, first + n)`` gives; the ends alone do not make one (a
     swap, a repeat or a gap inside keeps them), on lists checked as lists and as arrays."""
