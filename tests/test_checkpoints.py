@@ -81,6 +81,11 @@ class CkptHooks:
     def copies_running(self, tickets):
         return False
 
+    epoch = 0  # row_epoch: +1 when every host row is given back (a client reset, a restart)
+
+    def row_epoch(self):
+        return self.epoch
+
 
 def run(tree: RadixTree, hooks: CkptHooks | None, keys, slot: int = 0):
     """prepare -> check every page and the checkpoint -> compute the rest -> release."""
@@ -319,7 +324,8 @@ def test_a_lost_checkpoint_load_holds_the_nodes_row_once_it_is_evicted():
     assert tree.device.available() == 15
     assert row not in tree.alloc_device(15)
     tree.check()
-    tree.reset_host_tier()
+    h.epoch += 1  # the client reset (or registered again): the forgotten host rows are gone
+    assert tree.reset_host_tier() is True
     assert tree.held_device_rows == [] and not tree.suspect_rows
     assert tree.device.alloc(1) == [row]  # the row held until the reset is free again
 
@@ -344,7 +350,11 @@ def test_a_lost_checkpoint_load_into_a_request_slot_holds_the_slot():
     other = tree.prepare(a, slot=3)  # another slot is taken (device-only now: no resume point)
     assert not other.slot_held
     tree.abort(other)
-    tree.reset_host_tier()
+    with pytest.raises(ValueError, match="still holds the host rows"):  # same registration
+        tree.reset_host_tier()
+    assert tree.held_slots == {2} and not tree.host_online
+    h.epoch += 1  # the client reset (or registered again): the forgotten host rows are gone
+    assert tree.reset_host_tier() is True
     assert tree.held_slots == set()
     tree.abort(tree.prepare(a, slot=2))
     tree.check()
@@ -393,6 +403,11 @@ class SlotHooks:
 
     def copies_running(self, tickets):
         return False
+
+    epoch = 0  # row_epoch: +1 when every host row is given back (a client reset, a restart)
+
+    def row_epoch(self):
+        return self.epoch
 
 
 def test_ring_release_backs_the_slot_up_before_it_returns():

@@ -83,6 +83,17 @@ class FakeHooks:
     def copies_running(self, tickets):
         return self.running
 
+    epoch = 0  # row_epoch: +1 when every host row is given back (a client reset, a restart)
+
+    def row_epoch(self):
+        return self.epoch
+
+    def reset(self):
+        """What ``client.reset()`` (or a restarted daemon) does: every host row back."""
+        self.host.clear()
+        self.free_rows = list(range(self.capacity))
+        self.epoch += 1
+
     def finish_all(self):
         for t in list(self.pending):
             self.pending.pop(t)()
@@ -318,7 +329,8 @@ def test_random_workload_keeps_invariants_and_content(policy, seed, fault):
 def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_reset():
     """The daemon answered but the load's ack never came: the copy may still be writing its
     device rows, so the tree goes device-only and holds them aside (a recompute takes other
-    rows); ``reset_host_tier`` (after the old registration is gone) gives them back."""
+    rows); ``reset_host_tier`` gives them back once the load is over and the host rows the
+    tree forgot are given back (refused before: the registration is still live)."""
     from hicache.engine.hooks import CopyOutcomeUnknown
 
     class AckLost(FakeHooks):
@@ -344,9 +356,48 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     assert tree.reset_host_tier() is False
     assert tree.held_device_rows == held and not tree.host_online and tree.unknown_loads
     hooks.running = False
+    # the registration is still live: the host rows the tree forgot are still held, so the
+    # reset is refused (nothing changes) until they are given back
+    with pytest.raises(ValueError, match="still holds the host rows the tree forgot"):
+        tree.reset_host_tier()
+    assert tree.held_device_rows == held and not tree.host_online and tree.unknown_loads
+    assert len(hooks.free_rows) < hooks.capacity  # the forgotten pages' rows
+    hooks.reset()  # client.reset(): every host row back, a new row epoch
     assert tree.reset_host_tier() is True
     assert tree.held_device_rows == [] and tree.device.available() == 12 - 4
     assert tree.host_online and tree.unknown_loads == []
+    assert len(hooks.free_rows) + tree.host_pages == hooks.capacity  # no host row leaks
+    tree.check()
+
+
+def test_a_reset_through_other_hooks_asks_the_hooks_that_sent_the_load():
+    """Loads of unknown outcome are asked about through the hooks that sent them: other hooks
+    (another client) know nothing of them, so their answer would hand the held rows back while
+    the old load still writes them."""
+    from hicache.engine.hooks import CopyOutcomeUnknown
+
+    class AckLost(FakeHooks):
+        def wait(self, ticket):
+            if self.calls and self.calls[-1][0] == "load":
+                raise CopyOutcomeUnknown("op 7 did not complete within 5 s (fake)")
+            super().wait(ticket)
+
+    dev: dict = {}
+    old = AckLost(device=dev)
+    tree = RadixTree(12, old, policy="write_through")
+    run_request(tree, seq("a", 4), dev)
+    tree.drain()
+    tree.evict_device(4)
+    run_request(tree, seq("a", 4), dev)
+    held = list(tree.held_device_rows)
+    assert len(held) == 4 and not tree.host_online
+    new = FakeHooks(device=dev)  # over another client: it says nothing runs
+    old.running = True
+    assert tree.reset_host_tier(new) is False
+    assert tree.hooks is old and tree.held_device_rows == held and not tree.host_online
+    old.running = False
+    assert tree.reset_host_tier(new) is True  # other hooks: their rows are their own
+    assert tree.hooks is new and tree.host_online and tree.held_device_rows == []
     tree.check()
 
 

@@ -109,6 +109,9 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self.timeout = float(timeout)
         tag = (name or "client").replace("/", "_")[:48]
         self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
+        # host-row epoch: +1 at every register, unregister and reset that succeeded (each one
+        # leaves this client no host row it held before: freed, or a new daemon's registration)
+        self.row_epoch = 0
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         s = self._sock
@@ -375,6 +378,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self.channel(timeout)  # first: a refused channel=True registers nothing
         h, _ = self.call("register", fields, timeout=timeout)
         self.registered = h
+        self.row_epoch += 1
         self.stage_layers = list(h.get("stage_layers", []))
         self._layer_pos = {g: i for i, g in enumerate(self.stage_layers)}
         if self._spin_set is None:
@@ -393,6 +397,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """Free this client's rows and close its device mappings; the daemon forgets the
         client, its channel included (``register`` asks for a new one)."""
         h, _ = self.call("unregister", timeout=timeout)
+        self.row_epoch += 1
         self._close_channel()
         self.registered = None
         self._load_events = []
@@ -413,7 +418,11 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         return h
 
     def reset(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("reset", timeout=timeout)[0]
+        """Free every host row of this client (and its sparse requests), each once the
+        operations using it ended (``docs/protocol.md``)."""
+        h = self.call("reset", timeout=timeout)[0]
+        self.row_epoch += 1
+        return h
 
     # ------------------------------------------------------------------ transfers
     @staticmethod

@@ -10,6 +10,10 @@ the daemon directly; it calls one object with these verbs, one radix page per el
 * ``load(handles, device_rows) -> ticket`` — start copying host pages into device page rows.
 * ``wait(ticket)`` — block until that transfer finished (bounded by the hooks' timeout);
   ``done(ticket) -> bool`` asks without blocking.
+* ``copies_running(tickets) -> bool`` — whether loads whose outcome was never learned may
+  still write their device rows; ``row_epoch()`` — a value that changes whenever every host
+  row the hooks handed out so far is freed or gone (``ClientHooks``: the client registered,
+  unregistered or reset again), so a tree knows whether the rows it forgot are still held.
 
 Failures the tree understands (and nothing else):
 
@@ -89,6 +93,8 @@ class TierHooks(Protocol):
     def done(self, ticket: Any) -> bool: ...
 
     def copies_running(self, tickets: Sequence[Any]) -> bool: ...
+
+    def row_epoch(self) -> Any: ...
 
 
 def _check_full_mirror(registered: Any, spaces: Sequence[str]) -> None:
@@ -312,6 +318,10 @@ class ClientHooks:
             err = ticket.ack.error or {}
             raise TransferFailed(f"{ticket.kind} op {ticket.ack.op} failed: "
                                  f"{err.get('message', 'unknown')}")
+
+    def row_epoch(self) -> int:
+        """The client's ``row_epoch``: +1 at each register, unregister and reset."""
+        return int(self.client.row_epoch)
 
     def copies_running(self, tickets: Sequence[Ticket | None]) -> bool:
         """Whether loads whose outcome was unknown (``tickets``; None for one whose request got

@@ -62,8 +62,10 @@ and the tree runs device-only until ``reset_host_tier``. A load that ends so may
 writing its device rows (``CopyOutcomeUnknown``: it was accepted, and its ack timed out or
 the daemon stopped answering while the tree waited for it, or its command got no reply):
 they are held aside (``held_device_rows``) and reused only after ``reset_host_tier``, which
-goes on only once none of those loads can still copy (``hooks.copies_running``; it returns
-False and changes nothing while one may). So is
+goes on only once none of those loads can still copy (``hooks.copies_running``, asked of the
+hooks that sent them; it returns False and changes nothing while one may), and only once the
+host rows the tree forgot are gone (``hooks.row_epoch`` moved on: the client registered or
+reset again; else a ``ValueError``). So is
 the destination of its checkpoint: a node's device row stays the node's and is held once
 evicted (``suspect_rows``); a request slot (ring SWA) is held (``held_slots``), the
 ``Prefix`` says ``slot_held`` (the request must move to another slot), and ``prepare`` refuses
@@ -152,6 +154,8 @@ class RadixTree(Snapshots):
         self._ckpt_pending = 0  # checkpoint handles held by backups not yet in _ckpt_lru
         self._inflight: list[tuple[Any, list[Node], list[Node]]] = []  # (ticket, pages, ckpts)
         self._snapshots: set[Snapshot] = set()  # boundary snapshots held (radix_snapshots)
+        # (hooks, their row_epoch) when the host tier went offline (``reset_host_tier``)
+        self._offline_rows: tuple[Any, Any] | None = None
 
     # ------------------------------------------------------------------ queries
     @property

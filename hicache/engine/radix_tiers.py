@@ -38,6 +38,7 @@ class TierOps:
     _ckpt_pending: int
     _inflight: list[tuple[Any, list[Node], list[Node]]]
     _snapshots: set[Any]  # held boundary snapshots (radix_snapshots.Snapshot)
+    _offline_rows: tuple[Any, Any] | None  # (hooks, their row_epoch) when the tier went offline
 
     @property
     def host_pages(self) -> int:
@@ -193,11 +194,15 @@ class TierOps:
             self.stats.transfer_failures += 1
 
     def _go_offline(self) -> None:
-        """The host tier is gone: forget every host copy, keep serving from the device."""
+        """The host tier is gone: forget every host copy, keep serving from the device. The
+        hooks and their ``row_epoch`` are noted: while both are the same, the daemon may still
+        hold every host row forgotten here (``reset_host_tier`` refuses then)."""
         if not self.host_online:
             return
         self.host_online = False
         self.stats.host_offline += 1
+        assert self.hooks is not None
+        self._offline_rows = (self.hooks, self.hooks.row_epoch())
         for _, nodes, ckpts in self._inflight:
             for n in nodes + ckpts:
                 n.io -= 1
@@ -230,15 +235,36 @@ class TierOps:
         self._go_offline()
 
     def reset_host_tier(self, hooks: TierHooks | None = None) -> bool:
-        """Start using a (re-registered) host tier again after ``HostUnavailable``; True when
-        it did. The device rows of loads whose outcome was unknown, and their request slots,
-        are usable again only once none of those loads can still copy: the daemon acked them,
-        or holds no operation of this client (it restarted, or the old registration's
-        operations all ended). While one may (``hooks.copies_running``, one ``poll_acks``)
-        nothing changes and False is returned: call it again later."""
-        hooks = hooks if hooks is not None else self.hooks
-        if self.unknown_loads and hooks is not None and hooks.copies_running(self.unknown_loads):
+        """Start using a (re-registered) host tier again after ``HostUnavailable``, through
+        ``hooks`` (default: the same hooks); True when it did.
+
+        * The device rows of loads whose outcome was unknown, and their request slots, are
+          usable again only once none of those loads can still copy: the daemon acked them, or
+          holds no operation of the client that sent them (it restarted, or that
+          registration's operations all ended). The hooks that sent them are asked
+          (``copies_running``, one ``poll_acks``), also when ``hooks`` are new ones (another
+          client knows nothing of them: keep the old client open until this returns True).
+          While one may still copy, nothing changes and False is returned: call it again
+          later.
+        * The host rows the tree forgot when it went offline must be gone first: ``hooks``
+          with another ``row_epoch`` than then (the client registered or reset since), or
+          other hooks (over another client; the old one's rows go back when it unregisters or
+          is reaped). The same hooks at the same epoch (the tier went offline on a late ack or
+          a request without a reply, the registration still live) are refused with a
+          ``ValueError`` that says so, and nothing changes: ``client.reset()`` (every host row
+          and sparse request of the client) or ``unregister`` and ``register`` first."""
+        old = self.hooks
+        hooks = hooks if hooks is not None else old
+        if self.unknown_loads and old is not None and old.copies_running(self.unknown_loads):
             return False
+        gone = self._offline_rows
+        if gone is not None and hooks is gone[0] and hooks.row_epoch() == gone[1]:
+            raise ValueError("reset_host_tier: the host tier went offline while this "
+                             "registration stayed live (a late ack or a request without a "
+                             "reply), so the daemon still holds the host rows the tree forgot; "
+                             "free them first (client.reset(), or unregister and register "
+                             "again), then reset the tier")
+        self._offline_rows = None
         self.hooks = hooks
         self.host_online = self.hooks is not None
         held, self.held_device_rows = self.held_device_rows, []
