@@ -73,6 +73,16 @@ def test_mirror_full_in_ring_mode_and_plot_without_sweep_are_refused(tmp_path, c
     assert "give --sweep-host too" in capsys.readouterr().err
     assert main(["demo", "--state-slots", "overlap"]) == 2  # refused before a daemon starts
     assert "use it with --dry" in capsys.readouterr().err
+    # options this run would ignore (found by a review: each used to be accepted silently)
+    for argv, msg in (
+            (["--dry", "--hisparse-steps", "5"], "--hisparse-steps: applies to --hisparse only"),
+            (["--dry", "--metrics-port", "9999"], "--metrics-port: --dry and --sweep-host start"),
+            (["--dry", "--mirror", "full", "--pages-per-checkpoint", "4"],
+             "--pages-per-checkpoint: a full mirror keeps no checkpoints"),
+            (["--hisparse", "--dry", "--l3", "mooncake", "--kv-mem", "1TiB"],
+             "--kv-mem, --l3, --dry: does not apply to --hisparse")):
+        assert main(["demo", *argv]) == 2, argv
+        assert msg in capsys.readouterr().err, argv
     assert main(["demo", "--state-slots", "overlap", "--dry", "--requests", "20",
                  "--progress-seconds", "0"]) == 0
 

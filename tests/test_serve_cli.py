@@ -388,3 +388,34 @@ def test_a_socket_folder_another_daemon_makes_meanwhile_is_not_ours(tmp_path, mo
     assert made == []
     D.remove_folders(made)
     assert os.path.isdir(shared)
+
+
+def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
+    """Found by a review: each of these used to be accepted and ignored, truncated, or failed
+    later with a traceback."""
+    base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
+    with pytest.raises(UsageError, match="--swa-full-tokens-ratio sizes paged SWA pools"):
+        load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",
+                     "swa_full_tokens_ratio": "1/2"}, env={})
+    for dirs in ("", ":", "relative/dir"):
+        with pytest.raises(UsageError, match=r"shm_dirs \(HICACHE_SHM_DIRS\) must name one or "
+                                             r"more absolute folders"):
+            load_config(base, env={"HICACHE_SHM_DIRS": dirs})
+    f = tmp_path / "rows.toml"
+    f.write_text("[serve]\ndevice_rows = {page = 8.9, swa_page = 4, req_slot = 4}\n")
+    with pytest.raises(UsageError, match="rows for page must be an int, got 8.9"):
+        load_config({"preset": "dsv4-tiny"}, config_file=str(f), env={})
+    ring = load_config({**base, "swa_mode": "ring", "host_ratio": "2"}, env={})
+    with pytest.raises(UsageError, match=r"--device-rows: .*no pool uses \['swa_page'\]"):
+        sizing(ring)  # swa_page rows for a stage whose SWA lives in request slots
+
+
+def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
+    from hicache.cli import main
+
+    for t in ("inf", "1e300", "nan", "0"):
+        assert main(["stats", "--timeout", t]) == 2
+        assert "--timeout must be in (0, 3600.0] seconds" in capsys.readouterr().err
+    assert main(["stats", "--device", "cuda:0", "--socket", "ipc:///tmp/x.sock"]) == 2
+    assert "give --device (its daemon's default socket) or --socket, not both" in \
+        capsys.readouterr().err

@@ -107,7 +107,7 @@ def test_ring_checkpoints_of_requests_that_end_mid_page(daemon_factory, monkeypa
         def told(self, prefix, keys, rows, slot=None, slot_tokens=None, snapshot=None):
             return real(self, prefix, keys, rows, slot, len(keys) * PAGE_TOKENS, snapshot)
         monkeypatch.setattr(RadixTree, "release", told)
-    d = tiny_daemon(daemon_factory, swa="ring")
+    d = tiny_daemon(daemon_factory, rows="page=16,req_slot=4", swa="ring")
     with d.client(timeout=20) as c:
         cfg = WorkerConfig(swa_mode="ring", device_pages=8, host_pages=64, policy="write_back",
                            boundary_snapshots=mode == "snapshot")

@@ -51,14 +51,19 @@ def summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+TIMEOUT_MAX_S = 3600.0
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
     from hicache.engine.acks import CommandRefused, DaemonUnreachable
     from hicache.engine.client import Client, default_address
 
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    if not 0 < args.timeout <= TIMEOUT_MAX_S:
+        raise UsageError(f"--timeout must be in (0, {TIMEOUT_MAX_S}] seconds, got {args.timeout}")
+    if args.device and args.socket:
+        raise UsageError("give --device (its daemon's default socket) or --socket, not both")
     if args.device:
         check_device(args.device)
     address = args.socket or (default_socket(args.device) if args.device else default_address())

@@ -33,7 +33,7 @@ from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
     plan, stage_layouts,
 )
-from hicache.core.sizes import check_host_larger, format_bytes, host_rows, parse_bytes
+from hicache.core.sizes import check_host_larger, check_rows, format_bytes, host_rows, parse_bytes
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # = engine.radix
 # .POLICIES (a test checks)
@@ -168,9 +168,10 @@ def parse_device_rows(v: Any) -> dict[str, int]:
     for k, n in items:
         if k not in INDEX_SPACES:
             raise ValueError(f"unknown index space {k!r}; spaces are {', '.join(INDEX_SPACES)}")
-        if isinstance(n, bool):
-            raise ValueError(f"rows for {k} must be an int")
-        n = int(n)
+        try:
+            n = _int(n)
+        except (TypeError, ValueError):
+            raise ValueError(f"rows for {k} must be an int, got {n!r}") from None
         if n <= 0:
             raise ValueError(f"rows for {k} must be positive, got {n}")
         out[k] = n
@@ -366,6 +367,12 @@ def validate(cfg: ServeConfig) -> None:
             if getattr(cfg, name) != FIELDS[name].default:
                 raise UsageError(f"--{name.replace('_', '-')} sizes device rows from --kv-mem; "
                                  f"it does not apply to --device-rows")
+    if cfg.swa_mode == "ring" and cfg.swa_full_tokens_ratio != FIELDS["swa_full_tokens_ratio"].default:
+        raise UsageError("--swa-full-tokens-ratio sizes paged SWA pools; with --swa-mode ring "
+                         "each request slot holds its own window, so it does not apply")
+    if not cfg.shm_dirs or any(not os.path.isabs(d) for d in cfg.shm_dirs):
+        raise UsageError(f"shm_dirs ({ENV_PREFIX}SHM_DIRS) must name one or more absolute "
+                         f"folders, ':'-separated; got {':'.join(cfg.shm_dirs)!r}")
     if cfg.host_mem is not None and cfg.host_ratio is not None:
         raise UsageError("give either --host-mem (bytes) or --host-ratio, not both")
     if cfg.host_ratio is not None and not cfg.host_ratio > 0:
@@ -467,6 +474,10 @@ def sizing(cfg: ServeConfig) -> Sizing:
     elif cfg.device_rows:
         layout = cfg.layout()
         dev, source = dict(cfg.device_rows), "--device-rows"
+        try:
+            check_rows(layout, dev)  # every space this stage uses, and no other
+        except UsageError as e:
+            raise UsageError(f"--device-rows: {e}") from None
     else:
         raise UsageError("size the device pools: --kv-mem 100GiB (rows from the planner, as "
                          "`hicache plan` prints them) or --device-rows page=N,swa_page=M,"

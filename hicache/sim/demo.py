@@ -364,7 +364,40 @@ def _human(s: dict[str, Any], what: str) -> str:
 
 
 # ------------------------------------------------------------------------------ entry point
+HISPARSE_ONLY = ("hisparse_impl", "hisparse_steps", "hisparse_topk", "overlap")
+# what the HiSparse demo reads besides those (``hisparse_demo``): the rest does not apply to it
+HISPARSE_READS = HISPARSE_ONLY + ("hisparse", "preset", "device", "seed", "requests", "json",
+                                  "trace")
+NO_DAEMON = ("metrics_port", "demo_metrics_port")  # a dry replay or a sweep starts none
+
+
+def _options_that_apply(args: argparse.Namespace) -> None:
+    """Refuse (one line) every option set away from its default that this run would ignore."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    default = vars(p.parse_args([]))
+    given = [k for k, v in vars(args).items() if k in default and v != default[k]]
+
+    def refuse(names: Any, why: str) -> None:
+        bad = [k for k in given if k in names]
+        if bad:
+            flags = ", ".join("--" + k.replace("_", "-") for k in bad)
+            raise UsageError(f"{flags}: {why}")
+
+    if args.hisparse:
+        refuse([k for k in default if k not in HISPARSE_READS],
+               "does not apply to --hisparse (its own requests, no daemon, no radix tier)")
+        return
+    refuse(HISPARSE_ONLY, "applies to --hisparse only")
+    if args.dry or args.sweep_host:
+        refuse(NO_DAEMON, "--dry and --sweep-host start no daemon: no /metrics to serve")
+    if args.mirror == "full":
+        refuse(("pages_per_checkpoint", "checkpoint_every"),
+               "a full mirror keeps no checkpoints (it applies to --mirror checkpoints)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _options_that_apply(args)
     if args.hisparse:
         return _run_hisparse(args)
     if args.plot and not args.sweep_host:
