@@ -259,11 +259,11 @@ class TierOps:
             return False
         gone = self._offline_rows
         if gone is not None and hooks is gone[0] and hooks.row_epoch() == gone[1]:
-            raise ValueError("reset_host_tier: the host tier went offline while this "
-                             "registration stayed live (a late ack or a request without a "
-                             "reply), so the daemon still holds the host rows the tree forgot; "
-                             "free them first (client.reset(), or unregister and register "
-                             "again), then reset the tier")
+            raise ValueError("reset_host_tier: the client has not registered, unregistered "
+                             "or reset since the host tier went offline, so a daemon still up "
+                             "(a late ack, a request without a reply) still holds the host "
+                             "rows the tree forgot: call client.reset() (or unregister and "
+                             "register; after a restart, register), then reset the tier")
         self._offline_rows = None
         self.hooks = hooks
         self.host_online = self.hooks is not None
