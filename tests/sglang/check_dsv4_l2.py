@@ -225,10 +225,10 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
             inst.uninstall()
     # HICACHE_SGLANG_TIMEOUT: the daemon calls' (and the copies' host waits') timeout
     monkeypatch.setenv(plugin.ENV_TIMEOUT, "abc")
-    with pytest.raises(ValueError, match="HICACHE_SGLANG_TIMEOUT must be seconds"):
+    with pytest.raises(plugin.PluginFailed, match="HICACHE_SGLANG_TIMEOUT must be seconds"):
         plugin.load()
     monkeypatch.setenv(plugin.ENV_TIMEOUT, "0")
-    with pytest.raises(ValueError, match="0.1..3600"):
+    with pytest.raises(plugin.PluginFailed, match="0.1..3600"):
         plugin.load()
     assert A.build_deepseek_v4_hicache_stack is original  # a refusal installs nothing
     monkeypatch.setenv(plugin.ENV_TIMEOUT, "42")
@@ -241,4 +241,23 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
         if inst is not None:
             inst.uninstall()
         d.close()
+    assert A.build_deepseek_v4_hicache_stack is original
+
+
+def test_a_plugin_that_cannot_install_stops_the_scheduler_through_sglangs_loader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's ``load_plugins`` logs and goes on past any ``Exception`` a plugin raises: the
+    scheduler would run on SGLang's own host pools while hicache was asked for. A failed
+    install is a ``SystemExit`` (``PluginFailed``), which that loader does not catch."""
+    from hicache.engine.sglang import plugin
+    from sglang.srt import plugins as sgl_plugins
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
+
+    original = A.build_deepseek_v4_hicache_stack
+    monkeypatch.setenv(plugin.ENV_MODEL, "dsv4-flsh")  # a mistyped preset
+    monkeypatch.setattr(sgl_plugins, "_plugins_loaded", False)
+    monkeypatch.setattr(sgl_plugins, "load_plugins_by_group",  # our entry point, as installed
+                        lambda *a, **kw: {"hicache": (plugin.load, "hicache")})
+    with pytest.raises(plugin.PluginFailed, match="dsv4-flsh"):
+        sgl_plugins.load_plugins()
     assert A.build_deepseek_v4_hicache_stack is original

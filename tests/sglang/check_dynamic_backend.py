@@ -370,3 +370,81 @@ def test_storage_backend_survives_a_daemon_restart_through_l3(tmp_path: Path) ->
         assert hits == [3 * (1 + len(KV_DERIVED + SWA_INDEXED))]  # every page came from L3
     finally:
         d.close()
+
+
+def test_a_re_attach_after_a_daemon_restart_watches_the_new_daemon(tmp_path: Path) -> None:
+    """The fence tells a stalled daemon from a gone one by its process: after a restart at
+    the same address (the backend re-attaches at its next call) it must watch the new
+    daemon's process, not the old one's, which is gone (a stalled call of the new daemon
+    would be a miss at once, while that daemon may still copy into the pages)."""
+    d = _daemon(tmp_path)
+    try:
+        with engine(d.address, hicache_timeout=5.0) as (backend, pools):
+            first = d.pid
+            assert backend.daemon_pid == first
+            d.restart()
+            assert d.pid != first
+            _put(backend, pools, _keys(3, seed=321), seed=4, kv_skip=0, swa_skip=0)  # re-attaches
+            assert backend.daemon_pid == d.pid and backend.daemon_start is not None
+    finally:
+        d.close()
+
+
+def _storage_config(**kw: Any) -> HiCacheStorageConfig:
+    base = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                model_name="dsv4")
+    return HiCacheStorageConfig(**{**base, **kw})
+
+
+def test_context_parallel_ranks_and_dcp_shards_get_namespaces_of_their_own(
+        tmp_path: Path) -> None:
+    """Each attention-CP rank holds a disjoint slice of every page, and each DCP shard its own
+    part: SGLang's file backend keys them apart, and so must the namespace (one name for all
+    would serve one rank's bytes to the others as hits). End to end: CP rank 1 reads back its
+    own bytes after rank 0 stored other bytes under the same keys."""
+    from hicache.engine.sglang.storage import _namespace
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    for a, b in (((_storage_config(attn_cp_rank=0, attn_cp_size=2),
+                   _storage_config(attn_cp_rank=1, attn_cp_size=2))),
+                 tuple(_storage_config(tp_rank=r, tp_size=2, dcp_size=2, dcp_rank=r,
+                                       logical_page_size=256) for r in (0, 1))):
+        fa = HiCacheFile(a, file_path=str(tmp_path / "hf"))
+        fb = HiCacheFile(b, file_path=str(tmp_path / "hf"))
+        assert fa.config_suffix != fb.config_suffix  # SGLang's own keys differ
+        assert _namespace(a, {}) != _namespace(b, {})
+    assert _namespace(_storage_config(), {}) == "dsv4/dp0/pp0of1"  # unchanged without CP/DCP
+    d = _daemon(tmp_path)
+    try:
+        with engine(d.address) as (_, pools):
+            extra = {**EXTRA, "hicache_socket": d.address, "hicache_namespace": "cp"}
+            ranks = [HicacheStorage(_storage_config(attn_cp_rank=r, attn_cp_size=2,
+                                                    extra_config=extra)) for r in (0, 1)]
+            try:
+                for b in ranks:
+                    b.register_mem_pool_host(pools["kv"])
+                    b.register_mem_host_pool_v2(pools["deepseek_v4_c4"], "deepseek_v4_c4")
+                keys = _keys(2, seed=555)
+                idx = _alloc(pools["kv"], 2, skip=0)
+                rows = _page_rows(idx)
+                c4 = pools["deepseek_v4_c4"].kv_buffer
+                stored = {}
+                for r, b in enumerate(ranks):  # each rank's own slice, under the same keys
+                    for t in c4:
+                        t[rows] = 10 + r
+                    stored[r] = [t[rows].clone() for t in c4]
+                    got = b.batch_set_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=idx,
+                                                       keys=keys)])
+                    assert got == {"deepseek_v4_c4": [True, True]}
+                for t in c4:
+                    t[rows] = 0
+                got = ranks[1].batch_get_v2([PoolTransfer(name="deepseek_v4_c4",
+                                                          host_indices=idx, keys=keys)])
+                assert got == {"deepseek_v4_c4": [True, True]}
+                assert all(torch.equal(t[rows], s) for t, s in zip(c4, stored[1]))
+            finally:
+                for b in ranks:
+                    b.close()
+    finally:
+        d.close()

@@ -12,7 +12,10 @@ launching process would not reach them); hicache registers ``load`` under the
   for the worker's device (``hicache serve --device cuda:N`` without ``--socket``).
 
 Without ``HICACHE_SGLANG_MODEL`` the plugin installs nothing and logs that it is idle; with it,
-any error (bad model, other SGLang version) is raised, so the scheduler stops with that line.
+any error (bad model, other SGLang version, a bad setting) stops the scheduler with one line:
+it is raised as ``PluginFailed``, a ``SystemExit``, because SGLang's ``load_plugins`` logs and
+goes on past any ``Exception`` a plugin raises, which would leave the scheduler running with
+SGLang's own host pools while the operator believes hicache is its host tier.
 """
 from __future__ import annotations
 
@@ -41,12 +44,26 @@ def address_for(pp_rank: int, template: str | None = None, gpu: int | None = Non
     return default_socket("cpu" if gpu is None else f"cuda:{gpu}")
 
 
+class PluginFailed(SystemExit):
+    """The adapter was asked for (``HICACHE_SGLANG_MODEL``) and could not be installed."""
+
+
 def load() -> Any:
-    """Install the adapter when ``HICACHE_SGLANG_MODEL`` is set; returns the ``Installation``."""
+    """Install the adapter when ``HICACHE_SGLANG_MODEL`` is set; returns the ``Installation``.
+    A failure raises ``PluginFailed`` (see the module docstring), its cause chained."""
     model = os.environ.get(ENV_MODEL)
     if not model:
         log.info("hicache SGLang plugin idle: %s is not set", ENV_MODEL)
         return None
+    try:
+        return _install(model)
+    except Exception as e:  # noqa: BLE001 - every failure stops the scheduler (docstring)
+        why = f"hicache SGLang plugin: {type(e).__name__}: {e}"
+        log.error("%s", why)
+        raise PluginFailed(why) from e
+
+
+def _install(model: str) -> Any:
     from hicache.engine.sglang.assembler_patch import install
 
     is_file = model.endswith(".json") or os.sep in model

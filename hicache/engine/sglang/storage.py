@@ -19,14 +19,15 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   anchor holds; ``batch_exists_v2`` applies SGLang's hit policies (all pages / trailing pages)
   per pool; block groups are refused.
 * The pages live in the daemon's host rows under a namespace (``hicache_namespace`` or the
-  model name, plus the TP rank for non-MLA models, DP and PP ranks), so they survive an engine
+  model name, plus the TP rank for non-MLA models, the attention-CP and DCP ranks when there
+  are several, as SGLang's file backend keys them, DP and PP ranks), so they survive an engine
   restart and are shared by engines of the same namespace on the node. A daemon that dropped
   this client (heartbeat timeout) is re-attached once, transparently; an unreachable daemon
   makes the call fail (all False, logged), never hang. A call that went out and got no reply
   (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
   client's commands in order and copies inline, so any late copy of that call is done by
-  then) or the daemon's process is gone (its pid, from the first heartbeat, with its start
-  time). Until then the call does not return: SGLang takes any exception of a storage call
+  then) or the daemon's process is gone (its pid, from the heartbeat of the first attach and
+  of every re-attach, with its start time). Until then the call does not return: SGLang takes any exception of a storage call
   for a miss and reuses its pages, into which a stalled daemon may still copy (or from
   which it may still store a page under the call's key), so the fence is asked again every
   ``hicache_timeout`` seconds, with an error logged each time. SGLang's scheduler waits for
@@ -95,9 +96,17 @@ def process_start(pid: int | None) -> int | None:
 
 
 def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
+    """One namespace per set of ranks whose pages hold the same bytes, as SGLang's own file
+    backend keys them: MLA pages are shared across TP ranks, but each attention-CP rank holds
+    a disjoint slice of every page and each DCP shard its own part (their pages under one
+    name would be one rank's bytes served to the others as hits)."""
     base = str(extra.get("hicache_namespace") or cfg.model_name or "default")
     tp = "" if cfg.is_mla_model else f"/tp{cfg.tp_rank}of{cfg.tp_size}"
-    return f"{base}{tp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
+    cp_size = int(getattr(cfg, "attn_cp_size", 1) or 1)
+    cp = f"/cp{cfg.attn_cp_rank}of{cp_size}" if cp_size > 1 else ""
+    dcp_size = int(getattr(cfg, "dcp_size", 1) or 1)
+    dcp = f"/dcp{cfg.dcp_rank}of{dcp_size}" if dcp_size > 1 else ""
+    return f"{base}{tp}{cp}{dcp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
 
 
 def _layer_views(pool: Any, name: str) -> list[torch.Tensor]:
@@ -191,15 +200,7 @@ class HicacheStorage(HiCacheStorage):
         self.l3_wait = float(wait)
         self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
                              name=f"sglang-storage-tp{storage_config.tp_rank}")
-        hb = self.client.heartbeat()  # the daemon must answer now (DaemonUnreachable otherwise)
-        # the daemon's process, to tell a stalled daemon from a gone one after a NoReply (None:
-        # not visible from here, e.g. another pid namespace: a stalled call then waits for an
-        # answer however long it takes)
-        self.daemon_pid = hb.get("pid")
-        self.daemon_start = process_start(self.daemon_pid)
-        if self.daemon_start is None:
-            log.warning("the hicache daemon's process (pid %s) is not visible here: a call it "
-                        "stops answering waits until it answers again", self.daemon_pid)
+        self._watch(self.client.heartbeat())  # it must answer now (DaemonUnreachable otherwise)
         self.lock = threading.RLock()
         self.pools: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (pool, attach fields)
 
@@ -222,7 +223,20 @@ class HicacheStorage(HiCacheStorage):
             self.client.kv_attach_proven(name, self.namespace, **fields)
             self.pools[name] = (pool, fields)
 
+    def _watch(self, hb: dict[str, Any]) -> None:
+        """The process of the daemon that answered ``hb``, to tell a stalled daemon from a gone
+        one after a ``NoReply`` (``_fence``). None: not visible from here (e.g. another pid
+        namespace): a stalled call then waits for an answer however long it takes."""
+        self.daemon_pid = hb.get("pid")
+        self.daemon_start = process_start(self.daemon_pid)
+        if self.daemon_start is None:
+            log.warning("the hicache daemon's process (pid %s) is not visible here: a call it "
+                        "stops answering waits until it answers again", self.daemon_pid)
+
     def _reattach(self) -> None:
+        """The daemon dropped this client (a restart, a reap): watch the daemon that answers
+        now (the one the next calls go to), then attach every pool again."""
+        self._watch(self.client.heartbeat())
         self.client.kv_detach()
         for name, (_, fields) in self.pools.items():
             self.client.kv_attach_proven(name, self.namespace, **fields)
