@@ -33,6 +33,25 @@ def test_lru_evicts_oldest_first():
     assert held == [5, 6, 7, 8, 1, 2, 9, 10]
 
 
+@pytest.mark.parametrize("grow_to", [5, 8, 9, 12])
+def test_a_step_of_several_tokens_in_the_fast_path_serves_the_requests_own_bytes(grow_to):
+    """Slot = token id while a request fits (the fast path); only the newest token is written
+    by the engine. A step that added several tokens (MTP) left the ones before the newest in
+    slots holding the previous request's bytes (found by a review helper); ``extend`` loads
+    them from the host now, also when the step takes the request past the fast path."""
+    w = World("reference", K=4, S=8, L=1, R=2, B=2)
+    w.admit(0, 8)  # request A fills request slot 0's slots with its tokens
+    w.release(0)
+    w._free_rows.reverse()  # B's tokens live in other host rows than A's
+    w.admit(0, 2)  # request B in the same request slot: tokens 0, 1
+    w.grow(0, grow_to)  # several C4 tokens in one step; the engine writes the newest
+    ids = [0, 1, 2, 3] if grow_to <= 8 else [2, 4, 6, 7]
+    out = w.hb.swap_in(0, torch.tensor([0]), torch.tensor([ids]))
+    for i, t in enumerate(ids):
+        got = w.dev_bytes(w.hb.dev.layers[0], int(out[0, i]))
+        assert torch.equal(got, w.token_bytes(0, w.host_tok(0, t))), f"token {t}"
+
+
 def _hb():
     w = World("reference")
     w.admit(0, 100)

@@ -148,15 +148,24 @@ class HotBuffer:
 
     def extend(self, r: int, n: int, host_pages: Sequence[int]) -> None:
         """Request slot ``r`` now has ``n`` C4 tokens (never fewer than before); ``host_pages``
-        covers them all. The engine writes the new newest token at ``newest_locs``."""
+        covers them all. The engine writes the new newest token at ``newest_locs``. A step that
+        added more than one token (MTP, a batch of extends) while the request used the fast
+        path: the tokens before the newest that sit in their own slots (slot = token id) come
+        from the host here, as no one else writes them (those slots hold a previous request's
+        bytes)."""
         r = self._check_slot(r, True)
         pages = self._check_pages(n, host_pages)
-        if n < self._lens_host[r]:
-            raise HotBufferError(f"request slot {r}: length {n} < current {self._lens_host[r]}"
+        old = self._lens_host[r]
+        if n < old:
+            raise HotBufferError(f"request slot {r}: length {n} < current {old}"
                                  f" (lengths only grow; release and admit again)")
         self.host_pages[r, : pages.numel()] = pages.to(self.device)
         self.lens[r] = n
         self._lens_host[r] = n
+        top = min(n - 1, self.S)  # identity slots below the newest token
+        if old < top:
+            toks = torch.arange(old, top)
+            self._load(r, toks, toks)
 
     def release(self, r: int) -> None:
         """Free request slot ``r`` (its device slots are reused by the next admit)."""
