@@ -276,3 +276,47 @@ def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():
     h._l3_puts = [SimpleNamespace(op_id=2 * i + 1) for i in range(H.L3_PUTS_MAX + 5)]
     assert h.l3_settle(0.0) == H.L3_PUTS_MAX and h.l3_stats["unsettled"] == 5
     assert c.polled[1:] == [H.POLL_MAX] * 4 + [H.L3_PUTS_MAX + 5 - 4 * H.POLL_MAX]
+
+
+def _one_session(turns: int) -> list[Request]:
+    """One session, turn after turn: each resumes at the page the turn before ended on."""
+    out, hist, key = [], [0, 1], 2
+    for rid in range(turns):
+        pages = hist + [key]
+        ans = [key + 1]
+        key += 2
+        out.append(Request(2 * rid, rid, len(pages) * PAGE_TOKENS, PAGE_TOKENS, tuple(pages),
+                           tuple(pages + ans), 0))
+        hist = pages + ans
+    return out
+
+
+@pytest.mark.parametrize("misdirected", [False, True])
+def test_a_ring_checkpoint_that_never_reached_its_slot_fails_verification(
+        daemon_factory, monkeypatch, misdirected):
+    """Ring SWA: a request resumes in the slot its session's previous turn used, which still
+    holds the checkpoint of the very page it resumes from. A checkpoint load that lands
+    elsewhere (here: in the other slot) must not verify (found by a review helper: it did,
+    and the hits counted as resumable); loads that land where they should verify."""
+    if misdirected:
+        real = ClientHooks.load
+
+        def load(self, handles, device_rows, ckpts=()):
+            return real(self, handles, device_rows, [(1 - s, h, d) for s, h, d in ckpts])
+        monkeypatch.setattr(ClientHooks, "load", load)
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=64,req_slot=17",
+                       host=("--host-ratio", "1", "--force"), extra=("--swa-mode", "ring"))
+    cfg = WorkerConfig(swa_mode="ring", device_pages=24, host_pages=64, host_ckpts=16,
+                       req_slots=2, lockstep=True)  # even request ids: every turn in slot 0
+    with d.client(timeout=30) as c:
+        w = Worker(cfg, c)
+        try:
+            w.run(_one_session(6))
+            s = w.summary()
+        finally:
+            w.close()
+    assert s["checkpoints"]["loaded"] > 0
+    if misdirected:
+        assert s["mismatched_bytes"] > 0 and s["resumable_hit_tokens"] == 0, s
+    else:
+        assert s["verified"] and s["mismatched_bytes"] == 0 and s["resumable_hit_tokens"] > 0

@@ -168,6 +168,9 @@ class Replay:
         return t.host_pages * self.host_page_bytes + ck
 
     # ------------------------------------------------------------------ subclass hooks
+    def _before_prepare(self, req: Request, slot: int) -> None:
+        """The request slot is about to be restored (ring SWA: a checkpoint load into it)."""
+
     def _check_hit(self, req: Request, prefix: Prefix, slot: int) -> int:
         """Bytes of the prefix (pages and checkpoint) that differ; 0 = the resume is exact."""
         return 0
@@ -207,6 +210,7 @@ class Replay:
         slot = self.slot(req)
         if self.cfg.lockstep:
             self.tree.drain()
+        self._before_prepare(req, slot)
         prefix = self.tree.prepare(keys, slot=slot)
         if prefix.slot_held:  # the checkpoint load may still land there: move the request
             slot = self.slot(req)

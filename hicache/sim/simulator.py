@@ -160,6 +160,15 @@ class Worker(Replay):
         src = list(self.resume.tail_offsets)
         return src, (src if self.cfg.swa_mode == "paged" else self.resume.ring_positions(depth))
 
+    def _before_prepare(self, req: Request, slot: int) -> None:
+        """Ring SWA with checkpoints: the slot still holds the checkpoint of the last page its
+        previous request wrote, which in a multi-turn session is the very page this request
+        resumes from, so a checkpoint load that never reached the slot would verify anyway.
+        The request's own state content (no page's) goes there first: only a restore matches."""
+        if self.ckpt and self.cfg.swa_mode == "ring":
+            self._fill_slot(slot, req)
+            self._written()
+
     def _before_release(self, req: Request, slot: int, wrote: bool) -> None:
         """State swap every N requests; in ring mode then the slot's rings get the checkpoint
         of the last page the request wrote."""
