@@ -5,7 +5,9 @@ handles) of the sizes it is given; every backup and load completes at once and o
 bytes the daemon would have moved (from ``hicache.core.resume.ResumeModel``: a page's
 compressed rows, or its full mirror; a checkpoint's SWA tail and states). ``DryReplay`` runs the
 same ``Replay`` (tree rules, checkpoints, counterfactual, accounting) as the verified worker, so
-the two agree on hits for the same configuration; only ``verified`` is absent (nothing moves).
+the two agree on hits for the same configuration when the worker's backups complete before its
+next request (``lockstep``; the live demo's run beside the next requests, so a page still being
+backed up at a release gets no checkpoint there); only ``verified`` is absent (nothing moves).
 """
 from __future__ import annotations
 
