@@ -18,7 +18,8 @@ memory is ``controllers.sparse_regions``: one region (a sealed memfd) per client
   Without ``device_rows`` the pages the hits do not cover are zeroed (a row may have held an
   earlier request's bytes).
   ``sparse_extend`` grows the request (new pages) and backs up new decode tokens from device
-  token locations (``device_tokens``, the hot buffer's newest-token slots, for C4 tokens
+  token locations (``device_tokens``: locations in the worker's registered ``c4_kv`` pool,
+  where the engine wrote them; the hot buffer's slots are no registered pool) for C4 tokens
   ``first ..``). The copies of one command are one ``sparse_backup`` operation of the daemon's
   scheduler (``state.start``: CPU inline when small, else the copy worker; GPU: the load
   stream), so a large admission does not hold the server loop; the reply carries ``op`` (and
