@@ -84,7 +84,7 @@ def kind_of(mirror: str, ckpt: bool) -> str:
 
 def check_page_key(k: Any) -> str | None:
     """None when ``k`` is a usable page key, else why not."""
-    if not isinstance(k, str) or not _KEY_RE.match(k):
+    if not isinstance(k, str) or not _KEY_RE.fullmatch(k):  # ($ alone lets a final "\n" by)
         return f"page key {str(k)[:40]!r} must be 1..128 characters of [A-Za-z0-9_.:-]"
     return None
 

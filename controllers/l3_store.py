@@ -421,11 +421,12 @@ class MooncakeL3:
         base = hdr.ctypes.data
         n = len(job.keys)
         fmt, per_call = job.fmt, self.call_pages(job.fmt)
-        for b0 in range(0, n, per_call):
+        b0 = 0
+        while b0 < n:
             if time.monotonic() > job.deadline:
                 job.misses["deadline"] = n - b0
                 return
-            keys = job.keys[b0:b0 + per_call]
+            keys = self._distinct_run(job.keys, b0, per_call)
             ptrs, sizes = [], []
             for j in range(len(keys)):
                 p, s = fmt.pieces(job.rows[b0 + j])
@@ -448,6 +449,20 @@ class MooncakeL3:
                 job.nbytes += fmt.obj_bytes
                 if job.each:
                     job.present.append(1)
+            b0 += len(keys)
+
+    @staticmethod
+    def _distinct_run(keys: list[str], b0: int, most: int) -> list[str]:
+        """``keys[b0:]`` up to ``most`` of them and up to the first one named twice: one
+        Mooncake batch read never names a key twice (it fills the last copy's buffers only and
+        reports success for every copy, so the others would be checked against bytes it never
+        read, found corrupt, and a good object removed from the shared store)."""
+        seen: set[str] = set()
+        b1 = b0
+        while b1 < len(keys) and b1 - b0 < most and keys[b1] not in seen:
+            seen.add(keys[b1])
+            b1 += 1
+        return keys[b0:b1]
 
     def _verify(self, fmt: F.ObjectFormat, rc: int, hdr: memoryview, key: str,
                 rows: dict[str, int]) -> str | None:

@@ -568,3 +568,29 @@ def test_demo_two_instances_and_bench_l3(tmp_path):
     assert r.returncode == 0, r.stderr[-1500:]
     b = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(b[side][k] > 0 for side in ("daemon_gbps", "mooncake_gbps") for k in ("put", "get"))
+
+
+def test_a_key_named_twice_in_one_prefetch_reads_both_and_removes_nothing(l3_daemon, worker):
+    """One Mooncake batch read fills only the last copy of a key named twice and reports
+    success for both: the daemon checked the other copy against bytes never read, found it
+    corrupt and force-removed another client's good object (found by a review helper). A
+    batch never names a key twice now: both copies are read, in two calls."""
+    d = l3_daemon()
+    a, b = worker(d, 31), worker(d, 32)
+    assert a.put(["dupk-0"], [0])["written"] == 1
+    host = b.c.alloc({s: 2 for s in SPACES})
+    ack = b.c.l3_prefetch(["dupk-0", "dupk-0"], host, timeout=30)
+    assert ack.l3["hits"] == 2 and not ack.l3["misses"], ack.l3
+    b.c.free(host)
+    assert a.c.l3_query(["dupk-0"]) == 1  # A's object is still in the store
+    assert metric(a.c, "hicache_l3_errors_total", kind="corrupt") == 0
+
+
+def test_a_page_key_with_a_trailing_newline_is_refused(l3_daemon, worker):
+    """Page keys are 1..128 characters of [A-Za-z0-9_.:-]; a final newline slipped by (a
+    regex ``$`` matches before it) and became part of a store key."""
+    w = worker(l3_daemon(), 33)
+    for bad in ("nlkey\n", "k" * 128 + "\n"):
+        with pytest.raises(CommandRefused) as e:
+            w.put([bad], [0])
+        assert e.value.code == "bad_field"

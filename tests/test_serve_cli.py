@@ -405,6 +405,8 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
     f.write_text("[serve]\ndevice_rows = {page = 8.9, swa_page = 4, req_slot = 4}\n")
     with pytest.raises(UsageError, match="rows for page must be an int, got 8.9"):
         load_config({"preset": "dsv4-tiny"}, config_file=str(f), env={})
+    with pytest.raises(UsageError, match="--device"):  # a final newline slipped by a "$"
+        load_config({**base, "device": "cpu\n"}, env={})
     ring = load_config({**base, "swa_mode": "ring", "host_ratio": "2"}, env={})
     with pytest.raises(UsageError, match=r"--device-rows: .*no pool uses \['swa_page'\]"):
         sizing(ring)  # swa_page rows for a stage whose SWA lives in request slots

@@ -330,7 +330,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
 
 def check_device(text: str) -> None:
     """Refuse a device the daemon cannot serve: ``cpu`` or ``cuda:N`` (an index, always)."""
-    if not _DEVICE_RE.match(text):
+    if not _DEVICE_RE.fullmatch(text):
         raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
 
