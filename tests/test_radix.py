@@ -326,11 +326,9 @@ def test_random_workload_keeps_invariants_and_content(policy, seed, fault):
         assert len(hooks.free_rows) + tree.host_pages == hooks.capacity  # no host row leaks
 
 
-def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_reset():
-    """The daemon answered but the load's ack never came: the copy may still be writing its
-    device rows, so the tree goes device-only and holds them aside (a recompute takes other
-    rows); ``reset_host_tier`` gives them back once the load is over and the host rows the
-    tree forgot are given back (refused before: the registration is still live)."""
+def _late_load_tree(dev: dict) -> tuple:
+    """Fake hooks whose loads never get their ack, and a tree whose host hit of 4 pages was
+    just loaded that way (recomputed in other rows; the tree went device-only)."""
     from hicache.engine.hooks import CopyOutcomeUnknown
 
     class AckLost(FakeHooks):
@@ -339,7 +337,6 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
                 raise CopyOutcomeUnknown("op 7 did not complete within 5 s (fake)")
             super().wait(ticket)
 
-    dev: dict = {}
     hooks = AckLost(device=dev)
     tree = RadixTree(12, hooks, policy="write_through")
     run_request(tree, seq("a", 4), dev)
@@ -348,6 +345,16 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     assert tree.match(seq("a", 4)) == (0, 4)
     p = run_request(tree, seq("a", 4), dev)  # recomputed, in rows the load did not take
     assert p.pages == 0 and not tree.host_online
+    return hooks, tree
+
+
+def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_reset():
+    """The daemon answered but the load's ack never came: the copy may still be writing its
+    device rows, so the tree goes device-only and holds them aside (a recompute takes other
+    rows); ``reset_host_tier`` gives them back once the load is over and the host rows the
+    tree forgot are given back (refused before: the registration is still live)."""
+    dev: dict = {}
+    hooks, tree = _late_load_tree(dev)
     held = list(tree.held_device_rows)
     assert len(held) == 4 and held == [c for c in hooks.calls if c[0] == "load"][-1][2]
     assert not set(held) & {n.device for n in tree.nodes() if n.device is not None}
@@ -374,21 +381,8 @@ def test_a_reset_through_other_hooks_asks_the_hooks_that_sent_the_load():
     """Loads of unknown outcome are asked about through the hooks that sent them: other hooks
     (another client) know nothing of them, so their answer would hand the held rows back while
     the old load still writes them."""
-    from hicache.engine.hooks import CopyOutcomeUnknown
-
-    class AckLost(FakeHooks):
-        def wait(self, ticket):
-            if self.calls and self.calls[-1][0] == "load":
-                raise CopyOutcomeUnknown("op 7 did not complete within 5 s (fake)")
-            super().wait(ticket)
-
     dev: dict = {}
-    old = AckLost(device=dev)
-    tree = RadixTree(12, old, policy="write_through")
-    run_request(tree, seq("a", 4), dev)
-    tree.drain()
-    tree.evict_device(4)
-    run_request(tree, seq("a", 4), dev)
+    old, tree = _late_load_tree(dev)
     held = list(tree.held_device_rows)
     assert len(held) == 4 and not tree.host_online
     new = FakeHooks(device=dev)  # over another client: it says nothing runs
