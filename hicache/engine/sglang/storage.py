@@ -27,12 +27,12 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
   client's commands in order and copies inline, so any late copy of that call is done by
   then) or the daemon's process is gone (its pid, from the heartbeat of the first attach and
-  of every re-attach, with its start time). Until then the call does not return: SGLang takes any exception of a storage call
-  for a miss and reuses its pages, into which a stalled daemon may still copy (or from
-  which it may still store a page under the call's key), so the fence is asked again every
-  ``hicache_timeout`` seconds, with an error logged each time. SGLang's scheduler waits for
-  its I/O thread's acknowledgement before it frees a prefetch's pages, so they stay unused
-  meanwhile.
+  of every re-attach, with its start time). Until then the call does not return: SGLang
+  takes any exception of a storage call for a miss and reuses its pages, into which a
+  stalled daemon may still copy (or from which it may still store a page under the call's
+  key), so the fence is asked again every ``hicache_timeout`` seconds, with an error logged
+  each time. SGLang's scheduler waits for its I/O thread's acknowledgement before it frees a
+  prefetch's pages, so they stay unused meanwhile.
 * A daemon with an L3 tier (``--l3 mooncake``) writes every stored page through to Mooncake
   Store and reads back pages its host rows lack (after a daemon restart, or from another node's
   daemon): it answers such keys *pending* and ``kv_get`` / ``kv_exists`` ask again until they
