@@ -280,11 +280,11 @@ BAD = [
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--host-mem", "1MiB"], "host budget 1.00 MiB is too small"),
     (["--preset", "dsv4-flash"], "--kv-mem is required"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--pages-per-checkpoint", "7"],
-     "--pages-per-checkpoint splits the host tier of --host-mem"),
+     "pages-per-checkpoint splits the host tier of host-mem"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--host-ratio", "2",
-      "--pages-per-checkpoint", "7"], "--pages-per-checkpoint splits the host tier of --host-mem"),
+      "--pages-per-checkpoint", "7"], "pages-per-checkpoint splits the host tier of host-mem"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "ring",
-      "--swa-full-tokens-ratio", "0.5"], "--swa-full-tokens-ratio sizes paged SWA pools"),
+      "--swa-full-tokens-ratio", "0.5"], "swa-full-tokens-ratio sizes paged SWA pools"),
     (["--kv-mem", "1GiB"], "exactly one of --preset NAME or --model-config FILE"),
 ]
 

@@ -394,9 +394,10 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
     """Found by a review: each of these used to be accepted and ignored, truncated, or failed
     later with a traceback."""
     base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
-    with pytest.raises(UsageError, match="--swa-full-tokens-ratio sizes paged SWA pools"):
-        load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",
-                     "swa_full_tokens_ratio": "1/2"}, env={})
+    ring_ratio = load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",
+                              "swa_full_tokens_ratio": "1/2", "host_ratio": "2"}, env={})
+    with pytest.raises(UsageError, match="swa-full-tokens-ratio sizes paged SWA pools"):
+        sizing(ring_ratio)  # the planner refuses it (serve and plan alike)
     for dirs in ("", ":", "relative/dir"):
         with pytest.raises(UsageError, match=r"shm_dirs \(HICACHE_SHM_DIRS\) must name one or "
                                              r"more absolute folders"):

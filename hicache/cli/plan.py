@@ -20,7 +20,6 @@ from hicache.core.errors import UsageError
 from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
-from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
     human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
@@ -102,14 +101,6 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp-size says {pp}")
     if args.host_mem is not None and args.host_ratio is not None:
         raise UsageError("give --host-mem or --host-ratio, not both")
-    per_ckpt = parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint")
-    if per_ckpt != DEFAULT_PAGES_PER_CKPT and args.host_mem is None:
-        raise UsageError("--pages-per-checkpoint splits the host tier of --host-mem between "
-                         "pages and checkpoints; give --host-mem too")
-    swa_ratio = parse_fraction(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio")
-    if args.swa_mode == "ring" and swa_ratio != DEFAULT_SWA_RATIO:
-        raise UsageError("--swa-full-tokens-ratio sizes paged SWA pools; with --swa-mode ring "
-                         "each request slot holds its own window, so it does not apply")
     return PlanInputs(
         model=model,
         kv_mem=parse_size(args.kv_mem, "--kv-mem"),
@@ -122,12 +113,12 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         mtp=args.mtp,
         indexer=_choice(args.indexer, ("fp8", "fp4"), "--indexer"),
         c128_state=_choice(args.c128_state, ("online", "offline"), "--c128-state") or "online",
-        swa_ratio=swa_ratio,
+        swa_ratio=parse_fraction(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
         host_mem=None if args.host_mem is None else parse_size(args.host_mem, "--host-mem"),
         host_ratio=None if args.host_ratio is None else parse_fraction(args.host_ratio,
                                                                       "--host-ratio"),
         bounds=bounds,
-        pages_per_checkpoint=per_ckpt,
+        pages_per_checkpoint=parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
     )
 
 

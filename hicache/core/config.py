@@ -367,10 +367,6 @@ def validate(cfg: ServeConfig) -> None:
             if getattr(cfg, name) != FIELDS[name].default:
                 raise UsageError(f"--{name.replace('_', '-')} sizes device rows from --kv-mem; "
                                  f"it does not apply to --device-rows")
-    if cfg.swa_mode == "ring" and \
-            cfg.swa_full_tokens_ratio != FIELDS["swa_full_tokens_ratio"].default:
-        raise UsageError("--swa-full-tokens-ratio sizes paged SWA pools; with --swa-mode ring "
-                         "each request slot holds its own window, so it does not apply")
     if not cfg.shm_dirs or any(not os.path.isabs(d) for d in cfg.shm_dirs):
         raise UsageError(f"shm_dirs ({ENV_PREFIX}SHM_DIRS) must name one or more absolute "
                          f"folders, ':'-separated; got {':'.join(cfg.shm_dirs)!r}")

@@ -149,6 +149,12 @@ class PlanInputs:
             raise UsageError(
                 f"swa-full-tokens-ratio must be in (0, 1], got {float(self.swa_ratio)}"
             )
+        if self.swa_mode == "ring" and self.swa_ratio != DEFAULT_SWA_RATIO:
+            raise UsageError("swa-full-tokens-ratio sizes paged SWA pools; with swa-mode ring "
+                             "each request slot holds its own window, so it does not apply")
+        if self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT and self.host_mem is None:
+            raise UsageError("pages-per-checkpoint splits the host tier of host-mem between "
+                             "pages and checkpoints; give host-mem too")
         if self.host_mem is not None and self.host_ratio is not None:
             raise UsageError("give host-mem or host-ratio, not both")
         if self.host_mem is not None and self.host_mem < 0:
