@@ -189,6 +189,9 @@ def _no_channel(why: str) -> ProtocolError:
 
 
 def stats(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    """The report; a peer that asks while it holds nothing (``hicache stats``) is forgotten
+    first, so the report counts only the clients that stay."""
+    st.forget_probe(c)
     return st.report(bool(h.get("check"))), []
 
 

@@ -143,8 +143,17 @@ class Registry:
         if not probes:
             return False
         c = min(probes, key=lambda x: x.last_seen)
-        del self.clients[c.ident]
+        self.forget(c)
         log.debug("client table full: forgot peer %s, which held nothing", c.cid)
+        return True
+
+    def forget(self, c: ClientState) -> bool:
+        """Drop a peer that holds nothing (the caller checked) from the table: its next
+        message starts a new client, as for any identity the daemon never saw. False when
+        ``c`` is not the table's client of its identity."""
+        if self.clients.get(c.ident) is not c:
+            return False
+        del self.clients[c.ident]
         return True
 
     def silent(self, now: float, timeout: float) -> list[ClientState]:

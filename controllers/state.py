@@ -466,6 +466,12 @@ class DaemonState:
             return False
         return not any(a.holds(c.cid) for a in self.group.allocators.values())
 
+    def forget_probe(self, c: ClientState) -> bool:
+        """Forget ``c`` now when it is a probe (``is_probe``) with no reap to tell it of:
+        ``stats`` does so before its report, so ``hicache stats`` neither counts itself among
+        the clients nor lingers until the heartbeat timeout. True when forgotten."""
+        return c.reaped is None and self.is_probe(c) and self.registry.forget(c)
+
     def reap(self, c: ClientState, why: str) -> bool:
         """Reap without waiting (the loop keeps serving): retire it now (identity refused
         ``busy``), cancel its CPU copies; its mappings and rows go once they ended. Returns

@@ -370,21 +370,25 @@ def test_free_of_rows_in_flight_is_deferred(daemon_factory):
         c.unregister()
 
 
-def test_a_silent_stats_probe_is_forgotten_quietly(daemon_factory):
-    """A peer that only asked for ``stats`` (never registered, holds nothing) is forgotten when
-    it falls silent, without counting as a reaped client (it used to, with two warnings)."""
-    d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
-    with d.client() as watcher:
-        n = watcher.stats()["clients"]
+def test_a_stats_probe_is_forgotten_as_it_is_answered(daemon_factory):
+    """A peer that asks for ``stats`` while it never registered and holds nothing is forgotten
+    as it is answered: not among the clients it is told of, nor in the gauge, never counted
+    as reaped (it used to count as a client until the heartbeat timeout). A peer that only
+    sent a heartbeat is not forgotten by someone else's ``stats``."""
+    d = daemon_factory(heartbeat_timeout=60, metrics=False)
+    with d.client() as first:
+        n = first.stats()["clients"]  # the fixture's readiness peer, if it stays
         with d.client() as probe:
-            probe.stats()
-        assert watcher.stats()["clients"] == n + 1
-        deadline = time.monotonic() + 10
-        while watcher.stats()["clients"] > n and time.monotonic() < deadline:
-            time.sleep(0.2)
-        s = watcher.stats()
-        assert s["clients"] <= n  # (the fixture's own readiness probe may go too: also quiet)
-        assert s["metrics"]["hicache_clients_reaped_total"][0]["value"] == 0
+            for _ in range(3):  # asked again: a new client each time, forgotten again
+                s = probe.stats()
+                assert s["clients"] == n
+                gauge = s["metrics"]["hicache_clients_connected"][0]["value"]
+                assert gauge == n
+        with d.client() as quiet:
+            quiet.heartbeat()
+            s = first.stats()
+            assert s["clients"] == n + 1  # the heartbeat peer stays; the asker does not count
+        assert first.stats()["metrics"]["hicache_clients_reaped_total"][0]["value"] == 0
 
 
 def test_silent_client_is_reaped(daemon_factory):

@@ -5,7 +5,7 @@ daemon on ``ADDR`` (default: ``HICACHE_SOCKET``, else the default socket of ``--
 defaulting to ``HICACHE_DEVICE`` or cpu, as ``hicache serve`` picks it) for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
 rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
 adds the allocators' invariant check (O(rows)). The probe never registers and holds nothing,
-so the daemon forgets it quietly.
+so the daemon forgets it as it answers: the clients it reports are the others.
 
 Exit status: 0 when the daemon answered (and, with ``--check``, its invariants hold), 1 when
 the check failed, the daemon refused (say, it is shutting down), or no daemon answered within
