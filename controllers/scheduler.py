@@ -571,6 +571,9 @@ class Scheduler:
         for other in op.after:
             if other.done_event is not None:
                 stream.wait_event(other.done_event)
+        # the waits are queued: hold the other ops no longer (each held its own ``after``, so
+        # a run of backup / load hazards kept every completed op, its tables and its event)
+        op.after = []
         if op.layer_events is None:
             with on_stream(stream):
                 op.path = issue_gpu(op, stream, self.ctas, self.device)

@@ -138,6 +138,7 @@ def test_later_layers_issue_off_the_server_thread_in_command_order():
     gate.set()
     th.join(30)
     assert order == ["c", "d"] and a.done_event is not None and c.t_start >= t_gate
+    assert c.after == []  # its wait is queued: it holds A no longer (nor A's own ``after``)
     seen, done = _collect(eng, woke, 4)
     assert eng.close()
     assert sorted(op.op_id for op in done) == [1, 2, 3, 4] and all(op.ok for op in done)
