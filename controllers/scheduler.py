@@ -332,13 +332,18 @@ class Scheduler:
             self._last[op.stream] = op
             return True
         except Exception:  # noqa: BLE001 - no event: wait for the stream instead
-            op.done_event = None
-            try:
-                stream.synchronize()
-            except Exception:  # noqa: BLE001 - a broken context runs nothing more
-                log.exception("op %s: its stream could not be waited for after a failed "
-                              "launch", op.op_id)
+            self._drain(op)
             return False
+
+    def _drain(self, op: Operation) -> None:
+        """``op`` has no completion event (making it failed): wait for its stream here, so it
+        completes after the copies it queued, as every op does (a broken context runs
+        nothing more)."""
+        op.done_event = None
+        try:
+            self.streams[op.stream].synchronize()
+        except Exception:  # noqa: BLE001
+            log.exception("op %s: its stream could not be waited for", op.op_id)
 
     def defer_issue(self, op: Operation) -> None:
         """GPU load whose first launch group went out with ``submit``, after its reply: the
@@ -406,6 +411,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - no completion event: reported on its ack
                 log.exception("load %s: its completion event failed", op.op_id)
                 op.ok, op.error = False, f"completion event failed: {type(e).__name__}: {e}"
+                self._drain(op)  # its layers may still copy: it completes after them
             finally:  # whatever happened, the server stops waiting and the op completes
                 op.issue_s = time.perf_counter() - t0
                 with self._issue_cv:

@@ -275,3 +275,29 @@ def test_a_launch_that_fails_part_way_completes_after_what_it_queued(monkeypatch
     for layer, t in enumerate(back.layers):  # the queued copy had landed when it completed
         assert torch.equal(t[:2].cpu(), dev_before[layer][:2])
         assert int(t[2:].count_nonzero()) == 0
+
+
+def test_a_load_whose_completion_event_fails_completes_after_its_copies(monkeypatch):
+    """The issuer cannot make a load's completion event after it issued the later layers
+    (queued behind a long kernel on the load stream): the load is acked failed only once
+    those copies are done, so its rows are never freed or reused under them."""
+    eng, woke, host, dev, back, dev_before = _engine_and_tables()
+    a = _op(1, "load", host, dev, [0, 1, 2, 3], [8, 9, 10, 11], [0, 1, 2, 3])
+    eng.submit(a)  # layer 0 goes out with the reply
+    with torch.cuda.stream(eng.streams["load"]):
+        torch.cuda._sleep(int(1e9))  # the later layers wait behind ~0.5 s of kernel
+    real = torch.cuda.Event
+
+    def event(*args, **kw):
+        if threading.current_thread().name == "hicache-issue":
+            raise RuntimeError("completion event (test)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    eng.defer_issue(a)
+    _, done = _collect(eng, woke, 1)
+    monkeypatch.setattr(torch.cuda, "Event", real)
+    assert done == [a] and not a.ok and "completion event (test)" in a.error
+    for li in range(len(LAYERS)):  # every layer had landed when it completed
+        assert torch.equal(dev.layers[li][8:12].cpu(), host.layers[li][0:4])
+    assert eng.close()
