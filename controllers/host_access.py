@@ -7,9 +7,11 @@ The daemon calls, for every operation:
 
 * ``check_readable(group, pool, rows, what)`` — in the handler of a load / swap-in, after the
   ownership check: raises ``ProtocolError("not_written")`` naming the first unwritten row.
-* ``begin_writes(group, op)`` — when a backup / swap-out is accepted (before it runs): its
-  UNWRITTEN rows become STALE; rows a token-granular item writes only part of are zeroed first
-  and become CLEAN.
+* ``begin_writes(group, op, writing)`` — when a backup / swap-out is accepted (before it
+  runs): its UNWRITTEN rows become STALE; rows a token-granular item writes only part of are
+  zeroed first and become CLEAN, unless another write into them is in flight (``writing``,
+  the row tracker's counts: an earlier write failed and made them UNWRITTEN while a later one
+  may be landing): those become STALE, never zeroed under that write.
 * ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
   it succeeded (a token item's rows only where CLEAN: never a row whose other bytes may be a
   previous owner's, e.g. a whole-row write into it failed or is still in flight), else back
@@ -54,10 +56,14 @@ def _host_rows(it: Any) -> Any:
     return ids.list() if ids.n <= FEW_ROWS else ids.np()
 
 
-def begin_writes(group: HostPoolGroup, op: Any) -> None:
+def begin_writes(group: HostPoolGroup, op: Any, writing: dict[str, Any] | None = None) -> None:
+    """``writing``: per index space, the in-flight writes per row (the row tracker's): a
+    token item never zeroes a row another write is landing in (``HostPoolGroup.begin_write``)."""
     if op.kind in WRITES:
         for it in op.items:  # a token item writes part of a row: zero it first if unwritten
-            group.begin_write(it.pool, _host_rows(it), it.fmt is not None)
+            partial = it.fmt is not None
+            group.begin_write(it.pool, _host_rows(it), partial,
+                              writing[group.pools[it.pool].spec.index] if partial and writing else None)
 
 
 def end_writes(group: HostPoolGroup, op: Any) -> None:
@@ -68,13 +74,14 @@ def end_writes(group: HostPoolGroup, op: Any) -> None:
 
 
 def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,
-               partial: Any = frozenset()) -> None:
+               partial: Any = frozenset(), writing: dict[str, Any] | None = None) -> None:
     """An L3 prefetch into ``host`` [(space, rows, writes)] was accepted: the pools
     ``pools[space]`` are being written there (those in ``partial`` only in part: their rows are
     zeroed first if unwritten, as for a token-granular backup)."""
     for space, rows, _ in host:
         for pool in pools[space]:
-            group.begin_write(pool, rows, zero=pool in partial)
+            group.begin_write(pool, rows, zero=pool in partial,
+                              writing=writing[space] if writing else None)
 
 
 def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int,

@@ -257,7 +257,7 @@ class DaemonState:
         right after the reply goes out and before it reads another command or takes a
         completion: a GPU load's layer 0 and its reply do not wait for it. Until then the row
         tracker does not list its rows, so ``release_ready`` frees nothing meanwhile."""
-        begin_writes(self.group, op)
+        begin_writes(self.group, op, self.tracker.writers)  # (its own rows are not there yet)
         if self.scheduler.run_inline(op):
             end_writes(self.group, op)
             self.post.append((op, None))

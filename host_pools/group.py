@@ -21,7 +21,8 @@ Contract:
   partial write into it was accepted and zeroed it first: zeros or the owner's bytes only),
   ``WRITTEN`` (a write into it completed: readable). ``begin_write(pool, rows, zero)`` (at a
   write's acceptance; ``zero=True`` for a partial write, a token backup: UNWRITTEN rows are
-  zeroed and become CLEAN; else they become STALE), ``end_write(pool, rows, ok, partial)`` (at
+  zeroed and become CLEAN, but for rows another write is landing in (``writing``), which
+  become STALE; else they become STALE), ``end_write(pool, rows, ok, partial)`` (at
   its completion: a whole-row write's rows become WRITTEN; a partial write's only where they
   are CLEAN, never where a previous owner's bytes may remain, STALE or UNWRITTEN again after
   a failed write; a failed write's rows not yet WRITTEN go back to UNWRITTEN),
@@ -126,30 +127,48 @@ class HostPoolGroup:
         for a in self._np_layers[pool]:
             a[rows] = 0
 
-    def begin_write(self, pool: str, rows: Any, zero: bool) -> int:
+    def begin_write(self, pool: str, rows: Any, zero: bool, writing: Any = None) -> int:
         """A write into ``rows`` of ``pool`` was accepted: UNWRITTEN rows are zeroed and become
-        CLEAN when ``zero`` (a partial write), else they become STALE. Returns the rows
-        zeroed."""
-        mark = CLEAN if zero else STALE
+        CLEAN when ``zero`` (a partial write), else they become STALE. ``writing``: per row
+        of the pool's index space, how many other writes into it are in flight; a partial
+        write never zeroes such a row (that write may be landing: an earlier write into the
+        row failed and made it UNWRITTEN) but marks it STALE, so it becomes readable only
+        when a whole-row write into it completes. Returns the rows zeroed."""
         with self._lock:
             if len(rows) <= FEW_ROWS:  # a few rows (a list or an array): scalar reads, no fancy ops
                 w = self._written_mv[pool]
                 fresh = [r for r in rows if w[r] == UNWRITTEN]
                 if not fresh:
                     return 0
-                if zero:
-                    self._zero(pool, np.array(fresh, dtype=np.int64))
+                if not zero:
+                    for r in fresh:
+                        w[r] = STALE
+                    return 0
+                if writing is not None:
+                    for r in fresh:
+                        if writing[r]:
+                            w[r] = STALE
+                    fresh = [r for r in fresh if not writing[r]]
+                    if not fresh:
+                        return 0
+                self._zero(pool, np.array(fresh, dtype=np.int64))
                 for r in fresh:
-                    w[r] = mark
-                return len(fresh) if zero else 0
+                    w[r] = CLEAN
+                return len(fresh)
             w = self.written[pool]
             rows = np.asarray(rows, dtype=np.int64)
             fresh = rows[w[rows] == UNWRITTEN]
+            if not zero:
+                w[fresh] = STALE
+                return 0
+            if writing is not None and fresh.size:
+                landing = writing[fresh] > 0
+                w[fresh[landing]] = STALE
+                fresh = fresh[~landing]
             if fresh.size:
-                if zero:
-                    self._zero(pool, fresh)
-                w[fresh] = mark
-            return int(fresh.size) if zero else 0
+                self._zero(pool, fresh)
+                w[fresh] = CLEAN
+            return int(fresh.size)
 
     def end_write(self, pool: str, rows: Any, ok: bool, partial: bool = False,
                   overwritten: bool = False) -> None:

@@ -275,3 +275,37 @@ def test_a_failed_backup_into_written_rows_leaves_them_unreadable():
         end_writes(g, op)
         assert (g.written["c4_kv"][rows] == UNWRITTEN).all()
         assert g.first_unwritten("c4_kv", rows) == rows[0]
+
+
+@pytest.mark.parametrize("n", [2, FEW_ROWS + 3])
+def test_a_token_write_never_zeroes_rows_another_write_is_landing_in(n):
+    """Whole-row writes A and B into the same rows were accepted; A failed (its rows
+    UNWRITTEN again) while B is still landing. A token write accepted then must not zero the
+    rows under B (it used to: B's bytes partly zeros, readable once B ended). They become
+    STALE, and readable once B completes, holding B's bytes. With no write in flight a token
+    write zeroes them as before."""
+    lay = build_layout(preset("dsv4-tiny"))
+    with HostPoolGroup(lay, {"page": 32, "swa_page": 4, "req_slot": 2}) as g:
+        r = g.alloc({"page": n}, ("b", None))["page"].numpy()
+        rt = torch.from_numpy(r)
+        pool = lay.space_pools("page")[0].name
+        writing = np.zeros(32, np.int32)  # the row tracker's in-flight writes of the space
+        g.begin_write(pool, r, zero=False)  # A
+        g.begin_write(pool, r, zero=False)  # B
+        writing[r] += 2
+        g.end_write(pool, r, ok=False, overwritten=True)  # A failed
+        writing[r] -= 1
+        assert g.unwritten(pool, r).size == n
+        for t in g.pools[pool].layers:
+            t[rt] = 9  # B's bytes, landing
+        assert g.begin_write(pool, r, zero=True, writing=writing) == 0  # nothing zeroed
+        assert all((t[rt] == 9).all() for t in g.pools[pool].layers)
+        assert (g.written[pool][r] == STALE).all()
+        g.end_write(pool, r, ok=True)  # B completes
+        g.end_write(pool, r, ok=True, partial=True)  # the token write completes
+        assert g.unwritten(pool, r).size == 0
+        assert all((t[rt] == 9).all() for t in g.pools[pool].layers)
+        r2 = g.alloc({"page": n}, ("b", None))["page"].numpy()
+        assert g.begin_write(pool, r2, zero=True, writing=writing) == n  # none in flight
+        assert (g.written[pool][r2] == CLEAN).all()
+        g.check_invariants()
