@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicache.cli import main
+from hicache.core.config import ServeConfig, sizing
 from hicache.core.errors import UsageError
 from hicache.core.sizes import arena_bytes
 from hicache.core.layout import build_layout, preset
@@ -166,10 +167,17 @@ def test_host_budget_too_small_is_a_usage_error():
 def test_budget_errors_name_the_numbers():
     lay = build_layout(FLASH)
     need = one_request_bytes(lay)
-    assert need == FLASH_C128 + FLASH_PAGE + FLASH_SWA_PAGE
+    # its fixed bytes, and the pages whose SWA share (0.8) holds its window's 2 SWA pages: 3
+    assert need == FLASH_C128 + math.ceil(3 * (FLASH_PAGE + Fraction(4, 5) * FLASH_SWA_PAGE))
     with pytest.raises(UsageError, match=f"one request needs {need:,} B"):
         plan(PlanInputs(FLASH, need - 1, max_running=1))
-    plan(PlanInputs(FLASH, need, max_running=1))
+    pl = plan(PlanInputs(FLASH, need, max_running=1))
+    assert pl.stages[0].device_rows["swa_page"] == 2 and not pl.warnings[:-1]
+    # the serve line it prints sizes a daemon (it used to plan 0 SWA rows, which serve refused)
+    sizing(ServeConfig(preset="dsv4-flash", kv_mem=need, max_running=1, host_ratio=2.0))
+    # more slots on few pages: no SWA page row at all is refused, naming the budget it needs
+    with pytest.raises(UsageError, match=r"no SWA page .* needs at least [\d,]+ B"):
+        plan(PlanInputs(FLASH, need, max_running=100))  # 1 page: floor(0.8) SWA rows
     with pytest.raises(UsageError, match=r"at most (\d+) slots fit") as e:
         plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=1000))
     most = int(e.value.args[0].rsplit("at most ", 1)[1].split()[0])
@@ -257,7 +265,7 @@ def _bad_config(tmp_path):
 
 BAD = [
     (["--preset", "dsv4-huge", "--kv-mem", "1GiB"], "unknown preset 'dsv4-huge'"),
-    (["--preset", "dsv4-flash", "--kv-mem", "8MiB"], "one request needs 11,151,168 B"),
+    (["--preset", "dsv4-flash", "--kv-mem", "8MiB"], "one request needs 27,189,696 B"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "ring", "--max-running", "999"],
      "at most 105 slots fit"),
     (["--preset", "dsv4-flash", "--kv-mem", "100GiB", "--pp", "44"], "pp size 44 is larger than the 43"),
@@ -323,3 +331,26 @@ def test_subprocess_plan_no_traceback(tmp_path):
                          "--json"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["ring_vs_paged_capacity_ratio"] > 1
+
+
+def test_a_window_wider_than_a_page_plans_paged_and_says_ring_does_not_fit(tmp_path):
+    """Paged SWA takes a window wider than a page; ring SWA (one page-sized row per request)
+    and the resume model (the SWA tail within one page) do not. The paged plan, its serve
+    sizing and the host tier by mirror say so instead of failing (the comparison with ring
+    mode raised LayoutError, so `hicache plan` and `serve --kv-mem` refused the model)."""
+    from hicache.core.host_tier import host_tier_by_mirror
+    from hicache.core.model import ModelSpec
+
+    wide = ModelSpec(name="wide", num_layers=4, compress_ratios=(0, 4, 128, 4), window=512)
+    pl = plan(PlanInputs(wide, 10 * GiB, host_mem=40 * GiB))
+    assert pl.paged_capacity and pl.ring_capacity is None and pl.unfit == ("ring",)
+    assert pl.to_dict()["swa_modes_that_do_not_fit"] == ["ring"]
+    assert any(w.startswith("ring SWA mode does not fit") for w in pl.warnings)
+    tiers = host_tier_by_mirror(pl.inputs)
+    assert tiers is not None and "checkpoints_vs_full" not in tiers
+    assert all("longer than a page" in tiers[m]["error"] for m in ("full", "checkpoints"))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "compress_ratios": [0, 4, 128, 4],
+                               "sliding_window": 512}))
+    sizing(ServeConfig(model_config=str(cfg), kv_mem=10 * GiB, host_ratio=2.0))
+    assert main(["plan", "--model-config", str(cfg), "--kv-mem", "10GiB"]) == 0

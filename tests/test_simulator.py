@@ -320,3 +320,33 @@ def test_a_ring_checkpoint_that_never_reached_its_slot_fails_verification(
         assert s["mismatched_bytes"] > 0 and s["resumable_hit_tokens"] == 0, s
     else:
         assert s["verified"] and s["mismatched_bytes"] == 0 and s["resumable_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("preset_name,swa,mirror", [("dsv4-flash", "ring", "checkpoints"),
+                                                    ("dsv4-tiny", "ring", "checkpoints"),
+                                                    ("dsv4-flash", "paged", "checkpoints"),
+                                                    ("dsv4-tiny", "paged", "full")])
+def test_the_demo_daemon_pins_no_more_than_host_mem(preset_name, swa, mirror):
+    """``hicache demo --host-mem``: the tier split leaves room for the request-slot rows its
+    daemon keeps for state swaps (they used to come on top: +39 MB at 8 GiB, Flash ring), so
+    the daemon's arena is within the budget but for alignment."""
+    from hicache.core.config import load_config, sizing
+    from hicache.core.sizes import arena_bytes
+    from hicache.sim import demo
+    from hicache.sim.replay import WorkerConfig
+    from hicache.sim.sizing import host_tier_rows
+
+    host, device_pages = 8 * 2**30, 64
+    pages, ck = host_tier_rows(preset_name, str(host), swa, mirror, 32, demo.REQ_SLOTS,
+                               device_pages)
+    cfg = WorkerConfig(preset=preset_name, swa_mode=swa, device_pages=device_pages,
+                       host_pages=pages, host_ckpts=ck, mirror=mirror, req_slots=demo.REQ_SLOTS)
+    cmd = demo._daemon(cfg, None).cmd
+    flags = {"preset": preset_name, "swa_mode": swa, "force": True,
+             "device_rows": cmd[cmd.index("--device-rows") + 1],
+             "host_ratio": cmd[cmd.index("--host-ratio") + 1]}
+    s = sizing(load_config(flags, env={}))
+    regions = sum(p.num_layers for p in s.layout.pools.values())
+    arena = arena_bytes(s.layout, s.host_rows)
+    assert host - 64 * 2**20 < arena <= host + regions * 4096, (arena, s.host_rows)
+    assert s.host_rows["page"] == pages

@@ -236,8 +236,9 @@ def format_plan(pl: Plan, args: argparse.Namespace) -> str:
               f"capacity  {_n(cap)} tokens per DP worker (min over stages)"
               + ("" if cap is None else f"; x DP {i.dp} = {cap * i.dp:,}")]
     ratio = pl.ring_vs_paged
-    lines.append(f"paged vs ring, same inputs: paged {_n(pl.paged_capacity)} | ring "
-                 f"{_n(pl.ring_capacity)} tokens"
+    cap_of = {m: "does not fit (see the warning)" if m in pl.unfit else f"{_n(v)} tokens"
+              for m, v in (("paged", pl.paged_capacity), ("ring", pl.ring_capacity))}
+    lines.append(f"paged vs ring, same inputs: paged {cap_of['paged']} | ring {cap_of['ring']}"
                  + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
     lines += _mirror_lines(pl)
     lines += [f"warning: {w}" for w in pl.warnings]

@@ -113,7 +113,7 @@ def _stage_bytes(lay: Layout, tokens: int, topk: int, slots: int) -> StageReques
     c4 = lay.pools.get("c4_kv")
     c4_row = c4.page_bytes * c4.num_layers if c4 else 0
     c4_layers = c4.num_layers if c4 else 0
-    swa_pages = math.ceil(m.window / m.page_size) + 1
+    swa_pages = m.window_pages
     swa = swa_pages * lay.row_bytes("swa_page") if lay.swa_mode == "paged" else 0
     slot_bytes = c4.page_bytes // c4.tokens_per_page if c4 else 0
     hot = c4_layers * (slots + 1) * slot_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache.core.layout import LayoutError
 from hicache.core.planner import PlanInputs, stage_layouts
 from hicache.core.resume import MIRRORS, ResumeModel
 
@@ -25,14 +26,19 @@ def host_tier_by_mirror(inputs: PlanInputs) -> dict[str, Any] | None:
             out[mirror] = {"error": "a full mirror needs paged SWA (ring mode pages have no "
                                     "SWA rows; their hits are not resumable)"}
             continue
-        tiers = [ResumeModel(lay).host_tier(inputs.host_mem, mirror, inputs.pages_per_checkpoint)
-                 for lay in layouts]
+        try:
+            models = [ResumeModel(lay) for lay in layouts]
+        except LayoutError as e:  # what a resume needs cannot be cut from these pages
+            out[mirror] = {"error": str(e)}
+            continue
+        tiers = [m.host_tier(inputs.host_mem, mirror, inputs.pages_per_checkpoint)
+                 for m in models]
         pages, ckpts = min(t[0] for t in tiers), min(t[1] for t in tiers)
         tokens = pages * inputs.model.page_size
         out[mirror] = {"pages": pages, "checkpoints": ckpts, "cached_tokens": tokens,
                        "cached_tokens_per_host_gib": round(tokens * 2**30 / inputs.host_mem)
                        if inputs.host_mem else 0}
     full, ck = out.get("full", {}), out["checkpoints"]
-    if full.get("cached_tokens"):
+    if full.get("cached_tokens") and "cached_tokens" in ck:
         out["checkpoints_vs_full"] = round(ck["cached_tokens"] / full["cached_tokens"], 2)
     return out

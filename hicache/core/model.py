@@ -85,6 +85,11 @@ class ModelSpec:
     def total_layers(self) -> int:
         return self.num_layers + self.num_mtp_layers
 
+    @property
+    def window_pages(self) -> int:
+        """Paged SWA pages one running request needs: those its window can straddle."""
+        return -(-self.window // self.page_size) + 1
+
     def ratio(self, global_layer: int) -> int:
         if 0 <= global_layer < self.num_layers:
             return self.compress_ratios[global_layer]

@@ -39,7 +39,7 @@ from hicache.core.errors import UsageError
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core import sizes as host_sizing
 from hicache.core.layout import (
-    INDEX_SPACES, Layout, ModelSpec, build_layout, check_bounds, stage_bounds,
+    INDEX_SPACES, Layout, LayoutError, ModelSpec, build_layout, check_bounds, stage_bounds,
 )
 
 PD_ROLES = ("none", "prefill", "decode")
@@ -203,14 +203,24 @@ def fixed_bytes_per_request(layout: Layout) -> int:
     return layout.row_bytes("req_slot")
 
 
-def one_request_bytes(layout: Layout) -> int:
-    """Smallest budget that runs one request: its fixed bytes plus one row of every page space."""
-    return fixed_bytes_per_request(layout) + layout.row_bytes("page") + layout.row_bytes("swa_page")
+def _least_pages(layout: Layout, slots: int, swa_ratio: Fraction) -> int:
+    """Full-token pages whose paged SWA share (``floor(pages x swa_ratio)``) holds the window
+    pages of ``slots`` running requests; one page without a paged SWA pool."""
+    if not layout.space_pools("swa_page"):
+        return 1
+    return math.ceil(slots * layout.model.window_pages / swa_ratio)
+
+
+def one_request_bytes(layout: Layout, swa_ratio: Fraction = DEFAULT_SWA_RATIO) -> int:
+    """Smallest budget that runs one request: its fixed bytes, and the pages whose paged SWA
+    share holds its window's pages (``ModelSpec.window_pages``) at ``swa_ratio``."""
+    cost = page_cost(layout, swa_ratio)
+    return fixed_bytes_per_request(layout) + math.ceil(_least_pages(layout, 1, swa_ratio) * cost)
 
 
 def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction) -> int | None:
     """Full-token pages that fit beside ``slots`` request slots; ``None`` = no token-scaled pool."""
-    need = one_request_bytes(layout)
+    need = one_request_bytes(layout, swa_ratio)
     where = f"stage {layout.stage.pp_rank} [{layout.stage.start}, {layout.stage.end})"
     if budget < need:
         raise UsageError(
@@ -226,7 +236,16 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
             f"after the fixed state of {slots} request slots ({fixed:,} B); "
             f"at most {most} slots fit"
         )
-    return None if cost == 0 else math.floor((budget - fixed) / cost)
+    if cost == 0:
+        return None
+    pages = math.floor((budget - fixed) / cost)
+    if layout.space_pools("swa_page") and math.floor(pages * swa_ratio) < 1:  # (the daemon
+        least = fixed + math.ceil(_least_pages(layout, 1, swa_ratio) * cost)  # refuses 0 rows)
+        raise UsageError(
+            f"KV budget {budget:,} B on {where} (paged SWA) gives {pages} pages and no SWA "
+            f"page at {float(swa_ratio):g} SWA tokens per full token; with {slots} request "
+            f"slots it needs at least {least:,} B")
+    return pages
 
 
 def device_rows(layout: Layout, pages: int, slots: int, swa_ratio: Fraction) -> dict[str, int]:
@@ -303,7 +322,7 @@ class StagePlan:
             "bytes_per_full_token": float(self.bytes_per_full_token),
             "fixed_bytes_per_request": self.fixed_bytes_per_request,
             "fixed_bytes": self.fixed_bytes_per_request * self.slots,
-            "one_request_bytes": one_request_bytes(lay),
+            "one_request_bytes": one_request_bytes(lay, self.swa_ratio),
             "token_capacity": self.token_capacity,
             "device_rows": dict(self.device_rows),
             "device_bytes": self.device_bytes,
@@ -321,6 +340,7 @@ class Plan:
     paged_capacity: int | None  # tokens per DP worker, min over stages
     ring_capacity: int | None
     warnings: list[str]
+    unfit: tuple[str, ...] = ()  # the SWA mode compared that does not fit (its capacity: None)
 
     @property
     def token_capacity(self) -> int | None:
@@ -349,6 +369,7 @@ class Plan:
             "paged_token_capacity": self.paged_capacity,
             "ring_token_capacity": self.ring_capacity,
             "ring_vs_paged_capacity_ratio": self.ring_vs_paged,
+            "swa_modes_that_do_not_fit": list(self.unfit),
             "warnings": list(self.warnings),
         }
 
@@ -385,8 +406,7 @@ def _swa_warning(layout: Layout, rows: dict[str, int], slots: int) -> str | None
     """Paged SWA: each running request needs the pages its window can straddle."""
     if "swa_page" not in rows:
         return None
-    m = layout.model
-    need = slots * (math.ceil(m.window / m.page_size) + 1)
+    need = slots * layout.model.window_pages
     if rows["swa_page"] >= need:
         return None
     return (f"stage {layout.stage.pp_rank}: paged SWA pool has {rows['swa_page']} pages, fewer "
@@ -410,10 +430,11 @@ def plan(inputs: PlanInputs) -> Plan:
             warnings.append(w)
     capacity = {inputs.swa_mode: None if worker is None else worker * inputs.model.page_size}
     other = "ring" if inputs.swa_mode == "paged" else "paged"
+    unfit: tuple[str, ...] = ()
     try:
         capacity[other] = mode_capacity(inputs, other)
-    except UsageError as e:
-        capacity[other] = None
+    except (UsageError, LayoutError) as e:  # (ring SWA: a window wider than a page)
+        capacity[other], unfit = None, (other,)
         warnings.append(f"{other} SWA mode does not fit these inputs: {e}")
-    return Plan(inputs, slots, stages, capacity["paged"], capacity["ring"], warnings)
+    return Plan(inputs, slots, stages, capacity["paged"], capacity["ring"], warnings, unfit)
 

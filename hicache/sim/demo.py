@@ -34,6 +34,7 @@ GENERATOR_DEFAULTS = {"requests": 400, "device_pages": 128, "host_ratio": 8, "pa
 TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16,
                   "pages_per_ckpt": DEFAULT_PAGES_PER_CKPT}
 READY_TIMEOUT_S = 180.0
+REQ_SLOTS = 4  # the simulated worker's request slots (its daemon keeps host rows for them)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -202,7 +203,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     host_ckpts = None
     if args.host_mem is not None:
         host_pages, host_ckpts = host_tier_rows(args.preset, args.host_mem, swa, args.mirror,
-                                                args.pages_per_checkpoint)
+                                                args.pages_per_checkpoint, REQ_SLOTS,
+                                                device_pages)
     elif args.host_pages is not None:
         host_pages = args.host_pages
     else:
@@ -226,7 +228,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     if args.preempt_every < 0:
         raise UsageError("--preempt-every must be >= 0")
     cfg = WorkerConfig(preset=args.preset, swa_mode=swa, device_pages=device_pages,
-                       host_pages=host_pages, req_slots=4, policy=args.policy, seed=args.seed,
+                       host_pages=host_pages, req_slots=REQ_SLOTS, policy=args.policy,
+                       seed=args.seed,
                        device=device, verify_hits=not args.no_verify_hits,
                        preempt_every=args.preempt_every, mirror=args.mirror,
                        checkpoint_every=args.checkpoint_every,
