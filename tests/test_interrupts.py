@@ -151,3 +151,39 @@ def test_sigkilled_demo_takes_its_daemon_down(tmp_path):
         import shutil
         for d in paths[::2]:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_second_signal_while_serve_drains_does_not_cut_its_clean_up():
+    """SIGTERM with ~300 CPU copies queued, then SIGTERM again while ``close`` drains them (a
+    launcher's death signal after a Ctrl-C, a supervisor repeating itself): the daemon still
+    finishes its clean-up (the socket and its lock go) and names the first signal. The second
+    one used to raise inside ``close``: both files stayed, and it said "interrupted"."""
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.daemon_process import DaemonProcess
+    from hicache.engine.device_pools import DevicePools
+
+    d = DaemonProcess(pipe=True, metrics_port=0, exit_with_parent=False,
+                      env={"HICACHE_INLINE_MAX_BYTES": "1"})  # every copy queued
+    d.start()
+    sock = d.address[len("ipc://"):]
+    pools = DevicePools(build_layout(preset("dsv4-flash")), {"page": 8, "swa_page": 4,
+                                                               "req_slot": 4})
+    c = d.client(name="worker")
+    try:
+        c.register(pools)
+        host = c.alloc({"swa_page": 4})["swa_page"]
+        for _ in range(300):  # ~40 MB each
+            c.backup({"swa_page": ([0, 1, 2, 3], host)})
+        assert c.stats()["in_flight"] > 0
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.15)
+        assert d.proc.poll() is None  # still draining
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 128 + signal.SIGTERM
+        out = d.output()
+        assert "hicache serve: stopped by SIGTERM" in out and "interrupted" not in out, out
+        assert not os.path.lexists(sock) and not os.path.lexists(sock + ".lock"), out
+    finally:
+        c.close()
+        pools.close()
+        d.close()

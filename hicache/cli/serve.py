@@ -100,15 +100,18 @@ def serve(cfg: Any) -> int:
         got.append(signum)
         daemon.stop()
 
-    try:
-        with lifecycle.on_signals(on_signal):
+    # the stop's clean-up (draining copies, up to ~45 s) runs under the same handler: a second
+    # signal meanwhile (a launcher's death signal after a Ctrl-C, a supervisor repeating
+    # SIGTERM) is recorded, not raised, so the socket and its lock still go
+    with lifecycle.on_signals(on_signal):
+        try:
             print(daemon.summary(), flush=True)
             print(f"hicache serve: {malloc}", flush=True)
             print(f"hicache serve: {dumpable}", flush=True)
             print("hicache serve: ready", flush=True)
             daemon.serve()
-    finally:
-        daemon.close()
+        finally:
+            daemon.close()
     if got:
         print(f"hicache serve: stopped by {lifecycle.signal_name(got[0])}", flush=True)
         return lifecycle.exit_code(got[0])
