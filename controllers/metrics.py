@@ -63,7 +63,9 @@ CATALOG: tuple[MetricDef, ...] = (
               "several paths counts once for each).",
               "Which copy paths run: fast kernels, staged, reference or CPU copies?"),
     MetricDef("transfer_busy_seconds", "counter", ("direction",),
-              "Seconds successful operations spent executing (queueing excluded).",
+              "Seconds successful operations spent executing (queueing excluded: on a GPU, "
+              "the wait behind the stream's previous op too; a merged CPU run counts once, "
+              "split among its ops by bytes).",
               "Are copies running near the PCIe / memory-copy limit? (rate(transfer_bytes) / "
               "rate(transfer_busy_seconds) = bytes per busy second)"),
     MetricDef("transfer_ops", "counter", ("direction", "status"),
@@ -124,7 +126,9 @@ CATALOG: tuple[MetricDef, ...] = (
               "copies, 'internal' for daemon bugs.",
               "What goes wrong, and is it the client or the daemon?"),
     MetricDef("clients_connected", "gauge", (),
-              "Clients the daemon currently tracks (seen and not reaped or unregistered).",
+              "Clients the daemon currently tracks (seen and not reaped or unregistered; a peer "
+              "that only asked for `stats`, such as `hicache stats`, is forgotten as it is "
+              "answered).",
               "How many engine processes talk to this daemon?"),
     MetricDef("workers_registered", "gauge", (),
               "Clients with registered device pools.",

@@ -116,6 +116,7 @@ class Operation:
     t_submit: float = 0.0
     t_start: float = 0.0
     t_end: float = 0.0
+    busy_share: float = 1.0  # of its run's time, what it adds to busy seconds (merged runs)
     ok: bool = True
     error: str | None = None
     path: str = ""

@@ -505,6 +505,9 @@ class Scheduler:
                         self._run_cpu([op])
                     return
                 self.merged_ops += len(ops) - 1
+                total = sum(op.nbytes for op in ops)  # the run's time counts once in busy
+                for op in ops:  # seconds: each op its share, by bytes
+                    op.busy_share = op.nbytes / total if total else 1 / len(ops)
             else:
                 op = ops[0]
                 paths = {run_cpu_item(it, stop) for it in op.items}
@@ -593,6 +596,7 @@ class Scheduler:
         op.path, op.rest = "by_layer", rest
 
     def _gpu_completer(self, q: queue.SimpleQueue) -> None:
+        last = 0.0  # when the previous op of this stream completed
         while True:
             op = q.get()
             if op is None:
@@ -603,5 +607,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a CUDA error: report it on the ack
                 op.ok, op.error = False, f"{type(e).__name__}: {e}"
             op.t_end = time.perf_counter()
+            # ops of one stream run one after another: the time an op waited behind the one
+            # before is queueing, not its copy (busy seconds would count it twice)
+            op.t_start, last = max(op.t_start, min(last, op.t_end)), op.t_end
             self._finish([op])
             op = None  # hold no op while idle (see _cpu_worker)

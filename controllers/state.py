@@ -309,8 +309,9 @@ class DaemonState:
         self.outbox.append((c, op.ack()))
 
     def _account(self, op: Operation) -> None:
-        self.metrics.transfer(op.kind, op.ok, op.t_end - op.t_submit, op.t_end - op.t_start,
-                              op.per_pool(), op.path or "none")
+        self.metrics.transfer(op.kind, op.ok, op.t_end - op.t_submit,
+                              (op.t_end - op.t_start) * op.busy_share, op.per_pool(),
+                              op.path or "none")
 
     def fail_pending(self, why: str) -> None:
         """Shutdown: every op still in flight is finished as failed (acks to ``outbox``)."""

@@ -28,6 +28,8 @@ def test_catalog_names_are_prefixed_unique_and_documented():
         assert d.question.strip() and d.help.strip()
         assert f"`{exported_name(d)}`" in text, f"docs/metrics.md misses {exported_name(d)}"
     assert markdown().count("\n") == len(CATALOG) + 1
+    # the table is generated from the catalog (its HELP lines): the docs hold it verbatim
+    assert markdown().strip() in text, "regenerate docs/metrics.md's table from markdown()"
 
 
 def test_recording_and_exposition_round_trip():
@@ -149,3 +151,29 @@ def test_live_daemon_serves_metrics_over_http(shared_daemon):
     assert "hicache_transfer_bytes_total{direction=\"backup\"" in body
     assert any(s.labels.get("space") == "page" for s in fams["hicache_host_rows"].samples)
     assert fams["hicache_pinned_bytes"].samples[0].value > 0
+
+
+def test_a_merged_cpu_run_counts_its_time_once_in_busy_seconds(daemon_factory):
+    """The one CPU copy thread merges queued one-row backups into one copy: its time goes into
+    ``transfer_busy_seconds`` once, split among the merged ops (each op used to add the whole
+    run: busy seconds reached 8-22x the wall time, and bytes per busy second came out as
+    many times too low)."""
+    import time
+
+    d = daemon_factory(device_rows="page=64,swa_page=4,req_slot=4",
+                       env={"HICACHE_INLINE_MAX_BYTES": "1"})  # every op to the copy thread
+    rows = {"page": 64, "swa_page": 4, "req_slot": 4}
+    with DevicePools(build_layout(preset("dsv4-flash")), rows) as pools, d.client() as c:
+        c.register(pools)
+        host = c.alloc({"page": 128})["page"]
+        t0 = time.monotonic()
+        for rnd in range(6):
+            ops = [c.backup({"page": ([i], [host[(rnd % 2) * 64 + i]])}) for i in range(64)]
+            for op in ops:
+                assert c.wait_ack(op, timeout=60).ok
+        wall = time.monotonic() - t0
+        s = c.stats()
+        busy = next(x["value"] for x in s["metrics"]["hicache_transfer_busy_seconds_total"]
+                    if x["labels"].get("direction") == "backup")
+        assert s["merged_ops"] > 0 and 0 < busy <= wall, (s["merged_ops"], busy, wall)
+        c.unregister()
