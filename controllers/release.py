@@ -144,6 +144,7 @@ class Releaser:
             for rel in self.pending:
                 if not rel.ready:
                     self._ready(rel)
+        finished = []
         for rel in [r for r in self.pending if r.ready]:
             while rel.rows or rel.zeroed:
                 n += self._slice(rel)
@@ -152,11 +153,13 @@ class Releaser:
             # ``zeroing`` read first: the zero thread hands its last chunk back, then clears it
             zeroing = rel.zeroing
             if not (rel.rows or rel.zeroed or zeroing):
-                self._done(rel)
+                finished.append(rel)
             if time.perf_counter() >= deadline:
                 break
-        if n or any(r.ready for r in self.pending):
-            self.watch.step("release", mark)
+        if n or any(r.ready for r in self.pending):  # (before ``_done`` reports the steps:
+            self.watch.step("release", mark)  # the one that freed the last rows counts too)
+        for rel in finished:
+            self._done(rel)
         if any(r.ready and (r.rows or r.zeroed) for r in self.pending):
             self.wake()  # (the zero thread wakes the loop when it handed a chunk back)
         return n

@@ -155,3 +155,21 @@ def test_reaping_a_client_with_1gb_in_flight_keeps_others_served():
     finally:
         r.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_reap_reports_the_loop_step_that_freed_its_rows(daemon_factory):
+    """A reap whose rows all go back in one loop step (nothing in flight): the release gauge
+    and the reap's log line include that step (they were published before it was recorded:
+    0 s, and "longest loop step 0.00 ms (none, ...)")."""
+    d = daemon_factory(heartbeat_timeout=0.6, device_rows="page=4096,swa_page=4,req_slot=4")
+    with d.client(name="doomed") as doomed:
+        doomed.alloc({"page": 200})  # held rows, no copy in flight; then silent
+    with d.client(name="watcher") as w:
+        deadline = time.monotonic() + 20
+        while w.stats()["host"]["spaces"]["page"]["used"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        s = w.stats()
+    assert s["host"]["spaces"]["page"]["used"] == 0
+    assert s["metrics"]["hicache_release_loop_step_seconds"][0]["value"] > 0
+    line = re.findall(r"200 host rows freed.*", d.output())
+    assert line and "(release," in line[0], line
