@@ -137,3 +137,22 @@ def test_scrape_example_names_the_metrics_endpoint():
         text = f.read()
     assert "scrape_configs:" in text and "metrics_path: /metrics" in text
     assert re.search(r"targets:\s*\n?\s*-?\s*\[?\"localhost:\d+\"", text)
+
+
+@pytest.mark.parametrize("name", list(DASHBOARDS))
+def test_counts_are_never_drawn_on_a_byte_axis(name):
+    """A query of a count (errors, ops, pages) in a panel whose unit is bytes has an override
+    giving it its own unit (L3 errors per second showed as B/s)."""
+    with open(os.path.join(GRAFANA, name), encoding="utf-8") as f:
+        dash = json.load(f)
+    for panel in dash["panels"]:
+        cfg = panel.get("fieldConfig", {})
+        if cfg.get("defaults", {}).get("unit") not in ("Bps", "bytes", "decbytes", "binBps"):
+            continue
+        own = {o["matcher"]["options"] for o in cfg.get("overrides", [])
+               if o["matcher"]["id"] == "byFrameRefID"
+               and any(p["id"] == "unit" for p in o["properties"])}
+        for t in panel.get("targets", []):
+            names = METRIC.findall(STRING.sub('""', t["expr"]))
+            if names and not any("bytes" in n for n in names):
+                assert t["refId"] in own, (panel["title"], t["expr"])
