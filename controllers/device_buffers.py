@@ -115,6 +115,10 @@ def open_buffers(layout: Layout, device_rows: Mapping[str, int], buffers: Mappin
 def _check_path(path: Any, shm_dirs: Sequence[str], where: str) -> str:
     if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
         raise _bad(f"{where}: 'path' must be a file path")
+    try:
+        os.fsencode(path)  # JSON lets lone surrogates through ("\ud800"): no file has them
+    except UnicodeError:
+        raise _bad(f"{where}: 'path' must be a file path (it cannot be encoded)") from None
     real = os.path.realpath(path)
     if not _inside(real, shm_dirs):
         raise _bad(f"{where}: {path} is not inside an allowed shm directory {list(shm_dirs)}")

@@ -397,3 +397,38 @@ def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
         with pytest.raises(ProtocolError, match=msg) as e:
             _check_ipc_fields({**good, k: v}, "buffers[c4_kv][0]")
         assert str(e.value).startswith("buffers[c4_kv][0]: ") and "\n" not in str(e.value)
+
+
+def test_a_shm_path_that_cannot_be_encoded_is_refused_not_internal(shared):
+    """A lone surrogate in a register handle's path ("\\ud800", valid JSON) is a ``bad_handle``
+    refusal (os.path.realpath raised UnicodeEncodeError: an ``internal`` reply and a
+    traceback)."""
+    import json
+
+    from hicache.core.layout import Layout
+
+    p = RawPeer(shared.address, "surr")
+    try:
+        layout = Layout.from_dict(p.call("heartbeat", {"full": True})["layout"])
+        with ShmBuffers(layout, {"page": 16, "swa_page": 8, "req_slot": 4}, tag="surr") as bufs:
+            f = json.loads(json.dumps(bufs.register_fields()))
+            f["buffers"][next(iter(f["buffers"]))][0]["path"] = "/dev/shm/\ud800x"
+            p.send(P.encode_request("register", 7, f))
+            h = p.reply(10.0)
+        assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
+        assert _alive(shared)
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("v", [b"true", b"1.0"])
+def test_a_protocol_version_of_another_type_is_refused(shared, v):
+    """``"v": true`` and ``"v": 1.0`` equal 1 in Python: both are ``bad_version`` (they were
+    served as v1)."""
+    p = RawPeer(shared.address, "ver")
+    try:
+        p.send([b'{"v":' + v + b',"cmd":"heartbeat","id":5}'])
+        h = p.reply(10.0)
+        assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_version", h
+    finally:
+        p.close()

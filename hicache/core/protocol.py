@@ -346,7 +346,7 @@ def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence
     check_sizes(frames)
     h = _loads(frames[0], "header")
     v = h.get("v")
-    if v != VERSION:
+    if type(v) is not int or v != VERSION:  # (true and 1.0 equal 1)
         raise ProtocolError("bad_version", f"protocol version {v!r} is not supported; "
                                            f"this daemon speaks v{VERSION}")
     rid = h.get("id")
@@ -398,7 +398,7 @@ def decode_reply(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence[i
     """Header + index views of a daemon message (a reply or an ack)."""
     check_sizes(frames)
     h = _loads(frames[0], "reply header")
-    if h.get("v") != VERSION:
+    if type(h.get("v")) is not int or h["v"] != VERSION:
         raise ProtocolError("bad_version", f"daemon speaks protocol {h.get('v')!r}, "
                                            f"this client v{VERSION}")
     return h, [unpack_index(f) for f in frames[1:]]
