@@ -100,6 +100,11 @@ def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_
         raise TransferError(f"{len(layers)} layer ids for {src.num_layers} buffer layers")
     if src_ids.shape != dst_ids.shape or src_ids.ndim != 1:
         raise TransferError(f"{src_ids.shape} source ids, {dst_ids.shape} destination ids")
+    if src_ids.dtype != np.int64 or dst_ids.dtype != np.int64:  # (int32 offsets would wrap)
+        raise TransferError(f"ids must be int64, got {src_ids.dtype} and {dst_ids.dtype}")
+    if fmt is not None and src.row_bytes != fmt.page_bytes:  # (as ``copy_tokens`` checks)
+        raise TransferError(f"rows are {src.row_bytes} B, token format pages are "
+                            f"{fmt.page_bytes} B")
     if src_ids.size:
         k = fmt.tokens_per_page if fmt is not None else 1
         for name, ids, t in (("src", src_ids, src), ("dst", dst_ids, dst)):

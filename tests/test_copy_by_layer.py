@@ -518,3 +518,26 @@ def test_layer_groups_double():
         sizes = [b - a for a, b in g]
         assert all(x == 1 << max(0, i - 1) for i, x in enumerate(sizes[:-1]))
         assert 0 < sizes[-1] <= 1 << max(0, len(sizes) - 2)
+
+
+def test_layer_parts_refuses_ids_that_are_not_int64_and_a_token_format_of_other_rows():
+    """``layer_parts`` (the load path's plan) checks what ``dispatch`` checks: int32 ids made
+    int32 byte offsets, which wrap past 2 GiB (row 14,400 of a DSV4-Flash SWA layer planned at
+    -2,138,423,296); a token format whose pages are not the rows put scale writes into the
+    next row, or past the buffer."""
+    import numpy as np
+    import torch
+
+    from hicache.kernels.by_layer import layer_parts
+    from hicache.kernels.tables import LayerTable, TokenFormat, TransferError
+
+    meta = LayerTable([torch.empty((20000, 149760), dtype=torch.uint8, device="meta")])
+    ids = np.array([14400, 19999], dtype=np.int32)
+    with pytest.raises(TransferError, match="int64"):
+        layer_parts(meta, meta, ids, ids, None, [0])
+    (p,) = layer_parts(meta, meta, ids.astype(np.int64), ids.astype(np.int64), None, [0])
+    assert [int(x) for _, s, _ in p.ranges for x in s] == [14400 * 149760, 19999 * 149760]
+    fmt = TokenFormat(4, 16, 8, 64, 96)  # scales at bytes 64..96: beyond a 64-B row
+    t = LayerTable([torch.zeros(4, 64, dtype=torch.uint8)])
+    with pytest.raises(TransferError, match="token format pages"):
+        layer_parts(t, t, np.array([3]), np.array([15]), fmt, [0])
