@@ -28,9 +28,11 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
 * a load while a backup of the same size streams: its last layer against the solo load's
   (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``). While the
   daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
-  the engine's events, its start event included, run at slice boundaries, so ``busy 2nd``
-  reads in steps of ~1.05 ms from a start that may itself be late (an H200, docs/perf.md,
-  twentieth session); ``busy_vs_solo`` (tens of ms) is off by at most one slice.
+  the engine's events run at slice boundaries, so ``busy 2nd`` reads in steps of ~1.05 ms
+  (an H200, docs/perf.md, twentieth session). The start is recorded before the backup is
+  sent, on the idle stream, less the host time until the load's command (``busy_start``):
+  a start recorded after it ran up to a slice late, a large share of a short load. The
+  verified run checks the busy load's bytes too, into rows given fresh bytes first.
 
 ``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
@@ -76,7 +78,8 @@ from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, inproc_load, load_into, scramble,
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_load, load_into,
+                                       scramble,
                                        load_while_busy, summarize)
 
 PAGE_TOKENS = 256
@@ -365,11 +368,14 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         perm = rng.permutation(total)
         src = {sp: perm[:n].tolist() for sp in spaces}  # device rows scattered at random
         dst = {sp: perm[n:2 * n].tolist() for sp in spaces}
-        check = None
-        if not verified:  # this run's load is compared byte for byte, right after it
+        check = again = None
+        if not verified:  # this run's loads are compared byte for byte, right after each
             names = [m for m, spec in layout.pools.items() if spec.index in spaces]
             scramble(pools, {m: src[layout.pools[m].index] + dst[layout.pools[m].index]
                              for m in names}, seed=n)
+
+            def again() -> None:  # the busy load's destination: fresh bytes again
+                scramble(pools, {m: dst[layout.pools[m].index] for m in names}, seed=n + 1)
 
             def check() -> None:
                 if cuda:
@@ -398,9 +404,14 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         if cuda and busy:  # a load while a backup of the same size streams
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}
+            if again is not None:
+                again()
+            begun = busy_start(stream, dev)
             bop = c.backup_new(other)
-            load_while_busy(out, c, items, stream, cuda)
+            load_while_busy(out, c, items, stream, cuda, begun)
             c.wait_ack(bop, timeout=120)
+            if check is not None:
+                check()
             c.free(bop.rows)
             if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(items),

@@ -51,9 +51,15 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         pp = rng.permutation(pools.rows["page"])
         sp = rng.permutation(pools.rows["swa_page"])
         src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
-        check = None
-        if not verified:  # this run's load is compared byte for byte, right after it
+        check = again = None
+        if not verified:  # this run's loads are compared byte for byte, right after each
             ck_rows = [int(sp[0]), int(sp[1])]
+
+            def again() -> None:  # the busy load's destination: fresh bytes again
+                e2e.scramble(pools, {**{p.name: dst for p in resume.page_pools},
+                                     **{p.name: [int(sp[1])] for p in resume.state_pools},
+                                     **({resume.swa_pool.name: [int(sp[1])]}
+                                        if resume.swa_pool is not None else {})}, seed=n + 1)
             e2e.scramble(pools, {**{p.name: src + dst for p in resume.page_pools},
                                  **{p.name: ck_rows for p in resume.state_pools},
                                  **({resume.swa_pool.name: ck_rows}
@@ -83,9 +89,14 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
             bitems = {"page": (src, other["page"])}  # the load's sources: read by both
             bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],
                                                  to_host=True))
+            if again is not None:
+                again()
+            begun = e2e.busy_start(stream, dev)
             bop = c.backup(bitems)
-            e2e.load_while_busy(out, c, load, stream, cuda)
+            e2e.load_while_busy(out, c, load, stream, cuda, begun)
             c.wait_ack(bop, timeout=120)
+            if check is not None:
+                check()
             if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(load),
                              lambda: c.backup(bitems), lambda op: None)

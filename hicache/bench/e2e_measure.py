@@ -118,11 +118,24 @@ def scramble(pools: Any, rows: dict[str, list[int]], seed: int) -> None:
                                                 dtype=t.dtype, generator=g, device=t.device))
 
 
+def busy_start(stream: Any, dev: torch.device) -> tuple[Any, float]:
+    """A start for a load that will run beside a backup, taken before that backup is sent:
+    an event recorded on the engine's idle stream, and the host clock. An event recorded
+    once the daemon's backup kernels run executes at a GPU time-slice boundary (up to ~1 ms
+    late, a large share of a short load), so the busy load is timed from this one, less the
+    host time from here to its command (``timed_load``'s ``begun``)."""
+    torch.cuda.synchronize(dev)
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev, time.perf_counter()
+
+
 def load_while_busy(out: dict[str, list[float]], c: Client, items: dict[str, tuple],
-                    stream: Any, cuda: bool) -> None:
-    """``timed_load`` of ``items`` while the caller's backup streams: its second and last
-    layer appended to ``out`` (``busy_second``, ``busy_last``)."""
-    t = timed_load(c, items, stream, cuda)
+                    stream: Any, cuda: bool, begun: tuple[Any, float]) -> None:
+    """``timed_load`` of ``items`` while the caller's backup streams (``begun``: its
+    ``busy_start``, taken before that backup): its second and last layer appended to ``out``
+    (``busy_second``, ``busy_last``)."""
+    t = timed_load(c, items, stream, cuda, begun)
     out["busy_second"].append(t.second)
     out["busy_last"].append(t.last)
 
@@ -149,17 +162,23 @@ class LoadTimes(NamedTuple):
     reply: Optional[float] = None
 
 
-def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> LoadTimes:
+def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool,
+               begun: tuple[Any, float] | None = None) -> LoadTimes:
     """LOAD ``items`` (``Client.load``'s argument) with the engine's per-layer waits: its
-    ``LoadTimes``."""
+    ``LoadTimes``. ``begun`` (GPU): a start event recorded earlier on the idle stream and the
+    host clock then (``busy_start``); the layers are timed from it, less the host time
+    between it and this command."""
     t0 = time.perf_counter()
     if not cuda:
         op = c.load(items)
         c.wait_ack(op, timeout=120)
         t = time.perf_counter() - t0
         return LoadTimes(t, t, t, t)
-    start = torch.cuda.Event(enable_timing=True)
-    start.record(stream)
+    if begun is None:
+        start, gap = torch.cuda.Event(enable_timing=True), 0.0
+        start.record(stream)
+    else:
+        start, gap = begun[0], t0 - begun[1]
     op = c.load(items)
     t_reply = time.perf_counter() - t0
     ready = []
@@ -171,8 +190,8 @@ def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool) -> L
     c.wait_ack(op, timeout=120)
     t_ack = time.perf_counter() - t0
     ready[-1].synchronize()
-    at = [start.elapsed_time(e) * 1e-3 for e in (ready[0], ready[min(1, len(ready) - 1)],
-                                                  ready[-1])]
+    at = [start.elapsed_time(e) * 1e-3 - gap for e in (ready[0], ready[min(1, len(ready) - 1)],
+                                                        ready[-1])]
     return LoadTimes(at[0], at[1], at[2], t_ack, t_reply)
 
 
