@@ -253,7 +253,8 @@ class _Bench:
             link_us = sum(link) / len(link) * 1e6
             step_us = sum(timed) / len(timed) * 1e6
             target = TARGET_FACTOR * link_us + TARGET_FIXED_US
-            row.update(link_us=round(link_us, 1), ratio_to_limit=round(link_us / step_us, 3),
+            row.update(link_us=round(link_us, 1), step_us_mean=round(step_us, 1),
+                       ratio_to_limit=round(link_us / step_us, 3),
                        ratio_to_token_limit=round(link_us * self.limit / self.token_limit
                                                   / step_us, 3),
                        target_us=round(target, 1), meets_target=step_us <= target)
@@ -390,13 +391,17 @@ def _triton_version() -> str:
 def _print(result: dict[str, Any]) -> None:
     if result["limit_h2d_gbps"]:
         print(f"H2D limit: {result['limit_h2d_gbps']} GB/s   target: {result['target']}")
+    # medians of the steps, then the mean step the ratio and the target use (mean link us /
+    # mean step us: the bytes of every step over the time of every step)
     print(f"{'batch':>5} {'overlap':>7} {'config':>6} {'ctas':>4} {'eager us':>9} {'graph us':>9} "
-          f"{'tokens':>7} {'MB':>7} {'link us':>8} {'ratio':>6} {'issue us/l':>10} target  check")
+          f"{'tokens':>7} {'MB':>7} {'mean us':>8} {'link us':>8} {'ratio':>6} {'issue us/l':>10} "
+          "target  check")
     for r in result["rows"]:
         print(f"{r['batch']:>5} {r['overlap']:>7.2f} {r['config']:>6} {r['ctas']:>4} "
               f"{r['step_us_eager']:>9.1f} "
               f"{r['step_us_graph']!s:>9} {r['tokens_per_step']:>7} "
-              f"{r['bytes_per_step'] / 1e6:>7.2f} {r.get('link_us', '-')!s:>8} "
+              f"{r['bytes_per_step'] / 1e6:>7.2f} {r.get('step_us_mean', '-')!s:>8} "
+              f"{r.get('link_us', '-')!s:>8} "
               f"{r.get('ratio_to_limit', '-')!s:>6} {r['issue_us_per_layer']:>10} "
               f"{str(r.get('meets_target', '-')):<7} {'verified' if r['verified'] else 'WRONG'}")
     if result.get("token_read_sweep"):
