@@ -579,3 +579,41 @@ def test_backup_with_alloc_is_one_round_trip_and_loads_back(worker):
     assert e.value.code == "bad_rows" and usage(c) == used
     c.free(op.rows, request="conv-7")
     assert usage(c) == before_usage
+
+
+def test_an_ack_in_a_late_poll_reply_is_kept():
+    """A ``poll_acks`` reply that comes after its call timed out still hands its acks over
+    (the daemon gave them up when it answered): they used to be dropped with the reply, so
+    with the push lost too, every later ``wait_ack`` of the op timed out though it completed."""
+    import os
+    import signal
+
+    import pytest
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.acks import DaemonUnreachable
+    from hicache.engine.device_pools import DevicePools
+    from lossy_daemon import lossy
+
+    rows = {"page": 16, "swa_page": 16, "req_slot": 4}
+    with lossy(device="cpu", preset="dsv4-tiny",
+               device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+               env={"HICACHE_INLINE_MAX_BYTES": "1"}) as d, \
+            DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
+        c = d.client(channel=False)
+        try:
+            c.register(pools)
+            host = c.alloc({"page": 2})
+            op = c.backup({"page": ([0, 1], host["page"])})
+            assert op.ack is None  # queued: its ack is pushed (and lost) later
+            time.sleep(0.5)
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DaemonUnreachable):  # the poll times out
+                    c.wait_ack(op, timeout=0.4)
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            time.sleep(0.3)  # the daemon answers that poll now, late, with the ack
+            assert c.wait_ack(op, timeout=3).ok
+        finally:
+            c.close()

@@ -306,7 +306,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def _reply_to(self, cmd: str, rid: int, deadline: float, now: float, timeout: float
                   ) -> tuple[dict[str, Any], list[Any]]:
         """Wait for the reply to request ``rid`` (keeping the pushes that come meanwhile, and
-        dropping a late copy of an earlier reply)."""
+        dropping a late reply to an earlier call, but for the acks it carries)."""
         while True:
             left = deadline - now
             got = self._recv(max(1, int(left * 1000))) if left > 0 else None
@@ -318,7 +318,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 continue
             h, arr = got
             if h.get("id") != rid:  # a push (it has no id), or a late reply to a call that
-                self._pushed(h)  # timed out (dropped)
+                self._pushed(h)  # timed out: dropped, but for the acks it carries
                 now = time.monotonic()
                 continue
             if not h.get("ok"):

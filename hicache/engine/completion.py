@@ -39,7 +39,8 @@ class Completion:
     stage_layers: list
 
     def _pushed(self, h: Mapping[str, Any]) -> bool:
-        """Keep a pushed message: an ack, or a GPU load's "issued" notice. False for replies."""
+        """Keep a pushed message: an ack, or a GPU load's "issued" notice. False for replies
+        (read here only when late: their acks are kept, ``_late_reply``)."""
         k = h.get("k")
         if k == "ack":
             self._keep_ack(h)
@@ -55,7 +56,17 @@ class Completion:
             while len(self._issued) > ACK_KEEP:
                 self._issued.popitem(last=False)
             return True
+        self._late_reply(h)
         return False
+
+    def _late_reply(self, h: Mapping[str, Any]) -> None:
+        """A reply to a call that timed out: its caller is gone, but the acks it carries (a
+        ``poll_acks`` reply's, which the daemon no longer holds; an inline one) are kept."""
+        if h.get("ok"):
+            for a in h.get("acks", ()):
+                self._keep_ack(a)
+            if "ack" in h:
+                self._keep_ack(h["ack"])
 
     def _keep_ack(self, h: Mapping[str, Any]) -> Ack:
         """Keep an ack until it is taken; one whose op was handed out already (``_taken``: the
