@@ -692,3 +692,36 @@ def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
         if st.wake_socket is not None:
             st.wake_socket.close()
         h.close()
+
+
+def test_registering_again_after_a_reap_or_a_restart_gets_a_new_channel():
+    """The documented recovery (``register`` again) after the daemon reaped the client, or
+    was killed and restarted on the same address: the held channel is dropped and a new one
+    asked for. After a reap it registered on ZMQ for good; after a restart ``register`` went
+    into the dead daemon's channel and raised ``DaemonUnreachable``."""
+    import glob
+
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       heartbeat_timeout=1.0, extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        c = d.client()
+        old = d.pid
+        try:
+            c.register(pools)
+            chan = c._chan.chan
+            end = time.monotonic() + 15
+            while not chan.peer_closed() and time.monotonic() < end:
+                time.sleep(0.1)  # silent: reaped, its channel closed by the daemon
+            assert chan.peer_closed()
+            c.register(pools)
+            assert c.uses_channel and c._chan.chan is not chan
+            os.kill(d.pid, signal.SIGKILL)
+            d.proc.wait(10)
+            d.start()  # a new daemon on the same address
+            c.register(pools)
+            assert c.uses_channel and c.heartbeat()["pid"] == d.pid
+        finally:
+            c.close()
+            for f in glob.glob(f"/dev/shm/{C.WAKE_PREFIX}{old}-*"):
+                os.unlink(f)  # the killed daemon's wake-up socket file

@@ -348,6 +348,12 @@ class ClientEnd:
         if not WakeSocket.ring(self._wake):
             raise ConnectionError("its wake-up socket refuses: the daemon is gone")
 
+    def usable(self) -> bool:
+        """Whether requests may still go this way: the daemon has not closed the channel (a
+        reap, an unregister) and its wake-up socket takes a ring (a spurious wake-up; it
+        refuses once the daemon that made it is gone, say killed and restarted)."""
+        return not self.chan.peer_closed() and WakeSocket.ring(self._wake)
+
     def close(self) -> None:
         self.chan.close()
         self._wake.close()

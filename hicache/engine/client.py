@@ -374,6 +374,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                   "buffers": dict(buffers), "mode": mode, "tp_rank": tp_rank, "name": name}
         if handles:
             fields["events"] = handles
+        if self._chan is not None and not self._chan.usable():  # reaped, or the daemon was
+            self._close_channel()  # restarted: a new registration asks for a new channel
         if self._want_channel is not False and self._chan is None:
             self.channel(timeout)  # first: a refused channel=True registers nothing
         h, _ = self.call("register", fields, timeout=timeout)
