@@ -108,7 +108,8 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
                                 load_events)
     c.reaped = None  # registered afresh: the old client's reap is no news any more
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
-            "stage_layers": list(st.stage_layers), "load_events": load_handles}, []
+            "stage_layers": list(st.stage_layers), "load_events": load_handles,
+            "heartbeat_timeout": st.heartbeat_timeout}, []
 
 
 def _short(v: Any) -> str:

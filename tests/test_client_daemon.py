@@ -617,3 +617,19 @@ def test_an_ack_in_a_late_poll_reply_is_kept():
             assert c.wait_ack(op, timeout=3).ok
         finally:
             c.close()
+
+
+def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_factory):
+    """``register`` tells the client the daemon's heartbeat timeout, so an idle engine calling
+    ``maybe_heartbeat`` is not reaped under a timeout below its 3 s default interval (it was,
+    at 2 s, and its host rows were freed)."""
+    d = daemon_factory(heartbeat_timeout=2.0, metrics=False)
+    with DevicePools(FLASH, ROWS) as pools, d.client() as c:
+        h = c.register(pools)
+        assert h["heartbeat_timeout"] == 2.0 and c.heartbeat_interval < 1.0
+        end = time.monotonic() + 5
+        while time.monotonic() < end:  # the engine's idle loop
+            c.maybe_heartbeat()
+            time.sleep(0.05)
+        assert c.heartbeat()["registered"]
+        c.unregister()

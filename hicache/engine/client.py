@@ -333,8 +333,12 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def heartbeat(self, full: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """Tell the daemon we are alive; ``full`` adds its layout, host rows and stage layers."""
         h, _ = self.call("heartbeat", {"full": True} if full else None, timeout=timeout)
-        self.heartbeat_interval = max(0.1, float(h.get("heartbeat_timeout", 9.0)) / 3)
+        self._heartbeat_from(h)
         return h
+
+    def _heartbeat_from(self, h: dict[str, Any]) -> None:
+        """``maybe_heartbeat``'s interval: a third of the daemon's heartbeat timeout."""
+        self.heartbeat_interval = max(0.1, float(h.get("heartbeat_timeout", 9.0)) / 3)
 
     def maybe_heartbeat(self) -> bool:
         """Heartbeat only if nothing was sent for ``heartbeat_interval``; True when sent."""
@@ -380,6 +384,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self.channel(timeout)  # first: a refused channel=True registers nothing
         h, _ = self.call("register", fields, timeout=timeout)
         self.registered = h
+        if "heartbeat_timeout" in h:  # ``maybe_heartbeat`` keeps this registration alive
+            self._heartbeat_from(h)
         self.row_epoch += 1
         self.stage_layers = list(h.get("stage_layers", []))
         self._layer_pos = {g: i for i, g in enumerate(self.stage_layers)}
