@@ -187,7 +187,11 @@ class DaemonProcess:
                                             name="daemon-output", daemon=True)
             self._reader.start()
         self.starts += 1
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # not ready, or interrupted (Ctrl-C): no daemon outlives it
+            self.kill()
+            raise
         return self
 
     def _drain(self, f: IO[bytes]) -> None:
@@ -211,15 +215,19 @@ class DaemonProcess:
                     last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["(no output)"]
                     raise RuntimeError(f"the daemon exited with status {self.proc.returncode}: "
                                        f"{last[0]}\n--- daemon output ---\n{out}")
+                # ready when *this* daemon answers: another one may serve the address (ours
+                # then exits, refused, and the check above reports it)
                 try:
-                    c.heartbeat(timeout=0.5)
-                    return
+                    if c.heartbeat(timeout=0.5).get("pid") == self.proc.pid:
+                        return
+                    time.sleep(0.05)
                 except DaemonUnreachable:
-                    if time.monotonic() > deadline:
-                        self.kill()
-                        raise RuntimeError(
-                            f"the daemon did not answer a heartbeat within {timeout:g} s\n"
-                            f"--- daemon output ---\n{self.output(4000)}") from None
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(
+                        f"the daemon did not answer a heartbeat within {timeout:g} s\n"
+                        f"--- daemon output ---\n{self.output(4000)}") from None
 
     def restart(self, ready_timeout: float | None = None,
                 sig: int = signal.SIGTERM) -> "DaemonProcess":
@@ -260,7 +268,11 @@ class DaemonProcess:
                 shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "DaemonProcess":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # ``__exit__`` will not run: the private directory goes here
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -1,0 +1,53 @@
+"""``DaemonProcess`` (how the demo, the benches and the tests start a daemon): ready only when
+its own daemon answers, and nothing left behind by a start that fails or is interrupted."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from hicache.engine.daemon_process import DaemonProcess
+
+ROWS = "page=8,swa_page=8,req_slot=4"
+
+
+def test_start_is_not_fooled_by_another_daemon_on_the_address(tmp_path):
+    """Another daemon serves the address: the new one exits, refused, and ``start`` says so
+    (it used to take the other daemon's heartbeat for its own and report ready)."""
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=ROWS) as a:
+        b = DaemonProcess(a.address, device="cpu", preset="dsv4-tiny", device_rows=ROWS,
+                          log_path=str(tmp_path / "b.log"))
+        try:
+            with pytest.raises(RuntimeError, match="exited with status 2"):
+                b.start()
+        finally:
+            b.close()
+        assert a.alive()
+
+
+def test_a_failed_enter_leaves_no_private_directory():
+    d = DaemonProcess(device="cpu", preset="dsv4-tiny", extra=("--no-such-flag",))
+    assert d.dir and os.path.isdir(d.dir)
+    with pytest.raises(RuntimeError):
+        with d:
+            pass
+    assert not os.path.isdir(d.dir)
+
+
+def test_an_interrupted_start_leaves_no_daemon_and_no_directory():
+    """Ctrl-C while ``start`` waits for the first heartbeat: the daemon it launched is
+    stopped and its directory removed (the daemon kept running)."""
+    d = DaemonProcess(device="cpu", preset="dsv4-tiny", exit_with_parent=False)
+    t = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident,
+                                                         signal.SIGINT))
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with d:
+                pass
+        assert not d.alive() and not os.path.isdir(d.dir)
+    finally:
+        t.cancel()
+        d.close()
