@@ -633,3 +633,14 @@ def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_
             time.sleep(0.05)
         assert c.heartbeat()["registered"]
         c.unregister()
+
+
+def test_device_pools_close_unmaps_its_memory():
+    """CPU mode: ``close`` unlinks the shm file and unmaps it (the whole device KV stayed
+    mapped, and resident, while the object lived)."""
+    p = DevicePools(FLASH, ROWS)
+    path = p.path
+    p.close()
+    with open("/proc/self/maps") as f:
+        assert not [ln for ln in f if os.path.basename(path) in ln]
+    assert not os.path.exists(path)

@@ -107,11 +107,19 @@ class DevicePools:
         return sum(t.numel() for layers in self.layers.values() for t in layers)
 
     def close(self) -> None:
-        """Drop the tensors; in CPU mode unlink the shm file (the daemon's mapping stays valid)."""
+        """Drop the tensors; in CPU mode unlink the shm file (the daemon's mapping stays valid)
+        and unmap it here, unless a caller still holds a view of it (then it goes with that
+        view)."""
         self.layers = {}
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view outlives this object: the mapping stays with it
+                pass
+            self._mm = None
 
     def __enter__(self) -> "DevicePools":
         return self
