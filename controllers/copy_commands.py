@@ -296,9 +296,12 @@ def _layer_events(st: DaemonState, w: RegisteredWorker, op: Operation) -> dict[s
 def _issued(op: Operation, extra: dict[str, Any]) -> dict[str, Any]:
     """GPU: how many stage layers' events are recorded as the reply goes out (layer 0's; the
     rest follow right after the reply, then an "issued" push). A launch that failed issues
-    nothing more: all count as issued, and the ack reports the failure."""
+    nothing more: all count as issued, ``failed`` says so (its events hold older records: the
+    engine waits for the ack, which reports the failure)."""
     if "event_set" in extra:
         extra["issued"] = op.issued if op.rest is not None else len(op.stage_layers)
+        if not op.ok:
+            extra["failed"] = True
     return extra
 
 

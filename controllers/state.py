@@ -119,7 +119,7 @@ class DaemonState:
         # loads (handed to the issuer: ``scheduler.defer_issue``); accounting of inline ops
         self.post: list[tuple[Operation, ClientState | None]] = []
         # "issued" pushes: (client, op id, layers issued; None: all of them)
-        self.notices: list[tuple[ClientState, int, int | None]] = []
+        self.notices: list[tuple[ClientState, int, int | None, bool]] = []  # (.., failed)
         self.outbox: list[tuple[ClientState, dict[str, Any]]] = []  # acks for the server to send
         self.l3: Any = None  # controllers.l3_store.MooncakeL3 when serving with --l3
         self.l3_ns = ""  # the namespace of this stage's L3 objects
@@ -329,12 +329,12 @@ class DaemonState:
         for op, n in progress:  # before the op's last notice and its ack
             entry = self.ops.get(op.op_id)
             if entry is not None:
-                self.notices.append((entry[1], op.op_id, n))
+                self.notices.append((entry[1], op.op_id, n, False))
         for op in issued:  # before completions: notice, then ack
             self.metrics.observe("load_issue_seconds", op.issue_s)
             entry = self.ops.get(op.op_id)
             if entry is not None:
-                self.notices.append((entry[1], op.op_id, None))
+                self.notices.append((entry[1], op.op_id, None, not op.ok))
         done = self.scheduler.take_completed()
         if done:
             mark = self.watch.begin()

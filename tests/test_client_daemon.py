@@ -644,3 +644,27 @@ def test_device_pools_close_unmaps_its_memory():
     with open("/proc/self/maps") as f:
         assert not [ln for ln in f if os.path.basename(path) in ln]
     assert not os.path.exists(path)
+
+
+def test_wait_layer_of_a_load_said_failed_waits_for_its_ack(daemon_factory):
+    """A GPU load whose issue failed records no more events: its layers' events hold an older
+    load's records, which read as done. The reply or the "issued" notice now says ``failed``
+    and ``wait_layer`` waits for the ack (which reports the failure) instead of returning on
+    a stale event before that ack arrived. Driven here with stand-in events: the daemon has
+    no such op, so the wait ends in ``AckTimeout``, never in a normal return."""
+    from hicache.engine.acks import AckTimeout, Op
+
+    class Stale:  # an event an earlier load recorded: done
+        def query(self) -> bool:
+            return True
+
+    d = daemon_factory(metrics=False)
+    with d.client() as c:
+        c._load_events = [[Stale(), Stale()]]
+        c.stage_layers, c._layer_pos = [0, 1], {0: 0, 1: 1}
+        c._pushed({"v": 1, "k": "issued", "op": 7001, "failed": True})
+        for op in (Op(7001, "load", event_set=0, issued=None),
+                   Op(7002, "load", event_set=0, issued=None, failed=True)):
+            with pytest.raises(AckTimeout):
+                c.wait_layer(op, 1, timeout=0.5)
+        c.wait_layer(Op(7003, "load", event_set=0, issued=None), 1, timeout=0.5)  # not failed

@@ -301,12 +301,15 @@ def encode_ack(ack: dict[str, Any]) -> list[bytes]:
     return [_dumps(h)]
 
 
-def encode_issued(op_id: int, layers: int | None = None) -> list[bytes]:
+def encode_issued(op_id: int, layers: int | None = None, failed: bool = False) -> list[bytes]:
     """The "issued" push: every layer of load ``op_id`` (``layers`` None), or its first
-    ``layers`` stage layers, have their events recorded."""
+    ``layers`` stage layers, have their events recorded; ``failed``: its issue failed, so
+    the layers it did not record hold older records (wait for its ack)."""
     h: dict[str, Any] = {"v": VERSION, "k": "issued", "op": op_id}
     if layers is not None:
         h["layers"] = layers
+    if failed:
+        h["failed"] = True
     return [_dumps(h)]
 
 

@@ -84,3 +84,4 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
     # GPU load: stage layers whose events were recorded when the reply left (None: all)
     issued: int | None = None
+    failed: bool = False  # GPU load: the reply or a notice said its issue failed

@@ -146,6 +146,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._taken: OrderedDict[int, None] = OrderedDict()
         # GPU loads' "issued" pushes: layers issued so far (None: all of them)
         self._issued: OrderedDict[int, int | None] = OrderedDict()
+        self._failing: OrderedDict[int, None] = OrderedDict()  # loads a notice said failed
         self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._spin_set = reply_spin_us  # None: chosen at register (GPU or not)
         self._reply_spin = (reply_spin_us or 0.0) * 1e-6
@@ -459,7 +460,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         ack = self._acks.pop(h["op"], None) if "ack" in h else None
         rows = {s: list(arrays[i]) for s, i in h["rows"].items()} if "rows" in h else None
         return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows,
-                  issued=h.get("issued"))
+                  issued=h.get("issued"), failed=bool(h.get("failed")))
 
     def backup(self, items: Items, *, wait_event: int | None = None,
                timeout: float | None = None) -> Op:

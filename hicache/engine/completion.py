@@ -34,6 +34,7 @@ class Completion:
     _acks: OrderedDict[int, Ack]
     _taken: OrderedDict[int, None]  # ops whose ack went to the caller (newest ACK_KEEP)
     _issued: OrderedDict[int, int | None]
+    _failing: OrderedDict[int, None]
     _load_events: list
     _layer_pos: dict
     stage_layers: list
@@ -47,6 +48,10 @@ class Completion:
             return True
         if k == "issued":
             op, n = int(h["op"]), h.get("layers")
+            if h.get("failed"):
+                self._failing[op] = None
+                while len(self._failing) > ACK_KEEP:
+                    self._failing.popitem(last=False)
             if n is None:
                 self._issued[op] = None
             else:  # a progress notice: it only ever grows, and never undoes the last one
@@ -171,6 +176,10 @@ class Completion:
         self._check_failed(op)
         if op.issued is not None and pos >= op.issued:
             self._wait_issued(op, pos, timeout)
+            self._check_failed(op)
+        if op.failed or op.op_id in self._failing:  # the layers it did not record hold older
+            a = self.wait_ack(op, timeout, check=False)  # records: its ack says what failed
+            self._acks[a.op] = a  # (still the caller's to take with wait_ack)
             self._check_failed(op)
         ev = self._load_events[op.event_set][pos]
         # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
