@@ -7,11 +7,11 @@ The daemon calls, for every operation:
 
 * ``check_readable(group, pool, rows, what)`` — in the handler of a load / swap-in, after the
   ownership check: raises ``ProtocolError("not_written")`` naming the first unwritten row.
-* ``begin_writes(group, op, writing)`` — when a backup / swap-out is accepted (before it
+* ``begin_writes(group, op, landing)`` — when a backup / swap-out is accepted (before it
   runs): its UNWRITTEN rows become STALE; rows a token-granular item writes only part of are
-  zeroed first and become CLEAN, unless another write into them is in flight (``writing``,
-  the row tracker's counts: an earlier write failed and made them UNWRITTEN while a later one
-  may be landing): those become STALE, never zeroed under that write.
+  zeroed first and become CLEAN, unless another write into the same pool's row is in flight
+  (``landing``: an earlier write failed and made the row UNWRITTEN while a later one may be
+  landing): those become STALE, never zeroed under that write.
 * ``end_writes(group, op)`` — when it completed (before its rows can be released): WRITTEN if
   it succeeded (a token item's rows only where CLEAN: never a row whose other bytes may be a
   previous owner's, e.g. a whole-row write into it failed or is still in flight), else back
@@ -28,7 +28,7 @@ kernels never dereference a host pointer the GPU cannot use.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from hicache.core.id_sets import sorted_unique
 from hicache.core.protocol import ProtocolError
@@ -48,7 +48,7 @@ def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> Non
                                            f"has completed since it was allocated)")
 
 
-def _host_rows(it: Any) -> Any:
+def written_rows(it: Any) -> Any:
     """Host rows an item of a writing op writes (a list when it names only a few rows)."""
     ids = it.dst_ids
     if it.fmt is not None:  # token-granular: the pages of its tokens
@@ -56,32 +56,38 @@ def _host_rows(it: Any) -> Any:
     return ids.list() if ids.n <= FEW_ROWS else ids.np()
 
 
-def begin_writes(group: HostPoolGroup, op: Any, writing: dict[str, Any] | None = None) -> None:
-    """``writing``: per index space, the in-flight writes per row (the row tracker's): a
-    token item never zeroes a row another write is landing in (``HostPoolGroup.begin_write``)."""
+Landing = Callable[[str, str, Any], "set[int] | None"]  # (pool, space, rows) -> rows written
+
+
+def begin_writes(group: HostPoolGroup, op: Any, landing: Landing | None = None) -> None:
+    """``landing(pool, space, rows)``: the rows among ``rows`` that another write in flight
+    writes into that pool (``DaemonState.landing``): a token item never zeroes one
+    (``HostPoolGroup.begin_write``)."""
     if op.kind in WRITES:
         for it in op.items:  # a token item writes part of a row: zero it first if unwritten
-            partial = it.fmt is not None
-            group.begin_write(it.pool, _host_rows(it), partial,
-                              writing[group.pools[it.pool].spec.index] if partial and writing else None)
+            partial, rows = it.fmt is not None, written_rows(it)
+            busy = landing(it.pool, group.pools[it.pool].spec.index, rows) \
+                if partial and landing is not None else None
+            group.begin_write(it.pool, rows, partial, busy)
 
 
 def end_writes(group: HostPoolGroup, op: Any) -> None:
     if op.kind in WRITES:
         for it in op.items:
-            group.end_write(it.pool, _host_rows(it), op.ok, it.fmt is not None,
+            group.end_write(it.pool, written_rows(it), op.ok, it.fmt is not None,
                             overwritten=not op.ok)
 
 
 def begin_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any,
-               partial: Any = frozenset(), writing: dict[str, Any] | None = None) -> None:
+               partial: Any = frozenset(), landing: Landing | None = None) -> None:
     """An L3 prefetch into ``host`` [(space, rows, writes)] was accepted: the pools
     ``pools[space]`` are being written there (those in ``partial`` only in part: their rows are
     zeroed first if unwritten, as for a token-granular backup)."""
     for space, rows, _ in host:
         for pool in pools[space]:
-            group.begin_write(pool, rows, zero=pool in partial,
-                              writing=writing[space] if writing else None)
+            zero = pool in partial
+            group.begin_write(pool, rows, zero, landing(pool, space, rows)
+                              if zero and landing is not None else None)
 
 
 def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages: int,

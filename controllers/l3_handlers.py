@@ -122,7 +122,7 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
         pools = job.fmt.pools()
         job.pools = {s: list(p) for s, p in pools.items()}
         job.partial = {p for ps in pools.values() for p, part in ps.items() if part}
-        begin_fill(st.group, job.pools, host, partial=job.partial, writing=st.tracker.writers)
+        begin_fill(st.group, job.pools, host, partial=job.partial, landing=st.landing)
     st.tracker.begin(host)
     st.l3_rows.begin(host)
     c.in_flight += 1

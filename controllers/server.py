@@ -377,7 +377,8 @@ class Server:
         st = self.state
         if st.notices:
             notices, st.notices = st.notices, []
-            for c, op_id, n, failed in notices:  # False: peer gone or full; its ack still says it is done
+            # a send that fails (peer gone or full) loses nothing: its ack still says it is done
+            for c, op_id, n, failed in notices:
                 if st.registry.clients.get(c.ident) is c:  # (not to a later client of its identity)
                     self._send(c.ident, P.encode_issued(op_id, n, failed))
         if not st.outbox:

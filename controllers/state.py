@@ -42,7 +42,7 @@ from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .background import Unmapper
-from .host_access import begin_writes, end_fill, end_writes, host_table
+from .host_access import WRITES, begin_writes, end_fill, end_writes, host_table, written_rows
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
@@ -257,7 +257,7 @@ class DaemonState:
         right after the reply goes out and before it reads another command or takes a
         completion: a GPU load's layer 0 and its reply do not wait for it. Until then the row
         tracker does not list its rows, so ``release_ready`` frees nothing meanwhile."""
-        begin_writes(self.group, op, self.tracker.writers)  # (its own rows are not there yet)
+        begin_writes(self.group, op, self.landing)  # (its own rows are not in flight yet)
         if self.scheduler.run_inline(op):
             end_writes(self.group, op)
             self.post.append((op, None))
@@ -456,6 +456,25 @@ class DaemonState:
         else:
             forget = why == "unregister"
         return self.releaser.start(c, why, ops, worker, cancel=[], forget=forget)
+
+    def landing(self, pool: str, space: str, rows: Any) -> set[int] | None:
+        """The rows of ``pool`` among ``rows`` (of index space ``space``) that an operation in
+        flight writes: a backup or swap-out naming the pool, or an L3 prefetch filling it.
+        The row tracker's per-space counts rule most rows out first; None when none."""
+        w = self.tracker.writers[space]
+        cand = {r for r in (rows if isinstance(rows, list) else rows.tolist()) if w[r]}
+        if not cand:
+            return None
+        hit: set[int] = set()
+        for op, _ in self.ops.values():
+            if op.kind in WRITES:
+                for it in op.items:
+                    if it.pool == pool:
+                        hit.update(cand.intersection(rows_np(written_rows(it)).tolist()))
+        for job in self.l3_ops.values():
+            if job.kind == "prefetch" and pool in job.pools.get(space, ()):
+                hit.update(cand.intersection(d[space] for d in job.rows if space in d))
+        return hit or None
 
     def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
         """A peer that never registered and holds nothing (no worker, key-store pools,

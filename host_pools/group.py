@@ -21,7 +21,7 @@ Contract:
   partial write into it was accepted and zeroed it first: zeros or the owner's bytes only),
   ``WRITTEN`` (a write into it completed: readable). ``begin_write(pool, rows, zero)`` (at a
   write's acceptance; ``zero=True`` for a partial write, a token backup: UNWRITTEN rows are
-  zeroed and become CLEAN, but for rows another write is landing in (``writing``), which
+  zeroed and become CLEAN, but for rows another write is landing in (``landing``), which
   become STALE; else they become STALE), ``end_write(pool, rows, ok, partial)`` (at
   its completion: a whole-row write's rows become WRITTEN; a partial write's only where they
   are CLEAN, never where a previous owner's bytes may remain, STALE or UNWRITTEN again after
@@ -40,7 +40,7 @@ seam tests use to inject a failing allocator.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 import torch
@@ -127,13 +127,14 @@ class HostPoolGroup:
         for a in self._np_layers[pool]:
             a[rows] = 0
 
-    def begin_write(self, pool: str, rows: Any, zero: bool, writing: Any = None) -> int:
+    def begin_write(self, pool: str, rows: Any, zero: bool,
+                    landing: Collection[int] | None = None) -> int:
         """A write into ``rows`` of ``pool`` was accepted: UNWRITTEN rows are zeroed and become
-        CLEAN when ``zero`` (a partial write), else they become STALE. ``writing``: per row
-        of the pool's index space, how many other writes into it are in flight; a partial
-        write never zeroes such a row (that write may be landing: an earlier write into the
-        row failed and made it UNWRITTEN) but marks it STALE, so it becomes readable only
-        when a whole-row write into it completes. Returns the rows zeroed."""
+        CLEAN when ``zero`` (a partial write), else they become STALE. ``landing``: rows of
+        this pool another write in flight writes into; a partial write never zeroes one (that
+        write may be landing: an earlier write into the row failed and made it UNWRITTEN)
+        but marks it STALE, so it becomes readable only when a whole-row write into it
+        completes. Returns the rows zeroed."""
         with self._lock:
             if len(rows) <= FEW_ROWS:  # a few rows (a list or an array): scalar reads, no fancy ops
                 w = self._written_mv[pool]
@@ -144,11 +145,11 @@ class HostPoolGroup:
                     for r in fresh:
                         w[r] = STALE
                     return 0
-                if writing is not None:
+                if landing:
                     for r in fresh:
-                        if writing[r]:
+                        if r in landing:
                             w[r] = STALE
-                    fresh = [r for r in fresh if not writing[r]]
+                    fresh = [r for r in fresh if r not in landing]
                     if not fresh:
                         return 0
                 self._zero(pool, np.array(fresh, dtype=np.int64))
@@ -161,10 +162,10 @@ class HostPoolGroup:
             if not zero:
                 w[fresh] = STALE
                 return 0
-            if writing is not None and fresh.size:
-                landing = writing[fresh] > 0
-                w[fresh[landing]] = STALE
-                fresh = fresh[~landing]
+            if landing and fresh.size:
+                hit = np.isin(fresh, np.fromiter(landing, np.int64, len(landing)))
+                w[fresh[hit]] = STALE
+                fresh = fresh[~hit]
             if fresh.size:
                 self._zero(pool, fresh)
                 w[fresh] = CLEAN

@@ -175,5 +175,9 @@ def test_state_queues_progress_then_the_end_and_skips_loads_of_gone_clients():
     st.notices, st.l3_ops = [], {}
     st.releaser = SimpleNamespace(pending=False)
     assert st.collect() == 0
-    assert st.notices == [(client, 1, 2), (client, 1, 4), (client, 1, None)]
+    assert st.notices == [(client, 1, 2, False), (client, 1, 4, False), (client, 1, None, False)]
     assert observed == ["load_issue_seconds"]
+    a.ok, st.notices = False, []  # an issue that failed: its last notice says so
+    st.scheduler.take_issued = lambda: ([], [a])
+    assert st.collect() == 0
+    assert st.notices == [(client, 1, None, True)]

@@ -289,16 +289,14 @@ def test_a_token_write_never_zeroes_rows_another_write_is_landing_in(n):
         r = g.alloc({"page": n}, ("b", None))["page"].numpy()
         rt = torch.from_numpy(r)
         pool = lay.space_pools("page")[0].name
-        writing = np.zeros(32, np.int32)  # the row tracker's in-flight writes of the space
         g.begin_write(pool, r, zero=False)  # A
         g.begin_write(pool, r, zero=False)  # B
-        writing[r] += 2
         g.end_write(pool, r, ok=False, overwritten=True)  # A failed
-        writing[r] -= 1
+        landing = set(r.tolist())  # B still writes them (``DaemonState.landing``)
         assert g.unwritten(pool, r).size == n
         for t in g.pools[pool].layers:
             t[rt] = 9  # B's bytes, landing
-        assert g.begin_write(pool, r, zero=True, writing=writing) == 0  # nothing zeroed
+        assert g.begin_write(pool, r, zero=True, landing=landing) == 0  # nothing zeroed
         assert all((t[rt] == 9).all() for t in g.pools[pool].layers)
         assert (g.written[pool][r] == STALE).all()
         g.end_write(pool, r, ok=True)  # B completes
@@ -306,6 +304,38 @@ def test_a_token_write_never_zeroes_rows_another_write_is_landing_in(n):
         assert g.unwritten(pool, r).size == 0
         assert all((t[rt] == 9).all() for t in g.pools[pool].layers)
         r2 = g.alloc({"page": n}, ("b", None))["page"].numpy()
-        assert g.begin_write(pool, r2, zero=True, writing=writing) == n  # none in flight
+        assert g.begin_write(pool, r2, zero=True, landing=landing) == n  # none in flight
         assert (g.written[pool][r2] == CLEAN).all()
         g.check_invariants()
+
+
+def test_the_rows_a_token_write_must_not_zero_are_those_of_its_own_pool():
+    """``DaemonState.landing``: a row is kept from zeroing only when an operation in flight
+    writes that row *of the same pool*. Another pool's write into the same host row (a
+    space's pools share row ids) does not count: the first version of this check took the
+    row tracker's per-space counts alone, and a token backup beside another pool's backup
+    left its row unreadable (the soak's load was refused ``not_written``)."""
+    from hicache.controllers.metrics import Metrics
+    from hicache.controllers.ops import Ids, Item, Operation
+    from hicache.controllers.registry import Registry
+    from hicache.controllers.scheduler import Scheduler
+    from hicache.controllers.state import DaemonState
+
+    lay = build_layout(preset("dsv4-tiny"))
+    a, b = [p.name for p in lay.space_pools("page")][:2]
+    with HostPoolGroup(lay, {"page": 16, "swa_page": 4, "req_slot": 4}) as g:
+        sched = Scheduler(torch.device("cpu"), lambda: None)
+        try:
+            st = DaemonState(lay, g, sched, Registry(8, 64), Metrics(process_metrics=False),
+                             torch.device("cpu"), heartbeat_timeout=60, load_event_sets=1,
+                             shm_dirs=("/dev/shm",))
+            ids = Ids.of(np.array([3, 5], dtype=np.int64))
+            op = Operation(1, "c", "backup", [Item(a, None, None, ids, ids, None, (0,), 1)],
+                           [("page", ids.np(), True)])
+            st.tracker.begin(op.host)
+            st.ops[1] = (op, object())
+            assert st.landing(a, "page", [3, 4, 5]) == {3, 5}  # its own pool's rows
+            assert st.landing(b, "page", [3, 4, 5]) is None  # another pool's: not landing
+            assert st.landing(a, "page", np.array([4, 6])) is None
+        finally:
+            sched.close()
