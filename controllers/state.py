@@ -462,7 +462,11 @@ class DaemonState:
         flight writes: a backup or swap-out naming the pool, or an L3 prefetch filling it.
         The row tracker's per-space counts rule most rows out first; None when none."""
         w = self.tracker.writers[space]
-        cand = {r for r in (rows if isinstance(rows, list) else rows.tolist()) if w[r]}
+        if isinstance(rows, list):  # a few rows (``written_rows``)
+            cand = {r for r in rows if w[r]}
+        else:
+            a = rows_np(rows)
+            cand = set(a[w[a] > 0].tolist())
         if not cand:
             return None
         hit: set[int] = set()

@@ -335,7 +335,16 @@ def test_the_rows_a_token_write_must_not_zero_are_those_of_its_own_pool():
             st.tracker.begin(op.host)
             st.ops[1] = (op, object())
             assert st.landing(a, "page", [3, 4, 5]) == {3, 5}  # its own pool's rows
+            assert st.landing(a, "page", np.array([3, 4, 5])) == {3, 5}
             assert st.landing(b, "page", [3, 4, 5]) is None  # another pool's: not landing
             assert st.landing(a, "page", np.array([4, 6])) is None
+            # an L3 prefetch in flight that fills pool b's row 4 lands there too
+            from types import SimpleNamespace
+
+            st.tracker.begin([("page", np.array([4]), True)])
+            st.l3_ops[2] = SimpleNamespace(kind="prefetch", pools={"page": [b]},
+                                           rows=[{"page": 4}])
+            assert st.landing(b, "page", [3, 4, 5]) == {4}
+            assert st.landing(a, "page", [3, 4, 5]) == {3, 5}
         finally:
             sched.close()
