@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
+from hicache.core.model import brief
 from hicache.core import wire_json
 from hicache.core.protocol import COMMANDS, MAX_HEADER_BYTES, VERSION, ProtocolError
 from hicache.core.version import __version__
@@ -73,7 +74,8 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     mine, theirs = st.layout.to_dict(), layout.to_dict()
     if theirs != mine:
         diff = [k for k in mine if mine[k] != theirs.get(k)]
-        detail = "; ".join(f"{k}: daemon {_short(mine[k])} vs worker {_short(theirs.get(k))}"
+        detail = "; ".join(f"{k}: daemon {brief(mine[k], 120)} "
+                           f"vs worker {brief(theirs.get(k), 120)}"
                            for k in diff)
         raise ProtocolError("layout_mismatch", f"the worker's layout differs from the daemon's: {detail}")
     dev_rows = h["device_rows"]
@@ -81,7 +83,7 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     if not isinstance(dev_rows, dict) or sorted(dev_rows) != spaces or \
             any(type(v) is not int or v <= 0 for v in dev_rows.values()):
         raise ProtocolError("bad_field", f"device_rows must give a positive row count for exactly the "
-                                f"spaces {spaces}, got {_short(dev_rows)}")
+                                f"spaces {spaces}, got {brief(dev_rows, 120)}")
     tp_rank = h.get("tp_rank", 0)
     if tp_rank < 0:
         raise ProtocolError("bad_field", "tp_rank must not be negative")
@@ -110,11 +112,6 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles,
             "heartbeat_timeout": st.heartbeat_timeout}, []
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 120 else s[:117] + "..."
 
 
 def unregister(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -356,6 +356,36 @@ def test_model_from_dict_errors():
         Layout.from_dict({**build_layout(FLASH).to_dict(), "swa_mode": "sliding"})
 
 
+@pytest.mark.parametrize("where,key,value,match", [
+    ("model", "window", "128", "window must be an integer, got '128'"),
+    ("model", "window", 128.0, "window must be an integer, got 128.0"),
+    ("model", "num_layers", True, "num_layers must be an integer, got True"),
+    ("model", "name", 7, "name must be a string, got 7"),
+    ("model", "compress_ratios", "0,0,4", "compress_ratios must be a list"),
+    ("stage", "pp_rank", "0", "stage.pp_rank must be an integer, got '0'"),
+    ("stage", "end", 30.5, "stage.end must be an integer, got 30.5"),
+    ("stage", "with_mtp", "false", "with_mtp must be true or false, got 'false'"),
+    ("stage", "with_mtp", 0, "with_mtp must be true or false, got 0"),
+    ("stage", "colour", 1, "unknown stage fields: \\['colour'\\]"),
+    ("top", "swa_mode", 1, "swa_mode must be a string, got 1"),
+    ("top", "extra", {}, "unknown layout fields: \\['extra'\\]"),
+])
+def test_layout_from_dict_takes_the_wire_shape_exactly(where, key, value, match):
+    """What a peer sends is parsed, not coerced: ``"false"`` is not ``true``, ``30.5`` is not 30."""
+    d = build_layout(FLASH, pp_size=2, pp_rank=0).to_dict()
+    (d if where == "top" else d[where])[key] = value
+    with pytest.raises(LayoutError, match=match):
+        Layout.from_dict(json.loads(json.dumps(d)))
+
+
+def test_layout_from_dict_quotes_a_long_value_briefly():
+    d = build_layout(FLASH).to_dict()
+    d["model"]["name"] = ["x" * 10_000]
+    with pytest.raises(LayoutError) as e:
+        Layout.from_dict(d)
+    assert len(str(e.value)) < 120
+
+
 def test_every_space_is_known():
     assert INDEX_SPACES == ("page", "swa_page", "req_slot")
     for lay in (build_layout(FLASH), build_layout(FLASH, swa_mode="ring")):

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from hicache.core.model import (C128_OFFLINE_RING, PAGE_SIZE, PRESETS, STATE_RING, VALID_RATIOS,
-                                LayoutError, ModelSpec, load_model, model_from_hf_config, preset)
+                                LayoutError, ModelSpec, brief, exact_int, load_model,
+                                model_from_hf_config, preset)
 
 __all__ = ["C128_OFFLINE_RING", "PAGE_SIZE", "PRESETS", "STATE_RING", "VALID_RATIOS", "LayoutError",
            "ModelSpec", "load_model", "model_from_hf_config", "preset", "StageMap", "PoolSpec",
@@ -293,17 +294,37 @@ class Layout:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Layout":
+        """A layout from ``to_dict``'s shape, exactly (the wire's): unknown fields, and values of
+        another JSON type (``"1"`` for 1, ``"false"`` for false), are refused, never converted."""
         if not isinstance(d, dict):
             raise LayoutError("layout must be a JSON object")
-        try:
-            model = ModelSpec.from_dict(d["model"])
-            sd = d["stage"]
-            stage = StageMap(model, int(sd["pp_rank"]), int(sd["pp_size"]), int(sd["start"]),
-                             int(sd["end"]), bool(sd.get("with_mtp", True)))
-            return Layout(model, stage, str(d.get("swa_mode", "paged")),
-                          str(d.get("c128_state", "online")))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise LayoutError(f"bad layout: missing or mistyped field {e}") from None
+        _only(d, ("model", "stage", "swa_mode", "c128_state"), "layout")
+        if "model" not in d or "stage" not in d:
+            raise LayoutError("bad layout: missing field 'model' or 'stage'")
+        model = ModelSpec.from_dict(d["model"])
+        sd = d["stage"]
+        if not isinstance(sd, dict):
+            raise LayoutError(f"stage must be a JSON object, got {brief(sd)}")
+        _only(sd, ("pp_rank", "pp_size", "start", "end", "with_mtp"), "stage")
+        missing = [k for k in ("pp_rank", "pp_size", "start", "end") if k not in sd]
+        if missing:
+            raise LayoutError(f"bad layout: stage is missing {missing}")
+        with_mtp = sd.get("with_mtp", True)
+        if type(with_mtp) is not bool:
+            raise LayoutError(f"stage.with_mtp must be true or false, got {brief(with_mtp)}")
+        modes = [d.get("swa_mode", "paged"), d.get("c128_state", "online")]
+        for k, v in zip(("swa_mode", "c128_state"), modes):
+            if not isinstance(v, str):
+                raise LayoutError(f"{k} must be a string, got {brief(v)}")
+        stage = StageMap(model, *(exact_int(sd[k], f"stage.{k}")
+                                  for k in ("pp_rank", "pp_size", "start", "end")), with_mtp)
+        return Layout(model, stage, *modes)
+
+
+def _only(d: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        raise LayoutError(f"unknown {what} fields: {brief(sorted(map(str, unknown)))}")
 
 
 def build_layout(

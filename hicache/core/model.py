@@ -110,23 +110,43 @@ class ModelSpec:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ModelSpec":
+        """A spec from ``to_dict``'s shape, exactly: JSON integers for every count, strings for
+        ``name`` and ``indexer_dtype``, lists of integers for the ratios (it parses the wire,
+        so ``"4"``, ``4.0`` and ``true`` are refused, not converted)."""
+        if not isinstance(d, dict):
+            raise LayoutError(f"model spec must be a JSON object, got {brief(d)}")
         known = set(ModelSpec.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
-            raise LayoutError(f"unknown model fields: {sorted(unknown)}")
-        try:
-            d = dict(d)
-            d["compress_ratios"] = _int_tuple(d["compress_ratios"], "compress_ratios")
-            d["mtp_compress_ratios"] = _int_tuple(d.get("mtp_compress_ratios", ()),
-                                                  "mtp_compress_ratios")
-            for k, v in d.items():
-                if k not in ("name", "indexer_dtype") and not isinstance(v, tuple):
-                    d[k] = _as_int(v, k)
-            return ModelSpec(**d)
-        except KeyError as e:
-            raise LayoutError(f"bad model spec: missing field {e}") from None
-        except TypeError as e:
-            raise LayoutError(f"bad model spec: {e}") from None
+            raise LayoutError(f"unknown model fields: {brief(sorted(map(str, unknown)))}")
+        d = dict(d)
+        for k in ("name", "num_layers", "compress_ratios"):
+            if k not in d:
+                raise LayoutError(f"bad model spec: missing field {k!r}")
+        for k, v in d.items():
+            if k in ("name", "indexer_dtype"):
+                if not isinstance(v, str):
+                    raise LayoutError(f"{k} must be a string, got {brief(v)}")
+            elif k in ("compress_ratios", "mtp_compress_ratios"):
+                if not isinstance(v, (list, tuple)):
+                    raise LayoutError(f"{k} must be a list of integers, got {brief(v)}")
+                d[k] = tuple(exact_int(x, f"{k}[{i}]") for i, x in enumerate(v))
+            else:
+                d[k] = exact_int(v, k)
+        return ModelSpec(**d)
+
+
+def brief(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters: what an error line quotes of a peer's value."""
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def exact_int(v: Any, what: str) -> int:
+    """``v`` when it is an int (not a bool); anything else is refused, never converted."""
+    if type(v) is not int:
+        raise LayoutError(f"{what} must be an integer, got {brief(v)}")
+    return v
 
 
 def _as_int(v: Any, what: str) -> int:
