@@ -327,3 +327,28 @@ def test_scramble_gives_the_verified_rows_fresh_distinct_bytes_and_nothing_else(
                     assert torch.equal(t[r], was[r]) == (r not in rows), (name, r)
         c4 = pools.layers["c4_kv"][0]
         assert not torch.equal(c4[1], c4[5])  # the source and destination differ
+
+
+def test_the_in_process_load_is_byte_checked_in_the_verified_run(monkeypatch):
+    """``inproc_into``: in the verified run the in-process pool's source rows are filled from
+    the device first, the destination gets fresh bytes, and the loaded bytes are compared after
+    the timed copy; other runs only time it."""
+    from hicache.bench import e2e_measure
+
+    calls: list[tuple] = []
+
+    def fake(local, layout, items, dev, to_host=False):
+        calls.append(("copy", items, to_host))
+        return 0.25
+
+    monkeypatch.setattr(e2e_measure, "inproc_load", fake)
+    out = {"inproc_last": []}
+    load, backup = {"page": ([7], [3])}, {"page": ([1], [7])}
+    e2e_measure.inproc_into(out, None, None, load, None,
+                            (backup, lambda: calls.append(("fresh",)),
+                             lambda: calls.append(("check",))))
+    assert calls == [("copy", backup, True), ("fresh",), ("copy", load, False), ("check",)]
+    assert out["inproc_last"] == [0.25]
+    calls.clear()
+    e2e_measure.inproc_into(out, None, None, load, None)
+    assert calls == [("copy", load, False)] and out["inproc_last"] == [0.25, 0.25]

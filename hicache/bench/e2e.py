@@ -21,7 +21,7 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   load;
 * the same load issued in-process by the kernels alone (``dispatch.copy_by_layer`` into a
   pinned pool of this process, same rows): what an in-engine copy costs, so the daemon's
-  overhead shows as a ratio;
+  overhead shows as a ratio; in the size's verified run its bytes are checked too;
 * the engine's own smallest GPU step (one ``add_`` and a host wait, on its stream) in a loop,
   idle and while a LOAD or a BACKUP of the size runs (``engine_wait``: p50 / p99 / max ms per
   kind, ``e2e_engine``): without MPS an engine kernel may wait for the daemon's time slice;
@@ -78,9 +78,8 @@ from hicache.kernels.tables import LayerTable
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_load, load_into,
-                                       scramble,
-                                       load_while_busy, summarize)
+from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_into,
+                                       load_into, load_while_busy, scramble, summarize)
 
 PAGE_TOKENS = 256
 HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after the timed runs)
@@ -400,7 +399,9 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         load_into(out, c, items, stream, cuda, check)
         verified = True
         if local is not None:
-            out["inproc_last"].append(inproc_load(local, layout, items, dev))
+            inproc_into(out, local, layout, items, dev,
+                        None if check is None else ({sp: (src[sp], host[sp]) for sp in host},
+                                                    again, check))
         if cuda and busy:  # a load while a backup of the same size streams
             other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
                      else perm[:n].tolist() for sp in spaces}

@@ -10,9 +10,10 @@ run:
   from a random ``swa_page`` device row) into host rows allocated for it; command -> ack;
 * LOAD of the same into other device rows, timed as the full mirror's (``e2e.timed_load``:
   first and last stage layer ready from the engine's stream after its per-layer waits, ack);
-* the same load by the kernels in-process (``e2e.inproc_load``), a load while a backup of
-  the same shape streams, and the engine's probe steps while that load, then that backup,
-  runs (``e2e_engine.probe_rounds``, after the size's last timed run).
+* the same load by the kernels in-process (``e2e.inproc_into``, byte-checked as the
+  daemon's), a load while a backup of the same shape streams, and the engine's probe steps
+  while that load, then that backup, runs (``e2e_engine.probe_rounds``, after the size's last
+  timed run).
 
 Every loaded byte is verified once per size: the page rows, the tail tokens (value and scale)
 and the state rows. Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
@@ -83,7 +84,8 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         e2e.load_into(out, c, load, stream, cuda, check)
         verified = True
         if local is not None:
-            out["inproc_last"].append(e2e.inproc_load(local, layout, load, dev))
+            e2e.inproc_into(out, local, layout, load, dev,
+                            None if check is None else (items, again, check))
         if cuda and busy:  # a load while a backup of the same shape streams
             other = c.alloc({"page": n, "swa_page": 1})
             bitems = {"page": (src, other["page"])}  # the load's sources: read by both

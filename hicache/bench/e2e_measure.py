@@ -16,7 +16,9 @@ load by the kernels in-process, and the per-size summary.
   how long the engine's next command waits behind a load.
 * ``inproc_load(local, layout, items, dev) -> seconds``: the same items copied layer by
   layer by ``dispatch.copy_by_layer`` in this process, on a stream of its own (GPU time); its
-  host time goes to ``ISSUE``.
+  host time goes to ``ISSUE``. ``inproc_into`` appends it to a size's figures and, in the
+  size's verified run, fills its source rows in-process from the device first and compares
+  every byte it loaded after, as for the daemon's load.
 * ``load_while_busy(out, c, items, stream, cuda)``: the same timed load while the caller's
   backup streams; its second and last layer go to ``out``.
 * ``summarize(out, n, nbytes, limit, cuda, verified, waits)``: medians of ``FIGURES`` (and
@@ -196,9 +198,11 @@ def timed_load(c: Client, items: dict[str, tuple], stream: Any, cuda: bool,
 
 
 def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
-                  dev: torch.device) -> float:
+                dev: torch.device, to_host: bool = False) -> float:
     """The load ``items`` (as ``Client.load`` takes them: a space's rows, a pool's rows, or a
-    pool's tokens) by the kernels alone, in this process, layer by layer (GPU time)."""
+    pool's tokens; host ids first) by the kernels alone, in this process, layer by layer (GPU
+    time). ``to_host``: ``items`` as ``Client.backup`` takes them (device ids first), copied
+    from the device into the in-process pool instead (untimed use: its issue time is not kept)."""
     _, tabs = local
     parts = []
     for name, spec in layout.pools.items():
@@ -207,8 +211,9 @@ def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
             continue
         fmt = TokenFormat.from_spec(spec) if len(it) > 2 and it[2] == "token" else None
         dev_t, host_t = tabs[name]
-        parts.extend(layer_parts(host_t, dev_t, np.asarray(it[0], dtype=np.int64),
-                                np.asarray(it[1], dtype=np.int64), fmt, spec.layers))
+        src, dst = (dev_t, host_t) if to_host else (host_t, dev_t)
+        parts.extend(layer_parts(src, dst, np.asarray(it[0], dtype=np.int64),
+                                 np.asarray(it[1], dtype=np.int64), fmt, spec.layers))
     order = layout.stage.layers("swa")
     stream = _INPROC_STREAMS.get(dev.index or 0)
     if stream is None:
@@ -218,7 +223,27 @@ def inproc_load(local: Any, layout: Layout, items: dict[str, tuple],
     s.record(stream)
     t0 = time.perf_counter()
     copy_by_layer(parts, order, device=dev, ctas=INPROC_CTAS, stream=stream)
-    ISSUE.append(time.perf_counter() - t0)
+    if not to_host:
+        ISSUE.append(time.perf_counter() - t0)
     e.record(stream)
     e.synchronize()
     return s.elapsed_time(e) * 1e-3
+
+
+def inproc_into(out: dict[str, list[float]], local: Any, layout: Layout,
+                load: dict[str, tuple], dev: torch.device,
+                verify: Optional[tuple[dict[str, tuple], Callable[[], None],
+                                       Callable[[], None]]] = None) -> None:
+    """The in-process load of ``load``, its GPU time appended to ``out["inproc_last"]``.
+    ``verify`` (the size's verified run): ``(backup, fresh, check)``: the in-process pool's
+    source rows are first filled from the device by the kernels (``backup``: the items of the
+    daemon's backup, device ids first), the load's destination gets fresh bytes (``fresh``),
+    and after the load ``check`` compares every loaded byte with its device source: the
+    in-process copy is byte-checked as the daemon's is."""
+    if verify is not None:
+        backup, fresh, check = verify
+        inproc_load(local, layout, backup, dev, to_host=True)
+        fresh()
+    out["inproc_last"].append(inproc_load(local, layout, load, dev))
+    if verify is not None:
+        check()
