@@ -451,27 +451,41 @@ class RowAllocator:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` unless free runs and owned rows partition the space exactly."""
         sp = self.space
-        runs = self.runs()
-        mask = np.zeros(self.num_rows, dtype=bool)
-        classes = [set(h) for h in self._classes]
-        prev_end = -1
-        for s, n in runs:
-            if n <= 0 or s < 0 or s + n > self.num_rows:
-                raise InvariantError(f"space {sp!r}: free run ({s}, {n}) is out of range")
-            if s <= prev_end:
-                raise InvariantError(f"space {sp!r}: free run at {s} overlaps or touches the "
-                                     f"previous one (not coalesced)")
-            if self._by_end.get(s + n) != s:
-                raise InvariantError(f"space {sp!r}: run end index disagrees at {s + n}")
-            if s not in classes[n.bit_length() - 1]:
-                raise InvariantError(f"space {sp!r}: run at {s} missing from its size class")
-            prev_end = s + n
-            mask[s:s + n] = True
-        if len(self._by_end) != len(runs):
-            raise InvariantError(f"space {sp!r}: run end index holds stale entries")
-        if int(mask.sum()) != self._free:
+        def pairs(d: dict[int, int]) -> np.ndarray:  # (key, value) rows, keys ascending
+            k = np.fromiter(d.keys(), dtype=np.int64, count=len(d))
+            v = np.fromiter(d.values(), dtype=np.int64, count=len(d))
+            order = np.argsort(k)
+            return np.stack([k[order], v[order]], axis=1)
+
+        starts, lens = pairs(self._by_start).T
+        ends = starts + lens
+        bad = np.flatnonzero((lens <= 0) | (starts < 0) | (ends > self.num_rows))
+        if bad.size:
+            raise InvariantError(f"space {sp!r}: free run ({starts[bad[0]]}, {lens[bad[0]]}) "
+                                 f"is out of range")
+        joined = np.flatnonzero(starts[1:] <= ends[:-1])
+        if joined.size:
+            raise InvariantError(f"space {sp!r}: free run at {starts[joined[0] + 1]} overlaps "
+                                 f"or touches the previous one (not coalesced)")
+        by_end = pairs(self._by_end)
+        if len(by_end) != len(starts) or not (np.array_equal(by_end[:, 0], np.sort(ends))
+                                              and np.array_equal(by_end[:, 1], starts)):
+            raise InvariantError(f"space {sp!r}: run end index disagrees with the runs")
+        size_class = np.zeros(len(starts), dtype=np.int64)  # floor(log2(length))
+        for b in range(1, int(lens.max()).bit_length() if len(lens) else 1):
+            size_class[lens >= 1 << b] = b
+        for c, heap in enumerate(self._classes):
+            missing = set(starts[size_class == c].tolist()) - set(heap)
+            if missing:
+                raise InvariantError(f"space {sp!r}: run at {min(missing)} missing from its "
+                                     f"size class")
+        edges = np.zeros(self.num_rows + 1, dtype=np.int64)
+        np.add.at(edges, starts, 1)
+        np.add.at(edges, ends, -1)
+        mask = np.cumsum(edges[:-1]) > 0
+        if int(lens.sum()) != self._free:
             raise InvariantError(f"space {sp!r}: free count {self._free} but runs hold "
-                                 f"{int(mask.sum())} rows")
+                                 f"{int(lens.sum())} rows")
         if (self._owner[mask] != FREE).any():
             raise InvariantError(f"space {sp!r}: a row is both free and owned")
         if ((self._owner == FREE) & ~mask).any():

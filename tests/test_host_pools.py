@@ -130,6 +130,32 @@ def test_invariant_checker_catches_corruption():
         a.check_invariants()
 
 
+def _runs_of_two() -> RowAllocator:
+    a = RowAllocator(16, "page")
+    rows = a.alloc(16, A)
+    a.free(rows[[2, 3, 4, 9, 10]], A)  # free runs (2, 3) and (9, 2)
+    a.check_invariants()
+    return a
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda a: a._by_start.update({9: 20}), "out of range"),
+    (lambda a: a._by_start.update({2: 0}), "out of range"),
+    (lambda a: (a._by_start.update({2: 8}), a._by_end.update({10: 2})), "not coalesced"),
+    (lambda a: a._by_end.update({12: 9}), "run end index"),
+    (lambda a: a._by_end.pop(5), "run end index"),
+    (lambda a: a._classes[1].remove(9), "size class"),
+    (lambda a: setattr(a, "_free", 6), "free count"),
+])
+def test_invariant_checker_catches_each_broken_free_run(corrupt, match):
+    """Each free-run invariant (in range, coalesced, end index, size class, free count) is
+    checked: a corruption of just that one is named."""
+    a = _runs_of_two()
+    corrupt(a)
+    with pytest.raises(InvariantError, match=match):
+        a.check_invariants()
+
+
 def test_invariant_checker_catches_a_client_table_out_of_step():
     a = RowAllocator(4, "page")
     a.alloc(2, A)
