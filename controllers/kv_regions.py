@@ -39,7 +39,7 @@ import mmap
 import os
 import secrets
 import stat
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,52 +63,98 @@ class EnginePool:
         self.proofs: list[tuple[int, int, int]] = []  # (engine fd, our fd, proof offset)
         self.verified = pool is None
         self._maps: list[mmap.mmap] = []
+        self._specs: list[tuple[int, int, int]] = []  # (engine fd, offset, stride) per layer
+        self._page_bytes = 0
+        self.wanted: list[int] = []  # a handed-in pool: the engine fds still to come, in order
+        self.token: int | None = None  # ... and its intake's token on the descriptor socket
+        self.on_close: Callable[[], None] | None = None  # withdraws that intake
 
     @classmethod
     def open(cls, name: str, ns: str, pool: str | None, space: str, pages: int, *,
              pid: int | None = None, page_bytes: int = 0, num_layers: int = 0,
-             layers: list[Any] | None = None) -> "EnginePool":
+             layers: list[Any] | None = None, handed: bool = False) -> "EnginePool":
+        """``handed``: the engine hands its descriptors in (``take_fds``) instead of naming a
+        ``pid``; the pool maps nothing until they came."""
         if not 0 < pages <= 1 << 40:
             raise ValueError(f"pages must be positive, got {pages}")
         ep = cls(name, ns, pool, space, pages)
         if pool is None:
-            if layers:
-                raise ValueError("a marker pool (no 'pool') maps no memory: drop 'layers'")
+            if layers or handed:
+                raise ValueError("a marker pool (no 'pool') maps no memory: drop 'layers' "
+                                 "and 'handoff'")
             return ep
-        if pid is None or pid <= 0:
+        if handed:
+            if pid is not None:
+                raise ValueError("give 'pid' (the daemon opens the engine's files) or "
+                                 "'handoff' (the engine hands them in), not both")
+        elif pid is None or pid <= 0:
             raise ValueError("'pid' must name the engine process that holds the files")
-        if _process_of(pid) == os.getpid():  # a thread id of ours reads our fd table too
+        elif _process_of(pid) == os.getpid():  # a thread id of ours reads our fd table too
             raise ValueError("'pid' names the daemon itself")
         if not isinstance(layers, list) or len(layers) != num_layers:
             raise ValueError(f"pool {pool} has {num_layers} layers on this stage; 'layers' "
                              f"gives {len(layers) if isinstance(layers, list) else 'none'}")
-        specs = [_layer_spec(i, x, page_bytes) for i, x in enumerate(layers)]
+        ep._specs = [_layer_spec(i, x, page_bytes) for i, x in enumerate(layers)]
+        ep._page_bytes = page_bytes
+        if handed:
+            ep.wanted = ep.wanted_of_specs()
+            return ep
         try:
-            files: dict[int, tuple[int, mmap.mmap, torch.Tensor]] = {}
-            for fd, _, _ in specs:
-                if fd not in files:
-                    ours, size = _open_shared(pid, fd)
-                    ep.proofs.append((fd, ours, size))
-                    try:
-                        mm = mmap.mmap(ours, size, mmap.MAP_SHARED,
-                                       mmap.PROT_READ | mmap.PROT_WRITE)
-                    except OSError as e:  # e.g. a memfd sealed against writes: the engine's
-                        raise ValueError(f"cannot map fd {fd} of process {pid} shared and "
-                                         f"writable: {e.strerror}") from None
-                    ep._maps.append(mm)
-                    files[fd] = (size, mm, torch.frombuffer(mm, dtype=torch.uint8))
-            for i, (fd, off, stride) in enumerate(specs):
-                size, _, base = files[fd]
-                end = off + (pages - 1) * stride + page_bytes
-                if end > size:
-                    raise ValueError(f"layers[{i}]: {pages} pages of stride {stride} from "
-                                     f"offset {off} end at byte {end}, past the file's {size}")
-                ep.layers.append(base.as_strided((pages, page_bytes), (stride, 1), off))
+            files: dict[int, tuple[int, int]] = {}
+            for fd in ep.wanted_of_specs():
+                ours, size = _open_shared(pid, fd)
+                ep.proofs.append((fd, ours, size))
+                files[fd] = (ours, size)
+            ep._map(files, f"of process {pid}")
         except BaseException:
             ep.close()
             raise
         ep.nonce = secrets.token_bytes(PROOF_BYTES)
         return ep
+
+    def wanted_of_specs(self) -> list[int]:
+        """The engine's distinct descriptors, in the order its layers first name them."""
+        return list(dict.fromkeys(fd for fd, _, _ in self._specs))
+
+    def take_fds(self, fds: list[int]) -> None:
+        """Map the descriptors the engine handed in, in ``wanted`` order (ours now: closed here
+        either way); each must be a shared-memory file long enough for its layers. ``ValueError``
+        (one line) leaves the pool pending, mapping nothing."""
+        ours: dict[int, tuple[int, int]] = {}
+        try:
+            if len(fds) != len(self.wanted):
+                raise ValueError(f"{len(fds)} descriptors came for the {len(self.wanted)} "
+                                 f"files the layers name")
+            for want, fd in zip(self.wanted, fds):
+                ours[want] = (fd, _shared_size(fd, f"handed-in fd (its fd {want})"))
+            self._map(ours, "handed in")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.wanted = []  # mapped; ``commit`` (kv_verify, with the client's other pools) enables
+
+    def _map(self, files_in: dict[int, tuple[int, int]], whose: str) -> None:
+        """Map each engine file (engine fd -> (our descriptor, size)) and lay the layers over
+        them (the descriptors stay the caller's)."""
+        files: dict[int, tuple[int, torch.Tensor]] = {}
+        for fd, (ours, size) in files_in.items():
+            try:
+                mm = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # e.g. a memfd sealed against writes: the engine's
+                raise ValueError(f"cannot map fd {fd} {whose} shared and writable: "
+                                 f"{e.strerror}") from None
+            self._maps.append(mm)
+            files[fd] = (size, torch.frombuffer(mm, dtype=torch.uint8))
+        for i, (fd, off, stride) in enumerate(self._specs):
+            size, base = files[fd]
+            end = off + (self.pages - 1) * stride + self._page_bytes
+            if end > size:
+                raise ValueError(f"layers[{i}]: {self.pages} pages of stride {stride} from "
+                                 f"offset {off} end at byte {end}, past the file's {size}")
+            self.layers.append(base.as_strided((self.pages, self._page_bytes), (stride, 1), off))
 
     def proof_request(self) -> list[list[int]]:
         """[[engine fd, offset], ...]: where the engine must write the nonce."""
@@ -135,6 +181,9 @@ class EnginePool:
         self.verified = True
 
     def close(self) -> None:
+        done, self.on_close = self.on_close, None
+        if done is not None:
+            done()
         self.layers = []
         for _, ours, _ in self.proofs:
             try:
@@ -188,21 +237,33 @@ def _open_shared(pid: int, fd: int) -> tuple[int, int]:
         raise ValueError(f"cannot open fd {fd} of process {pid}: {e.strerror} (same user and "
                          f"PID namespace needed)") from None
     try:
-        target = os.readlink(f"/proc/self/fd/{path_fd}")
-        st = os.fstat(path_fd)
-        if not stat.S_ISREG(st.st_mode) or not target.startswith(ALLOWED_TARGETS):
-            raise ValueError(f"fd {fd} of process {pid} is not a shared-memory file "
-                             f"({target[:80]!r}); memfd or /dev/shm files only")
+        _shared_size(path_fd, f"fd {fd} of process {pid}")
         ours = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"cannot open fd {fd} of process {pid}: {e.strerror}") from None
     finally:
         os.close(path_fd)
-    size = os.fstat(ours).st_size
-    if size <= 0:
+    try:
+        return ours, _shared_size(ours, f"fd {fd} of process {pid}")
+    except ValueError:
         os.close(ours)
-        raise ValueError(f"fd {fd} of process {pid} is empty")
-    return ours, size
+        raise
+
+
+def _shared_size(fd: int, what: str) -> int:
+    """The size of our descriptor ``fd`` (``O_PATH`` will do) when it is a non-empty memfd or
+    ``/dev/shm`` file; else ``ValueError`` naming ``what``."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(fd)
+    except OSError as e:
+        raise ValueError(f"cannot inspect {what}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode) or not target.startswith(ALLOWED_TARGETS):
+        raise ValueError(f"{what} is not a shared-memory file ({target[:80]!r}); memfd or "
+                         f"/dev/shm files only")
+    if st.st_size <= 0:
+        raise ValueError(f"{what} is empty")
+    return st.st_size
 
 
 class ClientPools:

@@ -31,6 +31,7 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
 """
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -295,30 +296,58 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     st.check_space(space)
     if space not in store.entries:
         raise ProtocolError("bad_field", f"space {space} holds no host rows")
+    handed = h.get("handoff", False)
     try:
         ep = EnginePool.open(name, ns, pool, space, h["pages"], pid=h.get("pid"),
                              page_bytes=h.get("page_bytes") or 0,
                              num_layers=st.layout.pool(pool).num_layers if pool else 0,
-                             layers=h.get("layers"))
+                             layers=h.get("layers"), handed=handed)
     except ValueError as e:
         raise ProtocolError("bad_handle" if pool else "bad_field", str(e)[:300]) from None
+    out: dict[str, Any] = {"nonce": ep.nonce.hex(), "proofs": ep.proof_request()}
+    if handed:  # the engine hands its files in on the descriptor socket (any pid namespace)
+        token = secrets.randbits(64)
+        try:
+            handout = st.handout()
+            handout.expect(token, len(ep.wanted))
+        except (OSError, ValueError) as e:
+            raise ProtocolError("unsupported", f"kv_attach: cannot take descriptors in on the "
+                                               f"descriptor socket ({e})") from None
+        ep.on_close = lambda: handout.withdraw(token)
+        ep.token = token
+        out.update(fd_socket=handout.path, fd_token=token, fds=ep.wanted)
     if c.kv is None:
         c.kv = ClientPools()
     c.kv.pools[name] = ep
     if store.l3 is not None:
         store.l3.touch(ns)  # its epoch is read while the engine proves the pool
-    return {"nonce": ep.nonce.hex(), "proofs": ep.proof_request()}, []
+    return out, []
 
 
 def kv_verify(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     pending = [p for p in (c.kv.pools.values() if c.kv is not None else ()) if not p.verified]
-    fails = [why for why in (p.check_proof() for p in pending) if why is not None]
+    fails = [why for why in (_handed_in(st, p) if p.wanted else p.check_proof()
+                             for p in pending) if why is not None]
     if fails:  # nothing changes: the pools stay pending (kv_detach drops them)
         raise ProtocolError("not_owner", f"kv_verify: {fails[0]}" +
                             (f" (and {len(fails) - 1} more)" if len(fails) > 1 else ""))
     for p in pending:
         p.commit()
     return {"attached": sorted(c.kv.pools) if c.kv is not None else []}, []
+
+
+def _handed_in(st: DaemonState, p: EnginePool) -> str | None:
+    """Map the descriptors the engine handed in for pool ``p``; None when they mapped, else
+    why not (one line)."""
+    fds = st.handout().take(p.token) if p.token is not None else None
+    if fds is None:
+        return (f"pool {p.name}: its descriptors were not handed in (send them to the "
+                f"descriptor socket the kv_attach reply named, with its token)")
+    try:
+        p.take_fds(fds)
+    except ValueError as e:
+        return f"pool {p.name}: {e} (kv_detach it and attach again)"
+    return None
 
 
 def kv_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

@@ -78,6 +78,62 @@ def test_a_descriptor_taken_is_the_memory_offered_once_per_offer(handout) -> Non
     mm.close()
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_an_intake_takes_the_descriptors_handed_in_once(handout) -> None:
+    """``expect`` / ``send_fds`` / ``take``: the same files come in, close-on-exec, once; a
+    wrong count, an unknown token, descriptors sent for an offer's token, and a second hand-in
+    are refused with a reason and leave nothing open; ``withdraw`` and ``close`` close what
+    came in and was not taken."""
+    a, ma = _memfd()
+    b, mb = _memfd()
+    base = _open_fds()
+    with pytest.raises(ValueError, match="1 to 64"):
+        handout.expect(1, 0)
+    with pytest.raises(ValueError, match="1 to 64"):
+        handout.expect(1, F.MAX_INTAKE_FDS + 1)
+    handout.expect(21, 2)
+    with pytest.raises(ValueError, match="in use"):
+        handout.expect(21, 1)
+    assert handout.awaiting == 1 and handout.take(21) is None  # nothing came yet
+    with pytest.raises(OSError, match="1 descriptors came, 2 expected"):
+        F.send_fds(handout.path, 21, [a], "pool files")
+    with pytest.raises(OSError, match="no intake is open for this token"):
+        F.send_fds(handout.path, 22, [a, b], "pool files")
+    handout.offer(a, 23)
+    with pytest.raises(OSError, match="no intake is open for this token"):
+        F.send_fds(handout.path, 23, [b], "pool files")  # an offer's token takes nothing in
+    assert handout.pending == 1  # ... and the offer is still there
+    handout.withdraw(23)
+    F.send_fds(handout.path, 21, [a, b], "pool files")
+    with pytest.raises(OSError, match="already handed in"):
+        F.send_fds(handout.path, 21, [a, b], "pool files")
+    got = handout.take(21)
+    assert got is not None and len(got) == 2 and handout.awaiting == 0
+    for g, (fd, m) in zip(got, ((a, ma), (b, mb))):
+        assert fcntl.fcntl(g, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        assert os.fstat(g).st_ino == os.fstat(fd).st_ino  # the very file handed in
+        os.close(g)
+    assert handout.take(21) is None
+    time.sleep(0.05)  # (the hand-out thread closes refused connections after answering)
+    assert _open_fds() == base
+    handout.expect(24, 1)  # withdrawn after it came: closed
+    F.send_fds(handout.path, 24, [a], "pool files")
+    handout.withdraw(24)
+    assert _open_fds() == base and handout.take(24) is None
+    handout.expect(25, 1)  # came, never taken: close() closes it
+    F.send_fds(handout.path, 25, [b], "pool files")
+    handout.close()
+    assert _open_fds() == base - 2  # (the socket and its selector went too)
+    with pytest.raises(ValueError, match="closed"):
+        handout.expect(26, 1)
+    for fd, m in ((a, ma), (b, mb)):
+        m.close()
+        os.close(fd)
+
+
 def test_refusals_name_the_reason_and_change_nothing(handout) -> None:
     fd, mm = _memfd()
     handout.offer(fd, 5)

@@ -119,11 +119,14 @@ _TABLE: tuple[Command, ...] = (
     Command("kv_attach", {"name": ("str", True), "namespace": ("str", True),
                           "pool": ("opt_str", False), "space": ("opt_str", False),
                           "pid": ("int", False), "pages": ("int", True),
-                          "page_bytes": ("int", False), "layers": ("list", False)},
-            ("nonce", "proofs"), False, "kv_attach",
-            "key store: map an engine host pool's shared-memory files (pid, fd), pending proof"),
+                          "page_bytes": ("int", False), "layers": ("list", False),
+                          "handoff": ("bool", False)},
+            ("nonce", "proofs", "fd_socket", "fd_token", "fds"), False, "kv_attach",
+            "key store: map an engine host pool's shared-memory files (pid, fd; or handed in "
+            "on the descriptor socket), pending proof"),
     Command("kv_verify", {}, ("attached",), False, "kv_verify",
-            "key store: check the nonce the engine wrote into each mapped file; pools usable"),
+            "key store: check the nonce the engine wrote into each mapped file (or map the "
+            "files it handed in); pools usable"),
     Command("kv_put", {"name": ("str", True), "keys": ("str_list", True),
                        "pages": ("frame", True)}, ("stored",), False, "kv_put",
             "key store: copy engine host pages into daemon host rows under their keys"),

@@ -1,5 +1,7 @@
 """The daemon hands one client the descriptor of memory it made for that client, over a Unix
-socket (``SCM_RIGHTS``), so no process needs the daemon's ``/proc/<pid>/fd``.
+socket (``SCM_RIGHTS``), so no process needs the daemon's ``/proc/<pid>/fd``; and takes in the
+descriptors an engine hands it (its shared host pool for ``kv_attach``), so the daemon needs no
+``/proc/<pid>/fd`` of the engine's either.
 
 Why: a sealed memfd (``core.sealed_memfd``) has no name. Opened through the daemon's
 ``/proc/<pid>/fd`` link it is open to every process that may read the daemon's descriptors
@@ -37,9 +39,17 @@ Contract:
   offers it once). The hand-out keeps its own duplicate of ``fd`` while offers are left, so
   the owner may close ``fd`` at any time; ``withdraw(token)`` drops the offers not taken (the
   memory closes). ``pending`` counts the offers not taken, all tokens together.
-- Wire: the client connects and sends the token, a little-endian u64; the daemon answers one
-  byte, ``1`` with the descriptor attached, or ``0`` followed by the reason (UTF-8, at most 200
-  bytes) and no descriptor, then closes. The thread serves connections side by side (one
+- ``expect(token, count)``: the intake the other way: one connection that presents ``token``
+  with exactly ``count`` descriptors attached (at most ``MAX_INTAKE_FDS``) hands them in, once.
+  ``take(token)`` (the owner's thread) returns them, close-on-exec and now the caller's to
+  close, or ``None`` while none came; ``withdraw(token)`` also drops an intake and closes what
+  it received. ``awaiting`` counts the intakes not taken. What came in is only descriptors:
+  the owner checks what they are before it uses them.
+- Wire: the client connects and sends the token, a little-endian u64 (for an intake, with its
+  descriptors attached to those bytes); the daemon answers one byte, ``1`` (with the offered
+  descriptor attached; for an intake, none: they were taken in), or ``0`` followed by the
+  reason (UTF-8, at most 200 bytes) and no descriptor, then closes. Descriptors sent where
+  none are expected, or a count other than the one expected, are closed and refused. The thread serves connections side by side (one
   ``selectors`` loop, the whole backlog taken each turn): a connection that sends no token is
   closed after ``TOKEN_WAIT_S`` and holds no other back; past ``MAX_CONNECTIONS`` open at
   once, the oldest silent one is closed (told why) to make room. A wrong token changes
@@ -50,8 +60,10 @@ Contract:
   refusal; a reply with no descriptor; no connection or reply within ``TOKEN_WAIT_S`` + 3 s:
   a full backlog is waited out, not failed at once). ``path`` is an abstract name
   (``@...``) or a file path.
-- ``close()`` stops the thread, closes the socket (the name goes with it) and every offer's
-  duplicate.
+- ``send_fds(path, token, fds, what)`` (the client): hands ``fds`` in for an intake; an
+  ``OSError`` naming ``what``, the socket and the reason when they were not taken in.
+- ``close()`` stops the thread, closes the socket (the name goes with it), every offer's
+  duplicate and every descriptor received and not taken.
 """
 from __future__ import annotations
 
@@ -69,6 +81,7 @@ import time
 FDS_PREFIX = "hicache-fds-"
 TOKEN_WAIT_S = 2.0  # s a connection may take to send its token
 MAX_CONNECTIONS = 64  # connections waiting for their token at once (more are closed at once)
+MAX_INTAKE_FDS = 64  # descriptors one intake may hand in (an engine pool's distinct files)
 _TOKEN = struct.Struct("<Q")
 _REASON_MAX = 200
 
@@ -82,6 +95,8 @@ class FdHandout:
         self.path, self._sock, self._sel = path, sock, sel
         # token -> [our duplicate of the descriptor, offers left]
         self._offers: dict[int, list[int]] = {}
+        # token -> [descriptors expected, descriptors received (None until they came)]
+        self._intake: dict[int, list] = {}
         self._lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="hicache-fd-handout",
@@ -125,11 +140,41 @@ class FdHandout:
             self._offers[token] = [os.dup(fd), 1]
 
     def withdraw(self, token: int) -> None:
-        """Drop the offers of ``token`` not taken."""
+        """Drop the offers of ``token`` not taken, and its intake with what it received."""
         with self._lock:
             o = self._offers.pop(token, None)
+            i = self._intake.pop(token, None)
         if o is not None:
             os.close(o[0])
+        for fd in (i[1] or ()) if i is not None else ():
+            os.close(fd)
+
+    def expect(self, token: int, count: int) -> None:
+        """One connection with ``token`` may hand in exactly ``count`` descriptors
+        (``ValueError`` once closed, or for a count out of 1..``MAX_INTAKE_FDS``)."""
+        if not 0 < count <= MAX_INTAKE_FDS:
+            raise ValueError(f"an intake takes 1 to {MAX_INTAKE_FDS} descriptors, not {count}")
+        with self._lock:
+            if self._stop:
+                raise ValueError("the descriptor hand-out is closed")
+            if token in self._offers or token in self._intake:
+                raise ValueError("this token is in use")
+            self._intake[token] = [count, None]
+
+    def take(self, token: int) -> list[int] | None:
+        """The descriptors handed in for ``token`` (now the caller's), or ``None`` while none
+        came (the intake stays open)."""
+        with self._lock:
+            i = self._intake.get(token)
+            if i is None or i[1] is None:
+                return None
+            del self._intake[token]
+            return i[1]
+
+    @property
+    def awaiting(self) -> int:
+        with self._lock:
+            return len(self._intake)
 
     @property
     def pending(self) -> int:
@@ -147,12 +192,15 @@ class FdHandout:
         self._sock.close()
         with self._lock:
             fds, self._offers = [o[0] for o in self._offers.values()], {}
+            fds += [fd for i in self._intake.values() for fd in i[1] or ()]
+            self._intake = {}
         for fd in fds:
             os.close(fd)
 
     def _serve(self) -> None:
         sel = self._sel
-        waiting: dict[socket.socket, list] = {}  # connection -> [deadline, token bytes so far]
+        # connection -> [deadline, token bytes so far, descriptors received with them]
+        waiting: dict[socket.socket, list] = {}
         try:
             while not self._stop:
                 now = time.monotonic()
@@ -195,38 +243,42 @@ class FdHandout:
                                 f"the oldest is closed")
                 self._drop(sel, waiting, oldest, closed=True)
             conn.setblocking(False)
-            waiting[conn] = [time.monotonic() + TOKEN_WAIT_S, b""]
+            waiting[conn] = [time.monotonic() + TOKEN_WAIT_S, b"", []]
             sel.register(conn, selectors.EVENT_READ)
 
     @staticmethod
     def _drop(sel: selectors.BaseSelector, waiting: dict, conn: socket.socket,
               closed: bool = False) -> None:
         sel.unregister(conn)
-        del waiting[conn]
+        for fd in waiting.pop(conn)[2]:  # descriptors no intake took
+            os.close(fd)
         if not closed:
             conn.close()
 
     def _read(self, sel: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
         w = waiting[conn]
         try:
-            part = conn.recv(_TOKEN.size - len(w[1]))
+            part, fds = _receive(conn, _TOKEN.size - len(w[1]), MAX_INTAKE_FDS, flags=0)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            part = b""
+            part, fds = b"", []
         w[1] += part
+        w[2] += fds
         if part and len(w[1]) < _TOKEN.size:
             return
         if part:  # a whole token: answered, then closed
             try:
-                self._answer(conn, w[1])
+                self._answer(conn, w[1], w)
             except OSError as e:  # the client went away mid-answer: its loss alone
                 log.debug("fd hand-out: %s", e)
         self._drop(sel, waiting, conn)
 
-    def _answer(self, conn: socket.socket, got: bytes) -> None:
+    def _answer(self, conn: socket.socket, got: bytes, w: list) -> None:
         conn.settimeout(TOKEN_WAIT_S)  # (a fresh socket's buffer takes the few bytes at once)
         token = _TOKEN.unpack(got)[0]
+        if w[2] or token in self._intake:  # (read without the lock: only a hint)
+            return self._take_in(conn, token, w)
         with self._lock:  # the descriptor sent is ours alone (the last offer's, or a new
             o = self._offers.get(token)  # duplicate): a withdraw meanwhile cannot close it
             if o is None:
@@ -244,6 +296,22 @@ class FdHandout:
             socket.send_fds(conn, [b"\1"], [fd])
         finally:
             os.close(fd)
+
+    def _take_in(self, conn: socket.socket, token: int, w: list) -> None:
+        """An intake: the connection's descriptors go to ``token``'s intake when it expects
+        exactly that many and has none yet; else they are closed (``_drop``) and refused."""
+        fds = w[2]
+        with self._lock:
+            i = self._intake.get(token)
+            why = ("no intake is open for this token" if i is None else
+                   "this token's descriptors were already handed in" if i[1] is not None else
+                   f"{len(fds)} descriptors came, {i[0]} expected" if len(fds) != i[0] else "")
+            if not why:
+                i[1], w[2] = fds, []
+        if why:
+            conn.sendall(b"\0" + why.encode()[:_REASON_MAX])
+        else:
+            conn.sendall(b"\1")
 
 
 def _address(path: str) -> str | bytes:
@@ -274,10 +342,12 @@ def _refuse(conn: socket.socket, why: str) -> None:
     conn.close()
 
 
-def _receive(s: socket.socket) -> tuple[bytes, list[int]]:
-    """One reply and the descriptors it carries, close-on-exec from the start (Python 3.11's
-    ``socket.recv_fds`` drops its ``flags``)."""
-    msg, anc, _, _ = s.recvmsg(1 + _REASON_MAX, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
+def _receive(s: socket.socket, size: int = 1 + _REASON_MAX, most: int = 1,
+             flags: int = 0) -> tuple[bytes, list[int]]:
+    """Up to ``size`` bytes and the descriptors (up to ``most``) they carry, close-on-exec from
+    the start (Python 3.11's ``socket.recv_fds`` drops its ``flags``)."""
+    msg, anc, _, _ = s.recvmsg(size, socket.CMSG_SPACE(4 * most),
+                               socket.MSG_CMSG_CLOEXEC | flags)
     fds: list[int] = []
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -287,9 +357,10 @@ def _receive(s: socket.socket) -> tuple[bytes, list[int]]:
     return msg, fds
 
 
-def fetch_fd(path: str, token: int, what: str) -> int:
-    """The descriptor the daemon offered for ``token`` on its hand-out socket ``path`` (see the
-    module docstring); ``what`` names the memory in errors."""
+def _exchange(path: str, token: int, what: str, doing: str,
+              send: list[int]) -> tuple[bytes, list[int]]:
+    """Connect to the hand-out socket ``path``, present ``token`` (with ``send`` attached) and
+    read the answer; an ``OSError`` naming ``what`` and why when no answer came."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:  # blocking, bounded by the kernel's timeouts: a full backlog is waited out, not
         # refused at once (``settimeout`` would make the socket non-blocking: EAGAIN)
@@ -299,24 +370,48 @@ def fetch_fd(path: str, token: int, what: str) -> int:
         try:
             s.connect(_address(path))
             try:
-                s.sendall(_TOKEN.pack(token))
+                if send:
+                    socket.send_fds(s, [_TOKEN.pack(token)], send)
+                else:
+                    s.sendall(_TOKEN.pack(token))
             except (BrokenPipeError, ConnectionResetError):  # closed on at once: the reason
                 pass  # it was told, if any, is still there to read
-            msg, fds = _receive(s)
+            return _receive(s)
         except OSError as e:
             why = "no answer in time" if e.errno in (errno.EAGAIN, errno.EINPROGRESS) else \
                 (e.strerror or str(e))
             if e.errno == errno.ECONNREFUSED and path.startswith("@"):
                 why += ("; the name is reachable only from the daemon's network namespace, "
                         "while it runs")
-            raise OSError(e.errno, f"cannot get the {what} from the daemon's socket {path} "
-                                   f"({why})") from None
-        if msg[:1] == b"\1" and len(fds) == 1:
-            return fds[0]
-        for fd in fds:
-            os.close(fd)
-        why = msg[1:].decode("utf-8", "replace") if msg[:1] == b"\0" and len(msg) > 1 else \
-            "the daemon sent no descriptor"
-        raise OSError(f"cannot get the {what} from the daemon's socket {path}: {why}")
+            raise OSError(e.errno, f"cannot {doing} the {what} {'to' if send else 'from'} "
+                                   f"the daemon's socket {path} ({why})") from None
     finally:
         s.close()
+
+
+def _refusal(msg: bytes, default: str) -> str:
+    return msg[1:].decode("utf-8", "replace") if msg[:1] == b"\0" and len(msg) > 1 else default
+
+
+def fetch_fd(path: str, token: int, what: str) -> int:
+    """The descriptor the daemon offered for ``token`` on its hand-out socket ``path`` (see the
+    module docstring); ``what`` names the memory in errors."""
+    msg, fds = _exchange(path, token, what, "get", [])
+    if msg[:1] == b"\1" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise OSError(f"cannot get the {what} from the daemon's socket {path}: "
+                  f"{_refusal(msg, 'the daemon sent no descriptor')}")
+
+
+def send_fds(path: str, token: int, fds: list[int], what: str) -> None:
+    """Hand ``fds`` in to the intake the daemon opened for ``token`` on ``path``."""
+    if not 0 < len(fds) <= MAX_INTAKE_FDS:
+        raise ValueError(f"an intake takes 1 to {MAX_INTAKE_FDS} descriptors, not {len(fds)}")
+    msg, back = _exchange(path, token, what, "hand", list(fds))
+    for fd in back:
+        os.close(fd)
+    if msg[:1] != b"\1":
+        raise OSError(f"cannot hand the {what} to the daemon's socket {path}: "
+                      f"{_refusal(msg, 'the daemon did not answer')}")

@@ -6,7 +6,10 @@ of ``hicache.engine.client.Client``; the daemon side is ``controllers/kv_store.p
   ``{"fd", "offset", "stride"}``), pending proof; a marker pool gives ``space`` instead of
   ``pool`` and maps nothing. ``kv_prove(reply)`` writes the daemon's nonce where it asked (each
   file grows by one page for it, then shrinks back after ``kv_verify``); ``kv_attach_proven``
-  does all three.
+  does all three. With ``handoff=True`` instead of a pid, ``kv_attach_proven`` hands the files
+  in on the daemon's descriptor socket (``fd_handout.send_fds``: any pid namespace, the
+  daemon's network namespace), only those its layers name, and the daemon opens nothing of
+  this process's.
 * ``kv_put / kv_get (name, keys, pages)`` -> one bool per key; ``kv_exists(name, keys)`` ->
   one bool per key. A daemon with L3 answers keys its host rows lack *pending* while it reads
   or asks L3 in the background; ``kv_get`` / ``kv_exists`` then ask again for those keys only
@@ -28,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from hicache.core.fd_handout import send_fds
 from hicache.core.protocol import as_index
 
 L3_WAIT = 5.0  # s: how long kv_get / kv_exists keep asking about keys the daemon has pending
@@ -35,13 +39,18 @@ L3_WAIT = 5.0  # s: how long kv_get / kv_exists keep asking about keys the daemo
 
 class KVStoreCommands:
     def kv_attach(self, name: str, namespace: str, *, pages: int, pool: str | None = None,
-                  space: str | None = None, pid: int | None = None, page_bytes: int = 0,
-                  layers: Sequence[Mapping[str, int]] = (),
+                  space: str | None = None, pid: int | None = None, handoff: bool = False,
+                  page_bytes: int = 0, layers: Sequence[Mapping[str, int]] = (),
                   timeout: float | None = None) -> dict[str, Any]:
         f: dict[str, Any] = {"name": name, "namespace": namespace, "pages": int(pages)}
         if pool is not None:
-            f.update(pool=pool, pid=int(os.getpid() if pid is None else pid),
-                     page_bytes=int(page_bytes), layers=[dict(x) for x in layers])
+            f.update(pool=pool, page_bytes=int(page_bytes), layers=[dict(x) for x in layers])
+            if handoff:
+                if pid is not None:
+                    raise ValueError("kv_attach: give pid or handoff, not both")
+                f["handoff"] = True
+            else:
+                f["pid"] = int(os.getpid() if pid is None else pid)
         if space is not None:
             f["space"] = space
         return self.call("kv_attach", f, timeout=timeout)[0]
@@ -75,8 +84,17 @@ class KVStoreCommands:
         return list(self.call("kv_verify", timeout=timeout)[0]["attached"])
 
     def kv_attach_proven(self, name: str, namespace: str, **kw: Any) -> list[str]:
-        """``kv_attach`` + ``kv_prove`` + ``kv_verify`` (the files shrink back either way)."""
+        """``kv_attach`` + ``kv_prove`` + ``kv_verify`` (the files shrink back either way); with
+        ``handoff=True``, ``kv_attach`` + the files handed in + ``kv_verify``."""
         reply = self.kv_attach(name, namespace, **kw)
+        if reply.get("fd_token") is not None:
+            mine = list(dict.fromkeys(int(x["fd"]) for x in kw.get("layers", ())))
+            if reply.get("fds") != mine:  # only the files this call named leave this process
+                raise ValueError(f"kv_attach {name}: the daemon asked for descriptors "
+                                 f"{str(reply.get('fds'))[:80]}, not the files {mine} named")
+            send_fds(str(reply["fd_socket"]), int(reply["fd_token"]), mine,
+                     f"engine pool {name}")
+            return self.kv_verify()
         done = self.kv_prove(reply) if reply.get("proofs") else []
         try:
             return self.kv_verify()

@@ -154,16 +154,22 @@ def _get_back(backend: Any, pools: Any, keys: list, saved: dict, kv_skip: int,
             rest = [r for r in range(t.shape[0]) if r not in dst]
             assert int(t[rest].count_nonzero()) == 0, (name, layer)
 
-def test_storage_backend_survives_an_engine_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attach", ["handoff", "pid"])
+def test_storage_backend_survives_an_engine_restart(tmp_path: Path, attach: str) -> None:
+    """Either way the daemon gets the pools' files (``hicache_attach``: handed in on its
+    descriptor socket, the default, or opened through ``/proc/<pid>/fd``), every byte comes
+    back; the second engine attaches the other way."""
     d = _daemon(tmp_path)
+    other_way = "pid" if attach == "handoff" else "handoff"
     try:
         keys = _keys(3, 1)
-        with engine(d.address) as (backend, pools):
+        with engine(d.address, hicache_attach=attach) as (backend, pools):
+            assert backend.attach == attach
             for name in KV_DERIVED + SWA_INDEXED:  # SGLang's stock pools, each in memfds
                 assert pools[name].allocator.fds, name
             saved = _put(backend, pools, keys, seed=7, kv_skip=1, swa_skip=2)
         # the engine is gone (its memfds with it); a new one starts against the same daemon
-        with engine(d.address) as (backend, pools):
+        with engine(d.address, hicache_attach=other_way) as (backend, pools):
             for name in KV_DERIVED + SWA_INDEXED:
                 assert all(int(t.count_nonzero()) == 0 for t in pools[name].kv_buffer)
             other = _keys(1, 99_999)
@@ -298,7 +304,8 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
                          ({"allocator": "default"}, "allocator"),
                          ({"bogus": 1}, "unknown extra config"),
                          ({"hicache_l3_wait": -1}, "hicache_l3_wait"),
-                         ({"hicache_l3_wait": "5"}, "hicache_l3_wait")]:
+                         ({"hicache_l3_wait": "5"}, "hicache_l3_wait"),
+                         ({"hicache_attach": "proc"}, "hicache_attach must be one of")]:
             cfg.extra_config = {**EXTRA, "hicache_socket": d.address, **bad}
             with pytest.raises(StorageRefused, match=why) as e:
                 StorageBackendFactory.create_backend("dynamic", cfg, None)

@@ -7,8 +7,11 @@ SGLang loads it with ``--hicache-storage-backend dynamic`` and the extra config
 shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(config, {})``,
 ``register_mem_pool_host(anchor)`` and ``register_mem_host_pool_v2(pool, name)`` per pool.
 
-* Each pool is attached to the daemon once (``kv_attach`` with this process's pid and the
-  memfd, offset and page stride of every layer, then the nonce proof and ``kv_verify``).
+* Each pool is attached to the daemon once (``kv_attach`` with the memfd, offset and page
+  stride of every layer; the memfds handed in on the daemon's descriptor socket, which works
+  from any pid namespace that shares the daemon's network namespace, then ``kv_verify``).
+  ``"hicache_attach": "pid"`` has the daemon open them through ``/proc/<pid>/fd`` instead
+  (same pid namespace, any network namespace), with the nonce proof.
   DSV4 pools go to the daemon pool of the same bytes (``stage_map.SGLANG_POOLS``); the DSV4
   KV anchor (``LogicalHostPool``, no bytes) becomes a marker pool that records which keys
   were written. Any other pool, a pool not in shared memory, or a page size that differs from
@@ -72,7 +75,9 @@ log = logging.getLogger("hicache.sglang.storage")
 
 ANCHOR = "kv"  # SGLang's PoolName.KV: the pool of the v1 calls
 CONFIG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
-               "hicache_socket", "hicache_namespace", "hicache_timeout", "hicache_l3_wait"}
+               "hicache_socket", "hicache_namespace", "hicache_timeout", "hicache_l3_wait",
+               "hicache_attach"}
+ATTACH_WAYS = ("handoff", "pid")  # how the daemon gets the pools' files (kv_attach)
 
 
 class StorageRefused(ValueError):
@@ -138,8 +143,9 @@ def _shm_files(pool: Any, name: str) -> list[tuple[int, int, int]]:
             for fd, mm in zip(fds, mms) if fd is not None]
 
 
-def describe_pool(pool: Any, name: str) -> dict[str, Any]:
-    """The ``kv_attach`` fields of one SGLang host pool (see the module docstring)."""
+def describe_pool(pool: Any, name: str, attach: str = "handoff") -> dict[str, Any]:
+    """The ``kv_attach`` fields of one SGLang host pool (see the module docstring); ``attach``:
+    ``handoff`` (the files handed in) or ``pid`` (opened by the daemon through ``/proc``)."""
     if getattr(pool, "kv_buffer", None) is None:
         if name != ANCHOR:
             raise StorageRefused(f"host pool {name} holds no bytes; only the KV anchor may")
@@ -157,7 +163,8 @@ def describe_pool(pool: Any, name: str) -> dict[str, Any]:
         if not hit:
             raise StorageRefused(f"host pool {name}: layer {i} is not in a shared-memory file")
         layers.append({"fd": hit[0][0], "offset": ptr - hit[0][1], "stride": v.stride(0) * size})
-    return {"pool": ours, "pid": os.getpid(), "pages": int(views[0].shape[0]),
+    way = {"handoff": True} if attach == "handoff" else {"pid": os.getpid()}
+    return {"pool": ours, **way, "pages": int(views[0].shape[0]),
             "page_bytes": int(views[0].shape[1]) * views[0].element_size(), "layers": layers}
 
 
@@ -198,6 +205,10 @@ class HicacheStorage(HiCacheStorage):
             raise StorageRefused(f"hicache_l3_wait must be a number of seconds in 0..600, got "
                                  f"{str(wait)[:40]!r}")
         self.l3_wait = float(wait)
+        self.attach = extra.get("hicache_attach", "handoff")
+        if self.attach not in ATTACH_WAYS:
+            raise StorageRefused(f"hicache_attach must be one of {list(ATTACH_WAYS)}, got "
+                                 f"{str(self.attach)[:40]!r}")
         self.client = Client(address, timeout=float(extra.get("hicache_timeout", 30.0)),
                              name=f"sglang-storage-tp{storage_config.tp_rank}")
         self._watch(self.client.heartbeat())  # it must answer now (DaemonUnreachable otherwise)
@@ -219,7 +230,7 @@ class HicacheStorage(HiCacheStorage):
                 if self.pools[name][0] is pool:
                     return  # the anchor comes both as mem_pool_host and as a v2 entry
                 raise StorageRefused(f"host pool {name} is already registered (another pool)")
-            fields = describe_pool(pool, name)
+            fields = describe_pool(pool, name, self.attach)
             self.client.kv_attach_proven(name, self.namespace, **fields)
             self.pools[name] = (pool, fields)
 
