@@ -49,11 +49,11 @@ Contract:
   descriptors attached to those bytes); the daemon answers one byte, ``1`` (with the offered
   descriptor attached; for an intake, none: they were taken in), or ``0`` followed by the
   reason (UTF-8, at most 200 bytes) and no descriptor, then closes. Descriptors sent where
-  none are expected, or a count other than the one expected, are closed and refused. The thread serves connections side by side (one
-  ``selectors`` loop, the whole backlog taken each turn): a connection that sends no token is
-  closed after ``TOKEN_WAIT_S`` and holds no other back; past ``MAX_CONNECTIONS`` open at
-  once, the oldest silent one is closed (told why) to make room. A wrong token changes
-  nothing.
+  none are expected, or a count other than the one expected, are closed and refused. The
+  thread serves connections side by side (one ``selectors`` loop, the whole backlog taken
+  each turn): a connection that sends no token is closed after ``TOKEN_WAIT_S`` and holds no
+  other back; past ``MAX_CONNECTIONS`` open at once, the oldest silent one is closed (told
+  why) to make room. A wrong token changes nothing.
 - ``fetch_fd(path, token, what)`` (the client): the descriptor (close-on-exec), else an
   ``OSError`` naming ``what``, the socket and the reason (no daemon there, which for an
   abstract name says that it is reachable from the daemon's network namespace only; a
