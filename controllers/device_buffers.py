@@ -8,7 +8,10 @@ must be regular files owned by this user inside an allowed directory, CUDA handl
 GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
 lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
 layer can reach past the worker's own memory; a GPU layer must start on a 4-byte boundary
-(``WORD``). ``close(handoff)`` drops every mapping the
+(``WORD``); the reference-counter file a CUDA handle names is checked and then not used
+(torch gets ``NO_COUNTER``: the daemon never decrements a counter in a file a client names,
+which could be another engine's; the engine's shared block then stays out of its caching
+allocator once freed, until the engine exits). ``close(handoff)`` drops every mapping the
 daemon holds; a mapping still used by an in-flight operation is released when that operation
 lets go of it. With ``handoff`` (``background.Unmapper.hand``) the objects that keep the
 mappings alive go to it, so the unmapping itself runs off the server thread.
@@ -19,6 +22,7 @@ import ctypes
 import mmap
 import os
 import re
+import secrets
 import stat
 from typing import Any, Callable, Mapping, Sequence
 
@@ -172,7 +176,10 @@ def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str
                 if p == path and off + rows * rb > st.st_size:
                     raise _bad(f"{where}: bytes [{off}, {off + rows * rb}) run past the end of "
                                f"{path} ({st.st_size} bytes)")
-            mm = mmap.mmap(fd, st.st_size)
+            try:
+                mm = mmap.mmap(fd, st.st_size)
+            except OSError as e:  # e.g. a huge sparse file: more than the address space
+                raise _bad(f"cannot map {path} ({st.st_size} bytes): {e.strerror}") from None
         finally:
             os.close(fd)
         files[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), st.st_size)
@@ -210,9 +217,12 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
             st = storages.get(key)
             if st is None:
                 try:
+                    # torch decrements a slot of the counter file named here when the storage
+                    # goes; a client could name another engine's file (its form is all the
+                    # daemon can check), so torch gets a name no file has (``NO_COUNTER``)
                     st = torch.UntypedStorage._new_shared_cuda(
                         device.index, r["handle"], r["storage_bytes"], r["storage_offset"],
-                        r["ref_counter"], r["ref_counter_offset"], r["event"], r["event_sync"])
+                        NO_COUNTER, 0, r["event"], r["event_sync"])
                 except Exception as e:  # noqa: BLE001 - report, never crash the daemon
                     raise _bad(f"{where}: cannot open the CUDA IPC handle ({e}); is the "
                                f"worker's memory from expandable_segments or another GPU?") from None
@@ -228,6 +238,9 @@ def _open_cuda(layout: Layout, buffers: Mapping[str, Any], device: torch.device)
 # (torch 2.11); an event's is the 64-byte cudaIpcEventHandle_t
 IPC_HANDLE_BYTES = {"handle": (66, 64), "event": (64,)}
 REF_COUNTER_SLOTS = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters per file
+# the counter file torch is given for every storage the daemon opens: a random name that no file
+# has, so the decrement torch makes when the storage goes opens nothing (torch ignores that)
+NO_COUNTER = f"/hicache-no-counter-{os.getpid()}-{secrets.token_hex(16)}".encode()
 _REF_COUNTER_NAME = re.compile(rb"^/torch_\d+_\d+_\d+$")  # torch names its counter files so
 
 
@@ -255,8 +268,9 @@ def _check_ipc_fields(h: Mapping[str, Any], where: str) -> None:
     """What torch trusts when it opens a shared CUDA storage: the handles' sizes, the
     reference-counter file's name and the counter's slot in it. torch decrements
     ``counter + ref_counter_offset`` in the mapped counter file when the storage goes: an
-    offset past the file wrote (and crashed) outside it, and another name opened another
-    engine's counters."""
+    offset past the file wrote (and crashed) outside it, and a name of the right form could
+    still be another engine's file. Both are checked as the client's input, but the daemon
+    never hands the client's counter to torch (``NO_COUNTER``)."""
     for k, optional in (("handle", False), ("event", True)):
         b = _handle_bytes(h, k, where, optional)
         if b is not None and len(b) not in IPC_HANDLE_BYTES[k]:

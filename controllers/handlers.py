@@ -170,7 +170,8 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
         raise _no_channel(f"cannot create its sockets (the descriptor socket, the wake-up "
                           f"socket in {st.shm_dirs[0]}): {e}") from None
     ch = c.channel  # one open already: its hand-out failed, or the client maps it again; the
-    if ch is None:  # same channel is offered once more (a client never has two)
+    fresh = ch is None  # same channel is offered once more (a client never has two)
+    if fresh:
         try:
             ch = Channel.create()
         except OSError as e:
@@ -179,6 +180,8 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     try:
         return dict(ch.hand_out(handout), wake=st.wake_socket.path), []
     except OSError as e:  # (no descriptor left for the offer's duplicate)
+        if fresh:  # a refusal opens nothing: the channel made for it goes again
+            st.registry.close_channel(c)
         raise _no_channel(f"cannot hand it out ({e})") from None
 
 

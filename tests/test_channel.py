@@ -505,6 +505,36 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         c.close()
 
 
+def test_a_channel_that_cannot_be_handed_out_is_closed_again() -> None:
+    """The hand-out of a fresh channel fails (no descriptor left): the refusal leaves the client
+    without a channel and the daemon scanning none (the channel made for it stayed open)."""
+    import errno
+    import types
+
+    from hicache.controllers import handlers
+    from hicache.controllers.registry import Registry
+    from hicache.core.protocol import ProtocolError
+
+    class NoDescriptorLeft:
+        path = "@hicache-test"
+
+        def offer(self, fd: int, token: int) -> None:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def withdraw(self, token: int) -> None:
+            pass
+
+    reg = Registry(8, 16)
+    c = reg.touch(b"cli-a", 0.0)
+    st = types.SimpleNamespace(spin_us=10, handout=NoDescriptorLeft,
+                               wake_socket=types.SimpleNamespace(path="/x"),
+                               shm_dirs=["/dev/shm"], registry=reg)
+    with pytest.raises(ProtocolError, match="cannot hand it out") as e:
+        handlers.channel(st, c, {}, [])
+    assert e.value.code == "unsupported"
+    assert c.channel is None and len(reg.channels) == 0
+
+
 def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
     """The first shm directory's path is too long for a Unix socket: the channel is refused
     with the reason, and the client carries on over ZMQ."""

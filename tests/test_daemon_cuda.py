@@ -275,3 +275,54 @@ def test_a_daemon_on_the_second_gpu_holds_no_context_on_the_first(tmp_path):
         finally:
             d.stop()
             pools.close()
+
+
+_EXPORTER = """
+import json, sys, torch
+from hicache.core.ipc import export_buffer
+x = torch.zeros(1024, 4096, dtype=torch.uint8, device="cuda")
+print(json.dumps(export_buffer(x)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_client_naming_another_engines_counter_file_changes_nothing_in_it() -> None:
+    """A GPU ``register`` handle whose ``ref_counter`` names another engine's torch counter
+    file (a name of the right form, any process of the uid can list them): opening and closing
+    the storage leaves every counter in that file as it was (torch decremented the named slot:
+    the other engine's allocator could then reuse memory still mapped elsewhere)."""
+    import base64
+    import gc
+    import json
+    import types
+
+    import numpy as np
+
+    from hicache.controllers.device_buffers import _open_cuda
+
+    def exporter() -> tuple[subprocess.Popen, dict]:
+        p = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        return p, json.loads(p.stdout.readline())
+
+    victim, hv = exporter()
+    attacker, ha = exporter()
+    try:
+        name = base64.b64decode(hv["ref_counter"]).decode()
+        path = "/dev/shm" + name
+        before = np.fromfile(path, dtype=np.int64)
+        h = dict(ha, ref_counter=hv["ref_counter"], ref_counter_offset=hv["ref_counter_offset"])
+        bufs = _open_cuda(types.SimpleNamespace(pools={"p": 0}), {"p": [h]}, DEV)
+        assert bufs.layers["p"][0].shape == (1024, 4096)  # the attacker's own memory opened
+        bufs.close()
+        del bufs
+        gc.collect()
+        torch.cuda.synchronize()
+        after = np.fromfile(path, dtype=np.int64)
+        assert np.array_equal(before, after), [(int(i), int(before[i]), int(after[i]))
+                                               for i in np.flatnonzero(before != after)]
+    finally:
+        for p in (victim, attacker):
+            p.stdin.close()
+            p.wait(timeout=60)

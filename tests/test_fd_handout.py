@@ -134,6 +134,33 @@ def test_an_intake_takes_the_descriptors_handed_in_once(handout) -> None:
         os.close(fd)
 
 
+def test_an_offer_whose_duplicate_cannot_be_made_stands_and_says_why(handout,
+                                                                     monkeypatch) -> None:
+    """No descriptor left for the duplicate of an offer that has more than one hand-out left:
+    the client is told why, and the offer is not spent (it was: the count went down first, and
+    the client read "the daemon sent no descriptor")."""
+    fd, mm = _memfd()
+    handout.offer(fd, 31)
+    handout.offer(fd, 31)
+    real = os.dup
+    calls = []
+
+    def no_fd_left(x: int) -> int:
+        calls.append(x)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(F.os, "dup", no_fd_left)
+    with pytest.raises(OSError, match="no descriptor left to hand out .* the offer stands"):
+        F.fetch_fd(handout.path, 31, "test memory")
+    monkeypatch.setattr(F.os, "dup", real)
+    assert calls and handout.pending == 2
+    for _ in range(2):
+        os.close(F.fetch_fd(handout.path, 31, "test memory"))
+    assert handout.pending == 0
+    os.close(fd)
+    mm.close()
+
+
 def test_refusals_name_the_reason_and_change_nothing(handout) -> None:
     fd, mm = _memfd()
     handout.offer(fd, 5)

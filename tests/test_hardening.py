@@ -421,6 +421,34 @@ def test_a_shm_path_that_cannot_be_encoded_is_refused_not_internal(shared):
         p.close()
 
 
+def test_a_shm_file_too_big_to_map_is_refused_not_internal(shared):
+    """A register handle naming a (sparse) file bigger than the address space: ``bad_handle``
+    naming it (the mmap's ENOMEM was an ``internal`` reply)."""
+    import json
+
+    from hicache.core.layout import Layout
+
+    p = RawPeer(shared.address, "huge")
+    path = f"/dev/shm/hicache-test-huge-{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            f.truncate(1 << 50)  # 1 PiB, no byte of it written
+        layout = Layout.from_dict(p.call("heartbeat", {"full": True})["layout"])
+        with ShmBuffers(layout, {"page": 16, "swa_page": 8, "req_slot": 4}, tag="huge") as bufs:
+            f = json.loads(json.dumps(bufs.register_fields()))
+            for hs in f["buffers"].values():
+                for h in hs:
+                    h["path"], h["offset"] = path, 0
+            p.send(P.encode_request("register", 8, f))
+            h = p.reply(10.0)
+        assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
+        assert "cannot map" in h["error"]["message"] and path in h["error"]["message"]
+        assert _alive(shared)
+    finally:
+        os.unlink(path)
+        p.close()
+
+
 @pytest.mark.parametrize("v", [b"true", b"1.0"])
 def test_a_protocol_version_of_another_type_is_refused(shared, v):
     """``"v": true`` and ``"v": 1.0`` equal 1 in Python: both are ``bad_version`` (they were

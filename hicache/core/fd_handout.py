@@ -281,16 +281,21 @@ class FdHandout:
             return self._take_in(conn, token, w)
         with self._lock:  # the descriptor sent is ours alone (the last offer's, or a new
             o = self._offers.get(token)  # duplicate): a withdraw meanwhile cannot close it
+            why = b""
             if o is None:
-                fd = -1
+                fd, why = -1, (b"no memory is offered for this token (each reply that names it "
+                               b"may be opened once)")
             elif o[1] > 1:
-                o[1] -= 1
-                fd = os.dup(o[0])
+                try:  # the offer is spent only once its duplicate exists
+                    fd = os.dup(o[0])
+                    o[1] -= 1
+                except OSError as e:
+                    fd, why = -1, (f"the daemon has no descriptor left to hand out "
+                                   f"({e.strerror}); the offer stands, ask again").encode()
             else:
                 fd = self._offers.pop(token)[0]
         if fd < 0:
-            conn.sendall(b"\0" + b"no memory is offered for this token (each reply that names "
-                                 b"it may be opened once)")
+            conn.sendall(b"\0" + why[:_REASON_MAX])
             return
         try:
             socket.send_fds(conn, [b"\1"], [fd])
