@@ -348,3 +348,57 @@ def test_the_rows_a_token_write_must_not_zero_are_those_of_its_own_pool():
             assert st.landing(a, "page", [3, 4, 5]) == {3, 5}
         finally:
             sched.close()
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_one_foreign_row_among_many_is_refused_on_every_copy_command(daemon_factory, where):
+    """Above ``OWNER_LOOP_MAX`` rows the daemon checks ownership in one vectorised pass: one of
+    another client's written rows among 40 of B's own, first or last, is ``not_owner`` for a
+    load, a backup and a free, and neither B's device bytes nor A's host bytes change."""
+    from hicache.controllers.state import OWNER_LOOP_MAX
+
+    n = 40
+    assert n > OWNER_LOOP_MAX
+    tiny = build_layout(preset("dsv4-tiny"), c128_state="offline", mtp=False)
+    rows = {"page": n, "swa_page": 4, "req_slot": 4}
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=40,swa_page=4,req_slot=4",
+                       metrics=False, extra=("--no-mtp", "--c128-state", "offline"))
+    pa, pb = DevicePools(tiny, rows), DevicePools(tiny, rows)
+    g = torch.Generator().manual_seed(5)
+    for p in (pa, pb):
+        for layers in p.layers.values():
+            for t in layers:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    a, b = d.client(name="tenant-a"), d.client(name="tenant-b")
+    try:
+        a.register(pa)
+        b.register(pb)
+        ha = a.alloc({"page": n})["page"]
+        a.wait_ack(a.backup({"page": (list(range(n)), ha)}))  # A's rows: written, readable
+        hb = b.alloc({"page": n})["page"]
+        b.wait_ack(b.backup({"page": (list(range(n)), hb)}))
+        mixed = list(hb)
+        mixed[0 if where == "first" else -1] = ha[7]
+        before_b = snap(pb)
+        refused("not_owner", lambda: b.load({"page": (mixed, list(range(n)))}))
+        refused("not_owner", lambda: b.backup({"page": (list(range(n)), mixed)}))
+        refused("not_owner", lambda: b.free({"page": mixed}))
+        assert same(pb, before_b)
+        # A's host rows still hold A's bytes: loaded back into A's zeroed device rows
+        want = snap(pa)
+        for layers in pa.layers.values():
+            for t in layers:
+                t.zero_()
+        a.wait_ack(a.load({"page": (ha, list(range(n)))}))
+        for name, layers in pa.layers.items():
+            if tiny.pools[name].index == "page":
+                assert all(torch.equal(t, w) for t, w in zip(layers, want[name])), name
+        assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
+    finally:
+        for c, p in ((a, pa), (b, pb)):
+            try:
+                c.unregister()
+            except CommandRefused:
+                pass
+            c.close()
+            p.close()
