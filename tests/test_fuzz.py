@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -154,3 +155,28 @@ def test_bench_fuzz_exits_1_when_a_check_fails(monkeypatch, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["ok"] is False and rep["failed_checks"] == ["errors metric counted every refusal"]
     assert rep["error_replies"] == 150 and rep["unanswered"] == 0  # everything else held
+
+
+def test_the_pattern_checker_reports_every_wrong_row_and_only_those():
+    """``Pattern.bad_rows`` is what the soak's and the fuzzer's "0 corrupted" rests on: one
+    word wrong at the last word of the last layer of the last pool of a row, a row scribbled and
+    never loaded, and a neighbour's salt (a row loaded from the wrong source) are each reported,
+    at exactly their positions; rows with their own content are not."""
+    from hicache.core.layout import build_layout, preset
+    from hicache.fuzz.peers import Pattern, ShmBuffers
+
+    layout = build_layout(preset("dsv4-tiny"), c128_state="offline", mtp=False)
+    pools = [n for n, p in layout.pools.items() if p.index == "page"]
+    pat = Pattern(layout, pools, seed=3)
+    with ShmBuffers(layout, {"page": 8, "swa_page": 4, "req_slot": 4}, tag="pat") as bufs:
+        rows, salts = [0, 1, 2, 3, 4, 5], [11, 12, 13, 14, 15, 16]
+        pat.fill(bufs, rows, salts)
+        assert pat.bad_rows(bufs, rows, salts) == []
+        w = bufs.view(pools[-1]).view(np.uint64)
+        w[-1, rows[1], -1] ^= np.uint64(1)  # one bit of the last word of the last layer
+        pat.scribble(bufs, [rows[3]], 0xDEAD)  # scribbled, never loaded
+        pat.fill(bufs, [rows[5]], [salts[4]])  # a neighbour's content
+        assert pat.bad_rows(bufs, rows, salts) == [1, 3, 5]
+        first = bufs.view(pools[0]).view(np.uint64)
+        first[0, rows[0], 0] ^= np.uint64(1 << 62)  # the first word of the first pool too
+        assert pat.bad_rows(bufs, rows, salts) == [0, 1, 3, 5]
