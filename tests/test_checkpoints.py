@@ -605,3 +605,27 @@ def test_a_write_back_eviction_batch_counts_each_page_once():
                      "dropped_pages": 1}, delta
     assert [(n.key, n.device, n.host is not None) for n in t.nodes()] == [("x", None, True)]
     t.check()
+
+
+def test_a_duplicate_with_a_checkpoint_never_takes_a_held_pages_row():
+    """Request B computed page ``a1`` while X inserted it (without a checkpoint there) and A
+    then locked it, resuming past it at X's checkpoint on ``a2``. B's copy of ``a1`` carries a
+    checkpoint, but the node is held: B's row is the duplicate freed, and A's rows stay A's
+    (B's row replaced the held node's row, and A's row was freed while A read it)."""
+    h = CkptHooks()
+    tree = RadixTree(16, h, mirror="checkpoints")
+    a = seq("a", 3)
+    pb = tree.prepare(a[:2])  # B: nothing cached yet
+    assert pb.pages == 0
+    rows_b = tree.alloc_device(2)
+    run(tree, h, a)  # X: inserts a0..a2, its checkpoint on a2 only
+    pa = tree.prepare(a)  # A: locks a0..a2
+    assert pa.pages == 3 and not pa.nodes[1].ckpt_dev
+    held = [n.device for n in pa.nodes]
+    for k, r in zip(a[:2], rows_b):
+        h.device[r] = k
+        h.dev_ckpt[r] = k
+    tree.release(pb, a[:2], rows_b)  # B's a1 has a checkpoint (its last page)
+    tree.check()
+    assert [n.device for n in pa.nodes] == held
+    assert not any(tree.device._used[r] == 0 for r in held), "a row A holds was freed"
