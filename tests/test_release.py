@@ -143,7 +143,7 @@ def test_cpu_copy_thread_leaves_a_core_to_the_loop():
 
 
 # ----------------------------------------------------------------------------- the releaser
-def _releaser(g: HostPoolGroup, live: set[int], cancelled: list[int]):
+def _releaser(g: HostPoolGroup, live: set[int], cancelled: list[int], sparse=lambda: None):
     from hicache.controllers.loop_watch import LoopWatch
     from hicache.controllers.registry import ClientState, Registry
     from hicache.controllers.release import Releaser
@@ -153,7 +153,7 @@ def _releaser(g: HostPoolGroup, live: set[int], cancelled: list[int]):
     reg = Registry(8, 16)
     gauge: list[float] = []
     rel = Releaser(g, tracker, reg, lambda ids: cancelled.extend(ids) or len(ids),
-                   live.__contains__, lambda: None, LoopWatch(), gauge.append)
+                   live.__contains__, sparse, LoopWatch(), gauge.append)
     return rel, tracker, reg, gauge, ClientState
 
 
@@ -301,24 +301,50 @@ def test_a_release_is_not_done_while_its_last_zeroed_chunk_is_being_handed_back(
         assert not rel.pending and g.rows_of("a")["page"].numel() == 0 and tracker.held == 0
 
 
-@pytest.mark.parametrize("holds", ["in_flight", "kv", "channel"])
+class _Region:
+    """The sparse side a ``Releaser`` sees: no requests, no region to detach, and ``held``
+    rows of a region the client bound again while its ``unregister`` waited."""
+
+    def __init__(self) -> None:
+        self.requests: dict = {}
+        self.held, self.dropped = 0, []
+
+    def detach(self, cid: str) -> None:
+        return None
+
+    def rows_held(self, cid: str) -> int:
+        return self.held
+
+    def drop(self, cid: str) -> None:
+        self.dropped.append(cid)
+
+
+@pytest.mark.parametrize("holds", ["in_flight", "kv", "channel", "sparse"])
 def test_an_unregistered_client_that_opened_more_is_not_forgotten(holds):
     """An ``unregister`` waited for the client's copies; meanwhile it sent an L3 query, attached
-    key-store pools or opened a channel: when the release ends it stays known (forgetting it
-    dropped the query's ack, unmapped the pools, unlinked the channel)."""
+    key-store pools, opened a channel or took rows of a sparse region it bound again: when the
+    release ends it stays known (forgetting it dropped the query's ack, unmapped the pools,
+    unlinked the channel, took the region away with its rows in use)."""
+    region = _Region()
     with HostPoolGroup(build_layout(preset("dsv4-tiny")), dict(ROWS)) as g:
         live = {3}
-        rel, _, reg, _, _ = _releaser(g, live, [])
+        rel, _, reg, _, _ = _releaser(g, live, [], sparse=lambda: region)
         c = reg.touch(b"a", 0.0)
         rel.start(c, "unregister", [3], None, cancel=[], forget=True)
-        setattr(c, holds, 1 if holds == "in_flight" else object())
+        if holds == "sparse":
+            region.held = 2
+        else:
+            setattr(c, holds, 1 if holds == "in_flight" else object())
         live.clear()
         rel.dirty = True
         rel.step()
-        assert not rel.pending and reg.clients.get(b"a") is c
-        setattr(c, holds, 0 if holds == "in_flight" else None)
+        assert not rel.pending and reg.clients.get(b"a") is c and region.dropped == []
+        if holds == "sparse":
+            region.held = 0
+        else:
+            setattr(c, holds, 0 if holds == "in_flight" else None)
         rel.start(c, "unregister", [], None, cancel=[], forget=True)  # holds nothing now
-        assert not rel.pending and b"a" not in reg.clients
+        assert not rel.pending and b"a" not in reg.clients and region.dropped == [c.cid]
 
 
 def test_a_stop_waits_for_the_unmapper_and_names_what_it_could_not_drop(tmp_path, monkeypatch,
