@@ -57,11 +57,13 @@ def copy_rows_ref(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
         wd.index_copy_(0, d_idx, ws.index_select(0, s_idx).to(d.device))
 
 
-def _token_views(t: torch.Tensor, fmt: TokenFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_views(t: torch.Tensor, fmt: TokenFormat,
+                 bytewise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, P, value words] and [rows, P, scale words] views of one layer's page rows,
-    in the widest word that every offset of the format aligns to."""
+    in the widest word that every offset of the format aligns to (``bytewise``: bytes)."""
     P = fmt.tokens_per_page
-    w = _word(fmt.value_bytes, fmt.scale_bytes or 8, fmt.scale_offset, fmt.page_bytes)
+    w = 1 if bytewise else _word(fmt.value_bytes, fmt.scale_bytes or 8, fmt.scale_offset,
+                                 fmt.page_bytes)
     t = _wide(t, w)
     if t.dtype == torch.uint8:
         w = 1
@@ -119,6 +121,9 @@ def _copy_tokens_views(s: torch.Tensor, d: torch.Tensor, src_tok: torch.Tensor,
     d_page, d_slot = d_tok // P, d_tok % P
     sv, ss = _token_views(s, fmt)
     dv, ds = _token_views(d, fmt)
+    if sv.dtype != dv.dtype:  # one side has no word view (its storage starts off a word)
+        sv, ss = _token_views(s, fmt, bytewise=True)
+        dv, ds = _token_views(d, fmt, bytewise=True)
     dv[d_page, d_slot] = sv[s_page, s_slot].to(d.device)
     if fmt.scale_bytes:
         ds[d_page, d_slot] = ss[s_page, s_slot].to(d.device)

@@ -115,6 +115,43 @@ def test_tokens_reference_matches_oracle(fmt_name):
     assert_same(src, src0, "source changed")
 
 
+def _odd(ts: list[torch.Tensor], how: str) -> list[torch.Tensor]:
+    """The same bytes in buffers the flat word path cannot take: rows inside wider rows (not
+    contiguous), or storage that starts one byte in (no word view)."""
+    out = []
+    for t in ts:
+        rows, rb = t.shape
+        if how == "strided":
+            wide = torch.zeros(rows, rb + 64, dtype=torch.uint8)
+            v = wide[:, 8:8 + rb]
+        else:
+            v = torch.zeros(rows * rb + 1, dtype=torch.uint8)[1:].view(rows, rb)
+        v.copy_(t)
+        out.append(v)
+    return out
+
+
+@pytest.mark.parametrize("how", ["strided", "byte_offset"])
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_tokens_reference_matches_oracle_on_buffers_without_flat_words(fmt_name, how):
+    """Non-contiguous rows and storage one byte off a word take ``_copy_tokens_views`` (and the
+    byte-wise fallback): values and scales both, every token, each side alone and both."""
+    fmt = FORMATS[fmt_name]
+    P = fmt.tokens_per_page
+    for odd_src, odd_dst in ((True, False), (False, True), (True, True)):
+        src = layers(2, 4, fmt.page_bytes, 4)
+        dst = layers(2, 3, fmt.page_bytes, 5)
+        src = _odd(src, how) if odd_src else src
+        dst = _odd(dst, how) if odd_dst else dst
+        src0 = [t.clone() for t in src]
+        for name, (si, di) in pair_sets(4 * P, 3 * P, P, 6).items():
+            before = [t.clone() for t in dst]
+            copy_tokens_ref(src, dst, si, di, fmt)
+            assert_same(dst, expected_tokens(src, before, si, di, fmt),
+                        f"{name} ({how}, odd src {odd_src}, odd dst {odd_dst})")
+        assert_same(src, src0, "source changed")
+
+
 def test_token_format_presets():
     assert TokenFormat.mla(256).page_bytes == 149_760 and TokenFormat.mla(256).scale_offset == 147_456
     assert TokenFormat.mla(64).page_bytes == 37_440 and TokenFormat.mla(64).scale_offset == 36_864
