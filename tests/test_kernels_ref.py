@@ -338,3 +338,41 @@ def test_cpu_copy_few_refuses_ids_out_of_range_like_every_path():
         want = torch.zeros(8, 16, dtype=torch.uint8)
         want[1] = sl[3]
         assert torch.equal(d, want)
+
+
+def _spaced(n_layers: int, rows: int, row_bytes: int, seed: int, even: bool) -> list:
+    """Layers cut from one buffer, each ``rows x row_bytes``, with equal gaps between them
+    (``even``: one strided numpy view covers them) or gaps of different sizes (it cannot)."""
+    g = torch.Generator().manual_seed(seed)
+    gaps = [64] * n_layers if even else [64 * (i + 1) for i in range(n_layers)]
+    buf = torch.randint(0, 256, (sum(gaps) + n_layers * rows * row_bytes,), dtype=torch.uint8,
+                        generator=g)
+    out, at = [], 0
+    for gap in gaps:
+        at += gap
+        out.append(buf[at:at + rows * row_bytes].view(rows, row_bytes))
+        at += rows * row_bytes
+    return out
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("fmt_name", [None, *sorted(FORMATS)])
+def test_cpu_copy_few_matches_the_oracle_on_both_paths(fmt_name, even):
+    """``cpu_copy.copy_few`` (a few ids, the daemon's CPU path) takes its numpy path when each
+    buffer's layers are equally spaced and ``ctypes.memmove`` when they are not: both copy
+    exactly the rows, or the tokens' values and scales, and nothing else."""
+    from hicache.kernels.cpu_copy import copy_few
+
+    fmt = FORMATS[fmt_name] if fmt_name else None
+    rb = fmt.page_bytes if fmt else 1_728
+    src, dst = _spaced(3, 4, rb, 1, even), _spaced(3, 3, rb, 2, even)
+    k = fmt.tokens_per_page if fmt else 1
+    si, di = ([0, 4 * k - 1, k + 1, 2 * k], [3 * k - 1, 0, k + 2, k]) if fmt else \
+        ([0, 3, 1], [2, 0, 1])
+    before, src0 = [t.clone() for t in dst], [t.clone() for t in src]
+    path = copy_few(LayerTable(src), LayerTable(dst), si, di, fmt)
+    assert path == ("numpy" if even else "memmove")
+    want = (expected_tokens(src, before, torch.tensor(si), torch.tensor(di), fmt) if fmt else
+            expected_rows(src, before, torch.tensor(si), torch.tensor(di)))
+    assert_same(dst, want, f"{fmt_name} even={even}")
+    assert_same(src, src0, "source changed")
