@@ -505,36 +505,6 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         c.close()
 
 
-def test_a_channel_that_cannot_be_handed_out_is_closed_again() -> None:
-    """The hand-out of a fresh channel fails (no descriptor left): the refusal leaves the client
-    without a channel and the daemon scanning none (the channel made for it stayed open)."""
-    import errno
-    import types
-
-    from hicache.controllers import handlers
-    from hicache.controllers.registry import Registry
-    from hicache.core.protocol import ProtocolError
-
-    class NoDescriptorLeft:
-        path = "@hicache-test"
-
-        def offer(self, fd: int, token: int) -> None:
-            raise OSError(errno.EMFILE, "Too many open files")
-
-        def withdraw(self, token: int) -> None:
-            pass
-
-    reg = Registry(8, 16)
-    c = reg.touch(b"cli-a", 0.0)
-    st = types.SimpleNamespace(spin_us=10, handout=NoDescriptorLeft,
-                               wake_socket=types.SimpleNamespace(path="/x"),
-                               shm_dirs=["/dev/shm"], registry=reg)
-    with pytest.raises(ProtocolError, match="cannot hand it out") as e:
-        handlers.channel(st, c, {}, [])
-    assert e.value.code == "unsupported"
-    assert c.channel is None and len(reg.channels) == 0
-
-
 def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
     """The first shm directory's path is too long for a Unix socket: the channel is refused
     with the reason, and the client carries on over ZMQ."""
@@ -678,8 +648,9 @@ def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
                                                                      monkeypatch) -> None:
     """The daemon's offer of a channel's memfd fails (no descriptor left for its duplicate):
     the ``channel`` command is refused as ``unsupported``, naming why and that requests go
-    over ZMQ, and offers nothing; the channel stays the client's, so asking again once
-    descriptors are free offers that same channel, which the client maps."""
+    over ZMQ, and offers nothing; the channel it had made goes again (a refusal leaves the
+    client as it was; since the thirty-fifth session, before which the channel stayed open and
+    scanned), so asking again once descriptors are free makes one, which the client maps."""
     from hicache.controllers.handlers import channel
     from hicache.controllers.registry import ClientState, Registry
 
@@ -708,11 +679,10 @@ def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
         assert e.value.code == "unsupported"
         assert str(e.value) == ("channel: cannot hand it out ([Errno 24] Too many open files); "
                                 "requests go over ZMQ")
-        first = c.channel
-        assert first is not None and st.registry.channels == [c] and h.pending == 0
+        assert c.channel is None and st.registry.channels == [] and h.pending == 0
         monkeypatch.setattr(FdHandout, "offer", real)
         fields, arrays = channel(st, c, {}, [])
-        assert c.channel is first and st.registry.channels == [c] and h.pending == 1
+        assert c.channel is not None and st.registry.channels == [c] and h.pending == 1
         assert fields["wake"] == st.wake_socket.path and not arrays
         mine = C.Channel.open(fields)
         assert h.pending == 0
