@@ -110,3 +110,40 @@ def test_a_second_key_cannot_act_for_a_bound_client(keys):
         alice.close()
     finally:
         r.stop()
+
+
+def test_stats_reaches_a_curve_daemon_with_its_keys_and_says_why_without(keys):
+    """``hicache stats`` gives CURVE keys (a daemon with keys answers no other client): with
+    them it reports; without them on loopback TCP it says no daemon answered and why that may
+    be; a non-loopback address without keys, or one key alone, is refused in one line (exit 2)."""
+    import subprocess
+    import sys
+
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    probe = {"curve_server_key": str(keys / "server" / "server.key"),
+             "curve_secret_key": str(keys / "clients" / "alice.key_secret")}
+    r = DaemonRunner(addr, extra=("--curve-secret-key", str(keys / "server" / "server.key_secret"),
+                                  "--curve-clients", str(keys / "allowed")),
+                     client_kw=probe, log_path=str(keys / "daemon-stats.log"),
+                     heartbeat_timeout=60)
+    r.start(ready_timeout=45)
+
+    def stats(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hicache.cli", "stats", "--timeout", "2",
+                               *extra], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+    try:
+        got = stats("--socket", addr, "--curve-server-key", probe["curve_server_key"],
+                    "--curve-secret-key", probe["curve_secret_key"])
+        assert got.returncode == 0 and "host page:" in got.stdout, got.stderr
+        got = stats("--socket", addr)
+        assert got.returncode == 1 and "no daemon answered" in got.stderr
+        assert "--curve-server-key and --curve-secret-key" in got.stderr
+        got = stats("--socket", "tcp://10.1.2.3:5577")
+        assert got.returncode == 2 and "answers CURVE clients only" in got.stderr
+        assert len(got.stderr.strip().splitlines()) == 1
+        got = stats("--socket", addr, "--curve-server-key", probe["curve_server_key"])
+        assert got.returncode == 2 and "needs both" in got.stderr
+    finally:
+        r.stop()

@@ -1,6 +1,7 @@
 """``hicache stats``: what a running daemon holds, for an operator.
 
-``hicache stats [--socket ADDR | --device DEV] [--check] [--json] [--timeout S]`` asks the
+``hicache stats [--socket ADDR | --device DEV] [--check] [--json] [--timeout S]
+[--curve-server-key F --curve-secret-key F]`` asks the
 daemon on ``ADDR`` (default: ``HICACHE_SOCKET``, else the default socket of ``--device``, itself
 defaulting to ``HICACHE_DEVICE`` or cpu, as ``hicache serve`` picks it) for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
 rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
@@ -29,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="also run the invariant check (O(rows))")
     p.add_argument("--json", action="store_true", help="print the whole stats reply as JSON")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    p.add_argument("--curve-server-key", help="the daemon's public CURVE key file (a daemon "
+                                              "started with --curve-secret-key answers only "
+                                              "CURVE clients; with --curve-secret-key)")
+    p.add_argument("--curve-secret-key", help="this client's CURVE key file (zmq.auth "
+                                              "format; its public key in the daemon's "
+                                              "--curve-clients folder)")
 
 
 def summary(s: dict[str, Any]) -> str:
@@ -67,16 +74,33 @@ def run(args: argparse.Namespace) -> int:
     if args.device:
         check_device(args.device)
     address = args.socket or (default_socket(args.device) if args.device else default_address())
+    keys = (args.curve_server_key, args.curve_secret_key)
+    if (keys[0] is None) != (keys[1] is None):
+        raise UsageError("CURVE needs both --curve-server-key and --curve-secret-key")
+    curve = keys[0] is not None
     check_address(address, allow_remote=True, curve=True)  # malformed: one line, exit 2
+    if not curve:
+        try:
+            check_address(address)
+        except UsageError:  # a remote daemon serves CURVE clients only
+            raise UsageError(f"{address} is not a loopback address: a daemon there answers "
+                             f"CURVE clients only; give --curve-server-key and "
+                             f"--curve-secret-key") from None
     try:
-        with Client(address, timeout=args.timeout, name="hicache-stats", channel=False) as c:
+        with Client(address, timeout=args.timeout, name="hicache-stats", channel=False,
+                    curve_server_key=keys[0], curve_secret_key=keys[1]) as c:
             s, _ = c.call("stats", {"check": True} if args.check else None)
     except DaemonUnreachable:
-        print(f"hicache stats: no daemon answered on {address} within {args.timeout:g} s",
-              file=sys.stderr)
+        hint = ("; a daemon with CURVE keys answers only a client that gives "
+                "--curve-server-key and --curve-secret-key"
+                if address.startswith("tcp://") and not curve else "")
+        print(f"hicache stats: no daemon answered on {address} within {args.timeout:g} s"
+              f"{hint}", file=sys.stderr)
         return 1
     except CommandRefused as e:
         print(f"hicache stats: the daemon on {address} refused: {e}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as e:  # a key file that cannot be read or holds no key
+        raise UsageError(f"CURVE keys: {e}") from None
     print(json.dumps(s, indent=1, sort_keys=True) if args.json else summary(s))
     return 1 if args.check and s.get("invariants") != "ok" else 0
