@@ -187,3 +187,24 @@ def test_a_second_signal_while_serve_drains_does_not_cut_its_clean_up():
         c.close()
         pools.close()
         d.close()
+
+
+def test_serve_started_under_nohup_outlives_a_hang_up(tmp_path):
+    """``nohup hicache serve &``: a process that starts with SIGHUP ignored keeps it ignored
+    (the operator asked to outlive the terminal); SIGTERM still stops it in order."""
+    sock = tmp_path / "d.sock"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--socket",
+                              f"ipc://{sock}"], stdout=f, stderr=subprocess.STDOUT,
+                             cwd=str(ROOT), env=env, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for(p, out, r"hicache serve: ready")
+    os.kill(p.pid, signal.SIGHUP)
+    time.sleep(1.0)
+    assert p.poll() is None, out.read_text(errors="replace")[-2000:]
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(90) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in out.read_text(errors="replace")
+    assert not sock.exists()

@@ -7,7 +7,7 @@ Contract:
   (children stopped, shared memory unlinked, private folders removed). Only the first signal
   raises; later ones are ignored so that clean-up is not itself interrupted. ``main`` then prints
   one line and exits with ``exit_code(signum)`` = 128 + signum (130 SIGINT, 143 SIGTERM,
-  129 SIGHUP).
+  129 SIGHUP). A process started with SIGHUP ignored (``nohup``) keeps ignoring it.
 * ``on_signals(handler)``: a command with its own orderly stop (``serve``) swaps the raising
   handler for ``handler(signum)`` while it runs, and gets the raising one back on exit.
 * ``exit_with_parent(ppid, stop)``: the calling process calls ``stop()`` once its parent
@@ -71,7 +71,14 @@ def install() -> dict[int, Any]:
     _fired.clear()
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {s: signal.signal(s, _raise) for s in SIGNALS}
+    return {s: signal.signal(s, _raise) for s in _stop_signals()}
+
+
+def _stop_signals() -> list[int]:
+    """``SIGNALS``, less SIGHUP when this process started with it ignored (``nohup``: the
+    operator asked to outlive the terminal)."""
+    return [s for s in SIGNALS
+            if not (s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN)]
 
 
 def restore(old: dict[int, Any]) -> None:
@@ -88,7 +95,7 @@ class on_signals:
         self.old: dict[int, Any] = {}
 
     def __enter__(self) -> "on_signals":
-        for s in SIGNALS:
+        for s in _stop_signals():
             self.old[s] = signal.signal(s, lambda signum, frame: self.handler(signum))
         return self
 
