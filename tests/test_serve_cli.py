@@ -413,6 +413,20 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
         sizing(ring)  # swa_page rows for a stage whose SWA lives in request slots
 
 
+def test_a_settings_file_given_to_the_model_flag_or_not_utf8_is_one_line(tmp_path):
+    """A second review: ``--config serve.toml`` (the old spelling of ``--model-config``) read
+    the settings file as a model and said it was not JSON, or first asked for a size it held;
+    a settings file that is not UTF-8 gave a traceback."""
+    f = tmp_path / "serve.toml"
+    f.write_text('preset = "dsv4-tiny"\n')
+    with pytest.raises(UsageError, match="a settings file goes to --config-file"):
+        load_config({"model_config": str(f), "kv_mem": "1GiB"}, env={})
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'# \xb5s\npreset = "dsv4-tiny"\n')
+    with pytest.raises(UsageError, match=r"latin1.toml is not UTF-8 \(byte 2"):
+        load_config({}, config_file=str(bad), env={})
+
+
 def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
     from hicache.cli import main
 

@@ -279,6 +279,9 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise UsageError(f"--config-file: cannot read {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config-file: {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8; a Latin-1 comment is enough
+        raise UsageError(f"--config-file: {path} is not UTF-8 (byte {e.start}: "
+                         f"{e.reason})") from None
     serve = data.pop("serve", {})  # settings may sit at the top level or under [serve]
     if not isinstance(serve, dict):
         raise UsageError(f"config file {path}: [serve] must be a table")
@@ -341,6 +344,9 @@ def validate(cfg: ServeConfig) -> None:
     check_device(cfg.device)
     if cfg.preset is not None and cfg.model_config is not None:
         raise UsageError("give either --preset or --model-config, not both")
+    if cfg.model_config is not None and str(cfg.model_config).endswith(".toml"):
+        raise UsageError(f"--model-config (or --config) takes a model's config.json, not "
+                         f"{cfg.model_config}: a settings file goes to --config-file")
     choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
                "pd_role": PD_ROLES, "write_policy": WRITE_POLICIES,
                "log_level": ("debug", "info", "warning", "error"),
