@@ -123,9 +123,9 @@ class PinnedArena:
             raise ArenaError(f"touch_threads must be a positive int, got {touch_threads!r}")
         if device_index is not None and registrar is None:
             registrar = CudaHostRegistrar(device_index)
-        chunks = chunk_plan(_page_up(nbytes), chunk_bytes, cut_hints)
-        if check_memory:
+        if check_memory:  # first: a size no machine has is refused before it is planned
             _check_memory(nbytes, reserve_bytes)
+        chunks = chunk_plan(_page_up(nbytes), chunk_bytes, cut_hints)
         placement = plan_placement(device_index, numa_node, nbytes)
         threads = touch_threads or _default_threads(placement, nbytes)
         self.nbytes = nbytes

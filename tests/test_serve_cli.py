@@ -427,6 +427,23 @@ def test_a_settings_file_given_to_the_model_flag_or_not_utf8_is_one_line(tmp_pat
         load_config({}, config_file=str(bad), env={})
 
 
+def test_a_host_tier_no_machine_has_is_refused_at_once(tmp_path):
+    """``--host-ratio 1e30`` hung ``serve`` (10^37 arena chunks planned before the memory
+    check), and gave ``plan`` a traceback (1e400) or a plan of 10^27 TiB (1e30)."""
+    for cmd in (["plan", "--preset", "dsv4-tiny", "--kv-mem", "1GiB", "--host-ratio", "1e400",
+                 "--force"],
+                ["plan", "--preset", "dsv4-tiny", "--kv-mem", "1GiB", "--host-ratio", "1e30"],
+                ["serve", "--preset", "dsv4-tiny", "--kv-mem", "1GiB", "--host-ratio", "1e30",
+                 "--socket", f"ipc://{tmp_path}/r.sock"],
+                ["serve", "--preset", "dsv4-tiny", "--kv-mem", "1GiB", "--host-mem",
+                 "1000000TiB", "--socket", f"ipc://{tmp_path}/m.sock"]):
+        r = subprocess.run([sys.executable, "-m", "hicache.cli", *cmd], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert r.returncode == 2, (cmd, r.stderr[-500:])
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, cmd
+
+
 def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
     from hicache.cli import main
 

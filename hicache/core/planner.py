@@ -266,6 +266,9 @@ def host_rows(
     """Host rows per space, proportional to the device rows; ``{}`` when no host size is given."""
     if host_bytes is None and ratio is None:
         return {}
+    if ratio is not None and ratio > host_sizing.MAX_HOST_RATIO:  # (before float() overflows)
+        raise UsageError(f"--host-ratio is over {host_sizing.MAX_HOST_RATIO}: a host tier that "
+                         f"size is no machine's (give --host-mem in bytes)")
     return host_sizing.host_rows(layout, device, host_bytes=host_bytes,
                                  ratio=None if ratio is None else float(ratio))
 

@@ -141,6 +141,8 @@ def arena_bytes(layout: Layout, rows: Mapping[str, int]) -> int:
     return regions[-1].offset + regions[-1].nbytes if regions else 0
 
 
+MAX_HOST_RATIO = 4096  # host rows per device row, at most (--host-ratio)
+
 def host_rows(
     layout: Layout, device_rows: Mapping[str, int], host_bytes: int | None = None,
     ratio: float | None = None,
@@ -160,6 +162,9 @@ def host_rows(
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0 \
                 or not math.isfinite(ratio):
             raise UsageError(f"host:device ratio must be a positive number, got {ratio!r}")
+        if ratio > MAX_HOST_RATIO:
+            raise UsageError(f"host:device ratio {ratio:g} is over {MAX_HOST_RATIO}: a host "
+                             f"tier that size is no machine's (give --host-mem in bytes)")
         rows = {s: math.floor(dev[s] * ratio) for s in want}
         small = [s for s in want if rows[s] < 1]
         if small:
