@@ -444,6 +444,35 @@ def test_a_host_tier_no_machine_has_is_refused_at_once(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, cmd
 
 
+def test_a_flag_turns_off_a_boolean_a_file_turned_on(tmp_path):
+    """"Flags win": ``--no-force`` / ``--no-dumpable`` / ``--no-zero-on-free`` /
+    ``--no-allow-remote`` undo a settings file's ``true`` (only ``--mtp`` had a ``--no-``
+    form: the others were "unrecognized arguments")."""
+    import argparse
+
+    from hicache.cli import serve as serve_cli
+    from hicache.core.config import BOOL_FIELDS, SETTINGS
+
+    def p_has_no_form(flags: list[str]) -> bool:
+        a = p.parse_args(flags)
+        return a.allow_remote is False and a.mtp is False
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    f = tmp_path / "on.toml"
+    on = [n for n in BOOL_FIELDS if n not in ("mtp", "allow_remote")]  # (that one needs tcp)
+    assert p_has_no_form(["--no-allow-remote", "--no-mtp"])
+    f.write_text("".join(f"{n} = true\n" for n in on))
+    base = ["--config-file", str(f), "--preset", "dsv4-tiny", "--device-rows",
+            "page=8,swa_page=8,req_slot=4"]
+    for argv, want in ((base, True),
+                       (base + [f"--no-{n.replace('_', '-')}" for n in on], False)):
+        a = p.parse_args(argv)
+        flags = {s.name: getattr(a, s.name, None) for s in SETTINGS}
+        cfg = load_config(flags, a.config_file, env={})
+        assert all(getattr(cfg, n) is want for n in on), (argv, [getattr(cfg, n) for n in on])
+
+
 def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
     from hicache.cli import main
 

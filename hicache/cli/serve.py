@@ -31,12 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if s.option is None:
             continue
         g = groups.get(s.group) or groups.setdefault(s.group, p.add_argument_group(s.group))
-        if s.name == "mtp":
+        if s.name in BOOL_FIELDS:  # --x / --no-x: a flag turns off what a file turned on
             g.add_argument(s.option, dest=s.name, action=argparse.BooleanOptionalAction,
                            default=None, help=s.help)
-        elif s.name in BOOL_FIELDS:
-            g.add_argument(s.option, dest=s.name, action="store_true", default=None,
-                           help=s.help)
         else:
             g.add_argument(s.option, dest=s.name, metavar=s.name.split("_")[-1].upper(),
                            help=s.help)
