@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from hicache.cli.plan import negatives_as_values
-from hicache.core.config import BOOL_FIELDS, SETTINGS
+from hicache.core.config import BOOL_FIELDS, SETTINGS, default_text
 from hicache.core.errors import UsageError
 
 
@@ -31,12 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if s.option is None:
             continue
         g = groups.get(s.group) or groups.setdefault(s.group, p.add_argument_group(s.group))
+        shown = default_text(s.name)
+        text = s.help if not shown or "default" in s.help else f"{s.help} (default: {shown})"
+        text = text.replace("%", "%%")
         if s.name in BOOL_FIELDS:  # --x / --no-x: a flag turns off what a file turned on
             g.add_argument(s.option, dest=s.name, action=argparse.BooleanOptionalAction,
-                           default=None, help=s.help)
+                           default=None, help=text)
         else:
             g.add_argument(s.option, dest=s.name, metavar=s.name.split("_")[-1].upper(),
-                           help=s.help)
+                           help=text)
         for alias in s.aliases:
             g.add_argument(alias, dest=s.name, help=argparse.SUPPRESS)
     p.add_argument("--config-file", metavar="TOML",

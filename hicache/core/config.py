@@ -496,18 +496,24 @@ def sizing(cfg: ServeConfig) -> Sizing:
 
 
 # ------------------------------------------------------------------------------- docs
+def default_text(name: str) -> str:
+    """A setting's default as an operator reads it (``""``: none)."""
+    default = FIELDS[name].default
+    if default is dataclasses.MISSING:
+        default = FIELDS[name].default_factory()  # type: ignore[misc]
+    if isinstance(default, Fraction):
+        default = float(default)
+    if isinstance(default, tuple):
+        return ":".join(default)
+    return "" if default in (None, {}, (), "") else str(default)
+
+
 def markdown() -> str:
     """The settings table of docs/config.md."""
     rows = ["| flag | environment | TOML key | default | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
-        default = FIELDS[s.name].default
-        if default is dataclasses.MISSING:
-            default = FIELDS[s.name].default_factory()  # type: ignore[misc]
-        if isinstance(default, Fraction):
-            default = float(default)
-        shown = "—" if default in (None, {}, (), "") else f"`{default}`"
-        if isinstance(default, tuple):
-            shown = f"`{':'.join(default)}`"
+        text = default_text(s.name)
+        shown = f"`{text}`" if text else "—"
         flag = f"`{s.option}`" if s.option else "—"
         rows.append(f"| {flag} | `{s.env}` | `{s.name}` | {shown} | "
                     f"{s.help.replace('|', '/')} |")
