@@ -201,7 +201,7 @@ def test_small_paged_swa_pool_warns():
     ({"tp": 0}, "tp must be positive"), ({"max_running": -1}, "max-running must be positive"),
     ({"kv_mem": -1}, "must not be negative"), ({"pd_role": "both"}, "pd-role"),
     ({"swa_ratio": Fraction(0)}, r"in \(0, 1\]"), ({"host_mem": 1, "host_ratio": Fraction(1)}, "not both"),
-    ({"bounds": ((0, 43),), "pp": 2}, "1 stage bounds given for pp 2"),
+    ({"bounds": ((0, 43),), "pp": 2}, "--stage-bounds gives 1 stages, --pp-size says 2"),
 ])
 def test_plan_inputs_validation(kw, msg):
     with pytest.raises(UsageError, match=msg):

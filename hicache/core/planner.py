@@ -162,7 +162,8 @@ class PlanInputs:
         if self.mtp and self.model.num_mtp_layers == 0:
             raise UsageError(f"--mtp asked for, but model {self.model.name} has no MTP layers")
         if self.bounds is not None and len(self.bounds) != self.pp:
-            raise UsageError(f"{len(self.bounds)} stage bounds given for pp {self.pp}")
+            raise UsageError(f"--stage-bounds gives {len(self.bounds)} stages, --pp-size says "
+                             f"{self.pp}")
 
     @property
     def use_mtp(self) -> bool:
