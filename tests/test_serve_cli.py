@@ -245,6 +245,36 @@ def test_a_refused_value_names_where_it_came_from(tmp_path):
     assert "(from" not in str(e.value)
 
 
+def test_a_start_up_refusal_after_validation_names_where_its_settings_came_from(tmp_path):
+    """Model, stage and sizing are checked when the daemon starts, after ``validate``: those
+    refusals named no source (and one named a file's ``kv_mem`` that ``--device-rows`` had
+    replaced). Each now names the flag and where its value came from."""
+    def start(*args: str, env: dict | None = None) -> str:
+        r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--socket",
+                            f"ipc://{tmp_path}/s.sock", *args], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                                    **(env or {})))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return r.stderr.strip()
+
+    f = tmp_path / "t.toml"
+    f.write_text('preset = "dsv4-tinyy"\nkv_mem = "1G"\nhost_ratio = 2\n')
+    assert start("--config-file", str(f)).endswith(f"(from preset in config file {f})")
+    f.write_text('preset = "dsv4-tiny"\nkv_mem = "1G"\nhost_mem = "1G"\n')
+    assert start("--config-file", str(f)).endswith(f"(from host_mem in config file {f})")
+    f.write_text('preset = "dsv4-tiny"\nkv_mem = "1G"\nhost_ratio = 2\n'
+                 'swa_full_tokens_ratio = 2\n')
+    assert start("--config-file", str(f)).endswith(
+        f"(from swa_full_tokens_ratio in config file {f})")
+    assert start("--preset", "dsv4-tiny", "--host-mem", "4G",
+                 env={"HICACHE_KV_MEM": "1K"}).endswith("(from HICACHE_KV_MEM)")
+    f.write_text('preset = "dsv4-tiny"\nkv_mem = "1G"\n')  # replaced by --device-rows
+    cfg = load_config({"device_rows": "page=8,swa_page=8,req_slot=4", "host_ratio": "2"},
+                      config_file=str(f), env={})
+    assert "kv_mem" not in cfg.__dict__["sources"]
+
+
 @pytest.mark.parametrize("flags, msg", [
     ({"metrics_addr": "0.0.0.0"}, "--metrics-addr applies with --metrics-port"),
     ({"min_sparse_prompt_len": "100"}, "--min-sparse-prompt-len applies with --sparse-rows"),

@@ -80,6 +80,7 @@ def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
     from hicache.controllers.daemon import Daemon, start_error
+    from hicache.core.config import with_source
 
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
@@ -93,7 +94,10 @@ def serve(cfg: Any) -> int:
     try:
         daemon = Daemon(cfg)
     except Exception as e:  # noqa: BLE001 - OSError / ArenaError at start-up: one line
-        raise start_error(e) from None
+        err = start_error(e)
+        if isinstance(err, UsageError):  # naming where the settings it names came from
+            err = UsageError(with_source(str(err), cfg))
+        raise err from None
     got: list[int] = []
 
     def on_signal(signum: int) -> None:

@@ -28,7 +28,7 @@ from hicache.core.addresses import (  # noqa: F401 - re-exported for the daemon 
 )
 from hicache.core.errors import UsageError
 from hicache.core.settings import BOOL_FIELDS, ENV_PREFIX, SETTINGS, Setting  # noqa: F401
-from hicache.core.layout import INDEX_SPACES, Layout, load_model
+from hicache.core.layout import INDEX_SPACES, Layout, LayoutError, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
     plan, stage_layouts,
@@ -116,8 +116,12 @@ class ServeConfig:
         """The planner's inputs for this deployment (``kv_mem`` 0 when rows are given)."""
         if self.preset is None and self.model_config is None:
             raise UsageError("no model given: use --preset NAME or --model-config config.json")
+        try:
+            model = load_model(self.preset, self.model_config)
+        except LayoutError as e:  # named as the flag, so its source can be told too
+            raise UsageError(f"{'--preset' if self.preset else '--model-config'}: {e}") from None
         return PlanInputs(
-            model=load_model(self.preset, self.model_config), kv_mem=self.kv_mem or 0,
+            model=model, kv_mem=self.kv_mem or 0,
             tp=self.tp_size, pp=self.pp_size, max_running=self.max_running,
             pd_role=self.pd_role, swa_mode=self.swa_mode, mtp=self.mtp, indexer=self.indexer,
             c128_state=self.c128_state, swa_ratio=self.swa_full_tokens_ratio,
@@ -242,6 +246,8 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
                 setattr(cfg, other, FIELDS[other].default_factory()  # type: ignore[misc]
                         if FIELDS[other].default is dataclasses.MISSING
                         else FIELDS[other].default)
+                if sources is not None:  # replaced: no longer where a value came from
+                    sources.pop(other, None)
     for key, v in values.items():
         name = key.replace("-", "_")
         if name == "config":  # the old spelling of model_config
@@ -306,19 +312,22 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
     _apply(cfg, _from_env(env), "environment", sources)
     if flags:
         _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line", sources)
+    cfg.__dict__["sources"] = sources  # for start-up refusals after this (``with_source``)
     try:
         validate(cfg)
     except UsageError as e:
-        raise UsageError(_with_source(str(e), sources)) from None
+        raise UsageError(with_source(str(e), cfg)) from None
     return cfg
 
 
 _FLAG_RE = re.compile(r"--([a-z0-9-]+)")
 
 
-def _with_source(msg: str, sources: Mapping[str, str]) -> str:
+def with_source(msg: str, cfg: ServeConfig) -> str:
     """``msg`` (a check's refusal, naming settings as flags) plus where each setting it names
-    came from, when that is not the command line (a file's key, a HICACHE_* variable)."""
+    came from, when that is not the command line (a file's key, a HICACHE_* variable): the
+    sources ``load_config`` recorded on ``cfg``."""
+    sources: Mapping[str, str] = cfg.__dict__.get("sources", {})
     seen = []
     for m in _FLAG_RE.finditer(msg):
         where = sources.get(m.group(1).replace("-", "_"), "")

@@ -147,7 +147,7 @@ class PlanInputs:
             raise UsageError(f"swa-mode must be paged or ring, got {self.swa_mode!r}")
         if not 0 < self.swa_ratio <= 1:
             raise UsageError(
-                f"swa-full-tokens-ratio must be in (0, 1], got {float(self.swa_ratio)}"
+                f"--swa-full-tokens-ratio must be in (0, 1], got {float(self.swa_ratio)}"
             )
         if self.swa_mode == "ring" and self.swa_ratio != DEFAULT_SWA_RATIO:
             raise UsageError("swa-full-tokens-ratio sizes paged SWA pools; with swa-mode ring "
@@ -225,7 +225,7 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
     where = f"stage {layout.stage.pp_rank} [{layout.stage.start}, {layout.stage.end})"
     if budget < need:
         raise UsageError(
-            f"KV budget {budget:,} B is too small for one request on {where} "
+            f"KV budget (--kv-mem) {budget:,} B is too small for one request on {where} "
             f"({layout.swa_mode} SWA): one request needs {need:,} B"
         )
     cost = page_cost(layout, swa_ratio)
@@ -233,7 +233,7 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
     if budget - fixed < max(cost, 1):  # fixed > 0 here: one request fits, so slots > 1
         most = math.floor((budget - math.ceil(cost)) / fixed_bytes_per_request(layout))
         raise UsageError(
-            f"KV budget {budget:,} B on {where} ({layout.swa_mode} SWA) leaves no token page "
+            f"KV budget (--kv-mem) {budget:,} B on {where} ({layout.swa_mode} SWA) leaves no token page "
             f"after the fixed state of {slots} request slots ({fixed:,} B); "
             f"at most {most} slots fit"
         )
@@ -243,7 +243,7 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
     if layout.space_pools("swa_page") and math.floor(pages * swa_ratio) < 1:  # (the daemon
         least = fixed + math.ceil(_least_pages(layout, 1, swa_ratio) * cost)  # refuses 0 rows)
         raise UsageError(
-            f"KV budget {budget:,} B on {where} (paged SWA) gives {pages} pages and no SWA "
+            f"KV budget (--kv-mem) {budget:,} B on {where} (paged SWA) gives {pages} pages and no SWA "
             f"page at {float(swa_ratio):g} SWA tokens per full token; with {slots} request "
             f"slots it needs at least {least:,} B")
     return pages
