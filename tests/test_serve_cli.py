@@ -503,6 +503,22 @@ def test_a_flag_turns_off_a_boolean_a_file_turned_on(tmp_path):
         assert all(getattr(cfg, n) is want for n in on), (argv, [getattr(cfg, n) for n in on])
 
 
+def test_an_argument_the_parser_refuses_is_one_line(capsys):
+    """A flag without its value, or a value of the wrong type, printed argparse's usage block
+    (about 22 lines) before the error; now one line that points at ``-h``."""
+    from hicache.cli import main
+
+    for argv, want in ((["serve", "--kv-mem"], "hicache serve: error: argument --kv-mem: "
+                                                "expected one argument (see hicache serve -h)"),
+                       (["stats", "--timeout", "abc"], "hicache stats: error: argument "
+                                                       "--timeout: invalid float value")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(want) and len(err.strip().splitlines()) == 1, err
+
+
 def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
     from hicache.cli import main
 

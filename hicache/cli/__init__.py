@@ -14,7 +14,7 @@ import importlib
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hicache.cli import lifecycle
 from hicache.core.errors import UsageError
@@ -39,6 +39,13 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+class _OneLine(argparse.ArgumentParser):
+    """A parser whose refusals are one line (the usage block is what ``-h`` is for)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
     p.set_defaults(_module=module)
@@ -53,7 +60,7 @@ def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) ->
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLine(
         prog="hicache", description="hicache: a host-offload daemon for the hierarchical KV "
         "cache of LLM serving engines. Run `hicache COMMAND -h` for the options of a command.")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
