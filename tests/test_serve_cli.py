@@ -528,3 +528,15 @@ def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
     assert main(["stats", "--device", "cuda:0", "--socket", "ipc:///tmp/x.sock"]) == 2
     assert "give --device (its daemon's default socket) or --socket, not both" in \
         capsys.readouterr().err
+
+
+def test_a_port_out_of_range_is_named_as_such():
+    """``tcp://127.0.0.1:99999`` has a port: it is out of range (the refusal said "needs a
+    port")."""
+    from hicache.core.addresses import check_address
+
+    for addr, msg in (("tcp://127.0.0.1:99999", "port 99999 is outside 1..65535"),
+                      ("tcp://127.0.0.1:0", "port 0 is outside 1..65535"),
+                      ("tcp://127.0.0.1:x", "needs a port")):
+        with pytest.raises(UsageError, match=msg):
+            check_address(addr)

@@ -67,8 +67,10 @@ def check_address(addr: str, allow_remote: bool = False, curve: bool = False) ->
     if addr.startswith("tcp://"):
         host, _, port = addr[len("tcp://"):].rpartition(":")
         host = host.strip("[]")
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        if not port.isdigit():
             raise UsageError(f"tcp address {addr!r} needs a port, e.g. tcp://127.0.0.1:5577")
+        if not 0 < int(port) < 65536:
+            raise UsageError(f"tcp address {addr!r}: port {int(port)} is outside 1..65535")
         loopback = host == "localhost"
         if not loopback:
             try:
