@@ -78,8 +78,16 @@ def test_a_descriptor_taken_is_the_memory_offered_once_per_offer(handout) -> Non
     mm.close()
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(name: str) -> int:
+    """This process's descriptors of memfds named ``name`` (other tests' objects may close
+    unrelated descriptors meanwhile: only these are counted)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} ")
+        except OSError:  # closed meanwhile (the listing's own descriptor, say)
+            pass
+    return n
 
 
 def test_an_intake_takes_the_descriptors_handed_in_once(handout) -> None:
@@ -87,9 +95,14 @@ def test_an_intake_takes_the_descriptors_handed_in_once(handout) -> None:
     wrong count, an unknown token, descriptors sent for an offer's token, and a second hand-in
     are refused with a reason and leave nothing open; ``withdraw`` and ``close`` close what
     came in and was not taken."""
-    a, ma = _memfd()
-    b, mb = _memfd()
-    base = _open_fds()
+    def memfd(name: str) -> tuple[int, mmap.mmap]:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, 4096)
+        return fd, mmap.mmap(fd, 4096)
+
+    a, ma = memfd("intake-test")
+    b, mb = memfd("intake-test")
+    base = _open_fds("intake-test")
     with pytest.raises(ValueError, match="1 to 64"):
         handout.expect(1, 0)
     with pytest.raises(ValueError, match="1 to 64"):
@@ -117,16 +130,18 @@ def test_an_intake_takes_the_descriptors_handed_in_once(handout) -> None:
         assert os.fstat(g).st_ino == os.fstat(fd).st_ino  # the very file handed in
         os.close(g)
     assert handout.take(21) is None
-    time.sleep(0.05)  # (the hand-out thread closes refused connections after answering)
-    assert _open_fds() == base
+    deadline = time.monotonic() + 5  # (the hand-out thread closes what a refused connection
+    while _open_fds("intake-test") != base and time.monotonic() < deadline:  # sent after it
+        time.sleep(0.01)  # answered)
+    assert _open_fds("intake-test") == base
     handout.expect(24, 1)  # withdrawn after it came: closed
     F.send_fds(handout.path, 24, [a], "pool files")
     handout.withdraw(24)
-    assert _open_fds() == base and handout.take(24) is None
+    assert _open_fds("intake-test") == base and handout.take(24) is None
     handout.expect(25, 1)  # came, never taken: close() closes it
     F.send_fds(handout.path, 25, [b], "pool files")
     handout.close()
-    assert _open_fds() == base - 2  # (the socket and its selector went too)
+    assert _open_fds("intake-test") == base
     with pytest.raises(ValueError, match="closed"):
         handout.expect(26, 1)
     for fd, m in ((a, ma), (b, mb)):
@@ -450,19 +465,27 @@ with DevicePools(build_layout(preset("dsv4-flash")), rows, device="cpu") as pool
 """
 
 
-def test_an_engine_in_another_pid_namespace_gets_its_channel_and_region(tmp_path) -> None:
+def in_new_pid_namespace(script: str, address: str) -> dict:
+    """Run ``script`` (with the daemon's ``address`` as its argument) in a new pid namespace
+    with its own /proc (skip where none can be made); the JSON its last line prints."""
     why = _can_unshare()
     if why is not None:
         pytest.skip(f"needs a new pid namespace ({why})")
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
+                        sys.executable, "-c", script, address], capture_output=True,
+                       text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_in_another_pid_namespace_gets_its_channel_and_region(tmp_path) -> None:
+    if _can_unshare() is not None:
+        pytest.skip(f"needs a new pid namespace ({_can_unshare()})")
     with DaemonProcess(device="cpu", preset="dsv4-flash", device_rows="page=8,swa_page=4,"
                        "req_slot=4", extra=("--spin-us", "2000", "--sparse-rows", "4",
                                             "--min-sparse-prompt-len", "256")) as d:
-        r = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                            sys.executable, "-c", _ENGINE, d.address], capture_output=True,
-                           text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        assert r.returncode == 0, r.stderr[-3000:]
-        got = json.loads(r.stdout.strip().splitlines()[-1])
+        got = in_new_pid_namespace(_ENGINE, d.address)
         assert got["pid"] < 10 and got["procs"] < 10  # its own pid namespace and /proc
         assert not os.path.exists(f"/proc/{d.pid}") or got["pid"] != d.pid
         assert got["channel"], got["why"]

@@ -21,7 +21,7 @@ import torch
 from hicache.core import fd_handout as F
 from hicache.engine.daemon_process import DaemonProcess
 
-from test_fd_handout import _can_unshare
+from test_fd_handout import _can_unshare, in_new_pid_namespace
 from test_kv_store import NS, EnginePool, _geom, _refused, store  # noqa: F401 (fixture)
 
 
@@ -183,17 +183,11 @@ c.close()
 
 
 def test_an_engine_in_another_pid_namespace_attaches_by_handoff() -> None:
-    why = _can_unshare()
-    if why is not None:
-        pytest.skip(f"needs a new pid namespace ({why})")
+    if _can_unshare() is not None:
+        pytest.skip(f"needs a new pid namespace ({_can_unshare()})")
     with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows="page=4,swa_page=4,"
                        "req_slot=4", extra=("--no-mtp", "--c128-state", "offline")) as d:
-        r = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc",
-                            sys.executable, "-c", _ENGINE, d.address], capture_output=True,
-                           text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        assert r.returncode == 0, r.stderr[-3000:]
-        got = json.loads(r.stdout.strip().splitlines()[-1])
+        got = in_new_pid_namespace(_ENGINE, d.address)
         assert got["pid"] < 10  # its own pid namespace
         assert got["by_pid"] == "bad_handle"
         assert got["attached"] == ["c4_kv"]

@@ -44,7 +44,12 @@ def two(shared_daemon):
     a.register(pa)
     b.register(pb)
     yield a, pa, b, pb
-    for c, p in ((a, pa), (b, pb)):
+    let_go(((a, pa), (b, pb)))
+
+
+def let_go(pairs) -> None:
+    """Unregister and close each (client, device pools), whatever state a test left them in."""
+    for c, p in pairs:
         try:
             c.unregister()
         except CommandRefused:
@@ -395,10 +400,4 @@ def test_one_foreign_row_among_many_is_refused_on_every_copy_command(daemon_fact
                 assert all(torch.equal(t, w) for t, w in zip(layers, want[name])), name
         assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
     finally:
-        for c, p in ((a, pa), (b, pb)):
-            try:
-                c.unregister()
-            except CommandRefused:
-                pass
-            c.close()
-            p.close()
+        let_go(((a, pa), (b, pb)))
