@@ -251,8 +251,6 @@ def _ipc_record(h: Mapping[str, Any], where: str) -> dict[str, Any]:
     rec = dict(
         handle=_handle_bytes(h, "handle", where), storage_bytes=_int(h, "storage_bytes", where),
         storage_offset=_int(h, "storage_offset", where),
-        ref_counter=_handle_bytes(h, "ref_counter", where, optional=True),
-        ref_counter_offset=_int(h, "ref_counter_offset", where),
         event=_handle_bytes(h, "event", where, optional=True), event_sync=bool(h.get("event_sync")),
         offset=_int(h, "offset", where), rows=h["rows"], row_bytes=h["row_bytes"])
     if rec["offset"] + rec["rows"] * rec["row_bytes"] > rec["storage_bytes"]:

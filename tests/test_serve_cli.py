@@ -540,3 +540,18 @@ def test_a_port_out_of_range_is_named_as_such():
                       ("tcp://127.0.0.1:x", "needs a port")):
         with pytest.raises(UsageError, match=msg):
             check_address(addr)
+
+
+def test_stats_names_a_curve_key_file_it_cannot_read(tmp_path, capsys):
+    """A CURVE key file that is missing, or holds no key, is one line (exit 2), before any
+    daemon is asked."""
+    from hicache.cli import main
+
+    junk = tmp_path / "junk.key"
+    junk.write_text("not a key\n")
+    for server, secret in ((tmp_path / "missing.key", tmp_path / "missing.key_secret"),
+                           (junk, junk)):
+        assert main(["stats", "--socket", "tcp://127.0.0.1:5599", "--timeout", "1",
+                     "--curve-server-key", str(server), "--curve-secret-key", str(secret)]) == 2
+        err = capsys.readouterr().err
+        assert "CURVE keys:" in err and len(err.strip().splitlines()) == 1, err
