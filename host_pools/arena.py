@@ -124,7 +124,7 @@ class PinnedArena:
         if device_index is not None and registrar is None:
             registrar = CudaHostRegistrar(device_index)
         if check_memory:  # first: a size no machine has is refused before it is planned
-            _check_memory(nbytes, reserve_bytes)
+            _check_memory(nbytes, reserve_bytes, pinned=registrar is not None)
         chunks = chunk_plan(_page_up(nbytes), chunk_bytes, cut_hints)
         placement = plan_placement(device_index, numa_node, nbytes)
         threads = touch_threads or _default_threads(placement, nbytes)
@@ -313,15 +313,18 @@ def available_bytes() -> tuple[int, str]:
     return avail, what
 
 
-def _check_memory(nbytes: int, reserve: int | None) -> None:
+def _check_memory(nbytes: int, reserve: int | None, pinned: bool = True) -> None:
+    """Refuse more than the machine has; the message says what the arena does with the memory:
+    pin it (registered) or, in CPU mode (nothing page-locked), allocate it."""
     avail, what = available_bytes()
     reserve = default_reserve(psutil.virtual_memory().total) if reserve is None else reserve
     room = max(0, avail - reserve)
     if nbytes > room:
+        verb, done = ("pin", "pinned") if pinned else ("allocate", "allocated")
         raise CapacityError(
-            f"cannot pin {format_bytes(nbytes)}: {format_bytes(avail)} {what} and "
+            f"cannot {verb} {format_bytes(nbytes)}: {format_bytes(avail)} {what} and "
             f"{format_bytes(reserve)} is kept in reserve, so at most {format_bytes(room)} "
-            "can be pinned"
+            f"can be {done}"
         )
 
 

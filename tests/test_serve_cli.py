@@ -77,6 +77,11 @@ def test_the_serve_line_plan_prints_runs_as_printed(tmp_path):
                     "--max-running", "32", "--host-mem", "2GiB").stdout
     assert f"serve: {line}" in human
     argv = shlex.split(line)
+    # pasted on a GPU host it serves a GPU (it used to have no --device: a CPU-mode daemon);
+    # this host may have none, so the test runs it on the CPU, as the footer says to edit it
+    assert argv[:4] == ["hicache", "serve", "--device", "cuda:0"], line
+    assert "change --device cuda:0 to that GPU's index" in human
+    argv[3] = "cpu"
     out = run_until_ready([sys.executable, "-m", "hicache.cli", *argv[1:]],
                           {"XDG_RUNTIME_DIR": str(tmp_path)})
     rows = ", ".join(f"{s}={n}" for s, n in stage["host_rows"].items())
@@ -424,10 +429,9 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
     """Found by a review: each of these used to be accepted and ignored, truncated, or failed
     later with a traceback."""
     base = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4"}
-    ring_ratio = load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",
-                              "swa_full_tokens_ratio": "1/2", "host_ratio": "2"}, env={})
     with pytest.raises(UsageError, match="swa-full-tokens-ratio sizes paged SWA pools"):
-        sizing(ring_ratio)  # the planner refuses it (serve and plan alike)
+        load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",  # as plan
+                     "swa_full_tokens_ratio": "1/2", "host_ratio": "2"}, env={})
     for dirs in ("", ":", "relative/dir"):
         with pytest.raises(UsageError, match=r"shm_dirs \(HICACHE_SHM_DIRS\) must name one or "
                                              r"more absolute folders"):

@@ -6,15 +6,21 @@ SIGINT / SIGTERM / SIGHUP stop any command the same way (``hicache.cli.lifecycle
 runs, one line ``hicache CMD: interrupted by SIGNAL`` and exit status 128 + signal number. Output
 piped into a reader that closes early (``| head``) ends quietly (exit 141, as SIGPIPE would).
 ``hicache`` alone prints the help; ``hicache --version`` the version.
+Every parser (``_OneLine``, which the sub-commands' parsers are made with too) takes a long flag
+only as spelled in full: ``--kv-me 1G`` is refused, not read as ``--kv-mem``. A command whose
+process or daemon reads ``HICACHE_*`` settings from the environment (``ENV_COMMANDS``; ``serve``
+checks in ``load_config``) refuses a ``HICACHE_*`` variable that names no setting
+(``config.check_env``) before it starts anything.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import signal
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 from hicache.cli import lifecycle
 from hicache.core.errors import UsageError
@@ -39,8 +45,19 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+# commands that read settings from the environment (``stats``: HICACHE_SOCKET / _DEVICE) or
+# start daemons that do (``demo``, ``bench``); ``serve`` checks in ``config.load_config``
+ENV_COMMANDS = ("stats", "demo", "bench")
+
+
 class _OneLine(argparse.ArgumentParser):
-    """A parser whose refusals are one line (the usage block is what ``-h`` is for)."""
+    """A parser whose refusals are one line (the usage block is what ``-h`` is for) and that
+    takes no abbreviated long flag. ``add_subparsers`` makes its sub-parsers with this class, so
+    every parser of the command line is one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # "--kv-me" is a typo, not "--kv-mem"
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
@@ -48,7 +65,7 @@ class _OneLine(argparse.ArgumentParser):
 
 def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
-    p.set_defaults(_module=module)
+    p.set_defaults(_module=module, _parser=p)
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -82,6 +99,19 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(p: argparse.ArgumentParser, unknown: list[str]) -> NoReturn:
+    """``p.error`` (one line) for arguments no parser took, naming the nearest flag of ``p`` to
+    the first unknown flag (``--kv-me`` -> ``--kv-mem``)."""
+    flags = [o for a in p._actions for o in a.option_strings if a.help != argparse.SUPPRESS]
+    hint = ""
+    for arg in unknown:
+        if arg.startswith("--"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            break
+    p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def _broken_pipe() -> int:
     """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush
     does not fail again, and exit as SIGPIPE would."""
@@ -99,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help()
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the command's own parser: its name, and the flag meant
+        _unrecognized(getattr(args, "_parser", parser), unknown)
     prog = "hicache " + " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
     if getattr(args, "_missing", None):
         print(f"{prog}: error: {args._missing}", file=sys.stderr)
@@ -107,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     old = lifecycle.install()
     try:
         try:
+            if args.command in ENV_COMMANDS:
+                from hicache.core.config import check_env
+
+                check_env(os.environ)
             return int(importlib.import_module(args._module).run(args) or 0)
         finally:
             lifecycle.restore(old)

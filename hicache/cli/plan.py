@@ -4,9 +4,14 @@ Every value is read as a string and checked here, so a bad one ends as one ``Usa
 (exit 2) instead of argparse's usage block. See ``hicache.core.planner`` for the rules. Flag
 names are ``hicache serve``'s (SGLang's ``--tp-size``, ``--pp-size``; the older ``--tp``,
 ``--pp``, ``--dp``, ``--config`` are hidden aliases). Per stage it prints the ``hicache serve``
-command line that sizes that stage's daemon exactly as planned (``serve_command``), and with a
-host size the host tier's token capacity; a host tier not larger than the device pools is
-refused unless ``--force``.
+command line that sizes that stage's daemon exactly as planned (``serve_command``; on
+``--device cuda:0``, which the operator changes to each GPU's index), and with a host size the
+host tier's token capacity; a host tier not larger than the device pools is refused unless
+``--force``. An option given where it does not apply is refused (``--force`` without a host
+size, ``--request-tokens`` / ``--hot-slots`` without ``--hisparse``, ``--pages-per-checkpoint``
+without ``--host-mem``, ``--swa-full-tokens-ratio`` with ``--swa-mode ring``), even at its
+default value. Without ``--pp-size``, ``--stage-bounds`` gives the stage count
+(``planner.pp_size_of``, as ``hicache serve`` reads it).
 """
 from __future__ import annotations
 
@@ -22,9 +27,14 @@ from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
-    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, stage_layouts,
+    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, pp_size_of,
+    refuse_unused, stage_layouts,
 )
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core.sizes import check_host_larger
+
+REQUEST_TOKENS = 131072  # --hisparse: full tokens per long request, unless --request-tokens
+SERVE_DEVICE = "cuda:0"  # the serve lines' device: the operator puts each GPU's index there
 
 
 def negatives_as_values(p: argparse.ArgumentParser) -> None:
@@ -44,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", default="1", metavar="N", help="tensor parallel size (KV pools "
                    "are replicated per TP rank: MLA has one KV head) [1]")
     p.add_argument("--tp", dest="tp_size", help=argparse.SUPPRESS)
-    p.add_argument("--pp-size", default=None, metavar="N", help="pipeline stages, even split [1]")
+    p.add_argument("--pp-size", default=None, metavar="N", help="pipeline stages, even split "
+                   "[the number of --stage-bounds, else 1]")
     p.add_argument("--pp", dest="pp_size", help=argparse.SUPPRESS)
     p.add_argument("--stage-bounds", metavar="S:E,...", help="explicit [start,end) target layers "
                    "per stage, e.g. 0:22,22:43 (MTP layers go to the last stage)")
@@ -61,21 +72,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--indexer", metavar="DTYPE", help="fp8 | fp4 C4 indexer keys [the model's]")
     p.add_argument("--c128-state", default="online", metavar="KIND",
                    help="online (1 row per request) | offline (128-slot ring) [online]")
-    p.add_argument("--swa-full-tokens-ratio", default="0.8", metavar="R",
-                   help="paged SWA: SWA pool tokens / full-token pool tokens, in (0, 1] [0.8]")
+    p.add_argument("--swa-full-tokens-ratio", default=None, metavar="R",
+                   help="paged SWA: SWA pool tokens / full-token pool tokens, in (0, 1] "
+                        f"[{float(DEFAULT_SWA_RATIO):g}]")
     host = p.add_argument_group("host pool (at most one)")
     host.add_argument("--host-mem", metavar="SIZE",
                       help="host budget per GPU: bytes or e.g. 400GiB")
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
-    host.add_argument("--pages-per-checkpoint", default="32", metavar="K",
-                      help="checkpoints mirror: one host checkpoint row per K page rows [32]")
+    host.add_argument("--pages-per-checkpoint", default=None, metavar="K",
+                      help="with --host-mem, checkpoints mirror: one host checkpoint row per K "
+                           f"page rows [{DEFAULT_PAGES_PER_CKPT}]")
     p.add_argument("--force", action="store_true",
-                   help="accept a host tier not larger than the device pools")
+                   help="with a host size: accept a host tier not larger than the device pools")
     sp = p.add_argument_group("HiSparse (sparse C4 on the host)")
     sp.add_argument("--hisparse", action="store_true", help="also count concurrent long "
                     "requests per GPU with and without HiSparse")
-    sp.add_argument("--request-tokens", default="131072", metavar="N",
-                    help="full tokens per long request [131072]")
+    sp.add_argument("--request-tokens", default=None, metavar="N",
+                    help=f"full tokens per long request [{REQUEST_TOKENS}]")
     sp.add_argument("--hot-slots", default=None, metavar="N",
                     help="hot-buffer slots per C4 layer [2 x the model's index_topk]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -95,12 +108,11 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         raise UsageError("--kv-mem is required (KV budget per GPU, e.g. 100GiB)")
     model = load_model(args.preset, args.model_config)
     bounds = parse_bounds(args.stage_bounds) if args.stage_bounds else None
-    pp = parse_count(args.pp_size, "--pp-size") if args.pp_size is not None \
-        else len(bounds or [(0, 0)])
-    if bounds is not None and len(bounds) != pp:
-        raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp-size says {pp}")
+    pp = pp_size_of(bounds, None if args.pp_size is None else
+                    parse_count(args.pp_size, "--pp-size"))
     if args.host_mem is not None and args.host_ratio is not None:
         raise UsageError("give --host-mem or --host-ratio, not both")
+    _refuse_unused(args)
     return PlanInputs(
         model=model,
         kv_mem=parse_size(args.kv_mem, "--kv-mem"),
@@ -113,13 +125,32 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         mtp=args.mtp,
         indexer=_choice(args.indexer, ("fp8", "fp4"), "--indexer"),
         c128_state=_choice(args.c128_state, ("online", "offline"), "--c128-state") or "online",
-        swa_ratio=parse_fraction(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
+        swa_ratio=DEFAULT_SWA_RATIO if args.swa_full_tokens_ratio is None else
+        parse_fraction(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
         host_mem=None if args.host_mem is None else parse_size(args.host_mem, "--host-mem"),
         host_ratio=None if args.host_ratio is None else parse_fraction(args.host_ratio,
                                                                       "--host-ratio"),
         bounds=bounds,
-        pages_per_checkpoint=parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
+        pages_per_checkpoint=DEFAULT_PAGES_PER_CKPT if args.pages_per_checkpoint is None else
+        parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
     )
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """Refuse an option given where it does not apply, whatever its value (its default too)."""
+    if args.force and args.host_mem is None and args.host_ratio is None:
+        raise UsageError("--force accepts a host tier not larger than the device pools; it "
+                         "applies with --host-mem or --host-ratio (no host tier is planned)")
+    if not args.hisparse:
+        given = [f for f, v in (("--request-tokens", args.request_tokens),
+                                ("--hot-slots", args.hot_slots)) if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} "
+                             "only with --hisparse")
+    refuse_unused(_choice(args.swa_mode, SWA_MODES, "--swa-mode") or "paged",
+                  host_mem=args.host_mem is not None,
+                  swa_ratio=args.swa_full_tokens_ratio is not None,
+                  pages_per_checkpoint=args.pages_per_checkpoint is not None)
 
 
 def check_host(pl: Plan, args: argparse.Namespace) -> None:
@@ -135,7 +166,7 @@ def check_host(pl: Plan, args: argparse.Namespace) -> None:
 def serve_command(pl: Plan, args: argparse.Namespace, pp_rank: int) -> str:
     """The ``hicache serve`` line that sizes stage ``pp_rank``'s daemon as this plan does."""
     i = pl.inputs
-    cmd = ["hicache", "serve"]
+    cmd = ["hicache", "serve", "--device", SERVE_DEVICE]
     cmd += ["--preset", args.preset] if args.preset else ["--model-config", args.model_config]
     cmd += ["--kv-mem", args.kv_mem.strip()]
     if i.tp != 1:
@@ -242,8 +273,8 @@ def format_plan(pl: Plan, args: argparse.Namespace) -> str:
                  + ("" if ratio is None else f" | ring/paged = {ratio:.3f} ({ratio - 1:+.1%})"))
     lines += _mirror_lines(pl)
     lines += [f"warning: {w}" for w in pl.warnings]
-    lines.append("serve lines: one daemon per GPU of each stage; add --device cuda:N (the "
-                 "default is cpu) and --metrics-port")
+    lines.append(f"serve lines: one daemon per GPU of each stage; change --device "
+                 f"{SERVE_DEVICE} to that GPU's index and add --metrics-port")
     return "\n".join(lines)
 
 
@@ -272,15 +303,14 @@ def run(args: argparse.Namespace) -> int:
     check_host(result, args)
     sparse = None
     if args.hisparse:
-        tokens = parse_count(args.request_tokens, "--request-tokens")
+        tokens = REQUEST_TOKENS if args.request_tokens is None else \
+            parse_count(args.request_tokens, "--request-tokens")
         slots = None if args.hot_slots is None else parse_count(args.hot_slots, "--hot-slots")
         if slots is not None and slots < inputs.model.index_topk:
             raise UsageError(f"--hot-slots {slots} is below the model's index_topk "
                              f"{inputs.model.index_topk}: a step's misses would not fit")
         sparse = hisparse_plan(stage_layouts(inputs, inputs.swa_mode), inputs.kv_mem, tokens,
                                slots)
-    elif args.hot_slots is not None or args.request_tokens != "131072":
-        raise UsageError("--request-tokens and --hot-slots apply only with --hisparse")
     if args.json:
         d = result.to_dict()
         d["host_tier_by_mirror"] = host_tier_by_mirror(result.inputs)

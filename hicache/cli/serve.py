@@ -1,7 +1,9 @@
 """``hicache serve``: run the per-GPU host-offload daemon until a stop signal or ``shutdown``.
 
 Settings come from defaults < ``--config-file`` (TOML) < ``HICACHE_*`` environment < flags; the
-flags are built from ``hicache.core.config.SETTINGS`` (docs/config.md has the table). The daemon
+flags are built from ``hicache.core.config.SETTINGS`` (docs/config.md has the table). A
+``HICACHE_*`` variable that names no setting, a setting given (even at its default) where it does
+not apply, and an abbreviated flag are refused. The daemon
 checks ports, socket folder, NUMA node and thread counts before it allocates, then pins the
 whole host pool, so an overcommit fails at start-up. Every refusal is one line
 ``hicache serve: error: ...`` and exit status 2.

@@ -8,6 +8,10 @@ rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply.
 adds the allocators' invariant check (O(rows)). The probe never registers and holds nothing,
 so the daemon forgets it as it answers: the clients it reports are the others.
 
+A ``HICACHE_*`` variable in the environment that names no setting (a misspelled
+``HICACHE_SOCKET``, say) is refused before the probe (``config.check_env``, from
+``hicache.cli.main``): it would otherwise send the probe to another daemon's socket.
+
 Exit status: 0 when the daemon answered (and, with ``--check``, its invariants hold), 1 when
 the check failed, the daemon refused (say, it is shutting down), or no daemon answered within
 ``--timeout`` seconds (one line naming the socket); 2 for a malformed address or option.

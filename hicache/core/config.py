@@ -6,6 +6,11 @@ builds its flags from it and docs/config.md's table is generated from it
 (``python -m hicache.core.config``). ``load_config(flags, config_file=None, env=os.environ)``
 merges the sources (``flags`` holds only what the command line set); in TOML and flags a dash
 may replace an underscore. Every bad value raises ``UsageError`` naming the key and its source.
+A ``HICACHE_*`` variable that is no setting and not in ``OTHER_ENV`` (what other parts read) is
+refused (``check_env``), naming the nearest setting. A setting given where it does not apply is
+refused whenever it was given (a flag, a variable or the file: ``given``), even at its default
+value; a default never is. Without ``pp_size``, ``stage_bounds`` gives the pipeline size
+(``planner.pp_size_of``, as ``hicache plan`` reads it).
 
 Sizing (``sizing(cfg) -> Sizing``): the served stage's layout, its device rows and the host rows.
 Device rows come from the planner for ``kv_mem`` (the same rows ``hicache plan`` prints for that
@@ -16,6 +21,7 @@ unless ``force``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -31,7 +37,7 @@ from hicache.core.settings import BOOL_FIELDS, ENV_PREFIX, SETTINGS, Setting  # 
 from hicache.core.layout import INDEX_SPACES, Layout, LayoutError, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
-    plan, stage_layouts,
+    plan, pp_size_of, refuse_unused, stage_layouts,
 )
 from hicache.core.sizes import check_host_larger, check_rows, format_bytes, host_rows, parse_bytes
 
@@ -82,7 +88,7 @@ class ServeConfig:
     load_event_sets: int = 4  # GPU mode: sets of per-layer load events, used round robin
     max_clients: int = 64
     ack_retention: int = 4096  # acks kept per client for poll_acks
-    shm_dirs: tuple[str, ...] = ("/dev/shm",)  # CPU mode: where device-pool files may live
+    shm_dirs: tuple[str, ...] = ("/dev/shm",)  # the first: the daemon's wake-up socket
     zero_on_free: bool = False  # zero a host row's bytes when it is freed (reads need a write anyway)
     curve_secret_key: str | None = None  # the daemon's CURVE secret key file (zmq.auth format)
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
@@ -243,9 +249,7 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
     for a, b in EXCLUSIVE:
         for mine, other in ((a, b), (b, a)):
             if mine in given and other not in given:
-                setattr(cfg, other, FIELDS[other].default_factory()  # type: ignore[misc]
-                        if FIELDS[other].default is dataclasses.MISSING
-                        else FIELDS[other].default)
+                setattr(cfg, other, default_value(other))
                 if sources is not None:  # replaced: no longer where a value came from
                     sources.pop(other, None)
     for key, v in values.items():
@@ -295,7 +299,44 @@ def _read_toml(path: str) -> dict[str, Any]:
     return data
 
 
+# HICACHE_* variables that are no setting of ``hicache serve`` but that something else reads
+# (value: who). ``check_env`` lets them pass; any other HICACHE_* name that is no setting is
+# refused as a misspelling. A test greps the source tree for HICACHE_* names and checks that
+# each one is a setting or listed here.
+OTHER_ENV: dict[str, str] = {
+    "HICACHE_CONFIG_FILE": "hicache serve: the settings file (= --config-file; load_config)",
+    "HICACHE_SGLANG_MODEL": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_SGLANG_PP_SIZE": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_SGLANG_SOCKET": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_SGLANG_TIMEOUT": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_BIND_ADDR": "the Mooncake processes' bind() shim (hicache.engine.l3_master."
+                         "loopback_env, which L3 daemons get too)",
+    "HICACHE_SGLANG_TEST_DEVICE": "tests/sglang/*.py, set by scripts/gpu_sglang.sh",
+    "HICACHE_TEST_L3": "tests/sglang/check_dynamic_backend.py, set by "
+                       "tests/test_sglang_adapter.py",
+    "HICACHE_TIMING_ASSERT": "tests/test_reaper.py (docs/reliability.md)",
+}
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Refuse a ``HICACHE_*`` variable that names no setting and nothing in ``OTHER_ENV``: a
+    misspelled setting would otherwise be ignored. One line, naming the nearest known name."""
+    known = [s.env for s in SETTINGS] + list(OTHER_ENV)
+    bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+    if bad:
+        said = []
+        for k in bad:  # compared without the prefix, which every name shares
+            near = difflib.get_close_matches(k[len(ENV_PREFIX):],
+                                             [n[len(ENV_PREFIX):] for n in known], n=1)
+            said.append(f"{k} (did you mean {ENV_PREFIX}{near[0]}?)" if near else k)
+        raise UsageError(f"environment: {', '.join(said)} "
+                         f"{'names no setting' if len(bad) == 1 else 'name no settings'} of "
+                         f"hicache serve (docs/config.md lists them); unset "
+                         f"{'it' if len(bad) == 1 else 'them'} or correct the name")
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    check_env(env)
     return {k[len(ENV_PREFIX):].lower(): v for k, v in env.items()
             if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in FIELDS}
 
@@ -313,6 +354,8 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
     if flags:
         _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line", sources)
     cfg.__dict__["sources"] = sources  # for start-up refusals after this (``with_source``)
+    if cfg.stage_bounds is not None and "pp_size" not in sources:  # as `hicache plan` reads it
+        cfg.pp_size = pp_size_of(cfg.stage_bounds, None)
     try:
         validate(cfg)
     except UsageError as e:
@@ -372,6 +415,8 @@ def validate(cfg: ServeConfig) -> None:
         if getattr(cfg, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, "
                              f"got {getattr(cfg, name)}")
+    if cfg.stage_bounds is not None:
+        pp_size_of(cfg.stage_bounds, cfg.pp_size)  # as many bounds as a given --pp-size says
     if not 0 <= cfg.pp_rank < cfg.pp_size:
         raise UsageError(f"--pp-rank must be in 0..{cfg.pp_size - 1} (--pp-size "
                          f"{cfg.pp_size}), got {cfg.pp_rank}")
@@ -379,9 +424,11 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError("give --kv-mem (rows from the planner) or --device-rows, not both")
     if cfg.kv_mem is None:
         for name in ("max_running", "pd_role", "swa_full_tokens_ratio"):
-            if getattr(cfg, name) != FIELDS[name].default:
+            if given(cfg, name):
                 raise UsageError(f"--{name.replace('_', '-')} sizes device rows from --kv-mem; "
                                  f"it does not apply to --device-rows")
+    refuse_unused(cfg.swa_mode, host_mem=cfg.host_mem is not None,
+                  swa_ratio=given(cfg, "swa_full_tokens_ratio"), pages_per_checkpoint=False)
     if not cfg.shm_dirs or any(not os.path.isabs(d) for d in cfg.shm_dirs):
         raise UsageError(f"shm_dirs ({ENV_PREFIX}SHM_DIRS) must name one or more absolute "
                          f"folders, ':'-separated; got {':'.join(cfg.shm_dirs)!r}")
@@ -409,9 +456,9 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
                          f"got {cfg.numa_node!r}")
-    if cfg.copy_engine == "on" and cfg.device == "cpu":
-        raise UsageError("--copy-engine on needs a GPU (--device cuda:N); CPU mode copies with "
-                         "the CPU")
+    if given(cfg, "copy_engine") and cfg.device == "cpu":
+        raise UsageError(f"--copy-engine {cfg.copy_engine} needs a GPU (--device cuda:N); CPU "
+                         f"mode copies with the CPU, so it does not apply")
     if cfg.parent_pid is not None and cfg.parent_pid <= 1:
         raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
     _refuse_unused(cfg)
@@ -421,15 +468,20 @@ def validate(cfg: ServeConfig) -> None:
         check_address(cfg.socket, cfg.allow_remote, curve)
 
 
-def _refuse_unused(cfg: ServeConfig) -> None:
-    """An option set away from its default where it does not apply is refused, never ignored."""
-    def given(name: str) -> bool:
-        return getattr(cfg, name) != FIELDS[name].default
+def given(cfg: ServeConfig, name: str) -> bool:
+    """Whether setting ``name`` was set: by a flag, a HICACHE_* variable or the settings file
+    (the sources ``load_config`` recorded), even to its default value; for a config built in
+    code (no sources), whether it is away from its default."""
+    sources: Mapping[str, str] = cfg.__dict__.get("sources", {})
+    return name in sources or getattr(cfg, name) != default_value(name)
 
-    if given("metrics_addr") and not cfg.metrics_port:
+
+def _refuse_unused(cfg: ServeConfig) -> None:
+    """An option given where it does not apply is refused, never ignored (defaults never are)."""
+    if given(cfg, "metrics_addr") and not cfg.metrics_port:
         raise UsageError("--metrics-addr applies with --metrics-port (metrics are off)")
     for name in ("min_sparse_prompt_len", "sparse_clients"):
-        if given(name) and not cfg.sparse_rows:
+        if given(cfg, name) and not cfg.sparse_rows:
             raise UsageError(f"--{name.replace('_', '-')} applies with --sparse-rows (HiSparse "
                              f"is off)")
     if cfg.allow_remote and not (cfg.socket or "").startswith("tcp://"):
@@ -437,7 +489,7 @@ def _refuse_unused(cfg: ServeConfig) -> None:
     if cfg.l3 == "off":
         off = [f"--{n.replace('_', '-')}" for n in ("l3_protocol", "l3_rdma_devices",
                                                      "l3_local_host", "l3_epoch_recheck")
-               if given(n)]
+               if given(cfg, n)]
         if off:
             raise UsageError(f"{', '.join(off)} given but --l3 is off (add --l3 mooncake)")
 
@@ -445,10 +497,10 @@ def _refuse_unused(cfg: ServeConfig) -> None:
 def _validate_l3(cfg: ServeConfig) -> None:
     if cfg.l3 not in ("off", "mooncake"):
         raise UsageError(f"--l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
-    given = [n for n in ("l3_master", "l3_metadata") if getattr(cfg, n)]
     if cfg.l3 == "off":
-        if given or cfg.l3_segment:
-            names = [f"--{n.replace('_', '-')}" for n in given or ["l3_segment"]]
+        names = [f"--{n.replace('_', '-')}" for n in ("l3_master", "l3_metadata", "l3_segment")
+                 if given(cfg, n)]
+        if names:
             raise UsageError(f"{', '.join(names)} given but --l3 is off (add --l3 mooncake)")
         return
     if not cfg.l3_master or not re.match(r"^[^:\s]+:\d{1,5}$", cfg.l3_master):
@@ -459,7 +511,7 @@ def _validate_l3(cfg: ServeConfig) -> None:
                          f"P2PHANDSHAKE), got {md!r}")
     if cfg.l3_protocol not in ("tcp", "rdma"):
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
-    if cfg.l3_rdma_devices and cfg.l3_protocol != "rdma":
+    if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
         raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
     if not 0 < cfg.l3_epoch_recheck <= 3600:
         raise UsageError(f"--l3-epoch-recheck must be in (0, 3600] seconds, got "
@@ -505,11 +557,17 @@ def sizing(cfg: ServeConfig) -> Sizing:
 
 
 # ------------------------------------------------------------------------------- docs
+def default_value(name: str) -> Any:
+    """Setting ``name``'s default value (a fresh one where the field has a factory)."""
+    f = FIELDS[name]
+    if f.default is dataclasses.MISSING:
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
 def default_text(name: str) -> str:
     """A setting's default as an operator reads it (``""``: none)."""
-    default = FIELDS[name].default
-    if default is dataclasses.MISSING:
-        default = FIELDS[name].default_factory()  # type: ignore[misc]
+    default = default_value(name)
     if isinstance(default, Fraction):
         default = float(default)
     if isinstance(default, tuple):

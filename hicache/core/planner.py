@@ -23,7 +23,9 @@ torch):
 * The host tier by mirror (full vs checkpoints, ``pages_per_checkpoint``) is
   ``hicache.core.host_tier.host_tier_by_mirror``.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
-  that names the numbers involved.
+  that names the numbers involved. Two rules that ``hicache plan`` and ``hicache serve`` share
+  live here: ``pp_size_of`` (the pipeline size from ``--pp-size`` or the ``--stage-bounds``
+  count) and ``refuse_unused`` (an input given where it does not apply is refused).
 
 MLA has one KV head, so every TP rank holds the full KV pools: the budget is per GPU and TP
 changes nothing per rank. PP divides the layers; DP multiplies workers.
@@ -99,6 +101,31 @@ def parse_bounds(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(bounds)
 
 
+def pp_size_of(bounds: Sequence[tuple[int, int]] | None, pp: int | None) -> int:
+    """The pipeline size: ``pp`` where it was given (``--pp-size``), else one stage per
+    ``--stage-bounds`` entry (one stage without either). ``hicache plan`` and ``hicache serve``
+    both read their flags with it. Refuses bounds whose count is not a given ``pp``."""
+    if pp is None:
+        return len(bounds) if bounds else 1
+    if bounds is not None and len(bounds) != pp:
+        raise UsageError(f"--stage-bounds gives {len(bounds)} stages, --pp-size says {pp}")
+    return pp
+
+
+def refuse_unused(swa_mode: str, *, host_mem: bool, swa_ratio: bool,
+                  pages_per_checkpoint: bool) -> None:
+    """Refuse a planner input that was given (``True``) where it does not apply: the SWA ratio
+    with ring SWA, pages per checkpoint without a host budget (``host_mem``: one is given).
+    ``hicache plan`` and ``hicache serve`` pass whether the operator set it, even to its
+    default; ``PlanInputs`` whether it is off its default."""
+    if swa_ratio and swa_mode == "ring":
+        raise UsageError("--swa-full-tokens-ratio sizes paged SWA pools; with --swa-mode ring "
+                         "each request slot holds its own window, so it does not apply")
+    if pages_per_checkpoint and not host_mem:
+        raise UsageError("--pages-per-checkpoint splits the host tier of --host-mem between "
+                         "pages and checkpoints; give --host-mem too")
+
+
 def human_bytes(n: int | float | Fraction) -> str:
     """``107374182400`` -> ``"100.00 GiB"``."""
     v = float(n)
@@ -149,21 +176,17 @@ class PlanInputs:
             raise UsageError(
                 f"--swa-full-tokens-ratio must be in (0, 1], got {float(self.swa_ratio)}"
             )
-        if self.swa_mode == "ring" and self.swa_ratio != DEFAULT_SWA_RATIO:
-            raise UsageError("swa-full-tokens-ratio sizes paged SWA pools; with swa-mode ring "
-                             "each request slot holds its own window, so it does not apply")
-        if self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT and self.host_mem is None:
-            raise UsageError("pages-per-checkpoint splits the host tier of host-mem between "
-                             "pages and checkpoints; give host-mem too")
+        # built in code, an input "was given" when it is away from its default
+        refuse_unused(self.swa_mode, host_mem=self.host_mem is not None,
+                      swa_ratio=self.swa_ratio != DEFAULT_SWA_RATIO,
+                      pages_per_checkpoint=self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT)
         if self.host_mem is not None and self.host_ratio is not None:
             raise UsageError("give host-mem or host-ratio, not both")
         if self.host_mem is not None and self.host_mem < 0:
             raise UsageError(f"host-mem must not be negative, got {self.host_mem}")
         if self.mtp and self.model.num_mtp_layers == 0:
             raise UsageError(f"--mtp asked for, but model {self.model.name} has no MTP layers")
-        if self.bounds is not None and len(self.bounds) != self.pp:
-            raise UsageError(f"--stage-bounds gives {len(self.bounds)} stages, --pp-size says "
-                             f"{self.pp}")
+        pp_size_of(self.bounds, self.pp)  # as many bounds as stages
 
     @property
     def use_mtp(self) -> bool:

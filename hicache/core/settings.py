@@ -56,14 +56,16 @@ SETTINGS: tuple[Setting, ...] = (
             flag=False),
     Setting("max_clients", _D, "clients tracked at most", flag=False),
     Setting("ack_retention", _D, "acks kept per client for poll_acks", flag=False),
-    Setting("shm_dirs", _D, "CPU mode: folders device-pool files may live in (':'-separated)",
+    Setting("shm_dirs", _D, "where the daemon keeps its wake-up socket (the first of these "
+            "':'-separated folders; CPU device pools are memfds handed in and need none)",
             flag=False),
     Setting("preset", _M, "model preset: dsv4-flash, dsv4-pro, dsv4-tiny"),
     Setting("model_config", _M, "a Hugging Face style config.json (instead of --preset)",
             aliases=("--config",)),
     Setting("tp_size", _M, "tensor parallel size (MLA: every TP rank holds the full KV pools, so "
             "the rows do not change)"),
-    Setting("pp_size", _M, "pipeline stages (even split unless --stage-bounds)"),
+    Setting("pp_size", _M, "pipeline stages (even split unless --stage-bounds) [1, or the "
+            "number of --stage-bounds]"),
     Setting("pp_rank", _M, "the stage this daemon serves, 0..pp-size-1"),
     Setting("stage_bounds", _M, "explicit [start,end) target layers per stage, e.g. 0:22,22:43"),
     Setting("swa_mode", _M, "paged (SWA pages) or ring (one SWA ring per request slot)"),

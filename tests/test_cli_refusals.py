@@ -1,0 +1,268 @@
+"""What a CLI review found the ``hicache`` command line quietly accepting, each now refused in one
+line (exit 2) naming what was wrong and where it came from: abbreviated flags, misspelled
+``HICACHE_*`` variables, options given at their default value where they do not apply (serve and
+plan), ``--stage-bounds`` read one way by ``plan`` and another by ``serve``; and what ``plan``'s
+serve line and the CPU-mode arena say (``--device``, ``cannot allocate``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.core.config import (
+    OTHER_ENV, SETTINGS, ServeConfig, check_env, load_config, sizing, validate,
+)
+from hicache.core.errors import UsageError
+from hicache.core.settings import ENV_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4", "host_ratio": "2"}
+
+
+def one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``hicache ARGV`` in this process: exit status 2 and one line on stderr (returned)."""
+    from hicache.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals exit
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, (argv, code, err)
+    return err.strip()
+
+
+# ----------------------------------------------------------------------- 1. abbreviations
+def _parsers(argv: list[str]) -> list[argparse.ArgumentParser]:
+    """The parser ``build_parser(argv)`` builds and every sub-parser under it."""
+    from hicache.cli import build_parser
+
+    out, todo = [], [build_parser(argv)]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo.extend(a.choices.values())
+    return out
+
+
+def test_no_parser_takes_an_abbreviated_long_flag(capsys):
+    """``hicache serve --kv-me 1G`` quietly meant ``--kv-mem``: every parser of every command
+    (and bench) now takes a long flag only in full, and says which one was meant."""
+    from hicache.cli import BENCHES, COMMANDS
+
+    for argv in [[c] for c in COMMANDS] + [["bench", b] for b in BENCHES]:
+        for p in _parsers(argv):
+            assert p.allow_abbrev is False, (argv, p.prog)
+    err = one_line_exit_2(["serve", "--preset", "no-such-model", "--kv-me", "1G"], capsys)
+    assert err == ("hicache serve: error: unrecognized arguments: --kv-me 1G; did you mean "
+                   "--kv-mem? (see hicache serve -h)")
+    err = one_line_exit_2(["plan", "--preset", "dsv4-tiny", "--kv-me=1G"], capsys)
+    assert err.startswith("hicache plan: error: unrecognized arguments: --kv-me=1G; did you "
+                          "mean --kv-mem?")
+    err = one_line_exit_2(["stats", "--timeout", "0.2", "--jso"], capsys)
+    assert "did you mean --json?" in err
+    err = one_line_exit_2(["bench", "pin", "--hel"], capsys)
+    assert err.startswith("hicache bench pin: error: unrecognized arguments: --hel")
+
+
+# ----------------------------------------------------------------------- 2. the environment
+def test_a_misspelled_hicache_variable_is_refused_naming_the_setting(capsys, monkeypatch):
+    typo = ENV_PREFIX + "HOST_MME"  # spelled so, the source scan below does not see a name
+    with pytest.raises(UsageError) as e:
+        load_config(ROWS, env={typo: "256GiB"})
+    assert str(e.value) == (f"environment: {typo} (did you mean HICACHE_HOST_MEM?) names no "
+                            "setting of hicache serve (docs/config.md lists them); unset it or "
+                            "correct the name")
+    with pytest.raises(UsageError, match=f"{ENV_PREFIX}ZZQ names no setting"):
+        check_env({ENV_PREFIX + "ZZQ": "1"})  # nothing near: no guess
+    # every setting's variable and every variable something else reads passes
+    check_env({**{s.env: "x" for s in SETTINGS}, **{k: "x" for k in OTHER_ENV}})
+    load_config(ROWS, env={k: "1" for k in OTHER_ENV if k != "HICACHE_CONFIG_FILE"})
+    # stats reads HICACHE_SOCKET: a misspelled one would probe another daemon's socket
+    monkeypatch.setenv(ENV_PREFIX + "SOKET", "ipc:///tmp/nowhere.sock")
+    err = one_line_exit_2(["stats", "--timeout", "0.2"], capsys)
+    assert "did you mean HICACHE_SOCKET?" in err
+
+
+def test_serve_refuses_a_misspelled_variable_in_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{ENV_PREFIX + "KV_ME": "1G"})
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--preset", "dsv4-tiny",
+                        "--kv-mem", "64MiB", "--host-ratio", "2", "--socket",
+                        f"ipc://{tmp_path}/d.sock"], capture_output=True, text=True, env=env,
+                       cwd=str(ROOT), timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.startswith(f"hicache serve: error: environment: {ENV_PREFIX}KV_ME (did you "
+                               "mean HICACHE_KV_MEM?)") and len(r.stderr.splitlines()) == 1
+
+
+_NAME = re.compile(r"(?<![A-Za-z0-9_])HICACHE_[A-Z0-9_]*[A-Z0-9]")
+_CODE = {".py", ".sh", ".toml", ".yml", ".yaml", ".cfg", ".ini", ".json", ".c", ".cu", ".h",
+         ".cpp"}
+
+
+def _source_files() -> list[Path]:
+    """The checkout's code, scripts and build files (not the docs, which show misspellings,
+    nor virtual environments, caches or .git)."""
+    out = [ROOT / "Makefile", *(p for p in (ROOT / ".ci").glob("*") if p.is_file())]
+    for top in ROOT.iterdir():
+        if top.name.startswith(".") or not top.is_dir():
+            continue
+        out += [p for p in top.rglob("*") if p.suffix in _CODE and "__pycache__" not in p.parts
+                and p.is_file()]
+    return [p for p in out if p.exists()]
+
+
+def test_every_hicache_variable_the_code_reads_is_a_setting_or_listed():
+    """``OTHER_ENV`` must name every HICACHE_* variable anything in the checkout reads or sets
+    (the SGLang adapter, the L3 master's shim, test knobs, scripts): else ``hicache serve``
+    would refuse an environment the project itself makes."""
+    known = {s.env for s in SETTINGS} | set(OTHER_ENV)
+    seen: dict[str, str] = {}
+    for path in _source_files():
+        for name in _NAME.findall(path.read_text(errors="replace")):
+            seen.setdefault(name, str(path.relative_to(ROOT)))
+    assert "HICACHE_SGLANG_MODEL" in seen and "HICACHE_TIMING_ASSERT" in seen  # the scan works
+    missing = {n: where for n, where in seen.items() if n not in known}
+    assert not missing, f"add these to config.OTHER_ENV (with who reads them): {missing}"
+
+
+# ----------------------------------------------------------------------- 3. does not apply
+GIVEN_AT_DEFAULT = [
+    ({"max_running": "256"}, "--max-running sizes device rows from --kv-mem"),
+    ({"pd_role": "none"}, "--pd-role sizes device rows from --kv-mem"),
+    ({"swa_full_tokens_ratio": "0.8"}, "--swa-full-tokens-ratio sizes device rows"),
+    ({"copy_engine": "off"}, "--copy-engine off needs a GPU"),
+    ({"copy_engine": "auto"}, "--copy-engine auto needs a GPU"),
+    ({"metrics_addr": "127.0.0.1"}, "--metrics-addr applies with --metrics-port"),
+    ({"min_sparse_prompt_len": "32768"}, "--min-sparse-prompt-len applies with --sparse-rows"),
+    ({"sparse_clients": "1"}, "--sparse-clients applies with --sparse-rows"),
+    ({"l3_protocol": "tcp"}, "--l3-protocol given but --l3 is off"),
+    ({"l3_local_host": "127.0.0.1"}, "--l3-local-host given but --l3 is off"),
+    ({"l3_epoch_recheck": "2"}, "--l3-epoch-recheck given but --l3 is off"),
+    ({"l3_segment": "0"}, "--l3-segment given but --l3 is off"),
+    ({"kv_mem": "64MiB", "device_rows": None, "swa_mode": "ring",
+      "swa_full_tokens_ratio": "0.8"}, "--swa-full-tokens-ratio sizes paged SWA pools"),
+]
+
+
+@pytest.mark.parametrize("flags, msg", GIVEN_AT_DEFAULT, ids=[m for _, m in GIVEN_AT_DEFAULT])
+def test_a_setting_given_at_its_default_where_it_does_not_apply_is_refused(flags, msg, tmp_path):
+    """These checks compared values with the defaults, so ``--max-running 256`` beside
+    ``--device-rows`` (or ``--copy-engine off`` in CPU mode) slipped through. Each is now
+    refused when given at all, from a flag, a HICACHE_* variable or the settings file, naming
+    that place."""
+    base = {k: v for k, v in {**ROWS, **flags}.items() if v is not None}
+    with pytest.raises(UsageError, match=re.escape(msg)) as e:
+        load_config(base, env={})
+    assert "(from" not in str(e.value)  # a flag names itself
+    name = next(k for k in flags if k not in ("kv_mem", "device_rows", "swa_mode"))
+    flags_only = {k: v for k, v in base.items() if k != name}
+    with pytest.raises(UsageError, match=re.escape(msg)) as e:
+        load_config(flags_only, env={f"HICACHE_{name.upper()}": flags[name]})
+    assert str(e.value).endswith(f"(from HICACHE_{name.upper()})"), str(e.value)
+    f = tmp_path / "s.toml"
+    f.write_text(f"{name} = {json.dumps(flags[name])}\n")
+    with pytest.raises(UsageError, match=re.escape(msg)) as e:
+        load_config(flags_only, config_file=str(f), env={})
+    assert f"{name} in config file {f}" in str(e.value), str(e.value)
+
+
+def test_defaults_never_trigger_a_refusal():
+    cfg = load_config(ROWS, env={})
+    assert cfg.copy_engine == "auto" and cfg.max_running == 256 and cfg.l3 == "off"
+    validate(ServeConfig(preset="dsv4-tiny", device_rows={"page": 8}))  # built in code
+    with pytest.raises(UsageError, match="--copy-engine on needs a GPU"):  # in code: off default
+        validate(ServeConfig(preset="dsv4-tiny", copy_engine="on"))
+
+
+# ----------------------------------------------------------------------- 4, 5. plan
+def test_the_serve_line_of_plan_names_a_gpu(capsys):
+    """Pasted as printed on a GPU host, the serve line started a CPU-mode daemon (no
+    ``--device``)."""
+    from hicache.cli import main
+
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB", "--pp-size", "2",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for s in d["stages"]:
+        assert s["serve_command"].startswith("hicache serve --device cuda:0 --preset dsv4-flash")
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "  serve: hicache serve --device cuda:0 " in out
+    assert out.rstrip().endswith("serve lines: one daemon per GPU of each stage; change --device "
+                                 "cuda:0 to that GPU's index and add --metrics-port")
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--force"], "--force accepts a host tier not larger than the device pools; it applies "
+                  "with --host-mem or --host-ratio"),
+    (["--request-tokens", "131072"], "--request-tokens applies only with --hisparse"),
+    (["--request-tokens", "65536", "--hot-slots", "2048"],
+     "--request-tokens and --hot-slots apply only with --hisparse"),
+    (["--pages-per-checkpoint", "32", "--host-ratio", "4"],
+     "--pages-per-checkpoint splits the host tier of --host-mem"),
+    (["--swa-mode", "ring", "--swa-full-tokens-ratio", "0.8"],
+     "--swa-full-tokens-ratio sizes paged SWA pools"),
+])
+def test_plan_refuses_an_option_that_does_not_apply(extra, msg, capsys):
+    err = one_line_exit_2(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", *extra],
+                          capsys)
+    assert err.startswith(f"hicache plan: error: {msg}"), err
+
+
+def test_plan_options_that_apply_still_run(capsys):
+    from hicache.cli import main
+
+    for extra in (["--force", "--host-ratio", "0.5"], ["--hisparse", "--request-tokens", "65536"],
+                  ["--host-mem", "400GiB", "--pages-per-checkpoint", "32"],
+                  ["--swa-full-tokens-ratio", "0.8"]):
+        assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", *extra]) == 0, extra
+        capsys.readouterr()
+
+
+# ----------------------------------------------------------------------- 6. stage bounds
+def test_serve_reads_stage_bounds_as_plan_does(tmp_path, capsys):
+    """``plan --stage-bounds 0:22,22:43`` plans 2 stages; ``serve`` with the same flags refused
+    ("... --pp-size says 1"). Without ``--pp-size`` both now take the count of the bounds; a
+    ``--pp-size`` that disagrees is refused naming both flags and where each came from."""
+    from hicache.cli import main
+
+    cfg = load_config({"preset": "dsv4-flash", "stage_bounds": "0:22,22:43", "kv_mem": "1GiB",
+                       "host_mem": "2GiB", "pp_rank": "1"}, env={})
+    st = sizing(cfg).layout.stage
+    assert (cfg.pp_size, st.pp_size, st.start, st.end) == (2, 2, 22, 43)
+    assert "pp_size" not in cfg.__dict__["sources"]  # inferred, not given
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB", "--stage-bounds",
+                 "0:22,22:43", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["pp"] == 2
+    base = {"preset": "dsv4-flash", "stage_bounds": "0:22,22:43", "kv_mem": "1GiB",
+            "host_mem": "2GiB"}
+    with pytest.raises(UsageError) as e:
+        load_config(base, env={"HICACHE_PP_SIZE": "1"})
+    assert str(e.value) == "--stage-bounds gives 2 stages, --pp-size says 1 (from HICACHE_PP_SIZE)"
+    with pytest.raises(UsageError, match=r"^--stage-bounds gives 2 stages, --pp-size says 3$"):
+        load_config({**base, "pp_size": "3"}, env={})
+    assert load_config({**base, "pp_size": "2"}, env={}).pp_size == 2
+
+
+# ----------------------------------------------------------------------- 7. the arena's words
+def test_the_arena_says_allocate_in_cpu_mode_and_pin_on_a_gpu():
+    """CPU mode pins nothing (no registration), yet its refusal said ``cannot pin``."""
+    from hicache.host_pools.arena import PinnedArena
+    from hicache.host_pools.errors import CapacityError
+
+    import psutil
+
+    huge = psutil.virtual_memory().total * 4
+    with pytest.raises(CapacityError, match=r"^cannot allocate .* can be allocated$"):
+        PinnedArena(huge, None)
+    with pytest.raises(CapacityError, match=r"^cannot pin .* can be pinned$"):
+        PinnedArena(huge, None, registrar=object())  # type: ignore[arg-type]  # refused first
