@@ -11,7 +11,7 @@ Follow one BACKUP from the frame to the kernel (docs/architecture.md walks it):
 * ``ops``            — the data model: ``Ids``, ``Item``, ``Operation``.
 * ``row_tracker``    — host rows in flight; frees deferred until their operations end.
 * ``registry``       — clients, heartbeats, registered workers, retained acks.
-* ``device_buffers`` — opens a worker's shm files / CUDA IPC handles and events.
+* ``device_buffers`` — opens a worker's sealed memfds / CUDA IPC handles and events.
 * ``metrics``        — the daemon's metric catalog.
 * ``daemon``         — assembly: config -> layout -> host pools -> scheduler -> server; shutdown.
 * ``l3_handlers``    — ``l3_query`` / ``l3_prefetch`` / ``l3_put`` (``--l3 mooncake``).

@@ -1,10 +1,14 @@
-"""Open a worker's device buffers (shm files in CPU mode, CUDA IPC handles on GPU) as tensors.
+"""Open a worker's device buffers (sealed memfds in CPU mode, CUDA IPC handles on GPU) as tensors.
 
-``open_buffers(layout, device_rows, buffers, mode, device, shm_dirs)`` checks every handle
+``open_buffers(layout, device_rows, buffers, mode, device, fds)`` checks every handle
 against the layout (one per owned layer, ``rows`` = the worker's rows of the pool's space,
 ``row_bytes`` = ``page_bytes``) *before* opening anything, then returns ``DeviceBuffers``:
-``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: shm paths
-must be regular files owned by this user inside an allowed directory, CUDA handles must name the
+``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: a CPU handle
+names one of the descriptors the worker handed in (``fds``: its place in that list), each of
+which must be a regular file sealed against shrinking (``F_SEAL_SHRINK``: a memfd; no process
+can then cut it under the daemon's mapping, which would make the daemon's next copy a SIGBUS),
+every one named by some handle and long enough for them (only that much is mapped); CUDA
+handles must name the
 GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
 lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
 layer can reach past the worker's own memory; a GPU layer must start on a 4-byte boundary
@@ -19,6 +23,7 @@ mappings alive go to it, so the unmapping itself runs off the server thread.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -30,7 +35,9 @@ import torch
 
 from hicache.core.ipc import decode_b64, device_uuid
 from hicache.core.layout import Layout, LayoutError
+from hicache.core.model import brief
 from hicache.core.protocol import ProtocolError
+from hicache.core.sealed_memfd import seals_of
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -100,94 +107,76 @@ def check_shapes(layout: Layout, device_rows: Mapping[str, int],
 
 
 def open_buffers(layout: Layout, device_rows: Mapping[str, int], buffers: Mapping[str, Any],
-                 mode: str, device: torch.device, shm_dirs: Sequence[str]) -> DeviceBuffers:
+                 mode: str, device: torch.device,
+                 fds: Callable[[], Sequence[int]] | None = None) -> DeviceBuffers:
+    """See the module docstring; ``fds`` (CPU): gives the descriptors the worker handed in,
+    asked for once the handles passed their own checks (the caller's: they are neither kept
+    nor closed here)."""
     check_shapes(layout, device_rows, buffers)
     if mode == "cpu":
         if device.type != "cpu":
             raise ProtocolError("unsupported", f"this daemon serves {device}; register CUDA IPC "
-                                               f"handles (mode 'cuda'), not shm files")
-        return _open_shm(layout, buffers, shm_dirs)
+                                               f"handles (mode 'cuda'), not memfds")
+        return _open_memfds(layout, buffers, fds or (lambda: []))
+    if fds is not None:
+        raise ProtocolError("bad_field", "descriptors were handed in, but CUDA pools are shared "
+                                         "by their IPC handles")
     if mode == "cuda":
         if device.type != "cuda":
-            raise ProtocolError("unsupported", "this daemon runs in CPU mode; register shm "
+            raise ProtocolError("unsupported", "this daemon runs in CPU mode; register memfd "
                                                "buffers (mode 'cpu')")
         return _open_cuda(layout, buffers, device)
     raise ProtocolError("bad_field", f"mode must be 'cpu' or 'cuda', got {mode[:32]!r}")
 
 
-# ----------------------------------------------------------------------------- CPU: shm files
-def _check_path(path: Any, shm_dirs: Sequence[str], where: str) -> str:
-    if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
-        raise _bad(f"{where}: 'path' must be a file path")
-    try:
-        os.fsencode(path)  # JSON lets lone surrogates through ("\ud800"): no file has them
-    except UnicodeError:
-        raise _bad(f"{where}: 'path' must be a file path (it cannot be encoded)") from None
-    real = os.path.realpath(path)
-    if not _inside(real, shm_dirs):
-        raise _bad(f"{where}: {path} is not inside an allowed shm directory {list(shm_dirs)}")
-    return real
-
-
-def _inside(real: str, shm_dirs: Sequence[str]) -> bool:
-    return any(real.startswith(os.path.realpath(d).rstrip("/") + "/") for d in shm_dirs)
-
-
-def _opened_inside(fd: int, path: str, shm_dirs: Sequence[str]) -> None:
-    """The file ``fd`` really opened is inside the allowed directories: a folder on the path
-    swapped for a symlink between ``_check_path`` and the open (``O_NOFOLLOW`` guards only
-    the last name) would have opened a file elsewhere."""
-    try:
-        real = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:  # no /proc: the check before the open stands alone
-        return
-    if not _inside(real, shm_dirs):
-        raise _bad(f"{path} resolved outside the allowed shm directories while it was opened")
-
-
-def _open_shm(layout: Layout, buffers: Mapping[str, Any], shm_dirs: Sequence[str]) -> DeviceBuffers:
-    files: dict[str, tuple[mmap.mmap, torch.Tensor, int]] = {}
+# ----------------------------------------------------------------------------- CPU: sealed memfds
+def _open_memfds(layout: Layout, buffers: Mapping[str, Any],
+                 get_fds: Callable[[], Sequence[int]]) -> DeviceBuffers:
     plan = []
-    for name in layout.pools:  # validate every handle and stat every file before mapping
+    for name in layout.pools:  # validate every handle and check every descriptor before mapping
         for i, h in enumerate(buffers[name]):
             where = f"buffers[{name}][{i}]"
-            if h.get("kind") != "shm":
-                raise _bad(f"{where}: kind must be 'shm' in CPU mode")
-            path = _check_path(h.get("path"), shm_dirs, where)
-            off = _int(h, "offset", where)
-            plan.append((name, path, off, h["rows"], h["row_bytes"], where))
-            if path not in files:
-                files[path] = None  # type: ignore[assignment]
-    sizes = {}
-    for path in files:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise _bad(f"cannot open {path}: {e.strerror}") from None
-        try:
-            _opened_inside(fd, path, shm_dirs)
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _bad(f"{path} is not a regular file")
-            if st.st_uid != os.getuid():
-                raise _bad(f"{path} belongs to uid {st.st_uid}, not to this daemon's user")
-            sizes[path] = st.st_size
-            for name, p, off, rows, rb, where in plan:
-                if p == path and off + rows * rb > st.st_size:
-                    raise _bad(f"{where}: bytes [{off}, {off + rows * rb}) run past the end of "
-                               f"{path} ({st.st_size} bytes)")
+            if h.get("kind") != "memfd":
+                raise _bad(f"{where}: kind must be 'memfd' in CPU mode (a sealed memfd handed in "
+                           f"before register; a file named by path could be cut under the "
+                           f"daemon's mapping)")
+            k = _int(h, "fd", where)
+            plan.append((name, k, _int(h, "offset", where), h["rows"], h["row_bytes"], where))
+    fds = get_fds()
+    ends = [0] * len(fds)
+    for name, k, off, rows, rb, where in plan:
+        if k >= len(fds):
+            raise _bad(f"{where}: 'fd' {k} names none of the {len(fds)} descriptors handed in")
+        ends[k] = max(ends[k], off + rows * rb)
+    unused = [k for k, e in enumerate(ends) if e == 0]
+    if unused:
+        raise _bad(f"descriptor {unused[0]} was handed in but no buffer names it")
+    for k, fd in enumerate(fds):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad(f"descriptor {k} is not a regular file")
+        seals = seals_of(fd)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise _bad(f"descriptor {k} is not sealed against shrinking (F_SEAL_SHRINK; seals "
+                       f"{seals:#x}): a worker could cut it under the daemon's mapping")
+        if ends[k] > st.st_size:
+            raise _bad(f"descriptor {k}: the buffers need {ends[k]} bytes, it has {st.st_size}")
+    maps: list[tuple[mmap.mmap, torch.Tensor]] = []
+    try:
+        for k, fd in enumerate(fds):
             try:
-                mm = mmap.mmap(fd, st.st_size)
-            except OSError as e:  # e.g. a huge sparse file: more than the address space
-                raise _bad(f"cannot map {path} ({st.st_size} bytes): {e.strerror}") from None
-        finally:
-            os.close(fd)
-        files[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), st.st_size)
+                mm = mmap.mmap(fd, ends[k])
+            except OSError as e:
+                raise _bad(f"cannot map descriptor {k} ({ends[k]} bytes): {e.strerror}") from None
+            maps.append((mm, torch.frombuffer(mm, dtype=torch.uint8)))
+    except BaseException:
+        for mm, _ in maps:
+            mm.close()
+        raise
     layers: dict[str, list[torch.Tensor]] = {}
-    for name, path, off, rows, rb, _ in plan:
-        base = files[path][1]
-        layers.setdefault(name, []).append(base[off: off + rows * rb].view(rows, rb))
-    return DeviceBuffers(layers, "cpu", keep=[f[0] for f in files.values()])
+    for name, k, off, rows, rb, _ in plan:
+        layers.setdefault(name, []).append(maps[k][1][off: off + rows * rb].view(rows, rb))
+    return DeviceBuffers(layers, "cpu", keep=[m[0] for m in maps])
 
 
 # ----------------------------------------------------------------------------- GPU: CUDA IPC

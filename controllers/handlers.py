@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from typing import Any, Callable, Sequence
 
 from hicache.core.channel import Channel, WakeSocket, supported
+from hicache.core.fd_handout import MAX_INTAKE_FDS
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
 from hicache.core.model import brief
@@ -29,7 +31,7 @@ from . import copy_commands, kv_store, l3_handlers, sparse
 from .copy_commands import Reply, request_of, worker_of
 from .device_buffers import open_buffers, open_events
 from .ops import Ids
-from .registry import ClientState, RegisteredWorker
+from .registry import ClientState, Intake, RegisteredWorker
 from .state import DaemonState
 
 log = logging.getLogger("hicache.daemon")
@@ -90,7 +92,11 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     events_h = h.get("events", [])
     if mode == "cpu" and events_h:
         raise ProtocolError("bad_field", "events are CUDA interprocess events; CPU mode has none")
-    bufs = open_buffers(st.layout, dev_rows, h["buffers"], mode, st.device, st.shm_dirs)
+    if mode != "cpu" and "fd_token" in h:
+        raise ProtocolError("bad_field", "fd_token: CUDA pools are shared by their IPC handles; "
+                                         "nothing is handed in")
+    bufs = open_buffers(st.layout, dev_rows, h["buffers"], mode, st.device,
+                        (lambda: _handed_in(st, c, h.get("fd_token"))) if mode == "cpu" else None)
     try:
         tables = {name: LayerTable(layers, f"device:{name}") for name, layers in bufs.layers.items()}
         events = open_events(events_h, st.device) if events_h else []
@@ -108,10 +114,51 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         raise
     c.worker = RegisteredWorker(h.get("name"), tp_rank, dict(dev_rows), bufs, tables, events,
                                 load_events)
+    st.registry.close_intake(c)  # its descriptors are mapped: closed (the mappings stay)
     c.reaped = None  # registered afresh: the old client's reap is no news any more
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles,
             "heartbeat_timeout": st.heartbeat_timeout}, []
+
+
+def hand_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    """Take ``count`` descriptors in on the daemon's descriptor socket for this client's next
+    ``register`` (a CPU worker's device pools: sealed memfds). A second ``hand_in`` replaces
+    one not used yet; what it received is closed."""
+    n = h["count"]
+    if st.device.type != "cpu":
+        raise ProtocolError("unsupported", f"hand_in: this daemon serves {st.device}, where "
+                                           f"device pools are shared by CUDA IPC handles")
+    if c.worker is not None:
+        raise ProtocolError("already_registered", "hand_in: this client already registered a "
+                                                  "worker; unregister first")
+    if not 0 < n <= MAX_INTAKE_FDS:
+        raise ProtocolError("bad_field", f"hand_in: count must be 1..{MAX_INTAKE_FDS}, got {n}")
+    token = secrets.randbits(64) | 1
+    try:
+        handout = st.handout()
+        handout.expect(token, n)
+    except (OSError, ValueError) as e:
+        raise ProtocolError("unsupported", f"hand_in: cannot take descriptors in on the "
+                                           f"descriptor socket ({e})") from None
+    st.registry.open_intake(c, Intake(token, handout))
+    return {"fd_socket": handout.path, "fd_token": token}, []
+
+
+def _handed_in(st: DaemonState, c: ClientState, token: Any) -> list[int]:
+    """The descriptors this client handed in for ``token`` (still its intake's: closed when
+    the registration succeeds, kept for a retry when it is refused)."""
+    it = c.intake
+    if it is None or token != it.token:
+        raise ProtocolError("bad_handle", "register: a CPU worker's pools are sealed memfds "
+                                          "handed in first: hand_in, send the descriptors to "
+                                          "the socket it names with its token, then register "
+                                          "with that fd_token")
+    fds = it.received()
+    if fds is None:
+        raise ProtocolError("bad_handle", "register: the descriptors were not handed in (send "
+                                          "them to the socket hand_in named, with its token)")
+    return fds
 
 
 def unregister(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

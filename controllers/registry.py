@@ -22,12 +22,14 @@ gone instead of reading "not allocated". Under CURVE a client is bound
 to the name of the key that created it (``touch``): another key presenting its routing
 identity is refused. A client's shared-memory command channel (``open_channel``) is listed in
 ``channels`` (the server scans them) and closed, its memfd with it, when the client retires or
-is removed.
+is removed. So is its intake (``open_intake``: the descriptors it hands in for its next
+``register``, ``Intake``), which also closes once the registration that used it succeeded.
 Single-threaded: only the server thread calls in here.
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,6 +50,32 @@ def client_id(ident: bytes) -> str:
     if ident and ident[0] != 0x7E and _PLAIN.issuperset(ident):
         return ident.decode("ascii")
     return "~" + ident.hex()
+
+
+class Intake:
+    """Descriptors one client hands in on the daemon's descriptor socket (``hand_in``): the
+    token it presents, the hand-out that expects it, and what came (taken once, then held
+    here until ``close``, so a refused ``register`` can be retried with the same ones)."""
+
+    def __init__(self, token: int, handout: Any) -> None:
+        self.token, self._handout = token, handout
+        self._fds: list[int] | None = None
+
+    def received(self) -> list[int] | None:
+        """The descriptors handed in (still this intake's), or None while none came."""
+        if self._fds is None:
+            self._fds = self._handout.take(self.token)
+        return self._fds
+
+    def close(self) -> None:
+        """Withdraw the intake and close what it received."""
+        self._handout.withdraw(self.token)
+        fds, self._fds = self._fds or [], None
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 @dataclass(eq=False)
@@ -93,12 +121,13 @@ class ClientState:
     kv: Any = None  # kv_regions.ClientPools: engine host pools attached for the key store
     reaped: str | None = None  # why an earlier client of this identity was reaped, until register
     channel: Any = None  # hicache.core.channel.Channel: its shared-memory command channel
+    intake: "Intake | None" = None  # descriptors it hands in for its next register (hand_in)
 
     def in_session(self) -> bool:
         """It holds something besides host and sparse rows: a worker, key-store pools, a
         channel, or operations (copies, L3 jobs) not yet completed."""
         return self.worker is not None or self.kv is not None or self.channel is not None \
-            or self.in_flight > 0
+            or self.intake is not None or self.in_flight > 0
 
 
 class Registry:
@@ -165,6 +194,7 @@ class Registry:
             del self.clients[c.ident]
         self.retiring[c.ident] = c
         self.close_channel(c)
+        self.close_intake(c)
         c.acks.clear()
 
     def remove(self, c: ClientState, reaped: str | None = None) -> None:
@@ -180,6 +210,7 @@ class Registry:
         self.close_worker(c)
         self.close_kv(c)
         self.close_channel(c)
+        self.close_intake(c)
         c.acks.clear()
 
     def open_channel(self, c: ClientState, channel: Any) -> None:
@@ -193,6 +224,17 @@ class Registry:
             self.channels.remove(c)
             c.channel.close()
             c.channel = None
+
+    def open_intake(self, c: ClientState, intake: Intake) -> None:
+        """Give ``c`` its intake, closing one it had (and what that one received)."""
+        self.close_intake(c)
+        c.intake = intake
+
+    def close_intake(self, c: ClientState) -> None:
+        """Close ``c``'s intake, if any: withdrawn, and what it received closed."""
+        if c.intake is not None:
+            c.intake.close()
+            c.intake = None
 
     def close_kv(self, c: ClientState) -> None:
         """Unmap the engine host pools ``c`` attached for the key store, if any."""

@@ -4,9 +4,9 @@ An engine keeps its own device pools (its allocator, its tensors); the daemon on
 handle per pool and layer. This example plays the engine:
 
 1. it allocates every pool of a DSV4 stage as ONE tensor per pool, ``[layers, rows, row_bytes]``
-   (on ``cuda:N``, or on CPU inside a ``/dev/shm`` file so the daemon can map it);
+   (on ``cuda:N``, or on CPU inside one sealed memfd, which it hands the daemon to map);
 2. it builds the ``register`` handles from per-layer views (``hicache.core.ipc.export_buffers``
-   on a GPU; ``{"kind": "shm", ...}`` on CPU) and registers them;
+   on a GPU; ``{"kind": "memfd", "fd": 0, ...}`` on CPU) and registers them;
 3. it writes a pattern into device row 3 of every pool of space ``page``, backs that row up to a
    host row, overwrites the device row, loads the host row into device row 5 and checks every
    byte.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -28,14 +27,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.core.layout import build_layout, preset  # noqa: E402
+from hicache.core.sealed_memfd import new_sealed_fd  # noqa: E402
 from hicache.engine.daemon_process import DaemonProcess  # noqa: E402
 
 ROWS = {"page": 8, "swa_page": 8, "req_slot": 4}  # the engine's device rows per index space
 
 
-def engine_pools(layout, device: str) -> tuple[dict[str, torch.Tensor], dict, str | None]:
+def engine_pools(layout, device: str) -> tuple[dict[str, torch.Tensor], dict, list[int]]:
     """The engine's own allocation: one ``[layers, rows, row_bytes]`` uint8 tensor per pool,
-    and the ``buffers`` field of ``register`` (one handle per layer)."""
+    the ``buffers`` field of ``register`` (one handle per layer) and, on CPU, the descriptor
+    ``register`` hands in."""
     pools: dict[str, torch.Tensor] = {}
     if device != "cpu":
         from hicache.core.ipc import export_buffers
@@ -43,25 +44,23 @@ def engine_pools(layout, device: str) -> tuple[dict[str, torch.Tensor], dict, st
         for name, spec in layout.pools.items():
             pools[name] = torch.zeros(spec.num_layers, ROWS[spec.index], spec.page_bytes,
                                       dtype=torch.uint8, device=device)
-        return pools, export_buffers({n: list(t.unbind(0)) for n, t in pools.items()}), None
-    # CPU mode: the daemon maps the engine's memory through a 0600 file in /dev/shm
+        return pools, export_buffers({n: list(t.unbind(0)) for n, t in pools.items()}), []
+    # CPU mode: the daemon maps the engine's memory from a memfd the engine hands it, sealed
+    # so that nobody can cut it under the daemon's mapping (else refused)
     sizes = {n: s.num_layers * ROWS[s.index] * s.page_bytes for n, s in layout.pools.items()}
     offsets, end = {}, 0
     for n, size in sizes.items():
         offsets[n], end = end, (end + size + 4095) // 4096 * 4096
-    path = f"/dev/shm/hicache-dev-{os.getpid()}-example-{secrets.token_hex(4)}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, end)
+    fd = new_sealed_fd("example-engine", end)  # memfd_create + ftruncate + F_SEAL_SHRINK...
     mm = mmap.mmap(fd, end)
-    os.close(fd)
     base = torch.frombuffer(mm, dtype=torch.uint8)
     buffers = {}
     for n, spec in layout.pools.items():
         rows, rb = ROWS[spec.index], spec.page_bytes
         pools[n] = base[offsets[n]: offsets[n] + sizes[n]].view(spec.num_layers, rows, rb)
-        buffers[n] = [{"kind": "shm", "path": path, "offset": offsets[n] + i * rows * rb,
+        buffers[n] = [{"kind": "memfd", "fd": 0, "offset": offsets[n] + i * rows * rb,
                        "rows": rows, "row_bytes": rb} for i in range(spec.num_layers)]
-    return pools, buffers, path
+    return pools, buffers, [fd]
 
 
 def main() -> int:
@@ -71,12 +70,13 @@ def main() -> int:
     layout = build_layout(preset("dsv4-tiny"))
     daemon = DaemonProcess(device=args.device, preset="dsv4-tiny", device_rows=ROWS,
                            host=("--host-ratio", "2"))
-    pools, buffers, path = engine_pools(layout, args.device)
+    pools, buffers, fds = engine_pools(layout, args.device)
     try:
         daemon.start()
         with daemon.client() as c:
             c.register(layout=layout.to_dict(), device_rows=ROWS, buffers=buffers,
-                       mode="cpu" if args.device == "cpu" else "cuda", name="example-engine")
+                       mode="cpu" if args.device == "cpu" else "cuda", name="example-engine",
+                       fds=fds)
             host = c.alloc({"page": 1})["page"]
             page_pools = [n for n, s in layout.pools.items() if s.index == "page"]
             g = torch.Generator().manual_seed(7)
@@ -95,8 +95,8 @@ def main() -> int:
             c.unregister()
     finally:
         daemon.close()
-        if path is not None:
-            os.unlink(path)
+        for fd in fds:
+            os.close(fd)
     nbytes = sum(want[n].numel() for n in want)
     print(f"register_engine_buffers: {len(page_pools)} pools, {nbytes:,} bytes backed up and "
           f"loaded back: {'verified' if not bad else f'MISMATCH in {bad}'}")

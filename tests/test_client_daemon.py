@@ -286,23 +286,24 @@ def test_unregistered_and_mismatched_workers_are_refused(shared_daemon):
             assert e.value.code == "layout_mismatch" and "stage" in e.value.message
         with DevicePools(FLASH, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools:
             h = pools.handles()
-            h["c4_kv"][0] = dict(h["c4_kv"][0], path="/etc/passwd")
+            h["c4_kv"][0] = dict(h["c4_kv"][0], fd=1)  # names no descriptor handed in
             with pytest.raises(CommandRefused) as e:
-                c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=h, mode="cpu")
-            assert e.value.code == "bad_handle"
+                c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=h, mode="cpu",
+                           fds=pools.fds())
+            assert e.value.code == "bad_handle" and "names none" in e.value.message, e.value
             # numbers of the wrong type: refused with one line, not an internal error
             for key in ("rows", "row_bytes"):
                 bad = {n: [dict(x, **{key: float(x[key])}) for x in hs] for n, hs in
                        pools.handles().items()}
                 with pytest.raises(CommandRefused) as e:
                     c.register(layout=FLASH.to_dict(), device_rows=pools.rows, buffers=bad,
-                               mode="cpu")
+                               mode="cpu", fds=pools.fds())
                 assert e.value.code == "bad_handle" and "shape" in e.value.message, e.value
             for rows in ({**pools.rows, "page": 8.0}, {**pools.rows, "page": "8"},
                          {**pools.rows, "page": True}):
                 with pytest.raises(CommandRefused) as e:
                     c.register(layout=FLASH.to_dict(), device_rows=rows,
-                               buffers=pools.handles(), mode="cpu")
+                               buffers=pools.handles(), mode="cpu", fds=pools.fds())
                 assert e.value.code == "bad_field" and "device_rows" in e.value.message, e.value
         assert not c.heartbeat()["registered"]
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
@@ -636,14 +637,18 @@ def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_
 
 
 def test_device_pools_close_unmaps_its_memory():
-    """CPU mode: ``close`` unlinks the shm file and unmaps it (the whole device KV stayed
+    """CPU mode: ``close`` closes the pools' memfd and unmaps it (the whole device KV stayed
     mapped, and resident, while the object lived)."""
     p = DevicePools(FLASH, ROWS)
-    path = p.path
+    fd = p.fds()[0]
+    ino = os.fstat(fd).st_ino
     p.close()
     with open("/proc/self/maps") as f:
-        assert not [ln for ln in f if os.path.basename(path) in ln]
-    assert not os.path.exists(path)
+        assert not [ln for ln in f if ln.split()[4] == str(ino) and "memfd:" in ln]
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed (no test opens a descriptor meanwhile)
+    with pytest.raises(ValueError):
+        p.fds()
 
 
 def test_wait_layer_of_a_load_said_failed_waits_for_its_ack(daemon_factory):

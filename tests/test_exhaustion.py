@@ -58,7 +58,7 @@ def test_full_request_slots_refuse_swap_out(tiny):
     lay = build_layout(preset("dsv4-tiny"))
     with ShmBuffers(lay, {"page": 8, "swa_page": 8, "req_slot": 4}, tag="swap") as b, \
             Client(tiny.address, timeout=10, name="swapper") as c:
-        c.register(**b.register_fields())
+        c.register(**b.register_fields(), fds=b.fds())
         first = c.swap_out(0, request="r0")
         c.wait_ack(first)
         before = _errors(c, "no_space")

@@ -1,9 +1,11 @@
 """Endpoint hardening. Each test pins one rule and fails when that rule is removed:
 socket directory 0700 / socket 0600, one daemon per socket, TCP only on loopback unless allowed
 and then only with CURVE, CURVE refusing clients without an allowed key, frame size caps,
-shm paths confined to the allowed directories, a bounded client table, no pickle / eval."""
+CPU pools only as sealed memfds handed in, a bounded client table, no pickle / eval."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -16,12 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from hicache.core import protocol as P
 from hicache.engine.client import Client, DaemonUnreachable
 from hicache.core.config import check_address
 from hicache.core.errors import UsageError
+from hicache.core.fd_handout import send_fds
 from hicache.fuzz.runner import DaemonRunner, RawPeer, ShmBuffers, private_address
 from hicache.core.layout import build_layout, preset
 
@@ -261,44 +265,170 @@ def test_frame_beyond_the_transport_limit_drops_only_that_peer(shared):
 
 
 # ----------------------------------------------------------------------------- registration
-@pytest.mark.parametrize("what", ["outside", "symlink", "fifo", "traversal"])
-def test_shm_handles_confined_to_allowed_dirs(shared, what, tmp_path):
+def _hand_in(p: RawPeer, fds: list[int]) -> int:
+    """Hand ``fds`` in for ``p``'s next register; the token its register names."""
+    got = p.call("hand_in", {"count": len(fds)})
+    send_fds(got["fd_socket"], got["fd_token"], fds, "test pools")
+    return int(got["fd_token"])
+
+
+def _refused(p: RawPeer, fields: dict, rid: int) -> dict:
+    p.send(P.encode_request("register", rid, fields))
+    h = p.reply(10)
+    assert h is not None and h["ok"] is False, h
+    return h["error"]
+
+
+def _fds_to(pid: int, ino: int) -> int:
+    """How many of process ``pid``'s descriptors open the file of inode ``ino``."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.stat(f"/proc/{pid}/fd/{fd}").st_ino == ino
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("what", ["unsealed_memfd", "dev_shm_file", "pipe", "shm_kind", "no_hand_in",
+                                  "fd_out_of_range", "unused_fd", "too_short", "too_big_to_map"])
+def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
+    """A CPU worker's pools reach the daemon only as descriptors it handed in, each sealed
+    against shrinking (else a worker could cut the file under the daemon's mapping and make
+    its next copy a SIGBUS: every client's work gone). Each refusal is ``bad_handle`` for the
+    rule at hand, registers nothing, keeps the intake for a retry, and a retry with sealed
+    pools then registers."""
     lay = build_layout(preset("dsv4-tiny"))
-    extra = None
+    extra: list[int] = []
+    path = None
     with ShmBuffers(lay, DEV, tag="conf") as b:
-        fields = b.register_fields()
-        if what == "outside":  # a regular file of ours, outside /dev/shm
-            target = tmp_path / "dev.bin"
-            shutil.copy(b.path, target)
-            path = str(target)
-        elif what == "symlink":  # inside /dev/shm, but pointing outside
-            target = tmp_path / "dev.bin"
-            shutil.copy(b.path, target)
-            path = extra = f"/dev/shm/hicache-dev-link-{os.getpid()}"
-            os.symlink(target, path)
-        elif what == "fifo":
-            path = extra = f"/dev/shm/hicache-dev-fifo-{os.getpid()}"
-            os.mkfifo(path, 0o600)
-        else:  # an existing file of ours outside /dev/shm, named through /dev/shm/..
-            target = tmp_path / "dev.bin"
-            shutil.copy(b.path, target)
-            path = "/dev/shm/../../" + str(target).lstrip("/")
-        for hs in fields["buffers"].values():
-            for h in hs:
-                h["path"] = path
+        fields = json.loads(json.dumps(b.register_fields()))
+        size = os.fstat(b.fds()[0]).st_size
         p = RawPeer(shared.address, "conf")
         try:
-            p.send(P.encode_request("register", 8, fields))
-            h = p.reply(10)
-            assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
-            # refused for the rule this case is about (not because the file does not exist)
-            why = "is not a regular file" if what == "fifo" else \
-                "not inside an allowed shm directory"
-            assert why in h["error"]["message"], h["error"]["message"]
+            if what == "unsealed_memfd":  # a memfd its maker can still truncate
+                fd = os.memfd_create("hicache-test", os.MFD_CLOEXEC)
+                os.ftruncate(fd, size)
+                give, why = [fd], "not sealed against shrinking"
+            elif what == "dev_shm_file":  # a tmpfs file by path: it cannot carry seals
+                path = f"/dev/shm/hicache-test-unsealed-{os.getpid()}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, size)
+                give, why = [fd], "not sealed against shrinking"
+            elif what == "pipe":
+                r, w = os.pipe()
+                extra.append(w)
+                give, why = [r], "is not a regular file"
+            elif what == "shm_kind":  # the path-named handles of earlier versions
+                for hs in fields["buffers"].values():
+                    for h in hs:
+                        h.update(kind="shm", path="/dev/shm/x")
+                        del h["fd"]
+                give, why = b.fds(), "kind must be 'memfd'"
+            elif what == "no_hand_in":
+                give, why = [], "handed in first"
+            elif what == "fd_out_of_range":
+                next(iter(fields["buffers"].values()))[0]["fd"] = 1
+                give, why = b.fds(), "names none of the 1 descriptors"
+            elif what == "unused_fd":
+                give, why = b.fds() * 2, "descriptor 1 was handed in but no buffer names it"
+            elif what == "too_short":
+                next(iter(fields["buffers"].values()))[-1]["offset"] = size
+                give, why = b.fds(), "the buffers need"
+            else:  # a sealed 1 PiB sparse memfd, a layer named far into it
+                fd = os.memfd_create("hicache-test-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, 1 << 50)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+                for hs in fields["buffers"].values():
+                    for h in hs:
+                        h["offset"] = (1 << 50) - h["rows"] * h["row_bytes"]
+                give, why = [fd], "cannot map descriptor 0"
+            extra += [f for f in give if f not in b.fds()]
+            if give:
+                fields["fd_token"] = _hand_in(p, give)
+            err = _refused(p, fields, 8)
+            assert err["code"] == "bad_handle" and why in err["message"], err
+            assert p.call("heartbeat")["registered"] is False
+            # a retry: the refused intake stays until another replaces it
+            if what in ("fd_out_of_range", "too_short", "shm_kind"):
+                good = dict(b.register_fields(), fd_token=fields["fd_token"])
+                assert p.call("register", good)["ok"]  # the same descriptors, right handles
+            else:
+                p.register(b)
+            assert p.call("heartbeat")["registered"] is True
+            p.call("unregister")
         finally:
             p.close()
-            if extra:
-                os.unlink(extra)
+            for f in extra:
+                os.close(f)
+            if path:
+                os.unlink(path)
+    assert _alive(shared)
+
+
+def test_a_worker_cannot_shrink_its_pools_under_the_daemon(shared):
+    """The pools a CPU worker registered cannot be truncated by anyone (EPERM), so the
+    daemon's copies from and into them go on, byte for byte (before, a worker's /dev/shm file
+    cut after register made the daemon's next copy a SIGBUS, ending it for every client)."""
+    from hicache.engine.device_pools import DevicePools
+
+    lay = build_layout(preset("dsv4-tiny"))
+    with DevicePools(lay, DEV) as pools, Client(shared.address, timeout=10, channel=False) as c:
+        c.register(pools)
+        fd = pools.fds()[0]
+        for n in (0, 4096, os.fstat(fd).st_size + 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, n)
+        src = pools.pool("c4_kv")[0]
+        src[0].copy_(torch.arange(src.shape[1], dtype=torch.int32).to(torch.uint8))
+        host = c.alloc({"page": 1})["page"]
+        c.wait_ack(c.backup({"c4_kv": ([0], host)}))
+        want = src[0].clone()
+        src[1].zero_()
+        c.wait_ack(c.load({"c4_kv": (host, [1])}))
+        assert torch.equal(src[1], want)
+        c.unregister()
+    assert _alive(shared)
+
+
+def test_an_intake_is_its_clients_alone_and_closes(shared):
+    """``hand_in``: another client cannot register with a client's token; a registered client
+    cannot open one; counts are bounded; what an intake received is closed in the daemon once
+    the registration that used it succeeded, and when a new intake replaces it."""
+    lay = build_layout(preset("dsv4-tiny"))
+    pid = shared.proc.pid
+    a, b = RawPeer(shared.address, "owner"), RawPeer(shared.address, "thief")
+    try:
+        with ShmBuffers(lay, DEV, tag="own") as bufs, ShmBuffers(lay, DEV, tag="own2") as other:
+            ino = os.fstat(bufs.fds()[0]).st_ino
+            ino2 = os.fstat(other.fds()[0]).st_ino
+            for n in (0, -1, 65):
+                a.send(P.encode_request("hand_in", 3, {"count": n}))
+                h = a.reply(10)
+                assert h["ok"] is False and h["error"]["code"] == "bad_field", h
+            first = _hand_in(a, other.fds())
+            assert _fds_to(pid, ino2) == 1  # held by the intake
+            token = _hand_in(a, bufs.fds())  # replaces the first: what it got is closed
+            assert _fds_to(pid, ino2) == 0 and _fds_to(pid, ino) == 1
+            fields = dict(bufs.register_fields(), fd_token=first)
+            assert _refused(a, fields, 4)["code"] == "bad_handle"  # the replaced token
+            err = _refused(b, dict(fields, fd_token=token), 5)  # another client's token
+            assert err["code"] == "bad_handle" and "handed in first" in err["message"], err
+            assert a.call("register", dict(fields, fd_token=token))["ok"]
+            # mapped, the intake's descriptor closed: what is left is the one Python's mmap
+            # keeps of its own (the intake's too would make it 2)
+            assert _fds_to(pid, ino) == 1
+            a.send(P.encode_request("hand_in", 6, {"count": 1}))
+            h = a.reply(10)
+            assert h["ok"] is False and h["error"]["code"] == "already_registered", h
+            a.call("unregister")
+            end = time.monotonic() + 10
+            while _fds_to(pid, ino) and time.monotonic() < end:  # unmapped off the loop
+                time.sleep(0.05)
+            assert _fds_to(pid, ino) == 0
+    finally:
+        a.close()
+        b.close()
     assert _alive(shared)
 
 
@@ -397,56 +527,6 @@ def test_cuda_ipc_fields_are_checked_before_torch_opens_them():
         with pytest.raises(ProtocolError, match=msg) as e:
             _check_ipc_fields({**good, k: v}, "buffers[c4_kv][0]")
         assert str(e.value).startswith("buffers[c4_kv][0]: ") and "\n" not in str(e.value)
-
-
-def test_a_shm_path_that_cannot_be_encoded_is_refused_not_internal(shared):
-    """A lone surrogate in a register handle's path ("\\ud800", valid JSON) is a ``bad_handle``
-    refusal (os.path.realpath raised UnicodeEncodeError: an ``internal`` reply and a
-    traceback)."""
-    import json
-
-    from hicache.core.layout import Layout
-
-    p = RawPeer(shared.address, "surr")
-    try:
-        layout = Layout.from_dict(p.call("heartbeat", {"full": True})["layout"])
-        with ShmBuffers(layout, {"page": 16, "swa_page": 8, "req_slot": 4}, tag="surr") as bufs:
-            f = json.loads(json.dumps(bufs.register_fields()))
-            f["buffers"][next(iter(f["buffers"]))][0]["path"] = "/dev/shm/\ud800x"
-            p.send(P.encode_request("register", 7, f))
-            h = p.reply(10.0)
-        assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
-        assert _alive(shared)
-    finally:
-        p.close()
-
-
-def test_a_shm_file_too_big_to_map_is_refused_not_internal(shared):
-    """A register handle naming a (sparse) file bigger than the address space: ``bad_handle``
-    naming it (the mmap's ENOMEM was an ``internal`` reply)."""
-    import json
-
-    from hicache.core.layout import Layout
-
-    p = RawPeer(shared.address, "huge")
-    path = f"/dev/shm/hicache-test-huge-{os.getpid()}"
-    try:
-        with open(path, "wb") as f:
-            f.truncate(1 << 50)  # 1 PiB, no byte of it written
-        layout = Layout.from_dict(p.call("heartbeat", {"full": True})["layout"])
-        with ShmBuffers(layout, {"page": 16, "swa_page": 8, "req_slot": 4}, tag="huge") as bufs:
-            f = json.loads(json.dumps(bufs.register_fields()))
-            for hs in f["buffers"].values():
-                for h in hs:
-                    h["path"], h["offset"] = path, 0
-            p.send(P.encode_request("register", 8, f))
-            h = p.reply(10.0)
-        assert h is not None and h["ok"] is False and h["error"]["code"] == "bad_handle", h
-        assert "cannot map" in h["error"]["message"] and path in h["error"]["message"]
-        assert _alive(shared)
-    finally:
-        os.unlink(path)
-        p.close()
 
 
 @pytest.mark.parametrize("v", [b"true", b"1.0"])

@@ -47,14 +47,31 @@ def wait_for(p: subprocess.Popen, out: Path, pattern: str, timeout: float = 120)
     pytest.fail(f"never saw {pattern!r}:\n{out.read_text(errors='replace')[-3000:]}")
 
 
+def _memfds(pid: int, prefix: str) -> set[str]:
+    """The memfds named ``prefix...`` process ``pid`` has open."""
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith(f"/memfd:{prefix}"):
+                out.add(link)
+    except OSError:
+        pass
+    return out
+
+
 def leftovers(pid: int) -> tuple[list[psutil.Process], list[str], list[str]]:
-    """The command's process tree, the /dev/shm files its processes created (named by pid),
-    and the private folders / socket files named on their command lines."""
+    """The command's process tree, the /dev/shm files its processes created (``hicache-*``
+    named by pid: the daemon's sockets there; pools are memfds, which go with their last
+    holder), and the private folders / socket files named on their command lines."""
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
     pids = {p.pid for p in procs}
     shm = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
-           if any(n.startswith(f"hicache-dev-{x}-") for x in pids)]
+           if n.startswith("hicache-") and any(f"-{x}-" in n for x in pids)]
     paths = []
     for p in procs:
         for a in p.cmdline():
@@ -115,10 +132,10 @@ def test_demo_stops_cleanly(tmp_path, sig):
 def test_bench_soak_stops_cleanly(tmp_path, sig):
     p, out = launch(tmp_path, "bench", "soak", "--clients", "2", "--ops", "1000000")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # both workers have their shm buffers
+    while time.monotonic() < deadline:  # both workers have their pools (memfds)
         kids = psutil.Process(p.pid).children(recursive=True)
-        if sum(any(n.startswith(f"hicache-dev-{k.pid}-soak") for n in os.listdir("/dev/shm"))
-               for k in kids) == 2:
+        # (the daemon holds them too, once registered: the pools are counted, not holders)
+        if len(set().union(*(_memfds(k.pid, "hicache-dev-soak") for k in kids))) == 2:
             break
         time.sleep(0.3)
     else:

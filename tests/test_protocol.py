@@ -50,7 +50,7 @@ def test_pack_index_refuses_partial_int64():
 def test_every_command_has_a_schema_and_minimal_request_decodes():
     minimal = {
         "heartbeat": {}, "unregister": {}, "stats": {}, "buffer_infos": {}, "reset": {},
-        "shutdown": {}, "poll_acks": {}, "channel": {},
+        "shutdown": {}, "poll_acks": {}, "channel": {}, "hand_in": {"count": 1},
         "register": {"layout": {}, "device_rows": {}, "buffers": {}, "mode": "cpu"},
         "alloc": {"counts": {"page": 1}}, "free": {"rows": {}},
         "backup": {"items": [{"pool": "x", "src": 0, "dst": 0}]},

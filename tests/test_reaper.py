@@ -14,7 +14,6 @@ of all calls while reaping (several thousand and over a thousand calls). Each ki
 the numbers go to docs/reliability.md."""
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -100,9 +99,6 @@ def _reap_once(c: Client, addr: str) -> dict:
         if child.poll() is None:
             child.kill()
         child.wait()
-        # a SIGKILLed engine cannot unlink its shm "device" file: remove the one it made
-        for f in glob.glob(f"/dev/shm/hicache-dev-{child.pid}-*"):
-            os.unlink(f)
     return {"in_flight": in_flight, "took": took,
             "idle": idle, "busy": busy, "max": max(busy), "stats": c.stats()}
 

@@ -1,5 +1,5 @@
-"""``core.ipc.sweep_stale_shm``: a killed process's ``hicache-dev-*`` file is removed by the next
-``create_shm``; a live process's file, a fresh file and other names stay."""
+"""``core.shm_file.sweep_stale``: a killed process's file of a swept prefix goes; a live
+process's file, a fresh file and other names stay; a socket goes when nobody listens on it."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,9 @@ import subprocess
 import sys
 import time
 
-from hicache.core.ipc import SHM_PREFIX, STALE_AFTER_S, create_shm, sweep_stale_shm
+from hicache.core.shm_file import STALE_AFTER_S, sweep_stale
+
+SHM_PREFIX = "hicache-dev-"  # the device-pool files of earlier versions
 
 
 def _dead_pid() -> int:
@@ -33,14 +35,10 @@ def test_stale_files_of_dead_processes_go_and_nothing_else(tmp_path):
     live = _touch(tmp_path, f"{SHM_PREFIX}{os.getpid()}-0a1b2e", old)
     young = _touch(tmp_path, f"{SHM_PREFIX}{dead}-0a1b2f", 1.0)
     other = _touch(tmp_path, f"something-{dead}-0a1b30", old)
-    path, mm = create_shm(str(tmp_path), "", 4096)  # sweeps first
-    try:
-        assert not os.path.exists(gone) and not os.path.exists(gone_tagged)
-        assert all(os.path.exists(p) for p in (live, young, other, path))
-        assert sweep_stale_shm(str(tmp_path)) == 0  # nothing left to remove
-    finally:
-        mm.close()
-        os.unlink(path)
+    assert sweep_stale(str(tmp_path), (SHM_PREFIX,)) == 2
+    assert not os.path.exists(gone) and not os.path.exists(gone_tagged)
+    assert all(os.path.exists(p) for p in (live, young, other))
+    assert sweep_stale(str(tmp_path), (SHM_PREFIX,)) == 0  # nothing left to remove
 
 
 def test_a_socket_goes_when_nobody_listens_whatever_its_pid(tmp_path):
@@ -48,8 +46,6 @@ def test_a_socket_goes_when_nobody_listens_whatever_its_pid(tmp_path):
     live daemon in another pid namespace), of either kind; one nobody listens on goes, even
     named with a live pid (that pid was reused)."""
     import socket
-
-    from hicache.core.shm_file import sweep_stale
 
     dead, old = _dead_pid(), STALE_AFTER_S + 5
     held = []
@@ -81,8 +77,6 @@ def test_a_socket_goes_when_nobody_listens_whatever_its_pid(tmp_path):
 
 def test_a_socket_whose_backlog_is_full_is_live_and_does_not_hang_the_sweep(tmp_path):
     import socket
-
-    from hicache.core.shm_file import sweep_stale
 
     path = str(tmp_path / f"hicache-wake-{_dead_pid()}-0f")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

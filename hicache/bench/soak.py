@@ -17,7 +17,7 @@ Three modes, each against its own daemon subprocess on a private ipc socket:
   registers, allocates rows, streams backups and loads, and is killed with SIGKILL in the middle.
   Reported per crash: seconds until the daemon reaped it (rows back to the victim's only, its
   worker gone), rows still leaked after the heartbeat timeout + 2 s, whether the daemon still
-  maps its shm file; at the end the victim's rows must load back unchanged.
+  maps its pools' memfd; at the end the victim's rows must load back unchanged.
 * ``--crash-daemon N`` — a worker (client + ``ClientHooks`` + ``RadixTree``) with pages on the
   host tier; N times the daemon is killed with SIGKILL: every client call must fail with
   ``DaemonUnreachable`` within its timeout, the tree must fall back to recompute, and after a

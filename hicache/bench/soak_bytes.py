@@ -7,7 +7,7 @@ a check (one host sync for all the pools of an operation).
 * ``pool_view(layers)`` — a pool's per-layer ``[rows, row_bytes]`` uint8 tensors as one
   ``[layers, rows, row_bytes]`` view. They must be evenly spaced views of one buffer, as
   ``DevicePools`` makes them on both devices (CUDA: one allocation per pool; CPU: 4 KiB-aligned
-  regions of one shm file, a pool's layers back to back); anything else is refused.
+  regions of one sealed memfd, a pool's layers back to back); anything else is refused.
 * ``Rows(u8, spec)`` — such a view with its int64 word view ``w`` ``[L, R, B/8]`` and, for a
   token-granular pool, its per-token views ``val`` ``[L, R, P, value_bytes]`` and ``sc``
   ``[L, R, P, scale_bytes]`` (what a token unit moves: its value and its scale).

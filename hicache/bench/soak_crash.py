@@ -25,7 +25,7 @@ CRASH_DEV_ROWS = {"page": 16, "swa_page": 8, "req_slot": 4}
 
 def crash_child() -> None:
     """Entry of a client process that is killed on purpose: register, allocate, print
-    ``ready <shm path>``, then stream backups and loads until killed (at most 120 s)."""
+    ``ready <memfd name>``, then stream backups and loads until killed (at most 120 s)."""
     from hicache.engine.client import Client
     from hicache.fuzz.runner import Pattern, ShmBuffers, mix64
     from hicache.core.layout import build_layout, preset
@@ -35,14 +35,14 @@ def crash_child() -> None:
     dev = {s: n for s, n in CRASH_DEV_ROWS.items() if layout.space_pools(s)}
     bufs = ShmBuffers(layout, dev, tag="crash")
     c = Client(address, timeout=30.0, name="crash")
-    c.register(**bufs.register_fields())
+    c.register(**bufs.register_fields(), fds=bufs.fds())
     rows = c.alloc({s: n // 2 for s, n in dev.items()})
     for s in dev:
         pat = Pattern(layout, [p.name for p in layout.space_pools(s)], seed)
         pat.fill(bufs, list(range(len(rows[s]))), [mix64(seed, r) for r in rows[s]])
     for s in dev:  # rows are readable once a backup into them completed
         c.wait_ack(c.backup({s: (list(range(len(rows[s]))), rows[s])}))
-    print("ready", bufs.path, flush=True)
+    print("ready", bufs.name, flush=True)
     pending: deque = deque()
     t_end = time.monotonic() + 120
     i = 0
@@ -94,6 +94,9 @@ def crash_clients(runner: Any, n: int, *, heartbeat_timeout: float, seed: int = 
                     raise RuntimeError(f"crash client {i} did not start: {line!r} "
                                        f"{child.stderr.read()[-1000:] if child.poll() is not None else ''}")
                 path = line.split(None, 1)[1].strip()
+                if not runner.maps_path(f"/memfd:{path} "):  # the check after the kill means
+                    failures.append(f"crash {i}: the daemon does not map {path} while its "
+                                    f"client lives")  # something only if this one holds
                 t_wait = time.monotonic() + rng.uniform(0.005, 0.08)
                 while time.monotonic() < t_wait:
                     time.sleep(0.002)
@@ -123,14 +126,9 @@ def crash_clients(runner: Any, n: int, *, heartbeat_timeout: float, seed: int = 
                                 f"({chk['problems']}, workers {chk['workers']})")
             else:
                 reclaim.append(took)
-            if path and runner.maps_path(path):
+            if path and runner.maps_path(f"/memfd:{path} "):
                 still_mapped += 1
                 failures.append(f"crash {i}: the daemon still maps {path}")
-            if path:  # a SIGKILLed CPU-mode client cannot unlink its own shm file
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
             if progress is not None and (i + 1) % 10 == 0:
                 progress(f"{i + 1}/{n} crashed clients reaped")
         corrupted = vic.verify()
@@ -199,7 +197,7 @@ class RadixWorker:
         self.verified = 0
 
     def register(self) -> None:
-        self.client.register(**self.bufs.register_fields())
+        self.client.register(**self.bufs.register_fields(), fds=self.bufs.fds())
 
     def _salts(self, keys: list[Any]) -> list[int]:
         from hicache.fuzz.runner import mix64

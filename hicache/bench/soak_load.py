@@ -32,7 +32,7 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
                  max_rows: int, window: int, quota: int, counter: Any, bad: Any, ready: Any,
                  go: Any, release: Any, out: Any) -> None:
     """One soak client process (see the module docstring); puts its counters on ``out``.
-    SIGTERM or the parent's death end it quietly, its shm file unlinked (``quiet_worker``)."""
+    SIGTERM or the parent's death end it quietly, its pools closed (``quiet_worker``)."""
     from multiprocessing.util import Finalize
 
     from hicache.cli.lifecycle import quiet_worker
@@ -95,7 +95,7 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
 
     registered = False
     try:
-        c.register(**bufs.register_fields())
+        c.register(**bufs.register_fields(), fds=bufs.fds())
         registered = True
         _count(ready, 1)
         go.wait(300)
@@ -166,7 +166,7 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
                 window: int, counter: Any, bad: Any, ready: Any, go: Any, release: Any,
                 out: Any) -> None:
     """One ``--mix all`` soak client process (see ``soak_mix``); puts its counters on ``out``.
-    SIGTERM or the parent's death end it (its device pools freed, its shm file unlinked), so a
+    SIGTERM or the parent's death end it (its device pools freed), so a
     bench killed by a timeout leaves no client holding GPU memory."""
     from hicache.cli.lifecycle import quiet_worker
 
@@ -329,7 +329,7 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
             rss_end = rss()
             if rss_warm is None:
                 rss_warm = rss_end
-    except BaseException:  # interrupted: stop the workers now (each unlinks its shm file)
+    except BaseException:  # interrupted: stop the workers now (each closes its pools)
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -43,10 +43,14 @@ _TABLE: tuple[Command, ...] = (
     Command("register", {"layout": ("dict", True), "device_rows": ("str_int_map", True),
                          "buffers": ("dict", True), "mode": ("str", True),
                          "tp_rank": ("int", False), "events": ("str_list", False),
-                         "name": ("opt_str", False)},
+                         "name": ("opt_str", False), "fd_token": ("int", False)},
             ("client", "host_rows", "device", "stage_layers", "load_events", "heartbeat_timeout"),
             False,
-            "register", "open a worker's device pools (shm files or CUDA IPC) and events"),
+            "register", "open a worker's device pools (sealed memfds handed in, or CUDA IPC) and "
+                        "events"),
+    Command("hand_in", {"count": ("int", True)}, ("fd_socket", "fd_token"), False, "hand_in",
+            "CPU: take a worker's pool descriptors (sealed memfds) in on the descriptor socket "
+            "for its register"),
     Command("unregister", {}, ("freed", "deferred"), False, "unregister",
             "free the client's rows and close its device mappings"),
     Command("alloc", {"counts": ("str_int_map", True), "request": ("opt_str", False)},

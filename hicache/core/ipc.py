@@ -1,5 +1,6 @@
-"""IPC helpers both sides share: CUDA IPC exports of device buffers, interprocess events,
-base64 wire forms of their handles, and the shared-memory names both processes use.
+"""IPC helpers both sides share: CUDA IPC exports of device buffers, interprocess events and
+base64 wire forms of their handles. (CPU-mode device pools are sealed memfds a worker hands in:
+``core.sealed_memfd``, ``core.fd_handout``.)
 
 Contract:
 
@@ -10,44 +11,15 @@ Contract:
 * ``make_ipc_events(n, device)`` -> ``n`` interprocess CUDA events and their wire handles.
 * ``encode_b64(bytes)`` / ``decode_b64(field, value)``: the handle wire form; decoding raises
   ``ValueError`` naming the field.
-* ``SHM_PREFIX``: ``/dev/shm`` files of device pools in CPU mode are ``hicache-dev-*`` (0600);
-  ``create_shm(shm_dir, tag, nbytes) -> (path, mmap)`` makes one (new, 0600, exclusive; on
-  failure nothing is left behind). Callers unlink it when done; a process that was killed
-  cannot, so ``create_shm`` first removes this user's files whose creating process is gone
-  (``sweep_stale_shm``: name ``...<pid>-<hex>``, pid not alive, untouched for a minute).
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import mmap
 import os
-import secrets
 from typing import Any
 
 import torch
-
-from .shm_file import STALE_AFTER_S, new_mapped_file, sweep_stale  # noqa: F401 (re-exported)
-
-SHM_PREFIX = "hicache-dev-"
-SHM_ALIGN = 4096
-
-
-def sweep_stale_shm(shm_dir: str) -> int:
-    """Remove this user's ``hicache-dev-*`` files in ``shm_dir`` whose creating process no
-    longer exists (``shm_file.sweep_stale``); returns how many."""
-    return sweep_stale(shm_dir, (SHM_PREFIX,))
-
-
-def create_shm(shm_dir: str, tag: str, nbytes: int) -> tuple[str, mmap.mmap]:
-    """A new 0600 shared-memory file ``<shm_dir>/hicache-dev-<tag><pid>-<random>`` of at least
-    one page, mapped; raises (leaving no file) on failure."""
-    if not os.path.isdir(shm_dir):
-        raise ValueError(f"shared-memory directory {shm_dir} does not exist")
-    sweep_stale_shm(shm_dir)
-    path = os.path.join(shm_dir, f"{SHM_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}")
-    return path, new_mapped_file(path, max(nbytes, SHM_ALIGN))
-
 
 MAX_B64 = 4096  # longest handle string accepted from the wire
 

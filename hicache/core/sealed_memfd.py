@@ -1,13 +1,17 @@
 """Memory the daemon shares with one client whose size no process can change: an anonymous sealed
 memfd the daemon makes and maps, and hands the client over its descriptor socket
 (``core.fd_handout``). The one way hicache makes such memory (``core.channel``,
-``core.sparse_shm``).
+``core.sparse_shm``, and a CPU worker's device pools, ``engine.device_pools``, which the worker
+hands the daemon the other way).
 
 Why: a mapping of a shared file whose size another process may cut (``ftruncate``) is a SIGBUS
 at the mapper's next touch of a page past the new end. For the daemon that is every client's
 work lost; a client of the same uid could do it to a ``/dev/shm`` file both mapped.
 
 Contract:
+- ``new_sealed_fd(name, nbytes)``: the memfd alone, made as below (no mapping, no token); its
+  descriptor is the caller's. ``seals_of(fd)``: the seals a descriptor carries (0 for a file
+  that cannot carry any): what a receiver checks before it maps memory someone else made.
 - ``create_sealed(name, nbytes, token_at)`` (the daemon): refuses ``nbytes`` beyond the memory
   the kernel reports available now (``OSError`` ENOMEM: unlike a tmpfs, a memfd has no size cap
   of its own, and reserving more than fits would end in the OOM killer, not in an error); makes
@@ -95,10 +99,13 @@ def _check_room(nbytes: int) -> None:
                                     f"available (MemAvailable)")
 
 
-def create_sealed(name: str, nbytes: int, token_at: int) -> Sealed:
-    """A new sealed, reserved, mapped memfd holding a token (see the module docstring)."""
-    if nbytes <= 0 or not 0 <= token_at <= nbytes - _TOKEN.size:
-        raise ValueError(f"a sealed memfd of {nbytes} bytes cannot hold a token at {token_at}")
+def new_sealed_fd(name: str, nbytes: int) -> int:
+    """A new memfd of ``nbytes`` (mode 0600, close-on-exec, its pages reserved, sealed against
+    shrinking and growing, no seal changeable), after ``_check_room``; its descriptor, the
+    caller's to close. On any failure nothing stays open. (The daemon's memory for one
+    client, ``create_sealed``; a CPU worker's device pools, ``engine.device_pools``.)"""
+    if nbytes <= 0:
+        raise ValueError(f"a sealed memfd needs a positive size, got {nbytes}")
     _check_room(nbytes)
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -106,6 +113,27 @@ def create_sealed(name: str, nbytes: int, token_at: int) -> Sealed:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)  # pages now: an OSError, not a SIGBUS at a touch
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # nobody changes its size from here on
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def seals_of(fd: int) -> int:
+    """The seals on ``fd`` (``F_GET_SEALS``); 0 for a file that cannot carry seals (not a
+    memfd)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: no memfd, so no seals
+        return 0
+
+
+def create_sealed(name: str, nbytes: int, token_at: int) -> Sealed:
+    """A new sealed, reserved, mapped memfd holding a token (see the module docstring)."""
+    if nbytes <= 0 or not 0 <= token_at <= nbytes - _TOKEN.size:
+        raise ValueError(f"a sealed memfd of {nbytes} bytes cannot hold a token at {token_at}")
+    fd = new_sealed_fd(name, nbytes)
+    try:
         mm = mmap.mmap(fd, nbytes)
     except BaseException:
         os.close(fd)
@@ -120,10 +148,7 @@ def open_sealed(fds: str, token: int, nbytes: int, token_at: int, what: str) -> 
     checking its size and token (see the module docstring); ``what`` names it in errors."""
     fd = fetch_fd(fds, token, what)
     try:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # EINVAL: no memfd, so no seals
-            seals = 0
+        seals = seals_of(fd)
         if seals & _SEALS != _SEALS:  # else whoever handed it over could cut it under us
             raise ValueError(f"the {what} the daemon handed over is not sealed against "
                              f"resizing (seals {seals:#x})")

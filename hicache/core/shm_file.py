@@ -1,12 +1,9 @@
-"""A new shared-memory file, mapped: the one way hicache makes one; and the sweep of files a
-killed process left behind.
+"""The sweep of files a killed process left in a shared-memory folder (hicache makes no shared
+memory files any more: shared memory is a sealed memfd, ``core.sealed_memfd``, which goes with
+its last holder; what is left to sweep are the daemon's sockets there and the files of earlier
+versions).
 
-Contract: ``new_mapped_file(path, nbytes)`` creates ``path`` (mode 0600, exclusive: an existing
-file is an error), sizes it to ``nbytes`` and maps it read-write; on any failure the file is
-removed and the error raised, so nothing is left behind. Naming and unlinking are the callers'
-(``core.ipc``, the fuzzer's peers; memory a client must not resize is a sealed memfd,
-``core.sealed_memfd``, instead).
-``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
+Contract: ``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
 whose creating process is gone and that were not modified for ``STALE_AFTER_S``. A socket is
 gone when nobody listens on it (a connect is refused); other files when no process has their
 pid here. (A socket of a live daemon in another pid namespace has a pid that is nobody's here,
@@ -15,7 +12,6 @@ or another process's: its connect tells, where the pid cannot.)
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import re
 import socket
@@ -25,22 +21,6 @@ from typing import Sequence
 
 STALE_AFTER_S = 60.0  # a stale file is also this old (a just-made one may not be mapped yet)
 _CREATOR = re.compile(r"(\d+)-[0-9a-f]+$")  # the creating pid before the random suffix
-
-
-def new_mapped_file(path: str, nbytes: int) -> mmap.mmap:
-    """Make ``path`` (0600, exclusive) of ``nbytes`` and map it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
-    except BaseException:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        raise
-    finally:
-        os.close(fd)
 
 
 def _listened(path: str) -> bool:

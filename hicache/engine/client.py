@@ -30,6 +30,7 @@ import zmq
 
 from hicache.core import protocol as P
 from hicache.core.channel import ClientEnd, supported
+from hicache.core.fd_handout import send_fds
 from hicache.engine.completion import WAIT_SPIN_US, Completion
 from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
@@ -353,14 +354,18 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                  device_rows: Mapping[str, int] | None = None,
                  buffers: Mapping[str, list] | None = None, mode: str | None = None,
                  tp_rank: int = 0, events: int | Sequence[Any] = 0,
-                 name: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+                 name: str | None = None, fds: Sequence[int] = (),
+                 timeout: float | None = None) -> dict[str, Any]:
         """Register a worker's device pools: a ``DevicePools`` or the raw fields. ``events`` (GPU):
-        a count of interprocess events to create (``self.backup_events``) or events/handles."""
+        a count of interprocess events to create (``self.backup_events``) or events/handles.
+        ``fds`` (CPU): the sealed memfds the buffers' handles name by place (``"fd": i``),
+        handed in on the daemon's descriptor socket first (``hand_in``); they stay open here."""
         if pools is not None:
             layout = pools.layout.to_dict()
             device_rows = dict(pools.rows)
             buffers = pools.handles()
             mode = pools.mode
+            fds = pools.fds()
             self._device = pools.device
         if layout is None or device_rows is None or buffers is None or mode is None:
             raise ValueError("register needs pools, or layout, device_rows, buffers and mode")
@@ -383,6 +388,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self._close_channel()  # restarted: a new registration asks for a new channel
         if self._want_channel is not False and self._chan is None:
             self.channel(timeout)  # first: a refused channel=True registers nothing
+        if fds:
+            fields["fd_token"] = self.hand_in(fds, timeout)
         h, _ = self.call("register", fields, timeout=timeout)
         self.registered = h
         if "heartbeat_timeout" in h:  # ``maybe_heartbeat`` keeps this registration alive
@@ -401,6 +408,14 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self._load_events = [[torch.cuda.Event.from_ipc_handle(dev, base64.b64decode(x))
                                   for x in s] for s in h["load_events"]]
         return h
+
+    def hand_in(self, fds: Sequence[int], timeout: float | None = None) -> int:
+        """Hand ``fds`` (a CPU worker's sealed pool memfds; they stay open here) to the daemon
+        on its descriptor socket for this client's next ``register``; the token that names
+        them there (``register``'s ``fd_token``). ``register`` with ``fds`` does this."""
+        got, _ = self.call("hand_in", {"count": len(fds)}, timeout=timeout)
+        send_fds(str(got["fd_socket"]), int(got["fd_token"]), list(fds), "device pools")
+        return int(got["fd_token"])
 
     def unregister(self, timeout: float | None = None) -> dict[str, Any]:
         """Free this client's rows and close its device mappings; the daemon forgets the

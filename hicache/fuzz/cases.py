@@ -153,4 +153,6 @@ class MessageBuilder:
             return {"max": 8}, []
         if cmd == "register":
             return dict(self.w.attacker_fields), []
+        if cmd == "hand_in":
+            return {"count": 1}, []
         return {}, []

@@ -45,7 +45,7 @@ class Hostile(SparseAttacks):
         ("bad_poll", 2), ("register_again", 1), ("bad_register", 5), ("before_register", 5),
         ("after_unregister", 4), ("unwritten_read", 4), ("draft_without_ring", 1),
         ("cpu_wait_event", 1), ("sparse_unknown_request", 2), ("sparse_foreign_request", 3),
-        ("sparse_foreign_rows", 3),
+        ("sparse_foreign_rows", 3), ("bad_hand_in", 2),
     )
 
     # ------------------------------------------------------------------ frame and header level
@@ -227,7 +227,7 @@ class Hostile(SparseAttacks):
         r = self.rng
         f = json.loads(json.dumps(self.w.attacker_fields))
         pools = sorted(f["buffers"])
-        which = r.randrange(16)
+        which = r.randrange(17)
         exp: frozenset[str]
         if which == 0:
             f["layout"]["model"]["num_layers"] += 1
@@ -257,10 +257,7 @@ class Hostile(SparseAttacks):
             exp = E({"bad_field"})
         elif which == 7:
             p = r.choice(pools)
-            f["buffers"][p][0]["path"] = r.choice(("/etc/passwd", "/dev/shm/../../etc/passwd",
-                                                   "/proc/self/mem", "/dev/shm/nope-" +
-                                                   secrets.token_hex(4), "", 7, None,
-                                                   "/dev/shm/x\x00y"))
+            f["buffers"][p][0]["fd"] = r.choice((1, -1, "0", None, 2**63, 0.0, True))
             exp = E({"bad_handle"})
         elif which == 8:
             p = r.choice(pools)
@@ -292,10 +289,22 @@ class Hostile(SparseAttacks):
         elif which == 14:
             f["events"] = ["AAAA"]
             exp = BAD_FIELD
+        elif which == 15:  # a token it never got (another client's intake is not its own)
+            f["fd_token"] = r.choice((1, 2**63 + 1, secrets.randbits(64)))
+            exp = E({"bad_handle"})
         else:
             f["tp_rank"] = -1
             exp = BAD_FIELD
         return [self.msg("bad_register", "anon", "register", f, (), exp)]
+
+    def k_bad_hand_in(self) -> list[Case]:
+        """A count out of range (a stranger), or a registered client asking to hand more in:
+        refused, and no intake is opened."""
+        if self.rng.random() < 0.5:
+            return [self.msg("bad_hand_in", "attacker", "hand_in", {"count": 1}, (),
+                             E({"already_registered"}))]
+        n = self.rng.choice((0, -1, 65, 10**9))
+        return [self.msg("bad_hand_in", "anon", "hand_in", {"count": n}, (), BAD_FIELD)]
 
     def k_before_register(self) -> list[Case]:
         return [self._unregistered("before_register", "anon")]

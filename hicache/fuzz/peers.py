@@ -1,12 +1,14 @@
 """The client side of the reliability tools: torch-free "device" pools, row content, peers.
 
-* ``ShmBuffers(layout, rows)`` — a worker's "device" pools in one 0600 shared-memory file, the
-  wire handles ``register`` takes, and numpy views; no torch, so a client process starts in a
+* ``ShmBuffers(layout, rows)`` — a worker's "device" pools in one sealed memfd (as
+  ``engine.device_pools`` makes them), the wire fields ``register`` takes and the descriptor it
+  hands in (``fds``), and numpy views; no torch, so a client process starts in a
   fraction of a second (crash and soak clients are many short-lived processes).
 * ``mix64`` / ``Pattern`` — row content derived from a 64-bit salt (client, row, version): fill
   rows of every layer of a pool, count the rows that differ.
 * ``RawPeer`` — a DEALER that sends arbitrary frames and reads the next reply (no validation on
-  our side, so hostile messages reach the daemon as they are).
+  our side, so hostile messages reach the daemon as they are); ``register(bufs)`` hands the
+  pools' descriptor in and registers them.
 * ``Victim`` — a registered client whose host rows hold known content, and ``verify()`` that
   loads them back and counts the rows that differ.
 
@@ -25,8 +27,9 @@ import zmq
 
 from hicache.core import protocol as P
 from hicache.core.channel import ClientEnd
+from hicache.core.fd_handout import send_fds
 from hicache.core.layout import Layout
-from hicache.core.shm_file import new_mapped_file
+from hicache.core.sealed_memfd import new_sealed_fd
 
 ALIGN = 4096
 _M64 = (1 << 64) - 1
@@ -42,12 +45,13 @@ def _space_rows(layout: Layout, rows: Mapping[str, int]) -> dict[str, int]:
 
 
 class ShmBuffers:
-    """Every pool of ``layout`` in one 0600 file under ``shm_dir``: per pool, its layers one
-    after another (4 KiB-aligned), so ``view(pool)`` is one ``[layers, rows, row_bytes]`` array.
-    ``handles()`` is the ``buffers`` field of ``register``. ``close()`` unlinks the file."""
+    """Every pool of ``layout`` in one sealed memfd: per pool, its layers one after another
+    (4 KiB-aligned), so ``view(pool)`` is one ``[layers, rows, row_bytes]`` array.
+    ``handles()`` is the ``buffers`` field of ``register`` and ``fds()`` the descriptors it
+    hands in; ``name`` is the memfd's unique name (``/proc/<pid>/maps`` shows
+    ``/memfd:<name>``). ``close()`` closes the descriptor and the mapping."""
 
-    def __init__(self, layout: Layout, rows: Mapping[str, int], shm_dir: str = "/dev/shm",
-                 tag: str = "rel") -> None:
+    def __init__(self, layout: Layout, rows: Mapping[str, int], tag: str = "rel") -> None:
         self.layout = layout
         self.rows = {p.index: int(rows[p.index]) for p in layout.pools.values()}
         plan, end = {}, 0
@@ -56,9 +60,14 @@ class ShmBuffers:
             stride = _align(n * spec.page_bytes)
             plan[name] = (end, stride, n, spec.page_bytes, spec.num_layers)
             end += stride * spec.num_layers
-        self.path = os.path.join(shm_dir, f"hicache-dev-{os.getpid()}-{tag}-"
-                                          f"{secrets.token_hex(4)}")
-        self._mm: mmap.mmap | None = new_mapped_file(self.path, max(end, ALIGN))
+        # the memfd's name, unique, as /proc/<pid>/maps shows it ("/memfd:<name> (deleted)")
+        self.name = f"hicache-dev-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._fd = new_sealed_fd(self.name, max(end, ALIGN))
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(self._fd, max(end, ALIGN))
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.plan = plan
         self._views: dict[str, np.ndarray] = {}
         for name, (off, stride, n, rb, layers) in plan.items():
@@ -71,11 +80,15 @@ class ShmBuffers:
     def handles(self) -> dict[str, list[dict[str, Any]]]:
         out = {}
         for name, (off, stride, n, rb, layers) in self.plan.items():
-            out[name] = [{"kind": "shm", "path": self.path, "offset": off + i * stride,
+            out[name] = [{"kind": "memfd", "fd": 0, "offset": off + i * stride,
                           "rows": n, "row_bytes": rb} for i in range(layers)]
         return out
 
+    def fds(self) -> list[int]:
+        return [self._fd]
+
     def register_fields(self) -> dict[str, Any]:
+        """The wire fields of ``register`` (the descriptors go separately: ``fds``)."""
         return {"layout": self.layout.to_dict(), "device_rows": dict(self.rows),
                 "buffers": self.handles(), "mode": "cpu"}
 
@@ -87,10 +100,9 @@ class ShmBuffers:
             except BufferError:  # a view is still alive somewhere: the unmap waits for it
                 pass
             self._mm = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> "ShmBuffers":
         return self
@@ -240,6 +252,13 @@ class RawPeer:
             raise RuntimeError(f"{cmd} refused: {h.get('error')}")
         return h
 
+    def register(self, bufs: ShmBuffers, timeout: float = 10.0) -> dict[str, Any]:
+        """Hand ``bufs``' descriptor in and register them (raises like ``call``)."""
+        got = self.call("hand_in", {"count": 1}, timeout=timeout)
+        send_fds(str(got["fd_socket"]), int(got["fd_token"]), bufs.fds(), "device pools")
+        return self.call("register", dict(bufs.register_fields(), fd_token=got["fd_token"]),
+                         timeout=timeout)
+
     def close(self) -> None:
         if self._chan is not None:
             self._chan.close()
@@ -265,7 +284,7 @@ class Victim:
         self.bufs = ShmBuffers(layout, self.dev_rows, tag=name)
         self.client = Client(address, timeout=timeout, name=name)
         try:
-            self.client.register(**self.bufs.register_fields())
+            self.client.register(**self.bufs.register_fields(), fds=self.bufs.fds())
             self.host_rows = {s: int(n) for s, n in self.client.registered["host_rows"].items()}
             self.count = {s: max(1, min(self.dev_rows[s], self.host_rows[s] // share))
                           for s in self.dev_rows}

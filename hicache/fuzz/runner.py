@@ -170,11 +170,11 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
         for name in ("attacker", "ghost", "anon"):
             peers[name] = RawPeer(address, "fuzz-" + name)
         att = peers["attacker"]
-        att.call("register", abufs.register_fields())
+        att.register(abufs)
         arows_h = att.call("alloc", {"counts": {s: min(3, host_rows[s] - vcount[s] - 1)
                                                 for s in dev_rows}})
         arows = {s: [int(x) for x in arows_h["_arrays"][i]] for s, i in arows_h["rows"].items()}
-        peers["ghost"].call("register", gbufs.register_fields())
+        peers["ghost"].register(gbufs)
         peers["ghost"].call("unregister")
         if channel:
             att.open_channel()

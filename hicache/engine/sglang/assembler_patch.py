@@ -65,7 +65,7 @@ def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, en
 
 def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | None = None,
             pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
-            timeout: float = 5.0, shm_dir: str = "/dev/shm") -> Installation:
+            timeout: float = 5.0) -> Installation:
     """Patch SGLang's DSV4 HiCache assembler (see the module docstring)."""
     check_sglang_version()
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
@@ -93,7 +93,7 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                                  "launch without speculative decoding")
             client = Client(addr, timeout=timeout, name=f"sglang-pp{rank}")
             try:
-                link = DaemonLink.connect(kvcache, layout, client, shm_dir=shm_dir)
+                link = DaemonLink.connect(kvcache, layout, client)
             except BaseException:
                 client.close()
                 raise

@@ -4,12 +4,13 @@
 (``stage_map.map_stage``), shares them with the daemon and registers the worker:
 
 * CUDA: the tensors are exported as they are (CUDA IPC handles of SGLang's own allocations).
-* CPU (tests, no GPU): the daemon maps device pools from ``/dev/shm`` files, and SGLang's are
-  ordinary heap tensors. Each owning tensor is moved, in place, into one 0600 shm file
-  (``Tensor.set_`` onto the file's storage: the bytes are copied, every Python reference to the
-  tensor object sees the new memory; views taken *before* the move keep the old memory, so
-  ``connect`` must run before the host pools take their views, which the assembler patch
-  guarantees). ``close()`` unlinks the file; the daemon's mapping stays valid.
+* CPU (tests, no GPU): the daemon maps device pools from sealed memfds the worker hands in, and
+  SGLang's are ordinary heap tensors. Each owning tensor is moved, in place, into one sealed
+  memfd (``core.sealed_memfd.new_sealed_fd``; ``Tensor.set_`` onto its mapping's storage: the
+  bytes are copied, every Python reference to the tensor object sees the new memory; views
+  taken *before* the move keep the old memory, so ``connect`` must run before the host pools
+  take their views, which the assembler patch guarantees). ``close()`` closes the descriptor;
+  the daemon's mapping stays valid.
 
 Host rows: ``alloc(space, pages)`` / ``free(space, rows)`` forward to the daemon (it owns them),
 and the link keeps the set it holds: ``free_all(space)`` gives them all back (SGLang's
@@ -36,23 +37,25 @@ from hicache.core.errors import HicacheError
 
 import torch
 
-from hicache.core.ipc import create_shm, export_buffers
+from hicache.core.ipc import export_buffers
 from hicache.core.layout import Layout
+from hicache.core.sealed_memfd import new_sealed_fd
 from hicache.engine.client import Client, CommandRefused
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
 ALIGN = 4096
 
 
-def _unlink(path: str) -> None:
+def _close(fd: int) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
+        os.close(fd)
+    except OSError:
         pass
 
 
-def _rehome_to_shm(owners: list[torch.Tensor], shm_dir: str) -> tuple[str, mmap.mmap]:
-    """Move every distinct tensor of ``owners`` into one fresh shm file (see module docstring)."""
+def _rehome_to_memfd(owners: list[torch.Tensor]) -> tuple[int, mmap.mmap]:
+    """Move every distinct tensor of ``owners`` into one fresh sealed memfd (see the module
+    docstring): its descriptor and mapping."""
     distinct: dict[int, torch.Tensor] = {}
     for t in owners:
         distinct.setdefault(id(t), t)
@@ -62,20 +65,25 @@ def _rehome_to_shm(owners: list[torch.Tensor], shm_dir: str) -> tuple[str, mmap.
             raise ValueError("CPU mode shares whole contiguous CPU tensors only")
         plan.append((t, end))
         end += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    path, mm = create_shm(shm_dir, "sglang-", end)
+    fd = new_sealed_fd("hicache-dev-sglang", max(end, ALIGN))
+    try:
+        mm = mmap.mmap(fd, max(end, ALIGN))
+    except BaseException:
+        os.close(fd)
+        raise
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     for t, off in plan:
         region = whole[off: off + t.nbytes]
         region.copy_(t.detach().reshape(-1).view(torch.uint8))
         t.set_(whole.untyped_storage(), off // t.element_size(), t.size(), t.stride())
-    return path, mm
+    return fd, mm
 
 
 class DaemonLink:
     """See the module docstring."""
 
     def __init__(self, client: Client, stage: StageBuffers, host_rows: Mapping[str, int],
-                 shm: tuple[str, mmap.mmap] | None) -> None:
+                 shm: tuple[int, mmap.mmap] | None) -> None:
         self.client = client
         self.stage = stage
         self.layout: Layout = stage.layout
@@ -83,8 +91,7 @@ class DaemonLink:
         self.lock = threading.RLock()
         self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
         self._mm = shm[1] if shm else None
-        self.shm_path = shm[0] if shm else None
-        self._fin = weakref.finalize(self, _unlink, shm[0]) if shm else None
+        self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
         self.beat_error: HicacheError | None = None
         client.heartbeat()  # the daemon's timeout sets the client's heartbeat interval
         self._stop = threading.Event()
@@ -104,12 +111,12 @@ class DaemonLink:
 
     @classmethod
     def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
-                shm_dir: str = "/dev/shm", name: str = "sglang") -> "DaemonLink":
+                name: str = "sglang") -> "DaemonLink":
         first = map_stage(kvcache, layout)
         cuda = next(iter(first.layers.values()))[0].device.type == "cuda"
         shm = None
         if not cuda:
-            shm = _rehome_to_shm([t for ts in first.owners.values() for t in ts], shm_dir)
+            shm = _rehome_to_memfd([t for ts in first.owners.values() for t in ts])
         stage = map_stage(kvcache, layout)  # fresh views of the moved memory
         shared = {p: [t[: stage.rows[layout.pool(p).index]] for t in ts]
                   for p, ts in stage.layers.items()}
@@ -118,7 +125,7 @@ class DaemonLink:
             mode = "cuda"
         else:
             base = torch.frombuffer(shm[1], dtype=torch.uint8).data_ptr()
-            buffers = {p: [{"kind": "shm", "path": shm[0], "offset": t.data_ptr() - base,
+            buffers = {p: [{"kind": "memfd", "fd": 0, "offset": t.data_ptr() - base,
                             "rows": int(t.shape[0]), "row_bytes": int(t.shape[1])} for t in ts]
                        for p, ts in shared.items()}
             mode = "cpu"
@@ -127,10 +134,11 @@ class DaemonLink:
             # GPU: interprocess events the engine records on its stream: 0 before each backup
             # (the KV it wrote), 1 before each load (SGLang's load fence)
             h = client.register(layout=layout.to_dict(), device_rows=stage.rows, buffers=buffers,
-                                mode=mode, name=name, events=2 if cuda else 0)
+                                mode=mode, name=name, events=2 if cuda else 0,
+                                fds=[shm[0]] if shm else ())
         except BaseException:
             if shm:
-                _unlink(shm[0])
+                _close(shm[0])
             raise
         return cls(client, stage, h["host_rows"], shm)
 
