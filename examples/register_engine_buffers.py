@@ -17,7 +17,6 @@ Run: ``python examples/register_engine_buffers.py [--device cpu|cuda:0]`` (it st
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.core.layout import build_layout, preset  # noqa: E402
-from hicache.core.sealed_memfd import new_sealed_fd  # noqa: E402
+from hicache.core.sealed_memfd import new_sealed_mapping  # noqa: E402
 from hicache.engine.daemon_process import DaemonProcess  # noqa: E402
 
 ROWS = {"page": 8, "swa_page": 8, "req_slot": 4}  # the engine's device rows per index space
@@ -51,8 +50,7 @@ def engine_pools(layout, device: str) -> tuple[dict[str, torch.Tensor], dict, li
     offsets, end = {}, 0
     for n, size in sizes.items():
         offsets[n], end = end, (end + size + 4095) // 4096 * 4096
-    fd = new_sealed_fd("example-engine", end)  # memfd_create + ftruncate + F_SEAL_SHRINK...
-    mm = mmap.mmap(fd, end)
+    fd, mm = new_sealed_mapping("example-engine", end)  # memfd_create, size, F_SEAL_SHRINK...
     base = torch.frombuffer(mm, dtype=torch.uint8)
     buffers = {}
     for n, spec in layout.pools.items():

@@ -10,7 +10,8 @@ work lost; a client of the same uid could do it to a ``/dev/shm`` file both mapp
 
 Contract:
 - ``new_sealed_fd(name, nbytes)``: the memfd alone, made as below (no mapping, no token); its
-  descriptor is the caller's. ``seals_of(fd)``: the seals a descriptor carries (0 for a file
+  descriptor is the caller's. ``new_sealed_mapping(name, nbytes)``: the same, mapped read-write
+  (descriptor and mapping). ``seals_of(fd)``: the seals a descriptor carries (0 for a file
   that cannot carry any): what a receiver checks before it maps memory someone else made.
 - ``create_sealed(name, nbytes, token_at)`` (the daemon): refuses ``nbytes`` beyond the memory
   the kernel reports available now (``OSError`` ENOMEM: unlike a tmpfs, a memfd has no size cap
@@ -119,6 +120,17 @@ def new_sealed_fd(name: str, nbytes: int) -> int:
     return fd
 
 
+def new_sealed_mapping(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """``new_sealed_fd`` and a read-write mapping of all of it: (descriptor, mapping), both the
+    caller's; on any failure nothing stays open."""
+    fd = new_sealed_fd(name, nbytes)
+    try:
+        return fd, mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def seals_of(fd: int) -> int:
     """The seals on ``fd`` (``F_GET_SEALS``); 0 for a file that cannot carry seals (not a
     memfd)."""
@@ -132,12 +144,7 @@ def create_sealed(name: str, nbytes: int, token_at: int) -> Sealed:
     """A new sealed, reserved, mapped memfd holding a token (see the module docstring)."""
     if nbytes <= 0 or not 0 <= token_at <= nbytes - _TOKEN.size:
         raise ValueError(f"a sealed memfd of {nbytes} bytes cannot hold a token at {token_at}")
-    fd = new_sealed_fd(name, nbytes)
-    try:
-        mm = mmap.mmap(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd, mm = new_sealed_mapping(name, nbytes)
     token = secrets.randbits(64) | 1
     _TOKEN.pack_into(mm, token_at, token)
     return Sealed(fd, mm, token)

@@ -32,7 +32,7 @@ import torch
 
 from hicache.core.ipc import check_ipc_allocator, export_buffers
 from hicache.core.layout import Layout
-from hicache.core.sealed_memfd import new_sealed_fd
+from hicache.core.sealed_memfd import new_sealed_mapping
 
 ALIGN = 4096
 
@@ -88,12 +88,7 @@ class DevicePools:
             for _ in range(spec.num_layers):
                 plan.append((name, end, self.rows[spec.index], spec.page_bytes))
                 end = _align(end + nbytes)
-        fd = new_sealed_fd("hicache-dev", max(end, ALIGN))
-        try:
-            mm = mmap.mmap(fd, max(end, ALIGN))
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, mm = new_sealed_mapping("hicache-dev", max(end, ALIGN))
         self._fd, self._mm = fd, mm
         self._finalizer = weakref.finalize(self, _close_quietly, fd)
         base = torch.frombuffer(mm, dtype=torch.uint8)

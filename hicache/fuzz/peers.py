@@ -29,7 +29,7 @@ from hicache.core import protocol as P
 from hicache.core.channel import ClientEnd
 from hicache.core.fd_handout import send_fds
 from hicache.core.layout import Layout
-from hicache.core.sealed_memfd import new_sealed_fd
+from hicache.core.sealed_memfd import new_sealed_mapping
 
 ALIGN = 4096
 _M64 = (1 << 64) - 1
@@ -62,12 +62,8 @@ class ShmBuffers:
             end += stride * spec.num_layers
         # the memfd's name, unique, as /proc/<pid>/maps shows it ("/memfd:<name> (deleted)")
         self.name = f"hicache-dev-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._fd = new_sealed_fd(self.name, max(end, ALIGN))
-        try:
-            self._mm: mmap.mmap | None = mmap.mmap(self._fd, max(end, ALIGN))
-        except BaseException:
-            os.close(self._fd)
-            raise
+        self._fd, mm = new_sealed_mapping(self.name, max(end, ALIGN))
+        self._mm: mmap.mmap | None = mm
         self.plan = plan
         self._views: dict[str, np.ndarray] = {}
         for name, (off, stride, n, rb, layers) in plan.items():

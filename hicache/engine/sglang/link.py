@@ -39,7 +39,7 @@ import torch
 
 from hicache.core.ipc import export_buffers
 from hicache.core.layout import Layout
-from hicache.core.sealed_memfd import new_sealed_fd
+from hicache.core.sealed_memfd import new_sealed_mapping
 from hicache.engine.client import Client, CommandRefused
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
@@ -65,12 +65,7 @@ def _rehome_to_memfd(owners: list[torch.Tensor]) -> tuple[int, mmap.mmap]:
             raise ValueError("CPU mode shares whole contiguous CPU tensors only")
         plan.append((t, end))
         end += (t.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    fd = new_sealed_fd("hicache-dev-sglang", max(end, ALIGN))
-    try:
-        mm = mmap.mmap(fd, max(end, ALIGN))
-    except BaseException:
-        os.close(fd)
-        raise
+    fd, mm = new_sealed_mapping("hicache-dev-sglang", max(end, ALIGN))
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     for t, off in plan:
         region = whole[off: off + t.nbytes]
