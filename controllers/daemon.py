@@ -17,6 +17,7 @@ import fcntl
 import gc
 import logging
 import os
+import resource
 import socket
 import stat
 import time
@@ -41,7 +42,24 @@ from .state import DaemonState
 from .scheduler import Scheduler
 
 UNMAP_WAIT_S = 10.0  # at shutdown, the longest wait for the unmapper to drop the workers' mappings
+FD_LIMIT_CAP = 1 << 20  # the soft descriptor limit is raised to the hard one, at most this
 log = logging.getLogger("hicache.daemon")
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one (at most ``FD_LIMIT_CAP``): clients'
+    mappings and handed-in descriptors must not meet the common 1,024 default, where libzmq
+    aborts the process at its next socket. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_CAP)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return int(soft if soft != resource.RLIM_INFINITY else want)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, e)
+        return int(soft)
+    return int(want)
 
 
 class SocketLock:
@@ -241,6 +259,7 @@ class Daemon:
         if not ipc:
             _check_tcp_port(self.address)
         numa = _numa_node(cfg)
+        self.fd_limit = raise_fd_limit()
         self.made_folders, self.socket_lock = _prepare_ipc(self.address) if ipc else ([], None)
         try:
             self._bring_up(cfg, numa, curve)

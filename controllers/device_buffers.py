@@ -5,9 +5,11 @@ against the layout (one per owned layer, ``rows`` = the worker's rows of the poo
 ``row_bytes`` = ``page_bytes``) *before* opening anything, then returns ``DeviceBuffers``:
 ``{pool: [uint8 tensor [rows, page_bytes] per layer]}``. Nothing received is trusted: a CPU handle
 names one of the descriptors the worker handed in (``fds``: its place in that list), each of
-which must be a regular file sealed against shrinking (``F_SEAL_SHRINK``: a memfd; no process
-can then cut it under the daemon's mapping, which would make the daemon's next copy a SIGBUS),
-every one named by some handle and long enough for them (only that much is mapped); CUDA
+which must be a regular file of the kernel's shared memory (not hugetlbfs) sealed against
+shrinking (``F_SEAL_SHRINK``: a memfd; no process can then cut it under the daemon's mapping,
+which would make the daemon's next copy a SIGBUS), every one named by some handle, long enough
+for them and with that much allocated (only that much is mapped; a hole punched later reads
+as zeros, and the daemon's copy into it allocates the page); CUDA
 handles must name the
 GPU this daemon serves (by UUID), and the storage a handle claims (its offset and size) must
 lie inside the CUDA allocation the handle opens (the driver's ``cuMemGetAddressRange``), so no
@@ -37,7 +39,7 @@ from hicache.core.ipc import decode_b64, device_uuid
 from hicache.core.layout import Layout, LayoutError
 from hicache.core.model import brief
 from hicache.core.protocol import ProtocolError
-from hicache.core.sealed_memfd import seals_of
+from hicache.core.sealed_memfd import on_shmem, seals_of
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -155,12 +157,18 @@ def _open_memfds(layout: Layout, buffers: Mapping[str, Any],
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _bad(f"descriptor {k} is not a regular file")
+        if not on_shmem(fd):
+            raise _bad(f"descriptor {k} is not shared memory (a memfd; hugetlbfs and other "
+                       f"file systems are refused: a page missing there is a SIGBUS)")
         seals = seals_of(fd)
         if not seals & fcntl.F_SEAL_SHRINK:
             raise _bad(f"descriptor {k} is not sealed against shrinking (F_SEAL_SHRINK; seals "
                        f"{seals:#x}): a worker could cut it under the daemon's mapping")
         if ends[k] > st.st_size:
             raise _bad(f"descriptor {k}: the buffers need {ends[k]} bytes, it has {st.st_size}")
+        if st.st_blocks * 512 < ends[k]:  # a sparse file: the daemon's copies would allocate
+            raise _bad(f"descriptor {k}: only {st.st_blocks * 512} of the {ends[k]} bytes the "
+                       f"buffers need are allocated (reserve them first: posix_fallocate)")
     maps: list[tuple[mmap.mmap, torch.Tensor]] = []
     try:
         for k, fd in enumerate(fds):

@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable, Sequence
 
 from hicache.core.channel import Channel, WakeSocket, supported
-from hicache.core.fd_handout import MAX_INTAKE_FDS
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
 from hicache.core.model import brief
@@ -35,6 +34,8 @@ from .registry import ClientState, Intake, RegisteredWorker
 from .state import DaemonState
 
 log = logging.getLogger("hicache.daemon")
+MAX_POOL_FDS = 16  # descriptors one worker hands in for its pools (hicache's own workers: 1)
+MAX_INTAKE_HELD = 256  # descriptors all clients' open intakes may hold at once
 
 # a host-pool refusal's error code, by exception type (first match)
 POOL_ERROR_CODES: tuple[tuple[type, str], ...] = (
@@ -126,14 +127,19 @@ def hand_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     ``register`` (a CPU worker's device pools: sealed memfds). A second ``hand_in`` replaces
     one not used yet; what it received is closed."""
     n = h["count"]
+    reg = st.registry
     if st.device.type != "cpu":
         raise ProtocolError("unsupported", f"hand_in: this daemon serves {st.device}, where "
                                            f"device pools are shared by CUDA IPC handles")
     if c.worker is not None:
         raise ProtocolError("already_registered", "hand_in: this client already registered a "
                                                   "worker; unregister first")
-    if not 0 < n <= MAX_INTAKE_FDS:
-        raise ProtocolError("bad_field", f"hand_in: count must be 1..{MAX_INTAKE_FDS}, got {n}")
+    if not 0 < n <= MAX_POOL_FDS:
+        raise ProtocolError("bad_field", f"hand_in: count must be 1..{MAX_POOL_FDS}, got {n}")
+    held = reg.intake_fds - (c.intake.count if c.intake is not None else 0)
+    if held + n > MAX_INTAKE_HELD:
+        raise ProtocolError("busy", f"hand_in: {held} descriptors are being handed in by other "
+                                    f"clients (at most {MAX_INTAKE_HELD} at once); retry")
     token = secrets.randbits(64) | 1
     try:
         handout = st.handout()
@@ -141,7 +147,7 @@ def hand_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     except (OSError, ValueError) as e:
         raise ProtocolError("unsupported", f"hand_in: cannot take descriptors in on the "
                                            f"descriptor socket ({e})") from None
-    st.registry.open_intake(c, Intake(token, handout))
+    reg.open_intake(c, Intake(token, handout, n))
     return {"fd_socket": handout.path, "fd_token": token}, []
 
 

@@ -57,8 +57,8 @@ class Intake:
     token it presents, the hand-out that expects it, and what came (taken once, then held
     here until ``close``, so a refused ``register`` can be retried with the same ones)."""
 
-    def __init__(self, token: int, handout: Any) -> None:
-        self.token, self._handout = token, handout
+    def __init__(self, token: int, handout: Any, count: int) -> None:
+        self.token, self._handout, self.count = token, handout, count
         self._fds: list[int] | None = None
 
     def received(self) -> list[int] | None:
@@ -125,7 +125,8 @@ class ClientState:
 
     def in_session(self) -> bool:
         """It holds something besides host and sparse rows: a worker, key-store pools, a
-        channel, or operations (copies, L3 jobs) not yet completed."""
+        channel, an intake (descriptors handed in), or operations (copies, L3 jobs) not yet
+        completed."""
         return self.worker is not None or self.kv is not None or self.channel is not None \
             or self.intake is not None or self.in_flight > 0
 
@@ -138,6 +139,7 @@ class Registry:
         self.retiring: dict[bytes, ClientState] = {}
         self.reaped: "OrderedDict[bytes, str]" = OrderedDict()  # identity -> why (REAPED_KEEP)
         self.channels: list[ClientState] = []  # clients with a channel open (the server scans)
+        self.intake_fds = 0  # descriptors all open intakes may hold (``Intake.count`` summed)
         # takes a closed worker's mappings (``background.Unmapper.hand``): unmapped off-loop
         self.handoff: Callable[[list[Any]], None] | None = None
         # whether a client holds nothing (``DaemonState.is_probe``): forgotten when full
@@ -229,11 +231,13 @@ class Registry:
         """Give ``c`` its intake, closing one it had (and what that one received)."""
         self.close_intake(c)
         c.intake = intake
+        self.intake_fds += intake.count
 
     def close_intake(self, c: ClientState) -> None:
         """Close ``c``'s intake, if any: withdrawn, and what it received closed."""
         if c.intake is not None:
             c.intake.close()
+            self.intake_fds -= c.intake.count
             c.intake = None
 
     def close_kv(self, c: ClientState) -> None:

@@ -482,7 +482,7 @@ class DaemonState:
 
     def is_probe(self, c: ClientState, ops: list[int] | None = None) -> bool:
         """A peer that never registered and holds nothing (no worker, key-store pools,
-        channel, sparse region, operations, rows, or an ack whose push failed, which only
+        channel, intake, sparse region, operations, rows, or an ack whose push failed, which only
         ``poll_acks`` can still give it): a ``stats`` probe, say. O(index spaces + retained
         acks): called at a reap, at ``stats``, and for every client when the table is full."""
         if c.in_session() or ops:  # (``ops``: a reap's list)

@@ -290,8 +290,9 @@ def _fds_to(pid: int, ino: int) -> int:
     return n
 
 
-@pytest.mark.parametrize("what", ["unsealed_memfd", "dev_shm_file", "pipe", "shm_kind", "no_hand_in",
-                                  "fd_out_of_range", "unused_fd", "too_short", "too_big_to_map"])
+@pytest.mark.parametrize("what", ["unsealed_memfd", "dev_shm_file", "pipe", "hugetlb", "shm_kind",
+                                  "no_hand_in", "fd_out_of_range", "unused_fd", "too_short",
+                                  "sparse", "too_big_to_map"])
 def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
     """A CPU worker's pools reach the daemon only as descriptors it handed in, each sealed
     against shrinking (else a worker could cut the file under the daemon's mapping and make
@@ -319,6 +320,19 @@ def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
                 r, w = os.pipe()
                 extra.append(w)
                 give, why = [r], "is not a regular file"
+            elif what == "hugetlb":  # sealable too, but a page missing there is a SIGBUS
+                try:
+                    fd = os.memfd_create("hicache-test-huge",
+                                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+                except OSError as e:
+                    pytest.skip(f"no hugetlb memfd here ({e})")
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+                give, why = [fd], "is not shared memory"
+            elif what == "sparse":  # sealed and long enough, but no page of it allocated
+                fd = os.memfd_create("hicache-test-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+                give, why = [fd], "are allocated (reserve them first"
             elif what == "shm_kind":  # the path-named handles of earlier versions
                 for hs in fields["buffers"].values():
                     for h in hs:
@@ -335,14 +349,14 @@ def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
             elif what == "too_short":
                 next(iter(fields["buffers"].values()))[-1]["offset"] = size
                 give, why = b.fds(), "the buffers need"
-            else:  # a sealed 1 PiB sparse memfd, a layer named far into it
+            else:  # a sealed 1 PiB sparse memfd, a layer named far into it: never mapped
                 fd = os.memfd_create("hicache-test-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, 1 << 50)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
                 for hs in fields["buffers"].values():
                     for h in hs:
                         h["offset"] = (1 << 50) - h["rows"] * h["row_bytes"]
-                give, why = [fd], "cannot map descriptor 0"
+                give, why = [fd], "are allocated (reserve them first"
             extra += [f for f in give if f not in b.fds()]
             if give:
                 fields["fd_token"] = _hand_in(p, give)
@@ -430,6 +444,92 @@ def test_an_intake_is_its_clients_alone_and_closes(shared):
         a.close()
         b.close()
     assert _alive(shared)
+
+
+def test_a_silent_client_holding_only_an_intake_is_reaped_and_its_descriptors_closed():
+    """A peer that handed descriptors in and then went silent is reaped at the heartbeat
+    timeout, and what its intake held is closed in the daemon."""
+    addr, d = private_address("hci-")
+    r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=1.0)
+    r.start()
+    try:
+        with ShmBuffers(build_layout(preset("dsv4-tiny")), DEV, tag="reap") as b:
+            ino = os.fstat(b.fds()[0]).st_ino
+            p = RawPeer(r.address, "silent")
+            try:
+                _hand_in(p, b.fds())
+                assert _fds_to(r.proc.pid, ino) == 1
+                end = time.monotonic() + 10
+                while _fds_to(r.proc.pid, ino) and time.monotonic() < end:
+                    time.sleep(0.1)
+                assert _fds_to(r.proc.pid, ino) == 0
+            finally:
+                p.close()
+    finally:
+        r.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_intakes_are_bounded_and_an_intake_holder_is_never_forgotten_as_a_probe():
+    """An open intake holds descriptors, so a full client table never forgets its client as a
+    peer that holds nothing (its descriptors would leak and its register fail); all intakes
+    together hold at most ``MAX_INTAKE_HELD`` descriptors (``busy`` past it) and one at most
+    ``MAX_POOL_FDS``, and the daemon's open-file limit is raised from a low soft limit."""
+    from hicache.controllers.handlers import MAX_INTAKE_HELD, MAX_POOL_FDS
+
+    addr, d = private_address("hci-")
+    r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0,
+                     env={"HICACHE_MAX_CLIENTS": "3"})
+    import resource
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, old[1]))  # the daemon inherits it
+    try:
+        r.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+    peers = []
+    try:
+        with open(f"/proc/{r.proc.pid}/limits") as f:
+            soft = int(next(ln for ln in f if ln.startswith("Max open files")).split()[3])
+        assert soft > 256, soft
+        with ShmBuffers(build_layout(preset("dsv4-tiny")), DEV, tag="full") as b:
+            a = RawPeer(r.address, "holder")
+            peers.append(a)
+            token = _hand_in(a, b.fds())
+            for i in range(4):  # more probes than the table holds
+                p = RawPeer(r.address, f"probe{i}")
+                peers.append(p)
+                p.call("heartbeat")
+            assert a.call("register", dict(b.register_fields(), fd_token=token))["ok"]
+            a.call("unregister")
+            a.send(P.encode_request("hand_in", 9, {"count": MAX_POOL_FDS + 1}))
+            h = a.reply(10)
+            assert h["ok"] is False and h["error"]["code"] == "bad_field", h
+    finally:
+        for p in peers:
+            p.close()
+        r.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    # the budget across clients, on a daemon with room for enough of them
+    addr, d = private_address("hci-")
+    r = DaemonRunner(addr, log_path=os.path.join(d, "daemon.log"), heartbeat_timeout=60.0)
+    r.start()
+    peers = []
+    try:
+        codes = []
+        for i in range(MAX_INTAKE_HELD // MAX_POOL_FDS + 1):
+            p = RawPeer(r.address, f"many{i}")
+            peers.append(p)
+            p.send(P.encode_request("hand_in", 2, {"count": MAX_POOL_FDS}))
+            h = p.reply(10)
+            codes.append("ok" if h["ok"] else h["error"]["code"])
+        assert codes == ["ok"] * (MAX_INTAKE_HELD // MAX_POOL_FDS) + ["busy"], codes
+        peers[0].call("hand_in", {"count": 1})  # a client replacing its own intake fits
+    finally:
+        for p in peers:
+            p.close()
+        r.stop()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_client_table_is_bounded(shared):

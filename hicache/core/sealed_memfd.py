@@ -11,7 +11,9 @@ work lost; a client of the same uid could do it to a ``/dev/shm`` file both mapp
 Contract:
 - ``new_sealed_fd(name, nbytes)``: the memfd alone, made as below (no mapping, no token); its
   descriptor is the caller's. ``new_sealed_mapping(name, nbytes)``: the same, mapped read-write
-  (descriptor and mapping). ``seals_of(fd)``: the seals a descriptor carries (0 for a file
+  (descriptor and mapping). ``on_shmem(fd)``: whether a descriptor is the kernel's shared
+  memory (not hugetlbfs, whose missing page is a SIGBUS); with ``seals_of`` what a receiver
+  checks before it maps memory someone else made. ``seals_of(fd)``: the seals a descriptor carries (0 for a file
   that cannot carry any): what a receiver checks before it maps memory someone else made.
 - ``create_sealed(name, nbytes, token_at)`` (the daemon): refuses ``nbytes`` beyond the memory
   the kernel reports available now (``OSError`` ENOMEM: unlike a tmpfs, a memfd has no size cap
@@ -39,6 +41,7 @@ Contract:
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -51,6 +54,8 @@ from .fd_handout import FdHandout, fetch_fd
 from .sizes import format_bytes
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_TMPFS_MAGIC = 0x01021994
+_libc = ctypes.CDLL(None, use_errno=True)
 _TOKEN = struct.Struct("<Q")
 
 
@@ -129,6 +134,16 @@ def new_sealed_mapping(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def on_shmem(fd: int) -> bool:
+    """Whether ``fd`` is a file of the kernel's shared memory (a memfd or tmpfs file,
+    ``TMPFS_MAGIC``): a hole in it reads as zeros. A hugetlbfs memfd can carry the same seals,
+    but a page of it missing when touched is a SIGBUS."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) comes first
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _TMPFS_MAGIC
 
 
 def seals_of(fd: int) -> int:

@@ -1,7 +1,7 @@
 """The sweep of files a killed process left in a shared-memory folder (hicache makes no shared
 memory files any more: shared memory is a sealed memfd, ``core.sealed_memfd``, which goes with
-its last holder; what is left to sweep are the daemon's sockets there and the files of earlier
-versions).
+its last holder; what is left to sweep are the daemon's wake-up sockets there, and the channel
+and sparse-region files of earlier versions).
 
 Contract: ``sweep_stale(shm_dir, prefixes)`` removes this user's files named ``<prefix>...<pid>-<hex>``
 whose creating process is gone and that were not modified for ``STALE_AFTER_S``. A socket is
