@@ -120,13 +120,13 @@ def open_buffers(layout: Layout, device_rows: Mapping[str, int], buffers: Mappin
             raise ProtocolError("unsupported", f"this daemon serves {device}; register CUDA IPC "
                                                f"handles (mode 'cuda'), not memfds")
         return _open_memfds(layout, buffers, fds or (lambda: []))
-    if fds is not None:
-        raise ProtocolError("bad_field", "descriptors were handed in, but CUDA pools are shared "
-                                         "by their IPC handles")
     if mode == "cuda":
         if device.type != "cuda":
             raise ProtocolError("unsupported", "this daemon runs in CPU mode; register memfd "
                                                "buffers (mode 'cpu')")
+        if fds is not None:
+            raise ProtocolError("bad_field", "fd_token: CUDA pools are shared by their IPC "
+                                             "handles; nothing is handed in")
         return _open_cuda(layout, buffers, device)
     raise ProtocolError("bad_field", f"mode must be 'cpu' or 'cuda', got {mode[:32]!r}")
 

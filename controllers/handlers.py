@@ -93,11 +93,9 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     events_h = h.get("events", [])
     if mode == "cpu" and events_h:
         raise ProtocolError("bad_field", "events are CUDA interprocess events; CPU mode has none")
-    if mode != "cpu" and "fd_token" in h:
-        raise ProtocolError("bad_field", "fd_token: CUDA pools are shared by their IPC handles; "
-                                         "nothing is handed in")
+    handed = mode == "cpu" or "fd_token" in h  # (refused in CUDA mode, by open_buffers)
     bufs = open_buffers(st.layout, dev_rows, h["buffers"], mode, st.device,
-                        (lambda: _handed_in(st, c, h.get("fd_token"))) if mode == "cpu" else None)
+                        (lambda: _handed_in(st, c, h.get("fd_token"))) if handed else None)
     try:
         tables = {name: LayerTable(layers, f"device:{name}") for name, layers in bufs.layers.items()}
         events = open_events(events_h, st.device) if events_h else []

@@ -213,6 +213,23 @@ def test_a_handle_claiming_more_than_its_allocation_is_refused(gpu):
         o.unregister()
 
 
+def test_descriptors_do_not_apply_to_cuda_pools(gpu):
+    """CUDA pools go by their IPC handles: ``hand_in`` is refused on a GPU daemon, and so is a
+    ``register`` naming an ``fd_token`` (an option that does not apply, not ignored)."""
+    from hicache.engine.client import CommandRefused
+
+    d, c, pools = gpu
+    with d.client(timeout=60) as o:
+        with pytest.raises(CommandRefused) as e:
+            o.call("hand_in", {"count": 1})
+        assert e.value.code == "unsupported" and "CUDA IPC" in e.value.message, e.value
+        with pytest.raises(CommandRefused) as e:
+            o.call("register", {"layout": FLASH.to_dict(), "device_rows": dict(pools.rows),
+                                "buffers": pools.handles(), "mode": "cuda", "fd_token": 3})
+        assert e.value.code == "bad_field" and "fd_token" in e.value.message, e.value
+        assert not o.heartbeat()["registered"]
+
+
 def test_expandable_segments_are_refused_clearly():
     code = ("import torch; from hicache.engine.device_pools import DevicePools; "
             "from hicache.core.layout import build_layout, preset; "

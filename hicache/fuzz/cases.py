@@ -44,6 +44,7 @@ class World:
     attacker_fields: dict[str, Any]  # its register fields (for near-miss registrations)
     spare: dict[str, list[int]] = field(default_factory=dict)  # attacker rows in a sequence
     sparse: dict[str, Any] | None = None  # the victim's sparse request (sparse_attacks), if any
+    anon_token: int | None = None  # the stranger's intake: its pools, handed in, never registered
 
     def free_rows(self, space: str) -> list[int]:
         taken = set(self.victim.get(space, ())) | set(self.attacker.get(space, ()))

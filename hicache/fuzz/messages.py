@@ -226,6 +226,8 @@ class Hostile(SparseAttacks):
         """A stranger's registration with one thing wrong; it must stay unregistered."""
         r = self.rng
         f = json.loads(json.dumps(self.w.attacker_fields))
+        if self.w.anon_token is not None:  # its own pools handed in: each fault meets its check
+            f["fd_token"] = self.w.anon_token
         pools = sorted(f["buffers"])
         which = r.randrange(17)
         exp: frozenset[str]

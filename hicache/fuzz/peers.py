@@ -7,8 +7,8 @@
 * ``mix64`` / ``Pattern`` — row content derived from a 64-bit salt (client, row, version): fill
   rows of every layer of a pool, count the rows that differ.
 * ``RawPeer`` — a DEALER that sends arbitrary frames and reads the next reply (no validation on
-  our side, so hostile messages reach the daemon as they are); ``register(bufs)`` hands the
-  pools' descriptor in and registers them.
+  our side, so hostile messages reach the daemon as they are); ``hand_in(bufs)`` hands the
+  pools' descriptor in, ``register(bufs)`` then registers them.
 * ``Victim`` — a registered client whose host rows hold known content, and ``verify()`` that
   loads them back and counts the rows that differ.
 
@@ -248,12 +248,16 @@ class RawPeer:
             raise RuntimeError(f"{cmd} refused: {h.get('error')}")
         return h
 
-    def register(self, bufs: ShmBuffers, timeout: float = 10.0) -> dict[str, Any]:
-        """Hand ``bufs``' descriptor in and register them (raises like ``call``)."""
+    def hand_in(self, bufs: ShmBuffers, timeout: float = 10.0) -> int:
+        """Hand ``bufs``' descriptor in for this peer's next ``register``: its ``fd_token``."""
         got = self.call("hand_in", {"count": 1}, timeout=timeout)
         send_fds(str(got["fd_socket"]), int(got["fd_token"]), bufs.fds(), "device pools")
-        return self.call("register", dict(bufs.register_fields(), fd_token=got["fd_token"]),
-                         timeout=timeout)
+        return int(got["fd_token"])
+
+    def register(self, bufs: ShmBuffers, timeout: float = 10.0) -> dict[str, Any]:
+        """Hand ``bufs``' descriptor in and register them (raises like ``call``)."""
+        return self.call("register", dict(bufs.register_fields(),
+                                          fd_token=self.hand_in(bufs, timeout)), timeout=timeout)
 
     def close(self) -> None:
         if self._chan is not None:

@@ -157,6 +157,7 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
     t_start = time.monotonic()
     abufs = ShmBuffers(layout, dev_rows, tag="attacker")
     gbufs = ShmBuffers(layout, dev_rows, tag="ghost")
+    nbufs = ShmBuffers(layout, dev_rows, tag="anon")
     peers: dict[str, RawPeer] = {}
     report: dict[str, Any] = {"bench": "fuzz", "seed": seed, "address": address,
                               "channel": channel}
@@ -176,12 +177,15 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
         arows = {s: [int(x) for x in arows_h["_arrays"][i]] for s, i in arows_h["rows"].items()}
         peers["ghost"].register(gbufs)
         peers["ghost"].call("unregister")
+        # the stranger's near-miss registrations name pools it really handed in, so each is
+        # refused by the check for its own fault (a refusal keeps the intake for the next)
+        anon_token = peers["anon"].hand_in(nbufs)
         if channel:
             att.open_channel()
             peers["anon"].open_channel()
         spv = SparseVictim(victim, vrows.get("page", []))
         world = World(layout, host_rows, dict(dev_rows), vrows, arows, abufs.register_fields(),
-                      sparse=spv.world())
+                      sparse=spv.world(), anon_token=anon_token)
         gen = Hostile(world, rng, kinds)
         before = victim.stats()
         err_before = metric_total(before, "hicache_errors_total")
@@ -320,5 +324,5 @@ def run_fuzz(address: str, messages: int, *, seed: int = 0, layout: Layout | Non
             p.close()
         if vic is not None:
             vic.close()
-        for b in (abufs, gbufs):
+        for b in (abufs, gbufs, nbufs):
             b.close()
