@@ -25,13 +25,18 @@ Contract:
   anyway. Pending pools move no byte.
 * A marker pool (no ``pool``) maps nothing: it records which keys an index-only anchor (SGLang's
   ``LogicalHostPool`` for DSV4) has written; it needs no proof.
+* ``shrunk()``: whether a file got shorter than its layers need since it was mapped (one line
+  saying which, else None); the key store refuses a pool that did before it copies a byte.
 * ``close()`` drops the views and unmaps (idempotent).
 
 Trust: the files must belong to a process of the daemon's own user, and the proof must be
 written into them, so only such a process (or one able to write its memory) can attach; it can
 already signal the daemon, so the one harm it could add, shrinking its file after the proof so
-that a copy faults (SIGBUS), gives it nothing it did not have. SGLang never shrinks its pools;
-our client restores the size it grew.
+that a copy faults (SIGBUS), gives it nothing it did not have. An engine that shrinks a file by
+mistake is caught: every command that copies checks the sizes first (``shrunk``), so only a
+shrink racing that check (microseconds) could still fault (SGLang's files cannot be sealed, so
+nothing stronger is possible without copying through ``pread``/``pwrite``). SGLang never
+shrinks its pools; our client restores the size it grew.
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class EnginePool:
         self.proofs: list[tuple[int, int, int]] = []  # (engine fd, our fd, proof offset)
         self.verified = pool is None
         self._maps: list[mmap.mmap] = []
+        self._ends: list[tuple[mmap.mmap, int, int]] = []  # (mapping, engine fd, bytes needed)
         self._specs: list[tuple[int, int, int]] = []  # (engine fd, offset, stride) per layer
         self._page_bytes = 0
         self.wanted: list[int] = []  # a handed-in pool: the engine fds still to come, in order
@@ -139,7 +145,7 @@ class EnginePool:
     def _map(self, files_in: dict[int, tuple[int, int]], whose: str) -> None:
         """Map each engine file (engine fd -> (our descriptor, size)) and lay the layers over
         them (the descriptors stay the caller's)."""
-        files: dict[int, tuple[int, torch.Tensor]] = {}
+        files: dict[int, tuple[int, torch.Tensor, mmap.mmap]] = {}
         for fd, (ours, size) in files_in.items():
             try:
                 mm = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -147,14 +153,27 @@ class EnginePool:
                 raise ValueError(f"cannot map fd {fd} {whose} shared and writable: "
                                  f"{e.strerror}") from None
             self._maps.append(mm)
-            files[fd] = (size, torch.frombuffer(mm, dtype=torch.uint8))
+            files[fd] = (size, torch.frombuffer(mm, dtype=torch.uint8), mm)
+        need: dict[int, int] = {}
         for i, (fd, off, stride) in enumerate(self._specs):
-            size, base = files[fd]
+            size, base, _ = files[fd]
             end = off + (self.pages - 1) * stride + self._page_bytes
             if end > size:
                 raise ValueError(f"layers[{i}]: {self.pages} pages of stride {stride} from "
                                  f"offset {off} end at byte {end}, past the file's {size}")
+            need[fd] = max(need.get(fd, 0), end)
             self.layers.append(base.as_strided((self.pages, self._page_bytes), (stride, 1), off))
+        self._ends = [(files[fd][2], fd, end) for fd, end in need.items()]
+
+    def shrunk(self) -> str | None:
+        """None while every file is still as long as its layers need, else which is not (one
+        line): a copy past a file's end would be a SIGBUS, ending the daemon."""
+        for mm, fd, end in self._ends:
+            size = mm.size()  # an fstat of the mapping's own descriptor
+            if size < end:
+                return (f"engine pool {self.name[:64]!r}: its file (fd {fd}) is {size} bytes "
+                        f"now, shorter than the {end} its layers need (kv_detach it)")
+        return None
 
     def proof_request(self) -> list[list[int]]:
         """[[engine fd, offset], ...]: where the engine must write the nonce."""
@@ -191,6 +210,7 @@ class EnginePool:
             except OSError:
                 pass
         self.proofs = []
+        self._ends = []
         maps, self._maps = self._maps, []
         for mm in maps:
             try:

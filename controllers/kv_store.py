@@ -242,6 +242,9 @@ def _attached(c: ClientState, name: str) -> EnginePool:
     if not ep.verified:
         raise ProtocolError("not_registered", f"engine pool {name[:64]!r} is attached but "
                                               f"not verified (kv_verify first)")
+    why = ep.shrunk()
+    if why is not None:  # before any byte moves or any entry changes
+        raise ProtocolError("bad_handle", why)
     return ep
 
 

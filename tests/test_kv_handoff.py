@@ -193,3 +193,37 @@ def test_an_engine_in_another_pid_namespace_attaches_by_handoff() -> None:
         assert got["attached"] == ["c4_kv"]
         assert got["stored"] == [True, True] and got["found"] == [True, True]
         assert got["bytes_ok"] is True
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "pid"])
+def test_an_engine_that_cuts_its_pool_file_is_refused_not_a_sigbus(store: Any,
+                                                                   handoff: bool) -> None:
+    """An engine that shrinks an attached pool's file (by mistake: its files cannot be sealed)
+    gets its next ``kv_put`` / ``kv_get`` / ``kv_exists`` refused ``bad_handle`` naming the
+    file, before any byte moves or any entry changes; the daemon stays up and serves the
+    engine's other pools (before, the copy past the file's end was a SIGBUS that ended it)."""
+    d, pools, _ = store
+    layers, pb = _geom(pools, "c4_kv")
+    cut = EnginePool(layers, 4, pb, seed=21)
+    keep = EnginePool(layers, 4, pb, seed=22)
+    with d.client(name="cutter") as c:
+        for name, ep in (("cut", cut), ("keep", keep)):
+            c.kv_attach_proven(name, NS, pages=4, pool="c4_kv", page_bytes=pb, layers=ep.spec,
+                               handoff=handoff)
+        assert c.kv_put("cut", ["a"], [0]) == [True]
+        os.ftruncate(cut.fds[-1], pb)  # the last layer's file: one page left of four
+        for call in (lambda: c.kv_put("cut", ["b"], [3]), lambda: c.kv_get("cut", ["a"], [3]),
+                     lambda: c.kv_exists("cut", ["a"])):
+            msg = _refused("bad_handle", call)
+            assert "shorter than" in msg and "kv_detach" in msg, msg
+        # the daemon and the other pool (same daemon pool, so the same entries) go on, and the
+        # refused put stored nothing
+        assert c.kv_exists("keep", ["a", "b"]) == [True, False]
+        assert c.kv_put("keep", ["z"], [1]) == [True]
+        assert c.kv_get("keep", ["z"], [2]) == [True]
+        for t in keep.layers:
+            assert torch.equal(t[2], t[1])
+        assert c.kv_detach() == 2
+    assert d.alive()
+    cut.close()
+    keep.close()
