@@ -33,9 +33,11 @@ Trust: the files must belong to a process of the daemon's own user, and the proo
 written into them, so only such a process (or one able to write its memory) can attach; it can
 already signal the daemon, so the one harm it could add, shrinking its file after the proof so
 that a copy faults (SIGBUS), gives it nothing it did not have. An engine that shrinks a file by
-mistake is caught: every command that copies checks the sizes first (``shrunk``), so only a
-shrink racing that check (microseconds) could still fault (SGLang's files cannot be sealed, so
-nothing stronger is possible without copying through ``pread``/``pwrite``). SGLang never
+mistake is caught: every command that copies checks the sizes first (``shrunk``), so a shrink
+racing that check (microseconds) could still fault (SGLang's files cannot be sealed, so
+nothing stronger is possible without copying through ``pread``/``pwrite``). So could a copy
+into a hole of a sparse ``/dev/shm`` file while that file system is full (a container's
+default ``/dev/shm`` is 64 MiB): the size check cannot see that. SGLang never
 shrinks its pools; our client restores the size it grew.
 """
 from __future__ import annotations

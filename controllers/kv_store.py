@@ -234,7 +234,9 @@ def _ns(c: ClientState, ns: str) -> str:
     return f"{c.key or ''}\x1f{ns}"
 
 
-def _attached(c: ClientState, name: str) -> EnginePool:
+def _attached(c: ClientState, name: str, copies: bool = True) -> EnginePool:
+    """The client's verified pool ``name``; with ``copies`` (a command that moves its pages)
+    also refused when one of its files was cut (``EnginePool.shrunk``)."""
     ep = c.kv.pools.get(name) if c.kv is not None else None
     if ep is None:
         raise ProtocolError("not_registered", f"no engine pool {name[:64]!r} is attached by "
@@ -242,7 +244,7 @@ def _attached(c: ClientState, name: str) -> EnginePool:
     if not ep.verified:
         raise ProtocolError("not_registered", f"engine pool {name[:64]!r} is attached but "
                                               f"not verified (kv_verify first)")
-    why = ep.shrunk()
+    why = ep.shrunk() if copies else None
     if why is not None:  # before any byte moves or any entry changes
         raise ProtocolError("bad_handle", why)
     return ep
@@ -369,7 +371,7 @@ def kv_get(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 
 def kv_exists(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
-    ep = _attached(c, h["name"])
+    ep = _attached(c, h["name"], copies=False)  # moves no page: no size check
     present, pending = store_of(st).exists(ep, _keys(h["keys"]))
     return {"present": present, "pending": pending}, []
 

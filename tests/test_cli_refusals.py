@@ -18,6 +18,7 @@ import pytest
 from hicache.core.config import (
     OTHER_ENV, SETTINGS, ServeConfig, check_env, load_config, sizing, validate,
 )
+from hicache.core import config
 from hicache.core.errors import UsageError
 from hicache.core.settings import ENV_PREFIX
 
@@ -139,8 +140,8 @@ GIVEN_AT_DEFAULT = [
     ({"max_running": "256"}, "--max-running sizes device rows from --kv-mem"),
     ({"pd_role": "none"}, "--pd-role sizes device rows from --kv-mem"),
     ({"swa_full_tokens_ratio": "0.8"}, "--swa-full-tokens-ratio sizes device rows"),
-    ({"copy_engine": "off"}, "--copy-engine off needs a GPU"),
-    ({"copy_engine": "auto"}, "--copy-engine auto needs a GPU"),
+    ({"copy_engine": "off"}, "--copy-engine off: the copy engines are a GPU's"),
+    ({"copy_engine": "auto"}, "--copy-engine auto: the copy engines are a GPU's"),
     ({"metrics_addr": "127.0.0.1"}, "--metrics-addr applies with --metrics-port"),
     ({"min_sparse_prompt_len": "32768"}, "--min-sparse-prompt-len applies with --sparse-rows"),
     ({"sparse_clients": "1"}, "--sparse-clients applies with --sparse-rows"),
@@ -156,30 +157,46 @@ GIVEN_AT_DEFAULT = [
 @pytest.mark.parametrize("flags, msg", GIVEN_AT_DEFAULT, ids=[m for _, m in GIVEN_AT_DEFAULT])
 def test_a_setting_given_at_its_default_where_it_does_not_apply_is_refused(flags, msg, tmp_path):
     """These checks compared values with the defaults, so ``--max-running 256`` beside
-    ``--device-rows`` (or ``--copy-engine off`` in CPU mode) slipped through. Each is now
-    refused when given at all, from a flag, a HICACHE_* variable or the settings file, naming
-    that place."""
+    ``--device-rows`` (or ``--copy-engine off`` in CPU mode) slipped through. A flag typed where
+    it does not apply is now refused even at its default value. A HICACHE_* variable or a
+    settings-file value at the default is not (a shared file lists defaults; a demo's daemon
+    inherits the shell's variables); away from its default it is, naming that place."""
     base = {k: v for k, v in {**ROWS, **flags}.items() if v is not None}
     with pytest.raises(UsageError, match=re.escape(msg)) as e:
         load_config(base, env={})
     assert "(from" not in str(e.value)  # a flag names itself
     name = next(k for k in flags if k not in ("kv_mem", "device_rows", "swa_mode"))
     flags_only = {k: v for k, v in base.items() if k != name}
+    at_default = config._convert(name, flags[name], name) == config.default_value(name)
+    f = tmp_path / "s.toml"
+    f.write_text(f"{name} = {json.dumps(flags[name])}\n")
+    if at_default:  # the file and the environment may repeat a default
+        load_config(flags_only, env={f"HICACHE_{name.upper()}": flags[name]})
+        load_config(flags_only, config_file=str(f), env={})
+        return
     with pytest.raises(UsageError, match=re.escape(msg)) as e:
         load_config(flags_only, env={f"HICACHE_{name.upper()}": flags[name]})
     assert str(e.value).endswith(f"(from HICACHE_{name.upper()})"), str(e.value)
-    f = tmp_path / "s.toml"
-    f.write_text(f"{name} = {json.dumps(flags[name])}\n")
     with pytest.raises(UsageError, match=re.escape(msg)) as e:
         load_config(flags_only, config_file=str(f), env={})
     assert f"{name} in config file {f}" in str(e.value), str(e.value)
+
+
+def test_the_example_settings_file_fits_a_daemon_sized_by_device_rows():
+    """``docs/serve.example.toml`` (one file for every stage, sized with ``kv_mem``, listing
+    defaults such as ``max_running``) with ``--device-rows`` and ``--device cpu``: the flag
+    replaces the file's ``kv_mem`` and nothing the file repeats at its default is refused."""
+    cfg = load_config({"device": "cpu", "device_rows": "page=8,swa_page=4,req_slot=4",
+                       "host_ratio": "2"}, config_file=str(ROOT / "docs" / "serve.example.toml"),
+                      env={})
+    assert cfg.kv_mem is None and cfg.device_rows
 
 
 def test_defaults_never_trigger_a_refusal():
     cfg = load_config(ROWS, env={})
     assert cfg.copy_engine == "auto" and cfg.max_running == 256 and cfg.l3 == "off"
     validate(ServeConfig(preset="dsv4-tiny", device_rows={"page": 8}))  # built in code
-    with pytest.raises(UsageError, match="--copy-engine on needs a GPU"):  # in code: off default
+    with pytest.raises(UsageError, match="--copy-engine on: the copy engines are a GPU's"):  # in code: off default
         validate(ServeConfig(preset="dsv4-tiny", copy_engine="on"))
 
 
@@ -266,3 +283,23 @@ def test_the_arena_says_allocate_in_cpu_mode_and_pin_on_a_gpu():
         PinnedArena(huge, None)
     with pytest.raises(CapacityError, match=r"^cannot pin .* can be pinned$"):
         PinnedArena(huge, None, registrar=object())  # type: ignore[arg-type]  # refused first
+
+
+def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch, capsys):
+    """A command whose module is not in the build has no flags; given some, it is still
+    refused as missing, not with its flags called unrecognized."""
+    import importlib
+
+    from hicache.cli import main
+
+    real = importlib.import_module
+
+    def fake(name: str, *a: object, **k: object):
+        if name == "hicache.bench.l3":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    assert main(["bench", "l3", "--pages", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "'l3' is not available in this build" in err and "unrecognized" not in err, err

@@ -258,7 +258,7 @@ def test_cpu_buffers_never_take_the_copy_engines():
 
 
 def test_serve_refuses_copy_engine_on_in_cpu_mode():
-    with pytest.raises(UsageError, match="--copy-engine on needs a GPU"):
+    with pytest.raises(UsageError, match="--copy-engine on: the copy engines are a GPU's"):
         validate(ServeConfig(preset="dsv4-tiny", device="cpu", copy_engine="on"))
     with pytest.raises(UsageError, match="--copy_engine must be one of|--copy-engine must be one of"):
         validate(ServeConfig(preset="dsv4-tiny", device="cpu", copy_engine="maybe"))

@@ -130,12 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # refused by the command's own parser: its name, and the flag meant
-        _unrecognized(getattr(args, "_parser", parser), unknown)
     prog = "hicache " + " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
-    if getattr(args, "_missing", None):
+    if getattr(args, "_missing", None):  # (its flags are unknown because its module is)
         print(f"{prog}: error: {args._missing}", file=sys.stderr)
         return 2
+    if unknown:  # refused by the command's own parser: its name, and the flag meant
+        _unrecognized(getattr(args, "_parser", parser), unknown)
     old = lifecycle.install()
     try:
         try:

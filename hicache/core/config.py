@@ -8,8 +8,8 @@ merges the sources (``flags`` holds only what the command line set); in TOML and
 may replace an underscore. Every bad value raises ``UsageError`` naming the key and its source.
 A ``HICACHE_*`` variable that is no setting and not in ``OTHER_ENV`` (what other parts read) is
 refused (``check_env``), naming the nearest setting. A setting given where it does not apply is
-refused whenever it was given (a flag, a variable or the file: ``given``), even at its default
-value; a default never is. Without ``pp_size``, ``stage_bounds`` gives the pipeline size
+refused when it is away from its default (any source) or typed as a flag even at its default
+(``given``); a default, or a file or variable at the default value, never is. Without ``pp_size``, ``stage_bounds`` gives the pipeline size
 (``planner.pp_size_of``, as ``hicache plan`` reads it).
 
 Sizing (``sizing(cfg) -> Sizing``): the served stage's layout, its device rows and the host rows.
@@ -457,8 +457,8 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "
                          f"got {cfg.numa_node!r}")
     if given(cfg, "copy_engine") and cfg.device == "cpu":
-        raise UsageError(f"--copy-engine {cfg.copy_engine} needs a GPU (--device cuda:N); CPU "
-                         f"mode copies with the CPU, so it does not apply")
+        raise UsageError(f"--copy-engine {cfg.copy_engine}: the copy engines are a GPU's (--device "
+                         f"cuda:N); CPU mode copies with the CPU, so it does not apply")
     if cfg.parent_pid is not None and cfg.parent_pid <= 1:
         raise UsageError(f"--parent-pid must be a process id above 1, got {cfg.parent_pid}")
     _refuse_unused(cfg)
@@ -469,11 +469,13 @@ def validate(cfg: ServeConfig) -> None:
 
 
 def given(cfg: ServeConfig, name: str) -> bool:
-    """Whether setting ``name`` was set: by a flag, a HICACHE_* variable or the settings file
-    (the sources ``load_config`` recorded), even to its default value; for a config built in
-    code (no sources), whether it is away from its default."""
+    """Whether setting ``name`` counts as given where a check asks: away from its default
+    (from any source), or typed on the command line even at its default. A settings file or a
+    ``HICACHE_*`` variable at the default value is not (a file shared by every stage may list
+    the defaults of options some daemons do not use, and a demo's daemon inherits the shell's
+    variables)."""
     sources: Mapping[str, str] = cfg.__dict__.get("sources", {})
-    return name in sources or getattr(cfg, name) != default_value(name)
+    return getattr(cfg, name) != default_value(name) or sources.get(name, "").startswith("--")
 
 
 def _refuse_unused(cfg: ServeConfig) -> None:
