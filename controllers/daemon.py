@@ -259,7 +259,7 @@ class Daemon:
         if not ipc:
             _check_tcp_port(self.address)
         numa = _numa_node(cfg)
-        self.fd_limit = raise_fd_limit()
+        raise_fd_limit()
         self.made_folders, self.socket_lock = _prepare_ipc(self.address) if ipc else ([], None)
         try:
             self._bring_up(cfg, numa, curve)

@@ -37,7 +37,6 @@ import torch
 
 from hicache.core.ipc import decode_b64, device_uuid
 from hicache.core.layout import Layout, LayoutError
-from hicache.core.model import brief
 from hicache.core.protocol import ProtocolError
 from hicache.core.sealed_memfd import on_shmem, seals_of
 

@@ -292,7 +292,7 @@ def _fds_to(pid: int, ino: int) -> int:
 
 @pytest.mark.parametrize("what", ["unsealed_memfd", "dev_shm_file", "pipe", "hugetlb", "shm_kind",
                                   "no_hand_in", "fd_out_of_range", "unused_fd", "too_short",
-                                  "sparse", "too_big_to_map"])
+                                  "sparse", "too_big_to_map", "write_sealed"])
 def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
     """A CPU worker's pools reach the daemon only as descriptors it handed in, each sealed
     against shrinking (else a worker could cut the file under the daemon's mapping and make
@@ -349,6 +349,12 @@ def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
             elif what == "too_short":
                 next(iter(fields["buffers"].values()))[-1]["offset"] = size
                 give, why = b.fds(), "the buffers need"
+            elif what == "write_sealed":  # passes every check, but cannot be mapped writable
+                fd = os.memfd_create("hicache-test-ro", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+                give, why = [fd], "cannot map descriptor 0"
             else:  # a sealed 1 PiB sparse memfd, a layer named far into it: never mapped
                 fd = os.memfd_create("hicache-test-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, 1 << 50)

@@ -9,10 +9,7 @@ cannot reach, attaches and moves its pages this way.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest

@@ -12,7 +12,6 @@ a working radix worker.
 """
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
