@@ -101,9 +101,10 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
     assert out["checkpoints"]["2k"]["summary"]["load_cmd_ms"] > 0
-    # the daemon's own handling of this size's commands (its stats), below what the engine waits
-    assert 0 < m["load_handler_ms"] < m["load_ack_ms"]
-    assert 0 < m["backup_handler_ms"] < m["backup_ack_ms"]
+    # the daemon's own handling of this size's commands (its stats), below what the engine
+    # waited for the same commands (the timed runs' acks are another sample: not comparable)
+    assert 0 < m["load_handler_ms"] < m["load_handler_ack_ms"]
+    assert 0 < m["backup_handler_ms"] < m["backup_handler_ack_ms"]
     # the checkpoints mirror: compressed pages plus one checkpoint, every byte verified
     from hicache.core.layout import build_layout, preset
     from hicache.core.resume import ResumeModel

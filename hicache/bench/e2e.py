@@ -12,8 +12,10 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   (``load_reply_ms``: layer 0 is issued before the reply);
 * the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
   (``load_handler_ms``, ``backup_handler_ms``: from its ``stats`` before and after
-  ``HANDLER_RUNS`` extra solo runs that follow the timed ones, ``bench.daemon_times``), so
-  the reply's time splits into the daemon's handling and the trip there and back; and the mean
+  ``HANDLER_RUNS`` extra solo runs that follow the timed ones, ``bench.daemon_times``), beside
+  the engine's mean ack of those same commands (``load_handler_ack_ms``,
+  ``backup_handler_ack_ms``), so the ack's time splits into the daemon's handling and the rest
+  (the trip there and back, and the copies' wait); and the mean
   time its issuer thread spent issuing the later layers after each reply (``load_issue_ms``,
   GPU: host time the link may wait for);
 * a heartbeat sent right after a load's reply, while those layers are being issued: its round
@@ -280,11 +282,14 @@ def run(args: argparse.Namespace) -> int:
                 # probe) between two stats readings; none taken during the timed runs, where a
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
                 before = daemon_times(c.stats()["metrics"])
-                measure(c, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda, dev,
-                        probe=False, busy=False)
+                extra = measure(c, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda, dev,
+                                probe=False, busy=False)["runs"]
                 after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
                     {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
+                    # the engine's acks of the same commands: handler < ack, run for run
+                    **{f"{cmd}_handler_ack_ms": 1e3 * sum(extra[f"{cmd}_ack"])
+                       / len(extra[f"{cmd}_ack"]) for cmd in ("load", "backup")},
                     load_issue_ms=mean_ms(before, after, "load_issue"))
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
