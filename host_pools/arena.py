@@ -26,13 +26,13 @@ from __future__ import annotations
 import bisect
 import logging
 import mmap
-import os
 import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import psutil
 import torch
 
@@ -365,12 +365,7 @@ def _progress_fn(progress: bool | ProgressFn, nbytes: int) -> ProgressFn:
 
 def _touch(base: torch.Tensor, placement: Placement, threads: int, report: ProgressFn) -> None:
     """Write one byte per page from ``threads`` threads placed per ``placement``."""
-    try:
-        import numpy as np
-
-        arr: Any = np.frombuffer(memoryview(base.numpy()), dtype=np.uint8)
-    except ImportError:  # pragma: no cover - numpy is a dependency; memset is the fallback
-        arr = None
+    arr = np.frombuffer(memoryview(base.numpy()), dtype=np.uint8)
     total = base.numel()
     pages = (total + PAGE - 1) // PAGE
     bounds = [pages * i // threads * PAGE for i in range(threads)] + [total]
@@ -383,11 +378,7 @@ def _touch(base: torch.Tensor, placement: Placement, threads: int, report: Progr
             lo, hi = bounds[i], min(bounds[i + 1], total)
             for s in range(lo, hi, TOUCH_SLICE):
                 e = min(s + TOUCH_SLICE, hi)
-                if arr is not None:
-                    arr[s:e:PAGE] = 0  # numpy releases the GIL for this strided store
-                else:
-                    import ctypes
-                    ctypes.memset(base.data_ptr() + s, 0, e - s)
+                arr[s:e:PAGE] = 0  # numpy releases the GIL for this strided store
                 done[i] += e - s
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
@@ -402,4 +393,4 @@ def _touch(base: torch.Tensor, placement: Placement, threads: int, report: Progr
             report("touch", sum(done), total)
     if errors:
         raise errors[0]
-    del arr
+    arr = None  # drop the view now (the workers' closure holds it)

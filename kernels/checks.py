@@ -9,10 +9,6 @@
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from . import copy_engine
 from .tables import LayerTable, TransferError
 

@@ -9,7 +9,7 @@ a message that names the numbers involved. ``hicache.core.layout`` turns a spec 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 PAGE_SIZE = 256  # full tokens per page, every pool
