@@ -38,7 +38,7 @@ import torch
 from hicache.core.ipc import decode_b64, device_uuid
 from hicache.core.layout import Layout, LayoutError
 from hicache.core.protocol import ProtocolError
-from hicache.core.sealed_memfd import on_shmem, seals_of
+from hicache.core.sealed_memfd import on_shmem, seals_of, unallocated
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -165,9 +165,9 @@ def _open_memfds(layout: Layout, buffers: Mapping[str, Any],
                        f"{seals:#x}): a worker could cut it under the daemon's mapping")
         if ends[k] > st.st_size:
             raise _bad(f"descriptor {k}: the buffers need {ends[k]} bytes, it has {st.st_size}")
-        if st.st_blocks * 512 < ends[k]:  # a sparse file: the daemon's copies would allocate
-            raise _bad(f"descriptor {k}: only {st.st_blocks * 512} of the {ends[k]} bytes the "
-                       f"buffers need are allocated (reserve them first: posix_fallocate)")
+        why = unallocated(st, ends[k])
+        if why is not None:  # a sparse file: the daemon's copies would allocate
+            raise _bad(f"descriptor {k}: {why}")
     maps: list[tuple[mmap.mmap, torch.Tensor]] = []
     try:
         for k, fd in enumerate(fds):

@@ -25,20 +25,24 @@ Contract:
   anyway. Pending pools move no byte.
 * A marker pool (no ``pool``) maps nothing: it records which keys an index-only anchor (SGLang's
   ``LogicalHostPool`` for DSV4) has written; it needs no proof.
-* ``shrunk()``: whether a file got shorter than its layers need since it was mapped (one line
-  saying which, else None); the key store refuses a pool that did before it copies a byte.
+* Each file must be the kernel's shared memory (not hugetlbfs, where a missing page is a
+  SIGBUS) with at least as many bytes of pages allocated as its layers need
+  (``sealed_memfd.unallocated``): a copy into a missing page of a full tmpfs is a SIGBUS.
+  SGLang prefaults its pools.
+* ``damaged()``: whether a file got shorter than its layers need since it was mapped, or lost
+  pages below that (a hole punched), read through a descriptor of the daemon's own (one line
+  saying which, else None); the key store refuses such a pool before it copies a byte.
 * ``close()`` drops the views and unmaps (idempotent).
 
 Trust: the files must belong to a process of the daemon's own user, and the proof must be
 written into them, so only such a process (or one able to write its memory) can attach; it can
 already signal the daemon, so the one harm it could add, shrinking its file after the proof so
 that a copy faults (SIGBUS), gives it nothing it did not have. An engine that shrinks a file by
-mistake is caught: every command that copies checks the sizes first (``shrunk``), so a shrink
-racing that check (microseconds) could still fault (SGLang's files cannot be sealed, so
-nothing stronger is possible without copying through ``pread``/``pwrite``). So could a copy
-into a hole of a sparse ``/dev/shm`` file while that file system is full (a container's
-default ``/dev/shm`` is 64 MiB): the size check cannot see that. SGLang never
-shrinks its pools; our client restores the size it grew.
+mistake is caught: every command that copies checks the sizes and allocations first
+(``damaged``), so only a shrink or a punch racing that check (microseconds) could still fault
+(SGLang's files cannot be sealed, so nothing stronger is possible without copying through
+``pread``/``pwrite``), or a hole hidden behind pages allocated past the layers' end. SGLang
+never shrinks its pools; our client restores the size it grew.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ import stat
 from typing import Any, Callable
 
 import torch
+
+from hicache.core.sealed_memfd import on_shmem, unallocated
 
 PROOF_BYTES = 16
 ALLOWED_TARGETS = ("/memfd:", "/dev/shm/")
@@ -70,7 +76,7 @@ class EnginePool:
         self.proofs: list[tuple[int, int, int]] = []  # (engine fd, our fd, proof offset)
         self.verified = pool is None
         self._maps: list[mmap.mmap] = []
-        self._ends: list[tuple[mmap.mmap, int, int]] = []  # (mapping, engine fd, bytes needed)
+        self._ends: list[tuple[int, int, int]] = []  # (our descriptor, engine fd, bytes needed)
         self._specs: list[tuple[int, int, int]] = []  # (engine fd, offset, stride) per layer
         self._page_bytes = 0
         self.wanted: list[int] = []  # a handed-in pool: the engine fds still to come, in order
@@ -158,23 +164,35 @@ class EnginePool:
             files[fd] = (size, torch.frombuffer(mm, dtype=torch.uint8), mm)
         need: dict[int, int] = {}
         for i, (fd, off, stride) in enumerate(self._specs):
-            size, base, _ = files[fd]
+            size = files[fd][0]
             end = off + (self.pages - 1) * stride + self._page_bytes
             if end > size:
                 raise ValueError(f"layers[{i}]: {self.pages} pages of stride {stride} from "
                                  f"offset {off} end at byte {end}, past the file's {size}")
             need[fd] = max(need.get(fd, 0), end)
-            self.layers.append(base.as_strided((self.pages, self._page_bytes), (stride, 1), off))
-        self._ends = [(files[fd][2], fd, end) for fd, end in need.items()]
+        for fd, end in need.items():
+            why = unallocated(os.fstat(files_in[fd][0]), end)
+            if why is not None:
+                raise ValueError(f"fd {fd} {whose}: {why}")
+        for fd, off, stride in self._specs:
+            self.layers.append(files[fd][1].as_strided((self.pages, self._page_bytes),
+                                                       (stride, 1), off))
+        for fd, end in need.items():  # our own descriptor of each file, for ``damaged``
+            self._ends.append((os.dup(files_in[fd][0]), fd, end))
 
-    def shrunk(self) -> str | None:
-        """None while every file is still as long as its layers need, else which is not (one
-        line): a copy past a file's end would be a SIGBUS, ending the daemon."""
-        for mm, fd, end in self._ends:
-            size = mm.size()  # an fstat of the mapping's own descriptor
-            if size < end:
-                return (f"engine pool {self.name[:64]!r}: its file (fd {fd}) is {size} bytes "
-                        f"now, shorter than the {end} its layers need (kv_detach it)")
+    def damaged(self) -> str | None:
+        """None while every file is still as long as its layers need, with that many bytes of
+        pages allocated, else which is not (one line): a copy past a file's end, or into a
+        missing page of a full tmpfs, would be a SIGBUS, ending the daemon."""
+        for ours, fd, end in self._ends:
+            st = os.fstat(ours)
+            if st.st_size < end:
+                return (f"engine pool {self.name[:64]!r}: its file (fd {fd}) is {st.st_size} "
+                        f"bytes now, shorter than the {end} its layers need (kv_detach it)")
+            why = unallocated(st, end)
+            if why is not None:
+                return (f"engine pool {self.name[:64]!r}: its file (fd {fd}) has holes now: "
+                        f"{why} (kv_detach it)")
         return None
 
     def proof_request(self) -> list[list[int]]:
@@ -212,6 +230,8 @@ class EnginePool:
             except OSError:
                 pass
         self.proofs = []
+        for ours, _, _ in self._ends:
+            os.close(ours)
         self._ends = []
         maps, self._maps = self._maps, []
         for mm in maps:
@@ -283,6 +303,9 @@ def _shared_size(fd: int, what: str) -> int:
     if not stat.S_ISREG(st.st_mode) or not target.startswith(ALLOWED_TARGETS):
         raise ValueError(f"{what} is not a shared-memory file ({target[:80]!r}); memfd or "
                          f"/dev/shm files only")
+    if not on_shmem(fd):
+        raise ValueError(f"{what} is not the kernel's shared memory (a hugetlbfs memfd or "
+                         f"file is refused: a page missing there is a SIGBUS)")
     if st.st_size <= 0:
         raise ValueError(f"{what} is empty")
     return st.st_size

@@ -236,7 +236,7 @@ def _ns(c: ClientState, ns: str) -> str:
 
 def _attached(c: ClientState, name: str, copies: bool = True) -> EnginePool:
     """The client's verified pool ``name``; with ``copies`` (a command that moves its pages)
-    also refused when one of its files was cut (``EnginePool.shrunk``)."""
+    also refused when one of its files was cut (``EnginePool.damaged``)."""
     ep = c.kv.pools.get(name) if c.kv is not None else None
     if ep is None:
         raise ProtocolError("not_registered", f"no engine pool {name[:64]!r} is attached by "
@@ -244,7 +244,7 @@ def _attached(c: ClientState, name: str, copies: bool = True) -> EnginePool:
     if not ep.verified:
         raise ProtocolError("not_registered", f"engine pool {name[:64]!r} is attached but "
                                               f"not verified (kv_verify first)")
-    why = ep.shrunk() if copies else None
+    why = ep.damaged() if copies else None
     if why is not None:  # before any byte moves or any entry changes
         raise ProtocolError("bad_handle", why)
     return ep

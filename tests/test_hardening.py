@@ -332,7 +332,7 @@ def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
                 fd = os.memfd_create("hicache-test-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, size)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-                give, why = [fd], "are allocated (reserve them first"
+                give, why = [fd], "are allocated (a sparse file: reserve them first"
             elif what == "shm_kind":  # the path-named handles of earlier versions
                 for hs in fields["buffers"].values():
                     for h in hs:
@@ -362,7 +362,7 @@ def test_cpu_pools_must_be_sealed_memfds_handed_in(shared, what):
                 for hs in fields["buffers"].values():
                     for h in hs:
                         h["offset"] = (1 << 50) - h["rows"] * h["row_bytes"]
-                give, why = [fd], "are allocated (reserve them first"
+                give, why = [fd], "are allocated (a sparse file: reserve them first"
             extra += [f for f in give if f not in b.fds()]
             if give:
                 fields["fd_token"] = _hand_in(p, give)

@@ -9,6 +9,7 @@ cannot reach, attaches and moves its pages this way.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -192,14 +193,25 @@ def test_an_engine_in_another_pid_namespace_attaches_by_handoff() -> None:
         assert got["bytes_ok"] is True
 
 
+def _punch(fd: int, offset: int, length: int) -> None:
+    """``fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)``: the pages go, the size stays."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, 0x02 | 0x01, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+@pytest.mark.parametrize("how", ["cut", "punched"])
 @pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "pid"])
-def test_an_engine_that_cuts_its_pool_file_is_refused_not_a_sigbus(store: Any,
-                                                                   handoff: bool) -> None:
-    """An engine that shrinks an attached pool's file (by mistake: its files cannot be sealed)
-    gets its next ``kv_put`` / ``kv_get`` refused ``bad_handle`` naming the file, before any
-    byte moves or any entry changes (``kv_exists``, which moves none, still answers); the
-    daemon stays up and serves the engine's other pools (before, the copy past the file's end
-    faulted and the daemon stopped answering)."""
+def test_an_engine_that_cuts_its_pool_file_is_refused_not_a_sigbus(store: Any, handoff: bool,
+                                                                   how: str) -> None:
+    """An engine that shrinks an attached pool's file, or punches holes in it (by mistake: its
+    files cannot be sealed), gets its next ``kv_put`` / ``kv_get`` refused ``bad_handle``
+    naming the file, before any byte moves or any entry changes (``kv_exists``, which moves
+    none, still answers); the daemon stays up and serves the engine's other pools (before, the
+    copy past the file's end faulted and the daemon stopped answering; a copy into a hole of a
+    full tmpfs would too)."""
     d, pools, _ = store
     layers, pb = _geom(pools, "c4_kv")
     cut = EnginePool(layers, 4, pb, seed=21)
@@ -209,10 +221,15 @@ def test_an_engine_that_cuts_its_pool_file_is_refused_not_a_sigbus(store: Any,
             c.kv_attach_proven(name, NS, pages=4, pool="c4_kv", page_bytes=pb, layers=ep.spec,
                                handoff=handoff)
         assert c.kv_put("cut", ["a"], [0]) == [True]
-        os.ftruncate(cut.fds[-1], pb)  # the last layer's file: one page left of four
+        if how == "cut":
+            os.ftruncate(cut.fds[-1], pb)  # the last layer's file: one page left of four
+        else:  # the size stays, the last layer's pages go
+            _punch(cut.fds[-1], 0, 4 * pb)
+            assert os.fstat(cut.fds[-1]).st_size == 4 * pb
         for call in (lambda: c.kv_put("cut", ["b"], [3]), lambda: c.kv_get("cut", ["a"], [3])):
             msg = _refused("bad_handle", call)
-            assert "shorter than" in msg and "kv_detach" in msg, msg
+            assert ("shorter than" if how == "cut" else "has holes now") in msg, msg
+            assert "kv_detach" in msg, msg
         assert c.kv_exists("cut", ["a", "b"]) == [True, False]
         # the daemon and the other pool (same daemon pool, so the same entries) go on, and the
         # refused put stored nothing

@@ -36,6 +36,7 @@ class EnginePool:
         for _ in range(n):
             fd = os.memfd_create("hicache-test-pool", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # its pages allocated, as SGLang prefaults its pools
             self.fds.append(fd)
             self.maps.append(mmap.mmap(fd, size))
         bases = [torch.frombuffer(m, dtype=torch.uint8) for m in self.maps]
@@ -198,7 +199,8 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
     # a child process holding its own memfd: naming it proves nothing
     child = subprocess.Popen([sys.executable, "-c",
                               "import os,sys,time; fd=os.memfd_create('victim'); "
-                              f"os.ftruncate(fd, {4 * pb}); print(fd, flush=True); "
+                              f"os.ftruncate(fd, {4 * pb}); os.posix_fallocate(fd, 0, {4 * pb}); "
+                              "print(fd, flush=True); "
                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         victim_fd = int(child.stdout.readline())
@@ -242,6 +244,22 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
                            pool="c4_kv", layers=[{**s, "fd": sealed} for s in ep.spec])
             assert f"cannot map fd {sealed}" in msg
             os.close(sealed)
+            # a sparse memfd: a copy into a missing page of a full tmpfs would be a SIGBUS
+            sparse = os.memfd_create("sparse", os.MFD_CLOEXEC)
+            os.ftruncate(sparse, 4 * pb)
+            msg = _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                           pool="c4_kv", layers=[{**s, "fd": sparse} for s in ep.spec])
+            assert f"fd {sparse}" in msg and f"only 0 of the {4 * pb} bytes" in msg, msg
+            os.close(sparse)
+            try:  # a hugetlb memfd: a page missing there is a SIGBUS whatever its blocks say
+                huge = os.memfd_create("huge", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+            except OSError:
+                huge = None  # no huge pages configured here: nothing to refuse
+            if huge is not None:
+                msg = _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
+                               pool="c4_kv", layers=[{**s, "fd": huge} for s in ep.spec])
+                assert "hugetlbfs" in msg, msg
+                os.close(huge)
             # the victim's memfd maps, but the proof cannot be written into it from here
             vspec = [{"fd": victim_fd, "offset": 0, "stride": pb}] * layers
             reply = c.kv_attach("victim", NS, pages=4, pool="c4_kv", pid=child.pid,

@@ -12,8 +12,9 @@ Contract:
 - ``new_sealed_fd(name, nbytes)``: the memfd alone, made as below (no mapping, no token); its
   descriptor is the caller's. ``new_sealed_mapping(name, nbytes)``: the same, mapped read-write
   (descriptor and mapping). ``on_shmem(fd)``: whether a descriptor is the kernel's shared
-  memory (not hugetlbfs, whose missing page is a SIGBUS); with ``seals_of`` what a receiver
-  checks before it maps memory someone else made. ``seals_of(fd)``: the seals a descriptor carries (0 for a file
+  memory (not hugetlbfs, whose missing page is a SIGBUS); with ``seals_of`` and
+  ``unallocated(stat, need)`` (a sparse file's reason, else None) what a receiver checks before
+  it maps memory someone else made. ``seals_of(fd)``: the seals a descriptor carries (0 for a file
   that cannot carry any): what a receiver checks before it maps memory someone else made.
 - ``create_sealed(name, nbytes, token_at)`` (the daemon): refuses ``nbytes`` beyond the memory
   the kernel reports available now (``OSError`` ENOMEM: unlike a tmpfs, a memfd has no size cap
@@ -144,6 +145,18 @@ def on_shmem(fd: int) -> bool:
     if _libc.fstatfs(fd, buf) != 0:
         return False
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _TMPFS_MAGIC
+
+
+def unallocated(st: os.stat_result, need: int) -> str | None:
+    """None when the file of ``st`` has at least ``need`` bytes of pages allocated (its blocks),
+    else the refusal's reason: a copy into a missing page of a shared-memory file allocates it,
+    and on a full tmpfs that is a SIGBUS. (A hole can hide behind pages allocated elsewhere in
+    the file; this catches a file made sparse, not one holed on purpose.)"""
+    have = st.st_blocks * 512
+    if have >= need:
+        return None
+    return (f"only {have} of the {need} bytes needed are allocated (a sparse file: reserve "
+            f"them first, posix_fallocate, or touch every page)")
 
 
 def seals_of(fd: int) -> int:
