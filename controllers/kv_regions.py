@@ -32,6 +32,10 @@ Contract:
 * ``damaged()``: whether a file got shorter than its layers need since it was mapped, or lost
   pages below that (a hole punched), read through a descriptor of the daemon's own (one line
   saying which, else None); the key store refuses such a pool before it copies a byte.
+* ``files``: how many engine files the pool maps (two of the daemon's descriptors each); the
+  key store refuses an attach ``busy`` past ``file_budget()`` files over all clients
+  (``MAX_FILES``, and at most a quarter of the open-file limit: libzmq aborts the daemon when
+  descriptors run out).
 * ``close()`` drops the views and unmaps (idempotent).
 
 Trust: the files must belong to a process of the daemon's own user, and the proof must be
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import secrets
 import stat
 from typing import Any, Callable
@@ -59,6 +64,7 @@ from hicache.core.sealed_memfd import on_shmem, unallocated
 PROOF_BYTES = 16
 ALLOWED_TARGETS = ("/memfd:", "/dev/shm/")
 MAX_POOLS_PER_CLIENT = 64
+MAX_FILES = 4096  # engine files all clients' pools may map at once (at most 1/4 of the fd limit)
 
 
 class EnginePool:
@@ -125,6 +131,12 @@ class EnginePool:
             raise
         ep.nonce = secrets.token_bytes(PROOF_BYTES)
         return ep
+
+    @property
+    def files(self) -> int:
+        """The engine files this pool maps, or will once handed in (each holds two of the
+        daemon's descriptors: the mapping's and the one ``damaged`` reads)."""
+        return len(self.wanted_of_specs())
 
     def wanted_of_specs(self) -> list[int]:
         """The engine's distinct descriptors, in the order its layers first name them."""
@@ -239,6 +251,12 @@ class EnginePool:
                 mm.close()
             except BufferError:  # a view is still referenced somewhere: unmapped when freed
                 pass
+
+
+def file_budget() -> int:
+    """Engine files all clients' key-store pools may map at once (see the module docstring)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return MAX_FILES if soft == resource.RLIM_INFINITY else min(MAX_FILES, soft // 8)
 
 
 def _layer_spec(i: int, x: Any, page_bytes: int) -> tuple[int, int, int]:

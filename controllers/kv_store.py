@@ -44,7 +44,7 @@ from hicache.core.protocol import ProtocolError
 
 from .copy_commands import Reply
 from .kv_l3 import KvL3
-from .kv_regions import MAX_POOLS_PER_CLIENT, ClientPools, EnginePool
+from .kv_regions import MAX_POOLS_PER_CLIENT, ClientPools, EnginePool, file_budget
 from .l3_handlers import deadline_ms
 from .ops import Ids
 from .registry import ClientState
@@ -309,6 +309,14 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
                              layers=h.get("layers"), handed=handed)
     except ValueError as e:
         raise ProtocolError("bad_handle" if pool else "bad_field", str(e)[:300]) from None
+    held = sum(p.files for k in st.registry.clients.values() if k.kv is not None
+               for p in k.kv.pools.values())
+    budget = file_budget()
+    if held + ep.files > budget:
+        ep.close()
+        raise ProtocolError("busy", f"engine pool {name[:64]!r}: its {ep.files} files and the "
+                                    f"{held} all clients' pools map now pass the key store's "
+                                    f"{budget}; detach some first")
     out: dict[str, Any] = {"nonce": ep.nonce.hex(), "proofs": ep.proof_request()}
     if handed:  # the engine hands its files in on the descriptor socket (any pid namespace)
         token = secrets.randbits(64)

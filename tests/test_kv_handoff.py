@@ -242,3 +242,37 @@ def test_an_engine_that_cuts_its_pool_file_is_refused_not_a_sigbus(store: Any, h
     assert d.alive()
     cut.close()
     keep.close()
+
+
+def test_the_key_store_maps_a_bounded_number_of_engine_files(store: Any) -> None:
+    """Each mapped engine file holds two of the daemon's descriptors, and libzmq aborts the
+    process when they run out: past ``file_budget()`` files over all clients (here an eighth
+    of a soft limit lowered to 256: 32), an attach is refused ``busy``, maps nothing and
+    leaves no descriptor; a detach makes room again."""
+    import resource
+
+    from hicache.controllers.kv_regions import MAX_FILES
+
+    d, pools, _ = store
+    layers, pb = _geom(pools, "c4_kv")
+    hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (256, hard))
+    budget = min(MAX_FILES, 256 // 8)
+    per = EnginePool(layers, 2, pb, seed=31)  # one file per layer
+    assert per.spec and len({s["fd"] for s in per.spec}) == layers
+    fit = budget // layers
+    with d.client(name="many-a") as a, d.client(name="many-b") as b:
+        for i in range(fit):
+            (a if i % 2 else b).kv_attach_proven(f"p{i}", NS, pages=2, pool="c4_kv",
+                                                 page_bytes=pb, layers=per.spec)
+        fds = _daemon_fds(d)
+        msg = _refused("busy", lambda: a.kv_attach(f"p{fit}", NS, pages=2, pool="c4_kv",
+                                                   page_bytes=pb, layers=per.spec))
+        assert f"pass the key store's {budget}" in msg, msg
+        assert _daemon_fds(d) == fds
+        assert a.kv_put("p1", ["k"], [0]) == [True]  # the others still work
+        a.kv_detach()
+        b.kv_attach_proven(f"p{fit}", NS, pages=2, pool="c4_kv", page_bytes=pb,
+                           layers=per.spec)
+        assert b.kv_get(f"p{fit}", ["k"], [1]) == [True]
+    per.close()
