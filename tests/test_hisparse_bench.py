@@ -39,7 +39,10 @@ def test_cpu_run_is_verified_and_says_what_it_is():
                                        (("--steps", "0"), "--steps must be positive"),
                                        (("--configs", "32x6"), "powers of two"),
                                        (("--configs", "fast"), "TOKENSxWARPS"),
-                                       (("--read-sweep",), "needs a CUDA device")])
+                                       (("--read-sweep",), "needs a CUDA device"),
+                                       (("--tokens", "3"), "--tokens must be at least 4"),
+                                       (("--slots", "4", "--topk", "8"),
+                                        "--slots (4) must be at least --topk (8)")])
 def test_bad_arguments(args, msg):
     p = _bench(*args)
     assert p.returncode == 2 and msg in p.stderr, p.stderr

@@ -36,3 +36,9 @@ def test_hisparse_demo_verified(impl, steps):
 def test_hisparse_demo_refuses_a_trace():
     p = _demo("--trace", "x.jsonl")
     assert p.returncode == 2 and "--trace does not apply" in p.stderr
+
+
+def test_hisparse_demo_refuses_a_topk_below_two():
+    p = _demo("--hisparse-topk", "1")
+    assert p.returncode == 2 and "--hisparse-topk must be at least 2" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

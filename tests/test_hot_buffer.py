@@ -65,6 +65,9 @@ def _hb():
     (lambda hb: hb.swap_in(0, torch.tensor([-2]), torch.zeros(1, 16, dtype=torch.int64)), "request slot -2"),
     (lambda hb: hb.swap_in(0, torch.tensor([0]), torch.zeros(1, 8, dtype=torch.int64)), "topk must be"),
     (lambda hb: hb.swap_in(0, torch.tensor([0.0]), torch.zeros(1, 16, dtype=torch.int64)), "int64"),
+    # a strided view: the kernel reads element b at data + b, not the view's element b
+    (lambda hb: hb.swap_in(0, torch.tensor([0, 1, -1, 2])[::2],
+                           torch.zeros(2, 16, dtype=torch.int64)), "contiguous"),
     (lambda hb: hb.swap_in(0, torch.zeros(5, dtype=torch.int64) - 1, torch.zeros(5, 16)), "batch of 5"),
     (lambda hb: hb.admit(0, 10, [1]), "already admitted"),
     (lambda hb: hb.admit(1, 100, [1]), "need 2 host pages"),

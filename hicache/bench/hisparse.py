@@ -103,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup < 0 or args.slots < 0:
         raise UsageError("--warmup and --slots must not be negative")
+    if args.tokens < 4:
+        raise UsageError(f"--tokens must be at least 4 (one C4 token), got {args.tokens}")
+    if 0 < args.slots < args.topk:
+        raise UsageError(f"--slots ({args.slots}) must be at least --topk ({args.topk}): a "
+                         f"request's top-k tokens must fit in its device slots")
     check_plot(args.plot)
     import torch
 

@@ -194,8 +194,10 @@ class HotBuffer:
         if not isinstance(layer, int) or not 0 <= layer < self.L:
             raise HotBufferError(f"layer {layer!r} is not an int in [0, {self.L})")
         if not isinstance(req_slots, torch.Tensor) or req_slots.dtype != torch.int64 \
-                or req_slots.dim() != 1:
-            raise HotBufferError("req_slots must be a 1-D int64 tensor")
+                or req_slots.dim() != 1 or (req_slots.numel() > 1 and req_slots.stride(0) != 1):
+            # (the kernel reads row b at req_slots' data + b: a strided view would make it run
+            # on elements these checks never saw)
+            raise HotBufferError("req_slots must be a contiguous 1-D int64 tensor")
         B = req_slots.numel()
         if not 0 < B <= self.B:
             raise HotBufferError(f"batch of {B} rows, the buffer takes 1..{self.B}")
@@ -220,7 +222,8 @@ class HotBuffer:
                 check: bool = True) -> torch.Tensor:
         """Map ``topk [B, K]`` ids of layer ``layer`` to device locations, copying misses in;
         returns this layer's output buffer rows ``[B, K]``. ``check=False`` skips the input
-        checks (they sync the host with the device; use it under CUDA-graph capture)."""
+        checks (they sync the host with the device; use it under CUDA-graph capture, with
+        inputs of the shape the checks passed: ``req_slots`` contiguous)."""
         if check:
             self._check_step(layer, req_slots, topk)
         if self.impl == "reference":

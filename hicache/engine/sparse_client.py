@@ -2,11 +2,12 @@
 (``SparseCommands`` is a mixin of ``hicache.engine.client.Client``), and the engine's own
 mapping of the sparse host region.
 
-* ``sparse_region() -> dict``: the region's ``/proc`` path and token, layers, rows, page bytes,
-  ``min_sparse_prompt_len``.
-* ``map_sparse_region(device) -> SparseShm``: opens that path (the daemon's sealed memfd: this
-  process must run as the daemon's uid in its pid namespace, else an ``OSError`` says so),
-  checks its size and token and maps it; on a GPU it page-locks the mapping
+* ``sparse_region() -> dict``: where to take the region (``fds``, the daemon's descriptor
+  socket) and its token, layers, rows, page bytes, ``min_sparse_prompt_len``.
+* ``map_sparse_region(device) -> SparseShm``: takes the region's sealed memfd from that socket
+  (``SCM_RIGHTS``, to the token its own reply carries: any pid namespace that shares the
+  daemon's network namespace; else an ``OSError`` says why), checks its size and token and
+  maps it; on a GPU it page-locks the mapping
   for ``device`` (``cudaHostRegister``), so the swap-in kernel reads it directly; its
   ``close()`` unpins it (call it once the engine's kernels no longer read it). Its ``layers``
   go to ``HotBuffer(host=...)``.

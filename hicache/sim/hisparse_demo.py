@@ -165,8 +165,10 @@ class _Demo:
 
 def run_hisparse(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--hisparse`` demo (see the module docstring); raises ``UsageError`` on bad input."""
-    if args.hisparse_steps <= 0 or args.hisparse_topk <= 0:
-        raise UsageError("--hisparse-steps and --hisparse-topk must be positive")
+    if args.hisparse_steps <= 0:
+        raise UsageError("--hisparse-steps must be positive")
+    if args.hisparse_topk < 2:  # its first request starts at 2 x top-k - 2 tokens
+        raise UsageError(f"--hisparse-topk must be at least 2, got {args.hisparse_topk}")
     if not 0.0 <= args.overlap <= 1.0:
         raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
     if args.requests is not None and args.requests <= 0:
