@@ -116,8 +116,8 @@ class Releaser:
         sparse: list[int] = []
         sp, region = self.sparse(), None
         if sp is not None:
-            for name in [r for r, e in sp.requests.items() if e.cid == c.cid]:
-                sparse.extend(sp.requests.pop(name).rows)
+            for key in [k for k, e in sp.requests.items() if e.cid == c.cid]:
+                sparse.extend(sp.requests.pop(key).rows)
             if why != "reset":  # taken away now: a later bind gets a new file, never this one
                 region, sparse = sp.detach(c.cid), []
             elif sparse:

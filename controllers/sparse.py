@@ -27,8 +27,9 @@ memory is ``controllers.sparse_regions``: one region (a sealed memfd) per client
   after its own stream wrote the device rows). ``sparse_free`` is refused ``busy`` while a copy
   into the request's rows is in flight; a reaped or unregistered client's requests are freed
   once its operations completed, and its region then goes (``release``).
-* Request names are global to the daemon: another client's request is refused ``not_owner``;
-  an unknown one ``bad_field``.
+* Request names are each client's own: a name another client admitted is unknown here
+  (``bad_field``, as a name nobody admitted), and does not keep this client from admitting
+  it.
 """
 from __future__ import annotations
 
@@ -69,11 +70,10 @@ def _name(h: dict) -> str:
 
 
 def _own(sp: SparseRegions, c: ClientState, r: str) -> SparseRequest:
-    e = sp.requests.get(r)
+    """This client's request ``r`` (names are per client: another client's is unknown here)."""
+    e = sp.requests.get((c.cid, r))
     if e is None:
         raise _err("bad_field", f"unknown sparse request {r[:64]!r}: sparse_admit it first")
-    if e.cid != c.cid:
-        raise _err("not_owner", f"sparse request {r[:64]!r} belongs to another client")
     return e
 
 
@@ -169,7 +169,7 @@ def _prefix_hits(st: Any, sp: SparseRegions, c: ClientState, hits: np.ndarray, n
 def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     sp, r = _region(st), _name(h)
     prompt = h["prompt_tokens"]
-    if r in sp.requests:
+    if (c.cid, r) in sp.requests:
         raise _err("bad_field", f"sparse request {r[:64]!r} is already admitted")
     if prompt < sp.min_prompt:
         raise _err("unsupported", f"prompt of {prompt} tokens is below min_sparse_prompt_len "
@@ -192,7 +192,7 @@ def sparse_admit(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     reg, rows = _take(sp, c, n, r)
     if dev is None and n > k:  # pages no copy fills: zeroed, never an earlier request's bytes
         _zero(reg, rows[k:])
-    e = sp.requests[r] = SparseRequest(c.cid, c4, rows)
+    e = sp.requests[(c.cid, r)] = SparseRequest(c.cid, c4, rows)
     items = []
     if k:  # prefix hits: host memory to host memory, nothing crosses PCIe
         items.append(_item(sp, reg, st.host_tables["c4_kv"], hits, rows[:k], None))
@@ -277,7 +277,7 @@ def sparse_free(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
                            f"(ops {e.ops[:4]}); free it after their acks")
     reg = sp.of(c.cid)
     n = reg.alloc.free(e.rows, (c.cid, r)) if e.rows and reg is not None else 0
-    del sp.requests[r]
+    del sp.requests[(c.cid, r)]
     return {"freed_rows": n}, []
 
 

@@ -24,8 +24,8 @@ Contract:
   copies into it ended: unpinned, memfd closed (the memory goes when the engine's mapping goes
   too). ``drop(cid)`` closes a bound region that holds no row (a client forgotten). A region
   is never handed to another client.
-* ``requests``: sparse requests by name (names are global to the daemon), each with its
-  client. ``used_rows`` / ``free_rows`` / ``allocators()`` cover the bound regions (gauges and
+* ``requests``: sparse requests by (client id, name): each client names its own, and
+  another client's names are unknown to it (neither seen nor taken). ``used_rows`` / ``free_rows`` / ``allocators()`` cover the bound regions (gauges and
   the invariant check). ``close()`` drops every region (daemon stop).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class SparseRegions:
         self.min_prompt, self.max_regions = min_prompt, max_regions
         self.regions: dict[str, ClientRegion] = {}
         self.closing: list[ClientRegion] = []  # detached, open until their copies ended
-        self.requests: dict[str, SparseRequest] = {}
+        self.requests: dict[tuple[str, str], SparseRequest] = {}
         sweep_old_regions(shm_dir)
         self.spare: ClientRegion | None = self._make()
         # the next spare being made off the loop: its thread and what it made (or raised)

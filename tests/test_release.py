@@ -660,7 +660,7 @@ def test_a_reset_frees_its_sparse_rows_in_the_region_they_came_from(tmp_path):
         new = st.sparse.of(c.cid)
         assert new is not old and new.alloc.used_rows == 2
         _copy_ends(st)
-        assert new.alloc.used_rows == 2 and st.sparse.requests["new"].rows == b[0].tolist()
+        assert new.alloc.used_rows == 2 and st.sparse.requests[(c.cid, "new")].rows == b[0].tolist()
         assert old.alloc.used_rows == 0 and old not in st.sparse.closing
         assert HANDLERS["sparse_free"](st, c, {"request": "new"}, [])[0] == {"freed_rows": 2}
         assert st.report(True)["invariants"] == "ok"

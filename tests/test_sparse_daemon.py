@@ -238,7 +238,9 @@ def test_pages_an_admission_does_not_fill_are_zeroed(sparse_daemon):
 
 def test_each_client_has_its_own_region(sparse_daemon):
     """Two engines get two regions: neither maps the other's rows, and one's admissions take
-    nothing from the other's. Another's request is refused ``not_owner``. A dead client's
+    nothing from the other's. Another's request is unknown to it (``bad_field``, as a name
+    nobody admitted: nothing tells it the name is taken), and it may admit the same name for
+    itself. A dead client's
     region goes after its reap; one that unregisters loses its region at once; ``reset``
     keeps it (the engine's mapping stays valid)."""
     from conftest import region_held
@@ -251,15 +253,17 @@ def test_each_client_has_its_own_region(sparse_daemon):
     sa, sb = a.map_sparse_region(), b.map_sparse_region()
     rows_a = a.sparse_admit("mine", 5 * 64 * 4, device_rows=[0, 1, 2, 3, 4])  # 5 of a's 6
     snap_a = [t.clone() for t in sa.layers]
-    for call in (lambda: b.sparse_extend("mine", 5 * 64 * 4), lambda: b.sparse_free("mine")):
+    for call in (lambda: b.sparse_extend("mine", 5 * 64 * 4), lambda: b.sparse_free("mine"),
+                 lambda: b.sparse_free("nobody's")):
         with pytest.raises(CommandRefused) as e:
             call()
-        assert e.value.code == "not_owner" and "another client" in e.value.message
-    rows_b = b.sparse_admit("theirs", 6 * 64 * 4)  # all of b's own region: a's took nothing
+        assert e.value.code == "bad_field" and "unknown sparse request" in e.value.message
+    rows_b = b.sparse_admit("mine", 6 * 64 * 4)  # a's name, b's own request: all of b's region
     assert len(rows_b) == 6 and all(not t.any() for t in sb.layers)  # zeros, never a's KV
     assert all(torch.equal(x, y) for x, y in zip(snap_a, sa.layers)), "a's region changed"
     assert all(bool(t[rows_a].any()) for t in sa.layers)
-    assert b.sparse_free("theirs") == 6
+    assert b.sparse_free("mine") == 6
+    assert a.sparse_extend("mine", 5 * 64 * 4) == rows_a  # a's request is still a's
     b.reset()
     assert b.sparse_region() == ib and region_held(ib)  # (b's first reply's hand-out is left)
     _leave((b, pb))
@@ -478,11 +482,11 @@ def test_free_refused_busy_while_a_copy_is_in_flight(tmp_path):
         st = SimpleNamespace(sparse=region, ops={7: object()})
         alloc = region.bind("eng").alloc
         rows = alloc.alloc(2, ("eng", "r")).tolist()
-        region.requests["r"] = SparseRequest("eng", 100, rows, ops=[7])
+        region.requests[("eng", "r")] = SparseRequest("eng", 100, rows, ops=[7])
         with pytest.raises(ProtocolError) as e:
             sparse_free(st, c, {"request": "r"}, [])
         assert e.value.code == "busy" and "in flight" in e.value.message
-        assert "r" in region.requests and alloc.free_rows == 2
+        assert ("eng", "r") in region.requests and alloc.free_rows == 2
         del st.ops[7]  # the op completed
         assert sparse_free(st, c, {"request": "r"}, [])[0] == {"freed_rows": 2}
         assert alloc.free_rows == 4 and not region.requests
@@ -528,7 +532,7 @@ def test_admit_hands_one_sparse_backup_op_to_the_scheduler(tmp_path):
         assert a.src_ids.list() == [5, 2] and a.dst_ids.list() == rows[:2]
         assert b.src is dev and b.src_ids.list() == [7] and b.dst_ids.list() == rows[2:]
         assert op.nbytes == 3 * pb * 21 == a.nbytes + b.nbytes
-        assert region.requests["r"].ops == [41]
+        assert region.requests[("eng", "r")].ops == [41]
     finally:
         region.close()
 

@@ -106,7 +106,8 @@ class SparseAttacks(TrustAttacks):
                          (), self._expect(BAD_FIELD))]
 
     def k_sparse_foreign_request(self) -> list[Case]:
-        """The attacker extends, frees or re-admits the victim's request."""
+        """The attacker extends or frees the victim's request (names are per client: to it, the
+        victim's name is unknown)."""
         sp, r = self.w.sparse, self.rng.random()
         prompt = sp["prompt"] if sp else 1 << 12
         if r < 0.4:
@@ -116,13 +117,9 @@ class SparseAttacks(TrustAttacks):
                 f.update(device_tokens=0, first=0)
                 frames = [_ids([0, 1])]
             return [self.msg("sparse_foreign_request", "attacker", "sparse_extend", f, frames,
-                             self._expect(NOT_OWNER))]
-        if r < 0.8:
-            return [self.msg("sparse_foreign_request", "attacker", "sparse_free",
-                             {"request": REQUEST}, (), self._expect(NOT_OWNER))]
-        return [self.msg("sparse_foreign_request", "attacker", "sparse_admit",
-                         {"request": REQUEST, "prompt_tokens": prompt}, (),
-                         self._expect(BAD_FIELD))]
+                             self._expect(BAD_FIELD))]
+        return [self.msg("sparse_foreign_request", "attacker", "sparse_free",
+                         {"request": REQUEST}, (), self._expect(BAD_FIELD))]
 
     def k_sparse_foreign_rows(self) -> list[Case]:
         """An admission naming another client's host-tier rows as prefix hits, or rows out of
