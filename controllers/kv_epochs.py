@@ -100,8 +100,9 @@ def _stored(l3: Any, key: str) -> str | None:
     raise L3CallFailed("epoch", f"L3 epoch object {key} refused: it {why}")
 
 
-def _read(key: str, fresh: str) -> Callable[[Any], str]:
-    def call(l3: Any) -> str:
+def _read(key: str, fresh: str) -> Callable[[Any], tuple[str, bool]]:
+    """The stored epoch, and whether this read made it (``fresh``: there was none)."""
+    def call(l3: Any) -> tuple[str, bool]:
         got = _stored(l3, key)
         if got is None:  # none yet (or lost): ``fresh`` unless another writer came first
             l3.put_small(key, encode(fresh), replace=False)
@@ -109,7 +110,8 @@ def _read(key: str, fresh: str) -> Callable[[Any], str]:
             if got is None:
                 raise L3CallFailed("error", f"L3 epoch object {key} is not readable after "
                                             "it was written")
-        return got
+            return got, got == fresh
+        return got, False
     return call
 
 
@@ -135,6 +137,9 @@ class _Ns:
     failed: float = float("-inf")  # when the last read failed otherwise
     clears: int = 0  # this daemon's clears of the namespace in flight
     waiting: list[Waiter] = field(default_factory=list)  # writes waiting for a first epoch
+    # host entries were made while no epoch was known: no later read can tell whether another
+    # daemon's clear came before or after them
+    unanchored: bool = False
 
 
 class Epochs:
@@ -160,6 +165,13 @@ class Epochs:
       flight (their host entries are among those dropped): they go under the epoch the clear
       replaced (``fn(old)``, before its objects' removal is queued), or are dropped
       (``fn(None)``) when there was none; never under the new epoch.
+    * ``entries_made(ns)``: host entries of ``ns`` were just made (a put). Made while no epoch
+      is known, they are *unanchored*: a clear by another daemon may come before or after
+      them, and no read can tell which. So the first read that finds an epoch this daemon did
+      not make itself drops them (``changed(ns, [])``) and drops the writes waiting for it
+      (``fn(None)``): a page put before another daemon's clear is never served or written
+      under the new epoch after it. A first read that made the epoch (there was none, so no
+      clear came before) keeps them.
     * A read that finds another epoch than the one known, and every successful clear, call
       ``changed(ns, old epochs) -> host entries dropped`` before anything else of the
       namespace happens; ``forget(ns)`` is called for a namespace whose idle entry goes (past
@@ -229,6 +241,11 @@ class Epochs:
         else:
             fn(None if e.bad else e.epoch)
 
+    def entries_made(self, ns: str) -> None:
+        e = self._entry(ns)
+        if e.epoch is None:
+            e.unanchored = True
+
     def touch(self, ns: str) -> None:
         now = time.monotonic()
         e = self._entry(ns)
@@ -274,11 +291,14 @@ class Epochs:
                           "writes a new epoch", job.error)
             self._wake(e, None)
             return
-        got: str = job.value
+        got, made = job.value
         if e.epoch is not None and got != e.epoch:  # cleared elsewhere (or the object lost)
             self._changed(ns, [e.epoch])
+        unanchored, e.unanchored = e.unanchored and e.epoch is None and not made, False
+        if unanchored:  # entries and writes made before any epoch was known (see the class)
+            self._changed(ns, [])
         e.epoch, e.checked, e.bad = got, job.t_submit, ""
-        self._wake(e, got)
+        self._wake(e, None if unanchored else got)
 
     @staticmethod
     def _wake(e: _Ns, epoch: str | None) -> None:
@@ -310,7 +330,7 @@ class Epochs:
             self._wake(f, j.value if j.value != new else None)
             olds = [x for x in dict.fromkeys((f.epoch, j.value)) if x is not None and x != new]
             dropped = self._changed(ns, olds)
-            f.epoch, f.checked, f.bad = new, j.t_submit, ""
+            f.epoch, f.checked, f.bad, f.unanchored = new, j.t_submit, "", False
             done(j, dropped)
 
         return self._submit(job, ended, expire)

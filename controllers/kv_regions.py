@@ -34,8 +34,8 @@ Contract:
   saying which, else None); the key store refuses such a pool before it copies a byte.
 * ``files``: how many engine files the pool maps (two of the daemon's descriptors each); the
   key store refuses an attach ``busy`` past ``file_budget()`` files over all clients
-  (``MAX_FILES``, and at most a quarter of the open-file limit: libzmq aborts the daemon when
-  descriptors run out).
+  (``MAX_FILES``, and at most an eighth of the open-file limit, so their descriptors take at
+  most a quarter of it: libzmq aborts the daemon when descriptors run out).
 * ``close()`` drops the views and unmaps (idempotent).
 
 Trust: the files must belong to a process of the daemon's own user, and the proof must be
@@ -64,7 +64,7 @@ from hicache.core.sealed_memfd import on_shmem, unallocated
 PROOF_BYTES = 16
 ALLOWED_TARGETS = ("/memfd:", "/dev/shm/")
 MAX_POOLS_PER_CLIENT = 64
-MAX_FILES = 4096  # engine files all clients' pools may map at once (at most 1/4 of the fd limit)
+MAX_FILES = 4096  # engine files all clients' pools may map at once (``file_budget``)
 
 
 class EnginePool:
@@ -218,9 +218,9 @@ class EnginePool:
             try:
                 got = os.pread(ours, PROOF_BYTES, off)
             except OSError as e:
-                return f"pool {self.name}: fd {fd}: {e.strerror}"
+                return f"pool {self.name[:64]!r}: fd {fd}: {e.strerror}"
             if got != self.nonce:
-                return (f"pool {self.name}: the nonce is not at offset {off} of fd {fd} (this "
+                return (f"pool {self.name[:64]!r}: the nonce is not at offset {off} of fd {fd} (this "
                         f"client did not show it can write that file)")
         return None
 

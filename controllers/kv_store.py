@@ -267,7 +267,7 @@ def _pages(ep: EnginePool, keys: list[str], arrays: Sequence, frame: int,
         raise ProtocolError("bad_rows", f"pages has {pages.size} ids for {len(keys)} keys")
     if pages.size and (pages.min() < 0 or pages.max() >= ep.pages):
         bad = int(pages[(pages < 0) | (pages >= ep.pages)][0])
-        raise ProtocolError("bad_rows", f"page {bad} is out of range for pool {ep.name} "
+        raise ProtocolError("bad_rows", f"page {bad} is out of range for pool {ep.name[:64]!r} "
                                         f"({ep.pages} pages)")
     if distinct and has_duplicates(pages):
         raise ProtocolError("bad_rows", "pages repeats a destination page")
@@ -278,6 +278,8 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     store = store_of(st)
     name, pool, space = h["name"], h.get("pool"), h.get("space")
     ns = _ns(c, h["namespace"])
+    if not name.isprintable():  # it is named in refusals, each one line
+        raise ProtocolError("bad_field", f"name must be printable characters, got {name[:64]!r}")
     pools = c.kv.pools if c.kv is not None else {}
     if name in pools:
         raise ProtocolError("already_registered", f"engine pool {name[:64]!r} is already "
@@ -354,12 +356,12 @@ def _handed_in(st: DaemonState, p: EnginePool) -> str | None:
     why not (one line)."""
     fds = st.handout().take(p.token) if p.token is not None else None
     if fds is None:
-        return (f"pool {p.name}: its descriptors were not handed in (send them to the "
+        return (f"pool {p.name[:64]!r}: its descriptors were not handed in (send them to the "
                 f"descriptor socket the kv_attach reply named, with its token)")
     try:
         p.take_fds(fds)
     except ValueError as e:
-        return f"pool {p.name}: {e} (kv_detach it and attach again)"
+        return f"pool {p.name[:64]!r}: {e} (kv_detach it and attach again)"
     return None
 
 

@@ -13,6 +13,7 @@ Fixture ``dstate`` (the state), and ``with_l3(st)``, ``client(st)``, ``engine_po
 from __future__ import annotations
 
 import collections
+import re
 import time
 from typing import Any
 
@@ -103,8 +104,11 @@ class FakeL3:
                     self._write(job.fmt, rows, self.data[k])
                 job.present.append(int(ok))
             job.hits = sum(job.present)
-        elif job.kind == "remove":
-            pass
+        elif job.kind == "remove":  # regexes, as Mooncake's remove_by_regex takes them
+            for rx in job.keys:
+                gone = [k for k in self.store if re.match(rx, k)]
+                self.store.difference_update(gone)
+                job.written += len(gone)
         job.t_end = time.monotonic()
         self.completed.append(job)
 

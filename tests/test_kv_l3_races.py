@@ -2,6 +2,14 @@
 process and a stand-in tier whose jobs the test runs one at a time (``kv_fake_l3``). Both were
 found by a review helper; each test fails on the code before.
 
+* A daemon that knew no epoch for a namespace when its engine put a page (its tier offline or
+  connecting, or the namespace's first epoch read in flight) cannot tell whether another
+  daemon's clear came before the put: the first read that finds an epoch it did not make drops
+  those pages and their waiting writes (thirty-seventh session; before, they were served, or
+  written under the clear's new epoch). A first read that made the epoch keeps them.
+* An old epoch's removal joins a queued remove job only when no write-through put was
+  submitted after that job, so it never runs ahead of a put under the epoch it collects.
+
 * A ``kv_put`` made while a ``kv_clear`` is in flight and the namespace's first epoch is being
   read (an engine that clears, attaches and puts at start-up): the clear drops the put's host
   entry (its ack counts it), so its L3 object must not appear under the new epoch. On the code
@@ -21,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.controllers.kv_l3 import QUERIES_MAX, object_key
+from hicache.controllers.kv_store import store_of
 
 from kv_fake_l3 import call, client, dstate, engine_pool, ids, pump, with_l3  # noqa: F401
 
@@ -100,3 +109,125 @@ def test_a_put_while_the_tier_connects_submits_nothing(dstate: Any) -> None:
     assert st.kv_store.l3.pinned == 0
     r, _ = call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["b"]})
     assert r["pending"] == [0] and l3.queued == []  # connecting: pending, nothing asked
+
+
+def _other_daemon_clears(st: Any, ns: str, l3: Any) -> str:
+    """Another daemon's ``kv_clear`` on the same store: its upsert of a new epoch."""
+    from hicache.controllers import kv_epochs as E
+    new = E.new_epoch()
+    l3.small[E.epoch_key(st.kv_store.l3.prefix, ns)] = E.encode(new)
+    return new
+
+
+def _get_settled(st: Any, c: Any, l3: Any, key: str) -> dict[str, Any]:
+    for _ in range(4):
+        r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": [key], "pages": 0}, ids([5]))
+        if not r["pending"]:
+            return r
+        l3.run_all()
+        pump(st)
+    raise AssertionError("kv_get still pending")
+
+
+def test_pages_put_offline_do_not_survive_another_daemons_clear(dstate: Any) -> None:
+    """A daemon whose tier was offline (or that started while it was) knew no epoch when its
+    engine put a page; another daemon then cleared the namespace. Once this daemon reads the
+    epoch, the page is gone: nothing can tell whether it came before the clear. On the code
+    before, it was served as a hit for as long as it stayed in the host rows."""
+    st = dstate
+    l3 = with_l3(st)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    l3.online, l3.state = False, "offline"
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([3]))
+    assert r["stored"] == [1]
+    _other_daemon_clears(st, ep.ns, l3)
+    l3.online, l3.state = True, "online"
+    # the first use after the outage may still hit (the clear is not known yet) and starts
+    # the epoch read; once that read ran, the page is gone
+    call(st, c, "kv_get", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([5]))
+    l3.run_all()
+    pump(st)
+    r = _get_settled(st, c, l3, "a")
+    assert r["found"] == [0]
+    assert st.kv_store.l3.epochs.current(ep.ns) is not None
+    assert st.kv_store.summary()["entries"]["page"] == 0
+    assert st.kv_store.l3.pinned == 0 and not st.l3_ops
+
+
+def test_a_put_before_another_daemons_clear_is_not_written_under_its_epoch(dstate: Any) -> None:
+    """The namespace's first epoch read is in flight when the engine puts a page; another
+    daemon's clear lands before that read runs. The waiting write must not go under the epoch
+    the read returns (the clear's): every daemon would read the page put before the clear. On
+    the code before, it did, and this daemon's kv_get found it."""
+    from hicache.controllers import kv_epochs as E
+    st = dstate
+    l3 = with_l3(st)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    store_of(st)
+    key = E.epoch_key(st.kv_store.l3.prefix, ep.ns)
+    l3.small[key] = E.encode(E.new_epoch())  # the namespace's epoch before
+    st.kv_store.l3.touch(ep.ns)  # kv_attach's epoch read, not run yet
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([3]))
+    assert r["stored"] == [1] and [j.kind for j in l3.queued] == ["meta"]
+    new = _other_daemon_clears(st, ep.ns, l3)
+    l3.run_all()
+    pump(st)
+    l3.run_all()
+    pump(st)
+    assert st.kv_store.l3.epochs.current(ep.ns) == new
+    assert object_key(st.kv_store.l3.prefix, ep.ns, new, "c4_kv", "a") not in l3.store
+    assert _get_settled(st, c, l3, "a")["found"] == [0]
+    assert st.kv_store.l3.pinned == 0 and not st.l3_ops
+
+
+def test_a_first_read_that_makes_the_epoch_keeps_the_pages_put_before_it(dstate: Any) -> None:
+    """No epoch stored yet, so no clear came before: pages put while this daemon's read (which
+    makes the namespace's first epoch) was in flight stay, and their write goes under it."""
+    st = dstate
+    l3 = with_l3(st)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    store_of(st)
+    st.kv_store.l3.touch(ep.ns)
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([3]))
+    assert r["stored"] == [1]
+    l3.run_all()
+    pump(st)
+    l3.run_all()
+    pump(st)
+    epoch = st.kv_store.l3.epochs.current(ep.ns)
+    assert object_key(st.kv_store.l3.prefix, ep.ns, epoch, "c4_kv", "a") in l3.store
+    assert _get_settled(st, c, l3, "a")["found"] == [1]
+
+
+def test_a_removal_never_runs_ahead_of_puts_under_the_epoch_it_collects(dstate: Any) -> None:
+    """X is cleared (its old epoch's remove job queued, not run yet), Y gets a page (its
+    write-through put queued after that job), then Y is cleared: Y's old epoch must be removed
+    after that put, not by joining the earlier job (the write queue runs in order). On the code
+    before, it joined it, and the put's object stayed under the collected epoch."""
+    st = dstate
+    l3 = with_l3(st)
+    c = client(st)
+    store_of(st)
+    engine_pool(st, c, "x", "c4_kv", ns="X")
+    ep = engine_pool(st, c, "y", "c4_kv", ns="Y")
+    for name in ("x", "y"):  # both namespaces learn their epoch
+        call(st, c, "kv_exists", {"name": name, "keys": ["zz"]})
+    l3.run_all()
+    pump(st)
+    call(st, c, "kv_clear", {"namespace": "X"})
+    l3.run_all("meta")
+    pump(st)
+    assert [j.kind for j in l3.queued] == ["remove"]
+    call(st, c, "kv_put", {"name": "y", "keys": ["a"], "pages": 0}, ids([1]))
+    old = st.kv_store.l3.epochs.current(ep.ns)
+    call(st, c, "kv_clear", {"namespace": "Y"})
+    l3.run_all("meta")
+    pump(st)
+    assert [j.kind for j in l3.queued] == ["remove", "put", "remove"]
+    l3.run_all()
+    pump(st)
+    assert not [k for k in l3.store if f"/{old}/" in k]
+    assert st.kv_store.l3.gc_waiting == 0 and st.kv_store.l3.pinned == 0 and not st.l3_ops

@@ -211,6 +211,9 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
             _refused("not_registered", c.kv_put, "c4_kv", ["k"], [0])
             spec = dict(layers=ep.spec, pages=4, pool="c4_kv")
             _refused("layout_mismatch", c.kv_attach, "c4_kv", NS, page_bytes=pb + 1, **spec)
+            msg = _refused("bad_field", c.kv_attach, "c4\nFAKE LOG LINE", NS, page_bytes=pb,
+                           **spec)  # a name is quoted in refusals: one line each
+            assert "printable" in msg and "\n" not in msg, msg
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", layers=ep.spec[:-1])
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=5,
