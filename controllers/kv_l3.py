@@ -289,6 +289,7 @@ class KvL3:
         if not stored:
             return
         self.epochs.entries_made(ep.ns)
+        fmt = self.fmt(ep)  # before any row is pinned: a failure here changes nothing
         space = ep.space
         rows = np.asarray([e.row for _, e in stored], dtype=np.int64)
         host = [(space, rows, False)]
@@ -317,7 +318,7 @@ class KvL3:
                 done(L3Job("put", [], misses={why: len(stored)}))
                 return
             job = L3Job("put", [self._key(ep, epoch, k) for k, _ in stored],
-                        [{space: int(r)} for r in rows.tolist()], fmt=self.fmt(ep))
+                        [{space: int(r)} for r in rows.tolist()], fmt=fmt)
             self.puts_after_gc += 1
             self._submit(job, done)
 

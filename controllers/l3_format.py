@@ -14,7 +14,10 @@ Contract:
   object. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
   (1..128 characters of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the
   namespace; a checkpoint lives beside its page under ``<ns>/ck/<page key>`` (a page key holds
-  no ``/``, so the two never collide).
+  no ``/``, so the two never collide). ``tenant``: the client's CURVE key name, whose objects
+  go under ``<ns>/t-<digest of it>/...``: under CURVE, a client key never reads nor writes
+  another key's page objects through the daemon (equal prefixes are then stored once per key;
+  without CURVE, every client of the daemon shares them).
 * ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object
   holds of one row per space. ``pieces(rows)`` gives its (address, size) list, layer by layer,
   straight from the host arena (zero copy); ``checksum(rows)``: per segment and layer the
@@ -89,7 +92,9 @@ def check_page_key(k: Any) -> str | None:
     return None
 
 
-def object_key(ns: str, page_key: str, kind: str = "full") -> str:
+def object_key(ns: str, page_key: str, kind: str = "full", tenant: str | None = None) -> str:
+    if tenant is not None:  # a CURVE client key's own objects (see the module docstring)
+        ns = f"{ns}/t-{hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest()}"
     return f"{ns}/ck/{page_key}" if kind == "ckpt" else f"{ns}/{page_key}"
 
 
@@ -255,8 +260,9 @@ class Objects:
                              f"{self.refused.get(kind, 'unknown kind')}")
         return self.formats[kind]
 
-    def key(self, page_key: str, kind: str) -> str:
-        return object_key(self.ns["full" if kind == "full" else "checkpoints"], page_key, kind)
+    def key(self, page_key: str, kind: str, tenant: str | None = None) -> str:
+        return object_key(self.ns["full" if kind == "full" else "checkpoints"], page_key, kind,
+                          tenant)
 
     def describe(self) -> str:
         return ", ".join(f"{k} {f.obj_bytes:,} B" for k, f in self.formats.items())

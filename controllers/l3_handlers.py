@@ -70,14 +70,14 @@ def _format(st: DaemonState, h: dict) -> F.ObjectFormat:
         raise ProtocolError("bad_field", str(e)) from None
 
 
-def _keys(st: DaemonState, keys: list[str], fmt: F.ObjectFormat) -> list[str]:
+def _keys(st: DaemonState, c: ClientState, keys: list[str], fmt: F.ObjectFormat) -> list[str]:
     if not keys:
         raise ProtocolError("bad_field", "keys is empty")
     for k in keys:
         why = F.check_page_key(k)
         if why is not None:
             raise ProtocolError("bad_field", why)
-    return [st.l3.objects.key(k, fmt.kind) for k in keys]
+    return [st.l3.objects.key(k, fmt.kind, c.key) for k in keys]
 
 
 def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int, writes: bool,
@@ -151,7 +151,7 @@ def _deadline(h: dict) -> float:
 def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
     fmt = _format(st, h)
-    keys = _keys(st, h["keys"], fmt)
+    keys = _keys(st, c, h["keys"], fmt)
     return _start(st, c, L3Job("query", keys, deadline=_deadline(h), fmt=fmt,
                                each=bool(h.get("each", False))), [])
 
@@ -159,7 +159,7 @@ def l3_query(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
 def l3_prefetch(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
     fmt = _format(st, h)
-    keys = _keys(st, h["keys"], fmt)
+    keys = _keys(st, c, h["keys"], fmt)
     deadline = _deadline(h)
     rows, host = _rows(st, c, h, arrays, len(keys), True, fmt)
     return _start(st, c, L3Job("prefetch", keys, rows, deadline, fmt=fmt), host)
@@ -168,6 +168,6 @@ def l3_prefetch(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> R
 def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _l3(st)
     fmt = _format(st, h)
-    keys = _keys(st, h["keys"], fmt)
+    keys = _keys(st, c, h["keys"], fmt)
     rows, host = _rows(st, c, h, arrays, len(keys), False, fmt)
     return _start(st, c, L3Job("put", keys, rows, fmt=fmt), host)

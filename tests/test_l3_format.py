@@ -12,6 +12,8 @@ from hicache.core.layout import build_layout, preset
 from hicache.engine.hooks import page_key
 from hicache.host_pools.group import HostPoolGroup
 
+from kv_fake_l3 import client, dstate, with_l3  # noqa: F401 (fixture)
+
 TINY = build_layout(preset("dsv4-tiny"))
 BASE = {"preset": "dsv4-tiny"}
 
@@ -191,3 +193,29 @@ def test_checkpoint_object_holds_the_swa_tail_and_states_only(swa):
         arena[row] ^= 1
         arena[row + (b - 1) * swa_pool.value_bytes] ^= 1  # the tail's last token is
         assert fmt.checksum({space: 2}) != c0
+
+
+def test_each_curve_key_has_its_own_page_objects(dstate):
+    """Under CURVE a client key's page objects are named under its own segment, so no key
+    reads (prefetch) or plants (put) another key's page objects through the daemon; without
+    CURVE (no key) every client shares them. Checked on the keys of the jobs the handlers
+    queue (a stand-in tier that runs nothing)."""
+    from hicache.controllers import l3_handlers
+
+    st = dstate
+    l3 = with_l3(st)
+    l3.objects = F.Objects(st.layout, st.group)
+    keys = {}
+    for who, key in (("a", "alice"), ("b", "bob"), ("plain", None)):
+        c = client(st, who.encode(), key)
+        l3_handlers.l3_query(st, c, {"keys": ["p1", "p2"], "mirror": "full"}, [])
+        l3_handlers.l3_query(st, c, {"keys": ["p1"], "mirror": "checkpoints", "ckpt": True}, [])
+        keys[who] = [k for j in l3.queued[-2:] for k in j.keys]
+    ns = F.namespace(st.layout, "full")
+    assert keys["plain"][:2] == [F.object_key(ns, "p1"), F.object_key(ns, "p2")]
+    assert keys["plain"][2] == F.object_key(F.namespace(st.layout, "checkpoints"), "p1", "ckpt")
+    for who in ("a", "b"):
+        assert all("/t-" in k and k.endswith(("/p1", "/p2")) for k in keys[who])
+        assert "/ck/p1" in keys[who][2]
+    assert not set(keys["a"]) & set(keys["b"]) and not set(keys["a"]) & set(keys["plain"])
+    assert keys["a"][0].startswith(ns + "/t-")
