@@ -64,6 +64,14 @@ def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 
 
 def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    try:
+        return _register(st, c, h)
+    except ProtocolError as e:  # a worker that is not attached says why in the daemon's log
+        log.info("client %s: register refused (%s): %s", c.cid, e.code, e.message)
+        raise
+
+
+def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:
     if c.worker is not None:
         raise ProtocolError("already_registered", "this client already registered a worker; "
                                          "unregister first")
@@ -114,10 +122,29 @@ def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
     c.worker = RegisteredWorker(h.get("name"), tp_rank, dict(dev_rows), bufs, tables, events,
                                 load_events)
     st.registry.close_intake(c)  # its descriptors are mapped: closed (the mappings stay)
+    _log_registered(st, c, dict(dev_rows))
     c.reaped = None  # registered afresh: the old client's reap is no news any more
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles,
             "heartbeat_timeout": st.heartbeat_timeout}, []
+
+
+def _log_registered(st: DaemonState, c: ClientState, dev_rows: dict[str, int]) -> None:
+    """One INFO line per registered worker, and a WARNING when its device pools hold as many
+    rows as the daemon's host tier in some space: the daemon was sized for smaller pools than
+    the engine made (``--kv-mem`` / ``--device-rows``), and that host tier can only keep pages
+    the device already holds (what ``serve`` refuses at start without ``--force``)."""
+    rows = ", ".join(f"{s}={n}" for s, n in sorted(dev_rows.items()))
+    name = brief(c.worker.name if c.worker is not None else None, 64)
+    log.info("client %s registered worker %s: device rows %s", c.cid, name, rows)
+    small = [s for s in sorted(dev_rows) if st.host_rows.get(s, 0) <= dev_rows[s]]
+    if small:
+        log.warning("client %s: worker %s has as many device rows as the host tier has, or "
+                    "more (%s): the host tier can only keep pages the device already holds; "
+                    "size the daemon as the engine (--kv-mem or --device-rows) or give it more "
+                    "host memory", c.cid, name,
+                    ", ".join(f"{s} {dev_rows[s]} device >= {st.host_rows.get(s, 0)} host"
+                              for s in small))
 
 
 def hand_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:

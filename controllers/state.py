@@ -533,6 +533,9 @@ class DaemonState:
         self.refresh_gauges()
         out = {"device": str(self.device), "clients": len(self.registry.clients),
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
+               # each registered worker's device rows per index space, by client
+               "worker_rows": {c.cid: dict(c.worker.device_rows)
+                               for c in self.registry.clients.values() if c.worker is not None},
                "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
                "channels": len(self.registry.channels),
                "gpu_sharing": gpu_sharing(self.device.index if self.cuda else None)[0],

@@ -673,3 +673,26 @@ def test_wait_layer_of_a_load_said_failed_waits_for_its_ack(daemon_factory):
             with pytest.raises(AckTimeout):
                 c.wait_layer(op, 1, timeout=0.5)
         c.wait_layer(Op(7003, "load", event_set=0, issued=None), 1, timeout=0.5)  # not failed
+
+
+def test_register_is_logged_and_a_worker_bigger_than_the_sizing_is_warned(daemon_factory):
+    """Every register says in the daemon's log who registered with which device rows, or why
+    it was refused; a worker whose device pools hold as many rows as the host tier (the daemon
+    was sized for smaller pools than the engine made) gets a WARNING naming the spaces, and
+    ``stats`` lists each worker's device rows."""
+    d = daemon_factory(device_rows="page=8,swa_page=4,req_slot=4")  # host rows: 16 / 8 / 8
+    big = {"page": 16, "swa_page": 4, "req_slot": 4}
+    with d.client(name="bigger") as c, DevicePools(FLASH, big) as pools:
+        other = build_layout(preset("dsv4-flash"), pp_size=2, pp_rank=1)
+        with DevicePools(other, ROWS) as wrong, pytest.raises(CommandRefused):
+            c.register(wrong)
+        c.register(pools, name="worker-big")
+        s = c.call("stats", {})[0]
+        assert list(s["worker_rows"].values()) == [big]
+        c.unregister()
+    log = d.log_path.read_text()
+    assert "register refused (layout_mismatch)" in log, log[-2000:]
+    assert "registered worker 'worker-big': device rows page=16, req_slot=4, swa_page=4" in log
+    warn = [ln for ln in log.splitlines() if "WARNING" in ln and "worker-big" in ln]
+    assert len(warn) == 1 and "page 16 device >= 16 host" in warn[0], warn
+    assert "swa_page" not in warn[0]
