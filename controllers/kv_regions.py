@@ -220,8 +220,8 @@ class EnginePool:
             except OSError as e:
                 return f"pool {self.name[:64]!r}: fd {fd}: {e.strerror}"
             if got != self.nonce:
-                return (f"pool {self.name[:64]!r}: the nonce is not at offset {off} of fd {fd} (this "
-                        f"client did not show it can write that file)")
+                return (f"pool {self.name[:64]!r}: the nonce is not at offset {off} of fd "
+                        f"{fd} (this client did not show it can write that file)")
         return None
 
     def commit(self) -> None:
