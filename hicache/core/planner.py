@@ -4,7 +4,10 @@ Contract (pure functions over ``hicache.core.layout`` and ``hicache.core.sizes``
 torch):
 
 * ``plan(PlanInputs) -> Plan``. Every figure is exact integer or ``Fraction`` arithmetic, so the
-  same inputs always give the same numbers.
+  same inputs always give the same numbers. ``Plan.warnings``: every stage's warnings (a paged
+  SWA pool too small for its request slots' windows), then the other SWA mode's misfit;
+  ``StagePlan.warnings``: that stage's own, which ``hicache serve`` prints at start for the
+  stage it serves.
 * Per stage, device bytes split in two kinds:
 
   - **token-scaled** bytes per page of 256 full tokens: every pool of index space ``page``
@@ -309,6 +312,7 @@ class StagePlan:
     pages: int | None  # what this stage alone could hold; None = unbounded
     device_rows: dict[str, int] = field(default_factory=dict)
     host_rows: dict[str, int] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # this stage's (``hicache serve`` prints its stage's)
 
     @property
     def token_capacity(self) -> int | None:
@@ -451,8 +455,9 @@ def plan(inputs: PlanInputs) -> Plan:
     for lay, pages in zip(layouts, own):
         dev = device_rows(lay, worker or 0, slots, inputs.swa_ratio)
         host = host_rows(lay, dev, inputs.host_mem, inputs.host_ratio)
-        stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host))
         w = _swa_warning(lay, dev, slots)
+        stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host,
+                                (w,) if w else ()))
         if w:
             warnings.append(w)
     capacity = {inputs.swa_mode: None if worker is None else worker * inputs.model.page_size}
