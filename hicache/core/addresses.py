@@ -4,7 +4,8 @@
   ``cuda0.sock``), or ``/tmp/hicache-$UID/...`` without a runtime dir; the directory is 0700.
 * ``check_address(addr, allow_remote, curve) -> "ipc" | "tcp"``: ``ipc://PATH`` (a filesystem
   path, never abstract) or ``tcp://`` on loopback; any other address needs ``allow_remote``
-  *and* CURVE. ``check_curve(cfg)``: True when both CURVE settings are given and sane.
+  *and* CURVE. IPv6 (``tcp://[::1]:PORT``) is refused: the daemon's and the engines' ZMQ
+  sockets have ``zmq.IPV6`` off, so such an address would fail only after the arena is pinned. ``check_curve(cfg)``: True when both CURVE settings are given and sane.
 Every refusal is a ``UsageError`` naming the setting.
 """
 from __future__ import annotations
@@ -66,7 +67,9 @@ def check_address(addr: str, allow_remote: bool = False, curve: bool = False) ->
         return "ipc"
     if addr.startswith("tcp://"):
         host, _, port = addr[len("tcp://"):].rpartition(":")
-        host = host.strip("[]")
+        if host.startswith("[") or ":" in host:  # ZMQ sockets here have IPv6 off: no bind
+            raise UsageError(f"tcp address {addr!r}: IPv6 addresses are not supported; use "
+                             f"tcp://127.0.0.1:PORT (or an IPv4 address)")
         if not port.isdigit():
             raise UsageError(f"tcp address {addr!r} needs a port, e.g. tcp://127.0.0.1:5577")
         if not 0 < int(port) < 65536:

@@ -257,8 +257,7 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
         if name == "config":  # the old spelling of model_config
             name = "model_config"
         if name not in FIELDS:
-            raise UsageError(f"{source}: unknown setting {key!r}; settings are "
-                             f"{', '.join(sorted(FIELDS))}")
+            raise UsageError(f"{source}: {_unknown_key(key, v)}")
         if v is None:
             continue
         what = ("--" + name.replace("_", "-") if source == "command line" else
@@ -271,6 +270,22 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
             raise UsageError(f"{source}: {e}") from None
         except (ValueError, TypeError) as e:
             raise UsageError(f"{source}: bad value for {what}: {e}") from None
+
+
+def _unknown_key(key: str, value: Any) -> str:
+    """A settings file's key that names no setting, with the nearest name (as ``check_env``
+    does for variables): a table (``[server]``) is held against ``[serve]``, a key against the
+    settings."""
+    if isinstance(value, Mapping):  # a table: [serve], or a setting such as device_rows
+        near = difflib.get_close_matches(key.replace("-", "_"), ["serve", *FIELDS], n=1)
+        if near and near[0] != "serve":
+            return (f"unknown table [{key}] (did you mean {near[0]!r}?); docs/config.md lists "
+                    f"the settings")
+        return (f"unknown table [{key}]{' (did you mean [serve]?)' if near else ''}; settings "
+                f"go at the top level or under [serve] (docs/config.md lists them)")
+    near = difflib.get_close_matches(key.replace("-", "_"), list(FIELDS), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unknown setting {key!r}{hint}; docs/config.md lists the settings"
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -363,17 +378,20 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
     return cfg
 
 
-_FLAG_RE = re.compile(r"--([a-z0-9-]+)")
+# a flag, or the TOML key of a setting that has no flag (``named``)
+_FLAG_RE = re.compile(r"--([a-z0-9-]+)|(?<![A-Za-z0-9_-])(" + "|".join(
+    s.name for s in SETTINGS if not s.flag) + r")(?![A-Za-z0-9_])")
 
 
 def with_source(msg: str, cfg: ServeConfig) -> str:
-    """``msg`` (a check's refusal, naming settings as flags) plus where each setting it names
+    """``msg`` (a check's refusal, naming settings as flags, or as TOML keys where they have
+    no flag: ``named``) plus where each setting it names
     came from, when that is not the command line (a file's key, a HICACHE_* variable): the
     sources ``load_config`` recorded on ``cfg``."""
     sources: Mapping[str, str] = cfg.__dict__.get("sources", {})
     seen = []
     for m in _FLAG_RE.finditer(msg):
-        where = sources.get(m.group(1).replace("-", "_"), "")
+        where = sources.get((m.group(1) or m.group(2)).replace("-", "_"), "")
         if where and not where.startswith("--") and where not in seen:
             seen.append(where)
     return f"{msg} (from {', '.join(seen)})" if seen else msg
@@ -388,6 +406,36 @@ def check_device(text: str) -> None:
     if not _DEVICE_RE.fullmatch(text):
         raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
+
+FLAGLESS = tuple(s.name for s in SETTINGS if not s.flag)  # TOML / environment only
+
+
+def named(name: str) -> str:
+    """How a refusal names setting ``name``: its flag, or for a setting that has none
+    (``FLAGLESS``) its TOML key, which ``with_source`` follows with the file or variable it
+    came from."""
+    return name if name in FLAGLESS else "--" + name.replace("_", "-")
+
+
+def check_shm_dirs(dirs: tuple[str, ...]) -> None:
+    """Refuse ``shm_dirs`` unless each folder is absolute, exists and is writable (and
+    searchable) by this user: the daemon makes its wake-up socket in the first, and without it
+    every engine's shared-memory channel would be refused later, quietly (requests fall back
+    to ZMQ). Checked with the other settings, before anything is allocated."""
+    if not dirs or any(not os.path.isabs(d) for d in dirs):
+        raise UsageError(f"shm_dirs must name one or more absolute folders, ':'-separated; "
+                         f"got {':'.join(dirs)!r}")
+    for d in dirs:
+        if not os.path.exists(d):
+            why = "does not exist"
+        elif not os.path.isdir(d):
+            why = "is not a folder"
+        elif not os.access(d, os.W_OK | os.X_OK):
+            why = "is not writable by this user"
+        else:
+            continue
+        raise UsageError(f"shm_dirs: {d} {why}: the daemon makes its wake-up socket there, "
+                         f"and without it engines get no shared-memory channel")
 
 
 def validate(cfg: ServeConfig) -> None:
@@ -413,8 +461,7 @@ def validate(cfg: ServeConfig) -> None:
     for name in ("tp_size", "pp_size", "max_running", "load_event_sets", "max_clients",
                  "ack_retention"):
         if getattr(cfg, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, "
-                             f"got {getattr(cfg, name)}")
+            raise UsageError(f"{named(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.stage_bounds is not None:
         pp_size_of(cfg.stage_bounds, cfg.pp_size)  # as many bounds as a given --pp-size says
     if not 0 <= cfg.pp_rank < cfg.pp_size:
@@ -429,9 +476,7 @@ def validate(cfg: ServeConfig) -> None:
                                  f"it does not apply to --device-rows")
     refuse_unused(cfg.swa_mode, host_mem=cfg.host_mem is not None,
                   swa_ratio=given(cfg, "swa_full_tokens_ratio"), pages_per_checkpoint=False)
-    if not cfg.shm_dirs or any(not os.path.isabs(d) for d in cfg.shm_dirs):
-        raise UsageError(f"shm_dirs ({ENV_PREFIX}SHM_DIRS) must name one or more absolute "
-                         f"folders, ':'-separated; got {':'.join(cfg.shm_dirs)!r}")
+    check_shm_dirs(cfg.shm_dirs)
     if cfg.host_mem is not None and cfg.host_ratio is not None:
         raise UsageError("give either --host-mem (bytes) or --host-ratio, not both")
     if cfg.host_ratio is not None and not cfg.host_ratio > 0:
@@ -451,7 +496,7 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"--min-sparse-prompt-len must be positive, got "
                          f"{cfg.min_sparse_prompt_len}")
     if not 1 <= cfg.sparse_clients <= cfg.max_clients:
-        raise UsageError(f"--sparse-clients must be 1..{cfg.max_clients} (--max-clients), got "
+        raise UsageError(f"--sparse-clients must be 1..{cfg.max_clients} (max_clients), got "
                          f"{cfg.sparse_clients}")
     if cfg.numa_node not in ("auto", "off") and not cfg.numa_node.isdigit():
         raise UsageError(f"--numa-node must be 'auto', 'off' or a node number, "

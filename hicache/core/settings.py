@@ -96,8 +96,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
             "sparse mode"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
-            "radix cache's default write "
-            "policy for engines of this daemon"),
+            "radix cache's write policy for engines of this daemon that set none"),
     Setting("l3", _L, "off or mooncake [off]"),
     Setting("l3_master", _L, "mooncake_master address HOST:PORT"),
     Setting("l3_metadata", _L, "metadata server URL, e.g. http://127.0.0.1:8080/metadata"),
