@@ -324,8 +324,9 @@ def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path, monkeypatch
         d.send_signal(signal.SIGTERM)
         d.communicate(timeout=60)
     gone = hicache("stats", "--socket", f"ipc://{sock}", "--timeout", "0.5")
-    lines = gone.stderr.strip().splitlines()
-    assert gone.returncode == 1 and len(lines) == 1 and "no daemon answered on" in lines[0]
+    lines = gone.stderr.strip().splitlines()  # the daemon removed its socket: said at once
+    assert gone.returncode == 1 and lines == [f"hicache stats: no socket at {sock} (is the "
+                                              "daemon running?)"]
     assert main(["stats", "--socket", "foo"]) == 2  # a malformed address: one line
     assert capsys.readouterr().err.strip().splitlines() == [
         "hicache stats: error: unsupported socket address 'foo'; use ipc://PATH or "
@@ -433,8 +434,8 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
         load_config({"preset": "dsv4-tiny", "kv_mem": "64MiB", "swa_mode": "ring",  # as plan
                      "swa_full_tokens_ratio": "1/2", "host_ratio": "2"}, env={})
     for dirs in ("", ":", "relative/dir"):
-        with pytest.raises(UsageError, match=r"shm_dirs \(HICACHE_SHM_DIRS\) must name one or "
-                                             r"more absolute folders"):
+        with pytest.raises(UsageError, match=r"shm_dirs must name one or more absolute "
+                                             r"folders.*\(from HICACHE_SHM_DIRS\)"):
             load_config(base, env={"HICACHE_SHM_DIRS": dirs})
     f = tmp_path / "rows.toml"
     f.write_text("[serve]\ndevice_rows = {page = 8.9, swa_page = 4, req_slot = 4}\n")

@@ -13,13 +13,16 @@ A ``HICACHE_*`` variable in the environment that names no setting (a misspelled
 ``hicache.cli.main``): it would otherwise send the probe to another daemon's socket.
 
 Exit status: 0 when the daemon answered (and, with ``--check``, its invariants hold), 1 when
-the check failed, the daemon refused (say, it is shutting down), or no daemon answered within
-``--timeout`` seconds (one line naming the socket); 2 for a malformed address or option.
+the check failed, the daemon refused (say, it is shutting down), no daemon answered within
+``--timeout`` seconds (default 5), or an ``ipc://`` socket's path does not exist (or is no
+socket: reported at once, without the wait) — one line naming the socket; 2 for a malformed
+address or option.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -33,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "HICACHE_DEVICE, else cpu)")
     p.add_argument("--check", action="store_true", help="also run the invariant check (O(rows))")
     p.add_argument("--json", action="store_true", help="print the whole stats reply as JSON")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the daemon (default: 5)")
     p.add_argument("--curve-server-key", help="the daemon's public CURVE key file (a daemon "
                                               "started with --curve-secret-key answers only "
                                               "CURVE clients; with --curve-secret-key)")
@@ -65,6 +69,27 @@ def summary(s: dict[str, Any]) -> str:
 TIMEOUT_MAX_S = 3600.0
 
 
+def _no_socket(address: str) -> str | None:
+    """Why an ``ipc://`` address cannot have a daemon behind it (its path does not exist, or is
+    no socket), else None: the probe then reports at once instead of waiting ``--timeout``. A
+    socket that exists but does not answer (a daemon hung, or killed without removing it) still
+    waits."""
+    import stat
+
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://"):]
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"no socket at {path} (is the daemon running?)"
+    except OSError:  # a folder this user cannot search: let the probe say what it can
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket (no daemon serves it)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
@@ -90,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{address} is not a loopback address: a daemon there answers "
                              f"CURVE clients only; give --curve-server-key and "
                              f"--curve-secret-key") from None
+    missing = _no_socket(address)
+    if missing:  # nothing to wait for: no daemon made this socket (or it is gone)
+        print(f"hicache stats: {missing}", file=sys.stderr)
+        return 1
     try:
         with Client(address, timeout=args.timeout, name="hicache-stats", channel=False,
                     curve_server_key=keys[0], curve_secret_key=keys[1]) as c:
