@@ -65,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hg.add_argument("--host-ratio", type=float, metavar="R",
                     help=f"host pages = R x device pages (default "
                          f"{GENERATOR_DEFAULTS['host_ratio']}; {TRACE_DEFAULTS['host_ratio']} "
-                         "with a trace)")
+                         "with a trace); 1 or less needs --force")
+    m.add_argument("--force", action="store_true",
+                   help="accept --host-ratio 1 or less (a host tier no larger than the device), "
+                        "as serve's --force")
     m.add_argument("--mirror", choices=MIRRORS, default=None,
                    help="checkpoints (default): pages carry compressed rows, SWA tail + states "
                         "only at resume checkpoints; full: every pool of every page (paged SWA)")
@@ -212,6 +215,10 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         if not ratio > 0:
             raise UsageError(f"--host-ratio must be positive, got {ratio}")
         host_pages = int(device_pages * ratio)
+        if ratio <= 1 and not args.force:  # as `hicache serve` refuses it
+            raise UsageError(f"--host-ratio {ratio:g}: the host tier ({host_pages} pages) is no "
+                             f"larger than the device ({device_pages} pages), so it holds "
+                             f"little the device does not; give a ratio above 1, or --force")
     if host_pages <= 0:
         raise UsageError(f"the host tier needs at least one page, got {host_pages}")
     if args.mirror == "checkpoints" and host_ckpts is None:
@@ -434,7 +441,14 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)  # leave the daemon's copy thread a core of its own
     metrics_port = args.metrics_port or _free_port()
-    daemon = _daemon(cfg, metrics_port)
+    demo_metrics = DemoMetrics()
+    try:  # before the daemon starts: a busy port is one line, with nothing to stop
+        demo_port = demo_metrics.serve_http(args.demo_metrics_port or _free_port())
+    except OSError as e:
+        raise UsageError(f"--demo-metrics-port {args.demo_metrics_port}: cannot listen on "
+                         f"127.0.0.1:{args.demo_metrics_port}: {e.strerror or e}") from None
+    # --force: a full mirror's host rows no larger than the device's (checkpoints: always)
+    daemon = _daemon(cfg, metrics_port, ("--force",) if args.force else ())
     client = None
     worker = None
     try:
@@ -444,8 +458,6 @@ def run(args: argparse.Namespace) -> int:
             daemon.start()
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-        demo_metrics = DemoMetrics()
-        demo_port = demo_metrics.serve_http(args.demo_metrics_port or _free_port())
         _err(f"daemon metrics: http://127.0.0.1:{metrics_port}/metrics   worker metrics: "
              f"http://127.0.0.1:{demo_port}/metrics")
         client = Client(daemon.address, timeout=cfg.timeout, name="hicache-demo")
