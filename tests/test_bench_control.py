@@ -37,6 +37,12 @@ def test_short_run_reports_rows_echo_and_ratios():
     # a BACKUP that allocates its own row: one request per backup, each acked with its row
     b = rep["backup_new"]
     assert b["ops"] == 60 and b["round_trips_per_op"] == 1.0 and b["failed"] == 0
+    # progress on stderr, one line per round, side and client count (stdout is the JSON)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("[control] round ")]
+    assert [x.split(" ... ")[0] for x in lines] == [
+        "[control] round 1/1: daemon, 1 client", "[control] round 1/1: echo, 1 client",
+        "[control] round 1/1: daemon, 2 clients", "[control] round 1/1: echo, 2 clients"], p.stderr
+    assert all(" ... done in " in x for x in lines)
 
 
 def test_ratios_are_daemon_over_echo():

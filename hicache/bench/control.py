@@ -18,7 +18,9 @@ each one sent: one round trip. ``--no-echo`` skips the baseline. ``--spin-us`` s
 busy-poll window and gives the echo server the same one, so the ratio stays the daemon's own
 cost. Every client sends over ZMQ (``channel=False``): a busy-polling daemon would grant a local
 client a shared-memory channel (``hicache.core.channel``), which the echo does not have, and the
-ratio would then measure the transport instead of the daemon.
+ratio would then measure the transport instead of the daemon. Progress goes to stderr, one
+line ``[control] round K/R: daemon|echo, N clients ... done in S s (...)`` per run; stdout
+holds the report only.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -350,6 +353,11 @@ def _cpu(row: dict[str, Any], side: str) -> str:
     return "-" if v is None else f"{v:.0f} us/cmd"
 
 
+def _progress(msg: str) -> None:
+    """One progress line on stderr (stdout holds the report, or with ``--json`` the object)."""
+    print(f"[control] {msg}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache.core.errors import UsageError
 
@@ -369,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
     proc = srv = None
     try:
         address, eaddr = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
+        _progress("starting the daemon")
         proc = _start_daemon(address, args.spin_us)
         pid: dict[str, int | None] = {"daemon": proc.pid}
         if not args.no_echo:
@@ -379,6 +388,9 @@ def run(args: argparse.Namespace) -> int:
             if not ready.wait(60):
                 raise RuntimeError("the echo server did not start within 60 s")
             pid["echo"] = srv.pid
+        _progress(f"daemon up; {rounds} round(s) of {', '.join(map(str, counts))} client(s), "
+                  f"{args.warmup} + {args.ops} backups each"
+                  + ("" if args.no_echo else ", daemon and bare echo alternating"))
         for k in range(rounds):
             for n in counts:
                 order = ["daemon", "echo"] if k % 2 == 0 else ["echo", "daemon"]
@@ -386,15 +398,22 @@ def run(args: argparse.Namespace) -> int:
                 for who in order:
                     if who == "echo" and args.no_echo:
                         continue
+                    t0 = time.monotonic()
                     run = _run_clients(_daemon_client if who == "daemon" else _echo_client,
                                        address if who == "daemon" else eaddr, n, args.ops,
                                        args.warmup, pid[who])
                     runs.setdefault((who, n), []).append(run)
                     got[who] = _stats(run)
+                    _progress(f"round {k + 1}/{rounds}: {who}, {n} client{'s' * (n > 1)} ... "
+                              f"done in {time.monotonic() - t0:.1f} s (p50 "
+                              f"{got[who]['p50_us']:.0f} us, {got[who]['commands_per_s']:.0f} "
+                              f"commands/s)")
                 if "echo" in got:
                     per_round.extend(_vs_echo([got["daemon"]], [got["echo"]]))
+        t0 = time.monotonic()
         alloc_run = _run_clients(_alloc_client, address, 1, min(args.ops, 2000), args.warmup,
                                  proc.pid)
+        _progress(f"backup_new, 1 client ... done in {time.monotonic() - t0:.1f} s")
     finally:
         if srv is not None:
             _stop_echo(srv, eaddr)
