@@ -257,13 +257,17 @@ def _print(rep: Mapping[str, Any]) -> None:
         print(f"hicache bench soak: {rep['clients']} clients x {rep['ops_per_client']} operations "
               f"(window {rep['window']}, mix {rep['mix']}, unit {rep['unit']}, 1..{rep['max_rows']}"
               f" rows), device {rep['device']}")
+        # bytes and the split of a client's time are counted by --mix all's client only
+        size = (f", {rep['verified_bytes'] / 1e9:.2f} GB" if rep.get("mix") == "all" else "")
         print(f"  {rep['ops']} operations in {rep['seconds']} s = {rep['ops_per_s']:.0f}/s: "
               f"{rep['backups']} backups, {rep['loads']} loads ({rep['verified_pages']} pages "
-              f"verified, {rep['verified_bytes'] / 1e9:.2f} GB), {rep['swaps']} swaps, "
-              f"{rep['frees']} frees, {rep['allocs']} allocs")
+              f"verified{size}), {rep['swaps']} swaps, {rep['frees']} frees, "
+              f"{rep['allocs']} allocs")
         split = rep.get("client_seconds") or {}
+        where = (", ".join(f"{k} {v} s" for k, v in split.items()) if split else
+                 "not split (--mix all splits it, and counts the bytes verified)")
         print(f"  clients set up in {rep.get('client_setup_s')} s (not timed); a client's time: "
-              + ", ".join(f"{k} {v} s" for k, v in split.items()))
+              f"{where}")
         print(f"  lost acks {rep['lost_acks']}, failed ops {rep['failed_ops']}, corrupted pages "
               f"{rep['corrupted_pages']}, refused {rep['refused']}")
         print(f"  daemon RSS {rep['rss_warm_mib']} MiB after {rep['warmup_fraction']:.0%} -> "
