@@ -1,0 +1,264 @@
+"""What an operator's review (CPU mode) found rough: each now refused or reported in one line.
+
+* ``shm_dirs`` that does not exist or is not writable is refused at start-up, before anything
+  is allocated (it used to pass, and every engine then lost its shared-memory channel).
+* ``--socket tcp://[::1]:PORT`` is refused by the address check (it used to pin the arena, then
+  fail "No such device").
+* Settings without a flag are named by their TOML key (and where they came from), never as a
+  flag that does not exist; a mistyped TOML key or table gets the nearest name; ``serve -h``
+  shows ``--write-policy``'s default.
+* ``hicache stats`` on an ipc path with no socket reports at once; ``stats -h`` shows the
+  timeout's default.
+* ``hicache demo``: a busy ``--demo-metrics-port`` and a ``--host-ratio`` of 1 or less (without
+  ``--force``) are one usage line.
+* ``bench soak``'s report says what it counts; the Grafana Process row filters as the others.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.core import config
+from hicache.core.config import check_address, load_config
+from hicache.core.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4", "host_ratio": "2"}
+
+
+def _cli(*argv: str, env: dict | None = None, timeout: float = 60
+         ) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "hicache.cli", *argv], cwd=str(ROOT), env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------- 1. shm_dirs
+def test_shm_dirs_that_do_not_exist_or_are_no_folder_are_refused(tmp_path):
+    with pytest.raises(UsageError) as e:
+        load_config(ROWS, env={"HICACHE_SHM_DIRS": "/nonexistent-hicache"})
+    assert str(e.value) == ("shm_dirs: /nonexistent-hicache does not exist: the daemon makes "
+                            "its wake-up socket there, and without it engines get no "
+                            "shared-memory channel (from HICACHE_SHM_DIRS)")
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(UsageError, match=re.escape(f"shm_dirs: {f} is not a folder")):
+        load_config(ROWS, env={"HICACHE_SHM_DIRS": f"{tmp_path}:{f}"})  # each folder
+    toml = tmp_path / "s.toml"
+    toml.write_text(f'shm_dirs = ["{tmp_path}/gone"]\n')
+    with pytest.raises(UsageError, match=re.escape(f"(from shm_dirs in config file {toml})")):
+        load_config(ROWS, str(toml), env={})
+    assert load_config(ROWS, env={"HICACHE_SHM_DIRS": str(tmp_path)}).shm_dirs == (
+        str(tmp_path),)
+
+
+def test_a_shm_dir_this_user_cannot_write_is_refused(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    # (root writes anywhere mode bits say it cannot: ask access() the way a plain user would)
+    monkeypatch.setattr(config.os, "access",
+                        lambda p, m, *a, **k: False if str(p) == str(ro) else real(p, m, *a, **k))
+    with pytest.raises(UsageError, match=re.escape(f"shm_dirs: {ro} is not writable by this "
+                                                   "user")):
+        load_config(ROWS, env={"HICACHE_SHM_DIRS": str(ro)})
+
+
+def test_serve_refuses_a_bad_shm_dir_before_it_allocates(tmp_path):
+    """A host tier larger than any machine: had the arena come first, this would say "cannot
+    allocate"; the folder is refused before, in one line, exit 2."""
+    r = _cli("serve", "--preset", "dsv4-tiny", "--kv-mem", "64MiB", "--host-mem", "64TiB",
+             "--socket", f"ipc://{tmp_path}/d.sock", env={"HICACHE_SHM_DIRS": "/nonexistent"})
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [
+        "hicache serve: error: shm_dirs: /nonexistent does not exist: the daemon makes its "
+        "wake-up socket there, and without it engines get no shared-memory channel (from "
+        "HICACHE_SHM_DIRS)"]
+
+
+# ----------------------------------------------------------------------- 2. IPv6 tcp
+@pytest.mark.parametrize("addr", ["tcp://[::1]:5599", "tcp://[fe80::1]:5599", "tcp://::1:5599"])
+def test_ipv6_tcp_addresses_are_refused_naming_127_0_0_1(addr):
+    with pytest.raises(UsageError, match=re.escape("IPv6 addresses are not supported; use "
+                                                   "tcp://127.0.0.1:PORT")):
+        check_address(addr, allow_remote=True, curve=True)
+    with pytest.raises(UsageError, match="IPv6"):
+        load_config({**ROWS, "socket": addr}, env={})
+    assert check_address("tcp://127.0.0.1:5599") == "tcp"
+
+
+def test_serve_refuses_ipv6_before_it_allocates(tmp_path):
+    r = _cli("serve", "--preset", "dsv4-tiny", "--kv-mem", "64MiB", "--host-mem", "64TiB",
+             "--socket", "tcp://[::1]:19461")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "IPv6 addresses are not supported; use tcp://127.0.0.1:PORT" in r.stderr
+
+
+# ----------------------------------------------------------------------- 3. names
+@pytest.mark.parametrize("name, value", [("max_clients", "0"), ("ack_retention", "-1"),
+                                         ("load_event_sets", "0")])
+def test_a_setting_without_a_flag_is_named_by_its_key_and_source(name, value, tmp_path):
+    env = f"HICACHE_{name.upper()}"
+    with pytest.raises(UsageError) as e:
+        load_config(ROWS, env={env: value})
+    assert str(e.value) == f"{name} must be positive, got {value} (from {env})"
+    f = tmp_path / "s.toml"
+    f.write_text(f"{name} = {value}\n")
+    with pytest.raises(UsageError) as e:
+        load_config(ROWS, str(f), env={})
+    assert str(e.value) == f"{name} must be positive, got {value} (from {name} in config file {f})"
+    assert "--" + name.replace("_", "-") not in str(e.value)
+
+
+def test_sparse_clients_names_max_clients_by_its_key():
+    with pytest.raises(UsageError) as e:
+        load_config({**ROWS, "sparse_rows": "4", "sparse_clients": "9"},
+                    env={"HICACHE_MAX_CLIENTS": "8"})
+    assert str(e.value) == ("--sparse-clients must be 1..8 (max_clients), got 9 (from "
+                            "HICACHE_MAX_CLIENTS)")
+
+
+@pytest.mark.parametrize("text, msg", [
+    ('host_mme = "1GiB"\n', "unknown setting 'host_mme' (did you mean 'host_mem'?); "
+                            "docs/config.md lists the settings"),
+    ('[serve]\nhost-mme = "1GiB"\n', "unknown setting 'host-mme' (did you mean 'host_mem'?)"),
+    ('[server]\nhost_mem = "1GiB"\n', "unknown table [server] (did you mean [serve]?); "
+                                      "settings go at the top level or under [serve]"),
+    ('[device_row]\npage = 8\n', "unknown table [device_row] (did you mean 'device_rows'?)"),
+    ('zzqx = 1\n', "unknown setting 'zzqx'; docs/config.md lists the settings"),
+])
+def test_a_mistyped_toml_key_or_table_gets_the_nearest_name(text, msg, tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    with pytest.raises(UsageError) as e:
+        load_config(ROWS, str(f), env={})
+    assert msg in str(e.value) and "host_ratio, " not in str(e.value), str(e.value)  # no dump
+
+
+def test_serve_help_shows_the_write_policy_default(capsys):
+    from hicache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    m = re.search(r"--write-policy POLICY (.*?)(--|$)", out)
+    assert m and "(default: write_through)" in m.group(1), out
+
+
+# ----------------------------------------------------------------------- 4. stats
+def test_stats_on_a_missing_ipc_socket_says_so_at_once(tmp_path, capsys):
+    from hicache.cli import main
+
+    t0 = time.monotonic()
+    assert main(["stats", "--socket", f"ipc://{tmp_path}/none.sock", "--timeout", "5"]) == 1
+    assert time.monotonic() - t0 < 2.0  # not the 5 s timeout
+    assert capsys.readouterr().err.splitlines() == [
+        f"hicache stats: no socket at {tmp_path}/none.sock (is the daemon running?)"]
+    f = tmp_path / "plain"
+    f.write_text("")
+    assert main(["stats", "--socket", f"ipc://{f}", "--timeout", "5"]) == 1
+    assert capsys.readouterr().err.strip() == f"hicache stats: {f} is not a socket (no daemon " \
+                                              "serves it)"
+
+
+def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):
+    from hicache.cli import main
+
+    path = tmp_path / "mute.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))  # a socket file nothing answers on (a hung or killed daemon's)
+    try:
+        t0 = time.monotonic()
+        assert main(["stats", "--socket", f"ipc://{path}", "--timeout", "0.5"]) == 1
+        assert time.monotonic() - t0 >= 0.45
+    finally:
+        s.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"hicache stats: no daemon answered on ipc://{path} within 0.5 s"]
+
+
+def test_stats_help_shows_the_timeout_default(capsys):
+    from hicache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["stats", "-h"])
+    assert "(default: 5)" in " ".join(capsys.readouterr().out.split())
+
+
+# ----------------------------------------------------------------------- 5. demo
+def test_demo_refuses_a_busy_demo_metrics_port_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = _cli("demo", "--device", "cpu", "--requests", "5", "--progress-seconds", "0",
+                 "--demo-metrics-port", str(port), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "starting daemon" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"hicache demo: error: --demo-metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use"]
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "1"])
+def test_demo_refuses_a_host_tier_no_larger_than_the_device(ratio, capsys):
+    from hicache.cli import main
+
+    assert main(["demo", "--dry", "--requests", "5", "--host-ratio", ratio]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"hicache demo: error: --host-ratio {ratio}: the host tier ("), err
+    assert "no larger than the device (128 pages)" in err[0] and "--force" in err[0]
+
+
+def test_demo_host_ratio_below_one_with_force_runs(capsys):
+    from hicache.cli import main
+
+    assert main(["demo", "--dry", "--requests", "5", "--host-ratio", "0.5", "--force",
+                 "--progress-seconds", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["host_pages"] == 64
+
+
+# ----------------------------------------------------------------------- 7. soak's report
+def _soak_rep(mix: str) -> dict:
+    return {"bench": "soak", "clients": 2, "ops_per_client": 10, "window": 4, "mix": mix,
+            "unit": "c128_kv", "max_rows": 4, "device": "cpu", "ops": 20, "seconds": 1.0,
+            "ops_per_s": 20.0, "backups": 8, "loads": 6, "verified_pages": 12,
+            "verified_bytes": 0 if mix == "page" else 3_000_000_000, "swaps": 0, "frees": 3,
+            "allocs": 3, "client_setup_s": 1.2,
+            "client_seconds": {} if mix == "page" else {"loop": 0.9, "calls": 0.5},
+            "lost_acks": 0, "failed_ops": 0, "corrupted_pages": 0, "refused": 0,
+            "rss_warm_mib": 10, "warmup_fraction": 0.2, "rss_end_mib": 10,
+            "rss_growth_pct": 0.0, "rss_curve_mib": [10], "daemon_tracebacks": 0, "ok": True}
+
+
+def test_soak_report_says_what_the_default_mix_does_not_count(capsys):
+    from hicache.bench.soak import _print
+
+    _print(_soak_rep("page"))
+    out = capsys.readouterr().out
+    assert "GB" not in out and "(12 pages verified)" in out, out
+    assert re.search(r"a client's time: \S", out), out  # never an empty field
+    assert "--mix all" in out
+    _print(_soak_rep("all"))
+    out = capsys.readouterr().out
+    assert "12 pages verified, 3.00 GB" in out and "a client's time: loop 0.9 s, calls 0.5 s" in out
+
+
+# ----------------------------------------------------------------------- 8. Grafana
+def test_grafana_process_panels_filter_only_on_instance():
+    with open(ROOT / "grafana" / "daemon.json", encoding="utf-8") as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    process = [e for e in exprs if "process_" in e]
+    assert len(process) == 5
+    for e in exprs:
+        assert "job=" not in e and 'instance=~"$instance"' in e, e
