@@ -6,7 +6,9 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
 * ``load_store_class()`` imports the Mooncake client or raises ``UsageError`` with one line
   naming what to install (the daemon refuses ``--l3 mooncake`` at start without it).
 * A connector thread runs ``setup`` against the master and the metadata server, registers the
-  whole host arena and two header slabs for zero-copy transfers, and marks the tier online.
+  whole host arena and two header slabs for zero-copy transfers, and marks the tier online;
+  the first ``setup`` logs the addresses Mooncake opened listeners on (loopback when the
+  daemon runs under the bind shim: ``hicache serve`` arranges it, docs/l3.md).
   Before each ``setup`` it checks that both accept a TCP connection (``unreachable``): Mooncake's
   ``setup`` holds the GIL while it retries a master that is down (~90 s), which would stop the
   whole daemon. A failed attempt marks the tier offline (state ``connecting`` only until then).
@@ -126,6 +128,16 @@ def unreachable(s: L3Settings) -> str | None:
     return None
 
 
+def _listening() -> list[str] | None:
+    """This process's listening TCP addresses (``l3_master.own_listeners``), None if unread."""
+    from hicache.engine.l3_master import own_listeners
+
+    try:
+        return own_listeners()
+    except (OSError, ValueError):
+        return None
+
+
 class L3CallFailed(Exception):
     """A ``meta`` job's Mooncake call failed: ``why`` is its miss reason (``offline``, ``full``,
     ``error``, or the caller's own, e.g. ``epoch``), ``message`` one line naming the key."""
@@ -228,6 +240,7 @@ class MooncakeL3:
             self._last_down = down
             self.state = "offline"  # a kv key it has not seen is a miss, not pending
             return False
+        before = _listening()
         store = self.store_class()
         rc = store.setup(s.local_host, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
                          s.rdma_devices, s.master)
@@ -249,6 +262,9 @@ class MooncakeL3:
                 raise UsageError(f"L3: Mooncake refused to register {n} bytes at {ptr:#x} "
                                  f"(code {rc})")
         self.store = store
+        opened = sorted(set(_listening() or ()) - set(before or ()))
+        if before is not None and opened:  # the ports the summary could not know yet
+            log.info("L3: Mooncake listens on %s", ", ".join(opened))
         return True
 
     def _connector(self) -> None:

@@ -5,7 +5,10 @@ flags are built from ``hicache.core.config.SETTINGS`` (docs/config.md has the ta
 ``HICACHE_*`` variable that names no setting, a setting given (even at its default) where it does
 not apply, and an abbreviated flag are refused. The daemon
 checks ports, socket folder, NUMA node and thread counts before it allocates, then pins the
-whole host pool, so an overcommit fails at start-up. Every refusal is one line
+whole host pool, so an overcommit fails at start-up. The planner's warnings for the served
+stage are printed (``hicache serve: warning: ...`` on stderr), not refused. With ``--l3
+mooncake`` and a loopback ``--l3-local-host`` the process first executes itself again with the
+loopback bind shim preloaded (``_loopback_mooncake``). Every refusal is one line
 ``hicache serve: error: ...`` and exit status 2.
 
 Stopping: SIGINT, SIGTERM or SIGHUP drain in-flight transfers, close the socket and unmap the
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     flags: dict[str, Any] = {s.name: getattr(args, s.name, None) for s in SETTINGS}
     cfg = load_config(flags, getattr(args, "config_file", None))
+    _loopback_mooncake(cfg)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code = serve(cfg)
@@ -61,6 +65,27 @@ def run(args: argparse.Namespace) -> int:
 
     lifecycle.exit_now(code)  # everything is released: skip the interpreter's slow teardown
     return code
+
+
+def _loopback_mooncake(cfg: Any) -> None:
+    """``--l3 mooncake`` with a loopback ``--l3-local-host``: Mooncake binds its client's
+    listeners to every interface whatever it is told (docs/l3.md), so this process executes
+    itself once more, same arguments, with the loopback bind shim preloaded
+    (``l3_master.daemon_exec_env``), before anything is allocated. The summary says where
+    Mooncake listens (``l3_master.listen_note``), also when the shim could not be applied."""
+    if cfg.l3 != "mooncake":
+        return
+    from hicache.engine import l3_master
+
+    env = l3_master.daemon_exec_env(cfg.l3_local_host, os.environ)
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+    except OSError as e:
+        l3_master.shim_problem = f"cannot execute {sys.executable} again: {e.strerror}"
 
 
 def _set_dumpable(on: bool) -> str:

@@ -18,6 +18,11 @@ Contract:
   an outage; ``capacity()`` reads the master's metric); ``keys()``: every object key the
   master holds; ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
   ``master_addr``, ``metadata_url``; ``close()`` stops both.
+* For ``hicache serve --l3 mooncake``: ``daemon_exec_env(local_host, environ)``, the variables
+  under which it executes itself once more so that a loopback ``--l3-local-host`` puts
+  Mooncake's listeners on that address (the shim, rewriting only binds made by Mooncake's
+  libraries); ``listen_note(local_host)``, the summary's phrase saying where they listen;
+  ``own_listeners()``, this process's listening TCP addresses.
 * ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
   (from ``ss -ltnpH``); ``non_loopback(listeners)`` keeps those not on a loopback address.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import ipaddress
 import os
 import re
 import shutil
@@ -38,7 +44,9 @@ from pathlib import Path
 from typing import Mapping
 
 _SHIM_C = r"""
-/* hicache: rewrite wildcard bind() addresses to HICACHE_BIND_ADDR (default 127.0.0.1). */
+/* hicache: rewrite wildcard bind() addresses to HICACHE_BIND_ADDR = ADDR[@PATH] (default
+   127.0.0.1); with @PATH, only binds called from code loaded from a file whose path contains
+   PATH (Mooncake's libraries: the daemon's own listeners keep the addresses they were given). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -47,13 +55,28 @@ _SHIM_C = r"""
 #include <string.h>
 #include <sys/socket.h>
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+static int caller_in(const void *caller, const char *path) {
+    Dl_info info;
+    if (!path || !*path) return 1;
+    if (!dladdr(caller, &info) || !info.dli_fname) return 0;
+    return strstr(info.dli_fname, path) != NULL;
+}
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
     static bind_fn real;
     if (!real) real = (bind_fn)dlsym(RTLD_NEXT, "bind");
-    const char *want = getenv("HICACHE_BIND_ADDR");
+    const char *env = getenv("HICACHE_BIND_ADDR");
+    char want[64] = "127.0.0.1";
+    const char *only = NULL;
     struct in_addr v4;
-    if (!want || !*want) want = "127.0.0.1";
+    if (env && *env) {
+        size_t n = strcspn(env, "@");
+        if (n >= sizeof want) return real(fd, addr, len);
+        memcpy(want, env, n);
+        want[n] = 0;
+        if (env[n] == '@') only = env + n + 1;
+    }
     if (!addr || inet_pton(AF_INET, want, &v4) != 1) return real(fd, addr, len);
+    if (!caller_in(__builtin_return_address(0), only)) return real(fd, addr, len);
     if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
         struct sockaddr_in a;
         memcpy(&a, addr, sizeof a);
@@ -114,6 +137,108 @@ def loopback_env() -> dict[str, str]:
     return {"LD_PRELOAD": bind_shim(), "HICACHE_BIND_ADDR": "127.0.0.1",
             "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING",
             "GLOG_minloglevel": "1"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an ``--l3-local-host``) is ``localhost`` or an IPv4 loopback address:
+    the addresses the bind shim can bind Mooncake's listeners to (it rewrites to IPv4)."""
+    if host == "localhost":
+        return True
+    try:
+        a = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return a.version == 4 and a.is_loopback
+
+
+def shim_loaded() -> str | None:
+    """Path of the bind shim mapped into this process (preloaded at exec), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    m = re.search(r"(/\S*/bind_loopback-[0-9a-f]+\.so)$", maps, re.M)
+    return m.group(1) if m else None
+
+
+shim_problem: str | None = None  # why ``daemon_exec_env`` could not apply the shim (summary)
+
+
+def daemon_exec_env(local_host: str, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The variables under which ``hicache serve --l3 mooncake`` executes itself again so that
+    Mooncake's wildcard listeners bind ``local_host`` (a loopback address: a peer on another
+    host could not reach a client that advertises it anyway): the shim preloaded, and
+    ``HICACHE_BIND_ADDR=ADDR@<the mooncake package's folder>``, so only binds called from
+    Mooncake's libraries (``mooncake/``, ``mooncake_*.libs/``) are rewritten and the daemon's
+    own listeners (metrics, a tcp socket) keep the addresses they were given. None when there is
+    nothing to do: not loopback, no Mooncake wheel (the daemon refuses ``--l3`` then), the shim
+    already loaded (e.g. under ``loopback_env()``), or it was preloaded and did not load, or it
+    cannot be built (then ``shim_problem`` says why)."""
+    global shim_problem
+    d = mooncake_dir()
+    if not is_loopback(local_host) or d is None or shim_loaded():
+        return None
+    try:
+        so = bind_shim()
+    except RuntimeError as e:
+        shim_problem = str(e)
+        return None
+    pre = environ.get("LD_PRELOAD", "")
+    if so in pre.replace(":", " ").split():  # this process was started with it: no loop
+        shim_problem = f"LD_PRELOAD names {so} but it did not load"
+        return None
+    addr = "127.0.0.1" if local_host == "localhost" else local_host
+    return {"LD_PRELOAD": f"{so} {pre}".strip(), "HICACHE_BIND_ADDR": f"{addr}@{d}",
+            "MC_TCP_BIND_ADDRESS": environ.get("MC_TCP_BIND_ADDRESS") or addr}
+
+
+def listen_note(local_host: str) -> str:
+    """Where this process's Mooncake client listens, in one phrase (the daemon's summary)."""
+    if shim_loaded():
+        env = os.environ.get("HICACHE_BIND_ADDR") or ""
+        addr = env.split("@", 1)[0] or "127.0.0.1"
+        return f"Mooncake listens on {addr} only (loopback bind shim)"
+    if is_loopback(local_host):
+        why = shim_problem or "the loopback bind shim is not loaded"
+        return (f"Mooncake listens on all interfaces (0.0.0.0 and [::]) although "
+                f"--l3-local-host {local_host} is loopback: {why}")
+    return (f"Mooncake listens on all interfaces (0.0.0.0 and [::], its own binding; "
+            f"--l3-local-host {local_host} is not IPv4 loopback): restrict access with the "
+            f"network")
+
+
+def own_listeners() -> list[str]:
+    """Addresses of this process's listening TCP sockets (``/proc/self/net/tcp{,6}``)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            col = row.split()
+            if len(col) < 10 or col[3] != "0A" or col[9] not in mine:  # 0A: LISTEN
+                continue
+            host, port = col[1].split(":")
+            raw = bytes.fromhex(host)
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(words)
+            if ip.version == 4:
+                out.append(f"{ip}:{int(port, 16)}")
+            else:  # as ss writes them: [::ffff:127.0.0.1]
+                mapped = ip.ipv4_mapped
+                out.append(f"[{'::ffff:' + str(mapped) if mapped else ip}]:{int(port, 16)}")
+    return out
 
 
 def free_port() -> int:

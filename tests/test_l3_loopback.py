@@ -1,0 +1,81 @@
+"""``hicache serve --l3 mooncake`` keeps Mooncake's listeners on loopback by itself when
+``--l3-local-host`` is loopback (the default): Mooncake binds its client's handshake and data
+listeners to 0.0.0.0 / [::] whatever it is told, so the daemon executes itself again under the
+bind shim (``l3_master.daemon_exec_env``), which rewrites only Mooncake's binds. Real
+``mooncake_master`` and storage member on 127.0.0.1; the daemon gets no ``loopback_env()``.
+The summary says where Mooncake listens."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hicache.engine import l3_master
+
+from conftest import start_daemon
+
+pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
+                                reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
+ROWS_FLAG = "page=8,swa_page=8,req_slot=4"
+
+
+@pytest.fixture(scope="module")
+def store():
+    s = l3_master.LocalStore(segment="64MB").start()
+    yield s
+    s.close()
+
+
+def _online(d, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with d.client(name="probe", timeout=5) as c:
+        while time.monotonic() < deadline:
+            if c.stats()["l3"]["online"]:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"L3 never came online\n{d.output(tail=4000)}")
+
+
+def _daemon(tmp_path, store, *extra: str):
+    return start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG,
+                        extra=("--l3", "mooncake", "--l3-master", store.master_addr,
+                               "--l3-metadata", store.metadata_url, *extra),
+                        env={"LD_PRELOAD": "", "HICACHE_BIND_ADDR": ""})
+
+
+def test_the_daemon_binds_mooncake_to_loopback_by_itself(tmp_path, store):
+    store.wait_mounted()
+    d = _daemon(tmp_path, store)
+    try:
+        _online(d)
+        found = l3_master.listeners([d.pid])
+        out = d.output()
+        metrics = [a for _, a in found if a.endswith(f":{d.metrics_port}")]
+        assert len(found) >= len(metrics) + 2, (found, out)  # Mooncake's handshake and data
+        assert l3_master.non_loopback(found) == [], (found, out)
+        assert "Mooncake listens on 127.0.0.1 only (loopback bind shim)" in out, out
+        assert "L3: Mooncake listens on 127.0.0.1:" in out, out  # the ports, once set up
+    finally:
+        d.close()
+
+
+def test_the_shim_leaves_the_daemons_own_listeners_as_asked(tmp_path, store):
+    """``--metrics-addr 0.0.0.0`` is the operator's choice: only Mooncake's binds move."""
+    store.wait_mounted()
+    d = _daemon(tmp_path, store, "--metrics-addr", "0.0.0.0")
+    try:
+        _online(d)
+        found = [a for _, a in l3_master.listeners([d.pid])]
+        assert f"0.0.0.0:{d.metrics_port}" in found, found
+        rest = [(d.pid, a) for a in found if not a.endswith(f":{d.metrics_port}")]
+        assert len(rest) >= 2 and l3_master.non_loopback(rest) == [], found
+    finally:
+        d.close()
+
+
+def test_a_non_loopback_local_host_keeps_mooncakes_binding_and_says_so():
+    assert l3_master.daemon_exec_env("10.0.0.7", {}) is None
+    note = l3_master.listen_note("10.0.0.7")
+    assert note.startswith("Mooncake listens on all interfaces") and "10.0.0.7" in note, note
+    # not under the shim (this test process): a loopback host says why it is not applied
+    assert "although --l3-local-host 127.0.0.1 is loopback" in l3_master.listen_note("127.0.0.1")
