@@ -690,6 +690,9 @@ def test_register_is_logged_and_a_worker_bigger_than_the_sizing_is_warned(daemon
         c.register(pools, name="worker-big")
         s = c.call("stats", {})[0]
         assert list(s["worker_rows"].values()) == [big]
+        from hicache.cli.stats import summary
+        assert f"worker {next(iter(s['worker_rows']))}: device rows page=16, req_slot=4, " \
+            "swa_page=4" in summary(s)
         c.unregister()
     log = d.log_path.read_text()
     assert "register refused (layout_mismatch)" in log, log[-2000:]

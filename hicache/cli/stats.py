@@ -50,6 +50,9 @@ def summary(s: dict[str, Any]) -> str:
     """A few lines an operator reads: who is connected, what is moving, what is used."""
     lines = [f"device {s.get('device')}: {s.get('clients')} clients, {s.get('workers')} "
              f"workers, {s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
+    for cid, rows in s.get("worker_rows", {}).items():
+        lines.append(f"  worker {cid}: device rows "
+                     + ", ".join(f"{k}={n}" for k, n in sorted(rows.items())))
     pending = s.get("pending_free", {})
     for space, a in s.get("host", {}).get("spaces", {}).items():
         lines.append(f"  host {space}: {a['used']} of {a['rows']} rows allocated (of them "
