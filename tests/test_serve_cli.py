@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,13 @@ def hicache(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_until_ready(argv: list[str], env: dict, timeout: float = 180) -> str:
-    """Start ``argv``, wait for ``ready``, SIGTERM it; returns its output (must exit 143)."""
+def run_until_ready(argv: list[str], env: dict, timeout: float = 180,
+                    stderr: Any = subprocess.STDOUT) -> str:
+    """Start ``argv``, wait for ``ready``, SIGTERM it; returns its output (must exit 143).
+    ``stderr``: where its stderr goes (a file keeps it apart; default: in the output)."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **env)
     p = subprocess.Popen(argv, cwd=str(ROOT), env=e, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+                         stderr=stderr, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     try:

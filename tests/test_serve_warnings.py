@@ -4,16 +4,15 @@ still starts: a daemon sized by a plan that warns mirrors the engine's rows all 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 from hicache.core.layout import preset
 from hicache.core.planner import PlanInputs, plan
 from hicache.core.sizes import parse_bytes
 
 from conftest import ROOT
+from test_serve_cli import run_until_ready
 
 TINY_256 = ["--preset", "dsv4-tiny", "--kv-mem", "256MiB", "--host-mem", "1GiB"]
 
@@ -30,29 +29,10 @@ def _serve_until_ready(tmp_path, *args: str) -> tuple[str, str]:
     """Start ``hicache serve --device cpu ARGS``, wait for ``ready``, SIGTERM it; returns its
     stdout and stderr."""
     err_path = tmp_path / "stderr"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               XDG_RUNTIME_DIR=str(tmp_path))
     with open(err_path, "w") as err:
-        p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
-                              *args], cwd=str(ROOT), env=env, stdout=subprocess.PIPE,
-                             stderr=err, text=True)
-    out: list[str] = []
-    deadline = time.monotonic() + 180
-    try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            out.append(line)
-            if "hicache serve: ready" in line or time.monotonic() > deadline:
-                break
-        assert any("ready" in x for x in out), "".join(out) + err_path.read_text()
-        p.send_signal(signal.SIGTERM)
-        rest, _ = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 143, "".join(out) + err_path.read_text()
-    return "".join(out) + rest, err_path.read_text()
+        out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
+                               *args], {"XDG_RUNTIME_DIR": str(tmp_path)}, stderr=err)
+    return out, err_path.read_text()
 
 
 def test_stage_warnings_are_the_plans_own():
