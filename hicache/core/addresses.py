@@ -5,7 +5,8 @@
 * ``check_address(addr, allow_remote, curve) -> "ipc" | "tcp"``: ``ipc://PATH`` (a filesystem
   path, never abstract) or ``tcp://`` on loopback; any other address needs ``allow_remote``
   *and* CURVE. IPv6 (``tcp://[::1]:PORT``) is refused: the daemon's and the engines' ZMQ
-  sockets have ``zmq.IPV6`` off, so such an address would fail only after the arena is pinned. ``check_curve(cfg)``: True when both CURVE settings are given and sane.
+  sockets have ``zmq.IPV6`` off, so such an address would fail only after the arena is
+  pinned. ``check_curve(cfg)``: True when both CURVE settings are given and sane.
 Every refusal is a ``UsageError`` naming the setting.
 """
 from __future__ import annotations
