@@ -398,14 +398,14 @@ class Daemon:
               if self.device.type == "cuda" else []),
         ]
         if self.state.l3 is not None:
-            from hicache.engine import l3_master
+            from hicache.core import bind_shim
 
             lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "
                          f"{self.cfg.l3_metadata}, {self.cfg.l3_protocol}, namespace "
                          f"{self.state.l3_ns}/<mirror>, objects "
                          f"{self.state.l3.objects.describe()}, "
                          f"segment {format_bytes(self.cfg.l3_segment)}; "
-                         f"{l3_master.listen_note(self.cfg.l3_local_host)}")
+                         f"{bind_shim.listen_note(self.cfg.l3_local_host)}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ running

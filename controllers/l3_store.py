@@ -129,8 +129,8 @@ def unreachable(s: L3Settings) -> str | None:
 
 
 def _listening() -> list[str] | None:
-    """This process's listening TCP addresses (``l3_master.own_listeners``), None if unread."""
-    from hicache.engine.l3_master import own_listeners
+    """This process's listening TCP addresses (``bind_shim.own_listeners``), None if unread."""
+    from hicache.core.bind_shim import own_listeners
 
     try:
         return own_listeners()

@@ -1,7 +1,7 @@
 """``hicache serve --l3 mooncake`` keeps Mooncake's listeners on loopback by itself when
 ``--l3-local-host`` is loopback (the default): Mooncake binds its client's handshake and data
 listeners to 0.0.0.0 / [::] whatever it is told, so the daemon executes itself again under the
-bind shim (``l3_master.daemon_exec_env``), which rewrites only Mooncake's binds. Real
+bind shim (``bind_shim.daemon_exec_env``), which rewrites only Mooncake's binds. Real
 ``mooncake_master`` and storage member on 127.0.0.1; the daemon gets no ``loopback_env()``.
 The summary says where Mooncake listens."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from hicache.core import bind_shim
 from hicache.engine import l3_master
 
 from conftest import start_daemon
@@ -74,8 +75,8 @@ def test_the_shim_leaves_the_daemons_own_listeners_as_asked(tmp_path, store):
 
 
 def test_a_non_loopback_local_host_keeps_mooncakes_binding_and_says_so():
-    assert l3_master.daemon_exec_env("10.0.0.7", {}) is None
-    note = l3_master.listen_note("10.0.0.7")
+    assert bind_shim.daemon_exec_env("10.0.0.7", {}) is None
+    note = bind_shim.listen_note("10.0.0.7")
     assert note.startswith("Mooncake listens on all interfaces") and "10.0.0.7" in note, note
     # not under the shim (this test process): a loopback host says why it is not applied
-    assert "although --l3-local-host 127.0.0.1 is loopback" in l3_master.listen_note("127.0.0.1")
+    assert "although --l3-local-host 127.0.0.1 is loopback" in bind_shim.listen_note("127.0.0.1")

@@ -479,6 +479,8 @@ def test_a_key_store_l3_job_in_flight_belongs_to_no_client(tmp_path, how):
 class _Worker:
     """Stands in for a registered worker (nothing mapped)."""
 
+    device_rows: dict[str, int] = {}
+
     def close(self, handoff=None) -> None:
         pass
 

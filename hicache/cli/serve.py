@@ -71,13 +71,13 @@ def _loopback_mooncake(cfg: Any) -> None:
     """``--l3 mooncake`` with a loopback ``--l3-local-host``: Mooncake binds its client's
     listeners to every interface whatever it is told (docs/l3.md), so this process executes
     itself once more, same arguments, with the loopback bind shim preloaded
-    (``l3_master.daemon_exec_env``), before anything is allocated. The summary says where
-    Mooncake listens (``l3_master.listen_note``), also when the shim could not be applied."""
+    (``core.bind_shim.daemon_exec_env``), before anything is allocated. The summary says where
+    Mooncake listens (``bind_shim.listen_note``), also when the shim could not be applied."""
     if cfg.l3 != "mooncake":
         return
-    from hicache.engine import l3_master
+    from hicache.core import bind_shim
 
-    env = l3_master.daemon_exec_env(cfg.l3_local_host, os.environ)
+    env = bind_shim.daemon_exec_env(cfg.l3_local_host, os.environ)
     if env is None:
         return
     sys.stdout.flush()
@@ -85,7 +85,7 @@ def _loopback_mooncake(cfg: Any) -> None:
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
     except OSError as e:
-        l3_master.shim_problem = f"cannot execute {sys.executable} again: {e.strerror}"
+        bind_shim.shim_problem = f"cannot execute {sys.executable} again: {e.strerror}"
 
 
 def _set_dumpable(on: bool) -> str:

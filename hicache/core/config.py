@@ -324,9 +324,9 @@ OTHER_ENV: dict[str, str] = {
     "HICACHE_SGLANG_PP_SIZE": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_SOCKET": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_TIMEOUT": "the SGLang adapter (hicache.engine.sglang.plugin)",
-    "HICACHE_BIND_ADDR": "the Mooncake bind() shim (hicache.engine.l3_master.loopback_env, "
-                         "and daemon_exec_env, which hicache serve applies itself for a "
-                         "loopback --l3-local-host)",
+    "HICACHE_BIND_ADDR": "the Mooncake bind() shim (hicache.core.bind_shim: loopback_env, and "
+                         "daemon_exec_env, which hicache serve applies itself for a loopback "
+                         "--l3-local-host)",
     "HICACHE_SGLANG_TEST_DEVICE": "tests/sglang/*.py, set by scripts/gpu_sglang.sh",
     "HICACHE_TEST_L3": "tests/sglang/check_dynamic_backend.py, set by "
                        "tests/test_sglang_adapter.py",
