@@ -63,12 +63,32 @@ def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     return out, []
 
 
+REFUSALS_LOGGED = 20  # refused registers logged per REFUSALS_WINDOW_S (a flood is counted)
+REFUSALS_WINDOW_S = 60.0
+_refusals = {"window": float("-inf"), "logged": 0, "skipped": 0}
+
+
 def register(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     try:
         return _register(st, c, h)
     except ProtocolError as e:  # a worker that is not attached says why in the daemon's log
-        log.info("client %s: register refused (%s): %s", c.cid, e.code, e.message)
+        _log_refused(c, e)
         raise
+
+
+def _log_refused(c: ClientState, e: ProtocolError) -> None:
+    """One INFO line per refused register, at most ``REFUSALS_LOGGED`` a window (a client
+    retrying in a loop does not flood the log; the lines left out are counted in the next)."""
+    now, r = time.monotonic(), _refusals
+    if now - r["window"] > REFUSALS_WINDOW_S:
+        if r["skipped"]:
+            log.info("%d more refused registers were not logged", r["skipped"])
+        r.update(window=now, logged=0, skipped=0)
+    if r["logged"] >= REFUSALS_LOGGED:
+        r["skipped"] += 1
+        return
+    r["logged"] += 1
+    log.info("client %s: register refused (%s): %s", c.cid, e.code, e.message)
 
 
 def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:

@@ -211,9 +211,10 @@ class KvL3:
         self.epochs = Epochs(self._submit, self.prefix, self.l3.settings.kv_epoch_recheck,
                              READ_DEADLINE, self._changed, self.store.drop)
         self.gc: L3Job | None = None  # the last remove job submitted
-        # write-through puts submitted since ``gc``: a removal joins ``gc`` only while there
-        # are none (it would run ahead of them, and what they write would stay in the store)
-        self.puts_after_gc = 0
+        # (namespace, epoch) of the write-through puts submitted since ``gc``: the removal of
+        # one of those epochs does not join ``gc`` (it would run ahead of those puts, and what
+        # they write would stay in the store)
+        self.puts_after_gc: set[tuple[str, str]] = set()
         self.gc_waiting = 0  # old epochs whose removal has not run yet
         self.gc_skipped = 0  # ... and those left to eviction (``GC_MAX`` were waiting)
         self.pinned = 0
@@ -319,7 +320,8 @@ class KvL3:
                 return
             job = L3Job("put", [self._key(ep, epoch, k) for k, _ in stored],
                         [{space: int(r)} for r in rows.tolist()], fmt=fmt)
-            self.puts_after_gc += 1
+            if self.gc is not None:
+                self.puts_after_gc.add((ep.ns, epoch))
             self._submit(job, done)
 
         if not self.l3.online:  # connecting or offline: nothing is submitted (an epoch read
@@ -527,9 +529,9 @@ class KvL3:
     def _collect(self, ns: str, old: str) -> None:
         """Remove the objects of ``ns`` under ``old`` in the background: one queued remove job
         takes every old epoch collected before it starts (none is read again either way), as
-        long as no write-through put was submitted after it (the write queue runs in order: a
-        removal that joined it would run ahead of those puts, and objects they write under the
-        epoch it collects would stay)."""
+        long as no write-through put under ``old`` was submitted after it (the write queue
+        runs in order: a removal that joined it would run ahead of those puts, and objects they
+        write under the epoch it collects would stay)."""
         regex = _regex_prefix(epoch_prefix(self.prefix, ns, old))
         if self.gc_waiting >= GC_MAX:
             if not self.gc_skipped:
@@ -538,10 +540,10 @@ class KvL3:
             self.gc_skipped += 1
             return
         self.gc_waiting += 1
-        if self.gc is not None and not self.puts_after_gc and \
+        if self.gc is not None and (ns, old) not in self.puts_after_gc and \
                 self.l3.extend_queued(self.gc, regex):
             return
-        self.gc, self.puts_after_gc = L3Job("remove", [regex]), 0
+        self.gc, self.puts_after_gc = L3Job("remove", [regex]), set()
 
         def done(j: L3Job) -> None:
             self.gc_waiting -= len(j.keys)  # (fixed once a worker took it)

@@ -227,11 +227,12 @@ def store_of(st: DaemonState) -> KeyStore:
     return st.kv_store
 
 
-def _ns(c: ClientState, ns: str) -> str:
+def _ns(st: DaemonState, c: ClientState, ns: str) -> str:
+    """The store's namespace: the client's CURVE key (``DaemonState.tenant``) and its own."""
     if not 0 < len(ns) <= MAX_NS_LEN or not ns.isprintable():
         raise ProtocolError("bad_field", f"namespace must be 1..{MAX_NS_LEN} printable "
                                          f"characters")
-    return f"{c.key or ''}\x1f{ns}"
+    return f"{st.tenant(c) or ''}\x1f{ns}"
 
 
 def _attached(c: ClientState, name: str, copies: bool = True) -> EnginePool:
@@ -277,7 +278,7 @@ def _pages(ep: EnginePool, keys: list[str], arrays: Sequence, frame: int,
 def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     store = store_of(st)
     name, pool, space = h["name"], h.get("pool"), h.get("space")
-    ns = _ns(c, h["namespace"])
+    ns = _ns(st, c, h["namespace"])
     if not name.isprintable():  # it is named in refusals, each one line
         raise ProtocolError("bad_field", f"name must be printable characters, got {name[:64]!r}")
     pools = c.kv.pools if c.kv is not None else {}
@@ -389,7 +390,7 @@ def kv_exists(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 def kv_clear(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Without L3: ``{dropped}``. With L3: ``{op}``, the ack once the namespace's new epoch is
     in L3 (``kv: {dropped}``) or could not be written (status error, and why): ``kv_l3``."""
-    ns = _ns(c, h["namespace"])
+    ns = _ns(st, c, h["namespace"])
     ms = deadline_ms(h)  # (checked with or without L3: the same command either way)
     store = store_of(st)
     if store.l3 is None:

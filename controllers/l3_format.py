@@ -14,8 +14,8 @@ Contract:
   object. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
   (1..128 characters of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the
   namespace; a checkpoint lives beside its page under ``<ns>/ck/<page key>`` (a page key holds
-  no ``/``, so the two never collide). ``tenant``: the client's CURVE key name, whose objects
-  go under ``<ns>/t-<digest of it>/...``: under CURVE, a client key never reads nor writes
+  no ``/``, so the two never collide). ``tenant``: the client's CURVE key (its public key,
+  ``DaemonState.tenant``), whose objects go under ``<ns>/t-<digest of it>/...``: under CURVE, a client key never reads nor writes
   another key's page objects through the daemon (equal prefixes are then stored once per key;
   without CURVE, every client of the daemon shares them).
 * ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object

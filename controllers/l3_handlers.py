@@ -77,7 +77,7 @@ def _keys(st: DaemonState, c: ClientState, keys: list[str], fmt: F.ObjectFormat)
         why = F.check_page_key(k)
         if why is not None:
             raise ProtocolError("bad_field", why)
-    return [st.l3.objects.key(k, fmt.kind, c.key) for k in keys]
+    return [st.l3.objects.key(k, fmt.kind, st.tenant(c)) for k in keys]
 
 
 def _rows(st: DaemonState, c: ClientState, h: dict, arrays: Sequence, n: int, writes: bool,

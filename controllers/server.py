@@ -142,6 +142,7 @@ class Server:
         self.user: str | None = None  # CURVE: name of the key that sent the current message
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
             public, secret, clients = curve
+            state.curve_keys = {name: key.decode() for key, name in key_names(clients).items()}
             self.auth = _named_authenticator(self.ctx, clients)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=clients)

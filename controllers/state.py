@@ -94,6 +94,7 @@ class DaemonState:
         self.heartbeat_timeout = heartbeat_timeout
         self.load_event_sets = load_event_sets
         self.shm_dirs = shm_dirs
+        self.curve_keys: dict[str, str] = {}  # CURVE: key name -> public key (z85)
         self.address = ""  # the daemon's socket address (set by ``Daemon``)
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
@@ -164,6 +165,14 @@ class DaemonState:
         return next(self._op_ids)
 
     # ------------------------------------------------------------------ named checks
+    def tenant(self, c: ClientState) -> str | None:
+        """The client's CURVE key as L3 names it (its public key, z85: the same key on every
+        daemon whatever its file is called there, and two keys never one); None without
+        CURVE, where every client of the daemon shares."""
+        if c.key is None:
+            return None
+        return self.curve_keys.get(c.key) or c.key
+
     def check_space(self, space: str) -> str:
         if space not in self.host_rows:
             raise ProtocolError("bad_field", f"unknown index space {space[:64]!r}; this stage "

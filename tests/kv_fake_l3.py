@@ -153,7 +153,7 @@ def engine_pool(st: Any, c: Any, name: str, pool: str, ns: str = "ns", pages: in
                 seed: int = 0) -> EnginePool:
     """A verified byte pool (tensors of this process) attached for client ``c``."""
     spec = st.layout.pool(pool)
-    ep = EnginePool(name, K._ns(c, ns), pool, spec.index, pages)
+    ep = EnginePool(name, K._ns(st, c, ns), pool, spec.index, pages)
     g = torch.Generator().manual_seed(seed)
     ep.layers = [torch.randint(0, 256, (pages, spec.page_bytes), dtype=torch.uint8, generator=g)
                  for _ in range(spec.num_layers)]

@@ -700,3 +700,25 @@ def test_register_is_logged_and_a_worker_bigger_than_the_sizing_is_warned(daemon
     warn = [ln for ln in log.splitlines() if "WARNING" in ln and "worker-big" in ln]
     assert len(warn) == 1 and "page 16 device >= 16 host" in warn[0], warn
     assert "swa_page" not in warn[0]
+
+
+def test_refused_registers_are_logged_without_flooding(caplog, monkeypatch):
+    """A client retrying a refused register in a loop gets ``REFUSALS_LOGGED`` lines a window;
+    the rest are counted in the next window's first line."""
+    import logging
+    from types import SimpleNamespace
+
+    from hicache.controllers import handlers as H
+    from hicache.core.protocol import ProtocolError
+
+    monkeypatch.setattr(H, "_refusals", {"window": float("-inf"), "logged": 0, "skipped": 0})
+    c = SimpleNamespace(cid="looping")
+    with caplog.at_level(logging.INFO, logger="hicache.daemon"):
+        for _ in range(H.REFUSALS_LOGGED + 5):
+            H._log_refused(c, ProtocolError("layout_mismatch", "no"))
+        assert len(caplog.records) == H.REFUSALS_LOGGED
+        H._refusals["window"] -= H.REFUSALS_WINDOW_S + 1  # the window ends
+        H._log_refused(c, ProtocolError("layout_mismatch", "no"))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[-2] == "5 more refused registers were not logged"
+    assert msgs[-1] == "client looping: register refused (layout_mismatch): no"

@@ -231,3 +231,29 @@ def test_a_removal_never_runs_ahead_of_puts_under_the_epoch_it_collects(dstate: 
     pump(st)
     assert not [k for k in l3.store if f"/{old}/" in k]
     assert st.kv_store.l3.gc_waiting == 0 and st.kv_store.l3.pinned == 0 and not st.l3_ops
+
+
+def test_removals_still_share_a_job_when_no_put_under_their_epoch_followed_it(dstate: Any) -> None:
+    """Puts under other namespaces' epochs do not keep a removal out of the queued job: X is
+    cleared (its removal queued), Y gets a page, then Z is cleared: Z's old epoch joins X's
+    removal job (one regex scan on the master), ahead of Y's put, which it does not touch."""
+    st = dstate
+    l3 = with_l3(st)
+    c = client(st)
+    store_of(st)
+    for name, ns in (("x", "X"), ("y", "Y"), ("z", "Z")):
+        engine_pool(st, c, name, "c4_kv", ns=ns)
+        call(st, c, "kv_exists", {"name": name, "keys": ["zz"]})
+    l3.run_all()
+    pump(st)
+    call(st, c, "kv_clear", {"namespace": "X"})
+    l3.run_all("meta")
+    pump(st)
+    call(st, c, "kv_put", {"name": "y", "keys": ["a"], "pages": 0}, ids([1]))
+    call(st, c, "kv_clear", {"namespace": "Z"})
+    l3.run_all("meta")
+    pump(st)
+    assert [(j.kind, len(j.keys)) for j in l3.queued] == [("remove", 2), ("put", 1)]
+    l3.run_all()
+    pump(st)
+    assert st.kv_store.l3.gc_waiting == 0 and st.kv_store.l3.pinned == 0 and not st.l3_ops

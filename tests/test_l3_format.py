@@ -205,8 +205,11 @@ def test_each_curve_key_has_its_own_page_objects(dstate):
     st = dstate
     l3 = with_l3(st)
     l3.objects = F.Objects(st.layout, st.group)
+    # the daemon's key files: named by their public keys, so one key filed under two names
+    # (on two daemons) is one tenant, and a name says nothing
+    st.curve_keys = {"alice": "PUBLIC-A", "alice-too": "PUBLIC-A", "bob": "PUBLIC-B"}
     keys = {}
-    for who, key in (("a", "alice"), ("b", "bob"), ("plain", None)):
+    for who, key in (("a", "alice"), ("b", "bob"), ("a2", "alice-too"), ("plain", None)):
         c = client(st, who.encode(), key)
         l3_handlers.l3_query(st, c, {"keys": ["p1", "p2"], "mirror": "full"}, [])
         l3_handlers.l3_query(st, c, {"keys": ["p1"], "mirror": "checkpoints", "ckpt": True}, [])
@@ -218,4 +221,5 @@ def test_each_curve_key_has_its_own_page_objects(dstate):
         assert all("/t-" in k and k.endswith(("/p1", "/p2")) for k in keys[who])
         assert "/ck/p1" in keys[who][2]
     assert not set(keys["a"]) & set(keys["b"]) and not set(keys["a"]) & set(keys["plain"])
+    assert keys["a2"] == keys["a"]
     assert keys["a"][0].startswith(ns + "/t-")

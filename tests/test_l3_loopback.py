@@ -80,3 +80,57 @@ def test_a_non_loopback_local_host_keeps_mooncakes_binding_and_says_so():
     assert note.startswith("Mooncake listens on all interfaces") and "10.0.0.7" in note, note
     # not under the shim (this test process): a loopback host says why it is not applied
     assert "although --l3-local-host 127.0.0.1 is loopback" in bind_shim.listen_note("127.0.0.1")
+
+
+def test_the_shim_is_applied_at_most_once_and_never_fails_the_start(tmp_path, monkeypatch):
+    """``daemon_exec_env`` gives None, with the reason for the summary, where an execution
+    would not help: inside the execution it asked for (no second one, whatever LD_PRELOAD
+    holds), a cache folder where the shim cannot be built (an OSError, not a traceback at
+    start), or a shim path LD_PRELOAD would split."""
+    monkeypatch.setattr(bind_shim, "shim_problem", None)
+    assert bind_shim.daemon_exec_env("127.0.0.1", {bind_shim.EXECUTED: "1"}) is None
+    assert "did not load" in bind_shim.shim_problem
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-folder")
+    assert bind_shim.daemon_exec_env("127.0.0.1", {}) is None
+    assert "cannot be built" in bind_shim.shim_problem
+    spaced = tmp_path / "a b"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(spaced))
+    assert bind_shim.daemon_exec_env("127.0.0.1", {}) is None
+    assert "separator" in bind_shim.shim_problem
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ok"))
+    env = bind_shim.daemon_exec_env("127.0.0.1", {})
+    assert env is not None and env[bind_shim.EXECUTED] == "1"
+    assert env["HICACHE_BIND_ADDR"].startswith("127.0.0.1@")
+
+
+def test_serve_executes_itself_again_only_from_its_own_command_line(tmp_path, monkeypatch):
+    """The execution replays the interpreter's arguments: only when they are serve's own
+    (``-m hicache.cli`` or the ``hicache`` script), never for a ``main([...])`` call in a
+    process of its own (it would replace that process) or ``-c``, nor with a settings file
+    that cannot be read twice."""
+    import hicache.cli
+    from hicache.cli.serve import _own_command_line
+
+    monkeypatch.setattr(hicache.cli, "from_command_line", True)  # as main() sets it
+    args = ["serve", "--l3", "mooncake"]
+    monkeypatch.setattr("sys.orig_argv", ["python3", "-m", "hicache.cli", *args])
+    monkeypatch.setattr("sys.argv", ["/x/hicache/cli/__main__.py", *args])
+    assert _own_command_line(None) == (["-m", "hicache.cli", *args], "")
+    script = tmp_path / "hicache"
+    script.write_text("")
+    monkeypatch.setattr("sys.orig_argv", ["python3", str(script), *args])
+    monkeypatch.setattr("sys.argv", [str(script), *args])
+    assert _own_command_line(None)[0] == [str(script), *args]
+    import os
+    fifo = tmp_path / "settings.fifo"
+    os.mkfifo(fifo)
+    assert _own_command_line(str(fifo))[0] is None
+    assert "not a regular file" in _own_command_line(str(fifo))[1]
+    monkeypatch.setattr("sys.orig_argv", ["python3", "-c", "...", *args])
+    monkeypatch.setattr("sys.argv", ["-c", *args])
+    assert _own_command_line(None)[0] is None
+    monkeypatch.setattr("sys.orig_argv", ["python3", "-m", "hicache.cli", *args])
+    monkeypatch.setattr("sys.argv", ["/x/hicache/cli/__main__.py", *args])
+    monkeypatch.setattr(hicache.cli, "from_command_line", False)  # main([...]) in-process
+    assert _own_command_line(None) == (None, "serve was not started from its own command "
+                                             "line (called in-process)")

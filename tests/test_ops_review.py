@@ -51,7 +51,8 @@ def test_shm_dirs_that_do_not_exist_or_are_no_folder_are_refused(tmp_path):
     f = tmp_path / "file"
     f.write_text("")
     with pytest.raises(UsageError, match=re.escape(f"shm_dirs: {f} is not a folder")):
-        load_config(ROWS, env={"HICACHE_SHM_DIRS": f"{tmp_path}:{f}"})  # each folder
+        load_config(ROWS, env={"HICACHE_SHM_DIRS": f"{f}:{tmp_path}"})  # the first folder
+    load_config(ROWS, env={"HICACHE_SHM_DIRS": f"{tmp_path}:/nonexistent-hicache"})  # unused
     toml = tmp_path / "s.toml"
     toml.write_text(f'shm_dirs = ["{tmp_path}/gone"]\n')
     with pytest.raises(UsageError, match=re.escape(f"(from shm_dirs in config file {toml})")):

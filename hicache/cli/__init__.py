@@ -123,7 +123,14 @@ def _broken_pipe() -> int:
     return 141
 
 
+# whether the running command was read from this process's own command line (``main()``),
+# not passed in (``main([...])``): ``serve`` may then run it again (``serve._own_command_line``)
+from_command_line = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    global from_command_line
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     if not argv:

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     flags: dict[str, Any] = {s.name: getattr(args, s.name, None) for s in SETTINGS}
     cfg = load_config(flags, getattr(args, "config_file", None))
-    _loopback_mooncake(cfg)
+    _loopback_mooncake(cfg, getattr(args, "config_file", None)
+                       or os.environ.get("HICACHE_CONFIG_FILE"))
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code = serve(cfg)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _loopback_mooncake(cfg: Any) -> None:
+def _loopback_mooncake(cfg: Any, config_file: str | None) -> None:
     """``--l3 mooncake`` with a loopback ``--l3-local-host``: Mooncake binds its client's
     listeners to every interface whatever it is told (docs/l3.md), so this process executes
     itself once more, same arguments, with the loopback bind shim preloaded
@@ -77,15 +78,37 @@ def _loopback_mooncake(cfg: Any) -> None:
         return
     from hicache.core import bind_shim
 
+    argv, why = _own_command_line(config_file)
     env = bind_shim.daemon_exec_env(cfg.l3_local_host, os.environ)
     if env is None:
+        return
+    if argv is None:
+        bind_shim.shim_problem = why
         return
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+        os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **env})
     except OSError as e:
         bind_shim.shim_problem = f"cannot execute {sys.executable} again: {e.strerror}"
+
+
+def _own_command_line(config_file: str | None) -> tuple[list[str] | None, str]:
+    """The interpreter's arguments that run this same ``serve`` again (``python -m hicache.cli
+    serve ...`` or the ``hicache`` script), or None and why not: serve called in-process
+    (``main([...])``: an exec would replace the caller), a program read from stdin or ``-c``,
+    or a settings file that cannot be read twice (a pipe, ``/dev/stdin``)."""
+    import hicache.cli as cli
+
+    orig, args = list(sys.orig_argv[1:]), sys.argv[1:]
+    if not cli.from_command_line or not args or orig[len(orig) - len(args):] != args:
+        return None, "serve was not started from its own command line (called in-process)"
+    if orig[:2] != ["-m", "hicache.cli"] and not os.path.isfile(sys.argv[0]):
+        return None, f"serve was started as {sys.argv[0]!r}, which cannot be run again"
+    if config_file and not os.path.isfile(config_file):
+        return None, (f"the settings file {config_file} is not a regular file (it would be read "
+                      f"twice)")
+    return orig, ""
 
 
 def _set_dumpable(on: bool) -> str:

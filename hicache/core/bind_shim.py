@@ -157,6 +157,7 @@ def shim_loaded() -> str | None:
     return m.group(1) if m else None
 
 
+EXECUTED = "HICACHE_SHIM_EXECUTED"  # set in the execution daemon_exec_env asks for
 shim_problem: str | None = None  # why ``daemon_exec_env`` could not apply the shim (summary)
 
 
@@ -174,18 +175,21 @@ def daemon_exec_env(local_host: str, environ: Mapping[str, str]) -> dict[str, st
     d = mooncake_dir()
     if not is_loopback(local_host) or d is None or shim_loaded():
         return None
+    if environ.get(EXECUTED):  # this process is that execution: never a second one
+        shim_problem = "the shim was preloaded at the daemon's start but did not load"
+        return None
     try:
         so = bind_shim()
-    except RuntimeError as e:
-        shim_problem = str(e)
+    except (RuntimeError, OSError) as e:  # no compiler, or no writable cache folder
+        shim_problem = f"the bind shim cannot be built: {e}"
+        return None
+    if any(c in so for c in " :\t\n"):  # LD_PRELOAD splits at these: it would not load
+        shim_problem = f"the bind shim's path {so!r} holds a separator LD_PRELOAD splits at"
         return None
     pre = environ.get("LD_PRELOAD", "")
-    if so in pre.replace(":", " ").split():  # this process was started with it: no loop
-        shim_problem = f"LD_PRELOAD names {so} but it did not load"
-        return None
     addr = "127.0.0.1" if local_host == "localhost" else local_host
     return {"LD_PRELOAD": f"{so} {pre}".strip(), "HICACHE_BIND_ADDR": f"{addr}@{d}",
-            "MC_TCP_BIND_ADDRESS": environ.get("MC_TCP_BIND_ADDRESS") or addr}
+            "MC_TCP_BIND_ADDRESS": environ.get("MC_TCP_BIND_ADDRESS") or addr, EXECUTED: "1"}
 
 
 def listen_note(local_host: str) -> str:

@@ -324,6 +324,8 @@ OTHER_ENV: dict[str, str] = {
     "HICACHE_SGLANG_PP_SIZE": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_SOCKET": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_TIMEOUT": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_SHIM_EXECUTED": "hicache serve's own execution under the bind shim "
+                             "(hicache.core.bind_shim.daemon_exec_env)",
     "HICACHE_BIND_ADDR": "the Mooncake bind() shim (hicache.core.bind_shim: loopback_env, and "
                          "daemon_exec_env, which hicache serve applies itself for a loopback "
                          "--l3-local-host)",
@@ -419,14 +421,15 @@ def named(name: str) -> str:
 
 
 def check_shm_dirs(dirs: tuple[str, ...]) -> None:
-    """Refuse ``shm_dirs`` unless each folder is absolute, exists and is writable (and
-    searchable) by this user: the daemon makes its wake-up socket in the first, and without it
-    every engine's shared-memory channel would be refused later, quietly (requests fall back
-    to ZMQ). Checked with the other settings, before anything is allocated."""
+    """Refuse ``shm_dirs`` unless each folder is absolute and the first (the only one the
+    daemon uses) exists and is writable (and searchable) by this user: the daemon makes its
+    wake-up socket and sparse regions there, and without it every engine's shared-memory
+    channel would be refused later, quietly (requests fall back to ZMQ). Checked with the
+    other settings, before anything is allocated."""
     if not dirs or any(not os.path.isabs(d) for d in dirs):
         raise UsageError(f"shm_dirs must name one or more absolute folders, ':'-separated; "
                          f"got {':'.join(dirs)!r}")
-    for d in dirs:
+    for d in dirs[:1]:
         if not os.path.exists(d):
             why = "does not exist"
         elif not os.path.isdir(d):
