@@ -202,19 +202,16 @@ def test_a_first_read_that_makes_the_epoch_keeps_the_pages_put_before_it(dstate:
     assert _get_settled(st, c, l3, "a")["found"] == [1]
 
 
-def test_a_removal_never_runs_ahead_of_puts_under_the_epoch_it_collects(dstate: Any) -> None:
-    """X is cleared (its old epoch's remove job queued, not run yet), Y gets a page (its
-    write-through put queued after that job), then Y is cleared: Y's old epoch must be removed
-    after that put, not by joining the earlier job (the write queue runs in order). On the code
-    before, it joined it, and the put's object stayed under the collected epoch."""
-    st = dstate
+def _x_cleared_then_a_put_to_y(st: Any, names: tuple[str, ...]) -> tuple[Any, Any, Any, dict]:
+    """Pools ``names`` (namespace: the name upper-cased), each namespace's epoch learnt; X
+    cleared (its removal queued, not run: in the daemon a long write ahead of it holds the write
+    thread); then a page put to Y (its write-through queued after that removal)."""
     l3 = with_l3(st)
     c = client(st)
     store_of(st)
-    engine_pool(st, c, "x", "c4_kv", ns="X")
-    ep = engine_pool(st, c, "y", "c4_kv", ns="Y")
-    for name in ("x", "y"):  # both namespaces learn their epoch
-        call(st, c, "kv_exists", {"name": name, "keys": ["zz"]})
+    eps = {n: engine_pool(st, c, n, "c4_kv", ns=n.upper()) for n in names}
+    for n in names:
+        call(st, c, "kv_exists", {"name": n, "keys": ["zz"]})
     l3.run_all()
     pump(st)
     call(st, c, "kv_clear", {"namespace": "X"})
@@ -222,6 +219,16 @@ def test_a_removal_never_runs_ahead_of_puts_under_the_epoch_it_collects(dstate: 
     pump(st)
     assert [j.kind for j in l3.queued] == ["remove"]
     call(st, c, "kv_put", {"name": "y", "keys": ["a"], "pages": 0}, ids([1]))
+    return st, l3, c, eps
+
+
+def test_a_removal_never_runs_ahead_of_puts_under_the_epoch_it_collects(dstate: Any) -> None:
+    """X is cleared (its old epoch's remove job queued, not run yet), Y gets a page (its
+    write-through put queued after that job), then Y is cleared: Y's old epoch must be removed
+    after that put, not by joining the earlier job (the write queue runs in order). On the code
+    before, it joined it, and the put's object stayed under the collected epoch."""
+    st, l3, c, eps = _x_cleared_then_a_put_to_y(dstate, ("x", "y"))
+    ep = eps["y"]
     old = st.kv_store.l3.epochs.current(ep.ns)
     call(st, c, "kv_clear", {"namespace": "Y"})
     l3.run_all("meta")
@@ -237,19 +244,7 @@ def test_removals_still_share_a_job_when_no_put_under_their_epoch_followed_it(ds
     """Puts under other namespaces' epochs do not keep a removal out of the queued job: X is
     cleared (its removal queued), Y gets a page, then Z is cleared: Z's old epoch joins X's
     removal job (one regex scan on the master), ahead of Y's put, which it does not touch."""
-    st = dstate
-    l3 = with_l3(st)
-    c = client(st)
-    store_of(st)
-    for name, ns in (("x", "X"), ("y", "Y"), ("z", "Z")):
-        engine_pool(st, c, name, "c4_kv", ns=ns)
-        call(st, c, "kv_exists", {"name": name, "keys": ["zz"]})
-    l3.run_all()
-    pump(st)
-    call(st, c, "kv_clear", {"namespace": "X"})
-    l3.run_all("meta")
-    pump(st)
-    call(st, c, "kv_put", {"name": "y", "keys": ["a"], "pages": 0}, ids([1]))
+    st, l3, c, _ = _x_cleared_then_a_put_to_y(dstate, ("x", "y", "z"))
     call(st, c, "kv_clear", {"namespace": "Z"})
     l3.run_all("meta")
     pump(st)
