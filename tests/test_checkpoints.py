@@ -286,6 +286,13 @@ def test_plan_reports_the_host_tier_under_both_mirrors(capsys):
     ck = t["checkpoints"]
     assert ck["pages"] * 998_208 + ck["checkpoints"] * 10_030_080 <= 64 << 30
     assert ck["checkpoints"] == ck["pages"] // 32 and t["checkpoints_vs_full"] >= 5
+    # what the daemon `serve` starts holds: its host rows follow the device rows' proportions,
+    # so a checkpoints mirror there is bounded by its page rows, not by the split above
+    from hicache.core.planner import plan
+    rows = plan(PlanInputs(flash, 100 << 30, host_mem=64 << 30)).stages[0].host_rows
+    assert t["full"]["served_pages"] == min(rows["page"], rows["swa_page"])
+    assert ck["served_pages"] == min(rows["page"], rows["swa_page"] * 32) == rows["page"]
+    assert ck["served_cached_tokens"] == rows["page"] * 256 < ck["cached_tokens"] // 5
     ring = host_tier_by_mirror(PlanInputs(flash, 100 << 30, swa_mode="ring", host_mem=64 << 30))
     assert "paged SWA" in ring["full"]["error"] and ring["checkpoints"]["pages"] > 0
     assert host_tier_by_mirror(PlanInputs(flash, 100 << 30)) is None

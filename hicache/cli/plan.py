@@ -291,9 +291,13 @@ def _mirror_lines(pl: Plan) -> list[str]:
         ck = f", {t['checkpoints']:,} checkpoints" if mirror == "checkpoints" else ""
         out.append(f"  {mirror:<12} {t['pages']:,} pages{ck} = {t['cached_tokens']:,} cached "
                    f"tokens, {t['cached_tokens_per_host_gib']:,} per host GiB")
+        out.append(f"  {'':<12} the daemon the serve line starts: {t['served_pages']:,} pages = "
+                   f"{t['served_cached_tokens']:,} cached tokens")
     if "checkpoints_vs_full" in tiers:
         out.append(f"  checkpoints hold {tiers['checkpoints_vs_full']:.2f}x the tokens of a full "
                    f"mirror (one checkpoint per {pl.inputs.pages_per_checkpoint} pages)")
+    out.append("  (the first figure of each mirror takes the host memory split for it; serve "
+               "splits host rows in the device rows' proportions, the second figure)")
     return out
 
 
