@@ -151,13 +151,15 @@ def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:
 
 def _log_registered(st: DaemonState, c: ClientState, dev_rows: dict[str, int]) -> None:
     """One INFO line per registered worker, and a WARNING when its device pools hold as many
-    rows as the daemon's host tier in some space: the daemon was sized for smaller pools than
-    the engine made (``--kv-mem`` / ``--device-rows``), and that host tier can only keep pages
-    the device already holds (what ``serve`` refuses at start without ``--force``)."""
+    ``page`` rows as the daemon's host tier: the daemon was sized for smaller pools than the
+    engine made (``--kv-mem`` / ``--device-rows``), and that host tier can only keep pages the
+    device already holds (what ``serve`` refuses at start without ``--force``). Only ``page``:
+    every mirror keeps a page's compressed rows there, while a checkpoints split holds far fewer
+    ``swa_page`` / ``req_slot`` rows than the device on purpose (one per checkpoint)."""
     rows = ", ".join(f"{s}={n}" for s, n in sorted(dev_rows.items()))
     name = brief(c.worker.name if c.worker is not None else None, 64)
     log.info("client %s registered worker %s: device rows %s", c.cid, name, rows)
-    small = [s for s in sorted(dev_rows) if st.host_rows.get(s, 0) <= dev_rows[s]]
+    small = [s for s in ("page",) if s in dev_rows and st.host_rows.get(s, 0) <= dev_rows[s]]
     if small:
         log.warning("client %s: worker %s has as many device rows as the host tier has, or "
                     "more (%s): the host tier can only keep pages the device already holds; "
