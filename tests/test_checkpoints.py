@@ -8,6 +8,7 @@ checkpoint holds the boundary's key, wherever it came from.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -636,3 +637,43 @@ def test_a_duplicate_with_a_checkpoint_never_takes_a_held_pages_row():
     tree.check()
     assert [n.device for n in pa.nodes] == held
     assert not any(tree.device._used[r] == 0 for r in held), "a row A holds was freed"
+
+
+def test_serve_splits_the_host_for_checkpoints_when_asked(tmp_path):
+    """``--host-split checkpoints``: the request slots keep their device rows' count, the rest
+    of ``--host-mem`` is page rows and one checkpoint row per ``--pages-per-checkpoint`` of
+    them (``swa_page`` in paged mode, an extra ``req_slot`` row in ring mode); the arena fits;
+    about the pages the plan's checkpoints figure promises, 6-7x the device split's. Refused
+    where it does not apply, one line each."""
+    from hicache.core.config import load_config, sizing
+    from hicache.core.errors import UsageError
+    from hicache.core.host_tier import host_tier_by_mirror
+    from hicache.core.sizes import arena_bytes, parse_bytes
+
+    base = {"preset": "dsv4-flash", "kv_mem": parse_bytes("100GiB"),
+            "host_mem": parse_bytes("256GiB")}
+    ck = sizing(load_config({**base, "host_split": "checkpoints"}))
+    dev = sizing(load_config(base))
+    rows = ck.host_rows
+    assert rows["req_slot"] == ck.device_rows["req_slot"]
+    assert rows["swa_page"] == rows["page"] // 32 >= 1
+    assert arena_bytes(ck.layout, rows) <= base["host_mem"]
+    from hicache.core.planner import PlanInputs
+    want = host_tier_by_mirror(PlanInputs(preset("dsv4-flash"), 100 << 30,
+                                          host_mem=256 << 30))["checkpoints"]["pages"]
+    assert want - 100 <= rows["page"] <= want and rows["page"] > 6 * dev.host_rows["page"]
+    assert "host split for checkpoints, 1 per 32 pages" in ck.source
+    k16 = sizing(load_config({**base, "host_split": "checkpoints", "pages_per_checkpoint": 16}))
+    assert k16.host_rows["swa_page"] == k16.host_rows["page"] // 16
+    ring = sizing(load_config({**base, "host_split": "checkpoints", "swa_mode": "ring"}))
+    assert ring.host_rows["req_slot"] == ring.device_rows["req_slot"] + ring.host_rows["page"] // 32
+    for bad, msg in (({"host_ratio": 2.0, "host_mem": None}, "splits --host-mem"),
+                     ({"pages_per_checkpoint": 16, "host_split": "device"}, "applies to "
+                      "--host-split checkpoints only"),
+                     ({"host_split": "both"}, "--host-split must be one of device | checkpoints"),
+                     ({"pages_per_checkpoint": 0}, "--pages-per-checkpoint must be positive")):
+        with pytest.raises(UsageError, match=re.escape(msg)):
+            sizing(load_config({**base, "host_split": "checkpoints", **bad}))
+    with pytest.raises(Exception, match="too small for a checkpoints split"):
+        sizing(load_config({**base, "host_split": "checkpoints",
+                            "host_mem": parse_bytes("8MiB"), "force": True}))

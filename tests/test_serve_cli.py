@@ -67,6 +67,18 @@ def test_serve_from_a_kv_budget_starts(tmp_path):
     assert "Traceback" not in out and not (tmp_path / "hicache" / "cpu.sock").exists()
 
 
+def test_serve_with_a_checkpoints_host_split_starts(tmp_path):
+    """``--host-split checkpoints``: the summary names the split, the host rows hold one
+    ``swa_page`` row per 32 page rows and the request slots' device count."""
+    out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--preset",
+                           "dsv4-flash", "--device", "cpu", "--kv-mem", "2GiB", "--host-mem",
+                           "4GiB", "--host-split", "checkpoints"],
+                          {"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert "host split for checkpoints, 1 per 32 pages" in out, out
+    m = re.search(r"host rows: page=(\d+), swa_page=(\d+), req_slot=(\d+)", out)
+    assert m and int(m.group(2)) == int(m.group(1)) // 32 >= 1, out
+
+
 def test_the_serve_line_plan_prints_runs_as_printed(tmp_path):
     p = hicache("plan", "--preset", "dsv4-flash", "--kv-mem", "1GiB", "--pp-size", "2",
                 "--max-running", "32", "--host-mem", "2GiB", "--json")

@@ -296,8 +296,9 @@ def _mirror_lines(pl: Plan) -> list[str]:
     if "checkpoints_vs_full" in tiers:
         out.append(f"  checkpoints hold {tiers['checkpoints_vs_full']:.2f}x the tokens of a full "
                    f"mirror (one checkpoint per {pl.inputs.pages_per_checkpoint} pages)")
-    out.append("  (the first figure of each mirror takes the host memory split for it; serve "
-               "splits host rows in the device rows' proportions, the second figure)")
+    out.append("  (the first figure of each mirror takes the host memory split for it, which "
+               "serve makes with --host-split checkpoints; the serve line splits host rows in "
+               "the device rows' proportions, the second figure)")
     return out
 
 

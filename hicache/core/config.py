@@ -39,7 +39,9 @@ from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
     plan, pp_size_of, refuse_unused, stage_layouts,
 )
-from hicache.core.sizes import check_host_larger, check_rows, format_bytes, host_rows, parse_bytes
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
+from hicache.core.sizes import (check_host_larger, check_rows, checkpoint_host_rows,
+                                format_bytes, host_rows, parse_bytes)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # = engine.radix
 # .POLICIES (a test checks)
@@ -74,6 +76,8 @@ class ServeConfig:
     device_rows: dict[str, int] = field(default_factory=dict)
     host_mem: int | None = None  # bytes
     host_ratio: float | None = None
+    host_split: str = "device"  # "device" or "checkpoints" (``sizes.checkpoint_host_rows``)
+    pages_per_checkpoint: int = DEFAULT_PAGES_PER_CKPT
     force: bool = False
     write_policy: str = "write_through"
     metrics_port: int = 0  # 0 = off
@@ -219,7 +223,8 @@ def _convert(name: str, v: Any, key: str) -> Any:
         return _parse_bool(v)
     if name in ("tp_size", "pp_size", "pp_rank", "metrics_port", "touch_threads",
                 "load_event_sets", "max_clients", "ack_retention", "max_running", "parent_pid",
-                "sparse_rows", "sparse_clients", "min_sparse_prompt_len"):
+                "sparse_rows", "sparse_clients", "min_sparse_prompt_len",
+                "pages_per_checkpoint"):
         return _int(v)
     if name in ("host_ratio", "heartbeat_timeout", "spin_us", "l3_epoch_recheck"):
         if isinstance(v, bool):
@@ -454,7 +459,7 @@ def validate(cfg: ServeConfig) -> None:
     choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
                "pd_role": PD_ROLES, "write_policy": WRITE_POLICIES,
                "log_level": ("debug", "info", "warning", "error"),
-               "copy_engine": ("auto", "on", "off")}
+               "copy_engine": ("auto", "on", "off"), "host_split": ("device", "checkpoints")}
     for name, allowed in choices.items():
         v = getattr(cfg, name)
         if (v.lower() if name == "log_level" else v) not in allowed:
@@ -485,6 +490,15 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError("give either --host-mem (bytes) or --host-ratio, not both")
     if cfg.host_ratio is not None and not cfg.host_ratio > 0:
         raise UsageError(f"--host-ratio must be positive, got {cfg.host_ratio}")
+    if cfg.host_split == "checkpoints":
+        if cfg.host_mem is None:
+            raise UsageError("--host-split checkpoints splits --host-mem; give it in bytes "
+                             "(--host-ratio scales the device rows, a device split)")
+        if cfg.pages_per_checkpoint < 1:
+            raise UsageError(f"--pages-per-checkpoint must be positive, got "
+                             f"{cfg.pages_per_checkpoint}")
+    elif given(cfg, "pages_per_checkpoint"):
+        raise UsageError("--pages-per-checkpoint applies to --host-split checkpoints only")
     if not 0 <= cfg.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:
@@ -599,11 +613,16 @@ def sizing(cfg: ServeConfig) -> Sizing:
                          "req_slot=K")
     if cfg.host_mem is None and cfg.host_ratio is None:
         raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
-    host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
+    if cfg.host_split == "checkpoints":
+        host = checkpoint_host_rows(layout, dev, cfg.host_mem, cfg.pages_per_checkpoint)
+        source += f"; host split for checkpoints, 1 per {cfg.pages_per_checkpoint} pages"
+    else:
+        host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
     if not cfg.force:
         what = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
                 else f"--host-ratio {cfg.host_ratio:g}")
-        check_host_larger(layout, dev, host, what)
+        check_host_larger(layout, dev, host, what,
+                          ("page",) if cfg.host_split == "checkpoints" else None)
     return Sizing(layout, dev, host, source)
 
 

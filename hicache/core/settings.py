@@ -84,6 +84,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host_mem", _H, "host pool size per GPU, e.g. 256GiB (rows in proportion to the "
             "device rows)"),
     Setting("host_ratio", _H, "host rows = ratio x device rows (instead of --host-mem)"),
+    Setting("host_split", _H, "how --host-mem is split over the index spaces: device (in the "
+            "device rows' proportions: a full mirror) or checkpoints (page rows, and one "
+            "checkpoint row per --pages-per-checkpoint of them: a checkpoints mirror)"),
+    Setting("pages_per_checkpoint", _H, "with --host-split checkpoints: page rows per "
+            "checkpoint row"),
     Setting("force", _H, "accept a host tier not larger than the device pools"),
     Setting("numa_node", _H, "auto (the GPU's node), off, or a node number"),
     Setting("zero_on_free", _H, "zero host rows when they are freed (rows are unreadable until "

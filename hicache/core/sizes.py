@@ -24,10 +24,10 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from hicache.core.errors import CapacityError, UsageError
-from hicache.core.layout import INDEX_SPACES, Layout
+from hicache.core.layout import INDEX_SPACES, Layout, LayoutError
 
 REGION_ALIGN = 4096  # every layer region starts page-aligned (registration chunks cut there)
 
@@ -187,11 +187,47 @@ def host_rows(
     return rows
 
 
+def checkpoint_host_rows(layout: Layout, device_rows: Mapping[str, int], host_bytes: int,
+                         pages_per_ckpt: int) -> dict[str, int]:
+    """Host rows for a checkpoints mirror (``--host-split checkpoints``): the request slots'
+    rows as on the device (request-state swaps), and the rest of ``host_bytes`` in page rows
+    plus one checkpoint row (``ResumeModel.checkpoint_space``: ``swa_page`` in paged SWA mode,
+    an extra ``req_slot`` row in ring mode) per ``pages_per_ckpt`` page rows, at least one;
+    the arena fits in ``host_bytes`` with its alignment."""
+    from hicache.core.resume import ResumeModel  # (a leaf module over layout)
+
+    try:
+        ck = ResumeModel(layout).checkpoint_space
+    except LayoutError as e:
+        raise UsageError(f"--host-split checkpoints: {e}") from None
+    want = used_spaces(layout)
+    dev = check_rows(layout, {s: device_rows[s] for s in want if s in device_rows})
+    rows = {s: dev[s] if s == "req_slot" else 0 for s in want}
+    n_regions = sum(p.num_layers for p in layout.pools.values())
+    budget = host_bytes - n_regions * (REGION_ALIGN - 1) - \
+        sum(n * layout.row_bytes(s) for s, n in rows.items())
+    page_b, ck_b, k = layout.row_bytes("page"), layout.row_bytes(ck), pages_per_ckpt
+    pages = max(0, budget) * k // (k * page_b + ck_b)
+    while pages > 0 and pages * page_b + max(1, pages // k) * ck_b > budget:
+        pages -= 1  # (fewer than k pages still take a whole checkpoint row)
+    if pages < 1:
+        raise CapacityError(f"host budget {format_bytes(host_bytes)} is too small for a "
+                            f"checkpoints split of this stage: not one page row and one "
+                            f"checkpoint row beside the request slots' rows")
+    rows["page"] = pages
+    rows[ck] += max(1, pages // k)
+    assert arena_bytes(layout, rows) <= host_bytes
+    return rows
+
+
 def check_host_larger(layout: Layout, device_rows: Mapping[str, int],
-                      host: Mapping[str, int], what: str) -> None:
-    """Refuse a host tier that is not larger than the device pools in some index space: it
-    could only hold pages the device already has (``what`` names the host setting)."""
-    small = [s for s in used_spaces(layout) if host.get(s, 0) <= device_rows.get(s, 0)]
+                      host: Mapping[str, int], what: str,
+                      spaces: Sequence[str] | None = None) -> None:
+    """Refuse a host tier that is not larger than the device pools in some index space (of
+    ``spaces``; default every one the stage uses): it could only hold pages the device already
+    has (``what`` names the host setting)."""
+    small = [s for s in (spaces or used_spaces(layout))
+             if host.get(s, 0) <= device_rows.get(s, 0)]
     if small:
         detail = ", ".join(f"{s} {host.get(s, 0)} host <= {device_rows.get(s, 0)} device"
                            for s in small)
