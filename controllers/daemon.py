@@ -241,6 +241,7 @@ class Daemon:
         sized = sizing(cfg)
         self.layout, self.device_rows, self.rows = sized.layout, sized.device_rows, sized.host_rows
         self.sizing_source = sized.source
+        self.sizing_warnings = sized.warnings  # the planner's, printed by ``serve`` at start
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():

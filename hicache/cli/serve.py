@@ -126,18 +126,6 @@ def _set_dumpable(on: bool) -> str:
             "descriptors (--dumpable for a debugger)")
 
 
-def sizing_warnings(cfg: Any) -> list[str]:
-    """The planner's warnings for the stage this daemon serves: the lines ``hicache plan``
-    prints for it (``StagePlan.warnings``; none with ``--device-rows``, which plans nothing).
-    Printed, not refused: the daemon mirrors whatever rows the engine has, and an engine whose
-    SWA pool is short of its request slots' windows still runs, with fewer requests at once."""
-    if cfg.kv_mem is None:
-        return []
-    from hicache.core.planner import plan
-
-    return list(plan(cfg.plan_inputs()).stages[cfg.pp_rank].warnings)
-
-
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
@@ -172,7 +160,9 @@ def serve(cfg: Any) -> int:
     with lifecycle.on_signals(on_signal):
         try:
             print(daemon.summary(), flush=True)
-            for w in sizing_warnings(cfg):  # worded as `hicache plan` prints them
+            # the planner's warnings for this stage, worded as `hicache plan` prints them;
+            # printed, not refused: the daemon mirrors whatever rows the engine has
+            for w in daemon.sizing_warnings:
                 print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
             print(f"hicache serve: {malloc}", flush=True)
             print(f"hicache serve: {dumpable}", flush=True)

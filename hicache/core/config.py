@@ -589,6 +589,8 @@ class Sizing(NamedTuple):
     device_rows: dict[str, int]
     host_rows: dict[str, int]
     source: str  # how the device rows were chosen, for the summary
+    # the planner's warnings for this stage (``StagePlan.warnings``; none with --device-rows)
+    warnings: tuple[str, ...] = ()
 
 
 def sizing(cfg: ServeConfig) -> Sizing:
@@ -597,12 +599,13 @@ def sizing(cfg: ServeConfig) -> Sizing:
         pl = plan(cfg.plan_inputs())
         stage = pl.stages[cfg.pp_rank]
         layout, dev = stage.layout, dict(stage.device_rows)
+        warnings = stage.warnings
         source = (f"planner: --kv-mem {format_bytes(cfg.kv_mem)}, {pl.request_slots} request "
                   f"slots, {stage.token_capacity if stage.token_capacity is not None else 'no'}"
                   f" device tokens")
     elif cfg.device_rows:
         layout = cfg.layout()
-        dev, source = dict(cfg.device_rows), "--device-rows"
+        dev, source, warnings = dict(cfg.device_rows), "--device-rows", ()
         try:
             check_rows(layout, dev)  # every space this stage uses, and no other
         except UsageError as e:
@@ -623,7 +626,7 @@ def sizing(cfg: ServeConfig) -> Sizing:
                 else f"--host-ratio {cfg.host_ratio:g}")
         check_host_larger(layout, dev, host, what,
                           ("page",) if cfg.host_split == "checkpoints" else None)
-    return Sizing(layout, dev, host, source)
+    return Sizing(layout, dev, host, source, warnings)
 
 
 # ------------------------------------------------------------------------------- docs

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 
 from hicache.core.errors import CapacityError, UsageError
 from hicache.core.layout import INDEX_SPACES, Layout, LayoutError
+from hicache.core.resume import ResumeModel
 
 REGION_ALIGN = 4096  # every layer region starts page-aligned (registration chunks cut there)
 
@@ -194,8 +195,6 @@ def checkpoint_host_rows(layout: Layout, device_rows: Mapping[str, int], host_by
     plus one checkpoint row (``ResumeModel.checkpoint_space``: ``swa_page`` in paged SWA mode,
     an extra ``req_slot`` row in ring mode) per ``pages_per_ckpt`` page rows, at least one;
     the arena fits in ``host_bytes`` with its alignment."""
-    from hicache.core.resume import ResumeModel  # (a leaf module over layout)
-
     try:
         ck = ResumeModel(layout).checkpoint_space
     except LayoutError as e:
