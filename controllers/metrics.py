@@ -121,6 +121,11 @@ CATALOG: tuple[MetricDef, ...] = (
               "Seconds the issuer thread spends issuing a GPU LOAD's copies after layer 0, "
               "right after the reply (the server thread answers other commands meanwhile).",
               "Is the host's issue of big loads what the link waits for?"),
+    MetricDef("load_issue_cpu_seconds", "counter", (),
+              "CPU seconds of the issuer thread in those issues (per issue, against "
+              "`load_issue_seconds`: the rest of an issue's time it waited for a core or the "
+              "GIL).",
+              "Does the issue of later layers wait for other threads of the daemon?"),
     MetricDef("errors", "counter", ("kind",),
               "Errors by kind: protocol error codes for refused commands, 'transfer' for failed "
               "copies, 'internal' for daemon bugs.",

@@ -124,6 +124,7 @@ class Operation:
     rest: Any = None  # GPU load: the launch groups left to issue after the reply (a generator)
     issued: int = 0  # GPU load: stage layers whose events are recorded
     issue_s: float = 0.0  # GPU load: the issuer thread's time on its layers after the reply
+    issue_cpu_s: float = 0.0  # ... of which its CPU time (the rest: waiting for a core or the GIL)
     inline: bool = False
     _per_pool: dict[str, tuple[int, int]] | None = None
 

@@ -387,6 +387,7 @@ class Scheduler:
             if op is None:
                 return
             t0 = told = time.perf_counter()
+            c0 = time.thread_time()
             report = reports_progress(op)
             try:
                 try:
@@ -414,6 +415,7 @@ class Scheduler:
                 self._drain(op)  # its layers may still copy: it completes after them
             finally:  # whatever happened, the server stops waiting and the op completes
                 op.issue_s = time.perf_counter() - t0
+                op.issue_cpu_s = time.thread_time() - c0
                 with self._issue_cv:
                     self._issued.append(op)
                     self._issuing -= 1

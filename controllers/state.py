@@ -341,6 +341,7 @@ class DaemonState:
                 self.notices.append((entry[1], op.op_id, n, False))
         for op in issued:  # before completions: notice, then ack
             self.metrics.observe("load_issue_seconds", op.issue_s)
+            self.metrics.inc("load_issue_cpu_seconds", op.issue_cpu_s)
             entry = self.ops.get(op.op_id)
             if entry is not None:
                 self.notices.append((entry[1], op.op_id, None, not op.ok))
