@@ -79,18 +79,20 @@ def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: 
                 fmt: Optional[TokenFormat], layers: Sequence[int]) -> list[SegmentPart]:
     """The ``SegmentPart`` s of one buffer pair of a ``copy_by_layer`` call: rows (``fmt``
     None) or tokens of ``fmt``; ``layers[l]`` is the global layer id of buffer layer ``l``.
-    Whole rows of ``copy_engine.MIN_BYTES`` or more between the GPU and pinned host memory are
-    one part marked for the copy engines; so are blocks of tokens whose values reach that size
-    (a checkpoint's SWA tail: 128 tokens, 72 KiB), beside a part of the other tokens."""
+    Blocks of ``copy_engine.MIN_BYTES`` or more between the GPU and pinned host memory are one
+    part marked for the copy engines, beside a part of the other ranges: whole rows that
+    large, runs of rows consecutive on both sides that reach it (``row_offsets``: one copy
+    per block of 2^k rows), and blocks of tokens whose values reach it (a checkpoint's SWA
+    tail: 128 tokens, 72 KiB)."""
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
-    way = _dma_direction(src, dst)
+    way = _dma_direction(src, dst, any_rows=True)
+    big = copy_engine.MIN_BYTES if way else 0
     if fmt is None:
-        return [SegmentPart(src.ptrs, dst.ptrs, list(layers),
-                            row_offsets(src, dst, src_ids, dst_ids), dma=way)]
-    big, rest = token_offsets(src, dst, src_ids, dst_ids, fmt,
-                              copy_engine.MIN_BYTES if way else 0)
+        big_r, rest = row_offsets(src, dst, src_ids, dst_ids, big)
+    else:
+        big_r, rest = token_offsets(src, dst, src_ids, dst_ids, fmt, big)
     return [SegmentPart(src.ptrs, dst.ptrs, list(layers), r, dma=w)
-            for r, w in ((big, way), (rest, "")) if r]
+            for r, w in ((big_r, way), (rest, "")) if r]
 
 
 def check_layer_part(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,

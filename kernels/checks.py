@@ -4,8 +4,9 @@
   (same layer count and row size, one GPU at most).
 * ``_pinned(t)``: every layer of ``t`` is pinned or registered host memory (cached per table).
 * ``_check_ctas(ctas)``: a positive int, or ``TransferError``.
-* ``_dma_direction(src, dst)``: ``"h2d"`` / ``"d2h"`` when whole rows of this pair may go to the
-  copy engines, else ``""``.
+* ``_dma_direction(src, dst, any_rows=False)``: ``"h2d"`` / ``"d2h"`` when whole rows of this
+  pair (``any_rows``: blocks of rows or tokens, whatever one row's size) may go to the copy
+  engines, else ``""``.
 """
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def _check_ctas(ctas: int) -> int:
     return ctas
 
 
-def _dma_direction(src: LayerTable, dst: LayerTable) -> str:
+def _dma_direction(src: LayerTable, dst: LayerTable, any_rows: bool = False) -> str:
     """``"h2d"`` / ``"d2h"`` when whole rows of this pair may go to the copy engines (one side on
     the GPU, the other pinned host memory the GPU sees at its own address, rows of
-    ``copy_engine.MIN_BYTES`` or more), else ``""``."""
-    if src.is_cuda == dst.is_cuda or src.row_bytes < copy_engine.MIN_BYTES:
+    ``copy_engine.MIN_BYTES`` or more), else ``""``. ``any_rows``: whatever the row size (the
+    direction of blocks of several rows or tokens, which may reach ``MIN_BYTES`` where one
+    row does not)."""
+    if src.is_cuda == dst.is_cuda or (src.row_bytes < copy_engine.MIN_BYTES and not any_rows):
         return ""
     if not (src.uva and dst.uva and _pinned(dst if src.is_cuda else src)):
         return ""

@@ -3,7 +3,7 @@
 * ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
   layer: batched copy-engine DMA (``copy_engine``) for rows of ``copy_engine.MIN_BYTES`` or
   more, ``copy_engine.MIN_ROWS`` or more at a time, between the GPU and pinned host memory
-  with CPU indices; else, host to device, the staged path (one DMA per run + few-CTA scatter)
+  with CPU indices (one copy per block of rows consecutive on both sides, ``row_offsets``); else, host to device, the staged path (one DMA per run + few-CTA scatter)
   when the host side comes in long runs of consecutive rows and its indices are on the CPU;
   else the zero-copy kernel. Device to host, ``auto`` never stages: the kernel's posted writes
   into pinned memory beat the gather + DMA on every row size measured (H200, 128 consecutive
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from . import copy_engine
@@ -42,6 +43,7 @@ from .checks import _check_ctas, _check_pair, _dma_direction, _pinned
 from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
 from .rows import launch_rows, pads_badly, rows_config
+from .segments import SegmentPart, row_offsets
 from .staged import copy_rows_staged, plan_runs
 from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
@@ -159,8 +161,8 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
         return "rows_" + path
     if _use_dma(src, dst, src_idx, dst_idx, path, impl, device):
         assert device is not None
-        plan = DmaPlan.rows(src.ptrs, dst.ptrs, src.row_bytes, src_idx.numpy() * src.stride,
-                            dst_idx.numpy() * dst.stride).direction(dst.is_cuda, device.index or 0)
+        plan = _rows_plan(src, dst, src_idx.numpy(), dst_idx.numpy()).direction(
+            dst.is_cuda, device.index or 0)
         with on_stream(stream, device):
             copy_engine.issue_current(plan, 0, len(plan.dst), device)
         return "rows_dma"
@@ -190,6 +192,16 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
             s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
             launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
     return "rows_" + path
+
+
+def _rows_plan(src: LayerTable, dst: LayerTable, s: np.ndarray, d: np.ndarray) -> DmaPlan:
+    """The copy-engine copies of whole rows ``s`` -> ``d`` of every layer: one per row, or one
+    per block of rows consecutive on both sides (``row_offsets``)."""
+    _, ranges = row_offsets(src, dst, s, d)
+    if len(ranges) == 1 and ranges[0][0] == src.row_bytes:  # no two rows in a row
+        return DmaPlan.rows(src.ptrs, dst.ptrs, src.row_bytes, ranges[0][1], ranges[0][2])
+    layers = list(range(src.num_layers))
+    return DmaPlan.build([SegmentPart(src.ptrs, dst.ptrs, layers, ranges)], layers)
 
 
 def _use_dma(src: LayerTable, dst: LayerTable, src_idx: torch.Tensor, dst_idx: torch.Tensor,

@@ -69,10 +69,25 @@ class SegmentPart:
 Range = tuple[int, np.ndarray, np.ndarray]  # (bytes, source offsets, destination offsets)
 
 
-def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray,
-                dst_ids: np.ndarray) -> list[Range]:
-    """Whole rows: one range of ``row_bytes`` per id pair."""
-    return [(src.row_bytes, src_ids * src.stride, dst_ids * dst.stride)]
+def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
+                big: int = 0) -> tuple[list[Range], list[Range]]:
+    """Whole rows, as ``(ranges of blocks of big bytes or more, the other ranges)`` (``big`` 0:
+    all in the second list). Rows listed one after another on both sides move as one block
+    when both buffers store their rows back to back (stride == row bytes): each such run is
+    cut into blocks of 2^k rows (its length's binary digits), one range per block size, so a
+    run of 8 pages is one copy per layer, not 8 (a copy engine's copy costs the driver about
+    0.5 µs of host time whatever its size). Rows in no run: one range of ``row_bytes`` per
+    id pair."""
+    rb = src.row_bytes
+    blocks = _block_starts(src_ids, dst_ids) if src.stride == rb == dst.stride else ALL_SINGLE
+    out: tuple[list[Range], list[Range]] = ([], [])
+    for k, i in blocks:
+        out[0 if big and rb << k >= big else 1].append(
+            (rb << k, src_ids[i] * src.stride, dst_ids[i] * dst.stride))
+    return out
+
+
+ALL_SINGLE: list[tuple[int, "np.ndarray | slice"]] = [(0, slice(None))]  # no two in a row
 
 
 def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
@@ -136,20 +151,25 @@ def _one_run(src_tok: np.ndarray, dst_tok: np.ndarray, P: int) -> tuple[int, int
     return s0, d0
 
 
-def _block_starts(src_tok: np.ndarray, dst_tok: np.ndarray, ss: np.ndarray,
-                  ds: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """[(k, first token index of every block of 2^k tokens)] (see ``_token_blocks``)."""
-    n = int(src_tok.size)
+def _block_starts(src_ids: np.ndarray, dst_ids: np.ndarray, ss: np.ndarray | None = None,
+                  ds: np.ndarray | None = None) -> list[tuple[int, np.ndarray | slice]]:
+    """[(k, index of the first id of every block of 2^k ids)]: runs of ids consecutive on both
+    sides (and, with slots ``ss`` / ``ds``, inside one page on both sides: a slot 0 starts a
+    new run), each cut largest block first; ``ALL_SINGLE`` (every id, as a slice) when no two
+    ids are in a row (see ``_token_blocks`` and ``row_offsets``)."""
+    n = int(src_ids.size)
     if n < 2:
-        return [(0, np.arange(n))]
-    brk = (np.diff(src_tok) != 1) | (np.diff(dst_tok) != 1) | (ss[1:] == 0) | (ds[1:] == 0)
+        return ALL_SINGLE
+    brk = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    if ss is not None and ds is not None:
+        brk |= (ss[1:] == 0) | (ds[1:] == 0)
     starts = np.flatnonzero(brk) + 1
-    if starts.size == n - 1:  # no two tokens in a row: one range per token
-        return [(0, np.arange(n))]
+    if starts.size == n - 1:  # no two ids in a row: one range per id
+        return ALL_SINGLE
     starts = np.concatenate(([0], starts))
     lens = np.diff(np.append(starts, n))
     bits = int(np.bitwise_or.reduce(lens))
-    out = []
+    out: list[tuple[int, np.ndarray | slice]] = []
     for k in range(bits.bit_length() - 1, -1, -1):
         if bits >> k & 1:  # the block of bit k starts after the blocks of the higher bits
             has = (lens >> k) & 1 == 1

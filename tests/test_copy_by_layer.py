@@ -71,6 +71,29 @@ def token_ids(rng: np.random.Generator, src_tokens: int, dst_tokens: int, P: int
     return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
 
 
+def row_ids(rng: np.random.Generator, src_rows: int, dst_rows: int,
+            n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` row pairs, destinations distinct: a run of 4 rows and one of 3 consecutive on both
+    sides (one copy per block of 2^k rows: 4, then 2 + 1), and single rows at random; fewer
+    than 9 pairs: one run of 4 and singles."""
+    lens = [4, 3] if n >= 9 else [min(4, n)]
+    s_free, d_free = list(range(src_rows)), list(range(dst_rows))
+    s: list[int] = []
+    d: list[int] = []
+    for m in lens:  # runs at random places not taken yet
+        for free, out in ((s_free, s), (d_free, d)):
+            ok = [a for a in free if all(a + i in free for i in range(m))]
+            a = int(rng.choice(ok))
+            out += range(a, a + m)
+            for i in range(m):
+                free.remove(a + i)
+    k = n - len(s)
+    s += rng.choice(s_free, k, replace=False).tolist()
+    d += rng.choice(d_free, k, replace=False).tolist()
+    assert len(set(d)) == n == len(s)
+    return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+
+
 def _case(device: str, src_dev: bool, seed: int = 0):
     """Pools over five global layers (A rows on all, B on odd, C and D tokens with runs, E
     36-B rows; on a GPU also big rows for the copy engines and T, 128-token pages)."""
@@ -98,7 +121,10 @@ def _case(device: str, src_dev: bool, seed: int = 0):
                   ("H", (4, 1), 8, 65_536, None),
                   # 128-token pages: a whole-page run is a 72-KiB block (the copy engines'
                   # share of a token load, as a checkpoint's SWA tail), the rest the kernel's
-                  ("T", (0, 3, 4), 8, TMLA.page_bytes, TMLA)]
+                  ("T", (0, 3, 4), 8, TMLA.page_bytes, TMLA),
+                  # 8448-B rows (the C4 indexer's): their run of 4 rows is a 33-KiB block for
+                  # the copy engines, the rest the kernel's
+                  ("I", (1, 2), 16, 8448, None)]
     parts, checks = [], []
     for name, layers, rows, rb, fmt in specs:
         src = buf(layers, rows, rb, src_dev, True)
@@ -107,8 +133,7 @@ def _case(device: str, src_dev: bool, seed: int = 0):
         n = (21 if fmt.tokens_per_page < 64 else fmt.tokens_per_page + 12) if fmt is not None \
             else (5 if name == "H" else 16 if rb >= 65536 else 9)
         if fmt is None:
-            s = rng.choice(rows * k, n, replace=False).astype(np.int64)
-            d = rng.choice((rows + 3) * k, n, replace=False).astype(np.int64)
+            s, d = row_ids(rng, rows, rows + 3, n)
         else:
             s, d = token_ids(rng, rows * k, (rows + 3) * k, k, n)
         before = [t.cpu().clone() for t in dst]
@@ -130,11 +155,12 @@ def _run_and_check(device: str, src_dev: bool, split: bool = False, fine: bool =
     parts, checks = _case(device, src_dev)
     seen: list[int] = []
     dev = torch.device(device)
-    if device != "cpu":  # whole rows of MIN_BYTES or more qualify for the copy engines
+    if device != "cpu":  # blocks of MIN_BYTES or more qualify for the copy engines
         from hicache.kernels.copy_engine import MIN_BYTES
-        big = [p.dma for p in parts if max(r[0] for r in p.ranges) >= MIN_BYTES]
-        assert len(big) == 4 and all(x == ("d2h" if src_dev else "h2d") for x in big)
-        assert all(not p.dma for p in parts if max(r[0] for r in p.ranges) < MIN_BYTES)
+        big = [p for p in parts if p.dma]
+        assert len(big) == 5 and all(p.dma == ("d2h" if src_dev else "h2d") for p in big)
+        assert all(r[0] >= MIN_BYTES for p in big for r in p.ranges)
+        assert all(r[0] < MIN_BYTES for p in parts if not p.dma for r in p.ranges)
     order = [4, 0, 1, 2, 3]
     if split:
         first = [p for p in parts if order[0] in p.layers]
@@ -446,7 +472,7 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
 
     parts, checks = _case("cpu", False)
     # the 4160-B rows of pool A stand for the copy engines' rows (on a GPU: 64 KiB or more)
-    parts = [replace(p, dma="h2d") if p.ranges[0][0] == 4160 else p for p in parts]
+    parts = [replace(p, dma="h2d") if _row_bytes(p) == 4160 else p for p in parts]
     order = [4, 0, 1, 2, 3]
     # layer 0 (position 1) only in pool A's rows, all on the copy engines: a lead can hold it
     parts = [q for p in parts for q in ([p] if p.dma else by_layer._layers_of([p], (0).__ne__))]
@@ -457,7 +483,7 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
             for g in p.layers:
                 want[pos[g]] += sum(so.size for _, so, _ in p.ranges)
     # which layer a copy lands in: pool A's destination buffers
-    (layers_a, _, _, _, dst_a, _), = [c for c in checks if c[1][0].ranges[0][0] == 4160]
+    (layers_a, _, _, _, dst_a, _), = [c for c in checks if _row_bytes(c[1][0]) == 4160]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel(), pos[g]) for g, t in zip(layers_a, dst_a)]
     log: list[tuple] = []
     monkeypatch.setattr(by_layer, "_split", lambda ps, dev: ([p for p in ps if p.dma],
@@ -504,6 +530,11 @@ def test_a_layer_is_marked_after_all_its_copy_engine_copies_on_the_one_stream(fi
         early = [addr for e in log[:k] if e[0] == "copies" for addr in e[1].dst[e[2]:e[3]]]
         assert any(next(i for a, b, i in spans if a <= addr < b) > 0 for addr in early)
         assert (("layer", 1) in log[:k]) == fine
+
+
+def _row_bytes(p: SegmentPart) -> int:
+    """A row part's row size: its smallest range (its blocks of 2^k rows come first)."""
+    return min(r[0] for r in p.ranges)
 
 
 def test_layer_groups_double():

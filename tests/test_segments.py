@@ -4,6 +4,9 @@
   blocks of 2^k tokens: property-tested that the ranges, applied as plain byte copies, give
   exactly the per-token copy (every value and scale byte, nothing else), and that blocks
   never cross a page or a break in either side's run.
+* ``row_offsets`` moves rows listed one after another on both sides as blocks of 2^k rows when
+  both buffers store rows back to back, and one range per row otherwise: property-tested the
+  same way (every row once, nothing else), and that a run of 2^k rows is one range entry.
 * ``SegmentPlan.spans``: each span holds segments of one width class only, and the spans of
   layers ``[a, b)`` hold exactly the segments of those layers.
 """
@@ -15,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.kernels import segments as S
-from hicache.kernels.segments import SegmentPart, SegmentPlan, _block_starts, token_offsets
+from hicache.kernels.segments import (SegmentPart, SegmentPlan, _block_starts, row_offsets,
+                                      token_offsets)
 from hicache.kernels.tables import LayerTable, TokenFormat
 
 FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # DSV4's value / 8-B scale, small pages
@@ -85,7 +89,7 @@ def test_token_blocks_copy_exactly_the_tokens(ids: tuple[np.ndarray, np.ndarray]
     ss, ds = s % P, d % P
     seen = np.zeros(s.size, dtype=int)
     for k, starts in _block_starts(s, d, ss, ds):
-        for i in starts.tolist():
+        for i in np.arange(s.size)[starts].tolist():
             j = i + (1 << k)
             assert j <= s.size
             assert np.all(np.diff(s[i:j]) == 1) and np.all(np.diff(d[i:j]) == 1)
@@ -168,3 +172,75 @@ def test_spans_keep_word_widths_apart() -> None:
                 assert len({plan.aligns[k] >= 16 for k in range(lo, hi)}) == 1
             assert len(spans) == 2
     assert SegmentPlan.build([], order).spans(0, 4) == []
+
+
+@st.composite
+def row_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of row ids: runs (consecutive on both sides) and single rows, destinations
+    distinct, listed in any order."""
+    s: list[int] = []
+    d: list[int] = []
+    used: set[int] = set()
+    for _ in range(draw(st.integers(1, 10))):
+        m = draw(st.integers(1, 12))
+        a = draw(st.integers(0, 40 - m))
+        b = draw(st.integers(0, 40 - m))
+        run = [b + i for i in range(m)]
+        if used.intersection(run):
+            continue
+        used.update(run)
+        s += [a + i for i in range(m)]
+        d += run
+    return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+
+
+@settings(max_examples=150, deadline=None)
+@given(row_lists(), st.integers(0, 2**31), st.sampled_from([0, 48, 200]), st.booleans())
+def test_row_blocks_copy_exactly_the_rows(ids: tuple[np.ndarray, np.ndarray], seed: int,
+                                          big: int, padded: bool) -> None:
+    """Rows of 24 B: blocks of 2^k rows where rows lie back to back on both sides (``padded``:
+    the source's rows sit in 32-B slots, so every row is a range of its own); with ``big``,
+    the ranges of ``big`` bytes or more in the first list, the others in the second."""
+    s, d = ids
+    rb, rows = 24, 40
+    g = torch.Generator().manual_seed(seed)
+    src_t = torch.randint(0, 256, (rows, 32 if padded else rb), dtype=torch.uint8, generator=g)
+    src_t = src_t[:, :rb]
+    dst_t = torch.randint(0, 256, (rows, rb), dtype=torch.uint8, generator=g)
+    S, D = LayerTable([src_t]), LayerTable([dst_t])
+    large, small = row_offsets(S, D, s, d, big)
+    assert all(n >= big for n, _, _ in large) and not (large and not big)
+    assert all(n < big for n, _, _ in small) or not big
+    ranges = large + small
+    if padded:
+        assert all(n == rb for n, _, _ in ranges)
+        assert sum(r[1].size for r in ranges) == s.size
+    src = bytearray(src_t.contiguous().numpy().tobytes()) if not padded else None
+    got = bytearray(dst_t.numpy().tobytes())
+    want = bytearray(got)
+    if padded:  # offsets are in the source's 32-B row slots
+        full = bytearray(src_t.untyped_storage())[:rows * 32]
+        _apply(ranges, full, got)
+        for a, b in zip(s.tolist(), d.tolist()):
+            want[b * rb:(b + 1) * rb] = full[a * 32:a * 32 + rb]
+    else:
+        assert src is not None
+        _apply(ranges, src, got)
+        for a, b in zip(s.tolist(), d.tolist()):
+            want[b * rb:(b + 1) * rb] = src[a * rb:(a + 1) * rb]
+        # every range entry is a whole run of 2^k rows, consecutive on both sides
+        for n, so, do in ranges:
+            assert n % rb == 0 and (n // rb) & (n // rb - 1) == 0
+    assert got == want
+
+
+def test_a_run_of_eight_rows_is_one_range_entry() -> None:
+    """A request's 8 pages, consecutive on both sides: one copy of 8 rows per layer; a run of
+    7: blocks of 4, 2 and 1."""
+    t = LayerTable([torch.zeros(64, 16, dtype=torch.uint8)])
+    u = LayerTable([torch.zeros(64, 16, dtype=torch.uint8)])
+    _, r = row_offsets(t, u, np.arange(8, 16), np.arange(40, 48))
+    assert [(n, so.tolist(), do.tolist()) for n, so, do in r] == [(128, [128], [640])]
+    _, r = row_offsets(t, u, np.arange(0, 7), np.arange(20, 27))
+    assert [(n, so.tolist(), do.tolist()) for n, so, do in r] == \
+        [(64, [0], [320]), (32, [64], [384]), (16, [96], [416])]
