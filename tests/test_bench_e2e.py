@@ -84,6 +84,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     out = json.loads(r.stdout)
     m = out["sizes"]["2k"]["summary"]
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
+    assert out["device_order"] == "random" and m["device_mean_run"] >= 1.0
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
     assert out["channel"] is False and "--spin-us 0" in out["channel_refused"]  # it sleeps
@@ -183,7 +184,29 @@ def test_daemon_times_add_the_load_issue_after_the_reply():
     assert "load_issue" not in command_times(m.snapshot())
     m.observe("load_issue_seconds", 0.004)
     m.observe("load_issue_seconds", 0.002)
-    assert abs(mean_ms(first, daemon_times(m.snapshot()), "load_issue") - 3.0) < 1e-9
+    m.inc("load_issue_cpu_seconds", 0.003)  # the issuer's CPU time in those two issues
+    m.inc("load_issue_cpu_seconds", 0.001)
+    after = daemon_times(m.snapshot())
+    assert abs(mean_ms(first, after, "load_issue") - 3.0) < 1e-9
+    assert abs(mean_ms(first, after, "load_issue_cpu") - 2.0) < 1e-9
+
+
+def test_device_orders_are_permutations_with_their_runs():
+    """Every order hands out each row once; ``consecutive`` is one run, ``random`` and the
+    churned unsorted free list (``sglang``) mostly single rows; bad names are refused."""
+    import numpy as np
+
+    from hicache.bench.device_order import PATTERNS, device_order, mean_run
+
+    rng = np.random.default_rng(1)
+    for p in PATTERNS:
+        order = device_order(p, 300, rng)
+        assert sorted(order.tolist()) == list(range(300))
+    assert mean_run(device_order("consecutive", 300, rng)[100:200]) == 100.0
+    assert mean_run(device_order("random", 300, rng)[100:200]) < 1.5
+    assert mean_run(np.array([3, 4, 5, 9, 1, 2])) == 2.0 and mean_run(np.array([])) == 0.0
+    with pytest.raises(ValueError, match="not one of"):
+        device_order("sorted", 10, rng)
 
 
 def test_table_notes_busy_second_only_when_measured(capsys):

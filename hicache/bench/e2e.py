@@ -3,7 +3,9 @@
 This process is the engine: it owns DSV4 device pools (CUDA tensors shared by IPC; shared
 memory in CPU mode), starts a real ``hicache serve`` for the same GPU, registers, churns the
 daemon's host allocator (mixed allocs and frees, so host rows are what a running server hands
-out, not a fresh pool), then per prefix size (device rows scattered at random):
+out, not a fresh pool), then per prefix size (device rows scattered at random, or as
+``--device-order`` says, ``bench.device_order``; the summary's ``device_mean_run`` is the mean
+run of a load's destination rows):
 
 * BACKUP: command -> ack (engine clock), GB/s;
 * LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
@@ -17,7 +19,8 @@ out, not a fresh pool), then per prefix size (device rows scattered at random):
   ``backup_handler_ack_ms``), so the ack's time splits into the daemon's handling and the rest
   (the trip there and back, and the copies' wait); and the mean
   time its issuer thread spent issuing the later layers after each reply (``load_issue_ms``,
-  GPU: host time the link may wait for);
+  GPU: host time the link may wait for), and its CPU time in it (``load_issue_cpu_ms``: the
+  rest it waited for a core or the GIL);
 * a heartbeat sent right after a load's reply, while those layers are being issued: its round
   trip (``load_cmd_ms``, column ``cmd ms``): how long the engine's next command waits behind a
   load;
@@ -77,6 +80,7 @@ from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.arena import available_bytes, default_reserve
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
+from hicache.bench.device_order import PATTERNS, device_order, mean_run
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
@@ -99,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints (compressed pages + one checkpoint) [both]")
     p.add_argument("--runs", type=int, default=5, help="timed runs per size (median)")
     p.add_argument("--churn", type=int, default=2000, help="mixed alloc/free ops before timing")
+    p.add_argument("--device-order", choices=PATTERNS, default="random",
+                   help="the engine's device rows: scattered at random (the default), as "
+                        "SGLang's unsorted free list hands them out after churn, or "
+                        "consecutive (a sorted free list with room: the best case)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages of the model")
@@ -255,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
+                  "device_order": args.device_order,
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
                   "ctas": INPROC_CTAS, "runs": args.runs,
                   "daemon_spin_us": c.stats().get("spin_us"),
@@ -275,9 +284,10 @@ def run(args: argparse.Namespace) -> int:
                 # one untimed round first: a size's first load and backup pay one-time costs
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
-                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False)
+                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
+                        order=args.device_order)
                 result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
-                                         cuda, dev)
+                                         cuda, dev, order=args.device_order)
                 # the daemon's handling times: extra solo runs (no load beside a backup, no
                 # probe) between two stats readings; none taken during the timed runs, where a
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
@@ -290,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
                     # the engine's acks of the same commands: handler < ack, run for run
                     **{f"{cmd}_handler_ack_ms": 1e3 * sum(extra[f"{cmd}_ack"])
                        / len(extra[f"{cmd}_ack"]) for cmd in ("load", "backup")},
-                    load_issue_ms=mean_ms(before, after, "load_issue"))
+                    load_issue_ms=mean_ms(before, after, "load_issue"),
+                    load_issue_cpu_ms=mean_ms(before, after, "load_issue_cpu"))
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -359,7 +370,8 @@ def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.
 
 def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
              rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
-             dev: torch.device, probe: bool = True, busy: bool = True) -> dict[str, Any]:
+             dev: torch.device, probe: bool = True, busy: bool = True,
+             order: str = "random") -> dict[str, Any]:
     spaces = ("page", "swa_page")
     nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
                  if p.index in spaces)
@@ -367,10 +379,12 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
     out: dict[str, list[float]] = {k: [] for k in FIGURES}
     waits = new_waits()
     verified = False
+    dev_runs: list[float] = []
     for r in range(runs):
         total = pools.rows["page"]
-        perm = rng.permutation(total)
-        src = {sp: perm[:n].tolist() for sp in spaces}  # device rows scattered at random
+        perm = device_order(order, total, rng)
+        src = {sp: perm[:n].tolist() for sp in spaces}  # as the engine's allocator hands out
+        dev_runs.append(mean_run(perm[n:2 * n]))
         dst = {sp: perm[n:2 * n].tolist() for sp in spaces}
         check = again = None
         if not verified:  # this run's loads are compared byte for byte, right after each
@@ -423,7 +437,9 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                 probe_rounds(waits, c, stream, dev, lambda: c.load(items),
                              lambda: c.backup_new(src), lambda op: c.free(op.rows))
         c.free(host)
-    return summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
+    summary = summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
+    summary["summary"]["device_mean_run"] = float(np.mean(dev_runs))  # the loads' destinations
+    return summary
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -433,7 +449,8 @@ def _table(result: dict[str, Any]) -> None:
     sharing = result.get("gpu_sharing", {})
     print(f"bench e2e on {result['device']} ({result['preset']}{stage}, in-process copy "
           f"{result['ctas']} CTAs, "
-          f"median of {result['runs']}); pinned-copy limit GB/s: {lim}; busy-poll: daemon "
+          f"median of {result['runs']}; device rows {result.get('device_order', 'random')}); "
+          f"pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
           f"channel: {chan}; GPU sharing: engine {sharing.get('engine')}, daemon "
           f"{sharing.get('daemon')}")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hicache.bench import e2e_measure as e2e
+from hicache.bench.device_order import device_order, mean_run
 from hicache.bench.e2e_engine import new_waits, probe_rounds
 from hicache.core.layout import Layout
 from hicache.core.resume import ResumeModel
@@ -38,7 +39,8 @@ from hicache.kernels.tables import TokenFormat
 
 def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                   rng: np.random.Generator, local: Any, limit: dict[str, Any], cuda: bool,
-                  dev: torch.device, probe: bool = True, busy: bool = True) -> dict[str, Any]:
+                  dev: torch.device, probe: bool = True, busy: bool = True,
+                  order: str = "random") -> dict[str, Any]:
     resume = ResumeModel(layout)
     if resume.checkpoint_space != "swa_page":
         raise RuntimeError("the checkpoints mirror bench needs paged SWA")
@@ -48,10 +50,12 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
     out: dict[str, list[float]] = {k: [] for k in e2e.FIGURES}
     waits = new_waits()
     verified = False
+    dev_runs: list[float] = []
     for r in range(runs):
-        pp = rng.permutation(pools.rows["page"])
-        sp = rng.permutation(pools.rows["swa_page"])
+        pp = device_order(order, pools.rows["page"], rng)
+        sp = device_order(order, pools.rows["swa_page"], rng)
         src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
+        dev_runs.append(mean_run(pp[n:2 * n]))
         check = again = None
         if not verified:  # this run's loads are compared byte for byte, right after each
             ck_rows = [int(sp[0]), int(sp[1])]
@@ -104,7 +108,9 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                              lambda: c.backup(bitems), lambda op: None)
             c.free(other)
         c.free(host)
-    return e2e.summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
+    summary = e2e.summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
+    summary["summary"]["device_mean_run"] = float(np.mean(dev_runs))  # the loads' destinations
+    return summary
 
 
 def _verify(pools: DevicePools, resume: ResumeModel, src: list[int], dst: list[int],
