@@ -161,9 +161,10 @@ def issue_layers(op: Operation, stream: Any, ctas: int, device: torch.device) ->
     g0 = op.stage_layers[0] if op.stage_layers else None
     first = [it for it in op.items if g0 in it.layers]  # built before layer 0's launch
     later = [it for it in op.items if g0 not in it.layers]  # built after it
-    return issue_by_layer(_parts(first), op.stage_layers,
+    memo: dict = {}  # row blocks per id pair: the pools of one space share their ids
+    return issue_by_layer(_parts(first, memo), op.stage_layers,
                           lambda i: events[i].record(stream), device=device, ctas=ctas,
-                          stream=stream, more=(lambda: _parts(later)) if later else None,
+                          stream=stream, more=(lambda: _parts(later, memo)) if later else None,
                           more_layers={g for it in later for g in it.layers},
                           fine=reports_progress(op))
 
@@ -175,9 +176,9 @@ def reports_progress(op: Operation) -> bool:
     return op.nbytes >= PROGRESS_BYTES
 
 
-def _parts(items: list[Item]) -> list[Any]:
+def _parts(items: list[Item], memo: dict) -> list[Any]:
     return [p for it in items for p in layer_parts(it.src, it.dst, it.src_ids.np(),
-                                                   it.dst_ids.np(), it.fmt, it.layers)]
+                                                   it.dst_ids.np(), it.fmt, it.layers, memo)]
 
 
 def merge_key(op: Operation) -> tuple | None:

@@ -47,7 +47,8 @@ import torch
 from . import copy_engine
 from .checks import _check_ctas, _check_pair, _dma_direction
 from .copy_engine import DmaPlan
-from .segments import SegmentPart, SegmentPlan, launch_segments, row_offsets, token_offsets
+from .segments import (Blocks, SegmentPart, SegmentPlan, launch_segments, row_blocks,
+                       row_offsets, token_offsets)
 from .streams import on_stream
 from .tables import LayerTable, TokenFormat, TransferError
 
@@ -76,19 +77,28 @@ SPLIT_COPIES = 4096
 
 
 def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-                fmt: Optional[TokenFormat], layers: Sequence[int]) -> list[SegmentPart]:
+                fmt: Optional[TokenFormat], layers: Sequence[int],
+                memo: Optional[dict[tuple[int, int], Blocks]] = None) -> list[SegmentPart]:
     """The ``SegmentPart`` s of one buffer pair of a ``copy_by_layer`` call: rows (``fmt``
     None) or tokens of ``fmt``; ``layers[l]`` is the global layer id of buffer layer ``l``.
     Blocks of ``copy_engine.MIN_BYTES`` or more between the GPU and pinned host memory are one
     part marked for the copy engines, beside a part of the other ranges: whole rows that
     large, runs of rows consecutive on both sides that reach it (``row_offsets``: one copy
     per block of 2^k rows), and blocks of tokens whose values reach it (a checkpoint's SWA
-    tail: 128 tokens, 72 KiB)."""
+    tail: 128 tokens, 72 KiB). ``memo``: a dict the caller keeps across the pools of one
+    operation, so the blocks of rows are found once per pair of id arrays (keyed by their
+    ``id``: the arrays must stay alive and unchanged while it is used)."""
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
     way = _dma_direction(src, dst, any_rows=True)
     big = copy_engine.MIN_BYTES if way else 0
     if fmt is None:
-        big_r, rest = row_offsets(src, dst, src_ids, dst_ids, big)
+        blocks = None
+        if memo is not None:
+            key = (id(src_ids), id(dst_ids))
+            blocks = memo.get(key)
+            if blocks is None:
+                blocks = memo[key] = row_blocks(src_ids, dst_ids)
+        big_r, rest = row_offsets(src, dst, src_ids, dst_ids, big, blocks)
     else:
         big_r, rest = token_offsets(src, dst, src_ids, dst_ids, fmt, big)
     return [SegmentPart(src.ptrs, dst.ptrs, list(layers), r, dma=w)

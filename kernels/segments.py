@@ -70,16 +70,20 @@ Range = tuple[int, np.ndarray, np.ndarray]  # (bytes, source offsets, destinatio
 
 
 def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
-                big: int = 0) -> tuple[list[Range], list[Range]]:
+                big: int = 0, blocks: Optional[Blocks] = None) -> tuple[list[Range], list[Range]]:
     """Whole rows, as ``(ranges of blocks of big bytes or more, the other ranges)`` (``big`` 0:
     all in the second list). Rows listed one after another on both sides move as one block
     when both buffers store their rows back to back (stride == row bytes): each such run is
     cut into blocks of 2^k rows (its length's binary digits), one range per block size, so a
     run of 8 pages is one copy per layer, not 8 (a copy engine's copy costs the driver about
     0.5 µs of host time whatever its size). Rows in no run: one range of ``row_bytes`` per
-    id pair."""
+    id pair. ``blocks``: ``row_blocks(src_ids, dst_ids)`` when the caller has it (the pools of
+    one index space share their ids)."""
     rb = src.row_bytes
-    blocks = _block_starts(src_ids, dst_ids) if src.stride == rb == dst.stride else ALL_SINGLE
+    if src.stride != rb or dst.stride != rb:
+        blocks = ALL_SINGLE
+    elif blocks is None:
+        blocks = _block_starts(src_ids, dst_ids)
     out: tuple[list[Range], list[Range]] = ([], [])
     for k, i in blocks:
         out[0 if big and rb << k >= big else 1].append(
@@ -87,7 +91,14 @@ def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: 
     return out
 
 
-ALL_SINGLE: list[tuple[int, "np.ndarray | slice"]] = [(0, slice(None))]  # no two in a row
+Blocks = list[tuple[int, "np.ndarray | slice"]]  # (k, first id of each block of 2^k ids)
+ALL_SINGLE: Blocks = [(0, slice(None))]  # no two ids in a row
+
+
+def row_blocks(src_ids: np.ndarray, dst_ids: np.ndarray) -> Blocks:
+    """The blocks ``row_offsets`` cuts rows ``src_ids`` -> ``dst_ids`` into (computed once per
+    id pair by callers with several buffer pairs on the same ids)."""
+    return _block_starts(src_ids, dst_ids)
 
 
 def token_offsets(src: LayerTable, dst: LayerTable, src_tok: np.ndarray, dst_tok: np.ndarray,
@@ -152,7 +163,7 @@ def _one_run(src_tok: np.ndarray, dst_tok: np.ndarray, P: int) -> tuple[int, int
 
 
 def _block_starts(src_ids: np.ndarray, dst_ids: np.ndarray, ss: np.ndarray | None = None,
-                  ds: np.ndarray | None = None) -> list[tuple[int, np.ndarray | slice]]:
+                  ds: np.ndarray | None = None) -> Blocks:
     """[(k, index of the first id of every block of 2^k ids)]: runs of ids consecutive on both
     sides (and, with slots ``ss`` / ``ds``, inside one page on both sides: a slot 0 starts a
     new run), each cut largest block first; ``ALL_SINGLE`` (every id, as a slice) when no two
@@ -169,7 +180,7 @@ def _block_starts(src_ids: np.ndarray, dst_ids: np.ndarray, ss: np.ndarray | Non
     starts = np.concatenate(([0], starts))
     lens = np.diff(np.append(starts, n))
     bits = int(np.bitwise_or.reduce(lens))
-    out: list[tuple[int, np.ndarray | slice]] = []
+    out: Blocks = []
     for k in range(bits.bit_length() - 1, -1, -1):
         if bits >> k & 1:  # the block of bit k starts after the blocks of the higher bits
             has = (lens >> k) & 1 == 1

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
                 before = daemon_times(c.stats()["metrics"])
                 extra = measure(c, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda, dev,
-                                probe=False, busy=False)["runs"]
+                                probe=False, busy=False, order=args.device_order)["runs"]
                 after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
                     {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
