@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -40,14 +41,22 @@ def test_an_interrupted_start_leaves_no_daemon_and_no_directory():
     """Ctrl-C while ``start`` waits for the first heartbeat: the daemon it launched is
     stopped and its directory removed (the daemon kept running)."""
     d = DaemonProcess(device="cpu", preset="dsv4-tiny", exit_with_parent=False)
-    t = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident,
-                                                         signal.SIGINT))
+    stop = threading.Event()
+
+    def interrupt() -> None:  # once the daemon is launched (not at a fixed time: a loaded
+        # machine once ran this thread only after ``start`` had returned)
+        while d.proc is None and not stop.wait(0.005):
+            pass
+        if not stop.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t = threading.Thread(target=interrupt, daemon=True)
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             with d:
-                pass
+                time.sleep(5)  # (only if start returned first: the interrupt lands here)
         assert not d.alive() and not os.path.isdir(d.dir)
     finally:
-        t.cancel()
+        stop.set()
         d.close()
