@@ -3,8 +3,9 @@
 * ``copy_rows(src, dst, src_idx, dst_idx)`` — whole rows (KV page rows, state rows) of every
   layer: batched copy-engine DMA (``copy_engine``) for rows of ``copy_engine.MIN_BYTES`` or
   more, ``copy_engine.MIN_ROWS`` or more at a time, between the GPU and pinned host memory
-  with CPU indices (one copy per block of rows consecutive on both sides, ``row_offsets``); else, host to device, the staged path (one DMA per run + few-CTA scatter)
-  when the host side comes in long runs of consecutive rows and its indices are on the CPU;
+  with CPU indices (one copy per block of rows consecutive on both sides, ``row_offsets``);
+  else, host to device, the staged path (one DMA per run + few-CTA scatter) when the host
+  side comes in long runs of consecutive rows and its indices are on the CPU;
   else the zero-copy kernel. Device to host, ``auto`` never stages: the kernel's posted writes
   into pinned memory beat the gather + DMA on every row size measured (H200, 128 consecutive
   host rows: 37-KiB rows 43.8 against 36.1 GB/s, 32-KiB rows 46.4 against 41.6).
