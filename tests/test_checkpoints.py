@@ -677,3 +677,30 @@ def test_serve_splits_the_host_for_checkpoints_when_asked(tmp_path):
     with pytest.raises(Exception, match="too small for a checkpoints split"):
         sizing(load_config({**base, "host_split": "checkpoints",
                             "host_mem": parse_bytes("8MiB"), "force": True}))
+
+
+def test_the_fewest_host_bytes_for_a_checkpoints_split():
+    """``checkpoint_host_bytes``: its split holds the rows asked for, one byte less does not;
+    nonsense is refused in one line."""
+    import pytest
+
+    from hicache.core.errors import CapacityError, UsageError
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.sizes import checkpoint_host_bytes, checkpoint_host_rows
+
+    for swa, ck in (("paged", "swa_page"), ("ring", "req_slot")):
+        lay = build_layout(preset("dsv4-flash"), swa_mode=swa)
+        dev = {s: n for s, n in {"page": 3000, "swa_page": 3000, "req_slot": 64}.items()
+               if lay.space_pools(s)}
+        slots = 64 if ck == "req_slot" else 0
+        for pages, ckpts, k in ((5000, 156, 32), (4000, 4000, 1), (1, 1, 1)):
+            n = checkpoint_host_bytes(lay, dev, pages, ckpts, k)
+            got = checkpoint_host_rows(lay, dev, n, k)
+            assert got["page"] >= pages and got[ck] - slots >= ckpts
+            try:
+                less = checkpoint_host_rows(lay, dev, n - 1, k)
+            except CapacityError:  # not even one page row: holds less
+                continue
+            assert less["page"] < pages or less[ck] - slots < ckpts
+    with pytest.raises(UsageError, match="pages >= 1"):
+        checkpoint_host_bytes(lay, dev, 0, 1, 32)

@@ -125,3 +125,39 @@ def test_device_tier_too_small_for_a_request(tmp_path, capsys):
                                  "hash_ids": list(range(40))}) + "\n")
     assert main(["demo", "--trace", str(trace), "--device-pages", "16"]) == 2
     assert "raise --device-pages" in capsys.readouterr().err
+
+
+def test_the_checkpoints_demo_daemon_splits_its_host_tier_for_the_tree():
+    """The checkpoints mirror's daemon is a real ``serve --host-split checkpoints``: given
+    the worker's device rows and the fewest bytes whose split holds the tree's page and
+    checkpoint rows, it holds at least those (paged: ``swa_page`` rows; ring: ``req_slot`` rows
+    beyond the request slots), and no page or checkpoint row fewer than asked for."""
+    from hicache.core.sizes import checkpoint_host_bytes
+    from hicache.engine.client import Client
+    from hicache.sim.demo import _daemon
+    from hicache.sim.replay import WorkerConfig
+
+    for swa, ck in (("paged", "swa_page"), ("ring", "req_slot")):
+        cfg = WorkerConfig(preset="dsv4-tiny", swa_mode=swa, device_pages=40, host_pages=160,
+                           req_slots=4, host_ckpts=5)
+        d = _daemon(cfg, None)
+        cmd = " ".join(d.cmd)
+        assert "--host-split checkpoints" in cmd and "--pages-per-checkpoint 32" in cmd
+        assert f"--host-mem {checkpoint_host_bytes(cfg.layout(), cfg.device_rows(), 160, 5, 32)}" \
+            in cmd and "--force" not in cmd
+        with d:
+            c = Client(d.address, timeout=10.0)
+            try:
+                total: dict[str, int] = {}
+                for x in c.stats()["metrics"]["hicache_host_rows"]:
+                    sp = x["labels"]["space"]
+                    total[sp] = total.get(sp, 0) + int(x["value"])
+            finally:
+                c.close()
+        slots = 4 if ck == "req_slot" else 0
+        assert total["page"] >= 160 and total[ck] - slots >= 5, (swa, total)
+        # the fewest bytes: one byte less would not hold the tree's rows
+        from hicache.core.sizes import checkpoint_host_rows
+        nbytes = checkpoint_host_bytes(cfg.layout(), cfg.device_rows(), 160, 5, 32)
+        less = checkpoint_host_rows(cfg.layout(), cfg.device_rows(), nbytes - 1, 32)
+        assert less["page"] < 160 or less[ck] - slots < 5

@@ -219,6 +219,37 @@ def checkpoint_host_rows(layout: Layout, device_rows: Mapping[str, int], host_by
     return rows
 
 
+def checkpoint_host_bytes(layout: Layout, device_rows: Mapping[str, int], pages: int,
+                          ckpts: int, pages_per_ckpt: int) -> int:
+    """The fewest host bytes whose ``checkpoint_host_rows`` split holds at least ``pages`` page
+    rows and ``ckpts`` checkpoint rows (beyond the request slots' rows in ring mode): what a
+    caller that sized its tier in rows (the demo) gives ``serve --host-split checkpoints``."""
+    if pages < 1 or ckpts < 0:
+        raise UsageError(f"a checkpoints split needs pages >= 1 and checkpoints >= 0, got "
+                         f"{pages} and {ckpts}")
+    ck = ResumeModel(layout).checkpoint_space
+    slots = device_rows.get("req_slot", 0) if ck == "req_slot" else 0
+
+    def holds(nbytes: int) -> bool:
+        try:
+            rows = checkpoint_host_rows(layout, device_rows, nbytes, pages_per_ckpt)
+        except CapacityError:
+            return False
+        return rows["page"] >= pages and rows[ck] - slots >= ckpts
+
+    slot_bytes = device_rows.get("req_slot", 0) * layout.row_bytes("req_slot") \
+        if "req_slot" in used_spaces(layout) else 0
+    lo, hi = 0, slot_bytes + (pages + 1) * layout.row_bytes("page") + \
+        (ckpts + 1) * layout.row_bytes(ck) + \
+        sum(p.num_layers for p in layout.pools.values()) * REGION_ALIGN
+    while not holds(hi):  # (that estimate holds already; doubling keeps this total)
+        hi *= 2
+    while lo + 1 < hi:  # holds(hi), not holds(lo): more bytes never hold fewer rows
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
 def check_host_larger(layout: Layout, device_rows: Mapping[str, int],
                       host: Mapping[str, int], what: str,
                       spaces: Sequence[str] | None = None) -> None:

@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 from hicache.core.errors import UsageError
-from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS, ResumeModel
+from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS
+from hicache.core.sizes import checkpoint_host_bytes
 from hicache.sim.sizing import host_tier_rows, planned_device_pages
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
@@ -253,27 +254,25 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
 
 def _daemon(cfg: Any, metrics_port: int | None, extra: tuple[str, ...] = (),
             env: Any = None) -> DaemonProcess:
-    """``hicache serve`` for ``cfg`` on a private socket (not started yet).
-
-    The daemon sizes its host rows per space in proportion to the ``--device-rows`` it is
-    given. Full mirror: the worker's rows x host/device ratio. Checkpoints: the host split
-    itself at ratio 1 (page rows; checkpoint rows in ``swa_page`` or ``req_slot``, which also
-    keeps one row per request slot for state swaps)."""
+    """``hicache serve`` for ``cfg`` on a private socket (not started yet), given the worker's
+    device rows. Full mirror: host rows in the device rows' proportions, host / device pages
+    (``--host-ratio``). Checkpoints: the daemon splits its host memory for that mirror itself
+    (``--host-split checkpoints``), given the fewest bytes whose split holds the tree's page
+    and checkpoint rows (``sizes.checkpoint_host_bytes``: the same sizing the daemon runs, so
+    its rows hold the tree's) and the tree's pages per checkpoint row."""
+    rows = cfg.device_rows()
     if cfg.mirror == "full":
-        rows = cfg.device_rows()
         ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
+        host: tuple[str, ...] = ("--host-ratio", repr(ratio))
     else:
-        rows = {s: 0 for s in cfg.device_rows()}
-        space = ResumeModel(cfg.layout()).checkpoint_space
-        rows["page"] = cfg.host_pages
-        rows[space] = rows.get(space, 0) + cfg.ckpt_rows
-        if "req_slot" in rows:
-            rows["req_slot"] += cfg.req_slots
-        rows = {s: max(1, n) for s, n in rows.items()}
-        ratio = 1.0
-    # checkpoints: the rows given are the host split itself (ratio 1), so the daemon's
-    # host <= device refusal does not apply; --force says so
-    host = ("--host-ratio", repr(ratio)) + (("--force",) if ratio == 1.0 else ())
+        k = max(1, cfg.host_pages // max(1, cfg.ckpt_rows))
+        nbytes = checkpoint_host_bytes(cfg.layout(), rows, cfg.host_pages, cfg.ckpt_rows, k)
+        host = ("--host-mem", str(nbytes), "--host-split", "checkpoints",
+                "--pages-per-checkpoint", str(k))
+        if cfg.host_pages <= cfg.device_pages and "--force" not in extra:
+            # a tier of checkpoints keeps what the device drops even when it holds fewer
+            # pages; a ratio of 1 or less was refused without --force already
+            host += ("--force",)
     return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=rows,
                          host=host, heartbeat_timeout=60,
                          metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode) + extra,
@@ -447,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"--demo-metrics-port {args.demo_metrics_port}: cannot listen on "
                          f"127.0.0.1:{args.demo_metrics_port}: {e.strerror or e}") from None
-    # --force: a full mirror's host rows no larger than the device's (checkpoints: always)
+    # --force: host rows no larger than the device's (``_daemon`` adds it for checkpoints)
     daemon = _daemon(cfg, metrics_port, ("--force",) if args.force else ())
     client = None
     worker = None
