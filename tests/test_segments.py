@@ -26,18 +26,17 @@ FMT = TokenFormat(8, 576, 8, 8 * 576, 8 * 576 + 64)  # DSV4's value / 8-B scale,
 ROWS = 6  # pages per side
 
 
-@st.composite
-def token_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs of token ids made of runs (consecutive on both sides, may cross pages) and single
-    tokens, destinations distinct."""
-    P, n_tok = FMT.tokens_per_page, ROWS * FMT.tokens_per_page
+def _draw_runs(draw: st.DrawFn, n_ids: int, runs: int, longest: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``runs`` runs of 1..``longest`` ids, consecutive on both sides, ids in
+    ``[0, n_ids)``, destinations distinct (a run that would reuse one is left out)."""
     s: list[int] = []
     d: list[int] = []
     used: set[int] = set()
-    for _ in range(draw(st.integers(1, 8))):
-        m = draw(st.integers(1, 2 * P))
-        a = draw(st.integers(0, n_tok - m))
-        b = draw(st.integers(0, n_tok - m))
+    for _ in range(draw(st.integers(1, runs))):
+        m = draw(st.integers(1, longest))
+        a = draw(st.integers(0, n_ids - m))
+        b = draw(st.integers(0, n_ids - m))
         run = [b + i for i in range(m)]
         if used.intersection(run):
             continue
@@ -45,6 +44,13 @@ def token_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
         s += [a + i for i in range(m)]
         d += run
     return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+
+
+@st.composite
+def token_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of token ids made of runs (consecutive on both sides, may cross pages) and single
+    tokens, destinations distinct."""
+    return _draw_runs(draw, ROWS * FMT.tokens_per_page, 8, 2 * FMT.tokens_per_page)
 
 
 def _apply(ranges: list, src: bytearray, dst: bytearray) -> None:
@@ -178,20 +184,7 @@ def test_spans_keep_word_widths_apart() -> None:
 def row_lists(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
     """Pairs of row ids: runs (consecutive on both sides) and single rows, destinations
     distinct, listed in any order."""
-    s: list[int] = []
-    d: list[int] = []
-    used: set[int] = set()
-    for _ in range(draw(st.integers(1, 10))):
-        m = draw(st.integers(1, 12))
-        a = draw(st.integers(0, 40 - m))
-        b = draw(st.integers(0, 40 - m))
-        run = [b + i for i in range(m)]
-        if used.intersection(run):
-            continue
-        used.update(run)
-        s += [a + i for i in range(m)]
-        d += run
-    return np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+    return _draw_runs(draw, 40, 10, 12)
 
 
 @settings(max_examples=150, deadline=None)
