@@ -13,7 +13,8 @@
   whose client hears of the later layers only when all are issued) the later layers are one
   group. A load of ``SPLIT_COPIES`` or more
   copy-engine copies plans layer 1's group on its own before the other later layers. Whole
-  rows of ``copy_engine.MIN_BYTES`` (32 KiB) or more
+  rows of ``copy_engine.MIN_BYTES`` (32 KiB) or more, and blocks of rows consecutive on both
+  sides (one copy per block of 2^k rows, ``segments.row_offsets``) or of tokens that reach it,
   between GPU and pinned host memory (``dma`` parts, any number of rows) go to the copy
   engines as batched DMA, the other rows and tokens to one segment-kernel launch per group and
   word width (``segments``); **everything of a load runs on the one stream it is issued on**,
@@ -78,7 +79,8 @@ SPLIT_COPIES = 4096
 
 def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: np.ndarray,
                 fmt: Optional[TokenFormat], layers: Sequence[int],
-                memo: Optional[dict[tuple[int, int], Blocks]] = None) -> list[SegmentPart]:
+                memo: Optional[dict[tuple[int, int], tuple[np.ndarray, np.ndarray, Blocks]]]
+                = None) -> list[SegmentPart]:
     """The ``SegmentPart`` s of one buffer pair of a ``copy_by_layer`` call: rows (``fmt``
     None) or tokens of ``fmt``; ``layers[l]`` is the global layer id of buffer layer ``l``.
     Blocks of ``copy_engine.MIN_BYTES`` or more between the GPU and pinned host memory are one
@@ -86,8 +88,10 @@ def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: 
     large, runs of rows consecutive on both sides that reach it (``row_offsets``: one copy
     per block of 2^k rows), and blocks of tokens whose values reach it (a checkpoint's SWA
     tail: 128 tokens, 72 KiB). ``memo``: a dict the caller keeps across the pools of one
-    operation, so the blocks of rows are found once per pair of id arrays (keyed by their
-    ``id``: the arrays must stay alive and unchanged while it is used)."""
+    operation, so the blocks of rows are found once per pair of id arrays (the same array
+    objects: an entry keeps its arrays and is used only for those very objects, so a new
+    array at a freed one's address is never taken for it; the arrays must not change while
+    the memo is used)."""
     check_layer_part(src, dst, src_ids, dst_ids, fmt, layers)
     way = _dma_direction(src, dst, any_rows=True)
     big = copy_engine.MIN_BYTES if way else 0
@@ -95,9 +99,12 @@ def layer_parts(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: 
         blocks = None
         if memo is not None:
             key = (id(src_ids), id(dst_ids))
-            blocks = memo.get(key)
-            if blocks is None:
-                blocks = memo[key] = row_blocks(src_ids, dst_ids)
+            hit = memo.get(key)
+            if hit is not None and hit[0] is src_ids and hit[1] is dst_ids:
+                blocks = hit[2]
+            else:
+                blocks = row_blocks(src_ids, dst_ids)
+                memo[key] = (src_ids, dst_ids, blocks)
         big_r, rest = row_offsets(src, dst, src_ids, dst_ids, big, blocks)
     else:
         big_r, rest = token_offsets(src, dst, src_ids, dst_ids, fmt, big)

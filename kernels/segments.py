@@ -2,7 +2,8 @@
 
 A *segment* copies ``n`` ranges of ``nbytes`` bytes: range ``k`` goes from
 ``src_base + src_off[k]`` to ``dst_base + dst_off[k]``. A page row is one range (offset
-``row * stride``); a DSV4 token is two (its 576-B value and its 8-B scale), and a run of tokens
+``row * stride``), and a run of rows consecutive on both sides one per block of 2^k rows of
+the run (``row_offsets``, where both buffers store rows back to back); a DSV4 token is two (its 576-B value and its 8-B scale), and a run of tokens
 consecutive on both sides is two per block of the run (``token_offsets``). A per-layer load is
 the segments of every pool of that layer, in one launch per word width: segments whose ranges
 allow 16-byte accesses never share a launch with narrower ones (a launch moves every segment
@@ -62,7 +63,7 @@ class SegmentPart:
     layers: Sequence[int]
     ranges: Sequence[tuple[int, np.ndarray, np.ndarray]]
     # "h2d" / "d2h": ranges between host and device big enough for the copy engines (whole
-    # rows, or blocks of many tokens)
+    # rows, or blocks of several rows or many tokens)
     dma: str = ""
 
 
@@ -91,8 +92,8 @@ def row_offsets(src: LayerTable, dst: LayerTable, src_ids: np.ndarray, dst_ids: 
     return out
 
 
-Blocks = list[tuple[int, "np.ndarray | slice"]]  # (k, first id of each block of 2^k ids)
-ALL_SINGLE: Blocks = [(0, slice(None))]  # no two ids in a row
+Blocks = Sequence[tuple[int, "np.ndarray | slice"]]  # (k, first id of each block of 2^k ids)
+ALL_SINGLE: Blocks = ((0, slice(None)),)  # no two ids in a row
 
 
 def row_blocks(src_ids: np.ndarray, dst_ids: np.ndarray) -> Blocks:
@@ -180,7 +181,7 @@ def _block_starts(src_ids: np.ndarray, dst_ids: np.ndarray, ss: np.ndarray | Non
     starts = np.concatenate(([0], starts))
     lens = np.diff(np.append(starts, n))
     bits = int(np.bitwise_or.reduce(lens))
-    out: Blocks = []
+    out: list[tuple[int, np.ndarray | slice]] = []
     for k in range(bits.bit_length() - 1, -1, -1):
         if bits >> k & 1:  # the block of bit k starts after the blocks of the higher bits
             has = (lens >> k) & 1 == 1

@@ -205,6 +205,7 @@ def test_device_orders_are_permutations_with_their_runs():
     assert mean_run(device_order("consecutive", 300, rng)[100:200]) == 100.0
     assert mean_run(device_order("random", 300, rng)[100:200]) < 1.5
     assert mean_run(np.array([3, 4, 5, 9, 1, 2])) == 2.0 and mean_run(np.array([])) == 0.0
+    assert all(device_order(p, 0, rng).size == 0 for p in PATTERNS)
     with pytest.raises(ValueError, match="not one of"):
         device_order("sorted", 10, rng)
 

@@ -549,6 +549,14 @@ def test_layer_parts_find_row_blocks_once_per_id_pair(monkeypatch):
             [[(n, x.tolist(), y.tolist()) for n, x, y in p.ranges] for p in plain]
         assert [n for p in plain for n, _, _ in p.ranges] == [4 * a.row_bytes, a.row_bytes]
     assert len(calls) == 1
+    # an entry is used only for its own arrays: other arrays at the same key get their own
+    s2, d2 = np.array([0, 1, 2, 3, 5], dtype=np.int64), np.array([8, 9, 10, 11, 4], dtype=np.int64)
+    memo[(id(s2), id(d2))] = (s, d, [(2, np.array([1]))])  # as if at a freed array's address
+    got = layer_parts(*tabs[0], s2, d2, None, [0], memo)
+    want = layer_parts(*tabs[0], s2, d2, None, [0])
+    assert [[(n, x.tolist(), y.tolist()) for n, x, y in p.ranges] for p in got] == \
+        [[(n, x.tolist(), y.tolist()) for n, x, y in p.ranges] for p in want]
+    assert len(calls) == 2 and memo[(id(s2), id(d2))][0] is s2
 
 
 def _row_bytes(p: SegmentPart) -> int:

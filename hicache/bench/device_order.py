@@ -3,7 +3,8 @@
 Contract: ``device_order(pattern, total, rng) -> ndarray``: a permutation of ``range(total)``;
 consecutive slices of it are what consecutive allocations of an engine's paged allocator hand
 out (a load's destination rows, a backup's source rows). ``mean_run(ids)``: ids per run of
-consecutive ids (1.0: no two in a row).
+consecutive ids (1.0: no two in a row). A copy merges rows only where the host side runs
+too, so a load's device runs bound its merging from above.
 
 * ``random``: rows scattered at random (issue #12's pattern: the fewest runs, so every row is
   a copy of its own).
@@ -36,6 +37,8 @@ def device_order(pattern: str, total: int, rng: np.random.Generator) -> np.ndarr
         return np.arange(total, dtype=np.int64)
     if pattern != "sglang":
         raise ValueError(f"device order {pattern!r} is not one of {PATTERNS}")
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
     free: deque[int] = deque(range(total))
     held: list[list[int]] = []
     for _ in range(CHURN_OPS):

@@ -338,7 +338,7 @@ def run_gpus(args: argparse.Namespace) -> int:
                    "--device", f"cuda:{r}", "--preset", args.preset, "--sizes", args.sizes,
                    "--runs", str(args.runs), "--churn", str(args.churn), "--mirror", args.mirror,
                    "--pp-size", str(n), "--pp-rank", str(r), "--channel", args.channel,
-                   "--barrier", folder]
+                   "--device-order", args.device_order, "--barrier", folder]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         while any(p.poll() is None for p in procs):  # one failed: the others would wait
             if any(p.poll() not in (None, 0) for p in procs):
