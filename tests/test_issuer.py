@@ -164,19 +164,20 @@ def test_state_queues_progress_then_the_end_and_skips_loads_of_gone_clients():
 
     from hicache.controllers.state import DaemonState
     a, gone = Operation(1, "c", "load"), Operation(2, "d", "load")
-    a.issue_s = 0.002
+    a.issue_s, a.issue_cpu_s = 0.002, 0.0015
     client = object()
     observed: list[str] = []
     st = object.__new__(DaemonState)
     st.scheduler = SimpleNamespace(take_issued=lambda: ([(a, 2), (gone, 2), (a, 4)], [a]),
                                    take_completed=lambda: [])
     st.ops = {1: (a, client)}
-    st.metrics = SimpleNamespace(observe=lambda name, v: observed.append(name))
+    st.metrics = SimpleNamespace(observe=lambda name, v: observed.append(name),
+                                 inc=lambda name, v: observed.append(f"{name} += {v}"))
     st.notices, st.l3_ops = [], {}
     st.releaser = SimpleNamespace(pending=False)
     assert st.collect() == 0
     assert st.notices == [(client, 1, 2, False), (client, 1, 4, False), (client, 1, None, False)]
-    assert observed == ["load_issue_seconds"]
+    assert observed == ["load_issue_seconds", "load_issue_cpu_seconds += 0.0015"]
     a.ok, st.notices = False, []  # an issue that failed: its last notice says so
     st.scheduler.take_issued = lambda: ([], [a])
     assert st.collect() == 0
