@@ -3,8 +3,9 @@
 A *segment* copies ``n`` ranges of ``nbytes`` bytes: range ``k`` goes from
 ``src_base + src_off[k]`` to ``dst_base + dst_off[k]``. A page row is one range (offset
 ``row * stride``), and a run of rows consecutive on both sides one per block of 2^k rows of
-the run (``row_offsets``, where both buffers store rows back to back); a DSV4 token is two (its 576-B value and its 8-B scale), and a run of tokens
-consecutive on both sides is two per block of the run (``token_offsets``). A per-layer load is
+the run (``row_offsets``, where both buffers store rows back to back); a DSV4 token is two
+(its 576-B value and its 8-B scale), and a run of tokens consecutive on both sides is two per
+block of the run (``token_offsets``). A per-layer load is
 the segments of every pool of that layer, in one launch per word width: segments whose ranges
 allow 16-byte accesses never share a launch with narrower ones (a launch moves every segment
 in its narrowest width, and 8-byte words halved a checkpoint load's rate on an H200).
