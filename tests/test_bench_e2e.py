@@ -196,7 +196,11 @@ def test_device_orders_are_permutations_with_their_runs():
     churned unsorted free list (``sglang``) mostly single rows; bad names are refused."""
     import numpy as np
 
-    from hicache.bench.device_order import PATTERNS, device_order, mean_run
+    from hicache.bench.device_order import PATTERNS, device_order
+    from hicache.bench.transfer_rows import mean_run as runs
+
+    def mean_run(ids: np.ndarray) -> float:
+        return runs(torch.from_numpy(np.ascontiguousarray(ids)))
 
     rng = np.random.default_rng(1)
     for p in PATTERNS:

@@ -2,9 +2,9 @@
 
 Contract: ``device_order(pattern, total, rng) -> ndarray``: a permutation of ``range(total)``;
 consecutive slices of it are what consecutive allocations of an engine's paged allocator hand
-out (a load's destination rows, a backup's source rows). ``mean_run(ids)``: ids per run of
-consecutive ids (1.0: no two in a row). A copy merges rows only where the host side runs
-too, so a load's device runs bound its merging from above.
+out (a load's destination rows, a backup's source rows). ``transfer_rows.mean_run`` measures
+their runs (a copy merges rows only where the host side runs too, so a load's device runs
+bound its merging from above).
 
 * ``random``: rows scattered at random (issue #12's pattern: the fewest runs, so every row is
   a copy of its own).
@@ -50,9 +50,3 @@ def device_order(pattern: str, total: int, rng: np.random.Generator) -> np.ndarr
     for i in rng.permutation(len(held)):
         free.extend(held[int(i)])
     return np.fromiter(free, dtype=np.int64, count=total)
-
-
-def mean_run(ids: np.ndarray) -> float:
-    if ids.size == 0:
-        return 0.0
-    return ids.size / (1 + int(np.count_nonzero(np.diff(ids) != 1)))

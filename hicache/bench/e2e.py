@@ -80,7 +80,8 @@ from hicache.engine.device_pools import DevicePools
 from hicache.host_pools.arena import available_bytes, default_reserve
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
-from hicache.bench.device_order import PATTERNS, device_order, mean_run
+from hicache.bench.device_order import PATTERNS, device_order
+from hicache.bench.transfer_rows import mean_run
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
@@ -384,7 +385,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         total = pools.rows["page"]
         perm = device_order(order, total, rng)
         src = {sp: perm[:n].tolist() for sp in spaces}  # as the engine's allocator hands out
-        dev_runs.append(mean_run(perm[n:2 * n]))
+        dev_runs.append(mean_run(torch.from_numpy(perm[n:2 * n])))
         dst = {sp: perm[n:2 * n].tolist() for sp in spaces}
         check = again = None
         if not verified:  # this run's loads are compared byte for byte, right after each

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from hicache.bench import e2e_measure as e2e
-from hicache.bench.device_order import device_order, mean_run
+from hicache.bench.device_order import device_order
+from hicache.bench.transfer_rows import mean_run
 from hicache.bench.e2e_engine import new_waits, probe_rounds
 from hicache.core.layout import Layout
 from hicache.core.resume import ResumeModel
@@ -55,7 +56,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         pp = device_order(order, pools.rows["page"], rng)
         sp = device_order(order, pools.rows["swa_page"], rng)
         src, dst = pp[:n].tolist(), pp[n:2 * n].tolist()
-        dev_runs.append(mean_run(pp[n:2 * n]))
+        dev_runs.append(mean_run(torch.from_numpy(pp[n:2 * n])))
         check = again = None
         if not verified:  # this run's loads are compared byte for byte, right after each
             ck_rows = [int(sp[0]), int(sp[1])]
