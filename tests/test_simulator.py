@@ -343,8 +343,12 @@ def test_the_demo_daemon_pins_no_more_than_host_mem(preset_name, swa, mirror):
                        host_pages=pages, host_ckpts=ck, mirror=mirror, req_slots=demo.REQ_SLOTS)
     cmd = demo._daemon(cfg, None).cmd
     flags = {"preset": preset_name, "swa_mode": swa, "force": True,
-             "device_rows": cmd[cmd.index("--device-rows") + 1],
-             "host_ratio": cmd[cmd.index("--host-ratio") + 1]}
+             "device_rows": cmd[cmd.index("--device-rows") + 1]}
+    # full: host rows in the device rows' proportions; checkpoints: the daemon's own split
+    for flag in ("--host-ratio", "--host-mem", "--host-split", "--pages-per-checkpoint"):
+        if flag in cmd:
+            flags[flag[2:].replace("-", "_")] = cmd[cmd.index(flag) + 1]
+    assert ("host_split" in flags) == (mirror == "checkpoints")
     s = sizing(load_config(flags, env={}))
     regions = sum(p.num_layers for p in s.layout.pools.values())
     arena = arena_bytes(s.layout, s.host_rows)
