@@ -344,14 +344,18 @@ def test_free_of_rows_in_flight_is_deferred(daemon_factory):
     """Every op goes to the copy worker (``inline_max_bytes`` 1) and a big backup is queued
     first, so the small backup is in flight when its rows are freed: the free is deferred (its
     rows are not handed out, nor freed twice) and they come back once the copy ended, with its
-    bytes written. (It used to check the deferral only when the timing happened to give one.)"""
-    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False)
+    bytes written. (It used to check the deferral only when the timing happened to give one;
+    then, with one big backup ahead (88 MB), a fast CPU run finished both copies before the free
+    arrived: six are queued ahead now, about 0.5 GB.)"""
+    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False,
+                       host=("--host-ratio", "8"))
     with DevicePools(FLASH, ROWS) as pools, d.client() as c:
         fill(pools, 6)
         c.register(pools)
         free0 = usage(c)["swa_page"][1]
-        big_rows = c.alloc({"page": 8})["page"]
-        big = c.backup({"page": (list(range(8)), big_rows)})
+        big_rows = c.alloc({"page": 48})["page"]
+        bigs = [c.backup({"page": (list(range(8)), big_rows[8 * i:8 * i + 8])})
+                for i in range(6)]
         host = c.alloc({"swa_page": 4})["swa_page"]
         op = c.backup({"swa_page": ([0, 1, 2, 3], host)})
         assert op.ack is None  # queued behind the big backup
@@ -361,7 +365,7 @@ def test_free_of_rows_in_flight_is_deferred(daemon_factory):
         with pytest.raises(CommandRefused) as e:
             c.free({"swa_page": host})
         assert e.value.code in ("busy", "not_owner")
-        assert c.wait_ack(big).ok and c.wait_ack(op, timeout=30).ok
+        assert all(c.wait_ack(b, timeout=30).ok for b in bigs) and c.wait_ack(op, timeout=30).ok
         deadline = time.monotonic() + 5
         while usage(c)["swa_page"][1] != free0 and time.monotonic() < deadline:
             time.sleep(0.01)
