@@ -26,11 +26,12 @@ daemon's code and one-line message.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch and the region's mapping load at ``map_sparse_region``: the client
+    import torch  # stays light for ``hicache stats`` (see ``hicache.engine.client``)
 
-from hicache.core.sparse_shm import SparseShm
+    from hicache.core.sparse_shm import SparseShm
 
 _REPLY_KEYS = ("v", "k", "id", "ok")
 
@@ -56,6 +57,10 @@ class SparseCommands:
         return {k: v for k, v in h.items() if k not in _REPLY_KEYS}
 
     def map_sparse_region(self, device: str | torch.device = "cpu") -> SparseShm:
+        import torch
+
+        from hicache.core.sparse_shm import SparseShm
+
         shm = SparseShm.open(self.sparse_region())
         device = torch.device(device)
         if device.type == "cuda":
