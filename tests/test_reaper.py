@@ -157,7 +157,7 @@ def test_a_reap_reports_the_loop_step_that_freed_its_rows(daemon_factory):
     """A reap whose rows all go back in one loop step (nothing in flight): the release gauge
     and the reap's log line include that step (they were published before it was recorded:
     0 s, and "longest loop step 0.00 ms (none, ...)")."""
-    d = daemon_factory(heartbeat_timeout=0.6, device_rows="page=4096,swa_page=4,req_slot=4")
+    d = daemon_factory(heartbeat_timeout=0.6, device_rows="page=128,swa_page=4,req_slot=4")
     with d.client(name="doomed") as doomed:
         doomed.alloc({"page": 200})  # held rows, no copy in flight; then silent
     with d.client(name="watcher") as w:

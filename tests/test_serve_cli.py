@@ -71,8 +71,8 @@ def test_serve_with_a_checkpoints_host_split_starts(tmp_path):
     """``--host-split checkpoints``: the summary names the split, the host rows hold one
     ``swa_page`` row per 32 page rows and the request slots' device count."""
     out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--preset",
-                           "dsv4-flash", "--device", "cpu", "--kv-mem", "2GiB", "--host-mem",
-                           "4GiB", "--host-split", "checkpoints"],
+                           "dsv4-flash", "--device", "cpu", "--kv-mem", "256MiB", "--host-mem",
+                           "512MiB", "--host-split", "checkpoints"],
                           {"XDG_RUNTIME_DIR": str(tmp_path)})
     assert "host split for checkpoints, 1 per 32 pages" in out, out
     m = re.search(r"host rows: page=(\d+), swa_page=(\d+), req_slot=(\d+)", out)
