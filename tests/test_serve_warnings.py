@@ -14,7 +14,7 @@ from hicache.core.sizes import parse_bytes
 from conftest import ROOT
 from test_serve_cli import run_until_ready
 
-TINY_256 = ["--preset", "dsv4-tiny", "--kv-mem", "256MiB", "--host-mem", "1GiB"]
+TINY_256 = ["--preset", "dsv4-tiny", "--kv-mem", "256MiB", "--host-mem", "512MiB"]
 
 
 def _plan_warnings(*args: str) -> list[str]:
