@@ -13,7 +13,7 @@ from hicache.core.errors import UsageError
 from hicache.host_pools import arena as arena_mod
 from hicache.host_pools import numa_node
 from hicache.host_pools.arena import PAGE, PinnedArena, chunk_plan
-from hicache.host_pools.errors import ArenaError, CapacityError, PoolError
+from hicache.host_pools.errors import ArenaError, CapacityError
 
 MiB = 1 << 20
 
@@ -49,12 +49,27 @@ class FakeRegistrar:
         return self.dev_shift == 0
 
 
+def vm_flags(addr: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``addr`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
 # ---------------------------------------------------------------------------- lifecycle
 def test_open_views_close_twice():
     a = PinnedArena(3 * MiB + 5, None)
     assert a.nbytes == 3 * MiB + 5 and not a.closed
     assert a.stats["mapped_bytes"] == 3 * MiB + PAGE  # page rounding only
     assert a.stats["pinned_bytes"] == 0 and a.stats["registered"] is False
+    # unpinned: the kernel's default pages (huge pages are advised for registration only)
+    assert a.stats["hugepages"] == "not advised (not pinned)" and "hg" not in vm_flags(a.ptr)
     assert a.ptr % PAGE == 0 and a.device_ptr == a.ptr  # CPU mode: device address = host
     v = a.tensor(4096, 100)
     assert v.dtype == torch.uint8 and v.shape == (100,) and v.data_ptr() == a.ptr + 4096
@@ -173,6 +188,7 @@ def test_registration_in_chunks_and_unregister_on_close():
     assert a.stats["pinned_bytes"] == 11 * PAGE == a.stats["mapped_bytes"]
     assert a.stats["pinned_bytes"] - a.nbytes < PAGE
     assert a.stats["chunks"] == 3 and a.stats["registered"]
+    assert a.stats["hugepages"] == "advised" and "hg" in vm_flags(ptr)  # MADV_HUGEPAGE
     assert a.stats["device_ptr_is_host_ptr"] and a.stats["can_use_host_pointer"]
     a.close()
     assert reg.registered == {}
