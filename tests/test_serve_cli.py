@@ -61,9 +61,9 @@ def run_until_ready(argv: list[str], env: dict, timeout: float = 180,
 # ----------------------------------------------------------------------------- sizing
 def test_serve_from_a_kv_budget_starts(tmp_path):
     out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--preset",
-                           "dsv4-flash", "--device", "cpu", "--kv-mem", "2GiB", "--host-mem",
-                           "4GiB"], {"XDG_RUNTIME_DIR": str(tmp_path)})
-    assert "from planner: --kv-mem 2.00 GiB" in out, out
+                           "dsv4-flash", "--device", "cpu", "--kv-mem", "256MiB", "--host-mem",
+                           "512MiB"], {"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert "from planner: --kv-mem 256.00 MiB" in out, out
     assert "Traceback" not in out and not (tmp_path / "hicache" / "cpu.sock").exists()
 
 
