@@ -188,7 +188,9 @@ def test_registration_in_chunks_and_unregister_on_close():
     assert a.stats["pinned_bytes"] == 11 * PAGE == a.stats["mapped_bytes"]
     assert a.stats["pinned_bytes"] - a.nbytes < PAGE
     assert a.stats["chunks"] == 3 and a.stats["registered"]
-    assert a.stats["hugepages"] == "advised" and "hg" in vm_flags(ptr)  # MADV_HUGEPAGE
+    # MADV_HUGEPAGE asked for (a kernel built without THP refuses it: "refused")
+    assert a.stats["hugepages"] in ("advised", "refused", "unsupported")
+    assert ("hg" in vm_flags(ptr)) == (a.stats["hugepages"] == "advised")
     assert a.stats["device_ptr_is_host_ptr"] and a.stats["can_use_host_pointer"]
     a.close()
     assert reg.registered == {}
