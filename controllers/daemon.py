@@ -1,6 +1,7 @@
 """Assembly of one daemon: config -> layout -> host rows -> arena + pool group -> engine -> server.
 
-``Daemon(cfg)`` first checks everything that can be checked without memory (sizing, device,
+``Daemon(cfg, sized=None)`` first checks everything that can be checked without memory (sizing,
+``sized`` where the caller did it already, as ``serve`` does before this module loads; device,
 socket address and folder, a tcp port, the NUMA node, thread counts) and binds the metrics port;
 only then is the host arena mapped, touched and pinned (so an overcommit fails at start-up with
 the sizes in the message, and a bad flag fails before any of that). ``start_error(e)`` turns a
@@ -25,7 +26,8 @@ from typing import Any
 
 import torch
 
-from hicache.core.config import ServeConfig, check_address, check_curve, default_socket, sizing
+from hicache.core.config import (ServeConfig, Sizing, check_address, check_curve, default_socket,
+                                 sizing)
 from hicache.core.errors import UsageError
 from hicache.host_pools.errors import PoolError
 from hicache.kernels import copy_engine
@@ -235,10 +237,10 @@ def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:
 
 
 class Daemon:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, sized: Sizing | None = None) -> None:
         self.cfg = cfg
         # --- checks that allocate nothing
-        sized = sizing(cfg)
+        sized = sizing(cfg) if sized is None else sized
         self.layout, self.device_rows, self.rows = sized.layout, sized.device_rows, sized.host_rows
         self.sizing_source = sized.source
         self.sizing_warnings = sized.warnings  # the planner's, printed by ``serve`` at start

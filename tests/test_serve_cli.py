@@ -289,6 +289,15 @@ def test_a_start_up_refusal_after_validation_names_where_its_settings_came_from(
         f"(from swa_full_tokens_ratio in config file {f})")
     assert start("--preset", "dsv4-tiny", "--host-mem", "4G",
                  env={"HICACHE_KV_MEM": "1K"}).endswith("(from HICACHE_KV_MEM)")
+    # refused before the daemon's modules load: no torch (a typo is answered at once)
+    light = subprocess.run([sys.executable, "-c", "import sys; from hicache.cli import main; "
+                            f"rc = main(['serve', '--socket', 'ipc://{tmp_path}/s.sock', "
+                            "'--preset', 'dsv4-tinyy', '--kv-mem', '1G', '--host-ratio', '2']); "
+                            "print(rc, 'torch' in sys.modules)"], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert light.stdout.splitlines() == ["2 False"], (light.stdout, light.stderr)
+    assert "unknown preset 'dsv4-tinyy'" in light.stderr, light.stderr
     f.write_text('preset = "dsv4-tiny"\nkv_mem = "1G"\n')  # replaced by --device-rows
     cfg = load_config({"device_rows": "page=8,swa_page=8,req_slot=4", "host_ratio": "2"},
                       config_file=str(f), env={})
