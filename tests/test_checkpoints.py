@@ -704,3 +704,18 @@ def test_the_fewest_host_bytes_for_a_checkpoints_split():
             assert less["page"] < pages or less[ck] - slots < ckpts
     with pytest.raises(UsageError, match="pages >= 1"):
         checkpoint_host_bytes(lay, dev, 0, 1, 32)
+
+
+def test_a_ring_release_with_the_host_tier_offline_makes_no_checkpoint():
+    """Ring SWA keeps a checkpoint only as the host's copy of the slot: with the tier offline
+    a release counted one made (and none skipped) though none existed anywhere (found by a
+    review)."""
+    h = CkptHooks()
+    h.slots = True
+    t = RadixTree(8, h, mirror="checkpoints", device_ckpts=False)
+    t.lose_host_tier()
+    p = t.prepare(seq("a", 2), slot=0)
+    t.release(p, seq("a", 2), t.alloc_device(2), slot=0, slot_tokens=2 * PAGE_TOKENS)
+    assert (t.stats.checkpoints_made, t.host_checkpoints, t.device_checkpoints) == (0, 0, 0)
+    assert t.match(seq("a", 2)) == (0, 0)  # nothing to resume from: no checkpoint
+    t.check()

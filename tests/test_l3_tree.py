@@ -191,3 +191,31 @@ def test_l3_is_asked_for_a_deeper_checkpoint_when_the_tree_holds_every_page():
     assert hooks.fetched == [("ckpt", [4])]  # the checkpoint only: the pages are the tree's
     t.abort(p)
     t.check()
+
+
+def test_a_ring_prepare_without_its_slot_is_refused_before_l3_is_asked():
+    """Ring SWA needs the request slot: ``prepare(keys)`` without it was refused only after
+    the L3 fetch had put pages and a checkpoint into the host tier, and only when a checkpoint
+    was found (found by a review). It is refused first, whatever is cached."""
+    from hicache.engine.radix import PAGE_TOKENS
+
+    def ring(h: StoreHooks) -> RadixTree:
+        return RadixTree(32, h, mirror="checkpoints", device_ckpts=False, host_capacity=64,
+                         host_ckpt_capacity=16)
+
+    store: dict[str, set] = {"page": set(), "ckpt": set()}
+    a = ring(StoreHooks(store))
+    keys = [1, 2, 3, 4]
+    p = a.prepare(keys, slot=0)
+    a.release(p, keys, a.alloc_device(4), slot=0, slot_tokens=4 * PAGE_TOKENS)
+    a.drain()
+    assert store == {"page": {1, 2, 3, 4}, "ckpt": {4}}
+    hb = StoreHooks(store)
+    b = ring(hb)
+    free = hb.free_rows()
+    for k in (keys, [9]):  # a checkpoint in L3, and nothing cached at all
+        with pytest.raises(ValueError, match="pass prepare\\(keys, slot=...\\)"):
+            b.prepare(k)
+    assert (b.host_pages, b.host_checkpoints, b.stats.l3_hit_pages) == (0, 0, 0)
+    assert hb.free_rows() == free
+    assert b.prepare(keys, slot=1).pages == 4  # with its slot: resumed from L3

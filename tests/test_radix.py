@@ -479,3 +479,94 @@ def test_full_mirror_hooks_must_cover_every_page_space_of_the_stage():
     ring = SimpleNamespace(registered={"host_rows": {"page": 8, "req_slot": 4}})
     with pytest.raises(ValueError, match="ring SWA mode"):
         ClientHooks(ring, ["page"])
+
+
+def test_full_mirror_hooks_made_before_register_are_checked_at_the_first_allocation():
+    """Hooks are naturally made before ``register``: their check used to be skipped then, so
+    page-only handles of a paged-SWA stage counted host pages resumable without their SWA
+    (found by a review). It runs at the first page allocation, before anything is asked."""
+    from types import SimpleNamespace
+
+    from hicache.engine.hooks import ClientHooks
+
+    asked: list = []
+    client = SimpleNamespace(registered=None, alloc=lambda *a, **k: asked.append(a))
+    hooks = ClientHooks(client, ["page"])  # not registered yet: accepted for now
+    client.registered = {"host_rows": {"page": 8, "swa_page": 4, "req_slot": 4}}
+    with pytest.raises(ValueError, match=r"must cover the page spaces \['page', 'swa_page'\]"):
+        hooks.host_alloc(2)
+    assert asked == []
+    good = ClientHooks(SimpleNamespace(registered=None, alloc=lambda counts, **k: {
+        s: list(range(n)) for s, n in counts.items()}), ["page", "swa_page"])
+    good.client.registered = client.registered
+    assert good.host_alloc(2) == [(0, 0), (1, 1)]
+
+
+def test_reset_host_tier_refuses_other_hooks_while_the_tier_is_online():
+    """Other hooks while online used to be taken at once, the tree keeping the first hooks'
+    host rows: the next load read those row numbers through the new hooks (another client's
+    bytes) and the first client's rows were never freed (found by a review)."""
+    dev: dict = {}
+    a = FakeHooks(capacity=16, device=dev)
+    tree = RadixTree(4, a, policy="write_through")
+    keys = seq("k", 4)
+    run_request(tree, keys, dev)
+    tree.drain()
+    tree.evict_device(4)
+    b = FakeHooks(capacity=16, device=dev)
+    with pytest.raises(ValueError, match="online through other hooks"):
+        tree.reset_host_tier(b)
+    assert tree.hooks is a and tree.match(keys) == (0, 4)  # nothing changed
+    tree.lose_host_tier()  # the documented way: forget a's rows, then take b
+    assert tree.reset_host_tier(b) and tree.match(keys) == (0, 0)
+    tree.check()
+
+
+def test_a_prefix_is_ended_once_and_released_under_its_own_keys():
+    """A second ``abort`` / ``release`` of one prefix drove its pages' locks below zero (a
+    later request's pages could then be evicted while it ran); ``release`` with keys that do
+    not begin with the prefix's hung new pages under the wrong parent (found by a review).
+    Both are refused, nothing changed."""
+    t = RadixTree(4)
+    run_request(t, seq("a", 2))
+    p = t.prepare(seq("a", 2))
+    t.abort(p)
+    with pytest.raises(ValueError, match="released or aborted already"):
+        t.abort(p)
+    with pytest.raises(ValueError, match="released or aborted already"):
+        t.release(p, seq("a", 2), [])
+    assert [n.lock for n in t.nodes()] == [0, 0]
+    p = t.prepare(seq("a", 2))
+    rows = t.alloc_device(1)
+    with pytest.raises(ValueError, match="begin with the prefix's own pages"):
+        t.release(p, seq("b", 2) + ["b2"], rows)
+    assert [n.lock for n in t.nodes()] == [1, 1] and t.match(seq("b", 3)) == (0, 0)
+    t.release(p, seq("a", 2) + ["a2"], rows)
+    assert t.match(seq("a", 3)) == (3, 0)
+    t.check()
+
+
+def test_rows_the_engine_frees_or_releases_must_be_its_own():
+    """``free_device`` took a cached page's row (handed out again while still a hit) and
+    ``release`` a row given twice or never allocated (found by a review); each is refused,
+    nothing changed, and ``check`` now sees a page's row on the free list."""
+    t = RadixTree(4)
+    run_request(t, seq("a", 2))
+    cached = sorted(n.device for n in t.nodes())
+    with pytest.raises(ValueError, match="belong to cached pages"):
+        t.free_device(cached[:1])
+    free = t.device.available()
+    p = t.prepare(seq("b", 2)[:0])
+    with pytest.raises(ValueError, match="name a row twice"):
+        t.release(p, seq("b", 2), [t.alloc_device(1)[0]] * 2)
+    spare = [r for r in range(4) if r not in cached and t.device.allocated([r])]
+    unallocated = [r for r in range(4) if not t.device.allocated([r])]
+    with pytest.raises(ValueError, match="not all given by alloc_device"):
+        t.release(p, seq("b", 2), spare + unallocated[:1])
+    assert sorted(n.device for n in t.nodes()) == cached and t.device.available() == free - 1
+    t.release(p, seq("b", 1), spare)
+    t.free_device([])
+    t.check()
+    t.device.free([cached[0]])  # behind the tree's back: check() names it
+    with pytest.raises(AssertionError, match="on the free list"):
+        t.check()

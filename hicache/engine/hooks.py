@@ -97,10 +97,16 @@ class TierHooks(Protocol):
     def row_epoch(self) -> Any: ...
 
 
+def _registered(client: Any) -> bool:
+    registered = getattr(client, "registered", None)
+    return isinstance(registered, dict) and isinstance(registered.get("host_rows"), dict)
+
+
 def _check_full_mirror(registered: Any, spaces: Sequence[str]) -> None:
     """Without a resume model a page is resumable only when its handle mirrors every page
     space of the registered stage (paged SWA: ``page`` and ``swa_page``; the SWA and the
-    compress states of every page); refused otherwise (checked once the client registered)."""
+    compress states of every page); refused otherwise (checked once the client registered:
+    at the hooks' construction, or at their first page allocation)."""
     rows = registered.get("host_rows") if isinstance(registered, dict) else None
     if not isinstance(rows, dict):
         return  # not registered yet: the daemon's refusals say what is missing then
@@ -183,6 +189,8 @@ class ClientHooks:
                 raise ValueError(why)
         else:
             _check_full_mirror(getattr(client, "registered", None), spaces)
+        # hooks made before ``register``: the check runs at the first page allocation instead
+        self._mirror_unchecked = resume is None and not _registered(client)
         self.client = client
         self.resume = resume
         self.spaces = tuple(spaces)
@@ -224,6 +232,9 @@ class ClientHooks:
         if kind == "ckpt":
             space = self._ckpt_space()
             return list(self._call(self.client.alloc, {space: n}, timeout=self.timeout)[space])
+        if self._mirror_unchecked and _registered(self.client):
+            _check_full_mirror(self.client.registered, self.spaces)
+            self._mirror_unchecked = False
         rows = self._call(self.client.alloc, {s: n for s in self.spaces}, timeout=self.timeout)
         return list(zip(*(rows[s] for s in self.spaces)))
 

@@ -136,6 +136,7 @@ class RadixTree(Snapshots):
         # device rows of accepted loads whose ack never came (``CopyOutcomeUnknown``: the
         # daemon may still be writing them): reused only after ``reset_host_tier``
         self.held_device_rows: list[int] = []
+        self.page_rows: set[int] = set()  # the device rows pages hold (``Node.device``)
         # a checkpoint destination of such a load: a live node's device row (held once it is
         # evicted) or a request slot (ring SWA: ``prepare`` refuses it); both until the reset
         self.suspect_rows: set[int] = set()
@@ -214,7 +215,12 @@ class RadixTree(Snapshots):
 
     # ------------------------------------------------------------------ request path
     def prepare(self, keys: Sequence[Hashable], slot: int | None = None) -> Prefix:
-        """Lock the resumable cached prefix of ``keys``; load its host part first."""
+        """Lock the resumable cached prefix of ``keys``; load its host part first. Ring SWA
+        (``device_ckpts=False``) needs the request's ``slot``, whatever is cached: refused
+        before anything (an L3 fetch included) changes."""
+        if not self.device_ckpts and slot is None:
+            raise ValueError("ring SWA mode restores a checkpoint into a request slot: "
+                             "pass prepare(keys, slot=...)")
         self.poll()
         if slot is not None and slot in self.held_slots:
             raise ValueError(f"request slot {slot} is held: a checkpoint load into it had an "
@@ -233,10 +239,6 @@ class RadixTree(Snapshots):
             n.lock += 1
         prefix = Prefix(dev_nodes, len(dev_nodes), 0, ckpt=where, unresumable_pages=cut)
         ckpt_node = path[-1] if where == "host" else None
-        if ckpt_node is not None and not self.device_ckpts and slot is None:
-            self.abort(prefix)
-            raise ValueError("ring SWA mode restores a checkpoint into a request slot: "
-                             "pass prepare(keys, slot=...)")
         if host_nodes or ckpt_node is not None:
             self._load(prefix, host_nodes, ckpt_node, slot)
         for n in prefix.nodes:
@@ -361,7 +363,23 @@ class RadixTree(Snapshots):
         return rows
 
     def free_device(self, rows: Iterable[int]) -> None:
+        """Rows ``alloc_device`` gave that the engine did not use; a row a page holds (or one
+        held aside) is refused, nothing freed."""
+        rows = list(rows)
+        self._check_engine_rows(rows, "free_device")
         self.device.free(rows)
+
+    def _check_engine_rows(self, rows: list[int], what: str) -> None:
+        """``rows`` must be the engine's: allocated, each once, none a page's or held."""
+        bad = (set(rows) & self.page_rows) | (set(rows) & set(self.held_device_rows))
+        if bad:
+            raise ValueError(f"{what}: device rows {sorted(bad)[:16]} belong to cached pages "
+                             f"(or are held), not to the engine")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"{what}: device rows {sorted(rows)[:16]} name a row twice")
+        if not self.device.allocated(rows):
+            raise ValueError(f"{what}: device rows {sorted(rows)[:16]} were not all given by "
+                             f"alloc_device")
 
     def checkpoint_indices(self, written_from: int, pages: int, cached: int = 0) -> list[int]:
         """Indices (0-based) of the pages a request that wrote ``[written_from, pages)``
@@ -390,12 +408,19 @@ class RadixTree(Snapshots):
         first ``k`` of ``keys``, becomes page ``keys[k - 1]``'s checkpoint; one of other keys
         is freed. A backup from the slot has read it when this returns (the engine may reuse
         the slot at once)."""
+        self._check_unused(prefix)
+        if [n.key for n in prefix.nodes] != list(keys[:prefix.pages]):
+            raise ValueError("release: keys must begin with the prefix's own pages (the keys "
+                             "prepare() was given)")
         new_keys = keys[prefix.pages:]
         if len(new_keys) != len(rows):
             raise ValueError(f"{len(new_keys)} new pages but {len(rows)} rows given")
+        self._check_engine_rows(list(rows), "release")
         bounds = set(self.checkpoint_indices(prefix.pages, len(keys),
                                              prefix.pages + prefix.unresumable_pages))
-        ring = bool(bounds) and not self.device_ckpts and self.host_online
+        if not self.device_ckpts and not self.host_online:
+            bounds = set()  # ring SWA: a checkpoint is the host's copy of the slot, or nothing
+        ring = bool(bounds) and not self.device_ckpts
         covered = self._covers(snapshot, keys)  # pages the snapshot stands after (0: none)
         at_end = ring and covered == len(keys)  # the snapshot is the last page's checkpoint
         if ring and not at_end and (slot is None or slot_tokens is None):
@@ -430,7 +455,9 @@ class RadixTree(Snapshots):
                 if (i in bounds and self.device_ckpts and not child.ckpt_dev
                         and not child.lock and not child.io):  # ... unless ours has a checkpoint
                     duplicate.append(child.device)
+                    self.page_rows.discard(child.device)
                     child.device = row
+                    self.page_rows.add(row)
                 else:
                     duplicate.append(row)
                     mine = False
@@ -444,8 +471,7 @@ class RadixTree(Snapshots):
             node = child
         if duplicate:  # (a node's own row may be suspect: held, not freed)
             self._free_node_rows(duplicate)
-        for n in prefix.nodes:
-            n.lock -= 1
+        self._unlock(prefix)
         self._touch(path)
         if covered and snapshot is not None:  # a boundary's checkpoint, taken before it wrote on
             if self._attach_snapshot(snapshot, path[covered - 1]) and covered < len(keys):
@@ -467,13 +493,26 @@ class RadixTree(Snapshots):
     def abort(self, prefix: Prefix, snapshot: Snapshot | None = None) -> None:
         """Unlock a prefix whose request is dropped without inserting anything (and free its
         ``snapshot``, if any)."""
+        self._check_unused(prefix)
+        self._unlock(prefix)
+        self.drop_snapshot(snapshot)
+
+    @staticmethod
+    def _check_unused(prefix: Prefix) -> None:
+        if prefix.done:
+            raise ValueError("this prefix was released or aborted already: each prepare() is "
+                             "ended once")
+
+    @staticmethod
+    def _unlock(prefix: Prefix) -> None:
         for n in prefix.nodes:
             n.lock -= 1
-        self.drop_snapshot(snapshot)
+        prefix.done = True
 
     # ------------------------------------------------------------------ helpers
     def _set_device(self, node: Node, row: int) -> None:
         node.device = row
+        self.page_rows.add(row)
         node.parent.dev_children += 1  # type: ignore[union-attr]
         self._dev_lru[node] = None
 

@@ -42,6 +42,10 @@ class RowFreeList:
             self._used[r] = 1
         return rows
 
+    def allocated(self, rows: Iterable[int]) -> bool:
+        """Whether every row of ``rows`` is in range and handed out."""
+        return all(0 <= r < self.capacity and self._used[r] for r in rows)
+
     def free(self, rows: Iterable[int]) -> None:
         rows = list(rows)
         if len(set(rows)) != len(rows):
@@ -99,6 +103,7 @@ class Prefix:
     unresumable_pages: int = 0  # cached pages past the deepest checkpoint (recomputed)
     l3_pages: int = 0  # of host_pages: pages the L3 tier supplied (fetched at match time)
     slot_held: bool = False
+    done: bool = False  # released or aborted: a prefix is ended once
 
     @property
     def pages(self) -> int:

@@ -25,6 +25,7 @@ class TierOps:
     host_ckpt_capacity: int | None
     host_online: bool
     held_device_rows: list[int]
+    page_rows: set[int]
     suspect_rows: set[int]
     held_slots: set[int]
     ckpt_mode: bool
@@ -252,9 +253,15 @@ class TierOps:
           is reaped). The same hooks at the same epoch (the tier went offline on a late ack or
           a request without a reply, the registration still live) are refused with a
           ``ValueError`` that says so, and nothing changes: ``client.reset()`` (every host row
-          and sparse request of the client) or ``unregister`` and ``register`` first."""
+          and sparse request of the client) or ``unregister`` and ``register`` first.
+        * Other hooks while the tier is online are refused the same way (the tree holds the
+          current hooks' host rows): ``lose_host_tier()`` first."""
         old = self.hooks
         hooks = hooks if hooks is not None else old
+        if self.host_online and hooks is not old:
+            raise ValueError("reset_host_tier: the host tier is online through other hooks, "
+                             "whose host rows the tree holds; lose_host_tier() first (the tree "
+                             "forgets them), then reset it through the new hooks")
         if self.unknown_loads and old is not None and old.copies_running(self.unknown_loads):
             return False
         gone = self._offline_rows
@@ -336,7 +343,10 @@ class TierOps:
         assert ck == len(self._ckpt_lru), (ck, len(self._ckpt_lru))
         if self.host_ckpt_capacity is not None:
             assert self.host_checkpoints <= self.host_ckpt_capacity
-        assert dev + self.device.available() + len(self.held_device_rows) <= self.device.capacity
         live = {n.device for n in self.nodes() if n.device is not None}
+        assert live == self.page_rows, f"page rows out of step: {live ^ self.page_rows}"
+        assert len(live) == dev, "a device row held by two pages"
+        assert self.device.allocated(live), "a page's device row is on the free list"
+        assert dev + self.device.available() + len(self.held_device_rows) <= self.device.capacity
         assert self.suspect_rows <= live, f"suspect rows no page holds: {self.suspect_rows - live}"
         assert not live & set(self.held_device_rows), "a held row is a page's device copy"

@@ -170,6 +170,7 @@ class Transfers(L3Tier):
         ck = [(v, r) for v, r in zip(victims, rows) if wb and v.ckpt_dev and v.ckpt_host is None]
         for v in victims:
             del self._dev_lru[v]
+            self.page_rows.discard(v.device)
             v.device = None
             v.ckpt_dev = False
         need_backup = [(v, r) for v, r in zip(victims, rows) if v.host is None]
