@@ -671,7 +671,9 @@ def test_serve_splits_the_host_for_checkpoints_when_asked(tmp_path):
                      ({"pages_per_checkpoint": 16, "host_split": "device"}, "applies to "
                       "--host-split checkpoints only"),
                      ({"host_split": "both"}, "--host-split must be one of device | checkpoints"),
-                     ({"pages_per_checkpoint": 0}, "--pages-per-checkpoint must be positive")):
+                     ({"pages_per_checkpoint": 0}, "--pages-per-checkpoint must be positive"),
+                     ({"host_split": "device", "host_ratio": 2.0, "host_mem": None},
+                      "--host-split splits --host-mem; --host-ratio")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             sizing(load_config({**base, "host_split": "checkpoints", **bad}))
     with pytest.raises(Exception, match="too small for a checkpoints split"):
@@ -704,6 +706,27 @@ def test_the_fewest_host_bytes_for_a_checkpoints_split():
             assert less["page"] < pages or less[ck] - slots < ckpts
     with pytest.raises(UsageError, match="pages >= 1"):
         checkpoint_host_bytes(lay, dev, 0, 1, 32)
+    # no pages per checkpoint: refused, not "too small" nor a bound doubled to an overflow
+    with pytest.raises(UsageError, match="pages per checkpoint >= 1"):
+        checkpoint_host_bytes(lay, dev, 10, 1, 0)
+    with pytest.raises(UsageError, match="--pages-per-checkpoint must be >= 1"):
+        checkpoint_host_rows(lay, dev, 256 << 20, 0)
+
+
+def test_a_checkpoints_split_of_a_stage_without_page_pools_says_why():
+    """DSV4-Flash's layers 0-1 hold SWA only: a stage of just those has no pages to
+    checkpoint. ``--host-split checkpoints`` there ended in a row check meant for
+    ``--device-rows`` (found by a review); it says what is wrong, and the device split serves
+    it."""
+    from hicache.core.config import load_config, sizing
+    from hicache.core.errors import UsageError
+
+    base = {"preset": "dsv4-flash", "kv_mem": 4 << 30, "stage_bounds": "0:2,2:43",
+            "pp_rank": 0, "host_mem": 512 << 20}
+    with pytest.raises(UsageError, match=r"this stage has no page pools \(layers \[0, 2\) "
+                                         r"hold SWA only\).*device split"):
+        sizing(load_config({**base, "host_split": "checkpoints"}, env={}))
+    assert sizing(load_config(base, env={})).host_rows["swa_page"] > 0
 
 
 def test_a_ring_release_with_the_host_tier_offline_makes_no_checkpoint():

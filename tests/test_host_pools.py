@@ -412,6 +412,13 @@ def test_parse_and_format_bytes():
             parse_bytes(bad)  # type: ignore[arg-type]
     assert format_bytes(512) == "512 B" and format_bytes(16 << 30) == "16.00 GiB"
     assert format_bytes(3 << 40) == "3.00 TiB"
+    # no machine's: refused in one line (a 320-digit --host-mem used to end in an
+    # OverflowError traceback at the first print; found by a review)
+    assert parse_bytes("1048576TiB") == 1 << 60
+    for huge in ("1048577TiB", "1" + "0" * 320, 1 << 61):
+        with pytest.raises(UsageError, match="which no machine has") as e:
+            parse_bytes(huge, "--host-mem")  # type: ignore[arg-type]
+        assert "\n" not in str(e.value) and len(str(e.value)) < 120
 
 
 def test_host_rows_from_ratio():

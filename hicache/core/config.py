@@ -499,6 +499,9 @@ def validate(cfg: ServeConfig) -> None:
                              f"{cfg.pages_per_checkpoint}")
     elif given(cfg, "pages_per_checkpoint"):
         raise UsageError("--pages-per-checkpoint applies to --host-split checkpoints only")
+    elif cfg.host_ratio is not None and given(cfg, "host_split"):
+        raise UsageError("--host-split splits --host-mem; --host-ratio scales the device rows "
+                         "(a device split already): give one of them")
     if not 0 <= cfg.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:

@@ -8,7 +8,8 @@ Contract (pure arithmetic, no torch):
   decimal ``KB MB GB TB`` (10^3 ...); ``B`` or nothing = bytes. So ``100G`` = ``100GiB`` =
   107,374,182,400 B while ``100GB`` = ``100gb`` = 10^11 B (93.13 GiB). Digits may be grouped
   with ``_`` (``1_000MiB``). Negative, fractional-byte-free forms like ``1e9``, and unknown
-  units raise ``UsageError`` naming ``what`` (the flag or key). ``format_bytes(n) -> str``.
+  units raise ``UsageError`` naming ``what`` (the flag or key), as does a size above
+  ``MAX_BYTES`` (1 EiB: no machine's). ``format_bytes(n) -> str``.
 * ``plan_regions(layout, rows)``: the arena is **layer-major per pool**: for every pool (in
   ``layout.pools`` order) and every layer it owns (local order), one region of
   ``rows[pool.index] * pool.page_bytes`` bytes, each region starting on a ``REGION_ALIGN``
@@ -39,6 +40,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?)\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 1 << 60  # 1 EiB: a size above it is a typo, not a machine
 UNITS_HELP = ("bytes, or a number with KiB MiB GiB TiB (= K M G T, 2^10 steps) or KB MB GB TB "
               "(10^3 steps), e.g. 100GiB; 100G = 100GiB, 100GB = 10^11 B")
 
@@ -51,7 +53,17 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     if isinstance(text, int):
         if text < 0:
             raise UsageError(f"{what} must not be negative, got {text}")
-        return text
+        n, s = text, str(text)
+    else:
+        n, s = _parse_text(text, what), str(text).strip()
+    if n > MAX_BYTES:
+        shown = s if len(s) <= 40 else s[:37] + "..."
+        raise UsageError(f"{what}: {shown!r} is more than {format_bytes(MAX_BYTES)}, which no "
+                         f"machine has")
+    return n
+
+
+def _parse_text(text: str, what: str) -> int:
     s = str(text).strip()
     if s.startswith("-"):
         raise UsageError(f"{what} must not be negative, got {text!r}")
@@ -195,11 +207,17 @@ def checkpoint_host_rows(layout: Layout, device_rows: Mapping[str, int], host_by
     plus one checkpoint row (``ResumeModel.checkpoint_space``: ``swa_page`` in paged SWA mode,
     an extra ``req_slot`` row in ring mode) per ``pages_per_ckpt`` page rows, at least one;
     the arena fits in ``host_bytes`` with its alignment."""
+    if pages_per_ckpt < 1:
+        raise UsageError(f"--pages-per-checkpoint must be >= 1, got {pages_per_ckpt}")
     try:
         ck = ResumeModel(layout).checkpoint_space
     except LayoutError as e:
         raise UsageError(f"--host-split checkpoints: {e}") from None
     want = used_spaces(layout)
+    if "page" not in want:
+        raise UsageError(f"--host-split checkpoints: this stage has no page pools (layers "
+                         f"[{layout.stage.start}, {layout.stage.end}) hold SWA only), so it has "
+                         f"no pages to checkpoint; serve it with the device split")
     dev = check_rows(layout, {s: device_rows[s] for s in want if s in device_rows})
     rows = {s: dev[s] if s == "req_slot" else 0 for s in want}
     n_regions = sum(p.num_layers for p in layout.pools.values())
@@ -224,9 +242,9 @@ def checkpoint_host_bytes(layout: Layout, device_rows: Mapping[str, int], pages:
     """The fewest host bytes whose ``checkpoint_host_rows`` split holds at least ``pages`` page
     rows and ``ckpts`` checkpoint rows (beyond the request slots' rows in ring mode): what a
     caller that sized its tier in rows (the demo) gives ``serve --host-split checkpoints``."""
-    if pages < 1 or ckpts < 0:
-        raise UsageError(f"a checkpoints split needs pages >= 1 and checkpoints >= 0, got "
-                         f"{pages} and {ckpts}")
+    if pages < 1 or ckpts < 0 or pages_per_ckpt < 1:
+        raise UsageError(f"a checkpoints split needs pages >= 1, checkpoints >= 0 and pages "
+                         f"per checkpoint >= 1, got {pages}, {ckpts} and {pages_per_ckpt}")
     ck = ResumeModel(layout).checkpoint_space
     slots = device_rows.get("req_slot", 0) if ck == "req_slot" else 0
 
