@@ -779,3 +779,49 @@ def test_the_plans_checkpoints_figure_is_what_serve_makes_and_every_stage_counts
         stages[0].host_rows["swa_page"], stages[1].host_rows["page"],
         stages[1].host_rows["swa_page"]) > 0
     assert 0 < tiers["checkpoints"]["served_pages"] <= stages[1].host_rows["page"]
+
+
+def test_plan_takes_the_checkpoints_split_and_its_serve_lines_reproduce_it(capsys):
+    """``hicache plan`` had no ``--host-split``: it refused a ``--host-mem`` that serve's
+    checkpoints split accepts, and no line it printed reproduced its checkpoints figure (found
+    by a review). With ``--host-split checkpoints`` its stage rows are serve's split, its host
+    check is serve's (page rows only), and each printed serve line sizes exactly those rows."""
+    import json
+    import shlex
+
+    from hicache.cli import build_parser, main
+    from hicache.core.config import SETTINGS, load_config, sizing
+
+    def planned(*args: str) -> dict:
+        assert main(["plan", *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    tiny = ["--preset", "dsv4-tiny", "--kv-mem", "64MiB", "--host-mem", "48MiB"]
+    assert main(["plan", *tiny]) == 2  # the device split: not larger than the device pools
+    assert "no larger than the device pools" in capsys.readouterr().err
+    for extra in ([], ["--pages-per-checkpoint", "8"], ["--swa-mode", "ring", "--max-running",
+                                                        "16", "--force"],
+                  ["--pp-size", "2", "--pages-per-checkpoint", "4"]):
+        d = planned(*tiny, "--host-split", "checkpoints", *extra)
+        assert d["inputs"]["host_split"] == "checkpoints"
+        for st in d["stages"]:
+            line = st["serve_command"]
+            assert "--host-split checkpoints" in line, line
+            argv = shlex.split(line)[1:]
+            args = build_parser(argv).parse_args(argv)
+            cfg = load_config({s.name: getattr(args, s.name, None) for s in SETTINGS}, env={})
+            assert sizing(cfg).host_rows == st["host_rows"], (extra, line)
+        t = d["host_tier_by_mirror"]["checkpoints"]
+        assert t["pages"] == min(st["host_rows"]["page"] for st in d["stages"])
+    for bad, msg in ((["--host-split", "checkpoints", "--host-ratio", "2"], "splits --host-mem"),
+                     (["--host-split", "device", "--host-ratio", "2"], "splits --host-mem"),
+                     (["--host-split", "both"], "--host-split must be one of"),
+                     (["--kv-mem", "4GiB", "--preset", "dsv4-flash", "--stage-bounds",
+                       "0:2,2:43", "--host-mem", "8GiB", "--host-split", "checkpoints"],
+                      "this stage has no page pools")):
+        argv = ["plan", "--preset", "dsv4-tiny", "--kv-mem", "64MiB", *bad]
+        if "--host-mem" not in bad and "--host-ratio" not in bad:
+            argv += ["--host-mem", "48MiB"]
+        assert main(argv) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (bad, err)

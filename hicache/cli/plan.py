@@ -26,9 +26,9 @@ from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.host_tier import host_tier_by_mirror
 from hicache.core.layout import PRESETS, load_model
 from hicache.core.planner import (
-    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, SWA_MODES, Plan, PlanInputs, StagePlan,
-    human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan, pp_size_of,
-    refuse_unused, stage_layouts,
+    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, HOST_SPLITS, PD_ROLES, SWA_MODES, Plan, PlanInputs,
+    StagePlan, human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan,
+    pp_size_of, refuse_unused, stage_layouts,
 )
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
 from hicache.core.sizes import check_host_larger
@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host.add_argument("--host-mem", metavar="SIZE",
                       help="host budget per GPU: bytes or e.g. 400GiB")
     host.add_argument("--host-ratio", metavar="R", help="host rows : device rows, e.g. 4 or 4:1")
+    host.add_argument("--host-split", default=None, metavar="SPLIT",
+                      help="device (host rows in the device rows' proportions) | checkpoints "
+                           "(page rows plus one checkpoint row per K, as serve --host-split "
+                           "checkpoints makes them; needs --host-mem) [device]")
     host.add_argument("--pages-per-checkpoint", default=None, metavar="K",
                       help="with --host-mem, checkpoints mirror: one host checkpoint row per K "
                            f"page rows [{DEFAULT_PAGES_PER_CKPT}]")
@@ -133,6 +137,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bounds=bounds,
         pages_per_checkpoint=DEFAULT_PAGES_PER_CKPT if args.pages_per_checkpoint is None else
         parse_count(args.pages_per_checkpoint, "--pages-per-checkpoint"),
+        host_split=_choice(args.host_split, HOST_SPLITS, "--host-split") or "device",
     )
 
 
@@ -141,6 +146,9 @@ def _refuse_unused(args: argparse.Namespace) -> None:
     if args.force and args.host_mem is None and args.host_ratio is None:
         raise UsageError("--force accepts a host tier not larger than the device pools; it "
                          "applies with --host-mem or --host-ratio (no host tier is planned)")
+    if args.host_split is not None and args.host_mem is None:  # as serve refuses it
+        raise UsageError("--host-split splits --host-mem; give it in bytes (--host-ratio "
+                         "scales the device rows, a device split)")
     if not args.hisparse:
         given = [f for f, v in (("--request-tokens", args.request_tokens),
                                 ("--hot-slots", args.hot_slots)) if v is not None]
@@ -159,8 +167,9 @@ def check_host(pl: Plan, args: argparse.Namespace) -> None:
         return
     what = f"--host-mem {args.host_mem}" if args.host_mem is not None \
         else f"--host-ratio {args.host_ratio}"
+    spaces = ("page",) if pl.inputs.host_split == "checkpoints" else None  # as serve checks
     for s in pl.stages:
-        check_host_larger(s.layout, s.device_rows, s.host_rows, what)
+        check_host_larger(s.layout, s.device_rows, s.host_rows, what, spaces)
 
 
 def serve_command(pl: Plan, args: argparse.Namespace, pp_rank: int) -> str:
@@ -193,6 +202,10 @@ def serve_command(pl: Plan, args: argparse.Namespace, pp_rank: int) -> str:
         cmd += ["--host-mem", args.host_mem.strip()]
     elif i.host_ratio is not None:
         cmd += ["--host-ratio", repr(float(i.host_ratio))]
+    if i.host_split != "device":
+        cmd += ["--host-split", i.host_split]
+        if args.pages_per_checkpoint is not None:
+            cmd += ["--pages-per-checkpoint", str(i.pages_per_checkpoint)]
     if args.force and (i.host_mem is not None or i.host_ratio is not None):
         cmd.append("--force")
     return " ".join(shlex.quote(c) for c in cmd)
@@ -296,9 +309,13 @@ def _mirror_lines(pl: Plan) -> list[str]:
     if "checkpoints_vs_full" in tiers:
         out.append(f"  checkpoints hold {tiers['checkpoints_vs_full']:.2f}x the tokens of a full "
                    f"mirror (one checkpoint per {pl.inputs.pages_per_checkpoint} pages)")
-    out.append("  (the first figure of each mirror takes the host memory split for it, which "
-               "serve makes with --host-split checkpoints; the serve line splits host rows in "
-               "the device rows' proportions, the second figure)")
+    if pl.inputs.host_split == "checkpoints":
+        out.append("  (the first figure of each mirror takes the host memory split for it; the "
+                   "serve line makes the checkpoints split, the second figure)")
+    else:
+        out.append("  (the first figure of each mirror takes the host memory split for it, "
+                   "which serve makes with --host-split checkpoints; the serve line splits host "
+                   "rows in the device rows' proportions, the second figure)")
     return out
 
 

@@ -36,7 +36,8 @@ from hicache.core.errors import UsageError
 from hicache.core.settings import BOOL_FIELDS, ENV_PREFIX, SETTINGS, Setting  # noqa: F401
 from hicache.core.layout import INDEX_SPACES, Layout, LayoutError, load_model
 from hicache.core.planner import (
-    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, PD_ROLES, PlanInputs, parse_bounds, parse_fraction,
+    DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, HOST_SPLITS, PD_ROLES, PlanInputs, parse_bounds,
+    parse_fraction,
     plan, pp_size_of, refuse_unused, stage_layouts,
 )
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
@@ -459,7 +460,7 @@ def validate(cfg: ServeConfig) -> None:
     choices = {"swa_mode": ("paged", "ring"), "c128_state": ("online", "offline"),
                "pd_role": PD_ROLES, "write_policy": WRITE_POLICIES,
                "log_level": ("debug", "info", "warning", "error"),
-               "copy_engine": ("auto", "on", "off"), "host_split": ("device", "checkpoints")}
+               "copy_engine": ("auto", "on", "off"), "host_split": HOST_SPLITS}
     for name, allowed in choices.items():
         v = getattr(cfg, name)
         if (v.lower() if name == "log_level" else v) not in allowed:

@@ -49,6 +49,7 @@ from hicache.core.layout import (
 
 PD_ROLES = ("none", "prefill", "decode")
 SWA_MODES = ("paged", "ring")
+HOST_SPLITS = ("device", "checkpoints")  # how --host-mem becomes host rows (docs/config.md)
 DECODE_SLOT_FACTOR = 2  # a PD decode worker keeps as many slots again for incoming transfers
 DEFAULT_MAX_RUNNING = 256
 DEFAULT_SWA_RATIO = Fraction(4, 5)
@@ -160,6 +161,7 @@ class PlanInputs:
     host_ratio: Fraction | None = None  # host rows : device rows
     bounds: tuple[tuple[int, int], ...] | None = None
     pages_per_checkpoint: int = DEFAULT_PAGES_PER_CKPT  # host split, checkpoints mirror
+    host_split: str = "device"  # "checkpoints": host rows as serve --host-split checkpoints
 
     def __post_init__(self) -> None:
         if self.pages_per_checkpoint < 1:
@@ -185,6 +187,12 @@ class PlanInputs:
                       pages_per_checkpoint=self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT)
         if self.host_mem is not None and self.host_ratio is not None:
             raise UsageError("give host-mem or host-ratio, not both")
+        if self.host_split not in HOST_SPLITS:
+            raise UsageError(f"--host-split must be one of {' | '.join(HOST_SPLITS)}, got "
+                             f"{self.host_split!r}")
+        if self.host_split == "checkpoints" and self.host_mem is None:
+            raise UsageError("--host-split checkpoints splits --host-mem; give it in bytes "
+                             "(--host-ratio scales the device rows, a device split)")
         if self.host_mem is not None and self.host_mem < 0:
             raise UsageError(f"host-mem must not be negative, got {self.host_mem}")
         if self.mtp and self.model.num_mtp_layers == 0:
@@ -210,7 +218,7 @@ class PlanInputs:
             "swa_full_tokens_ratio": float(self.swa_ratio), "host_mem": self.host_mem,
             "host_ratio": None if self.host_ratio is None else float(self.host_ratio),
             "stage_bounds": None if self.bounds is None else [list(b) for b in self.bounds],
-            "pages_per_checkpoint": self.pages_per_checkpoint,
+            "pages_per_checkpoint": self.pages_per_checkpoint, "host_split": self.host_split,
         }
 
 
@@ -454,7 +462,12 @@ def plan(inputs: PlanInputs) -> Plan:
     stages, warnings = [], []
     for lay, pages in zip(layouts, own):
         dev = device_rows(lay, worker or 0, slots, inputs.swa_ratio)
-        host = host_rows(lay, dev, inputs.host_mem, inputs.host_ratio)
+        if inputs.host_split == "checkpoints":  # the rows serve --host-split checkpoints makes
+            assert inputs.host_mem is not None
+            host = host_sizing.checkpoint_host_rows(lay, dev, inputs.host_mem,
+                                                    inputs.pages_per_checkpoint)
+        else:
+            host = host_rows(lay, dev, inputs.host_mem, inputs.host_ratio)
         w = _swa_warning(lay, dev, slots)
         stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host,
                                 (w,) if w else ()))
