@@ -711,6 +711,14 @@ def test_the_fewest_host_bytes_for_a_checkpoints_split():
         checkpoint_host_bytes(lay, dev, 10, 1, 0)
     with pytest.raises(UsageError, match="--pages-per-checkpoint must be >= 1"):
         checkpoint_host_rows(lay, dev, 256 << 20, 0)
+    # too small a budget names the least that holds one page row and one checkpoint row
+    from hicache.core.sizes import format_bytes
+
+    least = checkpoint_host_bytes(lay, dev, 1, 0, 32)
+    for n in (1 << 20, least - 1):
+        with pytest.raises(CapacityError, match=re.escape(f"(at least {format_bytes(least)} "
+                                                          "with alignment)")):
+            checkpoint_host_rows(lay, dev, n, 32)
 
 
 def test_a_checkpoints_split_of_a_stage_without_page_pools_says_why():

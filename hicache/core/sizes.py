@@ -184,7 +184,7 @@ def host_rows(
             raise CapacityError(f"ratio {ratio} leaves no host rows in spaces {small}")
         return rows
     if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
-        raise UsageError(f"host_bytes must be a positive int, got {host_bytes!r}")
+        raise UsageError(f"the host memory (--host-mem) must be positive, got {host_bytes!r}")
     n_regions = sum(p.num_layers for p in layout.pools.values())
     per_unit = sum(dev[s] * layout.row_bytes(s) for s in want)  # bytes of one device-sized set
     budget = host_bytes - n_regions * (REGION_ALIGN - 1)  # worst-case alignment padding
@@ -228,9 +228,11 @@ def checkpoint_host_rows(layout: Layout, device_rows: Mapping[str, int], host_by
     while pages > 0 and pages * page_b + max(1, pages // k) * ck_b > budget:
         pages -= 1  # (fewer than k pages still take a whole checkpoint row)
     if pages < 1:
+        least = host_bytes - budget + page_b + ck_b  # one page row and one checkpoint row
         raise CapacityError(f"host budget {format_bytes(host_bytes)} is too small for a "
                             f"checkpoints split of this stage: not one page row and one "
-                            f"checkpoint row beside the request slots' rows")
+                            f"checkpoint row beside the request slots' rows (at least "
+                            f"{format_bytes(least)} with alignment)")
     rows["page"] = pages
     rows[ck] += max(1, pages // k)
     assert arena_bytes(layout, rows) <= host_bytes
