@@ -8,12 +8,12 @@ plus one checkpoint row per ``inputs.pages_per_checkpoint`` pages, beside the re
 rows: the rows ``hicache serve --host-split checkpoints`` makes
 (``sizes.checkpoint_host_rows``, the same function; a stage without page pools, which that
 split refuses, is left out of this figure). Those figures take the host budget split for the
-mirror;
-``served_pages`` / ``served_cached_tokens`` are what the daemon
-``hicache serve`` starts with the same inputs holds, whose host rows follow the device rows'
-proportions (``plan``'s stage host rows): a full mirror is bounded by its fewer of ``page`` and
-``swa_page`` rows, checkpoints by the ``page`` rows and the checkpoint space's rows times
-``pages_per_checkpoint``. Pure arithmetic.
+mirror; ``served_pages`` / ``served_cached_tokens`` are what the daemon ``hicache serve``
+starts with the same inputs holds (``plan``'s stage host rows: the device rows' proportions,
+or the checkpoints split with ``inputs.host_split``): a full mirror is bounded by its fewer of
+``page`` and ``swa_page`` rows, checkpoints by the ``page`` rows and the checkpoint rows beyond
+the request slots' times ``pages_per_checkpoint``; a space a stage does not use bounds nothing.
+Pure arithmetic.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _checkpoint_split(model: ResumeModel, stage: Any, inputs: PlanInputs) -> tup
 
 
 def _served_pages(model: ResumeModel, stage: Any, mirror: str, pages_per_ckpt: int) -> int:
-    """Pages the host rows of ``stage`` (the device split) hold under ``mirror``; a space the
+    """Pages the host rows of ``stage`` (the plan's split) hold under ``mirror``; a space the
     stage does not use bounds nothing (a stage of SWA-only layers has no ``page`` rows). Ring
     SWA: the request slots' own rows (state swaps) are no checkpoint rows."""
     rows, have = stage.host_rows, used_spaces(model.layout)
