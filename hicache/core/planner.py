@@ -22,7 +22,8 @@ torch):
   pre-allocated for incoming transfers while ``max_running`` requests decode).
 * Host rows mirror device rows byte for byte and are proportional to them per index space;
   ``hicache.core.sizes.host_rows`` computes them (the rule the daemon sizes its arena
-  with), so a plan and a running daemon agree to the row.
+  with), so a plan and a running daemon agree to the row. With ``host_split="checkpoints"``
+  they are ``sizes.checkpoint_host_rows`` instead, as ``serve --host-split checkpoints``.
 * The host tier by mirror (full vs checkpoints, ``pages_per_checkpoint``) is
   ``hicache.core.host_tier.host_tier_by_mirror``.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
