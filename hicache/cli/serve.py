@@ -128,16 +128,9 @@ def _set_dumpable(on: bool) -> str:
 
 
 def serve(cfg: Any) -> int:
-    from hicache.core.config import sizing, with_source
-
-    try:  # model, stage and sizing first: their refusals come before torch loads (0.3 s, not 2)
-        sized = sizing(cfg)
-    except UsageError as e:
-        raise UsageError(with_source(str(e), cfg)) from None
-
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
-    from hicache.controllers.daemon import Daemon, start_error
+    from hicache.core.config import sizing, with_source
 
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
@@ -148,6 +141,12 @@ def serve(cfg: Any) -> int:
                              "this daemon, which it exits with")
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
     dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
+    try:  # model, stage and sizing next: their refusals come before torch loads (0.1 s, not 2)
+        sized = sizing(cfg)
+    except UsageError as e:
+        raise UsageError(with_source(str(e), cfg)) from None
+    from hicache.controllers.daemon import Daemon, start_error
+
     try:
         daemon = Daemon(cfg, sized)
     except Exception as e:  # noqa: BLE001 - OSError / ArenaError at start-up: one line
