@@ -673,7 +673,7 @@ def test_serve_splits_the_host_for_checkpoints_when_asked(tmp_path):
                      ({"host_split": "both"}, "--host-split must be one of device | checkpoints"),
                      ({"pages_per_checkpoint": 0}, "--pages-per-checkpoint must be positive"),
                      ({"host_split": "device", "host_ratio": 2.0, "host_mem": None},
-                      "--host-split splits --host-mem; --host-ratio")):
+                      "--host-split splits --host-mem; give it in bytes")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             sizing(load_config({**base, "host_split": "checkpoints", **bad}))
     with pytest.raises(Exception, match="too small for a checkpoints split"):

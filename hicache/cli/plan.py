@@ -146,9 +146,6 @@ def _refuse_unused(args: argparse.Namespace) -> None:
     if args.force and args.host_mem is None and args.host_ratio is None:
         raise UsageError("--force accepts a host tier not larger than the device pools; it "
                          "applies with --host-mem or --host-ratio (no host tier is planned)")
-    if args.host_split is not None and args.host_mem is None:  # as serve refuses it
-        raise UsageError("--host-split splits --host-mem; give it in bytes (--host-ratio "
-                         "scales the device rows, a device split)")
     if not args.hisparse:
         given = [f for f, v in (("--request-tokens", args.request_tokens),
                                 ("--hot-slots", args.hot_slots)) if v is not None]
@@ -158,7 +155,8 @@ def _refuse_unused(args: argparse.Namespace) -> None:
     refuse_unused(_choice(args.swa_mode, SWA_MODES, "--swa-mode") or "paged",
                   host_mem=args.host_mem is not None,
                   swa_ratio=args.swa_full_tokens_ratio is not None,
-                  pages_per_checkpoint=args.pages_per_checkpoint is not None)
+                  pages_per_checkpoint=args.pages_per_checkpoint is not None,
+                  host_split=args.host_split is not None)
 
 
 def check_host(pl: Plan, args: argparse.Namespace) -> None:

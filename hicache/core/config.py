@@ -485,24 +485,19 @@ def validate(cfg: ServeConfig) -> None:
                 raise UsageError(f"--{name.replace('_', '-')} sizes device rows from --kv-mem; "
                                  f"it does not apply to --device-rows")
     refuse_unused(cfg.swa_mode, host_mem=cfg.host_mem is not None,
-                  swa_ratio=given(cfg, "swa_full_tokens_ratio"), pages_per_checkpoint=False)
+                  swa_ratio=given(cfg, "swa_full_tokens_ratio"), pages_per_checkpoint=False,
+                  host_split=cfg.host_split == "checkpoints" or given(cfg, "host_split"))
     check_shm_dirs(cfg.shm_dirs)
     if cfg.host_mem is not None and cfg.host_ratio is not None:
         raise UsageError("give either --host-mem (bytes) or --host-ratio, not both")
     if cfg.host_ratio is not None and not cfg.host_ratio > 0:
         raise UsageError(f"--host-ratio must be positive, got {cfg.host_ratio}")
     if cfg.host_split == "checkpoints":
-        if cfg.host_mem is None:
-            raise UsageError("--host-split checkpoints splits --host-mem; give it in bytes "
-                             "(--host-ratio scales the device rows, a device split)")
         if cfg.pages_per_checkpoint < 1:
             raise UsageError(f"--pages-per-checkpoint must be positive, got "
                              f"{cfg.pages_per_checkpoint}")
     elif given(cfg, "pages_per_checkpoint"):
         raise UsageError("--pages-per-checkpoint applies to --host-split checkpoints only")
-    elif cfg.host_ratio is not None and given(cfg, "host_split"):
-        raise UsageError("--host-split splits --host-mem; --host-ratio scales the device rows "
-                         "(a device split already): give one of them")
     if not 0 <= cfg.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:

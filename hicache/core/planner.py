@@ -118,9 +118,10 @@ def pp_size_of(bounds: Sequence[tuple[int, int]] | None, pp: int | None) -> int:
 
 
 def refuse_unused(swa_mode: str, *, host_mem: bool, swa_ratio: bool,
-                  pages_per_checkpoint: bool) -> None:
+                  pages_per_checkpoint: bool, host_split: bool = False) -> None:
     """Refuse a planner input that was given (``True``) where it does not apply: the SWA ratio
-    with ring SWA, pages per checkpoint without a host budget (``host_mem``: one is given).
+    with ring SWA, pages per checkpoint or a host split without a host budget (``host_mem``:
+    one is given).
     ``hicache plan`` and ``hicache serve`` pass whether the operator set it, even to its
     default; ``PlanInputs`` whether it is off its default."""
     if swa_ratio and swa_mode == "ring":
@@ -129,6 +130,9 @@ def refuse_unused(swa_mode: str, *, host_mem: bool, swa_ratio: bool,
     if pages_per_checkpoint and not host_mem:
         raise UsageError("--pages-per-checkpoint splits the host tier of --host-mem between "
                          "pages and checkpoints; give --host-mem too")
+    if host_split and not host_mem:
+        raise UsageError("--host-split splits --host-mem; give it in bytes (--host-ratio "
+                         "scales the device rows, a device split)")
 
 
 def human_bytes(n: int | float | Fraction) -> str:
@@ -185,15 +189,13 @@ class PlanInputs:
         # built in code, an input "was given" when it is away from its default
         refuse_unused(self.swa_mode, host_mem=self.host_mem is not None,
                       swa_ratio=self.swa_ratio != DEFAULT_SWA_RATIO,
-                      pages_per_checkpoint=self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT)
+                      pages_per_checkpoint=self.pages_per_checkpoint != DEFAULT_PAGES_PER_CKPT,
+                      host_split=self.host_split != "device")
         if self.host_mem is not None and self.host_ratio is not None:
             raise UsageError("give host-mem or host-ratio, not both")
         if self.host_split not in HOST_SPLITS:
             raise UsageError(f"--host-split must be one of {' | '.join(HOST_SPLITS)}, got "
                              f"{self.host_split!r}")
-        if self.host_split == "checkpoints" and self.host_mem is None:
-            raise UsageError("--host-split checkpoints splits --host-mem; give it in bytes "
-                             "(--host-ratio scales the device rows, a device split)")
         if self.host_mem is not None and self.host_mem < 0:
             raise UsageError(f"host-mem must not be negative, got {self.host_mem}")
         if self.mtp and self.model.num_mtp_layers == 0:
