@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -725,3 +726,37 @@ def test_registering_again_after_a_reap_or_a_restart_gets_a_new_channel():
             c.close()
             for f in glob.glob(f"/dev/shm/{C.WAKE_PREFIX}{old}-*"):
                 os.unlink(f)  # the killed daemon's wake-up socket file
+
+
+def test_a_query_after_a_restart_goes_to_the_new_daemon_over_zmq():
+    """A client still holding a killed daemon's channel, once ZMQ is connected to the daemon
+    restarted on the same address: its next command goes to the new daemon over ZMQ (the old
+    channel's request was read by no one) instead of failing as "gone", so ``poll_acks`` tells
+    ``reset_host_tier`` that nothing of the old registration runs. On the code before, the
+    first command after the restart raised ``DaemonUnreachable``."""
+    import glob
+
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        c = d.client()
+        old = d.pid
+        try:
+            c.register(pools)
+            assert c.uses_channel
+            os.kill(d.pid, signal.SIGKILL)
+            d.proc.wait(10)
+            d.start()
+            end = time.monotonic() + 10
+            while not zmq.zmq_poll([(c._sock, zmq.POLLOUT)], 0):
+                assert time.monotonic() < end, "ZMQ never reconnected to the new daemon"
+                time.sleep(0.02)
+            assert c.poll_acks([12345]) == [] and c.daemon_in_flight == 0
+            assert not c.uses_channel
+            hb = c.heartbeat()
+            assert hb["pid"] == d.pid != old and hb["registered"] is False
+        finally:
+            c.close()
+            for f in glob.glob(f"/dev/shm/{C.WAKE_PREFIX}{old}-*"):
+                os.unlink(f)

@@ -278,9 +278,16 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             try:
                 sent = chan is not None and chan.send(rid, frames)
             except ConnectionError as e:
+                # the daemon that granted the channel is gone, its loop first (it closes the
+                # wake-up socket after its loop ended): no one read the request. A daemon that
+                # listens at the address now (a restart) and that ZMQ is connected to gets it
+                # instead; with none, unreachable at once rather than after the timeout.
                 self._close_channel()
-                raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is gone "
-                                        f"({e})") from None
+                if not zmq.zmq_poll([(s, _POLLOUT)], 0):
+                    raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is "
+                                            f"gone ({e}) and no daemon is connected there "
+                                            f"now") from None
+                sent = False
             if sent:
                 self._chan_seq = rid
             else:
