@@ -13,6 +13,7 @@ Follow one BACKUP from the frame to the kernel (docs/architecture.md walks it):
 * ``registry``       — clients, heartbeats, registered workers, retained acks.
 * ``device_buffers`` — opens a worker's sealed memfds / CUDA IPC handles and events.
 * ``metrics``        — the daemon's metric catalog.
+* ``preflight``      — start-up checks that allocate nothing and load no torch (sizing, address).
 * ``daemon``         — assembly: config -> layout -> host pools -> scheduler -> server; shutdown.
 * ``l3_handlers``    — ``l3_query`` / ``l3_prefetch`` / ``l3_put`` (``--l3 mooncake``).
 * ``l3_store``       — the Mooncake Store client: connection, online state, batched jobs.

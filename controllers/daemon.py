@@ -1,8 +1,9 @@
 """Assembly of one daemon: config -> layout -> host rows -> arena + pool group -> engine -> server.
 
-``Daemon(cfg, sized=None)`` first checks everything that can be checked without memory (sizing,
-``sized`` where the caller did it already, as ``serve`` does before this module loads; device,
-socket address and folder, a tcp port, the NUMA node, thread counts) and binds the metrics port;
+``Daemon(cfg, pre=None)`` first checks everything that can be checked without memory (sizing,
+socket address, CURVE keys, a tcp port and the NUMA node in ``controllers.preflight``, ``pre``
+where the caller ran it already, as ``serve`` does before this module loads; then the device
+and the socket folder) and binds the metrics port;
 only then is the host arena mapped, touched and pinned (so an overcommit fails at start-up with
 the sizes in the message, and a bad flag fails before any of that). ``start_error(e)`` turns a
 start-up ``OSError`` / pool error into a one-line ``UsageError`` naming the setting.
@@ -19,25 +20,23 @@ import gc
 import logging
 import os
 import resource
-import socket
 import stat
 import time
 from typing import Any
 
 import torch
 
-from hicache.core.config import (ServeConfig, Sizing, check_address, check_curve, default_socket,
-                                 sizing)
+from hicache.core.config import ServeConfig
 from hicache.core.errors import UsageError
 from hicache.host_pools.errors import PoolError
 from hicache.kernels import copy_engine
 from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import TransferError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.host_pools.numa_node import online_nodes
 from hicache.core.sizes import arena_bytes, format_bytes
 from hicache.controllers.metrics import Metrics
 
+from .preflight import Preflight, preflight
 from .registry import Registry
 from .server import Server
 from .state import DaemonState
@@ -163,30 +162,6 @@ def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketL
     return lock
 
 
-def _check_tcp_port(address: str) -> None:
-    """A tcp address must be free to bind (a probe bind, released at once)."""
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            raise UsageError(f"--socket {address}: cannot bind: {e.strerror}") from None
-
-
-def _numa_node(cfg: ServeConfig) -> int | str | None:
-    """The arena's ``numa_node`` option; a node number must be online."""
-    if cfg.numa_node in ("auto", "off"):
-        return None if cfg.numa_node == "off" else "auto"
-    node, nodes = int(cfg.numa_node), online_nodes()
-    if nodes and node not in nodes:
-        raise UsageError(f"--numa-node {node}: node {node} is not online; online nodes: "
-                         f"{', '.join(map(str, sorted(nodes)))}")
-    return node
-
-
 def start_error(e: BaseException) -> BaseException:
     """A start-up failure as one line naming the setting; anything else unchanged."""
     if isinstance(e, UsageError):
@@ -219,28 +194,12 @@ def _answers(address: str) -> bool:
         ctx.term()
 
 
-def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:
-    """(public, secret, clients dir) from the daemon's CURVE key file."""
-    import zmq
-    import zmq.auth
-
-    if not zmq.has("curve"):
-        raise UsageError("this libzmq has no CURVE support; cannot serve with CURVE keys")
-    try:
-        public, secret = zmq.auth.load_certificate(cfg.curve_secret_key)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"curve secret key {cfg.curve_secret_key}: {e}") from None
-    if not secret:
-        raise UsageError(f"curve key file {cfg.curve_secret_key} holds no secret key "
-                         f"(give the .key_secret file)")
-    return public, secret, str(cfg.curve_clients)
-
-
 class Daemon:
-    def __init__(self, cfg: ServeConfig, sized: Sizing | None = None) -> None:
+    def __init__(self, cfg: ServeConfig, pre: Preflight | None = None) -> None:
         self.cfg = cfg
         # --- checks that allocate nothing
-        sized = sizing(cfg) if sized is None else sized
+        pre = preflight(cfg) if pre is None else pre
+        sized = pre.sized
         self.layout, self.device_rows, self.rows = sized.layout, sized.device_rows, sized.host_rows
         self.sizing_source = sized.source
         self.sizing_warnings = sized.warnings  # the planner's, printed by ``serve`` at start
@@ -256,16 +215,11 @@ class Daemon:
                 copy_engine.configure(cfg.copy_engine)
             except TransferError as e:
                 raise UsageError(f"--copy-engine: {e}") from None
-        self.address = cfg.socket or default_socket(cfg.device)
-        curve = _curve_keys(cfg) if check_curve(cfg) else None
-        ipc = check_address(self.address, cfg.allow_remote, curve is not None) == "ipc"
-        if not ipc:
-            _check_tcp_port(self.address)
-        numa = _numa_node(cfg)
+        self.address = pre.address
         raise_fd_limit()
-        self.made_folders, self.socket_lock = _prepare_ipc(self.address) if ipc else ([], None)
+        self.made_folders, self.socket_lock = _prepare_ipc(self.address) if pre.ipc else ([], None)
         try:
-            self._bring_up(cfg, numa, curve)
+            self._bring_up(cfg, pre.numa, pre.curve)
         except BaseException:
             if self.socket_lock is not None:
                 self.socket_lock.release()

@@ -158,6 +158,39 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     assert keep.read_text() == "data" and os.listdir(tmp_path) == ["important.conf"]
 
 
+@pytest.mark.parametrize("case", ["numa-node", "tcp-port", "curve-key"])
+def test_address_port_keys_and_numa_are_refused_before_torch_loads(tmp_path, case):
+    """A tcp port in use, a CURVE key file that cannot be read and an offline NUMA node are
+    refused in one line before the daemon's modules (and torch, ~2 s) load; they used to be
+    checked after."""
+    busy = _busy_port()
+    key = tmp_path / "server.key_secret"
+    key.write_text("not a certificate\n")
+    key.chmod(0o600)
+    try:
+        extra = {
+            "numa-node": ["--numa-node", "7", "--socket", f"ipc://{tmp_path}/d.sock"],
+            "tcp-port": ["--socket", f"tcp://127.0.0.1:{busy.getsockname()[1]}",
+                         "--allow-remote"],
+            "curve-key": ["--socket", "tcp://127.0.0.1:1", "--allow-remote",
+                          "--curve-secret-key", str(key),
+                          "--curve-clients", str(tmp_path)],
+        }[case]
+        argv = [*TINY, "--host-ratio", "2", *extra]
+        r = subprocess.run([sys.executable, "-c", "import sys; from hicache.cli import main; "
+                            f"rc = main(['serve', *{argv!r}]); "
+                            "print(rc, 'torch' in sys.modules)"], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    finally:
+        busy.close()
+    assert r.stdout.splitlines() == ["2 False"], (r.stdout, r.stderr)
+    want = {"numa-node": "--numa-node 7", "tcp-port": "cannot bind",
+            "curve-key": "curve secret key"}[case]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and want in lines[0], r.stderr
+
+
 def test_a_second_daemon_is_refused_while_the_first_cannot_answer(tmp_path):
     """The first daemon is stopped (SIGSTOP), so it cannot answer a probe: the second is
     refused by the socket's lock, and the first's socket survives and serves afterwards."""

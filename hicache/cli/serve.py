@@ -3,10 +3,11 @@
 Settings come from defaults < ``--config-file`` (TOML) < ``HICACHE_*`` environment < flags; the
 flags are built from ``hicache.core.config.SETTINGS`` (docs/config.md has the table). A
 ``HICACHE_*`` variable that names no setting, a setting given (even at its default) where it does
-not apply, and an abbreviated flag are refused. Model, stage and sizing are checked next,
-before the daemon's modules (and torch) load, so such a refusal comes at once. The daemon
-checks ports, socket folder, NUMA node and thread counts before it allocates, then pins the
-whole host pool, so an overcommit fails at start-up. The planner's warnings for the served
+not apply, and an abbreviated flag are refused. Model, stage, sizing, the socket address, CURVE
+keys, a tcp port and the NUMA node are checked next (``controllers.preflight``), before the
+daemon's modules (and torch) load, so such a refusal comes at once. The daemon checks the
+device, the socket folder and the metrics port before it allocates, then pins the whole host
+pool, so an overcommit fails at start-up. The planner's warnings for the served
 stage are printed (``hicache serve: warning: ...`` on stderr), not refused. With ``--l3
 mooncake`` and a loopback ``--l3-local-host`` the process first executes itself again with the
 loopback bind shim preloaded (``_loopback_mooncake``). Every refusal is one line
@@ -130,7 +131,8 @@ def _set_dumpable(on: bool) -> str:
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
-    from hicache.core.config import sizing, with_source
+    from hicache.controllers.preflight import preflight
+    from hicache.core.config import with_source
 
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
@@ -141,14 +143,14 @@ def serve(cfg: Any) -> int:
                              "this daemon, which it exits with")
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
     dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
-    try:  # model, stage and sizing next: their refusals come before torch loads (0.1 s, not 2)
-        sized = sizing(cfg)
+    try:  # sizing, address, keys, port and NUMA next: refused before torch loads (0.1 s, not 2)
+        pre = preflight(cfg)
     except UsageError as e:
         raise UsageError(with_source(str(e), cfg)) from None
     from hicache.controllers.daemon import Daemon, start_error
 
     try:
-        daemon = Daemon(cfg, sized)
+        daemon = Daemon(cfg, pre)
     except Exception as e:  # noqa: BLE001 - OSError / ArenaError at start-up: one line
         err = start_error(e)
         if isinstance(err, UsageError):  # naming where the settings it names came from
