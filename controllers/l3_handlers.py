@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hicache.core.protocol import ProtocolError
+from hicache.core.protocol import DEFAULT_DEADLINE_MS, ProtocolError
 
 from . import l3_format as F
 from .copy_commands import Reply, _bounds, _distinct
@@ -137,7 +137,7 @@ def _start(st: DaemonState, c: ClientState, job: L3Job,
 def deadline_ms(h: dict) -> int:
     """A command's ``deadline_ms`` (1..60,000; default 5,000), or a refusal (``kv_clear``
     takes it too)."""
-    ms = h.get("deadline_ms", 5000)
+    ms = h.get("deadline_ms", DEFAULT_DEADLINE_MS)
     if not 0 < ms <= MAX_DEADLINE_MS:
         raise ProtocolError("bad_field", f"deadline_ms must be in 1..{MAX_DEADLINE_MS}")
     return ms

@@ -312,6 +312,27 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
         assert a.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
+def test_an_inline_ack_read_from_the_slot_is_not_handed_out_again(spinning) -> None:
+    """The daemon answers a channel request in the slot and over ZMQ. An inline ack the caller
+    got from the slot's copy (``op.ack``) used to be kept again from the ZMQ copy, as an ack
+    nobody had taken: ``poll_acks()`` handed it out a second time, and the client's ack table
+    grew by one per command until it pushed out acks not yet taken."""
+    d, pools = spinning
+    with _clients(d, pools, {"reply_spin_us": 5000}) as (c,):
+        assert c.uses_channel
+        host = c.alloc({"page": 1})
+        ops = set()
+        for _ in range(100):
+            op = c.backup({"page": ([0], host["page"])})
+            assert op.ack is not None and op.ack.ok  # inline
+            ops.add(c.wait_ack(op).op)
+        c.stats()  # each call reads the ZMQ copies that came (the last backup's, here)
+        c.drain()
+        assert not ops & set(c._acks)
+        assert not ops & {a.op for a in c.poll_acks()}
+        c.free(host)
+
+
 def test_garbled_slot_is_refused_and_changes_nothing(spinning) -> None:
     d, pools = spinning
     with _clients(d, pools, {}) as (c,):

@@ -38,6 +38,7 @@ MAX_ITEMS = 256  # transfer items per backup/load
 MAX_NAME_LEN = 128  # client names, request ids, pool and space names
 MAX_LIST_LEN = 4096  # any JSON list in a header (slots, op ids, handles per pool ...)
 MAX_DEPTH = 8  # JSON nesting depth accepted in a header
+DEFAULT_DEADLINE_MS = 5000  # an L3 command's deadline when the request names none
 
 
 class ProtocolError(ValueError):

@@ -5,7 +5,10 @@ request and polls for its reply (acks pushed meanwhile are kept); registered wit
 busy-polls up to ``REPLY_SPIN_US_GPU`` before it sleeps in ``poll`` (``reply_spin_us``). A
 daemon that does not answer within the timeout raises ``DaemonUnreachable`` (never a hang;
 ``NoReply`` when the request went out, so the daemon may have taken it); a
-refused command raises ``CommandRefused`` with the daemon's error code and message.
+refused command raises ``CommandRefused`` with the daemon's error code and message. A timeout
+is a finite number of seconds above 0 (``wait_ack`` and ``wait_layer`` take 0 too: only look);
+anything else is a ``ValueError`` before a request goes out. A bad address or CURVE key file is
+a ``ValueError`` from ``Client(...)``, which then holds no socket.
 
 Transfers return an ``Op``; ``wait_ack(op, timeout)`` returns its ``Ack`` (pushed by the daemon,
 or fetched with ``poll_acks`` if a push went missing). On GPU, ``wait_layer(op, layer, stream)``
@@ -31,7 +34,7 @@ import zmq
 from hicache.core import protocol as P
 from hicache.core.channel import ClientEnd, supported
 from hicache.core.fd_handout import send_fds
-from hicache.engine.completion import WAIT_SPIN_US, Completion
+from hicache.engine.completion import WAIT_SPIN_US, Completion, check_timeout
 from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
@@ -89,6 +92,34 @@ def recv_message(sock: zmq.Socket) -> list[bytes]:
     return out
 
 
+def _connect(s: zmq.Socket, client_id: str, address: str, curve_server_key: str | None,
+             curve_secret_key: str | None) -> None:
+    """Set up the client's DEALER ``s`` and connect it: ``ValueError`` for an address ZMQ
+    refuses or a key file that cannot be used (saying which), before anything is sent."""
+    s.setsockopt(zmq.ROUTING_ID, client_id.encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
+    s.setsockopt(zmq.SNDHWM, 100_000)
+    s.setsockopt(zmq.RCVHWM, 100_000)
+    if curve_server_key is not None and curve_secret_key is not None:
+        from zmq import auth as zmq_auth
+
+        try:
+            server_public, _ = zmq_auth.load_certificate(curve_server_key)
+            public, secret = zmq_auth.load_certificate(curve_secret_key)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"CURVE key file: {e}") from None
+        if not secret:
+            raise ValueError(f"{curve_secret_key} holds no secret key")
+        s.curve_serverkey = server_public
+        s.curve_publickey = public
+        s.curve_secretkey = secret
+    try:
+        s.connect(address)
+    except zmq.ZMQError as e:
+        raise ValueError(f"cannot connect to {address!r}: {e}") from None
+
+
 class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def __init__(self, address: str | None = None, timeout: float = 5.0,
                  name: str | None = None, *, curve_server_key: str | None = None,
@@ -107,35 +138,22 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if reply_spin_us is not None and not 0 <= reply_spin_us <= 1e6:
             raise ValueError(f"reply_spin_us must be 0..1000000, got {reply_spin_us}")
         self.address = address or default_address()
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         tag = (name or "client").replace("/", "_")[:48]
         self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
         # host-row epoch: +1 at every register, unregister and reset that succeeded (each one
         # leaves this client no host row it held before: freed, or a new daemon's registration)
         self.row_epoch = 0
         self._ctx = zmq.Context.instance()
+        if (curve_server_key is None) != (curve_secret_key is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key")
         self._sock = self._ctx.socket(zmq.DEALER)
         s = self._sock
-        s.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
-        s.setsockopt(zmq.SNDHWM, 100_000)
-        s.setsockopt(zmq.RCVHWM, 100_000)
-        if (curve_server_key is None) != (curve_secret_key is None):
-            s.close(0)
-            raise ValueError("CURVE needs both curve_server_key and curve_secret_key")
-        if curve_server_key is not None:
-            from zmq import auth as zmq_auth
-
-            server_public, _ = zmq_auth.load_certificate(curve_server_key)
-            public, secret = zmq_auth.load_certificate(curve_secret_key)
-            if not secret:
-                s.close(0)
-                raise ValueError(f"{curve_secret_key} holds no secret key")
-            s.curve_serverkey = server_public
-            s.curve_publickey = public
-            s.curve_secretkey = secret
-        s.connect(self.address)
+        try:
+            _connect(s, self.client_id, self.address, curve_server_key, curve_secret_key)
+        except BaseException:
+            s.close(0)  # nothing of a client that could not be made stays open
+            raise
         self._want_channel = channel if channel is not None else \
             (None if curve_server_key is None and _local(self.address) else False)
         self._chan: ClientEnd | None = None
@@ -265,7 +283,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
              timeout: float | None = None) -> tuple[dict[str, Any], list[Any]]:
         """Send one command, return (reply header, reply index arrays). Raw access; prefer the
         typed methods."""
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
         rid = next(self._ids)
         frames = P.encode_request(cmd, rid, fields, arrays)
         s = self._sock
@@ -305,8 +323,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self.sent += 1
         try:
             return self._reply_to(cmd, rid, deadline, now, timeout)
-        except DaemonUnreachable:
-            if self._chan_seq:  # the daemon may still read that slot: never write it again
+        except CommandRefused:  # answered: the slot is free again
+            raise
+        except BaseException:  # no reply read (a timeout, an interrupt): the daemon may still
+            if self._chan_seq:  # read that slot, so it is never written again
                 self._close_channel()
             raise
         finally:
@@ -479,7 +499,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         return out, frames
 
     def _op(self, kind: str, h: Mapping[str, Any], arrays: Sequence[Any] = ()) -> Op:
-        ack = self._acks.pop(h["op"], None) if "ack" in h else None
+        ack = None
+        if "ack" in h:  # inline: the ack is the caller's now (``op.ack``), never handed out
+            ack = self._acks.pop(h["op"], None)  # again (the ZMQ copy of a reply read from
+            self._took(int(h["op"]))  # the channel's slot carries it too)
         rows = {s: list(arrays[i]) for s, i in h["rows"].items()} if "rows" in h else None
         return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows,
                   issued=h.get("issued"), failed=bool(h.get("failed")))

@@ -18,13 +18,32 @@ import time
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
+from hicache.core.protocol import DEFAULT_DEADLINE_MS
+
 from .acks import Ack, AckTimeout, Op, TransferFailed
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
+MAX_TIMEOUT_S = 1e6  # ~11.6 days: a longer wait is a mistake (and its milliseconds must fit)
 # wait_layer: how long the host polls a layer's event before it puts a wait on the stream;
 # None: until the layer is copied (bounded by the timeout), no stream wait at all. A stream wait
 # on another process's event is seen ~1.7 ms late (H200, no MPS), longer than most layers take.
 WAIT_SPIN_US: float | None = None
+
+
+def check_timeout(t: Any, zero: bool = False) -> float:
+    """``t`` as seconds when it is a finite number in (0, ``MAX_TIMEOUT_S``] (0 too with
+    ``zero``: a wait that only looks); else ``ValueError`` naming it. Callers check before
+    anything is sent: NaN used to spin a core forever, infinity raised ``OverflowError`` after
+    the request went out."""
+    try:
+        f = float(t)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds, got {t!r}") from None
+    if not (0 <= f <= MAX_TIMEOUT_S) or (f == 0 and not zero):  # NaN fails the comparison
+        low = "0 <=" if zero else "0 <"
+        raise ValueError(f"timeout must be a finite number of seconds, {low} timeout <= "
+                         f"{MAX_TIMEOUT_S:g}, got {t!r}")
+    return f
 
 
 class Completion:
@@ -106,6 +125,14 @@ class Completion:
             self._took(a.op)
         return out
 
+    def _deadline_wait(self, deadline_ms: int | None, timeout: float | None) -> float:
+        """How long to wait for the ack of a command the daemon answers by ``deadline_ms``
+        (None: its default): past that deadline by a second, and never less than ``timeout``
+        (None: the client's). A wait no longer than the deadline timed out just before the
+        daemon's answer at the deadline came."""
+        ms = DEFAULT_DEADLINE_MS if deadline_ms is None else deadline_ms
+        return max(ms / 1000 + 1.0, self.timeout if timeout is None else check_timeout(timeout))
+
     def _took(self, op_id: int) -> None:
         """``op_id``'s ack went to the caller: never again (the newest ``ACK_KEEP`` ids)."""
         self._taken[op_id] = None
@@ -131,7 +158,7 @@ class Completion:
                 raise TransferFailed(op.ack)
             return op.ack
         op_id = op.op_id if isinstance(op, Op) else int(op)
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else check_timeout(timeout, zero=True)
         deadline = time.monotonic() + timeout
         next_poll = time.monotonic() + min(0.5, timeout / 2)
         while True:
@@ -165,6 +192,8 @@ class Completion:
         events): waits for the op's ack. The daemon answers a GPU load once layer 0's copy is
         enqueued; a later layer's wait first takes the daemon's "issued" notice (or the op's
         ack), so it never waits on an event the load has not recorded."""
+        if timeout is not None:
+            timeout = check_timeout(timeout, zero=True)
         if op.event_set is None or not self._load_events:
             self.wait_ack(op, timeout)
             return

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from hicache.core.fd_handout import send_fds
-from hicache.core.protocol import as_index
+from hicache.core.protocol import as_index, pack_index
 
 L3_WAIT = 5.0  # s: how long kv_get / kv_exists keep asking about keys the daemon has pending
 
@@ -109,7 +109,11 @@ class KVStoreCommands:
 
     def kv_get(self, name: str, keys: Sequence[str], pages: Any,
                timeout: float | None = None, l3_wait: float = L3_WAIT) -> list[bool]:
-        pages = np.asarray(as_index(pages), dtype=np.int64).reshape(-1)
+        # packed as ``kv_put``'s are (int64s only: a float, a string or a nested list is a
+        # TypeError, not a page it was cut to), one page per key
+        pages = np.frombuffer(pack_index(as_index(pages)), dtype="<i8").astype(np.int64)
+        if len(pages) != len(keys):
+            raise ValueError(f"kv_get: {len(keys)} keys but {len(pages)} pages")
 
         def ask(idx: list[int]) -> tuple[list[int], list[int]]:
             h, _ = self.call("kv_get", {"name": name, "keys": [keys[i] for i in idx],
@@ -138,8 +142,7 @@ class KVStoreCommands:
         h, _ = self.call("kv_clear", f, timeout=timeout)
         if "op" not in h:
             return int(h["dropped"])
-        wait = (5000 if deadline_ms is None else deadline_ms) / 1000 + 1.0
-        wait = max(wait, self.timeout if timeout is None else timeout)
+        wait = self._deadline_wait(deadline_ms, timeout)
         return int(self.wait_ack(int(h["op"]), timeout=wait).kv["dropped"])
 
     def kv_detach(self, timeout: float | None = None) -> int:

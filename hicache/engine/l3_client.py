@@ -2,8 +2,9 @@
 ``hicache.engine.client.Client``): ``l3_query(keys) -> objects held`` (``l3_present`` -> 1/0
 per key), ``l3_prefetch(keys, rows) -> Ack`` (leading objects read and verified into host rows
 this client owns), ``l3_put(keys, rows) -> Op`` (background write, existing keys skipped).
-Each is one command whose result comes in its op's ack; every wait is bounded by the call's
-timeout.
+Each is one command whose result comes in its op's ack. The reply is bounded by the call's
+timeout; the ack is waited for until a second past the command's deadline (the daemon answers
+a store that hangs at that deadline), or for the timeout when that is longer.
 
 Every call takes the object kind: ``mirror="full"`` (default: a page with every pool of every
 page space) or ``"checkpoints"`` (a page's ``page`` rows), and ``ckpt=True`` (checkpoints
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from hicache.core.protocol import as_index
+from hicache.core.protocol import DEFAULT_DEADLINE_MS, as_index
 
 from .acks import Ack, Op
 
@@ -37,10 +38,11 @@ class L3Commands:
                  deadline_ms: int | None = None) -> int:
         """How many leading objects of the key chain ``keys`` the L3 store holds (0 while it
         is offline, or when the store did not answer by ``deadline_ms``: the daemon's default
-        5,000). Bounded by ``timeout`` (``AckTimeout`` past it)."""
+        5,000). The ack is waited for past that deadline (``AckTimeout`` only if it does not
+        come a second after it, or after ``timeout`` when that is longer)."""
         fields = {"keys": list(keys), **_kind(mirror, ckpt), **_deadline(deadline_ms)}
         h, _ = self.call("l3_query", fields, timeout=timeout)
-        a = self.wait_ack(int(h["op"]), timeout=timeout)
+        a = self.wait_ack(int(h["op"]), timeout=self._deadline_wait(deadline_ms, timeout))
         return int((a.l3 or {}).get("hits", 0))
 
     def l3_present(self, keys: Sequence[str], timeout: float | None = None, *,
@@ -51,12 +53,12 @@ class L3Commands:
         fields = {"keys": list(keys), "each": True, **_kind(mirror, ckpt),
                   **_deadline(deadline_ms)}
         h, _ = self.call("l3_query", fields, timeout=timeout)
-        a = self.wait_ack(int(h["op"]), timeout=timeout)
+        a = self.wait_ack(int(h["op"]), timeout=self._deadline_wait(deadline_ms, timeout))
         got = list((a.l3 or {}).get("present", []))
         return got if len(got) == len(keys) else [0] * len(keys)
 
     def l3_prefetch(self, keys: Sequence[str], rows: Mapping[str, Any], *,
-                    deadline_ms: int = 5000, timeout: float | None = None,
+                    deadline_ms: int = DEFAULT_DEADLINE_MS, timeout: float | None = None,
                     mirror: str = "full", ckpt: bool = False) -> Ack:
         """Read objects ``keys`` into host rows ``rows`` ({space: ids}, one per key, owned by
         this client). The ack's ``l3["hits"]``: leading objects read and verified; the rest of
@@ -65,7 +67,7 @@ class L3Commands:
         fields = {"keys": list(keys), "rows": r, "deadline_ms": int(deadline_ms),
                   **_kind(mirror, ckpt)}
         h, _ = self.call("l3_prefetch", fields, frames, timeout=timeout)
-        return self.wait_ack(int(h["op"]), timeout=timeout)
+        return self.wait_ack(int(h["op"]), timeout=self._deadline_wait(deadline_ms, timeout))
 
     def l3_put(self, keys: Sequence[str], rows: Mapping[str, Any],
                timeout: float | None = None, *, mirror: str = "full",
