@@ -225,3 +225,62 @@ def test_serve_started_under_nohup_outlives_a_hang_up(tmp_path):
     assert p.wait(90) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in out.read_text(errors="replace")
     assert not sock.exists()
+
+
+def _signal_self(sig: int = signal.SIGTERM) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(0.5)  # the handler runs in here
+
+
+def test_a_signal_whose_interrupt_c_code_cleared_does_not_mute_the_next():
+    """``import torch`` imports numpy from C code that clears an exception raised there: a stop
+    signal during ``serve``'s start-up raised ``Interrupted`` there, nothing propagated, and
+    every later signal was ignored (taken for the first one's clean-up), so the daemon went on
+    to serve. Now a signal is ignored only while an ``Interrupted`` is being handled, and
+    ``on_signals`` (``serve``'s orderly stop) hands a cleared one to its handler at once."""
+    from hicache.cli import lifecycle
+
+    old = lifecycle.install()
+    try:
+        try:
+            _signal_self()
+        except lifecycle.Interrupted:
+            pass  # as the C code did: cleared
+        with pytest.raises(lifecycle.Interrupted):  # the next one still stops the command
+            _signal_self()
+        got: list[int] = []
+        with lifecycle.on_signals(got.append):
+            assert got == [signal.SIGTERM]  # the cleared one, handed over on entry
+        lifecycle.restore(old)
+        old = lifecycle.install()
+        with pytest.raises(lifecycle.Interrupted) as e:
+            try:
+                _signal_self(signal.SIGINT)
+            finally:  # clean-up of the one raised: a second signal does not cut it short
+                try:
+                    _signal_self(signal.SIGTERM)
+                except OSError:
+                    pass  # (an exception raised and caught in clean-up changes nothing)
+                _signal_self(signal.SIGTERM)
+        assert e.value.signum == signal.SIGINT
+    finally:
+        lifecycle.restore(old)
+
+
+def test_a_signal_while_the_command_module_loads_is_one_line():
+    """``main`` builds its parser by importing the command's module (a bench's imports torch,
+    ~2 s); a Ctrl-C then printed a traceback and the process died by the signal, as the stop
+    signals were routed only after that. The stand-in parser build signals itself."""
+    code = ("import os, signal, sys, time\n"
+            "import hicache.cli as cli\n"
+            "real = cli.build_parser\n"
+            "def slow(argv):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(1)\n"
+            "    return real(argv)\n"
+            "cli.build_parser = slow\n"
+            "sys.exit(cli.main(['bench', 'pin']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert p.stderr.strip() == "hicache: interrupted by SIGINT", p.stderr

@@ -132,20 +132,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     global from_command_line
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    if not argv:
-        parser.print_help()
-        return 2
-    args, unknown = parser.parse_known_args(argv)
-    prog = "hicache " + " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
-    if getattr(args, "_missing", None):  # (its flags are unknown because its module is)
-        print(f"{prog}: error: {args._missing}", file=sys.stderr)
-        return 2
-    if unknown:  # refused by the command's own parser: its name, and the flag meant
-        _unrecognized(getattr(args, "_parser", parser), unknown)
+    prog = "hicache"
+    # stop signals first: building the parser imports the command's module (a bench's imports
+    # torch, ~2 s), and a Ctrl-C meanwhile is one line too, not a traceback
     old = lifecycle.install()
     try:
         try:
+            parser = build_parser(argv)
+            if not argv:
+                parser.print_help()
+                return 2
+            args, unknown = parser.parse_known_args(argv)
+            prog += "".join(f" {a}" for a in (args.command, getattr(args, "bench", None)) if a)
+            if getattr(args, "_missing", None):  # (its flags are unknown: its module is)
+                print(f"{prog}: error: {args._missing}", file=sys.stderr)
+                return 2
+            if unknown:  # refused by the command's own parser: its name, and the flag meant
+                _unrecognized(getattr(args, "_parser", parser), unknown)
             if args.command in ENV_COMMANDS:
                 from hicache.core.config import check_env
 

@@ -5,11 +5,14 @@ Contract:
 * ``install()`` (called by ``hicache.cli.main``, undone by ``restore`` when it returns): SIGINT, SIGTERM and SIGHUP raise
   ``Interrupted(signum)`` in the main thread, so every ``finally`` of the running command runs
   (children stopped, shared memory unlinked, private folders removed). Only the first signal
-  raises; later ones are ignored so that clean-up is not itself interrupted. ``main`` then prints
+  raises; later ones are ignored while its clean-up runs, so that the clean-up is not itself
+  interrupted (a signal whose ``Interrupted`` C code cleared, as ``import torch`` can, does not
+  count: the next one raises again). ``main`` then prints
   one line and exits with ``exit_code(signum)`` = 128 + signum (130 SIGINT, 143 SIGTERM,
   129 SIGHUP). A process started with SIGHUP ignored (``nohup``) keeps ignoring it.
 * ``on_signals(handler)``: a command with its own orderly stop (``serve``) swaps the raising
-  handler for ``handler(signum)`` while it runs, and gets the raising one back on exit.
+  handler for ``handler(signum)`` while it runs, and gets the raising one back on exit; a signal
+  that came before and whose ``Interrupted`` was cleared is handed to ``handler`` at once.
 * ``exit_with_parent(ppid, stop)``: the calling process calls ``stop()`` once its parent
   ``ppid`` is gone: Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (delivered when the parent's
   launching thread exits) and a watchdog thread that polls ``os.getppid()`` every
@@ -59,10 +62,23 @@ _fired: list[int] = []
 
 
 def _raise(signum: int, frame: Any) -> None:
-    if _fired:
+    if _fired and _interrupt_handled():
         return  # clean-up of the first one is running: let it finish
     _fired.append(signum)
     raise Interrupted(signum)
+
+
+def _interrupt_handled() -> bool:
+    """Whether an ``Interrupted`` is being handled where the signal came (its ``finally`` and
+    ``except`` blocks, and what they raised and caught meanwhile). Not so when C code cleared
+    it: ``import torch`` imports numpy from C and drops an exception raised there, which used
+    to leave every later stop signal ignored."""
+    e = sys.exc_info()[1]
+    while e is not None:
+        if isinstance(e, Interrupted):
+            return True
+        e = e.__context__
+    return False
 
 
 def install() -> dict[int, Any]:
@@ -97,6 +113,8 @@ class on_signals:
     def __enter__(self) -> "on_signals":
         for s in _stop_signals():
             self.old[s] = signal.signal(s, lambda signum, frame: self.handler(signum))
+        if _fired:  # raised earlier and cleared by C code (``_interrupt_handled``): it still
+            self.handler(_fired[0])  # stops the command
         return self
 
     def __exit__(self, *exc: object) -> None:

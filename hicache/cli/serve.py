@@ -167,15 +167,16 @@ def serve(cfg: Any) -> int:
     # SIGTERM) is recorded, not raised, so the socket and its lock still go
     with lifecycle.on_signals(on_signal):
         try:
-            print(daemon.summary(), flush=True)
-            # the planner's warnings for this stage, worded as `hicache plan` prints them;
-            # printed, not refused: the daemon mirrors whatever rows the engine has
-            for w in daemon.sizing_warnings:
-                print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
-            print(f"hicache serve: {malloc}", flush=True)
-            print(f"hicache serve: {dumpable}", flush=True)
-            print("hicache serve: ready", flush=True)
-            daemon.serve()
+            if not got:  # else a stop signal came while it started: it stops, never ready
+                print(daemon.summary(), flush=True)
+                # the planner's warnings for this stage, worded as `hicache plan` prints them;
+                # printed, not refused: the daemon mirrors whatever rows the engine has
+                for w in daemon.sizing_warnings:
+                    print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
+                print(f"hicache serve: {malloc}", flush=True)
+                print(f"hicache serve: {dumpable}", flush=True)
+                print("hicache serve: ready", flush=True)
+                daemon.serve()
         finally:
             daemon.close()
     if got:
