@@ -24,7 +24,7 @@ Counters live in ``Result`` and, for Prometheus, in ``DemoMetrics`` (``hicache_d
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -101,6 +101,18 @@ class DemoMetrics:
         return MetricsHttp(self.registry, port, addr).port
 
 
+class _ScrubbingHooks(ClientHooks):
+    """The demo's hooks in paged SWA with checkpoints: ``scrub(ckpts)`` (the worker's) runs
+    before each load that restores checkpoints."""
+    scrub: Any = None
+
+    def load(self, handles: Sequence[Any], device_rows: Sequence[int],
+             ckpts: Sequence[Any] = ()) -> Any:
+        if ckpts and self.scrub is not None:
+            self.scrub(list(ckpts))
+        return super().load(handles, device_rows, ckpts)
+
+
 class Worker(Replay):
     """A simulated DSV4 worker (see the module docstring). ``client=None``: device-only."""
 
@@ -124,17 +136,20 @@ class Worker(Replay):
                     raise HicacheError(resume.copyable)
                 client.register(self.pools, events=1 if self.cuda else 0, name="hicache-demo",
                                 timeout=cfg.timeout)
-                self.hooks = ClientHooks(client, ["page"] if ckpt else self.spaces,
-                                         timeout=cfg.timeout,
-                                         wait_event=0 if self.cuda else None,
-                                         on_ack=self._on_ack, resume=resume if ckpt else None,
-                                         l3=cfg.l3)
+                hooks = _ScrubbingHooks if ckpt and cfg.swa_mode == "paged" else ClientHooks
+                self.hooks = hooks(client, ["page"] if ckpt else self.spaces,
+                                   timeout=cfg.timeout, wait_event=0 if self.cuda else None,
+                                   on_ack=self._on_ack, resume=resume if ckpt else None,
+                                   l3=cfg.l3)
             super().__init__(cfg, self.hooks)
         except BaseException:
             self.pools.close()
             raise
+        if isinstance(self.hooks, _ScrubbingHooks):
+            self.hooks.scrub = self._scrub_checkpoints
         self.page_bytes = sum(layout.row_bytes(s) for s in self.spaces)
         self._lost_seen = 0
+        self._scrub_id = -(1 << 40)  # content ids of no page and no request
 
     # ------------------------------------------------------------------ content
     def _write(self, req: Request, keys: list[int], rows: list[int]) -> None:
@@ -192,6 +207,25 @@ class Worker(Replay):
     def _past_boundary(self, req: Request, slot: int) -> None:
         """The slot's rings and states move on to the request's own state (no page's)."""
         self._fill_slot(slot, req)
+        self._written()
+
+    def _scrub_checkpoints(self, ckpts: list[tuple[int, Any, int]]) -> None:
+        """Paged SWA: before a checkpoint load, its destination row's SWA tail and states
+        get content of no page (as ring mode fills the slot with the request's own), so only
+        a restore matches the check after it. That row may hold the very checkpoint already:
+        the node's own row, or a reused row whose SWA no later load wrote (a review found
+        loads that would have verified with nothing copied)."""
+        r = self.resume
+        for dst, _, depth in ckpts:
+            self._scrub_id -= 1
+            ids, rows = torch.tensor([self._scrub_id]), torch.tensor([dst])
+            if r.swa_pool is not None:
+                for layer, buf in enumerate(self.pools.layers[r.swa_pool.name]):
+                    self.content.fill_tokens(r.swa_pool.name, layer, buf, rows, ids,
+                                             *self._tail(depth))
+            for spec in r.state_pools:
+                for layer, buf in enumerate(self.pools.layers[spec.name]):
+                    self.content.fill(spec.name, layer, buf, rows, ids)
         self._written()
 
     def _fill_slot(self, slot: int, req: Request) -> torch.Tensor:
