@@ -134,11 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = "hicache"
     # stop signals first: building the parser imports the command's module (a bench's imports
-    # torch, ~2 s), and a Ctrl-C meanwhile is one line too, not a traceback
+    # torch, ~2 s), and a Ctrl-C meanwhile is one line too, not a traceback or an abort
     old = lifecycle.install()
     try:
         try:
-            parser = build_parser(argv)
+            with lifecycle.deferred():  # (held until the imports are done)
+                parser = build_parser(argv)
             if not argv:
                 parser.print_help()
                 return 2

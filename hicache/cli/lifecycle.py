@@ -10,6 +10,8 @@ Contract:
   count: the next one raises again). ``main`` then prints
   one line and exits with ``exit_code(signum)`` = 128 + signum (130 SIGINT, 143 SIGTERM,
   129 SIGHUP). A process started with SIGHUP ignored (``nohup``) keeps ignoring it.
+* ``deferred()``: stop signals inside the block are held and delivered when it ends (imports
+  of C extensions, where a handler's exception can be dropped or abort the process).
 * ``on_signals(handler)``: a command with its own orderly stop (``serve``) swaps the raising
   handler for ``handler(signum)`` while it runs, and gets the raising one back on exit; a signal
   that came before and whose ``Interrupted`` was cleared is handed to ``handler`` at once.
@@ -27,6 +29,7 @@ Contract:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -34,7 +37,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHDOG_S = 0.5
@@ -101,6 +104,27 @@ def restore(old: dict[int, Any]) -> None:
     """Put back the handlers ``install`` replaced (``main`` called in-process, e.g. by tests)."""
     for s, h in old.items():
         signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Stop signals that arrive inside are recorded, and the first is raised again once the
+    block ends, to the handler there was before: for imports of C extensions (``import
+    torch``), where an exception raised by a handler in the middle of their C code is dropped,
+    or ends the process (SIGABRT, seen during ``serve``'s start-up)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+           for s in _stop_signals()}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        signal.raise_signal(got[0])
 
 
 class on_signals:

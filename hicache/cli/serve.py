@@ -147,7 +147,8 @@ def serve(cfg: Any) -> int:
         pre = preflight(cfg)
     except UsageError as e:
         raise UsageError(with_source(str(e), cfg)) from None
-    from hicache.controllers.daemon import Daemon, start_error
+    with lifecycle.deferred():  # torch loads here: a signal meanwhile comes right after
+        from hicache.controllers.daemon import Daemon, start_error
 
     try:
         daemon = Daemon(cfg, pre)
