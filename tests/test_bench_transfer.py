@@ -237,3 +237,15 @@ def test_the_peer_is_named_from_the_library_it_loads(tmp_path) -> None:
     assert fn is None and name == "" and "fetch_peer.sh" in msg
     fn, msg, name = peer_sglang.load(str(lib))  # not a loadable library: said, not raised
     assert fn is None and "did not load" in msg and name.startswith("sglang-kernel 9.9.9")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's refusals")
+@pytest.mark.parametrize("argv, words", [
+    (("--tune",), "--tune"), (("--ctas", "4"), "--ctas"), (("--quick",), "--quick"),
+    (("--peer-lib", "/nonexistent.so"), "--peer-lib"), (("--limit-trials", "9"), "--limit-trials")])
+def test_gpu_options_are_refused_without_a_gpu(argv: tuple, words: str) -> None:
+    """Without CUDA the bench times the torch reference path: options of the GPU run are
+    refused with the reason (they used to be accepted and ignored, rc 0)."""
+    with pytest.raises(UsageError, match=f"{words}.* apply on a GPU") as e:
+        transfer.run(args(*argv))
+    assert "\n" not in str(e.value)

@@ -303,3 +303,56 @@ def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch
     assert main(["bench", "l3", "--pages", "32"]) == 2
     err = capsys.readouterr().err
     assert "'l3' is not available in this build" in err and "unrecognized" not in err, err
+
+
+@pytest.mark.parametrize("flags, env, msg", [
+    ({}, {"HICACHE_LOAD_EVENT_SETS": "8"},
+     "load_event_sets applies in GPU mode (--device cuda:N): a CPU load has no per-layer events "
+     "(from HICACHE_LOAD_EVENT_SETS)"),
+    ({"device": "cuda:0"}, {"HICACHE_INLINE_MAX_BYTES": "1MiB"},
+     "inline_max_bytes applies in CPU mode: a GPU daemon never copies on its server thread "
+     "(from HICACHE_INLINE_MAX_BYTES)"),
+    ({"socket": "tcp://127.0.0.1:9913", "metrics_port": "9913"}, {},
+     "--metrics-port 9913 is the port of --socket tcp://127.0.0.1:9913: each needs its own"),
+    ({"l3": "mooncake", "l3_master": "127.0.0.1:99999", "l3_metadata": "P2PHANDSHAKE"}, {},
+     "--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), got '127.0.0.1:99999'"),
+    ({"heartbeat_timeout": "1e12"}, {},
+     "--heartbeat-timeout must be in (0, 86400] seconds, got 1e+12"),
+    ({}, {"HICACHE_SOCKET": "foo"},
+     "--socket: unsupported socket address 'foo'; use ipc://PATH or tcp://127.0.0.1:PORT "
+     "(from HICACHE_SOCKET)"),
+])
+def test_values_a_daemon_would_not_use_or_cannot_serve_are_refused(flags, env, msg):
+    """From a review of the command line: settings one mode never reads were accepted (the
+    other mode's are refused); a metrics port equal to the socket's failed only after the
+    arena was pinned; an L3 master port over 65535 gave a daemon whose tier stayed offline;
+    a heartbeat timeout of 1e12 s overflowed the SGLang adapter's wait; a bad socket from the
+    environment did not say where it came from."""
+    with pytest.raises(UsageError) as e:
+        load_config({**ROWS, **flags}, env=env)
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["bench", "pin", "--size", "64MiB", "--chunk", "0"],
+     "hicache bench pin: error: --chunk must be at least one page"),
+    (["bench", "soak", "--heartbeat-timeout", "0"],
+     "hicache bench soak: error: --heartbeat-timeout applies with --crash-clients N only"),
+    (["bench", "soak", "--crash-clients", "1", "--heartbeat-timeout", "0"],
+     "hicache bench soak: error: --heartbeat-timeout must be in (0, 3600] seconds"),
+    (["bench", "soak", "--crash-daemon", "1", "--call-timeout", "-1"],
+     "hicache bench soak: error: --call-timeout must be in (0, 3600] seconds"),
+    (["bench", "e2e", "--device", "cpu", "--pp-size", "0"],
+     "hicache bench e2e: error: --pp-size must be positive, got 0"),
+    (["bench", "fuzz", "--time-limit", "0"],
+     "hicache bench fuzz: error: --time-limit must be a positive number of seconds"),
+    (["demo", "--device-pages", "0"], "hicache demo: error: --device-pages must be positive"),
+    (["demo", "--progress-seconds", "-1"],
+     "hicache demo: error: --progress-seconds must be 0 (none) or a positive number"),
+    (["demo", "--dry", "--host-ratio", "inf"],
+     "hicache demo: error: --host-ratio must be in (0, 1024], got inf"),
+])
+def test_bench_and_demo_values_are_refused_in_one_line(argv, msg, capsys):
+    """From a review: each of these ended in a traceback (exit 1), started a daemon or a full
+    soak first, or ran with the value replaced (``--device-pages 0`` became 128)."""
+    assert one_line_exit_2(argv, capsys).startswith(msg)

@@ -108,3 +108,46 @@ def test_a_piped_daemon_that_writes_a_lot_never_blocks():
         assert "hicache serve: stopped" in out and 1 << 16 < len(out.encode()) <= PIPE_KEEP
     finally:
         dp.close()
+
+
+def test_a_gone_daemon_is_named_at_once_not_after_the_timeout(tmp_path):
+    """A client with no live connection used to wait its whole timeout (30 s in the demo) for
+    a daemon that was gone. Now an ``ipc://`` socket that refuses connections (the daemon was
+    killed) or, once a daemon answered this client, a socket file that is gone (it stopped) is
+    named at once; a new client still waits for a daemon that may be starting."""
+    import signal
+    import time
+
+    from hicache.engine.acks import DaemonUnreachable
+    from hicache.engine.client import Client
+    from hicache.engine.daemon_process import DaemonProcess
+
+    rows = "page=8,swa_page=4,req_slot=4"
+    for stop in ("kill", "stop"):
+        dp = DaemonProcess(device_rows=rows, preset="dsv4-tiny", heartbeat_timeout=30.0).start()
+        c = Client(dp.address, timeout=20.0, name="gone", channel=False)
+        try:
+            assert c.heartbeat()["pid"] == dp.pid
+            if stop == "kill":
+                os.kill(dp.pid, signal.SIGKILL)
+                dp.proc.wait(10)
+                want = "refuses connections"
+            else:
+                dp.stop(timeout=30)
+                want = "socket file is gone"
+            time.sleep(0.3)  # ZMQ saw the connection drop
+            t = time.perf_counter()
+            with pytest.raises(DaemonUnreachable, match=want):
+                c.stats()
+            assert time.perf_counter() - t < 2.0
+        finally:
+            c.close()
+            dp.close()
+    fresh = Client(f"ipc://{tmp_path}/not-yet.sock", timeout=0.5, name="fresh", channel=False)
+    try:
+        t = time.perf_counter()
+        with pytest.raises(DaemonUnreachable, match="within 0.5 s"):
+            fresh.stats()
+        assert time.perf_counter() - t >= 0.45
+    finally:
+        fresh.close()

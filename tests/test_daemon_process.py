@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hicache.engine.daemon_process import DaemonProcess
+from hicache.engine.daemon_process import DaemonProcess, DaemonRefused
 
 ROWS = "page=8,swa_page=8,req_slot=4"
 
@@ -21,8 +21,11 @@ def test_start_is_not_fooled_by_another_daemon_on_the_address(tmp_path):
         b = DaemonProcess(a.address, device="cpu", preset="dsv4-tiny", device_rows=ROWS,
                           log_path=str(tmp_path / "b.log"))
         try:
-            with pytest.raises(RuntimeError, match="exited with status 2"):
+            with pytest.raises(DaemonRefused, match="^the daemon refused to start: another "
+                               "daemon already serves") as e:
                 b.start()
+            assert isinstance(e.value, RuntimeError) and "\n" not in str(e.value)
+            assert "hicache serve: error: another daemon" in e.value.output
         finally:
             b.close()
         assert a.alive()

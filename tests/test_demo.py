@@ -161,3 +161,39 @@ def test_the_checkpoints_demo_daemon_splits_its_host_tier_for_the_tree():
         nbytes = checkpoint_host_bytes(cfg.layout(), cfg.device_rows(), 160, 5, 32)
         less = checkpoint_host_rows(cfg.layout(), cfg.device_rows(), nbytes - 1, 32)
         assert less["page"] < 160 or less[ck] - slots < 5
+
+
+def test_a_daemon_that_dies_mid_run_fails_the_demo(tmp_path):
+    """The daemon killed while the demo replays: the tree recomputes (every byte it still
+    checked is right), but the run exits 1 and says the daemon failed; it used to print
+    "verified: true" and exit 0, so ``make demo`` passed with a dead daemon."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    err = tmp_path / "err.txt"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "demo", "--device", "cpu",
+                              "--progress-seconds", "0", "--requests", "200", "--json"],
+                             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=f,
+                             text=True)
+    try:
+        end = time.monotonic() + 120
+        while "replaying" not in err.read_text() and time.monotonic() < end:
+            assert p.poll() is None, err.read_text()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        daemons = [c for c in psutil.Process(p.pid).children()
+                   if "serve" in " ".join(c.cmdline())]
+        assert len(daemons) == 1, daemons
+        daemons[0].send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    s = json.loads(out)
+    assert p.returncode == 1, err.read_text()[-2000:]
+    assert s["daemon_ok"] is False and s["daemon_exit"] == -signal.SIGKILL
+    assert s["host_tier_lost"] >= 1 and s["mismatched_bytes"] == 0

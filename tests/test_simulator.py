@@ -1,6 +1,7 @@
 """The simulated worker and the client hooks, against a live CPU-mode daemon (conftest fixture)."""
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -403,3 +404,31 @@ def test_a_paged_checkpoint_load_never_finds_its_bytes_in_place(monkeypatch):
     assert demo.run(p.parse_args(["--progress-seconds", "0"])) == 0
     assert workers[-1].cfg.swa_mode == "paged" and workers[-1].ckpt
     assert seen["ckpts"] > 100 and seen["in_place"] == 0, seen
+
+
+def test_the_l3_demo_leaves_nothing_when_interrupted_while_an_instance_starts(monkeypatch):
+    """``hicache demo --l3``: an interrupt (or a refusal) while instance B's daemon starts used
+    to leave A's daemon running and both private directories behind; now every instance
+    made so far is closed (a review found it with a real SIGINT)."""
+    from hicache.engine.daemon_process import DaemonProcess
+    from hicache.sim import demo, demo_l3
+    from hicache.sim.workload import multi_turn
+
+    made: list[DaemonProcess] = []
+    real = DaemonProcess.start
+
+    def start(self):
+        made.append(self)
+        if len(made) == 2:
+            raise KeyboardInterrupt  # B's start
+        return real(self)
+
+    monkeypatch.setattr(DaemonProcess, "start", start)
+    cfg = WorkerConfig(device_pages=32, host_pages=128)
+    reqs = multi_turn(8, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        demo_l3._replay(reqs, [i % 2 for i in range(len(reqs))], cfg, None, "t", 0.0,
+                        demo._daemon)
+    assert len(made) == 2
+    for d in made:
+        assert not d.alive() and not (d.dir and os.path.exists(d.dir)), d.address

@@ -143,6 +143,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--runs must be at least 1")
     if args.churn < 0:
         raise UsageError("--churn must not be negative")
+    if args.pp_size < 1:
+        raise UsageError(f"--pp-size must be positive, got {args.pp_size}")
     if not 0 <= args.pp_rank < args.pp_size:
         raise UsageError(f"--pp-rank {args.pp_rank} is outside 0..{args.pp_size - 1}")
     if args.gpus < 1:

@@ -49,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from hicache.fuzz.runner import SPARSE_FLAGS, DaemonRunner, private_address, run_fuzz
     from hicache.core.layout import build_layout, preset
 
-    if args.messages < 1 or args.reply_timeout <= 0:
+    if args.messages < 1 or not 0 < args.reply_timeout < float("inf"):
         raise UsageError("--messages must be positive and --reply-timeout above 0")
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        raise UsageError(f"--time-limit must be a positive number of seconds, got "
+                         f"{args.time_limit}")
     layout = build_layout(preset(args.preset))
     address, tmp = private_address("hcf-")
     log = os.path.join(tmp, "daemon.log")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import sys
 import time
 from typing import Any
@@ -99,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     chunk = parse_bytes(args.chunk)
     if size <= 0:
         raise UsageError("--size must be positive")
+    if chunk < mmap.PAGESIZE:
+        raise UsageError(f"--chunk must be at least one page ({mmap.PAGESIZE} bytes), got "
+                         f"{args.chunk}")
     if args.touch_threads is not None and args.touch_threads <= 0:
         raise UsageError("--touch-threads must be positive")
     dev = _device_index(args.device)

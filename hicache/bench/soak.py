@@ -130,6 +130,15 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
         raise UsageError("--device cuda:N runs the sustained load with --mix all only")
     if args.crash_clients < 0 or args.crash_daemon < 0 or (args.crash_clients and args.crash_daemon):
         raise UsageError("give at most one of --crash-clients N and --crash-daemon N")
+    # the two timeouts apply to their crash mode only, and must be finite and positive
+    for flag, value, mode, on in (("--heartbeat-timeout", args.heartbeat_timeout,
+                                   "--crash-clients", args.crash_clients),
+                                  ("--call-timeout", args.call_timeout, "--crash-daemon",
+                                   args.crash_daemon)):
+        if not on and value != 1.0:
+            raise UsageError(f"{flag} applies with {mode} N only")
+        if not 0 < value <= 3600:
+            raise UsageError(f"{flag} must be in (0, 3600] seconds, got {value}")
     if args.clients < 1 or args.ops < 1 or args.window < 1 or args.max_rows < 1 \
             or not 0 <= args.warmup < 1:
         raise UsageError("--clients, --ops, --window, --max-rows must be positive; "

@@ -50,13 +50,16 @@ MIN_TRIALS = 5
 PEER = "peer"
 
 
+DEFAULT_PEER_LIB = os.path.join(".peer", "common_ops.abi3.so")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the results as JSON on stdout (the table goes to stderr)")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s per CTA budget (needs matplotlib)")
     p.add_argument("--layers", type=int, default=61, help="layers per pool (default 61, DSV4-Pro)")
     p.add_argument("--quick", action="store_true", help="budgets 1, 4, all; no SWA or state-row cases; 2 repeats")
-    p.add_argument("--peer-lib", metavar="PATH", default=os.path.join(".peer", "common_ops.abi3.so"),
+    p.add_argument("--peer-lib", metavar="PATH", default=DEFAULT_PEER_LIB,
                    help="SGLang common_ops.abi3.so to run beside ours (default .peer/...)")
     p.add_argument("--ctas", metavar="LIST", help="CTA budgets, comma separated (0 = all SMs)")
     p.add_argument("--reps", type=int, default=0, help="timed repeats per row (default 3, quick 2)")
@@ -106,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         result = _GpuBench(args, budgets(args)).run()
     else:
+        gpu_only = [f for f, on in (("--tune", args.tune), ("--ctas", args.ctas),
+                                    ("--quick", args.quick), ("--peer-lib", args.peer_lib != DEFAULT_PEER_LIB),
+                                    ("--limit-trials", args.limit_trials != MIN_TRIALS)) if on]
+        if gpu_only:  # the CPU path times the torch reference only: no kernels, no peer
+            raise UsageError(f"{', '.join(gpu_only)} apply on a GPU; this machine has no CUDA "
+                             f"device (the CPU run times the torch reference path)")
         result = cpu_bench(args)
     if args.plot:
         result["plot"] = plot(result, args.plot)

@@ -130,7 +130,8 @@ class ServeConfig:
         try:
             model = load_model(self.preset, self.model_config)
         except LayoutError as e:  # named as the flag, so its source can be told too
-            raise UsageError(f"{'--preset' if self.preset else '--model-config'}: {e}") from None
+            raise UsageError(f"{'--preset' if self.preset is not None else '--model-config'}: "
+                             f"{e}") from None
         return PlanInputs(
             model=model, kv_mem=self.kv_mem or 0,
             tp=self.tp_size, pp=self.pp_size, max_running=self.max_running,
@@ -415,6 +416,7 @@ def check_device(text: str) -> None:
     if not _DEVICE_RE.fullmatch(text):
         raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
+MAX_HEARTBEAT_TIMEOUT_S = 86400.0  # a day: longer keeps a dead engine's rows all that time
 
 FLAGLESS = tuple(s.name for s in SETTINGS if not s.flag)  # TOML / environment only
 
@@ -502,8 +504,9 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:
         raise UsageError(f"--spin-us must be 0..100000, got {cfg.spin_us}")
-    if not cfg.heartbeat_timeout > 0:
-        raise UsageError(f"--heartbeat-timeout must be positive, got {cfg.heartbeat_timeout}")
+    if not 0 < cfg.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
+        raise UsageError(f"--heartbeat-timeout must be in (0, {MAX_HEARTBEAT_TIMEOUT_S:g}] "
+                         f"seconds, got {cfg.heartbeat_timeout:g}")
     if cfg.touch_threads is not None and not 1 <= cfg.touch_threads <= MAX_TOUCH_THREADS:
         raise UsageError(f"--touch-threads must be 1..{MAX_TOUCH_THREADS}, "
                          f"got {cfg.touch_threads}")
@@ -527,7 +530,10 @@ def validate(cfg: ServeConfig) -> None:
     _validate_l3(cfg)
     curve = check_curve(cfg)
     if cfg.socket is not None:
-        check_address(cfg.socket, cfg.allow_remote, curve)
+        try:
+            check_address(cfg.socket, cfg.allow_remote, curve)
+        except UsageError as e:  # named, so ``with_source`` can say where the value came from
+            raise UsageError(f"--socket: {e}") from None
 
 
 def given(cfg: ServeConfig, name: str) -> bool:
@@ -550,6 +556,17 @@ def _refuse_unused(cfg: ServeConfig) -> None:
                              f"is off)")
     if cfg.allow_remote and not (cfg.socket or "").startswith("tcp://"):
         raise UsageError("--allow-remote applies to a tcp:// --socket only (this one is ipc)")
+    # what one mode's daemon never reads
+    if cfg.device == "cpu" and given(cfg, "load_event_sets"):
+        raise UsageError(f"{named('load_event_sets')} applies in GPU mode (--device cuda:N): "
+                         f"a CPU load has no per-layer events")
+    if cfg.device != "cpu" and given(cfg, "inline_max_bytes"):
+        raise UsageError(f"{named('inline_max_bytes')} applies in CPU mode: a GPU daemon never "
+                         f"copies on its server thread")
+    if cfg.metrics_port and (cfg.socket or "").startswith("tcp://") \
+            and cfg.socket.rpartition(":")[2] == str(cfg.metrics_port):
+        raise UsageError(f"--metrics-port {cfg.metrics_port} is the port of --socket "
+                         f"{cfg.socket}: each needs its own")
     if cfg.l3 == "off":
         off = [f"--{n.replace('_', '-')}" for n in ("l3_protocol", "l3_rdma_devices",
                                                      "l3_local_host", "l3_epoch_recheck")
@@ -567,8 +584,10 @@ def _validate_l3(cfg: ServeConfig) -> None:
         if names:
             raise UsageError(f"{', '.join(names)} given but --l3 is off (add --l3 mooncake)")
         return
-    if not cfg.l3_master or not re.match(r"^[^:\s]+:\d{1,5}$", cfg.l3_master):
-        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT, got {cfg.l3_master!r}")
+    m = re.match(r"^[^:\s]+:(\d{1,5})$", cfg.l3_master or "")
+    if not m or not 0 < int(m.group(1)) <= 65535:
+        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), got "
+                         f"{cfg.l3_master!r}")
     md = cfg.l3_metadata
     if not md or not (md == "P2PHANDSHAKE" or re.match(r"^https?://[^\s/]+/\S*$", md)):
         raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "

@@ -78,6 +78,29 @@ def _local(address: str) -> bool:
     return address.startswith("ipc://") or address.startswith(_LOOPBACK)
 
 
+def _gone(address: str, answered: bool) -> str | None:
+    """Why the daemon at ``address`` is certainly not there now, for a client with no live
+    connection to it: an ``ipc://`` socket file that refuses connections (its daemon died and
+    left it), or, once a daemon at this address ``answered`` this client, no socket file (it
+    stopped). None otherwise: a daemon may still be starting (no file yet, for a new client),
+    or it is busy (a full backlog), or the address is tcp (not probed)."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://"):]
+    path = "\0" + path[1:] if path.startswith("@") else path  # an abstract socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a full backlog is EAGAIN, never a wait
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return "its socket refuses connections: the daemon that made it is gone"
+        except FileNotFoundError:
+            return "its socket file is gone: the daemon stopped" if answered else None
+        except OSError:
+            return None
+    return None
+
+
 def recv_message(sock: zmq.Socket) -> list[bytes]:
     """One message waiting on ``sock`` (NOBLOCK; ``zmq.Again`` when none), its frames as bytes.
     Frames come as ``zmq.Frame``: ``Frame.more`` is read in C, where ``recv_multipart`` asks
@@ -171,6 +194,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._reply_spin = (reply_spin_us or 0.0) * 1e-6
         self._last_send = 0.0
         self.sent = 0  # requests sent: round trips (a bench counts them per operation)
+        self.answered = False  # a daemon at the address answered a call (a refusal too)
         self.heartbeat_interval = 3.0
         self.registered: dict[str, Any] | None = None
         self.stage_layers: list[int] = []
@@ -311,6 +335,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             else:
                 self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
+            why = _gone(self.address, self.answered)  # then at once, not after the timeout
+            if why is not None:
+                raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is gone "
+                                        f"({why})") from None
             if not zmq.zmq_poll([(s, _POLLOUT)], max(1, int(timeout * 1000))):
                 raise DaemonUnreachable(f"{cmd}: cannot reach the hicache daemon at "
                                         f"{self.address} within {timeout:g} s") from None
@@ -350,6 +378,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 self._pushed(h)  # timed out: dropped, but for the acks it carries
                 now = time.monotonic()
                 continue
+            self.answered = True
             if not h.get("ok"):
                 err = h.get("error") or {}
                 raise CommandRefused(cmd, str(err.get("code", "unknown")),

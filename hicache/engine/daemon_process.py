@@ -14,7 +14,10 @@ Contract of ``DaemonProcess``:
   or, with neither, to ``<private dir>/daemon.log`` when the directory is ours and else nowhere.
 * ``start()`` launches it and returns once a heartbeat on ``address`` is answered. If the daemon
   exits first, or does not answer within ``ready_timeout`` seconds (it is then killed), it
-  raises ``RuntimeError`` whose message ends with the tail of the daemon's output.
+  raises ``RuntimeError`` whose message ends with the tail of the daemon's output; a daemon that
+  refused its settings (exit status 2, one line) raises ``DaemonRefused``, a ``UsageError``
+  (and ``RuntimeError``) whose message is that line, so a command that starts one says it in
+  one line and exits 2.
 * ``restart()`` stops it and starts it again on the same address; ``kill()`` sends SIGKILL (as a
   crash would, no shutdown path runs); ``stop(sig, timeout)`` sends ``sig``, waits, falls back to
   SIGKILL and returns the exit code (``None`` if never started): a daemon that stopped in order
@@ -42,6 +45,19 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
+
+from hicache.core.errors import UsageError
+
+REFUSAL = "hicache serve: error: "  # how serve's one-line refusals begin (exit status 2)
+
+
+class DaemonRefused(UsageError, RuntimeError):
+    """The daemon refused the settings it was started with: ``str(e)`` is its one line
+    (``the daemon refused to start: ...``), ``output`` all it printed."""
+
+    def __init__(self, line: str, output: str) -> None:
+        super().__init__(f"the daemon refused to start: {line}")
+        self.output = output
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 PIPE_KEEP = 1 << 20  # bytes of a piped daemon's output kept for output()
@@ -213,6 +229,8 @@ class DaemonProcess:
                 if self.proc.poll() is not None:
                     out = self.output(4000)
                     last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["(no output)"]
+                    if self.proc.returncode == 2 and last[0].startswith(REFUSAL):
+                        raise DaemonRefused(last[0][len(REFUSAL):], out)
                     raise RuntimeError(f"the daemon exited with status {self.proc.returncode}: "
                                        f"{last[0]}\n--- daemon output ---\n{out}")
                 # ready when *this* daemon answers: another one may serve the address (ours

@@ -36,6 +36,7 @@ TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16,
                   "pages_per_ckpt": DEFAULT_PAGES_PER_CKPT}
 READY_TIMEOUT_S = 180.0
 REQ_SLOTS = 4  # the simulated worker's request slots (its daemon keeps host rows for them)
+MAX_HOST_RATIO = 1024  # host pages per device page: beyond it a typo, not a tier
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,13 +184,17 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     else:
         reqs = multi_turn(args.requests or GENERATOR_DEFAULTS["requests"], seed=args.seed)
         what = f"built-in multi-turn workload ({len(reqs)} requests, seed {args.seed})"
+    if not 0 <= args.progress_seconds < float("inf"):
+        raise UsageError(f"--progress-seconds must be 0 (none) or a positive number of seconds, "
+                         f"got {args.progress_seconds}")
     swa = args.swa_mode if args.swa_mode != "auto" else ("ring" if args.trace else "paged")
     if args.kv_mem is not None:
         if args.device_pages is not None:
             raise UsageError("give --kv-mem or --device-pages, not both")
         device_pages = planned_device_pages(args.preset, args.kv_mem, swa)
     else:
-        device_pages = args.device_pages or defaults["device_pages"]
+        device_pages = defaults["device_pages"] if args.device_pages is None \
+            else args.device_pages
     if device_pages <= 0:
         raise UsageError(f"--device-pages must be positive, got {device_pages}")
     need = max(r.total_pages for r in reqs)
@@ -213,8 +218,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         host_pages = args.host_pages
     else:
         ratio = args.host_ratio if args.host_ratio is not None else defaults["host_ratio"]
-        if not ratio > 0:
-            raise UsageError(f"--host-ratio must be positive, got {ratio}")
+        if not 0 < ratio <= MAX_HOST_RATIO:  # (NaN and infinity too)
+            raise UsageError(f"--host-ratio must be in (0, {MAX_HOST_RATIO}], got {ratio}")
         host_pages = int(device_pages * ratio)
         if ratio <= 1 and not args.force:  # as `hicache serve` refuses it
             raise UsageError(f"--host-ratio {ratio:g}: the host tier ({host_pages} pages) is no "
@@ -364,6 +369,9 @@ def _human(s: dict[str, Any], what: str) -> str:
     if s["host_tier_lost"]:
         lines.append(f"  host tier lost:        {s['host_tier_lost']} time(s); fell back to "
                      "recompute")
+    if not s.get("daemon_ok", True):
+        lines.append(f"  daemon:                FAILED (exit status {s.get('daemon_exit')}, "
+                     f"host tier lost {s['host_tier_lost']} time(s))")
     verdict = "true" if s["verified"] else "FALSE"
     lines.append(f"  verified:              {verdict} ({_gib(s['verified_bytes'])} checked, "
                  f"{s['mismatched_bytes']:,} bytes differ)")
@@ -475,8 +483,12 @@ def run(args: argparse.Namespace) -> int:
             client.close()
     if rc not in (0, None):
         _err(f"daemon exited with status {rc}; its last output:\n{tail}")
+    # a run whose daemon died or went away counts as failed, though every byte it did check
+    # was right: the host tier stopped serving (the tree recomputed meanwhile)
+    summary["daemon_exit"] = rc
+    summary["daemon_ok"] = DaemonProcess.clean_exit(rc) and not summary["host_tier_lost"]
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
         print(_human(summary, what), flush=True)
-    return 0 if summary["verified"] else 1
+    return 0 if summary["verified"] and summary["daemon_ok"] else 1

@@ -110,8 +110,12 @@ class Instance:
         self.incarnation = 0
         self.worker: Any = None
         self.finished: list[dict[str, Any]] = []  # summaries of earlier incarnations
-        self.daemon.start()
-        self._attach()
+        try:
+            self.daemon.start()
+            self._attach()
+        except BaseException:  # an interrupt or a refusal here leaves nothing running
+            self.abandon()
+            raise
 
     @property
     def tag(self) -> str:
@@ -122,13 +126,17 @@ class Instance:
         from hicache.sim.simulator import Worker
 
         client = Client(self.daemon.address, timeout=self.cfg.timeout, name=self.tag)
-        if self.store is not None:
-            deadline = time.monotonic() + 30
-            while not client.stats()["l3"]["online"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.tag}: the daemon's L3 client is not online")
-                time.sleep(0.1)
-        self.worker = Worker(self.cfg, client)
+        try:
+            if self.store is not None:
+                deadline = time.monotonic() + 30
+                while not client.stats()["l3"]["online"]:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{self.tag}: the daemon's L3 client is not online")
+                    time.sleep(0.1)
+            self.worker = Worker(self.cfg, client)
+        except BaseException:
+            client.close()
+            raise
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_put_log = []
 
@@ -136,41 +144,73 @@ class Instance:
         return {**self.worker.summary(),
                 "l3_checkpoints": self.worker.tree.stats.l3_hit_checkpoints}
 
+    def abandon(self) -> None:
+        """Close what is open, without summaries (a start, a restart or a run that failed);
+        the daemon is stopped and its private directory removed whatever else fails."""
+        w, self.worker = self.worker, None
+        try:
+            if w is not None:
+                try:
+                    w.close()
+                finally:
+                    w.client.close()
+        finally:
+            self.daemon.close()
+
     def restart(self) -> None:
         self.worker.tree.drain()
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_settle(self.cfg.timeout)
         self.finished.append(self._summary())
         self.daemon.kill()  # a crash: nothing is shut down cleanly
-        self.worker.client.close()
-        self.worker.pools.close()
+        w, self.worker = self.worker, None
+        w.client.close()
+        w.pools.close()
         self.daemon.start()
         self.incarnation += 1
         self._attach()
 
     def close(self) -> list[dict[str, Any]]:
-        self.worker.tree.drain()
-        if self.worker.hooks is not None and self.cfg.l3:
-            self.worker.hooks.l3_settle(self.cfg.timeout)
-        out = self.finished + [self._summary()]
-        self.worker.close()
-        self.worker.client.close()
-        self.daemon.close()
+        """The summaries of every incarnation; everything closed, also when that fails."""
+        try:
+            self.worker.tree.drain()
+            if self.worker.hooks is not None and self.cfg.l3:
+                self.worker.hooks.l3_settle(self.cfg.timeout)
+            out = self.finished + [self._summary()]
+        finally:
+            self.abandon()
         return out
+
+
+def _each(insts: list[Instance], close: Callable[[Instance], Any]) -> list[dict[str, Any]]:
+    """``close`` every instance, the later ones also when an earlier one fails (its error is
+    raised once all ran); the summaries they return, in order."""
+    out: list[dict[str, Any]] = []
+    err: BaseException | None = None
+    for inst in insts:
+        try:
+            out += close(inst) or []
+        except BaseException as e:  # noqa: BLE001 - raised below, after the others closed
+            err = err or e
+    if err is not None:
+        raise err
+    return out
 
 
 def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
             progress_s: float, plain: Callable[..., DaemonProcess]) -> dict[str, Any]:
     """Both instances over ``reqs`` (request i on instance ``route[i]``), A restarted halfway;
     the merged figures."""
-    a = Instance("A", cfg, store, plain)
-    b = Instance("B", cfg, store, plain)
     writer: dict[Any, str] = {}  # page key -> tag of the incarnation that first wrote it
     cross = restart_hits = own = 0
     t0 = time.monotonic()
     last = t0
     pids: list[int] = []
+    insts: list[Instance] = []
     try:
+        for name in "AB":
+            insts.append(Instance(name, cfg, store, plain))
+        a, b = insts
         for i, req in enumerate(reqs):
             if i == len(reqs) // 2:
                 _err(f"{label}: killing A's daemon (SIGKILL) and starting it again")
@@ -196,8 +236,10 @@ def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
                 _err(f"{label}: {i + 1}/{len(reqs)} requests, {now - t0:.0f} s")
         pids = [p for p in (a.daemon.pid, b.daemon.pid) if p is not None]
         found = _listeners(store, pids)
-    finally:
-        parts = a.close() + b.close()
+    except BaseException:  # an interrupt or a failure: every instance still goes
+        _each(insts, Instance.abandon)
+        raise
+    parts = _each(insts, Instance.close)
     out: dict[str, Any] = {k: sum(p.get(k, 0) for p in parts) for k in SUM_KEYS}
     out["cached_tokens"] = out["device_hit_tokens"] + out["host_hit_tokens"]
     out["verified"] = out["mismatched_bytes"] == 0 and all(p["verified"] for p in parts)

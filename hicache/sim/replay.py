@@ -214,10 +214,11 @@ class Replay:
         prefix = self.tree.prepare(keys, slot=slot)
         if prefix.slot_held:  # the checkpoint load may still land there: move the request
             slot = self.slot(req)
-        self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
-            if prefix.l3_pages else []
-        self.result.l3_hit_tokens += prefix.l3_pages * PAGE_TOKENS
         bad = self._check_hit(req, prefix, slot)
+        # L3's share of the hit counts only once the hit verified (a rejected one is recomputed)
+        self.last_l3_keys = [n.key for n in prefix.nodes[prefix.pages - prefix.l3_pages:]] \
+            if prefix.l3_pages and not bad else []
+        self.result.l3_hit_tokens += 0 if bad else prefix.l3_pages * PAGE_TOKENS
         new_keys = list(req.cache_pages[prefix.pages:])
         rows = self.tree.alloc_device(req.total_pages - prefix.pages)
         self._write(req, new_keys, rows[: len(new_keys)])  # prefill (and decode) writes the KV
