@@ -80,7 +80,17 @@ def test_mirror_full_in_ring_mode_and_plot_without_sweep_are_refused(tmp_path, c
             (["--dry", "--mirror", "full", "--pages-per-checkpoint", "4"],
              "--pages-per-checkpoint: a full mirror keeps no checkpoints"),
             (["--hisparse", "--dry", "--l3", "mooncake", "--kv-mem", "1TiB"],
-             "--kv-mem, --l3, --dry: does not apply to --hisparse")):
+             "--kv-mem, --l3, --dry: does not apply to --hisparse"),
+            (["--l3", "mooncake", "--dry"], "--dry: does not apply to --l3 mooncake"),
+            (["--l3", "mooncake", "--metrics-port", "9999"],
+             "--metrics-port: does not apply to --l3 mooncake"),
+            (["--dry", "--preempt-every", "3"], "--preempt-every: --dry and --sweep-host move"),
+            (["--dry", "--no-verify-hits"], "--no-verify-hits: --dry and --sweep-host move"),
+            (["--dry", "--device", "cuda:x"], "--device cuda:x: --dry and --sweep-host run on"),
+            (["--sweep-host", "1GiB", "--host-pages", "7"],
+             "--host-pages: --sweep-host sizes its own host tiers"),
+            (["--sweep-host", "1GiB", "--mirror", "full"],
+             "--mirror: --sweep-host sizes its own host tiers")):
         assert main(["demo", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
     assert main(["demo", "--state-slots", "overlap", "--dry", "--requests", "20",

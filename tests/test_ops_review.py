@@ -171,11 +171,14 @@ def test_stats_on_a_missing_ipc_socket_says_so_at_once(tmp_path, capsys):
 
 
 def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):
+    """A socket that accepts but never answers (a hung daemon's) is waited for; one nothing
+    listens on (a killed daemon's) is named at once."""
     from hicache.cli import main
 
     path = tmp_path / "mute.sock"
     s = socket.socket(socket.AF_UNIX)
-    s.bind(str(path))  # a socket file nothing answers on (a hung or killed daemon's)
+    s.bind(str(path))
+    s.listen(8)  # a hung daemon: connections are taken, nothing is ever answered
     try:
         t0 = time.monotonic()
         assert main(["stats", "--socket", f"ipc://{path}", "--timeout", "0.5"]) == 1
@@ -184,6 +187,18 @@ def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):
         s.close()
     err = capsys.readouterr().err.splitlines()
     assert err == [f"hicache stats: no daemon answered on ipc://{path} within 0.5 s"]
+    path.unlink()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))  # a socket file nothing listens on: a killed daemon's
+    try:
+        t0 = time.monotonic()
+        assert main(["stats", "--socket", f"ipc://{path}", "--timeout", "5"]) == 1
+        assert time.monotonic() - t0 < 2
+    finally:
+        s.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"hicache stats: no daemon on ipc://{path}: its socket refuses connections: "
+                   f"the daemon that made it is gone"]
 
 
 def test_stats_help_shows_the_timeout_default(capsys):

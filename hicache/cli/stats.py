@@ -96,7 +96,7 @@ def _no_socket(address: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
-    from hicache.engine.acks import CommandRefused, DaemonUnreachable
+    from hicache.engine.acks import CommandRefused, DaemonGone, DaemonUnreachable
     from hicache.engine.client import Client, default_address
 
     if not 0 < args.timeout <= TIMEOUT_MAX_S:
@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         with Client(address, timeout=args.timeout, name="hicache-stats", channel=False,
                     curve_server_key=keys[0], curve_secret_key=keys[1]) as c:
             s, _ = c.call("stats", {"check": True} if args.check else None)
+    except DaemonGone as e:
+        print(f"hicache stats: no daemon on {address}: {e.why}", file=sys.stderr)
+        return 1
     except DaemonUnreachable:
         hint = ("; a daemon with CURVE keys answers only a client that gives "
                 "--curve-server-key and --curve-secret-key"

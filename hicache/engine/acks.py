@@ -1,5 +1,6 @@
 """What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
-completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply``,
+completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply`` and
+``DaemonGone``,
 ``CommandRefused``, ``TransferFailed``, ``AckTimeout``). Plain data: no socket, no torch.
 """
 from __future__ import annotations
@@ -18,6 +19,15 @@ class NoReply(DaemonUnreachable):
     """The request went out and no reply came within the timeout: the daemon may have taken
     it (and may still be running what it asked for), or may never have seen it. A caller
     whose command moves bytes into memory it will reuse must treat the outcome as unknown."""
+
+
+class DaemonGone(DaemonUnreachable):
+    """The daemon at the address is certainly not there now: said at once, not after the
+    timeout; ``why`` says how the client knows (its socket refuses connections, or is gone)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class CommandRefused(HicacheError):

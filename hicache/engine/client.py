@@ -39,11 +39,11 @@ from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
-from .acks import (Ack, AckTimeout, CommandRefused, DaemonUnreachable, NoReply, Op,
+from .acks import (Ack, AckTimeout, CommandRefused, DaemonGone, DaemonUnreachable, NoReply, Op,
                    TransferFailed)
 
-__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonUnreachable", "NoReply",
-           "TransferFailed", "Items"]
+__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonGone",
+           "DaemonUnreachable", "NoReply", "TransferFailed", "Items"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
@@ -326,9 +326,9 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 # instead; with none, unreachable at once rather than after the timeout.
                 self._close_channel()
                 if not zmq.zmq_poll([(s, _POLLOUT)], 0):
-                    raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is "
-                                            f"gone ({e}) and no daemon is connected there "
-                                            f"now") from None
+                    why = f"{e} and no daemon is connected there now"
+                    raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
+                                     f"({why})", why) from None
                 sent = False
             if sent:
                 self._chan_seq = rid
@@ -337,8 +337,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
             why = _gone(self.address, self.answered)  # then at once, not after the timeout
             if why is not None:
-                raise DaemonUnreachable(f"{cmd}: the hicache daemon at {self.address} is gone "
-                                        f"({why})") from None
+                raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
+                                 f"({why})", why) from None
             if not zmq.zmq_poll([(s, _POLLOUT)], max(1, int(timeout * 1000))):
                 raise DaemonUnreachable(f"{cmd}: cannot reach the hicache daemon at "
                                         f"{self.address} within {timeout:g} s") from None

@@ -406,8 +406,18 @@ def _options_that_apply(args: argparse.Namespace) -> None:
                "does not apply to --hisparse (its own requests, no daemon, no radix tier)")
         return
     refuse(HISPARSE_ONLY, "applies to --hisparse only")
+    if args.l3 == "mooncake":
+        refuse(("dry", "sweep_host", "plot") + NO_DAEMON,
+               "does not apply to --l3 mooncake (a live run of its own daemons, on private ports)")
     if args.dry or args.sweep_host:
         refuse(NO_DAEMON, "--dry and --sweep-host start no daemon: no /metrics to serve")
+        refuse(("preempt_every", "no_verify_hits"),
+               "--dry and --sweep-host move and verify nothing")
+        if args.device not in ("auto", "cpu"):
+            raise UsageError(f"--device {args.device}: --dry and --sweep-host run on no device")
+    if args.sweep_host:
+        refuse(("host_mem", "host_pages", "host_ratio", "mirror"),
+               "--sweep-host sizes its own host tiers, both mirrors")
     if args.mirror == "full":
         refuse(("pages_per_checkpoint", "checkpoint_every"),
                "a full mirror keeps no checkpoints (it applies to --mirror checkpoints)")

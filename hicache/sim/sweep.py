@@ -16,7 +16,8 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 from hicache.core.errors import UsageError
 from hicache.core.planner import human_bytes, parse_size
@@ -52,8 +53,10 @@ def _dry(cfg: WorkerConfig, reqs: list, host: bool = True) -> dict[str, Any]:
     return d.summary()
 
 
-def sweep(cfg: WorkerConfig, reqs: list, sizes: list[int], pages_per_ckpt: int) -> dict[str, Any]:
-    """Every figure of the sweep (see the module docstring), JSON-able."""
+def sweep(cfg: WorkerConfig, reqs: list, sizes: list[int], pages_per_ckpt: int,
+          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every figure of the sweep (see the module docstring), JSON-able; ``progress(line)``
+    after each replay."""
     mirrors = ["full", "checkpoints"] if cfg.swa_mode == "paged" else ["checkpoints"]
     base = {m: _dry(dataclasses.replace(cfg, mirror=m, checkpoint_every=0 if m == "full"
                                         else cfg.checkpoint_every, host_ckpts=None),
@@ -69,6 +72,9 @@ def sweep(cfg: WorkerConfig, reqs: list, sizes: list[int], pages_per_ckpt: int) 
             c = dataclasses.replace(cfg, mirror=m, host_pages=pages, host_ckpts=ckpts,
                                     checkpoint_every=0 if m == "full" else cfg.checkpoint_every)
             s = _dry(c, reqs)
+            if progress is not None:
+                progress(f"{human_bytes(size)} {m}: {s['resumable_hit_tokens']:,} resumable hit "
+                         f"tokens")
             rows.append({
                 "host_mem": size, "mirror": m, "host_pages": pages, "host_checkpoint_rows": ckpts,
                 "resumable_hit_tokens": s["resumable_hit_tokens"],
@@ -133,7 +139,13 @@ def run_sweep(args: argparse.Namespace, reqs: list, cfg: WorkerConfig, what: str
     if args.plot:
         _pyplot()  # refuse before the sweep runs
     print(f"[demo] sweeping {len(sizes)} host sizes over {what} (dry)", file=sys.stderr)
-    result = sweep(cfg, reqs, sizes, args.pages_per_checkpoint)
+    t0 = time.monotonic()
+
+    def progress(line: str) -> None:
+        if args.progress_seconds:
+            print(f"[demo] {line} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    result = sweep(cfg, reqs, sizes, args.pages_per_checkpoint, progress)
     result["workload"] = what
     if args.plot:
         name = os.path.basename(args.trace) if args.trace else "built-in workload"
