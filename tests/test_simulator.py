@@ -432,3 +432,38 @@ def test_the_l3_demo_leaves_nothing_when_interrupted_while_an_instance_starts(mo
     assert len(made) == 2
     for d in made:
         assert not d.alive() and not (d.dir and os.path.exists(d.dir)), d.address
+
+
+@pytest.mark.parametrize("fault", [None, "no_clear", "other_slot"])
+def test_a_state_swap_checks_the_cleared_slot_and_the_others(daemon_factory, monkeypatch,
+                                                              fault):
+    """A request-state swap is verified in its destination slot, and now also in the slot it
+    left (cleared: zeros) and in every other slot (unchanged): a ``clear_slot`` that did
+    nothing, or a swap that wrote one slot too many, used to verify (found by a review)."""
+    from hicache.engine.client import Client
+
+    if fault == "no_clear":
+        monkeypatch.setattr(Client, "clear_slot", lambda self, slots, **kw: None)
+    if fault == "other_slot":
+        real = Client.swap_in
+
+        def swap_in(self, host_row, slot, **kw):  # the state lands in the next slot too
+            self.wait_ack(real(self, host_row, (slot + 1) % 4, release=False,
+                               request=kw.get("request")))
+            return real(self, host_row, slot, **kw)
+        monkeypatch.setattr(Client, "swap_in", swap_in)
+    d = tiny_daemon(daemon_factory)
+    with d.client(timeout=20) as c:
+        cfg = WorkerConfig(device_pages=16, host_pages=64, preempt_every=3, req_slots=4)
+        w = Worker(cfg, c)
+        try:
+            w.run(multi_turn(12, seed=3, system_pages=(1, 2), user_pages=(1, 1),
+                             answer_pages=(1, 1), max_pages=8, active_sessions=3))
+            s = w.summary()
+        finally:
+            w.close()
+    assert s["state_swaps"] > 0
+    if fault is None:
+        assert s["verified"] and s["mismatched_bytes"] == 0, s["first_mismatch"]
+    else:
+        assert not s["verified"] and "state swap" in s["first_mismatch"], s["first_mismatch"]

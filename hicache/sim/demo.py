@@ -373,8 +373,10 @@ def _human(s: dict[str, Any], what: str) -> str:
         lines.append(f"  daemon:                FAILED (exit status {s.get('daemon_exit')}, "
                      f"host tier lost {s['host_tier_lost']} time(s))")
     verdict = "true" if s["verified"] else "FALSE"
+    unchecked = "" if s["config"].get("verify_hits", True) else \
+        "; device hits not checked (--no-verify-hits): they count as resumable unverified"
     lines.append(f"  verified:              {verdict} ({_gib(s['verified_bytes'])} checked, "
-                 f"{s['mismatched_bytes']:,} bytes differ)")
+                 f"{s['mismatched_bytes']:,} bytes differ{unchecked})")
     if s["first_mismatch"]:
         lines.append(f"  first mismatch:        {s['first_mismatch']}")
     return "\n".join(lines)

@@ -331,6 +331,7 @@ class Worker(Replay):
         n = self.cfg.req_slots
         src, dst = req.rid % n, (req.rid + 1) % n
         ids = self._fill_slot(src, req)
+        before = {p.name: [b.clone() for b in self.pools.layers[p.name]] for p in self.slot_pools}
         if self.cuda:
             torch.cuda.synchronize()
         from hicache.engine.acks import AckTimeout, DaemonUnreachable
@@ -350,11 +351,21 @@ class Worker(Replay):
             if self.result.first_mismatch is None:
                 self.result.first_mismatch = f"request {req.rid} state swap failed: {e}"
             return
+        # the state arrived in ``dst``; ``src`` was cleared (whole slots: zeros), unless it is
+        # ``dst``; every other slot is as it was
         bad = 0
+        others = [x for x in range(n) if x not in (src, dst)]
         for spec in self.slot_pools:
             for layer, buf in enumerate(self.pools.layers[spec.name]):
                 bad += self.content.mismatches(spec.name, layer, buf, torch.tensor([dst]), ids)
-        nbytes = sum(p.page_bytes * p.num_layers for p in self.slot_pools)
+                raw = buf.view(torch.uint8)
+                if src != dst:
+                    bad += int((raw[src] != 0).sum().item())
+                if others:
+                    was = before[spec.name][layer].view(torch.uint8)
+                    bad += int((raw[others] != was[others]).sum().item())
+        slots = 1 + (src != dst) + len(others)
+        nbytes = sum(p.page_bytes * p.num_layers for p in self.slot_pools) * slots
         self.result.verified_bytes += nbytes
         self.result.mismatched_bytes += bad
         if bad and self.result.first_mismatch is None:
