@@ -356,3 +356,20 @@ def test_bench_and_demo_values_are_refused_in_one_line(argv, msg, capsys):
     """From a review: each of these ended in a traceback (exit 1), started a daemon or a full
     soak first, or ran with the value replaced (``--device-pages 0`` became 128)."""
     assert one_line_exit_2(argv, capsys).startswith(msg)
+
+
+@pytest.mark.parametrize("env, msg", [
+    ({"HICACHE_DEVICE": "gpu"},
+     "hicache stats: error: --device must be 'cpu' or 'cuda:N', got 'gpu' (from HICACHE_DEVICE)"),
+    ({"HICACHE_SOCKET": ""},
+     "hicache stats: error: HICACHE_SOCKET is set but empty: unset it, or give the daemon's "
+     "socket"),
+])
+def test_stats_and_clients_refuse_the_variables_serve_refuses(env, msg, capsys, monkeypatch):
+    """``stats`` (and a ``Client`` given no address) took ``HICACHE_DEVICE=gpu`` for a socket
+    named gpu.sock and reported no daemon there (exit 1), and an empty ``HICACHE_SOCKET`` as
+    unset, where ``serve`` refuses both."""
+    monkeypatch.delenv("HICACHE_SOCKET", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert one_line_exit_2(["stats"], capsys) == msg
