@@ -351,6 +351,15 @@ def test_values_a_daemon_would_not_use_or_cannot_serve_are_refused(flags, env, m
      "hicache demo: error: --progress-seconds must be 0 (none) or a positive number"),
     (["demo", "--dry", "--host-ratio", "inf"],
      "hicache demo: error: --host-ratio must be in (0, 1024], got inf"),
+    (["demo", "--demo-metrics-port", "99999"],
+     "hicache demo: error: --demo-metrics-port must be 0..65535, got 99999"),
+    (["demo", "--hisparse", "--device", "foo"],
+     "hicache demo: error: --device must be auto, cpu or cuda:N, got 'foo'"),
+    (["demo", "--mirror", "full", "--host-pages", "10"],
+     "hicache demo: error: a full mirror's daemon keeps host rows in the device pools' "
+     "proportions: 10 host pages for 128 device pages leave it no request-slot row"),
+    (["demo", "--dry", "--host-pages", "200000000"],
+     "hicache demo: error: the host tier of 200,000,000 pages is over the demo's"),
 ])
 def test_bench_and_demo_values_are_refused_in_one_line(argv, msg, capsys):
     """From a review: each of these ended in a traceback (exit 1), started a daemon or a full

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ TRACE_DEFAULTS = {"device_pages": 1024, "host_ratio": 16,
 READY_TIMEOUT_S = 180.0
 REQ_SLOTS = 4  # the simulated worker's request slots (its daemon keeps host rows for them)
 MAX_HOST_RATIO = 1024  # host pages per device page: beyond it a typo, not a tier
+MAX_HOST_PAGES = 1 << 24  # 16.8M pages (a dry replay keeps a handle each): beyond, a typo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +229,16 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
                              f"little the device does not; give a ratio above 1, or --force")
     if host_pages <= 0:
         raise UsageError(f"the host tier needs at least one page, got {host_pages}")
+    if host_pages > MAX_HOST_PAGES:
+        raise UsageError(f"the host tier of {host_pages:,} pages is over the demo's "
+                         f"{MAX_HOST_PAGES:,}")
+    if args.mirror == "full" and not args.dry and not args.sweep_host \
+            and REQ_SLOTS * host_pages // device_pages < 1:
+        raise UsageError(f"a full mirror's daemon keeps host rows in the device pools' "
+                         f"proportions: {host_pages} host pages for {device_pages} device pages "
+                         f"leave it no request-slot row; give at least "
+                         f"{-(-device_pages // REQ_SLOTS)} (--host-pages, --host-mem or "
+                         f"--host-ratio)")
     if args.mirror == "checkpoints" and host_ckpts is None:
         host_ckpts = max(1, host_pages // args.pages_per_checkpoint)
     device = args.device
@@ -236,8 +248,12 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         import torch
 
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    elif device != "cpu" and not device.startswith("cuda:"):
+    elif not re.fullmatch(r"cpu|cuda:\d+", device):
         raise UsageError(f"--device must be auto, cpu or cuda:N, got {device!r}")
+    for flag, port in (("--metrics-port", args.metrics_port),
+                       ("--demo-metrics-port", args.demo_metrics_port)):
+        if not 0 <= port <= 65535:
+            raise UsageError(f"{flag} must be 0..65535, got {port}")
     if args.preempt_every < 0:
         raise UsageError("--preempt-every must be >= 0")
     cfg = WorkerConfig(preset=args.preset, swa_mode=swa, device_pages=device_pages,

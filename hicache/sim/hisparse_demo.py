@@ -31,6 +31,11 @@ def _impl(args: argparse.Namespace) -> tuple[str, str]:
     device = args.device
     if device == "auto":
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    elif device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UsageError(f"--device must be auto, cpu or cuda:N, got {device!r}")
+    elif device != "cpu" and int(device[5:]) >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} "
+                         f"CUDA devices")
     impl = args.hisparse_impl
     if impl == "auto":
         impl = "triton" if device.startswith("cuda") else "reference"
