@@ -61,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(flags, getattr(args, "config_file", None))
     _loopback_mooncake(cfg, getattr(args, "config_file", None)
                        or os.environ.get("HICACHE_CONFIG_FILE"))
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+    # the level is hicache's: torch's INFO lines (its FakeTensor cache stats at exit) stay out
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hicache").setLevel(cfg.log_level.upper())
     code = serve(cfg)
     from hicache.cli import lifecycle
 

@@ -39,7 +39,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heartbeat_timeout", _D, "seconds of silence after which a client is reaped"),
     Setting("metrics_port", _D, "Prometheus /metrics port (0 = off)"),
     Setting("metrics_addr", _D, "address the metrics endpoint binds"),
-    Setting("log_level", _D, "debug, info, warning or error"),
+    Setting("log_level", _D, "debug, info, warning or error: the level of hicache's own loggers "
+            "(other libraries log warnings and errors only)"),
     Setting("spin_us", _D, "busy-poll this many microseconds after a request before sleeping "
             "(lower latency, more CPU; 0 = never) [50000 in GPU mode: one core while the engine "
             "sends commands; 0 in CPU mode]"),
