@@ -31,7 +31,11 @@ def client(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 0.0, 2e6, "soon", object()])
-def test_a_bad_timeout_is_refused_before_anything_is_sent(client, bad):
+def test_a_bad_timeout_is_refused_before_anything_is_sent(client, bad, monkeypatch):
+    def send(frames):
+        raise AssertionError("a request went out")
+
+    monkeypatch.setattr(client, "_send", send)
     with pytest.raises(ValueError, match="timeout must be"):
         client.stats(timeout=bad)
     assert client.sent == 0

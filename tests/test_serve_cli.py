@@ -622,4 +622,5 @@ def test_stats_names_a_curve_key_file_it_cannot_read(tmp_path, capsys):
         assert main(["stats", "--socket", "tcp://127.0.0.1:5599", "--timeout", "1",
                      "--curve-server-key", str(server), "--curve-secret-key", str(secret)]) == 2
         err = capsys.readouterr().err
-        assert "CURVE keys:" in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("hicache stats: error: CURVE key file: ") \
+            and len(err.strip().splitlines()) == 1, err

@@ -33,10 +33,11 @@ clients sent, how many the daemon handled and the mean milliseconds of its serve
 the request to the reply, from its own ``hicache_command_seconds`` metric). Exit status 0 when
 the mode's checks pass.
 Progress goes to stderr in every mode (``--json`` too: stdout holds the object only; the
-sustained load prints operations done and ops/s every 10 s). Any failure of the bench itself (the daemon not starting, a client process dying,
-an exception) ends with one line ``hicache bench soak: FAILED: ...`` on stderr, the tail of the
-daemon's log before it, exit status 1, and with ``--json`` an object ``{"ok": false, "error":
-...}`` on stdout; a run whose checks fail prints the daemon log's tail too.
+sustained load prints operations done and ops/s every 10 s). Any failure of the bench itself (the daemon not answering, a client process
+dying, an exception) ends with one line ``hicache bench soak: FAILED: ...`` on stderr, the tail
+of the daemon's log before it, exit status 1, and with ``--json`` an object ``{"ok": false,
+"error": ...}`` on stdout; a run whose checks fail prints the daemon log's tail too. A daemon
+that refuses its settings is a usage error (its one line, exit status 2).
 
 The parts: ``soak_load`` (sustained load), ``soak_mix`` (the ``--mix all`` client),
 ``soak_crash`` (crashed clients and daemon); their entry points are re-exported here.

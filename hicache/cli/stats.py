@@ -96,8 +96,8 @@ def _no_socket(address: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket
-    from hicache.engine.acks import CommandRefused, DaemonGone, DaemonUnreachable
-    from hicache.engine.client import Client, default_address
+    from hicache.engine.acks import CommandRefused, DaemonUnreachable
+    from hicache.engine.client import Client, default_address, gone_reason
 
     if not 0 < args.timeout <= TIMEOUT_MAX_S:
         raise UsageError(f"--timeout must be in (0, {TIMEOUT_MAX_S}] seconds, got {args.timeout}")
@@ -122,13 +122,14 @@ def run(args: argparse.Namespace) -> int:
     if missing:  # nothing to wait for: no daemon made this socket (or it is gone)
         print(f"hicache stats: {missing}", file=sys.stderr)
         return 1
+    gone = gone_reason(address)  # a socket file nothing listens on: a killed daemon's
+    if gone:
+        print(f"hicache stats: no daemon on {address}: {gone}", file=sys.stderr)
+        return 1
     try:
         with Client(address, timeout=args.timeout, name="hicache-stats", channel=False,
                     curve_server_key=keys[0], curve_secret_key=keys[1]) as c:
             s, _ = c.call("stats", {"check": True} if args.check else None)
-    except DaemonGone as e:
-        print(f"hicache stats: no daemon on {address}: {e.why}", file=sys.stderr)
-        return 1
     except DaemonUnreachable:
         hint = ("; a daemon with CURVE keys answers only a client that gives "
                 "--curve-server-key and --curve-secret-key"
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     except CommandRefused as e:
         print(f"hicache stats: the daemon on {address} refused: {e}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as e:  # a key file that cannot be read or holds no key
-        raise UsageError(f"CURVE keys: {e}") from None
+    except ValueError as e:  # a key file that cannot be read or holds no key (it says which)
+        raise UsageError(str(e)) from None
     print(json.dumps(s, indent=1, sort_keys=True) if args.json else summary(s))
     return 1 if args.check and s.get("invariants") != "ok" else 0

@@ -89,12 +89,13 @@ def _local(address: str) -> bool:
     return address.startswith("ipc://") or address.startswith(_LOOPBACK)
 
 
-def _gone(address: str, answered: bool) -> str | None:
+def gone_reason(address: str) -> str | None:
     """Why the daemon at ``address`` is certainly not there now, for a client with no live
-    connection to it: an ``ipc://`` socket file that refuses connections (its daemon died and
-    left it), or, once a daemon at this address ``answered`` this client, no socket file (it
-    stopped). None otherwise: a daemon may still be starting (no file yet, for a new client),
-    or it is busy (a full backlog), or the address is tcp (not probed)."""
+    connection to it: an ``ipc://`` socket file that refuses connections (its daemon died, or
+    closed it after its loop ended), or no socket file (it stopped, or never started). None
+    otherwise: it is busy (a full backlog), or the address is tcp (not probed). A ``Client``
+    asks only once a daemon answered it (a new one waits for a daemon that may be starting
+    over a crashed one's socket); ``hicache stats`` asks first."""
     if not address.startswith("ipc://"):
         return None
     path = address[len("ipc://"):]
@@ -106,7 +107,7 @@ def _gone(address: str, answered: bool) -> str | None:
         except ConnectionRefusedError:
             return "its socket refuses connections: the daemon that made it is gone"
         except FileNotFoundError:
-            return "its socket file is gone: the daemon stopped" if answered else None
+            return "there is no socket file: no daemon runs there"
         except OSError:
             return None
     return None
@@ -144,7 +145,7 @@ def _connect(s: zmq.Socket, client_id: str, address: str, curve_server_key: str 
         except (OSError, ValueError) as e:
             raise ValueError(f"CURVE key file: {e}") from None
         if not secret:
-            raise ValueError(f"{curve_secret_key} holds no secret key")
+            raise ValueError(f"CURVE key file: {curve_secret_key} holds no secret key")
         s.curve_serverkey = server_public
         s.curve_publickey = public
         s.curve_secretkey = secret
@@ -346,7 +347,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             else:
                 self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
-            why = _gone(self.address, self.answered)  # then at once, not after the timeout
+            # a daemon that answered this client is gone: said at once, not after the timeout
+            why = gone_reason(self.address) if self.answered else None
             if why is not None:
                 raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
                                  f"({why})", why) from None

@@ -239,8 +239,8 @@ class DaemonProcess:
                     if c.heartbeat(timeout=0.5).get("pid") == self.proc.pid:
                         return
                     time.sleep(0.05)
-                except DaemonUnreachable:
-                    pass
+                except DaemonUnreachable:  # (at once when the address has no daemon yet)
+                    time.sleep(0.05)
                 if time.monotonic() > deadline:
                     self.kill()
                     raise RuntimeError(

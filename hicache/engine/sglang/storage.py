@@ -66,8 +66,8 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage,  # noqa: E402
                                                   HiCacheStorageExtraInfo, PoolHitPolicy,
                                                   PoolTransfer, PoolTransferResult)
 
-from hicache.engine.client import (Client, CommandRefused, DaemonUnreachable,  # noqa: E402
-                                   NoReply)
+from hicache.engine.client import (Client, CommandRefused, DaemonGone,  # noqa: E402
+                                   DaemonUnreachable, NoReply)
 from hicache.engine.sglang.host_pools import _pages  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS  # noqa: E402
 
@@ -273,14 +273,18 @@ class HicacheStorage(HiCacheStorage):
 
     def _fence(self, what: str, e: NoReply) -> None:
         """After ``NoReply``: round trips until one is answered (the call was handled, its
-        inline copy done, or it never arrived) or the daemon's process is gone (nothing can
-        copy into these pages any more); see the module docstring."""
+        inline copy done, or it never arrived) or the daemon is gone (its process, or its
+        socket, which it closes after its copies ended: nothing can copy into these pages any
+        more); see the module docstring."""
         t0 = time.monotonic()
         while True:
             try:
                 self.client.heartbeat()
                 return
             except CommandRefused:  # a refusal is an answer too, in order: the fence passed
+                return
+            except DaemonGone as f:  # its socket refuses or is gone: its loop and copies ended
+                log.error("%s: %s; the daemon is gone (%s): a miss", what, e, f.why)
                 return
             except DaemonUnreachable as f:
                 if self.daemon_start is not None and \
