@@ -382,3 +382,23 @@ def test_stats_and_clients_refuse_the_variables_serve_refuses(env, msg, capsys, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert one_line_exit_2(["stats"], capsys) == msg
+
+
+@pytest.mark.parametrize("flags, env, msg", [
+    ({"host_ratio": "2"}, {"HICACHE_PP_SIZE": "100"},
+     "--pp-size: pp size 100 is larger than the 6 layers (from HICACHE_PP_SIZE)"),
+    ({"host_ratio": "2"}, {"HICACHE_STAGE_BOUNDS": "0:1,1:0"},
+     "--stage-bounds: stage 1 bounds [1, 0) do not continue from layer 1"),
+    ({}, {"HICACHE_HOST_MEM": "1"}, "--host-mem: host budget 1 B is too small for this stage"),
+])
+def test_sizing_refusals_name_the_setting_and_where_it_came_from(flags, env, msg):
+    """The layout's and the host rows' refusals named no setting, so a value from a file or a
+    variable was refused without saying where it came from (found by a review)."""
+    from hicache.core.config import sizing
+
+    cfg = load_config({"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=8,req_slot=4",
+                       **flags}, env=env)
+    with pytest.raises(UsageError) as e:
+        sizing(cfg)
+    text = config.with_source(str(e.value), cfg)
+    assert text.startswith(msg) and text.endswith(f"(from {next(iter(env))})"), text

@@ -612,7 +612,40 @@ class Sizing(NamedTuple):
 
 
 def sizing(cfg: ServeConfig) -> Sizing:
-    """Layout, device rows and host rows of the stage ``cfg`` serves (module docstring)."""
+    """Layout, device rows and host rows of the stage ``cfg`` serves (module docstring).
+    A refusal of the layout or of the host rows that names no setting is led by the one whose
+    value it judged (so ``with_source`` can say where that value came from)."""
+    try:
+        layout, dev, source, warnings = _device_sizing(cfg)
+    except LayoutError as e:
+        raise UsageError(_led(str(e), "stage_bounds" if cfg.stage_bounds else "pp_size")) \
+            from None
+    if cfg.host_mem is None and cfg.host_ratio is None:
+        raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
+    try:
+        if cfg.host_split == "checkpoints":
+            host = checkpoint_host_rows(layout, dev, cfg.host_mem, cfg.pages_per_checkpoint)
+            source += f"; host split for checkpoints, 1 per {cfg.pages_per_checkpoint} pages"
+        else:
+            host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
+    except UsageError as e:
+        raise type(e)(_led(str(e), "host_mem" if cfg.host_mem is not None else "host_ratio")) \
+            from None
+    if not cfg.force:
+        what = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
+                else f"--host-ratio {cfg.host_ratio:g}")
+        check_host_larger(layout, dev, host, what,
+                          ("page",) if cfg.host_split == "checkpoints" else None)
+    return Sizing(layout, dev, host, source, warnings)
+
+
+def _led(msg: str, name: str) -> str:
+    """``msg``, led by setting ``name`` when it names no setting itself."""
+    return msg if _FLAG_RE.search(msg) else f"{named(name)}: {msg}"
+
+
+def _device_sizing(cfg: ServeConfig) -> tuple[Layout, dict[str, int], str, tuple[str, ...]]:
+    """(layout, device rows, how they were chosen, the planner's warnings)."""
     if cfg.kv_mem is not None:
         pl = plan(cfg.plan_inputs())
         stage = pl.stages[cfg.pp_rank]
@@ -632,19 +665,7 @@ def sizing(cfg: ServeConfig) -> Sizing:
         raise UsageError("size the device pools: --kv-mem 100GiB (rows from the planner, as "
                          "`hicache plan` prints them) or --device-rows page=N,swa_page=M,"
                          "req_slot=K")
-    if cfg.host_mem is None and cfg.host_ratio is None:
-        raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
-    if cfg.host_split == "checkpoints":
-        host = checkpoint_host_rows(layout, dev, cfg.host_mem, cfg.pages_per_checkpoint)
-        source += f"; host split for checkpoints, 1 per {cfg.pages_per_checkpoint} pages"
-    else:
-        host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
-    if not cfg.force:
-        what = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
-                else f"--host-ratio {cfg.host_ratio:g}")
-        check_host_larger(layout, dev, host, what,
-                          ("page",) if cfg.host_split == "checkpoints" else None)
-    return Sizing(layout, dev, host, source, warnings)
+    return layout, dev, source, warnings
 
 
 # ------------------------------------------------------------------------------- docs
