@@ -62,6 +62,9 @@ __all__ = ["CRASH_DEV_ROWS", "RadixWorker", "SOAK_DAEMON_ROWS", "SOAK_DEV_ROWS",
 MIX_DAEMON_ROWS = "page=1280,swa_page=24,req_slot=9"  # x --host-ratio 4: 600 page rows x 8 + slack
 
 
+CRASH_TIMEOUT_S = 1.0  # the crash modes' default heartbeat and call timeouts
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     p.add_argument("--ops", type=int, default=50_000, help="operations per client (default 50000)")
@@ -83,9 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: kill N clients with SIGKILL mid-transfer, check reaping")
     p.add_argument("--crash-daemon", type=int, default=0, metavar="N",
                    help="instead: kill the daemon N times, check client timeouts and re-register")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
+    p.add_argument("--heartbeat-timeout", type=float, default=CRASH_TIMEOUT_S,
                    help="daemon heartbeat timeout for --crash-clients (default 1 s)")
-    p.add_argument("--call-timeout", type=float, default=1.0,
+    p.add_argument("--call-timeout", type=float, default=CRASH_TIMEOUT_S,
                    help="client call timeout for --crash-daemon (default 1 s)")
     p.add_argument("--preset", default="dsv4-tiny", help="layout (default dsv4-tiny)")
     p.add_argument("--seed", type=int, default=0)
@@ -136,7 +139,7 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
                                    "--crash-clients", args.crash_clients),
                                   ("--call-timeout", args.call_timeout, "--crash-daemon",
                                    args.crash_daemon)):
-        if not on and value != 1.0:
+        if not on and value != CRASH_TIMEOUT_S:
             raise UsageError(f"{flag} applies with {mode} N only")
         if not 0 < value <= 3600:
             raise UsageError(f"{flag} must be in (0, 3600] seconds, got {value}")

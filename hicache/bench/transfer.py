@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         result = _GpuBench(args, budgets(args)).run()
     else:
         gpu_only = [f for f, on in (("--tune", args.tune), ("--ctas", args.ctas),
-                                    ("--quick", args.quick), ("--peer-lib", args.peer_lib != DEFAULT_PEER_LIB),
+                                    ("--quick", args.quick),
+                                    ("--peer-lib", args.peer_lib != DEFAULT_PEER_LIB),
                                     ("--limit-trials", args.limit_trials != MIN_TRIALS)) if on]
         if gpu_only:  # the CPU path times the torch reference only: no kernels, no peer
             raise UsageError(f"{', '.join(gpu_only)} apply on a GPU; this machine has no CUDA "

@@ -233,7 +233,7 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
         raise UsageError(f"the host tier of {host_pages:,} pages is over the demo's "
                          f"{MAX_HOST_PAGES:,}")
     if args.mirror == "full" and not args.dry and not args.sweep_host \
-            and REQ_SLOTS * host_pages // device_pages < 1:
+            and int(REQ_SLOTS * full_mirror_ratio(host_pages, device_pages)) < 1:
         raise UsageError(f"a full mirror's daemon keeps host rows in the device pools' "
                          f"proportions: {host_pages} host pages for {device_pages} device pages "
                          f"leave it no request-slot row; give at least "
@@ -273,6 +273,12 @@ def _resolve(args: argparse.Namespace) -> tuple[list, Any, str]:
     return reqs, cfg, what
 
 
+def full_mirror_ratio(host_pages: int, device_pages: int) -> float:
+    """A full mirror's daemon: host rows in the device rows' proportions, this ratio, so that
+    floor(device pages x ratio) == ``host_pages`` (and a space of n rows gets floor(n x ratio))."""
+    return (host_pages + 0.5) / device_pages
+
+
 def _daemon(cfg: Any, metrics_port: int | None, extra: tuple[str, ...] = (),
             env: Any = None) -> DaemonProcess:
     """``hicache serve`` for ``cfg`` on a private socket (not started yet), given the worker's
@@ -283,8 +289,8 @@ def _daemon(cfg: Any, metrics_port: int | None, extra: tuple[str, ...] = (),
     its rows hold the tree's) and the tree's pages per checkpoint row."""
     rows = cfg.device_rows()
     if cfg.mirror == "full":
-        ratio = (cfg.host_pages + 0.5) / cfg.device_pages  # floor(rows x ratio) == host_pages
-        host: tuple[str, ...] = ("--host-ratio", repr(ratio))
+        host: tuple[str, ...] = ("--host-ratio",
+                                 repr(full_mirror_ratio(cfg.host_pages, cfg.device_pages)))
     else:
         k = max(1, cfg.host_pages // max(1, cfg.ckpt_rows))
         nbytes = checkpoint_host_bytes(cfg.layout(), rows, cfg.host_pages, cfg.ckpt_rows, k)
