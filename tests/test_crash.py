@@ -158,3 +158,27 @@ def test_a_gone_daemon_is_named_at_once_not_after_the_timeout(tmp_path):
                 assert time.perf_counter() - t >= 0.45
             finally:
                 fresh.close()
+
+
+def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
+    """``gone_reason`` (what a client asks once its daemon answered it) on each kind of ipc
+    address: a socket that listens is not gone (None), one that refuses is named, and so is
+    a missing file; ``ipc://@name`` is probed in the abstract namespace, never as a file
+    called "@name"; tcp is not probed."""
+    import socket
+
+    from hicache.engine.client import gone_reason
+
+    name = f"hicache-test-{os.getpid()}-{tmp_path.name}"
+    for address, bind in ((f"ipc://@{name}", "\0" + name),
+                          (f"ipc://{tmp_path / 'd.sock'}", str(tmp_path / "d.sock"))):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(bind)
+            s.listen(4)
+            assert gone_reason(address) is None, address
+        # closed: nothing listens (an abstract name dies with its socket, a file stays)
+        assert "refuses connections" in (gone_reason(address) or ""), address
+        if not bind.startswith("\0"):
+            os.unlink(bind)
+            assert "there is no socket file" in (gone_reason(address) or "")
+    assert gone_reason("tcp://127.0.0.1:1") is None

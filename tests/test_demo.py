@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,11 +99,16 @@ def test_mirror_full_in_ring_mode_and_plot_without_sweep_are_refused(tmp_path, c
 
 
 def test_host_sweep_sized_by_memory(tmp_path):
-    p = demo("--requests", "100", "--sweep-host", "64MiB,256MiB", "--json")
+    p = demo("--requests", "100", "--sweep-host", "64MiB,256MiB", "--json",
+             "--progress-seconds", "1")  # the sweep prints a line after every replay
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     rows = {(r["host_mem"], r["mirror"]): r for r in out["rows"]}
     assert set(rows) == {(s << 20, m) for s in (64, 256) for m in ("full", "checkpoints")}
+    lines = re.findall(r"^\[demo\] (\d+)\.00 MiB (full|checkpoints): ([\d,]+) resumable hit tokens "
+                       r"\(\d+ s\)$", p.stderr, re.M)
+    assert [(int(s) << 20, m, int(t.replace(",", ""))) for s, m, t in lines] == \
+        [(r["host_mem"], r["mirror"], r["resumable_hit_tokens"]) for r in out["rows"]]
     for size in (64 << 20, 256 << 20):  # same host memory: checkpoints hold more pages
         full, ck = rows[(size, "full")], rows[(size, "checkpoints")]
         assert ck["host_pages"] > 5 * full["host_pages"]
