@@ -228,13 +228,13 @@ def test_hook_latencies_keep_only_the_newest():
     """A long-running engine's ``HookStats`` stays flat: each direction keeps the newest
     ``LATENCY_SAMPLES`` latencies (it used to keep every one)."""
     from hicache.engine.hooks import LATENCY_SAMPLES, HookStats
-    from hicache.sim.replay import percentile
+    from hicache.core.percentiles import percentile
 
     st = HookStats()
     for i in range(LATENCY_SAMPLES + 10):
         st.latencies["load"].append(float(i))
     assert len(st.latencies["load"]) == LATENCY_SAMPLES and st.latencies["load"][0] == 10.0
-    assert percentile(st.latencies["load"], 100) == LATENCY_SAMPLES + 9
+    assert percentile(st.latencies["load"], 1.0) == LATENCY_SAMPLES + 9
 
 
 def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():

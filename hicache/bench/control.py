@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from hicache.core import protocol as P
+from hicache.core.percentiles import median, percentile
 from hicache.engine.daemon_process import DaemonProcess
 
 TARGETS = {"p50_us_1": 150.0, "p99_us_1": 500.0, "commands_per_s_4": 10_000.0}
@@ -269,13 +270,10 @@ def _await_warm(barrier: Any, procs: list[Any], timeout: float) -> None:
 
 
 def _stats(run: dict[str, Any]) -> dict[str, Any]:
-    lat = sorted(run["lat"])
-
-    def pct(q: float) -> float:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] / 1000.0
-
-    return {"clients": run["clients"], "ops": len(lat), "p50_us": round(pct(0.50), 1),
-            "p99_us": round(pct(0.99), 1),
+    lat = run["lat"]
+    return {"clients": run["clients"], "ops": len(lat),
+            "p50_us": round(median(lat) / 1000.0, 1),
+            "p99_us": round(percentile(lat, 0.99) / 1000.0, 1),
             "commands_per_s": round(len(lat) / run["span"], 1),
             # the timed commands' window (a client's unregister may fall inside it)
             "server_cpu_us_per_cmd": round(run["cpu"] / len(lat) * 1e6, 1),
@@ -313,9 +311,8 @@ def _spread(per_round: list[dict[str, Any]], counts: list[int]) -> list[dict[str
             continue
         row: dict[str, Any] = {"clients": n}
         for k in ("p50", "p99", "rate"):
-            v = sorted(r[k] for r in mine)
-            row[k] = {"rounds": [r[k] for r in mine], "median": v[len(v) // 2],
-                      "min": v[0], "max": v[-1]}
+            v = [r[k] for r in mine]
+            row[k] = {"rounds": v, "median": median(v), "min": min(v), "max": max(v)}
         out.append(row)
     return out
 

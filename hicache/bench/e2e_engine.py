@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from hicache.core.percentiles import median, percentile
 from hicache.engine.acks import AckTimeout, Op, TransferFailed
 from hicache.engine.client import Client
 
@@ -111,6 +112,5 @@ def probe_rounds(waits: dict[str, list[float]], c: Client, stream: Any, dev: tor
 def wait_stats(samples: list[float]) -> Optional[dict[str, float]]:
     if not samples:
         return None
-    s = sorted(samples)
-    return {"steps": len(s), "p50_ms": s[len(s) // 2] * 1e3,
-            "p99_ms": s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3, "max_ms": s[-1] * 1e3}
+    return {"steps": len(samples), "p50_ms": median(samples) * 1e3,
+            "p99_ms": percentile(samples, 0.99) * 1e3, "max_ms": max(samples) * 1e3}

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from hicache.core.percentiles import median
+
 CRASH_DEV_ROWS = {"page": 16, "swa_page": 8, "req_slot": 4}
 
 
@@ -134,14 +136,13 @@ def crash_clients(runner: Any, n: int, *, heartbeat_timeout: float, seed: int = 
         final = daemon_check(vic.client, vic.count)
     finally:
         vic.close()
-    reclaim.sort()
     return {
         "bench": "crash_clients", "crashes": n, "heartbeat_timeout": heartbeat_timeout,
         "reaped": len(reclaim), "leaked_rows_total": sum(leaked),
         "leaked_rows_max": max(leaked, default=0), "still_mapped": still_mapped,
         "kills_with_ops_in_flight": in_flight_at_kill,
-        "reclaim_seconds_p50": round(reclaim[len(reclaim) // 2], 3) if reclaim else None,
-        "reclaim_seconds_max": round(reclaim[-1], 3) if reclaim else None,
+        "reclaim_seconds_p50": round(median(reclaim), 3) if reclaim else None,
+        "reclaim_seconds_max": round(max(reclaim), 3) if reclaim else None,
         "victim_rows_corrupted": corrupted, "invariants_ok": bool(final["ok"]),
         "deep_check": final["deep"], "failures": failures[:10],
         "seconds": round(time.monotonic() - t_start, 2),

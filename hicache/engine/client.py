@@ -554,11 +554,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """Device rows -> host rows. ``items``: {pool or space: (device ids, host ids[, unit])};
         unit "token" copies token ids of token-format pools. ``wait_event`` (GPU): index of the
         backup event the engine recorded after writing the KV."""
-        its, frames = self._items(items)
-        fields: dict[str, Any] = {"items": its}
-        if wait_event is not None:
-            fields["wait_event"] = wait_event
-        return self._op("backup", self.call("backup", fields, frames, timeout=timeout)[0])
+        return self._copy("backup", items, wait_event, timeout)
 
     def backup_new(self, items: Mapping[str, Any], *, request: str | None = None,
                    wait_event: int | None = None, timeout: float | None = None) -> Op:
@@ -582,11 +578,16 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """Host rows -> device rows. ``items``: {pool or space: (host ids, device ids[, unit])}.
         ``wait_event`` (GPU): index of an event of ``backup_events`` the engine recorded on its
         stream: the copy starts only after it (e.g. after work still writing those rows)."""
+        return self._copy("load", items, wait_event, timeout)
+
+    def _copy(self, cmd: str, items: Items, wait_event: int | None,
+              timeout: float | None) -> Op:
+        """One BACKUP or LOAD (``cmd``) of ``items`` between rows the caller names."""
         its, frames = self._items(items)
         fields: dict[str, Any] = {"items": its}
         if wait_event is not None:
             fields["wait_event"] = wait_event
-        return self._op("load", self.call("load", fields, frames, timeout=timeout)[0])
+        return self._op(cmd, self.call(cmd, fields, frames, timeout=timeout)[0])
 
     def swap_out(self, slot: int, *, request: str | None = None, host_row: int | None = None,
                  wait_event: int | None = None, timeout: float | None = None) -> Op:

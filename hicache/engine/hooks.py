@@ -278,26 +278,28 @@ class ClientHooks:
 
     def backup(self, device_rows: Sequence[int], handles: Sequence[Any],
                ckpts: Sequence[Checkpoint] = ()) -> Ticket:
-        items: dict[str, tuple] = {}
-        if device_rows:
-            items = {s: (list(device_rows), [h[i] for h in handles])
-                     for i, s in enumerate(self.spaces)}
-        items.update(self.checkpoint_items(ckpts, to_host=True))
-        t = time.perf_counter()
-        op = self._call(self.client.backup, items, wait_event=self.wait_event,
-                        timeout=self.timeout)
-        return Ticket(op, "backup", len(device_rows), t, len(ckpts))
+        return self._copy(True, device_rows, handles, ckpts)
 
     def load(self, handles: Sequence[Any], device_rows: Sequence[int],
              ckpts: Sequence[Checkpoint] = ()) -> Ticket:
+        return self._copy(False, device_rows, handles, ckpts)
+
+    def _copy(self, to_host: bool, device_rows: Sequence[int], handles: Sequence[Any],
+              ckpts: Sequence[Checkpoint]) -> Ticket:
+        """A backup (``to_host``) or a load of pages ``device_rows`` <-> host ``handles``
+        (one id per index space each) and of checkpoints ``ckpts``."""
         items: dict[str, tuple] = {}
-        if device_rows:
-            items = {s: ([h[i] for h in handles], list(device_rows))
-                     for i, s in enumerate(self.spaces)}
-        items.update(self.checkpoint_items(ckpts, to_host=False))
+        for i, s in enumerate(self.spaces if device_rows else ()):
+            dev, host = list(device_rows), [h[i] for h in handles]
+            items[s] = (dev, host) if to_host else (host, dev)
+        items.update(self.checkpoint_items(ckpts, to_host=to_host))
         t = time.perf_counter()
-        op = self._call(self.client.load, items, timeout=self.timeout)
-        return Ticket(op, "load", len(device_rows), t, len(ckpts))
+        if to_host:
+            op = self._call(self.client.backup, items, wait_event=self.wait_event,
+                            timeout=self.timeout)
+        else:
+            op = self._call(self.client.load, items, timeout=self.timeout)
+        return Ticket(op, "backup" if to_host else "load", len(device_rows), t, len(ckpts))
 
     def _complete(self, ticket: Ticket, ack: Any) -> None:
         ticket.ack, ticket.t_done = ack, time.perf_counter()

@@ -51,34 +51,33 @@ class TierOps:
 
     def _host_alloc(self, n: int) -> list[Any] | None:
         """``n`` host page handles, evicting host LRU pages to make room; ``None`` = no room."""
-        assert self.hooks is not None
-        if self.host_capacity is not None:
-            if n > self.host_capacity:
-                return None
-            over = self.host_pages + n - self.host_capacity
-            if over > 0:
-                self.evict_host(over)
-                if self.host_pages + n > self.host_capacity:
-                    return None
-        return self._hooks_alloc(n, "page", self.evict_host)
+        return self._alloc(n, "page")
 
     def _ckpt_alloc(self, n: int) -> list[Any] | None:
         """``n`` host checkpoint handles, evicting LRU checkpoints; ``None`` = no room."""
-        if self.host_ckpt_capacity is not None:
-            if n > self.host_ckpt_capacity:
-                return None
-            over = self.host_checkpoints + n - self.host_ckpt_capacity
-            if over > 0:
-                self.evict_checkpoints(over)
-                if self.host_checkpoints + n > self.host_ckpt_capacity:
-                    return None
-        return self._hooks_alloc(n, "ckpt", self.evict_checkpoints)
+        return self._alloc(n, "ckpt")
 
-    def _hooks_alloc(self, n: int, kind: str, evict: Any) -> list[Any] | None:
+    def _alloc(self, n: int, kind: str) -> list[Any] | None:
+        """``n`` host handles of ``kind`` ("page" / "ckpt"): within the tier's capacity for that
+        kind, evicting its LRU entries first, then once more when the daemon's pool is full;
+        ``None`` = no room (or the tier went offline)."""
+        page = kind == "page"
+        cap = self.host_capacity if page else self.host_ckpt_capacity
+        evict = self.evict_host if page else self.evict_checkpoints
+
+        def held() -> int:
+            return self.host_pages if page else self.host_checkpoints
+        if cap is not None:
+            if n > cap:
+                return None
+            if held() + n > cap:
+                evict(held() + n - cap)
+                if held() + n > cap:
+                    return None
         assert self.hooks is not None
         for attempt in range(2):
             try:
-                if kind == "page":
+                if page:
                     return self.hooks.host_alloc(n)
                 return self.hooks.host_alloc(n, kind=kind)  # type: ignore[call-arg]
             except HostExhausted:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from hicache.core import protocol as P
+from hicache.core.percentiles import median, percentile
 
 KINDS = (("many_frames", 0.9), ("big_header", 0.08), ("over_total", 0.015),
          ("beyond_transport", 0.005))
@@ -76,13 +77,6 @@ class _Bystander(threading.Thread):
                     self.failures.append(f"{type(e).__name__}: {e}"[:200])
                 i += 1
                 time.sleep(0.002)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def run_flood(address: str, messages: int, rss: Callable[[], int], *, seed: int = 0,
@@ -152,8 +146,8 @@ def run_flood(address: str, messages: int, rss: Callable[[], int], *, seed: int 
         "reply_codes": dict(sorted(codes.items())),
         "bystander_calls": len(by.rtts), "bystander_failures": len(by.failures),
         "bystander_first_failure": by.failures[0] if by.failures else None,
-        "bystander_p50_ms": None if not by.rtts else round(_pct(by.rtts, 0.5) * 1e3, 3),
-        "bystander_p99_ms": None if not by.rtts else round(_pct(by.rtts, 0.99) * 1e3, 3),
+        "bystander_p50_ms": None if not by.rtts else round(median(by.rtts) * 1e3, 3),
+        "bystander_p99_ms": None if not by.rtts else round(percentile(by.rtts, 0.99) * 1e3, 3),
         "bystander_max_ms": None if not by.rtts else round(max(by.rtts) * 1e3, 3),
         "rss_before_mib": round(rss0 / mib, 1), "rss_peak_mib": round(peak / mib, 1),
         "rss_after_mib": round(rss1 / mib, 1),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
@@ -91,13 +91,6 @@ class WorkerConfig:
 def page_spaces(layout: Layout) -> list[str]:
     """Index spaces one radix page uses: ``page``, and ``swa_page`` in paged SWA mode."""
     return [s for s in ("page", "swa_page") if layout.space_pools(s)]
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 @dataclass

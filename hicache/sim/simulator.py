@@ -31,11 +31,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hicache.core.errors import HicacheError
 from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
+from hicache.core.percentiles import percentile
 from hicache.engine.device_pools import DevicePools
 from hicache.engine.hooks import ClientHooks
 from hicache.engine.radix import Prefix
 from hicache.sim.page_content import PageContent
-from hicache.sim.replay import Replay, Result, WorkerConfig, page_spaces, percentile
+from hicache.sim.replay import Replay, Result, WorkerConfig, page_spaces
 from hicache.sim.workload import Request
 
 __all__ = ["DEMO_CATALOG", "DemoMetrics", "Result", "Worker", "WorkerConfig", "page_spaces"]
@@ -384,7 +385,8 @@ class Worker(Replay):
             return hs.bytes[k] / hs.exec_seconds[k] / 1e9
 
         def lat(k: str, q: float) -> float:
-            return percentile(hs.latencies[k], q) * 1e3 if hs is not None else 0.0
+            v = percentile(hs.latencies[k], q) if hs is not None else None
+            return 0.0 if v is None else v * 1e3
 
         out: dict[str, Any] = self.tree_summary()
         out.update({
@@ -396,10 +398,10 @@ class Worker(Replay):
             "load_ops": hs.ops["load"] if hs else 0,
             "backup_gbps": round(gbps("backup"), 3),
             "load_gbps": round(gbps("load"), 3),
-            "backup_latency_ms_p50": round(lat("backup", 50), 3),
-            "backup_latency_ms_p99": round(lat("backup", 99), 3),
-            "load_latency_ms_p50": round(lat("load", 50), 3),
-            "load_latency_ms_p99": round(lat("load", 99), 3),
+            "backup_latency_ms_p50": round(lat("backup", 0.50), 3),
+            "backup_latency_ms_p99": round(lat("backup", 0.99), 3),
+            "load_latency_ms_p50": round(lat("load", 0.50), 3),
+            "load_latency_ms_p99": round(lat("load", 0.99), 3),
             "verified": (r.mismatched_bytes == 0 and t.transfer_failures == 0
                          and r.state_swap_failures == 0),
             "verified_bytes": r.verified_bytes,
