@@ -58,7 +58,8 @@ class _Lane:
     their hand-over events (``filled``: the producer is done; ``free``: the consumer is done)
     and cached pointer tables."""
 
-    def __init__(self, device: torch.device, nbytes: int, buffers: int, dma_streams: int):
+    def __init__(self, device: torch.device, nbytes: int, buffers: int,
+                 dma_streams: int) -> None:
         self.kernel = torch.cuda.Stream(device=device)
         self.dmas = [torch.cuda.Stream(device=device) for _ in range(dma_streams)]
         self.filled = [torch.cuda.Event() for _ in range(buffers)]
@@ -107,16 +108,19 @@ def _balanced(total: int, cap: int) -> int:
     return -(-total // parts)
 
 
-def _run_pieces(runs: torch.Tensor, host_idx: torch.Tensor, n: int, c: int):
+def _run_pieces(runs: torch.Tensor, host_idx: torch.Tensor, n: int,
+                c: int) -> list[list[tuple[int, int, int]]]:
     """Per item chunk: [(staging position, rows, first host row)] cut from the host runs."""
     starts = runs.tolist() + [n]
     first = host_idx[runs].tolist()
-    out, r = [], 0
+    out: list[list[tuple[int, int, int]]] = []
+    r = 0
     for i0 in range(0, n, c):
         i1 = min(n, i0 + c)
         while starts[r + 1] <= i0:
             r += 1
-        cur, j = [], r
+        cur: list[tuple[int, int, int]] = []
+        j = r
         while starts[j] < i1:
             a, b = max(starts[j], i0), min(starts[j + 1], i1)
             cur.append((a - i0, b - a, first[j] + (a - starts[j])))

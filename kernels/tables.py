@@ -90,7 +90,7 @@ class LayerTable:
     per-device int64 tables of their base addresses (the kernels' per-layer pointer table)."""
 
     def __init__(self, layers: Sequence[torch.Tensor], name: str = "buffer",
-                 device_ptrs: Optional[Sequence[int]] = None):
+                 device_ptrs: Optional[Sequence[int]] = None) -> None:
         """``device_ptrs``: the layers' addresses as the GPU sees them, for registered host
         memory on platforms where ``cudaHostGetDevicePointer`` differs from the host pointer
         (default: the tensors' own addresses, right under UVA)."""

@@ -58,9 +58,10 @@ def test_ratios_are_daemon_over_echo():
 
 
 def test_bad_clients_is_a_clear_usage_error():
-    p = _bench("--clients", "one", "--ops", "20")
-    assert p.returncode != 0
-    assert "--clients" in p.stderr and "Traceback" not in p.stderr
+    for bad in ("one", "1,33", ","):
+        p = _bench("--clients", bad, "--ops", "20")
+        assert p.returncode == 2 and "Traceback" not in p.stderr
+        assert "--clients wants client counts from 1 to 32, like 1,4, got" in p.stderr, p.stderr
 
 
 def test_spread_gives_each_rounds_ratio_and_its_range():

@@ -29,10 +29,12 @@ def _args(**kw):
 
 def test_sizes_and_arguments_are_checked():
     assert e2e.parse_sizes("2k, 32k") == ["2k", "32k"]
-    with pytest.raises(UsageError, match="unknown size"):
-        e2e.parse_sizes("3k")
+    with pytest.raises(UsageError, match=r"--sizes wants sizes from 2k, 8k.*, got '3k'"):
+        e2e.parse_sizes("2k,3k")
+    with pytest.raises(UsageError, match="--sizes wants"):
+        e2e.parse_sizes(" , ")
     assert e2e.parse_mirrors("checkpoints") == ["checkpoints"]
-    with pytest.raises(UsageError, match="unknown mirror"):
+    with pytest.raises(UsageError, match="--mirror wants mirrors from full, checkpoints, got 'half'"):
         e2e.check_args(_args(device="cpu", mirror="half"))
     with pytest.raises(UsageError, match="--runs"):
         e2e.check_args(_args(device="cpu", runs=0))

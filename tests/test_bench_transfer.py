@@ -47,14 +47,15 @@ def test_bad_arguments_refused_in_one_line(argv: tuple, words: str) -> None:
 
 def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch) -> None:
     """``--plot`` with no matplotlib: one-line refusal from the argument check, before any
-    timing (the same ``plotting.check_plot`` serves ``bench e2e`` and ``bench hisparse``)."""
-    from hicache.bench import plotting
+    timing (the same ``plotting.check_plot`` serves ``bench e2e``, ``bench hisparse`` and the
+    demo's host sweep)."""
+    from hicache.core import plotting
 
-    monkeypatch.setattr(plotting, "pyplot", lambda: None)
+    monkeypatch.setattr(plotting, "_load", lambda: None)
     plotting.check_plot(None)  # no --plot: nothing to refuse
-    with pytest.raises(UsageError, match="--plot needs matplotlib"):
+    with pytest.raises(UsageError, match=r"--plot needs matplotlib.*pip install 'hicache\[plot\]'"):
         transfer.check_args(args("--plot", "x.png"))
-    monkeypatch.setattr(plotting, "pyplot", lambda: object())
+    monkeypatch.setattr(plotting, "_load", lambda: object())
     transfer.check_args(args("--plot", "x.png"))
 
 

@@ -30,12 +30,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Any
 
 from hicache.core import protocol as P
+from hicache.bench.flags import parse_list, say
 from hicache.core.percentiles import median, percentile
 from hicache.engine.daemon_process import DaemonProcess
 
@@ -352,19 +352,16 @@ def _cpu(row: dict[str, Any], side: str) -> str:
 
 def _progress(msg: str) -> None:
     """One progress line on stderr (stdout holds the report, or with ``--json`` the object)."""
-    print(f"[control] {msg}", file=sys.stderr, flush=True)
+    say(f"[control] {msg}")
 
 
 def run(args: argparse.Namespace) -> int:
     from hicache.core.errors import UsageError
 
-    try:
-        counts = [int(x) for x in str(args.clients).split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--clients wants numbers like 1,4, got {args.clients!r}") from None
-    if not counts or min(counts) < 1 or max(counts) > 32 or args.ops < 10 or args.warmup < 0 \
-            or not 1 <= args.rounds <= 50:
-        raise UsageError("--clients between 1 and 32, --ops at least 10, --rounds 1..50")
+    counts = parse_list(args.clients, "--clients", int, lambda n: 1 <= n <= 32,
+                        "client counts from 1 to 32, like 1,4")
+    if args.ops < 10 or args.warmup < 0 or not 1 <= args.rounds <= 50:
+        raise UsageError("--ops at least 10, --warmup at least 0, --rounds 1..50")
     rounds = max(1, int(args.rounds))
     tmp = tempfile.mkdtemp(prefix="hcb-", dir="/tmp")
     os.chmod(tmp, 0o700)

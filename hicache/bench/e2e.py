@@ -69,7 +69,8 @@ import psutil
 import torch
 
 from hicache.bench.daemon_times import daemon_times, mean_ms
-from hicache.bench.plotting import check_plot, pyplot
+from hicache.bench.flags import parse_list
+from hicache.core.plotting import check_plot, pyplot
 from hicache.core.config import check_device
 from hicache.core.errors import UsageError
 from hicache.core.layout import Layout, build_layout, preset
@@ -122,19 +123,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_sizes(text: str) -> list[str]:
-    sizes = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if not sizes or bad:
-        raise UsageError(f"--sizes: unknown size(s) {bad or text!r}; choose from {list(SIZES)}")
-    return sizes
+    return parse_list(text, "--sizes", str, SIZES.__contains__,
+                      f"sizes from {', '.join(SIZES)}")
 
 
 def parse_mirrors(text: str) -> list[str]:
-    ms = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in ms if m not in MIRRORS]
-    if not ms or bad:
-        raise UsageError(f"--mirror: unknown mirror(s) {bad or text!r}; choose from {list(MIRRORS)}")
-    return ms
+    return parse_list(text, "--mirror", str, MIRRORS.__contains__,
+                      f"mirrors from {', '.join(MIRRORS)}")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -502,7 +497,6 @@ def _engine_table(result: dict[str, Any]) -> None:
 
 def _plot(result: dict[str, Any], path: str) -> None:
     plt = pyplot()
-    assert plt is not None  # check_args refused --plot without matplotlib
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mirror, rk in (("full mirror", "sizes"), ("checkpoints", "checkpoints")):
         res = result.get(rk, {})

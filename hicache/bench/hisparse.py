@@ -24,7 +24,8 @@ ratio, no graph), so the code path is exercised on CPU.
 """
 from __future__ import annotations
 
-from hicache.bench.plotting import check_plot, pyplot
+from hicache.core.plotting import check_plot, pyplot
+from hicache.bench.flags import parse_list, say
 
 import argparse
 import json
@@ -58,26 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "iteration of a program x num_warps; default 32x8)")
 
 
-def _ints(s: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--{what} wants comma separated integers, got {s!r}")
-    if not out or min(out) <= 0:
-        raise UsageError(f"--{what} wants positive integers, got {s!r}")
-    return out
-
-
-def _floats(s: str, what: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--{what} wants comma separated numbers, got {s!r}")
-    if not out or min(out) < 0 or max(out) > 1:
-        raise UsageError(f"--{what} wants numbers in [0, 1], got {s!r}")
-    return out
-
-
 def _configs(s: str) -> list[tuple[int, int]]:
     out = []
     for part in (x.strip() for x in s.split(",") if x.strip()):
@@ -91,12 +72,10 @@ def _configs(s: str) -> list[tuple[int, int]]:
     return out
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
-    batches, overlaps = _ints(args.batches, "batches"), _floats(args.overlaps, "overlaps")
+    batches = parse_list(args.batches, "--batches", int, lambda v: v > 0, "positive integers")
+    overlaps = parse_list(args.overlaps, "--overlaps", float, lambda v: 0 <= v <= 1,
+                          "numbers in [0, 1]")
     args.config_list = _configs(args.configs)
     for name in ("layers", "topk", "tokens", "host_rows", "steps"):
         if getattr(args, name) <= 0:
@@ -263,7 +242,7 @@ class _Bench:
                        ratio_to_token_limit=round(link_us * self.limit / self.token_limit
                                                   / step_us, 3),
                        target_us=round(target, 1), meets_target=step_us <= target)
-        _log(f"batch {B:3d} overlap {overlap:.2f} config {row['config']}: eager "
+        say(f"batch {B:3d} overlap {overlap:.2f} config {row['config']}: eager "
              f"{row['step_us_eager']:8.1f} us  graph {row['step_us_graph']} us (padding only "
              f"{floor_us}, all hits {nomiss_us})  {row['tokens_per_step']} tokens/step  "
              f"link {row.get('link_us')} us  ratio {row.get('ratio_to_limit')}  issue "
@@ -357,12 +336,12 @@ class _Bench:
             self.token_limit = lim.random_tokens_h2d(self._arena, self.L, self.host_rows,
                                                      self.fmt, self.dev)
             probes = lim.layout_probes(self._arena, self.L, self.host_rows, self.dev)
-            _log(f"random tokens by host layout: {probes}")
+            say(f"random tokens by host layout: {probes}")
             if self.args.read_sweep:
                 sweep = lim.read_sweep(self._arena, self.L, self.host_rows, self.dev)
-                _log(f"token reads by pattern and CTAs (GB/s): {sweep}")
+                say(f"token reads by pattern and CTAs (GB/s): {sweep}")
         if self.cuda:
-            _log(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
+            say(f"H2D limit (contiguous pinned copy, best of 5): {self.limit:.1f} GB/s; "
                  f"random single tokens (copy_tokens, all SMs): {self.token_limit:.1f} GB/s")
         rows = [self._row(B, ov, cf) for B in self.batches for ov in self.overlaps
                 for cf in self.args.config_list]
@@ -422,7 +401,6 @@ def _print(result: dict[str, Any]) -> None:
 
 def _plot(result: dict[str, Any], path: str) -> str:
     plt = pyplot()
-    assert plt is not None  # run() refused --plot without matplotlib
     fig, ax = plt.subplots(figsize=(8, 5))
     for ov in sorted({r["overlap"] for r in result["rows"]}):
         rs = [r for r in result["rows"] if r["overlap"] == ov]

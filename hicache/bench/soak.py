@@ -53,6 +53,7 @@ import time
 from typing import Any, Mapping
 
 from hicache.bench.daemon_times import command_times
+from hicache.bench.flags import say
 from hicache.bench.soak_crash import (CRASH_DEV_ROWS, RadixWorker, crash_child, crash_clients,
                                       crash_daemon)
 from hicache.bench.soak_load import SOAK_DAEMON_ROWS, SOAK_DEV_ROWS, run_soak
@@ -97,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ============================================================================ command line
 def _say(msg: str) -> None:
-    print("  " + msg, file=sys.stderr, flush=True)
+    say("  " + msg)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ from hicache.bench.transfer_rows import (DEFAULT_RUNS, PATTERNS, Write, check, h
                                          mean_run, parse_runs)
 from hicache.bench.transfer_support import (C4_ROW, STATE_ROW, SWA_ROW, TOKEN584, _pinned,
                                             _triton_version, _unpin, cpu_bench, plot, print_table)
-from hicache.bench.plotting import check_plot
+from hicache.core.plotting import check_plot
+from hicache.bench.flags import parse_list, say
 from hicache.core.errors import UsageError
 
 BUDGETS = (1, 2, 4, 8, 16, 0)  # 0 = all SMs
@@ -72,19 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="also sweep kernel launch shapes")
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def budgets(args: argparse.Namespace) -> list[int]:
     if args.ctas:
-        try:
-            out = [int(x) for x in args.ctas.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"--ctas wants comma separated integers, got {args.ctas!r}")
-        if not out or any(c < 0 for c in out):
-            raise UsageError(f"--ctas wants integers >= 0 (0 = all SMs), got {args.ctas!r}")
-        return out
+        return parse_list(args.ctas, "--ctas", int, lambda c: c >= 0,
+                          "integers >= 0 (0 = all SMs)")
     return list(QUICK_BUDGETS if args.quick else BUDGETS)
 
 
@@ -198,7 +190,7 @@ class Job:
 
 # ----------------------------------------------------------------------------- GPU
 class _GpuBench:
-    def __init__(self, args: argparse.Namespace, budgets: list[int]):
+    def __init__(self, args: argparse.Namespace, budgets: list[int]) -> None:
         import torch
 
         self.torch = torch
@@ -231,7 +223,7 @@ class _GpuBench:
                        for s in ("dev", "host")}
         self.scratch = torch.empty(self.per_layer, dtype=torch.uint8, device=self.dev)
         self._fresh()
-        _log(f"setup: {self.L} layers x {self.per_layer / 1e6:.1f} MB on "
+        say(f"setup: {self.L} layers x {self.per_layer / 1e6:.1f} MB on "
              f"{torch.cuda.get_device_name(self.dev)} and pinned host ({self.pin_how}) "
              f"in {time.perf_counter() - t0:.1f} s")
 
@@ -251,13 +243,13 @@ class _GpuBench:
         self.torch.cuda.synchronize()
         now = {"dev": self._layers(self.dev_arena), "host": self._layers(self.host_arena)}
 
-        def after(side: str, l: int):
+        def after(side: str, l: int) -> Any:
             return now[side][l] if side == "dev" else self.scratch.copy_(now[side][l])
 
         before = {s: self._layers(t) for s, t in self.before.items()}
         return check(before, after, writes)
 
-    def _table(self, host: bool, rb: int):
+    def _table(self, host: bool, rb: int) -> Any:
         from hicache.kernels.tables import LayerTable
 
         key = (host, rb)
@@ -298,7 +290,7 @@ class _GpuBench:
         s1, s2 = torch.cuda.Stream(self.dev), torch.cuda.Stream(self.dev)
         half = n // 2
 
-        def on(s, dst, src):
+        def on(s: Any, dst: Any, src: Any) -> None:
             with torch.cuda.stream(s):
                 dst.copy_(src, non_blocking=True)
 
@@ -312,7 +304,7 @@ class _GpuBench:
                 self.trials[k].append(round(n / self._time(fn, streams, 1, warm=False) / 1e9, 2))
         self.limits = {k: max(v) for k, v in self.trials.items()}
         self.limit_bytes = n
-        _log(f"limit (contiguous pinned copy of {n / 1e9:.2f} GB, best of {self.args.limit_trials}):"
+        say(f"limit (contiguous pinned copy of {n / 1e9:.2f} GB, best of {self.args.limit_trials}):"
              + "".join(f"  {k} {v:.1f} (trials {self.trials[k]})" for k, v in self.limits.items()))
 
     # ---- rows
@@ -375,7 +367,7 @@ class _GpuBench:
                "issue_ms": round(self.last_issue * 1e3, 3), "correct": bad is None}
         if bad is not None:
             row["mismatch"] = bad
-        _log(f"{meta['case']:<26} {meta.get('pattern', '-'):<6} {meta['impl']:<13} "
+        say(f"{meta['case']:<26} {meta.get('pattern', '-'):<6} {meta['impl']:<13} "
              f"{meta['direction']:<4} ctas={ctas:>4}  {gbps:6.1f} GB/s  {gbps / limit:5.3f} x limit"
              f"  {'ok' if bad is None else 'WRONG: ' + bad}")
         return row
@@ -434,7 +426,7 @@ class _GpuBench:
         self._setup()
         self._limits()
         self.peer, msg, self.peer_name = peer_sglang.load(self.args.peer_lib)
-        _log(msg)
+        say(msg)
         self.notes.append(msg)
         self.notes.append(f"'runs' host rows: {self.runs} (transfer_rows.parse_runs); device rows "
                           f"random; limits: best of {self.args.limit_trials} trials; rows: mean "

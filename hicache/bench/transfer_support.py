@@ -6,7 +6,8 @@ per case x pattern x impl x direction, a column per CTA budget) and the GB/s-per
 """
 from __future__ import annotations
 
-from hicache.bench.plotting import pyplot
+from hicache.core.plotting import pyplot
+from hicache.bench.flags import say
 
 import argparse
 import sys
@@ -18,10 +19,6 @@ from hicache.kernels.tables import TokenFormat
 # row sizes of the DSV4 cases: C4 page row (MLA format, 64 tokens), SWA page row, C4
 # compress-state row, one 584-B contiguous token (value + scale)
 C4_ROW, SWA_ROW, STATE_ROW, TOKEN584 = 37_440, 149_760, 65_536, 584
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def staged_variants() -> list:
@@ -43,7 +40,7 @@ def _triton_version() -> str:
         return "missing"
 
 
-def _pinned(nbytes: int):
+def _pinned(nbytes: int) -> tuple[Any, str]:
     """Pinned host bytes: registered torch CPU memory (exact size), else torch's pinned allocator."""
     import torch
 
@@ -56,7 +53,7 @@ def _pinned(nbytes: int):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "torch pin_memory"
 
 
-def _unpin(t) -> None:
+def _unpin(t: Any) -> None:
     import torch
 
     if getattr(t, "_hicache_registered", False):
@@ -79,7 +76,7 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
     note = "no CUDA device: timed the torch reference path on small data; GPU figures need a GPU"
-    _log(note)
+    say(note)
 
     def layers(n_rows: int, rb: int) -> list:
         return [torch.randint(0, 256, (n_rows, rb), dtype=torch.uint8, generator=g)
@@ -107,7 +104,7 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
                         [Write("src", "dst", si, di, rb, fmt)])
             nbytes = n * L * (fmt.token_bytes if fmt else rb)
             gbps = nbytes / secs / 1e9
-            _log(f"{case:<26} {pattern:<6} reference  host->host  {gbps:6.2f} GB/s  "
+            say(f"{case:<26} {pattern:<6} reference  host->host  {gbps:6.2f} GB/s  "
                  f"{'ok' if bad is None else 'WRONG: ' + bad}")
             row = {"case": case, "pattern": pattern, "mean_run_rows": round(mean_run(di), 2),
                    "path": path, "direction": "h2h", "ctas": None, "impl": "reference",
@@ -171,7 +168,6 @@ def print_table(result: dict[str, Any], file: Any = None) -> None:
 
 def plot(result: dict[str, Any], path: str) -> str:
     plt = pyplot()
-    assert plt is not None  # check_args refused --plot without matplotlib
     series: dict[tuple, list[tuple[int, float]]] = {}
     for r in result["rows"]:
         if r["ctas"] is None or r["ratio_to_limit"] is None:
@@ -180,7 +176,7 @@ def plot(result: dict[str, Any], path: str) -> str:
         series.setdefault(key, []).append((r["ctas"], r["ratio_to_limit"]))
     if not series:
         msg = "no GPU rows to plot (CPU run): no plot written"
-        _log(msg)
+        say(msg)
         return msg
     fig, axes = plt.subplots(1, 3, figsize=(18, 6), sharey=True)
     for ax, d in zip(axes, ("d2h", "h2d", "both")):
@@ -198,5 +194,5 @@ def plot(result: dict[str, Any], path: str) -> str:
     axes[0].set_ylabel("GB/s / limit")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _log(f"plot written to {path}")
+    say(f"plot written to {path}")
     return path

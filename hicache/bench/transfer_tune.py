@@ -38,7 +38,8 @@ def tune(bench: Any) -> None:
         w = Write("dev" if d2h else "host", "host" if d2h else "dev", si, dd, C4_ROW, fmt)
         for cfg in (T.TokensConfig(128, 16), T.TokensConfig(128, 32), T.TokensConfig(256, 32),
                     T.TokensConfig(64, 32)):
-            def move(c: int, cfg=cfg, src=src, dst=dst, si=si, dd=dd) -> None:
+            def move_tokens(c: int, cfg: Any = cfg, src: Any = src, dst: Any = dst,
+                            si: Any = si, dd: Any = dd) -> None:
                 with torch.cuda.stream(stream):
                     T.launch_tokens(src.table(dev), dst.table(dev), si, dd, fmt, num_layers=L,
                                     src_stride=C4_ROW, dst_stride=C4_ROW, align=16, ctas=c,
@@ -48,7 +49,7 @@ def tune(bench: Any) -> None:
                     "impl": f"zc T{cfg.tokens} w{cfg.num_warps}"}
             for ctas in (2, 4, 8):
                 bench.tune.append(bench._guarded(meta, lambda: bench.measure(
-                    meta, [move], [stream], [w], n * L * fmt.token_bytes, ctas)))
+                    meta, [move_tokens], [stream], [w], n * L * fmt.token_bytes, ctas)))
     for row_bytes, n in ((C4_ROW, 512), (SWA_ROW, 256)):
         dev_t, host_t = bench._table(False, row_bytes), bench._table(True, row_bytes)
         dev_idx = torch.randperm(dev_t.rows, generator=torch.Generator().manual_seed(4))[:n]
@@ -60,7 +61,8 @@ def tune(bench: Any) -> None:
             si, dd = (di, host_idx) if d2h else (host_idx, di)
             w = Write("dev" if d2h else "host", "host" if d2h else "dev", si, dd, row_bytes)
             for cfg in staged_variants():
-                def move(c: int, cfg=cfg, src=src, dst=dst, si=si, dd=dd) -> None:
+                def move_staged(c: int, cfg: Any = cfg, src: Any = src, dst: Any = dst,
+                                si: Any = si, dd: Any = dd) -> None:
                     with torch.cuda.stream(stream):
                         S.copy_rows_staged(src, dst, si, dd, host_idx, runs, ctas=c, cfg=cfg)
                 r = cfg.rows
@@ -71,4 +73,4 @@ def tune(bench: Any) -> None:
                                 f"dma{cfg.dma_streams} g{r.pieces}w{r.num_warps}"}
                 for ctas in (2, 4):
                     bench.tune.append(bench._guarded(meta, lambda: bench.measure(
-                        meta, [move], [stream], [w], n * L * row_bytes, ctas)))
+                        meta, [move_staged], [stream], [w], n * L * row_bytes, ctas)))

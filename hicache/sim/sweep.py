@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from hicache.core.errors import UsageError
 from hicache.core.planner import human_bytes, parse_size
+from hicache.core.plotting import check_plot, pyplot
 from hicache.sim.dry import DryReplay
 from hicache.sim.replay import WorkerConfig
 from hicache.sim.sizing import host_tier_rows
@@ -33,18 +34,6 @@ def _sizes(text: str) -> list[int]:
     if not sizes or min(sizes) <= 0:
         raise UsageError(f"--sweep-host needs positive sizes, e.g. 32GiB,64GiB; got {text!r}")
     return sorted(set(sizes))
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--plot needs matplotlib, which is not installed: "
-                         "pip install 'hicache[plot]' (or run the sweep without --plot)") from None
-    return plt
 
 
 def _dry(cfg: WorkerConfig, reqs: list, host: bool = True) -> dict[str, Any]:
@@ -92,7 +81,7 @@ def sweep(cfg: WorkerConfig, reqs: list, sizes: list[int], pages_per_ckpt: int,
 
 
 def plot(result: dict[str, Any], path: str, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
     sizes = sorted({r["host_mem"] for r in result["rows"]})
     x = [s / GIB for s in sizes]
@@ -136,8 +125,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def run_sweep(args: argparse.Namespace, reqs: list, cfg: WorkerConfig, what: str) -> int:
     sizes = _sizes(args.sweep_host)
-    if args.plot:
-        _pyplot()  # refuse before the sweep runs
+    check_plot(args.plot)  # refuse before the sweep runs
     print(f"[demo] sweeping {len(sizes)} host sizes over {what} (dry)", file=sys.stderr)
     t0 = time.monotonic()
 

@@ -9,12 +9,15 @@ docs/sglang.md.
 
 Importing this package does not import SGLang; ``install`` does.
 """
+from typing import Any
+
 from hicache.engine.sglang.version import SUPPORTED_SGLANG, UnsupportedSglang, check_sglang_version
 
 __all__ = ["SUPPORTED_SGLANG", "UnsupportedSglang", "check_sglang_version", "install"]
 
 
-def install(*args, **kwargs):  # noqa: ANN002, ANN003 - see assembler_patch.install
+def install(*args: Any, **kwargs: Any) -> Any:
+    """``assembler_patch.install`` (imported here only when called: it imports SGLang)."""
     from hicache.engine.sglang.assembler_patch import install as _install
 
     return _install(*args, **kwargs)
