@@ -60,6 +60,12 @@ def _pages(indices: torch.Tensor, page: int, what: str) -> list[int]:
     return rows.tolist()
 
 
+def _token_ids(rows: list[int], page: int) -> torch.Tensor:
+    """The token indices SGLang gives out for host page ``rows``: ``page`` per row, in order."""
+    r = torch.tensor(rows, dtype=torch.int64)
+    return (r[:, None] * page + torch.arange(page)).reshape(-1)
+
+
 def _refuse(name: str) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise HostBytesElsewhere(f"{type(self).__name__}.{name}: host bytes live in the hicache "
@@ -89,6 +95,17 @@ class _DaemonPoolMixin:
         self.start_layer, self.end_layer = 0, spec.num_layers
         self._loads: dict[tuple[int, int], Op] = {}
         self._load_lock = threading.Lock()
+
+    def _init_host(self, layout: str, gpu_device: Any) -> None:
+        """What SGLang's host pool attributes say of a pool whose bytes live in the daemon:
+        its rows (the daemon's capacity), no host buffer of its own, no JIT copy kernels."""
+        self.num_host_pages = self.link.capacity(self.space)
+        self.size = self.num_host_pages * self.page_size
+        self.dtype, self.device, self.pin_memory, self.layout = torch.uint8, "cpu", False, layout
+        self.gpu_device = gpu_device
+        self.lock = threading.RLock()
+        self.kv_buffer, self.data_refs, self.data_ptrs, self.staging_buffer = None, [], None, None
+        self.can_use_jit = self.can_use_write_back_jit = False
 
     def _items(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
                to_device: bool) -> dict[str, tuple]:
@@ -183,8 +200,7 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
             rows = link.alloc("page", need_size // page)
             if rows is None:
                 return None
-            r = torch.tensor(rows, dtype=torch.int64)
-            return (r[:, None] * page + torch.arange(page)).reshape(-1)
+            return _token_ids(rows, page)
 
         def free(self, indices: torch.Tensor) -> int:
             if indices.numel() == 0:
@@ -212,14 +228,8 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
             self.pool_name, self.item_bytes, self.size_per_token = pool_name, item_bytes, item_bytes
             self.page_aligned_only = True
             self.slot_page_size = self.page_size = page
-            self.num_host_pages = link.capacity(self.space)
-            self.size = self.num_host_pages * page
-            self.dtype, self.device, self.pin_memory, self.layout = torch.uint8, "cpu", False, layout
             self.device_buffers = device_buffers
-            self.gpu_device = device_buffers[0].device
-            self.lock = threading.RLock()
-            self.kv_buffer, self.data_refs, self.data_ptrs, self.staging_buffer = None, [], None, None
-            self.can_use_jit = self.can_use_write_back_jit = False
+            self._init_host(layout, device_buffers[0].device)
 
         def clear(self) -> None:
             if self.space == "swa_page":  # SGLang forgot every host node: their rows go back
@@ -234,8 +244,7 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
             rows = link.alloc("swa_page", -(-need_size // page))
             if rows is None:
                 return None
-            r = torch.tensor(rows, dtype=torch.int64)
-            return (r[:, None] * page + torch.arange(page)).reshape(-1)
+            return _token_ids(rows, page)
 
         def free(self, indices: torch.Tensor) -> int:
             if self.space != "swa_page":
@@ -264,13 +273,7 @@ def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:
             self.swa_page_size = self.page_size = page
             self.ring_size, self.state_page_bytes = spec.ring, spec.page_bytes
             self.size_per_token = spec.page_bytes
-            self.num_host_pages = link.capacity(self.space)
-            self.size = self.num_host_pages * page
-            self.dtype, self.device, self.pin_memory, self.layout = torch.uint8, "cpu", False, layout
-            self.gpu_device = state_pools[0].kv_score_buffer.kv_score.device
-            self.lock = threading.RLock()
-            self.kv_buffer, self.data_refs, self.data_ptrs, self.staging_buffer = None, [], None, None
             self.device_page_views = link.stage.layers[self.ours]
-            self.can_use_jit = self.can_use_write_back_jit = False
+            self._init_host(layout, state_pools[0].kv_score_buffer.kv_score.device)
 
     return DaemonAnchorPool, DaemonPagedHostPool, DaemonStateHostPool
