@@ -363,11 +363,33 @@ def run(args: argparse.Namespace) -> int:
     if args.ops < 10 or args.warmup < 0 or not 1 <= args.rounds <= 50:
         raise UsageError("--ops at least 10, --warmup at least 0, --rounds 1..50")
     rounds = max(1, int(args.rounds))
+    runs, per_round, alloc_run = _measure(args, counts, rounds)
+    rows = [_pooled(runs[("daemon", n)]) for n in counts]
+    echo = [_pooled(runs[("echo", n)]) for n in counts if ("echo", n) in runs]
+    backup_new = {**_stats(alloc_run),
+                  "round_trips_per_op": round(alloc_run["trips"] / len(alloc_run["lat"]), 3),
+                  "failed": alloc_run["bad"]}
+    report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us,
+              "rounds": rounds, "rows": rows, "echo": echo, "targets": TARGETS,
+              "anchor_echo": ANCHOR_ECHO, "vs_echo": _vs_echo(rows, echo),
+              "vs_echo_rounds": _spread(per_round, counts), "backup_new": backup_new}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report, args)
+    return 0
+
+
+def _measure(args: argparse.Namespace, counts: list[int], rounds: int
+             ) -> tuple[dict[tuple[str, int], list[dict[str, Any]]], list[dict[str, Any]],
+                        dict[str, Any]]:
+    """Every timed run: (runs per (daemon or echo, clients), each round's daemon / echo
+    ratios, the ``backup_new`` run); the daemon and the echo server are stopped and their
+    folder removed on the way out, whatever happens."""
     tmp = tempfile.mkdtemp(prefix="hcb-", dir="/tmp")
     os.chmod(tmp, 0o700)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     per_round: list[dict[str, Any]] = []
-    alloc_run: dict[str, Any] | None = None
     proc = srv = None
     try:
         address, eaddr = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
@@ -414,19 +436,11 @@ def run(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.stop(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [_pooled(runs[("daemon", n)]) for n in counts]
-    echo = [_pooled(runs[("echo", n)]) for n in counts if ("echo", n) in runs]
-    assert alloc_run is not None
-    backup_new = {**_stats(alloc_run),
-                  "round_trips_per_op": round(alloc_run["trips"] / len(alloc_run["lat"]), 3),
-                  "failed": alloc_run["bad"]}
-    report = {"bench": "control", "cpus": os.cpu_count(), "spin_us": args.spin_us,
-              "rounds": rounds, "rows": rows, "echo": echo, "targets": TARGETS,
-              "anchor_echo": ANCHOR_ECHO, "vs_echo": _vs_echo(rows, echo),
-              "vs_echo_rounds": _spread(per_round, counts), "backup_new": backup_new}
-    if args.json:
-        print(json.dumps(report))
-        return 0
+    return runs, per_round, alloc_run
+
+
+def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    rows, echo, rounds = report["rows"], report["echo"], report["rounds"]
     print(f"hicache bench control: backups of one c128_kv row per C128 layer, CPU mode, "
           f"{args.ops} timed ops per client per round, {rounds} rounds (daemon and echo "
           f"alternate), {os.cpu_count()} CPUs, daemon spin {args.spin_us:g} us")
@@ -462,4 +476,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"  backup_new (BACKUP that allocates its host row), 1 client: p50 {b['p50_us']:.1f} "
           f"us, p99 {b['p99_us']:.1f} us, {b['round_trips_per_op']:g} round trip(s) per "
           f"backup, {b['failed']} failed")
-    return 0
