@@ -63,3 +63,29 @@ def test_an_interrupted_start_leaves_no_daemon_and_no_directory():
     finally:
         stop.set()
         d.close()
+
+
+def test_the_callers_exported_settings_do_not_reach_its_daemon(tmp_path, monkeypatch):
+    """An operator's exported ``HICACHE_*`` settings or settings file used to reach the
+    daemons the demo and the benches start with flags of their own, and refuse them (a file's
+    ``pp_size = 4`` made the demo's daemon serve a quarter of the model). Only ``env`` passes
+    settings now; variables that something else reads stay."""
+    from hicache.core.config import without_serve_settings
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text('pp_size = 4\nhost_mem = "10TiB"\n')
+    shell = {"HICACHE_CONFIG_FILE": str(toml), "HICACHE_MAX_RUNNING": "128",
+             "HICACHE_HOST_MEMM": "1G", "HICACHE_BIND_ADDR": "127.0.0.1", "HOME": "/root"}
+    assert without_serve_settings(shell) == {"HICACHE_BIND_ADDR": "127.0.0.1", "HOME": "/root"}
+    for k, v in shell.items():
+        monkeypatch.setenv(k, v)
+    d = DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=ROWS,
+                      env={"HICACHE_INLINE_MAX_BYTES": "1"})
+    assert not {"HICACHE_CONFIG_FILE", "HICACHE_MAX_RUNNING", "HICACHE_HOST_MEMM"} & set(d.env)
+    assert d.env["HICACHE_INLINE_MAX_BYTES"] == "1" and d.env["HICACHE_BIND_ADDR"] == "127.0.0.1"
+    with d:  # it starts; with the shell's settings it was refused
+        c = d.client(name="env")
+        try:
+            assert c.heartbeat()["pid"] == d.pid
+        finally:
+            c.close()

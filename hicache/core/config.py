@@ -343,6 +343,16 @@ OTHER_ENV: dict[str, str] = {
 }
 
 
+def without_serve_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without what ``hicache serve`` would read as its settings: every ``HICACHE_*``
+    setting, ``HICACHE_CONFIG_FILE`` and any other ``HICACHE_*`` name it would refuse (the
+    variables in ``OTHER_ENV``, read by something else, stay). For a program that starts a
+    daemon with settings of its own (the demo, the benches): an operator's exported settings
+    or file must not change or refuse that daemon."""
+    return {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)
+            or (k in OTHER_ENV and k != "HICACHE_CONFIG_FILE")}
+
+
 def check_env(env: Mapping[str, str]) -> None:
     """Refuse a ``HICACHE_*`` variable that names no setting and nothing in ``OTHER_ENV``: a
     misspelled setting would otherwise be ignored. One line, naming the nearest known name."""

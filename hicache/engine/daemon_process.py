@@ -3,7 +3,9 @@
 Contract of ``DaemonProcess``:
 
 * The constructor only builds the command line (``python -m hicache.cli serve ...``) from its
-  arguments and the environment (``os.environ`` + ``env``, with this checkout first on
+  arguments and the environment (``os.environ`` without ``serve``'s settings, which the caller
+  gives as arguments: no ``HICACHE_*`` setting or ``HICACHE_CONFIG_FILE`` of the caller's
+  shell reaches the daemon unless ``env`` names it; then ``env``, with this checkout first on
   ``PYTHONPATH``); nothing runs yet. With ``address=None`` it makes a private 0700 directory
   under /tmp (ipc paths are limited to ~100 bytes) and serves on ``ipc://<dir>/d.sock``;
   ``close()`` removes that directory.
@@ -46,6 +48,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
+from hicache.core.config import without_serve_settings
 from hicache.core.errors import UsageError
 
 REFUSAL = "hicache serve: error: "  # how serve's one-line refusals begin (exit status 2)
@@ -106,7 +109,7 @@ class DaemonProcess:
         if exit_with_parent:
             self.cmd += ["--parent-pid", str(os.getpid())]
         self.cmd += list(extra)
-        self.env: dict[str, str] = dict(os.environ)
+        self.env: dict[str, str] = without_serve_settings(os.environ)
         self.env.update(env or {})
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), self.env.get("PYTHONPATH")) if p)
