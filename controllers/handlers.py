@@ -252,7 +252,19 @@ def _ack_size(ack: dict[str, Any]) -> int:
 def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Open this client's shared-memory command channel (``hicache.core.channel``): a sealed
     memfd, handed over on the daemon's descriptor socket, and its wake-up socket (mode 0600 in
-    the first shm directory). A client that has one open gets the same one offered again."""
+    the first shm directory). A client that has one open gets the same one offered again. A
+    channel that cannot be granted is refused ``unsupported``, or, for an ``optional`` request
+    (what ``Client.register`` sends unless a channel is required), answered ``{"declined":
+    why}``: the client's normal way to ZMQ, so no refused command is counted for it."""
+    try:
+        return _open_channel(st, c)
+    except ProtocolError as e:
+        if e.code != "unsupported" or not h.get("optional"):
+            raise
+        return {"declined": e.message}, []
+
+
+def _open_channel(st: DaemonState, c: ClientState) -> Reply:
     why = supported()
     if why is None and not st.spin_us:
         why = ("this daemon sleeps between requests (--spin-us 0), where a channel saves "

@@ -366,7 +366,7 @@ def test_a_channel_reply_has_the_declared_fields(spinning) -> None:
     d, pools = spinning
     with _clients(d, pools, {"channel": False}) as (c,):
         h = c.call("channel")[0]
-        assert set(h) - {"v", "k", "id", "ok"} == set(P.COMMANDS["channel"].reply), h
+        assert set(h) - {"v", "k", "id", "ok"} == set(P.COMMANDS["channel"].reply) - {"declined"}, h
         C.ClientEnd.open(h).chan.close()  # it opens
 
 
@@ -545,19 +545,35 @@ def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
         assert not os.listdir(deep)  # nothing left behind
 
 
+def _refusals(c: Any) -> tuple[float, float]:
+    """(refused ``channel`` commands, ``unsupported`` errors) in the daemon's metrics."""
+    m = c.stats()["metrics"]
+    return (next(s["value"] for s in m["hicache_commands_total"]
+                 if s["labels"] == {"command": "channel", "status": "error"}),
+            next(s["value"] for s in m["hicache_errors_total"]
+                 if s["labels"] == {"kind": "unsupported"}))
+
+
 def test_a_sleeping_daemon_refuses_channels() -> None:
+    """A sleeping daemon grants no channel: a client that only prefers one is told why
+    (declined: no refused command is counted, where every engine's start used to count one
+    as an error); one made with ``channel=True`` is refused, counted, and registers nothing."""
     layout = build_layout(preset("dsv4-tiny"))
     with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS) as d, \
             DevicePools(layout, ROWS, device="cpu") as pools:
         c = d.client()
         c.register(pools)
         assert not c.uses_channel and "--spin-us 0" in c.channel_refused
+        assert _refusals(c) == (0, 0)
+        assert c.call("channel", {"optional": True})[0]["declined"] == c.channel_refused
+        assert _refusals(c) == (0, 0)
         c.unregister()
         c.close()
         strict = d.client(channel=True)
         with pytest.raises(CommandRefused, match="--spin-us 0"):
             strict.register(pools)
         assert strict.stats()["workers"] == 0  # refused before registering anything
+        assert _refusals(strict) == (1, 1)
         strict.close()
 
 

@@ -77,10 +77,11 @@ _TABLE: tuple[Command, ...] = (
             "zero request slots, or apply the MTP draft rule to their state rings"),
     Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
             ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
-    Command("channel", {}, ("fds", "request_bytes", "reply_bytes", "token", "wake"), False,
+    Command("channel", {"optional": ("bool", False)},
+            ("fds", "request_bytes", "reply_bytes", "token", "wake", "declined"), False,
             "channel", "open a shared-memory command channel (a local client): requests and "
             "replies through a sealed memfd both map, the daemon woken through a Unix datagram "
-            "socket"),
+            "socket; an optional request it cannot grant is declined, not refused"),
     Command("stats", {"check": ("bool", False)},
             ("device", "clients", "workers", "in_flight", "merged_ops", "spin_us", "channels",
              "gpu_sharing", "host", "pending_free", "metrics", "l3", "kv_store", "invariants"),

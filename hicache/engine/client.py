@@ -235,10 +235,13 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         why = supported()
         if why is None:
             try:
-                h, _ = self.call("channel", timeout=timeout)
+                h, _ = self.call("channel", {"optional": True} if not self._want_channel
+                                 else None, timeout=timeout)
             except CommandRefused as e:
                 why = e.message
             else:
+                why = h.get("declined")
+            if why is None:
                 try:
                     self._chan = ClientEnd.open(h)
                 except (OSError, ValueError, KeyError) as e:
