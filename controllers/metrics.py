@@ -42,6 +42,7 @@ from prometheus_client.utils import floatToGoString
 # label values known in advance (series exist at 0 from start-up)
 DIRECTIONS = ("backup", "load", "swap_out", "swap_in", "clear_slot")
 STATUSES = ("ok", "error")
+OP_STATUSES = (*STATUSES, "cancelled")  # a transfer of a reaped client: neither done nor failed
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
 FLUSH_AT = 1024  # queued command / transfer records applied at once by the recording thread
@@ -69,7 +70,8 @@ CATALOG: tuple[MetricDef, ...] = (
               "Are copies running near the PCIe / memory-copy limit? (rate(transfer_bytes) / "
               "rate(transfer_busy_seconds) = bytes per busy second)"),
     MetricDef("transfer_ops", "counter", ("direction", "status"),
-              "Transfer operations completed, by direction and status (ok | error).",
+              "Transfer operations completed, by direction and status (ok | error | cancelled: "
+              "its client was reaped; not an error).",
               "How many backups, loads, swaps and clears ran, and how many failed?"),
     MetricDef("transfer_seconds", "histogram", ("direction",),
               "Seconds from accepting an operation to its completion (queueing included).",
@@ -83,7 +85,8 @@ CATALOG: tuple[MetricDef, ...] = (
     # --- host pools
     MetricDef("host_rows", "gauge", ("space", "state"),
               "Host rows per index space by state: used, free, pending_free (freed by the client "
-              "while an operation still used them).",
+              "while an operation still used them, or held by a client's release until its "
+              "copies end; not free yet).",
               "How full is the host tier, and is anything stuck waiting to be freed?"),
     MetricDef("host_free_runs", "gauge", ("space",),
               "Runs of consecutive free host rows per index space (freed rows coalesce).",
@@ -133,7 +136,8 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("clients_connected", "gauge", (),
               "Clients the daemon currently tracks (seen and not reaped or unregistered; a peer "
               "that only asked for `stats`, such as `hicache stats`, is forgotten as it is "
-              "answered).",
+              "answered; one that only sent heartbeats, such as a launcher's readiness probe, "
+              "counts until the heartbeat timeout).",
               "How many engine processes talk to this daemon?"),
     MetricDef("workers_registered", "gauge", (),
               "Clients with registered device pools.",
@@ -254,7 +258,7 @@ class Metrics:
         # command / transfer records not yet applied (appends and poplefts are atomic)
         self._queue: deque[tuple] = deque()
         self._http: Any = None
-        self._zero("transfer_ops", DIRECTIONS, STATUSES)
+        self._zero("transfer_ops", DIRECTIONS, OP_STATUSES)
         self._zero("transfer_path_ops", DIRECTIONS, PATHS)
         self._zero("transfer_busy_seconds", DIRECTIONS)
         self._zero("commands", (*COMMANDS, "invalid"), STATUSES)
@@ -323,11 +327,13 @@ class Metrics:
         if len(q) >= FLUSH_AT:
             self.flush()
 
-    def transfer(self, direction: str, ok: bool, seconds: float, exec_seconds: float,
+    def transfer(self, direction: str, status: str, seconds: float, exec_seconds: float,
                  per_pool: dict[str, tuple[int, int]], path: str) -> None:
-        """One completed op: per_pool = {pool: (rows, bytes)} (queued; see ``flush``)."""
+        """One completed op (``status`` one of ``OP_STATUSES``): per_pool = {pool: (rows,
+        bytes)}, counted only when it succeeded; a failed one counts as an error, a cancelled
+        one only in ``transfer_ops`` (queued; see ``flush``)."""
         q = self._queue
-        q.append((direction, ok, seconds, exec_seconds, per_pool, path))
+        q.append((direction, status, seconds, exec_seconds, per_pool, path))
         if len(q) >= FLUSH_AT:
             self.flush()
 
@@ -357,11 +363,13 @@ class Metrics:
                         ek = (code or "internal",)
                         errs[ek] = errs.get(ek, 0.0) + 1
                 else:
-                    direction, ok, seconds, exec_seconds, per_pool, path = r
-                    okey = (direction, "ok" if ok else "error")
+                    direction, status, seconds, exec_seconds, per_pool, path = r
+                    okey = (direction, status)
                     ops[okey] = ops.get(okey, 0.0) + 1
                     hist, hkey = xfer_h, (direction,)
-                    if not ok:
+                    if status == "cancelled":
+                        continue  # no latency, no bytes: it did not run to its end
+                    if status != "ok":
                         errs[("transfer",)] = errs.get(("transfer",), 0.0) + 1
                     else:
                         for pool, (rows, nbytes) in per_pool.items():

@@ -119,6 +119,7 @@ class Operation:
     busy_share: float = 1.0  # of its run's time, what it adds to busy seconds (merged runs)
     ok: bool = True
     error: str | None = None
+    cancelled: bool = False  # failed because its client was reaped (not counted as an error)
     path: str = ""
     done_event: Any = None
     rest: Any = None  # GPU load: the launch groups left to issue after the reply (a generator)

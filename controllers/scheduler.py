@@ -221,6 +221,7 @@ def _failed(ops: list[Operation], e: Exception) -> None:
         log.error("operation %s failed: %s", [op.op_id for op in ops], e)
     for op in ops:
         op.ok, op.error = False, f"{type(e).__name__}: {e}"
+        op.cancelled = isinstance(e, Cancelled)
 
 
 # ----------------------------------------------------------------------------- the scheduler

@@ -318,7 +318,8 @@ class DaemonState:
         self.outbox.append((c, op.ack()))
 
     def _account(self, op: Operation) -> None:
-        self.metrics.transfer(op.kind, op.ok, op.t_end - op.t_submit,
+        status = "ok" if op.ok else "cancelled" if op.cancelled else "error"
+        self.metrics.transfer(op.kind, status, op.t_end - op.t_submit,
                               (op.t_end - op.t_start) * op.busy_share, op.per_pool(),
                               op.path or "none")
 

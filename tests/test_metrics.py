@@ -36,8 +36,9 @@ def test_recording_and_exposition_round_trip():
     m = Metrics()
     m.command("backup", True, 3e-5)
     m.command("backup", False, 2e-3, "bad_rows")
-    m.transfer("load", True, 0.01, 0.004, {"c4_kv": (4, 4 << 20), "c128_kv": (4, 8192)}, "numpy")
-    m.transfer("backup", False, 0.01, 0.01, {"c4_kv": (1, 10)}, "numpy")
+    m.transfer("load", "ok", 0.01, 0.004, {"c4_kv": (4, 4 << 20), "c128_kv": (4, 8192)}, "numpy")
+    m.transfer("backup", "error", 0.01, 0.01, {"c4_kv": (1, 10)}, "numpy")
+    m.transfer("backup", "cancelled", 0.5, 0.5, {"c4_kv": (9, 90)}, "numpy")  # a reaped client's
     m.set("host_rows", 7, "page", "used")
     m.in_flight("load", 2)
     m.in_flight("load", -1)
@@ -48,7 +49,13 @@ def test_recording_and_exposition_round_trip():
     assert cmds == {("backup", "ok"): 1.0, ("backup", "error"): 1.0}
     errs = {s.labels["kind"]: s.value for s in fams["hicache_errors"].samples
             if s.name.endswith("_total") and s.value}
-    assert errs == {"bad_rows": 1.0, "transfer": 1.0}
+    assert errs == {"bad_rows": 1.0, "transfer": 1.0}  # a cancelled op is no error
+    ops = {(s.labels["direction"], s.labels["status"]): s.value
+           for s in fams["hicache_transfer_ops"].samples if s.name.endswith("_total") and s.value}
+    assert ops == {("load", "ok"): 1.0, ("backup", "error"): 1.0, ("backup", "cancelled"): 1.0}
+    xfer = {s.labels["direction"]: s.value for s in fams["hicache_transfer_seconds"].samples
+            if s.name.endswith("_count")}
+    assert xfer["load"] == 1.0 and xfer["backup"] == 1.0  # nor a latency
     by_pool = {s.labels["pool"]: s.value for s in fams["hicache_transfer_bytes"].samples
                if s.name.endswith("_total")}
     assert by_pool == {"c4_kv": float(4 << 20), "c128_kv": 8192.0}

@@ -130,7 +130,15 @@ def test_reaping_a_client_with_1gb_in_flight_keeps_others_served():
                 # the loop never waited for the drain: no call took anywhere near the copy time
                 assert x["max"] < 0.5 * x["took"], (x["max"], x["took"])
             inv = c.call("stats", {"check": True})[0]["invariants"]
-            step = [m for m in c.stats()["metrics"]["hicache_release_loop_step_seconds"]]
+            m = c.stats()["metrics"]
+            step = [s for s in m["hicache_release_loop_step_seconds"]]
+        # the reaped clients' cancelled copies are counted as cancelled, not as failed
+        # transfers (each reap used to add a thousand "errors" and failed backups)
+        ops = {(s["labels"]["direction"], s["labels"]["status"]): s["value"]
+               for s in m["hicache_transfer_ops_total"]}
+        errs = {s["labels"]["kind"]: s["value"] for s in m["hicache_errors_total"]}
+        assert ops[("backup", "cancelled")] >= KILLS and ops[("backup", "error")] == 0, ops
+        assert errs["transfer"] == 0, errs
         log = r.output()
         reaps = re.findall(r"operations still running \(([0-9.]+) GB\), cancelled", log)
         steps = re.findall(r"8192 host rows freed, device mappings closed, [0-9.]+ s after the reap; "
