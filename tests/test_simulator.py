@@ -12,7 +12,7 @@ from hicache.engine.hooks import ClientHooks, HostExhausted, HostUnavailable
 from hicache.core.layout import build_layout, preset
 from hicache.sim.page_content import PageContent
 from hicache.engine.radix import PAGE_TOKENS, RadixTree
-from hicache.sim.simulator import Worker, WorkerConfig
+from hicache.sim.simulator import DemoMetrics, Worker, WorkerConfig
 from hicache.sim.workload import Request, multi_turn
 
 TINY_ROWS = "page=16,swa_page=16,req_slot=4"
@@ -57,7 +57,8 @@ def test_worker_against_daemon_loads_and_verifies(daemon_factory, mirror):
     d = tiny_daemon(daemon_factory)
     with d.client(timeout=20) as c:
         cfg = WorkerConfig(device_pages=16, host_pages=64, preempt_every=5, mirror=mirror)
-        w = Worker(cfg, c)
+        metrics = DemoMetrics()
+        w = Worker(cfg, c, metrics)
         try:
             reqs = multi_turn(40, seed=2, system_pages=(2, 4), user_pages=(1, 2),
                               answer_pages=(1, 1), max_pages=14, active_sessions=6)
@@ -81,6 +82,11 @@ def test_worker_against_daemon_loads_and_verifies(daemon_factory, mirror):
         assert s["load_ops"] <= s["tree"]["host_hit_pages"] + ck["loaded"]
     assert s["state_swaps"] == 8 and s["state_swap_failures"] == 0
     assert r.verified_bytes >= s["bytes_loaded"]
+    # the dashboard's verification counters hold every check the summary does, the state
+    # swaps' too (they used to miss them: a corrupt swap never showed there)
+    m = metrics.registry.get_sample_value
+    assert m("hicache_demo_verified_bytes_total") == r.verified_bytes
+    assert m("hicache_demo_mismatched_bytes_total") == r.mismatched_bytes == 0
     w.tree.check()
 
 

@@ -290,16 +290,20 @@ class Worker(Replay):
                                        self._tail(end.depth))
             c2, b2 = self._compare(list(r.state_pools), [loc], [end.key], f"{what} states")
             checked, bad = checked + c1 + c2, bad + b1 + b2
+        self._verified(checked, bad)
+        if bad:
+            self.result.mismatched_pages += 1
+        return bad
+
+    def _verified(self, checked: int, bad: int) -> None:
+        """``checked`` bytes compared, ``bad`` of them wrong: in the result and the metrics."""
         res = self.result
         res.verified_bytes += checked
         res.mismatched_bytes += bad
-        if bad:
-            res.mismatched_pages += 1
         if self.metrics is not None:
             self.metrics.m["demo_verified_bytes"].inc(checked)
             if bad:
                 self.metrics.m["demo_mismatched_bytes"].inc(bad)
-        return bad
 
     def _after_run(self) -> None:
         if self.hooks is not None and self.hooks.l3:
@@ -367,8 +371,7 @@ class Worker(Replay):
                     bad += int((raw[others] != was[others]).sum().item())
         slots = 1 + (src != dst) + len(others)
         nbytes = sum(p.page_bytes * p.num_layers for p in self.slot_pools) * slots
-        self.result.verified_bytes += nbytes
-        self.result.mismatched_bytes += bad
+        self._verified(nbytes, bad)
         if bad and self.result.first_mismatch is None:
             self.result.first_mismatch = f"request {req.rid} state swap: {bad} bytes differ"
         self.result.state_swaps += 1
