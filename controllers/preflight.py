@@ -5,6 +5,9 @@ and a refusal here comes in a tenth of a second, not after torch loaded (~2 s). 
 this order, and raises ``UsageError`` (one line naming the setting) on the first that fails:
 
 * the served stage's sizing (``core.config.sizing``: model, stage, device and host rows);
+* the memory the daemon will take, its host arena and its L3 segment (``--l3-segment``)
+  together, against what the machine (or its container) has less a reserve
+  (``host_pools.memory``), led by the settings that asked for it;
 * the socket address (``ipc://`` or ``tcp://`` as ``--allow-remote`` and CURVE allow) and the
   CURVE keys (the secret key file is read; this libzmq must have CURVE);
 * a tcp address is free to bind (a probe bind, released at once);
@@ -21,7 +24,9 @@ from typing import Any
 
 from hicache.core.config import ServeConfig, Sizing, check_address, check_curve, default_socket, \
     sizing
-from hicache.core.errors import UsageError
+from hicache.core.errors import CapacityError, UsageError
+from hicache.core.sizes import arena_bytes, format_bytes
+from hicache.host_pools.memory import check_memory_for
 from hicache.host_pools.numa_node import online_nodes
 
 
@@ -36,12 +41,28 @@ class Preflight:
 
 def preflight(cfg: ServeConfig) -> Preflight:
     sized = sizing(cfg)
+    _check_memory(cfg, sized)
     address = cfg.socket or default_socket(cfg.device)
     curve = _curve_keys(cfg) if check_curve(cfg) else None
     ipc = check_address(address, cfg.allow_remote, curve is not None) == "ipc"
     if not ipc:
         _check_tcp_port(address)
     return Preflight(sized, address, ipc, curve, _numa_node(cfg))
+
+
+def _check_memory(cfg: ServeConfig, sized: Sizing) -> None:
+    """The host arena and the L3 segment must fit the machine's memory less the reserve; the
+    refusal names the settings that size them (``with_source`` then says where they came
+    from)."""
+    arena = arena_bytes(sized.layout, sized.host_rows)
+    segment = cfg.l3_segment if cfg.l3 != "off" else 0
+    try:
+        check_memory_for(arena + segment, pinned=cfg.device != "cpu")
+    except CapacityError as e:
+        host = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
+                else f"--host-ratio {cfg.host_ratio:g} (a host arena of {format_bytes(arena)})")
+        what = f"{host} and --l3-segment {format_bytes(segment)}" if segment else host
+        raise CapacityError(f"{what}: {e}") from None
 
 
 def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:

@@ -12,7 +12,7 @@ Contract:
   (cut preferably at ``cut_hints``, e.g. region starts, so no region spans two registrations).
   ``device_index=None`` is CPU mode: the same arena, not registered (unless a ``registrar``
   is given, which tests use to inject failures).
-* Refuses (``CapacityError``) sizes above available memory (psutil, and the memory cgroup's
+* Refuses (``CapacityError``, ``memory.check_memory_for``) sizes above available memory (psutil, and the memory cgroup's
   room) minus ``reserve_bytes``, saying how much is available; ``check_memory=False`` skips
   this for VMs whose RAM grows on use (their MemTotal starts below the real limit). Any registration failure unregisters the chunks already registered and
   unmaps before raising ``ArenaError`` with the driver's error.
@@ -34,11 +34,11 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import psutil
 import torch
 
 from .cuda_host import CudaHostRegistrar, HostRegistrar
-from .errors import ArenaError, CapacityError
+from .errors import ArenaError
+from .memory import check_memory_for
 from .numa_node import Placement, plan_placement
 from hicache.core.sizes import format_bytes
 
@@ -52,11 +52,6 @@ TOUCH_SLICE = 256 << 20  # progress granularity of a touching thread
 MIN_BYTES_PER_THREAD = 64 << 20
 MAX_DEFAULT_THREADS = 32
 ProgressFn = Callable[[str, int, int], None]  # (phase, done bytes, total bytes)
-
-
-def default_reserve(total: int) -> int:
-    """Memory left to the OS and the serving process: 1/32 of RAM, at least 1 GiB."""
-    return max(GiB, total // 32)
 
 
 def chunk_plan(nbytes: int, chunk_bytes: int, cuts: Sequence[int] = ()) -> list[tuple[int, int]]:
@@ -125,7 +120,7 @@ class PinnedArena:
         if device_index is not None and registrar is None:
             registrar = CudaHostRegistrar(device_index)
         if check_memory:  # first: a size no machine has is refused before it is planned
-            _check_memory(nbytes, reserve_bytes, pinned=registrar is not None)
+            check_memory_for(nbytes, reserve_bytes, pinned=registrar is not None)
         chunks = chunk_plan(_page_up(nbytes), chunk_bytes, cut_hints)
         placement = plan_placement(device_index, numa_node, nbytes)
         threads = touch_threads or _default_threads(placement, nbytes)
@@ -288,48 +283,6 @@ class PinnedArena:
 # ---------------------------------------------------------------------- helpers
 def _page_up(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
-
-
-def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes the memory cgroup still allows (v2, else v1), or ``None`` without a limit."""
-    for limit_f, usage_f in ((f"{root}/memory.max", f"{root}/memory.current"),
-                             (f"{root}/memory/memory.limit_in_bytes",
-                              f"{root}/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_f, encoding="ascii") as f:
-                limit = f.read().strip()
-            with open(usage_f, encoding="ascii") as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
-            return None
-        return max(0, int(limit) - usage)
-    return None
-
-
-def available_bytes() -> tuple[int, str]:
-    """``(bytes, what)``: the smaller of the OS's available memory and the cgroup's room."""
-    avail, what = int(psutil.virtual_memory().available), "of memory is available"
-    room = cgroup_room()
-    if room is not None and room < avail:
-        avail, what = room, "is left under this container's memory limit"
-    return avail, what
-
-
-def _check_memory(nbytes: int, reserve: int | None, pinned: bool = True) -> None:
-    """Refuse more than the machine has; the message says what the arena does with the memory:
-    pin it (registered) or, in CPU mode (nothing page-locked), allocate it."""
-    avail, what = available_bytes()
-    reserve = default_reserve(psutil.virtual_memory().total) if reserve is None else reserve
-    room = max(0, avail - reserve)
-    if nbytes > room:
-        verb, done = ("pin", "pinned") if pinned else ("allocate", "allocated")
-        raise CapacityError(
-            f"cannot {verb} {format_bytes(nbytes)}: {format_bytes(avail)} {what} and "
-            f"{format_bytes(reserve)} is kept in reserve, so at most {format_bytes(room)} "
-            f"can be {done}"
-        )
 
 
 def _default_threads(placement: Placement, nbytes: int) -> int:

@@ -285,6 +285,39 @@ def test_the_arena_says_allocate_in_cpu_mode_and_pin_on_a_gpu():
         PinnedArena(huge, None, registrar=object())  # type: ignore[arg-type]  # refused first
 
 
+def test_serve_refuses_a_host_tier_or_l3_segment_too_big_before_torch_naming_them(tmp_path):
+    """A host tier (or host tier and L3 segment) the machine cannot hold is refused by the
+    preflight, before torch loads, led by the settings that sized it and where they came from:
+    the refusal used to come from the arena after torch, naming no setting, and an
+    ``--l3-segment`` over the machine's memory was not checked at all (the daemon said "ready"
+    and Mooncake's set-up failed every 3 s)."""
+    import psutil
+
+    from hicache.core.sizes import format_bytes
+
+    big = format_bytes(psutil.virtual_memory().total * 2).replace(" ", "")
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'host_mem = "{big}"\n')
+    base = [sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu", "--preset",
+            "dsv4-tiny", "--device-rows", "page=8,swa_page=4,req_slot=4", "--socket",
+            f"ipc://{tmp_path}/d.sock"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    l3 = ["--l3", "mooncake", "--l3-master", "127.0.0.1:1", "--l3-metadata",
+          "http://127.0.0.1:1/metadata"]
+    for extra, env_add, lead, tail in (
+            ([], {"HICACHE_CONFIG_FILE": str(toml)}, f"--host-mem {big[:-3]} {big[-3:]}: ",
+             f" (from host_mem in config file {toml})"),
+            (["--host-mem", "1GiB", *l3, "--l3-segment", big], {},
+             f"--host-mem 1.00 GiB and --l3-segment {big[:-3]} {big[-3:]}: ", "")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, cwd=str(ROOT),
+                           env={**env, **env_add}, timeout=60)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r
+        msg = r.stderr.strip()
+        assert msg.startswith(f"hicache serve: error: {lead}cannot allocate ") and \
+            msg.endswith(f"can be allocated{tail}"), msg
+    assert not list(tmp_path.glob("*.sock*"))
+
+
 def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch, capsys):
     """A command whose module is not in the build has no flags; given some, it is still
     refused as missing, not with its flags called unrecognized."""

@@ -11,6 +11,7 @@ import torch
 
 from hicache.core.errors import UsageError
 from hicache.host_pools import arena as arena_mod
+from hicache.host_pools import memory as memory_mod
 from hicache.host_pools import numa_node
 from hicache.host_pools.arena import PAGE, PinnedArena, chunk_plan
 from hicache.host_pools.errors import ArenaError, CapacityError
@@ -126,15 +127,15 @@ def test_refuses_more_than_available():
 
 
 def test_cgroup_limit_counts(tmp_path, monkeypatch):
-    assert arena_mod.cgroup_room(str(tmp_path)) is None  # no cgroup files: no limit
+    assert memory_mod.cgroup_room(str(tmp_path)) is None  # no cgroup files: no limit
     (tmp_path / "memory.max").write_text("max\n")
     (tmp_path / "memory.current").write_text("100\n")
-    assert arena_mod.cgroup_room(str(tmp_path)) is None
+    assert memory_mod.cgroup_room(str(tmp_path)) is None
     (tmp_path / "memory.max").write_text(f"{64 * MiB}\n")
     (tmp_path / "memory.current").write_text(f"{60 * MiB}\n")
-    assert arena_mod.cgroup_room(str(tmp_path)) == 4 * MiB
-    monkeypatch.setattr(arena_mod, "cgroup_room", lambda: 4 * MiB)
-    assert arena_mod.available_bytes() == (4 * MiB, "is left under this container's memory limit")
+    assert memory_mod.cgroup_room(str(tmp_path)) == 4 * MiB
+    monkeypatch.setattr(memory_mod, "cgroup_room", lambda: 4 * MiB)
+    assert memory_mod.available_bytes() == (4 * MiB, "is left under this container's memory limit")
     with pytest.raises(CapacityError, match="container's memory limit"):
         PinnedArena(8 * MiB, None, reserve_bytes=0)
 

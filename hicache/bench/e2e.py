@@ -78,7 +78,7 @@ from hicache.core.sizes import arena_bytes, format_bytes, host_rows, used_spaces
 from hicache.engine.client import Client
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
-from hicache.host_pools.arena import available_bytes, default_reserve
+from hicache.host_pools.memory import available_bytes, default_reserve
 from hicache.host_pools.group import HostPoolGroup
 from hicache.kernels.tables import LayerTable
 from hicache.bench.device_order import PATTERNS, device_order

@@ -93,7 +93,8 @@ def _torch_pin(size: int, device_index: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache.host_pools.arena import PinnedArena, available_bytes, default_reserve
+    from hicache.host_pools.arena import PinnedArena
+    from hicache.host_pools.memory import available_bytes, default_reserve
     from hicache.core.sizes import format_bytes, parse_bytes
 
     size = parse_bytes(args.size)
