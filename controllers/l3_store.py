@@ -57,6 +57,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hicache.core.errors import UsageError
+from hicache.core.sizes import format_bytes
 
 from . import l3_format as F
 from .metrics import Metrics
@@ -245,8 +246,9 @@ class MooncakeL3:
         rc = store.setup(s.local_host, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol,
                          s.rdma_devices, s.master)
         if rc != 0:
-            log.warning("L3: setup against master %s / metadata %s failed (code %s); retrying",
-                        s.master, s.metadata, rc)
+            log.warning("L3: setup against master %s / metadata %s, mounting a segment of %s "
+                        "(--l3-segment), failed (Mooncake's code %s); retrying", s.master,
+                        s.metadata, format_bytes(s.segment_bytes), rc)
             self.state = "offline"
             try:
                 store.close()
