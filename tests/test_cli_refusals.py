@@ -417,6 +417,42 @@ def test_stats_and_clients_refuse_the_variables_serve_refuses(env, msg, capsys, 
     assert one_line_exit_2(["stats"], capsys) == msg
 
 
+def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkeypatch):
+    """``stats`` looks where ``serve`` listens: the socket (or the device's default socket) of
+    the settings file, from ``--config-file`` or ``HICACHE_CONFIG_FILE``, under the
+    ``HICACHE_*`` variables as ``serve`` merges them. It used to read the variables only, and
+    a daemon set up through the documented file looked "not running"."""
+    from hicache.cli import main
+    from hicache.core.config import default_socket, served_address
+
+    for k in ("HICACHE_SOCKET", "HICACHE_DEVICE", "HICACHE_CONFIG_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    sock, dev = tmp_path / "s.toml", tmp_path / "d.toml"
+    sock.write_text(f'[serve]\nsocket = "ipc://{tmp_path}/d.sock"\ndevice = "cuda:3"\n')
+    dev.write_text('device = "cuda:1"\nhost_mem = "1GiB"\n')
+    assert served_address(str(sock)) == f"ipc://{tmp_path}/d.sock"
+    assert served_address(str(dev)) == default_socket("cuda:1")
+    assert served_address(str(dev), {"HICACHE_DEVICE": "cuda:2"}) == default_socket("cuda:2")
+    assert served_address(None, {"HICACHE_CONFIG_FILE": str(sock),
+                                 "HICACHE_SOCKET": "ipc:///x.sock"}) == "ipc:///x.sock"
+    assert served_address(None, {}) == default_socket("cpu")
+    for argv, env in ((["stats", "--config-file", str(sock)], {}),
+                      (["stats"], {"HICACHE_CONFIG_FILE": str(sock)})):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert main(argv) == 1  # asked the file's socket: nothing there
+        assert capsys.readouterr().err == f"hicache stats: no socket at {tmp_path}/d.sock (is " \
+                                          "the daemon running?)\n"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('device = "gpu"\n')
+    monkeypatch.delenv("HICACHE_CONFIG_FILE")
+    assert one_line_exit_2(["stats", "--config-file", str(bad)], capsys) == (
+        f"hicache stats: error: --device must be 'cpu' or 'cuda:N', got 'gpu' (from device in "
+        f"config file {bad})")
+    assert "give one of --socket" in one_line_exit_2(
+        ["stats", "--config-file", str(bad), "--device", "cpu"], capsys)
+
+
 @pytest.mark.parametrize("flags, env, msg", [
     ({"host_ratio": "2"}, {"HICACHE_PP_SIZE": "100"},
      "--pp-size: pp size 100 is larger than the 6 layers (from HICACHE_PP_SIZE)"),

@@ -1,9 +1,11 @@
 """``hicache stats``: what a running daemon holds, for an operator.
 
-``hicache stats [--socket ADDR | --device DEV] [--check] [--json] [--timeout S]
-[--curve-server-key F --curve-secret-key F]`` asks the
-daemon on ``ADDR`` (default: ``HICACHE_SOCKET``, else the default socket of ``--device``, itself
-defaulting to ``HICACHE_DEVICE`` or cpu, as ``hicache serve`` picks it) for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
+``hicache stats [--socket ADDR | --device DEV | --config-file F] [--check] [--json]
+[--timeout S] [--curve-server-key F --curve-secret-key F]`` asks the daemon on ``ADDR``
+(default: the socket ``hicache serve`` picks from the same sources: ``HICACHE_SOCKET``, else the
+default socket of ``--device``, itself defaulting to ``HICACHE_DEVICE`` or cpu, each over the
+``socket`` / ``device`` of the settings file, ``--config-file`` or ``HICACHE_CONFIG_FILE``;
+``config.served_address``) for its ``stats``: a short summary (clients, operations in flight, host rows per index space,
 rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
 adds the allocators' invariant check (O(rows)). The probe never registers and holds nothing,
 so the daemon forgets it as it answers: the clients it reports are the others.
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "--device's default socket)")
     p.add_argument("--device", help="cuda:N or cpu: names the default socket (default: "
                                     "HICACHE_DEVICE, else cpu)")
+    p.add_argument("--config-file", help="the daemon's settings file: its socket or device "
+                                         "names the socket (default: HICACHE_CONFIG_FILE)")
     p.add_argument("--check", action="store_true", help="also run the invariant check (O(rows))")
     p.add_argument("--json", action="store_true", help="print the whole stats reply as JSON")
     p.add_argument("--timeout", type=float, default=5.0,
@@ -101,11 +105,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout <= TIMEOUT_MAX_S:
         raise UsageError(f"--timeout must be in (0, {TIMEOUT_MAX_S}] seconds, got {args.timeout}")
-    if args.device and args.socket:
-        raise UsageError("give --device (its daemon's default socket) or --socket, not both")
+    if sum(x is not None for x in (args.device, args.socket, args.config_file)) > 1:
+        raise UsageError("give one of --socket, --device (its daemon's default socket) and "
+                         "--config-file (the daemon's settings)")
     if args.device:
         check_device(args.device)
-    address = args.socket or (default_socket(args.device) if args.device else default_address())
+    address = args.socket or (default_socket(args.device) if args.device
+                              else default_address(args.config_file))
     keys = (args.curve_server_key, args.curve_secret_key)
     if (keys[0] is None) != (keys[1] is None):
         raise UsageError("CURVE needs both --curve-server-key and --curve-secret-key")

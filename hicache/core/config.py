@@ -370,6 +370,37 @@ def check_env(env: Mapping[str, str]) -> None:
                          f"{'it' if len(bad) == 1 else 'them'} or correct the name")
 
 
+def served_address(config_file: str | None = None,
+                   env: Mapping[str, str] | None = None) -> str:
+    """The socket of a daemon started from these sources (what ``hicache stats`` and an
+    engine's ``Client()`` talk to when given no address): ``socket``, else ``device``'s default
+    socket (cpu when unset), each from the settings file (``config_file``, else
+    ``HICACHE_CONFIG_FILE``) and then ``HICACHE_SOCKET`` / ``HICACHE_DEVICE``, which win, as
+    ``serve`` merges them. A value ``serve`` would refuse (an empty socket, a device that is not
+    ``cpu`` or ``cuda:N``) is a ``UsageError`` naming where it came from, not another socket to
+    wait on. Only these two settings are read."""
+    env = os.environ if env is None else env
+    path = config_file or env.get("HICACHE_CONFIG_FILE")
+    data = _read_toml(path) if path else {}
+    found: dict[str, tuple[Any, str]] = {k: (data[k], f"{k} in config file {path}")
+                                         for k in ("socket", "device") if k in data}
+    for k in ("socket", "device"):
+        if ENV_PREFIX + k.upper() in env:
+            found[k] = (env[ENV_PREFIX + k.upper()], ENV_PREFIX + k.upper())
+    if "socket" in found:
+        addr, where = found["socket"]
+        if not isinstance(addr, str) or not addr.strip():
+            raise UsageError(f"{where} is set but empty: unset it, or give the daemon's "
+                             f"socket")
+        return addr
+    device, where = found.get("device", ("cpu", ""))
+    try:
+        check_device(device if isinstance(device, str) else repr(device))
+    except UsageError as e:
+        raise UsageError(f"{e} (from {where})") from None
+    return default_socket(device)
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     check_env(env)
     return {k[len(ENV_PREFIX):].lower(): v for k, v in env.items()

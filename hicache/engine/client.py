@@ -58,26 +58,14 @@ Items = Mapping[str, tuple]  # pool or space -> (src ids, dst ids[, "token"])
 _SPACES = frozenset(("page", "swa_page", "req_slot"))  # item keys that name an index space
 
 
-def default_address() -> str:
-    """The daemon address an engine uses when given none: ``HICACHE_SOCKET``, else the default
-    socket of ``HICACHE_DEVICE`` (cpu when unset), as ``hicache serve`` picks it; a value
-    ``serve`` would refuse (an empty socket, a device that is not ``cpu`` or ``cuda:N``) is a
-    ``UsageError`` naming the variable, not another socket to wait on."""
-    from hicache.core.config import check_device, default_socket
-    from hicache.core.errors import UsageError
+def default_address(config_file: str | None = None) -> str:
+    """The daemon address an engine uses when given none: ``config.served_address``
+    (``HICACHE_SOCKET``, else the default socket of ``HICACHE_DEVICE``, over the ``socket`` /
+    ``device`` of the settings file ``HICACHE_CONFIG_FILE`` names), as ``hicache serve``
+    picks it."""
+    from hicache.core.config import served_address
 
-    addr = os.environ.get("HICACHE_SOCKET")
-    if addr is not None:
-        if not addr.strip():
-            raise UsageError("HICACHE_SOCKET is set but empty: unset it, or give the daemon's "
-                             "socket")
-        return addr
-    device = os.environ.get("HICACHE_DEVICE", "cpu")
-    try:
-        check_device(device)
-    except UsageError as e:
-        raise UsageError(f"{e} (from HICACHE_DEVICE)") from None
-    return default_socket(device)
+    return served_address(config_file)
 
 
 _as_ids = P.as_index
