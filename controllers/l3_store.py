@@ -16,7 +16,9 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
   until the master answers again. Mooncake's own client re-mounts its segments when the master
-  returns; the probe sees it within ``max_backoff`` seconds.
+  returns; the probe sees it within ``max_backoff`` seconds. While online, the connector also
+  checks every ``LIVENESS_S`` that both still accept a TCP connection, so a master that dies
+  while no call runs takes the tier offline within a few seconds, traffic or not.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
@@ -99,6 +101,10 @@ class L3Settings:
 
 
 CONNECT_CHECK_S = 1.0  # TCP connect timeout of the pre-setup reachability check
+# while online, the master and the metadata server are checked this often (``unreachable``): a
+# daemon with no L3 traffic used to report the tier online for as long as it stayed idle after
+# the master died (the first call found out)
+LIVENESS_S = 2.0
 
 
 def _endpoint(text: str) -> tuple[str, int] | None:
@@ -270,9 +276,16 @@ class MooncakeL3:
         return True
 
     def _connector(self) -> None:
-        """Set the client up, then probe the master with backoff whenever it is offline."""
+        """Set the client up, then probe the master with backoff whenever it is offline, and
+        check that it can still be reached every ``LIVENESS_S`` while online."""
+        next_check = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
+            if self.online and now >= next_check:
+                next_check = now + LIVENESS_S
+                down = unreachable(self.settings)
+                if down is not None:
+                    self._set_online(False, f"{down} (liveness check)")
             if not self.online and now >= self._next_probe:
                 try:
                     ok = self._connect() if self.store is None else self._probe()

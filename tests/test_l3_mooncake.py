@@ -393,6 +393,30 @@ def test_master_down_then_back(l3_daemon, worker, store):
     d.close()
 
 
+def test_an_idle_daemon_reports_a_dead_master_without_any_l3_call(l3_daemon, worker, store):
+    """With no L3 traffic at all, a master that dies takes the tier offline within a few
+    seconds (the liveness check): ``hicache_l3_online`` used to stay 1, and ``stats`` said
+    online, until the first L3 call, so an alert on it missed an outage of a quiet daemon."""
+    d = l3_daemon()
+    w = worker(d, 2)
+    wait_online(w.c)
+    before = metric(w.c, "hicache_l3_transitions_total", to="offline")
+    store.kill_master()
+    try:
+        t0 = time.monotonic()
+        while w.c.stats()["l3"]["online"] and time.monotonic() - t0 < 15:
+            time.sleep(0.2)  # stats and heartbeats only: no L3 command
+        took = time.monotonic() - t0
+        assert not w.c.stats()["l3"]["online"] and metric(w.c, "hicache_l3_online") == 0
+        assert metric(w.c, "hicache_l3_transitions_total", to="offline") == before + 1
+        assert took < 6, took  # LIVENESS_S (2 s) plus the connect check
+    finally:
+        store.start_master()
+    wait_online(w.c)  # and back, as after a call found it down
+    w.close()
+    d.close()
+
+
 def test_a_daemon_started_while_the_master_is_down_serves_at_once(l3_daemon, worker, store):
     """Mooncake's setup retries an unreachable master for ~90 s holding the GIL: the daemon
     answered its first heartbeat after ~95 s and then one heartbeat in ~88 s, L1/L2 included,
