@@ -28,6 +28,7 @@ import torch
 
 from hicache.core.config import ServeConfig
 from hicache.core.errors import UsageError
+from hicache.core.version import __version__
 from hicache.host_pools.errors import PoolError
 from hicache.kernels import copy_engine
 from hicache.kernels.sharing import gpu_sharing
@@ -295,6 +296,15 @@ class Daemon:
     def _init_gauges(self) -> None:
         st = self.group.arena.stats
         m = self.metrics
+        lay = self.layout
+        stage = lay.stage
+        self.state.identity = {
+            "model": lay.model.name, "stage": [stage.pp_rank, stage.pp_size],
+            "layers": [stage.start, stage.end], "swa_mode": lay.swa_mode,
+            "host_split": self.cfg.host_split, "socket": self.address, "pid": os.getpid(),
+            "version": __version__, "started": round(time.time(), 3)}
+        m.set("daemon_info", 1, lay.model.name, str(self.device), str(stage.pp_rank),
+              str(stage.pp_size), lay.swa_mode, self.cfg.host_split, self.address)
         m.set("pinned_bytes", st.get("requested_bytes", self.group.arena_bytes))
         m.set("pin_seconds", st.get("seconds") or 0.0)
         node = st.get("numa_node")

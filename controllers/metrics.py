@@ -110,6 +110,12 @@ CATALOG: tuple[MetricDef, ...] = (
     MetricDef("numa_node", "gauge", (),
               "NUMA node the host arena was placed on (-1: not placed on a node).",
               "Is the host pool local to its GPU?"),
+    MetricDef("daemon_info", "gauge", ("model", "device", "pp_rank", "pp_size", "swa_mode",
+                                       "host_split", "socket"),
+              "Always 1; the labels say what this daemon serves: the model, the device, the "
+              "pipeline stage, the SWA mode, the host split and the socket.",
+              "Which model, stage and GPU does each daemon serve (to group or pick daemons by "
+              "stage or device)?"),
     MetricDef("build_info", "gauge", ("version", "python", "torch"),
               "Always 1; the labels say which build runs.",
               "Which hicache version does each daemon run?"),

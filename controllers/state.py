@@ -96,6 +96,8 @@ class DaemonState:
         self.shm_dirs = shm_dirs
         self.curve_keys: dict[str, str] = {}  # CURVE: key name -> public key (z85)
         self.address = ""  # the daemon's socket address (set by ``Daemon``)
+        # what this daemon serves, for ``stats`` (set by ``Daemon``: model, stage, pid, ...)
+        self.identity: dict[str, Any] = {}
         self.host_rows = dict(group.rows)
         self.tracker = RowTracker(self.host_rows)
         # client L3 jobs' rows alone: copies (not scheduler ops) a backup or load must not race
@@ -542,7 +544,10 @@ class DaemonState:
     def report(self, check: bool) -> dict[str, Any]:
         """The ``stats`` reply; with ``check``, the allocators' invariant check (O(rows))."""
         self.refresh_gauges()
-        out = {"device": str(self.device), "clients": len(self.registry.clients),
+        out = {"device": str(self.device),
+               "daemon": {**self.identity,
+                          "uptime_s": round(time.time() - self.identity.get("started", 0), 1)},
+               "clients": len(self.registry.clients),
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
                # each registered worker's device rows per index space, by client
                "worker_rows": {c.cid: dict(c.worker.device_rows)

@@ -396,6 +396,28 @@ def test_a_stats_probe_is_forgotten_as_it_is_answered(daemon_factory):
         assert first.stats()["metrics"]["hicache_clients_reaped_total"][0]["value"] == 0
 
 
+def test_stats_and_metrics_say_what_the_daemon_serves(daemon_factory):
+    """With 8 daemons a host (and PP stages), ``stats`` and the metrics named none of model,
+    stage, device or pid: now ``stats`` has them (``daemon``; its summary's first line) and
+    ``hicache_daemon_info`` carries them as labels."""
+    from hicache.cli.stats import summary
+
+    d = daemon_factory(metrics=False)
+    with d.client() as c:
+        s = c.stats()
+        me = s["daemon"]
+        assert me["model"] == "dsv4-flash" and me["stage"] == [0, 1] and me["pid"] == d.pid
+        assert me["socket"] == d.address and me["swa_mode"] in ("paged", "ring")
+        assert me["host_split"] == "device" and 0 <= me["uptime_s"] < 600
+        (info,) = s["metrics"]["hicache_daemon_info"]
+        assert info["value"] == 1 and info["labels"] == {
+            "model": "dsv4-flash", "device": "cpu", "pp_rank": "0", "pp_size": "1",
+            "swa_mode": me["swa_mode"], "host_split": "device", "socket": d.address}
+        first = summary(s).splitlines()[0]
+        assert first.startswith("device cpu: dsv4-flash stage 0/1 layers [0, ") and \
+            f"pid {d.pid}, hicache " in first, first
+
+
 def test_silent_client_is_reaped(daemon_factory):
     d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
     with d.client() as quiet, d.client() as watcher:

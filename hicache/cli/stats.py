@@ -52,8 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summary(s: dict[str, Any]) -> str:
     """A few lines an operator reads: who is connected, what is moving, what is used."""
-    lines = [f"device {s.get('device')}: {s.get('clients')} clients, {s.get('workers')} "
-             f"workers, {s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
+    d = s.get("daemon") or {}
+    stage = d.get("stage") or ["?", "?"]
+    lines = [f"device {s.get('device')}: {d.get('model')} stage {stage[0]}/{stage[1]} layers "
+             f"{d.get('layers')}, swa {d.get('swa_mode')}, host split {d.get('host_split')}; "
+             f"pid {d.get('pid')}, hicache {d.get('version')}, up {d.get('uptime_s')} s",
+             f"  {s.get('clients')} clients, {s.get('workers')} workers, "
+             f"{s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
     for cid, rows in s.get("worker_rows", {}).items():
         lines.append(f"  worker {cid}: device rows "
                      + ", ".join(f"{k}={n}" for k, n in sorted(rows.items())))

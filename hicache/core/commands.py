@@ -83,7 +83,8 @@ _TABLE: tuple[Command, ...] = (
             "replies through a sealed memfd both map, the daemon woken through a Unix datagram "
             "socket; an optional request it cannot grant is declined, not refused"),
     Command("stats", {"check": ("bool", False)},
-            ("device", "clients", "workers", "in_flight", "merged_ops", "spin_us", "channels",
+            ("device", "daemon", "clients", "workers", "in_flight", "merged_ops", "spin_us",
+             "channels",
              "gpu_sharing", "host", "pending_free", "metrics", "l3", "kv_store", "invariants"),
             False, "stats",
             "usage, metrics, invariant check"),
