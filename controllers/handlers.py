@@ -157,7 +157,7 @@ def _log_registered(st: DaemonState, c: ClientState, dev_rows: dict[str, int]) -
     every mirror keeps a page's compressed rows there, while a checkpoints split holds far fewer
     ``swa_page`` / ``req_slot`` rows than the device on purpose (one per checkpoint)."""
     rows = ", ".join(f"{s}={n}" for s, n in sorted(dev_rows.items()))
-    name = brief(c.worker.name if c.worker is not None else None, 64)
+    name = brief(c.worker.name if c.worker is not None and c.worker.name else "(unnamed)", 64)
     log.info("client %s registered worker %s: device rows %s", c.cid, name, rows)
     small = [s for s in ("page",) if s in dev_rows and st.host_rows.get(s, 0) <= dev_rows[s]]
     if small:

@@ -349,6 +349,10 @@ def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch
      "--metrics-port 9913 is the port of --socket tcp://127.0.0.1:9913: each needs its own"),
     ({"l3": "mooncake", "l3_master": "127.0.0.1:99999", "l3_metadata": "P2PHANDSHAKE"}, {},
      "--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), got '127.0.0.1:99999'"),
+    ({"l3": "mooncake", "l3_metadata": "P2PHANDSHAKE"}, {},  # said "got None"
+     "--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), not given"),
+    ({"l3": "mooncake", "l3_master": "127.0.0.1:9"}, {},
+     "--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or P2PHANDSHAKE), not given"),
     ({"heartbeat_timeout": "1e12"}, {},
      "--heartbeat-timeout must be in (0, 86400] seconds, got 1e+12"),
     ({}, {"HICACHE_SOCKET": "foo"},
@@ -415,6 +419,22 @@ def test_stats_and_clients_refuse_the_variables_serve_refuses(env, msg, capsys, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert one_line_exit_2(["stats"], capsys) == msg
+
+
+def test_stage_bounds_from_a_settings_file_as_strings_or_pairs(tmp_path):
+    """``stage_bounds = ["0:3", "3:6"]`` (a natural TOML spelling) was "too many values to
+    unpack"; strings and [start, end] pairs both read now, and anything else is refused
+    naming the entry."""
+    from hicache.core.config import load_config
+
+    for text in ('["0:3", "3:6"]', '[[0, 3], [3, 6]]', '"0:3,3:6"'):
+        f = tmp_path / "b.toml"
+        f.write_text(f"stage_bounds = {text}\n")
+        cfg = load_config({"host_ratio": "2"}, str(f), env={})
+        assert cfg.stage_bounds == ((0, 3), (3, 6)) and cfg.pp_size == 2, text
+    f.write_text("stage_bounds = [[0, 1, 2]]\n")
+    with pytest.raises(UsageError, match="cannot read '0:1:2'; give START:END per stage"):
+        load_config({"host_ratio": "2"}, str(f), env={})
 
 
 def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkeypatch):

