@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hicache.core.channel import sweep_left_behind
 from hicache.core.config import ServeConfig
 from hicache.core.errors import UsageError
 from hicache.core.version import __version__
@@ -260,6 +261,7 @@ class Daemon:
                                      load_event_sets=cfg.load_event_sets,
                                      shm_dirs=tuple(cfg.shm_dirs))
             self.state.wake = self._wake  # a reaped client's rows go back a slice per turn
+            sweep_left_behind(cfg.shm_dirs[0])  # what killed daemons left there
             self.state.address = self.address
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)

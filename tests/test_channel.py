@@ -245,6 +245,13 @@ def test_a_killed_daemons_channel_files_are_swept(tmp_path) -> None:
     assert names["dead_chan"] not in left and names["dead_wake"] not in left
     assert {names["live"], names["young"]} <= left
     w.close()
+    # a daemon sweeps them as it starts too, channel or not (a sleeping daemon makes none)
+    dead = tmp_path / f"{C.WAKE_PREFIX}{p.pid}-0a1b30"
+    dead.write_bytes(b"x")
+    os.utime(dead, (old, old))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       env={"HICACHE_SHM_DIRS": f"{tmp_path}:/dev/shm"}):
+        assert not dead.exists()
 
 
 # ----------------------------------------------------------------------------- daemon

@@ -249,6 +249,13 @@ class Channel:
 DRAIN_MAX = 256  # wake-ups one ``WakeSocket.drain`` takes (a queue holds 10 by default)
 
 
+def sweep_left_behind(shm_dir: str) -> int:
+    """Remove the wake-up sockets (and channel files of earlier versions) that killed daemons
+    left in ``shm_dir`` (``shm_file.sweep_stale``: their process gone, untouched for a
+    minute); a daemon does it as it starts and again as it makes its wake-up socket."""
+    return sweep_stale(shm_dir, (CHANNEL_PREFIX, WAKE_PREFIX))
+
+
 class WakeSocket:
     """The daemon's wake-up socket: ``create`` (daemon), ``open_writer`` / ``ring`` (client)."""
 
@@ -259,8 +266,8 @@ class WakeSocket:
     @classmethod
     def create(cls, shm_dir: str) -> "WakeSocket":
         """The daemon's socket (made with its first channel); first removes the sockets (and
-        channel files) a killed daemon left in ``shm_dir`` (``shm_file.sweep_stale``)."""
-        sweep_stale(shm_dir, (CHANNEL_PREFIX, WAKE_PREFIX))
+        channel files) a killed daemon left in ``shm_dir`` (``sweep_left_behind``)."""
+        sweep_left_behind(shm_dir)
         path = os.path.join(shm_dir, f"{WAKE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         s.setblocking(False)
