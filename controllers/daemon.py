@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hicache.core.channel import sweep_left_behind
+from hicache.core.addresses import url_host
 from hicache.core.config import ServeConfig
 from hicache.core.errors import UsageError
 from hicache.core.version import __version__
@@ -357,7 +358,7 @@ class Daemon:
             + (" (tcp without CURVE: every local user can connect; the ipc socket or CURVE "
                "keys restrict it)" if self.address.startswith("tcp://")
                and not self.cfg.curve_secret_key else "") + "; metrics: "
-            + (f"http://{self.cfg.metrics_addr}:{self.metrics_port}/metrics"
+            + (f"http://{url_host(self.cfg.metrics_addr)}:{self.metrics_port}/metrics"
                if self.metrics_port else "off")
             + f"; heartbeat timeout {self.cfg.heartbeat_timeout:g} s; "
             + (f"busy-polls {self.cfg.server_spin_us / 1e3:g} ms after a request"

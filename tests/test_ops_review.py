@@ -278,3 +278,11 @@ def test_grafana_process_panels_filter_only_on_instance():
     assert len(process) == 5
     for e in exprs:
         assert "job=" not in e and 'instance=~"$instance"' in e, e
+
+
+def test_the_summary_writes_an_ipv6_metrics_address_as_a_url():
+    """``--metrics-addr ::`` printed ``metrics: http://:::9479/metrics``, no usable URL."""
+    from hicache.core.addresses import url_host
+
+    assert [url_host(h) for h in ("::", "::1", "[::1]", "127.0.0.1", "node7")] == \
+        ["[::]", "[::1]", "[::1]", "127.0.0.1", "node7"]

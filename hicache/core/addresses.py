@@ -7,6 +7,7 @@
   *and* CURVE. IPv6 (``tcp://[::1]:PORT``) is refused: the daemon's and the engines' ZMQ
   sockets have ``zmq.IPV6`` off, so such an address would fail only after the arena is
   pinned. ``check_curve(cfg)``: True when both CURVE settings are given and sane.
+* ``url_host(host)``: ``host`` as a URL writes it (an IPv6 address in brackets).
 Every refusal is a ``UsageError`` naming the setting.
 """
 from __future__ import annotations
@@ -16,6 +17,10 @@ import os
 from typing import Any
 
 from hicache.core.errors import UsageError
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def check_curve(cfg: Any) -> bool:
