@@ -286,3 +286,19 @@ def test_the_summary_writes_an_ipv6_metrics_address_as_a_url():
 
     assert [url_host(h) for h in ("::", "::1", "[::1]", "127.0.0.1", "node7")] == \
         ["[::]", "[::1]", "[::1]", "127.0.0.1", "node7"]
+
+
+def test_stats_on_a_missing_default_socket_says_where_defaults_come_from(capsys, monkeypatch,
+                                                                          tmp_path):
+    """The default socket follows XDG_RUNTIME_DIR: a daemon started from a login shell is not
+    where ``stats`` run from cron or a unit looks, and the refusal now says so."""
+    from hicache.cli import main
+
+    for k in ("HICACHE_SOCKET", "HICACHE_CONFIG_FILE", "HICACHE_DEVICE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert main(["stats", "--device", "cuda:7"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"hicache stats: no socket at {tmp_path}/hicache/cuda7.sock (is the "
+                          "daemon running?); this is the default socket, which follows "
+                          "XDG_RUNTIME_DIR") and "give --socket" in err and err.count("\n") == 1

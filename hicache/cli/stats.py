@@ -131,7 +131,13 @@ def run(args: argparse.Namespace) -> int:
                              f"--curve-secret-key") from None
     missing = _no_socket(address)
     if missing:  # nothing to wait for: no daemon made this socket (or it is gone)
-        print(f"hicache stats: {missing}", file=sys.stderr)
+        named = args.socket or args.config_file or any(
+            os.environ.get(k) for k in ("HICACHE_SOCKET", "HICACHE_CONFIG_FILE"))
+        hint = ("" if named else
+                "; this is the default socket, which follows XDG_RUNTIME_DIR and the device "
+                "(a daemon started from another login, a unit or cron has another): give "
+                "--socket as its start-up summary prints it")
+        print(f"hicache stats: {missing}{hint}", file=sys.stderr)
         return 1
     gone = gone_reason(address)  # a socket file nothing listens on: a killed daemon's
     if gone:
