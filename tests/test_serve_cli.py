@@ -624,3 +624,25 @@ def test_stats_names_a_curve_key_file_it_cannot_read(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("hicache stats: error: CURVE key file: ") \
             and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_check_validates_without_starting_anything(tmp_path):
+    """``serve --check``: an operator rolling out a shared settings file could test it only by
+    letting each daemon pin its arena. It runs every check before torch loads, prints what the
+    daemon would serve, and exits 0, with nothing created (no socket folder); a refusal is
+    the usual one line, exit 2."""
+    sock = tmp_path / "sub" / "d.sock"
+    base = ("serve", "--device", "cpu", "--preset", "dsv4-tiny", "--device-rows",
+            "page=8,swa_page=4,req_slot=4", "--socket", f"ipc://{sock}", "--check")
+    r = hicache(*base, "--host-ratio", "2")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    (line,) = r.stdout.splitlines()
+    assert line.startswith("hicache serve --check: the settings hold: dsv4-tiny stage 0/1 "
+                           "layers [0, 6) on cpu; device rows page=8, swa_page=4, req_slot=4 "
+                           "(--device-rows); host rows page=16, swa_page=8, req_slot=8, arena ")
+    assert f"socket ipc://{sock}" in line and not (tmp_path / "sub").exists()
+    toml = tmp_path / "s.toml"
+    toml.write_text('host_ratio = 1\n')
+    r = hicache(*base, "--config-file", str(toml))
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert "no larger than the device" in r.stderr and f"config file {toml}" in r.stderr

@@ -11,7 +11,8 @@ pool, so an overcommit fails at start-up. The planner's warnings for the served
 stage are printed (``hicache serve: warning: ...`` on stderr), not refused. With ``--l3
 mooncake`` and a loopback ``--l3-local-host`` the process first executes itself again with the
 loopback bind shim preloaded (``_loopback_mooncake``). Every refusal is one line
-``hicache serve: error: ...`` and exit status 2.
+``hicache serve: error: ...`` and exit status 2. ``--check`` runs the checks before torch
+loads, prints one line of what the daemon would serve and exits 0 (``check_only``).
 
 Stopping: SIGINT, SIGTERM or SIGHUP drain in-flight transfers, close the socket and unmap the
 pool, print ``hicache serve: stopped by SIGNAL`` and exit 128 + signal; the ``shutdown`` command
@@ -52,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-file", metavar="TOML",
                    help="TOML file with these settings (top level or [serve]); also "
                         "HICACHE_CONFIG_FILE")
+    p.add_argument("--check", action="store_true",
+                   help="check the settings (every check before torch loads: values, model, "
+                        "stage, sizing, memory, socket address, CURVE keys, NUMA node), print "
+                        "what the daemon would serve, and exit (0: they hold, 2: refused); "
+                        "nothing is allocated, bound or created")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     flags: dict[str, Any] = {s.name: getattr(args, s.name, None) for s in SETTINGS}
     cfg = load_config(flags, getattr(args, "config_file", None))
+    if getattr(args, "check", False):
+        return check_only(cfg)
     _loopback_mooncake(cfg, getattr(args, "config_file", None)
                        or os.environ.get("HICACHE_CONFIG_FILE"))
     # the level is hicache's: torch's INFO lines (its FakeTensor cache stats at exit) stay out
@@ -70,6 +78,32 @@ def run(args: argparse.Namespace) -> int:
 
     lifecycle.exit_now(code)  # everything is released: skip the interpreter's slow teardown
     return code
+
+
+def check_only(cfg: Any) -> int:
+    """``serve --check``: the preflight (``controllers.preflight``, no torch, nothing made),
+    then one line of what the daemon would serve; a refusal is the usual one line, exit 2."""
+    from hicache.controllers.preflight import preflight
+    from hicache.core.config import with_source
+    from hicache.core.sizes import arena_bytes, format_bytes
+
+    try:
+        pre = preflight(cfg)
+    except UsageError as e:
+        raise UsageError(with_source(str(e), cfg)) from None
+    s = pre.sized
+    stage = s.layout.stage
+    segment = f" + L3 segment {format_bytes(cfg.l3_segment)}" if cfg.l3 != "off" else ""
+    print(f"hicache serve --check: the settings hold: {s.layout.model.name} stage "
+          f"{stage.pp_rank}/{stage.pp_size} layers [{stage.start}, {stage.end}) on {cfg.device}; "
+          f"device rows {', '.join(f'{k}={n}' for k, n in s.device_rows.items())} "
+          f"({s.source}); host rows {', '.join(f'{k}={n}' for k, n in s.host_rows.items())}, "
+          f"arena {format_bytes(arena_bytes(s.layout, s.host_rows))}{segment}; socket "
+          f"{pre.address}; not checked until it starts: the device, the socket folder and "
+          f"lock, the metrics port", flush=True)
+    for w in s.warnings:
+        print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
+    return 0
 
 
 def _loopback_mooncake(cfg: Any, config_file: str | None) -> None:
