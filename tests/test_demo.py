@@ -213,3 +213,4 @@ def test_a_daemon_that_dies_mid_run_fails_the_demo(tmp_path):
     assert p.returncode == 1, err.read_text()[-2000:]
     assert s["daemon_ok"] is False and s["daemon_exit"] == -signal.SIGKILL
     assert s["host_tier_lost"] >= 1 and s["mismatched_bytes"] == 0
+    assert "[demo] daemon killed by SIGKILL; its last output:" in err.read_text()

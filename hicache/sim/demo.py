@@ -161,6 +161,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _how_ended(rc: int | None) -> str:
+    """A daemon's end as a shell says it: ``killed by SIGKILL`` for Python's -9, else the
+    exit status (None: still running when it was left)."""
+    import signal
+
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
 def _err(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
@@ -392,7 +407,7 @@ def _human(s: dict[str, Any], what: str) -> str:
         lines.append(f"  host tier lost:        {s['host_tier_lost']} time(s); fell back to "
                      "recompute")
     if not s.get("daemon_ok", True):
-        lines.append(f"  daemon:                FAILED (exit status {s.get('daemon_exit')}, "
+        lines.append(f"  daemon:                FAILED ({_how_ended(s.get('daemon_exit'))}, "
                      f"host tier lost {s['host_tier_lost']} time(s))")
     verdict = "true" if s["verified"] else "FALSE"
     unchecked = "" if s["config"].get("verify_hits", True) else \
@@ -516,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         if client is not None:
             client.close()
     if rc not in (0, None):
-        _err(f"daemon exited with status {rc}; its last output:\n{tail}")
+        _err(f"daemon {_how_ended(rc)}; its last output:\n{tail}")
     # a run whose daemon died or went away counts as failed, though every byte it did check
     # was right: the host tier stopped serving (the tree recomputed meanwhile)
     summary["daemon_exit"] = rc
