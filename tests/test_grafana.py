@@ -156,3 +156,75 @@ def test_counts_are_never_drawn_on_a_byte_axis(name):
             names = METRIC.findall(STRING.sub('""', t["expr"]))
             if names and not any("bytes" in n for n in names):
                 assert t["refId"] in own, (panel["title"], t["expr"])
+
+
+def dashboard(name: str) -> dict:
+    with open(os.path.join(GRAFANA, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+EVERY_SELECTOR = re.compile(r"\b((?:hicache|process)_[a-zA-Z0-9_:]*)(\{[^}]*\})?")
+DEMO_VARIABLES = {"worker": "hicache_demo_requests_total", "daemon": "hicache_build_info"}
+
+
+def test_demo_dashboard_selects_the_demo_targets_only():
+    """Every selector of the demo dashboard names its target: ``instance=~"$worker"`` on the
+    worker's hicache_demo_* series, ``instance=~"$daemon"`` on its daemon's, so a Prometheus that
+    also scrapes other daemons (as prometheus.yml does) adds nothing of theirs to a panel."""
+    dash = dashboard("demo.json")
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    for name, metric in DEMO_VARIABLES.items():
+        v = variables[name]
+        assert v["type"] == "query" and v["definition"] == f"label_values({metric}, instance)"
+        assert v["query"]["query"] == v["definition"]
+        assert not v["includeAll"] and not v["multi"], name  # one demo: one target each
+    kinds = {"worker": ("demo",), "daemon": ("daemon",)}
+    seen = 0
+    for title, expr in queries("demo.json"):
+        for metric, body in EVERY_SELECTOR.findall(expr):
+            seen += 1
+            var = "worker" if metric.startswith("hicache_demo_") else "daemon"
+            assert metric in exported(kinds[var]), (title, metric)
+            matchers = {(label, op, value) for label, op, value in MATCHER.findall(body)}
+            assert ("instance", "=~", f"${var}") in matchers, (title, metric, body)
+    assert seen >= 19
+
+
+FREE_ROWS = re.compile(r'^1 - sum by \(space\) \(hicache_host_rows\{(?P<sel>[^}]*),state="free"\}\)'
+                       r' / sum by \(space\) \(hicache_host_rows\{(?P<all>[^}]*)\}\)$')
+
+
+@pytest.mark.parametrize("name, target", [("daemon.json", 'instance=~"$instance"'),
+                                          ("demo.json", 'instance=~"$daemon"')])
+def test_host_usage_counts_every_row_that_is_not_free(name, target):
+    """Rows ``pending_free`` are not free (allocations are refused ``no_space`` with every row
+    pending): usage is 1 - free / all, not used / all, which read 0 on a full tier."""
+    (panel,) = [p for p in dashboard(name)["panels"] if p["title"] == "Host pool usage by space"]
+    (t,) = panel["targets"]
+    m = FREE_ROWS.match(" ".join(t["expr"].split()))
+    assert m, t["expr"]
+    assert m["sel"] == m["all"] == target, t["expr"]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
+def test_copy_path_operations_are_not_stacked():
+    """An operation that used several copy paths counts once for each: a stack of the paths
+    would overstate operations per second."""
+    panels = [p for p in dashboard("daemon.json")["panels"]
+              if any("hicache_transfer_path_ops_total" in t["expr"] for t in p.get("targets", []))]
+    assert panels
+    for p in panels:
+        assert p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "none", p["title"]
+        assert "once for each" in p["description"], p["title"]
+
+
+def test_demo_verification_draws_bytes_per_second_apart_from_the_mismatch_count():
+    (panel,) = [p for p in dashboard("demo.json")["panels"] if p["title"] == "Verification"]
+    cfg = panel["fieldConfig"]
+    by_ref = {t["refId"]: t["expr"] for t in panel["targets"]}
+    assert "rate(hicache_demo_verified_bytes_total" in by_ref["A"]
+    assert "hicache_demo_mismatched_bytes_total" in by_ref["B"]
+    assert cfg["defaults"]["unit"] == "Bps"
+    (own,) = [o for o in cfg["overrides"] if o["matcher"] == {"id": "byFrameRefID", "options": "B"}]
+    props = {p["id"]: p["value"] for p in own["properties"]}
+    assert props["unit"] == "bytes" and props["custom.axisPlacement"] == "right"
