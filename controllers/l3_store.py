@@ -17,8 +17,10 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
   until the master answers again. Mooncake's own client re-mounts its segments when the master
   returns; the probe sees it within ``max_backoff`` seconds. While online, the connector also
-  checks every ``LIVENESS_S`` that both still accept a TCP connection, so a master that dies
-  while no call runs takes the tier offline within a few seconds, traffic or not.
+  checks every ``LIVENESS_S``, when no call ran meanwhile, that neither refuses a TCP
+  connection, so a master that dies while the tier is idle takes it offline within a few
+  seconds (a hung one, whose connects time out, is left to the calls' deadlines, as is
+  everything while calls run).
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
@@ -117,11 +119,14 @@ def _endpoint(text: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def unreachable(s: L3Settings) -> str | None:
+def unreachable(s: L3Settings, gone_only: bool = False) -> str | None:
     """Why the master or the metadata server cannot be reached now (a TCP connect of
     ``CONNECT_CHECK_S``, in Python: the GIL is free meanwhile), or None. Mooncake's ``setup``
     retries an unreachable master ~20 times (~90 s) without letting go of the GIL: every other
-    thread of the daemon, its server loop included, would stand still."""
+    thread of the daemon, its server loop included, would stand still. ``gone_only`` (the
+    liveness check of an online tier): only a connect that fails at once counts (refused: the
+    process is gone; no route); one that times out does not, since a hung master's accept
+    queue fills with these checks, and calls to it meet their own deadlines."""
     import socket
 
     for what, addr in (("master", s.master), ("metadata server", s.metadata)):
@@ -130,6 +135,9 @@ def unreachable(s: L3Settings) -> str | None:
             continue
         try:
             socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
+        except TimeoutError as e:
+            if not gone_only:
+                return f"the {what} at {addr} cannot be reached ({e})"
         except OSError as e:
             return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
     return None
@@ -218,6 +226,8 @@ class MooncakeL3:
         self._headers = {k: np.zeros(BATCH_PAGES * F.HEADER_BYTES, dtype=np.uint8)
                          for k in ("read", "write")}
         self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
+        self._running = 0  # jobs a worker has taken and not finished (the liveness check waits)
+        self._last_call = 0.0  # when the last one finished
         self._queues: dict[str, queue.Queue[L3Job | None]] = {
             k: queue.Queue() for k in ("read", "write", "meta")}
         self.put_pages_queued = 0
@@ -283,9 +293,10 @@ class MooncakeL3:
             now = time.monotonic()
             if self.online and now >= next_check:
                 next_check = now + LIVENESS_S
-                down = unreachable(self.settings)
-                if down is not None:
-                    self._set_online(False, f"{down} (liveness check)")
+                if self._idle(now):  # calls in flight, or just ended, speak for the master
+                    down = unreachable(self.settings, gone_only=True)
+                    if down is not None:
+                        self._set_online(False, f"{down} (liveness check)")
             if not self.online and now >= self._next_probe:
                 try:
                     ok = self._connect() if self.store is None else self._probe()
@@ -304,6 +315,12 @@ class MooncakeL3:
                     self._next_probe = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, self.settings.max_backoff)
             self._stop.wait(0.05)
+
+    def _idle(self, now: float) -> bool:
+        """No job running or queued, and none finished within ``LIVENESS_S``."""
+        with self._lock:
+            busy = self._running or now - self._last_call < LIVENESS_S
+        return not busy and all(q.empty() for q in self._queues.values())
 
     def _probe(self) -> bool:
         r = self.store.batch_is_exist(["hc-probe"])
@@ -366,6 +383,7 @@ class MooncakeL3:
                 return
             with self._lock:
                 job.started = True
+                self._running += 1
             why = "stopping" if self._draining.is_set() else job.cancelled
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
@@ -391,8 +409,10 @@ class MooncakeL3:
                 log.exception("L3 %s failed", job.kind)  # (_record counts it kind="error")
                 job.misses["error"] = job.misses.get("error", 0) + 1
             job.t_end = time.monotonic()
-            if job.kind == "put":
-                with self._lock:
+            with self._lock:
+                self._running -= 1
+                self._last_call = job.t_end
+                if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
             self._record(job)
