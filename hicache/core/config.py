@@ -628,12 +628,12 @@ def _validate_l3(cfg: ServeConfig) -> None:
         return
     m = re.match(r"^[^:\s]+:(\d{1,5})$", cfg.l3_master or "")
     if not m or not 0 < int(m.group(1)) <= 65535:
-        raise UsageError(f"--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), "
+        raise UsageError("--l3 mooncake needs --l3-master HOST:PORT (port 1..65535), "
                          + (f"got {cfg.l3_master!r}" if cfg.l3_master else "not given"))
     md = cfg.l3_metadata
     if not md or not (md == "P2PHANDSHAKE" or re.match(r"^https?://[^\s/]+/\S*$", md)):
-        raise UsageError(f"--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
-                         f"P2PHANDSHAKE), " + (f"got {md!r}" if md else "not given"))
+        raise UsageError("--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or "
+                         "P2PHANDSHAKE), " + (f"got {md!r}" if md else "not given"))
     if cfg.l3_protocol not in ("tcp", "rdma"):
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
