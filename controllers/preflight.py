@@ -4,24 +4,37 @@ Light: this module imports neither torch nor the daemon's copy path, so ``serve`
 and a refusal here comes in a tenth of a second, not after torch loaded (~2 s). It checks, in
 this order, and raises ``UsageError`` (one line naming the setting) on the first that fails:
 
+* ``--parent-pid`` names this process's parent;
 * the served stage's sizing (``core.config.sizing``: model, stage, device and host rows);
-* the memory the daemon will take, its host arena and its L3 segment (``--l3-segment``)
-  together, against what the machine (or its container) has less a reserve
-  (``host_pools.memory``), led by the settings that asked for it;
 * the socket address (``ipc://`` or ``tcp://`` as ``--allow-remote`` and CURVE allow) and the
   CURVE keys (the secret key file is read; this libzmq must have CURVE);
 * a tcp address is free to bind (a probe bind, released at once);
-* a ``--numa-node`` number is online.
+* a ``--numa-node`` number is online;
+* an ipc socket's path: its folder exists and is writable, or can be made (its first missing
+  folder is made and removed again at once), the path is no other kind of file, and no
+  daemon holds it (its ``.lock`` is held);
+* the metrics port is free to bind (a probe bind, released at once);
+* last, the memory the daemon will take, its host arena and its L3 segment (``--l3-segment``)
+  together, against what the machine (or its container) has less a reserve
+  (``host_pools.memory``), led by the settings that asked for it.
 
-It allocates nothing and changes nothing. What needs torch (the device) or changes the machine
-(the socket folder and lock, the fd limit, the metrics port, the arena) stays in
-``controllers.daemon.Daemon``, which takes the ``Preflight`` (or runs this itself)."""
+It allocates nothing and leaves nothing changed (the probe binds and folder are undone at
+once). What needs
+torch (the device) or changes the machine (the socket folder and lock, the fd limit, the
+metrics port, the arena) stays in ``controllers.daemon.Daemon``, which takes the
+``Preflight`` (or runs this itself). ``preflight(cfg, check=True)`` (``serve --check``)
+reports a socket a daemon already holds in ``Preflight.notes`` instead of refusing it, and
+then skips the memory check (that daemon holds memory a restart would free)."""
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.core.addresses import url_host
 from hicache.core.config import ServeConfig, Sizing, check_address, check_curve, default_socket, \
     sizing
 from hicache.core.errors import CapacityError, UsageError
@@ -37,17 +50,88 @@ class Preflight:
     ipc: bool  # an ipc:// address (else tcp://)
     curve: tuple[bytes, bytes, str] | None  # (public, secret, clients dir); None without CURVE
     numa: int | str | None  # the arena's ``numa_node`` option
+    notes: tuple[str, ...] = ()  # ``check=True``: what a start would meet but a check does not
 
 
-def preflight(cfg: ServeConfig) -> Preflight:
+def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
+    if cfg.parent_pid is not None and cfg.parent_pid != os.getppid():
+        # it would stop at once, for no reason it could say
+        raise UsageError(f"--parent-pid {cfg.parent_pid} is not this process's parent (its "
+                         f"parent is {os.getppid()}): it names the launcher that started "
+                         "this daemon, which it exits with")
     sized = sizing(cfg)
-    _check_memory(cfg, sized)
     address = cfg.socket or default_socket(cfg.device)
     curve = _curve_keys(cfg) if check_curve(cfg) else None
     ipc = check_address(address, cfg.allow_remote, curve is not None) == "ipc"
     if not ipc:
         _check_tcp_port(address)
-    return Preflight(sized, address, ipc, curve, _numa_node(cfg))
+    numa = _numa_node(cfg)
+    notes: list[str] = []
+    held = _check_ipc_path(address) if ipc else None
+    if held is not None:
+        if not check:
+            raise UsageError(held)
+        notes.append(f"{held}: a start is refused while it runs, and the memory was not "
+                     f"checked (it holds memory of its own)")
+    if cfg.metrics_port:
+        _probe_bind(cfg.metrics_addr, cfg.metrics_port,
+                    f"--metrics-port {cfg.metrics_port}: cannot listen on "
+                    f"{url_host(cfg.metrics_addr)}:{cfg.metrics_port}")
+    if held is None:
+        _check_memory(cfg, sized)
+    return Preflight(sized, address, ipc, curve, numa, tuple(notes))
+
+
+def _check_ipc_path(address: str) -> str | None:
+    """Refuse what ``Daemon`` would refuse of an ipc socket's path, without making anything:
+    a folder that cannot be made, a path that is another kind of file. Returns why a daemon
+    already holds the socket (its lock is held, or it answers), else None."""
+    path = address[len("ipc://"):]
+    folder = up = os.path.dirname(os.path.abspath(path))
+    first = None  # the first folder that would be made
+    while not os.path.isdir(up) and up != os.path.dirname(up):
+        first, up = up, os.path.dirname(up)
+    if first is None:
+        if not os.access(up, os.W_OK | os.X_OK):
+            raise UsageError(f"--socket {address}: the socket folder {folder} is not writable")
+    else:  # made and removed at once: access() says yes to root where mkdir fails (/proc)
+        try:
+            os.mkdir(first, 0o700)
+        except FileExistsError:  # a daemon starting beside this one made it meanwhile
+            pass
+        except OSError as e:
+            raise UsageError(f"--socket {address}: cannot create the socket folder {folder}: "
+                             f"{e.strerror}") from None
+        else:
+            try:
+                os.rmdir(first)
+            except OSError:  # that daemon is already using it
+                pass
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise UsageError(f"--socket {address}: {path} exists and is not a socket; name "
+                         "another path")
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: no daemon of this version holds it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return f"another daemon already serves {address} (it holds {path}.lock)"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _probe_bind(host: str, port: int, what: str) -> None:
+    """``host:port`` must be free to bind (a probe bind, released at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            raise UsageError(f"{what}: {e.strerror}") from None
 
 
 def _check_memory(cfg: ServeConfig, sized: Sizing) -> None:
@@ -85,14 +169,7 @@ def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:
 def _check_tcp_port(address: str) -> None:
     """A tcp address must be free to bind (a probe bind, released at once)."""
     host, _, port = address[len("tcp://"):].rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            raise UsageError(f"--socket {address}: cannot bind: {e.strerror}") from None
+    _probe_bind(host, int(port), f"--socket {address}: cannot bind")
 
 
 def _numa_node(cfg: Any) -> int | str | None:

@@ -594,7 +594,7 @@ def test_stats_refuses_a_timeout_it_cannot_wait_and_device_with_socket(capsys):
         assert main(["stats", "--timeout", t]) == 2
         assert "--timeout must be in (0, 3600.0] seconds" in capsys.readouterr().err
     assert main(["stats", "--device", "cuda:0", "--socket", "ipc:///tmp/x.sock"]) == 2
-    assert "give --device (its daemon's default socket) or --socket, not both" in \
+    assert "give one of --socket, --device (its daemon's default socket) and --config-file" in \
         capsys.readouterr().err
 
 
@@ -646,3 +646,37 @@ def test_serve_check_validates_without_starting_anything(tmp_path):
     r = hicache(*base, "--config-file", str(toml))
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
     assert "no larger than the device" in r.stderr and f"config file {toml}" in r.stderr
+
+
+def test_serve_check_refuses_what_a_start_refuses_and_names_a_running_daemon(tmp_path):
+    """``--check`` ran only part of the checks before torch: a busy metrics port, a path that
+    is no socket and a ``--parent-pid`` that is not the parent passed it and failed the start.
+    A daemon already on the socket is named (a start is refused meanwhile), and the memory,
+    which that daemon holds, is not held against the settings; a real second start says
+    "another daemon already serves", not "cannot allocate" (the memory check came first)."""
+    from hicache.engine.daemon_process import DaemonProcess
+
+    sock = tmp_path / "d.sock"
+    base = ("serve", "--device", "cpu", "--preset", "dsv4-tiny", "--device-rows",
+            "page=8,swa_page=4,req_slot=4")
+    busy = _busy_port()
+    keep = tmp_path / "plain"
+    keep.write_text("x")
+    try:
+        for extra, want in ((["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
+                            (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
+                            (["--parent-pid", "2"], "is not this process's parent")):
+            r = hicache(*base, "--host-ratio", "2", "--socket", f"ipc://{sock}", *extra,
+                        "--check")
+            assert r.returncode == 2 and want in r.stderr and len(r.stderr.splitlines()) == 1, r
+    finally:
+        busy.close()
+    with DaemonProcess(f"ipc://{sock}", device="cpu", preset="dsv4-tiny",
+                       device_rows="page=8,swa_page=4,req_slot=4"):
+        r = hicache(*base, "--socket", f"ipc://{sock}", "--check", "--host-mem", "1TiB")
+        assert r.returncode == 0 and "the settings hold" in r.stdout, r
+        assert f"warning: another daemon already serves ipc://{sock}" in r.stderr
+        assert "the memory was not checked" in r.stderr
+        r = hicache(*base, "--socket", f"ipc://{sock}", "--host-mem", "1TiB")
+        assert r.returncode == 2 and "another daemon already serves" in r.stderr, r.stderr
+    assert keep.read_text() == "x"

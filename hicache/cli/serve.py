@@ -54,10 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with these settings (top level or [serve]); also "
                         "HICACHE_CONFIG_FILE")
     p.add_argument("--check", action="store_true",
-                   help="check the settings (every check before torch loads: values, model, "
-                        "stage, sizing, memory, socket address, CURVE keys, NUMA node), print "
-                        "what the daemon would serve, and exit (0: they hold, 2: refused); "
-                        "nothing is allocated, bound or created")
+                   help="check the settings (every check before torch loads: values, parent, "
+                        "model, stage, sizing, socket address and path, CURVE keys, ports, "
+                        "NUMA node, memory), print what the daemon would serve, and exit (0: "
+                        "they hold, 2: refused); nothing is allocated or created, and ports "
+                        "are only probed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +89,7 @@ def check_only(cfg: Any) -> int:
     from hicache.core.sizes import arena_bytes, format_bytes
 
     try:
-        pre = preflight(cfg)
+        pre = preflight(cfg, check=True)
     except UsageError as e:
         raise UsageError(with_source(str(e), cfg)) from None
     s = pre.sized
@@ -99,9 +100,8 @@ def check_only(cfg: Any) -> int:
           f"device rows {', '.join(f'{k}={n}' for k, n in s.device_rows.items())} "
           f"({s.source}); host rows {', '.join(f'{k}={n}' for k, n in s.host_rows.items())}, "
           f"arena {format_bytes(arena_bytes(s.layout, s.host_rows))}{segment}; socket "
-          f"{pre.address}; not checked until it starts: the device, the socket folder and "
-          f"lock, the metrics port", flush=True)
-    for w in s.warnings:
+          f"{pre.address}; checked only when it starts: the device", flush=True)
+    for w in (*s.warnings, *pre.notes):
         print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
     return 0
 
@@ -172,17 +172,13 @@ def serve(cfg: Any) -> int:
 
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
-    if cfg.parent_pid is not None:  # a launcher's daemon: stop with it
-        if cfg.parent_pid != os.getppid():  # it would stop at once, for no reason it could say
-            raise UsageError(f"--parent-pid {cfg.parent_pid} is not this process's parent (its "
-                             f"parent is {os.getppid()}): it names the launcher that started "
-                             "this daemon, which it exits with")
-        lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
-    dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
-    try:  # sizing, address, keys, port and NUMA next: refused before torch loads (0.1 s, not 2)
-        pre = preflight(cfg)
+    try:  # parent, sizing, address, keys, ports, NUMA, socket path and memory: refused before
+        pre = preflight(cfg)  # torch loads (0.1 s, not 2)
     except UsageError as e:
         raise UsageError(with_source(str(e), cfg)) from None
+    if cfg.parent_pid is not None:  # a launcher's daemon (checked: its parent): stop with it
+        lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
+    dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
     with lifecycle.deferred():  # torch loads here: a signal meanwhile comes right after
         from hicache.controllers.daemon import Daemon, start_error
 
