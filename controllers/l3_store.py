@@ -17,10 +17,10 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
   until the master answers again. Mooncake's own client re-mounts its segments when the master
   returns; the probe sees it within ``max_backoff`` seconds. While online, the connector also
-  checks every ``LIVENESS_S``, when no call ran meanwhile, that neither refuses a TCP
-  connection, so a master that dies while the tier is idle takes it offline within a few
-  seconds (a hung one, whose connects time out, is left to the calls' deadlines, as is
-  everything while calls run).
+  checks every ``LIVENESS_S``, when no Mooncake call ran meanwhile, that the master does not
+  refuse a TCP connection (``master_gone``), so a master that dies while the tier is idle
+  takes it offline within a few seconds (a hung one, whose connects time out, is left to the
+  calls' deadlines, as is everything while calls run).
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
@@ -119,14 +119,11 @@ def _endpoint(text: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def unreachable(s: L3Settings, gone_only: bool = False) -> str | None:
+def unreachable(s: L3Settings) -> str | None:
     """Why the master or the metadata server cannot be reached now (a TCP connect of
     ``CONNECT_CHECK_S``, in Python: the GIL is free meanwhile), or None. Mooncake's ``setup``
     retries an unreachable master ~20 times (~90 s) without letting go of the GIL: every other
-    thread of the daemon, its server loop included, would stand still. ``gone_only`` (the
-    liveness check of an online tier): only a connect that fails at once counts (refused: the
-    process is gone; no route); one that times out does not, since a hung master's accept
-    queue fills with these checks, and calls to it meet their own deadlines."""
+    thread of the daemon, its server loop included, would stand still."""
     import socket
 
     for what, addr in (("master", s.master), ("metadata server", s.metadata)):
@@ -135,11 +132,31 @@ def unreachable(s: L3Settings, gone_only: bool = False) -> str | None:
             continue
         try:
             socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
-        except TimeoutError as e:
-            if not gone_only:
-                return f"the {what} at {addr} cannot be reached ({e})"
         except OSError as e:
             return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
+    return None
+
+
+def master_gone(s: L3Settings) -> str | None:
+    """Why the master is certainly gone (the liveness check of an online tier): a TCP connect
+    to it refused, or no route to its host; None otherwise. A connect that times out, or a
+    name that does not resolve, says nothing certain (a hung master's accept queue fills with
+    such checks; calls to it meet their own deadlines). The master only: the offline probe
+    asks the master, so a check that also held the metadata server against the tier took it
+    offline and the probe back online every 2 s."""
+    import errno
+    import socket
+
+    ep = _endpoint(s.master)
+    if ep is None:
+        return None
+    try:
+        socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
+    except ConnectionRefusedError:
+        return f"the master at {s.master} refuses connections"
+    except OSError as e:
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return f"the master at {s.master} cannot be reached ({e.strerror})"
     return None
 
 
@@ -294,7 +311,7 @@ class MooncakeL3:
             if self.online and now >= next_check:
                 next_check = now + LIVENESS_S
                 if self._idle(now):  # calls in flight, or just ended, speak for the master
-                    down = unreachable(self.settings, gone_only=True)
+                    down = master_gone(self.settings)
                     if down is not None:
                         self._set_online(False, f"{down} (liveness check)")
             if not self.online and now >= self._next_probe:
@@ -385,6 +402,7 @@ class MooncakeL3:
                 job.started = True
                 self._running += 1
             why = "stopping" if self._draining.is_set() else job.cancelled
+            called = not why and self.online
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
                     job.misses[why] = len(job.keys)
@@ -411,7 +429,8 @@ class MooncakeL3:
             job.t_end = time.monotonic()
             with self._lock:
                 self._running -= 1
-                self._last_call = job.t_end
+                if called:  # a Mooncake call ran: it spoke for the master
+                    self._last_call = job.t_end
                 if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)

@@ -223,3 +223,31 @@ def test_each_curve_key_has_its_own_page_objects(dstate):
     assert not set(keys["a"]) & set(keys["b"]) and not set(keys["a"]) & set(keys["plain"])
     assert keys["a2"] == keys["a"]
     assert keys["a"][0].startswith(ns + "/t-")
+
+
+def test_the_liveness_check_holds_only_a_refusing_master_against_the_tier():
+    """``master_gone`` (the online tier's liveness check): a refused connect to the master
+    only. A down metadata server made the check take the tier offline while the offline probe,
+    which asks the master, brought it back: it flapped every 2 s. A master that does not
+    accept in time (hung) is left to the calls' deadlines."""
+    import socket
+
+    from hicache.controllers.l3_store import L3Settings, master_gone
+
+    up = socket.socket()
+    up.bind(("127.0.0.1", 0))
+    up.listen(1)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connects are refused
+    try:
+        live = f"127.0.0.1:{up.getsockname()[1]}"
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+        meta_down = f"http://127.0.0.1:{closed.getsockname()[1]}/metadata"
+        assert master_gone(L3Settings(master=live, metadata=meta_down)) is None
+        assert master_gone(L3Settings(master=dead, metadata="P2PHANDSHAKE")) == \
+            f"the master at {dead} refuses connections"
+        assert master_gone(L3Settings(master="no-such-host.invalid:50051",
+                                      metadata="P2PHANDSHAKE")) is None  # uncertain: left
+    finally:
+        up.close()
+        closed.close()
