@@ -253,18 +253,22 @@ def channel(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     """Open this client's shared-memory command channel (``hicache.core.channel``): a sealed
     memfd, handed over on the daemon's descriptor socket, and its wake-up socket (mode 0600 in
     the first shm directory). A client that has one open gets the same one offered again. A
-    channel that cannot be granted is refused ``unsupported``, or, for an ``optional`` request
-    (what ``Client.register`` sends unless a channel is required), answered ``{"declined":
-    why}``: the client's normal way to ZMQ, so no refused command is counted for it."""
-    try:
-        return _open_channel(st, c)
-    except ProtocolError as e:
-        if e.code != "unsupported" or not h.get("optional"):
-            raise
-        return {"declined": e.message}, []
+    channel this daemon does not offer (``_not_offered``: it sleeps between requests, CURVE,
+    the platform) is refused ``unsupported``, or, for an ``optional`` request (what
+    ``Client.register`` sends unless a channel is required), answered ``{"declined": why}``:
+    the client's normal way to ZMQ, so no refused command is counted for it. One it offers but
+    fails to make (no descriptor, no shm folder) is refused ``unsupported`` either way, and
+    counted."""
+    why = _not_offered(st, c)
+    if why is not None:
+        if h.get("optional"):
+            return {"declined": _no_channel(why).message}, []
+        raise _no_channel(why)
+    return _open_channel(st, c)
 
 
-def _open_channel(st: DaemonState, c: ClientState) -> Reply:
+def _not_offered(st: DaemonState, c: ClientState) -> str | None:
+    """Why this daemon offers ``c`` no channel by design, or None."""
     why = supported()
     if why is None and not st.spin_us:
         why = ("this daemon sleeps between requests (--spin-us 0), where a channel saves "
@@ -272,8 +276,10 @@ def _open_channel(st: DaemonState, c: ClientState) -> Reply:
     if why is None and c.key is not None:
         why = "this daemon authenticates clients by CURVE key, and a shared-memory channel " \
               "carries no key"
-    if why is not None:
-        raise _no_channel(why)
+    return why
+
+
+def _open_channel(st: DaemonState, c: ClientState) -> Reply:
     try:
         handout = st.handout()
         if c.channel is None and st.wake_socket is None:

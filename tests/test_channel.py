@@ -549,6 +549,9 @@ def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:
                 c.channel_refused
             assert "\n" not in c.channel_refused
             assert c.heartbeat()["registered"] and c.stats()["channels"] == 0
+            # a channel the daemon offers but cannot make is a refusal, counted, even for a
+            # client that only prefers one (declined is for what it never offers)
+            assert _refusals(c) == (1, 1)
         assert not os.listdir(deep)  # nothing left behind
 
 
