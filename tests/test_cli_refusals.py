@@ -432,9 +432,12 @@ def test_stage_bounds_from_a_settings_file_as_strings_or_pairs(tmp_path):
         f.write_text(f"stage_bounds = {text}\n")
         cfg = load_config({"host_ratio": "2"}, str(f), env={})
         assert cfg.stage_bounds == ((0, 3), (3, 6)) and cfg.pp_size == 2, text
-    f.write_text("stage_bounds = [[0, 1, 2]]\n")
-    with pytest.raises(UsageError, match="cannot read '0:1:2'; give START:END per stage"):
-        load_config({"host_ratio": "2"}, str(f), env={})
+    for text, why in (("[[0, 1, 2]]", r"entry \[0, 1, 2\] is not"),
+                      ('["0:3,3:6"]', "entry '0:3,3:6' is not"),  # one entry, one stage
+                      ('{"0:3" = 1, "3:6" = 2}', "got a dict"), ("3", "got a int")):
+        f.write_text(f"stage_bounds = {text}\n")
+        with pytest.raises(UsageError, match=f"bad value for stage_bounds: .*{why}"):
+            load_config({"host_ratio": "2"}, str(f), env={})
 
 
 def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkeypatch):

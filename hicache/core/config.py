@@ -200,6 +200,23 @@ def _int(v: Any) -> int:
     return int(str(v).strip()) if isinstance(v, str) else int(v)
 
 
+def _list(v: Any) -> list[Any]:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"give a string like \"0:3,3:6\" or a list of \"0:3\" or [0, 3] "
+                         f"entries, got a {type(v).__name__}")
+    return list(v)
+
+
+def _bound(x: Any) -> str:
+    """One stage's bounds from a settings-file list: "START:END" or [START, END]."""
+    if isinstance(x, str) and "," not in x:
+        return x
+    if isinstance(x, (list, tuple)) and len(x) == 2 and \
+            all(isinstance(y, int) and not isinstance(y, bool) for y in x):
+        return f"{x[0]}:{x[1]}"
+    raise ValueError(f"stage bounds entry {x!r} is not \"START:END\" or [START, END]")
+
+
 def _convert(name: str, v: Any, key: str) -> Any:
     if name in ("host_mem", "kv_mem", "inline_max_bytes"):
         n = parse_bytes(v if isinstance(v, int) and not isinstance(v, bool) else str(v), key)
@@ -214,9 +231,7 @@ def _convert(name: str, v: Any, key: str) -> Any:
     if name == "device_rows":
         return parse_device_rows(v)
     if name == "stage_bounds":  # "0:3,3:6", or a TOML list of "0:3" strings or [0, 3] pairs
-        return parse_bounds(v if isinstance(v, str) else ",".join(
-            str(x) if isinstance(x, str) else ":".join(str(y) for y in x)
-            if isinstance(x, (list, tuple)) else repr(x) for x in v))
+        return parse_bounds(v if isinstance(v, str) else ",".join(_bound(x) for x in _list(v)))
     if name == "swa_full_tokens_ratio":
         return parse_fraction(str(v), key)
     if name == "shm_dirs":
