@@ -434,7 +434,7 @@ def test_stage_bounds_from_a_settings_file_as_strings_or_pairs(tmp_path):
         assert cfg.stage_bounds == ((0, 3), (3, 6)) and cfg.pp_size == 2, text
     for text, why in (("[[0, 1, 2]]", r"entry \[0, 1, 2\] is not"),
                       ('["0:3,3:6"]', "entry '0:3,3:6' is not"),  # one entry, one stage
-                      ('{"0:3" = 1, "3:6" = 2}', "got a dict"), ("3", "got a int")):
+                      ('{"0:3" = 1, "3:6" = 2}', "got a value of type dict"), ("3", "of type int")):
         f.write_text(f"stage_bounds = {text}\n")
         with pytest.raises(UsageError, match=f"bad value for stage_bounds: .*{why}"):
             load_config({"host_ratio": "2"}, str(f), env={})

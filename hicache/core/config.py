@@ -203,7 +203,7 @@ def _int(v: Any) -> int:
 def _list(v: Any) -> list[Any]:
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"give a string like \"0:3,3:6\" or a list of \"0:3\" or [0, 3] "
-                         f"entries, got a {type(v).__name__}")
+                         f"entries, got a value of type {type(v).__name__}")
     return list(v)
 
 
