@@ -474,6 +474,18 @@ def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkey
         f"config file {bad})")
     assert "give one of --socket" in one_line_exit_2(
         ["stats", "--config-file", str(bad), "--device", "cpu"], capsys)
+    # a file that gives only a device: still the default socket, with the hint about it
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert main(["stats", "--config-file", str(dev)]) == 1
+    assert "this is the default socket, which follows XDG_RUNTIME_DIR" in capsys.readouterr().err
+    # where the file came from is what a refusal names; a socket must be a string
+    monkeypatch.setenv("HICACHE_CONFIG_FILE", str(tmp_path / "missing.toml"))
+    assert one_line_exit_2(["stats"], capsys).startswith(
+        "hicache stats: error: HICACHE_CONFIG_FILE: cannot read ")
+    bad.write_text("socket = 5\n")
+    monkeypatch.setenv("HICACHE_CONFIG_FILE", str(bad))
+    assert "must be a string like ipc:///PATH, got a value of type int" in \
+        one_line_exit_2(["stats"], capsys)
 
 
 @pytest.mark.parametrize("flags, env, msg", [

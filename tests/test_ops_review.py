@@ -302,3 +302,17 @@ def test_stats_on_a_missing_default_socket_says_where_defaults_come_from(capsys,
     assert err.startswith(f"hicache stats: no socket at {tmp_path}/hicache/cuda7.sock (is the "
                           "daemon running?); this is the default socket, which follows "
                           "XDG_RUNTIME_DIR") and "give --socket" in err and err.count("\n") == 1
+
+
+def test_stats_summary_of_a_reply_without_what_the_daemon_serves():
+    """The summary's first line names model, stage and a half-open layer range; a reply
+    without ``daemon`` (an older daemon) says so instead of printing None fields."""
+    from hicache.cli.stats import summary
+
+    s = {"device": "cpu", "clients": 0, "workers": 0, "in_flight": 0, "channels": 0}
+    assert summary(s).splitlines()[0] == \
+        "device cpu: (a daemon that does not say what it serves)"
+    s["daemon"] = {"model": "m", "stage": [1, 2], "layers": [3, 6], "swa_mode": "paged",
+                   "host_split": "device", "pid": 7, "version": "0.1.0", "uptime_s": 1.5}
+    assert summary(s).splitlines()[0] == ("device cpu: m stage 1/2 layers [3, 6), swa paged, "
+                                          "host split device; pid 7, hicache 0.1.0, up 1.5 s")

@@ -52,13 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summary(s: dict[str, Any]) -> str:
     """A few lines an operator reads: who is connected, what is moving, what is used."""
-    d = s.get("daemon") or {}
-    stage = d.get("stage") or ["?", "?"]
-    lines = [f"device {s.get('device')}: {d.get('model')} stage {stage[0]}/{stage[1]} layers "
-             f"{d.get('layers')}, swa {d.get('swa_mode')}, host split {d.get('host_split')}; "
-             f"pid {d.get('pid')}, hicache {d.get('version')}, up {d.get('uptime_s')} s",
-             f"  {s.get('clients')} clients, {s.get('workers')} workers, "
-             f"{s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
+    d = s.get("daemon")
+    lines = [f"device {s.get('device')}: " + (
+        f"{d['model']} stage {d['stage'][0]}/{d['stage'][1]} layers [{d['layers'][0]}, "
+        f"{d['layers'][1]}), swa {d['swa_mode']}, host split {d['host_split']}; pid "
+        f"{d['pid']}, hicache {d['version']}, up {d['uptime_s']} s"
+        if d else "(a daemon that does not say what it serves)"),
+        f"  {s.get('clients')} clients, {s.get('workers')} workers, "
+        f"{s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
     for cid, rows in s.get("worker_rows", {}).items():
         lines.append(f"  worker {cid}: device rows "
                      + ", ".join(f"{k}={n}" for k, n in sorted(rows.items())))
@@ -104,9 +105,9 @@ def _no_socket(address: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
-    from hicache.core.config import check_device, default_socket
+    from hicache.core.config import check_device, default_socket, served_socket
     from hicache.engine.acks import CommandRefused, DaemonUnreachable
-    from hicache.engine.client import Client, default_address, gone_reason
+    from hicache.engine.client import Client, gone_reason
 
     if not 0 < args.timeout <= TIMEOUT_MAX_S:
         raise UsageError(f"--timeout must be in (0, {TIMEOUT_MAX_S}] seconds, got {args.timeout}")
@@ -115,8 +116,13 @@ def run(args: argparse.Namespace) -> int:
                          "--config-file (the daemon's settings)")
     if args.device:
         check_device(args.device)
-    address = args.socket or (default_socket(args.device) if args.device
-                              else default_address(args.config_file))
+    named = bool(args.socket)
+    if args.socket:
+        address = args.socket
+    elif args.device:
+        address = default_socket(args.device)
+    else:
+        address, named = served_socket(args.config_file)
     keys = (args.curve_server_key, args.curve_secret_key)
     if (keys[0] is None) != (keys[1] is None):
         raise UsageError("CURVE needs both --curve-server-key and --curve-secret-key")
@@ -131,8 +137,6 @@ def run(args: argparse.Namespace) -> int:
                              f"--curve-secret-key") from None
     missing = _no_socket(address)
     if missing:  # nothing to wait for: no daemon made this socket (or it is gone)
-        named = args.socket or args.config_file or any(
-            os.environ.get(k) for k in ("HICACHE_SOCKET", "HICACHE_CONFIG_FILE"))
         hint = ("" if named else
                 "; this is the default socket, which follows XDG_RUNTIME_DIR and the device "
                 "(a daemon started from another login, a unit or cron has another): give "

@@ -311,7 +311,9 @@ def _unknown_key(key: str, value: Any) -> str:
     return f"unknown setting {key!r}{hint}; docs/config.md lists the settings"
 
 
-def _read_toml(path: str) -> dict[str, Any]:
+def _read_toml(path: str, what: str = "--config-file") -> dict[str, Any]:
+    """The settings of TOML file ``path`` (top level and ``[serve]``); a refusal names
+    ``what`` gave the path (``--config-file`` or ``HICACHE_CONFIG_FILE``)."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -324,11 +326,11 @@ def _read_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as e:
-        raise UsageError(f"--config-file: cannot read {path}: {e.strerror}") from None
+        raise UsageError(f"{what}: cannot read {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"--config-file: {path} is not valid TOML: {e}") from None
+        raise UsageError(f"{what}: {path} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:  # TOML is UTF-8; a Latin-1 comment is enough
-        raise UsageError(f"--config-file: {path} is not UTF-8 (byte {e.start}: "
+        raise UsageError(f"{what}: {path} is not UTF-8 (byte {e.start}: "
                          f"{e.reason})") from None
     serve = data.pop("serve", {})  # settings may sit at the top level or under [serve]
     if not isinstance(serve, dict):
@@ -395,9 +397,17 @@ def served_address(config_file: str | None = None,
     ``serve`` merges them. A value ``serve`` would refuse (an empty socket, a device that is not
     ``cpu`` or ``cuda:N``) is a ``UsageError`` naming where it came from, not another socket to
     wait on. Only these two settings are read."""
+    return served_socket(config_file, env)[0]
+
+
+def served_socket(config_file: str | None = None,
+                  env: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """``served_address``, and whether a socket was named (by the file or ``HICACHE_SOCKET``)
+    rather than taken as ``device``'s default."""
     env = os.environ if env is None else env
     path = config_file or env.get("HICACHE_CONFIG_FILE")
-    data = _read_toml(path) if path else {}
+    data = _read_toml(path, "--config-file" if config_file else "HICACHE_CONFIG_FILE") \
+        if path else {}
     found: dict[str, tuple[Any, str]] = {k: (data[k], f"{k} in config file {path}")
                                          for k in ("socket", "device") if k in data}
     for k in ("socket", "device"):
@@ -405,16 +415,19 @@ def served_address(config_file: str | None = None,
             found[k] = (env[ENV_PREFIX + k.upper()], ENV_PREFIX + k.upper())
     if "socket" in found:
         addr, where = found["socket"]
-        if not isinstance(addr, str) or not addr.strip():
+        if not isinstance(addr, str):
+            raise UsageError(f"the daemon's socket must be a string like ipc:///PATH, got a "
+                             f"value of type {type(addr).__name__} (from {where})")
+        if not addr.strip():
             raise UsageError(f"{where} is set but empty: unset it, or give the daemon's "
                              f"socket")
-        return addr
+        return addr, True
     device, where = found.get("device", ("cpu", ""))
     try:
         check_device(device if isinstance(device, str) else repr(device))
     except UsageError as e:
         raise UsageError(f"{e} (from {where})") from None
-    return default_socket(device)
+    return default_socket(device), False
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -429,9 +442,11 @@ def load_config(flags: Mapping[str, Any] | None = None, config_file: str | None 
     env = os.environ if env is None else env
     cfg = ServeConfig()
     sources: dict[str, str] = {}  # setting -> where its value came from (not the command line)
+    given = config_file
     config_file = config_file or env.get("HICACHE_CONFIG_FILE")
     if config_file:
-        _apply(cfg, _read_toml(config_file), f"config file {config_file}", sources)
+        _apply(cfg, _read_toml(config_file, "--config-file" if given else "HICACHE_CONFIG_FILE"),
+               f"config file {config_file}", sources)
     _apply(cfg, _from_env(env), "environment", sources)
     if flags:
         _apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line", sources)
