@@ -280,12 +280,24 @@ def test_grafana_process_panels_filter_only_on_instance():
         assert "job=" not in e and 'instance=~"$instance"' in e, e
 
 
-def test_the_summary_writes_an_ipv6_metrics_address_as_a_url():
+def test_the_summary_writes_an_ipv6_metrics_address_as_a_url(tmp_path):
     """``--metrics-addr ::`` printed ``metrics: http://:::9479/metrics``, no usable URL."""
+    import socket
+
     from hicache.core.addresses import url_host
+    from hicache.engine.daemon_process import DaemonProcess
 
     assert [url_host(h) for h in ("::", "::1", "[::1]", "127.0.0.1", "node7")] == \
         ["[::]", "[::1]", "[::1]", "127.0.0.1", "node7"]
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows="page=8,swa_page=4,req_slot=4",
+                       pipe=True, metrics_port=port, extra=("--metrics-addr", "::1")) as d:
+        assert f"metrics: http://[::1]:{port}/metrics" in d.output()
 
 
 def test_stats_on_a_missing_default_socket_says_where_defaults_come_from(capsys, monkeypatch,
