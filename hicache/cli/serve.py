@@ -172,13 +172,13 @@ def serve(cfg: Any) -> int:
 
     malloc = fix_mmap_threshold()  # before the daemon allocates; said with the summary
 
+    dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
     try:  # parent, sizing, address, keys, ports, NUMA, socket path and memory: refused before
         pre = preflight(cfg)  # torch loads (0.1 s, not 2)
     except UsageError as e:
         raise UsageError(with_source(str(e), cfg)) from None
     if cfg.parent_pid is not None:  # a launcher's daemon (checked: its parent): stop with it
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
-    dumpable = _set_dumpable(bool(cfg.dumpable))  # before any client's memory exists
     with lifecycle.deferred():  # torch loads here: a signal meanwhile comes right after
         from hicache.controllers.daemon import Daemon, start_error
 
