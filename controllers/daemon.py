@@ -39,7 +39,7 @@ from hicache.host_pools.group import HostPoolGroup
 from hicache.core.sizes import arena_bytes, format_bytes
 from hicache.controllers.metrics import Metrics
 
-from .preflight import Preflight, preflight
+from .preflight import Preflight, check_socket_file, preflight
 from .registry import Registry
 from .server import Server
 from .state import DaemonState
@@ -152,10 +152,8 @@ def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketL
                     "itself is 0600", d, stat.S_IMODE(st.st_mode))
     lock = SocketLock(path, address)
     try:
+        check_socket_file(address, path)  # again: the preflight's look may be old by now
         if os.path.lexists(path):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise UsageError(f"--socket {address}: {path} exists and is not a socket; "
-                                 "name another path")
             if _answers(address):  # a daemon of a version without the lock
                 raise UsageError(f"another daemon already serves {address}")
             os.unlink(path)  # stale socket file of a dead daemon

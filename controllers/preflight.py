@@ -83,9 +83,11 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
 
 
 def _check_ipc_path(address: str) -> str | None:
-    """Refuse what ``Daemon`` would refuse of an ipc socket's path, without making anything:
-    a folder that cannot be made, a path that is another kind of file. Returns why a daemon
-    already holds the socket (its lock is held, or it answers), else None."""
+    """Refuse what ``Daemon`` would refuse of an ipc socket's path, leaving nothing made: a
+    folder that cannot be made (its first missing folder is made and removed at once), a path
+    that is another kind of file (``check_socket_file``). Returns why a daemon already holds
+    the socket (its ``.lock`` is held), else None; ``Daemon`` also asks whether an older daemon
+    without the lock answers there."""
     path = address[len("ipc://"):]
     folder = up = os.path.dirname(os.path.abspath(path))
     first = None  # the first folder that would be made
@@ -107,9 +109,7 @@ def _check_ipc_path(address: str) -> str | None:
                 os.rmdir(first)
             except OSError:  # that daemon is already using it
                 pass
-    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise UsageError(f"--socket {address}: {path} exists and is not a socket; name "
-                         "another path")
+    check_socket_file(address, path)
     try:
         fd = os.open(path + ".lock", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no lock file: no daemon of this version holds it
@@ -121,6 +121,13 @@ def _check_ipc_path(address: str) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def check_socket_file(address: str, path: str) -> None:
+    """A path that exists must be a socket (a stale one is replaced; any other file is kept)."""
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise UsageError(f"--socket {address}: {path} exists and is not a socket; name "
+                         "another path")
 
 
 def _probe_bind(host: str, port: int, what: str) -> None:
