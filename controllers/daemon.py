@@ -266,6 +266,7 @@ class Daemon:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.server_spin_us, curve)
             self.state.spin_us = cfg.server_spin_us
+            self.state.allow_shutdown = cfg.allow_shutdown
             if cfg.l3 != "off":
                 self._start_l3()
         except BaseException:

@@ -324,6 +324,12 @@ def reset(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
 
 
 def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
+    """Stop the daemon, as SIGTERM does; refused unless it was started with
+    ``--allow-shutdown`` (a client of one engine must not stop the tier of the others)."""
+    if not st.allow_shutdown:
+        raise ProtocolError("unsupported", "shutdown: this daemon does not take the shutdown "
+                                           "command (start it with --allow-shutdown); stop it "
+                                           "with SIGTERM")
     log.warning("shutdown asked by client %s", c.cid[:64])
     st.stopping = True
     return {"stopping": True}, []

@@ -114,6 +114,7 @@ class DaemonState:
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
+        self.allow_shutdown = False  # the ``shutdown`` command is accepted (``--allow-shutdown``)
         self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command
         self._handout: FdHandout | None = None  # made by the first descriptor it hands out
         self.sparse: Any = None  # controllers.sparse_regions.SparseRegions with --sparse-rows

@@ -494,11 +494,31 @@ def test_sigterm_shuts_down_cleanly(daemon_factory):
 
 
 def test_shutdown_command(daemon_factory):
-    d = daemon_factory(metrics=False)
+    d = daemon_factory(metrics=False, extra=("--allow-shutdown",))
     with d.client() as c:
         assert c.shutdown()["stopping"]
     d.proc.wait(20)
     assert d.proc.returncode == 0
+
+
+def test_shutdown_refused_by_default(daemon_factory):
+    """Without --allow-shutdown a client cannot stop the daemon for the others: one clear
+    refusal, counted as an error, and the daemon keeps serving every client."""
+    from hicache.fuzz.runner import metric_total
+
+    d = daemon_factory(metrics=False)
+    with d.client() as c, d.client() as other:
+        before = metric_total(c.stats(), "hicache_errors_total", kind="unsupported")
+        with pytest.raises(CommandRefused) as e:
+            c.shutdown()
+        assert e.value.code == "unsupported"
+        assert "--allow-shutdown" in str(e.value) and "SIGTERM" in str(e.value)
+        other.heartbeat()
+        st = c.stats()
+        assert st["daemon"]["pid"] == d.proc.pid
+        assert metric_total(st, "hicache_errors_total", kind="unsupported") == before + 1
+    time.sleep(0.5)
+    assert d.alive()
 
 
 # ----------------------------------------------------------------------------- serve config

@@ -99,6 +99,7 @@ class ServeConfig:
     curve_clients: str | None = None  # directory of allowed clients' CURVE public .key files
     parent_pid: int | None = None  # exit when this process is gone (launchers set it)
     dumpable: bool = False  # leave the process dumpable (same-uid ptrace, /proc fds, cores)
+    allow_shutdown: bool = False  # accept the ``shutdown`` command (off: signals only)
     log_level: str = "info"
     l3: str = "off"  # "off" or "mooncake"
     l3_master: str | None = None  # HOST:PORT of mooncake_master

@@ -47,6 +47,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dumpable", _D, "leave the daemon dumpable: processes of its uid may then ptrace it, "
             "read its memory (every client's host-tier bytes) and open its descriptors, and it "
             "may write core files (for debuggers and profilers; off by default)"),
+    Setting("allow_shutdown", _D, "accept the shutdown command from clients (off by default: "
+            "it is refused, and the daemon stops on SIGTERM / SIGINT only)"),
     Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
     Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
             "thread", flag=False),
@@ -115,4 +117,4 @@ SETTINGS: tuple[Setting, ...] = (
             "for L3 reads before it is read again (another daemon's kv_clear is seen within "
             "about this long), in (0, 3600] [2]"),
 )
-BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free", "dumpable")
+BOOL_FIELDS = ("allow_remote", "mtp", "force", "zero_on_free", "dumpable", "allow_shutdown")

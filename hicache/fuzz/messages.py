@@ -45,7 +45,7 @@ class Hostile(SparseAttacks):
         ("bad_poll", 2), ("register_again", 1), ("bad_register", 5), ("before_register", 5),
         ("after_unregister", 4), ("unwritten_read", 4), ("draft_without_ring", 1),
         ("cpu_wait_event", 1), ("sparse_unknown_request", 2), ("sparse_foreign_request", 3),
-        ("sparse_foreign_rows", 3), ("bad_hand_in", 2),
+        ("sparse_foreign_rows", 3), ("bad_hand_in", 2), ("shutdown_refused", 1),
     )
 
     # ------------------------------------------------------------------ frame and header level
@@ -307,6 +307,12 @@ class Hostile(SparseAttacks):
                              E({"already_registered"}))]
         n = self.rng.choice((0, -1, 65, 10**9))
         return [self.msg("bad_hand_in", "anon", "hand_in", {"count": n}, (), BAD_FIELD)]
+
+    def k_shutdown_refused(self) -> list[Case]:
+        """``shutdown`` from any peer of a daemon started without ``--allow-shutdown``: refused,
+        and the daemon keeps serving (the runner checks it answers the next case)."""
+        peer = self.rng.choice(("attacker", "anon", "ghost"))
+        return [self.msg("shutdown_refused", peer, "shutdown", {}, (), E({"unsupported"}))]
 
     def k_before_register(self) -> list[Case]:
         return [self._unregistered("before_register", "anon")]

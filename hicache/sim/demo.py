@@ -317,12 +317,14 @@ def _daemon(cfg: Any, metrics_port: int | None, extra: tuple[str, ...] = (),
             host += ("--force",)
     return DaemonProcess(device=cfg.device, preset=cfg.preset, device_rows=rows,
                          host=host, heartbeat_timeout=60,
-                         metrics_port=metrics_port, extra=("--swa-mode", cfg.swa_mode) + extra,
+                         metrics_port=metrics_port,
+                         extra=("--swa-mode", cfg.swa_mode, "--allow-shutdown") + extra,
                          env=env, new_session=True, ready_timeout=READY_TIMEOUT_S)
 
 
 def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None, str]:
-    """Ask the daemon to shut down through ``client`` if there is one, then signals.
+    """Ask the daemon to shut down through ``client`` if there is one (``_daemon`` starts it
+    with ``--allow-shutdown``), then signals.
     Returns its exit status and the tail of its output (read before its directory goes)."""
     if daemon.alive() and client is not None:
         try:
