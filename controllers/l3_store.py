@@ -11,7 +11,8 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   daemon runs under the bind shim: ``hicache serve`` arranges it, docs/l3.md).
   Before each ``setup`` it checks that both accept a TCP connection (``unreachable``): Mooncake's
   ``setup`` holds the GIL while it retries a master that is down (~90 s), which would stop the
-  whole daemon. A failed attempt marks the tier offline (state ``connecting`` only until then).
+  whole daemon. A failed attempt marks the tier offline (state ``connecting`` only until then);
+  the first one counts as a transition to offline (``l3_transitions``), as a later drop does.
   When a call reports the master unreachable (RPC failure or timeout, client unknown) the tier
   goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
   dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
@@ -20,7 +21,8 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   checks every ``LIVENESS_S``, when no Mooncake call ran meanwhile, that the master does not
   refuse a TCP connection (``master_gone``), so a master that dies while the tier is idle
   takes it offline within a few seconds (a hung one, whose connects time out, is left to the
-  calls' deadlines, as is everything while calls run).
+  calls' deadlines, as is everything while calls run). A job whose call raises anything is
+  counted ``misses["error"]`` and acked, and its worker goes on with the next.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
@@ -257,6 +259,7 @@ class MooncakeL3:
         self._codes_seen: set[int] = set()
         self._last_down: str | None = None  # why the last connect found the servers down
         self._was_online = False
+        self._counted_down = False  # the first failed connect counted (``_down_from_start``)
         self._threads = [threading.Thread(target=self._connector, name="l3-connect", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
                                            daemon=True) for k in self._queues]
@@ -329,9 +332,22 @@ class MooncakeL3:
                                      else "connected")
                     self._was_online = True
                 else:
+                    self._down_from_start()
                     self._next_probe = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, self.settings.max_backoff)
             self._stop.wait(0.05)
+
+    def _down_from_start(self) -> None:
+        """The first connect failed: the tier goes from ``connecting`` to ``offline``, counted
+        as a transition like a later drop (an alert on ``l3_transitions{to="offline"}`` fires
+        for a master never reached too)."""
+        with self._lock:
+            if self.state not in ("connecting", "offline") or self._was_online \
+                    or self._counted_down:
+                return
+            self._counted_down = True
+            self.state = "offline"
+        self.metrics.inc("l3_transitions", 1, "offline")
 
     def _idle(self, now: float) -> bool:
         """No job running or queued, and none finished within ``LIVENESS_S``."""
@@ -423,7 +439,10 @@ class MooncakeL3:
             except L3CallFailed as e:
                 job.misses[e.why] = 1
                 job.error = e.message
-            except Exception:  # noqa: BLE001 - a bug or a Mooncake surprise: count, go on
+            except BaseException:  # noqa: BLE001 - a bug or a Mooncake surprise: count, go on
+                # (BaseException too: a worker that died here would leave its job unacked,
+                # every later job of its queue unrun, and ``_running`` up, which holds the
+                # liveness check off for good)
                 log.exception("L3 %s failed", job.kind)  # (_record counts it kind="error")
                 job.misses["error"] = job.misses.get("error", 0) + 1
             job.t_end = time.monotonic()

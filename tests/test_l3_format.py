@@ -2,6 +2,8 @@
 and where a page's bytes lie in a real host arena (with its checksum)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -251,3 +253,62 @@ def test_the_liveness_check_holds_only_a_refusing_master_against_the_tier():
     finally:
         up.close()
         closed.close()
+
+
+def test_a_job_whose_call_raises_anything_is_acked_and_its_worker_goes_on():
+    """A ``BaseException`` out of a job's call (not only an ``Exception``) killed its worker
+    thread: the job was never acked, every later job of its queue never ran, and ``_running``
+    stayed up, which held the liveness check off for good. Now it is counted as an error miss
+    and acked, and the worker takes the next job. (A stand-in store class: what is tested is
+    the worker's bookkeeping, not Mooncake.)"""
+    import socket
+    import types
+
+    from hicache.controllers.l3_store import LIVENESS_S, L3Job, L3Settings, MooncakeL3
+    from hicache.controllers.metrics import Metrics
+
+    class Store:
+        def setup(self, *a: object) -> int:
+            return 0
+
+        def register_buffer(self, ptr: int, n: int) -> int:
+            return 0
+
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            return [0] * len(keys)
+
+        def close(self) -> None:
+            pass
+
+    class Boom(BaseException):
+        pass
+
+    def boom(l3: object) -> None:
+        raise Boom("out of the call")
+
+    master = socket.socket()
+    master.bind(("127.0.0.1", 0))
+    master.listen(8)
+    metrics = Metrics()
+    settings = L3Settings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE")
+    l3 = MooncakeL3(settings, types.SimpleNamespace(ptr=0, nbytes=0), None, metrics,
+                    lambda: None, store_class=Store)
+    try:
+        deadline = time.monotonic() + 10
+        while not l3.online and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert l3.online, l3.state
+        bad, good = L3Job("meta", ["k"], call=boom), L3Job("meta", ["k"], call=lambda l3: 5)
+        l3.submit(bad)
+        l3.submit(good)
+        while len(l3.completed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done = l3.take_completed()
+        assert done == [bad, good]
+        assert bad.misses == {"error": 1} and bad.value is None
+        assert good.misses == {} and good.value == 5
+        assert l3._running == 0 and l3._idle(time.monotonic() + LIVENESS_S + 0.1)
+    finally:
+        l3.close()
+        master.close()
+        metrics.close()

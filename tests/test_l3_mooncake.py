@@ -433,11 +433,17 @@ def test_a_daemon_started_while_the_master_is_down_serves_at_once(l3_daemon, wor
                 worst = max(worst, time.monotonic() - t)
                 time.sleep(0.1)
             l3 = c.stats()["l3"]
+            # offline from the start counts as a transition, once (an alert on it fires for a
+            # master never reached too), however many connects failed
+            down = metric(c, "hicache_l3_transitions_total", to="offline")
+            up = metric(c, "hicache_l3_transitions_total", to="online")
         assert worst < 1.0, worst
         assert l3["state"] == "offline" and not l3["online"], l3
+        assert (down, up) == (1, 0), (down, up)
     finally:
         store.start_master()
     w = worker(d, 8)  # waits for the tier to come online
+    assert metric(w.c, "hicache_l3_transitions_total", to="online") == 1
     store.wait_mounted()  # a restarted master knows the storage member once it mounted again
     keys = [f"late-{i}" for i in range(2)]
     assert w.put(keys, [0, 1])["written"] == 2
