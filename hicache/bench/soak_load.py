@@ -6,9 +6,9 @@ after ``warmup`` of all operations, at every tenth and at the end. The clock (``
 ``ops_per_s``) starts once every client has set up and registered (``client_setup_s``); a
 progress line (operations, ops/s, daemon RSS) every ``PROGRESS_S``. Two mixes:
 
-* ``mix="page"`` (``_soak_client``): ``alloc`` / ``backup`` / ``load`` / ``free`` of 1..``max_rows``
-  rows of one unit (an index space or one pool), every load checked against the content its
-  host rows were last backed up with;
+* ``mix="page"`` (``_soak_client`` driving ``_PageClient``): ``alloc`` / ``backup`` / ``load`` /
+  ``free`` of 1..``max_rows`` rows of one unit (an index space or one pool), every load checked
+  against the content its host rows were last backed up with;
 * ``mix="all"`` (``_mix_client`` driving ``soak_mix.MixClient``): rows of the page and SWA
   spaces from 1 row to 512 pages, token ids of every token-granular pool, request-state swaps,
   every loaded byte checked; ``device`` picks shared memory or CUDA device pools.
@@ -20,12 +20,152 @@ import os
 import random
 import time
 from collections import deque
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 SOAK_DAEMON_ROWS = "page=64,swa_page=8,req_slot=4"  # x --host-ratio 4: 256 page rows
 SOAK_DEV_ROWS = {"page": 32, "swa_page": 4, "req_slot": 2}  # per client
 SETUP_TIMEOUT_S = 300.0  # clients importing torch and opening CUDA on a busy machine
 PROGRESS_S = 10.0  # a progress line at least this often
+
+
+class _PageClient:
+    """State and operations of one ``--mix page`` soak client (see the module docstring)."""
+
+    def __init__(self, address: str, idx: int, seed: int, unit: str, space: str, nd: int,
+                 bufs: Any, pattern: Any) -> None:
+        """Its counters and empty row books; then its daemon connection."""
+        from hicache.engine.client import Client
+        from hicache.fuzz.runner import mix64
+
+        self.idx, self.seed, self.unit, self.space, self.nd = idx, seed, unit, space, nd
+        self.bufs, self.pattern, self.mix64 = bufs, pattern, mix64
+        self.rng = random.Random(mix64(seed, idx))
+        self.st: dict[str, Any] = {
+            "ops": 0, "backups": 0, "loads": 0, "frees": 0, "allocs": 0, "lost_acks": 0,
+            "failed_ops": 0, "corrupted_pages": 0, "verified_pages": 0, "refused": 0,
+            "unreachable": 0, "first_problem": None}
+        self.held: dict[int, int] = {}  # host row -> salt of the content last backed up into it
+        # held rows a backup into which was acked (loads read only these)
+        self.readable: set[int] = set()
+        self.spare: list[int] = []  # host rows allocated, nothing backed up yet
+        self.busy: set[int] = set()  # device rows used by operations in flight
+        self.pending: deque = deque()  # (op, kind, device rows, expected salts)
+        self.version = 0
+        self.c = Client(address, timeout=60.0, name=f"soak{idx}")
+
+    def problem(self, msg: str) -> None:
+        """Remember the client's first problem (the counters count them all)."""
+        if self.st["first_problem"] is None:
+            self.st["first_problem"] = f"client {self.idx} op {self.st['ops']}: {msg}"
+
+    def complete(self) -> None:
+        """Wait for the oldest operation in flight's ack; a load's rows are checked on it."""
+        from hicache.engine.client import AckTimeout
+
+        st = self.st
+        op, kind, drows, salts = self.pending.popleft()
+        try:
+            ack = self.c.wait_ack(op, timeout=60.0, check=False)
+        except AckTimeout:
+            st["lost_acks"] += 1
+            self.problem(f"{kind} op {op.op_id}: no ack within 60 s")
+            self.busy.difference_update(drows)
+            return
+        if not ack.ok:
+            st["failed_ops"] += 1
+            self.problem(f"{kind} op {op.op_id} failed: {ack.error}")
+        elif kind == "backup":  # readable now, unless freed (or rewritten) meanwhile
+            self.readable.update(h for h, salt in salts if self.held.get(h) == salt)
+        elif kind == "load":
+            bad = self.pattern.bad_rows(self.bufs, drows, salts)
+            st["verified_pages"] += len(drows)
+            if bad:
+                st["corrupted_pages"] += len(bad)
+                self.problem(f"load op {op.op_id}: device rows {[drows[j] for j in bad]} differ")
+        self.busy.difference_update(drows)
+
+    def dev_rows_free(self, k: int) -> list[int]:
+        """``k`` device rows no operation in flight uses (completing operations until so)."""
+        while self.nd - len(self.busy) < k and self.pending:
+            self.complete()
+        return self.rng.sample([r for r in range(self.nd) if r not in self.busy], k)
+
+    def step(self, i: int, max_rows: int, quota: int) -> None:
+        """Operation ``i``: an alloc, free, backup or load of 1..``max_rows`` rows."""
+        k = self.rng.randint(1, max_rows)
+        x = self.rng.random()
+        total = len(self.held) + len(self.spare)
+        if x < 0.1 and total + k <= quota or total == 0:  # alloc
+            got = self.c.alloc({self.space: k})[self.space]
+            self.spare.extend(int(r) for r in got)
+            self.st["allocs"] += 1
+        elif x < 0.2 and total:  # free
+            pick = self.rng.sample(list(self.held) + self.spare, min(k, total))
+            self.c.free({self.space: pick})
+            for r in pick:
+                self.held.pop(r, None)
+                self.readable.discard(r)
+            self.spare[:] = [r for r in self.spare if r not in pick]
+            self.st["frees"] += 1
+        elif x < 0.6 or not self.readable:  # backup into spare rows, else over held rows
+            self.backup(k)
+        else:  # load held rows into device rows, verify on its ack
+            self.load(k, i)
+
+    def backup(self, k: int) -> None:
+        """Back up fresh content into ``k`` host rows: spare ones first, else held ones."""
+        hosts = self.spare[:k]
+        del self.spare[:len(hosts)]
+        if len(hosts) < k and self.held:
+            hosts += self.rng.sample([r for r in self.held if r not in hosts],
+                                     min(k - len(hosts), len(self.held)))
+        drows = self.dev_rows_free(len(hosts))
+        self.version += 1
+        salts = [self.mix64(self.seed, self.idx, d, self.version) for d in drows]
+        self.pattern.fill(self.bufs, drows, salts)
+        op = self.c.backup({self.unit: (drows, hosts)})
+        for h, s in zip(hosts, salts):
+            self.held[h] = s
+        self.busy.update(drows)
+        self.pending.append((op, "backup", drows, list(zip(hosts, salts))))
+        self.st["backups"] += 1
+
+    def load(self, k: int, i: int) -> None:
+        """Load up to ``k`` readable host rows into scribbled device rows (checked on the ack)."""
+        hosts = self.rng.sample(sorted(self.readable), min(k, len(self.readable)))
+        drows = self.dev_rows_free(len(hosts))
+        self.pattern.scribble(self.bufs, drows, self.mix64(self.seed, self.idx, 0xDEAD, i))
+        op = self.c.load({self.unit: (hosts, drows)})
+        self.busy.update(drows)
+        self.pending.append((op, "load", drows, [self.held[h] for h in hosts]))
+        self.st["loads"] += 1
+
+
+def _run_ops(client: Any, step: Callable[[int], None], ops: int, window: int, counter: Any,
+             bad: Any) -> None:
+    """A client's operation loop: ``step(i)`` ``ops`` times (at most ``window`` in flight),
+    counters published every 50; ends with every operation in flight completed."""
+    from hicache.engine.client import CommandRefused, DaemonUnreachable
+
+    st = client.st
+    for i in range(ops):
+        try:
+            step(i)
+        except CommandRefused as e:
+            st["refused"] += 1
+            client.problem(str(e))
+        except DaemonUnreachable as e:
+            st["unreachable"] += 1
+            client.problem(str(e))
+            break
+        st["ops"] += 1
+        while len(client.pending) > window:
+            client.complete()
+        if st["ops"] % 50 == 0:
+            _tick(st, counter, bad, 50)
+    while client.pending:
+        client.complete()
 
 
 def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, unit: str,
@@ -38,8 +178,7 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
     from hicache.cli.lifecycle import quiet_worker
 
     quiet_worker(os.getppid())
-    from hicache.engine.client import AckTimeout, Client, CommandRefused, DaemonUnreachable
-    from hicache.fuzz.runner import Pattern, ShmBuffers, mix64
+    from hicache.fuzz.runner import Pattern, ShmBuffers
     from hicache.core.layout import INDEX_SPACES, build_layout, preset
 
     layout = build_layout(preset(preset_name))
@@ -49,117 +188,20 @@ def _soak_client(address: str, idx: int, ops: int, seed: int, preset_name: str, 
     nd = dev_rows[space]
     bufs = ShmBuffers(layout, dev_rows, tag=f"soak{idx}")
     Finalize(bufs, bufs.close, exitpriority=10)  # runs on SystemExit too
-    pattern = Pattern(layout, pools, seed)
-    rng = random.Random(mix64(seed, idx))
-    st = {"ops": 0, "backups": 0, "loads": 0, "frees": 0, "allocs": 0, "lost_acks": 0,
-          "failed_ops": 0, "corrupted_pages": 0, "verified_pages": 0, "refused": 0,
-          "unreachable": 0, "first_problem": None}
-    held: dict[int, int] = {}  # host row -> salt of the content last backed up into it
-    readable: set[int] = set()  # held rows a backup into which was acked (loads read only these)
-    spare: list[int] = []  # host rows allocated, nothing backed up yet
-    busy: set[int] = set()  # device rows used by operations in flight
-    pending: deque = deque()  # (op, kind, device rows, expected salts)
-    version = 0
-    c = Client(address, timeout=60.0, name=f"soak{idx}")
-
-    def problem(msg: str) -> None:
-        if st["first_problem"] is None:
-            st["first_problem"] = f"client {idx} op {st['ops']}: {msg}"
-
-    def complete() -> None:
-        op, kind, drows, salts = pending.popleft()
-        try:
-            ack = c.wait_ack(op, timeout=60.0, check=False)
-        except AckTimeout:
-            st["lost_acks"] += 1
-            problem(f"{kind} op {op.op_id}: no ack within 60 s")
-            busy.difference_update(drows)
-            return
-        if not ack.ok:
-            st["failed_ops"] += 1
-            problem(f"{kind} op {op.op_id} failed: {ack.error}")
-        elif kind == "backup":  # readable now, unless freed (or rewritten) meanwhile
-            readable.update(h for h, salt in salts if held.get(h) == salt)
-        elif kind == "load":
-            bad = pattern.bad_rows(bufs, drows, salts)
-            st["verified_pages"] += len(drows)
-            if bad:
-                st["corrupted_pages"] += len(bad)
-                problem(f"load op {op.op_id}: device rows {[drows[j] for j in bad]} differ")
-        busy.difference_update(drows)
-
-    def dev_rows_free(k: int) -> list[int]:
-        while nd - len(busy) < k and pending:
-            complete()
-        return rng.sample([r for r in range(nd) if r not in busy], k)
-
+    pc = _PageClient(address, idx, seed, unit, space, nd, bufs, Pattern(layout, pools, seed))
     registered = False
     try:
-        c.register(**bufs.register_fields(), fds=bufs.fds())
+        pc.c.register(**bufs.register_fields(), fds=bufs.fds())
         registered = True
         _count(ready, 1)
         go.wait(300)
-        for i in range(ops):
-            k = rng.randint(1, max_rows)
-            x = rng.random()
-            total = len(held) + len(spare)
-            try:
-                if x < 0.1 and total + k <= quota or total == 0:  # alloc
-                    got = c.alloc({space: k})[space]
-                    spare.extend(int(r) for r in got)
-                    st["allocs"] += 1
-                elif x < 0.2 and total:  # free
-                    pick = rng.sample(list(held) + spare, min(k, total))
-                    c.free({space: pick})
-                    for r in pick:
-                        held.pop(r, None)
-                        readable.discard(r)
-                    spare[:] = [r for r in spare if r not in pick]
-                    st["frees"] += 1
-                elif x < 0.6 or not readable:  # backup into spare rows, else over held rows
-                    hosts = spare[:k]
-                    del spare[:len(hosts)]
-                    if len(hosts) < k and held:
-                        hosts += rng.sample([r for r in held if r not in hosts],
-                                            min(k - len(hosts), len(held)))
-                    drows = dev_rows_free(len(hosts))
-                    version += 1
-                    salts = [mix64(seed, idx, d, version) for d in drows]
-                    pattern.fill(bufs, drows, salts)
-                    op = c.backup({unit: (drows, hosts)})
-                    for h, s in zip(hosts, salts):
-                        held[h] = s
-                    busy.update(drows)
-                    pending.append((op, "backup", drows, list(zip(hosts, salts))))
-                    st["backups"] += 1
-                else:  # load held rows into device rows, verify on its ack
-                    hosts = rng.sample(sorted(readable), min(k, len(readable)))
-                    drows = dev_rows_free(len(hosts))
-                    pattern.scribble(bufs, drows, mix64(seed, idx, 0xDEAD, i))
-                    op = c.load({unit: (hosts, drows)})
-                    busy.update(drows)
-                    pending.append((op, "load", drows, [held[h] for h in hosts]))
-                    st["loads"] += 1
-            except CommandRefused as e:
-                st["refused"] += 1
-                problem(str(e))
-            except DaemonUnreachable as e:
-                st["unreachable"] += 1
-                problem(str(e))
-                break
-            st["ops"] += 1
-            while len(pending) > window:
-                complete()
-            if st["ops"] % 50 == 0:
-                _tick(st, counter, bad, 50)
-        while pending:
-            complete()
-        _tick(st, counter, bad, st["ops"] % 50)
+        _run_ops(pc, lambda i: pc.step(i, max_rows, quota), ops, window, counter, bad)
+        _tick(pc.st, counter, bad, pc.st["ops"] % 50)
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
-        problem(f"{type(e).__name__}: {e}")
+        pc.problem(f"{type(e).__name__}: {e}")
         if not registered:
             _count(ready, 1)
-    report_and_leave(out, idx, st, release, c, bufs)
+    report_and_leave(out, idx, pc.st, release, pc.c, bufs)
 
 
 def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, device: str,
@@ -175,7 +217,7 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
 
     from hicache.bench.soak_mix import MIX_DEV_ROWS, MixClient
     from hicache.core.layout import build_layout, preset
-    from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
+    from hicache.engine.client import Client
     from hicache.engine.device_pools import DevicePools
 
     layout = build_layout(preset(preset_name))
@@ -200,23 +242,7 @@ def _mix_client(address: str, idx: int, ops: int, seed: int, preset_name: str, d
     try:
         go.wait(300)
         t0 = time.perf_counter()
-        for _ in range(ops):
-            try:
-                m.step()
-            except CommandRefused as e:
-                st["refused"] += 1
-                m.problem(str(e))
-            except DaemonUnreachable as e:
-                st["unreachable"] += 1
-                m.problem(str(e))
-                break
-            st["ops"] += 1
-            while len(m.pending) > window:
-                m.complete()
-            if st["ops"] % 50 == 0:
-                _tick(st, counter, bad, 50)
-        while m.pending:
-            m.complete()
+        _run_ops(m, lambda _: m.step(), ops, window, counter, bad)
         st["t_loop"] = time.perf_counter() - t0
         _tick(st, counter, bad, st["ops"] % 50)
     except Exception as e:  # noqa: BLE001 - report it instead of dying silently
@@ -256,95 +282,121 @@ def report_and_leave(out: Any, idx: int, st: dict[str, Any], release: Any, c: An
     buffers.close()
 
 
-def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
-             preset_name: str = "dsv4-tiny", unit: str = "page", max_rows: int = 4,
-             window: int = 4, warmup: float = 0.1, quota: int = 24,
-             rss: Callable[[], int] | None = None, mix: str = "page", device: str = "cpu",
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the sustained-load clients against the daemon at ``address`` (see the module
-    docstring); ``rss()`` returns the daemon's RSS in bytes (sampled after ``warmup`` of all
-    operations and once every client finished, before they unregister)."""
-    ctx = mp.get_context("spawn")
-    counter, bad, ready = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
-    go, release = ctx.Event(), ctx.Event()
-    out = ctx.Queue()
+@dataclass
+class _Watch:
+    """What the parent saw of a run: each client's counters, the daemon's RSS, the times."""
+
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    curve: list[float] = field(default_factory=list)  # MiB, at every tenth of the operations
+    rss_warm: int | None = None
+    rss_end: int | None = None
+    setup_s: float = 0.0
+    seconds: float = 0.0
+
+
+def _start_clients(ctx: Any, clients: int, mix: str, address: str, ops: int, seed: int,
+                   preset_name: str, own: Mapping[str, Any], shared: tuple[Any, ...]
+                   ) -> list[Any]:
+    """Start the ``clients`` processes of ``mix`` (spawned, daemonic) and return them; each gets
+    its mix's settings from ``own``, then ``shared`` (the parent's counters, events, queue)."""
     if mix == "all":
         procs = [ctx.Process(target=_mix_client, name=f"mix{i}", daemon=True,
-                             args=(address, i, ops, seed, preset_name, device, window, counter,
-                                   bad, ready, go, release, out)) for i in range(clients)]
+                             args=(address, i, ops, seed, preset_name, own["device"],
+                                   own["window"], *shared)) for i in range(clients)]
     else:
         procs = [ctx.Process(target=_soak_client, name=f"soak{i}", daemon=True,
-                             args=(address, i, ops, seed, preset_name, unit, max_rows, window,
-                                   quota, counter, bad, ready, go, release, out))
+                             args=(address, i, ops, seed, preset_name, own["unit"],
+                                   own["max_rows"], own["window"], own["quota"], *shared))
                  for i in range(clients)]
     for p in procs:
         p.start()
-    results: dict[int, dict[str, Any]] = {}
-    total = clients * ops
-    rss_warm = rss_end = None
-    curve: list[float] = []
+    return procs
+
+
+def _await_setup(ready: Any, procs: list[Any], t0: float,
+                 progress: Callable[[str], None] | None) -> float:
+    """Wait until every client has set up or exited (at most ``SETUP_TIMEOUT_S``); returns the
+    seconds since ``t0``."""
+    clients = len(procs)
+    while ready.value + sum(p.exitcode is not None for p in procs) < clients \
+            and time.monotonic() < t0 + SETUP_TIMEOUT_S:  # (a dead client: reported below)
+        time.sleep(0.05)
+    setup_s = time.monotonic() - t0
+    if progress is not None:
+        progress(f"{ready.value} of {clients} clients set up in {setup_s:.1f} s")
+    return setup_s
+
+
+def _say_progress(progress: Callable[[str], None], done: int, total: int, t0: float,
+                  last: tuple[float, int], rss: Callable[[], int] | None, bad: Any
+                  ) -> tuple[float, int]:
+    """One progress line (operations, ops/s overall and since ``last``, RSS, failures); returns
+    the new ``last`` (time, operations)."""
+    mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
+    now = time.monotonic()
+    progress(f"{done}/{total} operations, {done / (now - t0):.0f}/s (last "
+             f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}"
+             f", failures so far {bad.value}")
+    return (now, done)
+
+
+def _note_dead(procs: list[Any], results: Mapping[int, Any], out: Any, dead: set[int],
+               progress: Callable[[str], None] | None) -> None:
+    """Say once of each client that exited without putting its counters on ``out``."""
+    for i, p in enumerate(procs):
+        if i not in dead and p.exitcode is not None and i not in results and out.empty():
+            dead.add(i)
+            if progress is not None:
+                progress(f"client {i} exited with status {p.exitcode} before reporting")
+
+
+def _collect(watch: _Watch, procs: list[Any], out: Any, counter: Any, bad: Any, total: int,
+             warmup: float, rss: Callable[[], int] | None,
+             progress: Callable[[str], None] | None, deadline: float) -> None:
+    """Gather the clients' counters into ``watch`` as they finish (until ``deadline`` or all
+    are gone), sampling the daemon's RSS and saying progress every ``PROGRESS_S``."""
+    clients = len(procs)
     t0 = time.monotonic()
-    deadline = t0 + 3600
-    try:  # the clock starts once every client has set up (torch, CUDA, pools, register)
-        while ready.value + sum(p.exitcode is not None for p in procs) < clients \
-                and time.monotonic() < t0 + SETUP_TIMEOUT_S:  # (a dead client: reported below)
-            time.sleep(0.05)
-        setup_s = time.monotonic() - t0
-        if progress is not None:
-            progress(f"{ready.value} of {clients} clients set up in {setup_s:.1f} s")
-        go.set()
-        t0 = time.monotonic()
-        next_note = t0 + PROGRESS_S
-        last = (t0, 0)  # (time, operations) at the previous progress line
-        dead: set[int] = set()
-        while len(results) < clients and time.monotonic() < deadline:
-            try:
-                idx, st = out.get(timeout=0.2)
-                results[idx] = st
-            except Exception:  # noqa: BLE001 - queue.Empty
-                pass
-            done = counter.value
-            if rss is not None and done >= (len(curve) + 1) * total / 10 and len(curve) < 9:
-                curve.append(round(rss() / 2**20, 2))  # RSS at every tenth of the operations
-            if rss_warm is None and done >= warmup * total and rss is not None:
-                rss_warm = rss()
-            if progress is not None and time.monotonic() >= next_note:
-                mib = f", daemon RSS {rss() / 2**20:.1f} MiB" if rss is not None else ""
-                now = time.monotonic()
-                progress(f"{done}/{total} operations, {done / (now - t0):.0f}/s (last "
-                         f"{now - last[0]:.0f} s: {(done - last[1]) / (now - last[0]):.0f}/s){mib}"
-                         f", failures so far {bad.value}")
-                last = (now, done)
-                next_note += PROGRESS_S
-            for i, p in enumerate(procs):  # a client gone without its counters: say so now
-                if i not in dead and p.exitcode is not None and i not in results \
-                        and out.empty():
-                    dead.add(i)
-                    if progress is not None:
-                        progress(f"client {i} exited with status {p.exitcode} before reporting")
-            if len(results) < clients and not any(p.is_alive() for p in procs):
-                break
-        seconds = time.monotonic() - t0
-        if rss is not None:
-            rss_end = rss()
-            if rss_warm is None:
-                rss_warm = rss_end
-    except BaseException:  # interrupted: stop the workers now (each closes its pools)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        raise
-    finally:
-        release.set()
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    next_note = t0 + PROGRESS_S
+    last = (t0, 0)  # (time, operations) at the previous progress line
+    dead: set[int] = set()
+    while len(watch.results) < clients and time.monotonic() < deadline:
+        try:
+            idx, st = out.get(timeout=0.2)
+            watch.results[idx] = st
+        except Exception:  # noqa: BLE001 - queue.Empty
+            pass
+        done = counter.value
+        if rss is not None and done >= (len(watch.curve) + 1) * total / 10 \
+                and len(watch.curve) < 9:
+            watch.curve.append(round(rss() / 2**20, 2))  # RSS at every tenth of the operations
+        if watch.rss_warm is None and done >= warmup * total and rss is not None:
+            watch.rss_warm = rss()
+        if progress is not None and time.monotonic() >= next_note:
+            last = _say_progress(progress, done, total, t0, last, rss, bad)
+            next_note += PROGRESS_S
+        _note_dead(procs, watch.results, out, dead, progress)  # gone without counters: say so
+        if len(watch.results) < clients and not any(p.is_alive() for p in procs):
+            break
+    watch.seconds = time.monotonic() - t0
+
+
+def _sum_counters(results: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The clients' numeric counters summed (those starting with ``_`` left out)."""
     sums: dict[str, Any] = {}
     for st in results.values():
         for k, v in st.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k[0] != "_":
                 sums[k] = sums.get(k, 0) + v
+    return sums
+
+
+def _soak_report(watch: _Watch, procs: list[Any], ops: int, window: int, warmup: float,
+                 mix: str, device: str, unit: str, max_rows: int) -> dict[str, Any]:
+    """The run's report: the clients' counters summed, their problems, RSS and rates."""
+    results, rss_warm, rss_end, seconds = watch.results, watch.rss_warm, watch.rss_end, \
+        watch.seconds
+    clients, sums = len(procs), _sum_counters(watch.results)
     n = max(1, len(results))  # where a client's time went, averaged over the clients
     split = {k: round(sums[f"t_{k}"] / n, 2) for k in ("loop", "calls", "ack_wait", "check")
              if f"t_{k}" in sums}
@@ -352,7 +404,6 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
     problems += [f"client {i} exited with status {procs[i].exitcode} without reporting (its "
                  f"traceback, if any, is on stderr above)" for i in range(clients)
                  if i not in results]
-    missing = clients - len(results)
     growth = None
     if rss_warm and rss_end is not None:
         growth = round((rss_end - rss_warm) / rss_warm * 100, 3)
@@ -366,15 +417,55 @@ def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
         "lost_acks": sums.get("lost_acks", 0), "failed_ops": sums.get("failed_ops", 0),
         "corrupted_pages": sums.get("corrupted_pages", 0),
         "verified_pages": sums.get("verified_pages", 0), "refused": sums.get("refused", 0),
-        "unreachable": sums.get("unreachable", 0), "clients_missing": missing,
+        "unreachable": sums.get("unreachable", 0), "clients_missing": clients - len(results),
         "rss_warm_mib": None if rss_warm is None else round(rss_warm / 2**20, 2),
         "rss_end_mib": None if rss_end is None else round(rss_end / 2**20, 2),
         "rss_growth_pct": growth, "warmup_fraction": warmup,
-        "rss_curve_mib": curve + ([round(rss_end / 2**20, 2)] if rss_end is not None else []),
+        "rss_curve_mib": watch.curve + ([round(rss_end / 2**20, 2)]
+                                        if rss_end is not None else []),
         "seconds": round(seconds, 2), "ops_per_s": round(sums.get("ops", 0) / max(seconds, 1e-9), 1),
-        "client_setup_s": round(setup_s, 2), "client_seconds": split,
+        "client_setup_s": round(watch.setup_s, 2), "client_seconds": split,
         "problems": problems[:8],
         "problem_log": [x for st in results.values() for x in st.get("problem_log", [])][:64],
     }
 
 
+def run_soak(address: str, clients: int, ops: int, *, seed: int = 0,
+             preset_name: str = "dsv4-tiny", unit: str = "page", max_rows: int = 4,
+             window: int = 4, warmup: float = 0.1, quota: int = 24,
+             rss: Callable[[], int] | None = None, mix: str = "page", device: str = "cpu",
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the sustained-load clients against the daemon at ``address`` (see the module
+    docstring); ``rss()`` returns the daemon's RSS in bytes (sampled after ``warmup`` of all
+    operations and once every client finished, before they unregister)."""
+    ctx = mp.get_context("spawn")
+    counter, bad, ready = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+    go, release = ctx.Event(), ctx.Event()
+    out = ctx.Queue()
+    own = {"device": device, "unit": unit, "max_rows": max_rows, "window": window,
+           "quota": quota}
+    procs = _start_clients(ctx, clients, mix, address, ops, seed, preset_name, own,
+                           (counter, bad, ready, go, release, out))
+    watch = _Watch()
+    t0 = time.monotonic()
+    try:  # the clock starts once every client has set up (torch, CUDA, pools, register)
+        watch.setup_s = _await_setup(ready, procs, t0, progress)
+        go.set()
+        _collect(watch, procs, out, counter, bad, clients * ops, warmup, rss, progress,
+                 t0 + 3600)
+        if rss is not None:
+            watch.rss_end = rss()
+            if watch.rss_warm is None:
+                watch.rss_warm = watch.rss_end
+    except BaseException:  # interrupted: stop the workers now (each closes its pools)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        raise
+    finally:
+        release.set()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return _soak_report(watch, procs, ops, window, warmup, mix, device, unit, max_rows)
