@@ -304,7 +304,8 @@ class Daemon:
             "model": lay.model.name, "stage": [stage.pp_rank, stage.pp_size],
             "layers": [stage.start, stage.end], "swa_mode": lay.swa_mode,
             "host_split": self.cfg.host_split, "socket": self.address, "pid": os.getpid(),
-            "version": __version__, "started": round(time.time(), 3)}
+            "version": __version__, "started": round(time.time(), 3),
+            "allow_shutdown": bool(self.cfg.allow_shutdown)}
         m.set("daemon_info", 1, lay.model.name, str(self.device), str(stage.pp_rank),
               str(stage.pp_size), lay.swa_mode, self.cfg.host_split, self.address)
         m.set("pinned_bytes", st.get("requested_bytes", self.group.arena_bytes))

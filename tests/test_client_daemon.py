@@ -409,6 +409,7 @@ def test_stats_and_metrics_say_what_the_daemon_serves(daemon_factory):
         assert me["model"] == "dsv4-flash" and me["stage"] == [0, 1] and me["pid"] == d.pid
         assert me["socket"] == d.address and me["swa_mode"] in ("paged", "ring")
         assert me["host_split"] == "device" and 0 <= me["uptime_s"] < 600
+        assert me["allow_shutdown"] is False
         (info,) = s["metrics"]["hicache_daemon_info"]
         assert info["value"] == 1 and info["labels"] == {
             "model": "dsv4-flash", "device": "cpu", "pp_rank": "0", "pp_size": "1",
@@ -496,6 +497,7 @@ def test_sigterm_shuts_down_cleanly(daemon_factory):
 def test_shutdown_command(daemon_factory):
     d = daemon_factory(metrics=False, extra=("--allow-shutdown",))
     with d.client() as c:
+        assert c.stats()["daemon"]["allow_shutdown"] is True
         assert c.shutdown()["stopping"]
     d.proc.wait(20)
     assert d.proc.returncode == 0
