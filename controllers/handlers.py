@@ -323,10 +323,19 @@ def reset(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     return {"freed": freed, "deferred": deferred}, []
 
 
+REFUSAL_LOG_S = 10.0  # a refused shutdown is logged at most this often (counted every time)
+_refused_shutdown = [-REFUSAL_LOG_S]  # when one was last logged (monotonic)
+
+
 def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     """Stop the daemon, as SIGTERM does; refused unless it was started with
     ``--allow-shutdown`` (a client of one engine must not stop the tier of the others)."""
     if not st.allow_shutdown:
+        now = time.monotonic()
+        if now - _refused_shutdown[0] >= REFUSAL_LOG_S:  # one line, not one per attempt
+            _refused_shutdown[0] = now
+            log.warning("shutdown asked by client %s: refused (no --allow-shutdown)",
+                        c.cid[:64])
         raise ProtocolError("unsupported", "shutdown: this daemon does not take the shutdown "
                                            "command (start it with --allow-shutdown); stop it "
                                            "with SIGTERM")

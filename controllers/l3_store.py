@@ -22,7 +22,8 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   refuse a TCP connection (``master_gone``), so a master that dies while the tier is idle
   takes it offline within a few seconds (a hung one, whose connects time out, is left to the
   calls' deadlines, as is everything while calls run). A job whose call raises anything is
-  counted ``misses["error"]`` and acked, and its worker goes on with the next.
+  counted ``misses["error"]`` and acked, and its worker goes on with the next; a connect or
+  probe that raises anything is a failed attempt, retried.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
@@ -322,9 +323,12 @@ class MooncakeL3:
                     ok = self._connect() if self.store is None else self._probe()
                 except UsageError as e:
                     log.error("%s", e)
+                    self._down_from_start()
                     self.state = f"failed: {e}"
                     return
-                except Exception as e:  # noqa: BLE001 - a Mooncake surprise: retry later
+                except BaseException as e:  # noqa: BLE001 - a Mooncake surprise: retry later
+                    # (BaseException too: a connector that died here would leave the tier as
+                    # it is for good, never probed again)
                     log.warning("L3: connecting or probing failed: %s: %s", type(e).__name__, e)
                     ok = False
                 if ok:
@@ -338,9 +342,9 @@ class MooncakeL3:
             self._stop.wait(0.05)
 
     def _down_from_start(self) -> None:
-        """The first connect failed: the tier goes from ``connecting`` to ``offline``, counted
-        as a transition like a later drop (an alert on ``l3_transitions{to="offline"}`` fires
-        for a master never reached too)."""
+        """The first connect failed (or was refused for good): the tier goes from
+        ``connecting`` to ``offline``, counted as a transition like a later drop (an alert on
+        ``l3_transitions{to="offline"}`` fires for a master never reached too)."""
         with self._lock:
             if self.state not in ("connecting", "offline") or self._was_online \
                     or self._counted_down:

@@ -521,6 +521,7 @@ def test_shutdown_refused_by_default(daemon_factory):
         assert metric_total(st, "hicache_errors_total", kind="unsupported") == before + 1
     time.sleep(0.5)
     assert d.alive()
+    assert "refused (no --allow-shutdown)" in d.output()  # the attempt is logged, once
 
 
 # ----------------------------------------------------------------------------- serve config

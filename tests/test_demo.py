@@ -39,6 +39,9 @@ def test_small_generated_demo_verifies_every_byte():
     assert s["device_hit_tokens"] + s["host_hit_tokens"] > s["device_only_hit_tokens"]
     assert s["state_swaps"] > 0
     assert "metrics" in p.stderr and "http://127.0.0.1:" in p.stderr
+    # its daemon took the shutdown command (it starts it with --allow-shutdown): exit 0, not
+    # a SIGTERM after a refusal
+    assert s["daemon_exit"] == 0 and "did not take shutdown" not in p.stderr
 
 
 def test_trace_demo_with_a_small_trace(tmp_path):

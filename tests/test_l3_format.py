@@ -2,7 +2,9 @@
 and where a page's bytes lie in a real host arena (with its checksum)."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -255,36 +257,37 @@ def test_the_liveness_check_holds_only_a_refusing_master_against_the_tier():
         closed.close()
 
 
-def test_a_job_whose_call_raises_anything_is_acked_and_its_worker_goes_on():
-    """A ``BaseException`` out of a job's call (not only an ``Exception``) killed its worker
-    thread: the job was never acked, every later job of its queue never ran, and ``_running``
-    stayed up, which held the liveness check off for good. Now it is counted as an error miss
-    and acked, and the worker takes the next job. (A stand-in store class: what is tested is
-    the worker's bookkeeping, not Mooncake.)"""
+
+class _StandInStore:
+    """A Mooncake client stand-in for the tier's own bookkeeping (what is tested is the
+    connector's and the workers' handling, not Mooncake)."""
+
+    def setup(self, *a: object) -> int:
+        return 0
+
+    def register_buffer(self, ptr: int, n: int) -> int:
+        return 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+    def close(self) -> None:
+        pass
+
+
+class _Boom(BaseException):
+    pass
+
+
+@contextlib.contextmanager
+def _tier(store_class: type) -> Iterator[tuple[Any, Any]]:
+    """A ``MooncakeL3`` over ``store_class`` whose master is a listening socket: (tier,
+    its metrics)."""
     import socket
     import types
 
-    from hicache.controllers.l3_store import LIVENESS_S, L3Job, L3Settings, MooncakeL3
+    from hicache.controllers.l3_store import L3Settings, MooncakeL3
     from hicache.controllers.metrics import Metrics
-
-    class Store:
-        def setup(self, *a: object) -> int:
-            return 0
-
-        def register_buffer(self, ptr: int, n: int) -> int:
-            return 0
-
-        def batch_is_exist(self, keys: list[str]) -> list[int]:
-            return [0] * len(keys)
-
-        def close(self) -> None:
-            pass
-
-    class Boom(BaseException):
-        pass
-
-    def boom(l3: object) -> None:
-        raise Boom("out of the call")
 
     master = socket.socket()
     master.bind(("127.0.0.1", 0))
@@ -292,23 +295,73 @@ def test_a_job_whose_call_raises_anything_is_acked_and_its_worker_goes_on():
     metrics = Metrics()
     settings = L3Settings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE")
     l3 = MooncakeL3(settings, types.SimpleNamespace(ptr=0, nbytes=0), None, metrics,
-                    lambda: None, store_class=Store)
+                    lambda: None, store_class=store_class)
     try:
-        deadline = time.monotonic() + 10
-        while not l3.online and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert l3.online, l3.state
-        bad, good = L3Job("meta", ["k"], call=boom), L3Job("meta", ["k"], call=lambda l3: 5)
-        l3.submit(bad)
-        l3.submit(good)
-        while len(l3.completed) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        done = l3.take_completed()
-        assert done == [bad, good]
-        assert bad.misses == {"error": 1} and bad.value is None
-        assert good.misses == {} and good.value == 5
-        assert l3._running == 0 and l3._idle(time.monotonic() + LIVENESS_S + 0.1)
+        yield l3, metrics
     finally:
         l3.close()
         master.close()
         metrics.close()
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_job_whose_call_raises_anything_is_acked_and_its_worker_goes_on():
+    """A ``BaseException`` out of a job's call (not only an ``Exception``) killed its worker
+    thread: the job was never acked, every later job of its queue never ran, and ``_running``
+    stayed up, which held the liveness check off for good. Now it is counted as an error miss
+    and acked, and the worker takes the next job."""
+    from hicache.controllers.l3_store import LIVENESS_S, L3Job
+
+    def boom(l3: object) -> None:
+        raise _Boom("out of the call")
+
+    with _tier(_StandInStore) as (l3, _):
+        assert _until(lambda: l3.online), l3.state
+        bad, good = L3Job("meta", ["k"], call=boom), L3Job("meta", ["k"], call=lambda l3: 5)
+        l3.submit(bad)
+        l3.submit(good)
+        assert _until(lambda: len(l3.completed) == 2)
+        assert l3.take_completed() == [bad, good]
+        assert bad.misses == {"error": 1} and bad.value is None
+        assert good.misses == {} and good.value == 5
+        assert l3._running == 0 and l3._idle(time.monotonic() + LIVENESS_S + 0.1)
+
+
+def test_a_connect_that_raises_anything_is_retried():
+    """A ``BaseException`` out of Mooncake's set-up killed the connector thread: the tier
+    stayed ``connecting`` for good, never retried. Now it is a failed attempt (one offline
+    transition), and the next attempt connects."""
+    calls: list[float] = []
+
+    class Flaky(_StandInStore):
+        def setup(self, *a: object) -> int:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                raise _Boom("surprise in setup")
+            return 0
+
+    with _tier(Flaky) as (l3, m):
+        assert _until(lambda: l3.online), (l3.state, len(calls))
+        assert len(calls) == 2
+        assert m.value("l3_transitions", "offline") == 1
+        assert m.value("l3_transitions", "online") == 1
+
+
+def test_a_tier_refused_for_good_at_its_first_connect_counts_a_transition():
+    """Mooncake refusing the arena's registration fails the tier for good (``failed: ...``,
+    logged): that too counts one offline transition, so an alert on transitions fires."""
+
+    class Refusing(_StandInStore):
+        def register_buffer(self, ptr: int, n: int) -> int:
+            return -1
+
+    with _tier(Refusing) as (l3, m):
+        assert _until(lambda: l3.state.startswith("failed")), l3.state
+        assert not l3.online and m.value("l3_online") == 0
+        assert m.value("l3_transitions", "offline") == 1

@@ -48,7 +48,7 @@ SETTINGS: tuple[Setting, ...] = (
             "read its memory (every client's host-tier bytes) and open its descriptors, and it "
             "may write core files (for debuggers and profilers; off by default)"),
     Setting("allow_shutdown", _D, "accept the shutdown command from clients (off by default: "
-            "it is refused, and the daemon stops on SIGTERM / SIGINT only)"),
+            "it is refused, and only a stop signal or --parent-pid stops the daemon)"),
     Setting("parent_pid", _D, "exit when this process exits (set by demo and bench launchers)"),
     Setting("inline_max_bytes", _D, "CPU mode: operations up to this size run on the server "
             "thread", flag=False),

@@ -329,13 +329,14 @@ def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None
     if daemon.alive() and client is not None:
         try:
             client.shutdown(timeout=5.0)
-        except Exception:  # noqa: BLE001 - fall through to signals
-            pass
-        try:
-            assert daemon.proc is not None
-            daemon.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
+        except Exception as e:  # noqa: BLE001 - refused or unanswered: signals at once
+            _err(f"the daemon did not take shutdown ({e}); stopping it with SIGTERM")
+        else:  # it is stopping: its own clean-up, then its exit
+            try:
+                assert daemon.proc is not None
+                daemon.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
     if daemon.alive():
         daemon.stop(timeout=30)
     tail = daemon.output(1500)
