@@ -9,9 +9,14 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   whole host arena and two header slabs for zero-copy transfers, and marks the tier online;
   the first ``setup`` logs the addresses Mooncake opened listeners on (loopback when the
   daemon runs under the bind shim: ``hicache serve`` arranges it, docs/l3.md).
-  Before each ``setup`` it checks that both accept a TCP connection (``unreachable``): Mooncake's
-  ``setup`` holds the GIL while it retries a master that is down (~90 s), which would stop the
-  whole daemon. A failed attempt marks the tier offline (state ``connecting`` only until then);
+  Before each ``setup`` it checks, without holding the GIL (``l3_reach``), that both accept a
+  TCP connection, that an HTTP metadata URL answers as Mooncake's metadata server does, and that
+  Mooncake's ``setup`` succeeds in a child process (``setup_check``; a stand-in store passes
+  None): Mooncake's ``setup`` holds the GIL while it retries (2 s for a wrong metadata URL, 30 s
+  for a hung master, ~90 s for one that is down), which would stop the whole daemon. A server
+  that is down is tried again with the probe's backoff; a failed metadata or set-up check
+  every ``SETUP_RETRY_S``, logged with its cause (Mooncake's last error line). A failed
+  attempt marks the tier offline (state ``connecting`` only until then);
   the first one counts as a transition to offline (``l3_transitions``), as a later drop does.
   When a call reports the master unreachable (RPC failure or timeout, client unknown) the tier
   goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
@@ -67,6 +72,7 @@ from hicache.core.errors import UsageError
 from hicache.core.sizes import format_bytes
 
 from . import l3_format as F
+from .l3_reach import master_gone, metadata_wrong, setup_fails, unreachable
 from .metrics import Metrics
 
 log = logging.getLogger("hicache.l3")
@@ -105,62 +111,13 @@ class L3Settings:
     kv_epoch_recheck: float = 2.0  # s: the key store reads under an epoch this long (kv_epochs)
 
 
-CONNECT_CHECK_S = 1.0  # TCP connect timeout of the pre-setup reachability check
-# while online, the master and the metadata server are checked this often (``unreachable``): a
-# daemon with no L3 traffic used to report the tier online for as long as it stayed idle after
-# the master died (the first call found out)
+# while online, the master is checked this often (``l3_reach.master_gone``): a daemon with no
+# L3 traffic used to report the tier online for as long as it stayed idle after the master died
+# (the first call found out)
 LIVENESS_S = 2.0
-
-
-def _endpoint(text: str) -> tuple[str, int] | None:
-    """(host, port) of ``HOST:PORT`` or ``scheme://HOST:PORT/...``; None when it names none."""
-    rest = text.split("://", 1)[1] if "://" in text else text
-    hostport = rest.split("/", 1)[0]
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-def unreachable(s: L3Settings) -> str | None:
-    """Why the master or the metadata server cannot be reached now (a TCP connect of
-    ``CONNECT_CHECK_S``, in Python: the GIL is free meanwhile), or None. Mooncake's ``setup``
-    retries an unreachable master ~20 times (~90 s) without letting go of the GIL: every other
-    thread of the daemon, its server loop included, would stand still."""
-    import socket
-
-    for what, addr in (("master", s.master), ("metadata server", s.metadata)):
-        ep = _endpoint(addr)
-        if ep is None:  # P2PHANDSHAKE, or a form Mooncake resolves itself
-            continue
-        try:
-            socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
-        except OSError as e:
-            return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
-    return None
-
-
-def master_gone(s: L3Settings) -> str | None:
-    """Why the master is certainly gone (the liveness check of an online tier): a TCP connect
-    to it refused, or no route to its host; None otherwise. A connect that times out, or a
-    name that does not resolve, says nothing certain (a hung master's accept queue fills with
-    such checks; calls to it meet their own deadlines). The master only: the offline probe
-    asks the master, so a check that also held the metadata server against the tier took it
-    offline and the probe back online every 2 s."""
-    import errno
-    import socket
-
-    ep = _endpoint(s.master)
-    if ep is None:
-        return None
-    try:
-        socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
-    except ConnectionRefusedError:
-        return f"the master at {s.master} refuses connections"
-    except OSError as e:
-        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            return f"the master at {s.master} cannot be reached ({e.strerror})"
-    return None
+# a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
+# that is down) is tried again this often, not with the probe's backoff
+SETUP_RETRY_S = 10.0
 
 
 def _listening() -> list[str] | None:
@@ -233,8 +190,12 @@ class L3Job:
 
 class MooncakeL3:
     def __init__(self, settings: L3Settings, arena: Any, objects: F.Objects, metrics: Metrics,
-                 wake: Callable[[], None], store_class: Any = None) -> None:
+                 wake: Callable[[], None], store_class: Any = None,
+                 setup_check: Callable[[L3Settings], str | None] | None = setup_fails
+                 ) -> None:
         self.settings = settings
+        self.setup_check = setup_check  # Mooncake's setup in a child first (None: skipped)
+        self._slow_retry = False  # the last connect failed a setting or a hung server's check
         self.objects = objects
         self.metrics = metrics
         self.wake = wake
@@ -271,10 +232,19 @@ class MooncakeL3:
     # ------------------------------------------------------------------ connection
     def _connect(self) -> bool:
         s = self.settings
-        down = unreachable(s)
-        if down is not None:  # Mooncake's setup would retry for ~90 s holding the GIL
+        # Mooncake's setup holds the GIL while it retries (l3_reach): it runs only once the
+        # servers answer, the metadata URL is a metadata server's, and a child's setup passed
+        down, slow = unreachable(s), False
+        if down is None:
+            down = metadata_wrong(s)
+            if down is None and self.setup_check is not None:
+                down = self.setup_check(s)
+            slow = down is not None  # not a server down: a setting, or a hung server
+        self._slow_retry = slow
+        if down is not None:
             if self.state == "connecting" or self._last_down != down:
-                log.warning("L3: %s; retrying (the tier is offline meanwhile)", down)
+                log.warning("L3: %s; retrying%s (the tier is offline meanwhile)", down,
+                            f" every {SETUP_RETRY_S:g} s" if slow else "")
             self._last_down = down
             self.state = "offline"  # a kv key it has not seen is a miss, not pending
             return False
@@ -337,7 +307,9 @@ class MooncakeL3:
                     self._was_online = True
                 else:
                     self._down_from_start()
-                    self._next_probe = time.monotonic() + self._backoff
+                    wait = max(self._backoff, SETUP_RETRY_S) if self._slow_retry \
+                        else self._backoff
+                    self._next_probe = time.monotonic() + wait
                     self._backoff = min(self._backoff * 2, self.settings.max_backoff)
             self._stop.wait(0.05)
 

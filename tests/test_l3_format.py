@@ -236,7 +236,8 @@ def test_the_liveness_check_holds_only_a_refusing_master_against_the_tier():
     accept in time (hung) is left to the calls' deadlines."""
     import socket
 
-    from hicache.controllers.l3_store import L3Settings, master_gone
+    from hicache.controllers.l3_reach import master_gone
+    from hicache.controllers.l3_store import L3Settings
 
     up = socket.socket()
     up.bind(("127.0.0.1", 0))
@@ -295,7 +296,7 @@ def _tier(store_class: type) -> Iterator[tuple[Any, Any]]:
     metrics = Metrics()
     settings = L3Settings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE")
     l3 = MooncakeL3(settings, types.SimpleNamespace(ptr=0, nbytes=0), None, metrics,
-                    lambda: None, store_class=store_class)
+                    lambda: None, store_class=store_class, setup_check=None)
     try:
         yield l3, metrics
     finally:

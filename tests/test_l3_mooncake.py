@@ -51,7 +51,7 @@ def l3_daemon(tmp_path, store):
 
     def make(**kw):
         extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
-                 "--l3-metadata", store.metadata_url)
+                 "--l3-metadata", kw.pop("metadata", store.metadata_url))
         env = {**l3_master.loopback_env(), **kw.pop("env", {})}
         d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
                          env=env, **kw)
@@ -452,6 +452,57 @@ def test_a_daemon_started_while_the_master_is_down_serves_at_once(l3_daemon, wor
         if w.pools.layout.pools[name].index in ("page", "swa_page"):
             for t in layers:
                 assert torch.equal(t[4:6], t[0:2]), name
+
+
+def _worst_heartbeat(c: Client, seconds: float) -> float:
+    """The slowest heartbeat round trip over ``seconds`` (one every 50 ms)."""
+    worst, t0 = 0.0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        t = time.monotonic()
+        c.heartbeat()
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.05)
+    return worst
+
+
+def test_a_wrong_metadata_url_never_stalls_the_daemon(l3_daemon, store):
+    """A metadata URL on the right server with the wrong path passed the TCP check, and
+    Mooncake's setup then held the GIL ~2 s per attempt, forever: heartbeats took up to 2 s
+    (L1/L2 included) and Mooncake logged ~110 lines a second. Now the URL is checked over HTTP
+    first: the tier is offline, one line says why, and the daemon answers at once."""
+    wrong = store.metadata_url.rsplit("/", 1)[0] + "/foo"
+    d = l3_daemon(metadata=wrong)
+    with d.client(name="early", timeout=5) as c:
+        worst = _worst_heartbeat(c, 4.0)
+        l3 = c.stats()["l3"]
+    assert worst < 0.5, worst
+    assert l3["state"] == "offline" and not l3["online"], l3
+    log = d.output()
+    assert f"the metadata URL {wrong} answers 404" in log, log[-2000:]
+    assert log.count("answers 404") == 1  # said once, not per attempt
+    assert len(log.splitlines()) < 60, log[-3000:]  # no flood of Mooncake's retries
+
+
+def test_a_hung_master_at_start_never_stalls_the_daemon(l3_daemon, worker, store):
+    """A master that accepts connections but answers nothing (SIGSTOP) when the daemon starts:
+    Mooncake's setup held the GIL ~30 s, and the daemon, though "ready", answered nothing.
+    Now the checks before it (the metadata GET, the set-up in a child) see it hang: the daemon
+    answers at once, the tier is offline, and it connects once the master answers again."""
+    import signal
+
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        d = l3_daemon()
+        with d.client(name="early", timeout=5) as c:
+            worst = _worst_heartbeat(c, 4.0)
+            l3 = c.stats()["l3"]
+        assert worst < 0.5, worst
+        assert l3["state"] == "offline", l3
+        assert "does not answer in time" in d.output(), d.output()[-2000:]
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    w = worker(d, 9)  # waits for the tier to come online (the next check, within 10 s)
+    assert w.put(["hung-0"], [0])["written"] == 1
 
 
 def test_a_prefetch_is_acked_at_its_deadline_while_the_master_hangs(l3_daemon, worker,

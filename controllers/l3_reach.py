@@ -1,0 +1,150 @@
+"""Can the daemon's Mooncake client reach its master and metadata server? Checks that never hold
+the daemon's GIL.
+
+Mooncake's ``setup`` holds the GIL for as long as it retries (about 2 s for a metadata URL that
+is not a metadata server, 30 s for a hung master, ~90 s for one that is down): every other
+thread of the daemon, its server loop and so L1/L2 included, would stand still. So the daemon
+calls it only after these checks passed, each of which runs in Python (sockets, HTTP: the GIL
+is free while they wait) or in a child process:
+
+* ``unreachable(s)``: a TCP connect to the master and to the metadata server, each within
+  ``CONNECT_CHECK_S``. Why one cannot be reached, or None.
+* ``metadata_wrong(s)``: an HTTP metadata URL answers a GET of a key no one writes as Mooncake's
+  metadata server does (404 with the body ``metadata not found``, or 200). Why not (another
+  path, another server, not HTTP, no answer within ``CONNECT_CHECK_S``), or None. Other
+  metadata forms (``P2PHANDSHAKE``, etcd) are not checked here.
+* ``setup_fails(s)``: Mooncake's ``setup`` with these settings in a child process, mounting no
+  segment, killed after ``SETUP_PROBE_S``. Why it failed (Mooncake's code and the last error
+  line it logged) or did not finish, or None. The child inherits the daemon's environment (the
+  bind shim: its listeners bind where the daemon's would) and closes its client when it
+  succeeded.
+* ``master_gone(s)``: the online tier's liveness check, a TCP connect to the master only: why
+  it is certainly gone (refused, or no route to its host), or None. A connect that times out,
+  or a name that does not resolve, says nothing certain (a hung master's accept queue fills
+  with such checks; calls to it meet their own deadlines). The metadata server is not held
+  against an online tier: the offline probe asks the master, so the tier would flap.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import re
+import socket
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .l3_store import L3Settings
+
+CONNECT_CHECK_S = 1.0  # TCP connect (and metadata GET) timeout of the checks
+SETUP_PROBE_S = 10.0  # the child's ``setup`` is killed after this long
+PROBE_KEY = "hicache-reach-probe"  # a metadata key no one writes
+_CHILD = """
+import json, sys
+a = json.loads(sys.argv[1])
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup(a["local_host"], a["metadata"], 0, a["buffer"], a["protocol"], a["rdma"],
+                 a["master"])
+print("hicache-setup-rc", rc, flush=True)
+if rc == 0:
+    store.close()
+"""
+_GLOG_ERROR = re.compile(r"^E\d{4} [\d:.]+\s+\d+\s+\S+\] (.*)$", re.M)
+
+
+def endpoint(text: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` or ``scheme://HOST:PORT/...``; None when it names none."""
+    rest = text.split("://", 1)[1] if "://" in text else text
+    hostport = rest.split("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def unreachable(s: L3Settings) -> str | None:
+    """Why the master or the metadata server cannot be reached now, or None (see the module
+    docstring)."""
+    for what, addr in (("master", s.master), ("metadata server", s.metadata)):
+        ep = endpoint(addr)
+        if ep is None:  # P2PHANDSHAKE, or a form Mooncake resolves itself
+            continue
+        try:
+            socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
+        except OSError as e:
+            return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
+    return None
+
+
+def metadata_wrong(s: L3Settings) -> str | None:
+    """Why an HTTP ``--l3-metadata`` URL is not Mooncake's metadata server, or None (see the
+    module docstring)."""
+    import http.client
+    import urllib.parse
+
+    url = s.metadata
+    if not url.startswith("http://"):
+        return None
+    u = urllib.parse.urlsplit(url)
+    if u.hostname is None:
+        return f"the metadata URL {url} names no host"
+    path = (u.path or "/") + "?" + urllib.parse.urlencode({"key": PROBE_KEY})
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=CONNECT_CHECK_S)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        body = r.read(256).decode("utf-8", "replace").strip()
+    except (OSError, http.client.HTTPException) as e:
+        why = "does not answer in time" if isinstance(e, socket.timeout) else \
+            f"does not answer HTTP ({type(e).__name__}: {str(e)[:80] or 'no reply'})"
+        return f"the metadata server at {url} {why}"
+    finally:
+        conn.close()
+    if r.status == 200 or (r.status == 404 and "metadata not found" in body):
+        return None
+    return (f"the metadata URL {url} answers {r.status} {body[:60]!r}, not as Mooncake's "
+            f"metadata server does (its path is /metadata on the master's "
+            f"--http_metadata_server_port)")
+
+
+def setup_fails(s: L3Settings) -> str | None:
+    """Why Mooncake's ``setup`` with ``s`` fails in a child process, or None (see the module
+    docstring)."""
+    args = json.dumps({"local_host": s.local_host, "metadata": s.metadata,
+                       "buffer": s.buffer_bytes, "protocol": s.protocol,
+                       "rdma": s.rdma_devices, "master": s.master})
+    try:
+        p = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True,
+                           text=True, timeout=SETUP_PROBE_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return (f"Mooncake's set-up against the master at {s.master} did not finish within "
+                f"{SETUP_PROBE_S:g} s (a hung master or metadata server?)")
+    except OSError as e:
+        return f"the set-up check could not run ({e.strerror or e})"
+    m = re.search(r"^hicache-setup-rc (-?\d+)$", p.stdout, re.M)
+    if m is not None and m.group(1) == "0":
+        return None
+    errors = _GLOG_ERROR.findall(p.stderr)
+    said = f": {errors[-1].strip()[:200]}" if errors else ""
+    if m is None:
+        tail = p.stderr.strip().splitlines()[-1:] or ["no output"]
+        return (f"the set-up check ended without an answer (exit {p.returncode}; "
+                f"{tail[0][:160]})")
+    return f"Mooncake's set-up failed (code {m.group(1)}){said}"
+
+
+def master_gone(s: L3Settings) -> str | None:
+    """Why the master is certainly gone, or None (see the module docstring)."""
+    ep = endpoint(s.master)
+    if ep is None:
+        return None
+    try:
+        socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
+    except ConnectionRefusedError:
+        return f"the master at {s.master} refuses connections"
+    except OSError as e:
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return f"the master at {s.master} cannot be reached ({e.strerror})"
+    return None
