@@ -128,9 +128,13 @@ def test_even_pp_split(model, pp):
     assert sum(l.pool("c4_kv").num_layers for l in stages) == model.compress_ratios.count(4)
 
 
-def test_even_split_earlier_stages_take_the_remainder():
-    assert stage_bounds(43, 4) == [(0, 11), (11, 22), (22, 33), (33, 43)]
-    assert stage_bounds(61, 4) == [(0, 16), (16, 31), (31, 46), (46, 61)]
+def test_even_split_later_stages_take_the_remainder_as_sglang_does():
+    """SGLang's ``get_pp_indices`` gives the last ``layers % pp`` stages a layer more; ours gave
+    it to the first ones, so a daemon's default stage was not its SGLang worker's for 43 or 61
+    layers (tests/sglang checks the two against each other)."""
+    assert stage_bounds(43, 4) == [(0, 10), (10, 21), (21, 32), (32, 43)]
+    assert stage_bounds(43, 2) == [(0, 21), (21, 43)]
+    assert stage_bounds(61, 4) == [(0, 15), (15, 30), (30, 45), (45, 61)]
 
 
 @pytest.mark.parametrize("model,bounds", [
@@ -153,7 +157,8 @@ def test_flash_stage_of_swa_only_layers_has_only_swa_pools():
 
 
 def test_pro_stage_2_of_4_local_ids():
-    lay = build_layout(PRO, 4, 2)  # layers [31, 46): 31 is ratio 128, 32 ratio 4
+    bounds = [(0, 16), (16, 31), (31, 46), (46, 61)]
+    lay = build_layout(PRO, 4, 2, bounds=bounds)  # layers [31, 46): 31 is ratio 128, 32 ratio 4
     assert lay.local_id("swa_kv", 31) == 0 and lay.local_id("swa_kv", 45) == 14
     assert lay.local_id("c4_kv", 32) == 0 and lay.local_id("c4_kv", 44) == 6
     assert lay.local_id("c128_kv", 31) == 0 and lay.local_id("c128_state", 45) == 7
@@ -162,9 +167,9 @@ def test_pro_stage_2_of_4_local_ids():
 
 
 def test_buffer_count_check_names_both_numbers():
-    lay = build_layout(FLASH, 4, 1)  # [11, 22)
+    lay = build_layout(FLASH, 4, 1)  # [10, 21)
     counts = {name: p.num_layers for name, p in lay.pools.items()}
-    with pytest.raises(LayoutError, match=r"swa_kv on stage 1 \[11, 22\) owns 11 layers but 43"):
+    with pytest.raises(LayoutError, match=r"swa_kv on stage 1 \[10, 21\) owns 11 layers but 43"):
         lay.check_buffers({**counts, "swa_kv": 43})
     with pytest.raises(LayoutError, match="but no buffers"):
         lay.check_buffers({k: v for k, v in counts.items() if k != "c4_kv"})

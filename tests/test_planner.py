@@ -121,7 +121,7 @@ def test_pp_capacity_is_min_over_stages_and_rows_follow_it():
     assert p.token_capacity == min(caps) and len(set(caps)) > 1
     assert all(s.device_rows["page"] * 256 == p.token_capacity for s in p.stages)
     assert all(s.device_bytes <= 80 * 10**9 for s in p.stages)
-    assert [s.layout.pool("swa_kv").num_layers for s in p.stages] == [16, 15, 15, 16]
+    assert [s.layout.pool("swa_kv").num_layers for s in p.stages] == [15, 15, 15, 17]  # last: its own and MTP
 
 
 def test_explicit_bounds_and_swa_only_stage():
@@ -233,7 +233,7 @@ def test_cli_json_ring_mode_3899_25_and_options(capsys):
               "--no-mtp", "--indexer", "fp4", "--c128-state", "offline", "--pp", "2",
               "--tp", "8", "--dp", "2", "--pd-role", "decode", "--host-ratio", "2:1")
     assert d["inputs"]["mtp"] is False and d["inputs"]["indexer"] == "fp4" and d["request_slots"] == 512
-    assert [(s["start_layer"], s["end_layer"]) for s in d["stages"]] == [(0, 22), (22, 43)]
+    assert [(s["start_layer"], s["end_layer"]) for s in d["stages"]] == [(0, 21), (21, 43)]
     assert all(s["host_rows"]["page"] == 2 * s["device_rows"]["page"] for s in d["stages"])
     d = _json(capsys, "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--swa-mode", "ring")
     assert d["stages"][0]["bytes_per_full_token"] == 3_899.25

@@ -30,7 +30,9 @@ __all__ = ["C128_OFFLINE_RING", "PAGE_SIZE", "PRESETS", "STATE_RING", "VALID_RAT
 
 
 def stage_bounds(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Even split of target layers over ``pp_size`` stages; earlier stages take the remainder."""
+    """Even split of target layers over ``pp_size`` stages; the last ``num_layers % pp_size``
+    stages take one layer more each: SGLang's own split (``get_pp_indices`` without
+    ``SGLANG_PP_LAYER_PARTITION``), so a daemon's default stage is the one its engine runs."""
     if pp_size <= 0:
         raise LayoutError(f"pp size must be positive, got {pp_size}")
     if pp_size > num_layers:
@@ -38,7 +40,7 @@ def stage_bounds(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     base, extra = divmod(num_layers, pp_size)
     bounds, start = [], 0
     for r in range(pp_size):
-        end = start + base + (1 if r < extra else 0)
+        end = start + base + (1 if r >= pp_size - extra else 0)
         bounds.append((start, end))
         start = end
     return bounds

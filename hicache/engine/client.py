@@ -402,12 +402,13 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """``maybe_heartbeat``'s interval: a third of the daemon's heartbeat timeout."""
         self.heartbeat_interval = max(0.1, float(h.get("heartbeat_timeout", 9.0)) / 3)
 
-    def maybe_heartbeat(self) -> bool:
-        """Heartbeat only if nothing was sent for ``heartbeat_interval``; True when sent."""
+    def maybe_heartbeat(self) -> dict[str, Any] | None:
+        """Heartbeat only if nothing was sent for ``heartbeat_interval``: the reply when sent
+        (``registered``, ``reaped``: whether the daemon still holds this client's worker, and
+        why not), else None."""
         if time.monotonic() - self._last_send < self.heartbeat_interval:
-            return False
-        self.heartbeat()
-        return True
+            return None
+        return self.heartbeat()
 
     # ------------------------------------------------------------------ registration
     def register(self, pools: Any = None, *, layout: Mapping[str, Any] | None = None,

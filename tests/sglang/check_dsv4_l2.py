@@ -158,6 +158,96 @@ def test_pp_stages_round_trip(tmp_path: Path) -> None:
             d.close()
 
 
+def test_the_default_stage_split_is_sglangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's default stages (``--pp-size`` / ``--pp-rank``, no ``--stage-bounds``) are the
+    ones SGLang runs: with 43 or 61 layers our split gave the extra layers to the first stages
+    and SGLang to the last, so ``install`` refused every PP worker of DSV4-Flash and -Pro.
+    ``install`` itself takes SGLang's split, a partition in the environment included."""
+    from hicache.core.layout import stage_bounds
+    from hicache.engine.sglang.assembler_patch import sglang_stages
+
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    for n in (6, 7, 43, 61):
+        for pp in range(1, 5):
+            assert stage_bounds(n, pp) == sglang_stages(n, pp), (n, pp)
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "22,21")
+    assert sglang_stages(43, 2) == [(0, 22), (22, 43)]
+
+
+def test_sglangs_shutdown_unregisters_the_worker(tmp_path: Path) -> None:
+    """SGLang's shutdown (``release_host_resources``: each host pool's ``destroy``) did
+    nothing: the worker stayed registered until the daemon reaped it as dead. Now it
+    unregisters at once, and a second ``destroy`` (every pool shares the link) does nothing."""
+    d = _daemon(tmp_path, 1, 0)
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address)
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        link = inst.links[0]
+        with d.client(name="watch") as w:
+            assert w.stats()["workers"] == 1
+            cache.release_host_resources()
+            assert link.closed
+            assert w.stats()["workers"] == 0
+            cache.release_host_resources()  # once more: nothing to undo, nothing raised
+            assert "reaped" not in d.output()
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+
+
+def test_a_storage_backend_is_refused_when_the_daemon_holds_the_host_tier(tmp_path: Path) -> None:
+    """``--hicache-storage-backend`` beside the host-pool adapter started, and every storage
+    backup then failed in SGLang's background thread (the host bytes are in the daemon). Now
+    building the stack refuses it in one line, and nothing stays registered."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
+
+    d = _daemon(tmp_path, 1, 0)
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address)
+        with pytest.raises(ValueError, match="--hicache-storage-backend file cannot read"):
+            A.build_deepseek_v4_hicache_stack(params=None, kvcache=None, load_cache_event=None,
+                                              storage_backend="file")
+        assert inst.links == []
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
+
+
+def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The link's heartbeats ignored a reply saying the daemon no longer held the worker (a
+    restarted daemon, a reap), so nothing said why SGLang's next host-tier call failed. Now
+    one error line says so, and what to do."""
+    import logging
+    import time
+
+    d = _daemon(tmp_path, 1, 0)
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address)
+        F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        link = inst.links[0]
+        with caplog.at_level(logging.ERROR, logger="hicache.sglang"):
+            with link.lock:
+                link.client.unregister()  # what a restarted daemon's heartbeat reply says
+            deadline = time.monotonic() + 3 * link.client.heartbeat_interval + 5
+            while link.lost is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(2 * link.client.heartbeat_interval)
+        assert link.lost is not None and "no longer holds this worker" in link.lost
+        lines = [r.getMessage() for r in caplog.records if "host tier is gone" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "Restart the SGLang server" in lines[0]
+    finally:
+        if inst is not None:
+            inst.uninstall()  # its unregister is refused not_registered: nothing to undo
+        d.close()
+
+
 def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> None:
     d = _daemon(tmp_path, 2, 0)  # serves stage 0 of 2; the worker is the whole model
     inst = None

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from hicache.core.layout import LayoutError, ModelSpec, build_layout, preset, stage_bounds
+from hicache.core.layout import LayoutError, ModelSpec, build_layout, preset
 from hicache.engine.client import Client
 from hicache.engine.sglang.host_pools import bind_host_pools
 from hicache.engine.sglang.link import DaemonLink
@@ -56,6 +56,16 @@ class Installation:
                 raise first
 
 
+def sglang_stages(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """The stages SGLang itself runs (``get_pp_indices``: its even split, or the partition in
+    ``SGLANG_PP_LAYER_PARTITION``), so ``install`` finds the stage of any SGLang worker. A
+    daemon's default (``layout.stage_bounds``) is the same even split; with a partition set,
+    start the daemons with the same ``--stage-bounds``."""
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    return [tuple(get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
+
+
 def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, end: int) -> int:
     for r, (s, e) in enumerate(bounds):
         if (s, e) == (start, end):
@@ -71,7 +81,7 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
 
     spec = preset(model) if isinstance(model, str) else model
-    stage_list = list(bounds) if bounds is not None else stage_bounds(spec.num_layers, pp_size)
+    stage_list = list(bounds) if bounds is not None else sglang_stages(spec.num_layers, pp_size)
     if len(stage_list) != pp_size:
         raise LayoutError(f"{len(stage_list)} stage bounds given for pp size {pp_size}")
     with _PATCH_LOCK:
@@ -82,6 +92,11 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
 
         @functools.wraps(original)
         def build(*args: Any, **kw: Any) -> Any:
+            if kw.get("storage_backend"):
+                raise ValueError(f"hicache's SGLang adapter keeps the host tier in its daemon: "
+                                 f"--hicache-storage-backend {kw['storage_backend']} cannot "
+                                 f"read its bytes; launch without it (the daemon's L3 is "
+                                 f"--l3 on hicache serve)")
             kvcache = kw["kvcache"]
             rank = _pp_rank(spec, stage_list, kvcache.start_layer, kvcache.end_layer)
             layout = build_layout(spec, pp_size, rank, stage_list, swa_mode="paged",

@@ -168,7 +168,10 @@ class _DaemonPoolMixin:
         return False
 
     def destroy(self) -> None:
-        return None
+        """SGLang's shutdown (``HostPoolGroup.destroy``): unregister the worker and close the
+        link (once for all the pools that share it), so the daemon frees the host rows at once
+        instead of reaping the worker after its heartbeat timeout."""
+        self.link.close()
 
 
 def bind_host_pools(link: DaemonLink) -> tuple[type, type, type]:

@@ -23,10 +23,16 @@ would be reaped by the daemon (its host rows freed under SGLang's tree). A daemo
 link sends a heartbeat when nothing else was sent for a third of the daemon's timeout. The
 ``Client`` is not thread-safe: every use of it goes through ``lock`` (the host pools take it
 too). A heartbeat that fails is kept in ``beat_error`` (SGLang's next call meets the same
-daemon). ``close()`` stops the thread, unregisters and closes the client.
+daemon). A heartbeat reply that says the daemon no longer holds the worker (``registered``
+false: reaped, or a restarted daemon), or a daemon that stopped answering, is logged as an
+error once (``lost``): SGLang's tree still lists host hits, its next host-tier call fails and
+SGLang stops its scheduler, so the server is restarted with its daemon (nothing re-registers
+behind SGLang's back). ``close()`` stops the thread, unregisters and closes the client; it runs
+once (the host pools' ``destroy`` calls it at SGLang's shutdown).
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -43,6 +49,7 @@ from hicache.core.sealed_memfd import new_sealed_mapping
 from hicache.engine.client import Client, CommandRefused
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
+log = logging.getLogger("hicache.sglang")
 ALIGN = 4096
 
 
@@ -88,6 +95,8 @@ class DaemonLink:
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
         self.beat_error: HicacheError | None = None
+        self.lost: str | None = None  # why the daemon no longer holds the worker (``_lost``)
+        self.closed = False
         client.heartbeat()  # the daemon's timeout sets the client's heartbeat interval
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, name="hicache-heartbeat",
@@ -98,11 +107,24 @@ class DaemonLink:
         while not self._stop.wait(max(0.05, self.client.heartbeat_interval / 4)):
             try:
                 with self.lock:
-                    if not self._stop.is_set():
-                        self.client.maybe_heartbeat()
+                    h = None if self._stop.is_set() else self.client.maybe_heartbeat()
                 self.beat_error = None
             except HicacheError as e:
+                self._lost(f"the daemon does not answer: {e}")
                 self.beat_error = e
+                continue
+            if h is not None and not h.get("registered", True):
+                why = h.get("reaped") or "the daemon restarted, or the worker unregistered"
+                self._lost(f"the daemon no longer holds this worker ({why})")
+
+    def _lost(self, why: str) -> None:
+        """Log, once until the link is healthy again, that the host tier is gone: SGLang's
+        tree still lists host hits the daemon no longer holds, and its next host-tier call
+        fails (SGLang then stops its scheduler); restart the server with its daemon."""
+        if self.lost != why:
+            self.lost = why
+            log.error("hicache: %s: SGLang's host tier is gone; its next host-tier call fails. "
+                      "Restart the SGLang server (with its daemon running).", why)
 
     @classmethod
     def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
@@ -175,11 +197,20 @@ class DaemonLink:
         return self.layout.stage.global_id(self.layout.pool(pool).family, local)
 
     def close(self) -> None:
+        """Stop the heartbeats, unregister, close the client (once; a second call does
+        nothing: every host pool of the stack closes it at SGLang's shutdown)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
         self._stop.set()
         self._beat.join()
         try:
             with self.lock:
                 self.client.unregister()
+        except CommandRefused as e:
+            if e.code != "not_registered":  # (reaped, or a restarted daemon: nothing to undo)
+                raise
         finally:
             self.client.close()
             if self._fin is not None:
