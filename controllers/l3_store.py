@@ -83,7 +83,9 @@ SLICES_PER_CALL = 1024
 MISS_CODES = (-704, -703, -710, -712)  # not found, replica not ready / gone
 OFFLINE_CODES = (-900, -901, -103, -601)  # RPC failed / timed out, client unknown to the master
 SMALL_BYTES = 64  # the largest object ``get_small`` reads
-FULL_CODES = (-10, -101, -1700)  # no space: Mooncake's eviction will make room; a skipped write
+# no space (-200: no segment can hold it, e.g. none mounted yet): Mooncake's eviction will make
+# room, or a segment mounts; a skipped write
+FULL_CODES = (-10, -101, -200, -1700)
 EXISTS = -705
 INSTALL_HINT = ("--l3 mooncake needs the Mooncake client: pip install 'hicache[l3]' "
                 "(mooncake-transfer-engine-non-cuda==0.3.13.post1) and the system library "
@@ -347,13 +349,16 @@ class MooncakeL3:
                 self._next_probe = time.monotonic() + self._backoff
         self.metrics.set("l3_online", 1 if on else 0)
         self.metrics.inc("l3_transitions", 1, "online" if on else "offline")
-        (log.info if on else log.warning)("L3 %s: %s (master %s)", self.state, why,
-                                         self.settings.master)
+        master = self.settings.master
+        (log.info if on else log.warning)("L3 %s: %s%s", self.state, why,
+                                         "" if master in why else f" (master {master})")
 
     def _failed(self, code: int, what: str) -> None:
         if code not in self._codes_seen:  # each Mooncake error code is logged once
             self._codes_seen.add(code)
-            log.warning("L3: %s returned Mooncake code %d", what, code)
+            hint = " (no storage segment can hold it: is any mounted? a mooncake_client, or " \
+                "a daemon with --l3-segment; counted as full)" if code == -200 else ""
+            log.warning("L3: %s returned Mooncake code %d%s", what, code, hint)
         if code in OFFLINE_CODES:
             self._set_online(False, f"{what} returned {code}")
 
@@ -464,8 +469,11 @@ class MooncakeL3:
         leading = True
         for i in range(0, len(job.keys), BATCH_PAGES * 8):
             r = self._exists(job.keys[i:i + BATCH_PAGES * 8])
-            if r is None:
-                job.misses["error"] = 1
+            if r is None:  # offline when the call found the master gone (``_exists``)
+                if self.online:
+                    job.misses["error"] = 1
+                else:
+                    job.misses["offline"] = len(job.keys) - i
                 job.present = []
                 return
             for x in r:

@@ -10,6 +10,8 @@ this order, and raises ``UsageError`` (one line naming the setting) on the first
   CURVE keys (the secret key file is read; this libzmq must have CURVE);
 * a tcp address is free to bind (a probe bind, released at once);
 * a ``--numa-node`` number is online;
+* ``--l3-protocol rdma``: the host has RDMA devices, and every one ``--l3-rdma-devices`` names
+  (``RDMA_SYSFS``; Mooncake would fall back to none with one warning of its own);
 * an ipc socket's path: its folder exists and is writable, or can be made (its first missing
   folder is made and removed again at once), the path is no other kind of file, and no
   daemon holds it (its ``.lock`` is held);
@@ -66,6 +68,7 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
     if not ipc:
         _check_tcp_port(address)
     numa = _numa_node(cfg)
+    _check_rdma(cfg)
     notes: list[str] = []
     held = _check_ipc_path(address) if ipc else None
     if held is not None:
@@ -171,6 +174,26 @@ def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:
         raise UsageError(f"curve key file {cfg.curve_secret_key} holds no secret key "
                          f"(give the .key_secret file)")
     return public, secret, str(cfg.curve_clients)
+
+
+RDMA_SYSFS = "/sys/class/infiniband"  # one entry per RDMA device of the host
+
+
+def _check_rdma(cfg: ServeConfig) -> None:
+    if cfg.l3 != "mooncake" or cfg.l3_protocol != "rdma":
+        return
+    try:
+        have = sorted(os.listdir(RDMA_SYSFS))
+    except OSError:
+        have = []
+    if not have:
+        raise UsageError(f"--l3-protocol rdma: this host has no RDMA device ({RDMA_SYSFS} is "
+                         f"empty or missing); use --l3-protocol tcp")
+    named = [d for d in cfg.l3_rdma_devices.split(",") if d]
+    missing = [d for d in named if d not in have]
+    if missing:
+        raise UsageError(f"--l3-rdma-devices {cfg.l3_rdma_devices}: no RDMA device "
+                         f"{', '.join(missing)} on this host (it has {', '.join(have)})")
 
 
 def _check_tcp_port(address: str) -> None:

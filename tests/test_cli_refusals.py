@@ -506,3 +506,25 @@ def test_sizing_refusals_name_the_setting_and_where_it_came_from(flags, env, msg
         sizing(cfg)
     text = config.with_source(str(e.value), cfg)
     assert text.startswith(msg) and text.endswith(f"(from {next(iter(env))})"), text
+
+
+def test_l3_over_rdma_needs_the_rdma_devices_it_names(tmp_path, monkeypatch):
+    """``--l3-protocol rdma`` on a host without RDMA devices started, said "online" and ran
+    without them (one Mooncake warning); now the preflight refuses it, and a named device the
+    host lacks, in one line each."""
+    from hicache.controllers import preflight as pf
+    from hicache.core.config import load_config
+
+    base = {"device": "cpu", "preset": "dsv4-tiny", "device_rows": "page=8,swa_page=4,req_slot=4",
+            "host_ratio": 2, "socket": f"ipc://{tmp_path}/d.sock", "l3": "mooncake",
+            "l3_master": "127.0.0.1:1", "l3_metadata": "http://127.0.0.1:1/metadata",
+            "l3_protocol": "rdma"}
+    sysfs = tmp_path / "infiniband"
+    monkeypatch.setattr(pf, "RDMA_SYSFS", str(sysfs))  # missing: no device
+    with pytest.raises(UsageError, match=r"^--l3-protocol rdma: this host has no RDMA device"):
+        pf.preflight(load_config(base, env={}), check=True)
+    (sysfs / "mlx5_0").mkdir(parents=True)
+    cfg = load_config({**base, "l3_rdma_devices": "mlx5_0,mlx5_1"}, env={})
+    with pytest.raises(UsageError, match=r"no RDMA device mlx5_1 on this host \(it has mlx5_0\)"):
+        pf.preflight(cfg, check=True)
+    pf.preflight(load_config({**base, "l3_rdma_devices": "mlx5_0"}, env={}), check=True)

@@ -355,6 +355,7 @@ def test_master_down_then_back(l3_daemon, worker, store):
     w = worker(d, 6)
     keys = [f"md-{i}" for i in range(2)]
     assert w.put(keys, [0, 1])["written"] == 2
+    errors0 = metric(w.c, "hicache_l3_errors_total", kind="error")
     store.kill_master()
     # every call returns within its timeout; host-tier traffic goes on
     t0 = time.monotonic()
@@ -370,6 +371,8 @@ def test_master_down_then_back(l3_daemon, worker, store):
         w.c.l3_query(keys, timeout=10)
     assert not w.c.stats()["l3"]["online"]
     assert w.c.l3_query(keys, timeout=2) == 0  # offline: an immediate miss
+    # the query that found the master gone counts offline, as a put does: not a surprise
+    assert metric(w.c, "hicache_l3_errors_total", kind="error") == errors0
     store.start_master()
     t_back = time.monotonic()
     online = wait_online(w.c, timeout=10)  # within 10 s of the master's return
@@ -384,6 +387,9 @@ def test_master_down_then_back(l3_daemon, worker, store):
         time.sleep(0.25)
     writes = time.monotonic() - t_back
     assert tries[-1]["written"] == 2, tries
+    # before the member re-mounted, Mooncake's "no space" (-200) was counted error, not full
+    assert all(set(r["misses"]) <= {"full"} for r in tries), tries
+    assert metric(w.c, "hicache_l3_errors_total", kind="error") == errors0
     assert w.get(keys, [4, 5]) == 2
     assert same(w.page(4), w.page(0)) and same(w.page(5), w.page(1))  # the pages, byte for byte
     assert metric(w.c, "hicache_l3_transitions_total", to="offline") >= 1
