@@ -206,6 +206,7 @@ class MooncakeL3:
         self.store: Any = None
         self.online = False
         self.state = "connecting"
+        self.why: str | None = None  # why the tier is offline (the last failed check or call)
         self._headers = {k: np.zeros(BATCH_PAGES * F.HEADER_BYTES, dtype=np.uint8)
                          for k in ("read", "write")}
         self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
@@ -247,7 +248,7 @@ class MooncakeL3:
             if self.state == "connecting" or self._last_down != down:
                 log.warning("L3: %s; retrying%s (the tier is offline meanwhile)", down,
                             f" every {SETUP_RETRY_S:g} s" if slow else "")
-            self._last_down = down
+            self._last_down = self.why = down
             self.state = "offline"  # a kv key it has not seen is a miss, not pending
             return False
         before = _listening()
@@ -259,6 +260,7 @@ class MooncakeL3:
                         "(--l3-segment), failed (Mooncake's code %s); retrying", s.master,
                         s.metadata, format_bytes(s.segment_bytes), rc)
             self.state = "offline"
+            self.why = f"Mooncake's setup failed (code {rc})"
             try:
                 store.close()
             except Exception:  # noqa: BLE001 - a half set-up client: nothing more to do
@@ -343,6 +345,7 @@ class MooncakeL3:
                 return
             self.online = on
             self.state = "online" if on else "offline"
+            self.why = None if on else why
             if on:
                 self._backoff = 0.25
             else:
@@ -662,7 +665,7 @@ class MooncakeL3:
 
     def summary(self) -> dict[str, Any]:
         s = self.settings
-        return {"state": self.state, "online": self.online, "master": s.master,
+        return {"state": self.state, "why": self.why, "online": self.online, "master": s.master,
                 "metadata": s.metadata, "protocol": s.protocol, "namespaces": self.objects.ns,
                 "object_bytes": {k: f.obj_bytes for k, f in self.objects.formats.items()},
                 "put_queue_pages": self.put_pages_queued,

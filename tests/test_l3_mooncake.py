@@ -483,6 +483,7 @@ def test_a_wrong_metadata_url_never_stalls_the_daemon(l3_daemon, store):
         l3 = c.stats()["l3"]
     assert worst < 0.5, worst
     assert l3["state"] == "offline" and not l3["online"], l3
+    assert f"the metadata URL {wrong} answers 404" in l3["why"], l3  # stats says why
     log = d.output()
     assert f"the metadata URL {wrong} answers 404" in log, log[-2000:]
     assert log.count("answers 404") == 1  # said once, not per attempt
@@ -503,7 +504,7 @@ def test_a_hung_master_at_start_never_stalls_the_daemon(l3_daemon, worker, store
             worst = _worst_heartbeat(c, 4.0)
             l3 = c.stats()["l3"]
         assert worst < 0.5, worst
-        assert l3["state"] == "offline", l3
+        assert l3["state"] == "offline" and "does not answer in time" in l3["why"], l3
         assert "does not answer in time" in d.output(), d.output()[-2000:]
     finally:
         os.kill(store.master.pid, signal.SIGCONT)

@@ -69,8 +69,10 @@ def summary(s: dict[str, Any]) -> str:
                      f"{pending.get(space, 0)} waiting to be freed), {a['free']} free in "
                      f"{a['free_runs']} runs (mean {a['mean_free_run']:.1f})")
     if "l3" in s:
-        lines.append(f"  l3: {s['l3'].get('state')}, put queue {s['l3'].get('put_queue_pages')} "
-                     "pages")
+        l3 = s["l3"]
+        why = f" ({l3['why']})" if l3.get("why") else ""
+        lines.append(f"  l3: {l3.get('state')}{why}; master {l3.get('master')}, put queue "
+                     f"{l3.get('put_queue_pages')} pages")
     if "kv_store" in s:
         kv = s["kv_store"]
         lines.append(f"  key store: entries {kv.get('entries')}")

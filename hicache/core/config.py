@@ -669,6 +669,11 @@ def _validate_l3(cfg: ServeConfig) -> None:
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
         raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
+    if cfg.l3_local_host.strip("[]") in ("::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1"):
+        # Mooncake's listeners would bind every interface: the bind shim binds IPv4 loopback
+        raise UsageError(f"--l3-local-host {cfg.l3_local_host}: Mooncake's listeners cannot "
+                         f"be kept on IPv6 loopback (they would listen on every interface); "
+                         f"give 127.0.0.1 for a loopback store")
     if not 0 < cfg.l3_epoch_recheck <= 3600:
         raise UsageError(f"--l3-epoch-recheck must be in (0, 3600] seconds, got "
                          f"{cfg.l3_epoch_recheck:g}")

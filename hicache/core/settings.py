@@ -67,8 +67,9 @@ SETTINGS: tuple[Setting, ...] = (
             aliases=("--config",)),
     Setting("tp_size", _M, "tensor parallel size (MLA: every TP rank holds the full KV pools, so "
             "the rows do not change)"),
-    Setting("pp_size", _M, "pipeline stages (even split unless --stage-bounds) [1, or the "
-            "number of --stage-bounds]"),
+    Setting("pp_size", _M, "pipeline stages (even split, the last stages taking the "
+            "remainder as SGLang does, unless --stage-bounds) [1, or the number of "
+            "--stage-bounds]"),
     Setting("pp_rank", _M, "the stage this daemon serves, 0..pp-size-1"),
     Setting("stage_bounds", _M, "explicit [start,end) target layers per stage, e.g. 0:22,22:43"),
     Setting("swa_mode", _M, "paged (SWA pages) or ring (one SWA ring per request slot)"),

@@ -351,3 +351,22 @@ def test_a_plugin_that_cannot_install_stops_the_scheduler_through_sglangs_loader
     with pytest.raises(plugin.PluginFailed, match="dsv4-flsh"):
         sgl_plugins.load_plugins()
     assert A.build_deepseek_v4_hicache_stack is original
+
+
+def test_a_call_timeout_past_the_daemons_heartbeat_timeout_is_refused(tmp_path: Path) -> None:
+    """A host wait holds the link's lock, so the heartbeat thread sends nothing meanwhile: a
+    call timeout at or past the daemon's heartbeat timeout let a long load get the worker
+    reaped mid-load. Now building the stack refuses it, before anything is registered."""
+    d = _daemon(tmp_path, 1, 0)  # heartbeat timeout 10 s
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address, timeout=12)
+        with pytest.raises(ValueError, match=r"call timeout \(12 s.*heartbeat timeout \(10 s\)"):
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        assert inst.links == []
+        with d.client(name="watch") as w:
+            assert w.stats()["workers"] == 0
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()

@@ -129,6 +129,13 @@ class DaemonLink:
     @classmethod
     def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
                 name: str = "sglang") -> "DaemonLink":
+        beat = float(client.heartbeat().get("heartbeat_timeout", 10.0))
+        if client.timeout >= beat:  # refused before anything is mapped or registered
+            raise ValueError(
+                f"the adapter's call timeout ({client.timeout:g} s: HICACHE_SGLANG_TIMEOUT) is "
+                f"not below the daemon's heartbeat timeout ({beat:g} s): a host wait that long "
+                f"holds the link's lock, no heartbeat goes out, and the daemon reaps the worker "
+                f"mid-load; start the daemon with a longer --heartbeat-timeout")
         first = map_stage(kvcache, layout)
         cuda = next(iter(first.layers.values()))[0].device.type == "cuda"
         shm = None

@@ -82,5 +82,7 @@ def _install(model: str) -> Any:
         raise ValueError(f"{ENV_TIMEOUT} must be 0.1..3600 seconds, got {raw!r}")
     inst = install(spec, address=lambda rank: address_for(rank, template, _gpu()),
                    pp_size=pp_size, timeout=timeout)
-    log.info("hicache SGLang adapter installed: model %s, pp size %d", spec.name, pp_size)
+    log.info("hicache SGLang adapter installed: model %s, pp size %d; it takes effect when "
+             "SGLang builds a DeepSeek-V4 HiCache stack (--enable-hierarchical-cache)",
+             spec.name, pp_size)
     return inst
