@@ -32,10 +32,18 @@ import re
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .l3_store import L3Settings
+
+class ReachSettings(Protocol):
+    """What the checks read of ``l3_store.L3Settings`` (structural: no import of it here)."""
+
+    master: str
+    metadata: str
+    protocol: str
+    rdma_devices: str
+    local_host: str
+    buffer_bytes: int
 
 CONNECT_CHECK_S = 1.0  # TCP connect (and metadata GET) timeout of the checks
 SETUP_PROBE_S = 10.0  # the child's ``setup`` is killed after this long
@@ -64,7 +72,7 @@ def endpoint(text: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def unreachable(s: L3Settings) -> str | None:
+def unreachable(s: ReachSettings) -> str | None:
     """Why the master or the metadata server cannot be reached now, or None (see the module
     docstring)."""
     for what, addr in (("master", s.master), ("metadata server", s.metadata)):
@@ -78,7 +86,7 @@ def unreachable(s: L3Settings) -> str | None:
     return None
 
 
-def metadata_wrong(s: L3Settings) -> str | None:
+def metadata_wrong(s: ReachSettings) -> str | None:
     """Why an HTTP ``--l3-metadata`` URL is not Mooncake's metadata server, or None (see the
     module docstring)."""
     import http.client
@@ -109,7 +117,7 @@ def metadata_wrong(s: L3Settings) -> str | None:
             f"--http_metadata_server_port)")
 
 
-def setup_fails(s: L3Settings) -> str | None:
+def setup_fails(s: ReachSettings) -> str | None:
     """Why Mooncake's ``setup`` with ``s`` fails in a child process, or None (see the module
     docstring)."""
     args = json.dumps({"local_host": s.local_host, "metadata": s.metadata,
@@ -135,7 +143,7 @@ def setup_fails(s: L3Settings) -> str | None:
     return f"Mooncake's set-up failed (code {m.group(1)}){said}"
 
 
-def master_gone(s: L3Settings) -> str | None:
+def master_gone(s: ReachSettings) -> str | None:
     """Why the master is certainly gone, or None (see the module docstring)."""
     ep = endpoint(s.master)
     if ep is None:

@@ -53,9 +53,9 @@ def _fill(link: Any, seed: int) -> None:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
 
 
-def _daemon(tmp: Path, pp_size: int, rank: int) -> Any:
+def _daemon(tmp: Path, pp_size: int, rank: int, heartbeat_timeout: float = 10.0) -> Any:
     return start_daemon(tmp, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
-                        metrics=False,
+                        metrics=False, heartbeat_timeout=heartbeat_timeout,
                         extra=("--no-mtp", "--c128-state", "offline", "--pp-size", str(pp_size),
                                "--pp-rank", str(rank)))
 
@@ -293,7 +293,7 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
     original = A.build_deepseek_v4_hicache_stack
     monkeypatch.delenv(plugin.ENV_MODEL, raising=False)
     assert plugin.load() is None and A.build_deepseek_v4_hicache_stack is original
-    d = _daemon(tmp_path, 1, 0)
+    d = _daemon(tmp_path, 1, 0, heartbeat_timeout=60)  # (above the 42 s call timeout below)
     monkeypatch.setenv(plugin.ENV_MODEL, "dsv4-tiny")
     monkeypatch.setenv(plugin.ENV_SOCKET, d.address)
     inst = None
