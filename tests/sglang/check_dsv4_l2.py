@@ -9,10 +9,11 @@ equals the row written before the backup, and every other device row is untouche
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import unittest
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -58,6 +59,21 @@ def _daemon(tmp: Path, pp_size: int, rank: int, heartbeat_timeout: float = 10.0)
                         metrics=False, heartbeat_timeout=heartbeat_timeout,
                         extra=("--no-mtp", "--c128-state", "offline", "--pp-size", str(pp_size),
                                "--pp-rank", str(rank)))
+
+
+@contextlib.contextmanager
+def _installed(tmp: Path, **install: Any) -> Iterator[tuple[Any, Any]]:
+    """A one-stage daemon and the adapter installed against it: (daemon, installation);
+    both undone at the end."""
+    d = _daemon(tmp, 1, 0)
+    inst = None
+    try:
+        inst = hs.install("dsv4-tiny", address=d.address, **install)
+        yield d, inst
+    finally:
+        if inst is not None:
+            inst.uninstall()
+        d.close()
 
 
 def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int) -> int:
@@ -178,10 +194,7 @@ def test_sglangs_shutdown_unregisters_the_worker(tmp_path: Path) -> None:
     """SGLang's shutdown (``release_host_resources``: each host pool's ``destroy``) did
     nothing: the worker stayed registered until the daemon reaped it as dead. Now it
     unregisters at once, and a second ``destroy`` (every pool shares the link) does nothing."""
-    d = _daemon(tmp_path, 1, 0)
-    inst = None
-    try:
-        inst = hs.install("dsv4-tiny", address=d.address)
+    with _installed(tmp_path) as (d, inst):
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         with d.client(name="watch") as w:
@@ -191,10 +204,6 @@ def test_sglangs_shutdown_unregisters_the_worker(tmp_path: Path) -> None:
             assert w.stats()["workers"] == 0
             cache.release_host_resources()  # once more: nothing to undo, nothing raised
             assert "reaped" not in d.output()
-    finally:
-        if inst is not None:
-            inst.uninstall()
-        d.close()
 
 
 def test_a_storage_backend_is_refused_when_the_daemon_holds_the_host_tier(tmp_path: Path) -> None:
@@ -203,32 +212,23 @@ def test_a_storage_backend_is_refused_when_the_daemon_holds_the_host_tier(tmp_pa
     building the stack refuses it in one line, and nothing stays registered."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
 
-    d = _daemon(tmp_path, 1, 0)
-    inst = None
-    try:
-        inst = hs.install("dsv4-tiny", address=d.address)
+    with _installed(tmp_path) as (d, inst):
         with pytest.raises(ValueError, match="--hicache-storage-backend file cannot read"):
             A.build_deepseek_v4_hicache_stack(params=None, kvcache=None, load_cache_event=None,
                                               storage_backend="file")
         assert inst.links == []
-    finally:
-        if inst is not None:
-            inst.uninstall()
-        d.close()
 
 
 def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """The link's heartbeats ignored a reply saying the daemon no longer held the worker (a
     restarted daemon, a reap), so nothing said why SGLang's next host-tier call failed. Now
-    one error line says so, and what to do."""
+    one error line says so, and what to do. (Closing the link afterwards is not refused: its
+    unregister's ``not_registered`` leaves nothing to undo.)"""
     import logging
     import time
 
-    d = _daemon(tmp_path, 1, 0)
-    inst = None
-    try:
-        inst = hs.install("dsv4-tiny", address=d.address)
+    with _installed(tmp_path) as (d, inst):
         F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         with caplog.at_level(logging.ERROR, logger="hicache.sglang"):
@@ -242,10 +242,6 @@ def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
         lines = [r.getMessage() for r in caplog.records if "host tier is gone" in r.getMessage()]
         assert len(lines) == 1, lines
         assert "Restart the SGLang server" in lines[0]
-    finally:
-        if inst is not None:
-            inst.uninstall()  # its unregister is refused not_registered: nothing to undo
-        d.close()
 
 
 def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> None:
@@ -357,16 +353,9 @@ def test_a_call_timeout_past_the_daemons_heartbeat_timeout_is_refused(tmp_path: 
     """A host wait holds the link's lock, so the heartbeat thread sends nothing meanwhile: a
     call timeout at or past the daemon's heartbeat timeout let a long load get the worker
     reaped mid-load. Now building the stack refuses it, before anything is registered."""
-    d = _daemon(tmp_path, 1, 0)  # heartbeat timeout 10 s
-    inst = None
-    try:
-        inst = hs.install("dsv4-tiny", address=d.address, timeout=12)
+    with _installed(tmp_path, timeout=12) as (d, inst):  # the daemon's heartbeat timeout: 10 s
         with pytest.raises(ValueError, match=r"call timeout \(12 s.*heartbeat timeout \(10 s\)"):
             F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         assert inst.links == []
         with d.client(name="watch") as w:
             assert w.stats()["workers"] == 0
-    finally:
-        if inst is not None:
-            inst.uninstall()
-        d.close()
