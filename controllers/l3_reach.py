@@ -14,10 +14,10 @@ is free while they wait) or in a child process:
   path, another server, not HTTP, no answer within ``CONNECT_CHECK_S``), or None. Other
   metadata forms (``P2PHANDSHAKE``, etcd) are not checked here.
 * ``setup_fails(s)``: Mooncake's ``setup`` with these settings in a child process, mounting no
-  segment, killed after ``SETUP_PROBE_S``. Why it failed (Mooncake's code and the last error
-  line it logged) or did not finish, or None. The child inherits the daemon's environment (the
-  bind shim: its listeners bind where the daemon's would) and closes its client when it
-  succeeded.
+  segment, killed after ``SETUP_PROBE_S``, when the daemon stops, or when it dies. Why it
+  failed or did not finish (with the last error line Mooncake logged), or None. The child
+  inherits the daemon's environment (the bind shim: its listeners bind where the daemon's
+  would) and closes its client when it succeeded.
 * ``master_gone(s)``: the online tier's liveness check, a TCP connect to the master only: why
   it is certainly gone (refused, or no route to its host), or None. A connect that times out,
   or a name that does not resolve, says nothing certain (a hung master's accept queue fills
@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from typing import Protocol
 
 
@@ -49,8 +53,14 @@ CONNECT_CHECK_S = 1.0  # TCP connect (and metadata GET) timeout of the checks
 SETUP_PROBE_S = 10.0  # the child's ``setup`` is killed after this long
 PROBE_KEY = "hicache-reach-probe"  # a metadata key no one writes
 _CHILD = """
-import json, sys
+import ctypes, json, os, sys
 a = json.loads(sys.argv[1])
+try:  # SIGKILL when the daemon's thread that started it is gone (PR_SET_PDEATHSIG)
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != a["parent"]:  # gone before that
+    sys.exit(1)
 from mooncake.store import MooncakeDistributedStore
 store = MooncakeDistributedStore()
 rc = store.setup(a["local_host"], a["metadata"], 0, a["buffer"], a["protocol"], a["rdma"],
@@ -117,27 +127,45 @@ def metadata_wrong(s: ReachSettings) -> str | None:
             f"--http_metadata_server_port)")
 
 
-def setup_fails(s: ReachSettings) -> str | None:
+def setup_fails(s: ReachSettings, stop: threading.Event | None = None) -> str | None:
     """Why Mooncake's ``setup`` with ``s`` fails in a child process, or None (see the module
-    docstring)."""
+    docstring). The child is killed when it runs past ``SETUP_PROBE_S``, when ``stop`` is set
+    (the daemon is stopping), and by the kernel when the thread that started it dies (a
+    daemon killed mid-check leaves none behind)."""
     args = json.dumps({"local_host": s.local_host, "metadata": s.metadata,
                        "buffer": s.buffer_bytes, "protocol": s.protocol,
-                       "rdma": s.rdma_devices, "master": s.master})
-    try:
-        p = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True,
-                           text=True, timeout=SETUP_PROBE_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
+                       "rdma": s.rdma_devices, "master": s.master, "parent": os.getpid()})
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            p = subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=out, stderr=err,
+                                 stdin=subprocess.DEVNULL)
+        except OSError as e:
+            return f"the set-up check could not run ({e.strerror or e})"
+        deadline = time.monotonic() + SETUP_PROBE_S
+        while p.poll() is None and time.monotonic() < deadline and \
+                not (stop is not None and stop.is_set()):
+            time.sleep(0.02)
+        timed_out = p.poll() is None
+        if timed_out:
+            p.kill()
+        p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode("utf-8", "replace")
+        stderr = err.read().decode("utf-8", "replace")
+    errors = _GLOG_ERROR.findall(stderr)
+    said = f": {errors[-1].strip()[:200]}" if errors else ""
+    if timed_out:
+        if stop is not None and stop.is_set():
+            return "the daemon is stopping"
         return (f"Mooncake's set-up against the master at {s.master} did not finish within "
-                f"{SETUP_PROBE_S:g} s (a hung master or metadata server?)")
-    except OSError as e:
-        return f"the set-up check could not run ({e.strerror or e})"
-    m = re.search(r"^hicache-setup-rc (-?\d+)$", p.stdout, re.M)
+                f"{SETUP_PROBE_S:g} s (a hung master or metadata server, or an address that "
+                f"is not theirs?){said}")
+    m = re.search(r"^hicache-setup-rc (-?\d+)$", stdout, re.M)
     if m is not None and m.group(1) == "0":
         return None
-    errors = _GLOG_ERROR.findall(p.stderr)
-    said = f": {errors[-1].strip()[:200]}" if errors else ""
     if m is None:
-        tail = p.stderr.strip().splitlines()[-1:] or ["no output"]
+        tail = stderr.strip().splitlines()[-1:] or ["no output"]
         return (f"the set-up check ended without an answer (exit {p.returncode}; "
                 f"{tail[0][:160]})")
     return f"Mooncake's set-up failed (code {m.group(1)}){said}"

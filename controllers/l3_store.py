@@ -193,7 +193,8 @@ class L3Job:
 class MooncakeL3:
     def __init__(self, settings: L3Settings, arena: Any, objects: F.Objects, metrics: Metrics,
                  wake: Callable[[], None], store_class: Any = None,
-                 setup_check: Callable[[L3Settings], str | None] | None = setup_fails
+                 setup_check: Callable[[L3Settings, threading.Event], str | None] | None
+                 = setup_fails
                  ) -> None:
         self.settings = settings
         self.setup_check = setup_check  # Mooncake's setup in a child first (None: skipped)
@@ -241,7 +242,7 @@ class MooncakeL3:
         if down is None:
             down = metadata_wrong(s)
             if down is None and self.setup_check is not None:
-                down = self.setup_check(s)
+                down = self.setup_check(s, self._stop)
             slow = down is not None  # not a server down: a setting, or a hung server
         self._slow_retry = slow
         if down is not None:

@@ -189,7 +189,7 @@ def _check_rdma(cfg: ServeConfig) -> None:
     if not have:
         raise UsageError(f"--l3-protocol rdma: this host has no RDMA device ({RDMA_SYSFS} is "
                          f"empty or missing); use --l3-protocol tcp")
-    named = [d for d in cfg.l3_rdma_devices.split(",") if d]
+    named = [d.strip() for d in cfg.l3_rdma_devices.split(",") if d.strip()]
     missing = [d for d in named if d not in have]
     if missing:
         raise UsageError(f"--l3-rdma-devices {cfg.l3_rdma_devices}: no RDMA device "

@@ -50,6 +50,8 @@ def test_l3_settings_from_flags_env_and_file(tmp_path):
       "l3_rdma_devices": "mlx5_0"}, "rdma only"),
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
       "l3_local_host": "::1"}, r"::1: Mooncake's listeners cannot be kept on IPv6 loopback"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
+      "l3_local_host": "::ffff:7f00:1"}, r"::ffff:7f00:1: Mooncake's listeners cannot"),
     ({"l3_master": "h:1"}, "l3 is off"),
     ({"l3_segment": "1GiB"}, "l3 is off"),
 ])

@@ -6,7 +6,6 @@ bind shim (``bind_shim.daemon_exec_env``), which rewrites only Mooncake's binds.
 The summary says where Mooncake listens."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -136,16 +135,3 @@ def test_serve_executes_itself_again_only_from_its_own_command_line(tmp_path, mo
     assert _own_command_line(None) == (None, "serve was not started from its own command "
                                              "line (called in-process)")
 
-
-def test_a_new_shim_build_removes_the_builds_of_other_versions(tmp_path, monkeypatch):
-    """Each version's shim is built under its own digest, and the old ones piled up in
-    ``~/.cache/hicache``; a build now removes them (a process that has one loaded keeps it)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    old = tmp_path / "hicache" / "bind_loopback-000000000000.so"
-    old.parent.mkdir(parents=True)
-    old.write_bytes(b"an older build")
-    keep = tmp_path / "hicache" / "other.so"
-    keep.write_bytes(b"not ours")
-    so = bind_shim.bind_shim()
-    assert os.path.exists(so) and not old.exists() and keep.exists()
-    assert bind_shim.bind_shim() == so  # built once: the second call finds it

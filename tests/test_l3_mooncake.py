@@ -512,6 +512,41 @@ def test_a_hung_master_at_start_never_stalls_the_daemon(l3_daemon, worker, store
     assert w.put(["hung-0"], [0])["written"] == 1
 
 
+def test_the_set_up_check_names_a_failure_a_hang_and_a_stop(store, monkeypatch):
+    """``l3_reach.setup_fails``, Mooncake's ``setup`` in a child: a failed set-up is its code
+    and Mooncake's last error line; a master that accepts and never answers is killed at the
+    check's limit; a stopping daemon kills it at once (it used to outlive the daemon)."""
+    import socket
+    import threading
+
+    from hicache.controllers import l3_reach
+    from hicache.controllers.l3_store import L3Settings
+
+    for k, v in l3_master.loopback_env().items():
+        monkeypatch.setenv(k, v)
+    wrong = store.metadata_url.rsplit("/", 1)[0] + "/foo"
+    why = l3_reach.setup_fails(L3Settings(master=store.master_addr, metadata=wrong))
+    assert why is not None and why.startswith("Mooncake's set-up failed (code "), why
+    assert l3_reach.setup_fails(L3Settings(master=store.master_addr,
+                                           metadata=store.metadata_url)) is None
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)
+    try:
+        monkeypatch.setattr(l3_reach, "SETUP_PROBE_S", 2.0)
+        silent = L3Settings(master=f"127.0.0.1:{hang.getsockname()[1]}", metadata="P2PHANDSHAKE")
+        t0 = time.monotonic()
+        why = l3_reach.setup_fails(silent)
+        assert "did not finish within 2 s" in why and time.monotonic() - t0 < 4, why
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        t0 = time.monotonic()
+        assert l3_reach.setup_fails(silent, stop) == "the daemon is stopping"
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        hang.close()
+
+
 def test_a_prefetch_is_acked_at_its_deadline_while_the_master_hangs(l3_daemon, worker,
                                                                    store):
     """A hung master (SIGSTOP) holds a Mooncake call up to its RPC timeout (30 s): the

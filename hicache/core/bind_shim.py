@@ -105,9 +105,7 @@ def mooncake_dir() -> Path | None:
 
 
 def bind_shim() -> str:
-    """Path of the compiled bind shim (built on first use; a build removes the other builds
-    left in the cache folder by earlier versions: a process that has one loaded keeps it
-    mapped, and a checkout of another version builds its own again)."""
+    """Path of the compiled bind shim (built on first use)."""
     digest = hashlib.sha256(_SHIM_C.encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hicache"
     so = cache / f"bind_loopback-{digest}.so"
@@ -127,9 +125,6 @@ def bind_shim() -> str:
         if r.returncode:
             raise RuntimeError(f"building the bind shim failed: {r.stderr.strip()[:300]}")
         os.replace(out, so)
-    for old in cache.glob("bind_loopback-*.so"):
-        if old != so:
-            old.unlink(missing_ok=True)
     return str(so)
 
 

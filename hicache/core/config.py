@@ -648,6 +648,20 @@ def _refuse_unused(cfg: ServeConfig) -> None:
             raise UsageError(f"{', '.join(off)} given but --l3 is off (add --l3 mooncake)")
 
 
+def _ipv6_loopback(host: str) -> bool:
+    """Whether ``host`` is an IPv6 loopback address, or an IPv4-mapped one (``::ffff:127.x``)."""
+    import ipaddress
+
+    try:
+        a = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if a.version != 6:
+        return False
+    mapped = a.ipv4_mapped  # type: ignore[union-attr]
+    return a.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 def _validate_l3(cfg: ServeConfig) -> None:
     if cfg.l3 not in ("off", "mooncake"):
         raise UsageError(f"--l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
@@ -669,7 +683,7 @@ def _validate_l3(cfg: ServeConfig) -> None:
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
         raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
-    if cfg.l3_local_host.strip("[]") in ("::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1"):
+    if _ipv6_loopback(cfg.l3_local_host):
         # Mooncake's listeners would bind every interface: the bind shim binds IPv4 loopback
         raise UsageError(f"--l3-local-host {cfg.l3_local_host}: Mooncake's listeners cannot "
                          f"be kept on IPv6 loopback (they would listen on every interface); "

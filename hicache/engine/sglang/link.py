@@ -51,6 +51,7 @@ from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
 log = logging.getLogger("hicache.sglang")
 ALIGN = 4096
+UNREGISTER_S = 2.0  # the longest the shutdown's unregister waits for the daemon
 
 
 def _close(fd: int) -> None:
@@ -108,20 +109,27 @@ class DaemonLink:
             try:
                 with self.lock:
                     h = None if self._stop.is_set() else self.client.maybe_heartbeat()
-                self.beat_error = None
-            except HicacheError as e:
-                self._lost(f"the daemon does not answer: {e}")
+            except HicacheError as e:  # maybe a daemon busy for a while: a warning, once
+                if self.beat_error is None:
+                    log.warning("hicache: a heartbeat to the daemon failed: %s (SGLang's next "
+                                "host-tier call meets the same daemon)", e)
                 self.beat_error = e
                 continue
-            if h is not None and not h.get("registered", True):
+            if h is None:
+                continue
+            if self.beat_error is not None:
+                log.info("hicache: the daemon answers heartbeats again")
+                self.beat_error = None
+            if not h.get("registered", True):
                 why = h.get("reaped") or "the daemon restarted, or the worker unregistered"
                 self._lost(f"the daemon no longer holds this worker ({why})")
 
     def _lost(self, why: str) -> None:
-        """Log, once until the link is healthy again, that the host tier is gone: SGLang's
-        tree still lists host hits the daemon no longer holds, and its next host-tier call
-        fails (SGLang then stops its scheduler); restart the server with its daemon."""
-        if self.lost != why:
+        """Log once that the host tier is gone (nothing re-registers the worker, so it stays
+        gone): SGLang's tree still lists host hits the daemon no longer holds, and its next
+        host-tier call fails (SGLang then stops its scheduler); restart the server with its
+        daemon."""
+        if self.lost is None:
             self.lost = why
             log.error("hicache: %s: SGLang's host tier is gone; its next host-tier call fails. "
                       "Restart the SGLang server (with its daemon running).", why)
@@ -130,12 +138,13 @@ class DaemonLink:
     def connect(cls, kvcache: Any, layout: Layout, client: Client, *,
                 name: str = "sglang") -> "DaemonLink":
         beat = float(client.heartbeat().get("heartbeat_timeout", 10.0))
-        if client.timeout >= beat:  # refused before anything is mapped or registered
+        if 2 * client.timeout > beat:  # refused before anything is mapped or registered
             raise ValueError(
                 f"the adapter's call timeout ({client.timeout:g} s: HICACHE_SGLANG_TIMEOUT) is "
-                f"not below the daemon's heartbeat timeout ({beat:g} s): a host wait that long "
-                f"holds the link's lock, no heartbeat goes out, and the daemon reaps the worker "
-                f"mid-load; start the daemon with a longer --heartbeat-timeout")
+                f"over half the daemon's heartbeat timeout ({beat:g} s): a host wait holds the "
+                f"link's lock, so no heartbeat goes out meanwhile, and the daemon could reap the "
+                f"worker mid-load; start the daemon with --heartbeat-timeout "
+                f"{2 * client.timeout:g} or more")
         first = map_stage(kvcache, layout)
         cuda = next(iter(first.layers.values()))[0].device.type == "cuda"
         shm = None
@@ -204,8 +213,9 @@ class DaemonLink:
         return self.layout.stage.global_id(self.layout.pool(pool).family, local)
 
     def close(self) -> None:
-        """Stop the heartbeats, unregister, close the client (once; a second call does
-        nothing: every host pool of the stack closes it at SGLang's shutdown)."""
+        """Stop the heartbeats, unregister (a failure is logged, not raised: SGLang's shutdown
+        goes on), close the client (once; a second call does nothing: every host pool of the
+        stack closes it at SGLang's shutdown)."""
         with self.lock:
             if self.closed:
                 return
@@ -214,10 +224,12 @@ class DaemonLink:
         self._beat.join()
         try:
             with self.lock:
-                self.client.unregister()
-        except CommandRefused as e:
-            if e.code != "not_registered":  # (reaped, or a restarted daemon: nothing to undo)
-                raise
+                self.client.unregister(timeout=min(self.client.timeout, UNREGISTER_S))
+        except HicacheError as e:  # SGLang's own shutdown goes on whatever the daemon says
+            # not_registered: reaped, or a restarted daemon, nothing to undo; a daemon stopped
+            # first (or hung): it frees the rows when it reaps the worker or restarts
+            if not (isinstance(e, CommandRefused) and e.code == "not_registered"):
+                log.warning("hicache: unregistering at shutdown failed: %s", e)
         finally:
             self.client.close()
             if self._fin is not None:
