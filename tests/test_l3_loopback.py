@@ -134,4 +134,3 @@ def test_serve_executes_itself_again_only_from_its_own_command_line(tmp_path, mo
     monkeypatch.setattr(hicache.cli, "from_command_line", False)  # main([...]) in-process
     assert _own_command_line(None) == (None, "serve was not started from its own command "
                                              "line (called in-process)")
-
