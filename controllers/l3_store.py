@@ -243,6 +243,8 @@ class MooncakeL3:
             down = metadata_wrong(s)
             if down is None and self.setup_check is not None:
                 down = self.setup_check(s, self._stop)
+                if self._stop.is_set():  # stopped mid-check: nothing to log or count
+                    return False
             slow = down is not None  # not a server down: a setting, or a hung server
         self._slow_retry = slow
         if down is not None:
@@ -310,7 +312,7 @@ class MooncakeL3:
                     self._set_online(True, "master answers again" if self._was_online
                                      else "connected")
                     self._was_online = True
-                else:
+                elif not self._stop.is_set():
                     self._down_from_start()
                     wait = max(self._backoff, SETUP_RETRY_S) if self._slow_retry \
                         else self._backoff
