@@ -23,12 +23,13 @@ would be reaped by the daemon (its host rows freed under SGLang's tree). A daemo
 link sends a heartbeat when nothing else was sent for a third of the daemon's timeout. The
 ``Client`` is not thread-safe: every use of it goes through ``lock`` (the host pools take it
 too). A heartbeat that fails is kept in ``beat_error`` (SGLang's next call meets the same
-daemon). A heartbeat reply that says the daemon no longer holds the worker (``registered``
-false: reaped, or a restarted daemon), or a daemon that stopped answering, is logged as an
-error once (``lost``): SGLang's tree still lists host hits, its next host-tier call fails and
-SGLang stops its scheduler, so the server is restarted with its daemon (nothing re-registers
-behind SGLang's back). ``close()`` stops the thread, unregisters and closes the client; it runs
-once (the host pools' ``destroy`` calls it at SGLang's shutdown).
+daemon). A heartbeat that fails is a warning, once until one succeeds again. A reply that
+says the daemon no longer holds the worker (``registered`` false: reaped, or a restarted
+daemon) is logged as an error once (``lost``): SGLang's tree still lists host hits, its next
+host-tier call fails and SGLang stops its scheduler, so the server is restarted with its daemon
+(nothing re-registers behind SGLang's back). ``close()`` stops the thread, unregisters (a
+failure is a warning: SGLang's shutdown goes on) and closes the client; it runs once (the host
+pools' ``destroy`` calls it at SGLang's shutdown).
 """
 from __future__ import annotations
 
