@@ -22,8 +22,8 @@ Liveness: SGLang calls the host pools only when it moves or allocates KV, so an 
 would be reaped by the daemon (its host rows freed under SGLang's tree). A daemon thread of the
 link sends a heartbeat when nothing else was sent for a third of the daemon's timeout. The
 ``Client`` is not thread-safe: every use of it goes through ``lock`` (the host pools take it
-too). A heartbeat that fails is kept in ``beat_error`` (SGLang's next call meets the same
-daemon). A heartbeat that fails is a warning, once until one succeeds again. A reply that
+too). A heartbeat that fails is kept in ``beat_error`` and is a warning, once until one
+succeeds again (SGLang's next call meets the same daemon). A reply that
 says the daemon no longer holds the worker (``registered`` false: reaped, or a restarted
 daemon) is logged as an error once (``lost``): SGLang's tree still lists host hits, its next
 host-tier call fails and SGLang stops its scheduler, so the server is restarted with its daemon
