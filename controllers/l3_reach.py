@@ -49,6 +49,7 @@ class ReachSettings(Protocol):
     local_host: str
     buffer_bytes: int
 
+
 CONNECT_CHECK_S = 1.0  # TCP connect (and metadata GET) timeout of the checks
 SETUP_PROBE_S = 10.0  # the child's ``setup`` is killed after this long
 PROBE_KEY = "hicache-reach-probe"  # a metadata key no one writes
