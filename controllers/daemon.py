@@ -405,9 +405,16 @@ class Daemon:
             st.l3.drain()
         t0 = time.monotonic()
         if not st.wait_idle(timeout):
-            log.error("shutdown: %d operations did not finish within %.0f s; their acks report "
-                      "them failed and the host arena stays mapped until the process exits",
-                      self.scheduler.in_flight if self.scheduler else -1, timeout)
+            if st.l3_hung():
+                log.warning("shutdown: %d L3 jobs wait on a master that does not answer; "
+                            "not waiting for Mooncake's RPC timeout: their acks say nothing "
+                            "was found or written, and the host arena stays mapped until the "
+                            "process exits", len(st.l3_ops))
+            else:
+                log.error("shutdown: %d operations did not finish within %.0f s; their acks "
+                          "report them failed and the host arena stays mapped until the "
+                          "process exits", self.scheduler.in_flight if self.scheduler else -1,
+                          timeout)
             self._leak_arena = True  # a copy may still touch it: never unmap under it
             st.releaser.abandoned = True  # nor a client's sparse region
             st.fail_pending("daemon shutting down")
@@ -430,7 +437,8 @@ class Daemon:
     def _teardown(self) -> None:
         l3 = getattr(getattr(self, "state", None), "l3", None)
         if l3 is not None:
-            l3.close()
+            l3.close(timeout=1.0 if l3.hung() else 5.0)  # (hung: its calls end at the RPC
+            # timeout, ~30 s; the store stays open under them)
             if l3.store is not None:  # a Mooncake call still runs: it may write the arena
                 self._leak_arena = True
         if self.scheduler is not None:

@@ -19,14 +19,18 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   attempt marks the tier offline (state ``connecting`` only until then);
   the first one counts as a transition to offline (``l3_transitions``), as a later drop does.
   When a call reports the master unreachable (RPC failure or timeout, client unknown) the tier
-  goes offline: no Mooncake call is made for jobs meanwhile (they complete at once as misses or
-  dropped writes, counted), and a probe retries with backoff (0.25 s doubling to ``max_backoff``)
-  until the master answers again. Mooncake's own client re-mounts its segments when the master
-  returns; the probe sees it within ``max_backoff`` seconds. While online, the connector also
-  checks every ``LIVENESS_S``, when no Mooncake call ran meanwhile, that the master does not
-  refuse a TCP connection (``master_gone``), so a master that dies while the tier is idle
-  takes it offline within a few seconds (a hung one, whose connects time out, is left to the
-  calls' deadlines, as is everything while calls run). A job whose call raises anything is
+  goes offline: no Mooncake call is made for jobs meanwhile (``submit`` completes them at once
+  as misses or dropped writes, counted ``offline``), and a probe retries with backoff (0.25 s
+  doubling to ``max_backoff``) until the master answers again. Mooncake's own client re-mounts
+  its segments when the master returns; the probe sees it within ``max_backoff`` seconds. While
+  online, the connector also checks every ``LIVENESS_S``: when no Mooncake call ran meanwhile,
+  that the master does not refuse a TCP connection (``master_gone``), so a master that dies
+  while the tier is idle takes it offline within a few seconds; when a job's calls have run
+  ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S``, so a master that
+  hangs (accepts, never answers: its calls would wait out Mooncake's RPC timeout, ~30 s) takes
+  it offline within ~4-6 s (``hung()`` then says a call waits on it). Probes run on a thread of
+  their own (``_ask``), one at a time: a hung master holds neither the connector nor a stop.
+  A job whose call raises anything is
   counted ``misses["error"]`` and acked, and its worker goes on with the next; a connect or
   probe that raises anything is a failed attempt, retried.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
@@ -54,7 +58,8 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   once ``drain()`` was called (the daemon is stopping), completes unrun when a worker takes it
   (``misses[why]``, not counted as errors): a stop does not wait for a backlog of writes, nor
   a reap for its reads.
-* ``close()`` stops the threads (waiting up to ``timeout``) and closes the store.
+* ``close()`` stops the threads (waiting up to ``timeout`` in all) and closes the store, unless
+  a Mooncake call still runs (then the client stays open under it until the process exits).
 """
 from __future__ import annotations
 
@@ -117,6 +122,13 @@ class L3Settings:
 # L3 traffic used to report the tier online for as long as it stayed idle after the master died
 # (the first call found out)
 LIVENESS_S = 2.0
+# while a Mooncake call has run this long (none ending meanwhile), the connector asks the master
+# whether it still answers (``_ask``): a master that hangs (accepts, never answers) held every
+# call up to Mooncake's RPC timeout (~30 s) while the tier read online
+HUNG_CALL_S = 2.0
+# ... and the master must answer that probe (``batch_is_exist``) within this; the probe runs on a
+# thread of its own, so a hung master holds neither the connector nor a stop
+PROBE_WAIT_S = 2.0
 # a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
 # that is down) is tried again this often, not with the probe's backoff
 SETUP_RETRY_S = 10.0
@@ -140,6 +152,15 @@ class L3CallFailed(Exception):
         super().__init__(message)
         self.why = why
         self.message = message
+
+
+@dataclass
+class _Ask:
+    """One probe of the master (``MooncakeL3._ask``): its thread, and what it found."""
+    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    error: str = ""
 
 
 @dataclass
@@ -181,13 +202,21 @@ class L3Job:
             out["present"] = self.present
         return {**out, "misses": self.misses}
 
-    def expired_result(self) -> dict[str, Any]:
-        """The ack's ``l3`` field when the job is acked at its deadline, its call still
-        running: nothing found, nothing read."""
-        out: dict[str, Any] = {"hits": 0}
+    def unanswered_result(self, why: str) -> dict[str, Any]:
+        """The ack's ``l3`` field when the job is acked while its store call still runs (at
+        its deadline, ``why`` ``deadline``; at a stop, ``stopping``): nothing found, read or
+        written."""
+        out: dict[str, Any] = {"written": 0, "skipped": 0} if self.kind == "put" else \
+            {"hits": 0}
         if self.each:
             out["present"] = [0] * len(self.keys)
-        return {**out, "misses": {"deadline": len(self.keys)}}
+        return {**out, "misses": {why: len(self.keys)}}
+
+
+def _unrun(job: L3Job, why: str) -> None:
+    """``job`` ends with no Mooncake call: every key a miss for ``why``."""
+    job.misses[why] = len(job.keys)
+    job.present = [0] * len(job.keys) if job.each else []
 
 
 class MooncakeL3:
@@ -213,6 +242,9 @@ class MooncakeL3:
         self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
         self._running = 0  # jobs a worker has taken and not finished (the liveness check waits)
         self._last_call = 0.0  # when the last one finished
+        self._calls: dict[str, float] = {}  # worker -> when its running job's calls began
+        self._asking: _Ask | None = None  # the probe ``_ask`` started and has not seen end
+        self._next_check = 0.0  # the connector's next liveness check (``_check_alive``)
         self._queues: dict[str, queue.Queue[L3Job | None]] = {
             k: queue.Queue() for k in ("read", "write", "meta")}
         self.put_pages_queued = 0
@@ -286,18 +318,14 @@ class MooncakeL3:
     def _connector(self) -> None:
         """Set the client up, then probe the master with backoff whenever it is offline, and
         check that it can still be reached every ``LIVENESS_S`` while online."""
-        next_check = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            if self.online and now >= next_check:
-                next_check = now + LIVENESS_S
-                if self._idle(now):  # calls in flight, or just ended, speak for the master
-                    down = master_gone(self.settings)
-                    if down is not None:
-                        self._set_online(False, f"{down} (liveness check)")
+            if self.online:
+                self._check_alive(now)
             if not self.online and now >= self._next_probe:
                 try:
-                    ok = self._connect() if self.store is None else self._probe()
+                    ok = self._connect() if self.store is None else \
+                        self._ask(PROBE_WAIT_S) is True
                 except UsageError as e:
                     log.error("%s", e)
                     self._down_from_start()
@@ -338,9 +366,66 @@ class MooncakeL3:
             busy = self._running or now - self._last_call < LIVENESS_S
         return not busy and all(q.empty() for q in self._queues.values())
 
-    def _probe(self) -> bool:
-        r = self.store.batch_is_exist(["hc-probe"])
-        return bool(r) and r[0] >= 0
+    def _check_alive(self, now: float) -> None:
+        """While online, every ``LIVENESS_S``: an idle tier checks that the master does not
+        refuse a TCP connection (``master_gone``); a busy one, once a call has run
+        ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S`` (calls that
+        end speak for the master). Either failing takes the tier offline."""
+        if now < self._next_check:
+            return
+        if self._idle(now):
+            self._next_check = now + LIVENESS_S
+            down = master_gone(self.settings)
+            if down is not None:
+                self._set_online(False, f"{down} (liveness check)")
+            return
+        age = self.call_age(now)
+        if age < HUNG_CALL_S:
+            return
+        self._next_check = now + LIVENESS_S
+        if self._ask(PROBE_WAIT_S) is not True:
+            age = max(age, self.call_age(time.monotonic()))
+            self._set_online(False, f"the master answered no probe within {PROBE_WAIT_S:g} s "
+                                    f"while a Mooncake call had run {age:.1f} s (hung?)")
+
+    def call_age(self, now: float) -> float:
+        """Seconds the oldest running job's Mooncake calls have run (0: none runs)."""
+        with self._lock:
+            return now - min(self._calls.values()) if self._calls else 0.0
+
+    def hung(self) -> bool:
+        """A Mooncake call has run ``HUNG_CALL_S`` or more while the tier is offline: it waits
+        on a master that no longer answers, up to Mooncake's RPC timeout (~30 s)."""
+        return not self.online and self.call_age(time.monotonic()) >= HUNG_CALL_S
+
+    def _ask(self, wait: float) -> bool | None:
+        """Whether the master answers a probe (``batch_is_exist``): True or False, or None when
+        it has not answered within ``wait`` s. The probe runs on a thread of its own; while it
+        has not returned no other starts (a later ask waits on the same one)."""
+        with self._lock:
+            ask = self._asking
+            if ask is None:
+                ask = self._asking = _Ask()
+                ask.thread = threading.Thread(target=self._run_ask, args=(ask,),
+                                              name="l3-probe", daemon=True)
+                ask.thread.start()
+        if not ask.done.wait(wait):
+            return None
+        with self._lock:
+            if self._asking is ask:
+                self._asking = None
+        if ask.error:
+            log.warning("L3: probing the master failed: %s", ask.error)
+        return ask.ok
+
+    def _run_ask(self, ask: _Ask) -> None:
+        try:
+            r = self.store.batch_is_exist(["hc-probe"])
+            ask.ok = bool(r) and r[0] >= 0
+        except BaseException as e:  # noqa: BLE001 - a Mooncake surprise: a failed probe
+            ask.error = f"{type(e).__name__}: {e}"
+        finally:
+            ask.done.set()
 
     def _set_online(self, on: bool, why: str) -> None:
         with self._lock:
@@ -371,6 +456,15 @@ class MooncakeL3:
     # ------------------------------------------------------------------ jobs
     def submit(self, job: L3Job) -> None:
         job.t_submit = time.monotonic()
+        if not self.online and not self._draining.is_set():
+            # offline (or not yet connected): no Mooncake call would run for it, as a worker
+            # taking it would find; answered now, not behind a call that may hang
+            with self._lock:
+                job.started = True
+            _unrun(job, "offline")
+            job.t_end = job.t_submit
+            self._complete(job)
+            return
         if job.kind == "put":
             with self._lock:  # the gauge too: set under the lock, never an older value last
                 self.put_pages_queued += len(job.keys)
@@ -406,13 +500,14 @@ class MooncakeL3:
                 self._running += 1
             why = "stopping" if self._draining.is_set() else job.cancelled
             called = not why and self.online
+            if called:
+                with self._lock:
+                    self._calls[which] = time.monotonic()
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
-                    job.misses[why] = len(job.keys)
-                    job.present = [0] * len(job.keys) if job.each else []
+                    _unrun(job, why)
                 elif not self.online:
-                    job.misses["offline"] = len(job.keys)
-                    job.present = [0] * len(job.keys) if job.each else []
+                    _unrun(job, "offline")
                 elif job.kind == "query":
                     self._query(job)
                 elif job.kind == "prefetch":
@@ -437,12 +532,17 @@ class MooncakeL3:
                 self._running -= 1
                 if called:  # a Mooncake call ran: it spoke for the master
                     self._last_call = job.t_end
+                    del self._calls[which]
                 if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
-            self._record(job)
-            self.completed.append(job)
-            self.wake()
+            self._complete(job)
+
+    def _complete(self, job: L3Job) -> None:
+        """A finished job: counted, handed to the server thread, which is woken."""
+        self._record(job)
+        self.completed.append(job)
+        self.wake()
 
     def _record(self, job: L3Job) -> None:
         m = self.metrics
@@ -680,15 +780,25 @@ class MooncakeL3:
         self._draining.set()
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads, waiting for them ``timeout`` s in all, then close the store; not
+        when a Mooncake call (a job's or a probe's) still runs: the client stays open under it
+        until the process exits."""
         self._draining.set()
         self._stop.set()
         for q in self._queues.values():
             q.put(None)
-        for t in self._threads:
-            t.join(timeout)
-        if any(t.is_alive() for t in self._threads):
-            log.error("L3: a Mooncake call did not return within %.0f s; not closing the "
-                      "client under it", timeout)
+        end = time.monotonic() + timeout
+        threads = list(self._threads)
+        with self._lock:
+            if self._asking is not None and self._asking.thread is not None:
+                threads.append(self._asking.thread)
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            # (a warning when the tier found the master hung: that call was expected to stay)
+            (log.warning if self.hung() else log.error)(
+                "L3: a Mooncake call did not return within %.0f s; not closing the client "
+                "under it", timeout)
             return
         if self.store is not None:
             try:

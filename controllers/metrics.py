@@ -222,6 +222,11 @@ CATALOG: tuple[MetricDef, ...] = (
               "write had no epoch to go under: its L3 objects are not used), busy (a "
               "key-store read answered as a miss: 256 queries were already in flight).",
               "Is L3 healthy, and did anything try to hand us wrong bytes?"),
+    MetricDef("l3_deadline_misses", "counter", ("op",),
+              "L3 reads answered as misses because their deadline passed before the store "
+              "answered (query, prefetch: pages; meta: key-store epoch reads and clears): a "
+              "store that is slow or hangs, or a long queue in front of it.",
+              "Are lookups timing out against the L3 store?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",
               "Are L3 writes keeping up with the host tier?"),
@@ -281,6 +286,7 @@ class Metrics:
         self._zero("l3_bytes", ("read", "write"))
         self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error", "epoch",
                                 "busy"))
+        self._zero("l3_deadline_misses", ("query", "prefetch", "meta"))
         self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove", "meta"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
         self.registry.register(_Collector(self))

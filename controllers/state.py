@@ -327,11 +327,20 @@ class DaemonState:
                               op.path or "none")
 
     def fail_pending(self, why: str) -> None:
-        """Shutdown: every op still in flight is finished as failed (acks to ``outbox``)."""
+        """Shutdown: every op still in flight is finished as failed, and every client's L3 job
+        not acked yet is acked with nothing found, read or written (``misses: {stopping: n}``;
+        its call may still run: the caller leaves the arena mapped). Acks to ``outbox``."""
         for op, _ in list(self.ops.values()):
             op.ok, op.error = False, why
             op.t_end = time.perf_counter()
             self._finish(op)
+        now = time.monotonic()
+        for op_id, job in self.l3_ops.items():
+            tag = _client_tag(job)
+            if tag is not None and not job.acked:
+                job.acked = True
+                self.outbox.append((tag[1], _l3_ack(op_id, job, now,
+                                                    job.unanswered_result("stopping"))))
 
     def collect(self) -> int:
         """Queue the "issued" notices of GPU loads issued further (a launch group's worth, with
@@ -371,6 +380,8 @@ class DaemonState:
         """Bookkeeping and ack of every L3 job that finished (acks to ``outbox``)."""
         n = 0
         for job in self.l3.take_completed():
+            if not job.acked and job.misses.get("deadline"):  # (acked: counted then)
+                self.metrics.inc("l3_deadline_misses", job.misses["deadline"], job.kind)
             tag = _client_tag(job)
             if tag is None:  # the key store's own job (kv_l3): no ack
                 self.l3_ops.pop(job.tag.op_id, None)
@@ -414,9 +425,10 @@ class DaemonState:
             if tag is None and job.tag.expire is None:  # a key-store job nobody waits for
                 continue
             job.acked = True
+            self.metrics.inc("l3_deadline_misses", len(job.keys) or 1, job.kind)
             queued = self.l3.cancel(job, "deadline")
             if tag is not None:
-                self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.expired_result())))
+                self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.unanswered_result("deadline"))))
             else:
                 job.tag.expire(job, now, queued)
 
@@ -615,8 +627,19 @@ class DaemonState:
             self.metrics.set("host_fragmentation_ratio", st["fragmentation"], s)
 
     def wait_idle(self, timeout: float) -> bool:
+        """Collect until nothing is in flight (True), at most ``timeout`` s. False sooner when
+        all that is left is L3 jobs whose calls wait on a master that no longer answers
+        (``l3_hung``): they would hold a stop up to Mooncake's RPC timeout (~30 s)."""
         deadline = time.monotonic() + timeout
         while not self.idle() and time.monotonic() < deadline:
+            if self.l3_hung():
+                return False
             if not self.collect():
                 time.sleep(0.001)
         return self.idle()
+
+    def l3_hung(self) -> bool:
+        """Only L3 jobs are in flight, and a call of theirs waits on a master that no longer
+        answers (``MooncakeL3.hung``)."""
+        return self.l3 is not None and bool(self.l3_ops) and self.scheduler.idle() and \
+            not self.releaser.pending and self.l3.hung()

@@ -716,3 +716,100 @@ def test_a_page_key_with_a_trailing_newline_is_refused(l3_daemon, worker):
         with pytest.raises(CommandRefused) as e:
             w.put([bad], [0])
         assert e.value.code == "bad_field"
+
+
+def test_a_hung_master_is_found_out_in_seconds_and_answered_at_once(l3_daemon, worker, store):
+    """A master that hangs (SIGSTOP: it accepts, never answers) held every Mooncake call up to
+    the RPC timeout (~30 s) while the tier read online: each engine lookup waited out its own
+    deadline, and reads answered at their deadline were counted nowhere. Now a call that runs
+    ``HUNG_CALL_S`` makes the daemon probe the master (on a thread of its own): no answer
+    within ``PROBE_WAIT_S`` takes the tier offline, later L3 commands are answered at once as
+    offline misses, the deadline misses are counted, and the tier comes back with the
+    master."""
+    import signal
+
+    from hicache.controllers.l3_store import HUNG_CALL_S, LIVENESS_S, PROBE_WAIT_S
+
+    d = l3_daemon()
+    w = worker(d, 14)
+    assert w.put(["hm-0"], [0])["written"] == 1
+    c = w.c
+    host = c.alloc({s: 1 for s in SPACES})
+    down = metric(c, "hicache_l3_transitions_total", to="offline")
+    late = metric(c, "hicache_l3_deadline_misses_total", op="prefetch")
+    offline = metric(c, "hicache_l3_errors_total", kind="offline")
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        ack = c.l3_prefetch(["hm-0"], host, deadline_ms=500, timeout=60)  # its call hangs
+        assert ack.l3 == {"hits": 0, "misses": {"deadline": 1}}, ack.l3
+        assert metric(c, "hicache_l3_deadline_misses_total", op="prefetch") == late + 1
+        worst = 0.0
+        while c.stats()["l3"]["online"] and time.monotonic() - t0 < 20:
+            t = time.monotonic()
+            c.heartbeat()  # the loop serves on meanwhile
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        l3 = c.stats()["l3"]
+        assert not l3["online"] and "answered no probe" in l3["why"], l3
+        print(f"offline {took:.2f} s after the hung call began")
+        assert took < HUNG_CALL_S + LIVENESS_S + PROBE_WAIT_S + 1.5, took
+        assert worst < 0.5, worst
+        assert metric(c, "hicache_l3_online") == 0
+        assert metric(c, "hicache_l3_transitions_total", to="offline") == down + 1
+        t1 = time.monotonic()  # offline: answered now, not at the deadline nor behind the call
+        assert c.l3_query(["hm-0"], timeout=60, deadline_ms=5000) == 0
+        assert c.l3_present(["hm-0", "hm-1"], timeout=60, mirror="full", ckpt=False,
+                            deadline_ms=5000) == [0, 0]
+        assert time.monotonic() - t1 < 0.5, time.monotonic() - t1
+        assert metric(c, "hicache_l3_errors_total", kind="offline") == offline + 3
+        assert metric(c, "hicache_l3_deadline_misses_total", op="query") == 0
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    wait_online(c, 60)  # the hung call returns, a probe is answered: online again
+    deadline = time.monotonic() + 60
+    while c.daemon_in_flight and time.monotonic() < deadline:
+        c.poll_acks([])
+        time.sleep(0.1)
+    assert c.daemon_in_flight == 0
+    # the late call's result was neither acked again nor counted again
+    assert metric(c, "hicache_l3_deadline_misses_total", op="prefetch") == late + 1
+    c.free(host)
+    assert w.get(["hm-0"], [5]) == 1  # the tier serves on
+    assert same(w.page(5), w.page(0))
+    assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon, worker, store):
+    """A stop while the master hung waited for the L3 call stuck in Mooncake until its RPC
+    timeout, then for Mooncake's teardown: ~40 s. Now, once the tier found the master hung,
+    the stop acks the stuck job (nothing written, ``misses: {stopping: n}``), leaves the
+    store client and the host arena to the process's exit, and exits cleanly in seconds."""
+    import signal
+
+    d = l3_daemon()
+    w = worker(d, 15)
+    c = w.c
+    host = c.alloc({s: 1 for s in SPACES})
+    c.wait_ack(c.backup({s: ([0], host[s]) for s in SPACES}))
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        op = c.l3_put(["hs-0"], host)  # its call hangs (no deadline: only its call ends it)
+        t0 = time.monotonic()
+        while c.stats()["l3"]["online"] and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        assert not c.stats()["l3"]["online"]
+        t1 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        ack = c.wait_ack(op, timeout=10)  # pushed as the daemon stops (an engine waits on it)
+        code = d.stop(timeout=60)
+        took = time.monotonic() - t1
+        out = d.output()
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    print(f"stopped in {took:.2f} s with the master hung")
+    assert d.clean_exit(code), (code, out[-2000:])
+    assert took < 5, took
+    assert ack.l3 == {"written": 0, "skipped": 0, "misses": {"stopping": 1}}, ack.l3
+    assert "not waiting for Mooncake's RPC timeout" in out, out[-2000:]
