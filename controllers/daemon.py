@@ -277,13 +277,11 @@ class Daemon:
 
     def _start_l3(self) -> None:
         from . import l3_format
-        from .l3_store import L3Settings, MooncakeL3, load_store_class
+        from .l3_store import MooncakeL3, l3_settings, load_store_class
 
         cfg = self.cfg
         store_class = load_store_class()  # one clear line naming what to install, or the class
-        settings = L3Settings(cfg.l3_master, cfg.l3_metadata, cfg.l3_protocol,
-                              cfg.l3_rdma_devices, cfg.l3_local_host, cfg.l3_segment,
-                              kv_epoch_recheck=cfg.l3_epoch_recheck)
+        settings = l3_settings(cfg)
         objects = l3_format.Objects(self.layout, self.group)
         if not objects.formats:
             raise UsageError(f"--l3: this stage has nothing to store: {objects.refused}")

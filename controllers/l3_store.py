@@ -118,6 +118,22 @@ class L3Settings:
     kv_epoch_recheck: float = 2.0  # s: the key store reads under an epoch this long (kv_epochs)
 
 
+def l3_settings(cfg: Any) -> L3Settings:
+    """The store client's settings from a ``ServeConfig`` (``--l3-*``)."""
+    return L3Settings(cfg.l3_master, cfg.l3_metadata, cfg.l3_protocol, cfg.l3_rdma_devices,
+                      cfg.l3_local_host, cfg.l3_segment, kv_epoch_recheck=cfg.l3_epoch_recheck)
+
+
+def endpoints_note(s: L3Settings) -> tuple[bool, str]:
+    """``serve --check``: (True, what answers) when the master and the metadata server accept a
+    connection and an HTTP metadata URL is Mooncake's metadata server (``l3_reach``), else
+    (False, why not): a daemon would then start with the tier offline and retry."""
+    why = unreachable(s) or metadata_wrong(s)
+    if why is not None:
+        return False, why
+    return True, f"the master at {s.master} and the metadata server at {s.metadata} answer"
+
+
 # while online, the master is checked this often (``l3_reach.master_gone``): a daemon with no
 # L3 traffic used to report the tier online for as long as it stayed idle after the master died
 # (the first call found out)

@@ -813,3 +813,38 @@ def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon, worker, store):
     assert took < 5, took
     assert ack.l3 == {"written": 0, "skipped": 0, "misses": {"stopping": 1}}, ack.l3
     assert "not waiting for Mooncake's RPC timeout" in out, out[-2000:]
+
+
+def test_serve_check_says_whether_the_master_and_the_metadata_server_answer(store, tmp_path):
+    """``serve --check --l3 mooncake`` checked the settings' form only: a master that cannot be
+    reached, or a metadata URL that is not Mooncake's metadata server, passed, and the daemon
+    then served with the tier offline. It now says so: one warning naming what does not answer
+    (exit 0, as a daemon would still start and retry), or what answers on the check line."""
+    from conftest import free_port
+
+    store.wait_mounted()
+    host = store.master_addr.rsplit(":", 1)[0]
+    base = ("serve", "--device", "cpu", "--preset", "dsv4-tiny", "--device-rows", ROWS_FLAG,
+            "--socket", f"ipc://{tmp_path / 'd.sock'}", "--host-ratio", "2", "--l3", "mooncake",
+            "--check")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def check(master: str, metadata: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hicache.cli", *base, "--l3-master", master,
+                               "--l3-metadata", metadata], cwd=str(ROOT), env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = check(store.master_addr, store.metadata_url)
+    assert r.returncode == 0 and r.stderr == "", r
+    assert f"L3: the master at {store.master_addr} and the metadata server at " \
+           f"{store.metadata_url} answer" in r.stdout, r.stdout
+    gone = f"{host}:{free_port()}"
+    wrong = store.metadata_url.rsplit("/", 1)[0] + "/not-metadata"
+    for master, metadata, want in ((gone, store.metadata_url, f"the master at {gone} cannot "
+                                                              f"be reached"),
+                                   (store.master_addr, wrong, "not-metadata")):
+        r = check(master, metadata)
+        assert r.returncode == 0 and "the settings hold" in r.stdout, r
+        (line,) = r.stderr.splitlines()
+        assert line.startswith("hicache serve: warning: L3: ") and want in line, line
+        assert line.endswith("would serve with the L3 tier offline, retrying until it answers")

@@ -12,7 +12,9 @@ stage are printed (``hicache serve: warning: ...`` on stderr), not refused. With
 mooncake`` and a loopback ``--l3-local-host`` the process first executes itself again with the
 loopback bind shim preloaded (``_loopback_mooncake``). Every refusal is one line
 ``hicache serve: error: ...`` and exit status 2. ``--check`` runs the checks before torch
-loads, prints one line of what the daemon would serve and exits 0 (``check_only``).
+loads (with ``--l3 mooncake`` also whether the master and the metadata server answer now: a
+warning when not, as a daemon would still start), prints one line of what the daemon would
+serve and exits 0 (``check_only``).
 
 Stopping: SIGINT, SIGTERM or SIGHUP drain in-flight transfers, close the socket and unmap the
 pool, print ``hicache serve: stopped by SIGNAL`` and exit 128 + signal; the ``shutdown`` command
@@ -95,13 +97,23 @@ def check_only(cfg: Any) -> int:
     s = pre.sized
     stage = s.layout.stage
     segment = f" + L3 segment {format_bytes(cfg.l3_segment)}" if cfg.l3 != "off" else ""
+    notes = list(pre.notes)
+    if cfg.l3 == "mooncake":  # reachable now? (TCP and the metadata URL: never Mooncake's setup)
+        from hicache.controllers.l3_store import endpoints_note, l3_settings
+
+        ok, what = endpoints_note(l3_settings(cfg))
+        if ok:
+            segment += f"; L3: {what}"
+        else:
+            notes.append(f"L3: {what}: a daemon started now would serve with the L3 tier "
+                         f"offline, retrying until it answers")
     print(f"hicache serve --check: the settings hold: {s.layout.model.name} stage "
           f"{stage.pp_rank}/{stage.pp_size} layers [{stage.start}, {stage.end}) on {cfg.device}; "
           f"device rows {', '.join(f'{k}={n}' for k, n in s.device_rows.items())} "
           f"({s.source}); host rows {', '.join(f'{k}={n}' for k, n in s.host_rows.items())}, "
           f"arena {format_bytes(arena_bytes(s.layout, s.host_rows))}{segment}; socket "
           f"{pre.address}; checked only when it starts: the device", flush=True)
-    for w in (*s.warnings, *pre.notes):
+    for w in (*s.warnings, *notes):
         print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
     return 0
 
