@@ -405,9 +405,9 @@ class Daemon:
         if not st.wait_idle(timeout):
             if st.l3_hung():
                 log.warning("shutdown: %d L3 jobs wait on a master that does not answer; "
-                            "not waiting for Mooncake's RPC timeout: their acks say nothing "
-                            "was found or written, and the host arena stays mapped until the "
-                            "process exits", len(st.l3_ops))
+                            "not waiting for Mooncake's RPC timeout: they are answered as "
+                            "stopped (nothing found or written; a kv_clear failed), and the "
+                            "host arena stays mapped until the process exits", len(st.l3_ops))
             else:
                 log.error("shutdown: %d operations did not finish within %.0f s; their acks "
                           "report them failed and the host arena stays mapped until the "

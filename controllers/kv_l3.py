@@ -182,6 +182,14 @@ class _Tag:
 
 def _clear_error(job: L3Job, deadline_ms: int, expired: bool) -> str:
     """The one line of a clear's error ack (nothing was cleared here)."""
+    if expired and job.cancelled == "stopping":  # (``DaemonState.fail_pending``)
+        if not job.started:
+            return ("kv_clear: the daemon stopped before the L3 meta thread reached this clear "
+                    "(an earlier call waits on a master that does not answer); nothing was "
+                    "cleared")
+        return ("kv_clear: the daemon stopped while the L3 master did not answer; nothing was "
+                "cleared here (the new epoch may still be written if the master takes the call "
+                "it holds: clear again to know)")
     if expired and job.started:
         return (f"kv_clear: the L3 master did not answer within {deadline_ms} ms; nothing was "
                 "cleared here (the new epoch may still be written when the call returns, and "

@@ -26,10 +26,11 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   online, the connector also checks every ``LIVENESS_S``: when no Mooncake call ran meanwhile,
   that the master does not refuse a TCP connection (``master_gone``), so a master that dies
   while the tier is idle takes it offline within a few seconds; when a job's calls have run
-  ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S``, so a master that
-  hangs (accepts, never answers: its calls would wait out Mooncake's RPC timeout, ~30 s) takes
-  it offline within ~4-6 s (``hung()`` then says a call waits on it). Probes run on a thread of
-  their own (``_ask``), one at a time: a hung master holds neither the connector nor a stop.
+  ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S`` (or that call ends
+  meanwhile), so a master that hangs (accepts, never answers: its calls would wait out
+  Mooncake's RPC timeout, ~30 s) takes it offline within ~4-6 s (``hung()`` then says a call
+  or a probe waits on it). Probes run on a thread of their own (``_ask``), one at a time: a hung
+  master holds the connector (and a stop) at most ``PROBE_WAIT_S``.
   A job whose call raises anything is
   counted ``misses["error"]`` and acked, and its worker goes on with the next; a connect or
   probe that raises anything is a failed attempt, retried.
@@ -138,12 +139,13 @@ def endpoints_note(s: L3Settings) -> tuple[bool, str]:
 # L3 traffic used to report the tier online for as long as it stayed idle after the master died
 # (the first call found out)
 LIVENESS_S = 2.0
-# while a Mooncake call has run this long (none ending meanwhile), the connector asks the master
-# whether it still answers (``_ask``): a master that hangs (accepts, never answers) held every
-# call up to Mooncake's RPC timeout (~30 s) while the tier read online
+# once one Mooncake call of a job has run this long, the connector asks the master whether it
+# still answers (``_ask``): a master that hangs (accepts, never answers) held every call up to
+# Mooncake's RPC timeout (~30 s) while the tier read online
 HUNG_CALL_S = 2.0
-# ... and the master must answer that probe (``batch_is_exist``) within this; the probe runs on a
-# thread of its own, so a hung master holds neither the connector nor a stop
+# ... and the master must answer that probe (``batch_is_exist``) within this, or that call end
+# meanwhile; the probe runs on a thread of its own, so a hung master holds the connector (and
+# a stop) at most this long
 PROBE_WAIT_S = 2.0
 # a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
 # that is down) is tried again this often, not with the probe's backoff
@@ -172,7 +174,9 @@ class L3CallFailed(Exception):
 
 @dataclass
 class _Ask:
-    """One probe of the master (``MooncakeL3._ask``): its thread, and what it found."""
+    """One probe of the master (``MooncakeL3._ask``): when it began, its thread, and what it
+    found."""
+    t0: float
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
@@ -258,7 +262,7 @@ class MooncakeL3:
         self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
         self._running = 0  # jobs a worker has taken and not finished (the liveness check waits)
         self._last_call = 0.0  # when the last one finished
-        self._calls: dict[str, float] = {}  # worker -> when its running job's calls began
+        self._calls: dict[int, float] = {}  # worker thread -> when its current call began
         self._asking: _Ask | None = None  # the probe ``_ask`` started and has not seen end
         self._next_check = 0.0  # the connector's next liveness check (``_check_alive``)
         self._queues: dict[str, queue.Queue[L3Job | None]] = {
@@ -385,8 +389,9 @@ class MooncakeL3:
     def _check_alive(self, now: float) -> None:
         """While online, every ``LIVENESS_S``: an idle tier checks that the master does not
         refuse a TCP connection (``master_gone``); a busy one, once a call has run
-        ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S`` (calls that
-        end speak for the master). Either failing takes the tier offline."""
+        ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S`` or that call
+        ends meanwhile (a slow master is not a hung one). A refused connect, a failed probe, or
+        no answer from either takes the tier offline."""
         if now < self._next_check:
             return
         if self._idle(now):
@@ -395,24 +400,39 @@ class MooncakeL3:
             if down is not None:
                 self._set_online(False, f"{down} (liveness check)")
             return
-        age = self.call_age(now)
-        if age < HUNG_CALL_S:
+        with self._lock:
+            began = min(self._calls.values(), default=now)
+        if now - began < HUNG_CALL_S:
             return
         self._next_check = now + LIVENESS_S
-        if self._ask(PROBE_WAIT_S) is not True:
-            age = max(age, self.call_age(time.monotonic()))
-            self._set_online(False, f"the master answered no probe within {PROBE_WAIT_S:g} s "
-                                    f"while a Mooncake call had run {age:.1f} s (hung?)")
+        ok = self._ask(PROBE_WAIT_S)
+        if ok is True:
+            return
+        with self._lock:  # no answer: did that call end meanwhile (the master answered it)?
+            stuck = began in self._calls.values()
+        if ok is None and not stuck:
+            return
+        self._set_online(False, f"the master answered no probe within {PROBE_WAIT_S:g} s "
+                                f"while a Mooncake call had run {time.monotonic() - began:.1f} "
+                                f"s (hung?)" if ok is None else "a probe of the master failed")
 
     def call_age(self, now: float) -> float:
-        """Seconds the oldest running job's Mooncake calls have run (0: none runs)."""
+        """Seconds the oldest running Mooncake call of a job has run (0: none runs)."""
         with self._lock:
             return now - min(self._calls.values()) if self._calls else 0.0
 
     def hung(self) -> bool:
-        """A Mooncake call has run ``HUNG_CALL_S`` or more while the tier is offline: it waits
-        on a master that no longer answers, up to Mooncake's RPC timeout (~30 s)."""
-        return not self.online and self.call_age(time.monotonic()) >= HUNG_CALL_S
+        """The tier is offline and a Mooncake call has run ``HUNG_CALL_S`` or more, or a probe
+        ``PROBE_WAIT_S`` or more: it waits on a master that no longer answers, up to Mooncake's
+        RPC timeout (~30 s)."""
+        if self.online:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            ask = self._asking
+            probing = ask is not None and not ask.done.is_set() and \
+                now - ask.t0 >= PROBE_WAIT_S
+        return probing or self.call_age(now) >= HUNG_CALL_S
 
     def _ask(self, wait: float) -> bool | None:
         """Whether the master answers a probe (``batch_is_exist``): True or False, or None when
@@ -421,7 +441,9 @@ class MooncakeL3:
         with self._lock:
             ask = self._asking
             if ask is None:
-                ask = self._asking = _Ask()
+                if self._stop.is_set():  # closing: ``close`` has looked for probes already
+                    return None
+                ask = self._asking = _Ask(time.monotonic())
                 ask.thread = threading.Thread(target=self._run_ask, args=(ask,),
                                               name="l3-probe", daemon=True)
                 ask.thread.start()
@@ -516,9 +538,10 @@ class MooncakeL3:
                 self._running += 1
             why = "stopping" if self._draining.is_set() else job.cancelled
             called = not why and self.online
-            if called:
+            me = threading.get_ident()
+            if called:  # (``_call`` stamps each of the job's calls anew)
                 with self._lock:
-                    self._calls[which] = time.monotonic()
+                    self._calls[me] = time.monotonic()
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
                     _unrun(job, why)
@@ -548,11 +571,19 @@ class MooncakeL3:
                 self._running -= 1
                 if called:  # a Mooncake call ran: it spoke for the master
                     self._last_call = job.t_end
-                    del self._calls[which]
+                    del self._calls[me]
                 if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
             self._complete(job)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One Mooncake call of a worker's job, its start stamped (``call_age``)."""
+        me = threading.get_ident()
+        with self._lock:
+            if me in self._calls:
+                self._calls[me] = time.monotonic()
+        return fn(*args)
 
     def _complete(self, job: L3Job) -> None:
         """A finished job: counted, handed to the server thread, which is woken."""
@@ -580,7 +611,7 @@ class MooncakeL3:
 
     def _exists(self, keys: list[str]) -> list[int] | None:
         """1/0 per key, or None when the store could not answer (offline when no key could)."""
-        r = list(self.store.batch_is_exist(keys))
+        r = list(self._call(self.store.batch_is_exist, keys))
         if len(r) == len(keys) and all(x >= 0 for x in r):
             return r
         if all(x < 0 for x in r):
@@ -628,7 +659,8 @@ class MooncakeL3:
                 ptrs.append([base + j * F.HEADER_BYTES] + p)
                 sizes.append([F.HEADER_BYTES] + s)
             t0 = time.perf_counter()
-            res = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes, False)
+            res = self._call(self.store.batch_get_into_multi_buffers, keys, ptrs, sizes,
+                             False)
             self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "get")
             for j, rc in enumerate(res):
                 why = self._verify(fmt, rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
@@ -673,7 +705,7 @@ class MooncakeL3:
             if rc in OFFLINE_CODES:
                 return "offline"
             # an object of the wrong size fails the read too: ask for its size to tell
-            size = self.store.get_size(key)
+            size = self._call(self.store.get_size, key)
             if size < 0 or size == fmt.obj_bytes:
                 return "transfer"
             return self._corrupt(key)
@@ -685,7 +717,7 @@ class MooncakeL3:
     def _corrupt(self, key: str) -> str:
         """A corrupt object under ``key`` goes: puts skip keys that exist, so it would block
         that page for good (until Mooncake evicted it)."""
-        rc = self.store.remove(key, True)  # force: our own read holds a lease on it
+        rc = self._call(self.store.remove, key, True)  # force: our own read holds a lease on it
         if rc < 0 and rc not in MISS_CODES:
             self._failed(rc, "remove")
         return "corrupt"
@@ -694,7 +726,7 @@ class MooncakeL3:
         """Remove every object whose key matches one of the regexes ``keys`` (``written``:
         how many went; ``misses["error"]``: the regexes whose call failed)."""
         for regex in job.keys:
-            rc = self.store.remove_by_regex(regex, True)
+            rc = self._call(self.store.remove_by_regex, regex, True)
             if rc < 0:
                 job.misses["error"] = job.misses.get("error", 0) + 1
                 self._failed(rc, "remove_by_regex")
@@ -713,13 +745,13 @@ class MooncakeL3:
         message says how large), else as the call failed. Meta thread only (one registered
         buffer)."""
         buf = self._small
-        rc = self.store.get_into(key, buf.ctypes.data, SMALL_BYTES)
+        rc = self._call(self.store.get_into, key, buf.ctypes.data, SMALL_BYTES)
         if rc >= 0:
             return bytes(buf[:rc])
         if rc in MISS_CODES:
             return None
         if rc not in OFFLINE_CODES:  # an object too big for the buffer fails the read too
-            size = self.store.get_size(key)
+            size = self._call(self.store.get_size, key)
             if size > SMALL_BYTES:
                 raise L3CallFailed("corrupt", f"holds {size} bytes, more than the "
                                               f"{SMALL_BYTES} of a small object")
@@ -733,7 +765,7 @@ class MooncakeL3:
 
         cfg = ReplicateConfig()
         cfg.with_hard_pin = True
-        rc = (self.store.upsert if replace else self.store.put)(key, value, cfg)
+        rc = self._call(self.store.upsert if replace else self.store.put, key, value, cfg)
         if rc != 0 and not (rc == EXISTS and not replace):
             raise self._call_failed(rc, "upsert" if replace else "put", key)
 
@@ -761,7 +793,7 @@ class MooncakeL3:
                 ptrs.append([base + k * F.HEADER_BYTES] + p)
                 sizes.append([F.HEADER_BYTES] + s)
             t0 = time.perf_counter()
-            res = self.store.batch_put_from_multi_buffers(wkeys, ptrs, sizes)
+            res = self._call(self.store.batch_put_from_multi_buffers, wkeys, ptrs, sizes)
             self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "put")
             for rc in res:
                 if rc == 0:

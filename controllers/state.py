@@ -327,20 +327,27 @@ class DaemonState:
                               op.path or "none")
 
     def fail_pending(self, why: str) -> None:
-        """Shutdown: every op still in flight is finished as failed, and every client's L3 job
-        not acked yet is acked with nothing found, read or written (``misses: {stopping: n}``;
-        its call may still run: the caller leaves the arena mapped). Acks to ``outbox``."""
+        """Shutdown: every op still in flight is finished as failed, and every L3 job not acked
+        yet is answered (its call may still run: the caller leaves the arena mapped): a
+        client's with nothing found, read or written (``misses: {stopping: n}``), a key-store
+        job that someone waits for through its ``expire`` hook, cancelled ``stopping`` (a
+        ``kv_clear`` gets its error ack). Acks to ``outbox``."""
         for op, _ in list(self.ops.values()):
             op.ok, op.error = False, why
             op.t_end = time.perf_counter()
             self._finish(op)
         now = time.monotonic()
-        for op_id, job in self.l3_ops.items():
+        for op_id, job in list(self.l3_ops.items()):
             tag = _client_tag(job)
-            if tag is not None and not job.acked:
-                job.acked = True
+            if job.acked or (tag is None and job.tag.expire is None):
+                continue
+            job.acked = True
+            queued = self.l3.cancel(job, "stopping")
+            if tag is not None:
                 self.outbox.append((tag[1], _l3_ack(op_id, job, now,
                                                     job.unanswered_result("stopping"))))
+            else:
+                job.tag.expire(job, now, queued)
 
     def collect(self) -> int:
         """Queue the "issued" notices of GPU loads issued further (a launch group's worth, with
@@ -632,9 +639,9 @@ class DaemonState:
         (``l3_hung``): they would hold a stop up to Mooncake's RPC timeout (~30 s)."""
         deadline = time.monotonic() + timeout
         while not self.idle() and time.monotonic() < deadline:
-            if self.l3_hung():
-                return False
-            if not self.collect():
+            if not self.collect():  # (what finished is taken first: acked with its results)
+                if self.l3_hung():
+                    return False
                 time.sleep(0.001)
         return self.idle()
 

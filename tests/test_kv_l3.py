@@ -318,3 +318,39 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
         assert c.kv_get("c4_kv", ["k0", "k1"], [2, 3], l3_wait=10) == [True, True]
         assert all(torch.equal(t[[2, 3]], w) for t, w in zip(ep.layers, want))
         ep.close()
+
+
+def test_a_kv_clear_waiting_on_a_hung_master_is_answered_when_the_daemon_stops(
+        l3_daemon: Any, store: Any) -> None:
+    """A stop while the master hangs no longer waits out Mooncake's RPC timeout (the tier found
+    the master hung: offline); every job still waiting is answered. A ``kv_clear`` in flight
+    (a key-store job, acked through its ``expire`` hook) got no ack at all in the first version
+    of that stop: its engine waited out its own timeout (the forty-third session's review).
+    Now its ack says the daemon stopped and nothing was cleared here."""
+    d = l3_daemon()
+    with d.client(name="k", timeout=30) as c:
+        wait_online(c)
+        c4 = layout_of(c).pools["c4_kv"]
+        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=3)
+        ep.attach(c, "c4_kv", "c4_kv", ns="clr")
+        assert c.kv_clear("clr") == 0  # the namespace has an epoch (the master answers)
+        os.kill(store.master.pid, signal.SIGSTOP)
+        try:
+            h, _ = c.call("kv_clear", {"namespace": "clr", "deadline_ms": 30000})
+            t0 = time.monotonic()
+            while c.stats()["l3"]["online"] and time.monotonic() - t0 < 20:
+                time.sleep(0.1)
+            assert not c.stats()["l3"]["online"]
+            t1 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            ack = c.wait_ack(int(h["op"]), timeout=10, check=False)
+            took = time.monotonic() - t1
+            code = d.stop(timeout=60)
+        finally:
+            os.kill(store.master.pid, signal.SIGCONT)
+        ep.close()
+    assert not ack.ok and ack.error["code"] == "l3_failed", ack
+    assert ack.error["message"].startswith("kv_clear: the daemon stopped while the L3 master "
+                                           "did not answer; nothing was cleared here"), ack.error
+    assert took < 3, took
+    assert d.clean_exit(code), (code, d.output()[-2000:])

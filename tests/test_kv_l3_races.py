@@ -26,6 +26,7 @@ found by a review helper; each test fails on the code before.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hicache.controllers.kv_l3 import QUERIES_MAX, object_key
@@ -252,3 +253,51 @@ def test_removals_still_share_a_job_when_no_put_under_their_epoch_followed_it(ds
     l3.run_all()
     pump(st)
     assert st.kv_store.l3.gc_waiting == 0 and st.kv_store.l3.pinned == 0 and not st.l3_ops
+
+
+def test_a_fetch_queued_behind_a_hung_call_gives_its_row_back_at_its_deadline(
+        dstate: Any) -> None:
+    """A key-store fetch queued behind a read call that hangs (a storage node that accepts and
+    never answers: the master answers, so the tier stays online) gives its store row back at
+    its deadline, and its key is a miss; the hung call's own row stays taken until the call
+    returns, and nothing it read late becomes an entry. (The real-master test of this,
+    ``test_kv_l3.py``, now finds the master itself hung and takes the tier offline first.)"""
+    from hicache.controllers.kv_l3 import READ_DEADLINE
+
+    st = dstate
+    l3 = with_l3(st, recheck=600.0)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([1, 2]))
+    assert r["stored"] == [1, 1]
+    for _ in range(2):  # the namespace's epoch, then the write-through
+        l3.run_all()
+        pump(st)
+    epoch = st.kv_store.l3.epochs.current(ep.ns)
+    assert {object_key(st.kv_store.l3.prefix, ep.ns, epoch, "c4_kv", k)
+            for k in ("k0", "k1")} <= l3.store
+    st.kv_store.drop(ep.ns)  # the host entries go (as after a restart); L3 keeps the pages
+    alloc = st.group.allocators["page"]
+    used = alloc.used_rows
+    for k, dev in (("k0", 3), ("k1", 4)):  # known present (written): fetched at once
+        r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": [k], "pages": 0}, ids([dev]))
+        assert r["pending"] == [0], r
+    hung, queued = [j for j in l3.queued if j.kind == "prefetch"]
+    assert alloc.used_rows == used + 2
+    hung.started = True  # a worker took it; its call never returns (until the end)
+    st.expire_l3(time.monotonic() + READ_DEADLINE + 1)
+    assert hung.acked and queued.acked and queued.cancelled == "deadline"
+    assert alloc.used_rows == used + 1  # the queued fetch's row is back; the hung call's is not
+    r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([3, 4]))
+    assert r["found"] == [0, 0] and not r["pending"]  # misses now, nothing asked again
+    assert [j for j in l3.queued if j.kind == "prefetch"] == [hung, queued]
+    l3.queued.remove(hung)
+    hung.started = False
+    l3.queued.insert(0, hung)
+    l3.run_all()  # the hung call returns (it read k0), then the dropped one runs unrun
+    pump(st)
+    assert queued.misses == {"deadline": 1}
+    assert alloc.used_rows == used and not st.l3_ops  # the late call's row freed once
+    assert not [k for k in st.kv_store.entries[ep.space] if k[0] == ep.ns]  # no entry made

@@ -1,8 +1,10 @@
 """L3 pieces that need no store: settings validation, namespaces, object headers, page keys,
-and where a page's bytes lie in a real host arena (with its checksum)."""
+and where a page's bytes lie in a real host arena (with its checksum); and the tier's
+connector and workers (online state, the hung-master check) over a stand-in store."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -370,3 +372,78 @@ def test_a_tier_refused_for_good_at_its_first_connect_counts_a_transition():
         assert _until(lambda: l3.state.startswith("failed")), l3.state
         assert not l3.online and m.value("l3_online") == 0
         assert m.value("l3_transitions", "offline") == 1
+
+
+def test_a_slow_master_is_not_taken_for_a_hung_one():
+    """The hung-master check first timed a whole job and ignored calls that ended while its
+    probe waited: a master answering every call in 2.1 s took the tier offline and back four
+    times in 11 s, each transition counted and the puts of each window dropped (the
+    forty-third session's review). Now it times each call, and a call that ends while the probe
+    waits speaks for the master."""
+    from hicache.controllers.l3_store import L3Job
+
+    class Slow(_StandInStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            time.sleep(2.1)
+            return [0] * len(keys)
+
+    with _tier(Slow) as (l3, m):
+        assert _until(lambda: l3.online), l3.state
+        jobs = [L3Job("query", [f"k{i}"]) for i in range(5)]
+        for j in jobs:
+            l3.submit(j)
+        assert _until(lambda: len(l3.completed) == len(jobs), 30)
+        assert m.value("l3_transitions", "offline") == 0 and l3.online
+        assert all(j.misses == {} for j in jobs)
+
+
+def test_a_hung_master_is_found_and_a_job_of_short_calls_is_not_hung():
+    """A call that does not return takes the tier offline once a probe of the master is not
+    answered either (``hung()`` then holds, and jobs submitted meanwhile are answered at once,
+    ``offline``); when the master answers again the tier comes back. A job of many short calls,
+    however long, is not a hung call when the tier goes offline for another reason."""
+    from hicache.controllers.l3_store import HUNG_CALL_S, PROBE_WAIT_S, L3Job
+
+    gate = threading.Event()
+
+    class Hangs(_StandInStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            gate.wait(30)
+            return [0] * len(keys)
+
+    with _tier(Hangs) as (l3, m):
+        gate.set()
+        assert _until(lambda: l3.online), l3.state
+        gate.clear()
+        t0 = time.monotonic()
+        stuck = L3Job("query", ["a"])
+        l3.submit(stuck)
+        assert _until(lambda: not l3.online, 15)
+        took = time.monotonic() - t0
+        assert HUNG_CALL_S + PROBE_WAIT_S - 0.1 < took < HUNG_CALL_S + PROBE_WAIT_S + 2.5, took
+        assert "answered no probe" in l3.why and l3.hung()
+        late = L3Job("query", ["b", "c"], each=True)
+        l3.submit(late)  # answered now, not behind the stuck call
+        assert late in l3.completed and late.misses == {"offline": 2} and late.present == [0, 0]
+        gate.set()
+        assert _until(lambda: l3.online, 10) and not l3.hung()
+        assert _until(lambda: stuck in l3.completed)
+        assert m.value("l3_transitions", "offline") == 1
+
+    with _tier(_StandInStore) as (l3, m):
+        assert _until(lambda: l3.online), l3.state
+        began = threading.Event()
+
+        def many(tier: Any) -> int:
+            began.set()
+            for _ in range(60):
+                tier._call(time.sleep, 0.05)
+            return 1
+
+        job = L3Job("meta", [], call=many)
+        l3.submit(job)
+        assert began.wait(5)
+        time.sleep(HUNG_CALL_S + 0.2)
+        l3._set_online(False, "a call reported the master gone")  # (another worker's call)
+        assert not l3.hung() and l3.call_age(time.monotonic()) < 1
+        assert _until(lambda: job in l3.completed, 10) and job.value == 1
