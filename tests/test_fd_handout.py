@@ -224,6 +224,36 @@ def test_silent_connections_hold_no_other_back_and_are_closed_after_the_token_wa
     mm.close()
 
 
+def test_descriptors_sent_ahead_of_the_whole_token_are_closed_at_once(handout) -> None:
+    """A peer that sent descriptors with each byte of a token it never finished had up to 64
+    held per read, ~450 per connection, for the whole token wait (1,796 for 4 connections in
+    the forty-third session's review; libzmq aborts the daemon when it runs out of
+    descriptors). ``send_fds`` sends them with the whole token, in one message: a connection
+    that sends them ahead of it is refused at once, its descriptors closed."""
+    r, w = os.pipe()
+    base = len(os.listdir("/proc/self/fd"))
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect(F._address(handout.path))
+    socket.send_fds(c, [b"\1"], [r] * 64)  # 1 of the token's 8 bytes, 64 descriptors
+    c.settimeout(3.0)
+    got = c.recv(300)
+    assert got.startswith(b"\0descriptors came before the whole token"), got
+    assert c.recv(1) == b""  # then closed
+    c.close()
+    deadline = time.monotonic() + 2
+    while len(os.listdir("/proc/self/fd")) > base and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == base  # the 64 are closed, and the socket
+    fd, mm = _memfd()  # the hand-out serves on
+    handout.offer(fd, 7)
+    g = F.fetch_fd(handout.path, 7, "test memory")
+    os.close(g)
+    os.close(fd)
+    mm.close()
+    os.close(r)
+    os.close(w)
+
+
 def test_past_the_bound_the_oldest_silent_connection_makes_room(handout, monkeypatch) -> None:
     monkeypatch.setattr(F, "MAX_CONNECTIONS", 3)
     fd, mm = _memfd()

@@ -49,7 +49,8 @@ Contract:
   descriptors attached to those bytes); the daemon answers one byte, ``1`` (with the offered
   descriptor attached; for an intake, none: they were taken in), or ``0`` followed by the
   reason (UTF-8, at most 200 bytes) and no descriptor, then closes. Descriptors sent where
-  none are expected, or a count other than the one expected, are closed and refused. The
+  none are expected, a count other than the one expected, or descriptors that come ahead of
+  the token's last byte (in a read that leaves it incomplete) are closed and refused. The
   thread serves connections side by side (one ``selectors`` loop, the whole backlog taken
   each turn): a connection that sends no token is closed after ``TOKEN_WAIT_S`` and holds no
   other back; past ``MAX_CONNECTIONS`` open at once, the oldest silent one is closed (told
@@ -266,6 +267,11 @@ class FdHandout:
         w[1] += part
         w[2] += fds
         if part and len(w[1]) < _TOKEN.size:
+            if fds:  # ``send_fds`` sends them with the whole token, in one message: a peer
+                # that sends them ahead of it could hold hundreds per connection meanwhile
+                _refuse(conn, "descriptors came before the whole token; send them with it, "
+                              "in one message")
+                self._drop(sel, waiting, conn, closed=True)
             return
         if part:  # a whole token: answered, then closed
             try:
