@@ -21,7 +21,8 @@ from hicache.core.layout import Layout
 from hicache.engine import l3_master
 
 from test_kv_store import EnginePool
-from test_l3_mooncake import l3_daemon, metric, raw_gets, raw_puts, store, wait_online  # noqa: F401
+from test_l3_mooncake import (SPACES, l3_daemon, metric, raw_gets, raw_puts,  # noqa: F401
+                              stop_taking_acks, store, wait_offline, wait_online, worker)
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -293,9 +294,7 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
             # meanwhile the tier found the master hung (its probe went unanswered: offline),
             # so later reads are misses at once, neither queued behind the call nor waiting
             # out their deadline
-            t0 = time.monotonic()
-            while c.stats()["l3"]["online"] and time.monotonic() - t0 < 10:
-                time.sleep(0.05)
+            wait_offline(c, 10)
             assert "answered no probe" in c.stats()["l3"]["why"]
             t0 = time.monotonic()
             assert c.kv_get("c4_kv", ["k1"], [3], l3_wait=15) == [False]
@@ -320,37 +319,41 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
         ep.close()
 
 
-def test_a_kv_clear_waiting_on_a_hung_master_is_answered_when_the_daemon_stops(
-        l3_daemon: Any, store: Any) -> None:
-    """A stop while the master hangs no longer waits out Mooncake's RPC timeout (the tier found
-    the master hung: offline); every job still waiting is answered. A ``kv_clear`` in flight
-    (a key-store job, acked through its ``expire`` hook) got no ack at all in the first version
-    of that stop: its engine waited out its own timeout (the forty-third session's review).
-    Now its ack says the daemon stopped and nothing was cleared here."""
+def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon: Any, worker: Any,
+                                               store: Any) -> None:
+    """A stop while the master hung waited for the L3 call stuck in Mooncake until its RPC
+    timeout, then for Mooncake's teardown: ~40 s. Now, once the tier found the master hung,
+    the stop answers every job still waiting and leaves the store client and the host arena to
+    the process's exit: it exits cleanly in seconds. A put's ack says nothing was written
+    (``misses: {stopping: 1}``); a ``kv_clear`` (a key-store job, acked through its ``expire``
+    hook) says the daemon stopped and nothing was cleared here: the first version of this
+    stop sent it no ack at all, and its engine waited out its own timeout (the forty-third
+    session's review)."""
     d = l3_daemon()
-    with d.client(name="k", timeout=30) as c:
-        wait_online(c)
-        c4 = layout_of(c).pools["c4_kv"]
-        ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=3)
-        ep.attach(c, "c4_kv", "c4_kv", ns="clr")
-        assert c.kv_clear("clr") == 0  # the namespace has an epoch (the master answers)
-        os.kill(store.master.pid, signal.SIGSTOP)
-        try:
-            h, _ = c.call("kv_clear", {"namespace": "clr", "deadline_ms": 30000})
-            t0 = time.monotonic()
-            while c.stats()["l3"]["online"] and time.monotonic() - t0 < 20:
-                time.sleep(0.1)
-            assert not c.stats()["l3"]["online"]
-            t1 = time.monotonic()
-            d.proc.send_signal(signal.SIGTERM)
-            ack = c.wait_ack(int(h["op"]), timeout=10, check=False)
-            took = time.monotonic() - t1
-            code = d.stop(timeout=60)
-        finally:
-            os.kill(store.master.pid, signal.SIGCONT)
-        ep.close()
-    assert not ack.ok and ack.error["code"] == "l3_failed", ack
-    assert ack.error["message"].startswith("kv_clear: the daemon stopped while the L3 master "
-                                           "did not answer; nothing was cleared here"), ack.error
-    assert took < 3, took
-    assert d.clean_exit(code), (code, d.output()[-2000:])
+    w = worker(d, 15)
+    c = w.c
+    host = c.alloc({s: 1 for s in SPACES})
+    c.wait_ack(c.backup({s: ([0], host[s]) for s in SPACES}))
+    c4 = layout_of(c).pools["c4_kv"]
+    ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=3)
+    ep.attach(c, "c4_kv", "c4_kv", ns="clr")
+    assert c.kv_clear("clr") == 0  # the namespace has an epoch (the master answers)
+    os.kill(store.master.pid, signal.SIGSTOP)
+    try:
+        put = c.l3_put(["hs-0"], host)  # its call hangs (no deadline: only its call ends it)
+        h, _ = c.call("kv_clear", {"namespace": "clr", "deadline_ms": 30000})
+        wait_offline(c)
+        (ack, clear), code, took = stop_taking_acks(d, c, [put, int(h["op"])])
+        out = d.output()
+    finally:
+        os.kill(store.master.pid, signal.SIGCONT)
+    ep.close()
+    print(f"stopped in {took:.2f} s with the master hung")
+    assert d.clean_exit(code), (code, out[-2000:])
+    assert took < 5, took
+    assert "not waiting for Mooncake's RPC timeout" in out, out[-2000:]
+    assert ack.l3 == {"written": 0, "skipped": 0, "misses": {"stopping": 1}}, ack.l3
+    assert not clear.ok and clear.error["code"] == "l3_failed", clear
+    assert clear.error["message"].startswith("kv_clear: the daemon stopped while the L3 "
+                                             "master did not answer; nothing was cleared "
+                                             "here"), clear.error

@@ -389,7 +389,7 @@ def test_a_slow_master_is_not_taken_for_a_hung_one():
 
     with _tier(Slow) as (l3, m):
         assert _until(lambda: l3.online), l3.state
-        jobs = [L3Job("query", [f"k{i}"]) for i in range(5)]
+        jobs = [L3Job("query", [f"k{i}"]) for i in range(3)]  # two checks' worth
         for j in jobs:
             l3.submit(j)
         assert _until(lambda: len(l3.completed) == len(jobs), 30)
