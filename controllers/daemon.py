@@ -415,6 +415,7 @@ class Daemon:
                           timeout)
             self._leak_arena = True  # a copy may still touch it: never unmap under it
             st.releaser.abandoned = True  # nor a client's sparse region
+            st.collect()  # (what finished meanwhile keeps its results)
             st.fail_pending("daemon shutting down")
         st.collect()
         if self.server is not None:

@@ -507,10 +507,11 @@ class KvL3:
         returned (``kv: {dropped}``) or failed, or at the deadline with an error."""
 
         def done(job: L3Job, dropped: int | None) -> None:
-            if job.acked:  # answered at its deadline: a late success still took effect
+            if job.acked:  # answered at its deadline (or a stop): a late success took effect
                 if dropped is not None:
-                    log.warning("kv_clear of a namespace took effect %.1f s after its deadline "
-                                "answered it failed", time.monotonic() - job.deadline)
+                    log.warning("kv_clear of a namespace took effect %s answered it failed",
+                                "after the daemon's stop" if job.cancelled == "stopping" else
+                                f"{time.monotonic() - job.deadline:.1f} s after its deadline")
                 return
             ok = dropped is not None
             self.st.outbox.append((c, l3_ack(

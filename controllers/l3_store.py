@@ -262,7 +262,8 @@ class MooncakeL3:
         self._small = np.zeros(SMALL_BYTES, dtype=np.uint8)  # get_small's (meta thread only)
         self._running = 0  # jobs a worker has taken and not finished (the liveness check waits)
         self._last_call = 0.0  # when the last one finished
-        self._calls: dict[int, float] = {}  # worker thread -> when its current call began
+        self._timed: set[int] = set()  # worker threads whose job makes Mooncake calls
+        self._calls: dict[int, float] = {}  # ... -> when the call it is in began (``_call``)
         self._asking: _Ask | None = None  # the probe ``_ask`` started and has not seen end
         self._next_check = 0.0  # the connector's next liveness check (``_check_alive``)
         self._queues: dict[str, queue.Queue[L3Job | None]] = {
@@ -392,7 +393,7 @@ class MooncakeL3:
         ``HUNG_CALL_S``, that the master answers a probe within ``PROBE_WAIT_S`` or that call
         ends meanwhile (a slow master is not a hung one). A refused connect, a failed probe, or
         no answer from either takes the tier offline."""
-        if now < self._next_check:
+        if now < self._next_check or self._stop.is_set():  # (closing: nothing to tell)
             return
         if self._idle(now):
             self._next_check = now + LIVENESS_S
@@ -406,7 +407,7 @@ class MooncakeL3:
             return
         self._next_check = now + LIVENESS_S
         ok = self._ask(PROBE_WAIT_S)
-        if ok is True:
+        if ok is True or self._stop.is_set():
             return
         with self._lock:  # no answer: did that call end meanwhile (the master answered it)?
             stuck = began in self._calls.values()
@@ -417,7 +418,8 @@ class MooncakeL3:
                                 f"s (hung?)" if ok is None else "a probe of the master failed")
 
     def call_age(self, now: float) -> float:
-        """Seconds the oldest running Mooncake call of a job has run (0: none runs)."""
+        """Seconds the oldest Mooncake call of a job now running has run (0: none runs; a
+        job between two calls is not in one)."""
         with self._lock:
             return now - min(self._calls.values()) if self._calls else 0.0
 
@@ -437,9 +439,13 @@ class MooncakeL3:
     def _ask(self, wait: float) -> bool | None:
         """Whether the master answers a probe (``batch_is_exist``): True or False, or None when
         it has not answered within ``wait`` s. The probe runs on a thread of its own; while it
-        has not returned no other starts (a later ask waits on the same one)."""
+        has not returned no other starts (a later ask waits on the same one: its answer, when it
+        comes, is the master's now); one that answered after an earlier ask gave up is stale
+        and dropped, and a new one starts."""
         with self._lock:
             ask = self._asking
+            if ask is not None and ask.done.is_set():  # answered after its asker gave up
+                ask = self._asking = None
             if ask is None:
                 if self._stop.is_set():  # closing: ``close`` has looked for probes already
                     return None
@@ -537,15 +543,16 @@ class MooncakeL3:
                 job.started = True
                 self._running += 1
             why = "stopping" if self._draining.is_set() else job.cancelled
-            called = not why and self.online
+            online = self.online  # (read once: the job runs its calls, timed, or none)
+            called = not why and online
             me = threading.get_ident()
-            if called:  # (``_call`` stamps each of the job's calls anew)
+            if called:  # (``_call`` times each of the job's calls)
                 with self._lock:
-                    self._calls[me] = time.monotonic()
+                    self._timed.add(me)
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
                     _unrun(job, why)
-                elif not self.online:
+                elif not online:
                     _unrun(job, "offline")
                 elif job.kind == "query":
                     self._query(job)
@@ -571,19 +578,25 @@ class MooncakeL3:
                 self._running -= 1
                 if called:  # a Mooncake call ran: it spoke for the master
                     self._last_call = job.t_end
-                    del self._calls[me]
+                    self._timed.discard(me)
                 if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
             self._complete(job)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One Mooncake call of a worker's job, its start stamped (``call_age``)."""
+        """One Mooncake call of a worker's job, timed while it runs (``call_age``)."""
         me = threading.get_ident()
         with self._lock:
-            if me in self._calls:
+            timed = me in self._timed
+            if timed:
                 self._calls[me] = time.monotonic()
-        return fn(*args)
+        try:
+            return fn(*args)
+        finally:
+            if timed:
+                with self._lock:
+                    del self._calls[me]
 
     def _complete(self, job: L3Job) -> None:
         """A finished job: counted, handed to the server thread, which is woken."""

@@ -301,3 +301,24 @@ def test_a_fetch_queued_behind_a_hung_call_gives_its_row_back_at_its_deadline(
     assert queued.misses == {"deadline": 1}
     assert alloc.used_rows == used and not st.l3_ops  # the late call's row freed once
     assert not [k for k in st.kv_store.entries[ep.space] if k[0] == ep.ns]  # no entry made
+
+
+def test_a_stop_that_finds_the_master_hung_first_takes_what_finished(dstate: Any) -> None:
+    """A stop that found only L3 jobs left, waiting on a hung master, gave up before taking
+    the jobs that had finished meanwhile: they were then answered as stopped and their
+    results dropped (a write-through put's rows stayed pinned). It now collects first."""
+    st = dstate
+    l3 = with_l3(st, recheck=600.0)
+    c = client(st)
+    engine_pool(st, c, "c4_kv", "c4_kv")
+    call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["zz"]})
+    l3.run_all()  # the namespace's epoch, and the query
+    pump(st)
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["a"], "pages": 0}, ids([3]))
+    assert r["stored"] == [1] and st.kv_store.l3.pinned == 1
+    call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["stuck"]})  # its call hangs
+    l3.run(next(j for j in l3.queued if j.kind == "put"))  # finished, not yet collected
+    l3.hung = lambda: True  # the tier found the master hung
+    assert not st.wait_idle(5)  # the stuck query is left
+    assert st.kv_store.l3.pinned == 0  # the put was taken: its rows are no longer pinned
+    assert [j.kind for j in st.l3_ops.values()] == ["query"]

@@ -397,6 +397,32 @@ def test_a_slow_master_is_not_taken_for_a_hung_one():
         assert all(j.misses == {} for j in jobs)
 
 
+def test_a_job_between_two_calls_is_not_in_a_hung_call():
+    """A call's start stayed recorded after it returned, until the job's next call: a probe
+    whose wait ended while the job worked between two calls (verifying what it read) found
+    the old call "stuck", and the tier went offline and straight back, with a master that
+    answered every call (the forty-third session's second review)."""
+    from hicache.controllers.l3_store import L3Job
+
+    class Slow(_StandInStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:  # the probe's call
+            time.sleep(3.9)
+            return [0] * len(keys)
+
+    def two_calls(tier: Any) -> int:
+        tier._call(time.sleep, 3.9)  # answered, slowly; the probe's wait ends at ~4.0 s
+        time.sleep(0.3)  # the job's own work between its calls
+        tier._call(time.sleep, 0.05)
+        return 2
+
+    with _tier(Slow) as (l3, m):
+        assert _until(lambda: l3.online, 10), l3.state
+        job = L3Job("meta", [], call=two_calls)
+        l3.submit(job)
+        assert _until(lambda: job in l3.completed, 10) and job.value == 2
+        assert l3.online and m.value("l3_transitions", "offline") == 0
+
+
 def test_a_hung_master_is_found_and_a_job_of_short_calls_is_not_hung():
     """A call that does not return takes the tier offline once a probe of the master is not
     answered either (``hung()`` then holds, and jobs submitted meanwhile are answered at once,
@@ -447,3 +473,31 @@ def test_a_hung_master_is_found_and_a_job_of_short_calls_is_not_hung():
         l3._set_online(False, "a call reported the master gone")  # (another worker's call)
         assert not l3.hung() and l3.call_age(time.monotonic()) < 1
         assert _until(lambda: job in l3.completed, 10) and job.value == 1
+
+
+def test_a_probe_left_unanswered_counts_as_hung_and_none_starts_once_closing():
+    """With the tier offline and its probe unanswered for ``PROBE_WAIT_S`` (the stuck job's
+    call had returned, the master still hung), ``hung()`` said no: a stop then waited its whole
+    close budget and logged an error. And a probe could start after ``close`` had looked for
+    probes to wait on, so the store could be closed under it."""
+    from hicache.controllers.l3_store import PROBE_WAIT_S
+
+    gate = threading.Event()
+
+    class Hangs(_StandInStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            gate.wait(30)
+            return [0] * len(keys)
+
+    with _tier(Hangs) as (l3, _):
+        gate.set()
+        assert _until(lambda: l3.online), l3.state
+        gate.clear()
+        l3._set_online(False, "a call found the master gone")  # its offline probe now hangs
+        assert _until(lambda: l3._asking is not None, 5)
+        t0 = l3._asking.t0
+        assert _until(l3.hung, PROBE_WAIT_S + 3) and time.monotonic() - t0 >= PROBE_WAIT_S
+        gate.set()
+        assert _until(lambda: l3.online, 10) and not l3.hung()
+        l3._stop.set()  # closing
+        assert l3._ask(0.1) is None and (l3._asking is None or l3._asking.done.is_set())
