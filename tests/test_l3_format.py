@@ -311,6 +311,26 @@ def _tier(store_class: type) -> Iterator[tuple[Any, Any]]:
         metrics.close()
 
 
+@contextlib.contextmanager
+def _hanging_tier() -> Iterator[tuple[Any, Any, threading.Event]]:
+    """``_tier`` over a store whose ``batch_is_exist`` waits for ``gate``: online, then the
+    gate closed (the master hangs until the test opens it): (tier, its metrics, gate)."""
+    gate = threading.Event()
+
+    class Hangs(_StandInStore):
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            gate.wait(30)
+            return [0] * len(keys)
+
+    with _tier(Hangs) as (l3, m):
+        assert _until(lambda: l3.online), l3.state
+        gate.clear()
+        try:
+            yield l3, m, gate
+        finally:
+            gate.set()
+
+
 def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
@@ -430,17 +450,7 @@ def test_a_hung_master_is_found_and_a_job_of_short_calls_is_not_hung():
     however long, is not a hung call when the tier goes offline for another reason."""
     from hicache.controllers.l3_store import HUNG_CALL_S, PROBE_WAIT_S, L3Job
 
-    gate = threading.Event()
-
-    class Hangs(_StandInStore):
-        def batch_is_exist(self, keys: list[str]) -> list[int]:
-            gate.wait(30)
-            return [0] * len(keys)
-
-    with _tier(Hangs) as (l3, m):
-        gate.set()
-        assert _until(lambda: l3.online), l3.state
-        gate.clear()
+    with _hanging_tier() as (l3, m, gate):
         t0 = time.monotonic()
         stuck = L3Job("query", ["a"])
         l3.submit(stuck)
@@ -482,17 +492,7 @@ def test_a_probe_left_unanswered_counts_as_hung_and_none_starts_once_closing():
     probes to wait on, so the store could be closed under it."""
     from hicache.controllers.l3_store import PROBE_WAIT_S
 
-    gate = threading.Event()
-
-    class Hangs(_StandInStore):
-        def batch_is_exist(self, keys: list[str]) -> list[int]:
-            gate.wait(30)
-            return [0] * len(keys)
-
-    with _tier(Hangs) as (l3, _):
-        gate.set()
-        assert _until(lambda: l3.online), l3.state
-        gate.clear()
+    with _hanging_tier() as (l3, _, gate):
         l3._set_online(False, "a call found the master gone")  # its offline probe now hangs
         assert _until(lambda: l3._asking is not None, 5)
         t0 = l3._asking.t0
