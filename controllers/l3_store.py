@@ -30,10 +30,9 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   meanwhile), so a master that hangs (accepts, never answers: its calls would wait out
   Mooncake's RPC timeout, ~30 s) takes it offline within ~4-6 s (``hung()`` then says a call
   or a probe waits on it). Probes run on a thread of their own (``_ask``), one at a time: a hung
-  master holds the connector (and a stop) at most ``PROBE_WAIT_S``.
-  A job whose call raises anything is
-  counted ``misses["error"]`` and acked, and its worker goes on with the next; a connect or
-  probe that raises anything is a failed attempt, retried.
+  master holds the connector (and a stop) at most ``PROBE_WAIT_S``. A job whose call raises
+  anything is counted ``misses["error"]`` and acked, and its worker goes on with the next; a
+  connect or probe that raises anything is a failed attempt, retried.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
   ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object

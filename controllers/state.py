@@ -338,16 +338,8 @@ class DaemonState:
             self._finish(op)
         now = time.monotonic()
         for op_id, job in list(self.l3_ops.items()):
-            tag = _client_tag(job)
-            if job.acked or (tag is None and job.tag.expire is None):
-                continue
-            job.acked = True
-            queued = self.l3.cancel(job, "stopping")
-            if tag is not None:
-                self.outbox.append((tag[1], _l3_ack(op_id, job, now,
-                                                    job.unanswered_result("stopping"))))
-            else:
-                job.tag.expire(job, now, queued)
+            if not job.acked:
+                self._answer_early(op_id, job, now, "stopping")
 
     def collect(self) -> int:
         """Queue the "issued" notices of GPU loads issued further (a launch group's worth, with
@@ -428,16 +420,24 @@ class DaemonState:
         for op_id, job in self.l3_ops.items():
             if job.kind == "put" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
                 continue
-            tag = _client_tag(job)
-            if tag is None and job.tag.expire is None:  # a key-store job nobody waits for
-                continue
-            job.acked = True
-            self.metrics.inc("l3_deadline_misses", len(job.keys) or 1, job.kind)
-            queued = self.l3.cancel(job, "deadline")
-            if tag is not None:
-                self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.unanswered_result("deadline"))))
-            else:
-                job.tag.expire(job, now, queued)
+            if self._answer_early(op_id, job, now, "deadline"):
+                self.metrics.inc("l3_deadline_misses", len(job.keys) or 1, job.kind)
+
+    def _answer_early(self, op_id: int, job: Any, now: float, why: str) -> bool:
+        """Answer an L3 job whose store call may still run (``why``: ``deadline``, or
+        ``stopping`` at a stop): marked acked and cancelled; a client's acked with nothing
+        found, read or written (``misses: {why: n}``), a key-store job through its ``expire``
+        hook. False (nothing done) for a key-store job nobody waits for (no hook)."""
+        tag = _client_tag(job)
+        if tag is None and job.tag.expire is None:
+            return False
+        job.acked = True
+        queued = self.l3.cancel(job, why)
+        if tag is not None:
+            self.outbox.append((tag[1], _l3_ack(op_id, job, now, job.unanswered_result(why))))
+        else:
+            job.tag.expire(job, now, queued)
+        return True
 
     # ------------------------------------------------------------------ freeing
     def release_ready(self) -> None:
