@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import pytest
 
@@ -108,6 +109,52 @@ def test_a_piped_daemon_that_writes_a_lot_never_blocks():
         assert "hicache serve: stopped" in out and 1 << 16 < len(out.encode()) <= PIPE_KEEP
     finally:
         dp.close()
+
+
+def test_a_daemon_killed_mid_call_ends_the_wait_at_once(tmp_path):
+    """A call whose daemon was killed while it waited for the reply waited out its whole
+    timeout: each call in flight held the demo 30 s after its daemon died (its test took 35 s).
+    Now the wait checks every ``GONE_CHECK_S`` whether the daemon is gone: ``GoneMidCall``, a
+    ``DaemonGone`` (the daemon is not there) and a ``NoReply`` (what the command did is
+    unknown) at once."""
+    import signal
+    import threading
+    import time
+
+    from hicache.engine.acks import DaemonGone, GoneMidCall, NoReply
+    from hicache.engine.client import GONE_CHECK_S, Client
+    from hicache.engine.daemon_process import DaemonProcess
+
+    dp = DaemonProcess(device_rows="page=8,swa_page=4,req_slot=4", preset="dsv4-tiny",
+                       heartbeat_timeout=30.0).start()
+    c = Client(dp.address, timeout=20.0, name="mid", channel=False)
+    try:
+        assert c.heartbeat()["pid"] == dp.pid
+        os.kill(dp.pid, signal.SIGSTOP)  # the request is taken in, never answered
+        got: list[BaseException] = []
+        t = threading.Thread(target=lambda: got.append(_raised(c.stats)))
+        t0 = time.perf_counter()
+        t.start()
+        time.sleep(0.5)
+        os.kill(dp.pid, signal.SIGKILL)
+        t.join(20)
+        took = time.perf_counter() - t0
+        dp.proc.wait(10)
+    finally:
+        c.close()
+        dp.close()
+    (e,) = got
+    assert isinstance(e, GoneMidCall) and isinstance(e, DaemonGone) and isinstance(e, NoReply), e
+    assert "went while this call waited for its reply" in str(e) and "refuses" in e.why, e
+    assert took < 0.5 + 2 * GONE_CHECK_S + 1.0, took
+
+
+def _raised(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test looks at it
+        return e
+    return None
 
 
 def test_a_gone_daemon_is_named_at_once_not_after_the_timeout(tmp_path):

@@ -1,7 +1,7 @@
 """What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
-completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply`` and
-``DaemonGone``,
-``CommandRefused``, ``TransferFailed``, ``AckTimeout``). Plain data: no socket, no torch.
+completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply``,
+``DaemonGone`` and ``GoneMidCall`` (both of those), ``CommandRefused``, ``TransferFailed``,
+``AckTimeout``). Plain data: no socket, no torch.
 """
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ class DaemonGone(DaemonUnreachable):
     def __init__(self, message: str, why: str) -> None:
         super().__init__(message)
         self.why = why
+
+
+class GoneMidCall(DaemonGone, NoReply):
+    """The daemon went while a call waited for its reply: gone, as ``DaemonGone`` says, and the
+    command's outcome unknown, as ``NoReply`` says (it may have run, in part: a load may have
+    written some of its device rows)."""
 
 
 class CommandRefused(HicacheError):

@@ -4,7 +4,10 @@
 request and polls for its reply (acks pushed meanwhile are kept); registered with CUDA pools it
 busy-polls up to ``REPLY_SPIN_US_GPU`` before it sleeps in ``poll`` (``reply_spin_us``). A
 daemon that does not answer within the timeout raises ``DaemonUnreachable`` (never a hang;
-``NoReply`` when the request went out, so the daemon may have taken it); a
+``NoReply`` when the request went out, so the daemon may have taken it); one that answered
+this client before and is gone (an ``ipc://`` socket that refuses connections or is no more)
+raises ``DaemonGone`` at once, and ``GoneMidCall`` (both of those) within ``GONE_CHECK_S`` when
+it went while a call waited for its reply; a
 refused command raises ``CommandRefused`` with the daemon's error code and message. A timeout
 is a finite number of seconds above 0 (``wait_ack`` and ``wait_layer`` take 0 too: only look);
 anything else is a ``ValueError`` before a request goes out. A bad address or CURVE key file is
@@ -39,13 +42,17 @@ from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
-from .acks import (Ack, AckTimeout, CommandRefused, DaemonGone, DaemonUnreachable, NoReply, Op,
-                   TransferFailed)
+from .acks import (Ack, AckTimeout, CommandRefused, DaemonGone, DaemonUnreachable, GoneMidCall,
+                   NoReply, Op, TransferFailed)
 
 __all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonGone",
-           "DaemonUnreachable", "NoReply", "TransferFailed", "Items"]
+           "DaemonUnreachable", "GoneMidCall", "NoReply", "TransferFailed", "Items"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
+# while a call waits for its reply, whether its daemon is gone is asked this often (``ipc://``,
+# once a daemon answered): a daemon killed mid-call held the caller its whole timeout (30 s in
+# the demo, for every call in flight)
+GONE_CHECK_S = 0.5
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -367,15 +374,22 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def _reply_to(self, cmd: str, rid: int, deadline: float, now: float, timeout: float
                   ) -> tuple[dict[str, Any], list[Any]]:
         """Wait for the reply to request ``rid`` (keeping the pushes that come meanwhile, and
-        dropping a late reply to an earlier call, but for the acks it carries)."""
+        dropping a late reply to an earlier call, but for the acks it carries). Every
+        ``GONE_CHECK_S`` without it, a daemon that answered this client before and is gone now
+        (``gone_reason``) ends the wait: ``GoneMidCall``."""
         while True:
             left = deadline - now
-            got = self._recv(max(1, int(left * 1000))) if left > 0 else None
+            got = self._recv(max(1, int(min(left, GONE_CHECK_S) * 1000))) if left > 0 else None
             if got is None:
                 now = time.monotonic()
                 if now >= deadline:
                     raise NoReply(f"{cmd}: no reply from the hicache daemon at "
                                   f"{self.address} within {timeout:g} s")
+                why = gone_reason(self.address) if self.answered else None
+                if why is not None:
+                    raise GoneMidCall(f"{cmd}: the hicache daemon at {self.address} went while "
+                                      f"this call waited for its reply ({why}); whether it ran "
+                                      f"the command is unknown", why)
                 continue
             h, arr = got
             if h.get("id") != rid:  # a push (it has no id), or a late reply to a call that
