@@ -50,8 +50,8 @@ __all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonGone",
 
 _NOBLOCK = int(zmq.NOBLOCK)
 # while a call waits for its reply, whether its daemon is gone is asked this often (``ipc://``,
-# once a daemon answered): a daemon killed mid-call held the caller its whole timeout (30 s in
-# the demo, for every call in flight)
+# once a daemon answered, and only while ZMQ holds no live connection to it): a daemon killed
+# mid-call held the caller its whole timeout (30 s in the demo, for every call in flight)
 GONE_CHECK_S = 0.5
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
@@ -95,7 +95,11 @@ def gone_reason(address: str) -> str | None:
         return None
     path = address[len("ipc://"):]
     path = "\0" + path[1:] if path.startswith("@") else path  # an abstract socket
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+    try:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # (no descriptor left): nothing certain
+        return None
+    with probe:
         probe.setblocking(False)  # a full backlog is EAGAIN, never a wait
         try:
             probe.connect(path)
@@ -385,7 +389,10 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 if now >= deadline:
                     raise NoReply(f"{cmd}: no reply from the hicache daemon at "
                                   f"{self.address} within {timeout:g} s")
-                why = gone_reason(self.address) if self.answered else None
+                # only once ZMQ holds no live connection to it (IMMEDIATE: no POLLOUT then): a
+                # socket file removed or replaced under a live daemon is not a daemon gone
+                why = gone_reason(self.address) if self.answered and \
+                    not zmq.zmq_poll([(self._sock, _POLLOUT)], 0) else None
                 if why is not None:
                     raise GoneMidCall(f"{cmd}: the hicache daemon at {self.address} went while "
                                       f"this call waited for its reply ({why}); whether it ran "
