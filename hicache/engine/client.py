@@ -350,7 +350,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
             # a daemon that answered this client is gone: said at once, not after the timeout
-            why = gone_reason(self.address) if self.answered else None
+            why = self._gone()
             if why is not None:
                 raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
                                  f"({why})", why) from None
@@ -375,6 +375,14 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         finally:
             self._chan_seq = 0
 
+    def _gone(self) -> str | None:
+        """Why the daemon that answered this client is gone (``gone_reason``), asked only while
+        ZMQ holds no live connection to it (IMMEDIATE: no POLLOUT then; a socket file removed or
+        replaced under a live daemon is not a daemon gone); None otherwise."""
+        if not self.answered or zmq.zmq_poll([(self._sock, _POLLOUT)], 0):
+            return None
+        return gone_reason(self.address)
+
     def _reply_to(self, cmd: str, rid: int, deadline: float, now: float, timeout: float
                   ) -> tuple[dict[str, Any], list[Any]]:
         """Wait for the reply to request ``rid`` (keeping the pushes that come meanwhile, and
@@ -389,10 +397,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 if now >= deadline:
                     raise NoReply(f"{cmd}: no reply from the hicache daemon at "
                                   f"{self.address} within {timeout:g} s")
-                # only once ZMQ holds no live connection to it (IMMEDIATE: no POLLOUT then): a
-                # socket file removed or replaced under a live daemon is not a daemon gone
-                why = gone_reason(self.address) if self.answered and \
-                    not zmq.zmq_poll([(self._sock, _POLLOUT)], 0) else None
+                why = self._gone()
                 if why is not None:
                     raise GoneMidCall(f"{cmd}: the hicache daemon at {self.address} went while "
                                       f"this call waited for its reply ({why}); whether it ran "
