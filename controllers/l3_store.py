@@ -35,12 +35,13 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   connect or probe that raises anything is a failed attempt, retried.
 * ``submit(job)`` queues a job (``L3Job``, whose ``fmt`` says what one object holds: a
   full-mirror page, a checkpoints-mirror page, a checkpoint, or a key-store entry's pool,
-  ``kv_l3``): reads (query, prefetch) on one worker thread, writes (put, remove: every object
-  whose key matches a regex) on another, and ``meta`` jobs on a third, each in submission
-  order, so a long write never delays a prefix lookup and neither delays a small metadata
-  call. A prefetch with ``each`` goes on past a missing or corrupt object. A ``meta`` job runs
-  ``job.call(self)``, which uses ``get_small`` / ``put_small`` (objects of at most
-  ``SMALL_BYTES``, kept hard-pinned: Mooncake never evicts them; the key store's epochs,
+  ``kv_l3``): queries (the master alone answers them) on one worker thread, prefetches (data
+  from the storage nodes) on another, writes (put, remove: every object whose key matches a
+  regex) on a third, and ``meta`` jobs on a fourth, each in submission order, so a long write
+  never delays a prefix lookup, a prefetch never delays a query, and none delays a small
+  metadata call. A prefetch with ``each`` goes on past a missing or corrupt object. A
+  ``meta`` job runs ``job.call(self)``, which uses ``get_small`` / ``put_small`` (objects of at
+  most ``SMALL_BYTES``, kept hard-pinned: Mooncake never evicts them; the key store's epochs,
   ``kv_epochs``) and leaves its result in ``job.value``; either raises ``L3CallFailed(why,
   message)``, which the worker records as ``misses[why]`` and ``job.error``.
   ``extend_queued(job, key)`` adds a regex to a queued remove job until a worker takes it;
@@ -49,6 +50,13 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
+* A storage node that hangs (the master answering) holds a prefetch's or a put's transfer
+  call up to Mooncake's own timeout. When the liveness check finds such a call past
+  ``HUNG_CALL_S`` while the master answers its probe, that queue (``read`` or ``write``) is
+  *stalled* (``stalled()``, the ``l3_stalled{queue}`` gauge, logged): its queued jobs, and
+  every job submitted to it until the call returns, complete at once unrun
+  (``misses["stalled"]``) instead of waiting behind it, and a stop does not wait for the
+  call (``hung()``). The call's return ends the stall.
 * Batches are at most ``BATCH_PAGES`` objects, and one Mooncake call carries at most
   ``SLICES_PER_CALL`` buffers (a full DSV4-Flash page is 149: 6 pages per call). Reads and
   writes go straight between the arena and the store (``batch_get_into_multi_buffers`` /
@@ -78,7 +86,7 @@ from hicache.core.sizes import format_bytes
 
 from . import l3_format as F
 from .l3_reach import master_gone, metadata_wrong, setup_fails, unreachable
-from .metrics import Metrics
+from .metrics import L3_STALLABLE, Metrics
 
 log = logging.getLogger("hicache.l3")
 BATCH_PAGES = 128
@@ -146,6 +154,9 @@ HUNG_CALL_S = 2.0
 # meanwhile; the probe runs on a thread of its own, so a hung master holds the connector (and
 # a stop) at most this long
 PROBE_WAIT_S = 2.0
+# the queues whose calls move data from or to a storage node (prefetch; put and remove), which
+# a hung node holds while the master answers: they stall (``_stall``)
+STALLABLE = L3_STALLABLE
 # a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
 # that is down) is tried again this often, not with the probe's backoff
 SETUP_RETRY_S = 10.0
@@ -263,10 +274,12 @@ class MooncakeL3:
         self._last_call = 0.0  # when the last one finished
         self._timed: set[int] = set()  # worker threads whose job makes Mooncake calls
         self._calls: dict[int, float] = {}  # ... -> when the call it is in began (``_call``)
+        self._queue_of: dict[int, str] = {}  # worker thread -> the queue it serves
+        self._stalled: dict[str, str] = {}  # queue -> why, while its worker's call is stuck
         self._asking: _Ask | None = None  # the probe ``_ask`` started and has not seen end
         self._next_check = 0.0  # the connector's next liveness check (``_check_alive``)
         self._queues: dict[str, queue.Queue[L3Job | None]] = {
-            k: queue.Queue() for k in ("read", "write", "meta")}
+            k: queue.Queue() for k in ("query", "read", "write", "meta")}
         self.put_pages_queued = 0
         self.completed: collections.deque[L3Job] = collections.deque()
         self._stop = threading.Event()
@@ -282,6 +295,8 @@ class MooncakeL3:
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
                                            daemon=True) for k in self._queues]
         metrics.set("l3_online", 0)
+        for k in STALLABLE:
+            metrics.set("l3_stalled", 0, k)
         for t in self._threads:
             t.start()
 
@@ -406,7 +421,10 @@ class MooncakeL3:
             return
         self._next_check = now + LIVENESS_S
         ok = self._ask(PROBE_WAIT_S)
-        if ok is True or self._stop.is_set():
+        if self._stop.is_set():
+            return
+        if ok is True:  # the master answers: a call it holds that long waits on a storage node
+            self._stall(time.monotonic())
             return
         with self._lock:  # no answer: did that call end meanwhile (the master answered it)?
             stuck = began in self._calls.values()
@@ -416,6 +434,47 @@ class MooncakeL3:
                                 f"while a Mooncake call had run {time.monotonic() - began:.1f} "
                                 f"s (hung?)" if ok is None else "a probe of the master failed")
 
+    def _stall(self, now: float) -> None:
+        """The master answered a probe: each ``STALLABLE`` queue whose worker is in a call that
+        has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call returns), and its
+        queued jobs complete at once unrun, ``misses["stalled"]``."""
+        new: list[tuple[str, float]] = []
+        with self._lock:
+            for me, began in self._calls.items():
+                which = self._queue_of.get(me)
+                if which in STALLABLE and which not in self._stalled and \
+                        now - began >= HUNG_CALL_S:
+                    self._stalled[which] = (
+                        f"a {'prefetch' if which == 'read' else 'write'} call has not returned "
+                        f"for {now - began:.1f} s while the master answers (a storage node "
+                        f"hangs?)")
+                    self.metrics.set("l3_stalled", 1, which)  # (under the lock, as its end)
+                    new.append((which, now - began))
+        for which, age in new:
+            log.warning("L3: the %s worker's Mooncake call has not returned for %.1f s while "
+                        "the master answers probes (a storage node hangs?): its queued jobs "
+                        "and new ones are answered at once as misses (stalled) until it "
+                        "returns", which, age)
+            self._drop_queued(which, "stalled")
+
+    def _drop_queued(self, which: str, why: str) -> None:
+        """Every job waiting in queue ``which`` completes at once unrun (``misses[why]``)."""
+        q = self._queues[which]
+        while True:
+            try:
+                job = q.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:  # closing: the worker's sentinel stays for it
+                q.put(None)
+                return
+            self._end_unrun(job, why, queued=True)
+
+    def stalled(self) -> dict[str, str]:
+        """The stalled queues (``read``, ``write``) and why, while their calls are stuck."""
+        with self._lock:
+            return dict(self._stalled)
+
     def call_age(self, now: float) -> float:
         """Seconds the oldest Mooncake call of a job now running has run (0: none runs; a
         job between two calls is not in one)."""
@@ -423,9 +482,13 @@ class MooncakeL3:
             return now - min(self._calls.values()) if self._calls else 0.0
 
     def hung(self) -> bool:
-        """The tier is offline and a Mooncake call has run ``HUNG_CALL_S`` or more, or a probe
+        """A queue is stalled (its call waits on a storage node that does not answer), or the
+        tier is offline and a Mooncake call has run ``HUNG_CALL_S`` or more, or a probe
         ``PROBE_WAIT_S`` or more: it waits on a master that no longer answers, up to Mooncake's
         RPC timeout (~30 s)."""
+        with self._lock:
+            if self._stalled:
+                return True
         if self.online:
             return False
         now = time.monotonic()
@@ -499,21 +562,33 @@ class MooncakeL3:
     # ------------------------------------------------------------------ jobs
     def submit(self, job: L3Job) -> None:
         job.t_submit = time.monotonic()
-        if not self.online and not self._draining.is_set():
+        which = "write" if job.kind in ("put", "remove") else \
+            "read" if job.kind == "prefetch" else job.kind  # query, meta
+        with self._lock:  # (queued under the lock: a stall found meanwhile drops it, ``_stall``)
             # offline (or not yet connected): no Mooncake call would run for it, as a worker
-            # taking it would find; answered now, not behind a call that may hang
-            with self._lock:
-                job.started = True
-            _unrun(job, "offline")
-            job.t_end = job.t_submit
-            self._complete(job)
-            return
-        if job.kind == "put":
-            with self._lock:  # the gauge too: set under the lock, never an older value last
-                self.put_pages_queued += len(job.keys)
+            # taking it would find; stalled: it would wait behind a call a storage node holds.
+            # Answered now, not behind a call that may hang (stopping: queued, dropped unrun)
+            why = "" if self._draining.is_set() else "offline" if not self.online else \
+                "stalled" if which in self._stalled else ""
+            if not why:
+                if job.kind == "put":  # (the gauge set under the lock too, never an older
+                    self.put_pages_queued += len(job.keys)  # value last)
+                    self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+                self._queues[which].put(job)
+        if why:
+            self._end_unrun(job, why, queued=False)
+
+    def _end_unrun(self, job: L3Job, why: str, queued: bool) -> None:
+        """``job`` (``queued``: taken out of its queue) completes now with no Mooncake call,
+        every key a miss for ``why``."""
+        with self._lock:
+            job.started = True
+            if queued and job.kind == "put":
+                self.put_pages_queued -= len(job.keys)
                 self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
-        self._queues["write" if job.kind in ("put", "remove") else
-                     "meta" if job.kind == "meta" else "read"].put(job)
+        _unrun(job, why)
+        job.t_end = time.monotonic()
+        self._complete(job)
 
     def extend_queued(self, job: L3Job, key: str) -> bool:
         """Add ``key`` to a queued ``remove`` job that no worker has taken yet (False, and
@@ -534,6 +609,8 @@ class MooncakeL3:
 
     def _worker(self, which: str) -> None:
         q = self._queues[which]
+        with self._lock:
+            self._queue_of[threading.get_ident()] = which
         while True:
             job = q.get()
             if job is None:
@@ -584,7 +661,8 @@ class MooncakeL3:
             self._complete(job)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One Mooncake call of a worker's job, timed while it runs (``call_age``)."""
+        """One Mooncake call of a worker's job, timed while it runs (``call_age``); its return
+        ends its queue's stall (``_stall``)."""
         me = threading.get_ident()
         with self._lock:
             timed = me in self._timed
@@ -595,7 +673,14 @@ class MooncakeL3:
         finally:
             if timed:
                 with self._lock:
-                    del self._calls[me]
+                    began = self._calls.pop(me)
+                    which = self._queue_of.get(me, "")
+                    was = self._stalled.pop(which, None)
+                    if was is not None:
+                        self.metrics.set("l3_stalled", 0, which)
+                if was is not None:
+                    log.warning("L3: the %s worker's stalled Mooncake call returned after "
+                                "%.1f s; its jobs run again", which, time.monotonic() - began)
 
     def _complete(self, job: L3Job) -> None:
         """A finished job: counted, handed to the server thread, which is woken."""
@@ -828,7 +913,8 @@ class MooncakeL3:
 
     def summary(self) -> dict[str, Any]:
         s = self.settings
-        return {"state": self.state, "why": self.why, "online": self.online, "master": s.master,
+        return {"state": self.state, "why": self.why, "online": self.online,
+                "stalled": self.stalled(), "master": s.master,
                 "metadata": s.metadata, "protocol": s.protocol, "namespaces": self.objects.ns,
                 "object_bytes": {k: f.obj_bytes for k, f in self.objects.formats.items()},
                 "put_queue_pages": self.put_pages_queued,

@@ -45,6 +45,7 @@ STATUSES = ("ok", "error")
 OP_STATUSES = (*STATUSES, "cancelled")  # a transfer of a reaped client: neither done nor failed
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
+L3_STALLABLE = ("read", "write")  # the L3 worker queues a hung storage node stalls (l3_store)
 FLUSH_AT = 1024  # queued command / transfer records applied at once by the recording thread
 PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
          "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
@@ -220,13 +221,21 @@ CATALOG: tuple[MetricDef, ...] = (
               "failed on its way, e.g. a storage node gone), full (store out of space), error, "
               "epoch (a key-store namespace's epoch object holds no well-formed epoch, or a "
               "write had no epoch to go under: its L3 objects are not used), busy (a "
-              "key-store read answered as a miss: 256 queries were already in flight).",
+              "key-store read answered as a miss: 256 queries were already in flight), "
+              "stalled (answered at once while a storage node held its worker's call: "
+              "l3_stalled).",
               "Is L3 healthy, and did anything try to hand us wrong bytes?"),
     MetricDef("l3_deadline_misses", "counter", ("op",),
               "L3 reads answered as misses because their deadline passed before the store "
               "answered (query, prefetch: pages; meta: key-store epoch reads and clears): a "
               "store that is slow or hangs, or a long queue in front of it.",
               "Are lookups timing out against the L3 store?"),
+    MetricDef("l3_stalled", "gauge", ("queue",),
+              "1 while an L3 worker (read: prefetches; write: puts and removes) is in a "
+              "Mooncake call that has not returned for 2 s while the master answers probes "
+              "(a storage node hangs); its jobs are answered at once as misses (stalled) "
+              "meanwhile.",
+              "Is a storage node of the L3 store hanging?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",
               "Are L3 writes keeping up with the host tier?"),
@@ -285,7 +294,8 @@ class Metrics:
         self._zero("l3_hit_tokens")
         self._zero("l3_bytes", ("read", "write"))
         self._zero("l3_errors", ("offline", "corrupt", "transfer", "full", "error", "epoch",
-                                "busy"))
+                                "busy", "stalled"))
+        self._zero("l3_stalled", L3_STALLABLE)
         self._zero("l3_deadline_misses", ("query", "prefetch", "meta"))
         self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove", "meta"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))

@@ -635,8 +635,8 @@ class DaemonState:
 
     def wait_idle(self, timeout: float) -> bool:
         """Collect until nothing is in flight (True), at most ``timeout`` s. False sooner when
-        all that is left is L3 jobs whose calls wait on a master that no longer answers
-        (``l3_hung``): they would hold a stop up to Mooncake's RPC timeout (~30 s)."""
+        all that is left is L3 jobs whose calls wait on a master or a storage node that no
+        longer answers (``l3_hung``): they would hold a stop up to Mooncake's timeout."""
         deadline = time.monotonic() + timeout
         while not self.idle() and time.monotonic() < deadline:
             if not self.collect():  # (what finished is taken first: acked with its results)
@@ -646,7 +646,7 @@ class DaemonState:
         return self.idle()
 
     def l3_hung(self) -> bool:
-        """Only L3 jobs are in flight, and a call of theirs waits on a master that no longer
-        answers (``MooncakeL3.hung``)."""
+        """Only L3 jobs are in flight, and a call of theirs waits on a master or a storage node
+        that no longer answers (``MooncakeL3.hung``)."""
         return self.l3 is not None and bool(self.l3_ops) and self.scheduler.idle() and \
             not self.releaser.pending and self.l3.hung()

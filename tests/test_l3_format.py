@@ -501,3 +501,71 @@ def test_a_probe_left_unanswered_counts_as_hung_and_none_starts_once_closing():
         assert _until(lambda: l3.online, 10) and not l3.hung()
         l3._stop.set()  # closing
         assert l3._ask(0.1) is None and (l3._asking is None or l3._asking.done.is_set())
+
+
+def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
+    """A storage node that hangs (the master answering) held a prefetch's transfer call up to
+    Mooncake's own timeout, and every read queued behind it, queries too (which the master
+    alone answers), waited out its deadline while the tier read online; puts queued behind a
+    stuck put, holding their host rows. Now queries have a worker of their own; a prefetch or
+    put call that has run ``HUNG_CALL_S`` while the master answers its probe stalls its queue:
+    the jobs queued behind it and those submitted meanwhile are answered at once as
+    ``stalled`` misses, a stop does not wait for it (``hung()``), and its return ends the
+    stall. The tier stays online throughout."""
+    import types
+
+    from hicache.controllers.l3_store import HUNG_CALL_S, LIVENESS_S, L3Job
+
+    gate = threading.Event()
+
+    class NodeHangs(_StandInStore):
+        def batch_get_into_multi_buffers(self, keys: list[str], *a: object) -> list[int]:
+            gate.wait(30)
+            return [-704] * len(keys)  # not found
+
+        def batch_put_from_multi_buffers(self, keys: list[str], *a: object) -> list[int]:
+            gate.wait(30)
+            return [0] * len(keys)
+
+    fmt = types.SimpleNamespace(kind="full", pieces_per_object=1, payload_bytes=8,
+                                obj_bytes=F.HEADER_BYTES + 8, page_tokens=4,
+                                pieces=lambda rows: ([0], [8]), checksum=lambda rows: 0)
+
+    def job(kind: str, key: str) -> L3Job:
+        return L3Job(kind, [key], rows=[{"page": 0}], fmt=fmt)
+
+    with _tier(NodeHangs) as (l3, m):
+        assert _until(lambda: l3.online), l3.state
+        try:
+            t0 = time.monotonic()
+            stuck, behind, put = job("prefetch", "a"), job("prefetch", "b"), job("put", "p")
+            for j in (stuck, behind, put):
+                l3.submit(j)
+            query = L3Job("query", ["a", "b"], each=True)
+            l3.submit(query)  # not behind the stuck prefetch
+            assert _until(lambda: query in l3.completed, 1.0) and query.present == [0, 0]
+            assert _until(lambda: set(l3.stalled()) == {"read", "write"}, 15), l3.stalled()
+            took = time.monotonic() - t0
+            assert HUNG_CALL_S - 0.1 < took < HUNG_CALL_S + LIVENESS_S + 1.5, took
+            assert "storage node" in l3.stalled()["read"]
+            assert l3.online and l3.hung() and m.value("l3_transitions", "offline") == 0
+            assert m.value("l3_stalled", "read") == 1 == m.value("l3_stalled", "write")
+            assert behind in l3.completed and behind.misses == {"stalled": 1}
+            late, late_put = job("prefetch", "c"), job("put", "q")
+            l3.submit(late)
+            l3.submit(late_put)  # answered now, not queued: no pages wait for the write worker
+            assert late.misses == {"stalled": 1} == late_put.misses and late_put in l3.completed
+            assert l3.put_pages_queued == 1  # the stuck put's
+            assert stuck not in l3.completed and put not in l3.completed
+            assert m.value("l3_errors", "stalled") == 3
+            gate.set()
+            assert _until(lambda: not l3.stalled(), 5) and not l3.hung()
+            assert m.value("l3_stalled", "read") == 0 == m.value("l3_stalled", "write")
+            assert _until(lambda: stuck in l3.completed and put in l3.completed)
+            assert stuck.misses == {"miss": 1} and put.written == 1 and l3.put_pages_queued == 0
+            after = job("prefetch", "d")
+            l3.submit(after)  # runs again
+            assert _until(lambda: after in l3.completed) and after.misses == {"miss": 1}
+            assert l3.online and m.value("l3_transitions", "offline") == 0
+        finally:
+            gate.set()  # (a failed assertion leaves no call hanging)

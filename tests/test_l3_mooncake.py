@@ -804,6 +804,77 @@ def test_a_hung_master_is_found_out_in_seconds_and_answered_at_once(l3_daemon, w
     assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
+def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daemon, worker,
+                                                                          store):
+    """A storage node that hangs (SIGSTOP; the master answers) held the prefetch reading from
+    it up to Mooncake's own timeout, and every L3 read queued behind it, lookups too, waited out
+    its deadline while the tier read online (12 of 12 queries in a row here). Now lookups
+    have a worker of their own and are answered; once the call has run ``HUNG_CALL_S`` with the
+    master answering, prefetches are answered at once (``stalled``) until it returns; the
+    node's return ends the stall and the next prefetch loads every byte; and a stop with the
+    node hung exits in about a second, not after its 30 s drain."""
+    import signal
+
+    from hicache.controllers.l3_store import HUNG_CALL_S, LIVENESS_S, PROBE_WAIT_S
+
+    d = l3_daemon()
+    w = worker(d, 16)
+    assert w.put(["hn-0", "hn-1"], [0, 1])["written"] == 2
+    c = w.c
+    host = c.alloc({s: 3 for s in SPACES})
+    one = [{s: host[s][i:i + 1] for s in SPACES} for i in range(3)]
+    stalled = metric(c, "hicache_l3_errors_total", kind="stalled")
+    os.kill(store.member.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        ack = c.l3_prefetch(["hn-0"], one[0], deadline_ms=500, timeout=60)  # its call hangs
+        assert ack.l3 == {"hits": 0, "misses": {"deadline": 1}}, ack.l3
+        t = time.monotonic()
+        assert c.l3_query(["hn-0", "hn-1"], timeout=60, deadline_ms=5000) == 2  # the master's
+        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        while not c.stats()["l3"]["stalled"] and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        l3 = c.stats()["l3"]
+        print(f"prefetches stalled {took:.2f} s after the call began")
+        assert l3["online"] and "storage node" in l3["stalled"]["read"], l3
+        assert took < HUNG_CALL_S + LIVENESS_S + PROBE_WAIT_S + 1.5, took
+        assert metric(c, "hicache_l3_stalled", queue="read") == 1
+        t = time.monotonic()
+        ack = c.l3_prefetch(["hn-1"], one[1], deadline_ms=5000, timeout=60)
+        assert ack.l3 == {"hits": 0, "misses": {"stalled": 1}}, ack.l3  # at once
+        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        assert metric(c, "hicache_l3_errors_total", kind="stalled") == stalled + 1
+    finally:
+        os.kill(store.member.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while c.stats()["l3"]["stalled"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not c.stats()["l3"]["stalled"] and metric(c, "hicache_l3_stalled", queue="read") == 0
+    before = w.page(6)
+    ack = c.l3_prefetch(["hn-1"], one[2], deadline_ms=10_000, timeout=30)
+    assert ack.l3["hits"] == 1, ack.l3
+    c.wait_ack(c.load({s: (one[2][s], [5]) for s in SPACES}))
+    assert same(w.page(5), w.page(1)) and same(w.page(6), before)
+    assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+    os.kill(store.member.pid, signal.SIGSTOP)  # again, and stop the daemon meanwhile
+    try:
+        c.l3_prefetch(["hn-0"], one[1], deadline_ms=500, timeout=60)
+        t0 = time.monotonic()
+        while not c.stats()["l3"]["stalled"] and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert c.stats()["l3"]["stalled"]
+        _, code, took = stop_taking_acks(d, c, [])
+        out = d.output()
+    finally:
+        os.kill(store.member.pid, signal.SIGCONT)
+    print(f"stopped in {took:.2f} s with a storage node hung")
+    assert d.clean_exit(code), (code, out[-2000:])
+    assert took < 5, took
+    assert "wait on a storage node that does not answer (stalled: read)" in out, out[-2000:]
+
+
 def test_serve_check_says_whether_the_master_and_the_metadata_server_answer(store, tmp_path):
     """``serve --check --l3 mooncake`` checked the settings' form only: a master that cannot be
     reached, or a metadata URL that is not Mooncake's metadata server, passed, and the daemon
