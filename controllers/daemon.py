@@ -403,13 +403,14 @@ class Daemon:
             st.l3.drain()
         t0 = time.monotonic()
         if not st.wait_idle(timeout):
+            stalled = st.l3.stalled() if st.l3 is not None else {}
             if st.l3_hung():
                 log.warning("shutdown: %d L3 jobs wait on %s; not waiting for Mooncake's "
                             "timeout: they are answered as stopped (nothing found or written; "
                             "a kv_clear failed), and the host arena stays mapped until the "
                             "process exits", len(st.l3_ops),
-                            "a storage node that does not answer (stalled: " +
-                            ", ".join(st.l3.stalled()) + ")" if st.l3.stalled() else
+                            f"a storage node that does not answer (stalled: "
+                            f"{', '.join(stalled)})" if stalled else
                             "a master that does not answer")
             else:
                 log.error("shutdown: %d operations did not finish within %.0f s; their acks "

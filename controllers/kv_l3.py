@@ -185,13 +185,13 @@ def _clear_error(job: L3Job, deadline_ms: int, expired: bool) -> str:
     if expired and job.cancelled == "stopping":  # (``DaemonState.fail_pending``)
         if not job.started:
             return ("kv_clear: the daemon stopped before the L3 meta thread reached this clear "
-                    "(an earlier call waits on a master that does not answer); nothing was "
+                    "(an earlier call waits on an L3 store that does not answer); nothing was "
                     "cleared")
-        return ("kv_clear: the daemon stopped while the L3 master did not answer; nothing was "
-                "cleared here (the new epoch may still be written if the master takes the call "
+        return ("kv_clear: the daemon stopped while the L3 store did not answer; nothing was "
+                "cleared here (the new epoch may still be written if the store takes the call "
                 "it holds: clear again to know)")
     if expired and job.started:
-        return (f"kv_clear: the L3 master did not answer within {deadline_ms} ms; nothing was "
+        return (f"kv_clear: the L3 store did not answer within {deadline_ms} ms; nothing was "
                 "cleared here (the new epoch may still be written when the call returns, and "
                 "the clear then takes effect: clear again to know)")
     if expired:
@@ -199,6 +199,10 @@ def _clear_error(job: L3Job, deadline_ms: int, expired: bool) -> str:
                 "ms (an earlier call hangs); nothing was cleared")
     if "offline" in job.misses:
         return "kv_clear: the L3 tier is offline; no new epoch was written, nothing was cleared"
+    if "stalled" in job.misses:
+        return ("kv_clear: a storage node of the L3 store holds the key store's calls (stalled: "
+                "it does not answer, the master does); no new epoch was written, nothing was "
+                "cleared")
     if "stopping" in job.misses:
         return "kv_clear: the daemon is stopping; nothing was cleared"
     return (f"kv_clear: writing the namespace's new epoch failed ({job.error or 'Mooncake error'});"
@@ -371,6 +375,9 @@ class KvL3:
             gone = {j for j, k in missing if (ep.space, ep.ns, ep.slot, k) in unknown}
             misses += len(gone)
             pending = [j for j in pending if j not in gone]
+        if todo and "read" in self.l3.stalled():  # a storage node holds the prefetch worker:
+            misses, todo = misses + len(todo), []  # a miss now, no entry evicted for it, and
+            # nothing remembered (the store still holds it)
         rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
         misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]

@@ -50,13 +50,15 @@ Contract of ``MooncakeL3(settings, arena, objects, metrics, wake)`` (``objects``
   finished job is appended to ``completed`` and ``wake()`` is called; the daemon's server
   thread takes it from there (``take_completed``). Workers touch only the arena rows of their
   job, which the server thread keeps marked in flight until then.
-* A storage node that hangs (the master answering) holds a prefetch's or a put's transfer
-  call up to Mooncake's own timeout. When the liveness check finds such a call past
-  ``HUNG_CALL_S`` while the master answers its probe, that queue (``read`` or ``write``) is
-  *stalled* (``stalled()``, the ``l3_stalled{queue}`` gauge, logged): its queued jobs, and
-  every job submitted to it until the call returns, complete at once unrun
-  (``misses["stalled"]``) instead of waiting behind it, and a stop does not wait for the
-  call (``hung()``). The call's return ends the stall.
+* A storage node that hangs (the master answering) holds a call that moves data from or to
+  it (``_call(..., data=True)``: a prefetch's or a put's batch, a key-store epoch's
+  ``get_small`` / ``put_small``) up to Mooncake's own timeout. When the liveness check finds
+  such a call past ``HUNG_CALL_S`` while the master answers its probe, that worker's queue
+  (``read``, ``write`` or ``meta``) is *stalled* (``stalled()``, the ``l3_stalled{queue}``
+  gauge, logged): its queued jobs, and every job submitted to it until the call returns,
+  complete at once unrun (``misses["stalled"]``; a job already cancelled keeps its own
+  reason) instead of waiting behind it. The call's return ends the stall. A call the master
+  alone answers (an existence check, a remove) never stalls a queue, however long it takes.
 * Batches are at most ``BATCH_PAGES`` objects, and one Mooncake call carries at most
   ``SLICES_PER_CALL`` buffers (a full DSV4-Flash page is 149: 6 pages per call). Reads and
   writes go straight between the arena and the store (``batch_get_into_multi_buffers`` /
@@ -154,8 +156,9 @@ HUNG_CALL_S = 2.0
 # meanwhile; the probe runs on a thread of its own, so a hung master holds the connector (and
 # a stop) at most this long
 PROBE_WAIT_S = 2.0
-# the queues whose calls move data from or to a storage node (prefetch; put and remove), which
-# a hung node holds while the master answers: they stall (``_stall``)
+# the queues whose jobs make calls that move data from or to a storage node (prefetch; put;
+# the key store's small objects), which a hung node holds while the master answers: they stall
+# (``_stall``)
 STALLABLE = L3_STALLABLE
 # a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
 # that is down) is tried again this often, not with the probe's backoff
@@ -170,6 +173,9 @@ def _listening() -> list[str] | None:
         return own_listeners()
     except (OSError, ValueError):
         return None
+
+
+_WHAT = {"read": "prefetch", "write": "put", "meta": "key-store epoch"}  # a stalled queue's calls
 
 
 class L3CallFailed(Exception):
@@ -275,6 +281,7 @@ class MooncakeL3:
         self._timed: set[int] = set()  # worker threads whose job makes Mooncake calls
         self._calls: dict[int, float] = {}  # ... -> when the call it is in began (``_call``)
         self._queue_of: dict[int, str] = {}  # worker thread -> the queue it serves
+        self._moving: set[int] = set()  # worker threads in a call that moves data (``_call``)
         self._stalled: dict[str, str] = {}  # queue -> why, while its worker's call is stuck
         self._asking: _Ask | None = None  # the probe ``_ask`` started and has not seen end
         self._next_check = 0.0  # the connector's next liveness check (``_check_alive``)
@@ -439,36 +446,38 @@ class MooncakeL3:
         has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call returns), and its
         queued jobs complete at once unrun, ``misses["stalled"]``."""
         new: list[tuple[str, float]] = []
-        with self._lock:
-            for me, began in self._calls.items():
-                which = self._queue_of.get(me)
+        dropped: list[L3Job] = []
+        with self._lock:  # (the queue emptied in the same hold: a stall that ends meanwhile
+            for me, began in self._calls.items():  # waits for this lock, ``_call``)
+                which = self._queue_of.get(me, "")
                 if which in STALLABLE and which not in self._stalled and \
-                        now - began >= HUNG_CALL_S:
+                        me in self._moving and now - began >= HUNG_CALL_S:
                     self._stalled[which] = (
-                        f"a {'prefetch' if which == 'read' else 'write'} call has not returned "
-                        f"for {now - began:.1f} s while the master answers (a storage node "
-                        f"hangs?)")
-                    self.metrics.set("l3_stalled", 1, which)  # (under the lock, as its end)
+                        f"a {_WHAT[which]} call has not returned for {now - began:.1f} s while "
+                        f"the master answers (a storage node hangs?)")
+                    self.metrics.set("l3_stalled", 1, which)
                     new.append((which, now - began))
+                    dropped += self._take_queued(which)
         for which, age in new:
             log.warning("L3: the %s worker's Mooncake call has not returned for %.1f s while "
                         "the master answers probes (a storage node hangs?): its queued jobs "
                         "and new ones are answered at once as misses (stalled) until it "
                         "returns", which, age)
-            self._drop_queued(which, "stalled")
+        for job in dropped:
+            self._end_unrun(job, "stalled", queued=True)
 
-    def _drop_queued(self, which: str, why: str) -> None:
-        """Every job waiting in queue ``which`` completes at once unrun (``misses[why]``)."""
-        q = self._queues[which]
+    def _take_queued(self, which: str) -> list[L3Job]:
+        """Every job waiting in queue ``which``, taken out (the caller ends them unrun)."""
+        q, out = self._queues[which], []
         while True:
             try:
                 job = q.get_nowait()
             except queue.Empty:
-                return
+                return out
             if job is None:  # closing: the worker's sentinel stays for it
                 q.put(None)
-                return
-            self._end_unrun(job, why, queued=True)
+                return out
+            out.append(job)
 
     def stalled(self) -> dict[str, str]:
         """The stalled queues (``read``, ``write``) and why, while their calls are stuck."""
@@ -482,15 +491,14 @@ class MooncakeL3:
             return now - min(self._calls.values()) if self._calls else 0.0
 
     def hung(self) -> bool:
-        """A queue is stalled (its call waits on a storage node that does not answer), or the
-        tier is offline and a Mooncake call has run ``HUNG_CALL_S`` or more, or a probe
-        ``PROBE_WAIT_S`` or more: it waits on a master that no longer answers, up to Mooncake's
-        RPC timeout (~30 s)."""
-        with self._lock:
-            if self._stalled:
-                return True
+        """Every job a worker runs is stuck: online, each worker in a job (``_timed``) serves
+        a stalled queue (its call waits on a storage node that does not answer); offline, a
+        Mooncake call has run ``HUNG_CALL_S`` or more, or a probe ``PROBE_WAIT_S`` or more (it
+        waits on a master that no longer answers, up to Mooncake's RPC timeout, ~30 s)."""
         if self.online:
-            return False
+            with self._lock:
+                return bool(self._stalled) and all(
+                    self._queue_of.get(t) in self._stalled for t in self._timed)
         now = time.monotonic()
         with self._lock:
             ask = self._asking
@@ -580,12 +588,15 @@ class MooncakeL3:
 
     def _end_unrun(self, job: L3Job, why: str, queued: bool) -> None:
         """``job`` (``queued``: taken out of its queue) completes now with no Mooncake call,
-        every key a miss for ``why``."""
+        every key a miss for ``why``; a queued job cancelled meanwhile (or a stop's) for its
+        own reason, as a worker taking it would say."""
         with self._lock:
             job.started = True
-            if queued and job.kind == "put":
-                self.put_pages_queued -= len(job.keys)
-                self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+            if queued:
+                why = job.cancelled or ("stopping" if self._draining.is_set() else why)
+                if job.kind == "put":
+                    self.put_pages_queued -= len(job.keys)
+                    self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
         _unrun(job, why)
         job.t_end = time.monotonic()
         self._complete(job)
@@ -660,19 +671,23 @@ class MooncakeL3:
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
             self._complete(job)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One Mooncake call of a worker's job, timed while it runs (``call_age``); its return
-        ends its queue's stall (``_stall``)."""
+    def _call(self, fn: Callable[..., Any], *args: Any, data: bool = False) -> Any:
+        """One Mooncake call of a worker's job, timed while it runs (``call_age``); ``data``:
+        it moves bytes from or to a storage node, so a hung node can hold it (``_stall``). Its
+        return ends its queue's stall."""
         me = threading.get_ident()
         with self._lock:
             timed = me in self._timed
             if timed:
                 self._calls[me] = time.monotonic()
+                if data:
+                    self._moving.add(me)
         try:
             return fn(*args)
         finally:
             if timed:
                 with self._lock:
+                    self._moving.discard(me)
                     began = self._calls.pop(me)
                     which = self._queue_of.get(me, "")
                     was = self._stalled.pop(which, None)
@@ -757,7 +772,7 @@ class MooncakeL3:
                 sizes.append([F.HEADER_BYTES] + s)
             t0 = time.perf_counter()
             res = self._call(self.store.batch_get_into_multi_buffers, keys, ptrs, sizes,
-                             False)
+                             False, data=True)
             self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "get")
             for j, rc in enumerate(res):
                 why = self._verify(fmt, rc, memoryview(hdr)[j * F.HEADER_BYTES:], keys[j],
@@ -842,7 +857,7 @@ class MooncakeL3:
         message says how large), else as the call failed. Meta thread only (one registered
         buffer)."""
         buf = self._small
-        rc = self._call(self.store.get_into, key, buf.ctypes.data, SMALL_BYTES)
+        rc = self._call(self.store.get_into, key, buf.ctypes.data, SMALL_BYTES, data=True)
         if rc >= 0:
             return bytes(buf[:rc])
         if rc in MISS_CODES:
@@ -862,7 +877,8 @@ class MooncakeL3:
 
         cfg = ReplicateConfig()
         cfg.with_hard_pin = True
-        rc = self._call(self.store.upsert if replace else self.store.put, key, value, cfg)
+        rc = self._call(self.store.upsert if replace else self.store.put, key, value, cfg,
+                        data=True)
         if rc != 0 and not (rc == EXISTS and not replace):
             raise self._call_failed(rc, "upsert" if replace else "put", key)
 
@@ -890,7 +906,8 @@ class MooncakeL3:
                 ptrs.append([base + k * F.HEADER_BYTES] + p)
                 sizes.append([F.HEADER_BYTES] + s)
             t0 = time.perf_counter()
-            res = self._call(self.store.batch_put_from_multi_buffers, wkeys, ptrs, sizes)
+            res = self._call(self.store.batch_put_from_multi_buffers, wkeys, ptrs, sizes,
+                             data=True)
             self.metrics.observe("l3_batch_seconds", time.perf_counter() - t0, "put")
             for rc in res:
                 if rc == 0:

@@ -45,7 +45,7 @@ STATUSES = ("ok", "error")
 OP_STATUSES = (*STATUSES, "cancelled")  # a transfer of a reaped client: neither done nor failed
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
-L3_STALLABLE = ("read", "write")  # the L3 worker queues a hung storage node stalls (l3_store)
+L3_STALLABLE = ("read", "write", "meta")  # L3 worker queues a hung storage node stalls
 FLUSH_AT = 1024  # queued command / transfer records applied at once by the recording thread
 PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
          "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")
@@ -231,10 +231,10 @@ CATALOG: tuple[MetricDef, ...] = (
               "store that is slow or hangs, or a long queue in front of it.",
               "Are lookups timing out against the L3 store?"),
     MetricDef("l3_stalled", "gauge", ("queue",),
-              "1 while an L3 worker (read: prefetches; write: puts and removes) is in a "
-              "Mooncake call that has not returned for 2 s while the master answers probes "
-              "(a storage node hangs); its jobs are answered at once as misses (stalled) "
-              "meanwhile.",
+              "1 while an L3 worker (read: prefetches; write: puts and removes; meta: the key "
+              "store's epochs) is in a Mooncake call moving data that has not returned for "
+              "2 s while the master answers probes (a storage node hangs); its jobs are "
+              "answered at once as misses (stalled) meanwhile.",
               "Is a storage node of the L3 store hanging?"),
     MetricDef("l3_put_queue_pages", "gauge", (),
               "Pages queued for writing to L3 and not yet written.",

@@ -319,6 +319,47 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
         ep.close()
 
 
+def test_a_key_store_call_held_by_a_hung_storage_node_stalls_its_worker_not_a_stop(
+        l3_daemon: Any, worker: Any, store: Any) -> None:
+    """A storage node that hangs (the master answering) under a key-store epoch call held the
+    meta worker until Mooncake's transfer gave up, and a stop waited for it: 26.2 s (the
+    forty-fourth session's review). Now that call stalls the meta worker: the clear it held is
+    answered at its deadline, the next clear fails at once naming the stalled store, and a stop
+    exits in about a second."""
+    d = l3_daemon()
+    w = worker(d, 17)
+    c = w.c
+    c4 = layout_of(c).pools["c4_kv"]
+    ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=4)
+    ep.attach(c, "c4_kv", "c4_kv", ns="stl")
+    assert c.kv_clear("stl") == 0
+    os.kill(store.member.pid, signal.SIGSTOP)
+    try:
+        h, _ = c.call("kv_clear", {"namespace": "stl", "deadline_ms": 1000})
+        first = c.wait_ack(int(h["op"]), timeout=10, check=False)
+        assert not first.ok and "did not answer within 1000 ms" in first.error["message"], first
+        t0 = time.monotonic()
+        while "meta" not in c.stats()["l3"]["stalled"] and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        l3 = c.stats()["l3"]
+        assert l3["online"] and "key-store epoch call" in l3["stalled"]["meta"], l3
+        t = time.monotonic()
+        h, _ = c.call("kv_clear", {"namespace": "stl", "deadline_ms": 5000})
+        second = c.wait_ack(int(h["op"]), timeout=10, check=False)
+        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        assert not second.ok and second.error["message"].startswith(
+            "kv_clear: a storage node of the L3 store holds the key store's calls"), second
+        _, code, took = stop_taking_acks(d, c, [])
+        out = d.output()
+    finally:
+        os.kill(store.member.pid, signal.SIGCONT)
+    ep.close()
+    print(f"stopped in {took:.2f} s with the key store's call held by a hung storage node")
+    assert d.clean_exit(code), (code, out[-2000:])
+    assert took < 5, took
+    assert "wait on a storage node that does not answer (stalled: meta)" in out, out[-2000:]
+
+
 def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon: Any, worker: Any,
                                                store: Any) -> None:
     """A stop while the master hung waited for the L3 call stuck in Mooncake until its RPC
@@ -356,5 +397,5 @@ def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon: Any, worker: Any,
     assert ack.l3 == {"written": 0, "skipped": 0, "misses": {"stopping": 1}}, ack.l3
     assert not clear.ok and clear.error["code"] == "l3_failed", clear
     assert clear.error["message"].startswith("kv_clear: the daemon stopped while the L3 "
-                                             "master did not answer; nothing was cleared "
+                                             "store did not answer; nothing was cleared "
                                              "here"), clear.error

@@ -569,3 +569,68 @@ def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
             assert l3.online and m.value("l3_transitions", "offline") == 0
         finally:
             gate.set()  # (a failed assertion leaves no call hanging)
+
+
+def test_a_stall_holds_neither_the_other_workers_nor_calls_only_the_master_answers():
+    """The forty-fourth session's review of the stall: (1) ``hung()`` said True as soon as one
+    queue stalled, so a stop answered healthy jobs of the other workers ``stopping`` (a clear
+    that then succeeded was acked failed); now it says True only once every job running is
+    held by a stalled call. (2) A remove (the master alone answers it) that ran over 2 s
+    stalled the write queue and dropped the puts behind it; only calls that move data stall.
+    (3) A queued job already cancelled (acked at its deadline, or its client reaped) was
+    dropped as ``stalled`` and counted an error a second time; it keeps its own reason."""
+    import types
+
+    from hicache.controllers.l3_store import HUNG_CALL_S, L3Job
+
+    gate, meta_gate = threading.Event(), threading.Event()
+
+    class NodeHangs(_StandInStore):
+        def batch_get_into_multi_buffers(self, keys: list[str], *a: object) -> list[int]:
+            gate.wait(30)
+            return [-704] * len(keys)
+
+        def remove_by_regex(self, regex: str, force: bool) -> int:
+            time.sleep(HUNG_CALL_S + 1.5)  # slow, and the master's alone
+            return 0
+
+        def batch_put_from_multi_buffers(self, keys: list[str], *a: object) -> list[int]:
+            return [0] * len(keys)
+
+    fmt = types.SimpleNamespace(kind="full", pieces_per_object=1, payload_bytes=8,
+                                obj_bytes=F.HEADER_BYTES + 8, page_tokens=4,
+                                pieces=lambda rows: ([0], [8]), checksum=lambda rows: 0)
+
+    def job(kind: str, key: str) -> L3Job:
+        return L3Job(kind, [key], rows=[{"page": 0}], fmt=fmt)
+
+    def healthy(tier: Any) -> str:
+        tier._call(meta_gate.wait, 30)  # a call of the master's, as long as the test wants
+        return "ok"
+
+    with _tier(NodeHangs) as (l3, m):
+        try:
+            assert _until(lambda: l3.online), l3.state
+            stuck, reaped, behind = job("prefetch", "a"), job("prefetch", "b"), \
+                job("prefetch", "c")
+            remove, put = L3Job("remove", ["^x/"]), job("put", "p")
+            meta = L3Job("meta", [], call=healthy)
+            for j in (stuck, reaped, behind, remove, put, meta):
+                l3.submit(j)
+            assert l3.cancel(reaped, "cancelled")  # (still queued: its client was reaped)
+            assert _until(lambda: "read" in l3.stalled(), 15), l3.stalled()
+            assert reaped.misses == {"cancelled": 1} and behind.misses == {"stalled": 1}
+            assert m.value("l3_errors", "stalled") == 1  # (``cancelled`` is no error)
+            assert not l3.hung()  # the meta worker's job is healthy: a stop waits for it
+            time.sleep(HUNG_CALL_S + 0.5)  # the remove has run past 2 s: no stall
+            assert _until(lambda: put in l3.completed, 5) and put.written == 1
+            assert set(l3.stalled()) == {"read"} and remove.misses == {}
+            meta_gate.set()
+            assert _until(lambda: meta in l3.completed) and meta.value == "ok"
+            assert _until(l3.hung, 2)  # only the stalled call runs now
+            assert m.value("l3_stalled", "write") == 0 == m.value("l3_stalled", "meta")
+        finally:
+            gate.set()
+            meta_gate.set()
+        assert _until(lambda: not l3.stalled() and stuck in l3.completed, 5)
+        assert not l3.hung()
