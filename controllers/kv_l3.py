@@ -41,9 +41,12 @@ Read-through, never blocking the server thread (every L3 call runs on the L3 wor
   prefetch job and answers those keys *pending*. When the job completes, each object whose
   header, length and checksum verify becomes an entry (or fills that slot of an entry a put
   made meanwhile); the others free their rows and are remembered absent for ``ABSENT_TTL``
-  seconds, so the client's retry gets 0, never bytes. Every key a ``kv_get`` answers 0 after
-  consulting L3 (known absent or corrupt, offline, no row free, no usable epoch) counts in
-  ``l3_pages{result="kv_miss"}``.
+  seconds, so the client's retry gets 0, never bytes. While the prefetch worker is stalled (a
+  storage node holds its call, ``MooncakeL3.stalled``) a key known present is a miss at once
+  (no row taken, nothing remembered; counted ``l3_errors{kind="stalled"}`` too), and a prefetch
+  answered ``stalled`` unrun frees its rows without remembering its keys absent. Every key a
+  ``kv_get`` answers 0 after consulting L3 (known absent or corrupt, offline, stalled, no row
+  free, no usable epoch) counts in ``l3_pages{result="kv_miss"}``.
 * ``exists`` (``kv_exists``) answers from what the daemon knows: entries, objects it wrote
   or saw (present for ``PRESENT_TTL`` s), objects found absent (``ABSENT_TTL`` s). An unknown
   key starts one asynchronous query and is answered *pending*; the client asks again.
@@ -354,6 +357,8 @@ class KvL3:
         todo: list[tuple[int, Ident]] = []
         asked: set[Ident] = set()
         unknown: dict[Ident, None] = {}
+        stalled = "read" in self.l3.stalled()  # a storage node holds the prefetch worker: a
+        # key the store holds is a miss now, no entry evicted for it, nothing remembered
         for j, k in missing:
             ident = (ep.space, ep.ns, ep.slot, k)
             if ident in self.fetching or ident in asked or ident in self.querying:
@@ -365,6 +370,9 @@ class KvL3:
             a = False if epoch is False else self._answer(ident, now, epoch)
             if a is False:
                 misses += 1
+            elif a and stalled:
+                misses += 1
+                self.st.metrics.inc("l3_errors", 1, "stalled")
             elif a is None:  # ask first: rows are taken (and entries evicted) only for objects
                 unknown[ident] = None  # the store holds
                 pending.append(j)
@@ -375,9 +383,6 @@ class KvL3:
             gone = {j for j, k in missing if (ep.space, ep.ns, ep.slot, k) in unknown}
             misses += len(gone)
             pending = [j for j in pending if j not in gone]
-        if todo and "read" in self.l3.stalled():  # a storage node holds the prefetch worker:
-            misses, todo = misses + len(todo), []  # a miss now, no entry evicted for it, and
-            # nothing remembered (the store still holds it)
         rows = self.store.take_rows(ep.space, len(todo), keep) if todo else []
         misses += len(todo) - len(rows)  # no room for these
         todo = todo[:len(rows)]
@@ -425,12 +430,13 @@ class KvL3:
             self._free(space, rows)
             return
         stale = not self.epochs.fresh(ns, epoch)
+        unrun = "stalled" in job.misses  # (answered unrun: says nothing of the store)
         present = job.present + [0] * (len(idents) - len(job.present))
         od = self.store.entries[space]
         free = []
         for ident, row, ok in zip(idents, rows, present):
             self.fetching.discard(ident)
-            if stale:
+            if stale or (unrun and not ok):
                 free.append(row)
                 continue
             if not ok:

@@ -480,7 +480,8 @@ class MooncakeL3:
             out.append(job)
 
     def stalled(self) -> dict[str, str]:
-        """The stalled queues (``read``, ``write``) and why, while their calls are stuck."""
+        """The stalled queues (``read``, ``write``, ``meta``) and why, while their calls are
+        stuck."""
         with self._lock:
             return dict(self._stalled)
 
@@ -626,15 +627,14 @@ class MooncakeL3:
             job = q.get()
             if job is None:
                 return
-            with self._lock:
+            me = threading.get_ident()
+            with self._lock:  # (one hold: a job taken is in ``_timed`` at once, for ``hung``)
                 job.started = True
                 self._running += 1
-            why = "stopping" if self._draining.is_set() else job.cancelled
-            online = self.online  # (read once: the job runs its calls, timed, or none)
-            called = not why and online
-            me = threading.get_ident()
-            if called:  # (``_call`` times each of the job's calls)
-                with self._lock:
+                why = "stopping" if self._draining.is_set() else job.cancelled
+                online = self.online  # (read once: the job runs its calls, timed, or none)
+                called = not why and online
+                if called:  # (``_call`` times each of the job's calls)
                     self._timed.add(me)
             try:
                 if why:  # nobody waits for it any more: no Mooncake call
@@ -662,14 +662,15 @@ class MooncakeL3:
                 job.misses["error"] = job.misses.get("error", 0) + 1
             job.t_end = time.monotonic()
             with self._lock:
+                if job.kind == "put":
+                    self.put_pages_queued -= len(job.keys)
+                    self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
+            self._complete(job)  # (before it leaves ``_timed``: never a running job that
+            with self._lock:  # ``hung`` does not see, nor one the server cannot collect)
                 self._running -= 1
                 if called:  # a Mooncake call ran: it spoke for the master
                     self._last_call = job.t_end
                     self._timed.discard(me)
-                if job.kind == "put":
-                    self.put_pages_queued -= len(job.keys)
-                    self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
-            self._complete(job)
 
     def _call(self, fn: Callable[..., Any], *args: Any, data: bool = False) -> Any:
         """One Mooncake call of a worker's job, timed while it runs (``call_age``); ``data``:

@@ -50,6 +50,7 @@ class FakeL3:
         self.small: dict[str, bytes] = {}
         self.store: set[str] = set()
         self.data: dict[str, list] = {}
+        self.stalled_queues: dict[str, str] = {}  # what ``stalled()`` says (the test sets it)
 
     def submit(self, job: Any) -> None:
         job.t_submit = time.monotonic()
@@ -64,6 +65,20 @@ class FakeL3:
     def cancel(self, job: Any, why: str) -> bool:
         job.cancelled = job.cancelled or why
         return not job.started
+
+    def stalled(self) -> dict[str, str]:
+        return dict(self.stalled_queues)
+
+    def drop(self, job: Any, why: str) -> None:
+        """``job`` taken out of the queue and ended unrun, as the real tier's ``_stall``
+        does (its own cancel reason first)."""
+        self.queued.remove(job)
+        job.started = True
+        why = job.cancelled or why
+        job.misses[why] = len(job.keys)
+        job.present = [0] * len(job.keys) if job.each else []
+        job.t_end = time.monotonic()
+        self.completed.append(job)
 
     # meta helpers
     def get_small(self, key: str) -> bytes | None:

@@ -322,3 +322,55 @@ def test_a_stop_that_finds_the_master_hung_first_takes_what_finished(dstate: Any
     assert not st.wait_idle(5)  # the stuck query is left
     assert st.kv_store.l3.pinned == 0  # the put was taken: its rows are no longer pinned
     assert [j.kind for j in st.l3_ops.values()] == ["query"]
+
+
+def test_while_prefetches_stall_a_kv_get_misses_without_evicting_or_forgetting(
+        dstate: Any) -> None:
+    """While a storage node holds the prefetch worker (stalled), a ``kv_get`` of keys known
+    present took store rows (evicting entries for them) for a prefetch answered ``stalled``
+    at once, and remembered the keys absent, so ``kv_exists`` said absent and the next
+    ``kv_get`` missed for ``ABSENT_TTL`` after the stall ended (the forty-fourth session's
+    reviews). Now such a key is a miss at once, nothing taken, nothing remembered (once per
+    position, a key named twice too); a fetch sent before the stall and dropped by it gives
+    its row back and forgets nothing; and after the stall both keys are fetched."""
+    st = dstate
+    l3 = with_l3(st, recheck=600.0)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([1, 2]))
+    assert r["stored"] == [1, 1]
+    for _ in range(2):  # the namespace's epoch, then the write-through
+        l3.run_all()
+        pump(st)
+    want = {k: [t[r].clone() for t in ep.layers] for k, r in (("k0", 1), ("k1", 2))}
+    st.kv_store.drop(ep.ns)  # the host entries go; L3 keeps the pages
+    alloc = st.group.allocators["page"]
+    used = alloc.used_rows
+    stalled = st.metrics.value("l3_errors", "stalled")
+    r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": ["k0"], "pages": 0}, ids([3]))
+    assert r["pending"] == [0], r
+    (early,) = [j for j in l3.queued if j.kind == "prefetch"]
+    assert alloc.used_rows == used + 1
+    l3.stalled_queues["read"] = "a prefetch call has not returned for 2.0 s"
+    l3.drop(early, "stalled")  # queued when the stall was found
+    pump(st)
+    assert early.misses == {"stalled": 1} and alloc.used_rows == used  # its row back
+    r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": ["k1", "k1"], "pages": 0},
+                ids([3, 4]))
+    assert r["found"] == [0, 0] and not r["pending"], r
+    assert not [j for j in l3.queued if j.kind == "prefetch"] and alloc.used_rows == used
+    assert st.metrics.value("l3_errors", "stalled") == stalled + 2
+    r, _ = call(st, c, "kv_exists", {"name": "c4_kv", "keys": ["k0", "k1"]})
+    assert r == {"present": [1, 1], "pending": []}, r  # still known present
+    l3.stalled_queues.clear()  # the call returned
+    r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([5, 6]))
+    assert r["pending"] == [0, 1], r
+    l3.run_all()
+    pump(st)
+    r, _ = call(st, c, "kv_get", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([5, 6]))
+    assert r["found"] == [1, 1], r
+    for k, dev in (("k0", 5), ("k1", 6)):
+        assert all(bool((t[dev] == w).all()) for t, w in zip(ep.layers, want[k])), k
