@@ -255,6 +255,22 @@ def test_removals_still_share_a_job_when_no_put_under_their_epoch_followed_it(ds
     assert st.kv_store.l3.gc_waiting == 0 and st.kv_store.l3.pinned == 0 and not st.l3_ops
 
 
+def _two_pages_written_through(st: Any) -> tuple[Any, Any, Any]:
+    """A stand-in tier (epochs rechecked every 600 s), a client and its ``c4_kv`` pool, whose
+    rows 1 and 2 were put as ``k0`` and ``k1`` and written through to L3: (tier, client,
+    pool)."""
+    l3 = with_l3(st, recheck=600.0)
+    c = client(st)
+    ep = engine_pool(st, c, "c4_kv", "c4_kv")
+    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
+                ids([1, 2]))
+    assert r["stored"] == [1, 1]
+    for _ in range(2):  # the namespace's epoch, then the write-through
+        l3.run_all()
+        pump(st)
+    return l3, c, ep
+
+
 def test_a_fetch_queued_behind_a_hung_call_gives_its_row_back_at_its_deadline(
         dstate: Any) -> None:
     """A key-store fetch queued behind a read call that hangs (a storage node that accepts and
@@ -265,15 +281,7 @@ def test_a_fetch_queued_behind_a_hung_call_gives_its_row_back_at_its_deadline(
     from hicache.controllers.kv_l3 import READ_DEADLINE
 
     st = dstate
-    l3 = with_l3(st, recheck=600.0)
-    c = client(st)
-    ep = engine_pool(st, c, "c4_kv", "c4_kv")
-    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
-                ids([1, 2]))
-    assert r["stored"] == [1, 1]
-    for _ in range(2):  # the namespace's epoch, then the write-through
-        l3.run_all()
-        pump(st)
+    l3, c, ep = _two_pages_written_through(st)
     epoch = st.kv_store.l3.epochs.current(ep.ns)
     assert {object_key(st.kv_store.l3.prefix, ep.ns, epoch, "c4_kv", k)
             for k in ("k0", "k1")} <= l3.store
@@ -334,15 +342,7 @@ def test_while_prefetches_stall_a_kv_get_misses_without_evicting_or_forgetting(
     position, a key named twice too); a fetch sent before the stall and dropped by it gives
     its row back and forgets nothing; and after the stall both keys are fetched."""
     st = dstate
-    l3 = with_l3(st, recheck=600.0)
-    c = client(st)
-    ep = engine_pool(st, c, "c4_kv", "c4_kv")
-    r, _ = call(st, c, "kv_put", {"name": "c4_kv", "keys": ["k0", "k1"], "pages": 0},
-                ids([1, 2]))
-    assert r["stored"] == [1, 1]
-    for _ in range(2):  # the namespace's epoch, then the write-through
-        l3.run_all()
-        pump(st)
+    l3, c, ep = _two_pages_written_through(st)
     want = {k: [t[r].clone() for t in ep.layers] for k, r in (("k0", 1), ("k1", 2))}
     st.kv_store.drop(ep.ns)  # the host entries go; L3 keeps the pages
     alloc = st.group.allocators["page"]

@@ -503,6 +503,19 @@ def test_a_probe_left_unanswered_counts_as_hung_and_none_starts_once_closing():
         assert l3._ask(0.1) is None and (l3._asking is None or l3._asking.done.is_set())
 
 
+def _page_job(kind: str, key: str) -> Any:
+    """An ``L3Job`` of one 8-byte page (a format that needs no arena: the stand-in stores
+    never touch the bytes)."""
+    import types
+
+    from hicache.controllers.l3_store import L3Job
+
+    fmt = types.SimpleNamespace(kind="full", pieces_per_object=1, payload_bytes=8,
+                                obj_bytes=F.HEADER_BYTES + 8, page_tokens=4,
+                                pieces=lambda rows: ([0], [8]), checksum=lambda rows: 0)
+    return L3Job(kind, [key], rows=[{"page": 0}], fmt=fmt)
+
+
 def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
     """A storage node that hangs (the master answering) held a prefetch's transfer call up to
     Mooncake's own timeout, and every read queued behind it, queries too (which the master
@@ -512,8 +525,6 @@ def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
     the jobs queued behind it and those submitted meanwhile are answered at once as
     ``stalled`` misses, a stop does not wait for it (``hung()``), and its return ends the
     stall. The tier stays online throughout."""
-    import types
-
     from hicache.controllers.l3_store import HUNG_CALL_S, LIVENESS_S, L3Job
 
     gate = threading.Event()
@@ -527,18 +538,12 @@ def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
             gate.wait(30)
             return [0] * len(keys)
 
-    fmt = types.SimpleNamespace(kind="full", pieces_per_object=1, payload_bytes=8,
-                                obj_bytes=F.HEADER_BYTES + 8, page_tokens=4,
-                                pieces=lambda rows: ([0], [8]), checksum=lambda rows: 0)
-
-    def job(kind: str, key: str) -> L3Job:
-        return L3Job(kind, [key], rows=[{"page": 0}], fmt=fmt)
-
     with _tier(NodeHangs) as (l3, m):
         assert _until(lambda: l3.online), l3.state
         try:
             t0 = time.monotonic()
-            stuck, behind, put = job("prefetch", "a"), job("prefetch", "b"), job("put", "p")
+            stuck, behind = _page_job("prefetch", "a"), _page_job("prefetch", "b")
+            put = _page_job("put", "p")
             for j in (stuck, behind, put):
                 l3.submit(j)
             query = L3Job("query", ["a", "b"], each=True)
@@ -551,7 +556,7 @@ def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
             assert l3.online and l3.hung() and m.value("l3_transitions", "offline") == 0
             assert m.value("l3_stalled", "read") == 1 == m.value("l3_stalled", "write")
             assert behind in l3.completed and behind.misses == {"stalled": 1}
-            late, late_put = job("prefetch", "c"), job("put", "q")
+            late, late_put = _page_job("prefetch", "c"), _page_job("put", "q")
             l3.submit(late)
             l3.submit(late_put)  # answered now, not queued: no pages wait for the write worker
             assert late.misses == {"stalled": 1} == late_put.misses and late_put in l3.completed
@@ -563,7 +568,7 @@ def test_a_storage_node_that_hangs_stalls_its_queue_not_the_tier():
             assert m.value("l3_stalled", "read") == 0 == m.value("l3_stalled", "write")
             assert _until(lambda: stuck in l3.completed and put in l3.completed)
             assert stuck.misses == {"miss": 1} and put.written == 1 and l3.put_pages_queued == 0
-            after = job("prefetch", "d")
+            after = _page_job("prefetch", "d")
             l3.submit(after)  # runs again
             assert _until(lambda: after in l3.completed) and after.misses == {"miss": 1}
             assert l3.online and m.value("l3_transitions", "offline") == 0
@@ -579,8 +584,6 @@ def test_a_stall_holds_neither_the_other_workers_nor_calls_only_the_master_answe
     stalled the write queue and dropped the puts behind it; only calls that move data stall.
     (3) A queued job already cancelled (acked at its deadline, or its client reaped) was
     dropped as ``stalled`` and counted an error a second time; it keeps its own reason."""
-    import types
-
     from hicache.controllers.l3_store import HUNG_CALL_S, L3Job
 
     gate, meta_gate = threading.Event(), threading.Event()
@@ -597,13 +600,6 @@ def test_a_stall_holds_neither_the_other_workers_nor_calls_only_the_master_answe
         def batch_put_from_multi_buffers(self, keys: list[str], *a: object) -> list[int]:
             return [0] * len(keys)
 
-    fmt = types.SimpleNamespace(kind="full", pieces_per_object=1, payload_bytes=8,
-                                obj_bytes=F.HEADER_BYTES + 8, page_tokens=4,
-                                pieces=lambda rows: ([0], [8]), checksum=lambda rows: 0)
-
-    def job(kind: str, key: str) -> L3Job:
-        return L3Job(kind, [key], rows=[{"page": 0}], fmt=fmt)
-
     def healthy(tier: Any) -> str:
         tier._call(meta_gate.wait, 30)  # a call of the master's, as long as the test wants
         return "ok"
@@ -611,9 +607,9 @@ def test_a_stall_holds_neither_the_other_workers_nor_calls_only_the_master_answe
     with _tier(NodeHangs) as (l3, m):
         try:
             assert _until(lambda: l3.online), l3.state
-            stuck, reaped, behind = job("prefetch", "a"), job("prefetch", "b"), \
-                job("prefetch", "c")
-            remove, put = L3Job("remove", ["^x/"]), job("put", "p")
+            stuck, reaped, behind = _page_job("prefetch", "a"), _page_job("prefetch", "b"), \
+                _page_job("prefetch", "c")
+            remove, put = L3Job("remove", ["^x/"]), _page_job("put", "p")
             meta = L3Job("meta", [], call=healthy)
             for j in (stuck, reaped, behind, remove, put, meta):
                 l3.submit(j)

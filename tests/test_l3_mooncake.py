@@ -96,6 +96,15 @@ def wait_offline(c: Client, timeout: float = 20.0) -> float:
     return time.monotonic() - t0
 
 
+def stopped_soon(d: Any, code: Any, took: float, out: str, what: str, says: str) -> None:
+    """A stop (``stop_taking_acks``) with ``what`` hung exited cleanly within 5 s, its log
+    saying ``says``."""
+    print(f"stopped in {took:.2f} s with {what}")
+    assert d.clean_exit(code), (code, out[-2000:])
+    assert took < 5, took
+    assert says in out, out[-2000:]
+
+
 def stop_taking_acks(d: Any, c: Client, ops: list[Any]) -> tuple[list[Any], Any, float]:
     """SIGTERM ``d`` and take the acks of ``ops`` as it stops (an engine waits on them
     meanwhile; what a client has not read when the daemon exits is lost with the connection):
@@ -869,10 +878,8 @@ def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daem
         out = d.output()
     finally:
         os.kill(store.member.pid, signal.SIGCONT)
-    print(f"stopped in {took:.2f} s with a storage node hung")
-    assert d.clean_exit(code), (code, out[-2000:])
-    assert took < 5, took
-    assert "wait on a storage node that does not answer (stalled: read)" in out, out[-2000:]
+    stopped_soon(d, code, took, out, "a storage node hung",
+                 "wait on a storage node that does not answer (stalled: read)")
 
 
 def test_serve_check_says_whether_the_master_and_the_metadata_server_answer(store, tmp_path):
