@@ -328,3 +328,9 @@ def test_stats_summary_of_a_reply_without_what_the_daemon_serves():
                    "host_split": "device", "pid": 7, "version": "0.1.0", "uptime_s": 1.5}
     assert summary(s).splitlines()[0] == ("device cpu: m stage 1/2 layers [3, 6), swa paged, "
                                           "host split device; pid 7, hicache 0.1.0, up 1.5 s")
+    s["l3"] = {"state": "online", "why": None, "master": "127.0.0.1:50051",
+               "put_queue_pages": 0, "stalled": {"read": "a prefetch call has not returned"}}
+    assert summary(s).splitlines()[-2:] == [
+        "  l3: online; master 127.0.0.1:50051, put queue 0 pages",
+        "  l3 read worker stalled: a prefetch call has not returned; its jobs are answered as "
+        "misses until that call returns"]

@@ -73,6 +73,9 @@ def summary(s: dict[str, Any]) -> str:
         why = f" ({l3['why']})" if l3.get("why") else ""
         lines.append(f"  l3: {l3.get('state')}{why}; master {l3.get('master')}, put queue "
                      f"{l3.get('put_queue_pages')} pages")
+        for queue, stuck in sorted((l3.get("stalled") or {}).items()):
+            lines.append(f"  l3 {queue} worker stalled: {stuck}; its jobs are answered as "
+                         f"misses until that call returns")
     if "kv_store" in s:
         kv = s["kv_store"]
         lines.append(f"  key store: entries {kv.get('entries')}")
