@@ -443,8 +443,8 @@ class MooncakeL3:
 
     def _stall(self, now: float) -> None:
         """The master answered a probe: each ``STALLABLE`` queue whose worker is in a call that
-        has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call returns), and its
-        queued jobs complete at once unrun, ``misses["stalled"]``."""
+        moves data and has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call
+        returns), and its queued jobs complete at once unrun, ``misses["stalled"]``."""
         new: list[tuple[str, float]] = []
         dropped: list[L3Job] = []
         with self._lock:  # (the queue emptied in the same hold: a stall that ends meanwhile
@@ -695,8 +695,8 @@ class MooncakeL3:
                     if was is not None:
                         self.metrics.set("l3_stalled", 0, which)
                 if was is not None:
-                    log.warning("L3: the %s worker's stalled Mooncake call returned after "
-                                "%.1f s; its jobs run again", which, time.monotonic() - began)
+                    log.info("L3: the %s worker's stalled Mooncake call returned after %.1f s; "
+                             "its jobs run again", which, time.monotonic() - began)
 
     def _complete(self, job: L3Job) -> None:
         """A finished job: counted, handed to the server thread, which is woken."""
