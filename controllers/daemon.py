@@ -402,12 +402,10 @@ class Daemon:
         if st.l3 is not None:  # queued L3 jobs complete unrun: no backlog of writes at a stop
             st.l3.drain()
         t0 = time.monotonic()
-        idle = st.wait_idle(timeout)
-        while not idle and not st.l3_hung() and time.monotonic() - t0 < timeout:
-            idle = st.wait_idle(timeout - (time.monotonic() - t0))  # (a stall ended meanwhile)
-        if not idle:
+        waited = st.wait_idle(timeout)
+        if waited != "idle":
             stalled = st.l3.stalled() if st.l3 is not None else {}
-            if st.l3_hung():
+            if waited == "hung":
                 log.warning("shutdown: %d L3 jobs wait on %s; not waiting for Mooncake's "
                             "timeout: they are answered as stopped (nothing found or written; "
                             "a kv_clear failed), and the host arena stays mapped until the "

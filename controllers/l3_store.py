@@ -156,10 +156,6 @@ HUNG_CALL_S = 2.0
 # meanwhile; the probe runs on a thread of its own, so a hung master holds the connector (and
 # a stop) at most this long
 PROBE_WAIT_S = 2.0
-# the queues whose jobs make calls that move data from or to a storage node (prefetch; put;
-# the key store's small objects), which a hung node holds while the master answers: they stall
-# (``_stall``)
-STALLABLE = L3_STALLABLE
 # a connect that failed the metadata or the set-up check (a setting, or a hung server: not one
 # that is down) is tried again this often, not with the probe's backoff
 SETUP_RETRY_S = 10.0
@@ -302,8 +298,6 @@ class MooncakeL3:
         self._threads += [threading.Thread(target=self._worker, args=(k,), name=f"l3-{k}",
                                            daemon=True) for k in self._queues]
         metrics.set("l3_online", 0)
-        for k in STALLABLE:
-            metrics.set("l3_stalled", 0, k)
         for t in self._threads:
             t.start()
 
@@ -442,15 +436,15 @@ class MooncakeL3:
                                 f"s (hung?)" if ok is None else "a probe of the master failed")
 
     def _stall(self, now: float) -> None:
-        """The master answered a probe: each ``STALLABLE`` queue whose worker is in a call that
-        moves data and has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call
+        """The master answered a probe: each ``L3_STALLABLE`` queue whose worker is in a call
+        that moves data and has run ``HUNG_CALL_S`` stalls (``_call`` ends it when that call
         returns), and its queued jobs complete at once unrun, ``misses["stalled"]``."""
         new: list[tuple[str, float]] = []
         dropped: list[L3Job] = []
         with self._lock:  # (the queue emptied in the same hold: a stall that ends meanwhile
             for me, began in self._calls.items():  # waits for this lock, ``_call``)
                 which = self._queue_of.get(me, "")
-                if which in STALLABLE and which not in self._stalled and \
+                if which in L3_STALLABLE and which not in self._stalled and \
                         me in self._moving and now - began >= HUNG_CALL_S:
                     self._stalled[which] = (
                         f"a {_WHAT[which]} call has not returned for {now - began:.1f} s while "
@@ -594,7 +588,7 @@ class MooncakeL3:
         with self._lock:
             job.started = True
             if queued:
-                why = job.cancelled or ("stopping" if self._draining.is_set() else why)
+                why = self._unrun_reason(job) or why
                 if job.kind == "put":
                     self.put_pages_queued -= len(job.keys)
                     self.metrics.set("l3_put_queue_pages", self.put_pages_queued)
@@ -619,6 +613,11 @@ class MooncakeL3:
             job.cancelled = job.cancelled or why
             return not job.started
 
+    def _unrun_reason(self, job: L3Job) -> str:
+        """Why a queued ``job`` is to end with no Mooncake call ("" when it is to run): the
+        daemon stops, or it was cancelled (``cancel``)."""
+        return "stopping" if self._draining.is_set() else job.cancelled
+
     def _worker(self, which: str) -> None:
         q = self._queues[which]
         with self._lock:
@@ -631,7 +630,7 @@ class MooncakeL3:
             with self._lock:  # (one hold: a job taken is in ``_timed`` at once, for ``hung``)
                 job.started = True
                 self._running += 1
-                why = "stopping" if self._draining.is_set() else job.cancelled
+                why = self._unrun_reason(job)
                 online = self.online  # (read once: the job runs its calls, timed, or none)
                 called = not why and online
                 if called:  # (``_call`` times each of the job's calls)

@@ -45,7 +45,10 @@ STATUSES = ("ok", "error")
 OP_STATUSES = (*STATUSES, "cancelled")  # a transfer of a reaped client: neither done nor failed
 ERROR_KINDS = (*ERROR_CODES, "transfer", "internal")
 FALLBACKS = ("numa_first_touch", "numa_preferred")
-L3_STALLABLE = ("read", "write", "meta")  # L3 worker queues a hung storage node stalls
+# the L3 worker queues whose jobs move data from or to a storage node (prefetch; put; the key
+# store's small objects), which a hung node holds while the master answers: they stall
+# (``l3_store.MooncakeL3._stall``)
+L3_STALLABLE = ("read", "write", "meta")
 FLUSH_AT = 1024  # queued command / transfer records applied at once by the recording thread
 PATHS = ("numpy", "memmove", "rows_reference", "rows_zero_copy", "rows_staged", "rows_dma",
          "tokens_reference", "tokens_zero_copy", "tokens_staged", "by_layer", "clear")

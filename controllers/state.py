@@ -633,17 +633,19 @@ class DaemonState:
             self.metrics.set("host_free_run_mean_rows", st["mean_free_run"], s)
             self.metrics.set("host_fragmentation_ratio", st["fragmentation"], s)
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Collect until nothing is in flight (True), at most ``timeout`` s. False sooner when
-        all that is left is L3 jobs whose calls wait on a master or a storage node that no
-        longer answers (``l3_hung``): they would hold a stop up to Mooncake's timeout."""
+    def wait_idle(self, timeout: float) -> str:
+        """Collect until nothing is in flight (``"idle"``), at most ``timeout`` s
+        (``"timeout"``); ``"hung"`` sooner when all that is left is L3 jobs whose calls wait on
+        a master or a storage node that no longer answers (``l3_hung``): they would hold a stop
+        up to Mooncake's timeout. (One answer, so a caller never asks ``l3_hung`` again after a
+        stall that ended meanwhile.)"""
         deadline = time.monotonic() + timeout
         while not self.idle() and time.monotonic() < deadline:
             if not self.collect():  # (what finished is taken first: acked with its results)
                 if self.l3_hung():
-                    return False
+                    return "hung"
                 time.sleep(0.001)
-        return self.idle()
+        return "idle" if self.idle() else "timeout"
 
     def l3_hung(self) -> bool:
         """Only L3 jobs are in flight, and a call of theirs waits on a master or a storage node
