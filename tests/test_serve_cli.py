@@ -342,6 +342,9 @@ def test_a_start_up_refusal_after_validation_names_where_its_settings_came_from(
     ({"min_sparse_prompt_len": "100"}, "--min-sparse-prompt-len applies with --sparse-rows"),
     ({"sparse_clients": "2"}, "--sparse-clients applies with --sparse-rows"),
     ({"sparse_rows": "4", "sparse_clients": "0"}, r"--sparse-clients must be 1\.\.64"),
+    # a prompt of 1-3 tokens has no C4 token and would hold no row: admitted without bound
+    ({"sparse_rows": "4", "min_sparse_prompt_len": "3"},
+     r"--min-sparse-prompt-len must be at least 4 \(one C4 token"),
     ({"allow_remote": True, "socket": "ipc:///tmp/x/d.sock"}, "--allow-remote applies to a tcp"),
     ({"allow_remote": True}, "--allow-remote applies to a tcp"),
     ({"l3_protocol": "rdma"}, "--l3-protocol given but --l3 is off"),

@@ -40,7 +40,7 @@ from hicache.core.planner import (
     parse_fraction,
     plan, pp_size_of, refuse_unused, stage_layouts,
 )
-from hicache.core.resume import DEFAULT_PAGES_PER_CKPT
+from hicache.core.resume import C4_RATIO, DEFAULT_PAGES_PER_CKPT
 from hicache.core.sizes import (check_host_larger, check_rows, checkpoint_host_rows,
                                 format_bytes, host_rows, parse_bytes)
 
@@ -585,9 +585,10 @@ def validate(cfg: ServeConfig) -> None:
                          f"got {cfg.touch_threads}")
     if cfg.sparse_rows < 0:
         raise UsageError(f"--sparse-rows must be >= 0, got {cfg.sparse_rows}")
-    if cfg.min_sparse_prompt_len <= 0:
-        raise UsageError(f"--min-sparse-prompt-len must be positive, got "
-                         f"{cfg.min_sparse_prompt_len}")
+    if cfg.min_sparse_prompt_len < C4_RATIO:  # a shorter prompt has no C4 token: no row
+        raise UsageError(f"--min-sparse-prompt-len must be at least {C4_RATIO} (one C4 token; "
+                         f"a shorter prompt would hold no row, and nothing would bound how "
+                         f"many a client admits), got {cfg.min_sparse_prompt_len}")
     if not 1 <= cfg.sparse_clients <= cfg.max_clients:
         raise UsageError(f"--sparse-clients must be 1..{cfg.max_clients} (max_clients), got "
                          f"{cfg.sparse_clients}")

@@ -103,7 +103,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sparse_clients", _H, "HiSparse: clients that may hold a sparse region at once, "
             "each its own region of --sparse-rows rows, made on its first sparse command [1]"),
     Setting("min_sparse_prompt_len", _H, "HiSparse: shortest prompt (full tokens) admitted to "
-            "sparse mode"),
+            "sparse mode; at least 4 (one C4 token)"),
     Setting("write_policy", _E, "write_through, write_through_selective or write_back: the "
             "radix cache's write policy for engines of this daemon that set none"),
     Setting("l3", _L, "off or mooncake [off]"),
