@@ -62,10 +62,11 @@ def _daemon(tmp: Path, pp_size: int, rank: int, heartbeat_timeout: float = 10.0)
 
 
 @contextlib.contextmanager
-def _installed(tmp: Path, **install: Any) -> Iterator[tuple[Any, Any]]:
+def _installed(tmp: Path, heartbeat_timeout: float = 10.0,
+               **install: Any) -> Iterator[tuple[Any, Any]]:
     """A one-stage daemon and the adapter installed against it: (daemon, installation);
     both undone at the end."""
-    d = _daemon(tmp, 1, 0)
+    d = _daemon(tmp, 1, 0, heartbeat_timeout)
     inst = None
     try:
         inst = hs.install("dsv4-tiny", address=d.address, **install)
@@ -247,7 +248,7 @@ def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
     import logging
     import time
 
-    with _installed(tmp_path) as (d, inst):
+    with _installed(tmp_path, heartbeat_timeout=3.0, timeout=1.0) as (d, inst):
         F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         with caplog.at_level(logging.ERROR, logger="hicache.sglang"):
