@@ -1,20 +1,22 @@
 """The hicache metric catalog: every Prometheus metric, its labels and the question it answers.
 
-``Metrics(registry=None)`` holds the whole catalog and exports it through one collector in its
-own ``CollectorRegistry`` (never the global one, so two daemons, or a daemon and a demo, in one
-process do not collide). Hot paths use the small recording methods (``inc``, ``set``,
-``observe``: a dict update under one lock; ``command``, ``transfer``: the record is queued, a
-``deque.append``, and applied under the lock with the others queued at the next ``flush()``).
-Every reader flushes first (``families`` for ``/metrics`` and ``snapshot``, ``value``), and a
-recording flushes when ``FLUSH_AT`` records wait, so every read is exact and the queue stays
-small. ``snapshot()`` gives a JSON-able view (used by the daemon's ``stats`` reply),
-``exposition()`` the text format, ``serve_http(port)`` the ``/metrics`` endpoint.
+``Metrics()`` holds the whole catalog in plain dicts of its own (never prometheus-client's
+global registry, so two daemons, or a daemon and a demo, in one process do not collide). Hot
+paths use the small recording methods (``inc``, ``set``, ``observe``: a dict update under one
+lock; ``command``, ``transfer``: the record is queued, a ``deque.append``, and applied under the
+lock with the others queued at the next ``flush()``). Every reader flushes first
+(``exposition`` for ``/metrics``, ``snapshot``, ``value``), and a recording flushes when
+``FLUSH_AT`` records wait, so every read is exact and the queue stays small. ``snapshot()``
+gives a JSON-able view (used by the daemon's ``stats`` reply), ``exposition()`` the text format
+(``core.metrics_text``: the bytes prometheus-client would write, formatted from a copy of the
+values; a scrape costs the loop that long), ``serve_http(port)`` the ``/metrics`` endpoint.
 
 Every counter (and every histogram) starts at 0 for every label value known in advance:
 directions, statuses, protocol commands, error codes, fallback kinds, copy paths, and the pools
 of the layout once the daemon calls ``declare_pools``; so ``increase()`` sees the first event
 and a dashboard has a series from start-up. Base units only (bytes, seconds): rates are PromQL's
-job. Beside the catalog the registry carries the standard ``process_*`` metrics.
+job. After the catalog come the standard ``process_*`` metrics (prometheus-client's process
+collector, in a registry of its own).
 
 docs/metrics.md is generated from ``CATALOG`` (``python -m hicache.controllers.metrics``).
 """
@@ -32,12 +34,11 @@ from typing import Iterable
 import platform
 
 from hicache.core.metric_defs import LATENCY_BUCKETS, MetricDef
+from hicache.core.metrics_text import Hists, TextFormat, Values
 from hicache.core.protocol import COMMANDS, ERROR_CODES
 from hicache.core.version import __version__
 from hicache.core.metrics_http import MetricsHttp
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 # label values known in advance (series exist at 0 from start-up)
 DIRECTIONS = ("backup", "load", "swap_out", "swap_in", "clear_slot")
@@ -246,20 +247,20 @@ CATALOG: tuple[MetricDef, ...] = (
 
 
 class Metrics:
-    """All hicache metrics of one daemon (or demo), exported through one collector registered in
-    a dedicated ``CollectorRegistry``.
+    """All hicache metrics of one daemon.
 
     Values live in plain dicts keyed by label tuples; a record takes one uncontended lock and a
     dict update (well under a microsecond, where prometheus-client's own metric objects cost
-    1-3 us each). ``collect()`` builds the exposition families from a copy taken under the lock.
+    1-3 us each). The readers format a copy taken under the lock.
     """
 
     PREFIX = "hicache_"
 
-    def __init__(self, registry: CollectorRegistry | None = None,
-                 process_metrics: bool = True) -> None:
+    def __init__(self, process_metrics: bool = True) -> None:
         """``process_metrics``: also export ``process_*`` (CPU, memory, file descriptors)."""
-        self.registry = registry if registry is not None else CollectorRegistry()
+        # the process collector's own registry (never the global one): only process_* is in it
+        self.registry = CollectorRegistry()
+        self._text = TextFormat(CATALOG, self.PREFIX, LATENCY_BUCKETS)
         self.defs = {d.name: d for d in CATALOG}
         self._values: dict[str, dict[tuple[str, ...], float]] = {
             d.name: {} for d in CATALOG if d.kind != "histogram"}
@@ -302,7 +303,6 @@ class Metrics:
         self._zero("l3_deadline_misses", ("query", "prefetch", "meta"))
         self._zero_hist("l3_seconds", ("query", "prefetch", "put", "remove", "meta"))
         self._zero_hist("l3_batch_seconds", ("get", "put"))
-        self.registry.register(_Collector(self))
         if process_metrics:
             ProcessCollector(registry=self.registry)
 
@@ -423,71 +423,50 @@ class Metrics:
         return self._values[name].get(labels, 0.0)
 
     # ---------------------------------------------------------------- export
-    def families(self) -> list[Any]:
+    def _copy(self) -> tuple[Values, Hists]:
+        """Every value, flushed and copied under the lock (what the readers format)."""
         self.flush()
         with self._lock:
             values = {k: list(v.items()) for k, v in self._values.items()}
             hists = {k: [(lab, list(h[0]), h[1]) for lab, h in v.items()]
                      for k, v in self._hist.items()}
-        out = []
-        for d in CATALOG:
-            name = self.PREFIX + d.name
-            if d.kind == "counter":
-                fam = CounterMetricFamily(name, d.help, labels=d.labels)
-                for lab, v in values[d.name]:
-                    fam.add_metric(list(lab), v)
-            elif d.kind == "gauge":
-                fam = GaugeMetricFamily(name, d.help, labels=d.labels)
-                for lab, v in values[d.name]:
-                    fam.add_metric(list(lab), v)
-            else:
-                fam = HistogramMetricFamily(name, d.help, labels=d.labels)
-                for lab, counts, total in hists[d.name]:
-                    cum, buckets = 0, []
-                    for le, n in zip((*LATENCY_BUCKETS, math.inf), counts):
-                        cum += n
-                        buckets.append((floatToGoString(le), cum))
-                    fam.add_metric(list(lab), buckets, total)
-            out.append(fam)
-        return out
+        return values, hists
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
-        """{sample name: [{"labels": {...}, "value": v}]}; histograms give only _sum and _count."""
+        """{sample name: [{"labels": {...}, "value": v}]} of the catalog (the exposition's
+        samples; NaN and infinities as None); histograms give only _sum and _count (an int)."""
+        values, hists = self._copy()
         out: dict[str, list[dict[str, Any]]] = {}
-        for fam in self.families():
-            for s in fam.samples:
-                if s.name.endswith("_bucket") or s.name.endswith("_created"):
-                    continue
-                v = s.value
-                if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
-                    v = None
-                out.setdefault(s.name, []).append({"labels": dict(s.labels), "value": v})
+
+        def add(name: str, d: MetricDef, labels: tuple[str, ...], v: float) -> None:
+            out.setdefault(name, []).append({"labels": dict(zip(d.labels, labels)),
+                                             "value": v if math.isfinite(v) else None})
+
+        for d in CATALOG:
+            name = self.PREFIX + d.name
+            if d.kind == "histogram":
+                for labels, counts, total in hists[d.name]:
+                    add(name + "_count", d, labels, sum(counts))
+                    add(name + "_sum", d, labels, total)
+            else:
+                for labels, v in values[d.name]:
+                    add(name + ("_total" if d.kind == "counter" else ""), d, labels, v)
         return out
 
     def exposition(self) -> str:
-        """The Prometheus text format of everything (what /metrics serves)."""
-        return generate_latest(self.registry).decode()
+        """The Prometheus text format of everything (what /metrics serves): the catalog, then
+        the ``process_*`` metrics."""
+        return self._text.render(*self._copy()) + generate_latest(self.registry).decode()
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the /metrics endpoint on a daemon thread; returns the bound port."""
-        self._http = MetricsHttp(self.registry, port, addr)
+        self._http = MetricsHttp(lambda: self.exposition().encode(), port, addr)
         return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
             self._http = None
-
-
-class _Collector:
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterable[Any]:
-        return self.metrics.families()
-
-    def describe(self) -> Iterable[Any]:
-        return self.metrics.families()
 
 
 def markdown() -> str:

@@ -27,11 +27,12 @@ TARGET_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
 
 def exported(kinds: tuple[str, ...]) -> dict[str, set[str]]:
     """Sample name -> label names, from the live registries of the exporters named."""
-    registries = {"daemon": Metrics().registry, "demo": DemoMetrics().registry}
+    texts = {"daemon": lambda: Metrics().exposition(),
+             "demo": lambda: __import__("prometheus_client").generate_latest(
+                 DemoMetrics().registry).decode()}
     out: dict[str, set[str]] = {}
     for kind in kinds:
-        fams = text_string_to_metric_families(
-            __import__("prometheus_client").generate_latest(registries[kind]).decode())
+        fams = text_string_to_metric_families(texts[kind]())
         for fam in fams:
             base: set[str] = set()
             for s in fam.samples:

@@ -97,9 +97,11 @@ class DemoMetrics:
                 self.m[name].labels(v)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        from prometheus_client import generate_latest
+
         from hicache.core.metrics_http import MetricsHttp
 
-        return MetricsHttp(self.registry, port, addr).port
+        return MetricsHttp(lambda: generate_latest(self.registry), port, addr).port
 
 
 class _ScrubbingHooks(ClientHooks):
