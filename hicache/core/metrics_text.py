@@ -9,9 +9,13 @@ per bucket of ``buckets`` and +Inf last, not cumulative. Series appear in the or
 families in the catalog's order; a family without series still gets its HELP and TYPE lines.
 
 Why: a scrape runs on the endpoint's thread, and for as long as it runs Python the daemon's
-loop waits for the interpreter (docs/metrics.md, "What a scrape costs"). Here the text before
-each value (name, labels, bucket bound) is built once per series and kept, so a scrape formats
-only the numbers. Label values are escaped as Prometheus wants (backslash, quote, newline).
+loop waits for the interpreter (docs/metrics.md, "What a scrape costs"). Here each series'
+text is kept with the value it was written for, and written again only when the value
+changed: a counter or gauge whose value is the same object as last time (the copy holds the
+objects the metrics hold: unchanged means untouched), a histogram whose counts are equal and
+whose sum is the same object. The text before the values (name, labels, bucket bounds) is built
+once per series. Label values are escaped as Prometheus wants (backslash, quote, newline).
+Several threads may render at once (each entry is replaced whole).
 """
 from __future__ import annotations
 
@@ -49,43 +53,56 @@ class TextFormat:
             shown = prefix + d.name + ("_total" if d.kind == "counter" else "")
             doc = d.help.replace("\\", r"\\").replace("\n", r"\n")
             self._heads[d.name] = f"# HELP {shown} {doc}\n# TYPE {shown} {d.kind}\n"
-        self._series: dict[tuple[str, tuple[str, ...]], str] = {}
-        self._hist_series: dict[tuple[str, tuple[str, ...]], tuple[list[str], str, str]] = {}
+        # per series: its text before the value, and the last value (the object) with its line
+        self._lines: dict[tuple[str, tuple[str, ...]], tuple[str, object, str]] = {}
+        # per histogram series: its lines' heads, and the last counts and sum with the block
+        self._blocks: dict[tuple[str, tuple[str, ...]], tuple[list[str], str, str, tuple,
+                                                              object, str]] = {}
 
-    def _line_head(self, d: MetricDef, labels: tuple[str, ...]) -> str:
+    def _line(self, d: MetricDef, labels: tuple[str, ...], v: float) -> str:
         key = (d.name, labels)
-        head = self._series.get(key)
-        if head is None:
-            name = self.prefix + d.name + ("_total" if d.kind == "counter" else "")
-            head = self._series[key] = f"{name}{_labels(zip(d.labels, labels))} "
-        return head
+        got = self._lines.get(key)
+        if got is not None and got[1] is v:  # the same object: the same text
+            return got[2]
+        head = got[0] if got is not None else \
+            f"{self.prefix}{d.name}{'_total' if d.kind == 'counter' else ''}" \
+            f"{_labels(zip(d.labels, labels))} "
+        line = head + floatToGoString(v) + "\n"
+        self._lines[key] = (head, v, line)
+        return line
 
-    def _hist_heads(self, d: MetricDef, labels: tuple[str, ...]) -> tuple[list[str], str, str]:
-        key = (d.name, labels)
-        heads = self._hist_series.get(key)
-        if heads is None:
+    def _block(self, d: MetricDef, labels: tuple[str, ...], counts: list[int],
+               total: float) -> str:
+        key, ints = (d.name, labels), tuple(counts)
+        got = self._blocks.get(key)
+        if got is not None and got[3] == ints and got[4] is total:
+            return got[5]
+        if got is None:
             name, pairs = self.prefix + d.name, list(zip(d.labels, labels))
-            buckets = [f"{name}_bucket{_labels(pairs + [('le', le)])} " for le in self._les]
             plain = _labels(pairs)
-            heads = self._hist_series[key] = (buckets, f"{name}_count{plain} ",
-                                              f"{name}_sum{plain} ")
-        return heads
+            heads = ([f"{name}_bucket{_labels(pairs + [('le', le)])} " for le in self._les],
+                     f"{name}_count{plain} ", f"{name}_sum{plain} ")
+        else:
+            heads = got[:3]
+        out, cum, num = [], 0, floatToGoString
+        for head, n in zip(heads[0], counts):
+            cum += n
+            out.append(head + num(cum) + "\n")
+        out.append(heads[1] + num(cum) + "\n")
+        out.append(heads[2] + num(total) + "\n")
+        block = "".join(out)
+        self._blocks[key] = (*heads, ints, total, block)
+        return block
 
     def render(self, values: Values, hists: Hists) -> str:
         out: list[str] = []
-        put, num = out.append, floatToGoString
+        put = out.append
         for d in self.catalog:
             put(self._heads[d.name])
             if d.kind == "histogram":
                 for labels, counts, total in hists.get(d.name, ()):
-                    buckets, count_head, sum_head = self._hist_heads(d, labels)
-                    cum = 0
-                    for head, n in zip(buckets, counts):
-                        cum += n
-                        put(head + num(cum) + "\n")
-                    put(count_head + num(cum) + "\n")
-                    put(sum_head + num(total) + "\n")
+                    put(self._block(d, labels, counts, total))
             else:
                 for labels, v in values.get(d.name, ()):
-                    put(self._line_head(d, labels) + num(v) + "\n")
+                    put(self._line(d, labels, v))
         return "".join(out)
