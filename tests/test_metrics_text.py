@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import gzip
 import math
+import socket
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -157,20 +159,33 @@ def test_a_scrape_costs_a_fraction_of_prometheus_clients() -> None:
     assert ours * 3 < theirs, (ours, theirs)
 
 
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
 def test_the_endpoint_serves_gzip_and_refuses_what_it_does_not_offer() -> None:
     body = b"# HELP x X.\n# TYPE x gauge\nx 1.0\n"
     http = MetricsHttp(lambda: body, 0)
     url = f"http://127.0.0.1:{http.port}/metrics"
+    idle = socket.create_connection(("127.0.0.1", http.port))  # connects, sends nothing
     try:
+        t = time.monotonic()
         with urllib.request.urlopen(url, timeout=10) as r:
             assert r.read() == body
             assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-        req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+        assert time.monotonic() - t < 5  # the idle connection held nothing up
+        req = urllib.request.Request(url, headers={"Accept-Encoding": "deflate, GZIP;q=1.0"})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["Content-Encoding"] == "gzip"
             assert gzip.decompress(r.read()) == body
         for req, code, says in (
                 (urllib.request.Request(url, method="POST", data=b""), 405, b"use GET"),
+                (urllib.request.Request(url, method="HEAD"), 405, b""),
                 (urllib.request.Request(url + "?name[]=x"), 400, b"no query parameters")):
             try:
                 urllib.request.urlopen(req, timeout=10)
@@ -180,5 +195,37 @@ def test_the_endpoint_serves_gzip_and_refuses_what_it_does_not_offer() -> None:
         with urllib.request.urlopen(urllib.request.Request(url, method="OPTIONS"),
                                     timeout=10) as r:
             assert r.status == 200 and r.headers["Allow"] == "OPTIONS,GET"
+        # a request in pieces; a head over 16 KiB; a line that is no request line
+        with socket.create_connection(("127.0.0.1", http.port), timeout=10) as s:
+            for piece in (b"GET /met", b"rics HTTP/1.1\r\nHost: x\r", b"\n\r\n"):
+                s.sendall(piece)
+                time.sleep(0.05)
+            assert s.recv(65536).endswith(b"\r\n\r\n" + body)
+        assert _raw(http.port, b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n") \
+            .startswith(b"HTTP/1.1 431 ")
+        assert _raw(http.port, b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    finally:
+        idle.close()
+        t = time.monotonic()
+        http.close()
+        assert time.monotonic() - t < 1.0
+    with pytest.raises(OSError):  # closed: nothing listens
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_a_render_that_fails_is_one_500_and_the_endpoint_stays() -> None:
+    calls = []
+
+    def render() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return b"x 1.0\n"
+
+    http = MetricsHttp(render, 0)
+    try:
+        out = _raw(http.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 500 ") and b"RuntimeError" in out
+        assert _raw(http.port, b"GET /metrics HTTP/1.1\r\n\r\n").endswith(b"x 1.0\n")
     finally:
         http.close()
