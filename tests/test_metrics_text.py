@@ -213,6 +213,34 @@ def test_the_endpoint_serves_gzip_and_refuses_what_it_does_not_offer() -> None:
         urllib.request.urlopen(url, timeout=5)
 
 
+def _scrape_or_nothing(port: int) -> bytes:
+    try:
+        return _raw(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    except ConnectionResetError:  # closed unanswered while the request was on its way
+        return b""
+
+
+def test_connections_past_the_bound_are_closed_unanswered(monkeypatch: Any) -> None:
+    from hicache.core import metrics_http
+
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 2)
+    http = MetricsHttp(lambda: b"x 1.0\n", 0)
+    idle = [socket.create_connection(("127.0.0.1", http.port)) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both taken in
+        assert _scrape_or_nothing(http.port) == b""
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 5
+        while (got := _scrape_or_nothing(http.port)) == b"" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the idle connections' threads notice their close
+        assert got.endswith(b"x 1.0\n")
+    finally:
+        for s in idle:
+            s.close()
+        http.close()
+
+
 def test_a_render_that_fails_is_one_500_and_the_endpoint_stays() -> None:
     calls = []
 

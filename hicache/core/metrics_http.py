@@ -13,7 +13,8 @@ Why not the standard library's WSGI server: its request parsing and environ cost
 Python per scrape, during which the daemon's loop waits for the interpreter
 (docs/metrics.md, "What a scrape costs"); this reads the request line and the one header it
 uses. Each connection gets its own short-lived thread, so a client that connects and sends
-nothing (it is dropped after ``READ_TIMEOUT_S``) holds up no scrape.
+nothing (it is dropped after ``READ_TIMEOUT_S``) holds up no scrape; at most
+``MAX_CONNECTIONS`` at once, and a connection past them is closed unanswered.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Callable
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 MAX_HEAD = 16 << 10  # bytes of request line and headers read before 431
 READ_TIMEOUT_S = 10.0  # a connection that sends no whole request head in this long is dropped
+MAX_CONNECTIONS = 16  # served at once; one more is closed unanswered (no thread per flood)
 _REASONS = {200: "OK", 400: "Bad Request", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 500: "Internal Server Error"}
 log = logging.getLogger("hicache.metrics")
@@ -92,6 +94,7 @@ class MetricsHttp:
             raise
         self.port = int(self._sock.getsockname()[1])
         self._closing = False
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._thread = threading.Thread(target=self._accept, name="metrics-http", daemon=True)
         self._thread.start()
 
@@ -103,26 +106,40 @@ class MetricsHttp:
                 if not self._closing:
                     time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="metrics-http-conn",
-                             daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="metrics-http-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: this scrape is dropped, not the endpoint
+                self._slots.release()
+                conn.close()
+                time.sleep(0.05)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.settimeout(READ_TIMEOUT_S)
-                try:
-                    head = _read_head(conn)
-                except ValueError:
-                    status, headers, body = 431, [], b"# request head over 16 KiB\n"
-                else:
-                    if head is None:
-                        return
-                    status, headers, body = respond(head, self._render)
-                top = [f"HTTP/1.1 {status} {_REASONS[status]}", *(f"{k}: {v}" for k, v in headers),
-                       f"Content-Length: {len(body)}", "Connection: close", "", ""]
-                conn.sendall("\r\n".join(top).encode("latin-1") + body)
-            except OSError:  # the scraper went away, or sent nothing in time: nothing to do
-                pass
+                self._answer(conn)
+            finally:
+                self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(READ_TIMEOUT_S)
+            try:
+                head = _read_head(conn)
+            except ValueError:
+                status, headers, body = 431, [], b"# request head over 16 KiB\n"
+            else:
+                if head is None:
+                    return
+                status, headers, body = respond(head, self._render)
+            top = [f"HTTP/1.1 {status} {_REASONS[status]}", *(f"{k}: {v}" for k, v in headers),
+                   f"Content-Length: {len(body)}", "Connection: close", "", ""]
+            conn.sendall("\r\n".join(top).encode("latin-1") + body)
+        except OSError:  # the scraper went away, or sent nothing in time: nothing to do
+            pass
 
     def close(self) -> None:
         """Stop serving and close the listening socket (idempotent)."""
