@@ -377,6 +377,34 @@ def test_a_load_whose_ack_timed_out_keeps_its_device_rows_until_the_tier_is_rese
     tree.check()
 
 
+def test_a_row_epoch_that_moves_under_an_online_tree_forgets_its_host_tier():
+    """Every host row of the client given back while no tree call failed (a reap or a restart
+    the engine learned of from a heartbeat, a ``client.reset()``): the tree forgets its host
+    copies at its next question, instead of loading or freeing rows that may now hold other
+    pages (the daemon-level case: ``tests/test_radix_epoch_daemon.py``). A tree that held no
+    host row keeps its tier: it takes the new epoch (made before the client registered)."""
+    dev: dict = {}
+    hooks = FakeHooks(device=dev)
+    tree = RadixTree(12, hooks, policy="write_through")
+    hooks.epoch += 1  # registered after the tree was made: it held nothing
+    run_request(tree, seq("a", 4), dev)
+    tree.drain()
+    assert tree.host_online and tree.host_pages == 4 and tree.stats.host_offline == 0
+    assert tree.evict_device(4) == 4 and tree.match(seq("a", 4)) == (0, 4)
+    hooks.reset()  # every host row back; the next pages get the same row ids
+    assert tree.match(seq("a", 4)) == (0, 0) and not tree.host_online
+    assert tree.stats.host_offline == 1 and tree.host_pages == 0
+    assert hooks.calls[-1][0] == "backup"  # nothing loaded or freed since the reset
+    assert tree.reset_host_tier() is True and tree.host_online  # nothing forgotten is held
+    p = run_request(tree, seq("b", 4), dev)
+    tree.drain()
+    assert p.pages == 0 and tree.evict_device(4) == 4
+    p = run_request(tree, seq("b", 4), dev)  # checks the loaded content is b's
+    assert p.pages == 4 and p.host_pages == 4
+    assert len(hooks.free_rows) + tree.host_pages == hooks.capacity
+    tree.check()
+
+
 def test_a_reset_through_other_hooks_asks_the_hooks_that_sent_the_load():
     """Loads of unknown outcome are asked about through the hooks that sent them: other hooks
     (another client) know nothing of them, so their answer would hand the held rows back while

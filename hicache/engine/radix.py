@@ -65,7 +65,11 @@ they are held aside (``held_device_rows``) and reused only after ``reset_host_ti
 goes on only once none of those loads can still copy (``hooks.copies_running``, asked of the
 hooks that sent them; it returns False and changes nothing while one may), and only once the
 host rows the tree forgot are gone (``hooks.row_epoch`` moved on: the client registered or
-reset again; else a ``ValueError``). So is
+reset again; else a ``ValueError``). The same epoch is checked whenever the tree asks whether
+its host tier is online: one that moved while the tree was online (the engine learned of a
+reap or a daemon restart from a heartbeat and registered again, or reset the client) means the
+rows it held were freed, and may be handed out again: the tree forgets the host tier then
+(offline; ``reset_host_tier`` needs no further epoch). So is
 the destination of its checkpoint: a node's device row stays the node's and is held once
 evicted (``suspect_rows``); a request slot (ring SWA) is held (``held_slots``), the
 ``Prefix`` says ``slot_held`` (the request must move to another slot), and ``prepare`` refuses
@@ -132,7 +136,8 @@ class RadixTree(Snapshots):
         self.checkpoint_every = checkpoint_every
         self.checkpoint_branch = checkpoint_branch
         self.host_ckpt_capacity = host_ckpt_capacity
-        self.host_online = hooks is not None
+        self._online = hooks is not None  # read through ``host_online`` (radix_tiers)
+        self._online_epoch = hooks.row_epoch() if hooks is not None else None
         # device rows of accepted loads whose ack never came (``CopyOutcomeUnknown``: the
         # daemon may still be writing them): reused only after ``reset_host_tier``
         self.held_device_rows: list[int] = []

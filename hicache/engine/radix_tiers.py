@@ -23,7 +23,8 @@ class TierOps:
     hooks: TierHooks | None
     host_capacity: int | None
     host_ckpt_capacity: int | None
-    host_online: bool
+    _online: bool  # the host tier in use (read through host_online)
+    _online_epoch: Any  # the hooks' row_epoch when it came online
     held_device_rows: list[int]
     page_rows: set[int]
     suspect_rows: set[int]
@@ -40,6 +41,23 @@ class TierOps:
     _inflight: list[tuple[Any, list[Node], list[Node]]]
     _snapshots: set[Any]  # held boundary snapshots (radix_snapshots.Snapshot)
     _offline_rows: tuple[Any, Any] | None  # (hooks, their row_epoch) when the tier went offline
+
+    @property
+    def host_online(self) -> bool:
+        """Whether the host tier is in use. Its hooks' ``row_epoch`` is compared with the one it
+        came online at: moved on (the client registered, unregistered or reset since, say after
+        a reap or a daemon restart the engine learned of from a heartbeat) means every host
+        row the tree holds was freed and may belong to another page now: the tree forgets its
+        host tier (``_go_offline``, nothing left held) instead of loading or freeing them. A
+        tree that held no host row takes the new epoch and stays online."""
+        if self._online and self.hooks is not None and \
+                (epoch := self.hooks.row_epoch()) != self._online_epoch:
+            if self._host_lru or self._ckpt_lru or self._inflight or self._snapshots or \
+                    self._host_pending or self._ckpt_pending:
+                self._go_offline(rows_gone=True)
+            else:  # it held no host row (say the tree was made before the client registered)
+                self._online_epoch = epoch
+        return self._online
 
     @property
     def host_pages(self) -> int:
@@ -193,16 +211,17 @@ class TierOps:
         except HostTierError:
             self.stats.transfer_failures += 1
 
-    def _go_offline(self) -> None:
+    def _go_offline(self, rows_gone: bool = False) -> None:
         """The host tier is gone: forget every host copy, keep serving from the device. The
         hooks and their ``row_epoch`` are noted: while both are the same, the daemon may still
-        hold every host row forgotten here (``reset_host_tier`` refuses then)."""
-        if not self.host_online:
+        hold every host row forgotten here (``reset_host_tier`` refuses then); unless
+        ``rows_gone`` (the epoch moved on since the tier came online: they were freed)."""
+        if not self._online:
             return
-        self.host_online = False
+        self._online = False
         self.stats.host_offline += 1
         assert self.hooks is not None
-        self._offline_rows = (self.hooks, self.hooks.row_epoch())
+        self._offline_rows = None if rows_gone else (self.hooks, self.hooks.row_epoch())
         for _, nodes, ckpts in self._inflight:
             for n in nodes + ckpts:
                 n.io -= 1
@@ -272,7 +291,8 @@ class TierOps:
                              "register; after a restart, register), then reset the tier")
         self._offline_rows = None
         self.hooks = hooks
-        self.host_online = self.hooks is not None
+        self._online = self.hooks is not None
+        self._online_epoch = self.hooks.row_epoch() if self.hooks is not None else None
         held, self.held_device_rows = self.held_device_rows, []
         self.unknown_loads = []
         self.suspect_rows.clear()
