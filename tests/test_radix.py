@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -403,6 +404,42 @@ def test_a_row_epoch_that_moves_under_an_online_tree_forgets_its_host_tier():
     assert p.pages == 4 and p.host_pages == 4
     assert len(hooks.free_rows) + tree.host_pages == hooks.capacity
     tree.check()
+
+
+def test_a_tree_over_hooks_that_copy_other_rows_than_its_mirror_is_refused():
+    """Hooks that say what they copy (``resume``, as ``ClientHooks`` do) must copy what the
+    tree's mirror counts on: a full-mirror tree over checkpoint hooks counted pages whose SWA
+    and states were never copied as resumable hits (forty-fifth session's review), and a
+    checkpoint's rows (paged SWA ``swa_page`` rows, ring SWA request slots) must agree with
+    ``device_ckpts``. Refused when made, and at ``reset_host_tier`` with other hooks."""
+    from hicache.core.layout import build_layout, preset
+    from hicache.core.resume import ResumeModel
+
+    paged = ResumeModel(build_layout(preset("dsv4-flash"), swa_mode="paged"))
+    ring = ResumeModel(build_layout(preset("dsv4-flash"), swa_mode="ring"))
+
+    def saying(resume):
+        h = FakeHooks()
+        h.resume = resume
+        return h
+
+    for hooks, kw, says in (
+            (saying(paged), {}, "mirror='full' over hooks that copy checkpoints"),
+            (saying(None), {"mirror": "checkpoints"}, "over hooks without a resume model"),
+            (saying(paged), {"mirror": "checkpoints", "device_ckpts": False},
+             "device_ckpts=False but the hooks' layout keeps a checkpoint in 'swa_page'"),
+            (saying(ring), {"mirror": "checkpoints"},
+             "device_ckpts=True but the hooks' layout keeps a checkpoint in 'req_slot'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            RadixTree(8, hooks, **kw)
+    RadixTree(8, saying(None))  # what they copy agrees: accepted
+    RadixTree(8, saying(paged), mirror="checkpoints")
+    tree = RadixTree(8, saying(ring), mirror="checkpoints", device_ckpts=False)
+    tree.lose_host_tier()
+    with pytest.raises(ValueError, match="'swa_page'"):
+        tree.reset_host_tier(saying(paged))
+    assert not tree.host_online
+    assert RadixTree(8, FakeHooks(), mirror="checkpoints")  # hooks that say nothing: trusted
 
 
 def test_a_reset_through_other_hooks_asks_the_hooks_that_sent_the_load():

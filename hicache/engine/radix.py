@@ -83,6 +83,7 @@ from typing import Any, Hashable, Iterable, Sequence
 from hicache.engine.hooks import CopyOutcomeUnknown, HostTierError, HostUnavailable, TierHooks
 from hicache.engine.radix_nodes import DeviceFull, Node, Prefix, RowFreeList, TreeStats
 from hicache.engine.radix_snapshots import Snapshot, Snapshots
+from hicache.engine.radix_tiers import check_hooks
 
 __all__ = ["DeviceFull", "MIRRORS", "Node", "PAGE_TOKENS", "POLICIES", "Prefix", "RadixTree",
            "RowFreeList", "Snapshot", "TreeStats"]
@@ -125,6 +126,7 @@ class RadixTree(Snapshots):
                              "(paged SWA): a ring "
                              "holds one window per request slot, so only the last page it "
                              "wrote can be checkpointed at release")
+        check_hooks(hooks, mirror == "checkpoints", device_ckpts)
         self.device = RowFreeList(device) if isinstance(device, int) else device
         self.hooks = hooks
         self.policy = policy

@@ -16,6 +16,29 @@ from hicache.engine.hooks import HostExhausted, HostTierError, HostUnavailable, 
 from hicache.engine.radix_nodes import Node, RowFreeList, TreeStats
 
 
+def check_hooks(hooks: TierHooks | None, ckpt_mode: bool, device_ckpts: bool) -> None:
+    """Refuse hooks that copy other rows than the tree's mirror counts on (hooks that say what
+    they copy: ``resume``, as ``ClientHooks`` do): a full-mirror tree over checkpoint hooks
+    would count pages whose SWA and states were never copied as resumable hits; a checkpoints
+    tree over full-mirror hooks has no checkpoint copy; a checkpoint kept in request slots
+    (ring SWA, ``device_ckpts=False``) over hooks that copy it as a ``swa_page`` row (or the
+    reverse) would read or write the wrong rows (a running request's slot)."""
+    if hooks is None or not hasattr(hooks, "resume"):
+        return
+    resume = hooks.resume
+    if not ckpt_mode and resume is not None:
+        raise ValueError("mirror='full' over hooks that copy checkpoints (ClientHooks with a "
+                         "resume model): a page's SWA and states would never be copied, yet "
+                         "count as restored; use mirror='checkpoints'")
+    if ckpt_mode and resume is None:
+        raise ValueError("mirror='checkpoints' over hooks without a resume model: they copy "
+                         "whole pages and no checkpoint; pass ClientHooks(..., resume=...)")
+    if ckpt_mode and device_ckpts != (resume.checkpoint_space == "swa_page"):
+        raise ValueError(f"device_ckpts={device_ckpts} but the hooks' layout keeps a "
+                         f"checkpoint in {resume.checkpoint_space!r} rows: device_ckpts is True "
+                         f"for paged SWA (swa_page rows), False for ring SWA (request slots)")
+
+
 class TierOps:
     """Host allocation, eviction, dropping and checking for ``RadixTree`` (a mixin)."""
 
@@ -276,6 +299,7 @@ class TierOps:
           current hooks' host rows): ``lose_host_tier()`` first."""
         old = self.hooks
         hooks = hooks if hooks is not None else old
+        check_hooks(hooks, self.ckpt_mode, self.device_ckpts)
         if self.host_online and hooks is not old:
             raise ValueError("reset_host_tier: the host tier is online through other hooks, "
                              "whose host rows the tree holds; lose_host_tier() first (the tree "
