@@ -38,6 +38,7 @@ slot's row, the host row keeps the same positions) and the state rows of ``c4_st
 from __future__ import annotations
 
 import hashlib
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -466,11 +467,25 @@ class ClientHooks:
         return len(keep)
 
 
+def _plain(key: Any) -> Any:
+    """``key`` with integers of other types (numpy's) as Python ints, in tuples too: their
+    repr differs (``np.int64(5)`` on numpy 2, ``5`` on numpy 1) where the value does not."""
+    if isinstance(key, tuple):
+        if all(type(k) is int for k in key):
+            return key
+        return tuple(_plain(k) for k in key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and type(key) is not int:
+        return int(key)
+    return key
+
+
 def page_key(key: Any) -> str:
     """The L3 name of a radix page key: ints in hex, fitting strings as they are, anything
-    else (bytes, tuples, long strings) by a digest of its repr — the same on every process."""
+    else (bytes, tuples, long strings) by a digest of its repr — the same on every process.
+    Integers count by value, whatever their type (numpy's included, in tuples too)."""
     if isinstance(key, bool):
         raise TypeError("a page key cannot be a bool")
+    key = _plain(key)
     if isinstance(key, int):
         return f"i{key:x}" if key >= 0 else f"n{-key:x}"
     if isinstance(key, str) and 0 < len(key) <= 120 and all(c.isalnum() or c in "_.:-"
