@@ -530,6 +530,44 @@ def test_client_hooks_say_a_load_of_unknown_outcome_runs_until_acked_or_nothing_
         assert client.asked == [[t.op.op_id for t in tickets if t is not None]]
 
 
+def test_client_hooks_turn_an_unreadable_reply_or_a_closed_socket_into_tier_errors():
+    """What the tree understands, so a load's device rows are held or the tier dropped instead
+    of an exception the tree never catches leaking them (forty-fifth session's review): a reply
+    it cannot read may mean the daemon took the command (outcome unknown); a closed socket
+    means no tier."""
+    import zmq
+
+    from hicache.core.protocol import ProtocolError
+    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown
+
+    class Broken:
+        registered = {"layout": {"pools": {}}}
+        row_epoch = 0
+
+        def __init__(self, exc):
+            self.exc = exc
+
+        def load(self, *a, **kw):
+            raise self.exc
+
+    for exc, want in ((ProtocolError("bad_version", "daemon speaks protocol 9"),
+                       CopyOutcomeUnknown), (zmq.ZMQError(zmq.ENOTSOCK), HostUnavailable)):
+        hooks = ClientHooks(Broken(exc), ["page"])
+        with pytest.raises(want):
+            hooks.load([(1,)], [2])
+        dev: dict = {}
+        tree_hooks = FakeHooks(device=dev)
+        tree = RadixTree(12, tree_hooks, policy="write_through")
+        run_request(tree, seq("a", 2), dev)
+        tree.drain()
+        assert tree.evict_device(2) == 2
+        tree_hooks.load = lambda handles, rows: hooks.load([(h,) for h in handles], rows)
+        p = tree.prepare(seq("a", 2))  # the tree copes: no exception reaches the engine
+        assert p.pages == 0 and not tree.host_online
+        assert len(tree.held_device_rows) == (2 if want is CopyOutcomeUnknown else 0)
+        tree.check()
+
+
 def test_full_mirror_hooks_must_cover_every_page_space_of_the_stage():
     """Without a resume model a page handle must mirror every page space the registered stage
     has (its SWA and compress states too); a ring-SWA stage cannot be full-mirrored."""

@@ -44,7 +44,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+import zmq
+
 from hicache.core.errors import HicacheError
+from hicache.core.protocol import ProtocolError
 from hicache.core.resume import ResumeModel
 from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable, NoReply
 from hicache.engine.acks import TransferFailed as ClientTransferFailed
@@ -228,6 +231,11 @@ class ClientHooks:
             if e.code in ("not_registered", "not_owner", "shutting_down"):
                 raise HostUnavailable(str(e)) from e  # restarted, reaped or stopping: state lost
             raise TransferFailed(str(e)) from e
+        except ProtocolError as e:  # a reply it cannot read (or, a bug, a request it would not
+            # send): the daemon may have taken the command, so nothing is reused yet
+            raise CopyOutcomeUnknown(f"unreadable reply from the daemon: {e}") from e
+        except zmq.ZMQError as e:  # the client's socket is closed (or broken): no tier
+            raise HostUnavailable(f"the client's socket failed: {e}") from e
 
     def host_alloc(self, n: int, kind: str = "page") -> list[Any]:
         if kind == "ckpt":
