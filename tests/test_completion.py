@@ -160,3 +160,26 @@ def test_an_ack_taken_once_never_comes_back():
     c.script = [ACK | {"op": 9}]
     assert c.poll_acks() == []  # taken by poll_acks: not again either
     c.close()
+
+
+def test_an_ack_is_awaited_without_being_taken_so_it_is_handed_out_once():
+    """The waits for a load's later layers used to take the op's ack (``wait_ack``) and put
+    it back: an ack that came inline in the reply was then handed out again by the next
+    ``poll_acks()`` (forty-fifth session's review). Now they only wait for it to be in."""
+    from hicache.engine.acks import Ack
+
+    c = Scripted([])
+    op = Op(7, "load", event_set=0, issued=1)
+    op.ack = Ack.from_wire(ACK)  # completed inline: the engine has it from the reply
+    c._wait_issued(op, 1, 1.0)
+    assert op.issued is None
+    assert c.poll_acks() == [] and 7 not in c._acks  # not a second time
+    assert c.wait_ack(op, 0.1) is op.ack
+    # a pushed ack awaited by a layer wait stays the caller's, and goes out once
+    c._pushed(ACK | {"op": 9})
+    op9 = Op(9, "load", event_set=0, issued=1)
+    c._wait_issued(op9, 1, 1.0)
+    assert [a.op for a in c.poll_acks()] == [9]
+    c.script = [ACK | {"op": 9}]  # the daemon's retained copy
+    assert c.poll_acks() == []
+    c.close()

@@ -153,23 +153,30 @@ class Completion:
     def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
         """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
         ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time."""
+        a = self._await_ack(op, timeout)
+        if not (isinstance(op, Op) and op.ack is a):  # not the reply's inline ack: taken now
+            self._acks.pop(a.op, None)
+            self._issued.pop(a.op, None)  # its pushes all came before its ack
+            self._took(a.op)
+            if isinstance(op, Op):
+                op.issued = None  # done: every layer's event is recorded
+        if check and not a.ok:
+            raise TransferFailed(a)
+        return a
+
+    def _await_ack(self, op: Op | int, timeout: float | None = None) -> Ack:
+        """Until ``op``'s ack is in: the reply's inline ack, or one kept (pushed or polled),
+        which stays the caller's to take (``wait_ack``, ``poll_acks``): nothing is handed out
+        here. ``AckTimeout`` as ``wait_ack``."""
         if isinstance(op, Op) and op.ack is not None:  # completed inline, ack came in the reply
-            if check and not op.ack.ok:
-                raise TransferFailed(op.ack)
             return op.ack
         op_id = op.op_id if isinstance(op, Op) else int(op)
         timeout = self.timeout if timeout is None else check_timeout(timeout, zero=True)
         deadline = time.monotonic() + timeout
         next_poll = time.monotonic() + min(0.5, timeout / 2)
         while True:
-            a = self._acks.pop(op_id, None)
+            a = self._acks.get(op_id)
             if a is not None:
-                self._issued.pop(op_id, None)  # its pushes all came before its ack
-                self._took(op_id)
-                if isinstance(op, Op):
-                    op.issued = None  # done: every layer's event is recorded
-                if check and not a.ok:
-                    raise TransferFailed(a)
                 return a
             now = time.monotonic()
             if now >= deadline:
@@ -207,8 +214,7 @@ class Completion:
             self._wait_issued(op, pos, timeout)
             self._check_failed(op)
         if op.failed or op.op_id in self._failing:  # the layers it did not record hold older
-            a = self.wait_ack(op, timeout, check=False)  # records: its ack says what failed
-            self._acks[a.op] = a  # (still the caller's to take with wait_ack)
+            self._await_ack(op, timeout)  # records: its ack says what failed (the caller's)
             self._check_failed(op)
         ev = self._load_events[op.event_set][pos]
         # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
@@ -244,7 +250,7 @@ class Completion:
         op_id = op.op_id
 
         def covered() -> bool:
-            if op_id in self._acks:
+            if op.ack is not None or op_id in self._acks:
                 return True
             if op_id not in self._issued:
                 return False
@@ -253,15 +259,14 @@ class Completion:
 
         while not covered():
             left = min(deadline, lost) - time.monotonic()
-            if left <= 0:  # a lost push: the op's ack (pushed or polled) also says it
-                a = self.wait_ack(op, max(0.0, deadline - time.monotonic()), check=False)
-                self._acks[a.op] = a  # still the caller's to take with wait_ack
+            if left <= 0:  # a lost push: the op's ack (pushed or polled, the caller's) says it
+                self._await_ack(op, max(0.0, deadline - time.monotonic()))
                 break
             got = self._recv(max(1, int(left * 1000)))
             if got is not None:
                 self._pushed(got[0])
         n = self._issued.get(op_id)
-        if n is not None and op_id not in self._acks:
+        if n is not None and op.ack is None and op_id not in self._acks:
             op.issued = n  # later layers may still wait for a further notice
             return
         self._issued.pop(op_id, None)
