@@ -11,8 +11,9 @@ moved: page "a" is a miss, page "b" a verified hit, and the daemon's used rows a
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -92,6 +93,24 @@ def _reset(d: Any, c: Any, pools: DevicePools) -> None:
     c.reset(timeout=10)
 
 
+@contextlib.contextmanager
+def _tree_with_a(d: Any, name: str) -> Iterator[tuple[Any, DevicePools, Any, RadixTree]]:
+    """A registered client over ``d``, its pools, layout and a tree that served page "a"
+    (0xAA, written through); unregistered and closed at the end."""
+    layout = build_layout(preset("dsv4-flash"))
+    pools = DevicePools(layout, ROWS)
+    c = d.client(name=name)
+    try:
+        c.register(pools)
+        tree = RadixTree(8, ClientHooks(c, SPACES, timeout=10), policy="write_through")
+        _serve(tree, pools, layout, A, 0xAA)
+        yield c, pools, layout, tree
+        c.unregister()
+    finally:
+        c.close()
+        pools.close()
+
+
 @pytest.mark.parametrize("what, heartbeat", [(_reaped, 2.0), (_restarted, 60.0),
                                              (_reset, 60.0)],
                          ids=["reap_seen_by_heartbeat", "restart_seen_by_heartbeat",
@@ -100,13 +119,7 @@ def test_rows_freed_under_an_online_tree_are_forgotten_not_served(
         tmp_path: Any, daemon_factory: Callable[..., Any], what: Callable[..., None],
         heartbeat: float) -> None:
     d = daemon_factory(device_rows="page=8,swa_page=8,req_slot=4", heartbeat_timeout=heartbeat)
-    layout = build_layout(preset("dsv4-flash"))
-    pools = DevicePools(layout, ROWS)
-    c = d.client(name="epoch")
-    try:
-        c.register(pools)
-        tree = RadixTree(8, ClientHooks(c, SPACES, timeout=10), policy="write_through")
-        _serve(tree, pools, layout, A, 0xAA)
+    with _tree_with_a(d, "epoch") as (c, pools, layout, tree):
         assert _hit_bytes(tree, pools, layout, A) == {0xAA}
         assert tree.evict_device(tree.device_pages) == 2 and tree.match(A + ["x"]) == (0, 2)
         what(d, c, pools)  # every host row of the client freed; no tree call failed
@@ -120,10 +133,6 @@ def test_rows_freed_under_an_online_tree_are_forgotten_not_served(
         tree.check()
         used = {k: v["used"] for k, v in c.stats()["host"]["spaces"].items()}
         assert used["page"] == tree.host_pages == 2, (used, tree.host_pages)
-        c.unregister()
-    finally:
-        c.close()
-        pools.close()
 
 
 def test_reset_host_tier_on_an_online_tree_whose_epoch_moved_forgets_first(
@@ -132,13 +141,7 @@ def test_reset_host_tier_on_an_online_tree_whose_epoch_moved_forgets_first(
     before any other tree call: the reset forgets the old copies (it used to return True
     keeping them)."""
     d = daemon_factory(device_rows="page=8,swa_page=8,req_slot=4")
-    layout = build_layout(preset("dsv4-flash"))
-    pools = DevicePools(layout, ROWS)
-    c = d.client(name="epoch2")
-    try:
-        c.register(pools)
-        tree = RadixTree(8, ClientHooks(c, SPACES, timeout=10), policy="write_through")
-        _serve(tree, pools, layout, A, 0xAA)
+    with _tree_with_a(d, "epoch2") as (c, pools, layout, tree):
         offline_before = tree.stats.host_offline
         c.reset(timeout=10)
         assert tree.reset_host_tier() is True
@@ -148,7 +151,3 @@ def test_reset_host_tier_on_an_online_tree_whose_epoch_moved_forgets_first(
         assert tree.match(A + ["x"]) == (2, 0)  # a's pages are still on the device
         assert _hit_bytes(tree, pools, layout, B) == {0xBB}
         assert tree.match(A + ["x"]) == (0, 0)
-        c.unregister()
-    finally:
-        c.close()
-        pools.close()
