@@ -384,9 +384,10 @@ def swap_in(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply
     op = Operation(st.next_op_id(), c.cid, "swap_in", items, [("req_slot", rows, False)],
                    nbytes=nbytes)
     extra = _layer_events(st, w, op)
-    if h.get("release", False):
-        st.free_after_use({"req_slot": rows}, owner)
-    ack = st.start(c, op)  # a released row is freed once the op has read it
+    if h.get("release", False):  # freed once the op has read it, if it succeeded
+        op.release = ({"req_slot": rows}, owner)
+        st.free_after_use(*op.release)
+    ack = st.start(c, op)
     return _reply(op, ack, _issued(op, extra)), []
 
 

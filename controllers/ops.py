@@ -127,6 +127,9 @@ class Operation:
     issue_s: float = 0.0  # GPU load: the issuer thread's time on its layers after the reply
     issue_cpu_s: float = 0.0  # ... of which its CPU time (the rest: waiting for a core or the GIL)
     inline: bool = False
+    # a swap_in's ``release``: the deferred free of its host row ({space: rows}, owner), undone
+    # when the copy fails (``DaemonState.keep_on_failure``)
+    release: tuple[dict[str, np.ndarray], Any] | None = None
     _per_pool: dict[str, tuple[int, int]] | None = None
 
     @property

@@ -82,6 +82,16 @@ class RowTracker:
             self.freeing[space][r] = True
         self.deferred.append((rows, owner))
 
+    def undefer(self, rows: dict[str, np.ndarray], owner: Any) -> None:
+        """Take back the deferred free ``defer(rows, owner)`` made (the same ``rows`` object):
+        its rows are no longer marked ``freeing``. Nothing when it already went."""
+        for i, (r, o) in enumerate(self.deferred):
+            if r is rows and o == owner:
+                del self.deferred[i]
+                for space, a in rows.items():
+                    self.freeing[space][a] = False
+                return
+
     def hold(self, space: str, rows: np.ndarray) -> None:
         """Mark ``rows`` (none marked yet) freeing until ``unhold``: refused by new operations."""
         self.freeing[space][rows] = True

@@ -272,6 +272,7 @@ class DaemonState:
         begin_writes(self.group, op, self.landing)  # (its own rows are not in flight yet)
         if self.scheduler.run_inline(op):
             end_writes(self.group, op)
+            self.keep_on_failure(op)
             self.post.append((op, None))
             return op.ack()
         if self.scheduler.cuda and self.tracker.hazard(op.host):
@@ -312,6 +313,7 @@ class DaemonState:
         self.scheduler.forget(op)
         end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
+        self.keep_on_failure(op)
         c.in_flight -= 1
         self.releaser.dirty = True
         self.metrics.in_flight(op.kind, -1)
@@ -319,6 +321,14 @@ class DaemonState:
             self.release_ready()
         self._account(op)
         self.outbox.append((c, op.ack()))
+
+    def keep_on_failure(self, op: Operation) -> None:
+        """A ``swap_in`` with ``release`` whose copy failed keeps its host row: the request's
+        only saved state stays where it was, the client's to retry or free (its deferred free
+        is taken back). Not once the client's rows are being given back: that release left the
+        row to its pending free, which stands."""
+        if op.release is not None and not op.ok and op.client not in self.releaser.cids():
+            self.tracker.undefer(*op.release)
 
     def _account(self, op: Operation) -> None:
         status = "ok" if op.ok else "cancelled" if op.cancelled else "error"

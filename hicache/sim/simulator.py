@@ -343,6 +343,7 @@ class Worker(Replay):
             torch.cuda.synchronize()
         from hicache.engine.acks import AckTimeout, DaemonUnreachable
 
+        back = None
         try:
             op = self.client.swap_out(src, request=f"r{req.rid}", timeout=self.cfg.timeout)
             self.client.wait_ack(op, self.cfg.timeout)
@@ -357,6 +358,12 @@ class Worker(Replay):
             self.result.state_swap_failures += 1
             if self.result.first_mismatch is None:
                 self.result.first_mismatch = f"request {req.rid} state swap failed: {e}"
+            if back is not None:  # a failed swap_in keeps the saved row: the demo gives it back
+                try:
+                    self.client.free({"req_slot": [op.host_row]}, request=f"r{req.rid}",
+                                     timeout=self.cfg.timeout)
+                except HicacheError:
+                    pass  # counted above; the row goes back with the registration
             return
         # the state arrived in ``dst``; ``src`` was cleared (whole slots: zeros), unless it is
         # ``dst``; every other slot is as it was
