@@ -29,6 +29,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -532,6 +533,58 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         assert h["reaped"] and not h["registered"]
     finally:
         c.close()
+
+
+def test_a_request_the_daemon_dropped_unread_with_the_channel_goes_again_over_zmq(
+        spinning, monkeypatch) -> None:
+    """The daemon reaps a client whose request waits unread in its channel: the client was
+    silent past the heartbeat timeout while the daemon was stopped, and the request went into
+    the slot without a wake-up, so the daemon's first loop turn after it resumes runs its
+    housekeeping (the reap, which closes the channel) before anything reads the slot. The
+    closed channel says the request was left unread, and the client sends it again over ZMQ
+    at once, where the daemon answers it, instead of waiting out its timeout."""
+    d, pools = spinning
+    c = d.client(reply_spin_us=0)
+    resume = None
+    try:
+        c.register(pools)
+        end = c._chan
+        assert end is not None
+        monkeypatch.setattr(end, "ring", lambda: None)  # a ring would have the slot read first
+        time.sleep(0.05)  # past the daemon's 2 ms spin: it sleeps in poll
+        os.kill(d.pid, signal.SIGSTOP)
+        resume = threading.Timer(2.6, os.kill, (d.pid, signal.SIGCONT))  # past the 2 s timeout
+        resume.start()
+        sent = c.sent
+        t = time.perf_counter()
+        h = c.heartbeat(timeout=12)
+        took = time.perf_counter() - t
+        assert not h["registered"] and h["reaped"], h
+        assert took < 5.0, took  # told after the reap, not after 12 s
+        assert c.sent == sent + 2 and not c.uses_channel  # once in the slot, once over ZMQ
+        c.register(pools)  # as after any reap: registered again, with a new channel
+        assert c.uses_channel and c.heartbeat()["registered"]
+        c.unregister()
+    finally:
+        if resume is not None:
+            resume.join()
+        os.kill(d.pid, signal.SIGCONT)
+        c.close()
+
+
+def test_the_taken_word_says_which_request_a_closed_channel_left_unread(handout) -> None:
+    ch = C.Channel.create(4096, 4096)
+    client = C.Channel(ch._mm, 4096, 4096)  # the same mapping, read as the client does
+    assert client.put_request(1, [b"a"])
+    assert ch.request(MAXF) == (1, [b"a"])
+    assert client.put_request(2, [b"b"])  # written, never taken
+    assert not client.unread(2)  # open: nothing to say yet
+    ch._words[C._TAKEN] = 0  # (untouched until the close)
+    words = client._words
+    ch.close()
+    assert words[C._CLOSED] and words[C._TAKEN] == 1
+    assert client.unread(2) and not client.unread(1)
+    client.close()
 
 
 def test_a_channel_that_cannot_be_made_is_refused_with_why(tmp_path) -> None:

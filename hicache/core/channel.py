@@ -20,7 +20,7 @@ Contract:
   with the token (an ``OSError`` that says why when it cannot), checks the size, magic and
   token, and maps it. No file name exists anywhere; only the process handed the token can
   take the descriptor, once per reply.
-- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token; the
+- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token, taken; the
   client's request sequence and length; the daemon's reply sequence and length), then the
   request slot, then the reply slot. A slot holds one message: u32 frame count, u32 length
   per frame, the frames' bytes.
@@ -34,8 +34,10 @@ Contract:
   decoder), and bounds every count and length: a bad slot gives a reason string, never an
   exception or a read outside the slot.
 - The daemon sets the header's closed word when it drops the channel (the client unregistered
-  or was reaped): the client sees it before its next request (``peer_closed``) and goes back
-  to ZMQ.
+  or was reaped, or the daemon stops), after the taken word: the last request sequence it
+  took. The client sees it before its next request (``peer_closed``) and goes back to ZMQ; a
+  client waiting for a reply sees whether its request was left unread (``unread``), so the
+  command certainly did not run and can go again over ZMQ.
 - A message that does not fit its slot is not written (``put_*`` returns False): the request
   goes over ZMQ; the reply slot then says ``TOO_BIG`` and the client takes the ZMQ copy (the
   daemon sends every reply over ZMQ too).
@@ -72,7 +74,7 @@ REPLY_BYTES = 64 << 10
 MAX_SLOT_BYTES = 16 << 20
 TOO_BIG = (1 << 64) - 1  # reply length word: the reply did not fit, take the ZMQ copy
 # u64 word indices in the header page
-_MAGIC, _REQ_CAP, _REP_CAP, _CLOSED, _TOKEN = 0, 1, 2, 3, 4
+_MAGIC, _REQ_CAP, _REP_CAP, _CLOSED, _TOKEN, _TAKEN = 0, 1, 2, 3, 4, 5
 _REQ_SEQ, _REQ_LEN = 8, 9  # the client's words (own cache line)
 _REP_SEQ, _REP_LEN = 16, 17  # the daemon's words (own cache line)
 _U32 = struct.Struct("<I")
@@ -177,6 +179,13 @@ class Channel:
         """Whether the daemon dropped this channel (it reads no more requests from it)."""
         return self._words[_CLOSED] != 0
 
+    def unread(self, seq: int) -> bool:
+        """Whether the daemon dropped this channel without taking request ``seq``: it never
+        read it, so the command did not run (the closed word is read before the taken word,
+        which the daemon stores first)."""
+        w = self._words
+        return w[_CLOSED] != 0 and w[_TAKEN] < seq
+
     def put_request(self, seq: int, frames: Sequence[Any]) -> bool:
         """Write request ``seq`` (> 0); False (nothing written) when it does not fit."""
         blob = pack(frames, self.request_bytes)
@@ -237,6 +246,7 @@ class Channel:
             return
         self.closed = True
         if self._sealed is not None:
+            self._words[_TAKEN] = self.seen  # before the closed word (see ``unread``)
             self._words[_CLOSED] = 1
             self._sealed.close()
         self._words.release()

@@ -53,6 +53,9 @@ _NOBLOCK = int(zmq.NOBLOCK)
 # once a daemon answered, and only while ZMQ holds no live connection to it): a daemon killed
 # mid-call held the caller its whole timeout (30 s in the demo, for every call in flight)
 GONE_CHECK_S = 0.5
+# while a call waits for a reply to a request it sent through the channel, whether the daemon
+# dropped the channel with that request unread is asked this often (``Client._reply_to``)
+CHANNEL_CHECK_S = 0.05
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -331,23 +334,41 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self._close_channel()
             chan = None
         try:
-            try:
-                sent = chan is not None and chan.send(rid, frames)
-            except ConnectionError as e:
-                # the daemon that granted the channel is gone, its loop first (it closes the
-                # wake-up socket after its loop ended): no one read the request. A daemon that
-                # listens at the address now (a restart) and that ZMQ is connected to gets it
-                # instead; with none, unreachable at once rather than after the timeout.
+            sent = chan is not None and chan.send(rid, frames)
+        except ConnectionError as e:
+            # the daemon that granted the channel is gone, its loop first (it closes the
+            # wake-up socket after its loop ended): no one read the request. A daemon that
+            # listens at the address now (a restart) and that ZMQ is connected to gets it
+            # instead; with none, unreachable at once rather than after the timeout.
+            self._close_channel()
+            if not zmq.zmq_poll([(s, _POLLOUT)], 0):
+                why = f"{e} and no daemon is connected there now"
+                raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
+                                 f"({why})", why) from None
+            sent = False
+        if sent:
+            self._chan_seq = rid
+        else:
+            self._send_zmq(cmd, frames, timeout)
+        now = self._last_send = time.monotonic()
+        self.sent += 1
+        try:
+            return self._reply_to(cmd, rid, frames, deadline, now, timeout)
+        except CommandRefused:  # answered: the slot is free again
+            raise
+        except BaseException:  # no reply read (a timeout, an interrupt): the daemon may still
+            if self._chan_seq:  # read that slot, so it is never written again
                 self._close_channel()
-                if not zmq.zmq_poll([(s, _POLLOUT)], 0):
-                    why = f"{e} and no daemon is connected there now"
-                    raise DaemonGone(f"{cmd}: the hicache daemon at {self.address} is gone "
-                                     f"({why})", why) from None
-                sent = False
-            if sent:
-                self._chan_seq = rid
-            else:
-                self._send(frames)
+            raise
+        finally:
+            self._chan_seq = 0
+
+    def _send_zmq(self, cmd: str, frames: list[bytes], timeout: float) -> None:
+        """Send ``frames`` over ZMQ; a daemon that is gone or unreachable within ``timeout``
+        raises (``DaemonGone``, ``DaemonUnreachable``) instead."""
+        s = self._sock
+        try:
+            self._send(frames)
         except zmq.Again:  # IMMEDIATE: no live connection to the daemon (yet)
             # a daemon that answered this client is gone: said at once, not after the timeout
             why = self._gone()
@@ -362,18 +383,6 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             except zmq.Again:
                 raise DaemonUnreachable(f"{cmd}: the connection to {self.address} is gone "
                                         f"or full") from None
-        now = self._last_send = time.monotonic()
-        self.sent += 1
-        try:
-            return self._reply_to(cmd, rid, deadline, now, timeout)
-        except CommandRefused:  # answered: the slot is free again
-            raise
-        except BaseException:  # no reply read (a timeout, an interrupt): the daemon may still
-            if self._chan_seq:  # read that slot, so it is never written again
-                self._close_channel()
-            raise
-        finally:
-            self._chan_seq = 0
 
     def _gone(self) -> str | None:
         """Why the daemon that answered this client is gone (``gone_reason``), asked only while
@@ -383,17 +392,27 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             return None
         return gone_reason(self.address)
 
-    def _reply_to(self, cmd: str, rid: int, deadline: float, now: float, timeout: float
-                  ) -> tuple[dict[str, Any], list[Any]]:
+    def _reply_to(self, cmd: str, rid: int, frames: list[bytes], deadline: float, now: float,
+                  timeout: float) -> tuple[dict[str, Any], list[Any]]:
         """Wait for the reply to request ``rid`` (keeping the pushes that come meanwhile, and
         dropping a late reply to an earlier call, but for the acks it carries). Every
         ``GONE_CHECK_S`` without it, a daemon that answered this client before and is gone now
-        (``gone_reason``) ends the wait: ``GoneMidCall``."""
+        (``gone_reason``) ends the wait: ``GoneMidCall``. A request sent through the channel
+        that the daemon dropped unread (a reap, or its stop, in the loop turn before it would
+        have read it; checked every ``CHANNEL_CHECK_S``) did not run: its ``frames`` go again
+        over ZMQ, where the daemon answers it as any request of this client now."""
         while True:
             left = deadline - now
-            got = self._recv(max(1, int(min(left, GONE_CHECK_S) * 1000))) if left > 0 else None
+            tick = CHANNEL_CHECK_S if self._chan_seq else GONE_CHECK_S
+            got = self._recv(max(1, int(min(left, tick) * 1000))) if left > 0 else None
             if got is None:
                 now = time.monotonic()
+                if self._chan_seq and self._chan is not None and self._chan.chan.unread(rid):
+                    self._chan_seq = 0
+                    self._close_channel()
+                    self._send_zmq(cmd, frames, max(0.001, deadline - now))
+                    self.sent += 1
+                    continue
                 if now >= deadline:
                     raise NoReply(f"{cmd}: no reply from the hicache daemon at "
                                   f"{self.address} within {timeout:g} s")
