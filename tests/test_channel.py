@@ -16,7 +16,8 @@
   daemon (``--spin-us 0``) refuses channels, and ``channel=True`` then registers nothing; a
   client that truncates its channel cannot take the daemon down; one that cannot open the
   memfd is told why and carries on over ZMQ; a channel the daemon cannot hand out (no
-  descriptor for the offer) is refused ``unsupported`` and offered again on the next ask.
+  descriptor for the offer) is refused ``unsupported`` and offered again on the next ask; a
+  request the daemon dropped unread with the channel (a reap first) goes again over ZMQ.
 """
 from __future__ import annotations
 
