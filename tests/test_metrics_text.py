@@ -257,3 +257,30 @@ def test_a_render_that_fails_is_one_500_and_the_endpoint_stays() -> None:
         assert _raw(http.port, b"GET /metrics HTTP/1.1\r\n\r\n").endswith(b"x 1.0\n")
     finally:
         http.close()
+
+
+def test_a_scrape_with_no_thread_to_serve_it_is_dropped_and_the_next_is_served(
+        monkeypatch: Any) -> None:
+    import threading
+    import types
+
+    from hicache.core import metrics_http
+
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 1)  # a slot kept would refuse the next
+    http = MetricsHttp(lambda: b"x 1.0\n", 0)
+    starts = []
+
+    class NoThreadOnce(threading.Thread):
+        def start(self) -> None:
+            starts.append(1)
+            if len(starts) == 1:
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(metrics_http, "threading", types.SimpleNamespace(Thread=NoThreadOnce))
+    try:
+        assert _scrape_or_nothing(http.port) == b""  # closed unanswered
+        assert _raw(http.port, b"GET /metrics HTTP/1.1\r\n\r\n").endswith(b"x 1.0\n")
+        assert len(starts) == 2
+    finally:
+        http.close()
