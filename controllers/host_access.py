@@ -37,6 +37,7 @@ from hicache.host_pools.paged_pool import PagedHostPool
 from hicache.kernels.tables import LayerTable
 
 WRITES = ("backup", "swap_out")  # operation kinds that write host rows
+READS = ("load", "swap_in")  # operation kinds that read them into device rows
 
 
 def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:

@@ -69,6 +69,9 @@ class Release:
     # a reset: the region ``sparse`` are rows of (the client may hold another by then)
     total: int
     forget: bool  # drop the client from the registry when done
+    # the operations in flight when asked (``ops`` loses those that ended): a swap_in with
+    # ``release`` among them had its row's free pending, so this release left that row to it
+    started_with: frozenset[int] = frozenset()
     t0: float = field(default_factory=time.monotonic)
     ready: bool = False
     freed: int = 0
@@ -99,6 +102,12 @@ class Releaser:
     def cids(self) -> set[str]:
         return {r.c.cid for r in self.pending}
 
+    def left_to_free(self, op_id: int) -> bool:
+        """Whether a pending release started while operation ``op_id`` was in flight: the row
+        a swap_in with ``release`` frees was then pending its free, so the release left it to
+        that free, which must stand (the release will not give it back)."""
+        return any(op_id in r.started_with for r in self.pending)
+
     def start(self, c: ClientState, why: str, ops: list[int], worker: RegisteredWorker | None,
               cancel: list[int], forget: bool) -> tuple[int, bool]:
         """Begin giving back every row ``c`` holds (see the module docstring); ``forget``: drop
@@ -127,7 +136,7 @@ class Releaser:
         if not self.pending:
             self.watch.restart()
         rel = Release(c, why, rows, set(ops), worker, sparse, region,
-                      sum(int(a.size) for a in rows.values()), forget)
+                      sum(int(a.size) for a in rows.values()), forget, frozenset(ops))
         self.pending.append(rel)
         self.dirty = True
         self.step()

@@ -42,7 +42,7 @@ from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .background import Unmapper
-from .host_access import WRITES, begin_writes, end_fill, end_writes, host_table, written_rows
+from .host_access import READS, WRITES, begin_writes, end_fill, end_writes, host_table, written_rows
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
@@ -275,10 +275,13 @@ class DaemonState:
             self.keep_on_failure(op)
             self.post.append((op, None))
             return op.ack()
-        if self.scheduler.cuda and self.tracker.hazard(op.host):
-            other = self.scheduler.last_op("load" if op.stream == "backup" else "backup")
-            if other is not None:
-                op.after.append(other)
+        if (op.kind in READS or self.scheduler.cuda) and self.tracker.hazard(op.host):
+            if op.kind in READS:
+                op.behind = self._writes_into(op.host)
+            if self.scheduler.cuda:
+                other = self.scheduler.last_op("load" if op.stream == "backup" else "backup")
+                if other is not None:
+                    op.after.append(other)
         self.scheduler.submit(op)
         self.post.append((op, c))
         return None
@@ -310,6 +313,14 @@ class DaemonState:
         if entry is None:
             return
         c = entry[1]
+        if op.ok and op.behind:  # it read rows a write it ran after was replacing
+            bad = next((w for w in op.behind if not w.ok), None)
+            if bad is not None:
+                op.ok = False
+                op.error = (f"host rows it read were being overwritten by operation "
+                            f"{bad.op_id} ({bad.kind}), which failed: what it copied may mix "
+                            f"two prefixes")
+        op.behind = []
         self.scheduler.forget(op)
         end_writes(self.group, op)  # before its rows can be released (deferred frees below)
         self.tracker.end(op.host)
@@ -322,12 +333,26 @@ class DaemonState:
         self._account(op)
         self.outbox.append((c, op.ack()))
 
+    def _writes_into(self, host: list[tuple[str, Any, bool]]) -> list[Operation]:
+        """The writes in flight into any of the rows ``host`` names (a rare path: only for an
+        op whose rows the row tracker says are being written)."""
+        want = {space: rows_np(rows) for space, rows, _ in host}
+        out = []
+        for w, _ in self.ops.values():
+            if w.kind in WRITES and any(
+                    space in want and np.intersect1d(want[space], rows_np(rows)).size
+                    for space, rows, _ in w.host):
+                out.append(w)
+        return out
+
     def keep_on_failure(self, op: Operation) -> None:
         """A ``swap_in`` with ``release`` whose copy failed keeps its host row: the request's
         only saved state stays where it was, the client's to retry or free (its deferred free
-        is taken back). Not once the client's rows are being given back: that release left the
-        row to its pending free, which stands."""
-        if op.release is not None and not op.ok and op.client not in self.releaser.cids():
+        is taken back). Not when a release of the client's rows (reset, unregister, reap)
+        started while it was in flight: that release left the row to its pending free, which
+        stands."""
+        if op.release is not None and not op.ok and \
+                not self.releaser.left_to_free(op.op_id):
             self.tracker.undefer(*op.release)
 
     def _account(self, op: Operation) -> None:

@@ -1,0 +1,241 @@
+"""What a copy that fails leaves behind: the host rows a request or a load depends on.
+
+* ``swap_in`` with ``release``: the request's saved state (``swap_out``) lives in one
+  ``req_slot`` host row. ``swap_in`` with ``release`` used to defer the row's free before the
+  copy ran, so a copy that failed (say a GPU launch error) still freed it: the request's only
+  saved state was gone, and a retry was refused ``not_owner`` (forty-fifth session's review).
+  Now a failed copy keeps the row, owned as before; a successful one frees it as before; a
+  release of the client's rows (reset, unregister, reap) that started while the copy was in
+  flight left the row to its pending free, which stands; one that started before does not
+  (forty-sixth session's review: any pending release of the client used to).
+* A load queued behind a backup that overwrites its host row, when that backup fails part-way
+  (the row then holds some pools of each prefix): the load is failed too, never acked ``ok``
+  with the mix (forty-sixth session's review); a load of other rows is not.
+
+In-process daemon state driven through the handlers, a copy failure injected at the CPU copy
+worker; inline (the ack in the reply) and submitted.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.controllers import scheduler as sched_mod
+from hicache.controllers.handlers import HANDLERS
+from hicache.controllers.metrics import Metrics
+from hicache.controllers.registry import RegisteredWorker, Registry
+from hicache.controllers.scheduler import Scheduler
+from hicache.controllers.state import DaemonState
+from hicache.core.layout import build_layout, preset
+from hicache.host_pools.group import HostPoolGroup
+from hicache.kernels.tables import LayerTable
+
+DEVICE_ROWS = {"page": 8, "swa_page": 4, "req_slot": 4}
+
+
+def _state(inline: bool, req_slots: int = 8) -> DaemonState:
+    lay = build_layout(preset("dsv4-tiny"))
+    g = HostPoolGroup(lay, {"page": 16, "swa_page": 8, "req_slot": req_slots})
+    sch = Scheduler(torch.device("cpu"), lambda: None, inline_max_bytes=1 << 30 if inline else 0)
+    return DaemonState(lay, g, sch, Registry(8, 64), Metrics(process_metrics=False),
+                       torch.device("cpu"), heartbeat_timeout=60, load_event_sets=1,
+                       shm_dirs=("/dev/shm",))
+
+
+def _engine(st: DaemonState) -> Any:
+    """A registered client whose device pools are plain tensors (slot 1 holds 0x5A)."""
+    c = st.registry.touch(b"engine", time.monotonic())
+    layers = {name: [torch.zeros((DEVICE_ROWS[spec.index], spec.page_bytes), dtype=torch.uint8)
+                     for _ in range(spec.num_layers)] for name, spec in st.layout.pools.items()}
+    for name, spec in st.layout.pools.items():
+        if spec.index == "req_slot":
+            for t in layers[name]:
+                t[1] = 0x5A
+    tables = {k: LayerTable(v, f"device:{k}") for k, v in layers.items()}
+    c.worker = RegisteredWorker("engine", 0, dict(DEVICE_ROWS),
+                                SimpleNamespace(layers=layers, close=lambda fn=None: None),
+                                tables, [], [])
+    c.layers = layers
+    return c
+
+
+def _send(st: DaemonState, c: Any, cmd: str, fields: dict, *ids: list[int]) -> dict:
+    """A command as the server runs it (``ids``: its index arrays): the handler's reply, then
+    the after-reply work."""
+    arrays = [np.array(a, dtype=np.int64) for a in ids]
+    reply, out = HANDLERS[cmd](st, c, {"v": 1, "cmd": cmd, "id": 1, **fields}, arrays)
+    if out:
+        reply = {**reply, "arrays": [np.asarray(a).tolist() for a in out]}
+    if st.post:
+        st.after_reply()
+    return reply
+
+
+def _ack(st: DaemonState, reply: dict) -> dict:
+    """The reply with its op's ack (in the reply, or once the op completed)."""
+    ack = reply.get("ack")
+    deadline = time.monotonic() + 10
+    while ack is None:
+        st.collect()
+        done = [a for cc, a in st.outbox if a["op"] == reply["op"]]
+        if done:
+            ack = done[0]
+        assert time.monotonic() < deadline, "the op never completed"
+        time.sleep(0.002)
+    st.collect()
+    return {**reply, "ack": ack}
+
+
+def _run(st: DaemonState, c: Any, cmd: str, fields: dict, *ids: list[int]) -> dict:
+    """A command as the server runs it, its ack awaited."""
+    return _ack(st, _send(st, c, cmd, fields, *ids))
+
+
+def _failing_copy(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None) -> None:
+    """Every CPU copy fails from now on (after ``gate`` is set, when given)."""
+    def failing(*a: Any, **kw: Any) -> Any:
+        if gate is not None:
+            assert gate.wait(10)
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(sched_mod, "run_cpu_item", failing)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "submitted"])
+def test_a_failed_swap_in_keeps_the_saved_state_and_a_retry_takes_it(
+        monkeypatch: pytest.MonkeyPatch, inline: bool) -> None:
+    st = _state(inline)
+    try:
+        c = _engine(st)
+        out = _run(st, c, "swap_out", {"slot": 1, "request": "r1"})
+        row = out["host_row"]
+        assert out["ack"]["status"] == "ok"
+        assert st.owner_of("req_slot", row) == (c.cid, "r1")
+        real = sched_mod.run_cpu_item
+        _failing_copy(monkeypatch)
+        bad = _run(st, c, "swap_in", {"host_row": row, "slot": 2, "release": True,
+                                      "request": "r1"})
+        assert bad["ack"]["status"] == "error" and "injected" in bad["ack"]["error"]["message"]
+        # the state is where it was: owned as before, not pending a free, its bytes intact
+        assert st.owner_of("req_slot", row) == (c.cid, "r1")
+        assert not st.tracker.busy("req_slot", [row]) and not st.tracker.deferred
+        monkeypatch.setattr(sched_mod, "run_cpu_item", real)
+        good = _run(st, c, "swap_in", {"host_row": row, "slot": 2, "release": True,
+                                       "request": "r1"})
+        assert good["ack"]["status"] == "ok"
+        for name, spec in st.layout.pools.items():
+            if spec.index == "req_slot":
+                assert all(bool((t[2] == 0x5A).all()) for t in c.layers[name])
+        assert st.owner_of("req_slot", row) is None  # released after the good copy
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.group.close()
+
+
+def test_a_failed_swap_in_a_release_started_under_leaves_the_row_to_that_release(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset while the swap_in is in flight: the release skipped the row whose free was
+    pending, so that free stands when the copy fails and the row still goes back (no leak)."""
+    st = _state(inline=False)
+    try:
+        c = _engine(st)
+        row = _run(st, c, "swap_out", {"slot": 1, "request": "r1"})["host_row"]
+        gate = threading.Event()
+        _failing_copy(monkeypatch, gate)
+        sent = _send(st, c, "swap_in", {"host_row": row, "slot": 2, "release": True,
+                                        "request": "r1"})
+        _send(st, c, "reset", {})
+        assert st.releaser.pending and st.tracker.busy("req_slot", [row])
+        gate.set()
+        assert _ack(st, sent)["ack"]["status"] == "error"
+        deadline = time.monotonic() + 10
+        while st.releaser.pending and time.monotonic() < deadline:
+            st.collect()
+        assert st.owner_of("req_slot", row) is None  # gone back: not kept, not leaked
+        assert not st.tracker.deferred and not st.tracker.busy("req_slot", [row])
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.group.close()
+
+
+def test_a_failed_swap_in_of_a_row_taken_after_a_release_began_keeps_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset of a client holding many rows gives them back over many loop turns; a row the
+    client took after it (a request preempted meanwhile) is not that release's: a failed
+    swap_in of it keeps it, as for any other client (forty-sixth session's review)."""
+    st = _state(inline=True, req_slots=8192)
+    try:
+        c = _engine(st)
+        _send(st, c, "alloc", {"counts": {"req_slot": 8000}})
+        _send(st, c, "reset", {})
+        assert st.releaser.pending  # 8,000 rows: 256 a slice, a budget per loop turn
+        out = _run(st, c, "swap_out", {"slot": 1, "request": "r1"})
+        row = out["host_row"]
+        assert out["ack"]["status"] == "ok" and st.releaser.pending
+        real = sched_mod.run_cpu_item
+        _failing_copy(monkeypatch)
+        bad = _run(st, c, "swap_in", {"host_row": row, "slot": 2, "release": True,
+                                      "request": "r1"})
+        assert bad["ack"]["status"] == "error"
+        assert st.owner_of("req_slot", row) == (c.cid, "r1")  # kept
+        monkeypatch.setattr(sched_mod, "run_cpu_item", real)
+        assert _run(st, c, "swap_in", {"host_row": row, "slot": 2, "release": True,
+                                       "request": "r1"})["ack"]["status"] == "ok"
+        while st.releaser.pending:
+            st.collect()
+        assert st.owner_of("req_slot", row) is None
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.group.close()
+
+
+def test_a_load_behind_an_overwrite_that_fails_part_way_fails_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    st = _state(inline=False)
+    try:
+        c = _engine(st)
+        page = [n for n, p in st.layout.pools.items() if p.index == "page"]
+        assert len(page) > 1
+        for n in page:  # prefix A in device rows 0 and 3
+            for t in c.layers[n]:
+                t[0] = t[3] = 0xAA
+        first = _run(st, c, "backup", {"alloc": True, "items": [{"space": "page", "src": 0}]},
+                     [0, 3])
+        h, other = first["arrays"][0]
+        assert first["ack"]["status"] == "ok"
+        for n in page:  # prefix B, backed up into the same host row h
+            for t in c.layers[n]:
+                t[0] = 0xBB
+        real, gate, pools = sched_mod.run_cpu_item, threading.Event(), []
+
+        def second_pool_fails(it: Any, stop: Any = None) -> Any:
+            if it.dst.name.startswith("host:"):  # the overwriting backup's items
+                assert gate.wait(10)
+                pools.append(it.pool)
+                if len(pools) == 2:
+                    raise RuntimeError("injected failure after the first pool")
+            return real(it, stop)
+
+        monkeypatch.setattr(sched_mod, "run_cpu_item", second_pool_fails)
+        item = {"items": [{"space": "page", "src": 0, "dst": 1}]}
+        over = _send(st, c, "backup", item, [0], [h])
+        load = _send(st, c, "load", item, [h], [1])
+        calm = _send(st, c, "load", item, [other], [2])
+        gate.set()
+        assert _ack(st, over)["ack"]["status"] == "error"
+        ack = _ack(st, load)["ack"]
+        assert ack["status"] == "error", "a load of a half-overwritten row was acked ok"
+        assert f"operation {over['op']} (backup), which failed" in ack["error"]["message"]
+        assert _ack(st, calm)["ack"]["status"] == "ok"  # rows nobody overwrote
+        for n in page:
+            assert all(bool((t[2] == 0xAA).all()) for t in c.layers[n])
+            assert int(st.group.written[n][h]) == 0  # the row itself: unwritten, as before
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.group.close()
