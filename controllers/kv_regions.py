@@ -76,7 +76,9 @@ class EnginePool:
         self.pool = pool  # the daemon pool its bytes go to; None: a marker pool
         self.space = space
         self.pages = pages
-        self.slot = pool if pool is not None else f"@{name}"  # presence tag in a store entry
+        # its tag in a store entry and in its L3 objects' keys: a byte pool's fixes its space;
+        # a marker's names its space too (two markers of one name in two spaces are two pools)
+        self.slot = pool if pool is not None else f"@{space}/{name}"
         self.layers: list[torch.Tensor] = []
         self.nonce = b""
         self.proofs: list[tuple[int, int, int]] = []  # (engine fd, our fd, proof offset)
@@ -99,9 +101,12 @@ class EnginePool:
             raise ValueError(f"pages must be positive, got {pages}")
         ep = cls(name, ns, pool, space, pages)
         if pool is None:
-            if layers or handed:
-                raise ValueError("a marker pool (no 'pool') maps no memory: drop 'layers' "
-                                 "and 'handoff'")
+            extra = [k for k, v in (("layers", layers), ("handoff", handed or None),
+                                    ("pid", pid), ("page_bytes", page_bytes or None))
+                     if v is not None]
+            if extra:
+                raise ValueError(f"a marker pool (no 'pool') maps no memory: "
+                                 f"{', '.join(extra)} does not apply to it")
             return ep
         if handed:
             if pid is not None:
@@ -119,16 +124,20 @@ class EnginePool:
         if handed:
             ep.wanted = ep.wanted_of_specs()
             return ep
+        files: dict[int, tuple[int, int]] = {}
         try:
-            files: dict[int, tuple[int, int]] = {}
             for fd in ep.wanted_of_specs():
-                ours, size = _open_shared(pid, fd)
-                ep.proofs.append((fd, ours, size))
-                files[fd] = (ours, size)
+                files[fd] = _open_shared(pid, fd)
             ep._map(files, f"of process {pid}")
+            # the proof is read through the descriptors ``damaged`` keeps: two per file
+            ends = {fd: ours for ours, fd, _ in ep._ends}
+            ep.proofs = [(fd, ends[fd], size) for fd, (_, size) in files.items()]
         except BaseException:
             ep.close()
             raise
+        finally:
+            for ours, _ in files.values():
+                os.close(ours)
         ep.nonce = secrets.token_bytes(PROOF_BYTES)
         return ep
 
@@ -225,9 +234,7 @@ class EnginePool:
         return None
 
     def commit(self) -> None:
-        """The proof held: close our descriptors (the mappings stay); the pool is usable."""
-        for _, ours, _ in self.proofs:
-            os.close(ours)
+        """The proof held: the pool is usable."""
         self.proofs = []
         self.verified = True
 
@@ -236,12 +243,7 @@ class EnginePool:
         if done is not None:
             done()
         self.layers = []
-        for _, ours, _ in self.proofs:
-            try:
-                os.close(ours)
-            except OSError:
-                pass
-        self.proofs = []
+        self.proofs = []  # (their descriptors are ``_ends``')
         for ours, _, _ in self._ends:
             os.close(ours)
         self._ends = []

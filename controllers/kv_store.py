@@ -279,8 +279,9 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     store = store_of(st)
     name, pool, space = h["name"], h.get("pool"), h.get("space")
     ns = _ns(st, c, h["namespace"])
-    if not name.isprintable():  # it is named in refusals, each one line
-        raise ProtocolError("bad_field", f"name must be printable characters, got {name[:64]!r}")
+    if not name or not name.isprintable():  # it is named in refusals, each one line
+        raise ProtocolError("bad_field", f"name must be 1 or more printable characters, got "
+                                         f"{name[:64]!r}")
     pools = c.kv.pools if c.kv is not None else {}
     if name in pools:
         raise ProtocolError("already_registered", f"engine pool {name[:64]!r} is already "

@@ -38,6 +38,10 @@ from .state import DaemonState
 log = logging.getLogger("hicache.server")
 HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
+# a loop turn longer than this (a long inline copy, the process stopped or descheduled) may have
+# left requests unread: the next housekeeping reaps nobody (silence says nothing yet), and a
+# command that took this long counts its client's silence from its reply, not its arrival
+STALL_S = 0.25
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
 # libzmq's MAXMSGSIZE bounds each frame, not the multipart message (libzmq holds a message's
@@ -212,13 +216,15 @@ class Server:
         chans = st.registry.channels  # clients' shared-memory channels (scanned in place)
         spin = self.spin_s
         last = 0.0
+        turn = time.monotonic()  # when the previous loop turn began
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
                 self._next_house = now + self.house_s
                 mark = st.watch.begin()
-                self._housekeeping(now)
+                self._housekeeping(now, reap=now - turn < STALL_S)
                 st.watch.step("housekeeping", mark)
+            turn = now
             # no busy-poll while the issuer thread issues a load's later layers: the spin would
             # take the GIL from it (each handover waits out the switch interval)
             if spin and time.perf_counter() - last < spin and not sched.issuing():
@@ -366,7 +372,10 @@ class Server:
         if chan is not None and not chan[0].closed:
             chan[0].put_reply(chan[1], reply)
         self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
-        st.metrics.command(cmd, code is None, st.watch.step(cmd, mark), code)
+        took = st.watch.step(cmd, mark)
+        st.metrics.command(cmd, code is None, took, code)
+        if took > STALL_S and c is not None:  # it could send nothing while it waited
+            c.last_seen = time.monotonic()
         if st.post:
             st.after_reply()
         if st.outbox or st.notices:
@@ -404,9 +413,12 @@ class Server:
         if st.registry.retain(c, ack["op"], ack, pushed):
             st.metrics.inc("acks_dropped")
 
-    def _housekeeping(self, now: float) -> None:
+    def _housekeeping(self, now: float, reap: bool = True) -> None:
+        """Reap the clients silent past the heartbeat timeout (not with ``reap`` false: the
+        loop stood still, so their requests may be waiting unread; the next pass reaps, after
+        the loop read them), take the channels' requests a wake-up missed, refresh gauges."""
         st = self.state
-        for c in st.registry.silent(now, st.heartbeat_timeout):
+        for c in st.registry.silent(now, st.heartbeat_timeout) if reap else ():
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
                           f"of {st.heartbeat_timeout:g} s"):
                 st.metrics.inc("clients_reaped")

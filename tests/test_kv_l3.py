@@ -212,6 +212,26 @@ def test_namespaces_never_see_each_others_objects(l3_daemon: Any) -> None:
     _close(ea2)
 
 
+def test_markers_of_one_name_in_two_spaces_never_share_objects(l3_daemon: Any) -> None:
+    """A marker pool's objects are named by its space and name: a key put through a ``page``
+    marker is not present for a ``swa_page`` marker of the same name (forty-sixth session's
+    review: both were named by the name alone, so the second found the first's keys)."""
+    d = l3_daemon()
+    with d.client(name="a") as a, d.client(name="b") as b:
+        wait_online(a)
+        a.kv_attach_proven("kv", NS, pages=4, space="page")
+        b.kv_attach_proven("kv", NS, pages=4, space="swa_page")
+        # the namespace's epoch read first: a put made before it is known is dropped when an
+        # earlier test's daemon made that epoch (kv_epochs: unanchored entries)
+        assert a.kv_exists("kv", ["none"]) == [False]
+        assert a.kv_put("kv", ["K"], [0]) == [True]
+        written(a)  # K's object is in L3
+        assert b.kv_exists("kv", ["K"]) == [False]
+        assert b.kv_get("kv", ["K"], [1]) == [False]
+        assert a.stats()["kv_store"]["entries"]["swa_page"] == 0
+        assert a.kv_exists("kv", ["K"]) == [True]
+
+
 def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -> None:
     """A write-through job holds its rows: with the master stopped (SIGSTOP), the job hangs in
     a Mooncake call; meanwhile puts that need room evict only unpinned entries."""

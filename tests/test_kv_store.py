@@ -214,6 +214,13 @@ def test_refusals_change_nothing(store: Any, tmp_path: Any) -> None:
             msg = _refused("bad_field", c.kv_attach, "c4\nFAKE LOG LINE", NS, page_bytes=pb,
                            **spec)  # a name is quoted in refusals: one line each
             assert "printable" in msg and "\n" not in msg, msg
+            _refused("bad_field", c.kv_attach, "", NS, page_bytes=pb, **spec)  # no name
+            _refused("bad_field", c.kv_attach, "", NS, pages=4, space="page")
+            for field, v in (("pid", os.getpid()), ("page_bytes", pb), ("layers", [])):
+                msg = _refused("bad_field", c.call, "kv_attach",  # a marker has no files
+                               {"name": "m2", "namespace": NS, "pages": 4, "space": "page",
+                                field: v})
+                assert field in msg, msg
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=4,
                      pool="c4_kv", layers=ep.spec[:-1])
             _refused("bad_handle", c.kv_attach, "c4_kv", NS, page_bytes=pb, pages=5,

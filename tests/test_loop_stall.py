@@ -1,0 +1,92 @@
+"""A daemon loop that stood still reaps nobody for it (forty-sixth session's key-store review).
+
+While the loop stands still (a long inline key-store copy on the server thread; the process
+stopped or descheduled) nothing reads the socket, so every client looks silent. The daemon
+used to reap, at its first housekeeping after the stall, the clients whose requests were still
+queued past the 32 it read first, and the client whose own command had held the loop (its
+silence counted from its command's arrival): their rows freed under engines that never
+stopped talking. Now a housekeeping pass right after a loop turn longer than
+``server.STALL_S`` reaps nobody (the next one does, after the loop read what waited), and a
+command that took that long counts its client's silence from its reply.
+
+Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by a real ``kv_put``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from hicache.core.layout import Layout
+from hicache.engine.client import CommandRefused
+from test_kv_store import NS, EnginePool
+
+TINY = ("--no-mtp", "--c128-state", "offline")
+
+
+def test_clients_whose_requests_waited_through_a_stopped_loop_are_not_reaped(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=32,swa_page=4,req_slot=4",
+                       heartbeat_timeout=1.0, metrics=False, extra=TINY)
+    clients = [d.client(name=f"b{i}") for i in range(40)]  # more than one batch of 32
+    rows = [c.alloc({"page": 1})["page"] for c in clients]
+    stop = threading.Event()
+
+    def beat(c: Any) -> None:
+        while not stop.is_set():
+            c.heartbeat()
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=beat, args=(c,), daemon=True) for c in clients]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        os.kill(d.pid, signal.SIGSTOP)  # each client's heartbeat now waits in the socket
+        time.sleep(1.6)  # past the 1 s heartbeat timeout
+        os.kill(d.pid, signal.SIGCONT)
+        time.sleep(1.0)  # housekeeping passes after the stall
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        stop.set()
+        for t in threads:
+            t.join(10)
+    reaped = []
+    for i, (c, r) in enumerate(zip(clients, rows)):
+        try:
+            c.free({"page": r})
+        except CommandRefused as e:
+            reaped.append(f"b{i}: {e}")
+        c.close()
+    assert not reaped, f"{len(reaped)} of 40 talking clients reaped: {reaped[0]}"
+    with d.client() as probe:
+        assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client(
+        daemon_factory: Any) -> None:
+    keys = 800  # dsv4-tiny SWA pages of ~0.9 MB: ~0.7 GB copied on the server thread
+    d = daemon_factory(preset="dsv4-tiny", device_rows=f"page=4,swa_page={keys},req_slot=4",
+                       host=("--host-ratio", "1.25"), heartbeat_timeout=0.5, metrics=False,
+                       extra=TINY)
+    with d.client() as c:
+        sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
+    pool = EnginePool(sw.num_layers, 1, sw.page_bytes, page_first=True, seed=3)
+    try:
+        with d.client(name="big") as big:
+            pool.attach(big, "swa", "swa_kv", ns=NS)
+            t = time.monotonic()
+            assert all(big.kv_put("swa", [f"k{i}" for i in range(keys)], [0] * keys,
+                                  timeout=120))
+            took = time.monotonic() - t
+            if took < 0.6:
+                pytest.skip(f"the put took {took:.2f} s: this machine copies too fast to hold "
+                            f"the loop past the 0.5 s heartbeat timeout")
+            time.sleep(0.2)  # a housekeeping pass (every 0.125 s) after the put's reply
+            assert big.kv_exists("swa", ["k0"]) == [True]  # still attached: not reaped
+    finally:
+        pool.close()
