@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hicache.engine.acks import AckTimeout, Op
+from hicache.engine.acks import AckTimeout, CommandRefused, Op
 from hicache.engine.client import Client
 
 ACK = {"v": 1, "k": "ack", "op": 7, "kind": "load", "status": "ok", "bytes": 0, "ns": 1,
@@ -182,4 +182,29 @@ def test_an_ack_is_awaited_without_being_taken_so_it_is_handed_out_once():
     assert [a.op for a in c.poll_acks()] == [9]
     c.script = [ACK | {"op": 9}]  # the daemon's retained copy
     assert c.poll_acks() == []
+    c.close()
+
+
+class Stopping(Scripted):
+    """A daemon that is stopping: it pushed its last acks (``pushed``), then refuses what waited
+    (a ``poll_acks`` among them) ``shutting_down``; the client keeps the pushes it reads while
+    it waits for the reply (``Client._reply_to``)."""
+
+    def __init__(self, pushed: list[Any]) -> None:
+        super().__init__([])
+        self.pushed = pushed
+
+    def call(self, cmd: str, fields: Any = None, arrays: Any = (), timeout: Any = None) -> Any:
+        for a in self.pushed:
+            self._pushed(a)
+        raise CommandRefused(cmd, "shutting_down", "the daemon is stopping")
+
+
+def test_a_wait_for_an_ack_a_stopping_daemon_pushed_before_its_refusal_takes_the_ack():
+    c = Stopping([ACK])
+    assert c.wait_ack(Op(7, "load"), 2.0).ok  # the op completed: not a refusal
+    c.close()
+    c = Stopping([])  # nothing came: the refusal stands
+    with pytest.raises(CommandRefused, match="shutting_down"):
+        c.wait_ack(Op(7, "load"), 2.0)
     c.close()

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from hicache.core.protocol import DEFAULT_DEADLINE_MS
 
-from .acks import Ack, AckTimeout, Op, TransferFailed
+from .acks import Ack, AckTimeout, CommandRefused, Op, TransferFailed
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 MAX_TIMEOUT_S = 1e6  # ~11.6 days: a longer wait is a mistake (and its milliseconds must fit)
@@ -182,8 +182,14 @@ class Completion:
             if now >= deadline:
                 raise AckTimeout(f"op {op_id} did not complete within {timeout:g} s")
             if now >= next_poll:  # a lost push, or a long wait: ask (also a heartbeat)
-                h, _ = self.call("poll_acks", {"ops": [op_id], "max": 1},
-                                 timeout=max(0.1, deadline - now))
+                try:
+                    h, _ = self.call("poll_acks", {"ops": [op_id], "max": 1},
+                                     timeout=max(0.1, deadline - now))
+                except CommandRefused:  # a stopping daemon pushes its last acks, then refuses
+                    a = self._acks.get(op_id)  # what waited (shutting_down): the ack came first
+                    if a is not None:
+                        return a
+                    raise
                 for x in h.get("acks", []):
                     self._keep_ack(x)
                 next_poll = time.monotonic() + 0.5
