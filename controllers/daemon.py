@@ -39,7 +39,7 @@ from hicache.host_pools.group import HostPoolGroup
 from hicache.core.sizes import arena_bytes, format_bytes
 from hicache.controllers.metrics import Metrics
 
-from .preflight import Preflight, check_socket_file, preflight
+from .preflight import Preflight, check_socket_file, check_socket_folder, preflight
 from .registry import Registry
 from .server import Server
 from .state import DaemonState
@@ -143,10 +143,7 @@ def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
 def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketLock:
     """The checks of an existing socket folder ``d``, then the socket's lock and a stale
     socket file removed."""
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise UsageError(f"--socket {address}: the socket folder {d} is not writable")
-    if st.st_uid != os.getuid():
-        raise UsageError(f"socket directory {d} belongs to uid {st.st_uid}, not to you")
+    check_socket_folder(address, d, st)
     if st.st_mode & 0o077:
         log.warning("socket directory %s is accessible by other users (mode %o); the socket "
                     "itself is 0600", d, stat.S_IMODE(st.st_mode))

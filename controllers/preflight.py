@@ -12,9 +12,9 @@ this order, and raises ``UsageError`` (one line naming the setting) on the first
 * a ``--numa-node`` number is online;
 * ``--l3-protocol rdma``: the host has RDMA devices, and every one ``--l3-rdma-devices`` names
   (``RDMA_SYSFS``; Mooncake would fall back to none with one warning of its own);
-* an ipc socket's path: its folder exists and is writable, or can be made (its first missing
-  folder is made and removed again at once), the path is no other kind of file, and no
-  daemon holds it (its ``.lock`` is held);
+* an ipc socket's path: its folder exists, is a folder this user owns and may write in, or can
+  be made (its first missing folder is made and removed again at once), the path is no other
+  kind of file, and no daemon holds it (its ``.lock`` is held);
 * the metrics port is free to bind (a probe bind, released at once);
 * last, the memory the daemon will take, its host arena and its L3 segment (``--l3-segment``)
   together, against what the machine (or its container) has less a reserve
@@ -25,8 +25,9 @@ once). What needs
 torch (the device) or changes the machine (the socket folder and lock, the fd limit, the
 metrics port, the arena) stays in ``controllers.daemon.Daemon``, which takes the
 ``Preflight`` (or runs this itself). ``preflight(cfg, check=True)`` (``serve --check``)
-reports a socket a daemon already holds in ``Preflight.notes`` instead of refusing it, and
-then skips the memory check (that daemon holds memory a restart would free)."""
+reports a socket a daemon already holds (an ipc socket's lock held; a tcp port taken) in
+``Preflight.notes`` instead of refusing it, and so a metrics port taken then (that daemon's,
+presumably), and skips the memory check (that daemon holds memory a restart would free)."""
 from __future__ import annotations
 
 import fcntl
@@ -65,21 +66,33 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
     address = cfg.socket or default_socket(cfg.device)
     curve = _curve_keys(cfg) if check_curve(cfg) else None
     ipc = check_address(address, cfg.allow_remote, curve is not None) == "ipc"
+    held = None  # why a daemon (maybe) serves the socket already
     if not ipc:
-        _check_tcp_port(address)
+        try:
+            _check_tcp_port(address)
+        except UsageError as e:
+            if not check:
+                raise
+            held = f"{e} (a daemon serves it, or another program holds the port)"
     numa = _numa_node(cfg)
     _check_rdma(cfg)
     notes: list[str] = []
-    held = _check_ipc_path(address) if ipc else None
+    if ipc:
+        held = _check_ipc_path(address)
     if held is not None:
         if not check:
             raise UsageError(held)
         notes.append(f"{held}: a start is refused while it runs, and the memory was not "
                      f"checked (it holds memory of its own)")
     if cfg.metrics_port:
-        _probe_bind(cfg.metrics_addr, cfg.metrics_port,
-                    f"--metrics-port {cfg.metrics_port}: cannot listen on "
-                    f"{url_host(cfg.metrics_addr)}:{cfg.metrics_port}")
+        try:
+            _probe_bind(cfg.metrics_addr, cfg.metrics_port,
+                        f"--metrics-port {cfg.metrics_port}: cannot listen on "
+                        f"{url_host(cfg.metrics_addr)}:{cfg.metrics_port}")
+        except UsageError as e:
+            if held is None:  # nothing serves the socket: another program has the port
+                raise
+            notes.append(f"{e} (the daemon on {address} serves its metrics there, presumably)")
     if held is None:
         _check_memory(cfg, sized)
     return Preflight(sized, address, ipc, curve, numa, tuple(notes))
@@ -95,10 +108,11 @@ def _check_ipc_path(address: str) -> str | None:
     folder = up = os.path.dirname(os.path.abspath(path))
     first = None  # the first folder that would be made
     while not os.path.isdir(up) and up != os.path.dirname(up):
+        if os.path.lexists(up):
+            raise UsageError(f"--socket {address}: {up} is not a folder")
         first, up = up, os.path.dirname(up)
     if first is None:
-        if not os.access(up, os.W_OK | os.X_OK):
-            raise UsageError(f"--socket {address}: the socket folder {folder} is not writable")
+        check_socket_folder(address, folder, os.stat(folder))
     else:  # made and removed at once: access() says yes to root where mkdir fails (/proc)
         try:
             os.mkdir(first, 0o700)
@@ -124,6 +138,18 @@ def _check_ipc_path(address: str) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def check_socket_folder(address: str, folder: str, st: os.stat_result) -> None:
+    """An existing socket folder (``st``: its stat) must be a folder this user owns and may
+    write in."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"--socket {address}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--socket {address}: the socket folder {folder} is not writable")
+    if st.st_uid != os.getuid():
+        raise UsageError(f"--socket {address}: the socket folder {folder} belongs to uid "
+                         f"{st.st_uid}, not to this user (uid {os.getuid()})")
 
 
 def check_socket_file(address: str, path: str) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 from pathlib import Path
@@ -21,6 +22,8 @@ from hicache.core.config import SETTINGS, WRITE_POLICIES, load_config, markdown,
 from hicache.core.errors import UsageError
 from hicache.core.planner import parse_size
 from hicache.core.sizes import parse_bytes
+
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4"]
@@ -125,15 +128,23 @@ def _busy_port() -> socket.socket:
 
 
 @pytest.mark.parametrize("case", ["metrics-port", "socket-folder", "socket-file", "socket-long",
-                                  "touch-threads", "numa-node", "heartbeat", "parent-pid"])
+                                  "socket-in-a-file", "socket-folder-owner", "touch-threads",
+                                  "numa-node", "heartbeat", "parent-pid"])
 def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
     """--host-mem 1TiB cannot be mapped here: had the check run after the arena, the arena's
     refusal would be the message instead. A regular file at the socket's path is left as it
-    was (it used to be deleted as a stale socket)."""
+    was (it used to be deleted as a stale socket). A socket "folder" that is a file, and one
+    another user owns, are refused as such (both passed the check, and the start called the
+    first "not writable")."""
     argv = [*TINY, "--host-mem", "1TiB", "--socket", f"ipc://{tmp_path}/s/d.sock"]
     busy = _busy_port()
     keep = tmp_path / "important.conf"
     keep.write_text("data")
+    other = tempfile.mkdtemp()
+    if case == "socket-folder-owner":
+        if os.getuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        os.chown(other, 65534, 65534)
     try:
         extra, want = {
             "metrics-port": (["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
@@ -141,6 +152,9 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
             "socket-file": (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
             "socket-long": (["--socket", f"ipc://{tmp_path}/{'x' * 100}/d.sock"],
                             "over the 107 a Unix socket takes"),
+            "socket-in-a-file": (["--socket", f"ipc://{keep}/d.sock"], f"{keep} is not a folder"),
+            "socket-folder-owner": (["--socket", f"ipc://{other}/d.sock"],
+                                    "belongs to uid 65534, not to this user"),
             "heartbeat": (["--heartbeat-timeout", "inf"], "not a finite number"),
             # a pid that is not the daemon's parent: it used to stop at once, reason unsaid
             "parent-pid": (["--parent-pid", "2"], "is not this process's parent"),
@@ -148,8 +162,12 @@ def test_bad_input_one_line_exit_2_before_the_arena(tmp_path, case):
             "numa-node": (["--numa-node", "7"], "--numa-node 7"),
         }[case]
         p = hicache("serve", *argv, *extra, env={"HICACHE_LOG_LEVEL": "info"})
+        if case.startswith("socket-"):  # --check says the same
+            c = hicache("serve", *argv, *extra, "--check")
+            assert c.returncode == 2 and want in c.stderr, c.stderr
     finally:
         busy.close()
+        os.rmdir(other)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
     assert len(lines) == 1 and lines[0].startswith("hicache serve: error: "), p.stderr
@@ -674,12 +692,24 @@ def test_serve_check_refuses_what_a_start_refuses_and_names_a_running_daemon(tmp
             assert r.returncode == 2 and want in r.stderr and len(r.stderr.splitlines()) == 1, r
     finally:
         busy.close()
+    port = free_port()
     with DaemonProcess(f"ipc://{sock}", device="cpu", preset="dsv4-tiny",
-                       device_rows="page=8,swa_page=4,req_slot=4"):
+                       device_rows="page=8,swa_page=4,req_slot=4", metrics_port=port):
         r = hicache(*base, "--socket", f"ipc://{sock}", "--check", "--host-mem", "1TiB")
         assert r.returncode == 0 and "the settings hold" in r.stdout, r
         assert f"warning: another daemon already serves ipc://{sock}" in r.stderr
         assert "the memory was not checked" in r.stderr
+        # the running daemon's own settings, its metrics port among them, pass the check
+        r = hicache(*base, "--socket", f"ipc://{sock}", "--check", "--host-ratio", "2",
+                    "--metrics-port", str(port))
+        assert r.returncode == 0 and "the settings hold" in r.stdout, r
+        assert f"--metrics-port {port}: cannot listen" in r.stderr and "presumably" in r.stderr
         r = hicache(*base, "--socket", f"ipc://{sock}", "--host-mem", "1TiB")
         assert r.returncode == 2 and "another daemon already serves" in r.stderr, r.stderr
+    tcp = f"tcp://127.0.0.1:{free_port()}"
+    with DaemonProcess(tcp, device="cpu", preset="dsv4-tiny",
+                       device_rows="page=8,swa_page=4,req_slot=4", extra=("--allow-remote",)):
+        r = hicache(*base, "--socket", tcp, "--allow-remote", "--check", "--host-ratio", "2")
+        assert r.returncode == 0 and "the settings hold" in r.stdout, r
+        assert f"--socket {tcp}: cannot bind" in r.stderr and "a daemon serves it" in r.stderr
     assert keep.read_text() == "x"
