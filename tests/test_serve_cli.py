@@ -713,3 +713,30 @@ def test_serve_check_refuses_what_a_start_refuses_and_names_a_running_daemon(tmp
         assert r.returncode == 0 and "the settings hold" in r.stdout, r
         assert f"--socket {tcp}: cannot bind" in r.stderr and "a daemon serves it" in r.stderr
     assert keep.read_text() == "x"
+
+
+def test_a_daemon_whose_stdout_reader_went_away_still_exits_as_its_signal_says(tmp_path):
+    """``serve ... | grep -m1 ready``: the reader is gone by the stop, so the "stopped by" line
+    cannot be written to stdout; it used to raise there and exit 141 (SIGPIPE's status, a
+    failed unit to systemd) after the clean-up. Now the line goes to stderr and the exit is
+    143, with the socket gone."""
+    sock = tmp_path / "d.sock"
+    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--host-ratio",
+                          "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT), env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        for line in p.stdout:
+            if "hicache serve: ready" in line:
+                break
+        p.stdout.close()  # the reader goes away
+        p.send_signal(signal.SIGTERM)
+        err = p.stderr.read()
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143, err
+    assert "hicache serve: stopped by SIGTERM" in err and not sock.exists()

@@ -176,6 +176,22 @@ def _set_dumpable(on: bool) -> str:
             "descriptors (--dumpable for a debugger)")
 
 
+def _say(line: str, err: bool = False) -> None:
+    """One line to stdout (``err``: stderr), flushed. A stream whose reader went away (``serve
+    ... | grep -m1 ready``) costs the line, never the daemon or its exit status: stdout is
+    pointed at /dev/null then and the line goes to stderr instead."""
+    try:
+        print(line, file=sys.stderr if err else sys.stdout, flush=True)
+    except OSError:
+        if err:
+            return
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        _say(line, err=True)
+
+
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
@@ -213,19 +229,19 @@ def serve(cfg: Any) -> int:
     with lifecycle.on_signals(on_signal):
         try:
             if not got:  # else a stop signal came while it started: it stops, never ready
-                print(daemon.summary(), flush=True)
+                _say(daemon.summary())
                 # the planner's warnings for this stage, worded as `hicache plan` prints them;
                 # printed, not refused: the daemon mirrors whatever rows the engine has
                 for w in daemon.sizing_warnings:
-                    print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
-                print(f"hicache serve: {malloc}", flush=True)
-                print(f"hicache serve: {dumpable}", flush=True)
-                print("hicache serve: ready", flush=True)
+                    _say(f"hicache serve: warning: {w}", err=True)
+                _say(f"hicache serve: {malloc}")
+                _say(f"hicache serve: {dumpable}")
+                _say("hicache serve: ready")
                 daemon.serve()
         finally:
             daemon.close()
     if got:
-        print(f"hicache serve: stopped by {lifecycle.signal_name(got[0])}", flush=True)
+        _say(f"hicache serve: stopped by {lifecycle.signal_name(got[0])}")
         return lifecycle.exit_code(got[0])
-    print("hicache serve: stopped", flush=True)
+    _say("hicache serve: stopped")
     return 0
