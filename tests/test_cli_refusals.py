@@ -354,7 +354,9 @@ def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch
     ({"l3": "mooncake", "l3_master": "127.0.0.1:9"}, {},
      "--l3 mooncake needs --l3-metadata http://HOST:PORT/metadata (or P2PHANDSHAKE), not given"),
     ({"heartbeat_timeout": "1e12"}, {},
-     "--heartbeat-timeout must be in (0, 86400] seconds, got 1e+12"),
+     "--heartbeat-timeout must be in [0.5, 86400] seconds, got 1e+12"),
+    ({"heartbeat_timeout": "0.01"}, {},  # a typo for 10 reaped every engine in 0.1 s
+     "--heartbeat-timeout must be in [0.5, 86400] seconds, got 0.01"),
     ({}, {"HICACHE_SOCKET": "foo"},
      "--socket: unsupported socket address 'foo'; use ipc://PATH or tcp://127.0.0.1:PORT "
      "(from HICACHE_SOCKET)"),
@@ -376,7 +378,7 @@ def test_values_a_daemon_would_not_use_or_cannot_serve_are_refused(flags, env, m
     (["bench", "soak", "--heartbeat-timeout", "0"],
      "hicache bench soak: error: --heartbeat-timeout applies with --crash-clients N only"),
     (["bench", "soak", "--crash-clients", "1", "--heartbeat-timeout", "0"],
-     "hicache bench soak: error: --heartbeat-timeout must be in (0, 3600] seconds"),
+     "hicache bench soak: error: --heartbeat-timeout must be in [0.5, 3600] seconds"),
     (["bench", "soak", "--crash-daemon", "1", "--call-timeout", "-1"],
      "hicache bench soak: error: --call-timeout must be in (0, 3600] seconds"),
     (["bench", "e2e", "--device", "cpu", "--pp-size", "0"],

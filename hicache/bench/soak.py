@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, tail: list[str]) -> int:
+    from hicache.core.config import MIN_HEARTBEAT_TIMEOUT_S
     from hicache.core.errors import UsageError
     from hicache.engine.daemon_process import DaemonProcess
     from hicache.fuzz.runner import ROOT, DaemonRunner, private_address
@@ -142,8 +143,13 @@ def _run(args: argparse.Namespace, tail: list[str]) -> int:
                                    args.crash_daemon)):
         if not on and value != CRASH_TIMEOUT_S:
             raise UsageError(f"{flag} applies with {mode} N only")
-        if not 0 < value <= 3600:
-            raise UsageError(f"{flag} must be in (0, 3600] seconds, got {value}")
+        if flag == "--heartbeat-timeout":  # what the daemon takes
+            ok, span = MIN_HEARTBEAT_TIMEOUT_S <= value <= 3600, \
+                f"[{MIN_HEARTBEAT_TIMEOUT_S:g}, 3600]"
+        else:
+            ok, span = 0 < value <= 3600, "(0, 3600]"
+        if not ok:
+            raise UsageError(f"{flag} must be in {span} seconds, got {value}")
     if args.clients < 1 or args.ops < 1 or args.window < 1 or args.max_rows < 1 \
             or not 0 <= args.warmup < 1:
         raise UsageError("--clients, --ops, --window, --max-rows must be positive; "

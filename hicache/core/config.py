@@ -490,6 +490,10 @@ def check_device(text: str) -> None:
         raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
 MAX_HEARTBEAT_TIMEOUT_S = 86400.0  # a day: longer keeps a dead engine's rows all that time
+# shorter, the daemon's own loop turns (asleep up to 0.1 s; 0.25 s before a turn counts as a
+# stall, controllers.server.STALL_S) reap clients that never stopped talking: a typo (0.01
+# for 10) would free every engine's rows
+MIN_HEARTBEAT_TIMEOUT_S = 0.5
 
 FLAGLESS = tuple(s.name for s in SETTINGS if not s.flag)  # TOML / environment only
 
@@ -577,9 +581,9 @@ def validate(cfg: ServeConfig) -> None:
         raise UsageError(f"--metrics-port must be 0..65535, got {cfg.metrics_port}")
     if cfg.spin_us is not None and not 0 <= cfg.spin_us <= 100_000:
         raise UsageError(f"--spin-us must be 0..100000, got {cfg.spin_us}")
-    if not 0 < cfg.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
-        raise UsageError(f"--heartbeat-timeout must be in (0, {MAX_HEARTBEAT_TIMEOUT_S:g}] "
-                         f"seconds, got {cfg.heartbeat_timeout:g}")
+    if not MIN_HEARTBEAT_TIMEOUT_S <= cfg.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
+        raise UsageError(f"--heartbeat-timeout must be in [{MIN_HEARTBEAT_TIMEOUT_S:g}, "
+                         f"{MAX_HEARTBEAT_TIMEOUT_S:g}] seconds, got {cfg.heartbeat_timeout:g}")
     if cfg.touch_threads is not None and not 1 <= cfg.touch_threads <= MAX_TOUCH_THREADS:
         raise UsageError(f"--touch-threads must be 1..{MAX_TOUCH_THREADS}, "
                          f"got {cfg.touch_threads}")
