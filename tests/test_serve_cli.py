@@ -740,3 +740,14 @@ def test_a_daemon_whose_stdout_reader_went_away_still_exits_as_its_signal_says(t
             p.wait()
     assert p.returncode == 143, err
     assert "hicache serve: stopped by SIGTERM" in err and not sock.exists()
+
+
+def test_a_relative_ipc_socket_is_served_and_named_by_its_absolute_path(tmp_path, monkeypatch):
+    """``--socket ipc://sub/d.sock`` was served and shown (summary, ``hicache_daemon_info``)
+    relative to wherever the daemon started, which no engine or ``stats`` elsewhere could
+    find; it is the absolute path now."""
+    monkeypatch.chdir(tmp_path)
+    for given, want in (("ipc://sub/d.sock", f"ipc://{tmp_path}/sub/d.sock"),
+                        ("ipc://./d.sock", f"ipc://{tmp_path}/d.sock"),
+                        ("ipc:///abs/d.sock", "ipc:///abs/d.sock")):
+        assert load_config({"preset": "dsv4-tiny", "socket": given}, env={}).socket == want

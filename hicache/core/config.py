@@ -608,6 +608,9 @@ def validate(cfg: ServeConfig) -> None:
     _validate_l3(cfg)
     curve = check_curve(cfg)
     if cfg.socket is not None:
+        path = cfg.socket[len("ipc://"):] if cfg.socket.startswith("ipc://") else ""
+        if path and not path.startswith(("/", "@")):  # served, summed up and labelled as
+            cfg.socket = f"ipc://{os.path.abspath(path)}"  # the path engines must be given
         try:
             check_address(cfg.socket, cfg.allow_remote, curve)
         except UsageError as e:  # named, so ``with_source`` can say where the value came from

@@ -30,7 +30,8 @@ _D, _M, _S, _H, _E = "daemon", "model and stage", "device sizing", "host memory"
 _L = "L3 tier (Mooncake Store; needs the 'l3' extra)"
 SETTINGS: tuple[Setting, ...] = (
     Setting("device", _D, "cuda:N or cpu (CPU mode: plain shared memory, no GPU)"),
-    Setting("socket", _D, "ipc://PATH or tcp://127.0.0.1:PORT [ipc://$XDG_RUNTIME_DIR/hicache/"
+    Setting("socket", _D, "ipc://PATH (a relative PATH is served and shown as its absolute path) "
+            "or tcp://127.0.0.1:PORT [ipc://$XDG_RUNTIME_DIR/hicache/"
             "<device>.sock, e.g. cuda0.sock; /tmp/hicache-$UID/... without a runtime dir]"),
     Setting("allow_remote", _D, "accept a non-loopback tcp address (needs both CURVE settings)"),
     Setting("curve_secret_key", _D, "the daemon's CURVE secret key file (mode 0600, zmq.auth "
