@@ -360,6 +360,14 @@ def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch
     ({}, {"HICACHE_SOCKET": "foo"},
      "--socket: unsupported socket address 'foo'; use ipc://PATH or tcp://127.0.0.1:PORT "
      "(from HICACHE_SOCKET)"),
+    # Python's own words ("invalid literal for int() with base 10") and an unnamed variable
+    ({}, {"HICACHE_METRICS_PORT": " "},
+     "environment: bad value for HICACHE_METRICS_PORT: must be an integer, got ' '"),
+    ({}, {"HICACHE_SPIN_US": "fast"},
+     "environment: bad value for HICACHE_SPIN_US: must be a number, got 'fast'"),
+    ({}, {"HICACHE_STAGE_BOUNDS": "x"},
+     "environment: bad value for HICACHE_STAGE_BOUNDS: stage bounds: cannot read 'x'; give "
+     "START:END per stage, comma-separated, e.g. 0:22,22:43"),
 ])
 def test_values_a_daemon_would_not_use_or_cannot_serve_are_refused(flags, env, msg):
     """From a review of the command line: settings one mode never reads were accepted (the

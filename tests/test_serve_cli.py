@@ -314,6 +314,10 @@ def test_a_refused_value_names_where_it_came_from(tmp_path):
     with pytest.raises(UsageError) as e:  # on the command line: the flag says it all
         load_config({**base, "swa_mode": "bogus"}, env={})
     assert "(from" not in str(e.value)
+    f.write_text("host_ratio = 2\nspin_us = 0\n[serve]\nhost_ratio = 3\n")  # [serve] won
+    with pytest.raises(UsageError, match=r"host_ratio set both at the top level and under "
+                                         r"\[serve\]; keep one$"):
+        load_config(base, config_file=str(f), env={})
 
 
 def test_a_start_up_refusal_after_validation_names_where_its_settings_came_from(tmp_path):

@@ -198,7 +198,10 @@ def parse_device_rows(v: Any) -> dict[str, int]:
 def _int(v: Any) -> int:
     if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
         raise ValueError(f"not an int: {v!r}")
-    return int(str(v).strip()) if isinstance(v, str) else int(v)
+    try:
+        return int(str(v).strip()) if isinstance(v, str) else int(v)
+    except ValueError:  # (int()'s own words name its internals)
+        raise ValueError(f"must be an integer, got {v!r}") from None
 
 
 def _list(v: Any) -> list[Any]:
@@ -250,7 +253,10 @@ def _convert(name: str, v: Any, key: str) -> Any:
             raise ValueError(f"not a number: {v!r}")
         if name == "host_ratio" and isinstance(v, str) and ":" in v:
             return float(parse_fraction(v, "host_ratio"))  # "4:1", as plan reads it
-        f = float(v)
+        try:
+            f = float(v)
+        except ValueError:  # (float()'s own words name its internals)
+            raise ValueError(f"must be a number, got {v!r}") from None
         if not math.isfinite(f):
             raise ValueError(f"not a finite number: {v!r}")
         return f
@@ -290,8 +296,9 @@ def _apply(cfg: ServeConfig, values: Mapping[str, Any], source: str,
             sources[name] = f"{what} in {source}" if source.startswith("config file") else what
         try:
             setattr(cfg, name, _convert(name, v, what))
-        except UsageError as e:  # already names the setting
-            raise UsageError(f"{source}: {e}") from None
+        except UsageError as e:  # names the setting, or is named here
+            raise UsageError(f"{source}: {e}" if what in str(e) else
+                             f"{source}: bad value for {what}: {e}") from None
         except (ValueError, TypeError) as e:
             raise UsageError(f"{source}: bad value for {what}: {e}") from None
 
@@ -336,6 +343,10 @@ def _read_toml(path: str, what: str = "--config-file") -> dict[str, Any]:
     serve = data.pop("serve", {})  # settings may sit at the top level or under [serve]
     if not isinstance(serve, dict):
         raise UsageError(f"config file {path}: [serve] must be a table")
+    both = sorted(set(data) & set(serve))
+    if both:  # which one was meant cannot be told
+        raise UsageError(f"config file {path}: {', '.join(both)} set both at the top level and "
+                         f"under [serve]; keep one")
     data.update(serve)
     return data
 
