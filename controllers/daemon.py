@@ -240,7 +240,10 @@ class Daemon:
         try:
             self.group = HostPoolGroup(self.layout, self.rows, device_index=cfg.cuda_index,
                                        arena_options={"numa_node": numa,
-                                                      "touch_threads": cfg.touch_threads},
+                                                      "touch_threads": cfg.touch_threads,
+                                                      # its progress lines are INFO's
+                                                      "progress": log.isEnabledFor(
+                                                          logging.INFO)},
                                        zero_on_free=cfg.zero_on_free)
         except BaseException:
             self.metrics.close()
