@@ -42,7 +42,8 @@ from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .background import Unmapper
-from .host_access import READS, WRITES, begin_writes, end_fill, end_writes, host_table, written_rows
+from .host_access import (READS, WRITES, begin_writes, end_fill, end_writes, host_table,
+                          written_rows)
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass

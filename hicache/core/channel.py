@@ -20,10 +20,10 @@ Contract:
   with the token (an ``OSError`` that says why when it cannot), checks the size, magic and
   token, and maps it. No file name exists anywhere; only the process handed the token can
   take the descriptor, once per reply.
-- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token, taken; the
-  client's request sequence and length; the daemon's reply sequence and length), then the
-  request slot, then the reply slot. A slot holds one message: u32 frame count, u32 length
-  per frame, the frames' bytes.
+- Layout: a 4 KiB header page of little-endian u64 words (magic, capacities, closed, token,
+  taken; the client's request sequence and length; the daemon's reply sequence and length),
+  then the request slot, then the reply slot. A slot holds one message: u32 frame count, u32
+  length per frame, the frames' bytes.
 - Ordering: the writer stores the payload, then the length, then the sequence word (one aligned
   8-byte store); the reader loads the sequence first. On x86-64 (TSO: stores are seen in order,
   loads are not reordered with older loads) that is enough; ``supported()`` says whether this

@@ -37,7 +37,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("curve_secret_key", _D, "the daemon's CURVE secret key file (mode 0600, zmq.auth "
             "certificate format)"),
     Setting("curve_clients", _D, "directory of the allowed clients' CURVE public .key files"),
-    Setting("heartbeat_timeout", _D, "seconds of silence after which a client is reaped (0.5..86400)"),
+    Setting("heartbeat_timeout", _D, "seconds of silence after which a client is reaped "
+            "(0.5..86400)"),
     Setting("metrics_port", _D, "Prometheus /metrics port (0 = off)"),
     Setting("metrics_addr", _D, "address the metrics endpoint binds"),
     Setting("log_level", _D, "debug, info, warning or error: the level of hicache's own loggers "
