@@ -378,19 +378,26 @@ def test_options_that_do_not_apply_are_refused(flags, msg):
         load_config({**base, **flags}, env={})
 
 
+def _tiny_serving(sock: Path, stderr: Any = subprocess.STDOUT) -> subprocess.Popen:
+    """``hicache serve`` of dsv4-tiny on ``sock``, its stdout read up to ``ready``."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--host-ratio",
+                          "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT), env=e,
+                         stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if "hicache serve: ready" in line:
+            break
+    return p
+
+
 def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path, monkeypatch, capsys):
     """``hicache stats`` prints a summary (or the reply as JSON, with the invariant check) of
     a running daemon, and one line with exit 1 when nothing answers on the socket."""
     sock = tmp_path / "d.sock"
     e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    d = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--host-ratio",
-                          "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT), env=e,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    d = _tiny_serving(sock)
     try:
-        assert d.stdout is not None
-        for line in d.stdout:
-            if "hicache serve: ready" in line:
-                break
         p = hicache("stats", "--socket", f"ipc://{sock}")
         assert p.returncode == 0, p.stderr
         assert "host page: 0 of 16 rows allocated (of them 0 waiting to be freed), 16 free " \
@@ -725,15 +732,9 @@ def test_a_daemon_whose_stdout_reader_went_away_still_exits_as_its_signal_says(t
     failed unit to systemd) after the clean-up. Now the line goes to stderr and the exit is
     143, with the socket gone."""
     sock = tmp_path / "d.sock"
-    e = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *TINY, "--host-ratio",
-                          "2", "--socket", f"ipc://{sock}"], cwd=str(ROOT), env=e,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _tiny_serving(sock, stderr=subprocess.PIPE)
     try:
         assert p.stdout is not None and p.stderr is not None
-        for line in p.stdout:
-            if "hicache serve: ready" in line:
-                break
         p.stdout.close()  # the reader goes away
         p.send_signal(signal.SIGTERM)
         err = p.stderr.read()
