@@ -18,6 +18,10 @@ The daemon calls, for every operation:
   to UNWRITTEN, rows a completed backup had written included (a failed write may have
   replaced some of their bytes: a launch that failed after its first pools, a cancelled CPU
   copy; a load of them would mix two prefixes).
+* ``torn_by(op, writes)`` — when an op that read host rows ends (a load, a swap-in, a sparse
+  copy of host hits), given the writes that were in flight into its rows when it was accepted
+  (it was ordered after them): the failed one that left a row it read with some bytes of
+  each prefix, and no whole-row write after it; the daemon then fails the op.
 * ``begin_fill`` / ``end_fill`` — the same for an L3 prefetch: only the leading pages it read
   and verified become WRITTEN, every other row it was to fill UNWRITTEN (written before or
   not). An L3 put reads rows, so ``check_readable`` applies to it.
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from hicache.core.id_sets import sorted_unique
 from hicache.core.protocol import ProtocolError
 from hicache.host_pools.group import FEW_ROWS, HostPoolGroup
@@ -37,7 +43,7 @@ from hicache.host_pools.paged_pool import PagedHostPool
 from hicache.kernels.tables import LayerTable
 
 WRITES = ("backup", "swap_out")  # operation kinds that write host rows
-READS = ("load", "swap_in")  # operation kinds that read them into device rows
+HOST = "host:"  # the name of every host pool's table starts so (``host_table``)
 
 
 def check_readable(group: HostPoolGroup, pool: str, rows: Any, what: str) -> None:
@@ -55,6 +61,41 @@ def written_rows(it: Any) -> Any:
     if it.fmt is not None:  # token-granular: the pages of its tokens
         return sorted_unique(ids.np() // it.fmt.tokens_per_page)
     return ids.list() if ids.n <= FEW_ROWS else ids.np()
+
+
+def _rows_of(it: Any, ids: Any) -> Any:
+    return ids.np() // it.fmt.tokens_per_page if it.fmt is not None else ids.np()
+
+
+def torn_by(op: Any, writes: list[Any]) -> Any:
+    """The write among ``writes`` that left a host row ``op`` read torn, else None.
+    ``writes``: those in flight into ``op``'s host rows when it was accepted (it ran after
+    them, so all have ended by its end, ``ok`` final). A row is torn in a pool when the last of
+    them that wrote that pool's row failed (a launch that failed after its first pools, a
+    cancelled CPU copy: some bytes of each prefix), unless a whole-row write of that pool's row
+    succeeded after it; a row whose failed write came first and was written whole again is
+    not."""
+    if all(w.ok for w in writes):
+        return None
+    order = sorted(writes, key=lambda w: w.op_id)
+    for it in op.items:
+        if not it.src.name.startswith(HOST):
+            continue
+        rows = _rows_of(it, it.src_ids)
+        torn: dict[int, Any] = {}  # row -> the failed write that last touched it
+        for w in order:
+            for wi in w.items:
+                if wi.pool != it.pool or not wi.dst.name.startswith(HOST):
+                    continue
+                hit = np.intersect1d(rows, _rows_of(wi, wi.dst_ids)).tolist()
+                if not w.ok:
+                    torn.update(dict.fromkeys(hit, w))
+                elif wi.fmt is None:
+                    for r in hit:
+                        torn.pop(r, None)
+        if torn:
+            return next(iter(torn.values()))
+    return None
 
 
 Landing = Callable[[str, str, Any], "set[int] | None"]  # (pool, space, rows) -> rows written
@@ -106,7 +147,7 @@ def end_fill(group: HostPoolGroup, pools: dict[str, list[str]], host: Any, pages
 def host_table(pool: PagedHostPool) -> LayerTable:
     """The pool's layers with the device addresses the GPU must use (host ones under UVA)."""
     dev = pool.device_ptrs()
-    name = f"host:{pool.name}"
+    name = f"{HOST}{pool.name}"
     if dev == pool.layer_ptrs():
         return LayerTable(pool.layers, name)
     return LayerTable(pool.layers, name, device_ptrs=dev)

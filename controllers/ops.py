@@ -112,8 +112,9 @@ class Operation:
     layer_events: list[Any] | None = None  # GPU load: one interprocess event per stage layer
     stage_layers: tuple[int, ...] = ()
     after: list["Operation"] = field(default_factory=list)  # GPU: other-stream ops to wait for
-    # a load / swap_in: the writes in flight into host rows it reads, accepted before it (it
-    # runs after them); one that failed fails it (``DaemonState._finish``)
+    # an op that reads host rows (load, swap_in, sparse_backup): the writes in flight into them
+    # when it was accepted (it runs after them); one that left a row it read torn fails it
+    # (``host_access.torn_by``, ``DaemonState._finish``)
     behind: list["Operation"] = field(default_factory=list)
     nbytes: int = 0
     t_submit: float = 0.0

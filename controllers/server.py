@@ -38,9 +38,8 @@ from .state import DaemonState
 log = logging.getLogger("hicache.server")
 HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
-# a loop turn longer than this (a long inline copy, the process stopped or descheduled) may have
-# left requests unread: the next housekeeping reaps nobody (silence says nothing yet), and a
-# command that took this long counts its client's silence from its reply, not its arrival
+# a command that held the loop longer than this (a long inline copy) counts its client's
+# silence from its reply, not from its arrival (the client could send nothing meanwhile)
 STALL_S = 0.25
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
@@ -176,7 +175,9 @@ class Server:
         self._stop = False
         self._wake_polled = False
         self._next_house = 0.0
-        # a dead client is reaped within the heartbeat timeout plus at most a quarter of it
+        self._caught_up = time.monotonic()  # see ``serve``
+        # a dead client is reaped within the heartbeat timeout plus at most a quarter of it, and
+        # whatever time the loop took to read what waited after it stood still (``serve``)
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
 
@@ -216,15 +217,17 @@ class Server:
         chans = st.registry.channels  # clients' shared-memory channels (scanned in place)
         spin = self.spin_s
         last = 0.0
-        turn = time.monotonic()  # when the previous loop turn began
+        # silence is counted up to the last time the loop had read every request waiting
+        # (socket and channels: ``_caught_up``), not up to now: after a stall (a long inline
+        # copy, the process stopped) requests wait unread, and their senders are not silent
+        self._caught_up = time.monotonic()
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
                 self._next_house = now + self.house_s
                 mark = st.watch.begin()
-                self._housekeeping(now, reap=now - turn < STALL_S)
+                self._housekeeping(now)
                 st.watch.step("housekeeping", mark)
-            turn = now
             # no busy-poll while the issuer thread issues a load's later layers: the spin would
             # take the GIL from it (each handover waits out the switch interval)
             if spin and time.perf_counter() - last < spin and not sched.issuing():
@@ -238,6 +241,8 @@ class Server:
                     got = True
                 if got:
                     last = time.perf_counter()
+                else:
+                    self._caught_up = now
                 if not st.idle():
                     st.collect()
                 self.send_acks()
@@ -245,10 +250,14 @@ class Server:
             wake = self._wake_sock()
             if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
                 ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)], 100)
-                if ready and self._woken(ready, wake):
+                if not ready:
+                    self._caught_up = now
+                elif self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
             events = dict(self.poller.poll(100))
+            if sock not in events and (wake is None or wake.fd not in events):
+                self._caught_up = now
             if events and self._woken(events, wake):
                 last = time.perf_counter()
             if self._wake_r in events:
@@ -301,9 +310,10 @@ class Server:
     def _request(self) -> None:
         """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
         ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised), and
-        the channels are scanned (a busy socket does not hold their requests back)."""
+        the channels are scanned (a busy socket does not hold their requests back). When the
+        socket is found empty, every request that waited was read (``_caught_up``)."""
         recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
-        chans = st.registry.channels
+        chans, clock = st.registry.channels, time.monotonic
         for _ in range(BATCH):
             try:
                 frames, err = recv()
@@ -312,7 +322,11 @@ class Server:
             handle(frames, err)
             if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
                 self._channels()  # queueing gives each of its peers
-            if st.stopping or not events(_EVENTS) & _POLLIN:
+            seen = clock()
+            if st.stopping:
+                return
+            if not events(_EVENTS) & _POLLIN:
+                self._caught_up = seen
                 return
 
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
@@ -413,12 +427,12 @@ class Server:
         if st.registry.retain(c, ack["op"], ack, pushed):
             st.metrics.inc("acks_dropped")
 
-    def _housekeeping(self, now: float, reap: bool = True) -> None:
-        """Reap the clients silent past the heartbeat timeout (not with ``reap`` false: the
-        loop stood still, so their requests may be waiting unread; the next pass reaps, after
-        the loop read them), take the channels' requests a wake-up missed, refresh gauges."""
+    def _housekeeping(self, now: float) -> None:
+        """Reap the clients silent past the heartbeat timeout up to the last time the loop had
+        read every request waiting (``_caught_up``), take the channels' requests a wake-up
+        missed, refresh gauges."""
         st = self.state
-        for c in st.registry.silent(now, st.heartbeat_timeout) if reap else ():
+        for c in st.registry.silent(self._caught_up, st.heartbeat_timeout):
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
                           f"of {st.heartbeat_timeout:g} s"):
                 st.metrics.inc("clients_reaped")

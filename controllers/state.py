@@ -42,7 +42,7 @@ from hicache.core.protocol import ProtocolError
 from hicache.controllers.metrics import Metrics
 
 from .background import Unmapper
-from .host_access import (READS, WRITES, begin_writes, end_fill, end_writes, host_table,
+from .host_access import (WRITES, begin_writes, end_fill, end_writes, host_table, torn_by,
                           written_rows)
 from .registry import ClientState, Registry
 
@@ -276,8 +276,9 @@ class DaemonState:
             self.keep_on_failure(op)
             self.post.append((op, None))
             return op.ack()
-        if (op.kind in READS or self.scheduler.cuda) and self.tracker.hazard(op.host):
-            if op.kind in READS:
+        reads = any(not w for _, _, w in op.host)  # host rows it reads (a load, a swap-in...)
+        if (reads or self.scheduler.cuda) and self.tracker.hazard(op.host):
+            if reads:
                 op.behind = self._writes_into(op.host)
             if self.scheduler.cuda:
                 other = self.scheduler.last_op("load" if op.stream == "backup" else "backup")
@@ -315,7 +316,7 @@ class DaemonState:
             return
         c = entry[1]
         if op.ok and op.behind:  # it read rows a write it ran after was replacing
-            bad = next((w for w in op.behind if not w.ok), None)
+            bad = torn_by(op, op.behind)
             if bad is not None:
                 op.ok = False
                 op.error = (f"host rows it read were being overwritten by operation "
@@ -335,9 +336,9 @@ class DaemonState:
         self.outbox.append((c, op.ack()))
 
     def _writes_into(self, host: list[tuple[str, Any, bool]]) -> list[Operation]:
-        """The writes in flight into any of the rows ``host`` names (a rare path: only for an
+        """The writes in flight into any of the rows ``host`` reads (a rare path: only for an
         op whose rows the row tracker says are being written)."""
-        want = {space: rows_np(rows) for space, rows, _ in host}
+        want = {space: rows_np(rows) for space, rows, writes in host if not writes}
         out = []
         for w, _ in self.ops.values():
             if w.kind in WRITES and any(

@@ -239,3 +239,89 @@ def test_a_load_behind_an_overwrite_that_fails_part_way_fails_too(
         assert st.report(True)["invariants"] == "ok"
     finally:
         st.group.close()
+
+
+def _gated_failure(monkeypatch: pytest.MonkeyPatch, fails: Any) -> threading.Event:
+    """Host-row writes wait for the returned gate; those ``fails(item, n)`` says (``n``: host
+    writes so far, this one included) raise."""
+    real, gate, n = sched_mod.run_cpu_item, threading.Event(), [0]
+
+    def copy(it: Any, stop: Any = None) -> Any:
+        if it.dst.name.startswith("host:"):
+            assert gate.wait(10)
+            n[0] += 1
+            if fails(it, n[0]):
+                raise RuntimeError("injected copy failure")
+        return real(it, stop)
+
+    monkeypatch.setattr(sched_mod, "run_cpu_item", copy)
+    return gate
+
+
+def test_a_load_no_failed_write_tore_is_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed backup of one pool does not fail a load of another pool of the same row; a
+    failed overwrite followed by a whole overwrite that succeeded does not fail a load behind
+    both (it reads the second's bytes whole)."""
+    st = _state(inline=False)
+    try:
+        c = _engine(st)
+        page = [n for n, p in st.layout.pools.items() if p.index == "page"]
+        for n in page:
+            for t in c.layers[n]:
+                t[0], t[3] = 0xAA, 0xBB
+        h = _run(st, c, "backup", {"alloc": True, "items": [{"space": "page", "src": 0}]},
+                 [0])["arrays"][0][0]
+        gate = _gated_failure(monkeypatch, lambda it, n: n == 1)  # the first host write fails
+        c4 = _send(st, c, "backup", {"items": [{"pool": "c4_kv", "src": 0, "dst": 1}]}, [3], [h])
+        other = _send(st, c, "load", {"items": [{"pool": "c128_kv", "src": 0, "dst": 1}]}, [h],
+                      [2])
+        gate.set()
+        assert _ack(st, c4)["ack"]["status"] == "error"
+        assert _ack(st, other)["ack"]["status"] == "ok"  # c128_kv: nobody wrote it
+        assert all(bool((t[2] == 0xAA).all()) for t in c.layers["c128_kv"])
+        h2 = _run(st, c, "backup", {"alloc": True, "items": [{"space": "page", "src": 0}]},
+                  [0])["arrays"][0][0]
+        gate = _gated_failure(monkeypatch, lambda it, n: n == 2)  # W1's second pool fails
+        item = {"items": [{"space": "page", "src": 0, "dst": 1}]}
+        w1 = _send(st, c, "backup", item, [3], [h2])
+        w2 = _send(st, c, "backup", item, [3], [h2])  # whole rows, succeeds
+        load = _send(st, c, "load", item, [h2], [5])
+        gate.set()
+        assert [_ack(st, x)["ack"]["status"] for x in (w1, w2, load)] == ["error", "ok", "ok"]
+        for n in page:
+            assert all(bool((t[5] == 0xBB).all()) for t in c.layers[n])  # W2's, whole
+        assert st.report(True)["invariants"] == "ok"
+    finally:
+        st.group.close()
+
+
+def test_a_sparse_copy_of_host_hits_behind_a_failed_overwrite_fails_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sparse_admit``'s copy of host-tier hits into the sparse region reads host rows as a
+    load does (forty-sixth session's diff review: only loads and swap-ins were covered)."""
+    from hicache.controllers.ops import Ids, Item, Operation
+    from hicache.kernels.tables import LayerTable
+
+    st = _state(inline=False)
+    try:
+        c = _engine(st)
+        h = _run(st, c, "backup", {"alloc": True, "items": [{"space": "page", "src": 0}]},
+                 [0])["arrays"][0][0]
+        gate = _gated_failure(monkeypatch, lambda it, n: it.pool == "c4_kv")
+        over = _send(st, c, "backup", {"items": [{"space": "page", "src": 0, "dst": 1}]}, [3],
+                     [h])
+        spec = st.layout.pools["c4_kv"]  # what sparse._copy submits for a host hit
+        region = LayerTable([torch.zeros((2, spec.page_bytes), dtype=torch.uint8)
+                             for _ in range(spec.num_layers)], "sparse:region")
+        it = Item("c4_kv", st.host_tables["c4_kv"], region, Ids.of([h]), Ids.of([0]), None,
+                  tuple(spec.layers), spec.num_layers * spec.page_bytes)
+        op = Operation(st.next_op_id(), c.cid, "sparse_backup", [it],
+                       [("page", np.array([h], dtype=np.int64), False)], nbytes=it.nbytes)
+        assert st.start(c, op) is None
+        st.after_reply()
+        gate.set()
+        assert _ack(st, over)["ack"]["status"] == "error"
+        ack = _ack(st, {"op": op.op_id})["ack"]
+        assert ack["status"] == "error" and "which failed" in ack["error"]["message"]
+    finally:
+        st.group.close()

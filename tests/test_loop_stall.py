@@ -5,11 +5,13 @@ stopped or descheduled) nothing reads the socket, so every client looks silent. 
 used to reap, at its first housekeeping after the stall, the clients whose requests were still
 queued past the 32 it read first, and the client whose own command had held the loop (its
 silence counted from its command's arrival): their rows freed under engines that never
-stopped talking. Now a housekeeping pass right after a loop turn longer than
-``server.STALL_S`` reaps nobody (the next one does, after the loop read what waited), and a
-command that took that long counts its client's silence from its reply.
+stopped talking. Now silence is counted up to the last time the loop had read every request
+that waited (``Server._caught_up``), and a command that held the loop longer than
+``server.STALL_S`` counts its client's silence from its reply; a client that is gone is still
+reaped while another keeps the loop busy with long commands (the loop catches up between
+them).
 
-Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by a real ``kv_put``.
+Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by real ``kv_put``s.
 """
 from __future__ import annotations
 
@@ -89,4 +91,31 @@ def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client(
             time.sleep(0.2)  # a housekeeping pass (every 0.125 s) after the put's reply
             assert big.kv_exists("swa", ["k0"]) == [True]  # still attached: not reaped
     finally:
+        pool.close()
+
+
+def test_a_gone_client_is_reaped_while_another_keeps_the_loop_busy(daemon_factory: Any) -> None:
+    """Long puts back to back: the loop stands still most of the time, but it reads everything
+    that waits between two of them, and a client that went silent is reaped all the same (the
+    diff review of the first version, which skipped the reap after every long turn: never)."""
+    keys = 400
+    d = daemon_factory(preset="dsv4-tiny", device_rows=f"page=4,swa_page={keys},req_slot=4",
+                       host=("--host-ratio", "1.25"), heartbeat_timeout=0.5, metrics=False,
+                       extra=TINY)
+    with d.client() as c:
+        sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
+    gone = d.client(name="gone")
+    row = gone.alloc({"page": 1})["page"]
+    pool = EnginePool(sw.num_layers, 1, sw.page_bytes, page_first=True, seed=5)
+    try:
+        with d.client(name="busy") as busy:
+            pool.attach(busy, "swa", "swa_kv", ns=NS)
+            end, n = time.monotonic() + 3.0, 0  # 6 heartbeat timeouts
+            while time.monotonic() < end:  # new keys each time (a stored one is not copied)
+                n += 1
+                busy.kv_put("swa", [f"k{n}-{i}" for i in range(keys)], [0] * keys, timeout=60)
+            with pytest.raises(CommandRefused, match="silent for"):  # reaped meanwhile
+                gone.free({"page": row})
+    finally:
+        gone.close()
         pool.close()
