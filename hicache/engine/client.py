@@ -447,13 +447,13 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """``maybe_heartbeat``'s interval: a third of the daemon's heartbeat timeout."""
         self.heartbeat_interval = max(0.1, float(h.get("heartbeat_timeout", 9.0)) / 3)
 
-    def maybe_heartbeat(self) -> dict[str, Any] | None:
+    def maybe_heartbeat(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Heartbeat only if nothing was sent for ``heartbeat_interval``: the reply when sent
         (``registered``, ``reaped``: whether the daemon still holds this client's worker, and
         why not), else None."""
         if time.monotonic() - self._last_send < self.heartbeat_interval:
             return None
-        return self.heartbeat()
+        return self.heartbeat(timeout=timeout)
 
     # ------------------------------------------------------------------ registration
     def register(self, pools: Any = None, *, layout: Mapping[str, Any] | None = None,

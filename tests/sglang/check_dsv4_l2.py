@@ -226,6 +226,47 @@ def test_sglangs_shutdown_goes_on_when_the_daemon_is_gone(tmp_path: Path,
         assert any("unregistering at shutdown failed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_second_worker_on_one_daemon_is_refused(tmp_path: Path) -> None:
+    """TP ranks sharing one daemon (a socket template without ``{gpu}``) were both registered,
+    and each one's ``available_size`` counted its own rows only, so SGLang skipped write-throughs
+    on one rank (forty-sixth session's review). The second is refused, and leaves nothing."""
+    with _installed(tmp_path) as (d, inst):
+        F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        with pytest.raises(ValueError, match="needs a daemon of its own"):
+            F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        with d.client(name="watch") as w:
+            assert w.stats()["workers"] == 1 and len(inst.links) == 1
+
+
+def test_a_hung_daemon_holds_neither_available_size_nor_the_shutdown(tmp_path: Path) -> None:
+    """A heartbeat in flight to a daemon that stopped answering held the link's lock for the
+    whole call timeout (5 s): SGLang's ``available_size``, which needs no daemon, waited
+    behind it, and its shutdown took the timeout plus the unregister's 2 s (6.5 s). Now a
+    heartbeat waits at most 1 s and the rows held have a lock of their own."""
+    import os
+    import signal
+    import time
+
+    with _installed(tmp_path) as (d, inst):
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        link = inst.links[0]
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            c = link.client
+            deadline = time.monotonic() + 15
+            while time.monotonic() - c._last_send < c.heartbeat_interval + 0.2 and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)  # the heartbeat thread sends one, which waits for its reply
+            t0 = time.monotonic()
+            assert link.free_rows("page") == link.capacity("page")
+            assert time.monotonic() - t0 < 0.3
+            t0 = time.monotonic()
+            cache.release_host_resources()
+            assert time.monotonic() - t0 < 4.0 and link.closed
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+
+
 def test_a_storage_backend_is_refused_when_the_daemon_holds_the_host_tier(tmp_path: Path) -> None:
     """``--hicache-storage-backend`` beside the host-pool adapter started, and every storage
     backup then failed in SGLang's background thread (the host bytes are in the daemon). Now

@@ -1,7 +1,8 @@
 """One SGLang worker's connection to its hicache daemon: device buffers shared, rows owned.
 
 ``DaemonLink.connect(kvcache, layout, client)`` maps SGLang's DSV4 device pools onto ``layout``
-(``stage_map.map_stage``), shares them with the daemon and registers the worker:
+(``stage_map.map_stage``), shares them with the daemon and registers the worker (refused, and
+unregistered again, when the daemon already serves another worker: one worker per daemon):
 
 * CUDA: the tensors are exported as they are (CUDA IPC handles of SGLang's own allocations).
 * CPU (tests, no GPU): the daemon maps device pools from sealed memfds the worker hands in, and
@@ -20,9 +21,12 @@ daemon's per-layer events are indexed by.
 
 Liveness: SGLang calls the host pools only when it moves or allocates KV, so an idle server
 would be reaped by the daemon (its host rows freed under SGLang's tree). A daemon thread of the
-link sends a heartbeat when nothing else was sent for a third of the daemon's timeout. The
-``Client`` is not thread-safe: every use of it goes through ``lock`` (the host pools take it
-too). A heartbeat that fails is kept in ``beat_error`` and is a warning, once until one
+link sends a heartbeat when nothing else was sent for a third of the daemon's timeout, waiting
+at most ``BEAT_S`` for its reply (it holds the lock meanwhile). The ``Client`` is not
+thread-safe: every use of it goes through ``lock`` (the host pools take it too); the rows the
+link holds have a lock of their own, so ``free_rows`` (SGLang's ``available_size``) never waits
+on the daemon. A heartbeat that fails (any error: a daemon upgraded under the link may answer
+what this client cannot read) is kept in ``beat_error`` and is a warning, once until one
 succeeds again (SGLang's next call meets the same daemon). A reply that
 says the daemon no longer holds the worker (``registered`` false: reaped, or a restarted
 daemon) is logged as an error once (``lost``): SGLang's tree still lists host hits, its next
@@ -53,6 +57,7 @@ from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 log = logging.getLogger("hicache.sglang")
 ALIGN = 4096
 UNREGISTER_S = 2.0  # the longest the shutdown's unregister waits for the daemon
+BEAT_S = 1.0  # the longest a heartbeat waits for its reply (it holds the link's lock)
 
 
 def _close(fd: int) -> None:
@@ -83,6 +88,23 @@ def _rehome_to_memfd(owners: list[torch.Tensor]) -> tuple[int, mmap.mmap]:
     return fd, mm
 
 
+def _alone(client: Client) -> None:
+    """Unregister and refuse (``ValueError``) when the daemon serves another worker besides
+    this one: SGLang sizes its host tier by ``available_size``, which counts this worker's rows
+    only, and TP ranks sharing a daemon would allocate out of step."""
+    n = int(client.stats().get("workers", 1))
+    if n <= 1:
+        return
+    try:
+        client.unregister(timeout=min(client.timeout, UNREGISTER_S))
+    except HicacheError as e:  # the refusal below is what matters
+        log.warning("hicache: unregistering a refused worker failed: %s", e)
+    raise ValueError(f"the hicache daemon at {client.address} already serves {n - 1} other "
+                     f"worker(s): each SGLang worker (TP rank, PP stage) needs a daemon of its "
+                     f"own (HICACHE_SGLANG_SOCKET with {{gpu}} and {{pp_rank}}, or each GPU's "
+                     f"default socket)")
+
+
 class DaemonLink:
     """See the module docstring."""
 
@@ -94,6 +116,7 @@ class DaemonLink:
         self.host_rows = dict(host_rows)
         self.lock = threading.RLock()
         self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
+        self._held_lock = threading.Lock()  # ``_held`` alone (``free_rows`` takes no ``lock``)
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
         self.beat_error: HicacheError | None = None
@@ -109,8 +132,9 @@ class DaemonLink:
         while not self._stop.wait(max(0.05, self.client.heartbeat_interval / 4)):
             try:
                 with self.lock:
-                    h = None if self._stop.is_set() else self.client.maybe_heartbeat()
-            except HicacheError as e:  # maybe a daemon busy for a while: a warning, once
+                    h = None if self._stop.is_set() else \
+                        self.client.maybe_heartbeat(timeout=min(self.client.timeout, BEAT_S))
+            except Exception as e:  # noqa: BLE001 - a daemon busy for a while: a warning, once
                 if self.beat_error is None:
                     log.warning("hicache: a heartbeat to the daemon failed: %s (SGLang's next "
                                 "host-tier call meets the same daemon)", e)
@@ -170,6 +194,7 @@ class DaemonLink:
             h = client.register(layout=layout.to_dict(), device_rows=stage.rows, buffers=buffers,
                                 mode=mode, name=name, events=2 if cuda else 0,
                                 fds=[shm[0]] if shm else ())
+            _alone(client)
         except BaseException:
             if shm:
                 _close(shm[0])
@@ -181,7 +206,7 @@ class DaemonLink:
         return self.host_rows[space]
 
     def free_rows(self, space: str) -> int:
-        with self.lock:
+        with self._held_lock:
             return self.host_rows[space] - len(self._held[space])
 
     def alloc(self, space: str, pages: int) -> list[int] | None:
@@ -193,19 +218,22 @@ class DaemonLink:
                 if e.code == "no_space":
                     return None
                 raise
-            self._held[space].update(int(r) for r in rows)
+            with self._held_lock:
+                self._held[space].update(int(r) for r in rows)
             return rows
 
     def free(self, space: str, rows: list[int]) -> None:
         with self.lock:
             self.client.free({space: rows})
-            self._held[space].difference_update(int(r) for r in rows)
+            with self._held_lock:
+                self._held[space].difference_update(int(r) for r in rows)
 
     def free_all(self, space: str) -> int:
         """Give back every row of ``space`` this link holds (the daemon defers the free of
         rows a copy still uses); returns how many."""
         with self.lock:
-            rows = sorted(self._held[space])
+            with self._held_lock:
+                rows = sorted(self._held[space])
             if rows:
                 self.free(space, rows)
             return len(rows)
@@ -222,7 +250,7 @@ class DaemonLink:
                 return
             self.closed = True
         self._stop.set()
-        self._beat.join()
+        self._beat.join(BEAT_S + 0.5)  # a heartbeat in flight ends within BEAT_S
         try:
             with self.lock:
                 self.client.unregister(timeout=min(self.client.timeout, UNREGISTER_S))
