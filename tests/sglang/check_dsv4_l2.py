@@ -240,23 +240,24 @@ def test_a_second_worker_on_one_daemon_is_refused(tmp_path: Path) -> None:
 
 def test_a_hung_daemon_holds_neither_available_size_nor_the_shutdown(tmp_path: Path) -> None:
     """A heartbeat in flight to a daemon that stopped answering held the link's lock for the
-    whole call timeout (5 s): SGLang's ``available_size``, which needs no daemon, waited
-    behind it, and its shutdown took the timeout plus the unregister's 2 s (6.5 s). Now a
-    heartbeat waits at most 1 s and the rows held have a lock of their own."""
+    whole call timeout (5 s by default; 2.5 s here): SGLang's ``available_size``, which needs
+    no daemon, waited behind it, and its shutdown took the timeout plus the unregister's 2 s
+    (6.5 s). Now a heartbeat waits at most 1 s and the rows held have a lock of their own."""
     import os
     import signal
     import time
 
-    with _installed(tmp_path) as (d, inst):
+    with _installed(tmp_path, heartbeat_timeout=5.0, timeout=2.5) as (d, inst):
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         os.kill(d.pid, signal.SIGSTOP)
         try:
-            c = link.client
+            c, sent = link.client, link.client.sent
             deadline = time.monotonic() + 15
-            while time.monotonic() - c._last_send < c.heartbeat_interval + 0.2 and \
-                    time.monotonic() < deadline:
-                time.sleep(0.05)  # the heartbeat thread sends one, which waits for its reply
+            while c.sent == sent and time.monotonic() < deadline:
+                time.sleep(0.02)  # the heartbeat thread sends one, which waits for its reply
+            assert c.sent > sent
+            time.sleep(0.1)
             t0 = time.monotonic()
             assert link.free_rows("page") == link.capacity("page")
             assert time.monotonic() - t0 < 0.3
