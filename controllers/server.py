@@ -33,6 +33,7 @@ from hicache.core.errors import UsageError
 
 from .handlers import HANDLERS, error_code
 from .registry import ClientState
+from .catch_up import CatchUp
 from .state import DaemonState
 
 log = logging.getLogger("hicache.server")
@@ -175,7 +176,10 @@ class Server:
         self._stop = False
         self._wake_polled = False
         self._next_house = 0.0
-        self._caught_up = time.monotonic()  # see ``serve``
+        # when the loop last read every request that waited (``catch_up``): what silence is
+        # measured against; a saturated socket holds at most RCVHWM per peer, read round-robin
+        self.catch = CatchUp(time.monotonic(),
+                             (state.registry.max_clients + 64) * TRANSPORT_RCVHWM)
         # a dead client is reaped within the heartbeat timeout plus at most a quarter of it, and
         # whatever time the loop took to read what waited after it stood still (``serve``)
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
@@ -218,9 +222,9 @@ class Server:
         spin = self.spin_s
         last = 0.0
         # silence is counted up to the last time the loop had read every request waiting
-        # (socket and channels: ``_caught_up``), not up to now: after a stall (a long inline
-        # copy, the process stopped) requests wait unread, and their senders are not silent
-        self._caught_up = time.monotonic()
+        # (``catch``), not up to now: after a stall (a long inline copy, the process
+        # stopped) requests wait unread, and their senders are not silent
+        catch = self.catch
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
@@ -242,7 +246,7 @@ class Server:
                 if got:
                     last = time.perf_counter()
                 else:
-                    self._caught_up = now
+                    catch.empty(now)
                 if not st.idle():
                     st.collect()
                 self.send_acks()
@@ -251,13 +255,13 @@ class Server:
             if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
                 ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)], 100)
                 if not ready:
-                    self._caught_up = now
+                    catch.empty(now)
                 elif self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
             events = dict(self.poller.poll(100))
             if sock not in events and (wake is None or wake.fd not in events):
-                self._caught_up = now
+                catch.empty(now)
             if events and self._woken(events, wake):
                 last = time.perf_counter()
             if self._wake_r in events:
@@ -311,14 +315,15 @@ class Server:
         """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
         ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised), and
         the channels are scanned (a busy socket does not hold their requests back). When the
-        socket is found empty, every request that waited was read (``_caught_up``)."""
+        socket is found empty, every request that waited was read (``catch``)."""
         recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
-        chans, clock = st.registry.channels, time.monotonic
+        chans, clock, catch = st.registry.channels, time.monotonic, self.catch
         for _ in range(BATCH):
             try:
                 frames, err = recv()
             except zmq.Again:
                 return
+            catch.read()
             handle(frames, err)
             if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
                 self._channels()  # queueing gives each of its peers
@@ -326,7 +331,7 @@ class Server:
             if st.stopping:
                 return
             if not events(_EVENTS) & _POLLIN:
-                self._caught_up = seen
+                catch.empty(seen)
                 return
 
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
@@ -429,10 +434,11 @@ class Server:
 
     def _housekeeping(self, now: float) -> None:
         """Reap the clients silent past the heartbeat timeout up to the last time the loop had
-        read every request waiting (``_caught_up``), take the channels' requests a wake-up
-        missed, refresh gauges."""
+        read every request waiting (``catch``), take the channels' requests a wake-up missed,
+        refresh gauges."""
         st = self.state
-        for c in st.registry.silent(self._caught_up, st.heartbeat_timeout):
+        self.catch.tick(now)
+        for c in st.registry.silent(self.catch.at, st.heartbeat_timeout):
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
                           f"of {st.heartbeat_timeout:g} s"):
                 st.metrics.inc("clients_reaped")

@@ -543,28 +543,33 @@ def test_a_request_the_daemon_dropped_unread_with_the_channel_goes_again_over_zm
     the client (which closes the channel) before it scans. The closed channel says the
     request was left unread, and the client sends it again over ZMQ at once, where the daemon
     answers it, instead of waiting out its timeout. (When the reaping pass comes before the
-    request is written, the request goes over ZMQ from the start: tried again, at most 4
-    times.)"""
+    request is written, the request goes over ZMQ from the start; when a pass comes late and
+    reads it first, it is answered as usual: tried again, at most 6 times.)"""
     d, pools = spinning
     c = d.client(reply_spin_us=0)
     try:
-        for _ in range(4):
-            c.register(pools)
+        registered = False
+        for _ in range(6):
+            if not registered:
+                c.register(pools)
             end = c._chan
             assert end is not None
             monkeypatch.setattr(end, "ring", lambda: None)  # the daemon sleeps through it
             # housekeeping passes come every 0.5 s on the 0.1 s poll ticks that follow the
-            # client's last request; the one that reaps it comes 2.0-2.4 s after it, the one
-            # before 1.5-1.9 s: the request goes in between, unread until the reap
+            # client's last request, and count silence up to the start of the last poll that
+            # found nothing: the one that reaps comes 2.1-2.5 s after the request, the one
+            # before 1.6-2.0 s: the request goes in between, unread until the reap
             silent_from = time.monotonic()
-            time.sleep(1.95 - (time.monotonic() - silent_from))
+            time.sleep(2.05 - (time.monotonic() - silent_from))
             sent = c.sent
             t = time.perf_counter()
             h = c.heartbeat(timeout=8)
             took = time.perf_counter() - t
-            assert not h["registered"] and h["reaped"], h
             assert took < 1.5, took  # the reaping pass comes within 0.5 s: not after 8 s
-            assert not c.uses_channel
+            registered = h["registered"]
+            if registered:  # a pass before the reap read it (a loaded machine's late tick)
+                continue
+            assert h["reaped"] and not c.uses_channel
             if c.sent == sent + 2:  # once in the slot, once over ZMQ
                 break
             assert c.sent == sent + 1  # the channel was closed before it was written

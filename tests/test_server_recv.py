@@ -63,7 +63,7 @@ def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
     from hicache.controllers.server import Server
 
     srv = Server(SimpleNamespace(heartbeat_timeout=10.0, wake_socket=None,
-                                 registry=SimpleNamespace(channels=[]),
+                                 registry=SimpleNamespace(channels=[], max_clients=64),
                                  close_handout=lambda: None),
                  f"ipc://{tmp_path}/s.sock")
     ctx = zmq.Context()
