@@ -3,8 +3,9 @@
 One thread owns the socket. Each turn: handle the requests waiting (decode -> handler ->
 reply, up to ``BATCH``), deliver the acks of operations the engine completed (the engine wakes
 the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
-timeout when that is shorter) reap clients silent for longer than the heartbeat timeout and
-refresh the gauges. Local clients may also send through a shared-memory channel
+timeout when that is shorter) reap clients silent for longer than the heartbeat timeout, up
+to the last time the loop had read every request that waited (``catch_up``: a loop that stood
+still reaps nobody for it), and refresh the gauges. Local clients may also send through a shared-memory channel
 (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
 sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
 socket one, its reply written to the channel's slot and sent over the socket too. While the
