@@ -59,11 +59,12 @@ def written_rows(it: Any) -> Any:
     """Host rows an item of a writing op writes (a list when it names only a few rows)."""
     ids = it.dst_ids
     if it.fmt is not None:  # token-granular: the pages of its tokens
-        return sorted_unique(ids.np() // it.fmt.tokens_per_page)
+        return sorted_unique(_rows_of(it, ids))
     return ids.list() if ids.n <= FEW_ROWS else ids.np()
 
 
 def _rows_of(it: Any, ids: Any) -> Any:
+    """The host rows ``ids`` of item ``it`` name (a token item's: its tokens' pages, repeated)."""
     return ids.np() // it.fmt.tokens_per_page if it.fmt is not None else ids.np()
 
 
@@ -85,7 +86,7 @@ def torn_by(op: Any, writes: list[Any]) -> Any:
         torn: dict[int, Any] = {}  # row -> the failed write that last touched it
         for w in order:
             for wi in w.items:
-                if wi.pool != it.pool or not wi.dst.name.startswith(HOST):
+                if wi.pool != it.pool:  # (a write's items all write host rows)
                     continue
                 hit = np.intersect1d(rows, _rows_of(wi, wi.dst_ids)).tolist()
                 if not w.ok:

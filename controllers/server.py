@@ -5,8 +5,8 @@ reply, up to ``BATCH``), deliver the acks of operations the engine completed (th
 the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
 timeout when that is shorter) reap clients silent for longer than the heartbeat timeout, up
 to the last time the loop had read every request that waited (``catch_up``: a loop that stood
-still reaps nobody for it), and refresh the gauges. Local clients may also send through a shared-memory channel
-(``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
+still reaps nobody for it), and refresh the gauges. Local clients may also send through a
+shared-memory channel (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
 sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
 socket one, its reply written to the channel's slot and sent over the socket too. While the
 engine is idle the loop waits on the socket (and that wake-up socket) alone. With

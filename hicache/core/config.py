@@ -501,9 +501,9 @@ def check_device(text: str) -> None:
         raise UsageError(f"--device must be 'cpu' or 'cuda:N', got {text!r}")
 MAX_TOUCH_THREADS = 1024
 MAX_HEARTBEAT_TIMEOUT_S = 86400.0  # a day: longer keeps a dead engine's rows all that time
-# shorter, the daemon's own loop turns (asleep up to 0.1 s; 0.25 s before a turn counts as a
-# stall, controllers.server.STALL_S) reap clients that never stopped talking: a typo (0.01
-# for 10) would free every engine's rows
+# shorter, the daemon's own loop (asleep up to 0.1 s between polls, housekeeping every quarter
+# of the timeout, commands of up to controllers.server.STALL_S counted as silence) reaps
+# clients that never stopped talking: a typo (0.01 for 10) would free every engine's rows
 MIN_HEARTBEAT_TIMEOUT_S = 0.5
 
 FLAGLESS = tuple(s.name for s in SETTINGS if not s.flag)  # TOML / environment only

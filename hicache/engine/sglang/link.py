@@ -119,7 +119,7 @@ class DaemonLink:
         self._held_lock = threading.Lock()  # ``_held`` alone (``free_rows`` takes no ``lock``)
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
-        self.beat_error: HicacheError | None = None
+        self.beat_error: Exception | None = None
         self.lost: str | None = None  # why the daemon no longer holds the worker (``_lost``)
         self.closed = False
         client.heartbeat()  # the daemon's timeout sets the client's heartbeat interval
