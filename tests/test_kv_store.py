@@ -373,3 +373,35 @@ def test_a_failed_proof_write_leaves_no_file_grown(tmp_path):
     finally:
         os.close(a)
         os.close(b)
+
+
+def test_a_pending_pool_holds_two_descriptors_per_file_as_the_budget_counts() -> None:
+    """``file_budget`` counts two of the daemon's descriptors per engine file (the mapping's and
+    the one ``damaged`` reads); a pid-mode pool waiting for its proof held a third (its own
+    proof descriptor) until ``kv_verify``. Counted in this process's descriptor table, and all
+    of them closed again when the pool closes."""
+    from hicache.controllers.kv_regions import EnginePool as DaemonPool
+
+    files, pages, pb = 3, 4, 4096
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import os,time\n"
+                              f"fds=[os.memfd_create('p') for _ in range({files})]\n"
+                              f"[os.ftruncate(f, {pages * pb}) for f in fds]\n"
+                              f"[os.posix_fallocate(f, 0, {pages * pb}) for f in fds]\n"
+                              "print(*fds, flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        fds = [int(x) for x in child.stdout.readline().split()]
+        layers = [{"fd": fd, "offset": 0, "stride": pb} for fd in fds]
+        before = len(os.listdir("/proc/self/fd"))
+        ep = DaemonPool.open("p", NS, "c4_kv", "page", pages, pid=child.pid, page_bytes=pb,
+                             num_layers=files, layers=layers)
+        try:
+            assert ep.files == files and len(ep.proofs) == files  # pending: proof not checked
+            assert len(os.listdir("/proc/self/fd")) - before == 2 * files
+        finally:
+            ep.close()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        child.kill()
+        child.wait()

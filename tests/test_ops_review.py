@@ -334,3 +334,29 @@ def test_stats_summary_of_a_reply_without_what_the_daemon_serves():
         "  l3: online; master 127.0.0.1:50051, put queue 0 pages",
         "  l3 read worker stalled: a prefetch call has not returned; its jobs are answered as "
         "misses until that call returns"]
+
+
+@pytest.mark.parametrize("level,printed", [("WARNING", False), ("INFO", True)])
+def test_the_arena_progress_lines_follow_the_log_level(level, printed, tmp_path, monkeypatch,
+                                                       capsys):
+    """The host arena's progress lines are INFO's: ``--log-level warning`` keeps them off
+    stderr (they were printed whatever the level), INFO shows them."""
+    import logging
+
+    from hicache.controllers import daemon as daemon_mod
+    from hicache.core.config import ServeConfig
+    from hicache.host_pools import arena as arena_mod
+
+    monkeypatch.setattr(arena_mod, "PROGRESS_MIN", 1)  # every arena is large enough
+    logger = logging.getLogger("hicache")
+    before = logger.level
+    logger.setLevel(level)  # as ``hicache serve --log-level`` does
+    try:
+        d = daemon_mod.Daemon(ServeConfig(preset="dsv4-tiny",
+                                          device_rows={"page": 8, "swa_page": 8, "req_slot": 4},
+                                          host_ratio=2.0, socket=f"ipc://{tmp_path}/d.sock",
+                                          numa_node="off"))
+        d.close()
+    finally:
+        logger.setLevel(before)
+    assert ("hicache: host arena" in capsys.readouterr().err) == printed

@@ -28,7 +28,7 @@ from hicache.engine.sglang.version import installed_sglang
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
 INNER = ["tests/sglang/check_dsv4_l2.py", "tests/sglang/check_dynamic_backend.py"]
-INNER_TESTS = 21  # (the engine-restart test runs once per attach way)
+INNER_TESTS = 22  # (the engine-restart test runs once per attach way)
 
 
 def _tail(text: str, n: int = 6000) -> str:

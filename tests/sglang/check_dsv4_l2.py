@@ -306,6 +306,41 @@ def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
         assert "Restart the SGLang server" in lines[0]
 
 
+def test_a_heartbeat_error_of_any_type_is_a_warning_and_the_beats_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A heartbeat that fails with an error other than ``HicacheError`` (a reply this client
+    cannot read, say) ended the heartbeat thread silently, and the daemon then reaped a live
+    worker. Now it is one warning, the beats go on, and the recovery is logged."""
+    import logging
+    import time
+
+    with _installed(tmp_path, heartbeat_timeout=3.0, timeout=1.0) as (d, inst):
+        F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        link = inst.links[0]
+        real = link.client.maybe_heartbeat
+        calls = []
+
+        def broken(*a: object, **kw: object) -> object:
+            calls.append(1)
+            raise ValueError("a reply this client cannot read")
+
+        with caplog.at_level(logging.INFO, logger="hicache.sglang"):
+            link.client.maybe_heartbeat = broken
+            deadline = time.monotonic() + 10
+            while len(calls) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(calls) >= 3 and link._beat.is_alive()
+            assert isinstance(link.beat_error, ValueError)
+            link.client.maybe_heartbeat = real
+            deadline = time.monotonic() + 10
+            while link.beat_error is not None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert link.beat_error is None and link.lost is None
+        msgs = [r.getMessage() for r in caplog.records]
+        assert sum("a heartbeat to the daemon failed" in m for m in msgs) == 1, msgs
+        assert any("answers heartbeats again" in m for m in msgs), msgs
+
+
 def test_install_refuses_a_stage_the_daemon_does_not_serve(tmp_path: Path) -> None:
     d = _daemon(tmp_path, 2, 0)  # serves stage 0 of 2; the worker is the whole model
     inst = None
