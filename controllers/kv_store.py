@@ -210,14 +210,18 @@ class KeyStore:
 
 def _copy(engine: list[torch.Tensor], ours: list[torch.Tensor], pages: list[int],
           rows: list[int], *, to_engine: bool) -> None:
-    """Page ``pages[i]`` of every engine layer <-> row ``rows[i]`` of the same daemon layer."""
-    p = torch.tensor(pages, dtype=torch.int64)
-    r = torch.tensor(rows, dtype=torch.int64)
+    """Page ``pages[i]`` of every engine layer <-> row ``rows[i]`` of the same daemon layer:
+    one numpy row copy per page and layer (torch's ``index_select`` / ``index_copy_`` over
+    uint8 rows moved 0.5-0.9 GB/s on the 2-core VM, row copies 3-8 GB/s, and the loop reads
+    no other command while a put or get copies)."""
     for e, o in zip(engine, ours):
+        en, on = e.numpy(), o.numpy()
         if to_engine:
-            e.index_copy_(0, p, o.index_select(0, r))
+            for p, r in zip(pages, rows):
+                en[p] = on[r]
         else:
-            o.index_copy_(0, r, e.index_select(0, p))
+            for p, r in zip(pages, rows):
+                on[r] = en[p]
 
 
 # ------------------------------------------------------------------------------- handlers

@@ -644,12 +644,12 @@ def test_an_ack_in_a_late_poll_reply_is_kept():
     from hicache.core.layout import build_layout, preset
     from hicache.engine.acks import DaemonUnreachable
     from hicache.engine.device_pools import DevicePools
-    from lossy_daemon import lossy
+    from fault_daemon import faulty
 
     rows = {"page": 16, "swa_page": 16, "req_slot": 4}
-    with lossy(device="cpu", preset="dsv4-tiny",
-               device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
-               env={"HICACHE_INLINE_MAX_BYTES": "1"}) as d, \
+    with faulty("lost_acks", device="cpu", preset="dsv4-tiny",
+                device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+                env={"HICACHE_INLINE_MAX_BYTES": "1"}) as d, \
             DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
         c = d.client(channel=False)
         try:

@@ -11,7 +11,8 @@ that waited (``Server._caught_up``), and a command that held the loop longer tha
 reaped while another keeps the loop busy with long commands (the loop catches up between
 them).
 
-Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by real ``kv_put``s.
+Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by real ``kv_put``s whose
+copies wait first (``fault_daemon``: the copies alone are too fast here).
 """
 from __future__ import annotations
 
@@ -69,53 +70,55 @@ def test_clients_whose_requests_waited_through_a_stopped_loop_are_not_reaped(
         assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
-def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client(
-        daemon_factory: Any) -> None:
-    keys = 800  # dsv4-tiny SWA pages of ~0.9 MB: ~0.7 GB copied on the server thread
-    d = daemon_factory(preset="dsv4-tiny", device_rows=f"page=4,swa_page={keys},req_slot=4",
-                       host=("--host-ratio", "1.25"), heartbeat_timeout=0.5, metrics=False,
-                       extra=TINY)
-    with d.client() as c:
-        sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
-    pool = EnginePool(sw.num_layers, 1, sw.page_bytes, page_first=True, seed=3)
-    try:
-        with d.client(name="big") as big:
-            pool.attach(big, "swa", "swa_kv", ns=NS)
-            t = time.monotonic()
-            assert all(big.kv_put("swa", [f"k{i}" for i in range(keys)], [0] * keys,
-                                  timeout=120))
-            took = time.monotonic() - t
-            if took < 0.6:
-                pytest.skip(f"the put took {took:.2f} s: this machine copies too fast to hold "
-                            f"the loop past the 0.5 s heartbeat timeout")
-            time.sleep(0.2)  # a housekeeping pass (every 0.125 s) after the put's reply
-            assert big.kv_exists("swa", ["k0"]) == [True]  # still attached: not reaped
-    finally:
-        pool.close()
+def _slow_puts(delay: float, keys: int) -> Any:
+    """A CPU daemon whose key-store copies each hold the loop ``delay`` s first (a put of
+    gigabytes on a slow host: the copy itself is too fast here to hold it that long)."""
+    from fault_daemon import faulty
+    return faulty(f"slow_kv_copy={delay}", preset="dsv4-tiny",
+                  device_rows=f"page=4,swa_page={keys},req_slot=4", host=("--host-ratio", "1.25"),
+                  heartbeat_timeout=0.5, metrics_port=0, extra=TINY)
 
 
-def test_a_gone_client_is_reaped_while_another_keeps_the_loop_busy(daemon_factory: Any) -> None:
+def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client() -> None:
+    keys = 4
+    with _slow_puts(1.0, keys) as d:
+        with d.client() as c:
+            sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
+        pool = EnginePool(sw.num_layers, keys, sw.page_bytes, page_first=True, seed=3)
+        try:
+            with d.client(name="big") as big:
+                pool.attach(big, "swa", "swa_kv", ns=NS)
+                t = time.monotonic()
+                assert all(big.kv_put("swa", [f"k{i}" for i in range(keys)], list(range(keys)),
+                                      timeout=60))
+                assert time.monotonic() - t >= 1.0  # twice the heartbeat timeout
+                time.sleep(0.2)  # a housekeeping pass (every 0.125 s) after the put's reply
+                assert big.kv_exists("swa", ["k0"]) == [True]  # still attached: not reaped
+        finally:
+            pool.close()
+
+
+def test_a_gone_client_is_reaped_while_another_keeps_the_loop_busy() -> None:
     """Long puts back to back: the loop stands still most of the time, but it reads everything
     that waits between two of them, and a client that went silent is reaped all the same (the
     diff review of the first version, which skipped the reap after every long turn: never)."""
-    keys = 400
-    d = daemon_factory(preset="dsv4-tiny", device_rows=f"page=4,swa_page={keys},req_slot=4",
-                       host=("--host-ratio", "1.25"), heartbeat_timeout=0.5, metrics=False,
-                       extra=TINY)
-    with d.client() as c:
-        sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
-    gone = d.client(name="gone")
-    row = gone.alloc({"page": 1})["page"]
-    pool = EnginePool(sw.num_layers, 1, sw.page_bytes, page_first=True, seed=5)
-    try:
-        with d.client(name="busy") as busy:
-            pool.attach(busy, "swa", "swa_kv", ns=NS)
-            end, n = time.monotonic() + 2.0, 0  # 4 heartbeat timeouts
-            while time.monotonic() < end:  # new keys each time (a stored one is not copied)
-                n += 1
-                busy.kv_put("swa", [f"k{n}-{i}" for i in range(keys)], [0] * keys, timeout=60)
-            with pytest.raises(CommandRefused, match="silent for"):  # reaped meanwhile
-                gone.free({"page": row})
-    finally:
-        gone.close()
-        pool.close()
+    keys = 4
+    with _slow_puts(0.3, keys) as d:  # each put a long turn (over ``server.STALL_S``)
+        with d.client() as c:
+            sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
+        gone = d.client(name="gone")
+        row = gone.alloc({"page": 1})["page"]
+        pool = EnginePool(sw.num_layers, keys, sw.page_bytes, page_first=True, seed=5)
+        try:
+            with d.client(name="busy") as busy:
+                pool.attach(busy, "swa", "swa_kv", ns=NS)
+                end, n = time.monotonic() + 2.0, 0  # 4 heartbeat timeouts
+                while time.monotonic() < end:  # new keys each time (a stored one is not copied)
+                    n += 1
+                    busy.kv_put("swa", [f"k{n}-{i}" for i in range(keys)], list(range(keys)),
+                                timeout=60)
+                with pytest.raises(CommandRefused, match="silent for"):  # reaped meanwhile
+                    gone.free({"page": row})
+        finally:
+            gone.close()
+            pool.close()

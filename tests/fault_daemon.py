@@ -1,0 +1,63 @@
+"""Fault injection for tests: ``hicache serve`` with one fault, named by ``FAULT_DAEMON`` (not a
+``HICACHE_`` name: the daemon refuses those it does not know).
+
+* ``lost_acks``: every ack push is lost (as when a client's queue is full): each ack is only
+  retained for ``poll_acks``, marked not pushed.
+* ``slow_kv_copy=SECONDS``: every key-store copy (``kv_put`` / ``kv_get``) sleeps that long on
+  the server thread first, as a put of gigabytes does on a slow host.
+
+Run as ``python tests/fault_daemon.py serve ...``; ``faulty(fault, **kw)`` builds the process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+FAULT = "FAULT_DAEMON"
+
+
+def faulty(fault: str, **kw: Any) -> Any:
+    """A ``DaemonProcess`` (not started) that runs this file instead of ``hicache.cli``."""
+    from hicache.engine.daemon_process import DaemonProcess
+
+    d = DaemonProcess(**kw)
+    assert d.cmd[1:3] == ["-m", "hicache.cli"], d.cmd
+    d.cmd[1:3] = [os.path.abspath(__file__)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d.env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, d.env.get("PYTHONPATH")]))
+    d.env[FAULT] = fault
+    return d
+
+
+def _install(fault: str) -> None:
+    name, _, arg = fault.partition("=")
+    if name == "lost_acks":
+        from hicache.controllers import server
+
+        def deliver(self: Any, c: Any, ack: dict[str, Any]) -> None:
+            reg = self.state.registry
+            if reg.clients.get(c.ident) is c:
+                reg.retain(c, ack["op"], ack, False)
+
+        server.Server._deliver = deliver
+    elif name == "slow_kv_copy":
+        from hicache.controllers import kv_store
+
+        real, delay = kv_store._copy, float(arg)
+
+        def slow(*a: Any, **k: Any) -> None:
+            time.sleep(delay)
+            real(*a, **k)
+
+        kv_store._copy = slow
+    else:
+        raise SystemExit(f"{FAULT}={fault!r}: no such fault")
+
+
+if __name__ == "__main__":
+    _install(os.environ[FAULT])
+    from hicache.cli import main
+
+    sys.exit(main())
