@@ -282,7 +282,7 @@ class Daemon:
         cfg = self.cfg
         store_class = load_store_class()  # one clear line naming what to install, or the class
         settings = l3_settings(cfg)
-        objects = l3_format.Objects(self.layout, self.group)
+        objects = l3_format.Objects(self.layout, self.group, cfg.l3_scope or "")
         if not objects.formats:
             raise UsageError(f"--l3: this stage has nothing to store: {objects.refused}")
         self.state.l3_ns = objects.ns["full"].rsplit("/", 2)[0]
@@ -369,8 +369,8 @@ class Daemon:
             from hicache.core import bind_shim
 
             lines.append(f"  L3: mooncake master {self.cfg.l3_master}, metadata "
-                         f"{self.cfg.l3_metadata}, {self.cfg.l3_protocol}, namespace "
-                         f"{self.state.l3_ns}/<mirror>, objects "
+                         f"{self.cfg.l3_metadata}, {self.cfg.l3_protocol}, scope "
+                         f"{self.cfg.l3_scope}, namespace {self.state.l3_ns}/<mirror>, objects "
                          f"{self.state.l3.objects.describe()}, "
                          f"segment {format_bytes(self.cfg.l3_segment)}; "
                          f"{bind_shim.listen_note(self.cfg.l3_local_host)}")

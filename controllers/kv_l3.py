@@ -125,8 +125,8 @@ Ident = tuple[str, str, str, str]  # (space, namespace, slot, key)
 
 
 def kv_prefix(full_ns: str) -> str:
-    """``hc2/<model>/<fingerprint>/kv/pp<r>of<n>`` from the stage's full-mirror namespace
-    (``l3_format.namespace(layout)``): the key-store objects of this stage."""
+    """``hc2/<model>/<fingerprint>/w-<scope digest>/kv/pp<r>of<n>`` from the stage's
+    full-mirror namespace (``l3_format.namespace``): the key-store objects of this stage."""
     head, _, pp = full_ns.rsplit("/", 2)
     return f"{head}/kv/{pp}"
 

@@ -8,10 +8,13 @@ Contract:
   tokens of ``swa_kv`` plus the C4 / C4-indexer state rows, in one row of the checkpoint space,
   ``swa_page`` in paged SWA mode or ``req_slot`` in ring mode). ``kind_of(mirror, ckpt)`` maps
   the command's fields to a kind, or raises ``ValueError`` with the reason.
-* ``namespace(layout, mirror)`` -> ``"hc2/<model>/<fingerprint>/<mirror>/pp<rank>of<size>"``:
-  the layout fingerprint is a digest of the stage's layout (pools, layers, row sizes, SWA
-  mode), so two models, two PP stages, two layout versions or two mirror modes never share an
-  object. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
+* ``namespace(layout, scope, mirror)`` ->
+  ``"hc2/<model>/<fingerprint>/w-<digest of scope>/<mirror>/pp<rank>of<size>"``: the layout
+  fingerprint is a digest of the stage's layout (pools, layers, row sizes, SWA mode), so two
+  architectures, two PP stages, two layout versions or two mirror modes never share an object;
+  the layout says nothing of the weights, so ``scope`` (``--l3-scope``, the served weights'
+  name and revision, required with L3) does: two scopes never share an object, and one scope
+  is the operator's word that its daemons serve the same weights. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
   (1..128 characters of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the
   namespace; a checkpoint lives beside its page under ``<ns>/ck/<page key>`` (a page key holds
   no ``/``, so the two never collide). ``tenant``: the client's CURVE key (its public key,
@@ -26,7 +29,7 @@ Contract:
   word, and so any bit flip, always changes it; words moved within a layer change it unless
   their weights happen to collide; truncation is caught by the length); ``payload_bytes`` is the object's size without its
   header, ``obj_bytes`` with it. ``page_format(layout, group, spaces)`` and
-  ``ckpt_format(layout, group)`` build the two shapes; ``Objects(layout, group)`` holds every
+  ``ckpt_format(layout, group)`` build the two shapes; ``Objects(layout, group, scope)`` holds every
   kind this stage can store, with its namespace.
 * ``pack_header(buf, key, payload_bytes, checksum)`` writes a ``HEADER_BYTES`` header (magic,
   format version, payload length, checksum, key digest) into ``buf``; ``check_header`` returns
@@ -64,12 +67,15 @@ def layout_fingerprint(layout: Layout) -> str:
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
-def namespace(layout: Layout, mirror: str = "full") -> str:
+def namespace(layout: Layout, scope: str, mirror: str = "full") -> str:
     if mirror not in MIRRORS:
         raise ValueError(f"mirror must be one of {MIRRORS}, got {mirror!r}")
+    if not scope:
+        raise ValueError("an L3 namespace needs the served weights' scope")
     name = re.sub(r"[^A-Za-z0-9_.\-]", "_", layout.model.name)[:48]
+    weights = hashlib.blake2b(scope.encode(), digest_size=8).hexdigest()
     st = layout.stage
-    return f"hc{FORMAT_VERSION}/{name}/{layout_fingerprint(layout)}/{mirror}/" \
+    return f"hc{FORMAT_VERSION}/{name}/{layout_fingerprint(layout)}/w-{weights}/{mirror}/" \
            f"pp{st.pp_rank}of{st.pp_size}"
 
 
@@ -236,7 +242,7 @@ class Objects:
     """Every object kind this stage can store (``formats``), why the others cannot be
     (``refused``), and the namespace of each mirror."""
 
-    def __init__(self, layout: Layout, group: Any) -> None:
+    def __init__(self, layout: Layout, group: Any, scope: str) -> None:
         self.formats: dict[str, ObjectFormat] = {}
         self.refused: dict[str, str] = {}
         spaces = [s for s in PAGE_SPACES if layout.space_pools(s)]
@@ -252,7 +258,7 @@ class Objects:
                 self.formats[kind] = build()
             except (ValueError, LayoutError) as e:
                 self.refused[kind] = str(e)
-        self.ns = {m: namespace(layout, m) for m in MIRRORS}
+        self.ns = {m: namespace(layout, scope, m) for m in MIRRORS}
 
     def get(self, kind: str) -> ObjectFormat:
         if kind not in self.formats:

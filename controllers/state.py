@@ -447,8 +447,8 @@ class DaemonState:
     def expire_l3(self, now: float) -> None:
         """Ack every client read (query, prefetch) whose deadline passed
         ``L3_DEADLINE_GRACE_S`` ago with 0 hits (``misses: {deadline: n}``) while its store
-        call still runs (a master or storage node that hangs holds a Mooncake call up to its
-        RPC timeout, 30 s by default). A prefetch's rows stay in flight until the call returns
+        call still runs (a hung master holds a Mooncake call up to its RPC timeout, ~30 s; a
+        hung storage node up to the transfer timeout, 60 s in Mooncake 0.3.13). A prefetch's rows stay in flight until the call returns
         (a free of them waits; a copy into them is refused ``busy``), and nothing it reads
         becomes readable; a job still queued is dropped unrun when a worker takes it. A key
         store job with an ``expire`` hook (its clears and its own reads) is marked the same way

@@ -303,7 +303,7 @@ def test_serve_refuses_a_host_tier_or_l3_segment_too_big_before_torch_naming_the
             f"ipc://{tmp_path}/d.sock"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     l3 = ["--l3", "mooncake", "--l3-master", "127.0.0.1:1", "--l3-metadata",
-          "http://127.0.0.1:1/metadata"]
+          "http://127.0.0.1:1/metadata", "--l3-scope", "test/dsv4-tiny@1"]
     for extra, env_add, lead, tail in (
             ([], {"HICACHE_CONFIG_FILE": str(toml)}, f"--host-mem {big[:-3]} {big[-3:]}: ",
              f" (from host_mem in config file {toml})"),
@@ -528,7 +528,7 @@ def test_l3_over_rdma_needs_the_rdma_devices_it_names(tmp_path, monkeypatch):
     base = {"device": "cpu", "preset": "dsv4-tiny", "device_rows": "page=8,swa_page=4,req_slot=4",
             "host_ratio": 2, "socket": f"ipc://{tmp_path}/d.sock", "l3": "mooncake",
             "l3_master": "127.0.0.1:1", "l3_metadata": "http://127.0.0.1:1/metadata",
-            "l3_protocol": "rdma"}
+            "l3_protocol": "rdma", "l3_scope": "test/dsv4-tiny@1"}
     sysfs = tmp_path / "infiniband"
     monkeypatch.setattr(pf, "RDMA_SYSFS", str(sysfs))  # missing: no device
     with pytest.raises(UsageError, match=r"^--l3-protocol rdma: this host has no RDMA device"):

@@ -23,7 +23,7 @@ from hicache.engine.device_pools import DevicePools
 from hicache.engine.hooks import ClientHooks
 
 from conftest import ROOT, start_daemon
-from test_l3_mooncake import store, wait_online  # noqa: F401 - store: the loopback fixture
+from test_l3_mooncake import SCOPE, store, wait_online  # noqa: F401 - store: the fixture
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -44,7 +44,8 @@ class Side:
         flag = ",".join(f"{k}={v}" for k, v in rows.items())
         self.d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=flag,
                               extra=("--swa-mode", swa, "--l3", "mooncake", "--l3-master",
-                                     store.master_addr, "--l3-metadata", store.metadata_url),
+                                     store.master_addr, "--l3-metadata", store.metadata_url,
+                                     "--l3-scope", SCOPE),
                               env=l3_master.loopback_env(), heartbeat_timeout=300)
         self.pools = DevicePools(self.lay, rows)
         g = torch.Generator().manual_seed(seed)

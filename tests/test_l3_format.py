@@ -26,18 +26,21 @@ BASE = {"preset": "dsv4-tiny"}
 
 def test_l3_settings_from_flags_env_and_file(tmp_path):
     cfg = load_config({**BASE, "l3": "mooncake", "l3_master": "127.0.0.1:50051",
-                       "l3_metadata": "http://127.0.0.1:8080/metadata"}, env={})
+                       "l3_metadata": "http://127.0.0.1:8080/metadata",
+                       "l3_scope": "deepseek-ai/DeepSeek-V4-Flash@main"}, env={})
     assert (cfg.l3, cfg.l3_protocol, cfg.l3_segment) == ("mooncake", "tcp", 0)
+    assert cfg.l3_scope == "deepseek-ai/DeepSeek-V4-Flash@main"
     env = {"HICACHE_L3": "mooncake", "HICACHE_L3_MASTER": "m:1",
-           "HICACHE_L3_METADATA": "P2PHANDSHAKE", "HICACHE_L3_SEGMENT": "1GiB"}
+           "HICACHE_L3_METADATA": "P2PHANDSHAKE", "HICACHE_L3_SEGMENT": "1GiB",
+           "HICACHE_L3_SCOPE": "m@1"}
     cfg = load_config(BASE, env=env)
     assert (cfg.l3_master, cfg.l3_metadata, cfg.l3_segment) == ("m:1", "P2PHANDSHAKE", 1 << 30)
     f = tmp_path / "c.toml"
     f.write_text('[serve]\nl3 = "mooncake"\nl3-master = "h:2"\n'
                  'l3-metadata = "http://h:3/metadata"\nl3-protocol = "rdma"\n'
-                 'l3-rdma-devices = "mlx5_0"\n')
+                 'l3-rdma-devices = "mlx5_0"\nl3-scope = "m@2"\n')
     cfg = load_config(BASE, str(f), env={})
-    assert (cfg.l3_protocol, cfg.l3_rdma_devices) == ("rdma", "mlx5_0")
+    assert (cfg.l3_protocol, cfg.l3_rdma_devices, cfg.l3_scope) == ("rdma", "mlx5_0", "m@2")
 
 
 @pytest.mark.parametrize("flags,msg", [
@@ -55,6 +58,11 @@ def test_l3_settings_from_flags_env_and_file(tmp_path):
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
       "l3_local_host": "::ffff:7f00:1"}, r"::ffff:7f00:1: Mooncake's listeners cannot"),
     ({"l3_master": "h:1"}, "l3 is off"),
+    ({"l3_scope": "m@1"}, "--l3-scope given but --l3 is off"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE"},
+     r"^--l3 mooncake needs --l3-scope: not given; name the served weights"),
+    ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
+      "l3_scope": "my model"}, r"--l3-scope: 'my model' must be 1\.\.200 characters"),
     ({"l3_segment": "1GiB"}, "l3 is off"),
 ])
 def test_l3_settings_refused_with_one_line(flags, msg):
@@ -63,14 +71,20 @@ def test_l3_settings_refused_with_one_line(flags, msg):
     assert "\n" not in str(e.value)
 
 
-def test_namespace_separates_models_stages_layouts_and_mirrors():
-    names = {F.namespace(build_layout(preset(p), pp, r, swa_mode=swa), m)
+def test_namespace_separates_models_stages_layouts_mirrors_and_weights():
+    """The layout says nothing of the weights: a base model and its fine-tune (one preset, one
+    layout) shared every object, each verified as good by the other's daemon (L3 review).
+    The scope (``--l3-scope``) names the weights."""
+    names = {F.namespace(build_layout(preset(p), pp, r, swa_mode=swa), w, m)
              for p in ("dsv4-tiny", "dsv4-flash") for pp, r in ((1, 0), (2, 0), (2, 1))
-             for swa in ("paged", "ring") for m in F.MIRRORS}
-    assert len(names) == 2 * 3 * 2 * 2
-    assert F.namespace(TINY) == F.namespace(build_layout(preset("dsv4-tiny")))
+             for swa in ("paged", "ring") for m in F.MIRRORS for w in ("base@1", "tuned@1")}
+    assert len(names) == 2 * 3 * 2 * 2 * 2
+    assert F.namespace(TINY, "w@1") == F.namespace(build_layout(preset("dsv4-tiny")), "w@1")
+    assert F.namespace(TINY, "a/b") != F.namespace(TINY, "a_b")  # a digest, not a cleaned name
     with pytest.raises(ValueError):
-        F.namespace(TINY, "partial")
+        F.namespace(TINY, "w@1", "partial")
+    with pytest.raises(ValueError, match="scope"):
+        F.namespace(TINY, "")
 
 
 def test_header_round_trip_and_every_mismatch():
@@ -108,7 +122,7 @@ def test_page_keys():
 def test_pieces_cover_exactly_one_page_and_checksum_sees_every_byte():
     rows = {"page": 6, "swa_page": 6, "req_slot": 2}
     with HostPoolGroup(TINY, rows) as g:
-        fmt = F.Objects(TINY, g).get("full")
+        fmt = F.Objects(TINY, g, "test-weights").get("full")
         assert fmt.spaces == ("page", "swa_page")
         assert fmt.payload_bytes == TINY.row_bytes("page") + TINY.row_bytes("swa_page")
         arena = g.arena.tensor(0, g.arena.nbytes).numpy()
@@ -153,7 +167,7 @@ def test_object_kinds_keys_and_refusals():
             F.kind_of(*bad)
     ring = build_layout(preset("dsv4-tiny"), swa_mode="ring")
     with HostPoolGroup(ring, {"page": 4, "req_slot": 4}) as g:
-        objs = F.Objects(ring, g)
+        objs = F.Objects(ring, g, "test-weights")
         assert sorted(objs.formats) == ["ckpt", "page"]  # ring mode: no full-mirror pages
         with pytest.raises(ValueError, match="paged SWA"):
             objs.get("full")
@@ -161,7 +175,7 @@ def test_object_kinds_keys_and_refusals():
         keys = {objs.key("i1", k) for k in ("page", "ckpt")}
         assert len(keys) == 2 and all("/checkpoints/" in k for k in keys)
     with HostPoolGroup(TINY, {"page": 4, "swa_page": 4, "req_slot": 2}) as g:
-        objs = F.Objects(TINY, g)
+        objs = F.Objects(TINY, g, "test-weights")
         assert objs.key("i1", "full") != objs.key("i1", "page")
         assert objs.get("page").spaces == ("page",)
         assert objs.get("page").payload_bytes == TINY.row_bytes("page")
@@ -179,7 +193,7 @@ def test_checkpoint_object_holds_the_swa_tail_and_states_only(swa):
     rows = {"page": 4, "swa_page": 4, "req_slot": 4} if swa == "paged" else \
         {"page": 4, "req_slot": 4}
     with HostPoolGroup(lay, rows) as g:
-        fmt = F.Objects(lay, g).get("ckpt")
+        fmt = F.Objects(lay, g, "test-weights").get("ckpt")
         assert fmt.spaces == (space,) and fmt.page_tokens == 0
         assert fmt.payload_bytes == r.checkpoint_bytes
         swa_pool = r.swa_pool
@@ -219,7 +233,7 @@ def test_each_curve_key_has_its_own_page_objects(dstate):
 
     st = dstate
     l3 = with_l3(st)
-    l3.objects = F.Objects(st.layout, st.group)
+    l3.objects = F.Objects(st.layout, st.group, "test-weights")
     # the daemon's key files: named by their public keys, so one key filed under two names
     # (on two daemons) is one tenant, and a name says nothing
     st.curve_keys = {"alice": "PUBLIC-A", "alice-too": "PUBLIC-A", "bob": "PUBLIC-B"}
@@ -229,9 +243,10 @@ def test_each_curve_key_has_its_own_page_objects(dstate):
         l3_handlers.l3_query(st, c, {"keys": ["p1", "p2"], "mirror": "full"}, [])
         l3_handlers.l3_query(st, c, {"keys": ["p1"], "mirror": "checkpoints", "ckpt": True}, [])
         keys[who] = [k for j in l3.queued[-2:] for k in j.keys]
-    ns = F.namespace(st.layout, "full")
+    ns = F.namespace(st.layout, "test-weights", "full")
     assert keys["plain"][:2] == [F.object_key(ns, "p1"), F.object_key(ns, "p2")]
-    assert keys["plain"][2] == F.object_key(F.namespace(st.layout, "checkpoints"), "p1", "ckpt")
+    assert keys["plain"][2] == F.object_key(F.namespace(st.layout, "test-weights",
+                                                        "checkpoints"), "p1", "ckpt")
     for who in ("a", "b"):
         assert all("/t-" in k and k.endswith(("/p1", "/p2")) for k in keys[who])
         assert "/ck/p1" in keys[who][2]

@@ -14,6 +14,7 @@ from hicache.core import bind_shim
 from hicache.engine import l3_master
 
 from conftest import start_daemon
+from test_l3_mooncake import SCOPE
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -40,7 +41,8 @@ def _online(d, timeout: float = 60.0) -> None:
 def _daemon(tmp_path, store, *extra: str):
     return start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG,
                         extra=("--l3", "mooncake", "--l3-master", store.master_addr,
-                               "--l3-metadata", store.metadata_url, *extra),
+                               "--l3-metadata", store.metadata_url, "--l3-scope", SCOPE,
+                               *extra),
                         env={"LD_PRELOAD": "", "HICACHE_BIND_ADDR": ""})
 
 

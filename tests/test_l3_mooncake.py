@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
 TINY = build_layout(preset("dsv4-tiny"))
 ROWS = {"page": 8, "swa_page": 8, "req_slot": 4}
 ROWS_FLAG = "page=8,swa_page=8,req_slot=4"
+SCOPE = "test/dsv4-tiny@1"  # --l3-scope: the served weights
 SPACES = ("page", "swa_page")
 
 
@@ -52,7 +53,8 @@ def l3_daemon(tmp_path, store):
 
     def make(**kw):
         extra = ("--l3", "mooncake", "--l3-master", store.master_addr,
-                 "--l3-metadata", kw.pop("metadata", store.metadata_url))
+                 "--l3-metadata", kw.pop("metadata", store.metadata_url),
+                 "--l3-scope", kw.pop("scope", SCOPE))
         env = {**l3_master.loopback_env(), **kw.pop("env", {})}
         d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
                          env=env, **kw)
@@ -272,10 +274,34 @@ def test_cross_instance_hit_and_restart_recovery(l3_daemon, worker):
     b.close()
 
 
+def test_daemons_of_other_weights_never_read_each_others_pages(l3_daemon, worker):
+    """Two daemons of one preset (one layout) whose scopes differ, a base model and its
+    fine-tune: the same prompt's page keys are misses across them. Before ``--l3-scope`` the
+    second daemon read the first one's KV as verified hits (L3 review); a third daemon of the
+    first one's scope still reads them."""
+    base, tuned = l3_daemon(scope="test/base@1"), l3_daemon(scope="test/base-tuned@1")
+    wa, wb = worker(base, 2), worker(tuned, 3)
+    keys = [f"sc-{i}" for i in range(2)]
+    before = [wb.page(r) for r in (5, 6)]
+    assert wa.put(keys, [0, 1])["written"] == 2
+    assert wb.get(keys, [5, 6]) == 0  # misses: its rows keep what they held
+    assert all(same(wb.page(r), p) for r, p in zip((5, 6), before))
+    assert wb.put(keys, [2, 3])["written"] == 2  # stored beside the base model's, not skipped
+    wb.close()
+    again = l3_daemon(scope="test/base@1")
+    wc = worker(again, 4)
+    assert wc.get(keys, [5, 6]) == 2
+    assert all(same(wc.page(r), wa.page(p)) for r, p in zip((5, 6), (0, 1)))
+    wa.close()
+    wc.close()
+    for d in (base, tuned, again):
+        d.close()
+
+
 def test_corrupted_and_truncated_objects_are_counted_misses(l3_daemon, worker, store):
     d = l3_daemon()
     w = worker(d, 5)
-    ns = l3_format.namespace(TINY)
+    ns = l3_format.namespace(TINY, SCOPE)
     n = l3_format.HEADER_BYTES + sum(TINY.row_bytes(s) for s in SPACES)
     w.put(["cx-0"], [0])
     raw_put(store, l3_format.object_key(ns, "cx-1"), os.urandom(n))  # right size, garbage
@@ -302,7 +328,7 @@ def test_a_read_from_a_dead_storage_node_is_a_transfer_failure_not_corrupt(tmp_p
     own = l3_master.LocalStore(segment="64MB").start()
     try:
         extra = ("--l3", "mooncake", "--l3-master", own.master_addr,
-                 "--l3-metadata", own.metadata_url)
+                 "--l3-metadata", own.metadata_url, "--l3-scope", SCOPE)
         d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
                          env=l3_master.loopback_env())
         w = Worker(d, 9)
@@ -330,7 +356,7 @@ def test_a_failed_prefetch_into_rows_a_backup_wrote_leaves_them_unreadable(l3_da
     d = l3_daemon()
     w = worker(d, 8)
     c = w.c
-    ns = l3_format.namespace(TINY)
+    ns = l3_format.namespace(TINY, SCOPE)
     n = l3_format.HEADER_BYTES + sum(TINY.row_bytes(s) for s in SPACES)
     raw_put(store, l3_format.object_key(ns, "fx-bad"), b"\xab" * n)  # right size, forged
     host = c.alloc({s: 1 for s in SPACES})
@@ -684,7 +710,8 @@ def test_l3_refused_without_l3_and_missing_wheel(tmp_path, daemon):
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--preset", "dsv4-tiny",
                         "--device-rows", ROWS_FLAG, "--host-ratio", "2", "--socket",
                         f"ipc://{tmp_path}/x.sock", "--l3", "mooncake", "--l3-master",
-                        "127.0.0.1:1", "--l3-metadata", "http://127.0.0.1:1/metadata"],
+                        "127.0.0.1:1", "--l3-metadata", "http://127.0.0.1:1/metadata",
+                        "--l3-scope", SCOPE],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -738,6 +765,15 @@ def test_a_key_named_twice_in_one_prefetch_reads_both_and_removes_nothing(l3_dae
     b.c.free(host)
     assert a.c.l3_query(["dupk-0"]) == 1  # A's object is still in the store
     assert metric(a.c, "hicache_l3_errors_total", kind="corrupt") == 0
+    # a put naming a key twice was acked ``written: 2`` for one object (the L3 review); it is
+    # refused, nothing written
+    host = a.c.alloc({s: 2 for s in SPACES})
+    a.c.wait_ack(a.c.backup({s: ([1, 2], host[s]) for s in SPACES}))
+    with pytest.raises(CommandRefused, match="names 'dupk-1' twice") as e:
+        a.c.l3_put(["dupk-1", "dupk-1"], host)
+    assert e.value.code == "bad_field"
+    assert a.c.l3_query(["dupk-1"]) == 0
+    a.c.free(host)
 
 
 def test_a_page_key_with_a_trailing_newline_is_refused(l3_daemon, worker):
@@ -893,7 +929,7 @@ def test_serve_check_says_whether_the_master_and_the_metadata_server_answer(stor
     host = store.master_addr.rsplit(":", 1)[0]
     base = ("serve", "--device", "cpu", "--preset", "dsv4-tiny", "--device-rows", ROWS_FLAG,
             "--socket", f"ipc://{tmp_path / 'd.sock'}", "--host-ratio", "2", "--l3", "mooncake",
-            "--check")
+            "--l3-scope", SCOPE, "--check")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
 
     def check(master: str, metadata: str) -> subprocess.CompletedProcess:

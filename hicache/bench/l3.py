@@ -143,7 +143,8 @@ class _DaemonSide:
         self.obj = _obj_bytes(args.preset)
         self.d = DaemonProcess(preset=args.preset, device_rows=rows, host=("--host-ratio", "2"),
                                extra=("--l3", "mooncake", "--l3-master", store.master_addr,
-                                      "--l3-metadata", store.metadata_url),
+                                      "--l3-metadata", store.metadata_url,
+                                      "--l3-scope", f"hicache-bench/{args.preset}"),
                                env=loopback_env(), log_path=os.path.join(tmp, "daemon.log"))
         self.pools = DevicePools(lay, rows)
         self.c: Any = None

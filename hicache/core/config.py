@@ -104,6 +104,7 @@ class ServeConfig:
     l3: str = "off"  # "off" or "mooncake"
     l3_master: str | None = None  # HOST:PORT of mooncake_master
     l3_metadata: str | None = None  # http://HOST:PORT/metadata (or P2PHANDSHAKE)
+    l3_scope: str | None = None  # the served weights (name@revision): in every L3 object's name
     l3_protocol: str = "tcp"  # tcp | rdma
     l3_rdma_devices: str = ""  # e.g. mlx5_0,mlx5_1 (rdma only)
     l3_local_host: str = "127.0.0.1"  # address this daemon's Mooncake client advertises
@@ -681,12 +682,26 @@ def _ipv6_loopback(host: str) -> bool:
     return a.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+SCOPE_RE = re.compile(r"^[A-Za-z0-9_.:@/+\-]{1,200}$")
+
+
+def check_scope(scope: str | None) -> str | None:
+    """None when ``scope`` can name the served weights in L3, else why not (one line)."""
+    if not scope:
+        return ("not given; name the served weights, e.g. deepseek-ai/DeepSeek-V4-Flash@<revision> "
+                "(every daemon on the store with the same scope and layout shares pages: a "
+                "fine-tune, or new weights, needs a scope of its own)")
+    if not SCOPE_RE.fullmatch(scope):
+        return (f"{scope[:60]!r} must be 1..200 characters of [A-Za-z0-9_.:@/+-]")
+    return None
+
+
 def _validate_l3(cfg: ServeConfig) -> None:
     if cfg.l3 not in ("off", "mooncake"):
         raise UsageError(f"--l3 must be 'off' or 'mooncake', got {cfg.l3!r}")
     if cfg.l3 == "off":
-        names = [f"--{n.replace('_', '-')}" for n in ("l3_master", "l3_metadata", "l3_segment")
-                 if given(cfg, n)]
+        names = [f"--{n.replace('_', '-')}" for n in ("l3_master", "l3_metadata", "l3_scope",
+                                                       "l3_segment") if given(cfg, n)]
         if names:
             raise UsageError(f"{', '.join(names)} given but --l3 is off (add --l3 mooncake)")
         return
@@ -710,6 +725,9 @@ def _validate_l3(cfg: ServeConfig) -> None:
     if not 0 < cfg.l3_epoch_recheck <= 3600:
         raise UsageError(f"--l3-epoch-recheck must be in (0, 3600] seconds, got "
                          f"{cfg.l3_epoch_recheck:g}")
+    why = check_scope(cfg.l3_scope)
+    if why is not None:
+        raise UsageError(f"--l3 mooncake needs --l3-scope: {why}")
 
 
 # ------------------------------------------------------------------------------- sizing
@@ -811,4 +829,8 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown())
+    import sys
+
+    from hicache.core.stdout import print_all
+
+    sys.exit(print_all(markdown()))

@@ -111,6 +111,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("l3", _L, "off or mooncake [off]"),
     Setting("l3_master", _L, "mooncake_master address HOST:PORT"),
     Setting("l3_metadata", _L, "metadata server URL, e.g. http://127.0.0.1:8080/metadata"),
+    Setting("l3_scope", _L, "the served weights, e.g. deepseek-ai/DeepSeek-V4-Flash@REVISION: "
+            "part of every L3 object's name (required with --l3 mooncake; a fine-tune or new "
+            "weights need their own scope)"),
     Setting("l3_protocol", _L, "transfer protocol: tcp or rdma [tcp]"),
     Setting("l3_rdma_devices", _L, "RDMA devices for --l3-protocol rdma"),
     Setting("l3_local_host", _L, "address this daemon's store client advertises [127.0.0.1]"),

@@ -59,7 +59,8 @@ def _daemon(plain: Callable[..., DaemonProcess], cfg: Any, store: Any) -> Daemon
     if store is None:
         return plain(cfg, None)
     return plain(cfg, None, ("--l3", "mooncake", "--l3-master", store.master_addr,
-                             "--l3-metadata", store.metadata_url), loopback_env())
+                             "--l3-metadata", store.metadata_url,
+                             "--l3-scope", f"hicache-demo/{cfg.preset}"), loopback_env())
 
 
 def conversations(reqs: list) -> list[int]:

@@ -334,7 +334,8 @@ def _l3_daemon(tmp: Path) -> DaemonProcess:
     d = DaemonProcess(device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
                       host=("--host-ratio", "2"), heartbeat_timeout=10.0, metrics_port=0,
                       extra=("--no-mtp", "--c128-state", "offline", "--l3", "mooncake",
-                             "--l3-master", L3["master"], "--l3-metadata", L3["metadata"]),
+                             "--l3-master", L3["master"], "--l3-metadata", L3["metadata"],
+                             "--l3-scope", "test/dsv4-tiny@1"),
                       env=l3_master.loopback_env(), log_path=str(tmp / "daemon.log"), cwd=ROOT,
                       ready_timeout=60)
     d.cmd[0] = L3["python"]
