@@ -480,4 +480,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown())
+    from hicache.core.stdout import print_all
+
+    sys.exit(print_all(markdown()))

@@ -25,8 +25,9 @@ once). What needs
 torch (the device) or changes the machine (the socket folder and lock, the fd limit, the
 metrics port, the arena) stays in ``controllers.daemon.Daemon``, which takes the
 ``Preflight`` (or runs this itself). ``preflight(cfg, check=True)`` (``serve --check``)
-reports a socket a daemon already holds (an ipc socket's lock held; a tcp port taken) in
-``Preflight.notes`` instead of refusing it, and so a metrics port taken then (that daemon's,
+reports a socket a daemon already holds (an ipc socket's lock held; a tcp port taken by a
+socket that greets as ZMQ does) in ``Preflight.notes`` instead of refusing it (a tcp port
+another program holds is refused as at a start), and so a metrics port taken then (that daemon's,
 presumably), and skips the memory check (that daemon holds memory a restart would free)."""
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
         try:
             _check_tcp_port(address)
         except UsageError as e:
-            if not check:
+            if not check or not _speaks_zmq(address):
                 raise
-            held = f"{e} (a daemon serves it, or another program holds the port)"
+            held = f"{e} (a ZMQ socket listens there: a daemon serves it, presumably)"
     numa = _numa_node(cfg)
     _check_rdma(cfg)
     notes: list[str] = []
@@ -226,6 +227,25 @@ def _check_tcp_port(address: str) -> None:
     """A tcp address must be free to bind (a probe bind, released at once)."""
     host, _, port = address[len("tcp://"):].rpartition(":")
     _probe_bind(host, int(port), f"--socket {address}: cannot bind")
+
+
+def _speaks_zmq(address: str, timeout: float = 1.0) -> bool:
+    """Whether what listens on a tcp address opens with ZMTP's greeting (its first byte 0xff,
+    its tenth 0x7f), as a daemon's socket does to every connection, whatever its security
+    mechanism: a check tells a daemon's port from one another program holds."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+            s.settimeout(timeout)
+            got = b""
+            while len(got) < 10:
+                part = s.recv(10 - len(got))
+                if not part:
+                    break
+                got += part
+    except OSError:
+        return False
+    return len(got) == 10 and got[0] == 0xFF and got[9] == 0x7F
 
 
 def _numa_node(cfg: Any) -> int | str | None:

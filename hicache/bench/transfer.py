@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                                     ("--peer-lib", args.peer_lib != DEFAULT_PEER_LIB),
                                     ("--limit-trials", args.limit_trials != MIN_TRIALS)) if on]
         if gpu_only:  # the CPU path times the torch reference only: no kernels, no peer
-            raise UsageError(f"{', '.join(gpu_only)} apply on a GPU; this machine has no CUDA "
+            raise UsageError(f"{', '.join(gpu_only)} appl{'y' if len(gpu_only) > 1 else 'ies'} "
+                             f"on a GPU; this machine has no CUDA "
                              f"device (the CPU run times the torch reference path)")
         result = cpu_bench(args)
     if args.plot:

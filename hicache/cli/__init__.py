@@ -25,6 +25,7 @@ from typing import Any, NoReturn, Sequence
 from hicache.cli import lifecycle
 from hicache.core.errors import UsageError
 from hicache.core.layout import LayoutError
+from hicache.core.stdout import broken_pipe
 from hicache.core.version import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -112,17 +113,6 @@ def _unrecognized(p: argparse.ArgumentParser, unknown: list[str]) -> NoReturn:
     p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
-def _broken_pipe() -> int:
-    """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush
-    does not fail again, and exit as SIGPIPE would."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-    return 141
-
-
 # whether the running command was read from this process's own command line (``main()``),
 # not passed in (``main([...])``): ``serve`` may then run it again (``serve._own_command_line``)
 from_command_line = False
@@ -168,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: interrupted by {lifecycle.signal_name(e.signum)}", file=sys.stderr)
         return lifecycle.exit_code(e.signum)
     except BrokenPipeError:
-        return _broken_pipe()
+        return broken_pipe()
 
 
 if __name__ == "__main__":
