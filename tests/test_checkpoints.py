@@ -833,3 +833,84 @@ def test_plan_takes_the_checkpoints_split_and_its_serve_lines_reproduce_it(capsy
         assert main(argv) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], (bad, err)
+
+
+def _ring_round(t: RadixTree, h: CkptHooks, keys: list[str], slot: int,
+                  match: list[str]) -> None:
+    p = t.prepare(match, slot=slot)
+    rows = t.alloc_device(len(keys) - p.pages)
+    for k, r in zip(keys[p.pages:], rows):
+        h.device[r] = k
+    h.ring[slot] = keys[-1]
+    t.release(p, keys, rows, slot=slot, slot_tokens=len(keys) * PAGE_TOKENS)
+    t.drain()
+    t.check()
+
+
+def test_a_ring_checkpoint_the_host_holds_already_is_not_counted_made_again():
+    """Ring SWA: a request that ends on a page whose checkpoint the host holds makes none (the
+    backup skips it), but ``checkpoints_made`` counted one, so made minus backed up looked
+    like lost backups (radix review)."""
+    h = CkptHooks()
+    h.slots = True
+    t = RadixTree(16, h, mirror="checkpoints", device_ckpts=False)
+    keys = ["a0", "a1", "a2"]
+    _ring_round(t, h, keys, 0, keys[:-1])
+    made, backed = t.stats.checkpoints_made, t.stats.checkpoints_backed_up
+    assert made == backed == 1
+    _ring_round(t, h, keys, 1, keys[:1])  # resumes nothing, recomputes a1, a2
+    assert (t.stats.checkpoints_made, t.stats.checkpoints_backed_up) == (made, backed)
+    assert t.host_checkpoints == 1
+
+
+class _TierLostInL3(CkptHooks):
+    """An L3 tier whose query finds the host tier gone, once armed."""
+
+    l3 = True
+    armed = False
+
+    def l3_query(self, keys: list[str]) -> int:
+        if not self.armed:
+            return 0
+        self.fail = "unreachable"
+        raise HostUnavailable("gone during the L3 query")
+
+    def l3_ckpt_present(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+    def l3_put(self, *a: object) -> None:
+        pass
+
+    def l3_ckpt_put(self, *a: object) -> None:
+        pass
+
+
+def test_a_tier_lost_during_the_l3_query_evicts_no_device_page_for_the_load():
+    """The host tier went offline while ``prepare`` asked L3: the load of the host pages could
+    not run, but room was made for it first, evicting (under write-through: dropping) good
+    device pages (radix review)."""
+    h = _TierLostInL3()
+    t = RadixTree(8, h, mirror="checkpoints", policy="write_through")
+
+    def request(keys: list[str]) -> None:
+        p = t.prepare(keys)
+        rows = t.alloc_device(len(keys) - p.pages)
+        for k, r in zip(keys[p.pages:], rows):
+            h.device[r] = k
+            h.dev_ckpt[r] = k
+        t.release(p, keys, rows)
+        t.drain()
+        t.check()
+
+    a = ["a0", "a1", "a2", "a3"]
+    request(a)
+    t.evict_device(4)  # a* on the host only, its checkpoint at a3
+    request([f"b{i}" for i in range(8)])  # the device full of b*
+    assert t.match(a + ["x"]) == (0, 4)
+    before = t.device_pages
+    h.armed = True
+    p = t.prepare(a + ["x"])
+    assert not t.host_online and p.pages == 0 and p.load_failed_pages == 4
+    assert t.device_pages == before  # nothing evicted for it
+    t.abort(p)
+    t.check()

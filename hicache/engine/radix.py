@@ -270,7 +270,8 @@ class RadixTree(Snapshots):
                                and ckpt_node not in host_nodes else [])
         for n in pinned:
             n.io += 1  # pin the host copies while we make room on the device
-        rows = self._alloc_device_upto(len(host_nodes))
+        # (a tier lost while L3 was asked evicts nothing for a load that cannot run)
+        rows = self._alloc_device_upto(len(host_nodes)) if self.host_online else []
         short = len(rows) < len(host_nodes)
         if not self.host_online or (short and self.ckpt_mode):
             for n in pinned:  # lost while making room, or no room for the whole resume
@@ -471,7 +472,9 @@ class RadixTree(Snapshots):
             if i in bounds:
                 if mine or not self.device_ckpts:
                     child.ckpt_dev = self.device_ckpts
-                    self.stats.checkpoints_made += 1
+                    # (a ring slot's checkpoint is made only where the host has none yet)
+                    if self.device_ckpts or child.ckpt_host is None:
+                        self.stats.checkpoints_made += 1
                 if child.ckpt_dev or not self.device_ckpts:
                     ckpt_nodes.append(child)
             path.append(child)
