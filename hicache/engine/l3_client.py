@@ -73,7 +73,9 @@ class L3Commands:
                timeout: float | None = None, *, mirror: str = "full",
                ckpt: bool = False) -> Op:
         """Write the objects in host rows ``rows`` to L3 under ``keys`` in the background
-        (existing keys are skipped); ``wait_ack`` gives ``l3["written"]`` / ``["skipped"]``.
+        (existing keys are skipped); ``wait_ack`` gives ``l3["written"]`` / ``["skipped"]``
+        and ``["misses"]``: the ack's status is ``ok`` whenever the job ran, also when no key
+        was written (docs/protocol.md), so the result is ``l3``.
         Free the rows when you like: the daemon defers the free until the write read them."""
         r, frames = self._l3_rows(rows)
         fields = {"keys": list(keys), "rows": r, **_kind(mirror, ckpt)}
