@@ -27,7 +27,8 @@ from hicache.engine.acks import TransferFailed
 
 from test_kv_l3 import layout_of, tenant_page_in_l3, written
 from test_kv_store import EnginePool, _refused
-from test_l3_mooncake import l3_daemon, metric, raw_gets, raw_puts, store, wait_online  # noqa: F401
+from test_l3_mooncake import (SCOPE, l3_daemon, metric, raw_gets, raw_puts, store,  # noqa: F401
+                              wait_online)
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -37,7 +38,7 @@ EPOCH_VALUE = re.compile(rb"hc-epoch1:[0-9a-f]{32}")  # docs/l3.md
 def _ns_dir(c: Any, ns: str) -> str:
     """Where the objects of the client namespace ``ns`` lie (docs/l3.md: ``<prefix>/<digest of
     the key store's namespace>/``; no CURVE key name here)."""
-    prefix = kv_prefix(l3_format.namespace(layout_of(c)))
+    prefix = kv_prefix(l3_format.namespace(layout_of(c), SCOPE))
     digest = hashlib.blake2b(("\x1f" + ns).encode(), digest_size=16).hexdigest()
     return f"{prefix}/{digest}/"
 

@@ -21,7 +21,7 @@ from hicache.core.layout import Layout
 from hicache.engine import l3_master
 
 from test_kv_store import EnginePool
-from test_l3_mooncake import (SPACES, l3_daemon, metric, raw_gets, raw_puts,  # noqa: F401
+from test_l3_mooncake import (SCOPE, SPACES, l3_daemon, metric, raw_gets, raw_puts,  # noqa: F401
                               stop_taking_acks, stopped_soon, store, wait_offline,
                               wait_online, worker)
 
@@ -142,7 +142,7 @@ def test_corrupt_or_missing_object_is_a_miss_never_bytes(l3_daemon: Any, store: 
         _attach(c, eng, ns="model-c")
         assert c.kv_put("c4_kv", ["good"], [0]) == [True]
         written(c)
-        prefix = kv_prefix(l3_format.namespace(layout))
+        prefix = kv_prefix(l3_format.namespace(layout, SCOPE))
         size = l3_format.HEADER_BYTES + pools["c4_kv"].page_bytes * pools["c4_kv"].num_layers
         ns = "\x1fmodel-c"  # the key store's namespace: (no CURVE key name) + the client's
         ek = kv_epochs.epoch_key(prefix, ns)
