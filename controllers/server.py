@@ -294,23 +294,28 @@ class Server:
 
     def _channels(self) -> bool:
         """Handle the requests waiting in clients' channels (one per channel); True when there
-        was one. A malformed slot is answered like a malformed message (``bad_frame``)."""
+        was one."""
         got = False
         for c in tuple(self.state.registry.channels):
-            ch = c.channel
-            if ch is None:  # closed by a request handled in this scan
-                continue
-            r = ch.request(_KEEP - 1)
-            if r is None:
-                continue
-            got = True
-            seq, frames = r
-            self.user = c.key
-            if isinstance(frames, str):
-                self._handle([c.ident], f"channel request: {frames}", (ch, seq))
-            else:
-                self._handle([c.ident, *frames], None, (ch, seq))
+            got = self._channel(c) or got
         return got
+
+    def _channel(self, c: Any) -> bool:
+        """Handle the request waiting in client ``c``'s channel, if one does (True). A
+        malformed slot is answered like a malformed message (``bad_frame``)."""
+        ch = c.channel
+        if ch is None:  # closed by a request handled in this scan
+            return False
+        r = ch.request(_KEEP - 1)
+        if r is None:
+            return False
+        seq, frames = r
+        self.user = c.key
+        if isinstance(frames, str):
+            self._handle([c.ident], f"channel request: {frames}", (ch, seq))
+        else:
+            self._handle([c.ident, *frames], None, (ch, seq))
+        return True
 
     def _request(self) -> None:
         """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
@@ -319,12 +324,18 @@ class Server:
         socket is found empty, every request that waited was read (``catch``)."""
         recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
         chans, clock, catch = st.registry.channels, time.monotonic, self.catch
+        clients = st.registry.clients
         for _ in range(BATCH):
             try:
                 frames, err = recv()
             except zmq.Again:
                 return
             catch.read()
+            if chans and (c := clients.get(frames[0])) is not None and c.channel is not None:
+                # a request its channel still holds is older (a client writes its slot only
+                # while no reply is due, and goes over ZMQ after a call through it timed out):
+                # it runs first, so one client's commands run in the order it sent them
+                self._channel(c)
             handle(frames, err)
             if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
                 self._channels()  # queueing gives each of its peers

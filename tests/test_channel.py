@@ -870,3 +870,63 @@ def test_a_query_after_a_restart_goes_to_the_new_daemon_over_zmq():
             c.close()
             for f in glob.glob(f"/dev/shm/{C.WAKE_PREFIX}{old}-*"):
                 os.unlink(f)
+
+
+def test_a_request_left_in_the_slot_by_a_timed_out_call_runs_before_the_next_command(
+        spinning) -> None:
+    """A call through the channel gets no reply (the daemon stopped): the client goes over ZMQ
+    from then on, its request still in the slot. The resumed daemon used to take the next ZMQ
+    request first, and the stale one after it: an ``alloc`` that timed out ran after the
+    ``reset`` an engine sends then, and its rows stayed held (5 of 8 times; client review).
+    Now a request a sender's channel still holds runs before its ZMQ request."""
+    import threading
+
+    from hicache.engine.acks import NoReply
+
+    d, pools = spinning
+    c = d.client(timeout=5.0)
+    c.register(pools)
+    try:
+        for _ in range(8):
+            if not c.uses_channel:
+                assert c.channel()
+            c.reset()
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(NoReply):
+                    c.alloc({"page": 4}, timeout=0.15)
+            finally:
+                threading.Timer(0.05, os.kill, (d.pid, signal.SIGCONT)).start()
+            assert not c.uses_channel
+            freed = c.reset(timeout=5.0)["freed"]  # over ZMQ: after the stale alloc
+            time.sleep(0.3)
+            assert c.reset(timeout=5.0)["freed"] == 0  # nothing allocated after the reset
+            assert freed == 4
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        c.unregister()
+        c.close()
+
+
+def test_a_refusal_read_from_the_slot_comes_after_the_acks_pushed_before_it() -> None:
+    """SIGTERM while ``wait_ack`` waits through the channel: the stopping daemon pushes its
+    last acks over ZMQ, then refuses the waiting ``poll_acks`` (``shutting_down``), through the
+    slot too. The slot's refusal overtook the pushes, and ``wait_ack`` raised for an op that
+    had completed (client review). Now a refusal read from the slot is raised only after the
+    socket was read up to its ZMQ copy: the ack is there."""
+    layout = build_layout(preset("dsv4-tiny"))
+    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                       heartbeat_timeout=10.0, extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        c = d.client(timeout=30.0)
+        try:
+            c.register(pools)
+            assert c.uses_channel
+            rows = c.alloc({"page": 64, "swa_page": 64})
+            ops = [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
+                   for _ in range(300)]  # ~3 s of copies queued
+            os.kill(d.pid, signal.SIGTERM)
+            assert c.wait_ack(ops[-1], timeout=30.0).ok
+            assert d.proc.wait(30) == 128 + signal.SIGTERM
+        finally:
+            c.close()

@@ -56,6 +56,8 @@ GONE_CHECK_S = 0.5
 # while a call waits for a reply to a request it sent through the channel, whether the daemon
 # dropped the channel with that request unread is asked this often (``Client._reply_to``)
 CHANNEL_CHECK_S = 0.05
+# how long a refusal read from the channel's slot waits for its ZMQ copy (``_zmq_copy``)
+ZMQ_COPY_WAIT_S = 1.0
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -195,6 +197,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             (None if curve_server_key is None and _local(self.address) else False)
         self._chan: ClientEnd | None = None
         self._chan_seq = 0  # the request a call waits for through the channel (0: none)
+        self._slot_reply = False  # the reply ``_reply_to`` read came from the channel's slot
         self.channel_refused: str | None = None
         self._pollin = [(s, _POLLIN)]
         self._ids = itertools.count(1)
@@ -311,6 +314,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         if isinstance(frames, str):  # too big for the slot (or garbled): the ZMQ copy is read
             self._chan_seq = 0
             return None
+        self._slot_reply = True
         return P.decode_reply(frames)
 
     def _send(self, frames: list[bytes]) -> None:
@@ -352,6 +356,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self._send_zmq(cmd, frames, timeout)
         now = self._last_send = time.monotonic()
         self.sent += 1
+        self._slot_reply = False
         try:
             return self._reply_to(cmd, rid, frames, deadline, now, timeout)
         except CommandRefused:  # answered: the slot is free again
@@ -429,12 +434,30 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                 continue
             self.answered = True
             if not h.get("ok"):
+                if self._slot_reply:
+                    self._zmq_copy(rid, deadline)
                 err = h.get("error") or {}
                 raise CommandRefused(cmd, str(err.get("code", "unknown")),
                                      str(err.get("message", "")))
             if "ack" in h:
                 self._keep_ack(h["ack"])
             return h, arr
+
+    def _zmq_copy(self, rid: int, deadline: float) -> None:
+        """After a refusal read from the channel's slot: read the socket up to the ZMQ copy of
+        that reply (the daemon sends every reply over ZMQ too, after what it pushed before),
+        keeping the pushes on the way, so that what the daemon pushed before refusing is in
+        (a stopping daemon pushes its last acks, then refuses the waiting ``poll_acks``; the
+        slot's refusal overtook them, and ``wait_ack`` read a completed op as refused).
+        Bounded by ``deadline`` and ``ZMQ_COPY_WAIT_S`` (a copy its queue had no room for
+        never comes)."""
+        self._chan_seq = 0  # the socket alone from here
+        end = min(deadline, time.monotonic() + ZMQ_COPY_WAIT_S)
+        while (left := end - time.monotonic()) > 0:
+            got = self._recv(max(1, int(left * 1000)))
+            if got is None or got[0].get("id") == rid:
+                return
+            self._pushed(got[0])
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, full: bool = False, timeout: float | None = None) -> dict[str, Any]:
