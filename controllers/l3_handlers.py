@@ -170,7 +170,8 @@ def l3_put(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     fmt = _format(st, h)
     keys = _keys(st, c, h["keys"], fmt)
     if len(set(keys)) != len(keys):  # one object, two sources: which one is stored is moot
-        dup = next(k for i, k in enumerate(h["keys"]) if k in h["keys"][:i])
+        seen: set[str] = set()
+        dup = next(k for k in h["keys"] if k in seen or seen.add(k))
         raise ProtocolError("bad_field", f"keys names {dup[:40]!r} twice (a put stores one "
                                          f"object per key)")
     rows, host = _rows(st, c, h, arrays, len(keys), False, fmt)

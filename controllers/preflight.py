@@ -25,9 +25,9 @@ once). What needs
 torch (the device) or changes the machine (the socket folder and lock, the fd limit, the
 metrics port, the arena) stays in ``controllers.daemon.Daemon``, which takes the
 ``Preflight`` (or runs this itself). ``preflight(cfg, check=True)`` (``serve --check``)
-reports a socket a daemon already holds (an ipc socket's lock held; a tcp port taken by a
-socket that greets as ZMQ does) in ``Preflight.notes`` instead of refusing it (a tcp port
-another program holds is refused as at a start), and so a metrics port taken then (that daemon's,
+reports a socket a daemon already holds (an ipc socket's lock held; a tcp port whose socket
+answers a ``heartbeat``, or under CURVE greets as ZMQ does) in ``Preflight.notes`` instead of
+refusing it (a tcp port another program holds is refused as at a start), and so a metrics port taken then (that daemon's,
 presumably), and skips the memory check (that daemon holds memory a restart would free)."""
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import fcntl
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +73,12 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
         try:
             _check_tcp_port(address)
         except UsageError as e:
-            if not check or not _speaks_zmq(address):
+            if not check:
                 raise
-            held = f"{e} (a ZMQ socket listens there: a daemon serves it, presumably)"
+            seen = _daemon_at(address, curve is not None)
+            if seen is None:
+                raise
+            held = f"{e} ({seen})"
     numa = _numa_node(cfg)
     _check_rdma(cfg)
     notes: list[str] = []
@@ -229,16 +233,43 @@ def _check_tcp_port(address: str) -> None:
     _probe_bind(host, int(port), f"--socket {address}: cannot bind")
 
 
-def _speaks_zmq(address: str, timeout: float = 1.0) -> bool:
+def _daemon_at(address: str, curve: bool, timeout: float = 1.0) -> str | None:
+    """What serves a tcp address this check could not bind, when it is a daemon: one that
+    answers a ``heartbeat`` within ``timeout`` (without CURVE), or, under CURVE (this check
+    holds no client key to ask with), a socket that opens with ZMTP's greeting; None for
+    anything else (another program holds the port)."""
+    if curve:
+        return "a ZMQ socket listens there: a CURVE daemon serves it, presumably" \
+            if _greets_as_zmq(address, timeout) else None
+    import zmq
+
+    from hicache.core import protocol as P
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(address)
+        s.send_multipart(P.encode_request("heartbeat", 1), zmq.NOBLOCK)
+        if not s.poll(int(timeout * 1000)):
+            return None
+        h, _ = P.decode_reply(s.recv_multipart(zmq.NOBLOCK))
+    except (zmq.ZMQError, P.ProtocolError):
+        return None
+    finally:
+        s.close()
+    return "a hicache daemon serves it" if h.get("id") == 1 and h.get("ok") else None
+
+
+def _greets_as_zmq(address: str, timeout: float) -> bool:
     """Whether what listens on a tcp address opens with ZMTP's greeting (its first byte 0xff,
-    its tenth 0x7f), as a daemon's socket does to every connection, whatever its security
-    mechanism: a check tells a daemon's port from one another program holds."""
+    its tenth 0x7f) within ``timeout`` in all."""
     host, _, port = address[len("tcp://"):].rpartition(":")
+    end = time.monotonic() + timeout
+    got = b""
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
-            s.settimeout(timeout)
-            got = b""
-            while len(got) < 10:
+            while len(got) < 10 and (left := end - time.monotonic()) > 0:
+                s.settimeout(left)
                 part = s.recv(10 - len(got))
                 if not part:
                     break

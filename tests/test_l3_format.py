@@ -62,7 +62,7 @@ def test_l3_settings_from_flags_env_and_file(tmp_path):
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE"},
      r"^--l3 mooncake needs --l3-scope: not given; name the served weights"),
     ({"l3": "mooncake", "l3_master": "h:1", "l3_metadata": "P2PHANDSHAKE",
-      "l3_scope": "my model"}, r"--l3-scope: 'my model' must be 1\.\.200 characters"),
+      "l3_scope": "my model"}, r"^--l3-scope 'my model': must be 1\.\.200 characters"),
     ({"l3_segment": "1GiB"}, "l3 is off"),
 ])
 def test_l3_settings_refused_with_one_line(flags, msg):

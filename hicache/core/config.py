@@ -692,7 +692,7 @@ def check_scope(scope: str | None) -> str | None:
                 "(every daemon on the store with the same scope and layout shares pages: a "
                 "fine-tune, or new weights, needs a scope of its own)")
     if not SCOPE_RE.fullmatch(scope):
-        return (f"{scope[:60]!r} must be 1..200 characters of [A-Za-z0-9_.:@/+-]")
+        return f"{scope[:60]!r}: must be 1..200 characters of [A-Za-z0-9_.:@/+-]"
     return None
 
 
@@ -727,7 +727,8 @@ def _validate_l3(cfg: ServeConfig) -> None:
                          f"{cfg.l3_epoch_recheck:g}")
     why = check_scope(cfg.l3_scope)
     if why is not None:
-        raise UsageError(f"--l3 mooncake needs --l3-scope: {why}")
+        raise UsageError(f"--l3 mooncake needs --l3-scope: {why}" if not cfg.l3_scope else
+                         f"--l3-scope {why}")
 
 
 # ------------------------------------------------------------------------------- sizing
