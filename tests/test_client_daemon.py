@@ -771,3 +771,13 @@ def test_refused_registers_are_logged_without_flooding(caplog, monkeypatch):
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[-2] == "5 more refused registers were not logged"
     assert msgs[-1] == "client looping: register refused (layout_mismatch): no"
+
+
+def test_a_call_on_a_closed_client_says_so(shared_daemon) -> None:
+    """A call after ``close()`` raised a raw ``zmq.ZMQError`` (ENOTSOCK; client review)."""
+    c = shared_daemon.client()
+    c.heartbeat()
+    c.close()
+    with pytest.raises(ValueError, match="^heartbeat: this Client is closed$"):
+        c.heartbeat()
+    c.close()  # twice: nothing happens

@@ -217,6 +217,38 @@ def test_a_gone_daemon_is_named_at_once_not_after_the_timeout(tmp_path):
                 fresh.close()
 
 
+def test_a_daemon_gone_between_hand_in_and_its_descriptors_is_named_gone(monkeypatch):
+    """``register`` of CPU pools: the daemon answers ``hand_in``, then dies before the
+    descriptors go in. The raw ``ConnectionRefusedError`` of the hand-in escaped, where an
+    engine's recovery catches ``DaemonUnreachable`` (client review); it is ``DaemonGone``."""
+    import signal
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine import client as client_mod
+    from hicache.engine.acks import DaemonGone
+    from hicache.engine.daemon_process import DaemonProcess
+    from hicache.engine.device_pools import DevicePools
+
+    rows = {"page": 8, "swa_page": 4, "req_slot": 4}
+    real = client_mod.send_fds
+    with DaemonProcess(device_rows=rows, preset="dsv4-tiny") as dp, \
+            DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
+        c = dp.client(timeout=5.0, channel=False)
+        try:
+            c.heartbeat()
+
+            def dying(*a: Any, **kw: Any) -> None:
+                os.kill(dp.pid, signal.SIGKILL)
+                dp.proc.wait(10)
+                real(*a, **kw)
+
+            monkeypatch.setattr(client_mod, "send_fds", dying)
+            with pytest.raises(DaemonGone, match="descriptors could not be handed in"):
+                c.register(pools)
+        finally:
+            c.close()
+
+
 def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
     """``gone_reason`` (what a client asks once its daemon answered it) on each kind of ipc
     address: a socket that listens is not gone (None), one that refuses is named, and so is

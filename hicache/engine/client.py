@@ -329,9 +329,11 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         """Send one command, return (reply header, reply index arrays). Raw access; prefer the
         typed methods."""
         timeout = self.timeout if timeout is None else check_timeout(timeout)
+        s = self._sock
+        if s.closed:  # (a raw ZMQError, ENOTSOCK, before)
+            raise ValueError(f"{cmd}: this Client is closed")
         rid = next(self._ids)
         frames = P.encode_request(cmd, rid, fields, arrays)
-        s = self._sock
         deadline = time.monotonic() + timeout
         chan = self._chan
         if chan is not None and chan.chan.peer_closed():  # unregistered or reaped: back to ZMQ
@@ -541,9 +543,17 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
     def hand_in(self, fds: Sequence[int], timeout: float | None = None) -> int:
         """Hand ``fds`` (a CPU worker's sealed pool memfds; they stay open here) to the daemon
         on its descriptor socket for this client's next ``register``; the token that names
-        them there (``register``'s ``fd_token``). ``register`` with ``fds`` does this."""
+        them there (``register``'s ``fd_token``). ``register`` with ``fds`` does this. A
+        daemon gone between the reply and the hand-in is ``DaemonGone``, as for any call."""
         got, _ = self.call("hand_in", {"count": len(fds)}, timeout=timeout)
-        send_fds(str(got["fd_socket"]), int(got["fd_token"]), list(fds), "device pools")
+        try:
+            send_fds(str(got["fd_socket"]), int(got["fd_token"]), list(fds), "device pools")
+        except OSError as e:
+            why = gone_reason(self.address)
+            if why is None:
+                raise
+            raise DaemonGone(f"hand_in: the hicache daemon at {self.address} is gone ({why}; "
+                             f"the descriptors could not be handed in: {e})", why) from None
         return int(got["fd_token"])
 
     def unregister(self, timeout: float | None = None) -> dict[str, Any]:
