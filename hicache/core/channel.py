@@ -29,7 +29,12 @@ Contract:
   loads are not reordered with older loads) that is enough; ``supported()`` says whether this
   machine is one (elsewhere the channel is refused and ZMQ carries everything).
 - One request at a time per channel (a ``Client`` waits for each reply). The client's request
-  sequence is its request id; the daemon answers with the same sequence. The daemon copies a
+  sequence is its request id; the daemon answers with the same sequence. A client whose call
+  through the channel timed out goes over ZMQ from then on, its request maybe still in the
+  slot: the daemon takes a sender's slot request before its ZMQ request
+  (``Server._request``), so one client's commands run in the order it sent them; and the
+  daemon's ZMQ copy of every reply follows what it pushed before, so a client that reads a
+  refusal from the slot reads the socket up to that copy first (``Client._zmq_copy``). The daemon copies a
   request out of the mapping before it decodes it (the client cannot change bytes under the
   decoder), and bounds every count and length: a bad slot gives a reason string, never an
   exception or a read outside the slot.
