@@ -245,6 +245,19 @@ class L3Job:
         return {**out, "misses": {why: len(self.keys)}}
 
 
+def count_hits(metrics: Metrics, job: L3Job) -> None:
+    """The pages a finished query or prefetch gave whoever asked (the server thread, as it
+    takes the job): none for one answered at its deadline (0 hits) or dropped, whatever its
+    late store call found (it was counted a hit as well as a deadline miss)."""
+    if job.kind not in ("query", "prefetch"):
+        return
+    hits = 0 if job.acked or job.cancelled else job.hits
+    ck = "ckpt_" if job.fmt is not None and job.fmt.kind == "ckpt" else ""
+    metrics.inc("l3_pages", hits, f"{ck}{job.kind}_hit")
+    if job.kind == "prefetch":
+        metrics.inc("l3_hit_tokens", hits * job.fmt.page_tokens)
+
+
 def _unrun(job: L3Job, why: str) -> None:
     """``job`` ends with no Mooncake call: every key a miss for ``why``."""
     job.misses[why] = len(job.keys)
@@ -710,12 +723,8 @@ class MooncakeL3:
             if why not in ("miss", "deadline", "cancelled", "stopping"):  # (not the store's)
                 m.inc("l3_errors", n, why)
         ck = "ckpt_" if job.fmt is not None and job.fmt.kind == "ckpt" else ""
-        if job.kind == "prefetch":
-            m.inc("l3_pages", job.hits, f"{ck}prefetch_hit")
-            m.inc("l3_hit_tokens", job.hits * job.fmt.page_tokens)
+        if job.kind == "prefetch":  # (its hits: ``count_hits``, at its ack)
             m.inc("l3_bytes", job.nbytes, "read")
-        elif job.kind == "query":
-            m.inc("l3_pages", job.hits, f"{ck}query_hit")
         elif job.kind == "put":
             m.inc("l3_pages", job.written, f"{ck}written")
             m.inc("l3_pages", job.skipped, f"{ck}skipped_existing")

@@ -47,6 +47,7 @@ from .host_access import (WRITES, begin_writes, end_fill, end_writes, host_table
 from .registry import ClientState, Registry
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
+from .l3_store import count_hits
 from .loop_watch import LoopWatch
 from .release import Releaser
 from .row_tracker import RowTracker, rows_np
@@ -418,6 +419,7 @@ class DaemonState:
         for job in self.l3.take_completed():
             if not job.acked and job.misses.get("deadline"):  # (acked: counted then)
                 self.metrics.inc("l3_deadline_misses", job.misses["deadline"], job.kind)
+            count_hits(self.metrics, job)
             tag = _client_tag(job)
             if tag is None:  # the key store's own job (kv_l3): no ack
                 self.l3_ops.pop(job.tag.op_id, None)
@@ -448,9 +450,9 @@ class DaemonState:
         """Ack every client read (query, prefetch) whose deadline passed
         ``L3_DEADLINE_GRACE_S`` ago with 0 hits (``misses: {deadline: n}``) while its store
         call still runs (a hung master holds a Mooncake call up to its RPC timeout, ~30 s; a
-        hung storage node up to the transfer timeout, 60 s in Mooncake 0.3.13). A prefetch's rows stay in flight until the call returns
-        (a free of them waits; a copy into them is refused ``busy``), and nothing it reads
-        becomes readable; a job still queued is dropped unrun when a worker takes it. A key
+        hung storage node up to the transfer timeout, 60 s in Mooncake 0.3.13). A prefetch's
+        rows stay in flight until the call returns (a free of them waits; a copy into them is
+        refused ``busy``), and nothing it reads becomes readable nor counts as a hit; a job still queued is dropped unrun when a worker takes it. A key
         store job with an ``expire`` hook (its clears and its own reads) is marked the same way
         and its hook does the rest: ``expire(job, now, queued)``, ``queued`` True when no
         worker had taken the job (none ever will run it)."""

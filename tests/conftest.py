@@ -47,13 +47,17 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
                  device_rows: str = DEFAULT_ROWS,
                  host: tuple[str, str] = ("--host-ratio", "2"), heartbeat_timeout: float = 10.0,
                  metrics: bool = True, extra: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, ready_timeout: float = 60.0) -> DaemonProcess:
+                 env: dict[str, str] | None = None, ready_timeout: float = 60.0,
+                 fault: str | None = None) -> DaemonProcess:
     fd, log = tempfile.mkstemp(prefix="daemon-", suffix=".log", dir=tmp)
     os.close(fd)
     d = DaemonProcess(device=device, preset=preset, device_rows=device_rows, host=host,
                       heartbeat_timeout=heartbeat_timeout,
                       metrics_port=free_port() if metrics else 0, extra=extra, env=env,
                       log_path=log, cwd=ROOT, ready_timeout=ready_timeout)
+    if fault is not None:  # ``tests/fault_daemon.py``
+        from fault_daemon import inject
+        inject(d, fault)
     try:
         return d.start()
     except BaseException:

@@ -5,8 +5,11 @@
   retained for ``poll_acks``, marked not pushed.
 * ``slow_kv_copy=SECONDS``: every key-store copy (``kv_put`` / ``kv_get``) sleeps that long on
   the server thread first, as a put of gigabytes does on a slow host.
+* ``slow_l3_reads=SECONDS``: every Mooncake read (``batch_get_*``, ``batch_is_exist``) sleeps
+  that long on its L3 worker first, as against a slow or hung storage node.
 
-Run as ``python tests/fault_daemon.py serve ...``; ``faulty(fault, **kw)`` builds the process.
+Run as ``python tests/fault_daemon.py serve ...``; ``faulty(fault, **kw)`` builds the process,
+``inject(process, fault)`` turns a built one into it (``conftest.start_daemon(fault=...)``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,11 @@ def faulty(fault: str, **kw: Any) -> Any:
     """A ``DaemonProcess`` (not started) that runs this file instead of ``hicache.cli``."""
     from hicache.engine.daemon_process import DaemonProcess
 
-    d = DaemonProcess(**kw)
+    return inject(DaemonProcess(**kw), fault)
+
+
+def inject(d: Any, fault: str) -> Any:
+    """``d`` (a ``DaemonProcess``, not started) made to run this file with ``fault``."""
     assert d.cmd[1:3] == ["-m", "hicache.cli"], d.cmd
     d.cmd[1:3] = [os.path.abspath(__file__)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +59,17 @@ def _install(fault: str) -> None:
             real(*a, **k)
 
         kv_store._copy = slow
+    elif name == "slow_l3_reads":
+        from hicache.controllers import l3_store
+
+        call, pause = l3_store.MooncakeL3._call, float(arg)
+
+        def slow_call(self: Any, fn: Any, *a: Any, **k: Any) -> Any:
+            if getattr(fn, "__name__", "").startswith(("batch_get", "batch_is_exist")):
+                time.sleep(pause)
+            return call(self, fn, *a, **k)
+
+        l3_store.MooncakeL3._call = slow_call
     else:
         raise SystemExit(f"{FAULT}={fault!r}: no such fault")
 

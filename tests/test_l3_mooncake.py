@@ -57,7 +57,7 @@ def l3_daemon(tmp_path, store):
                  "--l3-scope", kw.pop("scope", SCOPE))
         env = {**l3_master.loopback_env(), **kw.pop("env", {})}
         d = start_daemon(tmp_path, preset="dsv4-tiny", device_rows=ROWS_FLAG, extra=extra,
-                         env=env, **kw)
+                         env=env, **kw)  # (``fault``: tests/fault_daemon.py)
         started.append(d)
         return d
 
@@ -296,6 +296,28 @@ def test_daemons_of_other_weights_never_read_each_others_pages(l3_daemon, worker
     wc.close()
     for d in (base, tuned, again):
         d.close()
+
+
+def test_a_read_answered_at_its_deadline_counts_no_hit(l3_daemon, worker):
+    """A prefetch whose store call outlives its deadline is answered then with 0 hits (a
+    deadline miss); when the call returned, its pages were counted hits all the same, so the
+    hit-rate panels looked healthy exactly while a slow store made every engine miss (metrics
+    review). Mooncake's reads are slowed to 1.5 s here (``tests/fault_daemon.py``)."""
+    d = l3_daemon(fault="slow_l3_reads=1.5")
+    w = worker(d, 43)
+    keys = ["dl-0", "dl-1"]
+    assert w.put(keys, [0, 1])["written"] == 2
+    hits = metric(w.c, "hicache_l3_pages_total", result="prefetch_hit")
+    tokens = metric(w.c, "hicache_l3_hit_tokens_total")
+    late = metric(w.c, "hicache_l3_deadline_misses_total", op="prefetch")
+    host = w.c.alloc({s: 2 for s in SPACES})
+    ack = w.c.l3_prefetch(keys, host, deadline_ms=200, timeout=30)
+    assert ack.l3["hits"] == 0 and ack.l3["misses"] == {"deadline": 2}, ack.l3
+    assert w.get(keys[:1], [5], deadline_ms=20_000) == 1  # queued behind the slow call
+    assert metric(w.c, "hicache_l3_deadline_misses_total", op="prefetch") == late + 2
+    assert metric(w.c, "hicache_l3_pages_total", result="prefetch_hit") == hits + 1
+    assert metric(w.c, "hicache_l3_hit_tokens_total") == tokens + TINY.model.page_size
+    w.c.free(host)
 
 
 def test_corrupted_and_truncated_objects_are_counted_misses(l3_daemon, worker, store):
