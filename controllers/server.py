@@ -387,6 +387,8 @@ class Server:
             reply = P.encode_reply(rid, fields, out)
         except Exception as e:  # noqa: BLE001 - every failure gets an error reply
             code = error_code(e)
+            if cmd == "invalid" and isinstance(e, P.ProtocolError) and e.cmd is not None:
+                cmd = e.cmd  # a known command whose fields were refused
             if rid is None and body:
                 rid = P.request_id(body[0])
             if rid is None and chan is not None:  # a slot that did not parse: its sequence

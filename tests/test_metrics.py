@@ -184,3 +184,27 @@ def test_a_merged_cpu_run_counts_its_time_once_in_busy_seconds(daemon_factory):
                     if x["labels"].get("direction") == "backup")
         assert s["merged_ops"] > 0 and 0 < busy <= wall, (s["merged_ops"], busy, wall)
         c.unregister()
+
+
+def test_a_known_command_refused_for_its_fields_is_counted_as_itself(shared_daemon):
+    """An ``alloc`` with a field missing or of the wrong type was counted under
+    ``command="invalid"`` (the field check ran before the name was taken; metrics review): the
+    by-command panels could not show which command an engine sends malformed. A message whose
+    command is not known is still ``invalid``."""
+    import pytest
+
+    from hicache.engine.client import CommandRefused
+
+    def errors(c, command: str) -> float:
+        return sum(s["value"] for s in c.stats()["metrics"]["hicache_commands_total"]
+                   if s["labels"] == {"command": command, "status": "error"})
+
+    with shared_daemon.client() as c:
+        alloc, invalid = errors(c, "alloc"), errors(c, "invalid")
+        for fields in ({}, {"counts": "page"}, {"counts": {"page": -1}}):
+            with pytest.raises(CommandRefused):
+                c.call("alloc", fields)
+        with pytest.raises(CommandRefused, match="unknown command"):
+            c.call("allocate", {})
+        assert errors(c, "alloc") == alloc + 3
+        assert errors(c, "invalid") == invalid + 1

@@ -42,12 +42,14 @@ DEFAULT_DEADLINE_MS = 5000  # an L3 command's deadline when the request names no
 
 
 class ProtocolError(ValueError):
-    """A message that breaks the protocol; ``code`` is one of ``ERROR_CODES``."""
+    """A message that breaks the protocol; ``code`` is one of ``ERROR_CODES``; ``cmd``: the
+    known command whose fields broke it (``decode_request``), else None."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.cmd: str | None = None
 
 
 ERROR_CODES = {
@@ -360,6 +362,16 @@ def decode_request(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Sequence
     if not isinstance(cmd, str) or cmd not in COMMANDS:
         raise ProtocolError("unknown_command", f"unknown command {str(cmd)[:64]!r}; "
                                                f"commands are {', '.join(COMMANDS)}")
+    try:
+        return _checked(cmd, rid, h, frames)
+    except ProtocolError as e:  # a known command, refused: named in the metrics
+        e.cmd = cmd
+        raise
+
+
+def _checked(cmd: str, rid: int, h: dict[str, Any], frames: Sequence[Any]
+             ) -> tuple[dict[str, Any], list[Sequence[int]]]:
+    """``decode_request`` past the command's name: its fields and index frames."""
     if cmd in _FREE_FORM and _depth(h) > MAX_DEPTH:
         raise ProtocolError("bad_header", f"header nests deeper than {MAX_DEPTH}")
     arrays = [unpack_index(f) for f in frames[1:]]
