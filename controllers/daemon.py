@@ -29,14 +29,14 @@ import torch
 from hicache.core.channel import sweep_left_behind
 from hicache.core.addresses import url_host
 from hicache.core.config import ServeConfig
-from hicache.core.errors import UsageError
+from hicache.core.errors import CapacityError, UsageError
 from hicache.core.version import __version__
 from hicache.host_pools.errors import PoolError
 from hicache.kernels import copy_engine
 from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import TransferError
 from hicache.host_pools.group import HostPoolGroup
-from hicache.core.sizes import arena_bytes, format_bytes
+from hicache.core.sizes import arena_bytes, format_bytes, sparse_region_bytes
 from hicache.controllers.metrics import Metrics
 
 from .preflight import Preflight, check_socket_file, check_socket_folder, preflight
@@ -476,9 +476,8 @@ def _sparse_region(layout: Any, cfg: Any) -> Any:
     try:
         return SparseRegions(layout, cfg.sparse_rows, cfg.shm_dirs[0], reg,
                              cfg.min_sparse_prompt_len, cfg.sparse_clients)
-    except (OSError, MemoryError) as e:
-        c4 = layout.pools["c4_kv"]
-        need = cfg.sparse_rows * c4.page_bytes * c4.num_layers
+    except (OSError, MemoryError, CapacityError) as e:
+        need = sparse_region_bytes(layout, cfg.sparse_rows)
         raise UsageError(f"--sparse-rows {cfg.sparse_rows}: cannot make the sparse region "
-                         f"(about {format_bytes(need)} of C4 KV): "
+                         f"({format_bytes(need)} of C4 KV): "
                          f"{getattr(e, 'strerror', None) or e}") from None

@@ -43,7 +43,7 @@ from hicache.core.addresses import url_host
 from hicache.core.config import ServeConfig, Sizing, check_address, check_curve, default_socket, \
     sizing
 from hicache.core.errors import CapacityError, UsageError
-from hicache.core.sizes import arena_bytes, format_bytes
+from hicache.core.sizes import arena_bytes, format_bytes, sparse_region_bytes
 from hicache.host_pools.memory import check_memory_for
 from hicache.host_pools.numa_node import online_nodes
 
@@ -176,18 +176,21 @@ def _probe_bind(host: str, port: int, what: str) -> None:
 
 
 def _check_memory(cfg: ServeConfig, sized: Sizing) -> None:
-    """The host arena and the L3 segment must fit the machine's memory less the reserve; the
-    refusal names the settings that size them (``with_source`` then says where they came
-    from)."""
+    """The host arena, the L3 segment and every HiSparse region the daemon may make must fit
+    the machine's (or its container's) memory less the reserve; the refusal names the
+    settings that size them (``with_source`` then says where they came from)."""
     arena = arena_bytes(sized.layout, sized.host_rows)
     segment = cfg.l3_segment if cfg.l3 != "off" else 0
+    sparse = cfg.sparse_clients * sparse_region_bytes(sized.layout, cfg.sparse_rows)
     try:
-        check_memory_for(arena + segment, pinned=cfg.device != "cpu")
+        check_memory_for(arena + segment + sparse, pinned=cfg.device != "cpu")
     except CapacityError as e:
         host = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
                 else f"--host-ratio {cfg.host_ratio:g} (a host arena of {format_bytes(arena)})")
-        what = f"{host} and --l3-segment {format_bytes(segment)}" if segment else host
-        raise CapacityError(f"{what}: {e}") from None
+        what = [host] + ([f"--l3-segment {format_bytes(segment)}"] if segment else []) + \
+            ([f"--sparse-rows {cfg.sparse_rows} x --sparse-clients {cfg.sparse_clients} "
+              f"(HiSparse regions of {format_bytes(sparse)})"] if sparse else [])
+        raise CapacityError(f"{' and '.join(what)}: {e}") from None
 
 
 def _curve_keys(cfg: ServeConfig) -> tuple[bytes, bytes, str]:

@@ -38,7 +38,9 @@ from typing import Any
 from hicache.core.fd_handout import FdHandout
 from hicache.core.layout import Layout
 from hicache.core.protocol import ProtocolError
+from hicache.core.sizes import sparse_region_bytes
 from hicache.core.sparse_shm import SparseShm, sweep_old_regions
+from hicache.host_pools.memory import check_memory_for
 from hicache.host_pools.allocator import RowAllocator
 from hicache.kernels.tables import LayerTable, TokenFormat
 
@@ -68,7 +70,7 @@ class SparseRegions:
     def __init__(self, layout: Layout, rows: int, shm_dir: str, registrar: Any,
                  min_prompt: int, max_regions: int = 1) -> None:
         spec = layout.pool("c4_kv")
-        self.spec, self.fmt = spec, TokenFormat.from_spec(spec)
+        self.layout, self.spec, self.fmt = layout, spec, TokenFormat.from_spec(spec)
         self.P = spec.tokens_per_page
         self.rows, self.shm_dir, self.registrar = rows, shm_dir, registrar
         self.min_prompt, self.max_regions = min_prompt, max_regions
@@ -81,6 +83,9 @@ class SparseRegions:
         self._making: tuple[threading.Thread, list[Any]] | None = None
 
     def _make(self) -> ClientRegion:
+        # the container's limit and the reserve, as at the start (MemAvailable alone let a
+        # region past a memory cgroup's limit: the daemon was OOM-killed mid-service)
+        check_memory_for(self.region_bytes, pinned=self.registrar is not None)
         shm = SparseShm.create(self.spec.num_layers, self.rows, self.spec.page_bytes)
         if self.registrar is not None:
             try:
@@ -164,7 +169,7 @@ class SparseRegions:
 
     @property
     def region_bytes(self) -> int:
-        return self.rows * self.spec.page_bytes * self.spec.num_layers
+        return sparse_region_bytes(self.layout, self.rows)
 
     def hand_out(self, cid: str, handout: FdHandout) -> dict[str, Any]:
         """The bound region of ``cid`` as the engine maps it, its memfd offered once on

@@ -738,3 +738,44 @@ def test_prefix_hits_under_a_backup_in_flight_are_refused_busy_on_a_gpu_daemon()
     _prefix_hits(st(False), sp, c, hits, 4)
     tracker.end(backup)
     _prefix_hits(st(True), sp, c, hits, 4)
+
+
+def test_a_region_past_the_containers_memory_limit_is_refused_not_made(tmp_path, monkeypatch):
+    """A sparse region was checked against MemAvailable alone: in a memory-limited container
+    the daemon made it anyway and was OOM-killed mid-service (HiSparse review). It is checked
+    as the host arena is (the container's limit, the reserve): ``no_space``, nothing made."""
+    from conftest import sparse_memfds
+    from hicache.controllers.sparse_regions import SparseRegions
+    from hicache.core.protocol import ProtocolError
+    from hicache.host_pools import memory
+
+    before = sparse_memfds()
+    region = SparseRegions(FLASH, 2, str(tmp_path), None, 1, max_regions=2)
+    try:
+        monkeypatch.setattr(memory, "cgroup_room", lambda *a: 64 << 20)  # a 64 MiB limit
+        a = region.bind("a")  # the spare made at start
+        region._making[0].join(10)  # the next one, refused on its thread
+        with pytest.raises(ProtocolError, match="cannot make a sparse region .* can be "):
+            region.bind("b")  # and by the bind's own attempt
+        assert region.of("b") is None and sparse_memfds() - before == 1
+    finally:
+        del a
+        region.close()
+
+
+def test_serve_counts_every_sparse_region_in_its_memory_check(tmp_path):
+    """The start-up memory check counted the host arena and the L3 segment, never the sparse
+    regions (``--sparse-clients`` of them), made later (HiSparse review)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
+                        "--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4",
+                        "--host-ratio", "2", "--sparse-rows", "20000000", "--sparse-clients", "4",
+                        "--socket", f"ipc://{tmp_path}/d.sock", "--check"],
+                       cwd=str(Path(__file__).resolve().parents[1]), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert "--sparse-rows 20000000 x --sparse-clients 4 (HiSparse regions of" in r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr

@@ -94,6 +94,23 @@ def align_up(n: int, a: int = REGION_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+SPARSE_ALIGN = 4096  # a HiSparse region's layer stride and its token page
+
+
+def sparse_layers_bytes(layers: int, rows: int, page_bytes: int) -> int:
+    """A HiSparse region's C4 layers (each ``rows`` pages, aligned): its memfd holds one
+    ``SPARSE_ALIGN`` token page more, at this offset (``hicache.core.sparse_shm``)."""
+    return max(SPARSE_ALIGN, layers * align_up(rows * page_bytes, SPARSE_ALIGN))
+
+
+def sparse_region_bytes(layout: Layout, rows: int) -> int:
+    """The memory one client's HiSparse region of ``rows`` C4 rows takes (0 without C4)."""
+    c4 = layout.pools.get("c4_kv")
+    if c4 is None or rows <= 0:
+        return 0
+    return sparse_layers_bytes(c4.num_layers, rows, c4.page_bytes) + SPARSE_ALIGN
+
+
 @dataclass(frozen=True)
 class Region:
     """One layer of one pool in the arena: ``nbytes = rows * item_bytes`` at ``offset``."""

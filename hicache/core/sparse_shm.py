@@ -30,20 +30,9 @@ from .cuda_runtime import clear_runtime_error
 from .fd_handout import FdHandout
 from .sealed_memfd import Sealed, create_sealed, open_sealed
 from .shm_file import sweep_stale
+from .sizes import SPARSE_ALIGN as ALIGN, align_up, sparse_layers_bytes
 
 SPARSE_PREFIX = "hicache-sparse-"
-ALIGN = 4096
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _region_bytes(layers: int, rows: int, page_bytes: int) -> int:
-    """The layers' bytes; the memfd holds one token page more, at this offset."""
-    return max(ALIGN, layers * _align(rows * page_bytes))
-
-
 def sweep_old_regions(shm_dir: str) -> int:
     """Remove the region files (``/dev/shm/hicache-sparse-<pid>-<hex>``) that daemons of earlier
     versions were killed before unlinking; returns how many."""
@@ -57,8 +46,8 @@ class SparseShm:
                  token: int, sealed: Sealed | None = None) -> None:
         self._mm, self.rows, self.page_bytes = mm, rows, page_bytes
         self.token, self._sealed = token, sealed  # the daemon's memfd (None: the engine's)
-        self.stride = _align(rows * page_bytes)
-        self.nbytes = _region_bytes(layers, rows, page_bytes)
+        self.stride = align_up(rows * page_bytes, ALIGN)
+        self.nbytes = sparse_layers_bytes(layers, rows, page_bytes)
         self._pinned_on: int | None = None  # the GPU ``pin`` page-locked it for
         base = torch.frombuffer(mm, dtype=torch.uint8)
         self.base_ptr = int(base.data_ptr())
@@ -70,7 +59,7 @@ class SparseShm:
         if layers <= 0 or rows <= 0 or page_bytes <= 0:
             raise ValueError(f"sparse region needs positive layers, rows and page bytes, got "
                              f"{layers}, {rows}, {page_bytes}")
-        nbytes = _region_bytes(layers, rows, page_bytes)
+        nbytes = sparse_layers_bytes(layers, rows, page_bytes)
         m = create_sealed(SPARSE_PREFIX, nbytes + ALIGN, nbytes)
         return cls(m.mm, layers, rows, page_bytes, m.token, m)
 
@@ -79,7 +68,7 @@ class SparseShm:
         """Take, map and check the region a ``sparse_region`` reply (``hand_out``) offered."""
         layers, token = int(info["layers"]), int(info["token"])
         rows, pb = int(info["rows"]), int(info["page_bytes"])
-        nbytes = _region_bytes(layers, rows, pb)
+        nbytes = sparse_layers_bytes(layers, rows, pb)
         mm = open_sealed(str(info["fds"]), token, nbytes + ALIGN, nbytes, "sparse region")
         return cls(mm, layers, rows, pb, token)
 
