@@ -15,7 +15,8 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
   (``registry.client_id``), so no client can free, load or overwrite them through the row
   commands.
 * Room: a put takes free rows, evicting the least recently used entries of the space (never
-  the call's own keys); keys that do not fit report 0. A client ``alloc`` that finds no free
+  the call's own keys); keys that do not fit report 0. A call's keys are marked used in
+  reverse (``_touch``): an engine's batch is a prefix chain, whose head is evicted last. A client ``alloc`` that finds no free
   rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).
 * Every check passes before a row is allocated or a byte moves; a refusal is one line.
   Copies run inline on the server thread (host memory to host memory).
@@ -130,11 +131,11 @@ class KeyStore:
             for i, r in zip(new, rows):
                 od[i] = Entry(int(r))
         src, dst, fresh = [], [], []
+        _touch(od, ids)
         for j, i in enumerate(ids):
             e = od.get(i)
             if e is None:
                 continue
-            od.move_to_end(i)
             if ep.slot not in e.slots:
                 e.slots.add(ep.slot)
                 fresh.append((i[1], e))
@@ -166,11 +167,11 @@ class KeyStore:
             hit = e is not None and ep.slot in e.slots
             found.append(int(hit))
             if hit:
-                od.move_to_end((ep.ns, k))
                 src.append(e.row)
                 dst.append(int(pages[j]))
             else:
                 missing.append((j, k))
+        _touch(od, [(ep.ns, k) for k, hit in zip(keys, found) if hit])
         if ep.pool is not None and src:
             _copy(ep.layers, self.st.group.pools[ep.pool].layers, dst, src, to_engine=True)
         if self.l3 is None:
@@ -206,6 +207,16 @@ class KeyStore:
                 self.st.free_rows({space: np.asarray(rows, dtype=np.int64)}, OWNER)
                 n += len(rows)
         return n
+
+
+def _touch(od: OrderedDict, ids: list[tuple[str, str]]) -> None:
+    """Mark the entries of ``ids`` used, the first one last: an engine's batch is a prefix
+    chain in order, and its hits count from the chain's start, so its first page must be
+    evicted last (marked in order, the head went first, and a whole chain of pages the store
+    still held became unreachable; SGLang storage review)."""
+    for i in reversed(ids):
+        if i in od:
+            od.move_to_end(i)
 
 
 def _copy(engine: list[torch.Tensor], ours: list[torch.Tensor], pages: list[int],

@@ -303,11 +303,11 @@ def test_lru_eviction_and_client_rows_first(store: Any) -> None:
     keys = [f"key{i}" for i in range(n + 2)]
     with d.client(name="e") as c:
         ep.attach(c, "c4_kv", "c4_kv")
-        assert c.kv_put("c4_kv", keys[:n], list(range(n))) == [True] * n
-        assert c.kv_get("c4_kv", [keys[0]], [0]) == [True]  # a use: key0 is now the newest
+        assert c.kv_put("c4_kv", keys[:n], list(range(n))) == [True] * n  # a chain: key0 first
+        assert c.kv_get("c4_kv", [keys[n - 1]], [0]) == [True]  # a use: now the newest
         assert c.kv_put("c4_kv", keys[n:], [n, n + 1]) == [True, True]
-        held = c.kv_exists("c4_kv", keys)
-        assert held[0] and not held[1] and not held[2] and all(held[3:])
+        held = c.kv_exists("c4_kv", keys)  # the deepest pages not used since went
+        assert all(held[:n - 3]) and not held[n - 3] and not held[n - 2] and all(held[n - 1:])
         assert c.stats()["kv_store"]["evicted"] == 2
         # a client's rows come first: alloc takes store rows back (LRU)
         rows = c.alloc({"page": n})["page"]
@@ -315,6 +315,26 @@ def test_lru_eviction_and_client_rows_first(store: Any) -> None:
         assert c.kv_put("c4_kv", keys[:1], [0]) == [False]  # no room left: reported, not raised
         c.free({"page": rows})
         assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_eviction_takes_a_chains_deepest_pages_first(store: Any) -> None:
+    """A batch is a prefix chain, whose hits count from its first page: marked used in order,
+    the first page was the oldest, evicted first, and every page after it unreachable (a
+    20-page chain lost all 20 hits when 4 pages went; SGLang storage review). Now the chain
+    keeps its leading pages."""
+    d, pools, host_rows = store
+    layers, pb = _geom(pools, "c4_kv")
+    n = host_rows["page"]
+    ep = EnginePool(layers, n + 2, pb, seed=7)
+    chain, other = [f"a{i}" for i in range(n)], ["b0", "b1"]
+    with d.client(name="e") as c:
+        ep.attach(c, "c4_kv", "c4_kv")
+        assert all(c.kv_put("c4_kv", chain, list(range(n))))
+        assert all(c.kv_put("c4_kv", other, [n, n + 1]))  # two of the chain's rows go
+        assert c.kv_exists("c4_kv", chain) == [True] * (n - 2) + [False] * 2
+        assert all(c.kv_get("c4_kv", chain[:n - 2], list(range(n - 2))))  # a use, in order
+        assert all(c.kv_put("c4_kv", ["c0"], [0]))  # the oldest now: b0's chain, deepest first
+        assert c.kv_exists("c4_kv", other) == [True, False]
 
 
 def test_a_refused_backup_with_alloc_evicts_nothing(store: Any) -> None:
