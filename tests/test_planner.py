@@ -178,12 +178,17 @@ def test_budget_errors_name_the_numbers():
     # more slots on few pages: no SWA page row at all is refused, naming the budget it needs
     with pytest.raises(UsageError, match=r"no SWA page .* needs at least [\d,]+ B"):
         plan(PlanInputs(FLASH, need, max_running=100))  # 1 page: floor(0.8) SWA rows
-    with pytest.raises(UsageError, match=r"at most (\d+) slots fit") as e:
-        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=1000))
-    most = int(e.value.args[0].rsplit("at most ", 1)[1].split()[0])
-    plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=most))
-    with pytest.raises(UsageError):
-        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=most + 1))
+    for swa, bounds in (("ring", None), ("paged", None), ("ring", ((0, 2), (2, 43)))):
+        # the most that fit on every stage (one stage's own figure was refused in turn: by
+        # paged SWA's first page, or by another stage; planner review)
+        budget = GiB if swa == "ring" else 100 << 20
+        kw = dict(swa_mode=swa, bounds=bounds, pp=2 if bounds else 1)
+        with pytest.raises(UsageError, match=r"at most (\d+) request slots fit on every") as e:
+            plan(PlanInputs(FLASH, budget, max_running=4000, **kw))
+        most = int(e.value.args[0].rsplit("at most ", 1)[1].split()[0])
+        plan(PlanInputs(FLASH, budget, max_running=most, **kw))
+        with pytest.raises(UsageError, match=f"at most {most} request slots fit on every"):
+            plan(PlanInputs(FLASH, budget, max_running=most + 1, **kw))
 
 
 def test_other_mode_that_does_not_fit_is_a_warning():
@@ -267,7 +272,7 @@ BAD = [
     (["--preset", "dsv4-huge", "--kv-mem", "1GiB"], "unknown preset 'dsv4-huge'"),
     (["--preset", "dsv4-flash", "--kv-mem", "8MiB"], "one request needs 27,189,696 B"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "ring", "--max-running", "999"],
-     "at most 105 slots fit"),
+     "at most 105 request slots fit on every stage"),
     (["--preset", "dsv4-flash", "--kv-mem", "100GiB", "--pp", "44"], "pp size 44 is larger than the 43"),
     (["--config", "BAD", "--kv-mem", "1GiB"], "layer 2: compress ratio 16 is not one of"),
     (["--config", "MISSING", "--kv-mem", "1GiB"], "cannot read config"),
@@ -354,3 +359,27 @@ def test_a_window_wider_than_a_page_plans_paged_and_says_ring_does_not_fit(tmp_p
                                "sliding_window": 512}))
     sizing(ServeConfig(model_config=str(cfg), kv_mem=10 * GiB, host_ratio=2.0))
     assert main(["plan", "--model-config", str(cfg), "--kv-mem", "10GiB"]) == 0
+
+
+def test_a_host_budget_too_small_names_the_least_that_works(capsys):
+    """The refusal quoted one row of each space (11.29 MiB) as the minimum of a 300 MiB budget
+    it refused; rows in proportion need 400.62 MiB here (planner review). The figure it names
+    plans; one byte less does not."""
+    base = ["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--force", "--host-mem"]
+    assert main(base + ["300MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "give no req_slot row; at least 400.62 MiB (420,076,278 B with alignment)" in err
+    assert main(base + ["420076278"]) == 0
+    capsys.readouterr()
+    assert main(base + ["420076277"]) == 2
+
+
+def test_serve_names_the_tokens_its_own_device_rows_hold():
+    """A stage other than the one that limits the worker printed its own capacity (127,744
+    device tokens) beside rows that hold 116,224 (planner review)."""
+    for rank in (0, 1):
+        cfg = ServeConfig(preset="dsv4-flash", kv_mem=2 * GiB, pp_size=2, pp_rank=rank,
+                          max_running=16, host_ratio=2.0)
+        s = sizing(cfg)
+        assert s.device_rows["page"] == 454
+        assert "116224 device tokens" in s.source, s.source

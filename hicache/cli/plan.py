@@ -257,7 +257,7 @@ def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
     out += [
         f"  bytes per full token     {float(s.bytes_per_full_token):,.2f}",
         f"  fixed bytes per request  {fixed:,} (x {s.slots} slots = {fixed * s.slots:,})",
-        f"  token capacity           {_n(s.token_capacity)}",
+        f"  token capacity (alone)   {_n(s.token_capacity)}",
         f"  device rows              {_rows(s.device_rows)} = {human_bytes(s.device_bytes)}",
     ]
     if host_asked:

@@ -781,9 +781,9 @@ def _device_sizing(cfg: ServeConfig) -> tuple[Layout, dict[str, int], str, tuple
         stage = pl.stages[cfg.pp_rank]
         layout, dev = stage.layout, dict(stage.device_rows)
         warnings = stage.warnings
+        held = dev["page"] * layout.model.page_size if "page" in dev else None
         source = (f"planner: --kv-mem {format_bytes(cfg.kv_mem)}, {pl.request_slots} request "
-                  f"slots, {stage.token_capacity if stage.token_capacity is not None else 'no'}"
-                  f" device tokens")
+                  f"slots, {held if held is not None else 'no'} device tokens")
     elif cfg.device_rows:
         layout = cfg.layout()
         dev, source, warnings = dict(cfg.device_rows), "--device-rows", ()

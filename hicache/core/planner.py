@@ -256,6 +256,11 @@ def one_request_bytes(layout: Layout, swa_ratio: Fraction = DEFAULT_SWA_RATIO) -
     return fixed_bytes_per_request(layout) + math.ceil(_least_pages(layout, 1, swa_ratio) * cost)
 
 
+class TooManySlots(UsageError):
+    """``capacity_pages``: ``slots`` request slots leave the stage no room (fewer might);
+    ``stage_pages`` says how many fit on every stage."""
+
+
 def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction) -> int | None:
     """Full-token pages that fit beside ``slots`` request slots; ``None`` = no token-scaled pool."""
     need = one_request_bytes(layout, swa_ratio)
@@ -268,22 +273,40 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
     cost = page_cost(layout, swa_ratio)
     fixed = fixed_bytes_per_request(layout) * slots
     if budget - fixed < max(cost, 1):  # fixed > 0 here: one request fits, so slots > 1
-        most = math.floor((budget - math.ceil(cost)) / fixed_bytes_per_request(layout))
-        raise UsageError(
-            f"KV budget (--kv-mem) {budget:,} B on {where} ({layout.swa_mode} SWA) leaves no token page "
-            f"after the fixed state of {slots} request slots ({fixed:,} B); "
-            f"at most {most} slots fit"
-        )
+        what = "leaves no token page after" if cost else "cannot hold"
+        raise TooManySlots(
+            f"KV budget (--kv-mem) {budget:,} B on {where} ({layout.swa_mode} SWA) {what} "
+            f"the fixed state of {slots} request slots ({fixed:,} B)")
     if cost == 0:
         return None
     pages = math.floor((budget - fixed) / cost)
     if layout.space_pools("swa_page") and math.floor(pages * swa_ratio) < 1:  # (the daemon
         least = fixed + math.ceil(_least_pages(layout, 1, swa_ratio) * cost)  # refuses 0 rows)
-        raise UsageError(
+        raise TooManySlots(
             f"KV budget (--kv-mem) {budget:,} B on {where} (paged SWA) gives {pages} pages and no SWA "
             f"page at {float(swa_ratio):g} SWA tokens per full token; with {slots} request "
             f"slots it needs at least {least:,} B")
     return pages
+
+
+def stage_pages(layouts: list[Layout], budget: int, slots: int,
+                swa_ratio: Fraction) -> list[int | None]:
+    """``capacity_pages`` of every stage; slots that leave a stage no room are refused with
+    the most that fit on every stage (one stage's own figure, quoted before, was refused in
+    turn: by the next stage, or by paged SWA's first page)."""
+    try:
+        return [capacity_pages(lay, budget, slots, swa_ratio) for lay in layouts]
+    except TooManySlots as e:
+        lo, hi = 0, slots - 1  # the most slots that fit everywhere: in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                for lay in layouts:
+                    capacity_pages(lay, budget, mid, swa_ratio)
+                lo = mid
+            except UsageError:
+                hi = mid - 1
+        raise UsageError(f"{e}; at most {lo} request slots fit on every stage") from None
 
 
 def device_rows(layout: Layout, pages: int, slots: int, swa_ratio: Fraction) -> dict[str, int]:
@@ -439,8 +462,8 @@ def _min_pages(pages: Sequence[int | None]) -> int | None:
 def mode_capacity(inputs: PlanInputs, swa_mode: str) -> int | None:
     """Tokens per DP worker in ``swa_mode`` (min over stages); raises when nothing fits."""
     slots = request_slots(inputs.max_running, inputs.pd_role)
-    pages = _min_pages([capacity_pages(lay, inputs.kv_mem, slots, inputs.swa_ratio)
-                        for lay in stage_layouts(inputs, swa_mode)])
+    pages = _min_pages(stage_pages(stage_layouts(inputs, swa_mode), inputs.kv_mem, slots,
+                                   inputs.swa_ratio))
     return None if pages is None else pages * inputs.model.page_size
 
 
@@ -460,7 +483,7 @@ def plan(inputs: PlanInputs) -> Plan:
     """The capacity plan of ``inputs`` (see the module docstring)."""
     slots = request_slots(inputs.max_running, inputs.pd_role)
     layouts = stage_layouts(inputs, inputs.swa_mode)
-    own = [capacity_pages(lay, inputs.kv_mem, slots, inputs.swa_ratio) for lay in layouts]
+    own = stage_pages(layouts, inputs.kv_mem, slots, inputs.swa_ratio)
     worker = _min_pages(own)  # the PP ranks agree on the smallest stage
     stages, warnings = [], []
     for lay, pages in zip(layouts, own):

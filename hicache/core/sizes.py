@@ -207,11 +207,13 @@ def host_rows(
     budget = host_bytes - n_regions * (REGION_ALIGN - 1)  # worst-case alignment padding
     rows = {s: max(0, budget) * dev[s] // per_unit for s in want}
     if any(r < 1 for r in rows.values()):
-        one_each = sum(layout.row_bytes(s) for s in want) + n_regions * (REGION_ALIGN - 1)
+        # one row of space s takes per_unit / dev[s] of the budget, in proportion
+        least = max(-(-per_unit // dev[s]) for s in want) + n_regions * (REGION_ALIGN - 1)
+        none = [s for s in want if rows[s] < 1]
         raise CapacityError(
             f"host budget {format_bytes(host_bytes)} is too small for this stage: rows in "
-            f"proportion to the device pools need at least one row per space "
-            f"({format_bytes(one_each)} minimum with alignment; got rows {rows})"
+            f"proportion to the device pools give no {', '.join(none)} row; at least "
+            f"{format_bytes(least)} ({least:,} B with alignment) gives one of each"
         )
     assert arena_bytes(layout, rows) <= host_bytes
     return rows
