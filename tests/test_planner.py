@@ -383,3 +383,19 @@ def test_serve_names_the_tokens_its_own_device_rows_hold():
         s = sizing(cfg)
         assert s.device_rows["page"] == 454
         assert "116224 device tokens" in s.source, s.source
+
+
+def test_host_ratio_rows_are_exact_and_odd_bounds_are_named(capsys):
+    """``--host-ratio 1.15`` of 100 slots gave 114 rows (100 x 1.15 is 114.999... in floats);
+    empty stage bounds ``[10, 10)`` were said not to continue from layer 10; ``plan`` planned
+    one stage for ``--stage-bounds ""``, which serve refuses (planner review)."""
+    pl = plan(PlanInputs(FLASH, 100 * GiB, max_running=100, host_ratio=Fraction(23, 20)))
+    assert pl.stages[0].host_rows["req_slot"] == 115
+    s = sizing(ServeConfig(preset="dsv4-flash", kv_mem=100 * GiB, max_running=100,
+                           host_ratio=1.15))
+    assert s.host_rows["req_slot"] == 115
+    base = ["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--stage-bounds"]
+    assert main(base + ["0:10,10:10,10:43"]) == 2
+    assert "stage 1 bounds [10, 10) hold no layer" in capsys.readouterr().err
+    assert main(base + [""]) == 2
+    assert "cannot read ''" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if args.kv_mem is None:
         raise UsageError("--kv-mem is required (KV budget per GPU, e.g. 100GiB)")
     model = load_model(args.preset, args.model_config)
-    bounds = parse_bounds(args.stage_bounds) if args.stage_bounds else None
+    bounds = parse_bounds(args.stage_bounds) if args.stage_bounds is not None else None
     pp = pp_size_of(bounds, None if args.pp_size is None else
                     parse_count(args.pp_size, "--pp-size"))
     if args.host_mem is not None and args.host_ratio is not None:

@@ -50,11 +50,14 @@ def check_bounds(num_layers: int, bounds: Sequence[tuple[int, int]]) -> None:
     """Explicit ``[start, end)`` per stage must tile ``0..num_layers`` with no gap or overlap."""
     expect = 0
     for i, (s, e) in enumerate(bounds):
-        if s != expect or e <= s:
+        if s != expect:
             raise LayoutError(
                 f"stage {i} bounds [{s}, {e}) do not continue from layer {expect} "
                 "(stages must tile the layers in order, each non-empty)"
             )
+        if e <= s:
+            raise LayoutError(f"stage {i} bounds [{s}, {e}) hold no layer (stages must tile "
+                              "the layers in order, each non-empty)")
         expect = e
     if expect != num_layers:
         raise LayoutError(f"stages cover layers 0..{expect}, model has {num_layers}")

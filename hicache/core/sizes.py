@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -195,7 +196,8 @@ def host_rows(
         if ratio > MAX_HOST_RATIO:
             raise UsageError(f"host:device ratio {ratio:g} is over {MAX_HOST_RATIO}: a host "
                              f"tier that size is no machine's (give --host-mem in bytes)")
-        rows = {s: math.floor(dev[s] * ratio) for s in want}
+        exact = Fraction(str(ratio))  # 100 x 1.15 is 114.999... in floats: 115 rows
+        rows = {s: math.floor(dev[s] * exact) for s in want}
         small = [s for s in want if rows[s] < 1]
         if small:
             raise CapacityError(f"ratio {ratio} leaves no host rows in spaces {small}")
