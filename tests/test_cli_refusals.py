@@ -502,7 +502,7 @@ def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkey
     ({"host_ratio": "2"}, {"HICACHE_PP_SIZE": "100"},
      "--pp-size: pp size 100 is larger than the 6 layers (from HICACHE_PP_SIZE)"),
     ({"host_ratio": "2"}, {"HICACHE_STAGE_BOUNDS": "0:1,1:0"},
-     "--stage-bounds: stage 1 bounds [1, 0) do not continue from layer 1"),
+     "--stage-bounds: stage 1 bounds [1, 0) hold no layer"),
     ({}, {"HICACHE_HOST_MEM": "1"}, "--host-mem: host budget 1 B is too small for this stage"),
 ])
 def test_sizing_refusals_name_the_setting_and_where_it_came_from(flags, env, msg):
