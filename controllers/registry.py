@@ -24,10 +24,13 @@ identity is refused. A client's shared-memory command channel (``open_channel``)
 ``channels`` (the server scans them) and closed, its memfd with it, when the client retires or
 is removed. So is its intake (``open_intake``: the descriptors it hands in for its next
 ``register``, ``Intake``), which also closes once the registration that used it succeeded.
-Single-threaded: only the server thread calls in here.
+A routing identity is a client's only credential without CURVE: no reply names another
+client's id (``public_label`` is what ``stats`` shows). Single-threaded: only the server
+thread calls in here.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -42,6 +45,16 @@ log = logging.getLogger("hicache.daemon")
 
 REAPED_KEEP = 1024  # reaped identities whose reason is kept for their next connection
 _PLAIN = frozenset(range(0x20, 0x7F))  # printable ASCII bytes
+
+
+def public_label(cid: str) -> str:
+    """What ``stats`` shows of client ``cid`` to any peer: its id but for the random tail
+    (``Client``'s ``name-host-pid-<random>``), and a short digest of the whole id. Without
+    CURVE a routing identity is the client's only credential, so no reply names another
+    client's id (``stats`` listed them, and a peer that used a dead engine's id took over its
+    rows, acks, channel and sparse region until the reap)."""
+    head = cid.rsplit("-", 1)[0] if "-" in cid else ""
+    return f"{head[:64]}#{hashlib.blake2b(cid.encode(), digest_size=4).hexdigest()}"
 
 
 def client_id(ident: bytes) -> str:

@@ -44,7 +44,7 @@ from hicache.controllers.metrics import Metrics
 from .background import Unmapper
 from .host_access import (WRITES, begin_writes, end_fill, end_writes, host_table, torn_by,
                           written_rows)
-from .registry import ClientState, Registry
+from .registry import ClientState, Registry, public_label
 
 OWNER_LOOP_MAX = 32  # rows checked one by one (owner_of); above, one vectorised pass
 from .l3_store import count_hits
@@ -608,8 +608,9 @@ class DaemonState:
                           "uptime_s": round(time.time() - self.identity.get("started", 0), 1)},
                "clients": len(self.registry.clients),
                "workers": self.registry.workers(), "in_flight": self.scheduler.in_flight,
-               # each registered worker's device rows per index space, by client
-               "worker_rows": {c.cid: dict(c.worker.device_rows)
+               # each registered worker's device rows per index space, by client (its public
+               # label: an id is a credential)
+               "worker_rows": {public_label(c.cid): dict(c.worker.device_rows)
                                for c in self.registry.clients.values() if c.worker is not None},
                "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
                "channels": len(self.registry.channels),

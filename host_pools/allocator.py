@@ -273,8 +273,12 @@ class RowAllocator:
         foreign = arr[held != (FREE if oid is None else oid)]
         if foreign.size:
             other = self._owners[int(self._owner[foreign[0]])]
+            # another owner is not named: a daemon's owner ids are its clients' credentials
+            whose = (f"request {other[1]!r} of the same client" if isinstance(other, tuple)
+                     and isinstance(owner, tuple) and other[:1] == owner[:1]
+                     else "another owner")
             raise NotOwnerError(f"space {self.space!r}: rows {_show(foreign)} are not owned by "
-                            f"{owner}; row {int(foreign[0])} belongs to {other}")
+                            f"{owner}; row {int(foreign[0])} belongs to {whose}")
         return arr
 
     def _distinct_rows(self, rows: RowsLike) -> np.ndarray:

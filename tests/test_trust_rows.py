@@ -401,3 +401,26 @@ def test_one_foreign_row_among_many_is_refused_on_every_copy_command(daemon_fact
         assert b.call("stats", {"check": True})[0]["invariants"] == "ok"
     finally:
         let_go(((a, pa), (b, pb)))
+
+
+def test_no_reply_names_another_clients_id(two):
+    """Without CURVE a routing identity is a client's only credential: ``stats`` listed every
+    worker's id and a refused ``free`` named the owner of the row, so a peer that connected
+    under a dead engine's id took over its rows, acks, channel and sparse region until the
+    reap, and read its bytes (isolation review). Now no reply names another client's id, and
+    the id's random tail is 128 bits."""
+    import json
+
+    a, pa, b, pb = two
+    tail = a.client_id.rsplit("-", 1)[1]
+    assert len(tail) == 32
+    rows = a.alloc({"page": 1})
+    said = [json.dumps(b.call("stats", {})[0])]
+    with pytest.raises(CommandRefused) as e:
+        b.free(rows)
+    said.append(str(e.value))
+    assert e.value.code == "not_owner" and "belongs to another owner" in str(e.value)
+    assert not any(tail in x or a.client_id in x for x in said), said
+    labels = json.loads(said[0])["worker_rows"]
+    assert any(k.startswith(a.client_id.rsplit("-", 1)[0] + "#") for k in labels), labels
+    a.free(rows)

@@ -179,7 +179,9 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self.address = address or default_address()
         self.timeout = check_timeout(timeout)
         tag = (name or "client").replace("/", "_")[:48]
-        self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
+        # the random tail is what makes the id a credential (without CURVE, the only one)
+        self.client_id = f"{tag}-{socket.gethostname()[:32]}-{os.getpid()}-" \
+                         f"{secrets.token_hex(16)}"
         # host-row epoch: +1 at every register, unregister and reset that succeeded (each one
         # leaves this client no host row it held before: freed, or a new daemon's registration)
         self.row_epoch = 0
