@@ -455,6 +455,7 @@ class KvL3:
                         t[e.row] = t[row]
                 e.slots.add(slot)
             free.append(row)
+        self.store.touch(space, [(ns, i[3]) for i in idents])  # the chain's head last
         self._free(space, free)
 
     def exists(self, ep: "EnginePool", missing: list[tuple[int, str]]) -> tuple[list[int],

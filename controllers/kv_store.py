@@ -16,7 +16,7 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
   commands.
 * Room: a put takes free rows, evicting the least recently used entries of the space (never
   the call's own keys); keys that do not fit report 0. A call's keys are marked used in
-  reverse (``_touch``): an engine's batch is a prefix chain, whose head is evicted last. A client ``alloc`` that finds no free
+  reverse (``touch``): an engine's batch is a prefix chain, whose head is evicted last. A client ``alloc`` that finds no free
   rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).
 * Every check passes before a row is allocated or a byte moves; a refusal is one line.
   Copies run inline on the server thread (host memory to host memory).
@@ -131,7 +131,7 @@ class KeyStore:
             for i, r in zip(new, rows):
                 od[i] = Entry(int(r))
         src, dst, fresh = [], [], []
-        _touch(od, ids)
+        self.touch(space, ids)
         for j, i in enumerate(ids):
             e = od.get(i)
             if e is None:
@@ -146,6 +146,16 @@ class KeyStore:
         if self.l3 is not None:
             self.l3.write(ep, fresh)
         return [int(i in od and ep.slot in od[i].slots) for i in ids]
+
+    def touch(self, space: str, ids: list[tuple[str, str]]) -> None:
+        """Mark the entries of ``ids`` used, the first one last: an engine's batch is a prefix
+        chain in order, and its hits count from the chain's start, so its first page must be
+        evicted last (marked in order, the head went first, and a whole chain of pages the
+        store still held became unreachable; SGLang storage review)."""
+        od = self.entries[space]
+        for i in reversed(ids):
+            if i in od:
+                od.move_to_end(i)
 
     def take_rows(self, space: str, n: int, keep: set[tuple[str, str]]) -> list[int]:
         """Up to ``n`` free rows of ``space`` for the store, evicting unpinned entries (least
@@ -171,7 +181,7 @@ class KeyStore:
                 dst.append(int(pages[j]))
             else:
                 missing.append((j, k))
-        _touch(od, [(ep.ns, k) for k, hit in zip(keys, found) if hit])
+        self.touch(ep.space, [(ep.ns, k) for k, hit in zip(keys, found) if hit])
         if ep.pool is not None and src:
             _copy(ep.layers, self.st.group.pools[ep.pool].layers, dst, src, to_engine=True)
         if self.l3 is None:
@@ -207,16 +217,6 @@ class KeyStore:
                 self.st.free_rows({space: np.asarray(rows, dtype=np.int64)}, OWNER)
                 n += len(rows)
         return n
-
-
-def _touch(od: OrderedDict, ids: list[tuple[str, str]]) -> None:
-    """Mark the entries of ``ids`` used, the first one last: an engine's batch is a prefix
-    chain in order, and its hits count from the chain's start, so its first page must be
-    evicted last (marked in order, the head went first, and a whole chain of pages the store
-    still held became unreachable; SGLang storage review)."""
-    for i in reversed(ids):
-        if i in od:
-            od.move_to_end(i)
 
 
 def _copy(engine: list[torch.Tensor], ours: list[torch.Tensor], pages: list[int],

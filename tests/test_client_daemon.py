@@ -774,10 +774,22 @@ def test_refused_registers_are_logged_without_flooding(caplog, monkeypatch):
 
 
 def test_a_call_on_a_closed_client_says_so(shared_daemon) -> None:
-    """A call after ``close()`` raised a raw ``zmq.ZMQError`` (ENOTSOCK; client review)."""
+    """A call, ``drain`` or ``wait_ack`` after ``close()`` raised a raw ``zmq.ZMQError``
+    (ENOTSOCK; client review): ``ClientClosed``, which a radix tree's hooks read as a host tier
+    gone (its first version, a bare ``ValueError``, escaped the tree's ``prepare``: the diff
+    review)."""
+    from hicache.engine.acks import ClientClosed
+    from hicache.engine.hooks import ClientHooks, HostUnavailable
+
     c = shared_daemon.client()
     c.heartbeat()
     c.close()
-    with pytest.raises(ValueError, match="^heartbeat: this Client is closed$"):
+    with pytest.raises(ClientClosed, match="^heartbeat: this Client is closed$"):
         c.heartbeat()
+    for fn in (c.drain, lambda: c.wait_ack(1, timeout=1)):
+        with pytest.raises(ClientClosed, match="this Client is closed"):
+            fn()
     c.close()  # twice: nothing happens
+    hooks = ClientHooks(c, ["page", "swa_page"])
+    with pytest.raises(HostUnavailable, match="this Client is closed"):  # the tree's word
+        hooks.host_alloc(1)

@@ -385,6 +385,21 @@ def test_serve_names_the_tokens_its_own_device_rows_hold():
         assert "116224 device tokens" in s.source, s.source
 
 
+def test_the_most_slots_advice_holds_for_decode_workers_and_tiny_stages():
+    """A stage that cannot hold one request is named as such (the search said "at most 0");
+    a PD decode worker's advice gives the --max-running that fits (its slots are twice it)
+    (diff review)."""
+    with pytest.raises(UsageError, match=r"too small for one request on stage 1"):
+        plan(PlanInputs(FLASH, 5 << 20, swa_mode="ring", max_running=4000, pp=2,
+                        bounds=((0, 2), (2, 43))))
+    with pytest.raises(UsageError, match=r"\(--max-running (\d+)\)$") as e:
+        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=999, pd_role="decode"))
+    running = int(e.value.args[0].rsplit("--max-running ", 1)[1].rstrip(")"))
+    plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=running, pd_role="decode"))
+    with pytest.raises(UsageError):
+        plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=running + 1, pd_role="decode"))
+
+
 def test_host_ratio_rows_are_exact_and_odd_bounds_are_named(capsys):
     """``--host-ratio 1.15`` of 100 slots gave 114 rows (100 x 1.15 is 114.999... in floats);
     empty stage bounds ``[10, 10)`` were said not to continue from layer 10; ``plan`` planned

@@ -289,15 +289,18 @@ def capacity_pages(layout: Layout, budget: int, slots: int, swa_ratio: Fraction)
     return pages
 
 
-def stage_pages(layouts: list[Layout], budget: int, slots: int,
-                swa_ratio: Fraction) -> list[int | None]:
+def stage_pages(layouts: list[Layout], budget: int, slots: int, swa_ratio: Fraction,
+                per_running: int = 1) -> list[int | None]:
     """``capacity_pages`` of every stage; slots that leave a stage no room are refused with
     the most that fit on every stage (one stage's own figure, quoted before, was refused in
-    turn: by the next stage, or by paged SWA's first page)."""
+    turn: by the next stage, or by paged SWA's first page), and the ``--max-running`` that
+    gives them (``per_running`` slots per running request: 2 on a PD decode worker)."""
     try:
         return [capacity_pages(lay, budget, slots, swa_ratio) for lay in layouts]
     except TooManySlots as e:
-        lo, hi = 0, slots - 1  # the most slots that fit everywhere: in [lo, hi]
+        for lay in layouts:  # a stage that cannot hold one request says so (not "at most 0")
+            capacity_pages(lay, budget, per_running, swa_ratio)
+        lo, hi = per_running, slots - 1  # the most slots that fit everywhere: in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             try:
@@ -306,7 +309,8 @@ def stage_pages(layouts: list[Layout], budget: int, slots: int,
                 lo = mid
             except UsageError:
                 hi = mid - 1
-        raise UsageError(f"{e}; at most {lo} request slots fit on every stage") from None
+        raise UsageError(f"{e}; at most {lo} request slots fit on every stage (--max-running "
+                         f"{lo // per_running})") from None
 
 
 def device_rows(layout: Layout, pages: int, slots: int, swa_ratio: Fraction) -> dict[str, int]:
@@ -463,7 +467,7 @@ def mode_capacity(inputs: PlanInputs, swa_mode: str) -> int | None:
     """Tokens per DP worker in ``swa_mode`` (min over stages); raises when nothing fits."""
     slots = request_slots(inputs.max_running, inputs.pd_role)
     pages = _min_pages(stage_pages(stage_layouts(inputs, swa_mode), inputs.kv_mem, slots,
-                                   inputs.swa_ratio))
+                                   inputs.swa_ratio, request_slots(1, inputs.pd_role)))
     return None if pages is None else pages * inputs.model.page_size
 
 
@@ -483,7 +487,8 @@ def plan(inputs: PlanInputs) -> Plan:
     """The capacity plan of ``inputs`` (see the module docstring)."""
     slots = request_slots(inputs.max_running, inputs.pd_role)
     layouts = stage_layouts(inputs, inputs.swa_mode)
-    own = stage_pages(layouts, inputs.kv_mem, slots, inputs.swa_ratio)
+    own = stage_pages(layouts, inputs.kv_mem, slots, inputs.swa_ratio,
+                      request_slots(1, inputs.pd_role))
     worker = _min_pages(own)  # the PP ranks agree on the smallest stage
     stages, warnings = [], []
     for lay, pages in zip(layouts, own):

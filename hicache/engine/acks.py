@@ -1,7 +1,7 @@
 """What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
 completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply``,
 ``DaemonGone`` and ``GoneMidCall`` (both of those), ``CommandRefused``, ``TransferFailed``,
-``AckTimeout``). Plain data: no socket, no torch.
+``AckTimeout``, ``ClientClosed``). Plain data: no socket, no torch.
 """
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ class GoneMidCall(DaemonGone, NoReply):
     """The daemon went while a call waited for its reply: gone, as ``DaemonGone`` says, and the
     command's outcome unknown, as ``NoReply`` says (it may have run, in part: a load may have
     written some of its device rows)."""
+
+
+class ClientClosed(HicacheError, ValueError):
+    """This ``Client`` was closed (``close()``): it sends and reads nothing more; make a new
+    one. (A ``ValueError`` too, as any operation on a closed object.)"""
 
 
 class CommandRefused(HicacheError):

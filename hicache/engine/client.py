@@ -42,10 +42,10 @@ from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
-from .acks import (Ack, AckTimeout, CommandRefused, DaemonGone, DaemonUnreachable, GoneMidCall,
-                   NoReply, Op, TransferFailed)
+from .acks import (Ack, AckTimeout, ClientClosed, CommandRefused, DaemonGone, DaemonUnreachable,
+                   GoneMidCall, NoReply, Op, TransferFailed)
 
-__all__ = ["Client", "Op", "Ack", "AckTimeout", "CommandRefused", "DaemonGone",
+__all__ = ["Client", "Op", "Ack", "AckTimeout", "ClientClosed", "CommandRefused", "DaemonGone",
            "DaemonUnreachable", "GoneMidCall", "NoReply", "TransferFailed", "Items"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -282,6 +282,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         sleeping ``poll`` for the rest. While a call waits for a reply through the channel
         (``_chan_seq``), the channel's reply slot is read too (before each sleep as well)."""
         s, poll, pollin = self._sock, zmq.zmq_poll, self._pollin
+        if s.closed:  # (``drain``, ``wait_ack``: a raw ZMQError before)
+            raise ClientClosed("this Client is closed")
         spin = min(self._reply_spin, wait_ms * 1e-3)
         ready = False
         chan, seq = self._chan, self._chan_seq
@@ -333,7 +335,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         s = self._sock
         if s.closed:  # (a raw ZMQError, ENOTSOCK, before)
-            raise ValueError(f"{cmd}: this Client is closed")
+            raise ClientClosed(f"{cmd}: this Client is closed")
         rid = next(self._ids)
         frames = P.encode_request(cmd, rid, fields, arrays)
         deadline = time.monotonic() + timeout

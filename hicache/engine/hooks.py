@@ -49,7 +49,8 @@ import zmq
 from hicache.core.errors import HicacheError
 from hicache.core.protocol import ProtocolError
 from hicache.core.resume import ResumeModel
-from hicache.engine.acks import AckTimeout, CommandRefused, DaemonUnreachable, NoReply
+from hicache.engine.acks import (AckTimeout, ClientClosed, CommandRefused, DaemonUnreachable,
+                                 NoReply)
 from hicache.engine.acks import TransferFailed as ClientTransferFailed
 
 
@@ -217,6 +218,8 @@ class ClientHooks:
 
         try:
             return fn(*args, **kw)
+        except ClientClosed as e:  # the engine closed its client: no tier from here
+            raise HostUnavailable(str(e)) from e
         except NoReply as e:  # the daemon may have taken the command: it may still copy
             raise CopyOutcomeUnknown(str(e)) from e
         except DaemonUnreachable as e:
