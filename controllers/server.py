@@ -335,7 +335,9 @@ class Server:
                 # a request its channel still holds is older (a client writes its slot only
                 # while no reply is due, and goes over ZMQ after a call through it timed out):
                 # it runs first, so one client's commands run in the order it sent them
+                user = self.user  # (what the socket said of this message's sender)
                 self._channel(c)
+                self.user = user
             handle(frames, err)
             if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
                 self._channels()  # queueing gives each of its peers

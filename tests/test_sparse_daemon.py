@@ -770,12 +770,27 @@ def test_serve_counts_every_sparse_region_in_its_memory_check(tmp_path):
     import sys
     from pathlib import Path
 
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
-                        "--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4",
-                        "--host-ratio", "2", "--sparse-rows", "20000000", "--sparse-clients", "4",
-                        "--socket", f"ipc://{tmp_path}/d.sock", "--check"],
-                       cwd=str(Path(__file__).resolve().parents[1]), capture_output=True,
-                       text=True, timeout=120)
+    import psutil
+
+    from hicache.core.sizes import sparse_region_bytes
+    from hicache.host_pools.memory import available_bytes, default_reserve
+
+    tiny = build_layout(preset("dsv4-tiny"))
+    room = available_bytes()[0] - default_reserve(psutil.virtual_memory().total)
+    per_row = sparse_region_bytes(tiny, 2) - sparse_region_bytes(tiny, 1)
+    rows = int(room * 0.4) // per_row  # one region fits, four do not
+
+    def check(clients: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu", "--preset",
+             "dsv4-tiny", "--device-rows", "page=8,swa_page=8,req_slot=4", "--host-ratio", "2",
+             "--sparse-rows", str(rows), "--sparse-clients", str(clients),
+             "--socket", f"ipc://{tmp_path}/d.sock", "--check"],
+            cwd=str(Path(__file__).resolve().parents[1]), capture_output=True, text=True,
+            timeout=120)
+
+    r = check(4)
     assert r.returncode == 2, r
-    assert "--sparse-rows 20000000 x --sparse-clients 4 (HiSparse regions of" in r.stderr
+    assert f"--sparse-rows {rows} x --sparse-clients 4 (HiSparse regions of" in r.stderr
     assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert check(1).returncode == 0
