@@ -13,10 +13,10 @@ Objects and keys:
   same verified header (magic, version, length, checksum, key digest) as every L3 object.
 * ``object_key(prefix, ns, epoch, slot, key) = "<prefix>/<ns digest>/<epoch>/<slot
   digest>/<key>"`` with ``prefix = kv_prefix(objects) = "hc2/<model>/<layout
-  fingerprint>/w-<scope digest>/kv/pp<r>of<n>"``: the namespace is the key store's own (CURVE key name + the
-  client's namespace), digested, so two namespaces never name the same object; ``epoch`` is
-  the namespace's current epoch, kept in L3 (``kv_epochs``): a ``kv_clear`` replaces it, so
-  no daemon names the older objects again.
+  fingerprint>/w-<scope digest>/kv/pp<r>of<n>"``: the namespace is the key store's own
+  (CURVE key name + the client's namespace), digested, so two namespaces never name the same
+  object; ``epoch`` is the namespace's current epoch, kept in L3 (``kv_epochs``): a ``kv_clear``
+  replaces it, so no daemon names the older objects again.
 
 Every L3 read of a namespace's objects (``fetch``, ``exists``) goes under an epoch confirmed
 less than ``--l3-epoch-recheck`` seconds ago (``kv_epochs.Epochs.for_read``), else its keys are

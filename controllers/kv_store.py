@@ -14,10 +14,11 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
 * Store rows belong to ``OWNER``, whose id starts with a zero byte: no client's id does
   (``registry.client_id``), so no client can free, load or overwrite them through the row
   commands.
-* Room: a put takes free rows, evicting the least recently used entries of the space (never
-  the call's own keys); keys that do not fit report 0. A call's keys are marked used in
-  reverse (``touch``): an engine's batch is a prefix chain, whose head is evicted last. A client ``alloc`` that finds no free
-  rows evicts store entries first (``make_room_for``, called by ``DaemonState.alloc_rows``).
+* Room: a put takes free rows, evicting the least recently used entries of the space (never the
+  call's own keys); keys that do not fit report 0. A call's keys are marked used in reverse
+  (``touch``): an engine's batch is a prefix chain, whose head is evicted last. A client ``alloc``
+  that finds no free rows evicts store entries first (``make_room_for``, called by
+  ``DaemonState.alloc_rows``).
 * Every check passes before a row is allocated or a byte moves; a refusal is one line.
   Copies run inline on the server thread (host memory to host memory).
 * With an L3 tier (``--l3 mooncake``), ``kv_l3.KvL3`` sits behind the store: a put writes

@@ -8,29 +8,29 @@ Contract:
   tokens of ``swa_kv`` plus the C4 / C4-indexer state rows, in one row of the checkpoint space,
   ``swa_page`` in paged SWA mode or ``req_slot`` in ring mode). ``kind_of(mirror, ckpt)`` maps
   the command's fields to a kind, or raises ``ValueError`` with the reason.
-* ``namespace(layout, scope, mirror)`` ->
-  ``"hc2/<model>/<fingerprint>/w-<digest of scope>/<mirror>/pp<rank>of<size>"``: the layout
-  fingerprint is a digest of the stage's layout (pools, layers, row sizes, SWA mode), so two
-  architectures, two PP stages, two layout versions or two mirror modes never share an object;
-  the layout says nothing of the weights, so ``scope`` (``--l3-scope``, the served weights'
-  name and revision, required with L3) does: two scopes never share an object, and one scope
-  is the operator's word that its daemons serve the same weights. ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page
-  (1..128 characters of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the
-  namespace; a checkpoint lives beside its page under ``<ns>/ck/<page key>`` (a page key holds
-  no ``/``, so the two never collide). ``tenant``: the client's CURVE key (its public key,
-  ``DaemonState.tenant``), whose objects go under ``<ns>/t-<digest of it>/...``: under CURVE, a client key never reads nor writes
+* ``namespace(layout, scope, mirror)`` -> ``"hc2/<model>/<fingerprint>/w-<digest of
+  scope>/<mirror>/pp<rank>of<size>"``: the layout fingerprint is a digest of the stage's layout
+  (pools, layers, row sizes, SWA mode), so two architectures, two PP stages, two layout versions or
+  two mirror modes never share an object; the layout says nothing of the weights, so ``scope``
+  (``--l3-scope``, the served weights' name and revision, required with L3) does: two scopes never
+  share an object, and one scope is the operator's word that its daemons serve the same weights.
+  ``object_key(ns, page_key, kind)``: the engine's chained prefix key of one page (1..128 characters
+  of ``[A-Za-z0-9_.:-]``, checked by ``check_page_key``) under the namespace; a checkpoint lives
+  beside its page under ``<ns>/ck/<page key>`` (a page key holds no ``/``, so the two never
+  collide). ``tenant``: the client's CURVE key (its public key, ``DaemonState.tenant``), whose
+  objects go under ``<ns>/t-<digest of it>/...``: under CURVE, a client key never reads nor writes
   another key's page objects through the daemon (equal prefixes are then stored once per key;
   without CURVE, every client of the daemon shares them).
-* ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object
-  holds of one row per space. ``pieces(rows)`` gives its (address, size) list, layer by layer,
-  straight from the host arena (zero copy); ``checksum(rows)``: per segment and layer the
-  64-bit wrap-around sum of its 8-byte words each times an odd multiplier of its place in the
-  layer, times an odd multiplier of the layer and segment, all summed (a change of any single
-  word, and so any bit flip, always changes it; words moved within a layer change it unless
-  their weights happen to collide; truncation is caught by the length); ``payload_bytes`` is the object's size without its
-  header, ``obj_bytes`` with it. ``page_format(layout, group, spaces)`` and
-  ``ckpt_format(layout, group)`` build the two shapes; ``Objects(layout, group, scope)`` holds every
-  kind this stage can store, with its namespace.
+* ``ObjectFormat``: the byte ranges (``Segment``: pool, offset in the row, length) one object holds
+  of one row per space. ``pieces(rows)`` gives its (address, size) list, layer by layer, straight
+  from the host arena (zero copy); ``checksum(rows)``: per segment and layer the 64-bit wrap-around
+  sum of its 8-byte words each times an odd multiplier of its place in the layer, times an odd
+  multiplier of the layer and segment, all summed (a change of any single word, and so any bit flip,
+  always changes it; words moved within a layer change it unless their weights happen to collide;
+  truncation is caught by the length); ``payload_bytes`` is the object's size without its header,
+  ``obj_bytes`` with it. ``page_format(layout, group, spaces)`` and ``ckpt_format(layout, group)``
+  build the two shapes; ``Objects(layout, group, scope)`` holds every kind this stage can store,
+  with its namespace.
 * ``pack_header(buf, key, payload_bytes, checksum)`` writes a ``HEADER_BYTES`` header (magic,
   format version, payload length, checksum, key digest) into ``buf``; ``check_header`` returns
   ``None`` when a read header matches what the reader expects, else the reason. A mismatch is a

@@ -27,8 +27,9 @@ metrics port, the arena) stays in ``controllers.daemon.Daemon``, which takes the
 ``Preflight`` (or runs this itself). ``preflight(cfg, check=True)`` (``serve --check``)
 reports a socket a daemon already holds (an ipc socket's lock held; a tcp port whose socket
 answers a ``heartbeat``, or under CURVE greets as ZMQ does) in ``Preflight.notes`` instead of
-refusing it (a tcp port another program holds is refused as at a start), and so a metrics port taken then (that daemon's,
-presumably), and skips the memory check (that daemon holds memory a restart would free)."""
+refusing it (a tcp port another program holds is refused as at a start), and so a metrics
+port taken then (that daemon's, presumably), and skips the memory check (that daemon holds
+memory a restart would free)."""
 from __future__ import annotations
 
 import fcntl

@@ -452,10 +452,11 @@ class DaemonState:
         call still runs (a hung master holds a Mooncake call up to its RPC timeout, ~30 s; a
         hung storage node up to the transfer timeout, 60 s in Mooncake 0.3.13). A prefetch's
         rows stay in flight until the call returns (a free of them waits; a copy into them is
-        refused ``busy``), and nothing it reads becomes readable nor counts as a hit; a job still queued is dropped unrun when a worker takes it. A key
-        store job with an ``expire`` hook (its clears and its own reads) is marked the same way
-        and its hook does the rest: ``expire(job, now, queued)``, ``queued`` True when no
-        worker had taken the job (none ever will run it)."""
+        refused ``busy``), and nothing it reads becomes readable nor counts as a hit; a job still
+        queued is dropped unrun when a worker takes it. A key store job with an ``expire`` hook
+        (its clears and its own reads) is marked the same way and its hook does the rest:
+        ``expire(job, now, queued)``, ``queued`` True when no worker had taken the job (none
+        ever will run it)."""
         for op_id, job in self.l3_ops.items():
             if job.kind == "put" or job.acked or now < job.deadline + L3_DEADLINE_GRACE_S:
                 continue

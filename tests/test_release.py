@@ -551,7 +551,8 @@ def test_l3_reads_are_bounded_and_a_reaped_clients_are_dropped(tmp_path):
     try:
         st = d.state
         queued = []
-        st.l3 = SimpleNamespace(objects=F.Objects(st.layout, st.group, "test-weights"), submit=queued.append)
+        st.l3 = SimpleNamespace(objects=F.Objects(st.layout, st.group, "test-weights"),
+                                submit=queued.append)
         a = st.registry.touch(b"engine-a", 0.0)
         b = st.registry.touch(b"engine-b", 0.0)
         for i in range(L3_READS_PER_CLIENT):

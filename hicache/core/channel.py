@@ -34,10 +34,10 @@ Contract:
   slot: the daemon takes a sender's slot request before its ZMQ request
   (``Server._request``), so one client's commands run in the order it sent them; and the
   daemon's ZMQ copy of every reply follows what it pushed before, so a client that reads a
-  refusal from the slot reads the socket up to that copy first (``Client._zmq_copy``). The daemon copies a
-  request out of the mapping before it decodes it (the client cannot change bytes under the
-  decoder), and bounds every count and length: a bad slot gives a reason string, never an
-  exception or a read outside the slot.
+  refusal from the slot reads the socket up to that copy first (``Client._zmq_copy``). The
+  daemon copies a request out of the mapping before it decodes it (the client cannot change
+  bytes under the decoder), and bounds every count and length: a bad slot gives a reason
+  string, never an exception or a read outside the slot.
 - The daemon sets the header's closed word when it drops the channel (the client unregistered
   or was reaped, or the daemon stops), after the taken word: the last request sequence it
   took. The client sees it before its next request (``peer_closed``) and goes back to ZMQ; a
