@@ -302,8 +302,8 @@ def test_a_read_answered_at_its_deadline_counts_no_hit(l3_daemon, worker):
     """A prefetch whose store call outlives its deadline is answered then with 0 hits (a
     deadline miss); when the call returned, its pages were counted hits all the same, so the
     hit-rate panels looked healthy exactly while a slow store made every engine miss (metrics
-    review). Mooncake's reads are slowed to 1.5 s here (``tests/fault_daemon.py``)."""
-    d = l3_daemon(fault="slow_l3_reads=1.5")
+    review). Mooncake's reads are slowed to 0.8 s here (``tests/fault_daemon.py``)."""
+    d = l3_daemon(fault="slow_l3_reads=0.8")
     w = worker(d, 43)
     keys = ["dl-0", "dl-1"]
     assert w.put(keys, [0, 1])["written"] == 2
