@@ -639,12 +639,12 @@ class DaemonState:
                 stray = sorted({o[0] for a in allocs for o in a.owners()} - known)
                 lost = sorted(set(self.sparse.regions) - known) if self.sparse else []
                 out["invariants"] = "ok"
-                if stray:
+                if stray:  # (labels: an id is a credential, and any peer may ask)
                     out["invariants"] = (f"host rows owned by clients the daemon no longer "
-                                         f"tracks: {stray[:4]}")
+                                         f"tracks: {[public_label(x) for x in stray[:4]]}")
                 elif lost:
                     out["invariants"] = (f"sparse regions bound to clients the daemon no "
-                                         f"longer tracks: {lost[:4]}")
+                                         f"longer tracks: {[public_label(x) for x in lost[:4]]}")
             except PoolError as e:
                 out["invariants"] = f"{type(e).__name__}: {e}"
         return out

@@ -786,7 +786,7 @@ def test_a_call_on_a_closed_client_says_so(shared_daemon) -> None:
     c.close()
     with pytest.raises(ClientClosed, match="^heartbeat: this Client is closed$"):
         c.heartbeat()
-    for fn in (c.drain, lambda: c.wait_ack(1, timeout=1)):
+    for fn in (c.drain, lambda: c.wait_ack(1, timeout=1), lambda: c.wait_ack(1, timeout=0)):
         with pytest.raises(ClientClosed, match="this Client is closed"):
             fn()
     c.close()  # twice: nothing happens

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicache.cli import main
-from hicache.core.config import ServeConfig, sizing
+from hicache.core.config import ServeConfig, load_config, sizing
 from hicache.core.errors import UsageError
 from hicache.core.sizes import arena_bytes
 from hicache.core.layout import build_layout, preset
@@ -409,6 +409,11 @@ def test_host_ratio_rows_are_exact_and_odd_bounds_are_named(capsys):
     s = sizing(ServeConfig(preset="dsv4-flash", kv_mem=100 * GiB, max_running=100,
                            host_ratio=1.15))
     assert s.host_rows["req_slot"] == 115
+    for text, slots in (("1:3", 7), ("2:3", 14), ("4:3", 28), ("1:7", 3)):  # the first fix
+        # read the float of 1:3 as the decimal it printed as, one row short (final review)
+        s = sizing(load_config({"preset": "dsv4-flash", "kv_mem": "100GiB", "max_running": "21",
+                                "host_ratio": text, "force": True}, env={}))
+        assert s.host_rows["req_slot"] == slots, (text, s.host_rows)
     base = ["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--stage-bounds"]
     assert main(base + ["0:10,10:10,10:43"]) == 2
     assert "stage 1 bounds [10, 10) hold no layer" in capsys.readouterr().err

@@ -60,8 +60,8 @@ def summary(s: dict[str, Any]) -> str:
         if d else "(a daemon that does not say what it serves)"),
         f"  {s.get('clients')} clients, {s.get('workers')} workers, "
         f"{s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
-    for cid, rows in s.get("worker_rows", {}).items():
-        lines.append(f"  worker {cid}: device rows "
+    for label, rows in s.get("worker_rows", {}).items():
+        lines.append(f"  worker {label}: device rows "
                      + ", ".join(f"{k}={n}" for k, n in sorted(rows.items())))
     pending = s.get("pending_free", {})
     for space, a in s.get("host", {}).get("spaces", {}).items():

@@ -196,7 +196,8 @@ def host_rows(
         if ratio > MAX_HOST_RATIO:
             raise UsageError(f"host:device ratio {ratio:g} is over {MAX_HOST_RATIO}: a host "
                              f"tier that size is no machine's (give --host-mem in bytes)")
-        exact = Fraction(str(ratio))  # 100 x 1.15 is 114.999... in floats: 115 rows
+        # the ratio its text meant (1.15: 23/20, 1:3: 1/3): in floats 100 x 1.15 is 114.999...
+        exact = Fraction(ratio).limit_denominator(10**6)
         rows = {s: math.floor(dev[s] * exact) for s in want}
         small = [s for s in want if rows[s] < 1]
         if small:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from hicache.core.protocol import DEFAULT_DEADLINE_MS
 
-from .acks import Ack, AckTimeout, CommandRefused, Op, TransferFailed
+from .acks import Ack, AckTimeout, ClientClosed, CommandRefused, Op, TransferFailed
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 MAX_TIMEOUT_S = 1e6  # ~11.6 days: a longer wait is a mistake (and its milliseconds must fit)
@@ -170,6 +170,8 @@ class Completion:
         here. ``AckTimeout`` as ``wait_ack``."""
         if isinstance(op, Op) and op.ack is not None:  # completed inline, ack came in the reply
             return op.ack
+        if self._sock.closed:  # (before the deadline: a timeout of 0 read "not done yet")
+            raise ClientClosed("wait_ack: this Client is closed")
         op_id = op.op_id if isinstance(op, Op) else int(op)
         timeout = self.timeout if timeout is None else check_timeout(timeout, zero=True)
         deadline = time.monotonic() + timeout
