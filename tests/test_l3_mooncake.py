@@ -277,8 +277,8 @@ def test_cross_instance_hit_and_restart_recovery(l3_daemon, worker):
 def test_daemons_of_other_weights_never_read_each_others_pages(l3_daemon, worker):
     """Two daemons of one preset (one layout) whose scopes differ, a base model and its
     fine-tune: the same prompt's page keys are misses across them. Before ``--l3-scope`` the
-    second daemon read the first one's KV as verified hits (L3 review); a third daemon of the
-    first one's scope still reads them."""
+    second daemon read the first one's KV as verified hits (L3 review); the first one's scope
+    still reads them (across daemons of one scope: ``test_cross_instance_hit...``)."""
     base, tuned = l3_daemon(scope="test/base@1"), l3_daemon(scope="test/base-tuned@1")
     wa, wb = worker(base, 2), worker(tuned, 3)
     keys = [f"sc-{i}" for i in range(2)]
@@ -288,13 +288,12 @@ def test_daemons_of_other_weights_never_read_each_others_pages(l3_daemon, worker
     assert all(same(wb.page(r), p) for r, p in zip((5, 6), before))
     assert wb.put(keys, [2, 3])["written"] == 2  # stored beside the base model's, not skipped
     wb.close()
-    again = l3_daemon(scope="test/base@1")
-    wc = worker(again, 4)
+    wc = worker(base, 4)  # a new worker of the base daemon: its rows come from L3
     assert wc.get(keys, [5, 6]) == 2
     assert all(same(wc.page(r), wa.page(p)) for r, p in zip((5, 6), (0, 1)))
     wa.close()
     wc.close()
-    for d in (base, tuned, again):
+    for d in (base, tuned):
         d.close()
 
 
