@@ -261,7 +261,8 @@ def _daemon_at(address: str, curve: bool, timeout: float = 1.0) -> str | None:
         return None
     finally:
         s.close()
-    return "a hicache daemon serves it" if h.get("id") == 1 and h.get("ok") else None
+    # (a refusal is a daemon's answer too: one at its client limit, or stopping)
+    return "a hicache daemon serves it" if h.get("id") == 1 else None
 
 
 def _greets_as_zmq(address: str, timeout: float) -> bool:

@@ -788,3 +788,32 @@ def test_a_relative_ipc_socket_is_served_and_named_by_its_absolute_path(tmp_path
                         ("ipc://./d.sock", f"ipc://{tmp_path}/d.sock"),
                         ("ipc:///abs/d.sock", "ipc:///abs/d.sock")):
         assert load_config({"preset": "dsv4-tiny", "socket": given}, env={}).socket == want
+
+
+def test_a_daemon_that_refuses_the_checks_heartbeat_is_still_a_daemon():
+    """A daemon at its client limit (or stopping) answers the check's heartbeat with a
+    refusal: still a daemon's answer, so the taken port is a note, not "another program"."""
+    import threading
+
+    import zmq
+
+    from hicache.controllers.preflight import _daemon_at
+    from hicache.core import protocol as P
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        if router.poll(5000):
+            ident, *frames = router.recv_multipart()
+            rid = P.decode_request(frames)[0]["id"]
+            router.send_multipart([ident, *P.encode_error(rid, "too_many_clients", "full")])
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        assert _daemon_at(f"tcp://127.0.0.1:{port}", curve=False) == "a hicache daemon serves it"
+    finally:
+        t.join(10)
+        router.close()
