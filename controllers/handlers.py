@@ -146,7 +146,7 @@ def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:
     c.reaped = None  # registered afresh: the old client's reap is no news any more
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles,
-            "heartbeat_timeout": st.heartbeat_timeout}, []
+            "heartbeat_timeout": st.heartbeat_timeout, "session": c.session}, []
 
 
 def _log_registered(st: DaemonState, c: ClientState, dev_rows: dict[str, int]) -> None:
@@ -239,7 +239,7 @@ def poll_acks(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     if not 0 < limit <= 4096:
         raise ProtocolError("bad_field", "max must be in 1..4096")
     acks = st.registry.take_acks(c, h.get("ops"), limit, _ack_size, ACKS_REPLY_BYTES)
-    return {"acks": acks, "in_flight": c.in_flight}, []
+    return {"acks": acks, "in_flight": c.in_flight, "session": c.session}, []
 
 
 ACKS_REPLY_BYTES = MAX_HEADER_BYTES // 2  # a poll_acks reply's acks; the rest stay retained

@@ -299,10 +299,11 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
         raise ProtocolError("bad_field", f"name must be 1 or more printable characters, got "
                                          f"{name[:64]!r}")
     pools = c.kv.pools if c.kv is not None else {}
-    if name in pools:
+    old = pools.get(name)  # one never proven (its proof or hand-in failed) is replaced below
+    if old is not None and old.verified:
         raise ProtocolError("already_registered", f"engine pool {name[:64]!r} is already "
                                                   f"attached (kv_detach first)")
-    if len(pools) >= MAX_POOLS_PER_CLIENT:
+    if len(pools) - (old is not None) >= MAX_POOLS_PER_CLIENT:
         raise ProtocolError("bad_field", f"at most {MAX_POOLS_PER_CLIENT} engine pools per "
                                          f"client")
     if pool is not None:
@@ -330,7 +331,7 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     except ValueError as e:
         raise ProtocolError("bad_handle" if pool else "bad_field", str(e)[:300]) from None
     held = sum(p.files for k in st.registry.clients.values() if k.kv is not None
-               for p in k.kv.pools.values())
+               for p in k.kv.pools.values() if p is not old)
     budget = file_budget()
     if held + ep.files > budget:
         ep.close()
@@ -344,11 +345,14 @@ def kv_attach(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
             handout = st.handout()
             handout.expect(token, len(ep.wanted))
         except (OSError, ValueError) as e:
+            ep.close()
             raise ProtocolError("unsupported", f"kv_attach: cannot take descriptors in on the "
                                                f"descriptor socket ({e})") from None
         ep.on_close = lambda: handout.withdraw(token)
         ep.token = token
         out.update(fd_socket=handout.path, fd_token=token, fds=ep.wanted)
+    if old is not None:
+        old.close()  # (its token withdrawn: descriptors handed in late are refused)
     if c.kv is None:
         c.kv = ClientPools()
     c.kv.pools[name] = ep
@@ -361,7 +365,7 @@ def kv_verify(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
     pending = [p for p in (c.kv.pools.values() if c.kv is not None else ()) if not p.verified]
     fails = [why for why in (_handed_in(st, p) if p.wanted else p.check_proof()
                              for p in pending) if why is not None]
-    if fails:  # nothing changes: the pools stay pending (kv_detach drops them)
+    if fails:  # nothing changes: the pools stay pending (attached again, or kv_detach)
         raise ProtocolError("not_owner", f"kv_verify: {fails[0]}" +
                             (f" (and {len(fails) - 1} more)" if len(fails) > 1 else ""))
     for p in pending:
@@ -379,7 +383,7 @@ def _handed_in(st: DaemonState, p: EnginePool) -> str | None:
     try:
         p.take_fds(fds)
     except ValueError as e:
-        return f"pool {p.name[:64]!r}: {e} (kv_detach it and attach again)"
+        return f"pool {p.name[:64]!r}: {e} (attach it again, or kv_detach it)"
     return None
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -135,6 +136,9 @@ class ClientState:
     reaped: str | None = None  # why an earlier client of this identity was reaped, until register
     channel: Any = None  # hicache.core.channel.Channel: its shared-memory command channel
     intake: "Intake | None" = None  # descriptors it hands in for its next register (hand_in)
+    # names this state in ``register`` and ``poll_acks`` replies: a client that polls for an
+    # op and reads another session knows the state that held the op is gone (a restart, a reap)
+    session: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def in_session(self) -> bool:
         """It holds something besides host and sparse rows: a worker, key-store pools, a

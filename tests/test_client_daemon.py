@@ -670,6 +670,41 @@ def test_an_ack_in_a_late_poll_reply_is_kept():
             c.close()
 
 
+def test_an_op_a_restarted_daemon_lost_is_said_at_the_first_poll():
+    """``wait_ack`` for an op whose daemon restarted meanwhile raises ``AckLost`` at its first
+    poll (the new daemon's session of this client is not the one that issued it), and an op
+    issued after re-registering is waited for as usual. It polled until its timeout before,
+    though nothing on the new daemon would ever answer it."""
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.acks import AckLost, AckTimeout
+    from hicache.engine.device_pools import DevicePools
+    from fault_daemon import faulty
+
+    rows = {"page": 16, "swa_page": 16, "req_slot": 4}
+    with faulty("lost_acks", device="cpu", preset="dsv4-tiny",
+                device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+                env={"HICACHE_INLINE_MAX_BYTES": "1"}) as d, \
+            DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
+        c = d.client(channel=False)
+        try:
+            first = c.register(pools)["session"]
+            host = c.alloc({"page": 2})
+            op = c.backup({"page": ([0, 1], host["page"])})
+            assert op.ack is None and op.session == first  # its ack is pushed (and lost)
+            d.restart()
+            t0 = time.monotonic()
+            with pytest.raises(AckLost, match="no longer holds the registration"):
+                c.wait_ack(op, timeout=20)
+            assert time.monotonic() - t0 < 3  # the first poll, not the 20 s timeout
+            assert issubclass(AckLost, AckTimeout)  # callers that handle a timeout handle it
+            assert c.register(pools)["session"] != first
+            host = c.alloc({"page": 2})
+            op = c.backup({"page": ([0, 1], host["page"])})
+            assert c.wait_ack(op, timeout=5).ok  # polled: this session's ack
+        finally:
+            c.close()
+
+
 def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_factory):
     """``register`` tells the client the daemon's heartbeat timeout, so an idle engine calling
     ``maybe_heartbeat`` is not reaped under a timeout below its 3 s default interval (it was,

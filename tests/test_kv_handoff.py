@@ -95,8 +95,19 @@ def test_handoff_refusals_enable_nothing_and_leave_no_descriptor(store: Any) -> 
         reply = _attach(c, ep, "c4_kv")
         F.send_fds(reply["fd_socket"], reply["fd_token"], [r] * len(ep.fds), "test")
         msg = _refused("not_owner", c.kv_verify)
-        assert "not a shared-memory file" in msg and "kv_detach" in msg
+        assert "not a shared-memory file" in msg and "attach it again" in msg
         _refused("not_registered", c.kv_get, "c4_kv", ["a"], [0])
+        # attached again without a detach: the pending pool is replaced, its token withdrawn
+        old = reply
+        reply = _attach(c, ep, "c4_kv")
+        with pytest.raises(OSError, match="no intake is open"):
+            F.send_fds(old["fd_socket"], old["fd_token"], ep.fds, "test")
+        F.send_fds(reply["fd_socket"], reply["fd_token"], ep.fds, "test")
+        assert c.kv_verify() == ["c4_kv", "kv"]
+        assert c.kv_put("c4_kv", ["b"], [2]) == [True]
+        _refused("already_registered", c.kv_attach, "c4_kv", NS, pages=ep.pages, pool="c4_kv",
+                 page_bytes=ep.page_bytes, layers=ep.spec, handoff=True)  # verified: kept
+        assert c.kv_put("c4_kv", ["c"], [3]) == [True]
         assert c.kv_detach() == 2
         c.kv_attach_proven("kv", NS, pages=4, space="page")
         # detached before the hand-in: the intake is gone with the pool
@@ -124,7 +135,8 @@ def test_handoff_refusals_enable_nothing_and_leave_no_descriptor(store: Any) -> 
 
 def test_the_client_hands_in_only_the_files_its_layers_name(store: Any,
                                                              monkeypatch: Any) -> None:
-    """A reply asking for other descriptors than the layers named gets none of them."""
+    """A reply asking for other descriptors than the layers named gets none of them, and the
+    pool it left pending is replaced by the retry."""
     d, pools, _ = store
     layers, pb = _geom(pools, "c4_kv")
     ep = EnginePool(layers, 4, pb)
@@ -141,6 +153,12 @@ def test_the_client_hands_in_only_the_files_its_layers_name(store: Any,
             c.kv_attach_proven("c4_kv", NS, pages=4, pool="c4_kv", page_bytes=pb,
                                layers=ep.spec, handoff=True)
         assert sent == []
+        # the real reply and hand-in: a retry replaces the pending pool, no kv_detach needed
+        # (it was refused already_registered before)
+        monkeypatch.undo()
+        assert c.kv_attach_proven("c4_kv", NS, pages=4, pool="c4_kv", page_bytes=pb,
+                                  layers=ep.spec, handoff=True) == ["c4_kv"]
+        assert c.kv_detach() == 1
     ep.close()
 
 

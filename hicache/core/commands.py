@@ -44,7 +44,8 @@ _TABLE: tuple[Command, ...] = (
                          "buffers": ("dict", True), "mode": ("str", True),
                          "tp_rank": ("int", False), "events": ("str_list", False),
                          "name": ("opt_str", False), "fd_token": ("int", False)},
-            ("client", "host_rows", "device", "stage_layers", "load_events", "heartbeat_timeout"),
+            ("client", "host_rows", "device", "stage_layers", "load_events", "heartbeat_timeout",
+             "session"),
             False,
             "register", "open a worker's device pools (sealed memfds handed in, or CUDA IPC) and "
                         "events"),
@@ -76,7 +77,7 @@ _TABLE: tuple[Command, ...] = (
             ("op", "ack"), True, "clear_slot",
             "zero request slots, or apply the MTP draft rule to their state rings"),
     Command("poll_acks", {"ops": ("opt_int_list", False), "max": ("int", False)},
-            ("acks", "in_flight"), False, "poll_acks", "take retained acks"),
+            ("acks", "in_flight", "session"), False, "poll_acks", "take retained acks"),
     Command("channel", {"optional": ("bool", False)},
             ("fds", "request_bytes", "reply_bytes", "token", "wake", "declined"), False,
             "channel", "open a shared-memory command channel (a local client): requests and "

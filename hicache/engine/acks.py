@@ -1,7 +1,7 @@
 """What the daemon's client returns and raises: ``Op`` (a submitted operation), ``Ack`` (its
 completion report), and the client's exceptions (``DaemonUnreachable`` and its ``NoReply``,
 ``DaemonGone`` and ``GoneMidCall`` (both of those), ``CommandRefused``, ``TransferFailed``,
-``AckTimeout``, ``ClientClosed``). Plain data: no socket, no torch.
+``AckTimeout`` and its ``AckLost``, ``ClientClosed``). Plain data: no socket, no torch.
 """
 from __future__ import annotations
 
@@ -64,6 +64,12 @@ class AckTimeout(HicacheError, TimeoutError):
     """The daemon answers, but the operation did not complete within the timeout."""
 
 
+class AckLost(AckTimeout):
+    """The daemon answers, but no longer holds the registration that issued the operation (it
+    restarted, or reaped this client): the ack will never come, said at the first poll rather
+    than at the timeout. What the operation copied before is unknown, as for a timeout."""
+
+
 @dataclass
 class Ack:
     op: int
@@ -106,3 +112,4 @@ class Op:
     # GPU load: stage layers whose events were recorded when the reply left (None: all)
     issued: int | None = None
     failed: bool = False  # GPU load: the reply or a notice said its issue failed
+    session: str | None = None  # the daemon's session of the registration that issued it

@@ -42,11 +42,12 @@ from hicache.engine.kv_client import KVStoreCommands
 from hicache.engine.l3_client import L3Commands
 from hicache.engine.sparse_client import SparseCommands
 
-from .acks import (Ack, AckTimeout, ClientClosed, CommandRefused, DaemonGone, DaemonUnreachable,
-                   GoneMidCall, NoReply, Op, TransferFailed)
+from .acks import (Ack, AckLost, AckTimeout, ClientClosed, CommandRefused, DaemonGone,
+                   DaemonUnreachable, GoneMidCall, NoReply, Op, TransferFailed)
 
-__all__ = ["Client", "Op", "Ack", "AckTimeout", "ClientClosed", "CommandRefused", "DaemonGone",
-           "DaemonUnreachable", "GoneMidCall", "NoReply", "TransferFailed", "Items"]
+__all__ = ["Client", "Op", "Ack", "AckLost", "AckTimeout", "ClientClosed", "CommandRefused",
+           "DaemonGone", "DaemonUnreachable", "GoneMidCall", "NoReply", "TransferFailed",
+           "Items"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
 # while a call waits for its reply, whether its daemon is gone is asked this often (``ipc://``,
@@ -208,6 +209,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         # GPU loads' "issued" pushes: layers issued so far (None: all of them)
         self._issued: OrderedDict[int, int | None] = OrderedDict()
         self._failing: OrderedDict[int, None] = OrderedDict()  # loads a notice said failed
+        self._session: str | None = None  # the daemon's session of this registration
         self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._spin_set = reply_spin_us  # None: chosen at register (GPU or not)
         self._reply_spin = (reply_spin_us or 0.0) * 1e-6
@@ -527,6 +529,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             fields["fd_token"] = self.hand_in(fds, timeout)
         h, _ = self.call("register", fields, timeout=timeout)
         self.registered = h
+        self._session = h.get("session")
         if "heartbeat_timeout" in h:  # ``maybe_heartbeat`` keeps this registration alive
             self._heartbeat_from(h)
         self.row_epoch += 1
@@ -567,6 +570,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self.row_epoch += 1
         self._close_channel()
         self.registered = None
+        self._session = None
         self._load_events = []
         return h
 
@@ -621,7 +625,7 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
             self._took(int(h["op"]))  # the channel's slot carries it too)
         rows = {s: list(arrays[i]) for s, i in h["rows"].items()} if "rows" in h else None
         return Op(int(h["op"]), kind, ack, h.get("event_set"), h.get("host_row"), rows,
-                  issued=h.get("issued"), failed=bool(h.get("failed")))
+                  issued=h.get("issued"), failed=bool(h.get("failed")), session=self._session)
 
     def backup(self, items: Items, *, wait_event: int | None = None,
                timeout: float | None = None) -> Op:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from hicache.core.protocol import DEFAULT_DEADLINE_MS
 
-from .acks import Ack, AckTimeout, ClientClosed, CommandRefused, Op, TransferFailed
+from .acks import Ack, AckLost, AckTimeout, ClientClosed, CommandRefused, Op, TransferFailed
 
 ACK_KEEP = 65536  # acks kept client-side until consumed
 MAX_TIMEOUT_S = 1e6  # ~11.6 days: a longer wait is a mistake (and its milliseconds must fit)
@@ -54,6 +54,7 @@ class Completion:
     _taken: OrderedDict[int, None]  # ops whose ack went to the caller (newest ACK_KEEP)
     _issued: OrderedDict[int, int | None]
     _failing: OrderedDict[int, None]
+    _session: str | None  # the daemon's session of this client's registration (register's)
     _load_events: list
     _layer_pos: dict
     stage_layers: list
@@ -152,7 +153,8 @@ class Completion:
 
     def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
         """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
-        ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time."""
+        ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time;
+        ``AckLost`` (one) at the first poll that finds the registration that issued it gone."""
         a = self._await_ack(op, timeout)
         if not (isinstance(op, Op) and op.ack is a):  # not the reply's inline ack: taken now
             self._acks.pop(a.op, None)
@@ -194,11 +196,24 @@ class Completion:
                     raise
                 for x in h.get("acks", []):
                     self._keep_ack(x)
+                if op_id not in self._acks:
+                    self._check_session(op, op_id, h)
                 next_poll = time.monotonic() + 0.5
                 continue
             got = self._recv(max(1, int(min(deadline, next_poll) * 1000 - now * 1000)))
             if got is not None:
                 self._pushed(got[0])
+
+    def _check_session(self, op: Op | int, op_id: int, h: Mapping[str, Any]) -> None:
+        """``AckLost`` when the poll reply ``h`` comes from another session than the
+        registration that issued ``op`` (the ``Op``'s, or this client's for a bare id): the
+        daemon restarted or reaped this client, and the ack went with the state that held it."""
+        ours = op.session if isinstance(op, Op) else self._session
+        theirs = h.get("session")
+        if ours is not None and theirs is not None and theirs != ours:
+            raise AckLost(f"op {op_id}: the daemon no longer holds the registration that "
+                          f"issued it (it restarted, or reaped this client): its ack will "
+                          f"never come, and what it copied is unknown")
 
     def wait_layer(self, op: Op, layer: int, stream: Any = None,
                    timeout: float | None = None) -> None:

@@ -29,6 +29,8 @@ def _deadline(ms: int | None) -> dict[str, Any]:
 
 
 class L3Commands:
+    _session: str | None  # (``Client``'s) the daemon's session of this client's registration
+
     def _l3_rows(self, rows: Mapping[str, Any]) -> tuple[dict[str, int], list[Any]]:
         names = list(rows)
         return {s: i for i, s in enumerate(names)}, [as_index(rows[s]) for s in names]
@@ -80,4 +82,4 @@ class L3Commands:
         r, frames = self._l3_rows(rows)
         fields = {"keys": list(keys), "rows": r, **_kind(mirror, ckpt)}
         h, _ = self.call("l3_put", fields, frames, timeout=timeout)
-        return Op(int(h["op"]), "l3_put")
+        return Op(int(h["op"]), "l3_put", session=self._session)
