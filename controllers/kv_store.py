@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from hicache.core.id_sets import has_duplicates
-from hicache.core.protocol import ProtocolError
+from hicache.core.protocol import MAX_KV_KEY_LEN, MAX_KV_NS_LEN, ProtocolError
 
 from .copy_commands import Reply
 from .kv_l3 import KvL3
@@ -53,8 +53,6 @@ from .registry import ClientState
 from .state import DaemonState
 
 OWNER = ("\x00kvstore", None)
-MAX_KEY_LEN = 256
-MAX_NS_LEN = 256
 
 
 @dataclass(eq=False)
@@ -245,8 +243,8 @@ def store_of(st: DaemonState) -> KeyStore:
 
 def _ns(st: DaemonState, c: ClientState, ns: str) -> str:
     """The store's namespace: the client's CURVE key (``DaemonState.tenant``) and its own."""
-    if not 0 < len(ns) <= MAX_NS_LEN or not ns.isprintable():
-        raise ProtocolError("bad_field", f"namespace must be 1..{MAX_NS_LEN} printable "
+    if not 0 < len(ns) <= MAX_KV_NS_LEN or not ns.isprintable():
+        raise ProtocolError("bad_field", f"namespace must be 1..{MAX_KV_NS_LEN} printable "
                                          f"characters")
     return f"{st.tenant(c) or ''}\x1f{ns}"
 
@@ -271,8 +269,8 @@ def _keys(keys: list[str]) -> list[str]:
     if not keys:
         raise ProtocolError("bad_field", "keys is empty")
     for k in keys:
-        if not 0 < len(k) <= MAX_KEY_LEN or not k.isprintable() or not k.isascii():
-            raise ProtocolError("bad_field", f"key {k[:40]!r} must be 1..{MAX_KEY_LEN} "
+        if not 0 < len(k) <= MAX_KV_KEY_LEN or not k.isprintable() or not k.isascii():
+            raise ProtocolError("bad_field", f"key {k[:40]!r} must be 1..{MAX_KV_KEY_LEN} "
                                              f"printable ASCII characters")
     return keys
 

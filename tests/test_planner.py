@@ -398,6 +398,13 @@ def test_the_most_slots_advice_holds_for_decode_workers_and_tiny_stages():
     plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=running, pd_role="decode"))
     with pytest.raises(UsageError):
         plan(PlanInputs(FLASH, GiB, swa_mode="ring", max_running=running + 1, pd_role="decode"))
+    # a budget of one slot but not two: no --max-running fits a decode worker, said so (the
+    # refusal named "2 request slots" and nothing else)
+    budget = one_request_bytes(build_layout(FLASH, swa_mode="ring")) + 1
+    plan(PlanInputs(FLASH, budget, swa_mode="ring", max_running=1))
+    with pytest.raises(UsageError, match=r"2 request slots .*; no --max-running fits: a PD "
+                                         r"decode worker holds 2 request slots per running"):
+        plan(PlanInputs(FLASH, budget, swa_mode="ring", max_running=1, pd_role="decode"))
 
 
 def test_host_ratio_rows_are_exact_and_odd_bounds_are_named(capsys):

@@ -299,7 +299,12 @@ def stage_pages(layouts: list[Layout], budget: int, slots: int, swa_ratio: Fract
         return [capacity_pages(lay, budget, slots, swa_ratio) for lay in layouts]
     except TooManySlots as e:
         for lay in layouts:  # a stage that cannot hold one request says so (not "at most 0")
-            capacity_pages(lay, budget, per_running, swa_ratio)
+            try:
+                capacity_pages(lay, budget, per_running, swa_ratio)
+            except TooManySlots as one:  # (per_running > 1: one slot would fit, not one request)
+                raise UsageError(f"{one}; no --max-running fits: a PD decode worker holds "
+                                 f"{per_running} request slots per running request (one for "
+                                 f"its incoming transfer)") from None
         lo, hi = per_running, slots - 1  # the most slots that fit everywhere: in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -423,6 +423,9 @@ def test_context_parallel_ranks_and_dcp_shards_get_namespaces_of_their_own(
         assert fa.config_suffix != fb.config_suffix  # SGLang's own keys differ
         assert _namespace(a, {}) != _namespace(b, {})
     assert _namespace(_storage_config(), {}) == "dsv4/dp0/pp0of1"  # unchanged without CP/DCP
+    from hicache.engine.sglang.storage import StorageRefused
+    with pytest.raises(StorageRefused, match="at most 256 printable"):  # when made: the first
+        _namespace(_storage_config(), {"hicache_namespace": "m" * 250})  # attach refused it
     d = _daemon(tmp_path)
     try:
         with engine(d.address) as (_, pools):

@@ -66,6 +66,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage,  # noqa: E402
                                                   HiCacheStorageExtraInfo, PoolHitPolicy,
                                                   PoolTransfer, PoolTransferResult)
 
+from hicache.core.protocol import MAX_KV_NS_LEN  # noqa: E402
 from hicache.engine.client import (Client, CommandRefused, DaemonGone,  # noqa: E402
                                    DaemonUnreachable, NoReply)
 from hicache.engine.sglang.host_pools import _pages  # noqa: E402
@@ -111,7 +112,12 @@ def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
     cp = f"/cp{cfg.attn_cp_rank}of{cp_size}" if cp_size > 1 else ""
     dcp_size = int(getattr(cfg, "dcp_size", 1) or 1)
     dcp = f"/dcp{cfg.dcp_rank}of{dcp_size}" if dcp_size > 1 else ""
-    return f"{base}{tp}{cp}{dcp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
+    ns = f"{base}{tp}{cp}{dcp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
+    if len(ns) > MAX_KV_NS_LEN or not ns.isprintable():  # refused now, not at the first attach
+        raise StorageRefused(f"the key-store namespace {ns[:80]!r}... ({len(ns)} characters) "
+                             f"must be at most {MAX_KV_NS_LEN} printable characters: shorten "
+                             f"hicache_namespace (default: the model name)")
+    return ns
 
 
 def _layer_views(pool: Any, name: str) -> list[torch.Tensor]:
