@@ -7,6 +7,9 @@
   the server thread first, as a put of gigabytes does on a slow host.
 * ``slow_l3_reads=SECONDS``: every Mooncake read (``batch_get_*``, ``batch_is_exist``) sleeps
   that long on its L3 worker first, as against a slow or hung storage node.
+* ``reap_on_sigusr1``: after a SIGUSR1 the daemon's next silence check finds every client
+  silent (once), so the real reap runs at a moment the test picks, under a long heartbeat
+  timeout (a short one reaps a test's own client when a loaded machine pauses it).
 
 Run as ``python tests/fault_daemon.py serve ...``; ``faulty(fault, **kw)`` builds the process,
 ``inject(process, fault)`` turns a built one into it (``conftest.start_daemon(fault=...)``).
@@ -70,6 +73,22 @@ def _install(fault: str) -> None:
             return call(self, fn, *a, **k)
 
         l3_store.MooncakeL3._call = slow_call
+    elif name == "reap_on_sigusr1":
+        import signal
+
+        from hicache.controllers import registry
+
+        asked: list[bool] = []
+        signal.signal(signal.SIGUSR1, lambda *_: asked.append(True))
+        silent = registry.Registry.silent
+
+        def all_once(self: Any, now: float, timeout: float) -> list[Any]:
+            if asked:
+                asked.clear()
+                return list(self.clients.values())
+            return silent(self, now, timeout)
+
+        registry.Registry.silent = all_once
     else:
         raise SystemExit(f"{FAULT}={fault!r}: no such fault")
 

@@ -12,6 +12,8 @@ moved: page "a" is a miss, page "b" a verified hit, and the daemon's used rows a
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from typing import Any, Callable, Iterator
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from hicache.core.layout import build_layout, preset
+from hicache.engine.acks import CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.engine.hooks import ClientHooks
 from hicache.engine.radix import RadixTree
@@ -63,14 +66,21 @@ def _hit_bytes(tree: RadixTree, pools: DevicePools, layout: Any, keys: list[str]
 
 
 def _reaped(d: Any, c: Any, pools: DevicePools) -> None:
-    """An idle engine (2 s heartbeat timeout: the test's own steps after it must never pause
-    that long, even on a loaded CI machine, or the new registration is reaped too): silent
-    past it, then a heartbeat says why."""
-    for _ in range(4):  # each heartbeat restarts the daemon's clock: wait the whole time again
-        time.sleep(4.0)
-        if (hb := c.heartbeat())["registered"] is False:
-            break
-    assert hb["registered"] is False and hb.get("reaped"), hb
+    """The daemon reaps the engine as silent (``reap_on_sigusr1``: its silence check finds
+    every client silent once; a real 2 s heartbeat timeout also reaped the new registration
+    whenever a loaded machine paused the test's later steps that long), then a heartbeat says
+    why."""
+    os.kill(d.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if (hb := c.heartbeat())["registered"] is False:
+                break
+        except CommandRefused as e:  # reaped, its rows still going back: refused a moment
+            assert e.code == "busy", e
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert hb.get("reaped") and "silent" in hb["reaped"], hb
     c.register(pools)
 
 
@@ -111,14 +121,15 @@ def _tree_with_a(d: Any, name: str) -> Iterator[tuple[Any, DevicePools, Any, Rad
         pools.close()
 
 
-@pytest.mark.parametrize("what, heartbeat", [(_reaped, 2.0), (_restarted, 60.0),
-                                             (_reset, 60.0)],
+@pytest.mark.parametrize("what, fault", [(_reaped, "reap_on_sigusr1"), (_restarted, None),
+                                         (_reset, None)],
                          ids=["reap_seen_by_heartbeat", "restart_seen_by_heartbeat",
                               "client_reset"])
 def test_rows_freed_under_an_online_tree_are_forgotten_not_served(
         tmp_path: Any, daemon_factory: Callable[..., Any], what: Callable[..., None],
-        heartbeat: float) -> None:
-    d = daemon_factory(device_rows="page=8,swa_page=8,req_slot=4", heartbeat_timeout=heartbeat)
+        fault: str | None) -> None:
+    d = daemon_factory(device_rows="page=8,swa_page=8,req_slot=4", heartbeat_timeout=60.0,
+                       fault=fault)
     with _tree_with_a(d, "epoch") as (c, pools, layout, tree):
         assert _hit_bytes(tree, pools, layout, A) == {0xAA}
         assert tree.evict_device(tree.device_pages) == 2 and tree.match(A + ["x"]) == (0, 2)
