@@ -45,6 +45,8 @@ from .server import Server
 from .state import DaemonState
 from .scheduler import Scheduler
 
+# at a stop past the drain timeout: how long cancelled CPU copies get to reach their next chunk
+STOP_CANCEL_WAIT_S = 5.0
 UNMAP_WAIT_S = 10.0  # at shutdown, the longest wait for the unmapper to drop the workers' mappings
 FD_LIMIT_CAP = 1 << 20  # the soft descriptor limit is raised to the hard one, at most this
 log = logging.getLogger("hicache.daemon")
@@ -402,7 +404,7 @@ class Daemon:
         if st.l3 is not None:  # queued L3 jobs complete unrun: no backlog of writes at a stop
             st.l3.drain()
         t0 = time.monotonic()
-        waited = st.wait_idle(timeout)
+        waited = st.stop_drain(timeout, STOP_CANCEL_WAIT_S)
         if waited != "idle":
             stalled = st.l3.stalled() if st.l3 is not None else {}
             if waited == "hung":
@@ -415,9 +417,9 @@ class Daemon:
                             "a master that does not answer")
             else:
                 log.error("shutdown: %d operations did not finish within %.0f s; their acks "
-                          "report them failed and the host arena stays mapped until the "
-                          "process exits", self.scheduler.in_flight if self.scheduler else -1,
-                          timeout)
+                          "report them failed (abandoned: their copies may still run) and the "
+                          "host arena stays mapped until the process exits",
+                          self.scheduler.in_flight if self.scheduler else -1, timeout)
             self._leak_arena = True  # a copy may still touch it: never unmap under it
             st.releaser.abandoned = True  # nor a client's sparse region
             st.collect()  # (what finished meanwhile keeps its results)

@@ -123,6 +123,8 @@ class Operation:
     busy_share: float = 1.0  # of its run's time, what it adds to busy seconds (merged runs)
     ok: bool = True
     error: str | None = None
+    # the ack's error code: ``abandoned`` when a stop acked it with its copy maybe still running
+    error_code: str = "transfer_failed"
     cancelled: bool = False  # failed because its client was reaped (not counted as an error)
     path: str = ""
     done_event: Any = None
@@ -160,5 +162,5 @@ class Operation:
             "path": self.path, "pools": {p: [r, b, ex] for p, (r, b) in self.per_pool().items()},
         }
         if not self.ok:
-            out["error"] = {"code": "transfer_failed", "message": self.error or "unknown error"}
+            out["error"] = {"code": self.error_code, "message": self.error or "unknown error"}
         return out

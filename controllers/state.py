@@ -316,6 +316,8 @@ class DaemonState:
         if entry is None:
             return
         c = entry[1]
+        if op.cancelled and self.stopping:  # (cancelled at a stop, past the drain timeout)
+            op.error = f"daemon shutting down: {op.error}"
         if op.ok and op.behind:  # it read rows a write it ran after was replacing
             bad = torn_by(op, op.behind)
             if bad is not None:
@@ -365,13 +367,17 @@ class DaemonState:
                               op.path or "none")
 
     def fail_pending(self, why: str) -> None:
-        """Shutdown: every op still in flight is finished as failed, and every L3 job not acked
+        """Shutdown: every op still in flight is finished as failed (``abandoned``: its copy
+        may still run, so the engine must not reuse its device memory while this process
+        lives), and every L3 job not acked
         yet is answered (its call may still run: the caller leaves the arena mapped): a
         client's with nothing found, read or written (``misses: {stopping: n}``), a key-store
         job that someone waits for through its ``expire`` hook, cancelled ``stopping`` (a
         ``kv_clear`` gets its error ack). Acks to ``outbox``."""
-        for op, _ in list(self.ops.values()):
-            op.ok, op.error = False, why
+        for op, _ in list(self.ops.values()):  # (CPU ones were cancelled and waited for first)
+            op.ok, op.error_code = False, "abandoned"
+            op.error = (f"{why}: its copy had not ended and may still write its destination (a "
+                        f"load's device rows) until the daemon process exits")
             op.t_end = time.perf_counter()
             self._finish(op)
         now = time.monotonic()
@@ -673,6 +679,16 @@ class DaemonState:
             self.metrics.set("host_free_runs", st["free_runs"], s)
             self.metrics.set("host_free_run_mean_rows", st["mean_free_run"], s)
             self.metrics.set("host_fragmentation_ratio", st["fragmentation"], s)
+
+    def stop_drain(self, timeout: float, cancel_wait: float) -> str:
+        """A stop's wait for what is in flight (``wait_idle``'s answer): ``timeout`` s, then
+        CPU copies still in flight are cancelled (each stops at its next chunk, or before it
+        starts; acked once it stopped, so nothing writes after its ack) and waited for up to
+        ``cancel_wait`` s more. What is left then is ``fail_pending``'s (``abandoned``)."""
+        waited = self.wait_idle(timeout)
+        if waited == "timeout" and self.scheduler.cancel(list(self.ops)):
+            waited = self.wait_idle(cancel_wait)
+        return waited
 
     def wait_idle(self, timeout: float) -> str:
         """Collect until nothing is in flight (``"idle"``), at most ``timeout`` s

@@ -325,3 +325,75 @@ def test_a_sparse_copy_of_host_hits_behind_a_failed_overwrite_fails_too(
         assert ack["status"] == "error" and "which failed" in ack["error"]["message"]
     finally:
         st.group.close()
+
+
+@pytest.mark.parametrize("honours_cancel", [True, False], ids=["cpu_copy", "stuck_copy"])
+def test_a_stop_past_its_drain_never_acks_a_copy_that_may_still_write(
+        monkeypatch: pytest.MonkeyPatch, honours_cancel: bool) -> None:
+    """A stop whose drain ran out (30 s in the daemon) acked every op still in flight "failed"
+    while its copy went on writing the engine's device rows: an engine that reads the ack as
+    "buffers free" reuses them under the late copy (forty-eighth session's lifecycle review).
+    Now CPU copies are cancelled and waited for (their acks come once they stopped, nothing
+    written after), and one that still runs is acked ``abandoned``, which the radix hooks read
+    as an unknown outcome (keep the device rows), not a plain failure."""
+    from hicache.controllers.scheduler import Cancelled
+    from hicache.engine.acks import Ack
+    from hicache.engine.acks import TransferFailed as ClientFailed
+    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown, TransferFailed
+
+    st = _state(inline=False)
+    gate = threading.Event()
+    real = sched_mod.run_cpu_item
+    try:
+        c = _engine(st)
+        h = _run(st, c, "backup", {"alloc": True, "items": [{"space": "page", "src": 0}]},
+                 [0])["arrays"][0][0]
+        for name, spec in st.layout.pools.items():
+            if spec.index == "page":
+                for t in c.layers[name]:
+                    t[5] = 0x33
+
+        def long_copy(it: Any, stop: Any = None) -> Any:  # a copy of many chunks
+            while not gate.wait(0.01):
+                if honours_cancel and stop is not None and stop():
+                    raise Cancelled("cancelled at a chunk")
+            return real(it, stop)
+
+        monkeypatch.setattr(sched_mod, "run_cpu_item", long_copy)
+        load = _send(st, c, "load", {"items": [{"space": "page", "src": 0, "dst": 1}]}, [h],
+                     [5])
+        st.stopping = True
+        waited = st.stop_drain(0.2, 0.5 if honours_cancel else 0.2)
+        if honours_cancel:
+            assert waited == "idle"
+        else:
+            assert waited == "timeout"
+            st.fail_pending("daemon shutting down")
+        ack = _ack(st, load)["ack"]
+        assert ack["status"] == "error"
+        code = ack["error"]["code"]
+        assert code == ("transfer_failed" if honours_cancel else "abandoned"), ack
+        assert ack["error"]["message"].startswith("daemon shutting down"), ack
+        gate.set()  # a stuck copy goes on now, after its ack
+
+        def row_5_kept() -> bool:
+            return all(bool((t[5] == 0x33).all()) for name, spec in st.layout.pools.items()
+                       if spec.index == "page" for t in c.layers[name])
+
+        deadline = time.monotonic() + 5
+        while row_5_kept() and not honours_cancel and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        # a cancelled copy wrote nothing, before or after its ack; a stuck one wrote after it
+        assert row_5_kept() == honours_cancel
+        hooks = ClientHooks(SimpleNamespace(), ["page"])
+
+        def failed() -> None:
+            raise ClientFailed(Ack(ack["op"], "load", "error", {}, 0, 0.0, 0.0, "",
+                                   ack["error"]))
+
+        with pytest.raises(CopyOutcomeUnknown if code == "abandoned" else TransferFailed):
+            hooks._call(failed)
+    finally:
+        gate.set()
+        st.group.close()

@@ -68,8 +68,9 @@ class HostUnavailable(HostTierError):
 
 class CopyOutcomeUnknown(HostUnavailable):
     """A copy may have been taken and may still run: its command went out and got no reply
-    (``NoReply``), its ack never came (``AckTimeout``), or the daemon stopped answering while
-    we waited for it. A load's device rows (and its checkpoint's destination) must not be
+    (``NoReply``), its ack never came (``AckTimeout``), a stopping daemon acked it
+    ``abandoned`` (its copy may still run), or the daemon stopped answering while we waited
+    for it. A load's device rows (and its checkpoint's destination) must not be
     reused until the registration is gone."""
 
 
@@ -227,6 +228,8 @@ class ClientHooks:
         except AckTimeout as e:  # the daemon answers but a copy never completes: do not trust it
             raise CopyOutcomeUnknown(str(e)) from e
         except ClientTransferFailed as e:
+            if (e.ack.error or {}).get("code") == "abandoned":  # a stop acked it while its copy
+                raise CopyOutcomeUnknown(str(e)) from e  # may still run: keep its device rows
             raise TransferFailed(str(e)) from e
         except CommandRefused as e:
             if e.code == "no_space":
