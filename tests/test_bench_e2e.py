@@ -108,6 +108,11 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     # waited for the same commands (the timed runs' acks are another sample: not comparable)
     assert 0 < m["load_handler_ms"] < m["load_handler_ack_ms"]
     assert 0 < m["backup_handler_ms"] < m["backup_handler_ack_ms"]
+    # over the solo runs' own commands only: a second LOAD (with a heartbeat beside it) ran in
+    # each of them and doubled the loads (forty-eighth session's bench review)
+    from hicache.bench.e2e import HANDLER_RUNS
+    for summary in (m, out["checkpoints"]["2k"]["summary"]):
+        assert summary["handler_commands"] == {"load": HANDLER_RUNS, "backup": HANDLER_RUNS}
     # the checkpoints mirror: compressed pages plus one checkpoint, every byte verified
     from hicache.core.layout import build_layout, preset
     from hicache.core.resume import ResumeModel

@@ -217,6 +217,13 @@ def test_table_pivots_budgets_and_flags_wrong_rows() -> None:
     assert lines[0] == "| case | pattern | mean run | impl | dir | 1 | 4 | GB/s @4 | verified |"
     assert lines[2] == "| c4 page rows | runs | 20.5 | staged | d2h | 0.400 | 0.900 | 50.00 | ok |"
     assert lines[3] == "| c4 page rows | runs | 20.5 | sglang | d2h |  | 0.500 | 30.00 | WRONG (1 of 1) |"
+    # a budget's row that raised: named, counted wrong, and no other budget's GB/s stands in
+    # for it (the group read "ok" with the 1-CTA figure; forty-eighth session's bench review)
+    failed = {**base, "ctas": 4, "gbps": 0.0, "ratio_to_limit": None, "correct": False,
+              "error": "RuntimeError: boom"}
+    lines = table_lines({"rows": [rows[0], failed]})
+    assert lines[2] == ("| c4 page rows | runs | 20.5 | staged | d2h | 0.400 | failed | - | "
+                        "WRONG (1 of 2) |")
 
 
 def test_the_peer_is_named_from_the_library_it_loads(tmp_path) -> None:

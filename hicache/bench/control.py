@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -312,7 +313,8 @@ def _spread(per_round: list[dict[str, Any]], counts: list[int]) -> list[dict[str
         row: dict[str, Any] = {"clients": n}
         for k in ("p50", "p99", "rate"):
             v = [r[k] for r in mine]
-            row[k] = {"rounds": v, "median": median(v), "min": min(v), "max": max(v)}
+            # (the mean of the middle two for an even count: with 2 rounds, not the larger)
+            row[k] = {"rounds": v, "median": statistics.median(v), "min": min(v), "max": max(v)}
         out.append(row)
     return out
 

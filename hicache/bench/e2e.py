@@ -299,7 +299,10 @@ def run(args: argparse.Namespace) -> int:
                     **{f"{cmd}_handler_ack_ms": 1e3 * sum(extra[f"{cmd}_ack"])
                        / len(extra[f"{cmd}_ack"]) for cmd in ("load", "backup")},
                     load_issue_ms=mean_ms(before, after, "load_issue"),
-                    load_issue_cpu_ms=mean_ms(before, after, "load_issue_cpu"))
+                    load_issue_cpu_ms=mean_ms(before, after, "load_issue_cpu"),
+                    # the daemon commands those means are over: the solo runs' own, one each
+                    handler_commands={cmd: after.get(cmd, (0, 0.0))[0] - before.get(
+                        cmd, (0, 0.0))[0] for cmd in ("load", "backup")})
                 say(f"[e2e] {mirror} {s}: " + json.dumps(result[key][s]["summary"]))
         c.unregister()
         c.close()
@@ -413,15 +416,15 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
         items = {sp: (host[sp], dst[sp]) for sp in host}
-        load_into(out, c, items, stream, cuda, check)
+        load_into(out, c, items, stream, cuda, check, busy)
         verified = True
         if local is not None:
             inproc_into(out, local, layout, items, dev,
                         None if check is None else ({sp: (src[sp], host[sp]) for sp in host},
                                                     again, check))
         if cuda and busy:  # a load while a backup of the same size streams
-            other = {sp: perm[2 * n - n // 2:2 * n + n // 2].tolist() if 2 * n + n // 2 <= total
-                     else perm[:n].tolist() for sp in spaces}
+            other = src  # the load's sources, read by both at every size (the checkpoints
+            # mirror's choice; half the load's destination was read below the largest size)
             if again is not None:
                 again()
             begun = busy_start(stream, dev)

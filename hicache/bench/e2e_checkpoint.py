@@ -86,7 +86,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         out["backup_ack"].append(e2e.now() - t0)
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
-        e2e.load_into(out, c, load, stream, cuda, check)
+        e2e.load_into(out, c, load, stream, cuda, check, busy)
         verified = True
         if local is not None:
             e2e.inproc_into(out, local, layout, load, dev,

@@ -406,17 +406,19 @@ class _GpuBench:
                             self.rows.append(self._guarded(
                                 meta, lambda: self.measure(meta, moves, streams[: len(jobs)],
                                                            [j.write() for j in jobs],
-                                                           len(dev_idx) * self.L * per, ctas)))
+                                                           len(dev_idx) * self.L * per, ctas),
+                                ctas))
 
-    def _guarded(self, meta: dict[str, Any], fn: Callable[[], dict]) -> dict:
-        """A row that raised is reported as a failed row; the rest still run."""
+    def _guarded(self, meta: dict[str, Any], fn: Callable[[], dict], ctas: int) -> dict:
+        """A row that raised is reported as a failed row (of its CTA budget); the rest still
+        run."""
         import traceback
 
         try:
             return fn()
         except Exception as e:
             traceback.print_exc()
-            return {**meta, "ctas": None, "gbps": 0.0, "ratio_to_limit": None, "correct": False,
+            return {**meta, "ctas": ctas, "gbps": 0.0, "ratio_to_limit": None, "correct": False,
                     "error": f"{type(e).__name__}: {e}"}
 
     def run(self) -> dict[str, Any]:

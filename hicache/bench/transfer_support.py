@@ -121,9 +121,11 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- output
 def table_lines(result: dict[str, Any]) -> list[str]:
     """The rows as a markdown table, one line per case x pattern x impl x direction (``auto``
-    with the path it took): the ratio to the limit per CTA budget and GB/s at 4 CTAs (GPU), or GB/s (CPU); "verified" is ok only
-    when every budget's row passed its byte check."""
-    rows = [r for r in result["rows"] if r.get("ctas") is not None or "error" not in r]
+    with the path it took): the ratio to the limit per CTA budget (``failed`` for a row that
+    raised) and GB/s at 4 CTAs (GPU; ``-`` when that budget's row is missing or failed), or
+    GB/s (CPU); "verified" is ok only when every budget's row passed its byte check (a row
+    that raised counts as wrong)."""
+    rows = result["rows"]
     budgets = sorted({r["ctas"] for r in rows if r.get("ctas") is not None})
     at = 4 if 4 in budgets else (budgets[-1] if budgets else None)
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -138,9 +140,10 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     for key, rs in groups.items():
         by = {r["ctas"]: r for r in rs}
         cells = [str(k) for k in key]
-        cells += [f"{by[b]['ratio_to_limit']:.3f}" if b in by else "" for b in budgets]
-        pick = by.get(at, rs[0])
-        cells.append(f"{pick['gbps']:.2f}")
+        cells += ["" if b not in by else "failed" if "error" in by[b] else
+                  f"{by[b]['ratio_to_limit']:.3f}" for b in budgets]
+        pick = by.get(at) if at is not None else rs[0]
+        cells.append("-" if pick is None or "error" in pick else f"{pick['gbps']:.2f}")
         wrong = sum(r.get("correct") is not True for r in rs)
         cells.append("ok" if not wrong else f"WRONG ({wrong} of {len(rs)})")
         out.append("| " + " | ".join(cells) + " |")
