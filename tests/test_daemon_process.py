@@ -3,9 +3,6 @@ its own daemon answers, and nothing left behind by a start that fails or is inte
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
 import pytest
 
@@ -40,28 +37,28 @@ def test_a_failed_enter_leaves_no_private_directory():
     assert not os.path.isdir(d.dir)
 
 
-def test_an_interrupted_start_leaves_no_daemon_and_no_directory():
+def test_an_interrupted_start_leaves_no_daemon_and_no_directory(monkeypatch):
     """Ctrl-C while ``start`` waits for the first heartbeat: the daemon it launched is
-    stopped and its directory removed (the daemon kept running)."""
+    stopped and its directory removed (the daemon kept running). The interrupt comes from
+    inside the wait, once the daemon is launched and polled: a thread sending SIGINT once the
+    process existed ran too late on a loaded machine (``start`` had returned)."""
     d = DaemonProcess(device="cpu", preset="dsv4-tiny", exit_with_parent=False)
-    stop = threading.Event()
+    launched: list[int] = []
 
-    def interrupt() -> None:  # once the daemon is launched (not at a fixed time: a loaded
-        # machine once ran this thread only after ``start`` had returned)
-        while d.proc is None and not stop.wait(0.005):
-            pass
-        if not stop.is_set():
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    def ctrl_c(self: DaemonProcess, timeout: float) -> None:
+        assert self.proc is not None and self.proc.poll() is None
+        launched.append(self.proc.pid)
+        raise KeyboardInterrupt
 
-    t = threading.Thread(target=interrupt, daemon=True)
-    t.start()
+    monkeypatch.setattr(DaemonProcess, "_wait_ready", ctrl_c)
     try:
         with pytest.raises(KeyboardInterrupt):
             with d:
-                time.sleep(5)  # (only if start returned first: the interrupt lands here)
-        assert not d.alive() and not os.path.isdir(d.dir)
+                pass
+        assert launched and not d.alive() and not os.path.isdir(d.dir)
+        with pytest.raises(ProcessLookupError):
+            os.kill(launched[0], 0)
     finally:
-        stop.set()
         d.close()
 
 
