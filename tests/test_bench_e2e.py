@@ -388,3 +388,31 @@ def test_the_in_process_load_is_byte_checked_in_the_verified_run(monkeypatch):
     calls.clear()
     e2e_measure.inproc_into(out, None, None, load, None)
     assert calls == [("copy", load, False)] and out["inproc_last"] == [0.25, 0.25]
+
+
+def test_the_verified_load_also_checks_the_rows_it_must_not_write() -> None:
+    """``untouched``: a write into the load's destination passes, one anywhere else (a stray
+    row, another pool) fails (the e2e byte checks compared only what a load wrote; forty-eighth
+    session's bench review)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hicache.bench.e2e_measure import untouched
+
+    g = torch.Generator().manual_seed(7)
+    pools = SimpleNamespace(layers={
+        "swa_kv": [torch.randint(0, 256, (6, 16), dtype=torch.uint8, generator=g)
+                   for _ in range(2)],
+        "c128_state": [torch.randint(0, 256, (3, 6), dtype=torch.uint8, generator=g)]})
+    check = untouched(pools, {"swa_kv": [1, 4]})
+    pools.layers["swa_kv"][1][4] = 0xEE  # the destination: written as a load writes it
+    check()
+    for name, layer, row in (("swa_kv", 1, 5), ("c128_state", 0, 2)):
+        t = pools.layers[name][layer]
+        old = t[row].clone()
+        t[row, 3] ^= 0x01
+        with pytest.raises(RuntimeError, match=f"pool {name} layer {layer}: rows outside"):
+            check()
+        t[row] = old
+    check()

@@ -87,7 +87,8 @@ from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_into,
-                                       load_into, load_while_busy, scramble, summarize)
+                                       load_into, load_while_busy, scramble, summarize,
+                                       untouched)
 
 PAGE_TOKENS = 256
 HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after the timed runs)
@@ -396,6 +397,8 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             def again() -> None:  # the busy load's destination: fresh bytes again
                 scramble(pools, {m: dst[layout.pools[m].index] for m in names}, seed=n + 1)
 
+            rest = untouched(pools, {m: dst[layout.pools[m].index] for m in names})
+
             def check() -> None:
                 if cuda:
                     torch.cuda.synchronize(dev)
@@ -408,6 +411,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                         c.maybe_heartbeat()
                         if not torch.equal(t.index_select(0, s_i), t.index_select(0, d_i)):
                             raise RuntimeError(f"load of {n} pages: pool {name} differs")
+                rest()
         if cuda:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()

@@ -71,10 +71,16 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                                  **({resume.swa_pool.name: ck_rows}
                                     if resume.swa_pool is not None else {})}, seed=n)
 
+            rest = e2e.untouched(pools, {**{p.name: dst for p in resume.page_pools},
+                                         **{p.name: [int(sp[1])] for p in resume.state_pools},
+                                         **({resume.swa_pool.name: [int(sp[1])]}
+                                            if resume.swa_pool is not None else {})})
+
             def check() -> None:
                 if cuda:
                     torch.cuda.synchronize(dev)
                 _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
+                rest()
         host = c.alloc({"page": n, "swa_page": 1})
         ck = host["swa_page"][0]
         items = {"page": (src, host["page"])}

@@ -11,6 +11,8 @@ load by the kernels in-process, and the per-size summary.
   follow the load layer by layer or must wait for the whole issue.
 * ``scramble(pools, rows, seed)``: fresh random bytes in those device rows before the run whose
   load is verified, so the comparison cannot pass on rows that already held equal bytes.
+* ``untouched(pools, written) -> check``: per-row sums of every device row outside
+  ``written`` now; ``check()`` raises if any changed since (a load that wrote stray rows).
 * ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
   of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
   how long the engine's next command waits behind a load.
@@ -121,6 +123,32 @@ def scramble(pools: Any, rows: dict[str, list[int]], seed: int) -> None:
             idx = torch.tensor(sorted(set(ids)), device=t.device)
             t.index_copy_(0, idx, torch.randint(0, 256, (len(idx), *t.shape[1:]),
                                                 dtype=t.dtype, generator=g, device=t.device))
+
+
+def untouched(pools: Any, written: dict[str, list[int]]) -> Callable[[], None]:
+    """A check that every device row of ``pools`` outside ``written`` ({pool name: device
+    rows}) still holds what it holds now (per row, the sum of its 32-bit words, or bytes):
+    the byte comparisons cover what a load wrote, this what it must not have."""
+    def sums() -> dict[tuple[str, int], torch.Tensor]:
+        out = {}
+        for name, layers in pools.layers.items():
+            for k, t in enumerate(layers):
+                keep = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+                if written.get(name):
+                    keep[torch.tensor(written[name], device=t.device)] = False
+                rows = t[keep]
+                words = rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows
+                out[(name, k)] = words.sum(dim=1, dtype=torch.int64)
+        return out
+
+    before = sums()
+
+    def check() -> None:
+        for (name, k), now_sums in sums().items():
+            if not torch.equal(now_sums, before[(name, k)]):
+                raise RuntimeError(f"pool {name} layer {k}: rows outside the load's "
+                                   f"destination changed")
+    return check
 
 
 def busy_start(stream: Any, dev: torch.device) -> tuple[Any, float]:
