@@ -75,7 +75,11 @@ class SocketLock:
     def __init__(self, path: str, address: str) -> None:
         self.path = path + ".lock"
         while True:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise UsageError(f"--socket {address}: cannot create its lock file "
+                                 f"{self.path}: {e.strerror}") from None
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -36,6 +36,7 @@ import fcntl
 import os
 import socket
 import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,13 @@ def _check_ipc_path(address: str) -> str | None:
         first, up = up, os.path.dirname(up)
     if first is None:
         check_socket_folder(address, folder, os.stat(folder))
+        try:  # a file made and removed at once: access() says yes to root where none can be
+            fd, probe = tempfile.mkstemp(prefix=".hicache-check-", dir=folder)  # made (/sys)
+        except OSError as e:
+            raise UsageError(f"--socket {address}: cannot create files in the socket folder "
+                             f"{folder}: {e.strerror}") from None
+        os.close(fd)
+        os.unlink(probe)
     else:  # made and removed at once: access() says yes to root where mkdir fails (/proc)
         try:
             os.mkdir(first, 0o700)
@@ -133,17 +141,25 @@ def _check_ipc_path(address: str) -> str | None:
             except OSError:  # that daemon is already using it
                 pass
     check_socket_file(address, path)
+    if socket_locked(path):
+        return f"another daemon already serves {address} (it holds {path}.lock)"
+    return None
+
+
+def socket_locked(path: str) -> bool:
+    """Whether a daemon holds the lock of ipc socket ``path`` (its ``.lock``, flocked for the
+    daemon's life), whether or not the socket file is still there."""
     try:
         fd = os.open(path + ".lock", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no lock file: no daemon of this version holds it
-        return None
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return f"another daemon already serves {address} (it holds {path}.lock)"
+        return True
     finally:
         os.close(fd)
-    return None
+    return False
 
 
 def check_socket_folder(address: str, folder: str, st: os.stat_result) -> None:

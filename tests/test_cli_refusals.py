@@ -538,3 +538,21 @@ def test_l3_over_rdma_needs_the_rdma_devices_it_names(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=r"no RDMA device mlx5_1 on this host \(it has mlx5_0\)"):
         pf.preflight(cfg, check=True)
     pf.preflight(load_config({**base, "l3_rdma_devices": "mlx5_0"}, env={}), check=True)
+
+
+def test_the_stage_host_capacity_says_what_a_full_mirror_caches(capsys):
+    """The stage's "host token capacity" is page rows x 256, what the checkpoints mirror caches;
+    the full mirror the serve line starts caches fewer (its pages need a swa_page row each),
+    which the line did not say (forty-eighth session's operator review)."""
+    from hicache.cli import main
+
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--host-mem",
+                 "256GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "  host token capacity      7,797,504 (page rows x 256); a full mirror caches " \
+           "6,237,440\n" in out
+    assert "the daemon the serve line starts: 24,365 pages = 6,237,440 cached tokens" in out
+    assert main(["plan", "--preset", "dsv4-flash", "--kv-mem", "100GiB", "--host-mem",
+                 "256GiB", "--swa-mode", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "(page rows x 256)\n" in out and "a full mirror caches" not in out

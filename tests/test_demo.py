@@ -217,3 +217,6 @@ def test_a_daemon_that_dies_mid_run_fails_the_demo(tmp_path):
     assert s["daemon_ok"] is False and s["daemon_exit"] == -signal.SIGKILL
     assert s["host_tier_lost"] >= 1 and s["mismatched_bytes"] == 0
     assert "[demo] daemon killed by SIGKILL; its last output:" in err.read_text()
+    # said when it happened too, not only in the summary (progress lines off: still said)
+    assert re.search(r"\[demo\] host tier lost at request \d+ \(the daemon went away",
+                     err.read_text()), err.read_text()[-2000:]

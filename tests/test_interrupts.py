@@ -170,6 +170,32 @@ def test_sigkilled_demo_takes_its_daemon_down(tmp_path):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_daemon_whose_parent_died_says_so(tmp_path):
+    """``--parent-pid``: a daemon stopped because its launcher died said "stopped by SIGTERM",
+    as if an operator had sent it (forty-eighth session's operator review); now the line names
+    the parent that exited."""
+    out = tmp_path / "serve.txt"
+    out.write_text("")
+    serve = " ".join([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu", *TINY,
+                      "--socket", f"ipc://{tmp_path}/p.sock", "--parent-pid", "$$"])
+    p = subprocess.Popen(["bash", "-c", f"{serve} > {out} 2>&1 & wait"], cwd=str(ROOT),
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
+                         start_new_session=True)
+    try:
+        wait_for(p, out, r"hicache serve: ready")
+        daemons = psutil.Process(p.pid).children()
+        assert len(daemons) == 1
+        p.kill()
+        p.wait(10)
+        assert not gone(daemons, 10.0), out.read_text()[-3000:]
+        assert f"hicache serve: stopped by SIGTERM: its parent process {p.pid} exited" in \
+            out.read_text(), out.read_text()[-3000:]
+    finally:
+        for x in psutil.Process(p.pid).children() if p.poll() is None else []:
+            x.kill()
+        p.kill()
+
+
 def test_a_second_signal_while_serve_drains_does_not_cut_its_clean_up():
     """SIGTERM with ~300 CPU copies queued, then SIGTERM again while ``close`` drains them (a
     launcher's death signal after a Ctrl-C, a supervisor repeating itself): the daemon still

@@ -168,6 +168,19 @@ def test_stats_on_a_missing_ipc_socket_says_so_at_once(tmp_path, capsys):
     assert main(["stats", "--socket", f"ipc://{f}", "--timeout", "5"]) == 1
     assert capsys.readouterr().err.strip() == f"hicache stats: {f} is not a socket (no daemon " \
                                               "serves it)"
+    # a daemon holds the socket's lock but its socket file is gone (a /tmp cleaner): said so,
+    # not "is the daemon running?" while a start is refused "another daemon already serves"
+    import fcntl
+
+    lock = os.open(f"{tmp_path}/gone.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the daemon's ``SocketLock`` holds it
+        assert main(["stats", "--socket", f"ipc://{tmp_path}/gone.sock", "--timeout", "5"]) == 1
+        err = capsys.readouterr().err
+        assert f"but a daemon holds its lock {tmp_path}/gone.sock.lock" in err and \
+            "restart it" in err, err
+    finally:
+        os.close(lock)
 
 
 def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):

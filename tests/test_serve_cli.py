@@ -352,6 +352,12 @@ def test_a_start_up_refusal_after_validation_names_where_its_settings_came_from(
         f"(from swa_full_tokens_ratio in config file {f})")
     assert start("--preset", "dsv4-tiny", "--host-mem", "4G",
                  env={"HICACHE_KV_MEM": "1K"}).endswith("(from HICACHE_KV_MEM)")
+    # an empty metrics address (a template's unset variable): --check passed it (a bind to ""
+    # is every interface) and the start failed naming neither (operator review)
+    assert start("--preset", "dsv4-tiny", "--kv-mem", "64MiB", "--host-mem", "256MiB",
+                 "--metrics-port", "19450", "--check", env={"HICACHE_METRICS_ADDR": ""}) == \
+        ("hicache serve: error: --metrics-addr is empty: give the address the metrics "
+         "endpoint binds (default 127.0.0.1) (from HICACHE_METRICS_ADDR)")
     # refused before the daemon's modules load: no torch (a typo is answered at once)
     light = subprocess.run([sys.executable, "-c", "import sys; from hicache.cli import main; "
                             f"rc = main(['serve', '--socket', 'ipc://{tmp_path}/s.sock', "
@@ -708,7 +714,10 @@ def test_serve_check_refuses_what_a_start_refuses_and_names_a_running_daemon(tmp
     try:
         for extra, want in ((["--metrics-port", str(busy.getsockname()[1])], "--metrics-port"),
                             (["--socket", f"ipc://{keep}"], "exists and is not a socket"),
-                            (["--parent-pid", "2"], "is not this process's parent")):
+                            (["--parent-pid", "2"], "is not this process's parent"),
+                            # (root may write anywhere access() asks about, but not in /sys:
+                            # it passed the check; operator review)
+                            (["--socket", "ipc:///sys/x.sock"], "socket folder /sys")):
             r = hicache(*base, "--host-ratio", "2", "--socket", f"ipc://{sock}", *extra,
                         "--check")
             assert r.returncode == 2 and want in r.stderr and len(r.stderr.splitlines()) == 1, r
@@ -817,3 +826,45 @@ def test_a_daemon_that_refuses_the_checks_heartbeat_is_still_a_daemon():
     finally:
         t.join(10)
         router.close()
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", "<&- >&- 2>&-"])
+def test_commands_with_closed_standard_descriptors_exit_as_they_would(tmp_path, closed):
+    """A supervisor that starts ``hicache`` with stdout (or stderr, or all three) closed: every
+    exit path ended in ``AttributeError: 'NoneType' object has no attribute 'flush'`` and status
+    1, a refusal included, and the daemon's lock file became its stdout (forty-eighth session's
+    operator review). Now /dev/null takes their place: the statuses are the usual ones."""
+    hicache = shlex.quote(str(Path(sys.executable).parent / "hicache"))
+    sock = f"ipc://{tmp_path}/c.sock"
+    cases = [(f"{hicache} plan --preset dsv4-tiny --kv-mem 1GiB", 0),
+             (f"{hicache} serve --device cpu --preset dsv4-tiny --kv-mem 64MiB --bogus", 2),
+             (f"{hicache} serve --device cpu --preset dsv4-tiny --kv-mem 64MiB "
+              f"--host-mem 256MiB --socket {sock} --check", 0)]
+    for cmd, want in cases:
+        r = subprocess.run(["bash", "-c", f"{cmd} {closed}"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == want, (cmd, closed, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr + r.stdout, (cmd, r.stderr)
+        if "2>&-" not in closed and want == 2:
+            assert r.stderr.count("\n") == 1 and "--bogus" in r.stderr, r.stderr
+
+
+def test_a_cpu_daemon_by_default_on_a_gpu_host_is_warned(monkeypatch):
+    """No ``--device`` on a host whose GPUs are visible: the daemon starts in CPU mode, at a
+    socket the engine does not look at, without a word (operator review). Now it warns; an
+    explicit ``--device cpu`` or a host without GPUs does not."""
+    import torch
+
+    from hicache.cli.serve import _device_warning
+
+    base = {"preset": "dsv4-tiny", "kv_mem": "64MiB", "host_ratio": "2"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _device_warning(load_config(base, env={})) == [
+        "--device not given: serving in CPU mode, though 2 CUDA device(s) are visible; a GPU's "
+        "daemon takes --device cuda:N"]
+    cfg = load_config({**base, "device": "cpu"}, env={})
+    cfg.sources["device"] = "--device"  # typed on the command line
+    assert _device_warning(cfg) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device_warning(load_config(base, env={})) == []

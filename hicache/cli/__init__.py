@@ -25,7 +25,7 @@ from typing import Any, NoReturn, Sequence
 from hicache.cli import lifecycle
 from hicache.core.errors import UsageError
 from hicache.core.layout import LayoutError
-from hicache.core.stdout import broken_pipe
+from hicache.core.stdout import broken_pipe, open_std_fds
 from hicache.core.version import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -120,6 +120,7 @@ from_command_line = False
 
 def main(argv: Sequence[str] | None = None) -> int:
     global from_command_line
+    open_std_fds()  # before anything can print or open a file
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = "hicache"

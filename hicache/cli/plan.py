@@ -254,6 +254,7 @@ def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
         out.append(f"  {p.name:<17}{p.index:<10}{p.tokens_per_page or '-':>8}{p.page_bytes:>11,}"
                    f"{p.num_layers:>8}{p.ring:>6}{p.page_bytes * p.num_layers:>14,}")
     fixed = s.fixed_bytes_per_request
+    page = s.layout.model.page_size
     out += [
         f"  bytes per full token     {float(s.bytes_per_full_token):,.2f}",
         f"  fixed bytes per request  {fixed:,} (x {s.slots} slots = {fixed * s.slots:,})",
@@ -262,7 +263,11 @@ def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
     ]
     if host_asked:
         out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}")
-        out.append(f"  host token capacity      {_n(host_tokens(s))}")
+        line = f"  host token capacity      {_n(host_tokens(s))} (page rows x {page})"
+        if "swa_page" in s.host_rows:  # a full mirror's page needs a swa_page row too
+            line += (f"; a full mirror caches "
+                     f"{_n(min(s.host_rows['page'], s.host_rows['swa_page']) * page)}")
+        out.append(line)
     out.append(f"  serve: {serve}" + ("" if host_asked else "  (add --host-mem SIZE)"))
     return out
 

@@ -192,6 +192,23 @@ def _say(line: str, err: bool = False) -> None:
         _say(line, err=True)
 
 
+def _device_warning(cfg: Any) -> list[str]:
+    """A daemon left in CPU mode by default (no ``--device``) on a host whose GPUs are
+    visible: said, since a per-GPU daemon is what such a host most likely wanted (the engine
+    looks for it at another socket)."""
+    from hicache.core.config import given
+
+    if cfg.device != "cpu" or given(cfg, "device"):
+        return []
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not n:
+        return []
+    return [f"--device not given: serving in CPU mode, though {n} CUDA device(s) are "
+            f"visible; a GPU's daemon takes --device cuda:N"]
+
+
 def serve(cfg: Any) -> int:
     from hicache.cli import lifecycle
     from hicache.cli.malloc import fix_mmap_threshold
@@ -209,6 +226,7 @@ def serve(cfg: Any) -> int:
         lifecycle.exit_with_parent(cfg.parent_pid, lifecycle.signal_self())
     with lifecycle.deferred():  # torch loads here: a signal meanwhile comes right after
         from hicache.controllers.daemon import Daemon, start_error
+    warnings = _device_warning(cfg)
 
     try:
         daemon = Daemon(cfg, pre)
@@ -232,7 +250,7 @@ def serve(cfg: Any) -> int:
                 _say(daemon.summary())
                 # the planner's warnings for this stage, worded as `hicache plan` prints them;
                 # printed, not refused: the daemon mirrors whatever rows the engine has
-                for w in daemon.sizing_warnings:
+                for w in [*warnings, *daemon.sizing_warnings]:
                     _say(f"hicache serve: warning: {w}", err=True)
                 _say(f"hicache serve: {malloc}")
                 _say(f"hicache serve: {dumpable}")
@@ -241,7 +259,10 @@ def serve(cfg: Any) -> int:
         finally:
             daemon.close()
     if got:
-        _say(f"hicache serve: stopped by {lifecycle.signal_name(got[0])}")
+        why = f"by {lifecycle.signal_name(got[0])}"
+        if cfg.parent_pid is not None and os.getppid() != cfg.parent_pid:  # (its watchdog's
+            why += f": its parent process {cfg.parent_pid} exited"  # or the kernel's signal)
+        _say(f"hicache serve: stopped {why}")
         return lifecycle.exit_code(got[0])
     _say("hicache serve: stopped")
     return 0

@@ -100,6 +100,11 @@ def _no_socket(address: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        from hicache.controllers.preflight import socket_locked
+
+        if socket_locked(path):  # (a /tmp cleaner removed it: the daemon serves nobody now)
+            return (f"no socket at {path}, but a daemon holds its lock {path}.lock: its socket "
+                    f"file was removed while it ran, so no client can reach it; restart it")
         return f"no socket at {path} (is the daemon running?)"
     except OSError:  # a folder this user cannot search: let the probe say what it can
         return None

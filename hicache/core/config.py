@@ -559,6 +559,9 @@ def validate(cfg: ServeConfig) -> None:
                              f"{' | '.join(allowed)}, got {v!r}")
     if cfg.indexer not in (None, "fp8", "fp4"):
         raise UsageError(f"--indexer must be fp8 or fp4, got {cfg.indexer!r}")
+    if not cfg.metrics_addr.strip():  # (a bind to "" is every interface; the server refused it)
+        raise UsageError(f"{named('metrics_addr')} is empty: give the address the metrics "
+                         f"endpoint binds (default {default_value('metrics_addr')})")
     for name in ("tp_size", "pp_size", "max_running", "load_event_sets", "max_clients",
                  "ack_retention"):
         if getattr(cfg, name) <= 0:

@@ -347,8 +347,15 @@ class Progress:
     def __init__(self, total: int, every_s: float) -> None:
         self.total, self.every, self.t0 = total, every_s, time.monotonic()
         self.next = self.t0 + every_s
+        self.lost = 0  # host tier losses said so far
 
     def __call__(self, worker: Any, done: int) -> None:
+        tree = getattr(worker, "tree", None)
+        lost = tree.stats.host_offline if tree is not None else 0
+        if lost > self.lost:  # said when it happens, not only in the summary at the end
+            self.lost = lost
+            _err(f"host tier lost at request {done} (the daemon went away or no longer knows "
+                 f"this worker): replaying on, host hits recomputed")
         if self.every <= 0:
             return
         now = time.monotonic()
