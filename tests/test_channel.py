@@ -565,7 +565,9 @@ def test_a_request_the_daemon_dropped_unread_with_the_channel_goes_again_over_zm
             t = time.perf_counter()
             h = c.heartbeat(timeout=8)
             took = time.perf_counter() - t
-            assert took < 1.5, took  # the reaping pass comes within 0.5 s: not after 8 s
+            # the reaping pass comes within 0.5 s, the ZMQ copy at once: well before the 8 s
+            # timeout (a loaded machine's late tick leaves the margin to spare)
+            assert took < 6.0, took
             registered = h["registered"]
             if registered:  # a pass before the reap read it (a loaded machine's late tick)
                 continue

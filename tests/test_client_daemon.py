@@ -496,11 +496,11 @@ def test_sigterm_shuts_down_cleanly(daemon_factory):
 
 def test_shutdown_command(daemon_factory):
     d = daemon_factory(metrics=False, extra=("--allow-shutdown",))
-    with d.client() as c:
+    with d.client(timeout=60) as c:  # (a loaded machine: it once timed out at 10 s)
         assert c.stats()["daemon"]["allow_shutdown"] is True
         assert c.shutdown()["stopping"]
-    d.proc.wait(20)
-    assert d.proc.returncode == 0
+    d.proc.wait(60)
+    assert d.proc.returncode == 0, d.output()[-3000:]
 
 
 def test_shutdown_refused_by_default(daemon_factory):
@@ -577,6 +577,7 @@ def test_cpu_engine_merges_queued_ops_and_keeps_order():
     ops = [op(0, list(range(64)), list(range(64)), big_src, big_dst)]  # keeps the worker busy
     ops += [op(i, [i], [i]) for i in range(1, 9)]  # distinct destinations: mergeable
     ops += [op(9, [10], [3]), op(10, [11], [3])]  # same destination twice: last one wins
+    src0 = [t.clone() for t in src.layers]
     for o in ops:
         eng.submit(o)
     done: list = []
@@ -589,10 +590,12 @@ def test_cpu_engine_merges_queued_ops_and_keeps_order():
     assert len(done) == len(ops) and all(o.ok for o in done)
     assert eng.merged_ops >= 1
     assert torch.equal(big_dst.layers[0], big_src.layers[0])
-    for s_t, d_t in zip(src.layers, dst.layers):
+    for s_t, s0, d_t in zip(src.layers, src0, dst.layers):  # every byte: the rows no op
+        want = torch.zeros_like(d_t)  # names stay 0, and the sources are unchanged
         for i in (1, 2, 4, 5, 6, 7, 8):
-            assert torch.equal(d_t[i], s_t[i])
-        assert torch.equal(d_t[3], s_t[11])
+            want[i] = s_t[i]
+        want[3] = s_t[11]
+        assert torch.equal(d_t, want) and torch.equal(s_t, s0)
 
 
 # ----------------------------------------------------------------------------- backup with alloc

@@ -59,6 +59,7 @@ def test_exhausted_changes_nothing():
     ([4], A, "not allocated"),
     ([0, 1], B, r"not owned by \('b', 'r1'\); row 0 belongs to another owner$"),
     ([2, 3], A, "not owned by"),
+    ([0, 2], A, r"row 2 belongs to another owner$"),  # owned first, then foreign (test review)
     (torch.tensor([0.0]), A, "integers"),
     (torch.tensor([[0]]), A, "1-D"),
     (np.array(["x"]), A, "integers"),

@@ -450,8 +450,11 @@ def test_a_job_between_two_calls_is_not_in_a_hung_call():
             return [0] * len(keys)
 
     def two_calls(tier: Any) -> int:
-        tier._call(time.sleep, 3.9)  # answered, slowly; the probe's wait ends at ~4.0 s
-        time.sleep(0.3)  # the job's own work between its calls
+        # answered, slowly: a probe starts once it ran past HUNG_CALL_S (2 s) and its wait
+        # ends ~2 s later, inside the job's own work between its calls (the window is 1 s
+        # on either side: it was 0.1 s, which a loaded machine's late thread missed)
+        tier._call(time.sleep, 3.0)
+        time.sleep(2.0)
         tier._call(time.sleep, 0.05)
         return 2
 

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
@@ -64,6 +65,13 @@ class DaemonRefused(UsageError, RuntimeError):
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 PIPE_KEEP = 1 << 20  # bytes of a piped daemon's output kept for output()
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:  # gone already, or not empty (a daemon's socket is in it)
+        pass
 
 
 class DaemonProcess:
@@ -92,6 +100,9 @@ class DaemonProcess:
             self.dir = tempfile.mkdtemp(prefix="hc-", dir="/tmp")
             os.chmod(self.dir, 0o700)
             address = f"ipc://{self.dir}/d.sock"
+            # one built and never closed leaves no empty folder behind (at its collection or
+            # the interpreter's exit; never one a daemon still uses: only an empty one goes)
+            weakref.finalize(self, _remove_if_empty, self.dir)
         self.address = address
         self.metrics_port = metrics_port
         if not isinstance(device_rows, str):
