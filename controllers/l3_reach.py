@@ -17,7 +17,9 @@ is free while they wait) or in a child process:
   segment, killed after ``SETUP_PROBE_S``, when the daemon stops, or when it dies. Why it
   failed or did not finish (with the last error line Mooncake logged), or None. The child
   inherits the daemon's environment (the bind shim: its listeners bind where the daemon's
-  would) and closes its client when it succeeded.
+  would) and closes its client when it succeeded; the answer is read as soon as the child
+  prints it (Mooncake's ``close`` takes ~1 s, which the daemon's connect no longer waits for:
+  a thread of its own reaps the child, killing it past ``SETUP_PROBE_S``).
 * ``master_gone(s)``: the online tier's liveness check, a TCP connect to the master only: why
   it is certainly gone (refused, or no route to its host), or None. A connect that times out,
   or a name that does not resolve, says nothing certain (a hung master's accept queue fills
@@ -70,6 +72,7 @@ print("hicache-setup-rc", rc, flush=True)
 if rc == 0:
     store.close()
 """
+_SET_UP = b"hicache-setup-rc 0\n"  # what the child prints once its setup succeeded
 _GLOG_ERROR = re.compile(r"^E\d{4} [\d:.]+\s+\d+\s+\S+\] (.*)$", re.M)
 
 
@@ -145,6 +148,11 @@ def setup_fails(s: ReachSettings, stop: threading.Event | None = None) -> str | 
         deadline = time.monotonic() + SETUP_PROBE_S
         while p.poll() is None and time.monotonic() < deadline and \
                 not (stop is not None and stop.is_set()):
+            out.seek(0)
+            if _SET_UP in out.read():  # set up: its client's close is left to a reaper
+                threading.Thread(target=_reap, args=(p, deadline), name="l3-setup-reaper",
+                                 daemon=True).start()
+                return None
             time.sleep(0.02)
         timed_out = p.poll() is None
         if timed_out:
@@ -170,6 +178,16 @@ def setup_fails(s: ReachSettings, stop: threading.Event | None = None) -> str | 
         return (f"the set-up check ended without an answer (exit {p.returncode}; "
                 f"{tail[0][:160]})")
     return f"Mooncake's set-up failed (code {m.group(1)}){said}"
+
+
+def _reap(p: subprocess.Popen, deadline: float) -> None:
+    """Wait for a set-up check's child that answered and now closes its client; killed at
+    ``deadline``."""
+    try:
+        p.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def master_gone(s: ReachSettings) -> str | None:

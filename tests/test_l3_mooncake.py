@@ -24,7 +24,7 @@ from hicache.engine.client import Client, CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.engine import l3_master
 
-from conftest import ROOT, start_daemon
+from conftest import ROOT, close_all, start_daemon
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -62,8 +62,7 @@ def l3_daemon(tmp_path, store):
         return d
 
     yield make
-    for x in reversed(started):
-        x.close()
+    close_all(started)
 
 
 @pytest.fixture

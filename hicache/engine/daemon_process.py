@@ -133,6 +133,7 @@ class DaemonProcess:
         self.ready_timeout = ready_timeout
         self.probe_kw: dict[str, Any] = dict(probe_kw or {})
         self.proc: subprocess.Popen[bytes] | None = None
+        self._signalled: int | None = None  # the stop signal sent to ``proc`` (signal_stop)
         self.starts = 0
         self._piped = b""
         self._reader: threading.Thread | None = None
@@ -206,6 +207,7 @@ class DaemonProcess:
         elif self.log_path is not None:
             out = open(self.log_path, "ab")
         try:
+            self._signalled = None
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
                                          cwd=self.cwd, env=self.env,
                                          start_new_session=self.new_session)
@@ -273,12 +275,20 @@ class DaemonProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
 
+    def signal_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` now without waiting (``stop`` then only waits): several daemons stop
+        together."""
+        if self.proc is not None and self.proc.poll() is None and self._signalled != sig:
+            self.proc.send_signal(sig)
+            self._signalled = sig
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        """Send ``sig`` and wait ``timeout`` s; SIGKILL if it does not stop. The exit code."""
+        """Send ``sig`` (unless ``signal_stop`` did) and wait ``timeout`` s; SIGKILL if it does
+        not stop. The exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            self.signal_stop(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
