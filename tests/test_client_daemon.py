@@ -6,11 +6,13 @@ their content. Refused commands must leave the daemon's state exactly as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -639,14 +641,27 @@ def test_an_ack_in_a_late_poll_reply_is_kept():
     """A ``poll_acks`` reply that comes after its call timed out still hands its acks over
     (the daemon gave them up when it answered): they used to be dropped with the reply, so
     with the push lost too, every later ``wait_ack`` of the op timed out though it completed."""
-    import os
-    import signal
+    with _lost_acks_client() as (d, pools, c):
+        c.register(pools)
+        host = c.alloc({"page": 2})
+        op = c.backup({"page": ([0, 1], host["page"])})
+        assert op.ack is None  # queued: its ack is pushed (and lost) later
+        time.sleep(0.5)
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnreachable):  # the poll times out
+                c.wait_ack(op, timeout=0.4)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        time.sleep(0.3)  # the daemon answers that poll now, late, with the ack
+        assert c.wait_ack(op, timeout=3).ok
 
-    import pytest
 
-    from hicache.core.layout import build_layout, preset
-    from hicache.engine.acks import DaemonUnreachable
-    from hicache.engine.device_pools import DevicePools
+@contextlib.contextmanager
+def _lost_acks_client() -> Iterator[tuple[Any, Any, Any]]:
+    """A CPU daemon (dsv4-tiny, every copy queued) whose ack pushes are all lost
+    (``fault_daemon``: acks only retained for ``poll_acks``), its device pools, and a client
+    over ZMQ (closed after)."""
     from fault_daemon import faulty
 
     rows = {"page": 16, "swa_page": 16, "req_slot": 4}
@@ -656,19 +671,7 @@ def test_an_ack_in_a_late_poll_reply_is_kept():
             DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
         c = d.client(channel=False)
         try:
-            c.register(pools)
-            host = c.alloc({"page": 2})
-            op = c.backup({"page": ([0, 1], host["page"])})
-            assert op.ack is None  # queued: its ack is pushed (and lost) later
-            time.sleep(0.5)
-            os.kill(d.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(DaemonUnreachable):  # the poll times out
-                    c.wait_ack(op, timeout=0.4)
-            finally:
-                os.kill(d.pid, signal.SIGCONT)
-            time.sleep(0.3)  # the daemon answers that poll now, late, with the ack
-            assert c.wait_ack(op, timeout=3).ok
+            yield d, pools, c
         finally:
             c.close()
 
@@ -678,34 +681,23 @@ def test_an_op_a_restarted_daemon_lost_is_said_at_the_first_poll():
     poll (the new daemon's session of this client is not the one that issued it), and an op
     issued after re-registering is waited for as usual. It polled until its timeout before,
     though nothing on the new daemon would ever answer it."""
-    from hicache.core.layout import build_layout, preset
     from hicache.engine.acks import AckLost, AckTimeout
-    from hicache.engine.device_pools import DevicePools
-    from fault_daemon import faulty
 
-    rows = {"page": 16, "swa_page": 16, "req_slot": 4}
-    with faulty("lost_acks", device="cpu", preset="dsv4-tiny",
-                device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
-                env={"HICACHE_INLINE_MAX_BYTES": "1"}) as d, \
-            DevicePools(build_layout(preset("dsv4-tiny")), rows, device="cpu") as pools:
-        c = d.client(channel=False)
-        try:
-            first = c.register(pools)["session"]
-            host = c.alloc({"page": 2})
-            op = c.backup({"page": ([0, 1], host["page"])})
-            assert op.ack is None and op.session == first  # its ack is pushed (and lost)
-            d.restart()
-            t0 = time.monotonic()
-            with pytest.raises(AckLost, match="no longer holds the registration"):
-                c.wait_ack(op, timeout=20)
-            assert time.monotonic() - t0 < 3  # the first poll, not the 20 s timeout
-            assert issubclass(AckLost, AckTimeout)  # callers that handle a timeout handle it
-            assert c.register(pools)["session"] != first
-            host = c.alloc({"page": 2})
-            op = c.backup({"page": ([0, 1], host["page"])})
-            assert c.wait_ack(op, timeout=5).ok  # polled: this session's ack
-        finally:
-            c.close()
+    with _lost_acks_client() as (d, pools, c):
+        first = c.register(pools)["session"]
+        host = c.alloc({"page": 2})
+        op = c.backup({"page": ([0, 1], host["page"])})
+        assert op.ack is None and op.session == first  # its ack is pushed (and lost)
+        d.restart()
+        t0 = time.monotonic()
+        with pytest.raises(AckLost, match="no longer holds the registration"):
+            c.wait_ack(op, timeout=20)
+        assert time.monotonic() - t0 < 3  # the first poll, not the 20 s timeout
+        assert issubclass(AckLost, AckTimeout)  # callers that handle a timeout handle it
+        assert c.register(pools)["session"] != first
+        host = c.alloc({"page": 2})
+        op = c.backup({"page": ([0, 1], host["page"])})
+        assert c.wait_ack(op, timeout=5).ok  # polled: this session's ack
 
 
 def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_factory):
