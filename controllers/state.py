@@ -316,8 +316,8 @@ class DaemonState:
         if entry is None:
             return
         c = entry[1]
-        if op.cancelled and self.stopping:  # (cancelled at a stop, past the drain timeout)
-            op.error = f"daemon shutting down: {op.error}"
+        if op.cancelled and self.stopping and op.error_code != "abandoned":  # (cancelled at a
+            op.error = f"daemon shutting down: {op.error}"  # stop, past the drain timeout)
         if op.ok and op.behind:  # it read rows a write it ran after was replacing
             bad = torn_by(op, op.behind)
             if bad is not None:

@@ -392,7 +392,7 @@ def test_the_in_process_load_is_byte_checked_in_the_verified_run(monkeypatch):
 
 def test_the_verified_load_also_checks_the_rows_it_must_not_write() -> None:
     """``untouched``: a write into the load's destination passes, one anywhere else (a stray
-    row, another pool) fails (the e2e byte checks compared only what a load wrote; forty-eighth
+    row, another pool, two words of a row swapped) fails (the e2e byte checks compared only what a load wrote; forty-eighth
     session's bench review)."""
     from types import SimpleNamespace
 
@@ -416,3 +416,8 @@ def test_the_verified_load_also_checks_the_rows_it_must_not_write() -> None:
             check()
         t[row] = old
     check()
+    t = pools.layers["swa_kv"][0]  # two words of a row swapped: the row's sum stays
+    t[2, :4], t[2, 8:12] = t[2, 8:12].clone(), t[2, :4].clone()
+    assert not torch.equal(t[2, :4], t[2, 8:12])
+    with pytest.raises(RuntimeError, match="pool swa_kv layer 0: rows outside"):
+        check()

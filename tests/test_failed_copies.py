@@ -339,7 +339,7 @@ def test_a_stop_past_its_drain_never_acks_a_copy_that_may_still_write(
     from hicache.controllers.scheduler import Cancelled
     from hicache.engine.acks import Ack
     from hicache.engine.acks import TransferFailed as ClientFailed
-    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown, TransferFailed
+    from hicache.engine.hooks import ClientHooks, CopyOutcomeUnknown, Ticket, TransferFailed
 
     st = _state(inline=False)
     gate = threading.Event()
@@ -386,14 +386,26 @@ def test_a_stop_past_its_drain_never_acks_a_copy_that_may_still_write(
         time.sleep(0.05)
         # a cancelled copy wrote nothing, before or after its ack; a stuck one wrote after it
         assert row_5_kept() == honours_cancel
-        hooks = ClientHooks(SimpleNamespace(), ["page"])
+        # what the radix tree hears, on each path an ack reaches it: a raised ``check=True``
+        # failure, and the tree's own ``wait`` (``check=False``: the ack is read); then whether
+        # ``reset_host_tier`` may free the load's device rows (``copies_running``)
+        got = Ack(ack["op"], "load", "error", {}, 0, 0.0, 0.0, "", ack["error"])
+        client = SimpleNamespace(daemon_in_flight=1, poll_acks=lambda ids, **kw: [],
+                                 wait_ack=lambda op, timeout=None, check=True: got)
+        hooks = ClientHooks(client, ["page"])
+        want = CopyOutcomeUnknown if code == "abandoned" else TransferFailed
 
         def failed() -> None:
-            raise ClientFailed(Ack(ack["op"], "load", "error", {}, 0, 0.0, 0.0, "",
-                                   ack["error"]))
+            raise ClientFailed(got)
 
-        with pytest.raises(CopyOutcomeUnknown if code == "abandoned" else TransferFailed):
+        with pytest.raises(want):
             hooks._call(failed)
+        ticket = Ticket(SimpleNamespace(op_id=ack["op"], ack=None), "load", 1, 0.0)
+        with pytest.raises(want):
+            hooks.wait(ticket)
+        assert hooks.copies_running([ticket]) is (code == "abandoned")  # (while it may copy)
+        client.daemon_in_flight = 0  # a restarted daemon at the address: none can copy
+        assert hooks.copies_running([ticket]) is False
     finally:
         gate.set()
         st.group.close()

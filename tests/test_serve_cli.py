@@ -853,18 +853,19 @@ def test_a_cpu_daemon_by_default_on_a_gpu_host_is_warned(monkeypatch):
     """No ``--device`` on a host whose GPUs are visible: the daemon starts in CPU mode, at a
     socket the engine does not look at, without a word (operator review). Now it warns; an
     explicit ``--device cpu`` or a host without GPUs does not."""
-    import torch
-
+    from hicache.cli import serve
     from hicache.cli.serve import _device_warning
 
     base = {"preset": "dsv4-tiny", "kv_mem": "64MiB", "host_ratio": "2"}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(serve, "visible_gpus", lambda: 2)
     assert _device_warning(load_config(base, env={})) == [
         "--device not given: serving in CPU mode, though 2 CUDA device(s) are visible; a GPU's "
         "daemon takes --device cuda:N"]
     cfg = load_config({**base, "device": "cpu"}, env={})
     cfg.sources["device"] = "--device"  # typed on the command line
     assert _device_warning(cfg) == []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(serve, "visible_gpus", lambda: 0)
     assert _device_warning(load_config(base, env={})) == []
+    monkeypatch.undo()  # the real count: none here, or hidden by CUDA_VISIBLE_DEVICES
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert serve.visible_gpus() == 0

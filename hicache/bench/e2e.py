@@ -295,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
                                 probe=False, busy=False, order=args.device_order)["runs"]
                 after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
-                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd) for cmd in ("load", "backup")},
+                    {f"{cmd}_handler_ms": mean_ms(before, after, cmd)
+                     for cmd in ("load", "backup")},
                     # the engine's acks of the same commands: handler < ack, run for run
                     **{f"{cmd}_handler_ack_ms": 1e3 * sum(extra[f"{cmd}_ack"])
                        / len(extra[f"{cmd}_ack"]) for cmd in ("load", "backup")},

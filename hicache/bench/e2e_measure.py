@@ -11,7 +11,7 @@ load by the kernels in-process, and the per-size summary.
   follow the load layer by layer or must wait for the whole issue.
 * ``scramble(pools, rows, seed)``: fresh random bytes in those device rows before the run whose
   load is verified, so the comparison cannot pass on rows that already held equal bytes.
-* ``untouched(pools, written) -> check``: per-row sums of every device row outside
+* ``untouched(pools, written) -> check``: per-row weighted sums of every device row outside
   ``written`` now; ``check()`` raises if any changed since (a load that wrote stray rows).
 * ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
   of a heartbeat sent right after a load's reply, while the daemon issues its later layers:
@@ -127,7 +127,8 @@ def scramble(pools: Any, rows: dict[str, list[int]], seed: int) -> None:
 
 def untouched(pools: Any, written: dict[str, list[int]]) -> Callable[[], None]:
     """A check that every device row of ``pools`` outside ``written`` ({pool name: device
-    rows}) still holds what it holds now (per row, the sum of its 32-bit words, or bytes):
+    rows}) still holds what it holds now (per row, a position-weighted sum of its 32-bit
+    words, or bytes):
     the byte comparisons cover what a load wrote, this what it must not have."""
     def sums() -> dict[tuple[str, int], torch.Tensor]:
         out = {}
@@ -137,8 +138,9 @@ def untouched(pools: Any, written: dict[str, list[int]]) -> Callable[[], None]:
                 if written.get(name):
                     keep[torch.tensor(written[name], device=t.device)] = False
                 rows = t[keep]
-                words = rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows
-                out[(name, k)] = words.sum(dim=1, dtype=torch.int64)
+                words = (rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows).long()
+                weights = torch.arange(1, words.shape[1] + 1, device=t.device)  # (a swap of
+                out[(name, k)] = (words * weights).sum(dim=1)  # two words changes it too)
         return out
 
     before = sums()

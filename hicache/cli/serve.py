@@ -192,6 +192,18 @@ def _say(line: str, err: bool = False) -> None:
         _say(line, err=True)
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process could use, read from the driver's /proc files (no CUDA
+    initialisation in a CPU-mode daemon); 0 when ``CUDA_VISIBLE_DEVICES`` hides them all."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return 0
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 def _device_warning(cfg: Any) -> list[str]:
     """A daemon left in CPU mode by default (no ``--device``) on a host whose GPUs are
     visible: said, since a per-GPU daemon is what such a host most likely wanted (the engine
@@ -200,9 +212,7 @@ def _device_warning(cfg: Any) -> list[str]:
 
     if cfg.device != "cpu" or given(cfg, "device"):
         return []
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = visible_gpus()
     if not n:
         return []
     return [f"--device not given: serving in CPU mode, though {n} CUDA device(s) are "

@@ -68,6 +68,7 @@ PIPE_KEEP = 1 << 20  # bytes of a piped daemon's output kept for output()
 
 
 def _remove_if_empty(folder: str) -> None:
+    """Remove ``folder`` if it is empty (a daemon's socket and lock keep its own folder)."""
     try:
         os.rmdir(folder)
     except OSError:  # gone already, or not empty (a daemon's socket is in it)

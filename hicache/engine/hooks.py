@@ -103,6 +103,13 @@ class TierHooks(Protocol):
     def row_epoch(self) -> Any: ...
 
 
+def _abandoned(ack: Any) -> bool:
+    """An ack a stopping daemon gave for an op whose copy may still run (``abandoned``): its
+    device rows may be written until that daemon's process exits, an unknown outcome, not a
+    plain failure."""
+    return (ack.error or {}).get("code") == "abandoned"
+
+
 def _registered(client: Any) -> bool:
     registered = getattr(client, "registered", None)
     return isinstance(registered, dict) and isinstance(registered.get("host_rows"), dict)
@@ -228,8 +235,8 @@ class ClientHooks:
         except AckTimeout as e:  # the daemon answers but a copy never completes: do not trust it
             raise CopyOutcomeUnknown(str(e)) from e
         except ClientTransferFailed as e:
-            if (e.ack.error or {}).get("code") == "abandoned":  # a stop acked it while its copy
-                raise CopyOutcomeUnknown(str(e)) from e  # may still run: keep its device rows
+            if _abandoned(e.ack):
+                raise CopyOutcomeUnknown(str(e)) from e
             raise TransferFailed(str(e)) from e
         except CommandRefused as e:
             if e.code == "no_space":
@@ -344,8 +351,8 @@ class ClientHooks:
             self._complete(ticket, ack)
         if not ticket.ack.ok:
             err = ticket.ack.error or {}
-            raise TransferFailed(f"{ticket.kind} op {ticket.ack.op} failed: "
-                                 f"{err.get('message', 'unknown')}")
+            why = f"{ticket.kind} op {ticket.ack.op} failed: {err.get('message', 'unknown')}"
+            raise (CopyOutcomeUnknown if _abandoned(ticket.ack) else TransferFailed)(why)
 
     def row_epoch(self) -> int:
         """The client's ``row_epoch``: +1 at each register, unregister and reset."""
@@ -356,7 +363,8 @@ class ClientHooks:
         no reply, so its op id is unknown) may still copy. False once the daemon acked every
         one, or holds no operation of this client at all (a restarted daemon never ran them).
         One ``poll_acks``; refused or unanswered: ``HostUnavailable`` / ``TransferFailed``."""
-        ids = [t.op.op_id for t in tickets if t is not None and t.ack is None]
+        ids = [t.op.op_id for t in tickets if t is not None and
+               (t.ack is None or _abandoned(t.ack))]  # (acked, but maybe still copying)
         acked = {a.op for a in self._call(self.client.poll_acks, ids, max=POLL_MAX,
                                           timeout=self.timeout)}
         left = any(t is None for t in tickets) or bool(set(ids) - acked)
