@@ -156,6 +156,7 @@ class Server:
             self.sock.curve_server = True
         self.ipc_path: str | None = None
         self.ipc_ino = -1
+        self.ipc_lost = False  # its socket file was found removed or replaced (logged once)
         if address.startswith("ipc://"):
             self.ipc_path = address[len("ipc://"):]
             old = os.umask(0o177)  # the socket file is created 0600
@@ -450,18 +451,34 @@ class Server:
 
     def _housekeeping(self, now: float) -> None:
         """Reap the clients silent past the heartbeat timeout up to the last time the loop had
-        read every request waiting (``catch``), take the channels' requests a wake-up missed,
-        refresh gauges."""
+        read every request waiting (``catch``), check the socket file is still ours, take the
+        channels' requests a wake-up missed, refresh gauges."""
         st = self.state
         self.catch.tick(now)
         for c in st.registry.silent(self.catch.at, st.heartbeat_timeout):
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
                           f"of {st.heartbeat_timeout:g} s"):
                 st.metrics.inc("clients_reaped")
+        if self.ipc_path is not None:
+            self._check_socket_file()
         if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
             st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
             self._channels()
         st.refresh_gauges()
+
+    def _check_socket_file(self) -> None:
+        """Log (once, until it is ours again) that this daemon's socket file was removed or
+        replaced while it ran (a /tmp cleaner): no new client can connect, though connected
+        ones still can; it said nothing before, and only a refused start gave it away."""
+        try:
+            ours = os.lstat(self.ipc_path or "").st_ino == self.ipc_ino
+        except OSError:
+            ours = False
+        if not ours and not self.ipc_lost:
+            log.error("the socket file %s was removed or replaced while this daemon ran: no "
+                      "new client can connect to it (connected ones still can); restart the "
+                      "daemon", self.ipc_path)
+        self.ipc_lost = not ours
 
     # ------------------------------------------------------------------ shutdown
     def refuse_pending(self) -> None:

@@ -183,6 +183,22 @@ def test_stats_on_a_missing_ipc_socket_says_so_at_once(tmp_path, capsys):
         os.close(lock)
 
 
+def test_a_daemon_whose_socket_file_is_removed_says_so(daemon_factory):
+    """A /tmp cleaner removes a running daemon's socket file: no new client can connect, and
+    the daemon said nothing (operator review). Its housekeeping now logs it once."""
+    import os
+
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=8,swa_page=8,req_slot=4",
+                       metrics=False)
+    os.unlink(d.address[len("ipc://"):])
+    line = "was removed or replaced while this daemon ran: no new client can connect"
+    deadline = time.monotonic() + 10
+    while line not in d.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.2)  # two more housekeeping passes: said once, not at each
+    assert d.output().count(line) == 1, d.output()[-2000:]
+
+
 def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):
     """A socket that accepts but never answers (a hung daemon's) is waited for; one nothing
     listens on (a killed daemon's) is named at once."""
