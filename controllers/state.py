@@ -369,11 +369,11 @@ class DaemonState:
     def fail_pending(self, why: str) -> None:
         """Shutdown: every op still in flight is finished as failed (``abandoned``: its copy
         may still run, so the engine must not reuse its device memory while this process
-        lives), and every L3 job not acked
-        yet is answered (its call may still run: the caller leaves the arena mapped): a
-        client's with nothing found, read or written (``misses: {stopping: n}``), a key-store
-        job that someone waits for through its ``expire`` hook, cancelled ``stopping`` (a
-        ``kv_clear`` gets its error ack). Acks to ``outbox``."""
+        lives), and every L3 job not acked yet is answered (its call may still run: the
+        caller leaves the arena mapped): a client's with nothing found, read or written
+        (``misses: {stopping: n}``), a key-store job that someone waits for through its
+        ``expire`` hook, cancelled ``stopping`` (a ``kv_clear`` gets its error ack). Acks to
+        ``outbox``."""
         for op, _ in list(self.ops.values()):  # (CPU ones were cancelled and waited for first)
             op.ok, op.error_code = False, "abandoned"
             op.error = (f"{why}: its copy had not ended and may still write its destination (a "

@@ -607,6 +607,22 @@ def test_the_set_up_check_names_a_failure_a_hang_and_a_stop(store, monkeypatch):
     assert why is not None and why.startswith("Mooncake's set-up failed (code "), why
     assert l3_reach.setup_fails(L3Settings(master=store.master_addr,
                                            metadata=store.metadata_url)) is None
+    # answered as soon as the child printed it; the child, closing its client (~1 s), is
+    # reaped on a thread: no zombie, no child left
+    import psutil
+
+    for t in [t for t in threading.enumerate() if t.name == "l3-setup-reaper"]:
+        t.join(15)
+    left = []
+    for p in psutil.Process().children():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or "hicache-setup-rc" in " ".join(p.cmdline()):
+                left.append(p.pid)
+        except psutil.ZombieProcess:
+            left.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"set-up check children left: {left}"
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
     hang.listen(8)
