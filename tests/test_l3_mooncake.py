@@ -603,25 +603,26 @@ def test_the_set_up_check_names_a_failure_a_hang_and_a_stop(store, monkeypatch):
     for k, v in l3_master.loopback_env().items():
         monkeypatch.setenv(k, v)
     wrong = store.metadata_url.rsplit("/", 1)[0] + "/foo"
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            started.append(self)
+
+    monkeypatch.setattr(l3_reach.subprocess, "Popen", Recorded)
     why = l3_reach.setup_fails(L3Settings(master=store.master_addr, metadata=wrong))
     assert why is not None and why.startswith("Mooncake's set-up failed (code "), why
     assert l3_reach.setup_fails(L3Settings(master=store.master_addr,
                                            metadata=store.metadata_url)) is None
     # answered as soon as the child printed it; the child, closing its client (~1 s), is
-    # reaped on a thread: no zombie, no child left
-    import psutil
-
+    # reaped on a thread: each set-up child waited for (no zombie, none left running). Only
+    # the check's own children count: another test's zombie is not this one's.
     for t in [t for t in threading.enumerate() if t.name == "l3-setup-reaper"]:
         t.join(15)
-    left = []
-    for p in psutil.Process().children():
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE or "hicache-setup-rc" in " ".join(p.cmdline()):
-                left.append(p.pid)
-        except psutil.ZombieProcess:
-            left.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
+    checks = [p for p in started if "hicache-setup-rc" in " ".join(p.args)]
+    assert len(checks) == 2, [p.args for p in started]
+    left = [p.pid for p in checks if p.returncode is None]
     assert not left, f"set-up check children left: {left}"
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
