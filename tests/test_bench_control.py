@@ -111,6 +111,18 @@ def _exits_at_once(address, ops, warmup, barrier, out) -> None:  # a client that
     raise SystemExit(3)
 
 
+def _first_exits(flag, ops, warmup, barrier, out) -> None:
+    """The first client to start exits at once; the others block (until they are stopped)."""
+    import os
+    import time
+
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        time.sleep(60)
+    raise SystemExit(3)
+
+
 def test_a_client_that_exits_before_the_timed_run_is_named_at_once():
     import time
 
@@ -123,6 +135,29 @@ def test_a_client_that_exits_before_the_timed_run_is_named_at_once():
                                            r"the timed run \(exit codes \[3(, 3)?\]\)"):
         _run_clients(_exits_at_once, "ipc:///nonexistent", 2, 10, 0)
     assert time.monotonic() - t0 < 60  # not the warm-up timeout
+
+
+def test_clients_stopped_after_a_failed_run_are_reaped(tmp_path):
+    """One client exits, the other is still running when the run fails: it is stopped and
+    reaped (no zombie left in the bench's process)."""
+    import psutil
+    import pytest
+
+    from hicache.bench.control import _run_clients
+
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(RuntimeError, match=r"1 of 2 client process\(es\) exited before"):
+        _run_clients(_first_exits, str(tmp_path / "flag"), 2, 10, 0)
+    left = []  # the client processes, alive or zombie (multiprocessing's tracker may stay)
+    for p in psutil.Process().children():
+        try:
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                left.append(p.pid)
+        except psutil.ZombieProcess:
+            left.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"client processes not reaped: {left}"
 
 
 def test_a_warm_up_past_its_timeout_is_named():

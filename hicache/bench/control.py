@@ -238,9 +238,11 @@ def _run_clients(target: Any, address: str, n: int, ops: int, warmup: int,
         _await_warm(barrier, procs, WARMUP_TIMEOUT_S)
         cpu0 = _cpu_s(server_pid)
         results = [out.get(timeout=300) for _ in procs]
-    except BaseException:  # interrupted or failed: the workers stop now
+    except BaseException:  # interrupted or failed: the workers stop now, and are reaped
         for p in procs:
             p.terminate()
+        for p in procs:
+            p.join(5)
         raise
     cpu1 = _cpu_s(server_pid)
     for p in procs:
