@@ -9,6 +9,10 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 
 ``shared_daemon`` is the same default daemon shared by a whole test module.
 
+When collection selects the SGLang adapter's test, its inner suite starts at once on a thread
+and runs beside the main suite (``tests/sglang_job.py``); the session's end stops what is left
+of it.
+
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
 tensor view still keeps; garbage is collected first); ``region_held(info)`` says whether the
@@ -63,6 +67,20 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
     except BaseException:
         d.close()
         raise
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(i.nodeid.endswith("test_sglang_adapter_against_sglang_classes")
+           for i in session.items):
+        import sglang_job
+
+        sglang_job.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import sglang_job
+
+    sglang_job.stop()
 
 
 @pytest.fixture

@@ -1,34 +1,27 @@
 """The SGLang adapter, tested against SGLang 0.5.23's own cache classes on CPU.
 
 SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh``: CPU torch,
-sglang installed without its GPU dependencies; built once, then cached). This module builds it
-when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
+sglang installed without its GPU dependencies; built once, then cached).
+``tests/sglang_job.py`` builds it when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
 ``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
 storage backend across an engine restart, and, when this environment has the Mooncake wheel,
 across a daemon restart with L3 behind the key store: this process runs the ``mooncake_master``
 and passes its addresses and this Python, which runs that daemon, in ``HICACHE_TEST_L3``) there;
-it fails with the inner run's output if any inner test fails or is skipped.
+it fails with the inner run's output if any inner test fails or is skipped. The inner run
+starts beside the main suite when collection selects it (``conftest``; it overlaps the rest).
 The version gate is also checked here, in the main environment (no sglang installed).
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from hicache.engine import l3_master
 from hicache.engine.sglang import UnsupportedSglang, check_sglang_version
 from hicache.engine.sglang.version import installed_sglang
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
-INNER = ["tests/sglang/check_dsv4_l2.py", "tests/sglang/check_dynamic_backend.py"]
-INNER_TESTS = 22  # (the engine-restart test runs once per attach way)
+import sglang_job
 
 
 def _tail(text: str, n: int = 6000) -> str:
@@ -36,32 +29,12 @@ def _tail(text: str, n: int = 6000) -> str:
 
 
 def test_sglang_adapter_against_sglang_classes() -> None:
-    setup = subprocess.run(["bash", "scripts/setup_sglang.sh"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=1800, env={**os.environ, "SGLANG_VENV": str(VENV)})
-    assert setup.returncode == 0, f"setup_sglang.sh failed:\n{_tail(setup.stdout + setup.stderr)}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")])}
-    store, args, want = None, [], INNER_TESTS
-    if l3_master.mooncake_dir() is not None:
-        store = l3_master.LocalStore(segment="256MB").start()
-        env["HICACHE_TEST_L3"] = json.dumps({"master": store.master_addr,
-                                             "metadata": store.metadata_url,
-                                             "python": sys.executable})
-        want += 1
-    else:
-        args = ["-k", "not through_l3"]
-    try:
-        run = subprocess.run([str(VENV / "bin" / "python"), "-m", "pytest", "-q", "-p",
-                              "no:cacheprovider", "-W", "ignore::UserWarning", *INNER, *args],
-                             cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    finally:
-        if store is not None:
-            store.close()
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, f"SGLang adapter tests failed:\n{_tail(out)}"
-    m = re.search(r"(\d+) passed", out)
-    assert m and int(m.group(1)) == want, f"expected {want} passed:\n{_tail(out)}"
-    assert not re.search(r"\d+ (skipped|failed|error)", out), _tail(out)  # deselected is fine
+    r = sglang_job.result()  # (started beside the main suite at collection: conftest)
+    assert r.setup_rc == 0, f"setup_sglang.sh failed:\n{_tail(r.setup_out)}"
+    assert r.rc == 0, f"SGLang adapter tests failed ({r.notes}):\n{_tail(r.out)}"
+    m = re.search(r"(\d+) passed", r.out)
+    assert m and int(m.group(1)) == r.want, f"expected {r.want} passed:\n{_tail(r.out)}"
+    assert not re.search(r"\d+ (skipped|failed|error)", r.out), _tail(r.out)  # deselected: fine
 
 
 def test_version_gate_refuses_other_versions_in_one_line() -> None:
