@@ -9,9 +9,9 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 
 ``shared_daemon`` is the same default daemon shared by a whole test module.
 
-When collection selects the SGLang adapter's test, its inner suite starts at once on a thread
-and runs beside the main suite (``tests/sglang_job.py``); the session's end stops what is left
-of it.
+The long subprocess runs of three tests (the SGLang adapter's inner suite, two L3 demos) start
+on one thread once collection selected those tests (and none is skipped), and run beside the
+main suite (``tests/background_jobs.py``); the session's end stops what is left of them.
 
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
@@ -69,18 +69,29 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
         raise
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(i.nodeid.endswith("test_sglang_adapter_against_sglang_classes")
-           for i in session.items):
-        import sglang_job
+BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classes": "sglang",
+              "test_l3_mooncake.py::test_demo_two_instances_and_bench_l3": "l3_demo",
+              "test_l3_ckpt.py::test_demo_trace_two_instances_checkpoints": "l3_ckpt_demo"}
 
-        sglang_job.start()
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background jobs of the selected tests that no ``skipif`` skips."""
+    names = []
+    for item in session.items:
+        job = BACKGROUND.get(item.nodeid.rpartition("/")[2])
+        if job is not None and not any(m.args and m.args[0]
+                                       for m in item.iter_markers("skipif")):
+            names.append(job)
+    if names:
+        import background_jobs
+
+        background_jobs.start(names)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    import sglang_job
+    import background_jobs
 
-    sglang_job.stop()
+    background_jobs.stop()
 
 
 @pytest.fixture

@@ -9,9 +9,6 @@ Mooncake wheel (``pip install 'hicache[l3]'``).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,12 +19,13 @@ from hicache.engine import l3_master
 from hicache.engine.device_pools import DevicePools
 from hicache.engine.hooks import ClientHooks
 
-from conftest import ROOT, start_daemon
+import background_jobs
+from conftest import start_daemon
 from test_l3_mooncake import SCOPE, store, wait_online  # noqa: F401 - store: the fixture
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
-TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
+TRACE = background_jobs.TRACE
 
 
 def _rows(swa: str) -> dict[str, int]:
@@ -147,21 +145,16 @@ def test_checkpoint_objects_round_trip_between_instances(tmp_path, store, swa): 
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="shared trace not beside the checkout")
-def test_demo_trace_two_instances_checkpoints(tmp_path):
+def test_demo_trace_two_instances_checkpoints():
     """The synthetic trace's first two multi-turn conversations (19 requests), split by
     conversation over two instances, checkpoints mirror: with L3 the instances cache more
     than the same two without it, A's prefixes come back after its daemon is killed, a
     checkpoint object resumes them, and 0 bytes differ."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--l3", "mooncake",
-                        "--trace", str(TRACE), "--l3-conversations", "2", "--swa-mode", "paged",
-                        "--checkpoint-every", "8", "--pages-per-checkpoint", "8",
-                        "--device-pages", "768", "--host-pages", "96", "--device", "cpu",
-                        "--preempt-every", "0", "--progress-seconds", "0", "--json"],
-                       env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-1500:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    run = background_jobs.result("l3_ckpt_demo")  # (run beside the main suite: conftest)
+    assert len(run.steps) == 1, run.notes
+    r = run.steps[0]
+    assert r.rc == 0, (run.notes, r.err[-1500:])
+    out = json.loads(r.out.strip().splitlines()[-1])
     assert out["mirror"] == "checkpoints" and out["l3"]["requests"] == 19
     assert out["routing"].startswith("by conversation") and out["conversations"] == 2
     assert out["verified"] and out["mismatched_bytes"] == 0 and out["l3_errors"] == 0

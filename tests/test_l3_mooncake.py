@@ -24,6 +24,7 @@ from hicache.engine.client import Client, CommandRefused
 from hicache.engine.device_pools import DevicePools
 from hicache.engine import l3_master
 
+import background_jobs
 from conftest import ROOT, close_all, start_daemon
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
@@ -758,20 +759,15 @@ def test_l3_refused_without_l3_and_missing_wheel(tmp_path, daemon):
     assert r.returncode != 0 and "--l3-master HOST:PORT" in r.stderr
 
 
-def test_demo_two_instances_and_bench_l3(tmp_path):
+def test_demo_two_instances_and_bench_l3():
     """``hicache demo --l3 mooncake`` (small): L3 lifts cached tokens, cross-instance and
     after-restart hits exist, every byte verified, listeners on loopback; ``bench l3`` runs
     both sides in one process tree and reports positive rates."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "demo", "--l3", "mooncake",
-                        "--requests", "24", "--device", "cpu", "--preempt-every", "0",
-                        "--device-pages", "48", "--host-pages", "96", "--mirror", "full",
-                        "--l3-routing", "alternate",
-                        "--progress-seconds", "0", "--json"], env=env, capture_output=True,
-                       text=True, timeout=400, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-1500:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    run = background_jobs.result("l3_demo")  # (run beside the main suite: conftest)
+    assert len(run.steps) == 2, run.notes
+    r = run.steps[0]
+    assert r.rc == 0, (run.notes, r.err[-1500:])
+    out = json.loads(r.out.strip().splitlines()[-1])
     assert out["verified"] and out["l3"]["mismatched_bytes"] == 0
     assert out["l3_hit_tokens"] > 0 and out["cross_instance_hit_tokens"] > 0
     assert out["l3_hit_tokens"] == out["cross_instance_hit_tokens"] + \
@@ -780,11 +776,9 @@ def test_demo_two_instances_and_bench_l3(tmp_path):
     assert out["l3_errors"] == 0 and out["l3_bytes_written"] > 0 and out["l3_bytes_read"] > 0
     assert out["l3"]["listeners"] and all(a.startswith(("127.", "[::ffff:127."))
                                           for a in out["l3"]["listeners"])
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "l3", "--preset",
-                        "dsv4-tiny", "--pages", "8", "--trials", "1", "--json"], env=env,
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-1500:]
-    b = json.loads(r.stdout.strip().splitlines()[-1])
+    r = run.steps[1]
+    assert r.rc == 0, (run.notes, r.err[-1500:])
+    b = json.loads(r.out.strip().splitlines()[-1])
     assert all(b[side][k] > 0 for side in ("daemon_gbps", "mooncake_gbps") for k in ("put", "get"))
 
 

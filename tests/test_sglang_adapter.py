@@ -2,7 +2,7 @@
 
 SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh``: CPU torch,
 sglang installed without its GPU dependencies; built once, then cached).
-``tests/sglang_job.py`` builds it when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
+``tests/background_jobs.py`` (job ``sglang``) builds it when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
 ``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
 storage backend across an engine restart, and, when this environment has the Mooncake wheel,
 across a daemon restart with L3 behind the key store: this process runs the ``mooncake_master``
@@ -21,7 +21,7 @@ import pytest
 from hicache.engine.sglang import UnsupportedSglang, check_sglang_version
 from hicache.engine.sglang.version import installed_sglang
 
-import sglang_job
+import background_jobs
 
 
 def _tail(text: str, n: int = 6000) -> str:
@@ -29,12 +29,16 @@ def _tail(text: str, n: int = 6000) -> str:
 
 
 def test_sglang_adapter_against_sglang_classes() -> None:
-    r = sglang_job.result()  # (started beside the main suite at collection: conftest)
-    assert r.setup_rc == 0, f"setup_sglang.sh failed:\n{_tail(r.setup_out)}"
-    assert r.rc == 0, f"SGLang adapter tests failed ({r.notes}):\n{_tail(r.out)}"
-    m = re.search(r"(\d+) passed", r.out)
-    assert m and int(m.group(1)) == r.want, f"expected {r.want} passed:\n{_tail(r.out)}"
-    assert not re.search(r"\d+ (skipped|failed|error)", r.out), _tail(r.out)  # deselected: fine
+    r = background_jobs.result("sglang")  # (run beside the main suite: conftest)
+    assert r.steps, r.notes
+    setup = r.steps[0]
+    assert setup.rc == 0, f"setup_sglang.sh failed {r.notes}:\n{_tail(setup.out + setup.err)}"
+    assert len(r.steps) == 2, r.notes
+    out = r.steps[1].out + r.steps[1].err
+    assert r.steps[1].rc == 0, f"SGLang adapter tests failed {r.notes}:\n{_tail(out)}"
+    m = re.search(r"(\d+) passed", out)
+    assert m and int(m.group(1)) == r.want, f"expected {r.want} passed:\n{_tail(out)}"
+    assert not re.search(r"\d+ (skipped|failed|error)", out), _tail(out)  # deselected: fine
 
 
 def test_version_gate_refuses_other_versions_in_one_line() -> None:
