@@ -5,8 +5,9 @@ suite's process mostly waits on its own daemons (2-core CI machine): the SGLang 
 inner suite (~80 s), the two-instance L3 demo with ``bench l3`` (~25 s) and the trace's L3
 checkpoints demo (~20 s). ``start(names)`` (``conftest``, once collection selected their
 tests and none is skipped) runs those jobs one after another on a thread from the session's
-start; ``result(name)`` (the test) waits for its job, or runs it now if no lane was to (a run
-of that test alone): the test checks the same run either way. ``stop()`` (the session's end)
+start, at the lowest CPU priority (``nice 19``: the main suite's processes, whose tests time
+things, come first when both want a core); ``result(name)`` (the test) waits for its job, or
+runs it now if no lane was to: the test checks the same run either way. ``stop()`` (the session's end)
 kills a job still running (its whole process group) and ends the lane.
 
 A job's ``Run`` holds what ran (exit status, output, notes); nothing here decides a pass.
@@ -41,6 +42,7 @@ TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
 SGLANG_VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
 SGLANG_INNER = ["tests/sglang/check_dsv4_l2.py", "tests/sglang/check_dynamic_backend.py"]
 SGLANG_INNER_TESTS = 22  # (the engine-restart test runs once per attach way); +1 with Mooncake
+NICE = 19  # the jobs take the cores the main suite leaves idle, not its timing tests' share
 SETUP_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 900.0
 
@@ -74,12 +76,14 @@ _stopping = threading.Event()
 
 
 def _step(cmd: list[str], timeout: float, **kw: object) -> Step:
-    """Run ``cmd`` in its own process group (``stop`` kills it there); its ``Step``."""
+    """Run ``cmd`` at ``NICE`` in its own process group (``stop`` kills it there); its
+    ``Step``."""
     global _proc
     if _stopping.is_set():
         return Step(None, "", "the session ended before this ran")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, **kw)  # type: ignore[call-overload]
+    p = subprocess.Popen(["nice", "-n", str(NICE), *cmd], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **kw)  # type: ignore[call-overload]
     _proc = p
     try:
         out, err = p.communicate(timeout=timeout)
