@@ -7,8 +7,8 @@ checkpoints demo (~20 s). ``start(names)`` (``conftest``, once collection select
 tests and none is skipped) runs those jobs one after another on a thread from the session's
 start, at the lowest CPU priority (``nice 19``: the main suite's processes, whose tests time
 things, come first when both want a core); ``result(name)`` (the test) waits for its job, or
-runs it now if no lane was to: the test checks the same run either way. ``stop()`` (the session's end)
-kills a job still running (its whole process group) and ends the lane.
+runs it now if no lane was to: the test checks the same run either way. ``stop()`` (the
+session's end) kills a job still running (its whole process group) and ends the lane.
 
 A job's ``Run`` holds what ran (exit status, output, notes); nothing here decides a pass.
 
