@@ -2,13 +2,14 @@
 
 SGLang lives in its own environment, ``.venv-sglang`` (``scripts/setup_sglang.sh``: CPU torch,
 sglang installed without its GPU dependencies; built once, then cached).
-``tests/background_jobs.py`` (job ``sglang``) builds it when missing and runs ``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real
-``hicache serve`` per PP stage) and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic``
-storage backend across an engine restart, and, when this environment has the Mooncake wheel,
-across a daemon restart with L3 behind the key store: this process runs the ``mooncake_master``
-and passes its addresses and this Python, which runs that daemon, in ``HICACHE_TEST_L3``) there;
-it fails with the inner run's output if any inner test fails or is skipped. The inner run
-starts beside the main suite when collection selects it (``conftest``; it overlaps the rest).
+``tests/background_jobs.py`` (job ``sglang``) builds it when missing and runs
+``tests/sglang/check_dsv4_l2.py`` (the host-pool seam, a real ``hicache serve`` per PP stage)
+and ``tests/sglang/check_dynamic_backend.py`` (the ``dynamic`` storage backend across an
+engine restart, and, when this environment has the Mooncake wheel, across a daemon restart with
+L3 behind the key store: this process runs the ``mooncake_master`` and passes its addresses and
+this Python, which runs that daemon, in ``HICACHE_TEST_L3``) there; the test fails with the
+inner run's output if any inner test fails or is skipped. The inner run starts beside the main
+suite when collection selects it (``conftest``; it overlaps the rest).
 The version gate is also checked here, in the main environment (no sglang installed).
 """
 from __future__ import annotations
