@@ -1,14 +1,19 @@
-"""Long subprocess runs of the suite, run on one thread beside the main suite.
+"""Long subprocess runs of the suite, run by one process beside the main suite.
 
 Three tests each check one long run of other processes that uses about one core while the main
 suite's process mostly waits on its own daemons (2-core CI machine): the SGLang adapter's
 inner suite (~80 s), the two-instance L3 demo with ``bench l3`` (~25 s) and the trace's L3
 checkpoints demo (~20 s). ``start(names)`` (``conftest``, once collection selected their
-tests and none is skipped) runs those jobs one after another on a thread from the session's
-start, at the lowest CPU priority (``nice 19``: the main suite's processes, whose tests time
-things, come first when both want a core); ``result(name)`` (the test) waits for its job, or
-runs it now if no lane was to: the test checks the same run either way. ``stop()`` (the
-session's end) kills a job still running (its whole process group) and ends the lane.
+tests and none is skipped) starts the lane: this file run as a process of its own, at the
+lowest CPU priority (``nice 19``: the main suite's processes, whose tests time things, come
+first when both want a core), in a process group of its own, which runs those jobs one after
+another and writes each job's ``Run`` as JSON into a private folder. A process, not a thread
+of pytest's: tests that count or reuse their own process's descriptors see none of the lane's.
+``result(name)`` (the test) waits for its job's file, or runs the job in its own process if
+no lane has it (a run of that test alone): the test checks the same run either way; a lane
+that died first is a ``Run`` whose notes say so, with the lane's output. ``stop()`` (the
+session's end) stops a lane still running (SIGTERM to its group, SIGKILL after 10 s), reaps
+it and removes its folder.
 
 A job's ``Run`` holds what ran (exit status, output, notes); nothing here decides a pass.
 
@@ -23,17 +28,18 @@ A job's ``Run`` holds what ran (exit status, output, notes); nothing here decide
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import queue
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from hicache.engine import l3_master
 
@@ -49,8 +55,8 @@ RUN_TIMEOUT_S = 900.0
 
 @dataclass
 class Step:
-    """One command of a job: its exit status (None: killed at its timeout or by ``stop``)
-    and its stdout and stderr."""
+    """One command of a job: its exit status (None: killed at its timeout) and its stdout and
+    stderr."""
 
     rc: int | None
     out: str
@@ -66,35 +72,22 @@ class Run:
     want: int = 0
 
 
-_lock = threading.Lock()
-_queue: "queue.Queue[str | None]" = queue.Queue()
-_queued: dict[str, threading.Event] = {}
-_runs: dict[str, Run] = {}
-_lane: threading.Thread | None = None
-_proc: subprocess.Popen[str] | None = None
-_stopping = threading.Event()
+_lane: subprocess.Popen[bytes] | None = None
+_names: list[str] = []
+_folder: str | None = None  # the lane's folder (in the lane too: its jobs' scratch goes there)
 
 
 def _step(cmd: list[str], timeout: float, **kw: object) -> Step:
-    """Run ``cmd`` at ``NICE`` in its own process group (``stop`` kills it there); its
-    ``Step``."""
-    global _proc
-    if _stopping.is_set():
-        return Step(None, "", "the session ended before this ran")
-    p = subprocess.Popen(["nice", "-n", str(NICE), *cmd], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+    """Run ``cmd`` (in the lane's process group); its ``Step``."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          **kw)  # type: ignore[call-overload]
-    _proc = p
     try:
         out, err = p.communicate(timeout=timeout)
-        rc = p.returncode
+        return Step(p.returncode, out, err)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        p.kill()  # (its daemons exit with their parent)
         out, err = p.communicate()
-        rc, err = None, err + f"\n(killed at its {timeout:g} s timeout)"
-    finally:
-        _proc = None
-    return Step(rc if not _stopping.is_set() else None, out, err)
+        return Step(None, out, err + f"\n(killed at its {timeout:g} s timeout)")
 
 
 def _env() -> dict[str, str]:
@@ -113,7 +106,9 @@ def _sglang(run: Run) -> None:
         [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")])}
     store, args, run.want = None, [], SGLANG_INNER_TESTS
     if l3_master.mooncake_dir() is not None:
-        store = l3_master.LocalStore(segment="256MB").start()
+        store = l3_master.LocalStore(segment="256MB",
+                                     log_dir=tempfile.mkdtemp(prefix="hc-l3-", dir=_folder))
+        store.start()
         env["HICACHE_TEST_L3"] = json.dumps({"master": store.master_addr,
                                              "metadata": store.metadata_url,
                                              "python": sys.executable})
@@ -136,7 +131,7 @@ def _demo(args: list[str]) -> list[str]:
 
 
 def _l3_demo(run: Run) -> None:
-    with tempfile.TemporaryDirectory(prefix="hc-job-") as cwd:
+    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder) as cwd:
         run.steps.append(_step(_demo(["--requests", "24", "--device-pages", "48",
                                       "--host-pages", "96", "--mirror", "full",
                                       "--l3-routing", "alternate"]),
@@ -147,7 +142,7 @@ def _l3_demo(run: Run) -> None:
 
 
 def _l3_ckpt_demo(run: Run) -> None:
-    with tempfile.TemporaryDirectory(prefix="hc-job-") as cwd:
+    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder) as cwd:
         run.steps.append(_step(_demo(["--trace", str(TRACE), "--l3-conversations", "2",
                                       "--swa-mode", "paged", "--checkpoint-every", "8",
                                       "--pages-per-checkpoint", "8", "--device-pages", "768",
@@ -158,58 +153,88 @@ JOBS: dict[str, Callable[[Run], None]] = {"sglang": _sglang, "l3_demo": _l3_demo
                                           "l3_ckpt_demo": _l3_ckpt_demo}
 
 
-def _do(name: str) -> None:
-    run = _runs.setdefault(name, Run())
+def _do(name: str) -> Run:
+    run = Run()
     try:
         JOBS[name](run)
     except Exception as e:  # noqa: BLE001 - the test reports it
         run.notes.append(f"the job raised {type(e).__name__}: {e}")
+    return run
 
 
-def _serve() -> None:
-    while True:
-        name = _queue.get()
-        if name is None:
-            return
-        try:
-            _do(name)
-        finally:
-            _queued[name].set()
+def _from_json(d: dict[str, Any]) -> Run:
+    return Run([Step(**x) for x in d["steps"]], d["notes"], d["want"])
 
 
 def start(names: list[str]) -> None:
-    """Queue ``names`` (jobs of ``JOBS``) on the lane, starting it if needed."""
-    global _lane
-    with _lock:
-        for n in names:
-            if n not in _queued:
-                _queued[n] = threading.Event()
-                _queue.put(n)
-        if _lane is None and _queued:
-            _lane = threading.Thread(target=_serve, name="background-jobs", daemon=True)
-            _lane.start()
+    """Start the lane for ``names`` (jobs of ``JOBS``), once per session."""
+    global _lane, _folder
+    if _lane is not None or not names:
+        return
+    _folder = tempfile.mkdtemp(prefix="hc-jobs-")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests")] +
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    with open(os.path.join(_folder, "lane.log"), "wb") as log:
+        _lane = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, __file__, _folder,
+                                  *names], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
+                                 start_new_session=True)
+    _names[:] = names
 
 
 def result(name: str, timeout: float = SETUP_TIMEOUT_S + 3 * RUN_TIMEOUT_S) -> Run:
-    """Job ``name``'s ``Run`` once it ended: waited for when the lane has it, else run now."""
-    with _lock:
-        done = _queued.get(name)
-    if done is None:
-        _do(name)
-    elif not done.wait(timeout):
-        raise TimeoutError(f"background job {name} still runs after {timeout:g} s")
-    return _runs[name]
+    """Job ``name``'s ``Run`` once it ended: from the lane when it has the job, else run now."""
+    if _lane is None or _folder is None or name not in _names:
+        return _do(name)
+    path = os.path.join(_folder, f"{name}.json")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if _lane.poll() is not None and not os.path.exists(path):
+            with open(os.path.join(_folder, "lane.log"), "rb") as f:
+                tail = f.read().decode(errors="replace")[-4000:]
+            return Run(notes=[f"the lane exited (status {_lane.returncode}) before job {name} "
+                              f"ended; its output:\n{tail}"])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"background job {name} still runs after {timeout:g} s")
+        time.sleep(0.2)
+    with open(path) as f:
+        return _from_json(json.load(f))
 
 
 def stop() -> None:
-    """Kill a job still running (its process group) and end the lane."""
-    _stopping.set()
-    p = _proc
-    if p is not None and p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _queue.put(None)
+    """Stop a lane still running (its process group: SIGTERM, SIGKILL after 10 s), reap it
+    and remove its folder."""
+    global _lane
     if _lane is not None:
-        _lane.join(30)
+        if _lane.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(_lane.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    _lane.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+        _lane.wait()
+        _lane = None
+    if _folder is not None:
+        shutil.rmtree(_folder, ignore_errors=True)
+
+
+def _main(folder: str, names: list[str]) -> None:
+    """The lane: each job in turn, its ``Run`` written to ``folder/<name>.json`` (atomically)."""
+    global _folder
+    _folder = folder
+    for name in names:
+        run = _do(name)
+        tmp = os.path.join(folder, f".{name}.json")
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(run), f)
+        os.replace(tmp, os.path.join(folder, f"{name}.json"))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2:])

@@ -10,8 +10,8 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 ``shared_daemon`` is the same default daemon shared by a whole test module.
 
 The long subprocess runs of three tests (the SGLang adapter's inner suite, two L3 demos) start
-on one thread once collection selected those tests (and none is skipped), and run beside the
-main suite (``tests/background_jobs.py``); the session's end stops what is left of them.
+in one process of their own once collection selected those tests (and none is skipped), and run
+beside the main suite (``tests/background_jobs.py``); the session's end stops what is left.
 
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
