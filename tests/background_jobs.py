@@ -9,11 +9,10 @@ lowest CPU priority (``nice 19``: the main suite's processes, whose tests time t
 first when both want a core), in a process group of its own, which runs those jobs one after
 another and writes each job's ``Run`` as JSON into a private folder. A process, not a thread
 of pytest's: tests that count or reuse their own process's descriptors see none of the lane's.
-``result(name)`` (the test) waits for its job's file, or runs the job in its own process if
-no lane has it (a run of that test alone): the test checks the same run either way; a lane
-that died first is a ``Run`` whose notes say so, with the lane's output. ``stop()`` (the
-session's end) stops a lane still running (SIGTERM to its group, SIGKILL after 10 s), reaps
-it and removes its folder.
+``result(name)`` (the test) waits for its job's file; a lane that died first is a ``Run``
+whose notes say so, with the lane's output. ``stop()`` (the session's end) stops a lane still
+running (SIGTERM to its group, SIGKILL to what is left 10 s later), reaps it and removes its
+folder.
 
 A job's ``Run`` holds what ran (exit status, output, notes); nothing here decides a pass.
 
@@ -90,10 +89,11 @@ def _step(cmd: list[str], timeout: float, **kw: object) -> Step:
         return Step(None, out, err + f"\n(killed at its {timeout:g} s timeout)")
 
 
-def _env() -> dict[str, str]:
-    """This environment with this checkout first on ``PYTHONPATH``."""
+def _env(*first: Path) -> dict[str, str]:
+    """This environment with this checkout, then ``first``, first on ``PYTHONPATH``."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        [str(ROOT), *map(str, first)] +
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def _sglang(run: Run) -> None:
@@ -102,8 +102,7 @@ def _sglang(run: Run) -> None:
     run.steps.append(setup)
     if setup.rc != 0:
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "sglang")])}
+    env = _env(ROOT / "tests", ROOT / "tests" / "sglang")
     store, args, run.want = None, [], SGLANG_INNER_TESTS
     if l3_master.mooncake_dir() is not None:
         store = l3_master.LocalStore(segment="256MB",
@@ -172,9 +171,7 @@ def start(names: list[str]) -> None:
     if _lane is not None or not names:
         return
     _folder = tempfile.mkdtemp(prefix="hc-jobs-")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests")] +
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = _env(ROOT / "tests")
     with open(os.path.join(_folder, "lane.log"), "wb") as log:
         _lane = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, __file__, _folder,
                                   *names], stdout=log, stderr=subprocess.STDOUT,
@@ -184,9 +181,10 @@ def start(names: list[str]) -> None:
 
 
 def result(name: str, timeout: float = SETUP_TIMEOUT_S + 3 * RUN_TIMEOUT_S) -> Run:
-    """Job ``name``'s ``Run`` once it ended: from the lane when it has the job, else run now."""
+    """Job ``name``'s ``Run`` once the lane ended it."""
     if _lane is None or _folder is None or name not in _names:
-        return _do(name)
+        raise RuntimeError(f"no background lane runs job {name} (conftest starts one at "
+                           f"collection for the selected tests that no skipif skips)")
     path = os.path.join(_folder, f"{name}.json")
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -202,22 +200,38 @@ def result(name: str, timeout: float = SETUP_TIMEOUT_S + 3 * RUN_TIMEOUT_S) -> R
         return _from_json(json.load(f))
 
 
+def _group_left(group: int) -> list[int]:
+    """The live (not zombie) processes of process group ``group``."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == group and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except (OSError, psutil.Error):
+            pass
+    return left
+
+
 def stop() -> None:
-    """Stop a lane still running (its process group: SIGTERM, SIGKILL after 10 s), reap it
-    and remove its folder."""
+    """Stop a lane still running: its process group (the jobs' processes too) gets SIGTERM,
+    and SIGKILL what is left 10 s later; the lane is reaped and its folder removed."""
     global _lane
     if _lane is not None:
-        if _lane.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        group = _lane.pid
+        if _group_left(group):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
-                    os.killpg(_lane.pid, sig)
+                    os.killpg(group, sig)
                 except ProcessLookupError:
                     break
-                try:
-                    _lane.wait(wait)
+                deadline = time.monotonic() + 10.0
+                while _group_left(group) and time.monotonic() < deadline:
+                    _lane.poll()  # (reaps the lane once it exits)
+                    time.sleep(0.05)
+                if not _group_left(group):
                     break
-                except subprocess.TimeoutExpired:
-                    pass
         _lane.wait()
         _lane = None
     if _folder is not None:
