@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import Any
 
 import pytest
@@ -271,3 +272,29 @@ def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
             os.unlink(bind)
             assert "there is no socket file" in (gone_reason(address) or "")
     assert gone_reason("tcp://127.0.0.1:1") is None
+
+
+def test_a_reply_that_came_before_the_daemon_went_is_read_not_called_gone(daemon, monkeypatch):
+    """The daemon's last reply (e.g. to ``shutdown``) can arrive between the wait's last poll
+    and its check that the daemon went: the call read it as ``GoneMidCall`` ("whether it ran
+    the command is unknown", a CI run). What already arrived is read first now. Forced here:
+    the first poll of the wait reports nothing though the reply is in, and the check says
+    gone."""
+    from hicache.engine import client as client_mod
+
+    with daemon.client() as c:
+        c.heartbeat()
+        real = client_mod.Client._recv
+        polls = []
+
+        def recv(self, wait_ms):
+            polls.append(wait_ms)
+            if len(polls) == 1:
+                time.sleep(0.3)  # the reply arrives meanwhile; this poll "missed" it
+                return None
+            return real(self, wait_ms)
+
+        monkeypatch.setattr(client_mod.Client, "_recv", recv)
+        monkeypatch.setattr(client_mod.Client, "_gone", lambda self: "forced: gone")
+        assert c.heartbeat()["pid"] == daemon.proc.pid
+        assert polls[1] == 0  # read once more, without waiting, before calling it gone

@@ -430,11 +430,13 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                     raise NoReply(f"{cmd}: no reply from the hicache daemon at "
                                   f"{self.address} within {timeout:g} s")
                 why = self._gone()
-                if why is not None:
+                if why is None:
+                    continue
+                got = self._recv(0)  # what it sent before it went (its last reply) comes first
+                if got is None:
                     raise GoneMidCall(f"{cmd}: the hicache daemon at {self.address} went while "
                                       f"this call waited for its reply ({why}); whether it ran "
                                       f"the command is unknown", why)
-                continue
             h, arr = got
             if h.get("id") != rid:  # a push (it has no id), or a late reply to a call that
                 self._pushed(h)  # timed out: dropped, but for the acks it carries
