@@ -99,6 +99,27 @@ class SocketLock:
         mine = os.fstat(self.fd)
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) and mine.st_nlink > 0
 
+    def held(self) -> bool:
+        """Whether this daemon holds the lock at ``path`` now: the file it locked is still
+        there, or, when it was removed (a /tmp cleaner), a new one was created and locked
+        (False: it cannot be, or another daemon locked one meanwhile)."""
+        if self.fd < 0:
+            return False
+        if self._named():
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.close(self.fd)
+        self.fd = fd
+        return self._named()
+
     def release(self) -> None:
         if self.fd < 0:
             return
@@ -271,6 +292,8 @@ class Daemon:
             if cfg.sparse_rows:
                 self.state.sparse = _sparse_region(self.layout, cfg)
             self.server = Server(self.state, self.address, cfg.server_spin_us, curve)
+            if self.socket_lock is not None:  # a socket file removed while it runs: bound again
+                self.server.relock = self.socket_lock.held
             self.state.spin_us = cfg.server_spin_us
             self.state.allow_shutdown = cfg.allow_shutdown
             if cfg.l3 != "off":

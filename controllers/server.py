@@ -5,7 +5,8 @@ reply, up to ``BATCH``), deliver the acks of operations the engine completed (th
 the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
 timeout when that is shorter) reap clients silent for longer than the heartbeat timeout, up
 to the last time the loop had read every request that waited (``catch_up``: a loop that stood
-still reaps nobody for it), and refresh the gauges. Local clients may also send through a
+still reaps nobody for it), bind an ipc socket file removed meanwhile again (while the
+daemon holds the socket's lock), and refresh the gauges. Local clients may also send through a
 shared-memory channel (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
 sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
 socket one, its reply written to the channel's slot and sent over the socket too. While the
@@ -25,7 +26,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -157,6 +158,9 @@ class Server:
         self.ipc_path: str | None = None
         self.ipc_ino = -1
         self.ipc_lost = False  # its socket file was found removed or replaced (logged once)
+        # whether this daemon holds the socket's lock (taken again if its file was removed):
+        # the condition for binding a removed socket file again (``_check_socket_file``)
+        self.relock: Callable[[], bool] | None = None
         if address.startswith("ipc://"):
             self.ipc_path = address[len("ipc://"):]
             old = os.umask(0o177)  # the socket file is created 0600
@@ -467,18 +471,43 @@ class Server:
         st.refresh_gauges()
 
     def _check_socket_file(self) -> None:
-        """Log (once, until it is ours again) that this daemon's socket file was removed or
-        replaced while it ran (a /tmp cleaner): no new client can connect, though connected
-        ones still can; it said nothing before, and only a refused start gave it away."""
+        """A socket file removed while the daemon ran (a /tmp cleaner) is bound again, so new
+        clients can connect (connected ones never noticed): only while this daemon holds the
+        socket's lock (``relock``), so no other daemon can have taken the path. The old
+        listener stays (its file is gone; libzmq listens on both). A file that replaced it
+        (another process's) is left alone and logged once, until the path is ours again."""
+        path = self.ipc_path or ""
         try:
-            ours = os.lstat(self.ipc_path or "").st_ino == self.ipc_ino
+            ours = os.lstat(path).st_ino == self.ipc_ino
+            removed = False
+        except FileNotFoundError:
+            ours, removed = False, True
         except OSError:
-            ours = False
+            ours = removed = False
+        if removed and self.relock is not None and self.relock() and self._bind_again():
+            log.warning("the socket file %s was removed while this daemon ran (a /tmp "
+                        "cleaner?): bound it again; new clients can connect", path)
+            self.ipc_lost = False
+            return
         if not ours and not self.ipc_lost:
-            log.error("the socket file %s was removed or replaced while this daemon ran: no "
-                      "new client can connect to it (connected ones still can); restart the "
-                      "daemon", self.ipc_path)
+            log.error("the socket file %s was %s while this daemon ran: no new client can "
+                      "connect to it (connected ones still can); restart the daemon", path,
+                      "removed and cannot be bound again" if removed else "replaced")
         self.ipc_lost = not ours
+
+    def _bind_again(self) -> bool:
+        """Bind the ipc address once more (the socket file created 0600); False when the bind
+        fails (its folder was removed too: logged by the caller)."""
+        old = os.umask(0o177)
+        try:
+            self.sock.bind(self.address)
+            os.chmod(self.ipc_path or "", 0o600)
+            self.ipc_ino = os.lstat(self.ipc_path or "").st_ino
+        except (zmq.ZMQError, OSError):
+            return False
+        finally:
+            os.umask(old)
+        return True
 
     # ------------------------------------------------------------------ shutdown
     def refuse_pending(self) -> None:

@@ -12,7 +12,8 @@ of pytest's: tests that count or reuse their own process's descriptors see none 
 ``result(name)`` (the test) waits for its job's file; a lane that died first is a ``Run``
 whose notes say so, with the lane's output. ``stop()`` (the session's end) stops a lane still
 running (SIGTERM to its group, SIGKILL to what is left 10 s later), reaps it and removes its
-folder.
+folder. A lane whose pytest died without its session's end (SIGKILL, SIGTERM) stops its group
+the same way and removes its folder itself (``_main``).
 
 A job's ``Run`` holds what ran (exit status, output, notes); nothing here decides a pass.
 
@@ -50,6 +51,7 @@ SGLANG_INNER_TESTS = 22  # (the engine-restart test runs once per attach way); +
 NICE = 19  # the jobs take the cores the main suite leaves idle, not its timing tests' share
 SETUP_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 900.0
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -238,16 +240,80 @@ def stop() -> None:
         shutil.rmtree(_folder, ignore_errors=True)
 
 
+def _reap_children() -> None:
+    """Reap every child of this process that has exited (no wait)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _end_group() -> None:
+    """The lane's exit on SIGTERM: SIGTERM to the rest of its process group (its jobs'
+    processes), SIGKILL to what is left 10 s later, every exited child reaped."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    me, group = os.getpid(), os.getpgrp()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)  # (SIGKILL ends the lane too, once nothing else could)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            _reap_children()
+            if not [p for p in _group_left(group) if p != me]:
+                return
+            time.sleep(0.05)
+
+
+def _on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _main(folder: str, names: list[str]) -> None:
-    """The lane: each job in turn, its ``Run`` written to ``folder/<name>.json`` (atomically)."""
+    """The lane: each job in turn, its ``Run`` written to ``folder/<name>.json`` (atomically).
+    It stops with its parent (the pytest process): a pytest that dies without its session's
+    end (SIGKILL, SIGTERM) leaves no job running and no folder. On SIGTERM (``stop()``, or
+    the parent's death: the kernel's parent-death signal and a watchdog both send it) it ends
+    the rest of its group (``_end_group``) and, when its parent is gone, removes its folder.
+    It is its descendants' reaper (``PR_SET_CHILD_SUBREAPER``): a job's process orphaned by
+    its parent is reparented to the lane, which reaps it, not to a PID 1 that may not."""
     global _folder
     _folder = folder
-    for name in names:
-        run = _do(name)
-        tmp = os.path.join(folder, f".{name}.json")
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(run), f)
-        os.replace(tmp, os.path.join(folder, f"{name}.json"))
+    parent = os.getppid()
+    _subreaper()
+    signal.signal(signal.SIGTERM, _on_term)
+    from hicache.cli.lifecycle import exit_with_parent, signal_self
+
+    exit_with_parent(parent, signal_self(signal.SIGTERM))
+    try:
+        for name in names:
+            run = _do(name)
+            tmp = os.path.join(folder, f".{name}.json")
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(run), f)
+            os.replace(tmp, os.path.join(folder, f"{name}.json"))
+    except SystemExit:
+        _end_group()
+        if os.getppid() != parent:  # orphaned: nobody else removes the folder
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        _reap_children()
+
+
+def _subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux; elsewhere a no-op,
+    as orphans there go to an init that reaps)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,10 @@ def test_a_daemon_killed_mid_call_ends_the_wait_at_once(tmp_path):
     (e,) = got
     assert isinstance(e, GoneMidCall) and isinstance(e, DaemonGone) and isinstance(e, NoReply), e
     assert "went while this call waited for its reply" in str(e), e
-    assert "there is no socket file" in e.why, e.why
+    # (the daemon binds a removed socket file again at its next housekeeping, which may or
+    # may not have come between the SIGCONT and the second SIGSTOP)
+    assert "there is no socket file" in e.why or "its socket refuses connections" in e.why, \
+        e.why
     print(f"the wait ended {took - 0.5:.2f} s after the kill")
     assert took < 0.5 + 2 * GONE_CHECK_S + 1.0, took
 

@@ -104,7 +104,9 @@ def _no_socket(address: str) -> str | None:
 
         if socket_locked(path):  # (a /tmp cleaner removed it: the daemon serves nobody now)
             return (f"no socket at {path}, but a daemon holds its lock {path}.lock: its socket "
-                    f"file was removed while it ran, so no client can reach it; restart it")
+                    f"file was removed while it ran; a running daemon binds it again within "
+                    f"half a second, so one that has not is stopped or hung, or cannot bind "
+                    f"(its log says why); restart it")
         return f"no socket at {path} (is the daemon running?)"
     except OSError:  # a folder this user cannot search: let the probe say what it can
         return None
