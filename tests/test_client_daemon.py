@@ -700,6 +700,29 @@ def test_an_op_a_restarted_daemon_lost_is_said_at_the_first_poll():
         assert c.wait_ack(op, timeout=5).ok  # polled: this session's ack
 
 
+def test_a_bare_op_id_issued_before_registering_again_is_known_lost():
+    """``wait_ack`` of a bare op id (not an ``Op``) issued by a registration the daemon no
+    longer holds, asked after the client registered again: ``AckLost`` at the first poll. The
+    client compared the poll's session with its current one (the new registration's), so it
+    polled until its timeout and raised a plain ``AckTimeout``. An id it never saw issued is
+    taken as the current registration's, as before."""
+    from hicache.engine.acks import AckLost
+
+    with _lost_acks_client() as (d, pools, c):
+        first = c.register(pools)["session"]
+        host = c.alloc({"page": 2})
+        op_id = c.backup({"page": ([0, 1], host["page"])}).op_id
+        d.restart()
+        assert c.register(pools)["session"] != first
+        t0 = time.monotonic()
+        with pytest.raises(AckLost, match=f"op {op_id}: the daemon no longer holds"):
+            c.wait_ack(op_id, timeout=8)
+        assert time.monotonic() - t0 < 3  # the first poll, not the timeout
+        host = c.alloc({"page": 2})
+        op_id = c.backup({"page": ([0, 1], host["page"])}).op_id
+        assert c.wait_ack(op_id, timeout=5).ok  # this registration's: waited for as usual
+
+
 def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_factory):
     """``register`` tells the client the daemon's heartbeat timeout, so an idle engine calling
     ``maybe_heartbeat`` is not reaped under a timeout below its 3 s default interval (it was,

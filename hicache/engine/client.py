@@ -210,6 +210,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         self._issued: OrderedDict[int, int | None] = OrderedDict()
         self._failing: OrderedDict[int, None] = OrderedDict()  # loads a notice said failed
         self._session: str | None = None  # the daemon's session of this registration
+        # the session each op id was issued in (the newest ACK_KEEP): ``wait_ack`` of a bare id
+        self._op_sessions: OrderedDict[int, str | None] = OrderedDict()
         self.spin_us = WAIT_SPIN_US  # wait_layer: host spin before a stream wait
         self._spin_set = reply_spin_us  # None: chosen at register (GPU or not)
         self._reply_spin = (reply_spin_us or 0.0) * 1e-6
@@ -451,6 +453,8 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
                                      str(err.get("message", "")))
             if "ack" in h:
                 self._keep_ack(h["ack"])
+            if "op" in h:  # an op issued: by this registration (``wait_ack`` of a bare id)
+                self._issued_by(h["op"])
             return h, arr
 
     def _zmq_copy(self, rid: int, deadline: float) -> None:

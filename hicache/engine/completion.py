@@ -55,6 +55,7 @@ class Completion:
     _issued: OrderedDict[int, int | None]
     _failing: OrderedDict[int, None]
     _session: str | None  # the daemon's session of this client's registration (register's)
+    _op_sessions: OrderedDict[int, str | None]  # the session each op was issued in (newest)
     _load_events: list
     _layer_pos: dict
     stage_layers: list
@@ -134,6 +135,13 @@ class Completion:
         ms = DEFAULT_DEADLINE_MS if deadline_ms is None else deadline_ms
         return max(ms / 1000 + 1.0, self.timeout if timeout is None else check_timeout(timeout))
 
+    def _issued_by(self, op_id: int) -> None:
+        """``op_id`` was issued by the current registration (its session, for ``wait_ack`` of
+        a bare id after the client registered again)."""
+        self._op_sessions[op_id] = self._session
+        if len(self._op_sessions) > ACK_KEEP:
+            self._op_sessions.popitem(last=False)
+
     def _took(self, op_id: int) -> None:
         """``op_id``'s ack went to the caller: never again (the newest ``ACK_KEEP`` ids)."""
         self._taken[op_id] = None
@@ -206,9 +214,10 @@ class Completion:
 
     def _check_session(self, op: Op | int, op_id: int, h: Mapping[str, Any]) -> None:
         """``AckLost`` when the poll reply ``h`` comes from another session than the
-        registration that issued ``op`` (the ``Op``'s, or this client's for a bare id): the
-        daemon restarted or reaped this client, and the ack went with the state that held it."""
-        ours = op.session if isinstance(op, Op) else self._session
+        registration that issued ``op`` (the ``Op``'s; for a bare id, the one its reply came
+        to, or this client's current one for an id it did not see issued): the daemon
+        restarted or reaped this client, and the ack went with the state that held it."""
+        ours = op.session if isinstance(op, Op) else self._op_sessions.get(op_id, self._session)
         theirs = h.get("session")
         if ours is not None and theirs is not None and theirs != ours:
             raise AckLost(f"op {op_id}: the daemon no longer holds the registration that "
