@@ -135,3 +135,44 @@ def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_fact
         assert not link._beat.is_alive()
         with d.client(name="watch") as w:
             assert w.stats()["workers"] == 0
+
+
+def test_the_links_alloc_is_decided_by_its_own_count_and_a_daemon_short_of_it_stops(
+        daemon_factory) -> None:
+    """Every TP rank allocates on a daemon of its own, and SGLang reads ``None`` from ``alloc``
+    as memory pressure on that rank alone: a ``no_space`` on one rank put the ranks out of
+    step (an SGLang review). The link decides from its own count, which follows SGLang's calls
+    only (the same on every rank): too few free is ``None`` without a daemon call; a daemon
+    that refuses what the count says is free is ``OutOfStep``, an error that stops the
+    scheduler, and the link's count is unchanged."""
+    from types import SimpleNamespace
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.client import Client
+    from hicache.engine.device_pools import DevicePools
+    from hicache.engine.sglang.link import DaemonLink, OutOfStep
+
+    d = daemon_factory(metrics=False)
+    layout = build_layout(preset("dsv4-flash"))
+    with DevicePools(layout, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools:
+        client = Client(d.address, timeout=5.0, name="sglang-count")
+        h = client.register(pools)
+        link = DaemonLink(client, SimpleNamespace(layout=layout), h["host_rows"], None)
+        try:
+            cap = link.capacity("page")
+            rows = link.alloc("page", cap - 2)
+            assert rows is not None and link.free_rows("page") == 2
+            sent = client.sent
+            assert link.alloc("page", 3) is None and client.sent == sent  # not asked
+            with link.lock:
+                other = client.alloc({"page": 1})["page"]  # a row not counted by the link
+            with pytest.raises(OutOfStep, match=r"fewer free page rows than this SGLang worker "
+                                                r"was given \(2 asked, 2 free"):
+                link.alloc("page", 2)
+            assert link.free_rows("page") == 2
+            with link.lock:
+                client.free({"page": other})
+            assert link.alloc("page", 2) is not None and link.free_rows("page") == 0
+            assert link.free_all("page") == cap
+        finally:
+            link.close()

@@ -281,6 +281,20 @@ def test_a_storage_backend_is_refused_when_the_daemon_holds_the_host_tier(tmp_pa
         assert inst.links == []
 
 
+def test_a_storage_backend_attached_at_runtime_is_refused_too(tmp_path: Path) -> None:
+    """SGLang's runtime attach (``/attach_hicache_storage_backend``) bypassed the build-time
+    refusal: a backend other than ours attached, and its pages read the anchor pool's empty
+    pages (an SGLang review). The built controller now refuses it: SGLang's attach answers
+    with the adapter's line and enables nothing."""
+    with _installed(tmp_path) as (d, inst):
+        cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        ok, msg = cache.attach_storage_backend(storage_backend="file")
+        assert not ok and "keeps the host tier in its daemon: storage backend file cannot " \
+            "read its bytes" in msg, msg
+        assert not cache.enable_storage
+        assert inst.links[0].free_rows("page") == inst.links[0].capacity("page")
+
+
 def test_a_daemon_that_lost_the_worker_is_logged_once(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """The link's heartbeats ignored a reply saying the daemon no longer held the worker (a

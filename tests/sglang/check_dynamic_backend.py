@@ -251,6 +251,42 @@ def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> 
         d.close()
 
 
+def test_a_clear_does_not_wait_for_a_stalled_call(tmp_path: Path) -> None:
+    """SGLang calls the backend's ``clear`` on its scheduler thread; it waited for the
+    backend's lock, which a call whose daemon stopped answering holds until the daemon answers
+    (an SGLang review): the whole server stood still. It now waits at most the call timeout,
+    then refuses in one line; once the lock is free it clears."""
+    import threading
+
+    from hicache.engine.sglang.storage import StorageRefused
+
+    d = _daemon(tmp_path)
+    try:
+        with engine(d.address, hicache_timeout=1.0) as (backend, pools):
+            held, done = threading.Event(), threading.Event()
+
+            def stalled() -> None:  # as ``_fence`` holds it while the daemon is silent
+                with backend.lock:
+                    held.set()
+                    done.wait(10)
+
+            t = threading.Thread(target=stalled)
+            t.start()
+            held.wait(5)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(StorageRefused, match="clear: another call of this backend "
+                                                         "has waited over 1 s"):
+                    backend.clear()
+                assert 0.9 < time.monotonic() - t0 < 3
+            finally:
+                done.set()
+                t.join()
+            backend.clear()  # the lock is free: cleared
+    finally:
+        d.close()
+
+
 def test_hit_policies_and_refusals(tmp_path: Path) -> None:
     d = _daemon(tmp_path)
     try:

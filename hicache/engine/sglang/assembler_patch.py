@@ -14,7 +14,11 @@ the wrapper:
    ``DeepSeekV4StateHostPool`` replaced, for that call only, by the daemon-backed classes of
    ``host_pools.bind_host_pools``.
 
-Everything else (tree, controller, transfer engine, layer counters) is SGLang's. ``install``
+A storage backend is refused, at build time (``--hicache-storage-backend``) and at SGLang's
+runtime attach (the built controller's ``attach_storage_backend`` raises; SGLang answers the
+attach request with that line and changes nothing): the host bytes are in the daemon, where no
+SGLang storage backend can read them. Everything else (tree, controller, transfer engine,
+layer counters) is SGLang's. ``install``
 refuses any SGLang other than 0.5.23 (``version.check_sglang_version``) and returns an
 ``Installation`` whose ``links`` are the workers connected so far and whose ``uninstall()``
 restores the original builder.
@@ -73,6 +77,18 @@ def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, en
     raise LayoutError(f"SGLang stage [{start}, {end}) is none of the hicache stages {list(bounds)}")
 
 
+def _storage_refused(what: str, todo: str) -> ValueError:
+    return ValueError(f"hicache's SGLang adapter keeps the host tier in its daemon: {what} "
+                      f"cannot read its bytes; {todo} (the daemon's L3 is --l3 on hicache "
+                      f"serve)")
+
+
+def _refuse_attach(*args: Any, storage_backend: str = "", **kw: Any) -> None:
+    """The controller's ``attach_storage_backend`` while the adapter holds the host tier."""
+    raise _storage_refused(f"storage backend {storage_backend or '(unnamed)'}",
+                           "attach none to this server")
+
+
 def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | None = None,
             pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
             timeout: float = 5.0) -> Installation:
@@ -93,10 +109,8 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
         @functools.wraps(original)
         def build(*args: Any, **kw: Any) -> Any:
             if kw.get("storage_backend"):
-                raise ValueError(f"hicache's SGLang adapter keeps the host tier in its daemon: "
-                                 f"--hicache-storage-backend {kw['storage_backend']} cannot "
-                                 f"read its bytes; launch without it (the daemon's L3 is "
-                                 f"--l3 on hicache serve)")
+                raise _storage_refused(f"--hicache-storage-backend {kw['storage_backend']}",
+                                       "launch without it")
             kvcache = kw["kvcache"]
             rank = _pp_rank(spec, stage_list, kvcache.start_layer, kvcache.end_layer)
             layout = build_layout(spec, pp_size, rank, stage_list, swa_mode="paged",
@@ -125,6 +139,9 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                 raise
             finally:
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
+            # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as the
+            # flag is at build time: SGLang turns the raise into a failed reply, unchanged
+            stack[1].attach_storage_backend = _refuse_attach
             inst.links.append(link)
             return stack
 

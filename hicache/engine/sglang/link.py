@@ -14,7 +14,14 @@ unregistered again, when the daemon already serves another worker: one worker pe
   the daemon's mapping stays valid.
 
 Host rows: ``alloc(space, pages)`` / ``free(space, rows)`` forward to the daemon (it owns them),
-and the link keeps the set it holds: ``free_all(space)`` gives them all back (SGLang's
+and the link keeps the set it holds. Whether an ``alloc`` gets rows is decided here, from the
+link's own count (``free_rows``): None, without asking the daemon, when too few are free. That
+count follows SGLang's calls alone, which are the same on every TP rank, so every rank's
+outcome is the same; a daemon that refuses (``no_space``) what the count says is free holds
+fewer rows than the worker was given (restarted, or rows not this worker's), and that is
+``OutOfStep``, an error that stops the scheduler, never a None on this rank alone (SGLang
+would take it for memory pressure and put its ranks out of step). ``free_all(space)`` gives
+them all back ``free_all(space)`` gives them all back (SGLang's
 ``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row count.
 ``pool_global_layer(pool, local)`` turns a pool-local layer id into the global layer the
 daemon's per-layer events are indexed by.
@@ -58,6 +65,11 @@ log = logging.getLogger("hicache.sglang")
 ALIGN = 4096
 UNREGISTER_S = 2.0  # the longest the shutdown's unregister waits for the daemon
 BEAT_S = 1.0  # the longest a heartbeat waits for its reply (it holds the link's lock)
+
+
+class OutOfStep(HicacheError, RuntimeError):
+    """The daemon refused host rows the link counts free: this rank's allocations would no
+    longer match the other ranks' (see the module docstring)."""
 
 
 def _close(fd: int) -> None:
@@ -210,13 +222,22 @@ class DaemonLink:
             return self.host_rows[space] - len(self._held[space])
 
     def alloc(self, space: str, pages: int) -> list[int] | None:
-        """``pages`` host rows of ``space`` from the daemon, or None when it has too few."""
+        """``pages`` host rows of ``space`` from the daemon, or None when the link counts too
+        few free (the daemon is not asked); ``OutOfStep`` when the daemon has fewer."""
         with self.lock:
+            free = self.free_rows(space)
+            if free < pages:
+                return None
             try:
                 rows = self.client.alloc({space: pages})[space]
             except CommandRefused as e:
                 if e.code == "no_space":
-                    return None
+                    raise OutOfStep(f"hicache daemon at {self.client.address} has fewer free "
+                                    f"{space} rows than this SGLang worker was given ({pages} "
+                                    f"asked, {free} free by the worker's count; {e.message}): "
+                                    f"it is not this worker's alone, or it restarted; this "
+                                    f"rank would go out of step with the others, so it "
+                                    f"stops") from None
                 raise
             with self._held_lock:
                 self._held[space].update(int(r) for r in rows)

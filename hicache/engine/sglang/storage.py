@@ -395,8 +395,19 @@ class HicacheStorage(HiCacheStorage):
     get = set = batch_get = batch_set = _tensor_calls
 
     def clear(self) -> None:
-        with self.lock:
+        """``kv_clear`` of the namespace. SGLang calls it on its scheduler thread, so it waits
+        at most the call timeout for the backend's lock, which a call whose daemon stopped
+        answering holds until the daemon answers or is gone (``_fence``): ``StorageRefused``
+        then (SGLang's clear request fails; the whole server no longer waits)."""
+        if not self.lock.acquire(timeout=self.client.timeout):
+            raise StorageRefused(f"clear: another call of this backend has waited over "
+                                 f"{self.client.timeout:g} s for the hicache daemon at "
+                                 f"{self.client.address} (it does not answer); try again once "
+                                 f"it does")
+        try:
             n = self.client.kv_clear(self.namespace)
+        finally:
+            self.lock.release()
         log.info("cleared %d pages of namespace %s", n, self.namespace)
 
     def close(self) -> None:
