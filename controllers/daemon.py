@@ -28,7 +28,7 @@ import torch
 
 from hicache.core.channel import sweep_left_behind
 from hicache.core.addresses import url_host
-from hicache.core.config import ServeConfig
+from hicache.core.config import ServeConfig, metrics_listen, tp_note
 from hicache.core.errors import CapacityError, UsageError
 from hicache.core.version import __version__
 from hicache.host_pools.errors import PoolError
@@ -138,11 +138,12 @@ def remove_folders(folders: list[str]) -> None:
             return
 
 
-def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
+def _prepare_ipc(address: str, warnings: list[str]) -> tuple[list[str], SocketLock]:
     """Create the socket's directory (each folder made, 0700), take the socket's lock, and
     refuse a live socket or a path that is not a socket. Returns the folders this call created
     (deepest first: ``remove_folders`` takes them away again; a refusal here does), and the
-    lock."""
+    lock; what the operator should hear of (a folder open to others, a stale socket file
+    replaced) is added to ``warnings``."""
     path = address[len("ipc://"):]
     d = os.path.dirname(os.path.abspath(path))
     made: list[str] = []
@@ -161,19 +162,20 @@ def _prepare_ipc(address: str) -> tuple[list[str], SocketLock]:
         except OSError as e:
             raise UsageError(f"--socket {address}: cannot create the socket folder {d}: "
                              f"{e.strerror}") from None
-        return made, _take_socket(address, path, d, st)
+        return made, _take_socket(address, path, d, st, warnings)
     except BaseException:
         remove_folders(made)
         raise
 
 
-def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketLock:
+def _take_socket(address: str, path: str, d: str, st: os.stat_result,
+                 warnings: list[str]) -> SocketLock:
     """The checks of an existing socket folder ``d``, then the socket's lock and a stale
     socket file removed."""
     check_socket_folder(address, d, st)
     if st.st_mode & 0o077:
-        log.warning("socket directory %s is accessible by other users (mode %o); the socket "
-                    "itself is 0600", d, stat.S_IMODE(st.st_mode))
+        warnings.append(f"socket directory {d} is accessible by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}); the socket itself is 0600")
     lock = SocketLock(path, address)
     try:
         check_socket_file(address, path)  # again: the preflight's look may be old by now
@@ -181,6 +183,8 @@ def _take_socket(address: str, path: str, d: str, st: os.stat_result) -> SocketL
             if _answers(address):  # a daemon of a version without the lock
                 raise UsageError(f"another daemon already serves {address}")
             os.unlink(path)  # stale socket file of a dead daemon
+            warnings.append(f"replaced the stale socket file {path} (a daemon that did not "
+                            f"stop cleanly left it; nothing answered there)")
     except BaseException:
         lock.release()
         raise
@@ -227,7 +231,8 @@ class Daemon:
         sized = pre.sized
         self.layout, self.device_rows, self.rows = sized.layout, sized.device_rows, sized.host_rows
         self.sizing_source = sized.source
-        self.sizing_warnings = sized.warnings  # the planner's, printed by ``serve`` at start
+        # the planner's, then the socket's, printed by ``serve`` at start
+        self.start_warnings: list[str] = list(sized.warnings)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -242,7 +247,8 @@ class Daemon:
                 raise UsageError(f"--copy-engine: {e}") from None
         self.address = pre.address
         raise_fd_limit()
-        self.made_folders, self.socket_lock = _prepare_ipc(self.address) if pre.ipc else ([], None)
+        self.made_folders, self.socket_lock = _prepare_ipc(self.address, self.start_warnings) \
+            if pre.ipc else ([], None)
         try:
             self._bring_up(cfg, pre.numa, pre.curve)
         except BaseException:
@@ -259,8 +265,7 @@ class Daemon:
             try:
                 self.metrics_port = self.metrics.serve_http(cfg.metrics_port, cfg.metrics_addr)
             except OSError as e:
-                raise UsageError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
-                                 f"{cfg.metrics_addr}:{cfg.metrics_port}: {e.strerror}") from None
+                raise UsageError(f"{metrics_listen(cfg)}: {e.strerror}") from None
         # --- the host arena (mapped, touched, pinned)
         log.debug("host arena: %s for %s", format_bytes(arena_bytes(self.layout, self.rows)),
                  ", ".join(f"{s}={n}" for s, n in self.rows.items()))
@@ -363,7 +368,7 @@ class Daemon:
         lines = [
             f"hicache serve: {lay.model.name} stage {lay.stage.pp_rank}/{lay.stage.pp_size} "
             f"layers [{lay.stage.start}, {lay.stage.end}) swa={lay.swa_mode} "
-            f"c128_state={lay.c128_state} mtp={lay.mtp} on {self.device}",
+            f"c128_state={lay.c128_state} mtp={lay.mtp} on {self.device}{tp_note(self.cfg)}",
             f"  {'pool':<17}{'space':<10}{'layers':>7}{'row bytes':>11}{'host rows':>11}"
             f"{'host bytes':>13}",
         ]

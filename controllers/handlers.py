@@ -30,7 +30,7 @@ from . import copy_commands, kv_store, l3_handlers, sparse
 from .copy_commands import Reply, request_of, worker_of
 from .device_buffers import open_buffers, open_events
 from .ops import Ids
-from .registry import ClientState, Intake, RegisteredWorker
+from .registry import ClientState, Intake, RegisteredWorker, public_label
 from .state import DaemonState
 
 log = logging.getLogger("hicache.daemon")
@@ -335,11 +335,13 @@ def shutdown(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Repl
         if now - _refused_shutdown[0] >= REFUSAL_LOG_S:  # one line, not one per attempt
             _refused_shutdown[0] = now
             log.warning("shutdown asked by client %s: refused (no --allow-shutdown)",
-                        c.cid[:64])
+                        public_label(c.cid))
         raise ProtocolError("unsupported", "shutdown: this daemon does not take the shutdown "
                                            "command (start it with --allow-shutdown); stop it "
                                            "with SIGTERM")
-    log.warning("shutdown asked by client %s", c.cid[:64])
+    who = public_label(c.cid)  # (never its routing id: the client's credential)
+    log.warning("shutdown asked by client %s", who)
+    st.stopped_by = f"the shutdown command of client {who}"
     st.stopping = True
     return {"stopping": True}, []
 

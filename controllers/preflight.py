@@ -41,9 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.core.addresses import url_host
 from hicache.core.config import ServeConfig, Sizing, check_address, check_curve, default_socket, \
-    sizing
+    metrics_listen, sizing
 from hicache.core.errors import CapacityError, UsageError
 from hicache.core.sizes import arena_bytes, format_bytes, sparse_region_bytes
 from hicache.host_pools.memory import check_memory_for
@@ -75,8 +74,6 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
         try:
             _check_tcp_port(address)
         except UsageError as e:
-            if not check:
-                raise
             seen = _daemon_at(address, curve is not None)
             if seen is None:
                 raise
@@ -93,9 +90,7 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
                      f"checked (it holds memory of its own)")
     if cfg.metrics_port:
         try:
-            _probe_bind(cfg.metrics_addr, cfg.metrics_port,
-                        f"--metrics-port {cfg.metrics_port}: cannot listen on "
-                        f"{url_host(cfg.metrics_addr)}:{cfg.metrics_port}")
+            _probe_bind(cfg.metrics_addr, cfg.metrics_port, metrics_listen(cfg))
         except UsageError as e:
             if held is None:  # nothing serves the socket: another program has the port
                 raise

@@ -115,6 +115,7 @@ class DaemonState:
         self._op_ids = itertools.count(1 + secrets.randbits(OP_ID_BITS))
         self.ops: dict[int, tuple[Operation, ClientState]] = {}
         self.stopping = False
+        self.stopped_by: str | None = None  # what stopped it from inside (the shutdown command)
         self.spin_us = 0.0  # the server loop's busy-poll window (the daemon sets it; in stats)
         self.allow_shutdown = False  # the ``shutdown`` command is accepted (``--allow-shutdown``)
         self.wake_socket: Any = None  # core.channel.WakeSocket, made by the first channel command

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -500,9 +501,16 @@ def test_shutdown_command(daemon_factory):
     d = daemon_factory(metrics=False, extra=("--allow-shutdown",))
     with d.client(timeout=60) as c:  # (a loaded machine: it once timed out at 10 s)
         assert c.stats()["daemon"]["allow_shutdown"] is True
+        rid = c._sock.getsockopt(zmq.ROUTING_ID).decode()
         assert c.shutdown()["stopping"]
     d.proc.wait(60)
     assert d.proc.returncode == 0, d.output()[-3000:]
+    # said as what stopped it, as a signal is (a bare "stopped" before: operator review), by
+    # the client's public label, never its routing id (its credential)
+    (line,) = [x for x in d.output().splitlines() if x.startswith("hicache serve: stopped")]
+    assert re.fullmatch(r"hicache serve: stopped by the shutdown command of client "
+                        r"[^ ]*#[0-9a-f]{8}", line), line
+    assert rid not in d.output()
 
 
 def test_shutdown_refused_by_default(daemon_factory):

@@ -505,7 +505,7 @@ def test_every_socket_folder_the_daemon_makes_is_private(tmp_path):
 
     old = os.umask(0o022)
     try:
-        made, lock = _prepare_ipc(f"ipc://{tmp_path}/a/b/d.sock")
+        made, lock = _prepare_ipc(f"ipc://{tmp_path}/a/b/d.sock", [])
     finally:
         os.umask(old)
     try:
@@ -531,9 +531,10 @@ def test_a_socket_folder_another_daemon_makes_meanwhile_is_not_ours(tmp_path, mo
         return real(p, mode)
 
     monkeypatch.setattr(D.os, "mkdir", racing_mkdir)
-    made, lock = D._prepare_ipc(f"ipc://{shared}/cuda1.sock")
+    said: list[str] = []
+    made, lock = D._prepare_ipc(f"ipc://{shared}/cuda1.sock", said)
     lock.release()
-    assert made == []
+    assert made == [] and said == []
     D.remove_folders(made)
     assert os.path.isdir(shared)
 
@@ -744,6 +745,12 @@ def test_serve_check_refuses_what_a_start_refuses_and_names_a_running_daemon(tmp
         assert r.returncode == 0 and "the settings hold" in r.stdout, r
         assert f"--socket {tcp}: cannot bind" in r.stderr
         assert "a hicache daemon serves it" in r.stderr
+        # a real second start names the daemon too (it said a bare "Address already in use":
+        # operator review, fiftieth session)
+        r = hicache(*base, "--socket", tcp, "--allow-remote", "--host-ratio", "2")
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r
+        assert f"--socket {tcp}: cannot bind" in r.stderr and "a hicache daemon serves it" \
+            in r.stderr, r.stderr
     # a port another program holds fails the check as it fails a start; it passed with a note,
     # the memory unchecked (docs review), and then so did any ZMQ socket (diff review): a daemon
     # is one that answers a heartbeat
@@ -869,3 +876,68 @@ def test_a_cpu_daemon_by_default_on_a_gpu_host_is_warned(monkeypatch):
     monkeypatch.undo()  # the real count: none here, or hidden by CUDA_VISIBLE_DEVICES
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert serve.visible_gpus() == 0
+
+
+def test_operator_review_fiftieth_session(tmp_path, monkeypatch, capsys):
+    """An operator review's points: ``--tp-size`` was accepted and said nowhere (it sizes
+    nothing: MLA), so the check line and the summary say it; ``serve --check`` printed no
+    warning for a CPU daemon by default on a GPU host, which a start warns of; a space given
+    twice in ``--device-rows`` kept the last value; an unspecified ``--l3-local-host``
+    (``0.0.0.0``, ``::``), which no peer can connect to, was accepted."""
+    from hicache.cli import main, serve
+
+    sock = tmp_path / "d.sock"
+    base = ["serve", "--preset", "dsv4-tiny", "--device-rows", "page=8,swa_page=4,req_slot=4",
+            "--host-ratio", "2", "--socket", f"ipc://{sock}", "--check"]
+    monkeypatch.setattr(serve, "visible_gpus", lambda: 2)
+    assert main([*base, "--tp-size", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert "layers [0, 6) on cpu, TP 8 (one daemon per TP rank's GPU, each with the stage's " \
+           "full KV: rows do not depend on it); device rows page=8" in out, out
+    assert err == "hicache serve: warning: --device not given: serving in CPU mode, though 2 " \
+                  "CUDA device(s) are visible; a GPU's daemon takes --device cuda:N\n", err
+    assert main([*base, "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and ", TP" not in out
+    with pytest.raises(UsageError, match=r"bad value for --device-rows: page given twice "
+                                         r"\(8 and 9\)"):
+        load_config({"device_rows": "page=8,swa_page=4,page=9"}, env={})
+    l3 = {"preset": "dsv4-tiny", "device_rows": "page=8,swa_page=4,req_slot=4",
+          "host_ratio": "2", "l3": "mooncake", "l3_scope": "x@1", "l3_master": "127.0.0.1:5",
+          "l3_metadata": "P2PHANDSHAKE"}
+    for host in ("0.0.0.0", "::", "[::]"):
+        with pytest.raises(UsageError, match=f"--l3-local-host {re.escape(host)}: this is the "
+                                             f"address the store tells its peers"):
+            load_config({**l3, "l3_local_host": host}, env={})
+    assert load_config({**l3, "l3_local_host": "10.0.0.7"}, env={}).l3_local_host == "10.0.0.7"
+    # a metrics address that cannot be listened on was blamed on --metrics-port alone
+    r = hicache("serve", "--device", "cpu", *base[1:], "--metrics-port", str(free_port()),
+                "--metrics-addr", "notahost.invalid")
+    assert r.returncode == 2 and r.stderr.startswith(
+        "hicache serve: error: --metrics-addr notahost.invalid --metrics-port "), r.stderr
+    # shm_dirs were checked with access(), which says yes to root where no file can be made
+    if os.geteuid() == 0:
+        r = hicache("serve", "--device", "cpu", *base[1:], env={"HICACHE_SHM_DIRS": "/sys"})
+        assert r.returncode == 2 and "shm_dirs: /sys takes no new file" in r.stderr, r.stderr
+
+
+def test_the_socket_warnings_are_the_summary_s_warnings(tmp_path):
+    """A socket folder open to others was a timestamped log line, unlike every other start-up
+    warning (``hicache serve: warning: ...``), and a stale socket file of a killed daemon was
+    replaced without a word (operator review, fiftieth session): both are start-up warnings
+    now."""
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(open_dir / "d.sock"))  # a killed daemon's file: nothing listens
+    stale.close()
+    out = run_until_ready([sys.executable, "-m", "hicache.cli", "serve", "--device", "cpu",
+                           "--preset", "dsv4-tiny", "--device-rows",
+                           "page=8,swa_page=4,req_slot=4", "--host-ratio", "2", "--socket",
+                           f"ipc://{open_dir}/d.sock"], {})
+    assert f"hicache serve: warning: socket directory {open_dir} is accessible by other " \
+           f"users (mode 755); the socket itself is 0600\n" in out, out
+    assert f"hicache serve: warning: replaced the stale socket file {open_dir}/d.sock (a " \
+           f"daemon that did not stop cleanly left it; nothing answered there)\n" in out, out
+    assert "WARNING" not in out, out

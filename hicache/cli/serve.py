@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from hicache.cli.plan import negatives_as_values
-from hicache.core.config import BOOL_FIELDS, SETTINGS, default_text
+from hicache.core.config import BOOL_FIELDS, SETTINGS, default_text, tp_note
 from hicache.core.errors import UsageError
 
 
@@ -108,12 +108,13 @@ def check_only(cfg: Any) -> int:
             notes.append(f"L3: {what}: a daemon started now would serve with the L3 tier "
                          f"offline, retrying until it answers")
     print(f"hicache serve --check: the settings hold: {s.layout.model.name} stage "
-          f"{stage.pp_rank}/{stage.pp_size} layers [{stage.start}, {stage.end}) on {cfg.device}; "
+          f"{stage.pp_rank}/{stage.pp_size} layers [{stage.start}, {stage.end}) on {cfg.device}"
+          f"{tp_note(cfg)}; "
           f"device rows {', '.join(f'{k}={n}' for k, n in s.device_rows.items())} "
           f"({s.source}); host rows {', '.join(f'{k}={n}' for k, n in s.host_rows.items())}, "
           f"arena {format_bytes(arena_bytes(s.layout, s.host_rows))}{segment}; socket "
           f"{pre.address}; checked only when it starts: the device", flush=True)
-    for w in (*s.warnings, *notes):
+    for w in (*_device_warning(cfg), *s.warnings, *notes):
         print(f"hicache serve: warning: {w}", file=sys.stderr, flush=True)
     return 0
 
@@ -260,7 +261,7 @@ def serve(cfg: Any) -> int:
                 _say(daemon.summary())
                 # the planner's warnings for this stage, worded as `hicache plan` prints them;
                 # printed, not refused: the daemon mirrors whatever rows the engine has
-                for w in [*warnings, *daemon.sizing_warnings]:
+                for w in [*warnings, *daemon.start_warnings]:
                     _say(f"hicache serve: warning: {w}", err=True)
                 _say(f"hicache serve: {malloc}")
                 _say(f"hicache serve: {dumpable}")
@@ -274,5 +275,6 @@ def serve(cfg: Any) -> int:
             why += f": its parent process {cfg.parent_pid} exited"  # or the kernel's signal)
         _say(f"hicache serve: stopped {why}")
         return lifecycle.exit_code(got[0])
-    _say("hicache serve: stopped")
+    by = daemon.state.stopped_by
+    _say(f"hicache serve: stopped by {by}" if by else "hicache serve: stopped")
     return 0

@@ -25,6 +25,7 @@ import difflib
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping, NamedTuple
@@ -192,6 +193,8 @@ def parse_device_rows(v: Any) -> dict[str, int]:
             raise ValueError(f"rows for {k} must be an int, got {n!r}") from None
         if n <= 0:
             raise ValueError(f"rows for {k} must be positive, got {n}")
+        if k in out:
+            raise ValueError(f"{k} given twice ({out[k]} and {n})")
         out[k] = n
     return out
 
@@ -534,7 +537,14 @@ def check_shm_dirs(dirs: tuple[str, ...]) -> None:
         elif not os.access(d, os.W_OK | os.X_OK):
             why = "is not writable by this user"
         else:
-            continue
+            try:  # a file made and removed at once: access() says yes to root where none
+                fd, probe = tempfile.mkstemp(prefix=".hicache-check-", dir=d)  # can be (/sys)
+            except OSError as e:
+                why = f"takes no new file ({e.strerror})"
+            else:
+                os.close(fd)
+                os.unlink(probe)
+                continue
         raise UsageError(f"shm_dirs: {d} {why}: the daemon makes its wake-up socket there, "
                          f"and without it engines get no shared-memory channel")
 
@@ -632,6 +642,25 @@ def validate(cfg: ServeConfig) -> None:
             raise UsageError(f"--socket: {e}") from None
 
 
+def metrics_listen(cfg: ServeConfig) -> str:
+    """The start of a refusal of a metrics endpoint that cannot listen: the port, and the
+    address when one was given (either may be the cause)."""
+    from hicache.core.addresses import url_host
+
+    addr = f"--metrics-addr {cfg.metrics_addr} " if given(cfg, "metrics_addr") else ""
+    return (f"{addr}--metrics-port {cfg.metrics_port}: cannot listen on "
+            f"{url_host(cfg.metrics_addr)}:{cfg.metrics_port}")
+
+
+def tp_note(cfg: ServeConfig) -> str:
+    """The start-up summary's words for ``--tp-size`` ("" at 1): it sizes nothing (MLA: every
+    TP rank holds the stage's full KV, each rank's GPU has its own daemon), so it is said."""
+    if cfg.tp_size == 1:
+        return ""
+    return (f", TP {cfg.tp_size} (one daemon per TP rank's GPU, each with the stage's full KV: "
+            f"rows do not depend on it)")
+
+
 def given(cfg: ServeConfig, name: str) -> bool:
     """Whether setting ``name`` counts as given where a check asks: away from its default
     (from any source), or typed on the command line even at its default. A settings file or a
@@ -669,6 +698,17 @@ def _refuse_unused(cfg: ServeConfig) -> None:
                if given(cfg, n)]
         if off:
             raise UsageError(f"{', '.join(off)} given but --l3 is off (add --l3 mooncake)")
+
+
+def _unspecified(host: str) -> bool:
+    """Whether ``host`` is an unspecified address (``0.0.0.0``, ``::``): one to bind, never one
+    a peer can connect to."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def _ipv6_loopback(host: str) -> bool:
@@ -720,6 +760,11 @@ def _validate_l3(cfg: ServeConfig) -> None:
         raise UsageError(f"--l3-protocol must be 'tcp' or 'rdma', got {cfg.l3_protocol!r}")
     if given(cfg, "l3_rdma_devices") and cfg.l3_protocol != "rdma":
         raise UsageError("--l3-rdma-devices applies to --l3-protocol rdma only")
+    if _unspecified(cfg.l3_local_host):
+        raise UsageError(f"--l3-local-host {cfg.l3_local_host}: this is the address the store "
+                         f"tells its peers to connect to, and no peer can connect to an "
+                         f"unspecified address; give this node's address (127.0.0.1 for a "
+                         f"loopback store)")
     if _ipv6_loopback(cfg.l3_local_host):
         # Mooncake's listeners would bind every interface: the bind shim binds IPv4 loopback
         raise UsageError(f"--l3-local-host {cfg.l3_local_host}: Mooncake's listeners cannot "
