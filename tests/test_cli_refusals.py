@@ -484,6 +484,12 @@ def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkey
         f"config file {bad})")
     assert "give one of --socket" in one_line_exit_2(
         ["stats", "--config-file", str(bad), "--device", "cpu"], capsys)
+    # a key serve refuses (``sockte``) was read past, and stats asked the default socket
+    typo = tmp_path / "typo.toml"
+    typo.write_text(f'sockte = "ipc://{tmp_path}/d.sock"\n')
+    assert one_line_exit_2(["stats", "--config-file", str(typo)], capsys) == (
+        f"hicache stats: error: config file {typo}: unknown setting 'sockte' (did you mean "
+        f"'socket'?); docs/config.md lists the settings")
     # a file that gives only a device: still the default socket, with the hint about it
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert main(["stats", "--config-file", str(dev)]) == 1

@@ -257,7 +257,8 @@ def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
     """``gone_reason`` (what a client asks once its daemon answered it) on each kind of ipc
     address: a socket that listens is not gone (None), one that refuses is named, and so is
     a missing file; ``ipc://@name`` is probed in the abstract namespace, never as a file
-    called "@name"; tcp is not probed."""
+    called "@name"; a loopback tcp port that refuses is named (since the fiftieth session),
+    one that listens is not; other tcp addresses are not probed."""
     import socket
 
     from hicache.engine.client import gone_reason
@@ -274,7 +275,12 @@ def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
         if not bind.startswith("\0"):
             os.unlink(bind)
             assert "there is no socket file" in (gone_reason(address) or "")
-    assert gone_reason("tcp://127.0.0.1:1") is None
+    assert "nothing listens on port 1" in (gone_reason("tcp://127.0.0.1:1") or "")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        assert gone_reason(f"tcp://127.0.0.1:{s.getsockname()[1]}") is None
+    assert gone_reason("tcp://192.0.2.1:1") is None  # not loopback: not probed
 
 
 def test_a_reply_that_came_before_the_daemon_went_is_read_not_called_gone(daemon, monkeypatch):

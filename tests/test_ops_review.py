@@ -313,6 +313,26 @@ def test_stats_on_a_socket_that_does_not_answer_still_waits(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == [f"hicache stats: no daemon on ipc://{path}: its socket refuses connections: "
                    f"the daemon that made it is gone"]
+    # a loopback tcp port: the same (it waited the whole timeout for a port that refused at
+    # once: operator review, fiftieth session); one that accepts and never answers is waited for
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        assert main(["stats", "--socket", f"tcp://127.0.0.1:{port}", "--timeout", "5"]) == 1
+        assert time.monotonic() - t0 < 2
+        s.listen(8)
+        t0 = time.monotonic()
+        assert main(["stats", "--socket", f"tcp://127.0.0.1:{port}", "--timeout", "0.5"]) == 1
+        assert time.monotonic() - t0 >= 0.45
+    finally:
+        s.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"hicache stats: no daemon on tcp://127.0.0.1:{port}: nothing listens on " \
+                     f"port {port}: no daemon runs there", err
+    assert err[1].startswith(f"hicache stats: no daemon answered on tcp://127.0.0.1:{port} "
+                             f"within 0.5 s"), err
 
 
 def test_stats_help_shows_the_timeout_default(capsys):

@@ -412,7 +412,8 @@ def served_address(config_file: str | None = None,
     ``HICACHE_CONFIG_FILE``) and then ``HICACHE_SOCKET`` / ``HICACHE_DEVICE``, which win, as
     ``serve`` merges them. A value ``serve`` would refuse (an empty socket, a device that is not
     ``cpu`` or ``cuda:N``) is a ``UsageError`` naming where it came from, not another socket to
-    wait on. Only these two settings are read."""
+    wait on. Only these two settings are read; a key ``serve`` does not know is refused as
+    ``serve`` refuses it."""
     return served_socket(config_file, env)[0]
 
 
@@ -424,6 +425,10 @@ def served_socket(config_file: str | None = None,
     path = config_file or env.get("HICACHE_CONFIG_FILE")
     data = _read_toml(path, "--config-file" if config_file else "HICACHE_CONFIG_FILE") \
         if path else {}
+    for key, v in data.items():  # a misspelled key (``sockte``) is refused as ``serve`` does
+        if key.replace("-", "_") not in FIELDS and key != "config":
+            raise UsageError(f"config file {path}: {_unknown_key(key, v)}")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
     found: dict[str, tuple[Any, str]] = {k: (data[k], f"{k} in config file {path}")
                                          for k in ("socket", "device") if k in data}
     for k in ("socket", "device"):

@@ -90,13 +90,30 @@ def _local(address: str) -> bool:
     return address.startswith("ipc://") or address.startswith(_LOOPBACK)
 
 
+def _tcp_refused(address: str) -> str | None:
+    """Why nothing serves loopback ``address``: its port refuses connections (a loopback
+    refusal is immediate); None when it accepts, or the probe cannot tell within 0.2 s."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+            return None
+    except ConnectionRefusedError:
+        return f"nothing listens on port {port}: no daemon runs there"
+    except (OSError, ValueError):
+        return None
+
+
 def gone_reason(address: str) -> str | None:
     """Why the daemon at ``address`` is certainly not there now, for a client with no live
     connection to it: an ``ipc://`` socket file that refuses connections (its daemon died, or
     closed it after its loop ended), or no socket file (it stopped, or never started). None
-    otherwise: it is busy (a full backlog), or the address is tcp (not probed). A ``Client``
-    asks only once a daemon answered it (a new one waits for a daemon that may be starting
-    over a crashed one's socket); ``hicache stats`` asks first."""
+    otherwise: it is busy (a full backlog), or the address is tcp and not loopback (not
+    probed). A loopback tcp address is probed too: a refused connection (nothing listens on
+    that port) is a daemon gone. A ``Client`` asks only once a daemon answered it (a new one
+    waits for a daemon that may be starting over a crashed one's socket); ``hicache stats``
+    asks first."""
+    if address.startswith(_LOOPBACK):
+        return _tcp_refused(address)
     if not address.startswith("ipc://"):
         return None
     path = address[len("ipc://"):]
