@@ -105,20 +105,23 @@ class SocketLock:
         (False: it cannot be, or another daemon locked one meanwhile)."""
         if self.fd < 0:
             return False
-        if self._named():
-            return True
         try:
+            if self._named():
+                return True
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
+        except OSError:  # (its folder went too, or changed under it)
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # another daemon holds it (or the file system refuses locks)
             os.close(fd)
             return False
         os.close(self.fd)
         self.fd = fd
-        return self._named()
+        try:
+            return self._named()
+        except OSError:
+            return False
 
     def release(self) -> None:
         if self.fd < 0:

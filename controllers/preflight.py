@@ -32,6 +32,7 @@ port taken then (that daemon's, presumably), and skips the memory check (that da
 memory a restart would free)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -73,7 +74,7 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
     if not ipc:
         try:
             _check_tcp_port(address)
-        except UsageError as e:
+        except PortInUse as e:  # (another failure, such as an address not of this host: as is)
             seen = _daemon_at(address, curve is not None)
             if seen is None:
                 raise
@@ -91,7 +92,7 @@ def preflight(cfg: ServeConfig, check: bool = False) -> Preflight:
     if cfg.metrics_port:
         try:
             _probe_bind(cfg.metrics_addr, cfg.metrics_port, metrics_listen(cfg))
-        except UsageError as e:
+        except PortInUse as e:
             if held is None:  # nothing serves the socket: another program has the port
                 raise
             notes.append(f"{e} (the daemon on {address} serves its metrics there, presumably)")
@@ -176,15 +177,21 @@ def check_socket_file(address: str, path: str) -> None:
                          "another path")
 
 
+class PortInUse(UsageError):
+    """A probe bind found the port taken (by a daemon, perhaps: ``_daemon_at`` asks)."""
+
+
 def _probe_bind(host: str, port: int, what: str) -> None:
-    """``host:port`` must be free to bind (a probe bind, released at once)."""
+    """``host:port`` must be free to bind (a probe bind, released at once); ``PortInUse``
+    when something holds it, ``UsageError`` for any other failure."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host.strip("[]"), int(port)))
         except OSError as e:
-            raise UsageError(f"{what}: {e.strerror}") from None
+            kind = PortInUse if e.errno == errno.EADDRINUSE else UsageError
+            raise kind(f"{what}: {e.strerror}") from None
 
 
 def _check_memory(cfg: ServeConfig, sized: Sizing) -> None:

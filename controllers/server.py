@@ -496,17 +496,21 @@ class Server:
         self.ipc_lost = not ours
 
     def _bind_again(self) -> bool:
-        """Bind the ipc address once more (the socket file created 0600); False when the bind
+        """Bind the ipc address once more, the socket file then made 0600 (the umask is not
+        changed at run time: it is the whole process's; until the chmod the file has the
+        umask's mode, which gives no other user the write permission a connection needs
+        under the usual 022, and the daemon's socket folder is 0700); False when the bind
         fails (its folder was removed too: logged by the caller)."""
-        old = os.umask(0o177)
+        path = self.ipc_path or ""
         try:
             self.sock.bind(self.address)
-            os.chmod(self.ipc_path or "", 0o600)
-            self.ipc_ino = os.lstat(self.ipc_path or "").st_ino
-        except (zmq.ZMQError, OSError):
+        except zmq.ZMQError:
             return False
-        finally:
-            os.umask(old)
+        try:
+            self.ipc_ino = os.lstat(path).st_ino
+            os.chmod(path, 0o600)
+        except OSError as e:  # bound all the same: it serves, and is ours to remove
+            log.warning("the socket file %s, bound again: %s", path, e)
         return True
 
     # ------------------------------------------------------------------ shutdown

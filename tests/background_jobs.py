@@ -132,7 +132,8 @@ def _demo(args: list[str]) -> list[str]:
 
 
 def _l3_demo(run: Run) -> None:
-    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder) as cwd:
+    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder,
+                                     ignore_cleanup_errors=True) as cwd:
         run.steps.append(_step(_demo(["--requests", "24", "--device-pages", "48",
                                       "--host-pages", "96", "--mirror", "full",
                                       "--l3-routing", "alternate"]),
@@ -143,15 +144,25 @@ def _l3_demo(run: Run) -> None:
 
 
 def _l3_ckpt_demo(run: Run) -> None:
-    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder) as cwd:
+    with tempfile.TemporaryDirectory(prefix="hc-job-", dir=_folder,
+                                     ignore_cleanup_errors=True) as cwd:
         run.steps.append(_step(_demo(["--trace", str(TRACE), "--l3-conversations", "2",
                                       "--swa-mode", "paged", "--checkpoint-every", "8",
                                       "--pages-per-checkpoint", "8", "--device-pages", "768",
                                       "--host-pages", "96"]), 400, env=_env(), cwd=cwd))
 
 
+def _sleep(run: Run) -> None:  # (the lane's own test: a job that runs a while)
+    run.steps.append(_step(["sleep", "60"], 70))
+
+
+def _quick(run: Run) -> None:  # (the lane's own test: a job that ends at once)
+    run.steps.append(_step(["true"], 10))
+
+
 JOBS: dict[str, Callable[[Run], None]] = {"sglang": _sglang, "l3_demo": _l3_demo,
-                                          "l3_ckpt_demo": _l3_ckpt_demo}
+                                          "l3_ckpt_demo": _l3_ckpt_demo, "sleep": _sleep,
+                                          "quick": _quick}
 
 
 def _do(name: str) -> Run:
@@ -176,7 +187,8 @@ def start(names: list[str]) -> None:
     env = _env(ROOT / "tests")
     with open(os.path.join(_folder, "lane.log"), "wb") as log:
         _lane = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, __file__, _folder,
-                                  *names], stdout=log, stderr=subprocess.STDOUT,
+                                  str(os.getpid()), *names], stdout=log,
+                                 stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
                                  start_new_session=True)
     _names[:] = names
@@ -252,43 +264,55 @@ def _reap_children() -> None:
 
 
 def _end_group() -> None:
-    """The lane's exit on SIGTERM: SIGTERM to the rest of its process group (its jobs'
-    processes), SIGKILL to what is left 10 s later, every exited child reaped."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Stop the rest of the lane's process group (its jobs' processes): SIGTERM, then SIGKILL
+    to each one left 10 s later (never the lane itself), every exited child reaped."""
     me, group = os.getpid(), os.getpgrp()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(group, sig)  # (SIGKILL ends the lane too, once nothing else could)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
+    try:
+        os.killpg(group, signal.SIGTERM)  # (the lane ignores it by now)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGKILL, 10.0), (None, 5.0)):
+        deadline = time.monotonic() + wait
+        while True:
             _reap_children()
-            if not [p for p in _group_left(group) if p != me]:
-                return
+            left = [p for p in _group_left(group) if p != me]
+            if not left or time.monotonic() > deadline:
+                break
             time.sleep(0.05)
+        if not left or sig is None:
+            return
+        for p in left:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _on_term(signum: int, frame: Any) -> None:
+    """SIGTERM (``stop()``, or the parent's death: its death signal and the watchdog may both
+    send one): the jobs' processes are stopped first, so the clean-up that unwinds after
+    (their folders, a Mooncake master's close) never runs under live processes."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_group()
     raise SystemExit(128 + signum)
 
 
-def _main(folder: str, names: list[str]) -> None:
-    """The lane: each job in turn, its ``Run`` written to ``folder/<name>.json`` (atomically).
-    It stops with its parent (the pytest process): a pytest that dies without its session's
-    end (SIGKILL, SIGTERM) leaves no job running and no folder. On SIGTERM (``stop()``, or
-    the parent's death: the kernel's parent-death signal and a watchdog both send it) it ends
-    the rest of its group (``_end_group``) and, when its parent is gone, removes its folder.
-    It is its descendants' reaper (``PR_SET_CHILD_SUBREAPER``): a job's process orphaned by
-    its parent is reparented to the lane, which reaps it, not to a PID 1 that may not."""
+def _main(folder: str, parent: int, names: list[str]) -> None:
+    """The lane: each job in turn, its ``Run`` written to ``folder/<name>.json`` (atomically),
+    then it waits for the session's end. It stops with its parent (the pytest process, whose
+    pid it is given): a pytest that dies without its session's end (SIGKILL, SIGTERM), while
+    a job runs or after, leaves no job running and no folder. On SIGTERM (``stop()``, or the
+    parent's death: the kernel's parent-death signal and a watchdog send it) it ends the rest
+    of its group (``_end_group``), then, when its parent is gone, removes its folder. It is
+    its descendants' reaper (``PR_SET_CHILD_SUBREAPER``): a job's process orphaned by its
+    parent is reparented to the lane, which reaps it, not to a PID 1 that may not."""
     global _folder
     _folder = folder
-    parent = os.getppid()
     _subreaper()
     signal.signal(signal.SIGTERM, _on_term)
     from hicache.cli.lifecycle import exit_with_parent, signal_self
 
-    exit_with_parent(parent, signal_self(signal.SIGTERM))
+    exit_with_parent(parent, signal_self(signal.SIGTERM))  # (a parent gone already: at once)
     try:
         for name in names:
             run = _do(name)
@@ -296,13 +320,12 @@ def _main(folder: str, names: list[str]) -> None:
             with open(tmp, "w") as f:
                 json.dump(dataclasses.asdict(run), f)
             os.replace(tmp, os.path.join(folder, f"{name}.json"))
-    except SystemExit:
-        _end_group()
-        if os.getppid() != parent:  # orphaned: nobody else removes the folder
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
+        while True:  # until ``stop()`` or the parent's death
+            signal.pause()
     finally:
         _reap_children()
+        if os.getppid() != parent:  # orphaned: nobody else removes the folder
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _subreaper() -> None:
@@ -317,4 +340,4 @@ def _subreaper() -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2:])
+    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

@@ -490,6 +490,8 @@ def test_stats_finds_the_daemon_its_settings_file_names(tmp_path, capsys, monkey
     assert one_line_exit_2(["stats", "--config-file", str(typo)], capsys) == (
         f"hicache stats: error: config file {typo}: unknown setting 'sockte' (did you mean "
         f"'socket'?); docs/config.md lists the settings")
+    # an engine's client reads past it (its hicache may be older than the daemon's)
+    assert served_address(str(typo)) == default_socket("cpu")
     # a file that gives only a device: still the default socket, with the hint about it
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert main(["stats", "--config-file", str(dev)]) == 1

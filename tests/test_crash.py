@@ -275,11 +275,13 @@ def test_gone_reason_probes_files_and_abstract_sockets(tmp_path):
         if not bind.startswith("\0"):
             os.unlink(bind)
             assert "there is no socket file" in (gone_reason(address) or "")
-    assert "nothing listens on port 1" in (gone_reason("tcp://127.0.0.1:1") or "")
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))  # bound, not listening: its port refuses
+        port = s.getsockname()[1]
+        assert f"nothing listens on port {port}" in \
+            (gone_reason(f"tcp://127.0.0.1:{port}") or "")
         s.listen(4)
-        assert gone_reason(f"tcp://127.0.0.1:{s.getsockname()[1]}") is None
+        assert gone_reason(f"tcp://127.0.0.1:{port}") is None
     assert gone_reason("tcp://192.0.2.1:1") is None  # not loopback: not probed
 
 

@@ -912,11 +912,23 @@ def test_operator_review_fiftieth_session(tmp_path, monkeypatch, capsys):
     assert load_config({**l3, "l3_local_host": "10.0.0.7"}, env={}).l3_local_host == "10.0.0.7"
     # a metrics address that cannot be listened on was blamed on --metrics-port alone
     r = hicache("serve", "--device", "cpu", *base[1:], "--metrics-port", str(free_port()),
-                "--metrics-addr", "notahost.invalid")
+                "--metrics-addr", "192.0.2.55")  # (TEST-NET-1: no host has it)
     assert r.returncode == 2 and r.stderr.startswith(
-        "hicache serve: error: --metrics-addr notahost.invalid --metrics-port "), r.stderr
+        "hicache serve: error: --metrics-addr 192.0.2.55 --metrics-port "), r.stderr
     # shm_dirs were checked with access(), which says yes to root where no file can be made
-    if os.geteuid() == 0:
+    from hicache.core import config as C
+
+    def no_file(*a: Any, **k: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(C.tempfile, "mkstemp", no_file)
+    with pytest.raises(UsageError, match=f"shm_dirs: {tmp_path} takes no new file "
+                                         f"\\(Permission denied\\)"):
+        C.check_shm_dirs((str(tmp_path),))
+    monkeypatch.undo()
+    C.check_shm_dirs((str(tmp_path),))  # a folder that takes files: passes, nothing left
+    assert list(tmp_path.iterdir()) == []
+    if os.geteuid() == 0:  # the real case: root, whom access() tells /sys is writable
         r = hicache("serve", "--device", "cpu", *base[1:], env={"HICACHE_SHM_DIRS": "/sys"})
         assert r.returncode == 2 and "shm_dirs: /sys takes no new file" in r.stderr, r.stderr
 

@@ -176,3 +176,65 @@ def test_the_links_alloc_is_decided_by_its_own_count_and_a_daemon_short_of_it_st
             assert link.free_all("page") == cap
         finally:
             link.close()
+
+
+def test_a_no_space_while_a_deferred_free_may_be_pending_waits_for_it() -> None:
+    """The daemon defers the free of a row an operation still uses, while the link counts it
+    free at once: an ``alloc`` in between met ``no_space`` and stopped the server (a diff
+    review). With a deferred free pending the link waits (within the call timeout) until the
+    daemon says none of the worker's operations runs, then asks once more; only a refusal
+    after that, or one with no deferral pending, is ``OutOfStep``. (A stand-in client: the
+    CPU daemon's copies end too soon to hold a free deferred on purpose.)"""
+    import threading
+
+    from hicache.engine.client import CommandRefused
+    from hicache.engine.sglang.link import DaemonLink, OutOfStep
+
+    class Daemon:
+        timeout, address = 0.3, "ipc:///stand-in"
+
+        def __init__(self) -> None:
+            self.room, self.in_flight_for, self.polls, self.allocs = 0, 2, 0, 0
+            self.daemon_in_flight = 1
+
+        def free(self, rows: dict) -> dict:
+            return {"freed": 0, "deferred": True}
+
+        def alloc(self, counts: dict) -> dict:
+            self.allocs += 1
+            if self.room < counts["page"]:
+                raise CommandRefused("alloc", "no_space", "0 page rows free")
+            return {"page": list(range(100, 100 + counts["page"]))}
+
+        def poll_acks(self, ops: list | None = None) -> list:
+            assert ops == []  # takes no ack the host pools wait for
+            self.polls += 1
+            if self.polls >= self.in_flight_for:  # the operation ended: the rows are back
+                self.daemon_in_flight, self.room = 0, 8
+            return []
+
+    def link(d: Daemon) -> DaemonLink:
+        ln = DaemonLink.__new__(DaemonLink)
+        ln.client, ln.host_rows, ln.lock = d, {"page": 4}, threading.RLock()
+        ln._held, ln._held_lock, ln._deferred = {"page": {0, 1, 2, 3}}, threading.Lock(), False
+        return ln
+
+    d = Daemon()
+    ln = link(d)
+    ln.free("page", [0, 1])
+    assert ln.free_rows("page") == 2 and ln._deferred
+    assert ln.alloc("page", 2) == [100, 101]  # waited for the operation, asked again
+    assert (d.allocs, d.polls, ln._deferred) == (2, 2, False)
+    d = Daemon()
+    d.in_flight_for = 10**9  # the operation outlasts the call timeout
+    ln = link(d)
+    ln.free("page", [0, 1])
+    with pytest.raises(OutOfStep, match="fewer free page rows"):
+        ln.alloc("page", 2)
+    assert d.allocs == 2 and d.polls > 1 and ln.free_rows("page") == 2
+    d = Daemon()
+    ln = link(d)
+    ln._held["page"] = {0, 1}  # no deferral pending: refused at once, nothing polled
+    with pytest.raises(OutOfStep):
+        ln.alloc("page", 2)
+    assert (d.allocs, d.polls) == (1, 0)

@@ -104,9 +104,9 @@ def _no_socket(address: str) -> str | None:
 
         if socket_locked(path):  # (a /tmp cleaner removed it: the daemon serves nobody now)
             return (f"no socket at {path}, but a daemon holds its lock {path}.lock: its socket "
-                    f"file was removed while it ran; a running daemon binds it again within "
-                    f"half a second, so one that has not is stopped or hung, or cannot bind "
-                    f"(its log says why); restart it")
+                    f"file was removed while it ran; a running daemon binds it again at its "
+                    f"next housekeeping (every half second), so one that has not is stopped "
+                    f"or hung, or cannot bind (its log says why); restart it")
         return f"no socket at {path} (is the daemon running?)"
     except OSError:  # a folder this user cannot search: let the probe say what it can
         return None
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache.core.addresses import check_address
     from hicache.core.config import check_device, default_socket, served_socket
     from hicache.engine.acks import CommandRefused, DaemonUnreachable
-    from hicache.engine.client import Client, gone_reason
+    from hicache.engine.client import Client, curve_keys, gone_reason
 
     if not 0 < args.timeout <= TIMEOUT_MAX_S:
         raise UsageError(f"--timeout must be in (0, {TIMEOUT_MAX_S}] seconds, got {args.timeout}")
@@ -134,11 +134,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.device:
         address = default_socket(args.device)
     else:
-        address, named = served_socket(args.config_file)
+        address, named = served_socket(args.config_file, strict=True)
     keys = (args.curve_server_key, args.curve_secret_key)
     if (keys[0] is None) != (keys[1] is None):
         raise UsageError("CURVE needs both --curve-server-key and --curve-secret-key")
     curve = keys[0] is not None
+    if curve:  # a key file that cannot be used: said before any daemon is probed or asked
+        try:
+            curve_keys(keys[0], keys[1])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     check_address(address, allow_remote=True, curve=True)  # malformed: one line, exit 2
     if not curve:
         try:

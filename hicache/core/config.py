@@ -412,20 +412,22 @@ def served_address(config_file: str | None = None,
     ``HICACHE_CONFIG_FILE``) and then ``HICACHE_SOCKET`` / ``HICACHE_DEVICE``, which win, as
     ``serve`` merges them. A value ``serve`` would refuse (an empty socket, a device that is not
     ``cpu`` or ``cuda:N``) is a ``UsageError`` naming where it came from, not another socket to
-    wait on. Only these two settings are read; a key ``serve`` does not know is refused as
-    ``serve`` refuses it."""
+    wait on. Only these two settings are read."""
     return served_socket(config_file, env)[0]
 
 
-def served_socket(config_file: str | None = None,
-                  env: Mapping[str, str] | None = None) -> tuple[str, bool]:
+def served_socket(config_file: str | None = None, env: Mapping[str, str] | None = None,
+                  strict: bool = False) -> tuple[str, bool]:
     """``served_address``, and whether a socket was named (by the file or ``HICACHE_SOCKET``)
-    rather than taken as ``device``'s default."""
+    rather than taken as ``device``'s default. ``strict`` (``hicache stats``, run beside the
+    daemon's own settings): a key ``serve`` does not know is refused as ``serve`` refuses it;
+    an engine's client (not strict) reads past it, as its hicache may be older than the
+    daemon's."""
     env = os.environ if env is None else env
     path = config_file or env.get("HICACHE_CONFIG_FILE")
     data = _read_toml(path, "--config-file" if config_file else "HICACHE_CONFIG_FILE") \
         if path else {}
-    for key, v in data.items():  # a misspelled key (``sockte``) is refused as ``serve`` does
+    for key, v in data.items() if strict else ():  # a misspelled key (``sockte``)
         if key.replace("-", "_") not in FIELDS and key != "config":
             raise UsageError(f"config file {path}: {_unknown_key(key, v)}")
     data = {k.replace("-", "_"): v for k, v in data.items()}

@@ -149,6 +149,21 @@ def recv_message(sock: zmq.Socket) -> list[bytes]:
     return out
 
 
+def curve_keys(server_key_file: str, secret_key_file: str) -> tuple[bytes, bytes, bytes]:
+    """(the daemon's public key, this client's public and secret keys) from their files;
+    ``ValueError`` naming a file that cannot be read or holds no key."""
+    from zmq import auth as zmq_auth
+
+    try:
+        server_public, _ = zmq_auth.load_certificate(server_key_file)
+        public, secret = zmq_auth.load_certificate(secret_key_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"CURVE key file: {e}") from None
+    if not secret:
+        raise ValueError(f"CURVE key file: {secret_key_file} holds no secret key")
+    return server_public, public, secret
+
+
 def _connect(s: zmq.Socket, client_id: str, address: str, curve_server_key: str | None,
              curve_secret_key: str | None) -> None:
     """Set up the client's DEALER ``s`` and connect it: ``ValueError`` for an address ZMQ
@@ -159,18 +174,8 @@ def _connect(s: zmq.Socket, client_id: str, address: str, curve_server_key: str 
     s.setsockopt(zmq.SNDHWM, 100_000)
     s.setsockopt(zmq.RCVHWM, 100_000)
     if curve_server_key is not None and curve_secret_key is not None:
-        from zmq import auth as zmq_auth
-
-        try:
-            server_public, _ = zmq_auth.load_certificate(curve_server_key)
-            public, secret = zmq_auth.load_certificate(curve_secret_key)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"CURVE key file: {e}") from None
-        if not secret:
-            raise ValueError(f"CURVE key file: {curve_secret_key} holds no secret key")
-        s.curve_serverkey = server_public
-        s.curve_publickey = public
-        s.curve_secretkey = secret
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = \
+            curve_keys(curve_server_key, curve_secret_key)
     try:
         s.connect(address)
     except zmq.ZMQError as e:

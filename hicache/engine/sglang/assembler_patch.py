@@ -83,9 +83,10 @@ def _storage_refused(what: str, todo: str) -> ValueError:
                       f"serve)")
 
 
-def _refuse_attach(*args: Any, storage_backend: str = "", **kw: Any) -> None:
+def _refuse_attach(*args: Any, **kw: Any) -> None:
     """The controller's ``attach_storage_backend`` while the adapter holds the host tier."""
-    raise _storage_refused(f"storage backend {storage_backend or '(unnamed)'}",
+    name = kw.get("storage_backend", args[0] if args else "")
+    raise _storage_refused(f"storage backend {name or '(unnamed)'}",
                            "attach none to this server")
 
 
@@ -131,6 +132,9 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
                     bind_host_pools(link)
                 stack = original(*args, **kw)
+                # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
+                # the flag is at build time: SGLang turns the raise into a failed reply
+                stack[1].attach_storage_backend = _refuse_attach
             except BaseException:  # SGLang's builder refused: the worker is not left registered
                 try:
                     link.close()
@@ -139,9 +143,6 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                 raise
             finally:
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
-            # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as the
-            # flag is at build time: SGLang turns the raise into a failed reply, unchanged
-            stack[1].attach_storage_backend = _refuse_attach
             inst.links.append(link)
             return stack
 

@@ -20,9 +20,11 @@ count follows SGLang's calls alone, which are the same on every TP rank, so ever
 outcome is the same; a daemon that refuses (``no_space``) what the count says is free holds
 fewer rows than the worker was given (restarted, or rows not this worker's), and that is
 ``OutOfStep``, an error that stops the scheduler, never a None on this rank alone (SGLang
-would take it for memory pressure and put its ranks out of step). ``free_all(space)`` gives
-them all back ``free_all(space)`` gives them all back (SGLang's
-``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row count.
+would take it for memory pressure and put its ranks out of step). A free the daemon deferred
+(an operation still used a row) is counted free here at once: a ``no_space`` while one may be
+pending waits (up to the call timeout) until the daemon says none of this worker's operations
+runs, and asks once more before it says ``OutOfStep``. ``free_all(space)`` gives them all back
+(SGLang's ``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row count.
 ``pool_global_layer(pool, local)`` turns a pool-local layer id into the global layer the
 daemon's per-layer events are indexed by.
 
@@ -48,6 +50,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from typing import Any, Mapping
 
@@ -129,6 +132,7 @@ class DaemonLink:
         self.lock = threading.RLock()
         self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
         self._held_lock = threading.Lock()  # ``_held`` alone (``free_rows`` takes no ``lock``)
+        self._deferred = False  # a free the daemon deferred may still be pending
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
         self.beat_error: Exception | None = None
@@ -229,7 +233,7 @@ class DaemonLink:
             if free < pages:
                 return None
             try:
-                rows = self.client.alloc({space: pages})[space]
+                rows = self._alloc_counted(space, pages)
             except CommandRefused as e:
                 if e.code == "no_space":
                     raise OutOfStep(f"hicache daemon at {self.client.address} has fewer free "
@@ -243,9 +247,30 @@ class DaemonLink:
                 self._held[space].update(int(r) for r in rows)
             return rows
 
+    def _alloc_counted(self, space: str, pages: int) -> list[int]:
+        """The daemon's ``alloc`` of rows the link counts free; a ``no_space`` while a free it
+        deferred may still be pending is asked again once the daemon says none of this
+        worker's operations runs (those frees are done then), within the call timeout."""
+        try:
+            return self.client.alloc({space: pages})[space]
+        except CommandRefused as e:
+            if e.code != "no_space" or not self._deferred:
+                raise
+        deadline = time.monotonic() + self.client.timeout
+        while True:
+            self.client.poll_acks(ops=[])  # takes no ack; says what is in flight
+            if self.client.daemon_in_flight == 0:
+                self._deferred = False
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        return self.client.alloc({space: pages})[space]
+
     def free(self, space: str, rows: list[int]) -> None:
         with self.lock:
-            self.client.free({space: rows})
+            if self.client.free({space: rows}).get("deferred"):
+                self._deferred = True  # back in the daemon once its operations end
             with self._held_lock:
                 self._held[space].difference_update(int(r) for r in rows)
 
