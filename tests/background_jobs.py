@@ -25,6 +25,10 @@ A job's ``Run`` holds what ran (exit status, output, notes); nothing here decide
 * ``l3_demo``: ``hicache demo --l3 mooncake`` (small, full mirror), then ``hicache bench l3``.
 * ``l3_ckpt_demo``: ``hicache demo --l3 mooncake`` on the shared trace's first two
   conversations, checkpoints mirror.
+* ``bench_control``, ``bench_e2e_cpu``, ``demo_small``: one ``hicache`` command each (a short
+  ``bench control``, a CPU ``bench e2e``, a small demo), whose tests read it through
+  ``completed(name)`` (their checks are of what the command printed, none of its timing).
+* ``sleep``, ``quick``: the lane's own test's jobs.
 """
 from __future__ import annotations
 
@@ -152,6 +156,14 @@ def _l3_ckpt_demo(run: Run) -> None:
                                       "--host-pages", "96"]), 400, env=_env(), cwd=cwd))
 
 
+def _cli(*args: str, timeout: float = 300) -> Callable[[Run], None]:
+    """A job of one ``hicache`` command (this checkout's, run from it)."""
+    def job(run: Run) -> None:
+        run.steps.append(_step([sys.executable, "-m", "hicache.cli", *args], timeout, env=_env(),
+                               cwd=ROOT))
+    return job
+
+
 def _sleep(run: Run) -> None:  # (the lane's own test: a job that runs a while)
     run.steps.append(_step(["sleep", "60"], 70))
 
@@ -160,9 +172,15 @@ def _quick(run: Run) -> None:  # (the lane's own test: a job that ends at once)
     run.steps.append(_step(["true"], 10))
 
 
-JOBS: dict[str, Callable[[Run], None]] = {"sglang": _sglang, "l3_demo": _l3_demo,
-                                          "l3_ckpt_demo": _l3_ckpt_demo, "sleep": _sleep,
-                                          "quick": _quick}
+JOBS: dict[str, Callable[[Run], None]] = {
+    "sglang": _sglang, "l3_demo": _l3_demo, "l3_ckpt_demo": _l3_ckpt_demo,
+    "bench_control": _cli("bench", "control", "--clients", "1,2", "--ops", "60", "--warmup", "5",
+                          "--rounds", "1", "--json", timeout=240),
+    "bench_e2e_cpu": _cli("bench", "e2e", "--device", "cpu", "--preset", "dsv4-tiny", "--sizes",
+                          "2k", "--runs", "2", "--churn", "60", "--json"),
+    "demo_small": _cli("demo", "--device", "cpu", "--progress-seconds", "0", "--requests", "40",
+                       "--device-pages", "40", "--host-pages", "160", "--json", timeout=120),
+    "sleep": _sleep, "quick": _quick}
 
 
 def _do(name: str) -> Run:
@@ -212,6 +230,17 @@ def result(name: str, timeout: float = SETUP_TIMEOUT_S + 3 * RUN_TIMEOUT_S) -> R
         time.sleep(0.2)
     with open(path) as f:
         return _from_json(json.load(f))
+
+
+def completed(name: str) -> subprocess.CompletedProcess[str]:
+    """Job ``name``'s one command (a ``_cli`` job) as ``subprocess.run`` returns it; an
+    ``AssertionError`` with the job's notes when it did not run to an exit status."""
+    run = result(name)
+    if len(run.steps) != 1 or run.steps[0].rc is None:
+        raise AssertionError(f"background job {name}: {run.notes} "
+                             f"{[x.err[-1500:] for x in run.steps]}")
+    x = run.steps[0]
+    return subprocess.CompletedProcess(name, x.rc, x.out, x.err)
 
 
 def _group_left(group: int) -> list[int]:

@@ -71,7 +71,12 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
 
 BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classes": "sglang",
               "test_l3_mooncake.py::test_demo_two_instances_and_bench_l3": "l3_demo",
-              "test_l3_ckpt.py::test_demo_trace_two_instances_checkpoints": "l3_ckpt_demo"}
+              "test_l3_ckpt.py::test_demo_trace_two_instances_checkpoints": "l3_ckpt_demo",
+              "test_bench_control.py::test_short_run_reports_rows_echo_and_ratios":
+                  "bench_control",
+              "test_bench_e2e.py::test_functional_run_on_cpu_verifies_every_loaded_byte":
+                  "bench_e2e_cpu",
+              "test_demo.py::test_small_generated_demo_verifies_every_byte": "demo_small"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

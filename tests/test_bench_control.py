@@ -15,7 +15,11 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_short_run_reports_rows_echo_and_ratios():
-    p = _bench("--clients", "1,2", "--ops", "60", "--warmup", "5", "--rounds", "1", "--json")
+    # ``bench control --clients 1,2 --ops 60 --warmup 5 --rounds 1 --json``, run beside the
+    # main suite (conftest; tests/background_jobs.py)
+    import background_jobs
+
+    p = background_jobs.completed("bench_control")
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert [r["clients"] for r in rep["rows"]] == [1, 2]

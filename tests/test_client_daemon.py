@@ -688,14 +688,19 @@ def test_an_op_a_restarted_daemon_lost_is_said_at_the_first_poll():
     """``wait_ack`` for an op whose daemon restarted meanwhile raises ``AckLost`` at its first
     poll (the new daemon's session of this client is not the one that issued it), and an op
     issued after re-registering is waited for as usual. It polled until its timeout before,
-    though nothing on the new daemon would ever answer it."""
+    though nothing on the new daemon would ever answer it. The same for a bare op id (not an
+    ``Op``) asked after the client registered again (fiftieth session): the client compared
+    the poll's session with its current one, the new registration's, so it polled until its
+    timeout and raised a plain ``AckTimeout``; it now keeps the session each op id's reply came
+    in. An id of this registration is waited for as usual."""
     from hicache.engine.acks import AckLost, AckTimeout
 
     with _lost_acks_client() as (d, pools, c):
         first = c.register(pools)["session"]
-        host = c.alloc({"page": 2})
-        op = c.backup({"page": ([0, 1], host["page"])})
+        host = c.alloc({"page": 4})["page"]
+        op = c.backup({"page": ([0, 1], host[:2])})
         assert op.ack is None and op.session == first  # its ack is pushed (and lost)
+        bare = c.backup({"page": ([2, 3], host[2:])}).op_id
         d.restart()
         t0 = time.monotonic()
         with pytest.raises(AckLost, match="no longer holds the registration"):
@@ -703,32 +708,15 @@ def test_an_op_a_restarted_daemon_lost_is_said_at_the_first_poll():
         assert time.monotonic() - t0 < 3  # the first poll, not the 20 s timeout
         assert issubclass(AckLost, AckTimeout)  # callers that handle a timeout handle it
         assert c.register(pools)["session"] != first
+        t0 = time.monotonic()
+        with pytest.raises(AckLost, match=f"op {bare}: the daemon no longer holds"):
+            c.wait_ack(bare, timeout=8)
+        assert time.monotonic() - t0 < 3
         host = c.alloc({"page": 2})
         op = c.backup({"page": ([0, 1], host["page"])})
         assert c.wait_ack(op, timeout=5).ok  # polled: this session's ack
-
-
-def test_a_bare_op_id_issued_before_registering_again_is_known_lost():
-    """``wait_ack`` of a bare op id (not an ``Op``) issued by a registration the daemon no
-    longer holds, asked after the client registered again: ``AckLost`` at the first poll. The
-    client compared the poll's session with its current one (the new registration's), so it
-    polled until its timeout and raised a plain ``AckTimeout``. An id it never saw issued is
-    taken as the current registration's, as before."""
-    from hicache.engine.acks import AckLost
-
-    with _lost_acks_client() as (d, pools, c):
-        first = c.register(pools)["session"]
-        host = c.alloc({"page": 2})
-        op_id = c.backup({"page": ([0, 1], host["page"])}).op_id
-        d.restart()
-        assert c.register(pools)["session"] != first
-        t0 = time.monotonic()
-        with pytest.raises(AckLost, match=f"op {op_id}: the daemon no longer holds"):
-            c.wait_ack(op_id, timeout=8)
-        assert time.monotonic() - t0 < 3  # the first poll, not the timeout
-        host = c.alloc({"page": 2})
-        op_id = c.backup({"page": ([0, 1], host["page"])}).op_id
-        assert c.wait_ack(op_id, timeout=5).ok  # this registration's: waited for as usual
+        bare = c.backup({"page": ([2, 3], c.alloc({"page": 2})["page"])}).op_id
+        assert c.wait_ack(bare, timeout=5).ok
 
 
 def test_maybe_heartbeat_keeps_a_registered_client_under_a_short_timeout(daemon_factory):

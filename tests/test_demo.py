@@ -30,7 +30,11 @@ def report(p: subprocess.CompletedProcess) -> dict:
 
 
 def test_small_generated_demo_verifies_every_byte():
-    p = demo("--requests", "40", "--device-pages", "40", "--host-pages", "160", "--json")
+    # ``demo --requests 40 --device-pages 40 --host-pages 160 --json``, run beside the main
+    # suite (conftest; tests/background_jobs.py)
+    import background_jobs
+
+    p = background_jobs.completed("demo_small")
     s = report(p)
     assert s["verified"] is True and s["mismatched_bytes"] == 0
     assert s["requests"] == 40 and s["config"]["swa_mode"] == "paged"
