@@ -87,8 +87,9 @@ def endpoint(text: str) -> tuple[str, int] | None:
 
 
 def unreachable(s: ReachSettings) -> str | None:
-    """Why the master or the metadata server cannot be reached now, or None (see the module
-    docstring)."""
+    """Why the master or the metadata server cannot be reached now (each one that cannot, so
+    an operator mends both at once), or None (see the module docstring)."""
+    why = []
     for what, addr in (("master", s.master), ("metadata server", s.metadata)):
         ep = endpoint(addr)
         if ep is None:  # P2PHANDSHAKE, or a form Mooncake resolves itself
@@ -96,8 +97,8 @@ def unreachable(s: ReachSettings) -> str | None:
         try:
             socket.create_connection(ep, timeout=CONNECT_CHECK_S).close()
         except OSError as e:
-            return f"the {what} at {addr} cannot be reached ({e.strerror or e})"
-    return None
+            why.append(f"the {what} at {addr} cannot be reached ({e.strerror or e})")
+    return "; ".join(why) or None
 
 
 def metadata_wrong(s: ReachSettings) -> str | None:

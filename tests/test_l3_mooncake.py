@@ -974,9 +974,14 @@ def test_serve_check_says_whether_the_master_and_the_metadata_server_answer(stor
            f"{store.metadata_url} answer" in r.stdout, r.stdout
     gone = f"{host}:{free_port()}"
     wrong = store.metadata_url.rsplit("/", 1)[0] + "/not-metadata"
+    gone_md = f"http://{host}:{free_port()}/metadata"
     for master, metadata, want in ((gone, store.metadata_url, f"the master at {gone} cannot "
                                                               f"be reached"),
-                                   (store.master_addr, wrong, "not-metadata")):
+                                   (store.master_addr, wrong, "not-metadata"),
+                                   # both named, not the first one only (operator review)
+                                   (gone, gone_md, f"the master at {gone} cannot be reached "
+                                                   f"(Connection refused); the metadata server "
+                                                   f"at {gone_md} cannot be reached")):
         r = check(master, metadata)
         assert r.returncode == 0 and "the settings hold" in r.stdout, r
         (line,) = r.stderr.splitlines()

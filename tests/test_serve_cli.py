@@ -928,6 +928,17 @@ def test_operator_review_fiftieth_session(tmp_path, monkeypatch, capsys):
     monkeypatch.undo()
     C.check_shm_dirs((str(tmp_path),))  # a folder that takes files: passes, nothing left
     assert list(tmp_path.iterdir()) == []
+    # a help that ends with its default in brackets said it twice ("[auto] (default: auto)")
+    import argparse as A
+
+    from hicache.cli.serve import add_arguments
+    parser = A.ArgumentParser(prog="serve", formatter_class=lambda prog: A.HelpFormatter(
+        prog, width=10_000))
+    add_arguments(parser)
+    helps = parser.format_help()
+    assert "] (default:" not in helps.replace("(0, 1] (default: 0.8)", ""), helps
+    assert "[auto]" in helps and "[auto] (default: auto)" not in helps
+    assert "(0, 1] (default: 0.8)" in helps  # an interval is no default: it is still said
     if os.geteuid() == 0:  # the real case: root, whom access() tells /sys is writable
         r = hicache("serve", "--device", "cpu", *base[1:], env={"HICACHE_SHM_DIRS": "/sys"})
         assert r.returncode == 2 and "shm_dirs: /sys takes no new file" in r.stderr, r.stderr

@@ -26,12 +26,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from typing import Any
 
 from hicache.cli.plan import negatives_as_values
 from hicache.core.config import BOOL_FIELDS, SETTINGS, default_text, tp_note
 from hicache.core.errors import UsageError
+
+
+_BRACKETED = re.compile(r"\s\[[^\[\]]*\]$")  # a help that ends with its default in brackets
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         g = groups.get(s.group) or groups.setdefault(s.group, p.add_argument_group(s.group))
         shown = default_text(s.name)
-        text = s.help if not shown or "default" in s.help else f"{s.help} (default: {shown})"
+        said = "default" in s.help or _BRACKETED.search(s.help)  # (a help ending "[auto]")
+        text = s.help if not shown or said else f"{s.help} (default: {shown})"
         text = text.replace("%", "%%")
         if s.name in BOOL_FIELDS:  # --x / --no-x: a flag turns off what a file turned on
             g.add_argument(s.option, dest=s.name, action=argparse.BooleanOptionalAction,
