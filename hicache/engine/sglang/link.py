@@ -24,7 +24,8 @@ would take it for memory pressure and put its ranks out of step). A free the dae
 (an operation still used a row) is counted free here at once: a ``no_space`` while one may be
 pending waits (up to the call timeout) until the daemon says none of this worker's operations
 runs, and asks once more before it says ``OutOfStep``. ``free_all(space)`` gives them all back
-(SGLang's ``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row count.
+(SGLang's ``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row
+count.
 ``pool_global_layer(pool, local)`` turns a pool-local layer id into the global layer the
 daemon's per-layer events are indexed by.
 
