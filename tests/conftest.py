@@ -69,6 +69,17 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
         raise
 
 
+def load_fill_kernel(device: Any) -> None:
+    """Launch the uint8 ``index_fill_`` kernel once on ``device``. A kernel's first launch
+    loads its module, which waits for the GPU to go idle: a test whose engine stream sleeps
+    and then fills rows, to prove that the daemon waits for its event, would otherwise see the
+    sleep end before the event is even recorded, and pass without the wait."""
+    import torch
+
+    torch.zeros(1, 8, dtype=torch.uint8, device=device).index_fill_(
+        0, torch.zeros(1, dtype=torch.int64, device=device), 1)
+
+
 BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classes": "sglang",
               "test_l3_mooncake.py::test_demo_two_instances_and_bench_l3": "l3_demo",
               "test_l3_ckpt.py::test_demo_trace_two_instances_checkpoints": "l3_ckpt_demo",

@@ -40,7 +40,7 @@ DEV = torch.device("cuda:0")
 
 @pytest.fixture(scope="module")
 def gpu(tmp_path_factory):
-    from conftest import start_daemon
+    from conftest import load_fill_kernel, start_daemon
 
     d = start_daemon(tmp_path_factory.mktemp("gpu"), device="cuda:0", device_rows=ROWS_ARG,
                      host=("--host-ratio", "2"), metrics=False, ready_timeout=120)
@@ -50,6 +50,7 @@ def gpu(tmp_path_factory):
     for layers in pools.layers.values():
         for t in layers:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV, generator=g))
+    load_fill_kernel(DEV)  # (each test's engine stream fills rows after a long sleep)
     c = d.client(timeout=60)
     c.register(pools, events=2)
     yield d, c, pools
@@ -101,12 +102,15 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
     src = {"page": list(range(0, 64, 2)), "swa_page": list(range(0, 16, 2))}
     dst = {"page": list(range(1, 64, 2)), "swa_page": list(range(1, 16, 2))}
     moved = {n: s for n, s in FLASH.pools.items() if s.index in src}
+    # (ids made before the sleep: a pageable copy to the device syncs its stream first, which
+    # would end the sleep before the event is recorded and leave its wait unproven)
+    idx_of = {s: torch.tensor(ids, device=DEV) for s, ids in src.items()}
     torch.cuda.synchronize()
     # 1) the engine writes new KV behind a long GPU sleep, records its event, backs up at once
     with torch.cuda.stream(engine):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
         for name, spec in moved.items():
-            idx = torch.tensor(src[spec.index], device=DEV)
+            idx = idx_of[spec.index]
             for li, t in enumerate(pools.layers[name]):
                 t.index_fill_(0, idx, (li * 7 + len(name)) % 251 + 1)
         c.backup_events[0].record(engine)

@@ -238,3 +238,26 @@ def test_a_no_space_while_a_deferred_free_may_be_pending_waits_for_it() -> None:
     with pytest.raises(OutOfStep):
         ln.alloc("page", 2)
     assert (d.allocs, d.polls) == (1, 0)
+
+
+def test_sharing_cpu_tensors_without_their_memfd_is_refused_before_the_daemon_is_asked() -> None:
+    """``DaemonLink.share`` (``connect``'s second half, called directly by the CUDA adapter
+    test) shares CPU tensors only from the sealed memfd ``connect`` moved them into: without
+    it, one line, and the client is never used."""
+    import torch
+
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.sglang.link import DaemonLink
+    from hicache.engine.sglang.stage_map import StageBuffers
+
+    layout = build_layout(preset("dsv4-tiny"), c128_state="offline", mtp=False)
+    t = torch.zeros(2, 8, dtype=torch.uint8)
+    stage = StageBuffers(layout, {"swa_kv": [t]}, {"swa_page": 2}, {"swa_kv": [t]})
+
+    class Untouched:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the client was used ({name})")
+
+    with pytest.raises(ValueError, match="^share: CPU tensors are shared from the sealed memfd "
+                                         "connect moves them into; none was given$"):
+        DaemonLink.share(stage, Untouched(), None)  # type: ignore[arg-type]

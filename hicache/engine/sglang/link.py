@@ -2,7 +2,8 @@
 
 ``DaemonLink.connect(kvcache, layout, client)`` maps SGLang's DSV4 device pools onto ``layout``
 (``stage_map.map_stage``), shares them with the daemon and registers the worker (refused, and
-unregistered again, when the daemon already serves another worker: one worker per daemon):
+unregistered again, when the daemon already serves another worker: one worker per daemon;
+``DaemonLink.share(stage, client, shm)`` is that second half, from the mapped ``StageBuffers``):
 
 * CUDA: the tensors are exported as they are (CUDA IPC handles of SGLang's own allocations).
 * CPU (tests, no GPU): the daemon maps device pools from sealed memfds the worker hands in, and
@@ -104,6 +105,10 @@ def _rehome_to_memfd(owners: list[torch.Tensor]) -> tuple[int, mmap.mmap]:
     return fd, mm
 
 
+def _on_gpu(stage: StageBuffers) -> bool:
+    return next(iter(stage.layers.values()))[0].device.type == "cuda"
+
+
 def _alone(client: Client) -> None:
     """Unregister and refuse (``ValueError``) when the daemon serves another worker besides
     this one: SGLang sizes its host tier by ``available_size``, which counts this worker's rows
@@ -187,18 +192,32 @@ class DaemonLink:
                 f"link's lock, so no heartbeat goes out meanwhile, and the daemon could reap the "
                 f"worker mid-load; start the daemon with --heartbeat-timeout "
                 f"{2 * client.timeout:g} or more")
-        first = map_stage(kvcache, layout)
-        cuda = next(iter(first.layers.values()))[0].device.type == "cuda"
+        stage = map_stage(kvcache, layout)
         shm = None
-        if not cuda:
-            shm = _rehome_to_memfd([t for ts in first.owners.values() for t in ts])
-        stage = map_stage(kvcache, layout)  # fresh views of the moved memory
+        if not _on_gpu(stage):
+            shm = _rehome_to_memfd([t for ts in stage.owners.values() for t in ts])
+            stage = map_stage(kvcache, layout)  # fresh views of the moved memory
+        return cls.share(stage, client, shm, name=name)
+
+    @classmethod
+    def share(cls, stage: StageBuffers, client: Client, shm: tuple[int, mmap.mmap] | None, *,
+              name: str = "sglang") -> "DaemonLink":
+        """Share ``stage``'s device rows with the daemon and register the worker: CUDA tensors
+        as CUDA IPC handles of their own allocations, CPU tensors as ranges of ``shm`` (the
+        sealed memfd ``connect`` moved them into). ``connect``'s second half; the CUDA adapter
+        test calls it with SGLang-shaped tensors, SGLang not being on the GPU machine."""
+        layout = stage.layout
+        cuda = _on_gpu(stage)
+        if not cuda and shm is None:
+            raise ValueError("share: CPU tensors are shared from the sealed memfd connect "
+                             "moves them into; none was given")
         shared = {p: [t[: stage.rows[layout.pool(p).index]] for t in ts]
                   for p, ts in stage.layers.items()}
         if cuda:
             buffers = export_buffers(shared)
             mode = "cuda"
         else:
+            assert shm is not None
             base = torch.frombuffer(shm[1], dtype=torch.uint8).data_ptr()
             buffers = {p: [{"kind": "memfd", "fd": 0, "offset": t.data_ptr() - base,
                             "rows": int(t.shape[0]), "row_bytes": int(t.shape[1])} for t in ts]

@@ -1,0 +1,239 @@
+"""The SGLang adapter's GPU path, on a GPU, against a ``hicache serve --device cuda:0``.
+
+SGLang's CUDA build is not on the lent GPU machine (``scripts/gpu_sglang.sh`` says what it
+needs), so SGLang's classes do not run here; ``tests/sglang/check_dsv4_l2.py`` runs them on CPU.
+What runs here is every line of the adapter that only a GPU reaches, called as SGLang 0.5.23's
+HiCache controller calls it:
+
+* ``DaemonLink.share``: SGLang-shaped device tensors (one allocation per pool and layer, fp8
+  KV and fp32 compress states viewed as byte rows, a space whose pools differ in row count so
+  only the common prefix is shared) exported to the daemon as CUDA IPC handles, two
+  interprocess events registered;
+* ``backup_from_device_all_layer`` from SGLang's write stream, which waits for the forward that
+  wrote the KV (here behind a long GPU sleep): the adapter records its backup event on that
+  stream, so the daemon copies the new bytes, not the ones the rows held before;
+* ``load_to_device_per_layer`` from SGLang's load stream, layer by layer in the stage's order,
+  the stream waiting (SGLang's load fence) for a forward still writing the destination rows:
+  the copy waits for the fence; each call returns only once its layer is copied (read at once
+  from another stream), and the last layer's ack is checked;
+* every loaded byte equals what was backed up, and no device row outside the load's
+  destination changed; ``close`` unregisters the worker.
+
+Skipped without CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from conftest import load_fill_kernel, start_daemon  # noqa: E402
+from hicache.core.layout import build_layout, preset  # noqa: E402
+from hicache.engine.client import Client  # noqa: E402
+from hicache.engine.sglang.host_pools import _DaemonPoolMixin  # noqa: E402
+from hicache.engine.sglang.link import DaemonLink  # noqa: E402
+from hicache.engine.sglang.stage_map import SGLANG_POOLS, StageBuffers  # noqa: E402
+
+DEV = torch.device("cuda:0")
+LAYOUT = build_layout(preset("dsv4-tiny"), swa_mode="paged", c128_state="offline", mtp=False)
+ROWS = {"page": 12, "swa_page": 9, "req_slot": 7}
+EXTRA_ROWS = {"c128_kv": 5}  # SGLang sizes each buffer of a space apart: only 12 are shared
+PAGE = LAYOUT.model.page_size
+SLEEP = 1_000_000_000  # GPU cycles the forward sleeps before it writes (~0.5 s on an H100)
+
+
+class _Pool(_DaemonPoolMixin):
+    """One of SGLang's DSV4 host pools as the adapter builds it, minus SGLang's base class
+    (which adds nothing to these calls: ``bind_host_pools``)."""
+
+    def __init__(self, link: DaemonLink, sglang_name: str) -> None:
+        self.link, self.page_size = link, PAGE
+        self._init_daemon(sglang_name)
+
+
+def _sglang_buffers() -> StageBuffers:
+    """Per pool and layer, a tensor of its own as SGLang allocates it (KV in fp8, states in
+    fp32), viewed as byte rows the way ``stage_map.map_stage`` views SGLang's; random bytes."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    layers: dict[str, list[torch.Tensor]] = {}
+    owners: dict[str, list[torch.Tensor]] = {}
+    for name, spec in LAYOUT.pools.items():
+        rows = ROWS[spec.index] + EXTRA_ROWS.get(name, 0)
+        dtype = torch.float32 if spec.ring > 1 or name == "c128_state" else torch.float8_e4m3fn
+        own, views = [], []
+        for _ in range(spec.num_layers):
+            raw = torch.randint(0, 256, (rows * spec.page_bytes,), dtype=torch.uint8,
+                                device=DEV, generator=g)
+            t = raw.view(dtype)  # the owner SGLang holds (its own dtype)
+            own.append(t)
+            views.append(t.view(torch.uint8).reshape(rows, spec.page_bytes))
+        layers[name], owners[name] = views, own
+    return StageBuffers(LAYOUT, layers, dict(ROWS), owners)
+
+
+def _tokens(rows: list[int], device: Any = "cpu") -> torch.Tensor:
+    """SGLang's token indices of whole pages ``rows``."""
+    r = torch.tensor(rows, dtype=torch.int64)
+    return (r[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(device)
+
+
+@pytest.fixture
+def adapter(tmp_path: Any):
+    d = start_daemon(tmp_path, device="cuda:0", preset="dsv4-tiny", metrics=False,
+                     device_rows=",".join(f"{k}={v}" for k, v in ROWS.items()),
+                     extra=("--no-mtp", "--c128-state", "offline"), ready_timeout=120)
+    torch.cuda.set_device(DEV)
+    stage = _sglang_buffers()
+    client = Client(d.address, timeout=5.0, name="sglang-gpu")  # the adapter's
+    try:
+        link = DaemonLink.share(stage, client, None)
+    except BaseException:
+        client.close()
+        d.stop()
+        raise
+    yield d, link, stage
+    link.close()
+    d.stop()
+
+
+def _rows_of(stage: StageBuffers, name: str, idx: list[int]) -> list[torch.Tensor]:
+    i = torch.tensor(idx, device=DEV)
+    return [t.index_select(0, i).clone() for t in stage.layers[name]]
+
+
+def _load_layer_by_layer(pools: dict[str, _Pool], stage: StageBuffers, ids: dict, dst: dict,
+                         want: dict, stream: Any) -> None:
+    """SGLang's loop: every stage layer in order, each pool that has it, from ``stream``; each
+    call has returned only once its layer is copied, so a read from another stream right
+    after it must see the backed-up bytes."""
+    reader = torch.cuda.Stream(DEV)
+    layers = sorted({g for p in pools.values() for g in LAYOUT.pools[p.ours].layers})
+    assert layers == sorted(next(iter(pools.values())).link.client.stage_layers)
+    seen = 0
+    for g in layers:
+        for name, p in pools.items():
+            spec = LAYOUT.pools[name]
+            if g not in spec.layers:
+                continue
+            li = spec.layers.index(g)
+            with torch.cuda.stream(stream):
+                p.load_to_device_per_layer(None, *ids[p.space], li, "direct")
+            with torch.cuda.stream(reader):
+                got = stage.layers[name][li].index_select(
+                    0, torch.tensor(dst[p.space], device=DEV))
+            reader.synchronize()
+            assert torch.equal(got, want[name][li]), (name, li)
+            seen += 1
+    assert seen == sum(LAYOUT.pools[n].num_layers for n in pools)
+    assert all(not p._loads for p in pools.values())  # every load's ack taken at its last layer
+
+
+def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adapter) -> None:
+    """Device ids are given on the host in steps 1 and 2: SGLang's are CUDA tensors, and
+    turning those into page rows (``_pages``) syncs the calling stream, so the forward would be
+    over before the adapter even records its event, and the event's wait would go unproven.
+    Step 3 loads with CUDA device ids, as SGLang gives them."""
+    d, link, stage = adapter
+    c = link.client
+    assert len(c.backup_events) == 2 and c._device == DEV
+    pools = {ours: _Pool(link, sgl) for sgl, ours in SGLANG_POOLS.items()}
+    assert set(pools) == set(LAYOUT.pools) - {"c128_state"}  # SGLang never offloads it
+    src = {"page": [1, 3, 5, 11], "swa_page": [0, 2, 4, 8]}
+    dst = {"page": [0, 2, 9, 10], "swa_page": [1, 3, 6, 7]}
+    dst2 = {"page": [4, 6, 7, 8], "swa_page": [5]}
+    host = {s: link.alloc(s, 4) for s in src}
+    assert all(h is not None and len(h) == 4 for h in host.values())
+    fwd, write, load = (torch.cuda.Stream(DEV) for _ in range(3))
+    # ids made here, before the sleeps: a pageable copy to the device syncs its stream first,
+    # which would end a sleep before the adapter records its event (the wait left unproven)
+    src_dev, dst_dev = ({s: torch.tensor(r, device=DEV) for s, r in ids.items()}
+                        for ids in (src, dst))
+    torch.cuda.synchronize()
+    # 0) warm-up: the daemon's first GPU copies take up to a second (measured on an H100), and
+    #    a kernel's first launch waits for the GPU to go idle (``load_fill_kernel``): either
+    #    would end a sleep below before its wait is put to the test. So one page each way
+    #    first, and the forward's fill kernel once
+    load_fill_kernel(DEV)
+    warm = {s: link.alloc(s, 1) for s in src}
+    first = {s: r[:1] for s, r in src.items()}
+    was = {name: _rows_of(stage, name, first[p.space]) for name, p in pools.items()}
+    for p in pools.values():
+        p.backup_from_device_all_layer(None, _tokens(warm[p.space]), _tokens(first[p.space]),
+                                       "direct")
+    _load_layer_by_layer(pools, stage, {s: (_tokens(warm[s]), _tokens(dst[s][:1])) for s in dst},
+                         {s: r[:1] for s, r in dst.items()}, was, load)
+    for s, rows in warm.items():
+        link.free(s, rows)
+    torch.cuda.synchronize()
+
+    # 1) the forward writes new KV into the source rows behind a long GPU sleep; SGLang's write
+    #    stream waits for it, and the adapter's backups go from that stream
+    with torch.cuda.stream(fwd):
+        torch.cuda._sleep(SLEEP)
+        for name, p in pools.items():
+            i = src_dev[p.space]
+            for li, t in enumerate(stage.layers[name]):
+                t.index_fill_(0, i, (li * 13 + len(name)) % 251 + 1)
+    write.wait_stream(fwd)
+    with torch.cuda.stream(write):
+        for name, p in pools.items():
+            p.backup_from_device_all_layer(None, _tokens(host[p.space]), _tokens(src[p.space]),
+                                           "direct")
+    torch.cuda.synchronize()
+    want = {name: _rows_of(stage, name, src[p.space]) for name, p in pools.items()}
+    for name in pools:  # the fill reached the rows, so the loads below can tell them apart
+        assert all(bool((w == (li * 13 + len(name)) % 251 + 1).all())
+                   for li, w in enumerate(want[name])), name
+
+    # 2) a forward still writes the destination rows (pages freed under overlap scheduling);
+    #    SGLang's load stream waits for it (its load fence) and the adapter loads from there
+    before = {name: [t.clone() for t in stage.layers[name]] for name in LAYOUT.pools}
+    torch.cuda.synchronize()  # (taken before the forward below writes)
+    with torch.cuda.stream(fwd):
+        torch.cuda._sleep(SLEEP)
+        for name, p in pools.items():
+            i = dst_dev[p.space]
+            for t in stage.layers[name]:
+                t.index_fill_(0, i, 0xEE)
+    load.wait_stream(fwd)
+    _load_layer_by_layer(pools, stage, {s: (_tokens(host[s]), _tokens(dst[s])) for s in dst},
+                         dst, want, load)
+    # 3) SGLang's CUDA device ids (a single SWA page: the first of the backed-up ones)
+    ids = {s: (_tokens(host[s][: len(dst2[s])]), _tokens(dst2[s], DEV)) for s in dst2}
+    _load_layer_by_layer(pools, stage, ids, dst2,
+                         {name: [w[: len(dst2[p.space])] for w in want[name]]
+                          for name, p in pools.items()}, load)
+    torch.cuda.synchronize()
+    # the loads stayed behind the forward's writes (the fence): the destinations still hold
+    # what was loaded, not the forward's 0xEE
+    for name, p in pools.items():
+        for li, t in enumerate(stage.layers[name]):
+            assert torch.equal(t.index_select(0, dst_dev[p.space]), want[name][li]), (name, li)
+
+    # 4) nothing else changed: every row outside each space's destinations is as before
+    for name, spec in LAYOUT.pools.items():
+        moved = set(dst.get(spec.index, [])) | set(dst2.get(spec.index, []))
+        keep = [r for r in range(ROWS[spec.index] + EXTRA_ROWS.get(name, 0)) if r not in moved]
+        k = torch.tensor(keep, device=DEV)
+        for li, t in enumerate(stage.layers[name]):
+            assert torch.equal(t.index_select(0, k), before[name][li].index_select(0, k)), \
+                (name, li)
+    for s, rows in host.items():
+        link.free(s, rows)
+    assert all(link.free_rows(s) == link.capacity(s) for s in host)
+
+
+def test_close_unregisters_the_gpu_worker(adapter) -> None:
+    d, link, _ = adapter
+    other = d.client(timeout=30)
+    try:
+        assert other.stats()["workers"] == 1
+        link.close()
+        assert other.stats()["workers"] == 0
+    finally:
+        other.close()
