@@ -86,6 +86,7 @@ def test_a_load_waits_for_the_engines_event(gpu):
             for t in pools.layers[n]:
                 t.index_fill_(0, idx, 0xEE)
         c.backup_events[1].record(engine)
+    assert not engine.query(), "the engine's writes ended before the load: no wait tested"
     assert c.wait_ack(c.load({"page": (host, dst)}, wait_event=1), timeout=120).ok
     torch.cuda.synchronize()
     for n in moved:
@@ -114,6 +115,7 @@ def test_backup_waits_for_engine_event_and_load_is_per_layer(gpu):
             for li, t in enumerate(pools.layers[name]):
                 t.index_fill_(0, idx, (li * 7 + len(name)) % 251 + 1)
         c.backup_events[0].record(engine)
+    assert not engine.query(), "the engine's writes ended before the backup: no wait tested"
     op = c.backup({"page": (src["page"], host["page"]),
                    "swa_page": (src["swa_page"], host["swa_page"])}, wait_event=0)
     assert c.wait_ack(op, timeout=120).ok

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 import pytest
 
@@ -64,13 +65,11 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
     """At a GPU load's last layer the adapter waits for the op's ack and checks it: a load that
     failed (say a later layer's launch) raises ``TransferFailed`` there, so SGLang never counts
     it as loaded. Earlier layers return once their event says they are copied."""
-    import threading
     from types import SimpleNamespace
 
     import torch
 
     from hicache.engine.acks import TransferFailed
-    from hicache.engine.sglang.host_pools import _DaemonPoolMixin
 
     class GpuClient:
         backup_events: list = []  # (no CUDA here: the load fence is the CUDA test's)
@@ -91,17 +90,53 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
                                                  error={"message": "launch failed"}))
 
     c = GpuClient()
-    pool = object.__new__(_DaemonPoolMixin)
-    pool.link = SimpleNamespace(client=c, lock=threading.RLock(),
-                                pool_global_layer=lambda p, l: l)
-    pool.ours, pool.layer_num, pool.page_size = "c4_kv", 2, 4
-    pool._loads, pool._load_lock = {}, threading.Lock()
+    pool = _stand_in_pool(c, "c4_kv")
     host, dev = torch.arange(4, 8), torch.arange(8, 12)
     pool.load_to_device_per_layer(None, host, dev, 0, "direct")
     assert c.calls == [("load", {"c4_kv": ([1], [2])}), ("layer", 0)]
     with pytest.raises(TransferFailed, match="launch failed"):
         pool.load_to_device_per_layer(None, host, dev, 1, "direct")
     assert c.calls[-2:] == [("layer", 1), ("ack", True)] and pool._loads == {}
+
+    # one submission of two pools (the assembler patch's ``submission``): one load of both at
+    # the first call; a layer one pool's call found copied is not waited for again (the op's
+    # layer event covers every pool); the ack is waited for and checked once, at the last
+    # pool's last layer
+    from hicache.engine.sglang.host_pools import submission
+
+    c = GpuClient()
+    a = _stand_in_pool(c, "c4_kv")
+    b = _stand_in_pool(c, "swa_kv", link=a.link)
+    sa, sb = (torch.arange(4, 8), torch.arange(8, 12)), (torch.arange(0, 4), torch.arange(12, 16))
+    transfers = [SimpleNamespace(host_pool=a, host_indices=sa[0], device_indices=sa[1]),
+                 SimpleNamespace(host_pool=b, host_indices=sb[0], device_indices=sb[1])]
+    with submission(a.link, "loads", transfers):
+        a.load_to_device_per_layer(None, *sa, 0, "direct")
+        b.load_to_device_per_layer(None, *sb, 0, "direct")
+        a.load_to_device_per_layer(None, *sa, 1, "direct")  # a's last: b still has a layer
+        assert c.calls == [("load", {"c4_kv": ([1], [2]), "swa_kv": ([0], [3])}),
+                           ("layer", 0), ("layer", 1)]
+        with pytest.raises(TransferFailed, match="launch failed"):
+            b.load_to_device_per_layer(None, *sb, 1, "direct")
+    assert c.calls[-2:] == [("layer", 1), ("ack", True)]
+    assert a.link.grouped == {"loads": 1, "backups": 0} and a.link.submitting.loads is None
+
+
+def _stand_in_pool(client: Any, ours: str, link: Any = None) -> Any:
+    """A host pool of the adapter with two layers and 4-token pages on a stand-in link."""
+    import threading
+    from types import SimpleNamespace
+
+    from hicache.engine.sglang.host_pools import _DaemonPoolMixin
+
+    pool = object.__new__(_DaemonPoolMixin)
+    pool.link = link or SimpleNamespace(client=client, lock=threading.RLock(),
+                                        pool_global_layer=lambda p, l: l,
+                                        submitting=threading.local(),
+                                        grouped={"loads": 0, "backups": 0})
+    pool.ours, pool.layer_num, pool.page_size = ours, 2, 4
+    pool._loads, pool._load_lock = {}, threading.Lock()
+    return pool
 
 
 def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_factory) -> None:

@@ -23,7 +23,8 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ if not torch.cuda.is_available():
 from conftest import load_fill_kernel, start_daemon  # noqa: E402
 from hicache.core.layout import build_layout, preset  # noqa: E402
 from hicache.engine.client import Client  # noqa: E402
-from hicache.engine.sglang.host_pools import _DaemonPoolMixin  # noqa: E402
 from hicache.engine.sglang.link import DaemonLink  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS, StageBuffers  # noqa: E402
+from sglang_gpu_shapes import (Pool, backup_all, load_layer_by_layer,  # noqa: E402
+                               sglang_stage, tokens)
 
 DEV = torch.device("cuda:0")
 LAYOUT = build_layout(preset("dsv4-tiny"), swa_mode="paged", c128_state="offline", mtp=False)
@@ -47,39 +49,8 @@ PAGE = LAYOUT.model.page_size
 SLEEP = 1_000_000_000  # GPU cycles the forward sleeps before it writes (~0.5 s on an H100)
 
 
-class _Pool(_DaemonPoolMixin):
-    """One of SGLang's DSV4 host pools as the adapter builds it, minus SGLang's base class
-    (which adds nothing to these calls: ``bind_host_pools``)."""
-
-    def __init__(self, link: DaemonLink, sglang_name: str) -> None:
-        self.link, self.page_size = link, PAGE
-        self._init_daemon(sglang_name)
-
-
-def _sglang_buffers() -> StageBuffers:
-    """Per pool and layer, a tensor of its own as SGLang allocates it (KV in fp8, states in
-    fp32), viewed as byte rows the way ``stage_map.map_stage`` views SGLang's; random bytes."""
-    g = torch.Generator(device=DEV).manual_seed(7)
-    layers: dict[str, list[torch.Tensor]] = {}
-    owners: dict[str, list[torch.Tensor]] = {}
-    for name, spec in LAYOUT.pools.items():
-        rows = ROWS[spec.index] + EXTRA_ROWS.get(name, 0)
-        dtype = torch.float32 if spec.ring > 1 or name == "c128_state" else torch.float8_e4m3fn
-        own, views = [], []
-        for _ in range(spec.num_layers):
-            raw = torch.randint(0, 256, (rows * spec.page_bytes,), dtype=torch.uint8,
-                                device=DEV, generator=g)
-            t = raw.view(dtype)  # the owner SGLang holds (its own dtype)
-            own.append(t)
-            views.append(t.view(torch.uint8).reshape(rows, spec.page_bytes))
-        layers[name], owners[name] = views, own
-    return StageBuffers(LAYOUT, layers, dict(ROWS), owners)
-
-
-def _tokens(rows: list[int], device: Any = "cpu") -> torch.Tensor:
-    """SGLang's token indices of whole pages ``rows``."""
-    r = torch.tensor(rows, dtype=torch.int64)
-    return (r[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(device)
+def _tok(rows: list[int], device: Any = "cpu") -> torch.Tensor:
+    return tokens(rows, PAGE, device)
 
 
 @pytest.fixture
@@ -88,7 +59,7 @@ def adapter(tmp_path: Any):
                      device_rows=",".join(f"{k}={v}" for k, v in ROWS.items()),
                      extra=("--no-mtp", "--c128-state", "offline"), ready_timeout=120)
     torch.cuda.set_device(DEV)
-    stage = _sglang_buffers()
+    stage = sglang_stage(LAYOUT, ROWS, EXTRA_ROWS, DEV)
     client = Client(d.address, timeout=5.0, name="sglang-gpu")  # the adapter's
     try:
         link = DaemonLink.share(stage, client, None)
@@ -106,31 +77,50 @@ def _rows_of(stage: StageBuffers, name: str, idx: list[int]) -> list[torch.Tenso
     return [t.index_select(0, i).clone() for t in stage.layers[name]]
 
 
-def _load_layer_by_layer(pools: dict[str, _Pool], stage: StageBuffers, ids: dict, dst: dict,
-                         want: dict, stream: Any) -> None:
-    """SGLang's loop: every stage layer in order, each pool that has it, from ``stream``; each
-    call has returned only once its layer is copied, so a read from another stream right
-    after it must see the backed-up bytes."""
+def _load_and_check(pools: dict[str, Pool], stage: StageBuffers, ids: dict, dst: dict,
+                    want: dict, stream: Any, grouped: bool = True) -> None:
+    """SGLang's loop (``load_layer_by_layer``); each call has returned only once its layer is
+    copied, so a read from another stream right after it must see the backed-up bytes.
+    ``grouped``: one daemon load for the submission (as installed), else one per pool."""
     reader = torch.cuda.Stream(DEV)
+    dst_dev = {s: torch.tensor(r, device=DEV) for s, r in dst.items()}
+
+    def check(name: str, li: int) -> None:
+        with torch.cuda.stream(reader):
+            got = stage.layers[name][li].index_select(0, dst_dev[pools[name].space])
+        reader.synchronize()
+        assert torch.equal(got, want[name][li]), (name, li)
+
     layers = sorted({g for p in pools.values() for g in LAYOUT.pools[p.ours].layers})
     assert layers == sorted(next(iter(pools.values())).link.client.stage_layers)
-    seen = 0
-    for g in layers:
-        for name, p in pools.items():
-            spec = LAYOUT.pools[name]
-            if g not in spec.layers:
-                continue
-            li = spec.layers.index(g)
-            with torch.cuda.stream(stream):
-                p.load_to_device_per_layer(None, *ids[p.space], li, "direct")
-            with torch.cuda.stream(reader):
-                got = stage.layers[name][li].index_select(
-                    0, torch.tensor(dst[p.space], device=DEV))
-            reader.synchronize()
-            assert torch.equal(got, want[name][li]), (name, li)
-            seen += 1
-    assert seen == sum(LAYOUT.pools[n].num_layers for n in pools)
+    link = next(iter(pools.values())).link
+    with _commands(link, "load") as loads:
+        calls = load_layer_by_layer(pools, ids, stream, check, grouped)
+    assert calls == sum(LAYOUT.pools[n].num_layers for n in pools)
+    assert loads == ([sorted(pools)] if grouped else [[n] for n in _by_first_layer(pools)])
     assert all(not p._loads for p in pools.values())  # every load's ack taken at its last layer
+
+
+def _by_first_layer(pools: dict[str, Pool]) -> list[str]:
+    """The pools in the order SGLang's loop first calls them (one load each, ungrouped)."""
+    return sorted(pools, key=lambda n: (LAYOUT.pools[n].layers[0], list(pools).index(n)))
+
+
+@contextlib.contextmanager
+def _commands(link: DaemonLink, cmd: str) -> Iterator[list[list[str]]]:
+    """The pools of every ``cmd`` (``load`` / ``backup``) the link's client sends meanwhile."""
+    sent: list[list[str]] = []
+    real = getattr(link.client, cmd)
+
+    def counted(items: Any, **kw: Any) -> Any:
+        sent.append(sorted(items))
+        return real(items, **kw)
+
+    setattr(link.client, cmd, counted)
+    try:
+        yield sent
+    finally:
+        delattr(link.client, cmd)  # the class's method again
 
 
 def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adapter) -> None:
@@ -141,7 +131,7 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
     d, link, stage = adapter
     c = link.client
     assert len(c.backup_events) == 2 and c._device == DEV
-    pools = {ours: _Pool(link, sgl) for sgl, ours in SGLANG_POOLS.items()}
+    pools = {ours: Pool(link, sgl) for sgl, ours in SGLANG_POOLS.items()}
     assert set(pools) == set(LAYOUT.pools) - {"c128_state"}  # SGLang never offloads it
     src = {"page": [1, 3, 5, 11], "swa_page": [0, 2, 4, 8]}
     dst = {"page": [0, 2, 9, 10], "swa_page": [1, 3, 6, 7]}
@@ -162,11 +152,12 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
     warm = {s: link.alloc(s, 1) for s in src}
     first = {s: r[:1] for s, r in src.items()}
     was = {name: _rows_of(stage, name, first[p.space]) for name, p in pools.items()}
-    for p in pools.values():
-        p.backup_from_device_all_layer(None, _tokens(warm[p.space]), _tokens(first[p.space]),
-                                       "direct")
-    _load_layer_by_layer(pools, stage, {s: (_tokens(warm[s]), _tokens(dst[s][:1])) for s in dst},
-                         {s: r[:1] for s, r in dst.items()}, was, load)
+    # (each pool on its own here: the path of transfers that cannot go as one command)
+    with _commands(link, "backup") as backups:
+        backup_all(pools, {s: (_tok(warm[s]), _tok(first[s])) for s in src}, grouped=False)
+    assert backups == [[n] for n in pools]
+    _load_and_check(pools, stage, {s: (_tok(warm[s]), _tok(dst[s][:1])) for s in dst},
+                    {s: r[:1] for s, r in dst.items()}, was, load, grouped=False)
     for s, rows in warm.items():
         link.free(s, rows)
     torch.cuda.synchronize()
@@ -180,10 +171,10 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
             for li, t in enumerate(stage.layers[name]):
                 t.index_fill_(0, i, (li * 13 + len(name)) % 251 + 1)
     write.wait_stream(fwd)
-    with torch.cuda.stream(write):
-        for name, p in pools.items():
-            p.backup_from_device_all_layer(None, _tokens(host[p.space]), _tokens(src[p.space]),
-                                           "direct")
+    assert not fwd.query(), "the forward ended before the backups were sent: no wait tested"
+    with torch.cuda.stream(write), _commands(link, "backup") as backups:
+        backup_all(pools, {s: (_tok(host[s]), _tok(src[s])) for s in src})
+    assert backups == [sorted(pools)]  # SGLang's one submission: one backup of every pool
     torch.cuda.synchronize()
     want = {name: _rows_of(stage, name, src[p.space]) for name, p in pools.items()}
     for name in pools:  # the fill reached the rows, so the loads below can tell them apart
@@ -201,13 +192,14 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
             for t in stage.layers[name]:
                 t.index_fill_(0, i, 0xEE)
     load.wait_stream(fwd)
-    _load_layer_by_layer(pools, stage, {s: (_tokens(host[s]), _tokens(dst[s])) for s in dst},
-                         dst, want, load)
+    assert not fwd.query(), "the forward ended before the loads were sent: no fence tested"
+    _load_and_check(pools, stage, {s: (_tok(host[s]), _tok(dst[s])) for s in dst},
+                    dst, want, load)
     # 3) SGLang's CUDA device ids (a single SWA page: the first of the backed-up ones)
-    ids = {s: (_tokens(host[s][: len(dst2[s])]), _tokens(dst2[s], DEV)) for s in dst2}
-    _load_layer_by_layer(pools, stage, ids, dst2,
-                         {name: [w[: len(dst2[p.space])] for w in want[name]]
-                          for name, p in pools.items()}, load)
+    ids = {s: (_tok(host[s][: len(dst2[s])]), _tok(dst2[s], DEV)) for s in dst2}
+    _load_and_check(pools, stage, ids, dst2,
+                    {name: [w[: len(dst2[p.space])] for w in want[name]]
+                     for name, p in pools.items()}, load)
     torch.cuda.synchronize()
     # the loads stayed behind the forward's writes (the fence): the destinations still hold
     # what was loaded, not the forward's 0xEE

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from hicache.core.layout import LayoutError, ModelSpec, build_layout, preset
 from hicache.engine.client import Client
-from hicache.engine.sglang.host_pools import bind_host_pools
+from hicache.engine.sglang.host_pools import bind_host_pools, submission
 from hicache.engine.sglang.link import DaemonLink
 from hicache.engine.sglang.version import check_sglang_version
 
@@ -90,6 +90,21 @@ def _refuse_attach(*args: Any, **kw: Any) -> None:
                            "attach none to this server")
 
 
+def _one_command_per_submission(engine: Any, link: DaemonLink) -> None:
+    """Wrap this worker's ``L2TransferEngine`` submissions (``host_pools.submission``): the
+    transfers of one submission reach the daemon as one ``load`` or one ``backup``."""
+    for method, kind in (("submit_host_to_device", "loads"),
+                         ("submit_device_to_host", "backups")):
+        original = getattr(engine, method)
+
+        def submit(transfers: Any, *args: Any, _original: Any = original, _kind: str = kind,
+                   **kw: Any) -> Any:
+            with submission(link, _kind, transfers):
+                return _original(transfers, *args, **kw)
+
+        setattr(engine, method, functools.wraps(original)(submit))
+
+
 def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | None = None,
             pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
             timeout: float = 5.0) -> Installation:
@@ -132,6 +147,7 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                 A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
                     bind_host_pools(link)
                 stack = original(*args, **kw)
+                _one_command_per_submission(stack[1].l2_transfer_engine, link)
                 # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
                 # the flag is at build time: SGLang turns the raise into a failed reply
                 stack[1].attach_storage_backend = _refuse_attach

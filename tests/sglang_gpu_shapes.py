@@ -1,0 +1,124 @@
+"""SGLang-shaped DSV4 device pools on a GPU, and SGLang's host-pool calls, without SGLang.
+
+The lent GPU machine has no SGLang CUDA build (``scripts/gpu_sglang.sh`` says what it needs),
+so the adapter's GPU path is driven with stand-ins of what SGLang 0.5.23 hands it:
+
+* ``sglang_stage(layout, rows, extra_rows, device)``: per pool and layer a tensor of its own, as
+  SGLang allocates them (KV in fp8, compress states in fp32), viewed as byte rows the way
+  ``stage_map.map_stage`` views SGLang's; random bytes. ``extra_rows`` gives a pool more rows
+  than its space shares (SGLang sizes each buffer of a space apart).
+* ``Pool(link, sglang_name)``: one of SGLang's DSV4 host pools as ``bind_host_pools`` builds it,
+  minus SGLang's base class (which adds nothing to the copy calls).
+* ``tokens(rows)``: SGLang's token indices of whole pages.
+* ``backup_all(pools, ids)`` and ``load_layer_by_layer(pools, ids, stream, after_layer)``:
+  SGLang's ``L2TransferEngine.submit_device_to_host`` (each pool's backup call) and
+  ``submit_host_to_device`` (every stage layer in order, each pool that has it, from
+  ``stream``; ``after_layer(pool, local_layer)`` runs after each call), inside the adapter's
+  ``submission`` as the assembler patch installs it around them (``grouped=False``: without
+  it, each pool sends its own command).
+
+Used by ``tests/test_sglang_adapter_cuda.py`` and ``scripts/sglang_adapter_gpu_time.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from hicache.core.layout import Layout
+from hicache.engine.sglang.host_pools import _DaemonPoolMixin, submission
+from hicache.engine.sglang.link import DaemonLink
+from hicache.engine.sglang.stage_map import StageBuffers
+
+
+class Pool(_DaemonPoolMixin):
+    """See the module docstring."""
+
+    def __init__(self, link: DaemonLink, sglang_name: str) -> None:
+        self.link, self.page_size = link, link.layout.model.page_size
+        self._init_daemon(sglang_name)
+
+
+def sglang_stage(layout: Layout, rows: dict[str, int], extra_rows: dict[str, int],
+                 device: torch.device, seed: int = 7) -> StageBuffers:
+    """See the module docstring."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    layers: dict[str, list[torch.Tensor]] = {}
+    owners: dict[str, list[torch.Tensor]] = {}
+    for name, spec in layout.pools.items():
+        n = rows[spec.index] + extra_rows.get(name, 0)
+        dtype = torch.float32 if spec.ring > 1 or name == "c128_state" else torch.float8_e4m3fn
+        own, views = [], []
+        for _ in range(spec.num_layers):
+            raw = torch.randint(0, 256, (n * spec.page_bytes,), dtype=torch.uint8,
+                                device=device, generator=g)
+            t = raw.view(dtype)  # the owner SGLang holds (its own dtype)
+            own.append(t)
+            views.append(t.view(torch.uint8).reshape(n, spec.page_bytes))
+        layers[name], owners[name] = views, own
+    return StageBuffers(layout, layers, dict(rows), owners)
+
+
+def tokens(rows: list[int], page: int, device: Any = "cpu") -> torch.Tensor:
+    """SGLang's token indices of whole pages ``rows``."""
+    r = torch.tensor(rows, dtype=torch.int64)
+    return (r[:, None] * page + torch.arange(page)).reshape(-1).to(device)
+
+
+class Transfer(NamedTuple):
+    """The fields of SGLang's ``L2Transfer`` that the adapter reads."""
+
+    host_pool: Any
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    is_draft: bool = False
+
+
+def _transfers(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.Tensor]]
+               ) -> list[Transfer]:
+    """One per pool; the pools of one index space share its index tensors, as in SGLang."""
+    return [Transfer(p, *ids[p.space]) for p in pools.values()]
+
+
+def _submitting(pools: dict[str, Pool], kind: str, transfers: list[Transfer],
+                grouped: bool) -> Any:
+    link = next(iter(pools.values())).link
+    return submission(link, kind, transfers) if grouped else contextlib.nullcontext()
+
+
+def backup_all(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               grouped: bool = True) -> None:
+    """SGLang's ``submit_device_to_host``: each pool's ``backup_from_device_all_layer`` from
+    the current stream; ``grouped``: inside the adapter's ``submission`` (as installed)."""
+    transfers = _transfers(pools, ids)
+    with _submitting(pools, "backups", transfers, grouped):
+        for t in transfers:
+            t.host_pool.backup_from_device_all_layer(None, t.host_indices, t.device_indices,
+                                                     "direct")
+
+
+def load_layer_by_layer(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                        stream: Any, after_layer: Callable[[str, int], None] | None = None,
+                        grouped: bool = True) -> int:
+    """See the module docstring; ``ids``: (host, device) token ids per index space;
+    ``grouped``: inside the adapter's ``submission`` (as installed). Returns how many calls it
+    made."""
+    layout = next(iter(pools.values())).link.layout
+    transfers = _transfers(pools, ids)
+    calls = 0
+    with _submitting(pools, "loads", transfers, grouped):
+        for g in sorted({g for p in pools.values() for g in layout.pools[p.ours].layers}):
+            for t in transfers:
+                p = t.host_pool
+                spec = layout.pools[p.ours]
+                if g not in spec.layers:
+                    continue
+                li = spec.layers.index(g)
+                with torch.cuda.stream(stream):
+                    p.load_to_device_per_layer(None, t.host_indices, t.device_indices, li,
+                                               "direct")
+                calls += 1
+                if after_layer is not None:
+                    after_layer(p.ours, li)
+    return calls
