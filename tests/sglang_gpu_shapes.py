@@ -107,18 +107,17 @@ def load_layer_by_layer(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tenso
     layout = next(iter(pools.values())).link.layout
     transfers = _transfers(pools, ids)
     calls = 0
-    with _submitting(pools, "loads", transfers, grouped):
+    local = [{g: i for i, g in enumerate(layout.pools[t.host_pool.ours].layers)}
+             for t in transfers]  # (SGLang's layer mappers)
+    with _submitting(pools, "loads", transfers, grouped), torch.cuda.stream(stream):
         for g in sorted({g for p in pools.values() for g in layout.pools[p.ours].layers}):
-            for t in transfers:
-                p = t.host_pool
-                spec = layout.pools[p.ours]
-                if g not in spec.layers:
+            for t, to_local in zip(transfers, local):
+                li = to_local.get(g)
+                if li is None:
                     continue
-                li = spec.layers.index(g)
-                with torch.cuda.stream(stream):
-                    p.load_to_device_per_layer(None, t.host_indices, t.device_indices, li,
-                                               "direct")
+                t.host_pool.load_to_device_per_layer(None, t.host_indices, t.device_indices, li,
+                                                     "direct")
                 calls += 1
                 if after_layer is not None:
-                    after_layer(p.ours, li)
+                    after_layer(t.host_pool.ours, li)
     return calls
