@@ -17,12 +17,15 @@ so the adapter's GPU path is driven with stand-ins of what SGLang 0.5.23 hands i
   ``submission`` as the assembler patch installs it around them (``grouped=False``: without
   it, each pool sends its own command).
 
+* ``commands_sent(link, cmd)``: the pools of every ``load`` / ``backup`` a link's client sends
+  meanwhile (also used by ``tests/sglang/check_dsv4_l2.py`` with SGLang's own classes).
+
 Used by ``tests/test_sglang_adapter_cuda.py`` and ``scripts/sglang_adapter_gpu_time.py``.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -121,3 +124,20 @@ def load_layer_by_layer(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tenso
                 if after_layer is not None:
                     after_layer(t.host_pool.ours, li)
     return calls
+
+
+@contextlib.contextmanager
+def commands_sent(link: DaemonLink, cmd: str) -> Iterator[list[list[str]]]:
+    """See the module docstring."""
+    sent: list[list[str]] = []
+    real = getattr(link.client, cmd)
+
+    def counted(items: Any, **kw: Any) -> Any:
+        sent.append(sorted(items))
+        return real(items, **kw)
+
+    setattr(link.client, cmd, counted)
+    try:
+        yield sent
+    finally:
+        delattr(link.client, cmd)  # the class's method again

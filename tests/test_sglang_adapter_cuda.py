@@ -23,8 +23,7 @@ Skipped without CUDA.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +37,8 @@ from hicache.core.layout import build_layout, preset  # noqa: E402
 from hicache.engine.client import Client  # noqa: E402
 from hicache.engine.sglang.link import DaemonLink  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS, StageBuffers  # noqa: E402
-from sglang_gpu_shapes import (Pool, backup_all, load_layer_by_layer,  # noqa: E402
-                               sglang_stage, tokens)
+from sglang_gpu_shapes import (Pool, backup_all, commands_sent,  # noqa: E402
+                               load_layer_by_layer, sglang_stage, tokens)
 
 DEV = torch.device("cuda:0")
 LAYOUT = build_layout(preset("dsv4-tiny"), swa_mode="paged", c128_state="offline", mtp=False)
@@ -94,7 +93,7 @@ def _load_and_check(pools: dict[str, Pool], stage: StageBuffers, ids: dict, dst:
     layers = sorted({g for p in pools.values() for g in LAYOUT.pools[p.ours].layers})
     assert layers == sorted(next(iter(pools.values())).link.client.stage_layers)
     link = next(iter(pools.values())).link
-    with _commands(link, "load") as loads:
+    with commands_sent(link, "load") as loads:
         calls = load_layer_by_layer(pools, ids, stream, check, grouped)
     assert calls == sum(LAYOUT.pools[n].num_layers for n in pools)
     assert loads == ([sorted(pools)] if grouped else [[n] for n in _by_first_layer(pools)])
@@ -104,23 +103,6 @@ def _load_and_check(pools: dict[str, Pool], stage: StageBuffers, ids: dict, dst:
 def _by_first_layer(pools: dict[str, Pool]) -> list[str]:
     """The pools in the order SGLang's loop first calls them (one load each, ungrouped)."""
     return sorted(pools, key=lambda n: (LAYOUT.pools[n].layers[0], list(pools).index(n)))
-
-
-@contextlib.contextmanager
-def _commands(link: DaemonLink, cmd: str) -> Iterator[list[list[str]]]:
-    """The pools of every ``cmd`` (``load`` / ``backup``) the link's client sends meanwhile."""
-    sent: list[list[str]] = []
-    real = getattr(link.client, cmd)
-
-    def counted(items: Any, **kw: Any) -> Any:
-        sent.append(sorted(items))
-        return real(items, **kw)
-
-    setattr(link.client, cmd, counted)
-    try:
-        yield sent
-    finally:
-        delattr(link.client, cmd)  # the class's method again
 
 
 def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adapter) -> None:
@@ -153,7 +135,7 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
     first = {s: r[:1] for s, r in src.items()}
     was = {name: _rows_of(stage, name, first[p.space]) for name, p in pools.items()}
     # (each pool on its own here: the path of transfers that cannot go as one command)
-    with _commands(link, "backup") as backups:
+    with commands_sent(link, "backup") as backups:
         backup_all(pools, {s: (_tok(warm[s]), _tok(first[s])) for s in src}, grouped=False)
     assert backups == [[n] for n in pools]
     _load_and_check(pools, stage, {s: (_tok(warm[s]), _tok(dst[s][:1])) for s in dst},
@@ -172,7 +154,7 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
                 t.index_fill_(0, i, (li * 13 + len(name)) % 251 + 1)
     write.wait_stream(fwd)
     assert not fwd.query(), "the forward ended before the backups were sent: no wait tested"
-    with torch.cuda.stream(write), _commands(link, "backup") as backups:
+    with torch.cuda.stream(write), commands_sent(link, "backup") as backups:
         backup_all(pools, {s: (_tok(host[s]), _tok(src[s])) for s in src})
     assert backups == [sorted(pools)]  # SGLang's one submission: one backup of every pool
     torch.cuda.synchronize()

@@ -20,6 +20,7 @@ import torch
 
 import dsv4_fixture as F
 from conftest import start_daemon
+from sglang_gpu_shapes import commands_sent
 from hicache.engine import sglang as hs
 from hicache.engine.sglang.version import UnsupportedSglang, check_sglang_version
 
@@ -77,23 +78,6 @@ def _installed(tmp: Path, heartbeat_timeout: float = 10.0,
         d.close()
 
 
-@contextlib.contextmanager
-def _commands(link: Any, cmd: str) -> Iterator[list[list[str]]]:
-    """The pools of every ``cmd`` (``load`` / ``backup``) the link's client sends meanwhile."""
-    sent: list[list[str]] = []
-    real = getattr(link.client, cmd)
-
-    def counted(items: Any, **kw: Any) -> Any:
-        sent.append(sorted(items))
-        return real(items, **kw)
-
-    setattr(link.client, cmd, counted)
-    try:
-        yield sent
-    finally:
-        delattr(link.client, cmd)  # the class's method again
-
-
 def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int) -> int:
     """insert -> backup -> evict -> load back -> bytes; returns the SWA pages verified."""
     seq = kit._make_seq(1 + seed * 10_000, 3)
@@ -106,7 +90,7 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
     before = {p: [t.clone() for t in ts] for p, ts in link.stage.layers.items()}
 
     grouped = dict(link.grouped)
-    with _commands(link, "backup") as backups:
+    with commands_sent(link, "backup") as backups:
         kit._backup_tree(cache)  # SGLang's write path -> our pools -> daemon backup
     # each of SGLang's submissions went to the daemon as one backup of every pool
     assert backups and all(b == sorted(PAGE_POOLS + SWA_POOLS) for b in backups), backups
@@ -124,7 +108,7 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
     kit._insert(cache, alloc, r2t, kit._make_seq(900_000 + seed, 3))  # takes the freed pages
     m = match_prefix(cache, seq)
     assert m.host_hit_length == 3 * F.PAGE
-    with _commands(link, "load") as loads:
+    with commands_sent(link, "load") as loads:
         kit._load_back_node(cache, chain[-1])  # SGLang's load path, per layer
     # SGLang's one submission went to the daemon as one load of every pool
     assert loads == [sorted(PAGE_POOLS + SWA_POOLS)], loads
