@@ -121,6 +121,20 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
     assert c.calls[-2:] == [("layer", 1), ("ack", True)]
     assert a.link.grouped == {"loads": 1, "backups": 0} and a.link.submitting.loads is None
 
+    # ids SGLang translates before the calls (a device pool's ``host_transfer_translate``), a
+    # pool of another link, one pool twice: no group, each pool sends its own load
+    from hicache.engine.sglang.host_pools import _grouped
+
+    translated = SimpleNamespace(host_transfer_translate=lambda ids: ids + 1)
+    other = _stand_in_pool(c, "c128_kv")
+    def changed(**kw: Any) -> Any:
+        return SimpleNamespace(**{**vars(transfers[1]), **kw})
+
+    for bad in ([transfers[0], changed(device_pool=translated)],
+                [transfers[0], changed(host_pool=other)], [transfers[0], transfers[0]]):
+        assert _grouped(a.link, bad) is None
+    assert _grouped(a.link, transfers) is not None
+
 
 def _stand_in_pool(client: Any, ours: str, link: Any = None) -> Any:
     """A host pool of the adapter with two layers and 4-token pages on a stand-in link."""

@@ -16,6 +16,8 @@ HiCache controller calls it:
   the stream waiting (SGLang's load fence) for a forward still writing the destination rows:
   the copy waits for the fence; each call returns only once its layer is copied (read at once
   from another stream), and the last layer's ack is checked;
+* one daemon ``backup`` / ``load`` of every pool per SGLang submission (the adapter's
+  ``submission``, as the assembler patch installs it), one per pool outside a submission;
 * every loaded byte equals what was backed up, and no device row outside the load's
   destination changed; ``close`` unregisters the worker.
 
@@ -106,10 +108,11 @@ def _by_first_layer(pools: dict[str, Pool]) -> list[str]:
 
 
 def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adapter) -> None:
-    """Device ids are given on the host in steps 1 and 2: SGLang's are CUDA tensors, and
-    turning those into page rows (``_pages``) syncs the calling stream, so the forward would be
-    over before the adapter even records its event, and the event's wait would go unproven.
-    Step 3 loads with CUDA device ids, as SGLang gives them."""
+    """Device ids are on the host in steps 1 and 2, as SGLang's ``direct`` io backend hands
+    them over even for CUDA pools. Step 3 gives CUDA ids (its ``kernel`` backend's): the
+    adapter turns them into page rows with a copy that syncs the calling stream, so with them
+    the forward would be over before the adapter recorded its event, and steps 1 and 2 would
+    not show that the event's wait holds."""
     d, link, stage = adapter
     c = link.client
     assert len(c.backup_events) == 2 and c._device == DEV

@@ -15,8 +15,9 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
   one ``backup`` or one ``load`` of every pool (the daemon copies layer by layer across the
   pools, layer 0 of every pool first, instead of one whole pool after another: on an H100 an
   8-page DSV4-Flash load took 2.75 ms as one command and 10.7 ms as six). Transfers that
-  cannot go together (a pool not this link's, one pool twice, an MTP draft; SGLang's KV anchor
-  moves no bytes and is left out) go one command per pool, as below.
+  cannot go together (a pool not this link's, one pool twice, an MTP draft, ids SGLang
+  translates first; SGLang's KV anchor moves no bytes and is left out) go one command per
+  pool, as below.
 * ``backup_from_device_all_layer``: one daemon ``backup`` of this pool (every layer), or of
   every pool of the submission at its first call (the later calls return at once), waited for
   before returning, since SGLang records its completion event right after the call returns.
@@ -109,7 +110,9 @@ class _Group:
 
 def _grouped(link: DaemonLink, transfers: Any) -> _Group | None:
     """The group of ``transfers``, or None when they cannot go as one command (a pool that is
-    not this link's, one pool twice, an MTP draft transfer): each pool then sends its own."""
+    not this link's, one pool twice, an MTP draft transfer, or a device pool whose ids SGLang
+    translates before the calls, ``host_transfer_translate``: the calls would then carry ids
+    other than these): each pool then sends its own."""
     live = [t for t in transfers
             if t.host_indices is not None and t.device_indices is not None
             and t.host_indices.numel() > 0
@@ -117,7 +120,9 @@ def _grouped(link: DaemonLink, transfers: Any) -> _Group | None:
     pools = [t.host_pool for t in live]
     if not live or len({id(p) for p in pools}) != len(pools) or any(
             not isinstance(p, _DaemonPoolMixin) or p.link is not link or
-            getattr(t, "is_draft", False) for p, t in zip(pools, live)):
+            getattr(t, "is_draft", False) or
+            getattr(getattr(t, "device_pool", None), "host_transfer_translate", None) is not None
+            for p, t in zip(pools, live)):
         return None
     return _Group(live)
 
