@@ -12,7 +12,10 @@ the wrapper:
    (``DaemonLink.connect``; refused with one line on any mismatch);
 3. runs SGLang's own builder with ``LogicalHostPool``, ``DeepSeekV4PagedHostPool`` and
    ``DeepSeekV4StateHostPool`` replaced, for that call only, by the daemon-backed classes of
-   ``host_pools.bind_host_pools``.
+   ``host_pools.bind_host_pools``;
+4. wraps the built controller's ``L2TransferEngine.submit_device_to_host`` /
+   ``submit_host_to_device`` in ``host_pools.submission``, so that one submission's transfers
+   reach the daemon as one ``backup`` / ``load`` of every pool.
 
 A storage backend is refused, at build time (``--hicache-storage-backend``) and at SGLang's
 runtime attach (the built controller's ``attach_storage_backend`` raises; SGLang answers the
