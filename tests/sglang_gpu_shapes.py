@@ -16,7 +16,6 @@ so the adapter's GPU path is driven with stand-ins of what SGLang 0.5.23 hands i
   ``stream``; ``after_layer(pool, local_layer)`` runs after each call), inside the adapter's
   ``submission`` as the assembler patch installs it around them (``grouped=False``: without
   it, each pool sends its own command).
-
 * ``commands_sent(link, cmd)``: the pools of every ``load`` / ``backup`` a link's client sends
   meanwhile (also used by ``tests/sglang/check_dsv4_l2.py`` with SGLang's own classes).
 
