@@ -119,10 +119,10 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
         with pytest.raises(TransferFailed, match="launch failed"):
             b.load_to_device_per_layer(None, *sb, 1, "direct")
     assert c.calls[-2:] == [("layer", 1), ("ack", True)]
-    assert a.link.grouped == {"loads": 1, "backups": 0} and a.link.submitting.loads is None
+    assert a.link.submitting.loads is None  # the submission is over
 
     # ids SGLang translates before the calls (a device pool's ``host_transfer_translate``), a
-    # pool of another link, one pool twice: no group, each pool sends its own load
+    # pool of another link, one pool twice, an MTP draft: no group, each pool sends its own
     from hicache.engine.sglang.host_pools import _grouped
 
     translated = SimpleNamespace(host_transfer_translate=lambda ids: ids + 1)
@@ -131,7 +131,8 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
         return SimpleNamespace(**{**vars(transfers[1]), **kw})
 
     for bad in ([transfers[0], changed(device_pool=translated)],
-                [transfers[0], changed(host_pool=other)], [transfers[0], transfers[0]]):
+                [transfers[0], changed(host_pool=other)], [transfers[0], transfers[0]],
+                [transfers[0], changed(is_draft=True)]):
         assert _grouped(a.link, bad) is None
     assert _grouped(a.link, transfers) is not None
 
@@ -146,8 +147,7 @@ def _stand_in_pool(client: Any, ours: str, link: Any = None) -> Any:
     pool = object.__new__(_DaemonPoolMixin)
     pool.link = link or SimpleNamespace(client=client, lock=threading.RLock(),
                                         pool_global_layer=lambda p, l: l,
-                                        submitting=threading.local(),
-                                        grouped={"loads": 0, "backups": 0})
+                                        submitting=threading.local())
     pool.ours, pool.layer_num, pool.page_size = ours, 2, 4
     pool._loads, pool._load_lock = {}, threading.Lock()
     return pool

@@ -89,12 +89,10 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
     _fill(link, seed)
     before = {p: [t.clone() for t in ts] for p, ts in link.stage.layers.items()}
 
-    grouped = dict(link.grouped)
     with commands_sent(link, "backup") as backups:
         kit._backup_tree(cache)  # SGLang's write path -> our pools -> daemon backup
     # each of SGLang's submissions went to the daemon as one backup of every pool
     assert backups and all(b == sorted(PAGE_POOLS + SWA_POOLS) for b in backups), backups
-    assert link.grouped["backups"] - grouped["backups"] == len(backups)
     for n in chain:
         assert node_host_value(cache, n, CT.FULL) is not None
 
@@ -112,7 +110,6 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
         kit._load_back_node(cache, chain[-1])  # SGLang's load path, per layer
     # SGLang's one submission went to the daemon as one load of every pool
     assert loads == [sorted(PAGE_POOLS + SWA_POOLS)], loads
-    assert link.grouped["loads"] - grouped["loads"] == 1
     full_new = [r for n in chain for r in _rows(node_device_value(cache, n, CT.FULL))]
     swa_new = {i: r for i, n in enumerate(chain)
                for r in _rows(node_device_value(cache, n, CT.SWA))}

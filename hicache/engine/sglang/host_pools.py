@@ -131,8 +131,7 @@ def _grouped(link: DaemonLink, transfers: Any) -> _Group | None:
 def submission(link: DaemonLink, kind: str, transfers: Any) -> Iterator[None]:
     """While SGLang submits ``transfers`` (``kind``: ``loads`` or ``backups``) from this
     thread, the host pools' calls for them go to the daemon as one command. Installed around
-    SGLang's ``L2TransferEngine.submit_*`` by the assembler patch. ``link.grouped[kind]``
-    counts the submissions that went as one command."""
+    SGLang's ``L2TransferEngine.submit_*`` by the assembler patch."""
     group = _grouped(link, transfers)
     prev = getattr(link.submitting, kind, None)
     setattr(link.submitting, kind, group)
@@ -140,8 +139,6 @@ def submission(link: DaemonLink, kind: str, transfers: Any) -> Iterator[None]:
         yield
     finally:
         setattr(link.submitting, kind, prev)
-        if group is not None and group.op is not None:
-            link.grouped[kind] += 1
 
 
 def _group_of(pool: _DaemonPoolMixin, host_indices: Any, device_indices: Any,

@@ -139,10 +139,7 @@ class DaemonLink:
         self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
         self._held_lock = threading.Lock()  # ``_held`` alone (``free_rows`` takes no ``lock``)
         self._deferred = False  # a free the daemon deferred may still be pending
-        # the SGLang submission each thread is in (``host_pools.submission``), and how many
-        # went to the daemon as one command
-        self.submitting = threading.local()
-        self.grouped = {"loads": 0, "backups": 0}
+        self.submitting = threading.local()  # each thread's SGLang submission (host_pools)
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
         self.beat_error: Exception | None = None
