@@ -734,7 +734,12 @@ def test_a_checkpoints_split_of_a_stage_without_page_pools_says_why():
     with pytest.raises(UsageError, match=r"this stage has no page pools \(layers \[0, 2\) "
                                          r"hold SWA only\).*device split"):
         sizing(load_config({**base, "host_split": "checkpoints"}, env={}))
-    assert sizing(load_config(base, env={})).host_rows["swa_page"] > 0
+    # the device split: the stages agree on their host rows, and 512 MiB leaves stage 1 (41
+    # layers) fewer SWA rows than its device has, so stage 0 is refused too, saying why
+    with pytest.raises(UsageError, match=r"host rows agreed over the 2 PP stages\) gives a "
+                                         r"host tier no larger than the device pools"):
+        sizing(load_config(base, env={}))
+    assert sizing(load_config({**base, "host_mem": 8 << 30}, env={})).host_rows["swa_page"] > 0
 
 
 def test_a_ring_release_with_the_host_tier_offline_makes_no_checkpoint():

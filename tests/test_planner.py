@@ -13,7 +13,7 @@ import pytest
 from hicache.cli import main
 from hicache.core.config import ServeConfig, load_config, sizing
 from hicache.core.errors import UsageError
-from hicache.core.sizes import arena_bytes
+from hicache.core.sizes import arena_bytes, checkpoint_host_rows
 from hicache.core.layout import build_layout, preset
 from hicache.core.planner import (
     PlanInputs, capacity_pages, fixed_bytes_per_request, host_rows, one_request_bytes,
@@ -383,6 +383,65 @@ def test_serve_names_the_tokens_its_own_device_rows_hold():
         s = sizing(cfg)
         assert s.device_rows["page"] == 454
         assert "116224 device tokens" in s.source, s.source
+
+
+@pytest.mark.parametrize("split", ["device", "checkpoints"])
+def test_pp_stages_sized_by_host_mem_agree_on_the_smallest_stage(split):
+    """Each stage sized its host rows alone from --host-mem: DSV4-Flash at PP 2 gave stage 0
+    1,997 page rows and stage 1 1,819 (its layers take more bytes per row), so a prefix could
+    fit one stage and not the other, and SGLang's PP ranks could disagree on an alloc."""
+    ranks = [sizing(ServeConfig(preset="dsv4-flash", kv_mem=2 * GiB, max_running=16,
+                                host_mem=8 * GiB, host_split=split, pp_size=2, pp_rank=r))
+             for r in (0, 1)]
+    assert ranks[0].host_rows == ranks[1].host_rows
+    assert "host rows agreed over the 2 PP stages" in ranks[0].source
+    for r in ranks:
+        assert arena_bytes(r.layout, r.host_rows) <= 8 * GiB
+    # each stage alone would hold more rows on one stage than on the other, in every space
+    # but the request slots' (a checkpoints split keeps the device's count of those)
+    by_stage = [_rows_alone(r, split) for r in ranks]
+    assert by_stage[0] != by_stage[1]
+    for space, n in ranks[0].host_rows.items():
+        assert n == min(b[space] for b in by_stage)
+    # the plan gives the same rows
+    pl = plan(PlanInputs(FLASH, 2 * GiB, pp=2, max_running=16, host_mem=8 * GiB,
+                         host_split=split))
+    assert [s.host_rows for s in pl.stages] == [r.host_rows for r in ranks]
+    # a host ratio follows the device rows, which the stages share: not "agreed"
+    ratio = [sizing(ServeConfig(preset="dsv4-flash", kv_mem=2 * GiB, max_running=16,
+                                host_ratio=2.0, pp_size=2, pp_rank=r)) for r in (0, 1)]
+    assert ratio[0].host_rows == ratio[1].host_rows and "agreed" not in ratio[0].source
+
+
+def test_plan_says_the_stages_host_rows_are_agreed(capsys):
+    base = ["plan", "--preset", "dsv4-flash", "--kv-mem", "2GiB", "--max-running", "16",
+            "--host-mem", "8GiB"]
+    assert main(base + ["--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("req_slot 64 = 7.28 GiB (agreed over the stages: the fewest per space)") == 1
+    assert out.count("req_slot 64 = 8.00 GiB (agreed over the stages") == 1
+    assert main(base) == 0
+    assert "agreed" not in capsys.readouterr().out
+
+
+def _rows_alone(s, split: str) -> dict[str, int]:
+    """The host rows 8 GiB gives this stage alone (the rule before the stages agreed)."""
+    if split == "checkpoints":
+        return checkpoint_host_rows(s.layout, s.device_rows, 8 * GiB, 32)
+    return host_rows(s.layout, s.device_rows, 8 * GiB)
+
+
+def test_pp_host_mem_with_device_rows_missing_a_space_of_another_stage_is_refused():
+    """Stage 0 of a 2-layer bound in ring mode holds request slots only: its --device-rows
+    cannot say how many page rows stage 1's budget would hold."""
+    cfg = ServeConfig(preset="dsv4-flash", device_rows={"req_slot": 16}, swa_mode="ring",
+                      pp_size=2, pp_rank=0, stage_bounds=((0, 2), (2, 43)),
+                      host_mem=8 * GiB)
+    with pytest.raises(UsageError, match=r"stage 1 uses index space page, which this stage "
+                                         r"has no rows for: give --host-ratio instead"):
+        sizing(cfg)
+    cfg.host_mem, cfg.host_ratio = None, 2.0
+    assert sizing(cfg).host_rows == {"req_slot": 32}
 
 
 def test_the_most_slots_advice_holds_for_decode_workers_and_tiny_stages():

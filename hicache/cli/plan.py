@@ -243,7 +243,8 @@ def _header(pl: Plan) -> list[str]:
     ]
 
 
-def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
+def _stage_lines(s: StagePlan, host_asked: bool, serve: str, agreed: bool = False
+                 ) -> list[str]:
     lay, st = s.layout, s.layout.stage
     mtp = len(st.layers("swa")) - (st.end - st.start)
     title = f"stage {st.pp_rank}: layers [{st.start}, {st.end})" + (f" + {mtp} MTP" if mtp else "")
@@ -262,7 +263,8 @@ def _stage_lines(s: StagePlan, host_asked: bool, serve: str) -> list[str]:
         f"  device rows              {_rows(s.device_rows)} = {human_bytes(s.device_bytes)}",
     ]
     if host_asked:
-        out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}")
+        out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}"
+                   + (" (agreed over the stages: the fewest per space)" if agreed else ""))
         line = f"  host token capacity      {_n(host_tokens(s))} (page rows x {page})"
         if "swa_page" in s.host_rows:  # a full mirror's page needs a swa_page row too
             line += (f"; a full mirror caches "
@@ -277,7 +279,8 @@ def format_plan(pl: Plan, args: argparse.Namespace) -> str:
     lines = _header(pl)
     for s in pl.stages:
         lines += _stage_lines(s, i.host_mem is not None or i.host_ratio is not None,
-                              serve_command(pl, args, s.layout.stage.pp_rank))
+                              serve_command(pl, args, s.layout.stage.pp_rank),
+                              i.host_mem is not None and len(pl.stages) > 1)
     cap = pl.token_capacity
     lines += ["",
               f"capacity  {_n(cap)} tokens per DP worker (min over stages)"

@@ -39,11 +39,11 @@ from hicache.core.layout import INDEX_SPACES, Layout, LayoutError, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, HOST_SPLITS, PD_ROLES, PlanInputs, parse_bounds,
     parse_fraction,
-    plan, pp_size_of, refuse_unused, stage_layouts,
+    plan, pp_size_of, refuse_unused, stage_host_rows, stage_layouts,
 )
 from hicache.core.resume import C4_RATIO, DEFAULT_PAGES_PER_CKPT
-from hicache.core.sizes import (check_host_larger, check_rows, checkpoint_host_rows,
-                                format_bytes, host_rows, parse_bytes)
+from hicache.core.sizes import (check_host_larger, check_rows, format_bytes, parse_bytes,
+                                used_spaces)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # = engine.radix
 # .POLICIES (a test checks)
@@ -808,20 +808,51 @@ def sizing(cfg: ServeConfig) -> Sizing:
     if cfg.host_mem is None and cfg.host_ratio is None:
         raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
     try:
-        if cfg.host_split == "checkpoints":
-            host = checkpoint_host_rows(layout, dev, cfg.host_mem, cfg.pages_per_checkpoint)
-            source += f"; host split for checkpoints, 1 per {cfg.pages_per_checkpoint} pages"
-        else:
-            host = host_rows(layout, dev, host_bytes=cfg.host_mem, ratio=cfg.host_ratio)
+        layouts, devs = _stages(cfg, layout, dev)
+        hosts = stage_host_rows(layouts, devs, cfg.host_mem, cfg.host_ratio, cfg.host_split,
+                                cfg.pages_per_checkpoint)
     except UsageError as e:
         raise type(e)(_led(str(e), "host_mem" if cfg.host_mem is not None else "host_ratio")) \
             from None
+    host = hosts[cfg.pp_rank] if len(hosts) > 1 else hosts[0]
+    if cfg.host_split == "checkpoints":
+        source += f"; host split for checkpoints, 1 per {cfg.pages_per_checkpoint} pages"
+    if len(hosts) > 1:
+        source += f"; host rows agreed over the {len(hosts)} PP stages (the fewest per space)"
     if not cfg.force:
         what = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
                 else f"--host-ratio {cfg.host_ratio:g}")
+        if len(hosts) > 1:
+            what += f" (host rows agreed over the {len(hosts)} PP stages)"
         check_host_larger(layout, dev, host, what,
                           ("page",) if cfg.host_split == "checkpoints" else None)
     return Sizing(layout, dev, host, source, warnings)
+
+
+def _stages(cfg: ServeConfig, layout: Layout, dev: dict[str, int]
+            ) -> tuple[list[Layout], list[dict[str, int]]]:
+    """The stages whose host rows this stage's must agree with (``planner.stage_host_rows``):
+    with ``host_mem`` and more than one stage every stage, with the planner's device rows
+    (``kv_mem``) or this stage's ``device_rows`` on each (a stage that uses an index space
+    this one has no rows for is refused: its rows cannot be known here); else this one."""
+    if cfg.host_mem is None or cfg.pp_size == 1:
+        return [layout], [dev]
+    if cfg.kv_mem is not None:
+        stages = plan(cfg.plan_inputs()).stages
+        return [s.layout for s in stages], [dict(s.device_rows) for s in stages]
+    layouts = stage_layouts(cfg.plan_inputs(), cfg.swa_mode)
+    devs = []
+    for lay in layouts:
+        need = used_spaces(lay)
+        missing = [s for s in need if s not in dev]
+        if missing:
+            raise UsageError(
+                f"--host-mem with {cfg.pp_size} pipeline stages sizes every stage's host rows "
+                f"alike, from --device-rows on each; stage {lay.stage.pp_rank} uses index "
+                f"space {', '.join(missing)}, which this stage has no rows for: give "
+                f"--host-ratio instead")
+        devs.append({s: dev[s] for s in need})
+    return layouts, devs
 
 
 def _led(msg: str, name: str) -> str:

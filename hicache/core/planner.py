@@ -24,6 +24,8 @@ torch):
   ``hicache.core.sizes.host_rows`` computes them (the rule the daemon sizes its arena
   with), so a plan and a running daemon agree to the row. With ``host_split="checkpoints"``
   they are ``sizes.checkpoint_host_rows`` instead, as ``serve --host-split checkpoints``.
+  ``stage_host_rows`` does both for every stage, and with a host budget in bytes the PP
+  stages agree on the smallest stage's rows per index space (``serve`` sizes with it too).
 * The host tier by mirror (full vs checkpoints, ``pages_per_checkpoint``) is
   ``hicache.core.host_tier.host_tier_by_mirror``.
 * Bad inputs raise ``UsageError`` (or ``LayoutError`` from the layout model) with one line
@@ -331,7 +333,7 @@ def rows_bytes(layout: Layout, rows: dict[str, int]) -> int:
 
 def host_rows(
     layout: Layout, device: dict[str, int],
-    host_bytes: int | None = None, ratio: Fraction | None = None,
+    host_bytes: int | None = None, ratio: Fraction | float | None = None,
 ) -> dict[str, int]:
     """Host rows per space, proportional to the device rows; ``{}`` when no host size is given."""
     if host_bytes is None and ratio is None:
@@ -341,6 +343,40 @@ def host_rows(
                          f"size is no machine's (give --host-mem in bytes)")
     return host_sizing.host_rows(layout, device, host_bytes=host_bytes,
                                  ratio=None if ratio is None else float(ratio))
+
+
+def stage_host_rows(layouts: Sequence[Layout], devices: Sequence[dict[str, int]],
+                    host_mem: int | None, host_ratio: Fraction | float | None, host_split: str,
+                    pages_per_checkpoint: int) -> list[dict[str, int]]:
+    """Host rows of every stage (``sizes.host_rows``, or ``sizes.checkpoint_host_rows`` with
+    ``host_split="checkpoints"``). With ``host_mem`` and more than one stage the stages agree
+    on the smallest, as they do on device pages: each index space gets, on every stage that
+    uses it, the fewest rows any stage's budget gives it (stages of more layers hold fewer
+    rows in the same bytes), so a prefix fits on every stage or on none. ``host_ratio`` rows
+    follow the device rows, which the stages share already. A stage's refusal is led by its
+    rank when there are several."""
+    if host_mem is None and host_ratio is None:
+        return [{} for _ in layouts]
+    out = []
+    for lay, dev in zip(layouts, devices):
+        try:
+            if host_split == "checkpoints":
+                assert host_mem is not None
+                out.append(host_sizing.checkpoint_host_rows(lay, dev, host_mem,
+                                                            pages_per_checkpoint))
+            else:
+                out.append(host_rows(lay, dev, host_mem, host_ratio))
+        except UsageError as e:
+            if len(layouts) == 1:
+                raise
+            raise type(e)(f"stage {lay.stage.pp_rank}: {e}") from None
+    if host_mem is None or len(out) == 1:
+        return out
+    least: dict[str, int] = {}
+    for rows in out:
+        for space, n in rows.items():
+            least[space] = min(n, least.get(space, n))
+    return [{space: least[space] for space in rows} for rows in out]
 
 
 # --------------------------------------------------------------------------- results
@@ -496,14 +532,10 @@ def plan(inputs: PlanInputs) -> Plan:
                       request_slots(1, inputs.pd_role))
     worker = _min_pages(own)  # the PP ranks agree on the smallest stage
     stages, warnings = [], []
-    for lay, pages in zip(layouts, own):
-        dev = device_rows(lay, worker or 0, slots, inputs.swa_ratio)
-        if inputs.host_split == "checkpoints":  # the rows serve --host-split checkpoints makes
-            assert inputs.host_mem is not None
-            host = host_sizing.checkpoint_host_rows(lay, dev, inputs.host_mem,
-                                                    inputs.pages_per_checkpoint)
-        else:
-            host = host_rows(lay, dev, inputs.host_mem, inputs.host_ratio)
+    devs = [device_rows(lay, worker or 0, slots, inputs.swa_ratio) for lay in layouts]
+    hosts = stage_host_rows(layouts, devs, inputs.host_mem, inputs.host_ratio,
+                            inputs.host_split, inputs.pages_per_checkpoint)  # as serve's
+    for lay, pages, dev, host in zip(layouts, own, devs, hosts):
         w = _swa_warning(lay, dev, slots)
         stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host,
                                 (w,) if w else ()))
