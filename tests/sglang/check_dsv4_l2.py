@@ -143,6 +143,16 @@ def test_single_stage_round_trip(tmp_path: Path) -> None:
         assert sorted(link.stage.layers) == sorted(link.layout.pools)
         for e in cache.cache_controller.mem_pool_host.entries:  # no host bytes in SGLang
             assert e.host_pool.kv_buffer is None, e.name
+        # SGLang's token-granular backup (its HiSparse coordinator's) is refused in one line,
+        # before anything is sent (it used to reach SGLang's copy over host pointers of None)
+        paged = [e.host_pool for e in cache.cache_controller.mem_pool_host.entries
+                 if type(e.host_pool).__name__ == "DaemonPagedHostPool"]
+        assert len(paged) == 4  # SWA, C4, C4 indexer, C128
+        with commands_sent(link, "backup") as sent:
+            for pool in paged:
+                with pytest.raises(ValueError, match=r"whole pages only \(token-granular"):
+                    pool.backup_tokens_from_device_all_layer(torch.arange(3), torch.arange(3))
+        assert sent == []
         assert _round_trip(Kit(), link, cache, alloc, r2t, seed=1) >= 1
         # SGLang's flush_cache resets the tree and clears its host pools: the tree forgot every
         # host node, so the daemon rows behind them go back (they used to stay allocated:

@@ -36,8 +36,9 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
 * The ``_physical`` wrappers and ``prepare_transfer_indices`` are SGLang's own (they call the
   methods above with the indices unchanged).
 
-Refused, one line each: token-granular (not page-aligned) transfers, MTP draft loads, and the
-calls that read host bytes in SGLang's process (storage backends' page access, PD direct-to-host).
+Refused, one line each: token-granular (not page-aligned) transfers (and SGLang's own
+``backup_tokens_from_device_all_layer``), MTP draft loads, and the calls that read host bytes
+in SGLang's process (storage backends' page access, PD direct-to-host).
 """
 from __future__ import annotations
 
@@ -274,6 +275,13 @@ class _DaemonPoolMixin:
         if op.event_set is None:
             op.ack = c.wait_ack(op)
         return op
+
+    def backup_tokens_from_device_all_layer(self, host_indices: Any, device_indices: Any
+                                            ) -> None:
+        """SGLang's token-granular C4 backup (its HiSparse coordinator calls it directly):
+        refused before anything moves, as every token-granular copy is."""
+        raise ValueError(f"{type(self).__name__}.backup_tokens_from_device_all_layer: hicache "
+                         f"moves whole pages only (token-granular copies are refused)")
 
     get_data_page = _refuse("get_data_page")
     set_from_flat_data_page = _refuse("set_from_flat_data_page")
