@@ -40,6 +40,7 @@ from hicache.engine.sglang.link import DaemonLink
 from hicache.engine.sglang.version import check_sglang_version
 
 _PATCH_LOCK = threading.Lock()
+_BUILD_LOCK = threading.RLock()  # held while SGLang's builder sees our pool classes
 
 
 @dataclass
@@ -145,23 +146,26 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             except BaseException:
                 client.close()
                 raise
-            saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
-            try:
-                A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
-                    bind_host_pools(link)
-                stack = original(*args, **kw)
-                _one_command_per_submission(stack[1].l2_transfer_engine, link)
-                # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
-                # the flag is at build time: SGLang turns the raise into a failed reply
-                stack[1].attach_storage_backend = _refuse_attach
-            except BaseException:  # SGLang's builder refused: the worker is not left registered
+            # the builder's module names are swapped for this build only: one build at a
+            # time, so two builds in one process cannot wire one worker to the other's link
+            with _BUILD_LOCK:
+                saved = (A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool)
                 try:
-                    link.close()
-                except Exception:  # noqa: BLE001 - the builder's error is the one to report
-                    pass
-                raise
-            finally:
-                A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
+                    A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = \
+                        bind_host_pools(link)
+                    stack = original(*args, **kw)
+                    _one_command_per_submission(stack[1].l2_transfer_engine, link)
+                    # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
+                    # the flag is at build time: SGLang turns the raise into a failed reply
+                    stack[1].attach_storage_backend = _refuse_attach
+                except BaseException:  # SGLang's builder refused: the worker is not left registered
+                    try:
+                        link.close()
+                    except Exception:  # noqa: BLE001 - the builder's error is the one to report
+                        pass
+                    raise
+                finally:
+                    A.LogicalHostPool, A.DeepSeekV4PagedHostPool, A.DeepSeekV4StateHostPool = saved
             inst.links.append(link)
             return stack
 
