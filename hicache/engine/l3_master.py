@@ -99,7 +99,10 @@ class LocalStore:
         self.member = self._spawn([
             str(self.bin / "mooncake_client"), "--host=127.0.0.1", f"--port={self.member_port}",
             f"--global_segment_size={self.segment}", f"--master_server_address={self.master_addr}",
-            f"--metadata_server={self.metadata_url}", "--protocol=tcp"], "member.log")
+            f"--metadata_server={self.metadata_url}", "--protocol=tcp",
+            # its INFO lines (ports, attempts, mounts) too: it logs only warnings by default,
+            # and a member that exited 1 once left no reason in its log (docs/reliability.md)
+            "--minloglevel=0"], "member.log")
         _wait_port(self.member_port, self.member, timeout, "mooncake_client storage member")
         self.wait_mounted(timeout)
         return self
