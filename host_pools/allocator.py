@@ -32,7 +32,8 @@ Contract (one instance per index space; pools of a space share its row ids; call
 
 Host row 0 is a valid row (host and device index spaces are separate). Rows come out lowest
 first from a fresh allocator; an alloc followed by the free of the same rows restores the
-free runs exactly (so rollbacks leave no trace).
+free runs exactly (a rollback leaves no row taken or split), though not the order of the
+runs within a size class, so a later request may be placed in another run of the same size.
 """
 from __future__ import annotations
 
