@@ -204,8 +204,14 @@ def _check_memory(cfg: ServeConfig, sized: Sizing) -> None:
     try:
         check_memory_for(arena + segment + sparse, pinned=cfg.device != "cpu")
     except CapacityError as e:
-        host = (f"--host-mem {format_bytes(cfg.host_mem)}" if cfg.host_mem is not None
-                else f"--host-ratio {cfg.host_ratio:g} (a host arena of {format_bytes(arena)})")
+        if cfg.host_mem is None:
+            host = f"--host-ratio {cfg.host_ratio:g} (a host arena of {format_bytes(arena)})"
+        elif cfg.pp_size > 1:  # the stages agree on the smallest stage's rows: less than it
+            host = (f"--host-mem {format_bytes(cfg.host_mem)} (a host arena of "
+                    f"{format_bytes(arena)}: the host rows agreed over the {cfg.pp_size} PP "
+                    f"stages)")
+        else:
+            host = f"--host-mem {format_bytes(cfg.host_mem)}"
         what = [host] + ([f"--l3-segment {format_bytes(segment)}"] if segment else []) + \
             ([f"--sparse-rows {cfg.sparse_rows} x --sparse-clients {cfg.sparse_clients} "
               f"(HiSparse regions of {format_bytes(sparse)})"] if sparse else [])

@@ -318,6 +318,25 @@ def test_serve_refuses_a_host_tier_or_l3_segment_too_big_before_torch_naming_the
     assert not list(tmp_path.glob("*.sock*"))
 
 
+def test_a_pp_stages_arena_over_memory_says_its_rows_were_agreed(capsys):
+    """With PP stages the host rows are agreed over the stages, so a stage's arena is smaller
+    than its --host-mem: the refusal named only --host-mem and a smaller figure, unexplained
+    (an operator review)."""
+    import psutil
+
+    from hicache.cli import main
+    from hicache.core.sizes import format_bytes
+
+    big = format_bytes(psutil.virtual_memory().total * 2).replace(" ", "")
+    assert main(["serve", "--check", "--device", "cpu", "--preset", "dsv4-flash", "--kv-mem",
+                 "2GiB", "--max-running", "16", "--pp-size", "2", "--pp-rank", "0",
+                 "--host-mem", big]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.match(rf"hicache serve: error: --host-mem {big[:-3]} {big[-3:]} \(a host arena "
+                    r"of [\d.]+ GiB: the host rows agreed over the 2 PP stages\): cannot "
+                    r"allocate [\d.]+ GiB: .* can be allocated$", err), err
+
+
 def test_a_command_missing_from_the_build_says_so_whatever_its_flags(monkeypatch, capsys):
     """A command whose module is not in the build has no flags; given some, it is still
     refused as missing, not with its flags called unrecognized."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -422,6 +423,45 @@ def test_plan_says_the_stages_host_rows_are_agreed(capsys):
     assert out.count("req_slot 64 = 8.00 GiB (agreed over the stages") == 1
     assert main(base) == 0
     assert "agreed" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("host", [["--host-mem", "8GiB"], ["--host-ratio", "4"]])
+def test_plan_prints_a_stage_of_swa_only_layers_with_host_rows(capsys, host):
+    """A stage of DSV4-Flash's two SWA-only layers has no page rows: `plan` with a host size
+    ended in a KeyError traceback (an operator review); its full mirror is bounded by its
+    swa_page rows alone."""
+    assert main(["plan", "--preset", "dsv4-flash", "--stage-bounds", "0:2,2:43",
+                 "--kv-mem", "2GiB"] + host) == 0
+    out = capsys.readouterr().out
+    stage0 = out.split("stage 1:")[0]
+    swa = int(re.search(r"host rows +swa_page ([\d,]+) =", stage0).group(1).replace(",", ""))
+    assert f"host token capacity      unbounded (page rows x 256); a full mirror caches " \
+           f"{swa * 256:,}" in stage0
+
+
+def test_the_swa_window_warning_names_only_levers_that_help():
+    """At --swa-full-tokens-ratio 1 the warning still said to raise it (an operator review);
+    fewer running requests, which always helps, was not named."""
+    at_max = plan(PlanInputs(FLASH, 2 * GiB, swa_ratio=Fraction(1))).warnings[0]
+    assert at_max.endswith("fewer than the 512 that 256 request slots need for their window; "
+                           "raise the budget, or lower --max-running (these pages hold the "
+                           "windows of 95 request slots)"), at_max
+    default = plan(PlanInputs(FLASH, 2 * GiB)).warnings[0]
+    assert "raise --swa-full-tokens-ratio (at most 1) or the budget, or lower --max-running " \
+           "(these pages hold the windows of 93 request slots)" in default, default
+    fits = plan(PlanInputs(FLASH, 2 * GiB, max_running=93))
+    assert not [w for w in fits.warnings if "paged SWA pool" in w], fits.warnings
+
+
+def test_a_host_tier_no_larger_than_the_device_names_the_setting_to_raise(capsys):
+    """``--host-ratio 1`` was told to "give more host memory" (an operator review)."""
+    base = ["plan", "--preset", "dsv4-flash", "--kv-mem", "2GiB"]
+    assert main(base + ["--host-ratio", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "give a larger --host-ratio, or --force to run it anyway")
+    assert main(base + ["--host-mem", "2GiB"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "give more host memory, or --force to run it anyway")
 
 
 def _rows_alone(s, split: str) -> dict[str, int]:

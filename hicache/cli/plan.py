@@ -266,9 +266,10 @@ def _stage_lines(s: StagePlan, host_asked: bool, serve: str, agreed: bool = Fals
         out.append(f"  host rows                {_rows(s.host_rows)} = {human_bytes(s.host_bytes)}"
                    + (" (agreed over the stages: the fewest per space)" if agreed else ""))
         line = f"  host token capacity      {_n(host_tokens(s))} (page rows x {page})"
-        if "swa_page" in s.host_rows:  # a full mirror's page needs a swa_page row too
-            line += (f"; a full mirror caches "
-                     f"{_n(min(s.host_rows['page'], s.host_rows['swa_page']) * page)}")
+        if "swa_page" in s.host_rows:  # a full mirror's page needs a swa_page row too (a
+            # stage of SWA-only layers has no page rows: its swa_page rows bound it alone)
+            held = min(s.host_rows[x] for x in ("page", "swa_page") if x in s.host_rows)
+            line += f"; a full mirror caches {_n(held * page)}"
         out.append(line)
     out.append(f"  serve: {serve}" + ("" if host_asked else "  (add --host-mem SIZE)"))
     return out

@@ -512,16 +512,23 @@ def mode_capacity(inputs: PlanInputs, swa_mode: str) -> int | None:
     return None if pages is None else pages * inputs.model.page_size
 
 
-def _swa_warning(layout: Layout, rows: dict[str, int], slots: int) -> str | None:
-    """Paged SWA: each running request needs the pages its window can straddle."""
+def _swa_warning(layout: Layout, rows: dict[str, int], slots: int,
+                 swa_ratio: Fraction) -> str | None:
+    """Paged SWA: each running request needs the pages its window can straddle. The advice
+    names only the levers that can help: a higher SWA ratio while it is below 1, the budget,
+    and fewer request slots (how many the pool's windows hold)."""
     if "swa_page" not in rows:
         return None
-    need = slots * layout.model.window_pages
+    window = layout.model.window_pages
+    need = slots * window
     if rows["swa_page"] >= need:
         return None
+    levers = (["--swa-full-tokens-ratio (at most 1)"] if swa_ratio < 1 else []) + \
+        ["the budget"]
     return (f"stage {layout.stage.pp_rank}: paged SWA pool has {rows['swa_page']} pages, fewer "
             f"than the {need} that {slots} request slots need for their window; raise "
-            "--swa-full-tokens-ratio or the budget")
+            f"{' or '.join(levers)}, or lower --max-running (these pages hold the windows of "
+            f"{rows['swa_page'] // window} request slots)")
 
 
 def plan(inputs: PlanInputs) -> Plan:
@@ -536,7 +543,7 @@ def plan(inputs: PlanInputs) -> Plan:
     hosts = stage_host_rows(layouts, devs, inputs.host_mem, inputs.host_ratio,
                             inputs.host_split, inputs.pages_per_checkpoint)  # as serve's
     for lay, pages, dev, host in zip(layouts, own, devs, hosts):
-        w = _swa_warning(lay, dev, slots)
+        w = _swa_warning(lay, dev, slots, inputs.swa_ratio)
         stages.append(StagePlan(lay, inputs.kv_mem, slots, inputs.swa_ratio, pages, dev, host,
                                 (w,) if w else ()))
         if w:

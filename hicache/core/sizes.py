@@ -303,6 +303,8 @@ def check_host_larger(layout: Layout, device_rows: Mapping[str, int],
     if small:
         detail = ", ".join(f"{s} {host.get(s, 0)} host <= {device_rows.get(s, 0)} device"
                            for s in small)
+        more = "a larger --host-ratio" if what.startswith("--host-ratio") else \
+            "more host memory"
         raise UsageError(f"{what} gives a host tier no larger than the device pools ({detail} "
-                         f"rows): it could only keep pages the device already holds; give more "
-                         f"host memory, or --force to run it anyway")
+                         f"rows): it could only keep pages the device already holds; give "
+                         f"{more}, or --force to run it anyway")
