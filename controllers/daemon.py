@@ -388,7 +388,8 @@ class Daemon:
                else f"off ({a.get('numa_policy')})") + ","
             f" {'pinned' if a.get('registered') else 'not pinned (CPU mode)'}"
             f" in {a.get('seconds')} s = {a.get('gib_per_s')} GiB/s with "
-            f"{a.get('touch_threads')} touch threads, huge pages {a.get('hugepages')}",
+            f"{a.get('touch_threads')} touch thread{'' if a.get('touch_threads') == 1 else 's'}"
+            f", huge pages {a.get('hugepages')}",
             f"  socket: {self.server.endpoint if self.server else self.address}"
             + (" (tcp without CURVE: every local user can connect; the ipc socket or CURVE "
                "keys restrict it)" if self.address.startswith("tcp://")

@@ -74,6 +74,17 @@ def test_no_parser_takes_an_abbreviated_long_flag(capsys):
     assert err.startswith("hicache bench pin: error: unrecognized arguments: --hel")
 
 
+def test_a_mistyped_command_names_the_nearest_one(capsys):
+    """Flags got "did you mean", commands did not (an operator review)."""
+    err = one_line_exit_2(["srve", "--kv-mem", "1G"], capsys)
+    assert err.startswith("hicache: error: argument COMMAND: invalid choice: 'srve'")
+    assert err.endswith("; did you mean serve? (see hicache -h)"), err
+    err = one_line_exit_2(["bench", "e2f"], capsys)
+    assert err.endswith("; did you mean e2e? (see hicache bench -h)"), err
+    err = one_line_exit_2(["xyzzy"], capsys)
+    assert "did you mean" not in err and err.endswith(" (see hicache -h)"), err
+
+
 # ----------------------------------------------------------------------- 2. the environment
 def test_a_misspelled_hicache_variable_is_refused_naming_the_setting(capsys, monkeypatch):
     typo = ENV_PREFIX + "HOST_MME"  # spelled so, the source scan below does not see a name

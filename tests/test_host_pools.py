@@ -219,7 +219,7 @@ def test_group_rejects_bad_rows_and_small_arena():
     lay = tiny()
     with pytest.raises(UsageError, match="missing"):
         HostPoolGroup(lay, {"page": 4})
-    with pytest.raises(UsageError, match="no pool uses"):
+    with pytest.raises(UsageError, match=r"has no pool of swa_page: drop it$"):
         HostPoolGroup(tiny("ring"), ROWS)
     with pytest.raises(UsageError, match="positive int"):
         HostPoolGroup(lay, {**ROWS, "page": 0})

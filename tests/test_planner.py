@@ -274,7 +274,7 @@ BAD = [
     (["--preset", "dsv4-flash", "--kv-mem", "8MiB"], "one request needs 27,189,696 B"),
     (["--preset", "dsv4-flash", "--kv-mem", "1GiB", "--swa-mode", "ring", "--max-running", "999"],
      "at most 105 request slots fit on every stage"),
-    (["--preset", "dsv4-flash", "--kv-mem", "100GiB", "--pp", "44"], "pp size 44 is larger than the 43"),
+    (["--preset", "dsv4-flash", "--kv-mem", "100GiB", "--pp", "44"], "--pp-size: pp size 44 is larger than the 43"),
     (["--config", "BAD", "--kv-mem", "1GiB"], "layer 2: compress ratio 16 is not one of"),
     (["--config", "MISSING", "--kv-mem", "1GiB"], "cannot read config"),
     (["--preset", "dsv4-flash", "--kv-mem", "100 gigs"], "cannot read '100 gigs' as a size"),

@@ -557,7 +557,8 @@ def test_settings_that_cannot_apply_or_are_malformed_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--device"):  # a final newline slipped by a "$"
         load_config({**base, "device": "cpu\n"}, env={})
     ring = load_config({**base, "swa_mode": "ring", "host_ratio": "2"}, env={})
-    with pytest.raises(UsageError, match=r"--device-rows: .*no pool uses \['swa_page'\]"):
+    with pytest.raises(UsageError, match=r"--device-rows: .*stage 0 \(layers \[0, \d+\)\) has no "
+                                         r"pool of swa_page: drop it$"):
         sizing(ring)  # swa_page rows for a stage whose SWA lives in request slots
 
 

@@ -18,6 +18,7 @@ import argparse
 import difflib
 import importlib
 import os
+import re
 import signal
 import sys
 from typing import Any, NoReturn, Sequence
@@ -61,7 +62,20 @@ class _OneLine(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+        self.exit(2, f"{self.prog}: error: {message}{_choice_hint(message)} "
+                     f"(see {self.prog} -h)\n")
+
+
+def _choice_hint(message: str) -> str:
+    """For argparse's "invalid choice: 'srve' (choose from ...)": the nearest choice, as
+    ``_unrecognized`` names the nearest flag; else ""."""
+    m = re.search(r"invalid choice: '?([^'(]*?)'? \(choose from (.*)\)$", message)
+    if m is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", m.group(2)) or \
+        [c.strip() for c in m.group(2).split(",")]
+    near = difflib.get_close_matches(m.group(1), choices, n=1)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:

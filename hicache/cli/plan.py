@@ -24,7 +24,7 @@ import sys
 from hicache.core.errors import UsageError
 from hicache.core.hisparse_plan import hisparse_plan
 from hicache.core.host_tier import host_tier_by_mirror
-from hicache.core.layout import PRESETS, load_model
+from hicache.core.layout import PRESETS, LayoutError, load_model
 from hicache.core.planner import (
     DEFAULT_MAX_RUNNING, DEFAULT_SWA_RATIO, HOST_SPLITS, PD_ROLES, SWA_MODES, Plan, PlanInputs,
     StagePlan, human_bytes, parse_bounds, parse_count, parse_fraction, parse_size, plan,
@@ -328,7 +328,11 @@ def _mirror_lines(pl: Plan) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     inputs = inputs_from_args(args)
-    result = plan(inputs)
+    try:
+        result = plan(inputs)
+    except LayoutError as e:  # the stages: named as the flag that made them, as serve does
+        raise UsageError(f"{'--stage-bounds' if args.stage_bounds else '--pp-size'}: {e}") \
+            from None
     check_host(result, args)
     sparse = None
     if args.hisparse:

@@ -67,7 +67,8 @@ def summary(s: dict[str, Any]) -> str:
     for space, a in s.get("host", {}).get("spaces", {}).items():
         lines.append(f"  host {space}: {a['used']} of {a['rows']} rows allocated (of them "
                      f"{pending.get(space, 0)} waiting to be freed), {a['free']} free in "
-                     f"{a['free_runs']} runs (mean {a['mean_free_run']:.1f})")
+                     f"{a['free_runs']} run{'' if a['free_runs'] == 1 else 's'} "
+                     f"(mean {a['mean_free_run']:.1f})")
     if "l3" in s:
         l3 = s["l3"]
         why = f" ({l3['why']})" if l3.get("why") else ""

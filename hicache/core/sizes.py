@@ -139,10 +139,13 @@ def check_rows(layout: Layout, rows: Mapping[str, int]) -> dict[str, int]:
     extra = sorted(set(rows) - set(want))
     missing = [s for s in want if s not in rows]
     if extra or missing:
+        st = layout.stage
         raise UsageError(
             f"rows must be given for the spaces this stage uses {want}"
             + (f"; missing {missing}" if missing else "")
-            + (f"; no pool uses {extra}" if extra else "")
+            + (f"; stage {st.pp_rank} (layers [{st.start}, {st.end})) has no pool of "
+               f"{' or '.join(extra)}: drop {'it' if len(extra) == 1 else 'them'}"
+               if extra else "")
         )
     out = {}
     for s in want:
