@@ -65,6 +65,15 @@ def test_trace_demo_with_a_small_trace(tmp_path):
     assert s["host_hit_tokens"] > 0 and s["checkpoints"]["loaded"] > 0  # kept on the device
     assert s["resumable_hit_tokens"] == s["device_hit_tokens"] + s["host_hit_tokens"]
     assert s["host_bytes_per_cached_token"] > 0
+    # the human summary gives no rate or latency for a kind of copy that never ran (it said
+    # "0.00 GB/s copy, latency p50 0.00 ms": an operator review)
+    from hicache.sim.demo import _human
+
+    text = _human({**s, "load_ops": 0}, "x").splitlines()
+    loaded = [ln for ln in text if ln.lstrip().startswith("loaded:")]
+    assert loaded and loaded[0].endswith(" pages)"), loaded
+    backed = [ln for ln in text if ln.lstrip().startswith("backed up:")]
+    assert backed and " GB/s copy, latency p50 " in backed[0], backed
     dry = report(demo("--trace", str(trace), "--device-pages", "32", "--host-pages", "128",
                       "--policy", "write_back", "--dry", "--json"))
     assert dry["verified"] is None and dry["dry"] is True

@@ -408,10 +408,10 @@ def _human(s: dict[str, Any], what: str) -> str:
     if dry:
         lines.append("  verified:              n/a (dry replay: nothing moved)")
         return "\n".join(lines)
-    lines[-2] += (f", {s['backup_gbps']:.2f} GB/s copy, latency p50 "
-                  f"{s['backup_latency_ms_p50']:.2f} ms p99 {s['backup_latency_ms_p99']:.2f} ms")
-    lines[-1] += (f", {s['load_gbps']:.2f} GB/s copy, latency p50 "
-                  f"{s['load_latency_ms_p50']:.2f} ms p99 {s['load_latency_ms_p99']:.2f} ms")
+    for at, kind in ((-2, "backup"), (-1, "load")):  # (no op: no rate or latency to give)
+        lines[at] += (f", {s[f'{kind}_gbps']:.2f} GB/s copy, latency p50 "
+                      f"{s[f'{kind}_latency_ms_p50']:.2f} ms p99 "
+                      f"{s[f'{kind}_latency_ms_p99']:.2f} ms" if s[f"{kind}_ops"] else "")
     lines.append(f"  request-state swaps:   {s['state_swaps']:,}")
     if s["host_tier_lost"]:
         lines.append(f"  host tier lost:        {s['host_tier_lost']} time(s); fell back to "
