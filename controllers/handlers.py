@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
+from hicache.core.proc_start import own_start
 from hicache.core.model import brief
 from hicache.core import wire_json
 from hicache.core.protocol import COMMANDS, MAX_HEADER_BYTES, VERSION, ProtocolError
@@ -56,7 +57,8 @@ def error_code(e: BaseException) -> str | None:
 def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     out = {"t": time.time(), "version": __version__, "protocol": VERSION,
            "device": str(st.device), "heartbeat_timeout": st.heartbeat_timeout,
-           "registered": c.worker is not None, "reaped": c.reaped, "pid": os.getpid()}
+           "registered": c.worker is not None, "reaped": c.reaped, "pid": os.getpid(),
+           "pid_start": own_start()}  # (the same from every pid namespace: proc_start)
     if h.get("full"):
         out.update(host_rows=st.host_rows, layout=st.layout.to_dict(),
                    stage_layers=list(st.stage_layers))

@@ -434,6 +434,39 @@ def test_a_re_attach_after_a_daemon_restart_watches_the_new_daemon(tmp_path: Pat
         d.close()
 
 
+def test_the_fence_trusts_the_daemons_pid_only_where_it_names_the_daemon(tmp_path: Path) -> None:
+    """From another pid namespace the daemon's pid can name an unrelated process here: the
+    fence then took the daemon for gone as soon as that process exited, and a stalled daemon's
+    late copy could land in pages SGLang had reused (a review showed it with a stand-in). The
+    heartbeat also gives the daemon's start time, the same from every namespace, and a pid
+    whose process here started at another time is "not visible": a stalled call waits."""
+    import subprocess
+    import sys
+
+    from hicache.core.proc_start import process_start
+
+    d = _daemon(tmp_path)
+    try:
+        with engine(d.address, hicache_timeout=5.0) as (backend, pools):
+            with backend.lock:
+                hb = backend.client.heartbeat()
+            assert hb["pid"] == d.pid and hb["pid_start"] == process_start(d.pid) is not None
+            assert backend.daemon_start == hb["pid_start"]
+            other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            try:  # the daemon's number, as another namespace gives it, names this process here
+                backend._watch({**hb, "pid": other.pid})
+                assert backend.daemon_pid == other.pid and backend.daemon_start is None
+            finally:
+                other.kill()
+                other.wait()
+            backend._watch({**hb, "pid_start": None})  # a daemon that does not say: not trusted
+            assert backend.daemon_start is None
+            backend._watch(hb)
+            assert backend.daemon_start == hb["pid_start"]
+    finally:
+        d.close()
+
+
 def _storage_config(**kw: Any) -> HiCacheStorageConfig:
     base = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                 is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,

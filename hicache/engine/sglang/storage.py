@@ -30,7 +30,9 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
   client's commands in order and copies inline, so any late copy of that call is done by
   then) or the daemon's process is gone (its pid, from the heartbeat of the first attach and
-  of every re-attach, with its start time). Until then the call does not return: SGLang
+  of every re-attach, trusted only where the process it names here started when the
+  daemon says it did: ``pid_start``, the same from every pid namespace). Until then the call
+  does not return: SGLang
   takes any exception of a storage call for a miss and reuses its pages, into which a
   stalled daemon may still copy (or from which it may still store a page under the call's
   key), so the fence is asked again every ``hicache_timeout`` seconds, with an error logged
@@ -66,6 +68,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage,  # noqa: E402
                                                   HiCacheStorageExtraInfo, PoolHitPolicy,
                                                   PoolTransfer, PoolTransferResult)
 
+from hicache.core.proc_start import process_start  # noqa: E402
 from hicache.core.protocol import MAX_KV_NS_LEN  # noqa: E402
 from hicache.engine.client import (Client, CommandRefused, DaemonGone,  # noqa: E402
                                    DaemonUnreachable, NoReply)
@@ -83,22 +86,6 @@ ATTACH_WAYS = ("handoff", "pid")  # how the daemon gets the pools' files (kv_att
 
 class StorageRefused(ValueError):
     """A configuration or a pool the hicache storage backend cannot serve."""
-
-
-def process_start(pid: int | None) -> int | None:
-    """Start time (clock ticks after boot) of live process ``pid``; None when there is no such
-    process here (or it is a zombie): with the first reading it tells the same process from a
-    later one that reused the pid."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError, ValueError):
-        return None
-    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent
-        return None
-    return int(fields[19])
 
 
 def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
@@ -245,7 +232,11 @@ class HicacheStorage(HiCacheStorage):
         one after a ``NoReply`` (``_fence``). None: not visible from here (e.g. another pid
         namespace): a stalled call then waits for an answer however long it takes."""
         self.daemon_pid = hb.get("pid")
-        self.daemon_start = process_start(self.daemon_pid)
+        start = process_start(self.daemon_pid)
+        # the pid names the daemon here only if that process started when the daemon says it
+        # did: in another pid namespace the number may be some other process of this one
+        self.daemon_start = start if start is not None and start == hb.get("pid_start") \
+            else None
         if self.daemon_start is None:
             log.warning("the hicache daemon's process (pid %s) is not visible here: a call it "
                         "stops answering waits until it answers again", self.daemon_pid)
