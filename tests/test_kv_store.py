@@ -435,3 +435,45 @@ def test_a_pending_pool_holds_two_descriptors_per_file_as_the_budget_counts() ->
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_eviction_walks_the_store_only_as_far_as_it_needs() -> None:
+    """Every put into a full store evicts, and the eviction copied the whole entry table
+    first (and a short alloc counted every unpinned entry): 15.1 ms a 128-key put at 50,000
+    host rows, against 0.7 ms into an empty store (a key-store review). Both now stop once
+    they have what they need: least recently used first, pinned and kept entries passed."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from hicache.controllers.kv_store import Entry, KeyStore
+
+    class Walked(OrderedDict):
+        steps = 0
+
+        def items(self):  # type: ignore[override]
+            for kv in super().items():
+                Walked.steps += 1
+                yield kv
+
+        def values(self):  # type: ignore[override]
+            for v in super().values():
+                Walked.steps += 1
+                yield v
+
+    freed: list = []
+    alloc = SimpleNamespace(free_rows=0)
+    st = SimpleNamespace(host_rows={"page": 0}, l3=None, group=SimpleNamespace(
+        free=lambda rows, owner: freed.append(rows["page"].tolist()),
+        allocators={"page": alloc}))
+    ks = KeyStore(st)  # type: ignore[arg-type]
+    od = Walked(((("ns", f"k{i}"), Entry(i)) for i in range(100_000)))
+    od[("ns", "k0")].pins = 1  # an L3 write reads it: never evicted
+    ks.entries["page"] = od
+    Walked.steps = 0
+    assert ks._evict("page", 3, keep={("ns", "k1")}) == 3
+    assert freed == [[2, 3, 4]] and ks.evicted == 3 and len(od) == 100_000 - 3
+    assert ("ns", "k0") in od and ("ns", "k1") in od
+    assert Walked.steps <= 6, Walked.steps  # k0, k1 passed; k2-k4 taken; one more look
+    Walked.steps = 0
+    assert ks.make_room_for({"page": 2}) is True  # counts 2 unpinned entries, evicts 2
+    assert freed[-1] == [1, 5] and Walked.steps <= 8, Walked.steps
