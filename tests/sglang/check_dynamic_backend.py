@@ -491,7 +491,12 @@ def test_context_parallel_ranks_and_dcp_shards_get_namespaces_of_their_own(
         fb = HiCacheFile(b, file_path=str(tmp_path / "hf"))
         assert fa.config_suffix != fb.config_suffix  # SGLang's own keys differ
         assert _namespace(a, {}) != _namespace(b, {})
-    assert _namespace(_storage_config(), {}) == "dsv4/dp0/pp0of1"  # unchanged without CP/DCP
+    assert _namespace(_storage_config(), {}) == "dsv4/pp0of1"  # unchanged without CP/DCP
+    # DP ranks write the same pages (as SGLang's file backend keys them: no DP rank), so they
+    # share a namespace, and a prefix one stored in L3 is a hit for the others
+    dp = [HiCacheFile(_storage_config(dp_rank=r), file_path=str(tmp_path / "hf")) for r in (0, 1)]
+    assert dp[0].config_suffix == dp[1].config_suffix
+    assert _namespace(_storage_config(dp_rank=1), {}) == _namespace(_storage_config(), {})
     from hicache.engine.sglang.storage import StorageRefused
     with pytest.raises(StorageRefused, match="at most 256 printable"):  # when made: the first
         _namespace(_storage_config(), {"hicache_namespace": "m" * 250})  # attach refused it

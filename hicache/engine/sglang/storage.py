@@ -92,14 +92,17 @@ def _namespace(cfg: HiCacheStorageConfig, extra: dict[str, Any]) -> str:
     """One namespace per set of ranks whose pages hold the same bytes, as SGLang's own file
     backend keys them: MLA pages are shared across TP ranks, but each attention-CP rank holds
     a disjoint slice of every page and each DCP shard its own part (their pages under one
-    name would be one rank's bytes served to the others as hits)."""
+    name would be one rank's bytes served to the others as hits). DP ranks share theirs (the
+    same weights write the same pages; with DP attention the TP rank is the group's own), so
+    a prefix one DP rank stored in L3 is a hit for the others (the DP rank used to be in the
+    name, and each DP group stored its own copy)."""
     base = str(extra.get("hicache_namespace") or cfg.model_name or "default")
     tp = "" if cfg.is_mla_model else f"/tp{cfg.tp_rank}of{cfg.tp_size}"
     cp_size = int(getattr(cfg, "attn_cp_size", 1) or 1)
     cp = f"/cp{cfg.attn_cp_rank}of{cp_size}" if cp_size > 1 else ""
     dcp_size = int(getattr(cfg, "dcp_size", 1) or 1)
     dcp = f"/dcp{cfg.dcp_rank}of{dcp_size}" if dcp_size > 1 else ""
-    ns = f"{base}{tp}{cp}{dcp}/dp{cfg.dp_rank}/pp{cfg.pp_rank}of{cfg.pp_size}"
+    ns = f"{base}{tp}{cp}{dcp}/pp{cfg.pp_rank}of{cfg.pp_size}"
     if len(ns) > MAX_KV_NS_LEN or not ns.isprintable():  # refused now, not at the first attach
         raise StorageRefused(f"the key-store namespace {ns[:80]!r}... ({len(ns)} characters) "
                              f"must be at most {MAX_KV_NS_LEN} printable characters: shorten "
