@@ -341,7 +341,10 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
                          ({"bogus": 1}, "unknown extra config"),
                          ({"hicache_l3_wait": -1}, "hicache_l3_wait"),
                          ({"hicache_l3_wait": "5"}, "hicache_l3_wait"),
-                         ({"hicache_attach": "proc"}, "hicache_attach must be one of")]:
+                         ({"hicache_attach": "proc"}, "hicache_attach must be one of"),
+                         # a placeholder it does not fill: one line, not a bare KeyError
+                         ({"hicache_socket": d.address + "{dp_rank}"},
+                          r"only \{tp_rank\} and \{pp_rank\} are filled in \(KeyError")]:
             cfg.extra_config = {**EXTRA, "hicache_socket": d.address, **bad}
             with pytest.raises(StorageRefused, match=why) as e:
                 StorageBackendFactory.create_backend("dynamic", cfg, None)

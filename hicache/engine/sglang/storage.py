@@ -193,8 +193,13 @@ class HicacheStorage(HiCacheStorage):
                                  f"and takes the least hit count over the ranks, so the "
                                  f"{storage_config.tp_size} TP ranks must share one daemon; "
                                  f"drop {{tp_rank}} from the address")
-        address = str(address).format(pp_rank=storage_config.pp_rank,
-                                      tp_rank=storage_config.tp_rank)
+        try:
+            address = str(address).format(pp_rank=storage_config.pp_rank,
+                                          tp_rank=storage_config.tp_rank)
+        except (KeyError, IndexError, ValueError) as e:  # e.g. {dp_rank}, or a lone brace
+            raise StorageRefused(f"hicache_socket {str(address)[:200]!r}: only {{tp_rank}} and "
+                                 f"{{pp_rank}} are filled in ({type(e).__name__}: {e})") \
+                from None
         self.namespace = _namespace(storage_config, extra)
         wait = extra.get("hicache_l3_wait", 5.0)
         if type(wait) not in (int, float) or not 0 <= wait <= 600:
