@@ -137,7 +137,8 @@ def sparse_region(st: Any, c: ClientState, h: dict, arrays: Sequence) -> Reply:
     _bind(sp, c)
     try:
         return sp.hand_out(c.cid, handout), []
-    except OSError as e:  # (no descriptor left for the offer's duplicate)
+    except (OSError, ValueError) as e:  # (no descriptor left for the offer's duplicate; a
+        # socket or memfd closed by a stop under way)
         if fresh:
             sp.drop(c.cid)
         raise ProtocolError("unsupported", f"sparse_region: cannot offer the region's memfd "
