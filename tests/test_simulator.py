@@ -412,6 +412,73 @@ def test_a_paged_checkpoint_load_never_finds_its_bytes_in_place(monkeypatch):
     assert seen["ckpts"] > 100 and seen["in_place"] == 0, seen
 
 
+def _branching_trace(seed: int, convs: int = 40, turns: int = 5) -> list[dict]:
+    """Multi-turn conversations (60% on a shared 3-page system prompt) growing 1-3 pages a
+    turn, interleaved at random: device rows are freed unwritten and handed out again."""
+    import random
+
+    rng = random.Random(seed)
+    nxt = [100]
+
+    def new(n: int) -> list[int]:
+        nxt[0] += n
+        return list(range(nxt[0] - n, nxt[0]))
+
+    state = [([0, 1, 2] if rng.random() < 0.6 else []) + new(rng.randint(1, 3))
+             for _ in range(convs)]
+    order = [c for c in range(convs) for _ in range(turns)]
+    rng.shuffle(order)
+    out = []
+    for t, c in enumerate(order):
+        state[c] = state[c] + new(rng.randint(1, 3))
+        out.append({"timestamp": 100 * t, "input_length": 512 * len(state[c]) - rng.randint(0, 200),
+                    "output_length": rng.randint(50, 300), "hash_ids": state[c]})
+    return out
+
+
+def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
+    """A page row freed unwritten keeps an evicted page's bytes and the free list hands it
+    out again, so a load into it would verify with nothing copied (a review found 6 of 2,133
+    loaded pages in such rows on a trace). The worker now fills every load's page rows with
+    content of no page first; each load is checked here, after that and before its copy."""
+    import argparse
+    import json as _json
+
+    from hicache.engine.hooks import ClientHooks
+    from hicache.sim import demo, simulator
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(_json.dumps(r) + "\n" for r in _branching_trace(3)))
+    workers: list = []
+    real_init, real_copy = simulator.Worker.__init__, ClientHooks._copy
+    seen = {"pages": 0, "in_place": 0}
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        workers.append(self)
+
+    def copy(self, to_host, device_rows, handles, ckpts):
+        w = workers[-1] if workers else None
+        if not to_host and device_rows and w is not None:
+            key_of = {id(n.host): n.key for n in w.tree.nodes() if n.host is not None}
+            pools = [p for s in self.spaces for p in w.layout.space_pools(s)]
+            for h, row in zip(handles, device_rows):
+                ids, rows = torch.tensor([key_of[id(h)]]), torch.tensor([row])
+                bad = sum(w.content.mismatches(p.name, layer, buf, rows, ids)
+                          for p in pools for layer, buf in enumerate(w.pools.layers[p.name]))
+                seen["pages"] += 1
+                seen["in_place"] += bad == 0
+        return real_copy(self, to_host, device_rows, handles, ckpts)
+
+    monkeypatch.setattr(simulator.Worker, "__init__", init)
+    monkeypatch.setattr(ClientHooks, "_copy", copy)
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert demo.run(p.parse_args(["--trace", str(trace), "--device-pages", "64",
+                                  "--progress-seconds", "0"])) == 0
+    assert seen["pages"] > 500 and seen["in_place"] == 0, seen
+
+
 def test_the_l3_demo_leaves_nothing_when_interrupted_while_an_instance_starts(monkeypatch):
     """``hicache demo --l3``: an interrupt (or a refusal) while instance B's daemon starts used
     to leave A's daemon running and both private directories behind; now every instance

@@ -105,14 +105,14 @@ class DemoMetrics:
 
 
 class _ScrubbingHooks(ClientHooks):
-    """The demo's hooks in paged SWA with checkpoints: ``scrub(ckpts)`` (the worker's) runs
-    before each load that restores checkpoints."""
+    """The demo's hooks: ``scrub(device_rows, ckpts)`` (the worker's) runs before each load,
+    so a page row or checkpoint the load does not reach holds content of no page."""
     scrub: Any = None
 
     def load(self, handles: Sequence[Any], device_rows: Sequence[int],
              ckpts: Sequence[Any] = ()) -> Any:
-        if ckpts and self.scrub is not None:
-            self.scrub(list(ckpts))
+        if self.scrub is not None:
+            self.scrub(list(device_rows), list(ckpts))
         return super().load(handles, device_rows, ckpts)
 
 
@@ -139,8 +139,7 @@ class Worker(Replay):
                     raise HicacheError(resume.copyable)
                 client.register(self.pools, events=1 if self.cuda else 0, name="hicache-demo",
                                 timeout=cfg.timeout)
-                hooks = _ScrubbingHooks if ckpt and cfg.swa_mode == "paged" else ClientHooks
-                self.hooks = hooks(client, ["page"] if ckpt else self.spaces,
+                self.hooks = _ScrubbingHooks(client, ["page"] if ckpt else self.spaces,
                                    timeout=cfg.timeout, wait_event=0 if self.cuda else None,
                                    on_ack=self._on_ack, resume=resume if ckpt else None,
                                    l3=cfg.l3)
@@ -149,7 +148,7 @@ class Worker(Replay):
             self.pools.close()
             raise
         if isinstance(self.hooks, _ScrubbingHooks):
-            self.hooks.scrub = self._scrub_checkpoints
+            self.hooks.scrub = self._scrub
         self.page_bytes = sum(layout.row_bytes(s) for s in self.spaces)
         self._lost_seen = 0
         self._scrub_id = -(1 << 40)  # content ids of no page and no request
@@ -211,6 +210,24 @@ class Worker(Replay):
         """The slot's rings and states move on to the request's own state (no page's)."""
         self._fill_slot(slot, req)
         self._written()
+
+    def _scrub(self, rows: list[int], ckpts: list[tuple[int, Any, int]]) -> None:
+        """Before a load: its destination page rows get content of no page in every pool the
+        load writes, and so do its checkpoints' rows (paged SWA), so only the load's copy
+        matches the check after it. A row may hold the very bytes already: a row freed
+        unwritten keeps an evicted page's, and the free list hands it out again (a review found
+        6 of 2,133 loaded pages in such rows), or the node's own checkpoint row."""
+        if rows:
+            self._scrub_id -= 1
+            ids = torch.full((len(rows),), self._scrub_id, dtype=torch.int64)
+            r = torch.tensor(rows, dtype=torch.int64)
+            for space in self.hooks.spaces:
+                for spec in self.layout.space_pools(space):
+                    for layer, buf in enumerate(self.pools.layers[spec.name]):
+                        self.content.fill(spec.name, layer, buf, r, ids)
+            self._written()
+        if self.ckpt and self.cfg.swa_mode == "paged":  # (ring: ``_before_prepare``)
+            self._scrub_checkpoints(ckpts)
 
     def _scrub_checkpoints(self, ckpts: list[tuple[int, Any, int]]) -> None:
         """Paged SWA: before a checkpoint load, its destination row's SWA tail and states
