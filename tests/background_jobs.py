@@ -22,7 +22,8 @@ A job's ``Run`` holds what ran (exit status, output, notes); nothing here decide
   (``LocalStore``) whose addresses and this Python (which runs the L3 daemon) go to the inner
   run in ``HICACHE_TEST_L3``, else the L3 test is deselected (``want`` one less); then the
   inner pytest in that environment.
-* ``l3_demo``: ``hicache demo --l3 mooncake`` (small, full mirror), then ``hicache bench l3``.
+* ``l3_demo``: ``hicache demo --l3 mooncake`` (small, full mirror), then ``hicache bench l3``,
+  then the same demo with 60 requests and its defaults (checkpoints mirror).
 * ``l3_ckpt_demo``: ``hicache demo --l3 mooncake`` on the shared trace's first two
   conversations, checkpoints mirror.
 * ``bench_control``, ``bench_e2e_cpu``, ``demo_small``: one ``hicache`` command each (a short
@@ -145,6 +146,9 @@ def _l3_demo(run: Run) -> None:
         run.steps.append(_step([sys.executable, "-m", "hicache.cli", "bench", "l3",
                                 "--preset", "dsv4-tiny", "--pages", "8", "--trials", "1",
                                 "--json"], 300, env=_env(), cwd=cwd))
+        # the default checkpoints mirror, routed by conversation: A's drain before its
+        # restart puts pages into L3 that later requests hit
+        run.steps.append(_step(_demo(["--requests", "60"]), 400, env=_env(), cwd=cwd))
 
 
 def _l3_ckpt_demo(run: Run) -> None:

@@ -158,10 +158,15 @@ class Instance:
         finally:
             self.daemon.close()
 
-    def restart(self) -> None:
+    def restart(self) -> list[Any]:
+        """Drain, then kill the daemon (a crash) and start it again; returns the page keys the
+        drain's L3 puts wrote (the caller records them as this incarnation's: they went with
+        the old worker, and later hits on them were counted in no category)."""
         self.worker.tree.drain()
+        drained: list[Any] = []
         if self.worker.hooks is not None and self.cfg.l3:
             self.worker.hooks.l3_settle(self.cfg.timeout)
+            drained = list(self.worker.hooks.l3_put_log)
         self.finished.append(self._summary())
         self.daemon.kill()  # a crash: nothing is shut down cleanly
         w, self.worker = self.worker, None
@@ -170,6 +175,7 @@ class Instance:
         self.daemon.start()
         self.incarnation += 1
         self._attach()
+        return drained
 
     def close(self) -> list[dict[str, Any]]:
         """The summaries of every incarnation; everything closed, also when that fails."""
@@ -215,7 +221,9 @@ def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
         for i, req in enumerate(reqs):
             if i == len(reqs) // 2:
                 _err(f"{label}: killing A's daemon (SIGKILL) and starting it again")
-                a.restart()
+                tag = a.tag
+                for k in a.restart():  # (its drain's L3 puts)
+                    writer.setdefault(k, tag)
             inst = (a, b)[route[i]]
             w = inst.worker
             w.run_request(req)
