@@ -46,8 +46,9 @@ DEMO_CATALOG: tuple[MetricDef, ...] = (
               "Requests the simulated worker finished.",
               "How far is the replay?"),
     MetricDef("demo_prefix_tokens", "counter", ("tier",),
-              "Input tokens by where their KV came from: device (prefix hit on the device "
-              "tier), host (prefix hit loaded from the host tier), miss (computed).",
+              "Input tokens by where their pages came from: device (prefix hit on the device "
+              "tier; its checkpoint may have been loaded from the host), host (pages loaded "
+              "from the host tier), miss (computed).",
               "How much prefill does each tier save?"),
     MetricDef("demo_device_only_hit_tokens", "counter", (),
               "Prefix-hit tokens the same replay gets with a device-only tree (counterfactual).",
