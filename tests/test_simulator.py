@@ -363,6 +363,21 @@ def test_the_demo_daemon_pins_no_more_than_host_mem(preset_name, swa, mirror):
     assert s.host_rows["page"] == pages
 
 
+def _made_workers(monkeypatch) -> list:
+    """The demo's simulated workers, each as it is made."""
+    from hicache.sim import simulator
+
+    made: list = []
+    real = simulator.Worker.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(simulator.Worker, "__init__", init)
+    return made
+
+
 def test_a_paged_checkpoint_load_never_finds_its_bytes_in_place(monkeypatch):
     """Paged SWA with checkpoints: before a checkpoint load, the destination row's SWA tail and
     states must not already hold that checkpoint, or the check after the load passes with
@@ -373,15 +388,11 @@ def test_a_paged_checkpoint_load_never_finds_its_bytes_in_place(monkeypatch):
     import argparse
 
     from hicache.engine.client import Client
-    from hicache.sim import demo, simulator
+    from hicache.sim import demo
 
-    workers: list = []
-    real_init, real_load = simulator.Worker.__init__, Client.load
+    workers = _made_workers(monkeypatch)
+    real_load = Client.load
     seen = {"ckpts": 0, "in_place": 0}
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        workers.append(self)
 
     def load(self, items, **kw):
         w = workers[-1]
@@ -403,7 +414,6 @@ def test_a_paged_checkpoint_load_never_finds_its_bytes_in_place(monkeypatch):
                 seen["in_place"] += bad == 0
         return real_load(self, items, **kw)
 
-    monkeypatch.setattr(simulator.Worker, "__init__", init)
     monkeypatch.setattr(Client, "load", load)
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
@@ -445,17 +455,13 @@ def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
     import json as _json
 
     from hicache.engine.hooks import ClientHooks
-    from hicache.sim import demo, simulator
+    from hicache.sim import demo
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(_json.dumps(r) + "\n" for r in _branching_trace(3)))
-    workers: list = []
-    real_init, real_copy = simulator.Worker.__init__, ClientHooks._copy
+    workers = _made_workers(monkeypatch)
+    real_copy = ClientHooks._copy
     seen = {"pages": 0, "in_place": 0}
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        workers.append(self)
 
     def copy(self, to_host, device_rows, handles, ckpts):
         w = workers[-1] if workers else None
@@ -470,7 +476,6 @@ def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
                 seen["in_place"] += bad == 0
         return real_copy(self, to_host, device_rows, handles, ckpts)
 
-    monkeypatch.setattr(simulator.Worker, "__init__", init)
     monkeypatch.setattr(ClientHooks, "_copy", copy)
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
