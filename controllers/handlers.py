@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 from hicache.core.channel import Channel, WakeSocket, supported
 from hicache.core.ipc import make_ipc_events
 from hicache.core.layout import Layout
-from hicache.core.proc_start import own_start
 from hicache.core.model import brief
+from hicache.core.proc_start import own_start
 from hicache.core import wire_json
 from hicache.core.protocol import COMMANDS, MAX_HEADER_BYTES, VERSION, ProtocolError
 from hicache.core.version import __version__

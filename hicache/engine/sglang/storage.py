@@ -21,23 +21,22 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   return one bool per key, as SGLang expects. ``batch_exists`` counts the leading keys the
   anchor holds; ``batch_exists_v2`` applies SGLang's hit policies (all pages / trailing pages)
   per pool; block groups are refused.
-* The pages live in the daemon's host rows under a namespace (``hicache_namespace`` or the
-  model name, plus the TP rank for non-MLA models, the attention-CP and DCP ranks when there
-  are several, as SGLang's file backend keys them, DP and PP ranks), so they survive an engine
-  restart and are shared by engines of the same namespace on the node. A daemon that dropped
-  this client (heartbeat timeout) is re-attached once, transparently; an unreachable daemon
-  makes the call fail (all False, logged), never hang. A call that went out and got no reply
-  (``NoReply``) is a miss only once a later round trip answered (the daemon handles one
-  client's commands in order and copies inline, so any late copy of that call is done by
-  then) or the daemon's process is gone (its pid, from the heartbeat of the first attach and
-  of every re-attach, trusted only where the process it names here started when the
-  daemon says it did: ``pid_start``, the same from every pid namespace). Until then the call
-  does not return: SGLang
-  takes any exception of a storage call for a miss and reuses its pages, into which a
-  stalled daemon may still copy (or from which it may still store a page under the call's
-  key), so the fence is asked again every ``hicache_timeout`` seconds, with an error logged
-  each time. SGLang's scheduler waits for its I/O thread's acknowledgement before it frees a
-  prefetch's pages, so they stay unused meanwhile.
+* The pages live in the daemon's host rows under a namespace (``hicache_namespace`` or the model
+  name, plus the TP rank for non-MLA models, the attention-CP and DCP ranks when there are
+  several, and the PP rank, as SGLang's file backend keys them; DP ranks share it), so they
+  survive an engine restart and are shared by engines of the same namespace on the node (and, with
+  L3, beyond it). A daemon that dropped this client (heartbeat timeout) is re-attached once,
+  transparently; an unreachable daemon makes the call fail (all False, logged), never hang. A call
+  that went out and got no reply (``NoReply``) is a miss only once a later round trip answered
+  (the daemon handles one client's commands in order and copies inline, so any late copy of that
+  call is done by then) or the daemon's process is gone (its pid, from the heartbeat of the first
+  attach and of every re-attach, trusted only where the process it names here started when the
+  daemon says it did: ``pid_start``, the same from every pid namespace). Until then the call does
+  not return: SGLang takes any exception of a storage call for a miss and reuses its pages, into
+  which a stalled daemon may still copy (or from which it may still store a page under the call's
+  key), so the fence is asked again every ``hicache_timeout`` seconds, with an error logged each
+  time. SGLang's scheduler waits for its I/O thread's acknowledgement before it frees a prefetch's
+  pages, so they stay unused meanwhile.
 * A daemon with an L3 tier (``--l3 mooncake``) writes every stored page through to Mooncake
   Store and reads back pages its host rows lack (after a daemon restart, or from another node's
   daemon): it answers such keys *pending* and ``kv_get`` / ``kv_exists`` ask again until they
