@@ -415,7 +415,7 @@ def test_stats_command_against_a_live_and_a_missing_daemon(tmp_path, monkeypatch
         p = hicache("stats", "--socket", f"ipc://{sock}")
         assert p.returncode == 0, p.stderr
         assert "host page: 0 of 16 rows allocated (of them 0 waiting to be freed), 16 free " \
-            "in 1 runs" in p.stdout, p.stdout
+            "in 1 run (mean 16.0)" in p.stdout, p.stdout
         # it never loads torch (the client's imports are light): 0.3 s, not 1.7
         light = subprocess.run([sys.executable, "-c", "import sys; from hicache.cli import main; "
                                 f"rc = main(['stats', '--socket', 'ipc://{sock}']); "

@@ -37,7 +37,7 @@ _L3_KIND = {"mirror": ("str", False), "ckpt": ("bool", False)}
 _TABLE: tuple[Command, ...] = (
     Command("heartbeat", {"full": ("bool", False)},
             ("t", "version", "protocol", "device", "heartbeat_timeout", "registered", "reaped",
-             "pid"),
+             "pid", "pid_start"),
             False,
             "heartbeat", "liveness; with full, the daemon's layout and host rows"),
     Command("register", {"layout": ("dict", True), "device_rows": ("str_int_map", True),
