@@ -801,14 +801,14 @@ def sizing(cfg: ServeConfig) -> Sizing:
     A refusal of the layout or of the host rows that names no setting is led by the one whose
     value it judged (so ``with_source`` can say where that value came from)."""
     try:
-        layout, dev, source, warnings = _device_sizing(cfg)
+        layout, dev, source, warnings, planned = _device_sizing(cfg)
     except LayoutError as e:
         raise UsageError(_led(str(e), "stage_bounds" if cfg.stage_bounds else "pp_size")) \
             from None
     if cfg.host_mem is None and cfg.host_ratio is None:
         raise UsageError("give the host memory: --host-mem 256GiB or --host-ratio 2")
     try:
-        layouts, devs = _stages(cfg, layout, dev)
+        layouts, devs = _stages(cfg, layout, dev, planned)
         hosts = stage_host_rows(layouts, devs, cfg.host_mem, cfg.host_ratio, cfg.host_split,
                                 cfg.pages_per_checkpoint)
     except UsageError as e:
@@ -829,17 +829,17 @@ def sizing(cfg: ServeConfig) -> Sizing:
     return Sizing(layout, dev, host, source, warnings)
 
 
-def _stages(cfg: ServeConfig, layout: Layout, dev: dict[str, int]
+def _stages(cfg: ServeConfig, layout: Layout, dev: dict[str, int], planned: Any
             ) -> tuple[list[Layout], list[dict[str, int]]]:
     """The stages whose host rows this stage's must agree with (``planner.stage_host_rows``):
     with ``host_mem`` and more than one stage every stage, with the planner's device rows
-    (``kv_mem``) or this stage's ``device_rows`` on each (a stage that uses an index space
-    this one has no rows for is refused: its rows cannot be known here); else this one."""
+    (``planned``: the plan's stages, with ``kv_mem``) or this stage's ``device_rows`` on each
+    (a stage that uses an index space this one has no rows for is refused: its rows cannot
+    be known here); else this one."""
     if cfg.host_mem is None or cfg.pp_size == 1:
         return [layout], [dev]
-    if cfg.kv_mem is not None:
-        stages = plan(cfg.plan_inputs()).stages
-        return [s.layout for s in stages], [dict(s.device_rows) for s in stages]
+    if planned is not None:
+        return [s.layout for s in planned], [dict(s.device_rows) for s in planned]
     layouts = stage_layouts(cfg.plan_inputs(), cfg.swa_mode)
     devs = []
     for lay in layouts:
@@ -860,8 +860,10 @@ def _led(msg: str, name: str) -> str:
     return msg if _FLAG_RE.search(msg) else f"{named(name)}: {msg}"
 
 
-def _device_sizing(cfg: ServeConfig) -> tuple[Layout, dict[str, int], str, tuple[str, ...]]:
-    """(layout, device rows, how they were chosen, the planner's warnings)."""
+def _device_sizing(cfg: ServeConfig
+                   ) -> tuple[Layout, dict[str, int], str, tuple[str, ...], Any]:
+    """(layout, device rows, how they were chosen, the planner's warnings, the plan's stages
+    with ``kv_mem``, else None)."""
     if cfg.kv_mem is not None:
         pl = plan(cfg.plan_inputs())
         stage = pl.stages[cfg.pp_rank]
@@ -881,7 +883,7 @@ def _device_sizing(cfg: ServeConfig) -> tuple[Layout, dict[str, int], str, tuple
         raise UsageError("size the device pools: --kv-mem 100GiB (rows from the planner, as "
                          "`hicache plan` prints them) or --device-rows page=N,swa_page=M,"
                          "req_slot=K")
-    return layout, dev, source, warnings
+    return layout, dev, source, warnings, pl.stages if cfg.kv_mem is not None else None
 
 
 # ------------------------------------------------------------------------------- docs
