@@ -175,13 +175,13 @@ def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_fact
         rows = link.alloc("page", 3)
         assert rows is not None and link.free_rows("page") == link.capacity("page") - 3
         time.sleep(1.8)  # three heartbeat timeouts with no call from SGLang
-        assert link.beat_error is None
+        assert link.beats.error is None
         with d.client(name="watch") as w:
             assert w.stats()["workers"] == 1, "the idle worker was reaped"
         assert link.alloc("page", 1) is not None  # still registered: no not_registered
         assert link.free_all("page") == 4 and link.free_rows("page") == link.capacity("page")
         link.close()
-        assert not link._beat.is_alive()
+        assert not link.beats.thread.is_alive()
         with d.client(name="watch") as w:
             assert w.stats()["workers"] == 0
 

@@ -360,13 +360,13 @@ def test_a_heartbeat_error_of_any_type_is_a_warning_and_the_beats_go_on(
             deadline = time.monotonic() + 10
             while len(calls) < 3 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert len(calls) >= 3 and link._beat.is_alive()
-            assert isinstance(link.beat_error, ValueError)
+            assert len(calls) >= 3 and link.beats.thread.is_alive()
+            assert isinstance(link.beats.error, ValueError)
             link.client.maybe_heartbeat = real
             deadline = time.monotonic() + 10
-            while link.beat_error is not None and time.monotonic() < deadline:
+            while link.beats.error is not None and time.monotonic() < deadline:
                 time.sleep(0.02)
-        assert link.beat_error is None and link.lost is None
+        assert link.beats.error is None and link.lost is None
         msgs = [r.getMessage() for r in caplog.records]
         assert sum("a heartbeat to the daemon failed" in m for m in msgs) == 1, msgs
         assert any("answers heartbeats again" in m for m in msgs), msgs

@@ -188,6 +188,35 @@ def test_storage_backend_survives_an_engine_restart(tmp_path: Path, attach: str)
         d.close()
 
 
+def test_an_idle_engine_stays_attached(tmp_path: Path) -> None:
+    """SGLang calls the backend only when it moves pages: an engine idle for longer than the
+    daemon's heartbeat timeout used to be reaped, and its next call re-attached every pool (a
+    call landing while the daemon still retired the old client was a miss). The backend's
+    heartbeat thread keeps it attached: after three timeouts of silence the next calls need no
+    re-attach and find the pages; ``close`` stops the thread."""
+    d = start_daemon(tmp_path, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
+                     metrics=False, heartbeat_timeout=0.6,
+                     extra=("--no-mtp", "--c128-state", "offline"))
+    try:
+        keys = _keys(3, 11)
+        with engine(d.address) as (backend, pools):
+            saved = _put(backend, pools, keys, seed=5, kv_skip=0, swa_skip=0)
+            reattached = []
+            real = backend._reattach
+            backend._reattach = lambda: (reattached.append(1), real())[1]
+            time.sleep(1.8)  # three heartbeat timeouts without a call
+            assert backend.beats.error is None and backend.beats.thread.is_alive()
+            for name in KV_DERIVED + SWA_INDEXED:  # the pages come back into zeroed pools
+                for t in pools[name].kv_buffer:
+                    t.zero_()
+            _get_back(backend, pools, keys, saved, kv_skip=1, swa_skip=1)
+            assert reattached == [], "the idle backend was reaped and re-attached"
+            beats = backend.beats
+        assert not beats.thread.is_alive()  # SGLang's detach closed the backend
+    finally:
+        d.close()
+
+
 def test_a_call_without_a_reply_is_a_miss_only_after_a_fence(tmp_path: Path) -> None:
     """The daemon is stopped (SIGSTOP) under a ``batch_get_v2``: the call gets no reply. When
     the daemon answers the fence after it (it copies inline, in order, so the late get's copy is

@@ -31,14 +31,14 @@ count.
 daemon's per-layer events are indexed by.
 
 Liveness: SGLang calls the host pools only when it moves or allocates KV, so an idle server
-would be reaped by the daemon (its host rows freed under SGLang's tree). A daemon thread of the
-link sends a heartbeat when nothing else was sent for a third of the daemon's timeout, waiting
-at most ``BEAT_S`` for its reply (it holds the lock meanwhile). The ``Client`` is not
-thread-safe: every use of it goes through ``lock`` (the host pools take it too); the rows the
-link holds have a lock of their own, so ``free_rows`` (SGLang's ``available_size``) never waits
-on the daemon. A heartbeat that fails (any error: a daemon upgraded under the link may answer
-what this client cannot read) is kept in ``beat_error`` and is a warning, once until one
-succeeds again (SGLang's next call meets the same daemon). A reply that
+would be reaped by the daemon (its host rows freed under SGLang's tree). The link's
+``engine.heartbeats.Heartbeats`` thread sends a heartbeat when nothing else was sent for a third
+of the daemon's timeout, waiting at most ``BEAT_S`` for its reply (it holds the lock
+meanwhile). The ``Client`` is not thread-safe: every use of it goes through ``lock`` (the host
+pools take it too); the rows the link holds have a lock of their own, so ``free_rows``
+(SGLang's ``available_size``) never waits on the daemon. A heartbeat that fails is kept in
+``beats.error`` and is a warning, once until one succeeds again (SGLang's next call meets the
+same daemon). A reply that
 says the daemon no longer holds the worker (``registered`` false: reaped, or a restarted
 daemon) is logged as an error once (``lost``): SGLang's tree still lists host hits, its next
 host-tier call fails and SGLang stops its scheduler, so the server is restarted with its daemon
@@ -64,12 +64,12 @@ from hicache.core.ipc import export_buffers
 from hicache.core.layout import Layout
 from hicache.core.sealed_memfd import new_sealed_mapping
 from hicache.engine.client import Client, CommandRefused
+from hicache.engine.heartbeats import Heartbeats
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
 log = logging.getLogger("hicache.sglang")
 ALIGN = 4096
 UNREGISTER_S = 2.0  # the longest the shutdown's unregister waits for the daemon
-BEAT_S = 1.0  # the longest a heartbeat waits for its reply (it holds the link's lock)
 
 
 class OutOfStep(HicacheError, RuntimeError):
@@ -142,35 +142,16 @@ class DaemonLink:
         self.submitting = threading.local()  # each thread's SGLang submission (host_pools)
         self._mm = shm[1] if shm else None
         self._fin = weakref.finalize(self, _close, shm[0]) if shm else None
-        self.beat_error: Exception | None = None
         self.lost: str | None = None  # why the daemon no longer holds the worker (``_lost``)
         self.closed = False
         client.heartbeat()  # the daemon's timeout sets the client's heartbeat interval
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeats, name="hicache-heartbeat",
-                                      daemon=True)
-        self._beat.start()
+        self.beats = Heartbeats(client, self.lock, self._beat_reply, who="hicache (SGLang)",
+                                logger=log)
 
-    def _heartbeats(self) -> None:
-        while not self._stop.wait(max(0.05, self.client.heartbeat_interval / 4)):
-            try:
-                with self.lock:
-                    h = None if self._stop.is_set() else \
-                        self.client.maybe_heartbeat(timeout=min(self.client.timeout, BEAT_S))
-            except Exception as e:  # noqa: BLE001 - a daemon busy for a while: a warning, once
-                if self.beat_error is None:
-                    log.warning("hicache: a heartbeat to the daemon failed: %s (SGLang's next "
-                                "host-tier call meets the same daemon)", e)
-                self.beat_error = e
-                continue
-            if h is None:
-                continue
-            if self.beat_error is not None:
-                log.info("hicache: the daemon answers heartbeats again")
-                self.beat_error = None
-            if not h.get("registered", True):
-                why = h.get("reaped") or "the daemon restarted, or the worker unregistered"
-                self._lost(f"the daemon no longer holds this worker ({why})")
+    def _beat_reply(self, h: dict[str, Any]) -> None:
+        if not h.get("registered", True):
+            why = h.get("reaped") or "the daemon restarted, or the worker unregistered"
+            self._lost(f"the daemon no longer holds this worker ({why})")
 
     def _lost(self, why: str) -> None:
         """Log once that the host tier is gone (nothing re-registers the worker, so it stays
@@ -316,8 +297,7 @@ class DaemonLink:
             if self.closed:
                 return
             self.closed = True
-        self._stop.set()
-        self._beat.join(BEAT_S + 0.5)  # a heartbeat in flight ends within BEAT_S
+        self.beats.stop()  # a heartbeat in flight ends within BEAT_S
         try:
             with self.lock:
                 self.client.unregister(timeout=min(self.client.timeout, UNREGISTER_S))

@@ -25,7 +25,10 @@ shared memory (one memfd per buffer) and its factory calls ``HicacheStorage(conf
   name, plus the TP rank for non-MLA models, the attention-CP and DCP ranks when there are
   several, and the PP rank, as SGLang's file backend keys them; DP ranks share it), so they
   survive an engine restart and are shared by engines of the same namespace on the node (and, with
-  L3, beyond it). A daemon that dropped this client (heartbeat timeout) is re-attached once,
+  L3, beyond it). A heartbeat thread (``engine.heartbeats``) keeps an idle engine's client from
+  being reaped (SGLang calls the backend only when it moves pages; it used to be reaped after the
+  daemon's heartbeat timeout, 10 s by default, and re-attached at its next call). A daemon that
+  dropped this client all the same (a restart, a stall past the timeout) is re-attached once,
   transparently; an unreachable daemon makes the call fail (all False, logged), never hang. A call
   that went out and got no reply (``NoReply``) is a miss only once a later round trip answered
   (the daemon handles one client's commands in order and copies inline, so any late copy of that
@@ -71,6 +74,7 @@ from hicache.core.proc_start import process_start  # noqa: E402
 from hicache.core.protocol import MAX_KV_NS_LEN  # noqa: E402
 from hicache.engine.client import (Client, CommandRefused, DaemonGone,  # noqa: E402
                                    DaemonUnreachable, NoReply)
+from hicache.engine.heartbeats import Heartbeats  # noqa: E402
 from hicache.engine.sglang.host_pools import _pages  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS  # noqa: E402
 
@@ -214,6 +218,9 @@ class HicacheStorage(HiCacheStorage):
         self._watch(self.client.heartbeat())  # it must answer now (DaemonUnreachable otherwise)
         self.lock = threading.RLock()
         self.pools: dict[str, tuple[Any, dict[str, Any]]] = {}  # name -> (pool, attach fields)
+        # SGLang calls the backend only when it moves pages: an idle engine is kept attached
+        self.beats = Heartbeats(self.client, self.lock, who=f"hicache storage ({self.namespace})",
+                                logger=log)
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -409,6 +416,7 @@ class HicacheStorage(HiCacheStorage):
         log.info("cleared %d pages of namespace %s", n, self.namespace)
 
     def close(self) -> None:
+        self.beats.stop()
         with self.lock:
             try:
                 self.client.kv_detach()
