@@ -310,3 +310,51 @@ def test_sharing_cpu_tensors_without_their_memfd_is_refused_before_the_daemon_is
     with pytest.raises(ValueError, match="^share: CPU tensors are shared from the sealed memfd "
                                          "connect moves them into; none was given$"):
         DaemonLink.share(stage, Untouched(), None)  # type: ignore[arg-type]
+
+
+def test_page_rows_from_token_indices_match_a_plain_reading_and_refuse_the_rest() -> None:
+    """``_pages`` turns SGLang's token indices into page rows (numpy since the fifty-third
+    session; torch's CPU ops cost ~0.2 ms before a load's first layer): whole aligned pages of
+    any dtype and shape give their rows, in order; anything else is refused in one line, as
+    a plain reading of the rule says."""
+    import random
+
+    import torch
+
+    from hicache.engine.sglang.host_pools import _pages
+
+    def plain(ids: list[int], page: int) -> list[int] | None:
+        if len(ids) % page:
+            return None
+        chunks = [ids[i:i + page] for i in range(0, len(ids), page)]
+        if any(c != list(range(c[0], c[0] + page)) or c[0] % page for c in chunks):
+            return None
+        return [c[0] // page for c in chunks]
+
+    rnd = random.Random(7)
+    for trial in range(400):
+        page = rnd.choice([1, 2, 4, 64, 256])
+        rows = rnd.sample(range(512), rnd.randint(1, 9))
+        ids = [r * page + t for r in rows for t in range(page)]
+        bad = trial % 4
+        if bad == 1 and page > 1:  # two tokens of one page swapped
+            i = rnd.randrange(len(ids) // page) * page
+            ids[i], ids[i + 1] = ids[i + 1], ids[i]
+        elif bad == 2:  # every index one token off (not aligned, or not whole)
+            ids = [x + 1 for x in ids]
+        elif bad == 3:  # a token short
+            ids = ids[:-1]
+        dtype = rnd.choice([torch.int64, torch.int32])
+        t = torch.tensor(ids, dtype=dtype)
+        if len(ids) % 2 == 0 and rnd.random() < 0.3:
+            t = t.reshape(2, -1)  # (any shape: read flat)
+        want = plain(ids, page)
+        if want is None:
+            with pytest.raises(ValueError, match=r"^x: .*(whole|aligned)"):
+                _pages(t, page, "x")
+        else:
+            assert _pages(t, page, "x") == want, (page, ids)
+    sliced = torch.arange(64, dtype=torch.int64)[::2]  # not contiguous: 0, 2, 4, ...
+    with pytest.raises(ValueError, match="not whole aligned 4-token pages"):
+        _pages(sliced, 4, "x")
+    assert _pages(torch.arange(8, 16, dtype=torch.int64), 4, "x") == [2, 3]
