@@ -358,3 +358,28 @@ def test_page_rows_from_token_indices_match_a_plain_reading_and_refuse_the_rest(
     with pytest.raises(ValueError, match="not whole aligned 4-token pages"):
         _pages(sliced, 4, "x")
     assert _pages(torch.arange(8, 16, dtype=torch.int64), 4, "x") == [2, 3]
+
+
+def test_a_heartbeat_thread_whose_client_was_closed_ends_quietly(daemon_factory,
+                                                                 caplog: Any) -> None:
+    """``engine.heartbeats``: a client closed without ``stop()`` (a review found a test doing
+    it) left the thread retrying forever, a warning each time it was found failing; it ends
+    now, with no warning. An open client's beats go on until ``stop()``."""
+    import logging
+    import threading
+    import time
+
+    from hicache.engine.client import Client
+    from hicache.engine.heartbeats import Heartbeats
+
+    d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
+    c = Client(d.address, timeout=5.0, name="beats")
+    c.heartbeat()
+    with caplog.at_level(logging.INFO, logger="hicache.heartbeats"):
+        beats = Heartbeats(c, threading.RLock())
+        time.sleep(0.5)
+        assert beats.thread.is_alive() and beats.error is None
+        c.close()
+        beats.thread.join(3.0)
+        assert not beats.thread.is_alive()
+    assert not [r for r in caplog.records if r.name == "hicache.heartbeats"], caplog.records

@@ -386,7 +386,7 @@ def test_hit_policies_and_refusals(tmp_path: Path) -> None:
             StorageBackendFactory.create_backend("dynamic", cfg, None)
         assert "\n" not in str(e.value)
         cfg.extra_config = {**EXTRA, "hicache_socket": d.address}
-        StorageBackendFactory.create_backend("dynamic", cfg, None).client.close()
+        StorageBackendFactory.create_backend("dynamic", cfg, None).close()
         cfg.tp_size, cfg.tp_rank = 1, 0
         # the daemon kept nothing of the refused calls: the store holds what the test put
         with Client(d.address) as c:
