@@ -47,6 +47,9 @@ def test_sizes_and_arguments_are_checked():
         e2e.check_args(_args(device="cpu", pp_size=2, pp_rank=2))
     with pytest.raises(UsageError, match="--gpus must be at least 1"):
         e2e.check_args(_args(device="cpu", gpus=0))
+    with pytest.raises(UsageError, match="--fence applies to GPU runs"):
+        e2e.check_args(_args(device="cpu", fence=True))
+    assert _args().host_fill == "full" and not _args().fence  # the defaults
     if torch.cuda.device_count() < 64:
         with pytest.raises(UsageError, match="--gpus 64 needs 64 CUDA GPUs"):
             e2e.check_args(_args(device="cuda:0", gpus=64))
@@ -89,6 +92,10 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     m = out["sizes"]["2k"]["summary"]
     assert m["verified"] is True and m["pages"] == 8 and m["bytes"] > 0
     assert out["device_order"] == "random" and m["device_mean_run"] >= 1.0
+    # the host pool as a full server's: the churn held all but the run's room
+    assert out["host_fill"] == "full" and out["fence"] is False
+    assert all(0.2 < v < 1 for v in out["host_held"].values()), out["host_held"]
+    assert 1.0 <= m["host_mean_run"] <= 8
     assert m["load_gbps"] > 0 and m["backup_gbps"] > 0
     assert out["daemon_spin_us"] == 0.0 and out["client_reply_spin_us"] == 0.0  # CPU mode
     assert out["channel"] is False and "--spin-us 0" in out["channel_refused"]  # it sleeps
@@ -270,14 +277,21 @@ def test_engine_wait_statistics_and_table(capsys):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work():
+@pytest.mark.parametrize("fence", [False, True])
+def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work(fence):
     """One GPU run of both mirrors at 2k: every byte verified, and the engine's probe steps
-    taken idle and while a LOAD and a BACKUP ran, in both mirrors."""
+    taken idle and while a LOAD and a BACKUP ran, in both mirrors; with ``--fence`` every
+    command waits for the engine's event (as the SGLang adapter's do); the limit is read at
+    the start and at the end, and the ratios divide by the better."""
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "e2e", "--sizes", "2k",
-                        "--runs", "2", "--churn", "60", "--json"], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+                        "--runs", "2", "--churn", "60", "--json"] + (["--fence"] if fence
+                                                                     else []),
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
+    assert out["fence"] is fence
+    assert out["limit_gbps"] == {k: max(out["limit_gbps_start"][k], out["limit_gbps_end"][k])
+                                 for k in ("h2d", "d2h")}
     # this process and the daemon it started share one environment: the same MPS or none
     assert out["gpu_sharing"]["engine"] == out["gpu_sharing"]["daemon"] in ("mps", "time-slices")
     for key in ("sizes", "checkpoints"):
@@ -423,3 +437,54 @@ def test_the_verified_load_also_checks_the_rows_it_must_not_write() -> None:
     assert not torch.equal(t[2, :4], t[2, 8:12])
     with pytest.raises(RuntimeError, match="pool swa_kv layer 0: rows outside"):
         check()
+
+
+def test_ratios_divide_by_the_better_limit_of_the_start_and_the_end():
+    """A limit read low flatters every ratio of its run (a review): the limit is read again at
+    the end and each direction's ratios divide by the better reading."""
+    res = {"limit_gbps": {"h2d": 50.0, "d2h": 50.0},
+           "sizes": {"2k": {"summary": {"load_gbps": 25.0, "backup_gbps": 20.0,
+                                        "load_ratio": 0.5, "backup_ratio": 0.4}}},
+           "checkpoints": {"2k": {"summary": {"load_gbps": 10.0, "backup_gbps": 5.0,
+                                              "load_ratio": 0.2, "backup_ratio": 0.1}}}}
+    e2e._rescale(res, {"h2d": 50.0, "d2h": 50.0}, {"h2d": 62.5, "d2h": 40.0})
+    assert res["limit_gbps"] == {"h2d": 62.5, "d2h": 50.0}
+    assert res["limit_gbps_end"] == {"h2d": 62.5, "d2h": 40.0}
+    assert res["sizes"]["2k"]["summary"]["load_ratio"] == pytest.approx(0.4)
+    assert res["sizes"]["2k"]["summary"]["backup_ratio"] == pytest.approx(0.4)
+    assert res["checkpoints"]["2k"]["summary"]["load_ratio"] == pytest.approx(0.16)
+
+
+def test_the_full_host_pool_leaves_the_run_its_room_in_holes(daemon_factory):
+    """``--host-fill full`` (the default): the churn fills the daemon's host pool, churns it
+    full (evict, admit), then frees random blocks until the run's room is free; the room then
+    lies in holes, not in one untouched run at the pool's end (the churn before the
+    fifty-third session left the pool 5-9% held and every timed load one run). ``light``
+    keeps the old churn."""
+    import numpy as np
+
+    from hicache.bench.transfer_rows import mean_run
+
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=256,swa_page=256,req_slot=4",
+                       metrics=False)
+    spaces = {"page": 256, "swa_page": 256}
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.device_pools import DevicePools
+
+    with d.client(name="churn") as c:
+        with DevicePools(build_layout(preset("dsv4-tiny")),
+                         {"page": 256, "swa_page": 256, "req_slot": 4}) as pools:
+            c.register(pools)
+            total = c.registered["host_rows"]["page"]
+            room = 72
+            held = e2e.churn(c, spaces, 300, np.random.default_rng(1), room)
+            assert total - room - e2e.BLOCK_ROWS < held["page"] * total <= total - room
+            got = c.alloc({"page": room})["page"]
+            assert mean_run(torch.tensor(got)) < room / 3, got  # holes, not one run
+            c.unregister()
+        with DevicePools(build_layout(preset("dsv4-tiny")),
+                         {"page": 256, "swa_page": 256, "req_slot": 4}) as pools:
+            c.register(pools)
+            light = e2e.churn(c, spaces, 300, np.random.default_rng(1))
+            assert light["page"] < 0.5
+            c.unregister()

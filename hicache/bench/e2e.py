@@ -2,10 +2,17 @@
 
 This process is the engine: it owns DSV4 device pools (CUDA tensors shared by IPC; shared
 memory in CPU mode), starts a real ``hicache serve`` for the same GPU, registers, churns the
-daemon's host allocator (mixed allocs and frees, so host rows are what a running server hands
-out, not a fresh pool), then per prefix size (device rows scattered at random, or as
-``--device-order`` says, ``bench.device_order``; the summary's ``device_mean_run`` is the mean
-run of a load's destination rows):
+daemon's host allocator (``churn``: with ``--host-fill full``, the default, the pool is filled,
+churned full, evicting to admit, then random blocks are freed until the largest size's room is
+free, so the timed runs take their host rows out of the holes evictions left, as in a full
+server's pool; the JSON's ``host_held`` says how much stayed held, and each size's
+``host_mean_run`` the mean run of its timed backups' host rows; ``light`` is the churn before
+the fifty-third session, which left the pool nearly empty and every timed load one run), then
+per prefix size (device rows scattered at random, or as ``--device-order`` says,
+``bench.device_order``; the summary's ``device_mean_run`` is the mean run of a load's
+destination rows). With ``--fence`` (GPU) every LOAD and BACKUP waits for an event the engine
+records on its stream first, as the SGLang adapter's commands do (``bench.fence``); without
+it the engine's writes are done (a host synchronize) before it sends:
 
 * BACKUP: command -> ack (engine clock), GB/s;
 * LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
@@ -45,7 +52,11 @@ needs: ``checkpoints``, measured by ``e2e_checkpoint``); both by default.
 
 Each figure is the median of ``--runs`` runs, after one untimed round of the same size (the
 daemon's handling times are means: a cold first round once read 20-140 ms); ratios divide by the
-contiguous pinned-copy limit measured in the same run (best of 5 trials per direction). The
+contiguous pinned-copy limit measured in the same run (best of 5 trials per direction, at the
+start and again at the end: the better of the two, as a limit read low flatters every ratio;
+the JSON keeps both readings; ``--gpus`` runs read it at the start only, one GPU at a time).
+Each size's verified run gives its rows bytes seeded afresh (a seed per size once left an
+untimed round's bytes where the timed backup wrote them). The
 report names the busy-poll windows in force (``daemon_spin_us`` from the daemon's ``stats``,
 ``client_reply_spin_us``: the defaults, 50,000 and 2,000 µs on a GPU) and whether the engine's
 requests went through a shared-memory channel (``channel``: ``--channel auto``, the client's
@@ -85,6 +96,7 @@ from hicache.bench.device_order import PATTERNS, device_order
 from hicache.bench.transfer_rows import mean_run
 from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
+from hicache.bench.fence import Fenced
 from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_into,
                                        load_into, load_while_busy, scramble, summarize,
@@ -95,6 +107,8 @@ HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after th
 SIZES = {"2k": 2048, "8k": 8192, "32k": 32768, "128k": 131072}
 HOST_RATIO = 2.0  # the daemon's host rows : the engine's device rows
 MIRRORS = ("full", "checkpoints")
+HOST_FILLS = ("full", "light")
+BLOCK_ROWS = 32  # the churn's blocks: 1..BLOCK_ROWS rows each
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +120,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints (compressed pages + one checkpoint) [both]")
     p.add_argument("--runs", type=int, default=5, help="timed runs per size (median)")
     p.add_argument("--churn", type=int, default=2000, help="mixed alloc/free ops before timing")
+    p.add_argument("--host-fill", choices=HOST_FILLS, default="full",
+                   help="the daemon's host pool during the timed runs: full (filled by the "
+                        "churn to all but the largest size's room, as a running server's; the "
+                        "default) or light (the churn holds at most 64 blocks, then frees half "
+                        "of them: a nearly empty pool, the bench before the fifty-third "
+                        "session)")
+    p.add_argument("--fence", action="store_true",
+                   help="GPU: every LOAD and BACKUP waits for an event the engine records on "
+                        "its stream first (wait_event), as the SGLang adapter's commands do")
     p.add_argument("--device-order", choices=PATTERNS, default="random",
                    help="the engine's device rows: scattered at random (the default), as "
                         "SGLang's unsorted free list hands them out after churn, or "
@@ -145,6 +168,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--pp-rank {args.pp_rank} is outside 0..{args.pp_size - 1}")
     if args.gpus < 1:
         raise UsageError("--gpus must be at least 1")
+    if args.fence and not str(args.device).startswith("cuda"):
+        raise UsageError("--fence applies to GPU runs: CPU mode has no interprocess events "
+                         "for a command to wait for")
     if args.gpus > 1 and (not torch.cuda.is_available()
                           or torch.cuda.device_count() < args.gpus):
         raise UsageError(f"--gpus {args.gpus} needs {args.gpus} CUDA GPUs; this machine has "
@@ -206,21 +232,60 @@ def pinned_limit(device: torch.device, nbytes: int = 1 << 30, trials: int = 5) -
     return out
 
 
-def churn(c: Client, spaces: dict[str, int], ops: int, rng: np.random.Generator) -> None:
-    """Mixed allocs (1..32 rows) and frees, leaving about half the held rows allocated."""
+def churn(c: Client, spaces: dict[str, int], ops: int, rng: np.random.Generator,
+          room: int | None = None) -> dict[str, float]:
+    """Mixed allocs (1..``BLOCK_ROWS`` rows in every space of ``spaces``, fewer in a pool
+    that holds few more than ``room``) and frees; returns
+    the share of each space's host rows left held (the timed runs never free them).
+    ``room`` None (``--host-fill light``): at most 64 blocks held, about half of them freed at
+    the end (the pool stays nearly empty, its free rows in a few long runs). ``room`` (rows):
+    the pool is filled with blocks until the next would not fit, then each op frees a random
+    block and allocates until the next would not fit again (a full cache that evicts to
+    admit), and last random blocks are freed until ``room`` rows of each space are free: the
+    timed runs get their rows out of the holes evictions left, as in a full server's pool."""
     held: list[dict[str, list[int]]] = []
-    for _ in range(ops):
-        if held and (rng.random() < 0.5 or len(held) > 64):
-            c.free(held.pop(int(rng.integers(len(held)))))
-        else:
-            n = int(rng.integers(1, 33))
-            try:
+    total = {s: int(c.registered["host_rows"][s]) for s in spaces}
+    if room is None:
+        for _ in range(ops):
+            if held and (rng.random() < 0.5 or len(held) > 64):
+                c.free(held.pop(int(rng.integers(len(held)))))
+            else:
+                n = int(rng.integers(1, BLOCK_ROWS + 1))
+                try:
+                    held.append(c.alloc({s: n for s in spaces}))
+                except Exception:  # noqa: BLE001 - full: free instead
+                    if held:
+                        c.free(held.pop(0))
+        for h in held[::2]:
+            c.free(h)
+        kept = held[1::2]
+    else:
+        free = min(total.values())
+        # blocks small enough that several fit beside the room (a small pool's churn would
+        # otherwise hold one block or none)
+        most = min(BLOCK_ROWS, max(1, (free - room) // 8))
+
+        def evict() -> None:
+            nonlocal free
+            h = held.pop(int(rng.integers(len(held))))
+            c.free(h)
+            free += len(next(iter(h.values())))
+
+        def admit() -> None:
+            nonlocal free
+            while (n := int(rng.integers(1, most + 1))) <= free:
                 held.append(c.alloc({s: n for s in spaces}))
-            except Exception:  # noqa: BLE001 - full: free instead
-                if held:
-                    c.free(held.pop(0))
-    for h in held[::2]:
-        c.free(h)
+                free -= n
+        admit()
+        for _ in range(ops):
+            if held:
+                evict()
+            admit()
+        while free < room and held:
+            evict()
+        kept = held
+    used = {s: sum(len(h[s]) for h in kept) for s in spaces}
+    return {s: used[s] / total[s] for s in spaces}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,12 +322,18 @@ def run(args: argparse.Namespace) -> int:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
         c = d.client(timeout=60.0, channel=None if args.channel == "auto" else False)
         c.register(pools, events=1 if cuda else 0)
-        say(f"[e2e] registered; churning the host allocator ({args.churn} ops)")
-        churn(c, spaces, args.churn, rng)
+        say(f"[e2e] registered; churning the host allocator ({args.churn} ops, host pool "
+            f"{args.host_fill})")
+        # the largest size's room: its backup's rows and the busy backup's beside them
+        room = None if args.host_fill == "light" else \
+            2 * max(SIZES[s] for s in sizes) // PAGE_TOKENS + 8
+        fill = churn(c, spaces, args.churn, rng, room)
+        cmd = Fenced(c) if args.fence else c  # the loads' and backups' sender
         # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
-                  "device_order": args.device_order,
+                  "device_order": args.device_order, "host_fill": args.host_fill,
+                  "host_held": fill, "fence": args.fence,
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
                   "ctas": INPROC_CTAS, "runs": args.runs,
                   "daemon_spin_us": c.stats().get("spin_us"),
@@ -283,16 +354,16 @@ def run(args: argparse.Namespace) -> int:
                 # one untimed round first: a size's first load and backup pay one-time costs
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
-                measure(c, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
+                measure(cmd, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
                         order=args.device_order)
-                result[key][s] = measure(c, pools, layout, n, args.runs, rng, local, limit,
+                result[key][s] = measure(cmd, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev, order=args.device_order)
                 # the daemon's handling times: extra solo runs (no load beside a backup, no
                 # probe) between two stats readings; none taken during the timed runs, where a
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
                 before = daemon_times(c.stats()["metrics"])
-                extra = measure(c, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda, dev,
-                                probe=False, busy=False, order=args.device_order)["runs"]
+                extra = measure(cmd, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda,
+                                dev, probe=False, busy=False, order=args.device_order)["runs"]
                 after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
                     {f"{cmd}_handler_ms": mean_ms(before, after, cmd)
@@ -310,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
         c.close()
         if local is not None:
             local[0].close()
+    if cuda and not args.barrier:  # the limit again at the end: the ratios divide by the best
+        _rescale(result, limit, pinned_limit(dev))
     if args.plot:
         _plot(result, args.plot)
     if args.json:
@@ -317,6 +390,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         _table(result)
     return 0
+
+
+def _rescale(result: dict[str, Any], start: dict[str, float], end: dict[str, float]) -> None:
+    """The limit measured at the start and at the end of the run: every ratio divides by the
+    better of the two per direction (a limit read low flatters every ratio of its run)."""
+    best = {k: max(start[k], end[k]) for k in start}
+    result.update(limit_gbps=best, limit_gbps_start=start, limit_gbps_end=end)
+    for key in ("sizes", "checkpoints"):
+        for r in result.get(key, {}).values():
+            m = r["summary"]
+            m["load_ratio"] = m["load_gbps"] / best["h2d"]
+            m["backup_ratio"] = m["backup_gbps"] / best["d2h"]
 
 
 def barrier(folder: str, name: str, parties: int, rank: int, timeout: float = 900.0) -> None:
@@ -341,7 +426,8 @@ def run_gpus(args: argparse.Namespace) -> int:
                    "--device", f"cuda:{r}", "--preset", args.preset, "--sizes", args.sizes,
                    "--runs", str(args.runs), "--churn", str(args.churn), "--mirror", args.mirror,
                    "--pp-size", str(n), "--pp-rank", str(r), "--channel", args.channel,
-                   "--device-order", args.device_order, "--barrier", folder]
+                   "--device-order", args.device_order, "--host-fill", args.host_fill,
+                   "--barrier", folder] + (["--fence"] if args.fence else [])
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         while any(p.poll() is None for p in procs):  # one failed: the others would wait
             if any(p.poll() not in (None, 0) for p in procs):
@@ -383,6 +469,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
     waits = new_waits()
     verified = False
     dev_runs: list[float] = []
+    host_runs: list[float] = []  # the mean run of each timed backup's host rows
     for r in range(runs):
         total = pools.rows["page"]
         perm = device_order(order, total, rng)
@@ -392,11 +479,14 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         check = again = None
         if not verified:  # this run's loads are compared byte for byte, right after each
             names = [m for m, spec in layout.pools.items() if spec.index in spaces]
+            # bytes of this call's own (a seed per size left an untimed round's bytes in the
+            # host rows a timed backup then got again: a backup that wrote nothing would pass)
+            seed = int(rng.integers(1 << 30))
             scramble(pools, {m: src[layout.pools[m].index] + dst[layout.pools[m].index]
-                             for m in names}, seed=n)
+                             for m in names}, seed=seed)
 
             def again() -> None:  # the busy load's destination: fresh bytes again
-                scramble(pools, {m: dst[layout.pools[m].index] for m in names}, seed=n + 1)
+                scramble(pools, {m: dst[layout.pools[m].index] for m in names}, seed=seed + 1)
 
             rest = untouched(pools, {m: dst[layout.pools[m].index] for m in names})
 
@@ -420,6 +510,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         c.wait_ack(op, timeout=120)
         out["backup_ack"].append(time.perf_counter() - t0)
         host = op.rows
+        host_runs.append(mean_run(torch.tensor(host["page"])))
         items = {sp: (host[sp], dst[sp]) for sp in host}
         load_into(out, c, items, stream, cuda, check, busy)
         verified = True
@@ -445,6 +536,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         c.free(host)
     summary = summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
     summary["summary"]["device_mean_run"] = float(np.mean(dev_runs))  # the loads' destinations
+    summary["summary"]["host_mean_run"] = float(np.mean(host_runs))  # their sources
     return summary
 
 
@@ -459,13 +551,17 @@ def _table(result: dict[str, Any]) -> None:
           f"pinned-copy limit GB/s: {lim}; busy-poll: daemon "
           f"{result['daemon_spin_us']:g} us, client {result['client_reply_spin_us']:g} us; "
           f"channel: {chan}; GPU sharing: engine {sharing.get('engine')}, daemon "
-          f"{sharing.get('daemon')}")
+          f"{sharing.get('daemon')}; host pool {result.get('host_fill')} ("
+          + ", ".join(f"{sp} {v:.0%} held" for sp, v in result.get("host_held", {}).items())
+          + f"); fence: {'yes' if result.get('fence') else 'no'}"
+          + (f"; limit start {result['limit_gbps_start']}, end {result['limit_gbps_end']}"
+             if "limit_gbps_end" in result else ""))
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'busy 2nd':>8} "
-          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7}")
+          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7} {'host run':>8}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -478,7 +574,8 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
                   f"{f(m['busy_second_ms']):>8} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
-                  f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7}")
+                  f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7} "
+                  f"{m.get('host_mean_run', 0):8.1f}")
     _engine_table(result)
     if any(r["summary"]["busy_second_ms"] is not None
            for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):

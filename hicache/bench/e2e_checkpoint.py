@@ -52,6 +52,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
     waits = new_waits()
     verified = False
     dev_runs: list[float] = []
+    host_runs: list[float] = []  # the mean run of each timed backup's host rows
     for r in range(runs):
         pp = device_order(order, pools.rows["page"], rng)
         sp = device_order(order, pools.rows["swa_page"], rng)
@@ -65,11 +66,12 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                 e2e.scramble(pools, {**{p.name: dst for p in resume.page_pools},
                                      **{p.name: [int(sp[1])] for p in resume.state_pools},
                                      **({resume.swa_pool.name: [int(sp[1])]}
-                                        if resume.swa_pool is not None else {})}, seed=n + 1)
+                                        if resume.swa_pool is not None else {})}, seed=seed + 1)
+            seed = int(rng.integers(1 << 30))  # this call's own bytes (e2e.one_size)
             e2e.scramble(pools, {**{p.name: src + dst for p in resume.page_pools},
                                  **{p.name: ck_rows for p in resume.state_pools},
                                  **({resume.swa_pool.name: ck_rows}
-                                    if resume.swa_pool is not None else {})}, seed=n)
+                                    if resume.swa_pool is not None else {})}, seed=seed)
 
             rest = e2e.untouched(pools, {**{p.name: dst for p in resume.page_pools},
                                          **{p.name: [int(sp[1])] for p in resume.state_pools},
@@ -82,6 +84,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                 _verify(pools, resume, src, dst, int(sp[0]), int(sp[1]))
                 rest()
         host = c.alloc({"page": n, "swa_page": 1})
+        host_runs.append(mean_run(torch.tensor(host["page"])))
         ck = host["swa_page"][0]
         items = {"page": (src, host["page"])}
         items.update(hooks.checkpoint_items([(int(sp[0]), ck, n)], to_host=True))
@@ -117,6 +120,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         c.free(host)
     summary = e2e.summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
     summary["summary"]["device_mean_run"] = float(np.mean(dev_runs))  # the loads' destinations
+    summary["summary"]["host_mean_run"] = float(np.mean(host_runs))  # their sources
     return summary
 
 
