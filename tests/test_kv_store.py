@@ -477,3 +477,56 @@ def test_an_eviction_walks_the_store_only_as_far_as_it_needs() -> None:
     Walked.steps = 0
     assert ks.make_room_for({"page": 2}) is True  # counts 2 unpinned entries, evicts 2
     assert freed[-1] == [1, 5] and Walked.steps <= 8, Walked.steps
+
+
+def _fake_store(n: int, free_rows: int = 0):
+    """A KeyStore of ``n`` page entries k0 (oldest) .. k{n-1} over a fake row group whose
+    ``alloc`` hands out the rows its frees gave back."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from hicache.controllers.kv_store import Entry, KeyStore
+
+    freed: list = []
+    alloc = SimpleNamespace(free_rows=free_rows)
+
+    def free(rows, owner):
+        freed.append(rows["page"].tolist())
+        alloc.free_rows += len(rows["page"])
+
+    def take(counts, owner):
+        alloc.free_rows -= counts["page"]
+        return {"page": np.arange(1000, 1000 + counts["page"], dtype=np.int64)}
+
+    st = SimpleNamespace(host_rows={"page": 0}, l3=None, group=SimpleNamespace(
+        free=free, alloc=take, allocators={"page": alloc}))
+    ks = KeyStore(st)  # type: ignore[arg-type]
+    ks.entries["page"] = OrderedDict(((("ns", f"k{i}"), Entry(i)) for i in range(n)))
+    return ks, freed
+
+
+def test_room_that_only_pinned_entries_could_make_is_refused_and_evicts_nothing() -> None:
+    """``make_room_for`` counts only unpinned entries: with 2 rows wanted and one entry
+    unpinned it must say False and evict nothing (an alloc refused anyway must not cost the
+    store its entries; pinned ones, read by an L3 write, are never evicted)."""
+    ks, freed = _fake_store(3)
+    od = ks.entries["page"]
+    od[("ns", "k0")].pins = 1
+    od[("ns", "k2")].pins = 1
+    assert ks.make_room_for({"page": 2}) is False
+    assert freed == [] and ks.evicted == 0 and len(od) == 3
+    od[("ns", "k2")].pins = 0  # two unpinned now: room is made from them, k0 passed
+    assert ks.make_room_for({"page": 2}) is True and freed == [[1, 2]]
+
+
+def test_a_put_never_evicts_its_own_keys_to_make_room() -> None:
+    """A full store's oldest entry is one of the put's own keys: the rows for the put's new
+    key must come from the next oldest, and every key of the put is held after it."""
+    from types import SimpleNamespace
+
+    ks, freed = _fake_store(4)  # k0 oldest
+    ep = SimpleNamespace(space="page", ns="ns", slot="s", pool=None, layers=[])
+    for e in ks.entries["page"].values():
+        e.slots.add("s")
+    assert ks.put(ep, ["k0", "new"], np.array([0, 1])) == [1, 1]  # type: ignore[arg-type]
+    assert freed == [[1]] and ("ns", "k0") in ks.entries["page"]

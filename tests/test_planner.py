@@ -525,3 +525,19 @@ def test_host_ratio_rows_are_exact_and_odd_bounds_are_named(capsys):
     assert "stage 1 bounds [10, 10) hold no layer" in capsys.readouterr().err
     assert main(base + [""]) == 2
     assert "cannot read ''" in capsys.readouterr().err
+
+
+def test_serve_host_mem_of_stages_using_different_spaces_is_the_plans():
+    """Stage 0 of a 0:2 bound holds DSV4-Flash's two SWA-only layers (no page rows), stage 1
+    the rest: with --kv-mem and --host-mem each rank's serve sizing must take its own stage's
+    agreed host rows from the plan (not stage 0's, nor a refusal because this rank's device
+    rows lack a space another stage uses)."""
+    bounds = ((0, 2), (2, 43))
+    pl = plan(PlanInputs(FLASH, 2 * GiB, pp=2, max_running=16, host_mem=8 * GiB,
+                         bounds=bounds))
+    assert "page" not in pl.stages[0].host_rows and "page" in pl.stages[1].host_rows
+    for rank in (0, 1):
+        s = sizing(ServeConfig(preset="dsv4-flash", kv_mem=2 * GiB, max_running=16,
+                               host_mem=8 * GiB, pp_size=2, pp_rank=rank, stage_bounds=bounds))
+        assert s.host_rows == pl.stages[rank].host_rows, (rank, s.host_rows)
+        assert "host rows agreed over the 2 PP stages" in s.source

@@ -446,11 +446,14 @@ def _branching_trace(seed: int, convs: int = 40, turns: int = 5) -> list[dict]:
     return out
 
 
-def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
+@pytest.mark.parametrize("mirror", [["checkpoints"], ["full", "--swa-mode", "paged"]])
+def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path, mirror):
     """A page row freed unwritten keeps an evicted page's bytes and the free list hands it
     out again, so a load into it would verify with nothing copied (a review found 6 of 2,133
     loaded pages in such rows on a trace). The worker now fills every load's page rows with
-    content of no page first; each load is checked here, after that and before its copy."""
+    content of no page first, in every pool and layer the load writes, and in both mirrors
+    (a full mirror's loads carry no checkpoints); each pool and layer of each load is checked
+    here, after that and before its copy."""
     import argparse
     import json as _json
 
@@ -461,7 +464,7 @@ def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
     trace.write_text("".join(_json.dumps(r) + "\n" for r in _branching_trace(3)))
     workers = _made_workers(monkeypatch)
     real_copy = ClientHooks._copy
-    seen = {"pages": 0, "in_place": 0}
+    seen = {"checks": 0, "in_place": 0}
 
     def copy(self, to_host, device_rows, handles, ckpts):
         w = workers[-1] if workers else None
@@ -470,18 +473,20 @@ def test_a_page_load_never_finds_its_bytes_in_place(monkeypatch, tmp_path):
             pools = [p for s in self.spaces for p in w.layout.space_pools(s)]
             for h, row in zip(handles, device_rows):
                 ids, rows = torch.tensor([key_of[id(h)]]), torch.tensor([row])
-                bad = sum(w.content.mismatches(p.name, layer, buf, rows, ids)
-                          for p in pools for layer, buf in enumerate(w.pools.layers[p.name]))
-                seen["pages"] += 1
-                seen["in_place"] += bad == 0
+                for p in pools:  # (one pool or layer left in place is a copy unchecked)
+                    for layer, buf in enumerate(w.pools.layers[p.name]):
+                        seen["checks"] += 1
+                        seen["in_place"] += w.content.mismatches(p.name, layer, buf, rows,
+                                                                 ids) == 0
         return real_copy(self, to_host, device_rows, handles, ckpts)
 
     monkeypatch.setattr(ClientHooks, "_copy", copy)
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     assert demo.run(p.parse_args(["--trace", str(trace), "--device-pages", "64",
-                                  "--progress-seconds", "0"])) == 0
-    assert seen["pages"] > 500 and seen["in_place"] == 0, seen
+                                  "--progress-seconds", "0", "--mirror"] + mirror)) == 0
+    assert workers[-1].cfg.mirror == mirror[0]
+    assert seen["checks"] > 500 and seen["in_place"] == 0, seen
 
 
 def test_the_l3_demo_leaves_nothing_when_interrupted_while_an_instance_starts(monkeypatch):

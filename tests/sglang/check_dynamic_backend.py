@@ -565,3 +565,39 @@ def test_context_parallel_ranks_and_dcp_shards_get_namespaces_of_their_own(
                     b.close()
     finally:
         d.close()
+
+
+def test_a_fence_takes_a_pid_that_now_names_a_later_process_for_gone() -> None:
+    """The daemon's pid, once watched, may name another process later (the daemon exited and
+    the pid was reused): the start time differs, so at the first unanswered fence the daemon is
+    gone and the call a miss. Where the pid still names the watched process the fence asks
+    again until the daemon answers."""
+    import subprocess
+    import sys
+
+    from hicache.core.proc_start import process_start
+    from hicache.engine.client import DaemonUnreachable, NoReply
+
+    class Silent:  # answers the fourth heartbeat (a fence that never ends would hang the test)
+        def __init__(self) -> None:
+            self.tries = 0
+
+        def heartbeat(self) -> dict:
+            self.tries += 1
+            if self.tries < 4:
+                raise DaemonUnreachable("no answer")
+            return {}
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start(other.pid)
+        assert start is not None
+        for watched, tries in ((start - 1, 1), (start, 4)):  # (reused pid, the same process)
+            backend = HicacheStorage.__new__(HicacheStorage)
+            backend.client = Silent()
+            backend.daemon_pid, backend.daemon_start = other.pid, watched
+            backend._fence("get", NoReply("no reply"))
+            assert backend.client.tries == tries, (watched, backend.client.tries)
+    finally:
+        other.kill()
+        other.wait()
