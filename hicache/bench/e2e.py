@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         room = None if args.host_fill == "light" else \
             2 * max(SIZES[s] for s in sizes) // PAGE_TOKENS + 8
         fill = churn(c, spaces, args.churn, rng, room)
-        cmd = Fenced(c) if args.fence else c  # the loads' and backups' sender
+        sender = Fenced(c) if args.fence else c  # what sends the loads and backups
         # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
@@ -354,15 +354,15 @@ def run(args: argparse.Namespace) -> int:
                 # one untimed round first: a size's first load and backup pay one-time costs
                 # (first touches, driver and launch caches) that the medians would hide but
                 # the daemon's mean handling times would not
-                measure(cmd, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
+                measure(sender, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
                         order=args.device_order)
-                result[key][s] = measure(cmd, pools, layout, n, args.runs, rng, local, limit,
+                result[key][s] = measure(sender, pools, layout, n, args.runs, rng, local, limit,
                                          cuda, dev, order=args.device_order)
                 # the daemon's handling times: extra solo runs (no load beside a backup, no
                 # probe) between two stats readings; none taken during the timed runs, where a
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
                 before = daemon_times(c.stats()["metrics"])
-                extra = measure(cmd, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda,
+                extra = measure(sender, pools, layout, n, HANDLER_RUNS, rng, None, limit, cuda,
                                 dev, probe=False, busy=False, order=args.device_order)["runs"]
                 after = daemon_times(c.stats()["metrics"])
                 result[key][s]["summary"].update(
