@@ -30,6 +30,15 @@ A job's ``Run`` holds what ran (exit status, output, notes); nothing here decide
   ``bench control``, a CPU ``bench e2e``, a small demo), whose tests read it through
   ``completed(name)`` (their checks are of what the command printed, none of its timing).
 * ``sleep``, ``quick``: the lane's own test's jobs.
+
+Under pytest-xdist (``make test`` runs two workers) there is still one lane, the controller's:
+``share()`` (the controller, at configure) makes its folder, which each worker gets
+(``join(folder)``); a worker's collection writes the selected jobs into it (``announce``), and
+the controller starts the lane from that once a worker has collected (``start_announced``),
+so the lane's parent, which it watches, is the process whose session's end stops it. A worker's
+``result(name)`` reads the folder: it waits for the lane's record (``lane.json``: its pid and
+jobs), then for its job's file; a lane process gone (or a zombie) first is the same dead-lane
+``Run``.
 """
 from __future__ import annotations
 
@@ -81,6 +90,10 @@ class Run:
 _lane: subprocess.Popen[bytes] | None = None
 _names: list[str] = []
 _folder: str | None = None  # the lane's folder (in the lane too: its jobs' scratch goes there)
+_joined: str | None = None  # an xdist worker: the controller's lane folder
+LANE_RECORD = "lane.json"  # in the folder: the lane's pid and jobs, once started
+ANNOUNCED = "announced.json"  # in a shared folder: the jobs a worker's collection selected
+ANNOUNCE_WAIT_S = 120.0  # how long a worker's result() waits for the controller's lane record
 
 
 def _step(cmd: list[str], timeout: float, **kw: object) -> Step:
@@ -200,12 +213,22 @@ def _from_json(d: dict[str, Any]) -> Run:
     return Run([Step(**x) for x in d["steps"]], d["notes"], d["want"])
 
 
+def _write(path: str, value: Any) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (a reader never sees half of it)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
 def start(names: list[str]) -> None:
-    """Start the lane for ``names`` (jobs of ``JOBS``), once per session."""
+    """Start the lane for ``names`` (jobs of ``JOBS``), once per session, in the shared folder
+    when ``share()`` made one."""
     global _lane, _folder
     if _lane is not None or not names:
         return
-    _folder = tempfile.mkdtemp(prefix="hc-jobs-")
+    if _folder is None:
+        _folder = tempfile.mkdtemp(prefix="hc-jobs-")
     env = _env(ROOT / "tests")
     with open(os.path.join(_folder, "lane.log"), "wb") as log:
         _lane = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, __file__, _folder,
@@ -214,20 +237,91 @@ def start(names: list[str]) -> None:
                                  stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
                                  start_new_session=True)
     _names[:] = names
+    _write(os.path.join(_folder, LANE_RECORD), {"pid": _lane.pid, "names": names})
+
+
+def share() -> str:
+    """The xdist controller: make the lane's folder now (its workers ``join`` it); the lane
+    starts once a worker announced the selected jobs (``start_announced``)."""
+    global _folder
+    if _folder is None:
+        _folder = tempfile.mkdtemp(prefix="hc-jobs-")
+    return _folder
+
+
+def join(folder: str) -> None:
+    """An xdist worker: results come from the controller's lane in ``folder``."""
+    global _joined
+    _joined = folder
+
+
+def announce(names: list[str]) -> None:
+    """An xdist worker's collection: the selected jobs, for the controller to start (every
+    worker collects the same tests; the first file written stays)."""
+    if _joined is not None and names and \
+            not os.path.exists(os.path.join(_joined, ANNOUNCED)):
+        _write(os.path.join(_joined, ANNOUNCED), names)
+
+
+def start_announced() -> None:
+    """The xdist controller, once a worker has collected: start the lane for the jobs it
+    announced (none announced: no selected test needs the lane)."""
+    if _folder is None or _lane is not None:
+        return
+    try:
+        with open(os.path.join(_folder, ANNOUNCED)) as f:
+            names = json.load(f)
+    except FileNotFoundError:
+        return
+    start(names)
+
+
+def _lane_exit() -> str | None:
+    """None while the lane runs; else how it ended: ``status N`` when this process started it,
+    ``gone`` for the controller's lane that no longer runs (or is a zombie)."""
+    if _lane is not None:
+        return None if _lane.poll() is None else f"status {_lane.returncode}"
+    import psutil
+
+    assert _joined is not None
+    with open(os.path.join(_joined, LANE_RECORD)) as f:
+        pid = json.load(f)["pid"]
+    try:
+        return "gone" if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE else None
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def _joined_names(name: str, deadline: float) -> list[str]:
+    """A worker: the jobs of the controller's lane, once it has recorded them (wait until
+    ``deadline``)."""
+    assert _joined is not None
+    record = os.path.join(_joined, LANE_RECORD)
+    while not os.path.exists(record):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no background lane runs job {name}: the controller started none "
+                               f"in {_joined} within {ANNOUNCE_WAIT_S:g} s")
+        time.sleep(0.2)
+    with open(record) as f:
+        return json.load(f)["names"]
 
 
 def result(name: str, timeout: float = SETUP_TIMEOUT_S + 3 * RUN_TIMEOUT_S) -> Run:
     """Job ``name``'s ``Run`` once the lane ended it."""
-    if _lane is None or _folder is None or name not in _names:
+    folder = _folder if _lane is not None else _joined
+    names = _names if _lane is not None else [] if _joined is None else \
+        _joined_names(name, time.monotonic() + ANNOUNCE_WAIT_S)
+    if folder is None or name not in names:
         raise RuntimeError(f"no background lane runs job {name} (conftest starts one at "
                            f"collection for the selected tests that no skipif skips)")
-    path = os.path.join(_folder, f"{name}.json")
+    path = os.path.join(folder, f"{name}.json")
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        if _lane.poll() is not None and not os.path.exists(path):
-            with open(os.path.join(_folder, "lane.log"), "rb") as f:
+        ended = _lane_exit()
+        if ended is not None and not os.path.exists(path):
+            with open(os.path.join(folder, "lane.log"), "rb") as f:
                 tail = f.read().decode(errors="replace")[-4000:]
-            return Run(notes=[f"the lane exited (status {_lane.returncode}) before job {name} "
+            return Run(notes=[f"the lane exited ({ended}) before job {name} "
                               f"ended; its output:\n{tail}"])
         if time.monotonic() > deadline:
             raise TimeoutError(f"background job {name} still runs after {timeout:g} s")
@@ -264,7 +358,7 @@ def _group_left(group: int) -> list[int]:
 def stop() -> None:
     """Stop a lane still running: its process group (the jobs' processes too) gets SIGTERM,
     and SIGKILL what is left 10 s later; the lane is reaped and its folder removed."""
-    global _lane
+    global _lane, _folder
     if _lane is not None:
         group = _lane.pid
         if _group_left(group):
@@ -283,6 +377,7 @@ def stop() -> None:
         _lane = None
     if _folder is not None:
         shutil.rmtree(_folder, ignore_errors=True)
+        _folder = None
 
 
 def _reap_children() -> None:
@@ -348,11 +443,7 @@ def _main(folder: str, parent: int, names: list[str]) -> None:
     exit_with_parent(parent, signal_self(signal.SIGTERM))  # (a parent gone already: at once)
     try:
         for name in names:
-            run = _do(name)
-            tmp = os.path.join(folder, f".{name}.json")
-            with open(tmp, "w") as f:
-                json.dump(dataclasses.asdict(run), f)
-            os.replace(tmp, os.path.join(folder, f"{name}.json"))
+            _write(os.path.join(folder, f"{name}.json"), dataclasses.asdict(_do(name)))
         while True:  # until ``stop()`` or the parent's death
             signal.pause()
     finally:

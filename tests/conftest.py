@@ -12,6 +12,8 @@ heartbeat timeout 10 s, metrics on a free loopback port.
 The long subprocess runs of three tests (the SGLang adapter's inner suite, two L3 demos) start
 in one process of their own once collection selected those tests (and none is skipped), and run
 beside the main suite (``tests/background_jobs.py``); the session's end stops what is left.
+Under pytest-xdist (``make test`` runs two workers) the controller owns that one lane: the
+workers announce the jobs their collection selected and read the results from its folder.
 
 ``sparse_memfds()`` counts the sparse regions whose memory this process still holds (an
 in-process ``SparseRegions``'s regions: a region's memfd, or the mapping of a closed one that a
@@ -90,8 +92,35 @@ BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classe
               "test_demo.py::test_small_generated_demo_verifies_every_byte": "demo_small"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, one background lane for the whole run: the controller's folder, which each
+    worker joins (``tests/background_jobs.py``)."""
+    if hasattr(config, "workerinput") and "hicache_lane" in config.workerinput:
+        import background_jobs
+
+        background_jobs.join(config.workerinput["hicache_lane"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist controller) Give each worker the lane's folder."""
+    import background_jobs
+
+    node.workerinput["hicache_lane"] = background_jobs.share()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """(xdist controller) A worker has collected, and announced the jobs its tests need."""
+    import background_jobs
+
+    background_jobs.start_announced()
+
+
+@pytest.hookimpl(tryfirst=True)  # (under xdist: before the worker reports its collection)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the background jobs of the selected tests that no ``skipif`` skips."""
+    """Start the background jobs of the selected tests that no ``skipif`` skips; an xdist
+    worker announces them to its controller instead, which starts the one lane."""
     names = []
     for item in session.items:
         job = BACKGROUND.get(item.nodeid.rpartition("/")[2])
@@ -101,13 +130,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if names:
         import background_jobs
 
-        background_jobs.start(names)
+        if hasattr(session.config, "workerinput"):
+            background_jobs.announce(names)
+        else:
+            background_jobs.start(names)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     import background_jobs
 
-    background_jobs.stop()
+    background_jobs.stop()  # (a worker started none: nothing to stop)
 
 
 @pytest.fixture

@@ -101,3 +101,62 @@ def test_a_lane_whose_pytest_died_stops_its_jobs_and_removes_its_folder() -> Non
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["rc"] == -getattr(signal, sig), (job, sig, out)
         assert out["left"] == [] and not out["folder_left"], (job, sig, out)
+
+
+# an xdist worker (``join``, ``announce``, ``result``), run by the controller below
+_WORKER = r"""
+import json, sys
+import background_jobs as b
+
+b.join(sys.argv[1])
+b.announce(sys.argv[2:])
+out = {}
+try:
+    b.result("l3_demo", timeout=30)
+except RuntimeError as e:
+    out["not_run"] = str(e)
+r = b.result(sys.argv[2], timeout=60)
+out.update(rcs=[x.rc for x in r.steps], notes=[n.splitlines()[0] for n in r.notes])
+print(json.dumps(out), flush=True)
+"""
+
+# the xdist controller: the shared folder, the lane started from a worker's announcement, a
+# worker reading a job that ended, then one whose lane died mid-job
+_CONTROLLER = r"""
+import json, os, signal, subprocess, sys, time
+import background_jobs as b
+
+out = {}
+for job in ("quick", "sleep"):
+    folder = b.share()
+    w = subprocess.Popen([sys.executable, "-c", sys.argv[1], folder, job],
+                         stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(folder, b.ANNOUNCED)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    b.start_announced()
+    b.start_announced()                                  # (once: a second worker's)
+    if job == "sleep":
+        time.sleep(0.5)
+        os.killpg(b._lane.pid, signal.SIGKILL)           # the lane dies mid-job
+    out[job] = json.loads(w.communicate(timeout=90)[0].strip().splitlines()[-1])
+    b.stop()
+    out[job]["folder_left"] = os.path.exists(folder)
+print(json.dumps(out))
+"""
+
+
+def test_xdist_workers_share_the_controllers_one_lane() -> None:
+    """Under pytest-xdist the controller starts the one lane from the jobs a worker announced;
+    a worker reads its job's result from the controller's folder, is told of a lane that died
+    first, and of a job no lane runs."""
+    r = subprocess.run([sys.executable, "-c", _CONTROLLER, _WORKER], env=_env(),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    quick, sleep = out["quick"], out["sleep"]
+    assert quick["rcs"] == [0] and quick["notes"] == [], out
+    assert sleep["rcs"] == [] and sleep["notes"] == [
+        "the lane exited (gone) before job sleep ended; its output:"], out
+    for o in (quick, sleep):
+        assert "no background lane runs job l3_demo" in o["not_run"] and not o["folder_left"], out

@@ -381,6 +381,35 @@ def test_scramble_gives_the_verified_rows_fresh_distinct_bytes_and_nothing_else(
         assert not torch.equal(c4[1], c4[5])  # the source and destination differ
 
 
+def test_the_layer_comparison_counts_each_stage_layers_rows_that_differ():
+    """``layer_compare`` (the GPU verified run compares each stage layer's rows at that layer's
+    ready event): a layer's count is the destination rows, over every pool that has the layer,
+    whose bytes differ from their source rows; the other layers read 0."""
+    import torch
+
+    from hicache.bench.e2e_measure import layer_compare
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.device_pools import DevicePools
+
+    lay = build_layout(preset("dsv4-tiny"))
+    src, dst = {"page": [0, 1, 2], "swa_page": [0, 1, 2]}, {"page": [5, 3, 4],
+                                                            "swa_page": [5, 3, 4]}
+    names = [m for m, spec in lay.pools.items() if spec.index in src]
+    with DevicePools(lay, {"page": 8, "swa_page": 8, "req_slot": 4}) as pools:
+        for ls in pools.layers.values():
+            for t in ls:
+                t.fill_(7)
+        compare = layer_compare(pools, lay, src, dst, names, torch.device("cpu"))
+        layers = lay.stage.layers("swa")
+        assert [int(compare(g)) for g in layers] == [0] * len(layers)
+        c4 = [g for g in layers if lay.local_id("c4_kv", g) is not None]
+        g = c4[-1]
+        pools.layers["c4_kv"][lay.local_id("c4_kv", g)][3, 0] ^= 1  # one byte of a destination
+        pools.layers["swa_kv"][lay.local_id("swa_kv", g)][5, -1] ^= 1
+        pools.layers["swa_kv"][lay.local_id("swa_kv", g)][7] ^= 1  # not a destination row
+        assert [int(compare(x)) for x in layers] == [2 if x == g else 0 for x in layers]
+
+
 def test_the_in_process_load_is_byte_checked_in_the_verified_run(monkeypatch):
     """``inproc_into``: in the verified run the in-process pool's source rows are filled from
     the device first, the destination gets fresh bytes, and the loaded bytes are compared after

@@ -17,7 +17,8 @@ it the engine's writes are done (a host synchronize) before it sends:
 * BACKUP: command -> ack (engine clock), GB/s;
 * LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
   engine's stream right after its per-layer waits on the daemon's events (CPU mode: the ack);
-  command -> ack; GB/s; every loaded byte verified once per size; command -> reply
+  command -> ack; GB/s; every loaded byte verified once per size, and (GPU) in one more,
+  untimed load each stage layer's bytes compared at that layer's ready event; command -> reply
   (``load_reply_ms``: layer 0 is issued before the reply);
 * the daemon's own mean handling time of this size's LOAD and BACKUP commands, request to reply
   (``load_handler_ms``, ``backup_handler_ms``: from its ``stats`` before and after
@@ -99,8 +100,8 @@ from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.bench.fence import Fenced
 from hicache.kernels.sharing import gpu_sharing
 from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_into,
-                                       load_into, load_while_busy, scramble, summarize,
-                                       untouched)
+                                       layer_compare, layers_checked_load, load_into,
+                                       load_while_busy, scramble, summarize, untouched)
 
 PAGE_TOKENS = 256
 HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after the timed runs)
@@ -513,6 +514,11 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         host_runs.append(mean_run(torch.tensor(host["page"])))
         items = {sp: (host[sp], dst[sp]) for sp in host}
         load_into(out, c, items, stream, cuda, check, busy)
+        if cuda and check is not None and again is not None:  # each layer at its event
+            again()
+            layers_checked_load(c, items, stream,
+                                layer_compare(pools, layout, src, dst, names, dev))
+            check()
         verified = True
         if local is not None:
             inproc_into(out, local, layout, items, dev,

@@ -11,6 +11,11 @@ load by the kernels in-process, and the per-size summary.
   follow the load layer by layer or must wait for the whole issue.
 * ``scramble(pools, rows, seed)``: fresh random bytes in those device rows before the run whose
   load is verified, so the comparison cannot pass on rows that already held equal bytes.
+* ``layers_checked_load(c, items, stream, compare)`` (GPU, the size's verified run, untimed):
+  one more load into rows given fresh bytes, each stage layer's rows compared on the engine's
+  stream right after its wait on that layer's event (``layer_compare(...) -> compare``): a
+  layer event that fired before its copy ended fails it, which the check after the whole load
+  could not see.
 * ``untouched(pools, written) -> check``: per-row weighted sums of every device row outside
   ``written`` now; ``check()`` raises if any changed since (a load that wrote stray rows).
 * ``command_during_load(c, items) -> seconds`` (``load_into`` appends it too): the round trip
@@ -111,6 +116,48 @@ def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
         check()
     if busy:
         out["cmd_during_load"].append(command_during_load(c, items))
+
+
+def layer_compare(pools: Any, layout: Layout, src: dict[str, list[int]],
+                  dst: dict[str, list[int]], names: list[str],
+                  dev: torch.device) -> Callable[[int], torch.Tensor]:
+    """``compare(g)``, enqueued on the current stream: how many destination rows of stage
+    layer ``g`` (every pool of ``names`` that has the layer) differ from their source rows
+    (``src`` / ``dst``: {index space: device rows}), as a 0-dim GPU tensor (no host wait)."""
+    idx = {m: (torch.tensor(src[layout.pools[m].index], device=dev),
+               torch.tensor(dst[layout.pools[m].index], device=dev)) for m in names}
+
+    def compare(g: int) -> torch.Tensor:
+        bad = torch.zeros((), dtype=torch.int64, device=dev)
+        for m in names:
+            local = layout.local_id(m, g)
+            if local is not None:
+                t = pools.layers[m][local]
+                s_i, d_i = idx[m]
+                bad += (t.index_select(0, s_i) != t.index_select(0, d_i)).flatten(1).any(1).sum()
+        return bad
+    return compare
+
+
+def layers_checked_load(c: Client, items: dict[str, tuple], stream: Any,
+                        compare: Callable[[int], torch.Tensor]) -> None:
+    """LOAD ``items`` (GPU, untimed) and compare each stage layer's bytes on the engine's
+    stream right after its wait on that layer's event (``compare``, ``layer_compare``): a
+    layer whose event fired before its copy ended would find rows not yet written (its
+    destination holds other bytes first). The byte check after a whole load cannot see that:
+    by then every layer has landed. Raises ``RuntimeError`` naming the layers that were not."""
+    op = c.load(items)
+    bad = []
+    for g in c.stage_layers:
+        c.wait_layer(op, g, stream)
+        with torch.cuda.stream(stream):
+            bad.append(compare(g))
+    c.wait_ack(op, timeout=120)
+    counts = torch.stack(bad).tolist()  # (waits for the stream)
+    late = {g: k for g, k in zip(c.stage_layers, counts) if k}
+    if late:
+        raise RuntimeError(f"rows not yet loaded at their layer's ready event "
+                           f"({{stage layer: rows}}): {late}")
 
 
 def scramble(pools: Any, rows: dict[str, list[int]], seed: int) -> None:
