@@ -153,7 +153,8 @@ def test_checkpoint_verification_catches_a_wrong_byte():
     page byte (so a run that reports verified really compared them)."""
     from types import SimpleNamespace
 
-    from hicache.bench.e2e_checkpoint import _verify
+    from hicache.bench.e2e_checkpoint import _pairs, _verify
+    from hicache.bench.e2e_measure import layer_compare
     from hicache.core.layout import build_layout, preset
     from hicache.core.resume import ResumeModel
     from hicache.kernels.tables import TokenFormat
@@ -168,11 +169,20 @@ def test_checkpoint_verification_catches_a_wrong_byte():
     last = r.tail_offsets.stop - 1
     cases = [(r.swa_pool.name, 5, fmt.scale_offset + last * fmt.scale_bytes, "tail"),
              (r.state_pools[0].name, 5, 7, "state"), (r.page_pools[0].name, 3, 0, "differs")]
+    compare = layer_compare(pools, layout, _pairs(r, [0, 1], [2, 3], 4, 5), torch.device("cpu"))
+    stage = layout.stage.layers("swa")
+    assert [int(compare(g)) for g in stage] == [0] * len(stage)
     for name, row, byte, what in cases:
         layers[name][-1][row, byte] = 1
         with pytest.raises(RuntimeError, match=what):
             _verify(pools, r, [0, 1], [2, 3], 4, 5)
+        # the per-layer comparison (each layer at its ready event) counts it in its layer only
+        spec = layout.pools[name]
+        g = layout.stage.global_id(spec.family, spec.num_layers - 1)
+        assert [int(compare(x)) for x in stage] == [int(x == g) for x in stage], name
         layers[name][-1][row, byte] = 0
+    layers[r.swa_pool.name][-1][5, fmt.scale_offset + r.tail_offsets.stop * fmt.scale_bytes] = 1
+    assert [int(compare(x)) for x in stage] == [0] * len(stage)  # past the tail: not loaded
 
 
 def test_daemon_times_mean_between_two_readings():
@@ -399,7 +409,9 @@ def test_the_layer_comparison_counts_each_stage_layers_rows_that_differ():
         for ls in pools.layers.values():
             for t in ls:
                 t.fill_(7)
-        compare = layer_compare(pools, lay, src, dst, names, torch.device("cpu"))
+        compare = layer_compare(pools, lay, {m: (src[lay.pools[m].index],
+                                                 dst[lay.pools[m].index], None) for m in names},
+                                torch.device("cpu"))
         layers = lay.stage.layers("swa")
         assert [int(compare(g)) for g in layers] == [0] * len(layers)
         c4 = [g for g in layers if lay.local_id("c4_kv", g) is not None]

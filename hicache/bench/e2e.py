@@ -516,8 +516,9 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
         load_into(out, c, items, stream, cuda, check, busy)
         if cuda and check is not None and again is not None:  # each layer at its event
             again()
-            layers_checked_load(c, items, stream,
-                                layer_compare(pools, layout, src, dst, names, dev))
+            layers_checked_load(c, items, stream, layer_compare(
+                pools, layout, {m: (src[layout.pools[m].index], dst[layout.pools[m].index],
+                                    None) for m in names}, dev))
             check()
         verified = True
         if local is not None:

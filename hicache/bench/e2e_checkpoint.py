@@ -16,7 +16,8 @@ run:
   timed run).
 
 Every loaded byte is verified once per size: the page rows, the tail tokens (value and scale)
-and the state rows. Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
+and the state rows; on a GPU, in one more untimed load, each stage layer's at that layer's
+ready event too (``e2e_measure.layers_checked_load``). Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
 has the same keys as the full mirror's (``e2e.summarize``).
 """
 from __future__ import annotations
@@ -96,6 +97,11 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         load = {"page": (host["page"], dst)}
         load.update(hooks.checkpoint_items([(int(sp[1]), ck, n)], to_host=False))
         e2e.load_into(out, c, load, stream, cuda, check, busy)
+        if cuda and check is not None and again is not None:  # each layer at its event
+            again()
+            e2e.layers_checked_load(c, load, stream, e2e.layer_compare(
+                pools, layout, _pairs(resume, src, dst, int(sp[0]), int(sp[1])), dev))
+            check()
         verified = True
         if local is not None:
             e2e.inproc_into(out, local, layout, load, dev,
@@ -124,6 +130,27 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
     return summary
 
 
+def _tail_spans(resume: ResumeModel) -> list[tuple[int, int]]:
+    """The byte ranges of a paged-SWA row that a checkpoint's tail tokens occupy: their
+    values, then their scales (consecutive slots)."""
+    assert resume.swa_pool is not None
+    fmt = TokenFormat.from_spec(resume.swa_pool)
+    vb, sb, so = fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
+    a, b = resume.tail_offsets.start, resume.tail_offsets.stop
+    return [(a * vb, b * vb), (so + a * sb, so + b * sb)]
+
+
+def _pairs(resume: ResumeModel, src: list[int], dst: list[int], ck_src: int,
+           ck_dst: int) -> e2e.Pairs:
+    """What a checkpoints load writes, for ``e2e_measure.layer_compare``: the page rows, the
+    checkpoint's state rows, and its SWA row's tail tokens."""
+    out: e2e.Pairs = {p.name: (src, dst, None) for p in resume.page_pools}
+    out.update({p.name: ([ck_src], [ck_dst], None) for p in resume.state_pools})
+    if resume.swa_pool is not None:
+        out[resume.swa_pool.name] = ([ck_src], [ck_dst], _tail_spans(resume))
+    return out
+
+
 def _verify(pools: DevicePools, resume: ResumeModel, src: list[int], dst: list[int],
             ck_src: int, ck_dst: int) -> None:
     """Raise unless every loaded byte equals its source: page rows, tail tokens, state rows."""
@@ -139,10 +166,8 @@ def _verify(pools: DevicePools, resume: ResumeModel, src: list[int], dst: list[i
             if not torch.equal(t[ck_src], t[ck_dst]):
                 raise RuntimeError(f"checkpoint state pool {spec.name} differs")
     if resume.swa_pool is not None:
-        fmt = TokenFormat.from_spec(resume.swa_pool)
-        vb, sb, so = fmt.value_bytes, fmt.scale_bytes, fmt.scale_offset
-        a, b = resume.tail_offsets.start, resume.tail_offsets.stop  # consecutive slots
+        a, b = resume.tail_offsets.start, resume.tail_offsets.stop
         for t in pools.layers[resume.swa_pool.name]:
-            for x, y in ((a * vb, b * vb), (so + a * sb, so + b * sb)):
+            for x, y in _tail_spans(resume):
                 if not torch.equal(t[ck_src, x:y], t[ck_dst, x:y]):
                     raise RuntimeError(f"checkpoint SWA tail tokens [{a}, {b}) differ")

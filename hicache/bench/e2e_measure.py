@@ -118,23 +118,30 @@ def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
         out["cmd_during_load"].append(command_during_load(c, items))
 
 
-def layer_compare(pools: Any, layout: Layout, src: dict[str, list[int]],
-                  dst: dict[str, list[int]], names: list[str],
+Pairs = dict[str, tuple[list[int], list[int], Optional[list[tuple[int, int]]]]]
+
+
+def layer_compare(pools: Any, layout: Layout, pairs: Pairs,
                   dev: torch.device) -> Callable[[int], torch.Tensor]:
     """``compare(g)``, enqueued on the current stream: how many destination rows of stage
-    layer ``g`` (every pool of ``names`` that has the layer) differ from their source rows
-    (``src`` / ``dst``: {index space: device rows}), as a 0-dim GPU tensor (no host wait)."""
-    idx = {m: (torch.tensor(src[layout.pools[m].index], device=dev),
-               torch.tensor(dst[layout.pools[m].index], device=dev)) for m in names}
+    layer ``g`` differ from their source rows, as a 0-dim GPU tensor (no host wait).
+    ``pairs``: {pool name: (source rows, destination rows, byte ranges of a row that the load
+    writes, or None for the whole row)}; a pool without layer ``g`` is not read."""
+    idx = {m: (torch.tensor(s_rows, device=dev), torch.tensor(d_rows, device=dev), spans)
+           for m, (s_rows, d_rows, spans) in pairs.items()}
 
     def compare(g: int) -> torch.Tensor:
         bad = torch.zeros((), dtype=torch.int64, device=dev)
-        for m in names:
+        for m, (s_i, d_i, spans) in idx.items():
             local = layout.local_id(m, g)
-            if local is not None:
-                t = pools.layers[m][local]
-                s_i, d_i = idx[m]
-                bad += (t.index_select(0, s_i) != t.index_select(0, d_i)).flatten(1).any(1).sum()
+            if local is None:
+                continue
+            t = pools.layers[m][local]
+            a, b = t.index_select(0, s_i), t.index_select(0, d_i)
+            if spans is None:
+                bad += (a != b).flatten(1).any(1).sum()
+            else:
+                bad += torch.stack([(a[:, x:y] != b[:, x:y]).any(1) for x, y in spans]).any(0).sum()
         return bad
     return compare
 
