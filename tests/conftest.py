@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from hicache.engine.daemon_process import DaemonProcess
+from hicache.engine.daemon_process import DaemonProcess, DaemonRefused
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = "page=8,swa_page=4,req_slot=4"
@@ -55,20 +55,29 @@ def start_daemon(tmp: Path, *, device: str = "cpu", preset: str = "dsv4-flash",
                  metrics: bool = True, extra: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, ready_timeout: float = 60.0,
                  fault: str | None = None) -> DaemonProcess:
-    fd, log = tempfile.mkstemp(prefix="daemon-", suffix=".log", dir=tmp)
-    os.close(fd)
-    d = DaemonProcess(device=device, preset=preset, device_rows=device_rows, host=host,
-                      heartbeat_timeout=heartbeat_timeout,
-                      metrics_port=free_port() if metrics else 0, extra=extra, env=env,
-                      log_path=log, cwd=ROOT, ready_timeout=ready_timeout)
-    if fault is not None:  # ``tests/fault_daemon.py``
-        from fault_daemon import inject
-        inject(d, fault)
-    try:
-        return d.start()
-    except BaseException:
-        d.close()
-        raise
+    for attempt in range(3):
+        fd, log = tempfile.mkstemp(prefix="daemon-", suffix=".log", dir=tmp)
+        os.close(fd)
+        d = DaemonProcess(device=device, preset=preset, device_rows=device_rows, host=host,
+                          heartbeat_timeout=heartbeat_timeout,
+                          metrics_port=free_port() if metrics else 0, extra=extra, env=env,
+                          log_path=log, cwd=ROOT, ready_timeout=ready_timeout)
+        if fault is not None:  # ``tests/fault_daemon.py``
+            from fault_daemon import inject
+            inject(d, fault)
+        try:
+            return d.start()
+        except DaemonRefused as e:
+            d.close()
+            # the free port picked for its metrics was taken meanwhile (the other xdist
+            # worker's daemon): another port; any other refusal is the test's to see
+            if not (metrics and "--metrics-port" in str(e) and "in use" in str(e)) or \
+                    attempt == 2:
+                raise
+        except BaseException:
+            d.close()
+            raise
+    raise AssertionError("unreachable")
 
 
 def load_fill_kernel(device: Any) -> None:

@@ -714,6 +714,29 @@ def test_a_query_is_answered_at_its_deadline_while_the_master_hangs(l3_daemon, w
     assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
+def test_a_store_whose_port_another_process_took_starts_on_other_ports() -> None:
+    """A free port picked for the master can be another process's by the time it binds (the
+    suite's two workers start stores at once). A connect alone then reached that process while
+    the master had exited, and a test that hung "the" master (SIGSTOP) hung a process nobody
+    used (its query was answered). The store now checks that its own process listens, and
+    picks other ports when another one does."""
+    import socket
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(8)
+    s = l3_master.LocalStore(segment="64MB")
+    s.rpc_port = squatter.getsockname()[1]
+    try:
+        s.start()
+        assert s.rpc_port != squatter.getsockname()[1]
+        assert l3_master._listens(s.master.pid, s.rpc_port)
+        assert s.capacity()  # the member mounted at the master it was given
+    finally:
+        s.close()
+        squatter.close()
+
+
 def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:
     s = l3_master.LocalStore(segment="64MB")
     try:

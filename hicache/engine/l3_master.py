@@ -8,7 +8,9 @@ Contract:
   metadata server and metrics, each on a free loopback port) and one ``mooncake_client``
   storage member contributing ``segment`` bytes (so pages outlive the daemons that wrote them),
   and returns once the master counts that segment as mounted (``wait_mounted()``: also after
-  an outage; ``capacity()`` reads the master's metric); ``keys()``: every object key the
+  an outage; ``capacity()`` reads the master's metric; a port that another process took
+  after it was picked is picked again, as ``_wait_port`` checks that the process it started
+  is the one listening); ``keys()``: every object key the
   master holds; ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
   ``master_addr``, ``metadata_url``; ``close()`` stops both.
 * ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
@@ -36,17 +38,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """Another process listens on the port a Mooncake process was given."""
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (its descriptors'
+    socket inodes against the kernel's IPv4 and IPv6 tables)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            col = row.split()
+            if col[3] == "0A" and int(col[1].rsplit(":", 1)[1], 16) == port and \
+                    col[9] in inodes:
+                return True
+    return False
+
+
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Return once ``proc`` itself listens on ``port``: a free port found earlier may be
+    another process's by now (the suite's two workers start stores at once), and a connect
+    alone then succeeded to *that* process while ours failed to bind, so a test that stopped
+    "the" master stopped a process nobody used. ``PortTaken`` when the port answers and ``proc``
+    exits or does not hold it within the timeout."""
     deadline = time.monotonic() + timeout
+    answered = False
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+            cls = PortTaken if answered else RuntimeError
+            raise cls(f"{what} exited with code {proc.returncode}" +
+                      (f" (another process listens on 127.0.0.1:{port})" if answered else ""))
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                answered = True
         except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g} s")
+            pass
+        if answered and _listens(proc.pid, port):
+            return
+        time.sleep(0.05)
+    cls = PortTaken if answered else RuntimeError
+    raise cls(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g} s" +
+              (" (another process does)" if answered else ""))
 
 
 class LocalStore:
@@ -94,7 +138,23 @@ class LocalStore:
         _wait_port(self.rpc_port, self.master, timeout, "mooncake_master")
         _wait_port(self.http_port, self.master, timeout, "mooncake_master metadata server")
 
-    def start(self, timeout: float = 30.0) -> "LocalStore":
+    def start(self, timeout: float = 30.0, tries: int = 3) -> "LocalStore":
+        """Start the master and the member; ports another process took meanwhile are picked
+        again (``tries`` times)."""
+        for attempt in range(tries):
+            try:
+                self._start(timeout)
+                return self
+            except PortTaken:
+                self._stop()
+                if attempt == tries - 1:
+                    raise
+                self.rpc_port, self.http_port, self.metrics_port = (free_port(), free_port(),
+                                                                    free_port())
+                self.member_port = free_port()
+        return self
+
+    def _start(self, timeout: float) -> None:
         self.start_master(timeout)
         self.member = self._spawn([
             str(self.bin / "mooncake_client"), "--host=127.0.0.1", f"--port={self.member_port}",
@@ -105,7 +165,6 @@ class LocalStore:
             "--minloglevel=0"], "member.log")
         _wait_port(self.member_port, self.member, timeout, "mooncake_client storage member")
         self.wait_mounted(timeout)
-        return self
 
     def capacity(self) -> int | None:
         """Bytes of the segments the master counts as mounted (its metric
@@ -158,7 +217,7 @@ class LocalStore:
             out.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-n:])
         return "\n".join(out)
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         for p in (self.member, self.master):
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -167,6 +226,9 @@ class LocalStore:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(5)
+
+    def close(self) -> None:
+        self._stop()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalStore":
