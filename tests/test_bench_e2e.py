@@ -422,6 +422,42 @@ def test_the_layer_comparison_counts_each_stage_layers_rows_that_differ():
         assert [int(compare(x)) for x in layers] == [2 if x == g else 0 for x in layers]
 
 
+def test_a_layer_not_in_place_at_its_event_fails_the_checked_load():
+    """``layers_checked_load`` compares each stage layer after the engine's wait on its event
+    and names every layer whose rows were not in place; a load whose layers all were passes."""
+    from hicache.bench.e2e_measure import layers_checked_load
+
+    class Engine:  # the client calls the check makes, in order
+        stage_layers = [0, 1, 2, 5]
+
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def load(self, items):
+            self.calls.append(("load", items))
+            return "op"
+
+        def wait_layer(self, op, g, stream) -> None:
+            self.calls.append(("wait", g))
+
+        def wait_ack(self, op, timeout) -> None:
+            self.calls.append(("ack",))
+
+    e = Engine()
+    compared: list[int] = []
+
+    def compare(g: int) -> torch.Tensor:
+        compared.append(g)
+        assert e.calls[-1] == ("wait", g)  # enqueued right after that layer's wait
+        return torch.tensor({1: 3, 5: 1}.get(g, 0))
+
+    with pytest.raises(RuntimeError, match=r"\{1: 3, 5: 1\}"):
+        layers_checked_load(e, {"page": ([1], [2])}, None, compare)
+    assert compared == [0, 1, 2, 5] and e.calls[0] == ("load", {"page": ([1], [2])})
+    assert e.calls[-1] == ("ack",)
+    layers_checked_load(Engine(), {}, None, lambda g: torch.tensor(0))
+
+
 def test_the_in_process_load_is_byte_checked_in_the_verified_run(monkeypatch):
     """``inproc_into``: in the verified run the in-process pool's source rows are filled from
     the device first, the destination gets fresh bytes, and the loaded bytes are compared after

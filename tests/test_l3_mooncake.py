@@ -714,27 +714,57 @@ def test_a_query_is_answered_at_its_deadline_while_the_master_hangs(l3_daemon, w
     assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
-def test_a_store_whose_port_another_process_took_starts_on_other_ports() -> None:
+@pytest.mark.parametrize("port", ["rpc_port", "http_port", "metrics_port", "member_port"])
+def test_a_store_whose_port_another_process_took_starts_on_other_ports(port: str) -> None:
     """A free port picked for the master can be another process's by the time it binds (the
     suite's two workers start stores at once). A connect alone then reached that process while
     the master had exited, and a test that hung "the" master (SIGSTOP) hung a process nobody
     used (its query was answered). The store now checks that its own process listens, and
-    picks other ports when another one does."""
+    picks other ports when another one holds any of them (a master that cannot bind its
+    metadata or metrics port exits; a member, its own)."""
     import socket
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen(8)
+    taken = squatter.getsockname()[1]
     s = l3_master.LocalStore(segment="64MB")
-    s.rpc_port = squatter.getsockname()[1]
+    setattr(s, port, taken)
     try:
         s.start()
-        assert s.rpc_port != squatter.getsockname()[1]
+        assert getattr(s, port) != taken
         assert l3_master._listens(s.master.pid, s.rpc_port)
+        assert l3_master._listens(s.member.pid, s.member_port)
         assert s.capacity()  # the member mounted at the master it was given
     finally:
         s.close()
         squatter.close()
+
+
+def test_a_store_that_fails_to_start_leaves_no_process() -> None:
+    """A start that fails for another reason than a taken port (here: no segment mounted in
+    time) stops what it started: the master and the member no longer outlived it."""
+    s = l3_master.LocalStore(segment="64MB")
+    started: list[subprocess.Popen] = []
+    real = s._spawn
+
+    def spawn(args: list[str], log: str) -> subprocess.Popen:
+        started.append(real(args, log))
+        return started[-1]
+
+    def never_mounted(timeout: float = 30.0) -> None:
+        raise RuntimeError("no storage segment mounted (this test)")
+
+    s._spawn = spawn  # type: ignore[method-assign]
+    s.wait_mounted = never_mounted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="this test"):
+            s.start()
+        assert len(started) == 2 and all(p.poll() is not None for p in started), started
+        with pytest.raises(ValueError, match="tries must be >= 1"):
+            s.start(tries=0)
+    finally:
+        s.close()
 
 
 def test_a_master_without_a_mounted_segment_is_reported_not_waited_for() -> None:

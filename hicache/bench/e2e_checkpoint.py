@@ -19,8 +19,9 @@ Every loaded byte is verified once per size: the page rows, the tail tokens (val
 and the state rows; on a GPU, in one more untimed load, each stage layer's at that layer's
 ready event too (``e2e_measure.layers_checked_load``; with layers this small, a few MB, the
 copy has usually ended by the time the engine hears of the layer, so that check catches an
-event that fired early only by more than that). Bytes per load: ``ResumeModel.load_bytes(n, "checkpoints")``. The summary
-has the same keys as the full mirror's (``e2e.summarize``).
+event that fired early only by more than that). Bytes per load:
+``ResumeModel.load_bytes(n, "checkpoints")``. The summary has the same keys as the full
+mirror's (``e2e.summarize``).
 """
 from __future__ import annotations
 

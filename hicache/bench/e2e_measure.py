@@ -152,7 +152,11 @@ def layers_checked_load(c: Client, items: dict[str, tuple], stream: Any,
     stream right after its wait on that layer's event (``compare``, ``layer_compare``): a
     layer whose event fired before its copy ended would find rows not yet written (its
     destination holds other bytes first). The byte check after a whole load cannot see that:
-    by then every layer has landed. Raises ``RuntimeError`` naming the layers that were not."""
+    by then every layer has landed. The engine hears of a layer once the daemon issued it, so
+    this catches an event that fired early by more than that (a copy still running when the
+    engine looks). Raises ``RuntimeError`` naming the layers that were not in place."""
+    if stream is not None:  # the destination's fresh bytes (queued writes) land first
+        stream.synchronize()
     op = c.load(items)
     bad = []
     for g in c.stage_layers:

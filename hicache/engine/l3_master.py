@@ -12,7 +12,8 @@ Contract:
   after it was picked is picked again, as ``_wait_port`` checks that the process it started
   is the one listening); ``keys()``: every object key the
   master holds; ``kill_master()`` / ``start_master()`` (same ports) for outage tests; ``pids()``,
-  ``master_addr``, ``metadata_url``; ``close()`` stops both.
+  ``master_addr``, ``metadata_url``; ``close()`` stops both. A ``start_master()`` after
+  ``kill_master()`` keeps the ports (clients know them): one taken meanwhile fails it.
 * ``listeners(pids) -> [(pid, address)]``: the TCP listening sockets of those processes
   (from ``ss -ltnpH``); ``non_loopback(listeners)`` keeps those not on a loopback address.
 """
@@ -67,26 +68,35 @@ def _listens(pid: int, port: int) -> bool:
     return False
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
+def _answers(port: int) -> bool:
+    """Whether something accepts a TCP connection on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str,
+               others: tuple[int, ...] = ()) -> None:
     """Return once ``proc`` itself listens on ``port``: a free port found earlier may be
     another process's by now (the suite's two workers start stores at once), and a connect
     alone then succeeded to *that* process while ours failed to bind, so a test that stopped
-    "the" master stopped a process nobody used. ``PortTaken`` when the port answers and ``proc``
-    exits or does not hold it within the timeout."""
+    "the" master stopped a process nobody used. ``PortTaken`` when ``proc`` exits or does not
+    hold the port in time while another process holds it, or one of ``others`` (the rest of
+    the ports ``proc`` was given: a master that cannot bind its metrics or metadata port
+    exits too); ``RuntimeError`` otherwise."""
     deadline = time.monotonic() + timeout
-    answered = False
+    answered = False  # (once: a holder that never accepts fills its backlog)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            cls = PortTaken if answered else RuntimeError
+            taken = [p for p in (port, *others) if (p == port and answered) or _answers(p)]
+            cls = PortTaken if taken else RuntimeError
             raise cls(f"{what} exited with code {proc.returncode}" +
-                      (f" (another process listens on 127.0.0.1:{port})" if answered else ""))
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                answered = True
-        except OSError:
-            pass
-        if answered and _listens(proc.pid, port):
+                      (f" (another process listens on 127.0.0.1:{taken[0]})" if taken else ""))
+        if _listens(proc.pid, port):
             return
+        answered = answered or _answers(port)
         time.sleep(0.05)
     cls = PortTaken if answered else RuntimeError
     raise cls(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g} s" +
@@ -135,12 +145,17 @@ class LocalStore:
             f"--http_metadata_server_port={self.http_port}",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
             "--rpc_thread_num=2", "--enable_metric_reporting=false"], "master.log")
-        _wait_port(self.rpc_port, self.master, timeout, "mooncake_master")
-        _wait_port(self.http_port, self.master, timeout, "mooncake_master metadata server")
+        ports = (self.rpc_port, self.http_port, self.metrics_port)
+        for port, what in zip(ports, ("mooncake_master", "mooncake_master metadata server",
+                                      "mooncake_master metrics server")):
+            _wait_port(port, self.master, timeout, what, tuple(p for p in ports if p != port))
 
     def start(self, timeout: float = 30.0, tries: int = 3) -> "LocalStore":
         """Start the master and the member; ports another process took meanwhile are picked
-        again (``tries`` times)."""
+        again (``tries`` >= 1 attempts in all). A start that fails leaves no process running
+        (its logs stay for ``log_tail``; ``close()`` removes them)."""
+        if tries < 1:
+            raise ValueError(f"tries must be >= 1, not {tries}")
         for attempt in range(tries):
             try:
                 self._start(timeout)
@@ -152,7 +167,10 @@ class LocalStore:
                 self.rpc_port, self.http_port, self.metrics_port = (free_port(), free_port(),
                                                                     free_port())
                 self.member_port = free_port()
-        return self
+            except BaseException:
+                self._stop()
+                raise
+        raise AssertionError("unreachable")
 
     def _start(self, timeout: float) -> None:
         self.start_master(timeout)
