@@ -15,10 +15,11 @@ sglang-env:
 	@bash scripts/setup_sglang.sh
 
 # two pytest-xdist workers: the suite mostly waits on its daemons, so one process left a core
-# of the 2-core CI machine idle; TEST_WORKERS=0 runs it in one process
+# of the 2-core CI machine idle; TEST_WORKERS=0 runs it in one process. The tests that run
+# real Mooncake processes stay on one worker (their xdist group: tests/conftest.py)
 TEST_WORKERS ?= 2
 test: setup sglang-env
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m cuda $(ARGS)

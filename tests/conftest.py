@@ -101,6 +101,23 @@ BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classe
               "test_demo.py::test_small_generated_demo_verifies_every_byte": "demo_small"}
 
 
+# modules whose tests run real Mooncake processes (a master, a storage member, daemons with
+# ``--l3``): under xdist they all go to one worker (``make test`` passes ``--dist loadgroup``).
+# Spread over two workers, two runs of four (after the port check in ``l3_master``) had one
+# failure each of a test that hangs its own master or member (SIGSTOP) and found the call
+# answered all the same: some other store's process took it. Mooncake picks some of its
+# listening ports itself (e.g. 15000-17000); two stores started at once may meet there.
+MOONCAKE_MODULES = {"test_kv_epochs.py", "test_kv_l3.py", "test_l3_ckpt.py",
+                    "test_l3_format.py", "test_l3_loopback.py", "test_l3_mooncake.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of ``MOONCAKE_MODULES`` as one xdist group."""
+    for item in items:
+        if item.path.name in MOONCAKE_MODULES:
+            item.add_marker(pytest.mark.xdist_group("mooncake"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, one background lane for the whole run: the controller's folder, which each
     worker joins (``tests/background_jobs.py``)."""
