@@ -233,3 +233,42 @@ def test_a_daemon_that_dies_mid_run_fails_the_demo(tmp_path):
     # said when it happened too, not only in the summary (progress lines off: still said)
     assert re.search(r"\[demo\] host tier lost at request \d+ \(the daemon went away",
                      err.read_text()), err.read_text()[-2000:]
+
+
+def test_a_shutdown_whose_reply_went_with_the_daemon_is_not_called_refused(capsys):
+    """The daemon takes ``shutdown`` and exits; its reply, on its way, can go with the
+    connection unread (a loaded CI machine: the demo then said "the daemon did not take
+    shutdown" of a daemon that exited 0). The exit status decides: 0 is a shutdown taken,
+    anything else is said."""
+    import subprocess
+    import sys
+
+    from hicache.engine.acks import GoneMidCall
+    from hicache.sim import demo
+
+    class Daemon:  # a process that exits with ``code`` shortly after the command
+        def __init__(self, code: int) -> None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", f"import time; time.sleep(0.5); raise SystemExit({code})"])
+
+        def alive(self) -> bool:
+            return self.proc.poll() is None
+
+        def stop(self, timeout: float = 30) -> int:
+            self.proc.kill()
+            return self.proc.wait()
+
+        def output(self, n: int) -> str:
+            return ""
+
+        def close(self) -> int:
+            return self.proc.wait()
+
+    class Client:
+        def shutdown(self, timeout: float) -> None:
+            raise GoneMidCall("the daemon went while this call waited for its reply", "gone")
+
+    assert demo._close_daemon(Daemon(0), Client())[0] == 0
+    assert "shutdown" not in capsys.readouterr().err
+    assert demo._close_daemon(Daemon(3), Client())[0] == 3
+    assert "went during shutdown, exit status 3" in capsys.readouterr().err

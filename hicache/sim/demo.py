@@ -29,6 +29,7 @@ from hicache.core.errors import UsageError
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS
 from hicache.core.sizes import checkpoint_host_bytes
 from hicache.sim.sizing import host_tier_rows, planned_device_pages
+from hicache.engine.acks import GoneMidCall
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
 
@@ -329,14 +330,21 @@ def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None
     if daemon.alive() and client is not None:
         try:
             client.shutdown(timeout=5.0)
+            took = True
+        except GoneMidCall:  # it went with the reply on its way (the reply goes with the
+            took = None      # connection, unread): its exit status says whether it took it
         except Exception as e:  # noqa: BLE001 - refused or unanswered: signals at once
             _err(f"the daemon did not take shutdown ({e}); stopping it with SIGTERM")
-        else:  # it is stopping: its own clean-up, then its exit
+            took = False
+        if took is not False:  # it is stopping: its own clean-up, then its exit
             try:
                 assert daemon.proc is not None
                 daemon.proc.wait(30)
             except subprocess.TimeoutExpired:
                 pass
+            if took is None and daemon.proc.returncode != 0:
+                _err("the daemon went during shutdown, exit status "
+                     f"{daemon.proc.returncode}, not that of a shutdown (0)")
     if daemon.alive():
         daemon.stop(timeout=30)
     tail = daemon.output(1500)
