@@ -181,6 +181,20 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     close_all(started)
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private folder with a short path (/tmp/hc-t-XXXXXXXX), removed after the test: for
+    Unix sockets, whose paths are limited to 107 bytes (``tmp_path`` under an xdist worker,
+    /tmp/pytest-of-USER/pytest-NNN/popen-gwN/<test name>, came to more)."""
+    import shutil
+
+    d = tempfile.mkdtemp(prefix="hc-t-")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def close_all(daemons: list[DaemonProcess]) -> None:
     """Stop ``daemons`` together: SIGTERM to each first, then each waited for and closed (an
     L3 daemon's stop takes ~1 s in Mooncake's ``close``; one after another, they added up)."""

@@ -188,8 +188,8 @@ def test_channel_open_checks_the_memfd(handout) -> None:
         C.Channel.create(1001, 256)
 
 
-def test_wake_socket(tmp_path) -> None:
-    w = C.WakeSocket.create(str(tmp_path))
+def test_wake_socket(short_tmp) -> None:
+    w = C.WakeSocket.create(str(short_tmp))
     assert stat.S_ISSOCK(os.stat(w.path).st_mode) and stat.S_IMODE(os.stat(w.path).st_mode) == 0o600
     s = C.WakeSocket.open_writer(w.path)
     for _ in range(2000):  # past the socket's queue: a full queue is fine
@@ -206,11 +206,11 @@ def test_wake_socket(tmp_path) -> None:
 
 
 
-def test_a_drain_takes_a_bounded_number_of_wake_ups(tmp_path: Any) -> None:
+def test_a_drain_takes_a_bounded_number_of_wake_ups(short_tmp: Any) -> None:
     """Processes that ring without pause cannot hold the daemon's loop in ``drain``: it takes at
     most ``DRAIN_MAX`` wake-ups and returns (on the code before it read until the queue was
     empty, which writers refilling it as fast as it drains never let happen)."""
-    w = C.WakeSocket.create(str(tmp_path))
+    w = C.WakeSocket.create(str(short_tmp))
     calls = [0]
 
     class Ringing:  # a queue that is never empty
@@ -227,7 +227,7 @@ def test_a_drain_takes_a_bounded_number_of_wake_ups(tmp_path: Any) -> None:
         w.close()
     assert calls[0] == C.DRAIN_MAX
 
-def test_a_killed_daemons_channel_files_are_swept(tmp_path) -> None:
+def test_a_killed_daemons_channel_files_are_swept(short_tmp) -> None:
     """Files a killed daemon left (its wake socket, a channel nobody opened) go when the next
     daemon makes its wake socket; a live process's and a fresh one stay."""
     p = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -237,21 +237,21 @@ def test_a_killed_daemons_channel_files_are_swept(tmp_path) -> None:
              f"{C.WAKE_PREFIX}{p.pid}-0a1b2d", "live": f"{C.CHANNEL_PREFIX}{os.getpid()}-0a1b2e",
              "young": f"{C.CHANNEL_PREFIX}{p.pid}-0a1b2f"}
     for k, n in names.items():
-        path = tmp_path / n
+        path = short_tmp / n
         path.write_bytes(b"x")
         if k != "young":
             os.utime(path, (old, old))
-    w = C.WakeSocket.create(str(tmp_path))
-    left = set(os.listdir(tmp_path))
+    w = C.WakeSocket.create(str(short_tmp))
+    left = set(os.listdir(short_tmp))
     assert names["dead_chan"] not in left and names["dead_wake"] not in left
     assert {names["live"], names["young"]} <= left
     w.close()
     # a daemon sweeps them as it starts too, channel or not (a sleeping daemon makes none)
-    dead = tmp_path / f"{C.WAKE_PREFIX}{p.pid}-0a1b30"
+    dead = short_tmp / f"{C.WAKE_PREFIX}{p.pid}-0a1b30"
     dead.write_bytes(b"x")
     os.utime(dead, (old, old))
     with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
-                       env={"HICACHE_SHM_DIRS": f"{tmp_path}:/dev/shm"}):
+                       env={"HICACHE_SHM_DIRS": f"{short_tmp}:/dev/shm"}):
         assert not dead.exists()
 
 
@@ -758,7 +758,7 @@ def test_a_client_that_truncates_its_channel_cannot_take_the_daemon_down() -> No
                 c.close()
 
 
-def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
+def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(short_tmp,
                                                                      monkeypatch) -> None:
     """The daemon's offer of a channel's memfd fails (no descriptor left for its duplicate):
     the ``channel`` command is refused as ``unsupported``, naming why and that requests go
@@ -773,7 +773,7 @@ def test_a_channel_whose_hand_out_fails_is_refused_and_offered_again(tmp_path,
     class State:
         spin_us = 50.0
         wake_socket = None
-        shm_dirs = (str(tmp_path),)
+        shm_dirs = (str(short_tmp),)
         registry = Registry(4, 16)
 
         def handout(self) -> FdHandout:
