@@ -103,10 +103,11 @@ BACKGROUND = {"test_sglang_adapter.py::test_sglang_adapter_against_sglang_classe
 
 # modules whose tests run real Mooncake processes (a master, a storage member, daemons with
 # ``--l3``): under xdist they all go to one worker (``make test`` passes ``--dist loadgroup``).
-# Spread over two workers, two runs of four (after the port check in ``l3_master``) had one
-# failure each of a test that hangs its own master or member (SIGSTOP) and found the call
-# answered all the same: some other store's process took it. Mooncake picks some of its
-# listening ports itself (e.g. 15000-17000); two stores started at once may meet there.
+# Spread over two workers, one run before the port check in ``l3_master`` and a fresh-clone
+# CI run after it each failed a test that hangs its own master or member (SIGSTOP) and found
+# the call answered all the same: likely some other store's process took it (not proven).
+# Mooncake picks some of its listening ports itself (e.g. 15000-17000); two stores started at
+# once may meet there.
 MOONCAKE_MODULES = {"test_kv_epochs.py", "test_kv_l3.py", "test_l3_ckpt.py",
                     "test_l3_format.py", "test_l3_loopback.py", "test_l3_mooncake.py"}
 
