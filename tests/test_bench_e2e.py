@@ -49,7 +49,10 @@ def test_sizes_and_arguments_are_checked():
         e2e.check_args(_args(device="cpu", gpus=0))
     with pytest.raises(UsageError, match="--fence applies to GPU runs"):
         e2e.check_args(_args(device="cpu", fence=True))
+    with pytest.raises(UsageError, match="--layer-wait stream applies to GPU runs"):
+        e2e.check_args(_args(device="cpu", layer_wait="stream"))
     assert _args().host_fill == "full" and not _args().fence  # the defaults
+    assert _args().layer_wait == "host"
     if torch.cuda.device_count() < 64:
         with pytest.raises(UsageError, match="--gpus 64 needs 64 CUDA GPUs"):
             e2e.check_args(_args(device="cuda:0", gpus=64))
@@ -287,19 +290,21 @@ def test_engine_wait_statistics_and_table(capsys):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fence", [False, True])
-def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work(fence):
-    """One GPU run of both mirrors at 2k: every byte verified, and the engine's probe steps
-    taken idle and while a LOAD and a BACKUP ran, in both mirrors; with ``--fence`` every
-    command waits for the engine's event (as the SGLang adapter's do); the limit is read at
-    the start and at the end, and the ratios divide by the better."""
+@pytest.mark.parametrize("fence,wait", [(False, "host"), (True, "stream")])
+def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work(fence, wait):
+    """One GPU run of both mirrors at 2k: every byte verified (each stage layer's too, at its
+    ready event), and the engine's probe steps taken idle and while a LOAD and a BACKUP ran,
+    in both mirrors; with ``--fence`` every command waits for the engine's event (as the SGLang
+    adapter's do), and with ``--layer-wait stream`` the engine waits for each layer on its
+    stream; the limit is read at the start and at the end, and the ratios divide by the
+    better."""
     r = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "e2e", "--sizes", "2k",
-                        "--runs", "2", "--churn", "60", "--json"] + (["--fence"] if fence
-                                                                     else []),
+                        "--runs", "2", "--churn", "60", "--json", "--layer-wait", wait]
+                       + (["--fence"] if fence else []),
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert out["fence"] is fence
+    assert out["fence"] is fence and out["layer_wait"] == wait
     assert out["limit_gbps"] == {k: max(out["limit_gbps_start"][k], out["limit_gbps_end"][k])
                                  for k in ("h2d", "d2h")}
     # this process and the daemon it started share one environment: the same MPS or none

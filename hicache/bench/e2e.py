@@ -12,7 +12,12 @@ per prefix size (device rows scattered at random, or as ``--device-order`` says,
 ``bench.device_order``; the summary's ``device_mean_run`` is the mean run of a load's
 destination rows). With ``--fence`` (GPU) every LOAD and BACKUP waits for an event the engine
 records on its stream first, as the SGLang adapter's commands do (``bench.fence``); without
-it the engine's writes are done (a host synchronize) before it sends:
+it the engine's writes are done (a host synchronize) before it sends. ``--layer-wait`` picks
+how the engine waits for a load's layer (GPU): ``host`` (the default, the client's default)
+polls the layer's interprocess event on the host until it completes, holding the engine's
+thread; ``stream`` (the client's ``spin_us = 0``) puts a wait on the engine's stream once the
+daemon said the layer was issued, and returns (an engine that must not hold its thread, as
+SGLang's forward waits on its stream):
 
 * BACKUP: command -> ack (engine clock), GB/s;
 * LOAD: command -> first and -> last stage layer ready, both from CUDA events recorded on the
@@ -130,6 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fence", action="store_true",
                    help="GPU: every LOAD and BACKUP waits for an event the engine records on "
                         "its stream first (wait_event), as the SGLang adapter's commands do")
+    p.add_argument("--layer-wait", choices=("host", "stream"), default="host",
+                   help="GPU: the engine waits for a load's layer by polling its event on the "
+                        "host (host, the client's default) or with a wait on its stream once "
+                        "the layer is issued (stream: the engine's thread is not held)")
     p.add_argument("--device-order", choices=PATTERNS, default="random",
                    help="the engine's device rows: scattered at random (the default), as "
                         "SGLang's unsorted free list hands them out after churn, or "
@@ -172,6 +181,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.fence and not str(args.device).startswith("cuda"):
         raise UsageError("--fence applies to GPU runs: CPU mode has no interprocess events "
                          "for a command to wait for")
+    if args.layer_wait != "host" and not str(args.device).startswith("cuda"):
+        raise UsageError("--layer-wait stream applies to GPU runs: CPU mode has no per-layer "
+                         "events (a load's layers are ready with its ack)")
     if args.gpus > 1 and (not torch.cuda.is_available()
                           or torch.cuda.device_count() < args.gpus):
         raise UsageError(f"--gpus {args.gpus} needs {args.gpus} CUDA GPUs; this machine has "
@@ -323,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
         c = d.client(timeout=60.0, channel=None if args.channel == "auto" else False)
         c.register(pools, events=1 if cuda else 0)
+        if args.layer_wait == "stream":
+            c.spin_us = 0.0  # wait_layer: a stream wait once the layer is issued
         say(f"[e2e] registered; churning the host allocator ({args.churn} ops, host pool "
             f"{args.host_fill})")
         # the largest size's room: its backup's rows and the busy backup's beside them
@@ -334,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         local = _local(layout, c.registered["host_rows"], pools, dev) if cuda else None
         result = {"device": args.device, "preset": args.preset, "limit_gbps": limit,
                   "device_order": args.device_order, "host_fill": args.host_fill,
-                  "host_held": fill, "fence": args.fence,
+                  "host_held": fill, "fence": args.fence, "layer_wait": args.layer_wait,
                   "pp_size": args.pp_size, "pp_rank": args.pp_rank,
                   "ctas": INPROC_CTAS, "runs": args.runs,
                   "daemon_spin_us": c.stats().get("spin_us"),
@@ -428,6 +442,7 @@ def run_gpus(args: argparse.Namespace) -> int:
                    "--runs", str(args.runs), "--churn", str(args.churn), "--mirror", args.mirror,
                    "--pp-size", str(n), "--pp-rank", str(r), "--channel", args.channel,
                    "--device-order", args.device_order, "--host-fill", args.host_fill,
+                   "--layer-wait", args.layer_wait,
                    "--barrier", folder] + (["--fence"] if args.fence else [])
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         while any(p.poll() is None for p in procs):  # one failed: the others would wait
@@ -560,7 +575,8 @@ def _table(result: dict[str, Any]) -> None:
           f"channel: {chan}; GPU sharing: engine {sharing.get('engine')}, daemon "
           f"{sharing.get('daemon')}; host pool {result.get('host_fill')} ("
           + ", ".join(f"{sp} {v:.0%} held" for sp, v in result.get("host_held", {}).items())
-          + f"); fence: {'yes' if result.get('fence') else 'no'}"
+          + f"); fence: {'yes' if result.get('fence') else 'no'}; layer wait: "
+            f"{result.get('layer_wait', 'host')}"
           + (f"; limit start {result['limit_gbps_start']}, end {result['limit_gbps_end']}"
              if "limit_gbps_end" in result else ""))
     print(f"{'mirror':>11} {'size':>5} {'MB':>7} {'first ms':>9} {'second ms':>9} "
