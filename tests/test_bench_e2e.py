@@ -145,10 +145,36 @@ def test_summary_of_a_load_while_a_backup_streams():
         out[k] = [v] * 3
     out["busy_second"] = [0.002, 0.006, 0.003]
     out["busy_last"] = [0.0125, 0.0125, 0.020]
+    out["busy_backup_end"] = [0.0130, 0.0125, 0.015]  # the third ended before its load
     m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True)["summary"]
     assert m["busy_second_ms"] == pytest.approx(3.0)
     assert m["busy_vs_solo"] == pytest.approx(0.8)
     assert m["load_ratio"] == pytest.approx(0.2)
+    assert m["busy_backup_end_ms"] == pytest.approx(13.0)
+    assert m["busy_covered"] == pytest.approx(2 / 3)
+    out["busy_backup_end"] = []  # not measured (CPU): no figure, not a zero
+    m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True)["summary"]
+    assert m["busy_covered"] is None and m["busy_backup_end_ms"] is None
+
+
+def test_the_busy_load_waits_for_its_backup_and_records_its_end(monkeypatch):
+    """``load_while_busy``: after the timed load, the backup's ack (its daemon time is the
+    end); a failed backup fails the run instead of counting as covered."""
+    from types import SimpleNamespace
+
+    from hicache.bench import e2e_measure
+    from hicache.engine.acks import Ack
+
+    monkeypatch.setattr(e2e_measure, "timed_load",
+                        lambda *a: e2e_measure.LoadTimes(0.001, 0.002, 0.010, 0.011))
+    acks = {7: Ack(7, "backup", "ok", {}, 10, 0.0123, 0.01, "ce")}
+    c = SimpleNamespace(wait_ack=lambda op, timeout: acks[op.op_id])
+    out = {k: [] for k in e2e_measure.FIGURES}
+    e2e_measure.load_while_busy(out, c, {}, None, True, (None, 0.0), SimpleNamespace(op_id=7))
+    assert out["busy_last"] == [0.010] and out["busy_backup_end"] == [0.0123]
+    acks[7] = Ack(7, "backup", "error", {}, 0, 0.001, 0.0, "ce", {"reason": "x"})
+    with pytest.raises(RuntimeError, match="the busy run's backup failed"):
+        e2e_measure.load_while_busy(out, c, {}, None, True, (None, 0.0), SimpleNamespace(op_id=7))
 
 
 def test_checkpoint_verification_catches_a_wrong_byte():

@@ -44,7 +44,9 @@ SGLang's forward waits on its stream):
   idle and while a LOAD or a BACKUP of the size runs (``engine_wait``: p50 / p99 / max ms per
   kind, ``e2e_engine``): without MPS an engine kernel may wait for the daemon's time slice;
 * a load while a backup of the same size streams: its last layer against the solo load's
-  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``). While the
+  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``), and
+  whether the backup still ran when that load's last layer was ready (``busy_covered``: the
+  share of runs; ``busy_backup_end_ms``, the backup's command to completion). While the
   daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
   the engine's events run at slice boundaries, so ``busy 2nd`` reads in steps of ~1.05 ms
   (an H200, docs/perf.md, twentieth session). The start is recorded before the backup is
@@ -547,8 +549,7 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                 again()
             begun = busy_start(stream, dev)
             bop = c.backup_new(other)
-            load_while_busy(out, c, items, stream, cuda, begun)
-            c.wait_ack(bop, timeout=120)
+            load_while_busy(out, c, items, stream, cuda, begun, bop)
             if check is not None:
                 check()
             c.free(bop.rows)
@@ -583,7 +584,7 @@ def _table(result: dict[str, Any]) -> None:
           f"{'2nd max':>8} {'last ms':>8} "
           f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
-          f"{'busy 2nd':>8} "
+          f"{'busy 2nd':>8} {'covered':>7} "
           f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7} {'host run':>8}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
@@ -595,7 +596,7 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['load_ratio']):>6} "
                   f"{m['backup_gbps']:11.1f} {f(m['backup_ratio']):>6} "
                   f"{f(m['daemon_vs_inproc']):>9} {f(m['busy_vs_solo']):>6} "
-                  f"{f(m['busy_second_ms']):>8} "
+                  f"{f(m['busy_second_ms']):>8} {f(m.get('busy_covered')):>7} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7} "
                   f"{m.get('host_mean_run', 0):8.1f}")
@@ -604,7 +605,8 @@ def _table(result: dict[str, Any]) -> None:
            for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):
         print("busy 2nd: GPU events of the engine's stream, which run at the GPU's time-slice "
               "boundaries (~1 ms) while the daemon's kernels run: steps, not the command's "
-              "time (docs/perf.md)")
+              "time (docs/perf.md); covered: the share of busy runs whose backup was still "
+              "running when the load's last layer was ready")
 
 
 def _engine_table(result: dict[str, Any]) -> None:

@@ -118,8 +118,7 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                 again()
             begun = e2e.busy_start(stream, dev)
             bop = c.backup(bitems)
-            e2e.load_while_busy(out, c, load, stream, cuda, begun)
-            c.wait_ack(bop, timeout=120)
+            e2e.load_while_busy(out, c, load, stream, cuda, begun, bop)
             if check is not None:
                 check()
             if probe and r == runs - 1:  # after the timed runs: the engine's own steps

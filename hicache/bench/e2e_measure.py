@@ -26,8 +26,9 @@ load by the kernels in-process, and the per-size summary.
   host time goes to ``ISSUE``. ``inproc_into`` appends it to a size's figures and, in the
   size's verified run, fills its source rows in-process from the device first and compares
   every byte it loaded after, as for the daemon's load.
-* ``load_while_busy(out, c, items, stream, cuda)``: the same timed load while the caller's
-  backup streams; its second and last layer go to ``out``.
+* ``load_while_busy(out, c, items, stream, cuda, begun, backup)``: the same timed load while
+  the caller's ``backup`` streams; its second and last layer go to ``out``, then the backup's
+  end (its ack awaited).
 * ``summarize(out, n, nbytes, limit, cuda, verified, waits)``: medians of ``FIGURES`` (and
   the slowest run's second layer), GB/s, ratios to the limit, and (``waits``, GPU) the
   engine's probe steps per kind (``e2e_engine``: ``engine_wait``); empties ``REPLY`` and
@@ -44,6 +45,7 @@ import torch
 
 from hicache.bench.e2e_engine import wait_stats
 from hicache.core.layout import Layout
+from hicache.engine.acks import Op
 from hicache.engine.client import Client
 from hicache.kernels.dispatch import copy_by_layer, layer_parts
 from hicache.kernels.tables import TokenFormat
@@ -53,7 +55,7 @@ INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the
 # legacy default stream takes no copy-engine batches: they would go through a fenced side stream)
 _INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
-           "busy_second", "busy_last", "cmd_during_load")
+           "busy_second", "busy_last", "busy_backup_end", "cmd_during_load")
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of each solo timed GPU load (the daemon's issue time)
 now = time.perf_counter
@@ -91,6 +93,12 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         # the second layer of a load while a backup streams: a layer's event held back by the
         # backup stream's copies shows here, not in the last layer's rate
         "busy_second_ms": med["busy_second"] * 1e3 if out["busy_second"] else None,
+        # whether the backup still streamed when the busy load's last layer was ready: its
+        # end (the daemon's time from its command to its completion) against that layer's
+        # time, in each run; below 1, some busy loads ended beside an idle backup stream
+        "busy_backup_end_ms": med["busy_backup_end"] * 1e3 if out["busy_backup_end"] else None,
+        "busy_covered": (sum(b >= t for b, t in zip(out["busy_backup_end"], out["busy_last"]))
+                         / len(out["busy_backup_end"])) if out["busy_backup_end"] else None,
         "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
         "verified": verified,
         "engine_wait": {k: wait_stats(v) for k, v in waits.items()} if waits else None,
@@ -224,13 +232,19 @@ def busy_start(stream: Any, dev: torch.device) -> tuple[Any, float]:
 
 
 def load_while_busy(out: dict[str, list[float]], c: Client, items: dict[str, tuple],
-                    stream: Any, cuda: bool, begun: tuple[Any, float]) -> None:
-    """``timed_load`` of ``items`` while the caller's backup streams (``begun``: its
-    ``busy_start``, taken before that backup): its second and last layer appended to ``out``
-    (``busy_second``, ``busy_last``)."""
+                    stream: Any, cuda: bool, begun: tuple[Any, float], backup: Op) -> None:
+    """``timed_load`` of ``items`` while the caller's ``backup`` streams (``begun``: its
+    ``busy_start``, taken right before that backup was sent): its second and last layer
+    appended to ``out`` (``busy_second``, ``busy_last``), then the backup's ack awaited and its
+    end appended (``busy_backup_end``: the daemon's seconds from the backup's command to its
+    completion, on the same clock as the load's layers up to the host time of one send)."""
     t = timed_load(c, items, stream, cuda, begun)
     out["busy_second"].append(t.second)
     out["busy_last"].append(t.last)
+    ack = c.wait_ack(backup, timeout=120)
+    if not ack.ok:
+        raise RuntimeError(f"the busy run's backup failed: {ack.error}")
+    out["busy_backup_end"].append(ack.seconds)
 
 
 def command_during_load(c: Client, items: dict[str, tuple]) -> float:
