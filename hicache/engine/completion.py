@@ -9,8 +9,10 @@ that covers it: a progress notice (``layers``: the first that many are recorded)
 one (all of them), or the op's ack. Then the host polls the layer's event until it completes
 (``spin_us`` None, the default) or for ``spin_us`` microseconds before it puts a wait on the
 stream: a CUDA stream's wait on another process's event was seen ~1.7 ms late on an H200
-without MPS, so a host wait is the faster one; an engine that must not hold its thread sets
-``spin_us``.
+without MPS (an early session), so the host wait is the default; an engine that must not hold
+its thread sets ``spin_us``. (On an H100, driver 580, the fifty-fifth session found stream
+waits on the daemon's events no later than the host poll: docs/perf.md; ``bench e2e
+--layer-wait stream`` measures it through the daemon.)
 """
 from __future__ import annotations
 
