@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from hicache.core import protocol as P
-from hicache.engine.client import Client, CommandRefused, DaemonUnreachable
+from hicache.engine.client import Client, CommandRefused, DaemonUnreachable, GoneMidCall
 from hicache.engine.device_pools import DevicePools
 from hicache.core.errors import UsageError
 from hicache.kernels.reference import copy_tokens_ref
@@ -502,7 +502,10 @@ def test_shutdown_command(daemon_factory):
     with d.client(timeout=60) as c:  # (a loaded machine: it once timed out at 10 s)
         assert c.stats()["daemon"]["allow_shutdown"] is True
         rid = c._sock.getsockopt(zmq.ROUTING_ID).decode()
-        assert c.shutdown()["stopping"]
+        try:
+            assert c.shutdown()["stopping"]
+        except GoneMidCall:  # its reply can go with the daemon (an ack unread when it exits
+            pass  # is lost: docs/reliability.md); the exit status and the log line say it ran
     d.proc.wait(60)
     assert d.proc.returncode == 0, d.output()[-3000:]
     # said as what stopped it, as a signal is (a bare "stopped" before: operator review), by
