@@ -19,8 +19,9 @@ B's stamp minus A's copy end, and the span is B's last stamp minus A's start. Mo
   for every layer, all enqueued before A starts: B's thread does not block and needs no word
   from A.
 
-``--busy`` keeps B's GPU busy with matmuls on another stream meanwhile (an engine's forward).
-Prints one JSON line per (mode, busy) with the median over trials.
+Each mode runs with B's GPU idle, then busy with ``--busy-iters`` matmuls on another stream
+meanwhile (an engine's forward). Prints one JSON line per (mode, busy) with the median over
+trials. The shared page (in /dev/shm) is removed and B stopped on the way out, whatever happens.
 """
 from __future__ import annotations
 
@@ -157,8 +158,17 @@ def main() -> int:
     dst = torch.empty(L * n, dtype=torch.uint8, device="cuda")
     events = [torch.cuda.Event(interprocess=True, enable_timing=False) for _ in range(L)]
     fd, flag_path = tempfile.mkstemp(prefix="hc-flag-", dir="/dev/shm")
-    os.ftruncate(fd, 4096)
-    os.close(fd)
+    try:
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        return _measure(args, drv, src, dst, events, flag_path, n)
+    finally:
+        os.unlink(flag_path)
+
+
+def _measure(args: Any, drv: Driver, src: torch.Tensor, dst: torch.Tensor, events: list,
+             flag_path: str, n: int) -> int:
+    L = args.layers
     _m, hflag = host_flags(flag_path, drv)
     dev_flags = torch.zeros(64, dtype=torch.int32, device="cuda")
     stamps = torch.zeros(L + 8, dtype=torch.int64, device="cuda")
@@ -172,13 +182,12 @@ def main() -> int:
     q_in, q_out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=engine, args=(q_in, q_out, args))
     proc.start()
-    q_in.put(([e.ipc_handle() for e in events], flag_path, dev_flags))
-    assert q_out.get(timeout=120) == "up"
-    stamp(stamps, L)
-    torch.cuda.synchronize()
-    gen = 0
-    out = []
     try:
+        q_in.put(([e.ipc_handle() for e in events], flag_path, dev_flags))
+        assert q_out.get(timeout=120) == "up"
+        stamp(stamps, L)
+        torch.cuda.synchronize()
+        gen = 0
         for busy in (False, True):
             for mode in args.modes.split(","):
                 lates, spans, solo, hosts = [], [], [], []
@@ -216,11 +225,12 @@ def main() -> int:
                        "copies_ms": round(statistics.median(solo) / 1e3, 3),
                        "engine_host_ms": round(statistics.median(hosts), 3)}
                 print(json.dumps(row), flush=True)
-                out.append(row)
     finally:
         q_in.put(None)
         proc.join(30)
-        os.unlink(flag_path)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
     return 0
 
 
