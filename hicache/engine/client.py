@@ -732,4 +732,14 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         return {k: [tuple(x) for x in v] for k, v in h["pools"].items()}
 
     def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("shutdown", timeout=timeout)[0]
+        """Stop the daemon (one started with ``--allow-shutdown``; any other refuses:
+        ``CommandRefused``). Returns its reply, ``{"stopping": True}``, or, when the daemon
+        went before that reply was read, ``{"stopping": True, "gone": why}``: this socket
+        drops what it had not read when the connection goes (``ZMQ_IMMEDIATE``;
+        docs/reliability.md, section 7), so a reply that arrived as the daemon exited can be
+        lost, and a daemon gone is what was asked for. Unreachable or silent daemons raise as
+        any call does."""
+        try:
+            return self.call("shutdown", timeout=timeout)[0]
+        except GoneMidCall as e:
+            return {"stopping": True, "gone": e.why}

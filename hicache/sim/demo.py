@@ -29,7 +29,6 @@ from hicache.core.errors import UsageError
 from hicache.core.resume import DEFAULT_PAGES_PER_CKPT, MIRRORS
 from hicache.core.sizes import checkpoint_host_bytes
 from hicache.sim.sizing import host_tier_rows, planned_device_pages
-from hicache.engine.acks import GoneMidCall
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.radix import POLICIES
 
@@ -329,10 +328,9 @@ def _close_daemon(daemon: DaemonProcess, client: Any = None) -> tuple[int | None
     Returns its exit status and the tail of its output (read before its directory goes)."""
     if daemon.alive() and client is not None:
         try:
-            client.shutdown(timeout=5.0)
-            took = True
-        except GoneMidCall:  # it went with the reply on its way (the reply goes with the
-            took = None      # connection, unread): its exit status says whether it took it
+            # gone before its reply was read (the reply goes with the connection, unread):
+            # its exit status says whether it took the command
+            took = None if "gone" in client.shutdown(timeout=5.0) else True
         except Exception as e:  # noqa: BLE001 - refused or unanswered: signals at once
             _err(f"the daemon did not take shutdown ({e}); stopping it with SIGTERM")
             took = False
