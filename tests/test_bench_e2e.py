@@ -157,9 +157,11 @@ def test_summary_of_a_load_while_a_backup_streams():
     assert m["busy_covered"] is None and m["busy_backup_end_ms"] is None
 
 
-def test_the_busy_load_waits_for_its_backup_and_records_its_end(monkeypatch):
-    """``load_while_busy``: after the timed load, the backup's ack (its daemon time is the
-    end); a failed backup fails the run instead of counting as covered."""
+def test_the_busy_load_waits_for_its_backups_and_records_the_last_end(monkeypatch):
+    """``load_while_busy``: after the timed load, every backup's ack; the end is the last
+    backup's (its send time after the start plus its daemon time); a failed backup fails the
+    run instead of counting as covered. ``stream_backups`` sends ``BUSY_BACKUPS`` of them
+    back to back, each with its send time."""
     from types import SimpleNamespace
 
     from hicache.bench import e2e_measure
@@ -167,14 +169,22 @@ def test_the_busy_load_waits_for_its_backup_and_records_its_end(monkeypatch):
 
     monkeypatch.setattr(e2e_measure, "timed_load",
                         lambda *a: e2e_measure.LoadTimes(0.001, 0.002, 0.010, 0.011))
-    acks = {7: Ack(7, "backup", "ok", {}, 10, 0.0123, 0.01, "ce")}
+    acks = {7: Ack(7, "backup", "ok", {}, 10, 0.0123, 0.01, "ce"),
+            8: Ack(8, "backup", "ok", {}, 10, 0.0100, 0.01, "ce")}
     c = SimpleNamespace(wait_ack=lambda op, timeout: acks[op.op_id])
     out = {k: [] for k in e2e_measure.FIGURES}
-    e2e_measure.load_while_busy(out, c, {}, None, True, (None, 0.0), SimpleNamespace(op_id=7))
-    assert out["busy_last"] == [0.010] and out["busy_backup_end"] == [0.0123]
-    acks[7] = Ack(7, "backup", "error", {}, 0, 0.001, 0.0, "ce", {"reason": "x"})
+    ops = iter([SimpleNamespace(op_id=7), SimpleNamespace(op_id=8)])
+    sent = e2e_measure.stream_backups(lambda: next(ops))
+    assert [op.op_id for op, _ in sent] == [7, 8] and e2e_measure.BUSY_BACKUPS == 2
+    assert sent[0][1] <= sent[1][1]
+    begun = (None, sent[0][1])
+    sent = [(sent[0][0], begun[1]), (sent[1][0], begun[1] + 0.004)]  # the second 4 ms later
+    e2e_measure.load_while_busy(out, c, {}, None, True, begun, sent)
+    assert out["busy_last"] == [0.010]
+    assert out["busy_backup_end"] == [pytest.approx(0.014)]  # 4 ms + 10 ms, after 12.3 ms
+    acks[8] = Ack(8, "backup", "error", {}, 0, 0.001, 0.0, "ce", {"reason": "x"})
     with pytest.raises(RuntimeError, match="the busy run's backup failed"):
-        e2e_measure.load_while_busy(out, c, {}, None, True, (None, 0.0), SimpleNamespace(op_id=7))
+        e2e_measure.load_while_busy(out, c, {}, None, True, begun, sent)
 
 
 def test_checkpoint_verification_catches_a_wrong_byte():

@@ -43,10 +43,12 @@ SGLang's forward waits on its stream):
 * the engine's own smallest GPU step (one ``add_`` and a host wait, on its stream) in a loop,
   idle and while a LOAD or a BACKUP of the size runs (``engine_wait``: p50 / p99 / max ms per
   kind, ``e2e_engine``): without MPS an engine kernel may wait for the daemon's time slice;
-* a load while a backup of the same size streams: its last layer against the solo load's
-  (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy 2nd``), and
-  whether the backup still ran when that load's last layer was ready (``busy_covered``: the
-  share of runs; ``busy_backup_end_ms``, the backup's command to completion). While the
+* a load while backups of the same size stream (``BUSY_BACKUPS``, 2, sent back to back
+  before it: a single one ended before the load's tail at 2k and 8k): its last layer against
+  the solo load's (``busy_vs_solo``) and its second layer (``busy_second_ms``, column ``busy
+  2nd``), and whether a backup still ran when that load's last layer was ready
+  (``busy_covered``: the share of runs; ``busy_backup_end_ms``, from the first backup's
+  command to the last one's completion). While the
   daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
   the engine's events run at slice boundaries, so ``busy 2nd`` reads in steps of ~1.05 ms
   (an H200, docs/perf.md, twentieth session). The start is recorded before the backup is
@@ -106,9 +108,10 @@ from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.bench.fence import Fenced
 from hicache.kernels.sharing import gpu_sharing
-from hicache.bench.e2e_measure import (FIGURES, INPROC_CTAS, busy_start, inproc_into,
-                                       layer_compare, layers_checked_load, load_into,
-                                       load_while_busy, scramble, summarize, untouched)
+from hicache.bench.e2e_measure import (BUSY_BACKUPS, FIGURES, INPROC_CTAS, busy_start,
+                                       inproc_into, layer_compare, layers_checked_load,
+                                       load_into, load_while_busy, scramble, stream_backups,
+                                       summarize, untouched)
 
 PAGE_TOKENS = 256
 HANDLER_RUNS = 2  # solo runs per size for the daemon's handling times (after the timed runs)
@@ -341,9 +344,9 @@ def run(args: argparse.Namespace) -> int:
             c.spin_us = 0.0  # wait_layer: a stream wait once the layer is issued
         say(f"[e2e] registered; churning the host allocator ({args.churn} ops, host pool "
             f"{args.host_fill})")
-        # the largest size's room: its backup's rows and the busy backup's beside them
+        # the largest size's room: its backup's rows and the busy backups' beside them
         room = None if args.host_fill == "light" else \
-            2 * max(SIZES[s] for s in sizes) // PAGE_TOKENS + 8
+            (1 + BUSY_BACKUPS) * max(SIZES[s] for s in sizes) // PAGE_TOKENS + 8
         fill = churn(c, spaces, args.churn, rng, room)
         sender = Fenced(c) if args.fence else c  # what sends the loads and backups
         # the in-process copy's pinned pool has the daemon's host rows (churn spreads them)
@@ -542,17 +545,18 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
             inproc_into(out, local, layout, items, dev,
                         None if check is None else ({sp: (src[sp], host[sp]) for sp in host},
                                                     again, check))
-        if cuda and busy:  # a load while a backup of the same size streams
+        if cuda and busy:  # a load while backups of the same size stream
             other = src  # the load's sources, read by both at every size (the checkpoints
             # mirror's choice; half the load's destination was read below the largest size)
             if again is not None:
                 again()
             begun = busy_start(stream, dev)
-            bop = c.backup_new(other)
-            load_while_busy(out, c, items, stream, cuda, begun, bop)
+            sent = stream_backups(lambda: c.backup_new(other))
+            load_while_busy(out, c, items, stream, cuda, begun, sent)
             if check is not None:
                 check()
-            c.free(bop.rows)
+            for bop, _ in sent:
+                c.free(bop.rows)
             if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(items),
                              lambda: c.backup_new(src), lambda op: c.free(op.rows))

@@ -109,22 +109,26 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
         if local is not None:
             e2e.inproc_into(out, local, layout, load, dev,
                             None if check is None else (items, again, check))
-        if cuda and busy:  # a load while a backup of the same shape streams
-            other = c.alloc({"page": n, "swa_page": 1})
-            bitems = {"page": (src, other["page"])}  # the load's sources: read by both
-            bitems.update(hooks.checkpoint_items([(int(sp[2]), other["swa_page"][0], n)],
-                                                 to_host=True))
+        if cuda and busy:  # a load while backups of the same shape stream
+            others = [c.alloc({"page": n, "swa_page": 1}) for _ in range(e2e.BUSY_BACKUPS)]
+            bitems = []
+            for other in others:
+                bitems.append({"page": (src, other["page"])})  # the load's sources: read by all
+                bitems[-1].update(hooks.checkpoint_items(
+                    [(int(sp[2]), other["swa_page"][0], n)], to_host=True))
             if again is not None:
                 again()
             begun = e2e.busy_start(stream, dev)
-            bop = c.backup(bitems)
-            e2e.load_while_busy(out, c, load, stream, cuda, begun, bop)
+            todo = iter(bitems)
+            sent = e2e.stream_backups(lambda: c.backup(next(todo)))
+            e2e.load_while_busy(out, c, load, stream, cuda, begun, sent)
             if check is not None:
                 check()
             if probe and r == runs - 1:  # after the timed runs: the engine's own steps
                 probe_rounds(waits, c, stream, dev, lambda: c.load(load),
-                             lambda: c.backup(bitems), lambda op: None)
-            c.free(other)
+                             lambda: c.backup(bitems[0]), lambda op: None)
+            for other in others:
+                c.free(other)
         c.free(host)
     summary = e2e.summarize(out, n, nbytes, limit, cuda, verified, waits if cuda else None)
     summary["summary"]["device_mean_run"] = float(np.mean(dev_runs))  # the loads' destinations
