@@ -30,6 +30,25 @@ pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
 NS = "model-a/pp0of1"
 
 
+def thread_states(pid: int) -> dict[str, str]:
+    """Each thread's state letter (``/proc/PID/task/TID/stat``; "T": stopped)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            out[task] = f.read().rsplit(")", 1)[1].split()[0]
+    return out
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped (a signal is
+    delivered at each thread's next return to user mode: on a loaded machine, later)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while set(thread_states(pid).values()) != {"T"}:
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {thread_states(pid)}"
+        time.sleep(0.005)
+
+
 def layout_of(c: Any) -> Layout:
     return Layout.from_dict(c.heartbeat(full=True)["layout"])
 
@@ -354,11 +373,15 @@ def test_a_key_store_call_held_by_a_hung_storage_node_stalls_its_worker_not_a_st
     ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=4)
     ep.attach(c, "c4_kv", "c4_kv", ns="stl")
     assert c.kv_clear("stl") == 0
-    os.kill(store.member.pid, signal.SIGSTOP)
+    stop_process(store.member.pid)
     try:
         h, _ = c.call("kv_clear", {"namespace": "stl", "deadline_ms": 1000})
         first = c.wait_ack(int(h["op"]), timeout=10, check=False)
-        assert not first.ok and "did not answer within 1000 ms" in first.error["message"], first
+        # (two CI runs found this clear answered in 1-2 ms with the member stopped, cause not
+        # known: docs/reliability.md, section 8; what the next one looked like is kept here)
+        assert not first.ok and "did not answer within 1000 ms" in first.error["message"], (
+            first, c.stats()["l3"], thread_states(store.member.pid), store.log_tail(1500),
+            d.output()[-1500:])
         t0 = time.monotonic()
         while "meta" not in c.stats()["l3"]["stalled"] and time.monotonic() - t0 < 10:
             time.sleep(0.05)
