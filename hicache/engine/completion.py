@@ -8,11 +8,14 @@ layers' events are recorded), so a later layer's wait first takes a daemon's "is
 that covers it: a progress notice (``layers``: the first that many are recorded) or the last
 one (all of them), or the op's ack. Then the host polls the layer's event until it completes
 (``spin_us`` None, the default) or for ``spin_us`` microseconds before it puts a wait on the
-stream: a CUDA stream's wait on another process's event was seen ~1.7 ms late on an H200
-without MPS (an early session), so the host wait is the default; an engine that must not hold
-its thread sets ``spin_us``. (On an H100, driver 580, the fifty-fifth session found stream
-waits on the daemon's events no later than the host poll: docs/perf.md; ``bench e2e
---layer-wait stream`` measures it through the daemon.)
+stream. The host wait is the default: through the daemon it gave the last layer sooner
+(``bench e2e --layer-wait host|stream`` alternated on an H200, fifty-sixth session: 0.6-0.8
+ms sooner at 8k-32k; without MPS an engine context with waits queued shares the GPU's time
+slices with the daemon's copies), the stream wait the first layer 0.07-0.13 ms sooner and the
+engine's thread free; an engine that must not hold its thread sets ``spin_us``. (A stream
+wait on another process's event is not itself late: ~12 µs on that H200, no later than the
+host poll on an H100, ``scripts/cross_process_wait.py``; an early session's "~1.7 ms late"
+did not hold up.)
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from .acks import Ack, AckLost, AckTimeout, ClientClosed, CommandRefused, Op, Tr
 ACK_KEEP = 65536  # acks kept client-side until consumed
 MAX_TIMEOUT_S = 1e6  # ~11.6 days: a longer wait is a mistake (and its milliseconds must fit)
 # wait_layer: how long the host polls a layer's event before it puts a wait on the stream;
-# None: until the layer is copied (bounded by the timeout), no stream wait at all. A stream wait
-# on another process's event is seen ~1.7 ms late (H200, no MPS), longer than most layers take.
+# None: until the layer is copied (bounded by the timeout), no stream wait at all: the host wait
+# gave a load's last layer sooner through the daemon (docs/perf.md, fifty-sixth session).
 WAIT_SPIN_US: float | None = None
 
 
@@ -251,9 +254,9 @@ class Completion:
             self._await_ack(op, timeout)  # records: its ack says what failed (the caller's)
             self._check_failed(op)
         ev = self._load_events[op.event_set][pos]
-        # A stream wait on another process's event is seen late: ~1.7 ms on an H200 without
-        # MPS, even for a record that already completed. So the host polls the event (until
-        # it completes, or for ``spin_us`` when set) and only then, if ever, the stream waits.
+        # The host polls the event (until it completes, or for ``spin_us`` when set) and only
+        # then, if ever, the stream waits: an engine stream holding waits on the daemon's
+        # events shares time slices with its copies (no MPS; docs/perf.md, fifty-sixth session).
         spin = self.spin_us
         if spin is None:
             limit = self.timeout if timeout is None else timeout
