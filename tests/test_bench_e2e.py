@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -606,3 +607,56 @@ def test_the_full_host_pool_leaves_the_run_its_room_in_holes(daemon_factory):
             light = e2e.churn(c, spaces, 300, np.random.default_rng(1))
             assert light["page"] < 0.5
             c.unregister()
+
+
+def test_the_busy_backups_run_through_a_real_daemon_and_every_ack_is_awaited(daemon_factory):
+    """The busy run's ``BUSY_BACKUPS`` backups of the load's source pages, sent back to back
+    through a real daemon (CPU: the GPU bench's busy path is CUDA only, so its daemon side
+    runs here): each gets host rows of its own, the load beside them lands every byte, and the
+    end recorded is after each backup's own completion."""
+    from hicache.bench import e2e_measure
+    from hicache.core.layout import build_layout, preset
+    from hicache.engine.device_pools import DevicePools
+
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=16,swa_page=16,req_slot=4",
+                       metrics=False)
+    with d.client(name="busy") as c, DevicePools(build_layout(preset("dsv4-tiny")),
+                                                 {"page": 16, "swa_page": 16,
+                                                  "req_slot": 4}) as pools:
+        c.register(pools)
+        for layers in pools.layers.values():
+            for t in layers:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        src = {"page": [0, 3, 5, 6], "swa_page": [1, 2, 7, 9]}
+        dst = {"page": [8, 9, 10, 11], "swa_page": [12, 13, 14, 15]}
+        first = c.backup_new(src)
+        c.wait_ack(first, timeout=30)
+        items = {sp: (first.rows[sp], dst[sp]) for sp in src}
+        out = {k: [] for k in e2e_measure.FIGURES}
+        acks: dict = {}
+
+        class Seen:  # the client, keeping each ack it waited for
+            def __getattr__(self, name: str):
+                return getattr(c, name)
+
+            def wait_ack(self, op, timeout=None):
+                acks[op.op_id] = c.wait_ack(op, timeout=timeout)
+                return acks[op.op_id]
+
+        t0 = time.perf_counter()
+        sent = e2e_measure.stream_backups(lambda: c.backup_new(src))
+        e2e_measure.load_while_busy(out, Seen(), items, None, False, (None, t0), sent)
+        assert len(sent) == e2e_measure.BUSY_BACKUPS == 2
+        rows = [set(op.rows["page"]) for op, _ in sent] + [set(first.rows["page"])]
+        assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1:]), rows
+        assert all(acks[op.op_id].ok for op, _ in sent), acks
+        assert out["busy_backup_end"] == [pytest.approx(
+            max(s - t0 + acks[op.op_id].seconds for op, s in sent))]
+        lay = build_layout(preset("dsv4-tiny"))
+        for name, layers in pools.layers.items():
+            sp = lay.pools[name].index
+            for t in layers if sp in src else ():  # (request-slot pools: not loaded)
+                assert torch.equal(t[src[sp]], t[dst[sp]]), name
+        for op, _ in sent + [(first, 0.0)]:
+            c.free(op.rows)
+        c.unregister()
