@@ -28,7 +28,7 @@ from hicache.engine.acks import TransferFailed
 from test_kv_l3 import layout_of, tenant_page_in_l3, written
 from test_kv_store import EnginePool, _refused
 from test_l3_mooncake import (SCOPE, l3_daemon, metric, raw_gets, raw_puts, store,  # noqa: F401
-                              wait_online)
+                              stop_process, wait_online)
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
@@ -130,7 +130,7 @@ def test_a_clear_the_master_does_not_answer_fails_visibly_and_changes_nothing(
         ep = tenant_page_in_l3(c, 67, ns="hung")
         ek = _ns_dir(c, "hung") + "epoch"
         epoch = raw_gets(store, [ek])[ek]
-        os.kill(store.master.pid, signal.SIGSTOP)
+        stop_process(store.master.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(TransferFailed, match="did not answer within 5000 ms") as e:
@@ -245,7 +245,7 @@ def test_clears_in_flight_are_bounded_while_the_master_hangs(l3_daemon: Any,
     d = l3_daemon()
     with d.client(name="many", timeout=30) as c:
         wait_online(c)
-        os.kill(store.master.pid, signal.SIGSTOP)
+        stop_process(store.master.pid)
         try:
             ops = [int(c.call("kv_clear", {"namespace": f"n{i}", "deadline_ms": 60_000})[0]["op"])
                    for i in range(CLEARS_MAX)]
@@ -276,7 +276,7 @@ def test_an_epoch_read_the_master_does_not_answer_is_a_miss_at_its_deadline(
         ep = tenant_page_in_l3(c, 83, ns="slow")
         assert c.kv_put("c4_kv", ["k1"], [1]) == [True]
         written(c)
-        os.kill(store.master.pid, signal.SIGSTOP)
+        stop_process(store.master.pid)
         try:
             time.sleep(0.6)  # the epoch is due for a read
             t0 = time.monotonic()

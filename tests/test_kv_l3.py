@@ -22,31 +22,12 @@ from hicache.engine import l3_master
 
 from test_kv_store import EnginePool
 from test_l3_mooncake import (SCOPE, SPACES, l3_daemon, metric, raw_gets, raw_puts,  # noqa: F401
-                              stop_taking_acks, stopped_soon, store, wait_offline,
-                              wait_online, worker)
+                              stop_process, stop_taking_acks, stopped_soon, store,
+                              thread_states, wait_offline, wait_online, worker)
 
 pytestmark = pytest.mark.skipif(l3_master.mooncake_dir() is None,
                                 reason="Mooncake wheel not installed (pip install 'hicache[l3]')")
 NS = "model-a/pp0of1"
-
-
-def thread_states(pid: int) -> dict[str, str]:
-    """Each thread's state letter (``/proc/PID/task/TID/stat``; "T": stopped)."""
-    out = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            out[task] = f.read().rsplit(")", 1)[1].split()[0]
-    return out
-
-
-def stop_process(pid: int, timeout: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once every one of its threads is stopped (a signal is
-    delivered at each thread's next return to user mode: on a loaded machine, later)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while set(thread_states(pid).values()) != {"T"}:
-        assert time.monotonic() < deadline, f"process {pid} not stopped: {thread_states(pid)}"
-        time.sleep(0.005)
 
 
 def layout_of(c: Any) -> Layout:
@@ -266,7 +247,7 @@ def test_rows_of_a_put_in_flight_are_never_evicted(l3_daemon: Any, store: Any) -
         old = [f"old{i}" for i in range(n - 2)]
         assert c.kv_put("c4_kv", old, list(range(n - 2))) == [True] * (n - 2)
         written(c)  # these are unpinned now
-        os.kill(store.master.pid, signal.SIGSTOP)
+        stop_process(store.master.pid)
         try:
             assert c.kv_put("c4_kv", ["p0", "p1"], [n - 2, n - 1]) == [True, True]
             s = c.stats()["kv_store"]
@@ -325,7 +306,7 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
         ep.attach(c, "c4_kv", "c4_kv", ns="fetch")
         assert c.kv_exists("c4_kv", ["k0", "k1"]) == [True, True]  # known present: fetched next
         used = _used(c)
-        os.kill(store.master.pid, signal.SIGSTOP)
+        stop_process(store.master.pid)
         try:
             t0 = time.monotonic()
             assert c.kv_get("c4_kv", ["k0"], [2], l3_wait=15) == [False]  # its call hangs
@@ -421,7 +402,7 @@ def test_a_stop_does_not_wait_out_a_hung_master(l3_daemon: Any, worker: Any,
     ep = EnginePool(c4.num_layers, 4, c4.page_bytes, seed=3)
     ep.attach(c, "c4_kv", "c4_kv", ns="clr")
     assert c.kv_clear("clr") == 0  # the namespace has an epoch (the master answers)
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         put = c.l3_put(["hs-0"], host)  # its call hangs (no deadline: only its call ends it)
         h, _ = c.call("kv_clear", {"namespace": "clr", "deadline_ms": 30000})

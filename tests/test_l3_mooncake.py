@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,25 @@ ROWS = {"page": 8, "swa_page": 8, "req_slot": 4}
 ROWS_FLAG = "page=8,swa_page=8,req_slot=4"
 SCOPE = "test/dsv4-tiny@1"  # --l3-scope: the served weights
 SPACES = ("page", "swa_page")
+
+
+def thread_states(pid: int) -> dict[str, str]:
+    """Each thread's state letter (``/proc/PID/task/TID/stat``; "T": stopped)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            out[task] = f.read().rsplit(")", 1)[1].split()[0]
+    return out
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped (a signal is
+    delivered at each thread's next return to user mode: on a loaded machine, later)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while set(thread_states(pid).values()) != {"T"}:
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {thread_states(pid)}"
+        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +426,7 @@ def test_a_copy_racing_an_l3_job_on_its_rows_is_refused_busy(l3_daemon, worker, 
     g = c.alloc({s: 1 for s in SPACES})
     assert c.wait_ack(c.backup({s: ([0], h[s]) for s in SPACES})).ok
     assert c.wait_ack(c.backup({s: ([1], g[s]) for s in SPACES})).ok
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         put = c.l3_put(["race-h"], h)
         r, frames = c._l3_rows(g)  # the prefetch's op without waiting for its ack
@@ -576,7 +596,7 @@ def test_a_hung_master_at_start_never_stalls_the_daemon(l3_daemon, worker, store
     answers at once, the tier is offline, and it connects once the master answers again."""
     import signal
 
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         d = l3_daemon()
         with d.client(name="early", timeout=5) as c:
@@ -655,7 +675,7 @@ def test_a_prefetch_is_acked_at_its_deadline_while_the_master_hangs(l3_daemon, w
     assert w.put(["dl-0"], [0])["written"] == 1
     c = w.c
     host = c.alloc({s: 1 for s in SPACES})
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         t0 = time.monotonic()
         ack = c.l3_prefetch(["dl-0"], host, deadline_ms=1000, timeout=60)
@@ -693,7 +713,7 @@ def test_a_query_is_answered_at_its_deadline_while_the_master_hangs(l3_daemon, w
     w = worker(d, 12)
     assert w.put(["dq-0"], [0])["written"] == 1
     c = w.c
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         t0 = time.monotonic()
         assert c.l3_query(["dq-0"], timeout=60, deadline_ms=800) == 0
@@ -899,7 +919,7 @@ def test_a_hung_master_is_found_out_in_seconds_and_answered_at_once(l3_daemon, w
     down = metric(c, "hicache_l3_transitions_total", to="offline")
     late = metric(c, "hicache_l3_deadline_misses_total", op="prefetch")
     offline = metric(c, "hicache_l3_errors_total", kind="offline")
-    os.kill(store.master.pid, signal.SIGSTOP)
+    stop_process(store.master.pid)
     try:
         t0 = time.monotonic()
         ack = c.l3_prefetch(["hm-0"], host, deadline_ms=500, timeout=60)  # its call hangs
@@ -962,7 +982,7 @@ def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daem
     host = c.alloc({s: 3 for s in SPACES})
     one = [{s: host[s][i:i + 1] for s in SPACES} for i in range(3)]
     stalled = metric(c, "hicache_l3_errors_total", kind="stalled")
-    os.kill(store.member.pid, signal.SIGSTOP)
+    stop_process(store.member.pid)
     try:
         t0 = time.monotonic()
         ack = c.l3_prefetch(["hn-0"], one[0], deadline_ms=500, timeout=60)  # its call hangs
@@ -996,7 +1016,7 @@ def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daem
     assert same(w.page(5), w.page(1)) and same(w.page(6), before)
     assert c.call("stats", {"check": True})[0]["invariants"] == "ok"
 
-    os.kill(store.member.pid, signal.SIGSTOP)  # again, and stop the daemon meanwhile
+    stop_process(store.member.pid)  # again, and stop the daemon meanwhile
     try:
         c.l3_prefetch(["hn-0"], one[1], deadline_ms=500, timeout=60)
         t0 = time.monotonic()
