@@ -737,8 +737,9 @@ class Client(Completion, SparseCommands, L3Commands, KVStoreCommands):
         went before that reply was read, ``{"stopping": True, "gone": why}``: this socket
         drops what it had not read when the connection goes (``ZMQ_IMMEDIATE``;
         docs/reliability.md, section 7), so a reply that arrived as the daemon exited can be
-        lost, and a daemon gone is what was asked for. Unreachable or silent daemons raise as
-        any call does."""
+        lost, and a daemon gone is what was asked for ("gone" does not prove that this
+        command stopped it: its exit status does). Unreachable or silent daemons raise as any
+        call does."""
         try:
             return self.call("shutdown", timeout=timeout)[0]
         except GoneMidCall as e:
