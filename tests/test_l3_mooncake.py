@@ -41,8 +41,11 @@ def thread_states(pid: int) -> dict[str, str]:
     """Each thread's state letter (``/proc/PID/task/TID/stat``; "T": stopped)."""
     out = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            out[task] = f.read().rsplit(")", 1)[1].split()[0]
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                out[task] = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
     return out
 
 

@@ -51,8 +51,8 @@ SGLang's forward waits on its stream):
   command to the last one's completion). While the
   daemon's kernels run, the GPU time-slices between its context and the engine's (no MPS):
   the engine's events run at slice boundaries, so ``busy 2nd`` reads in steps of ~1.05 ms
-  (an H200, docs/perf.md, twentieth session). The start is recorded before the backup is
-  sent, on the idle stream, less the host time until the load's command (``busy_start``):
+  (an H200, docs/perf.md, twentieth session). The start is recorded before the first backup
+  is sent, on the idle stream, less the host time until the load's command (``busy_start``):
   a start recorded after it ran up to a slice late, a large share of a short load. The
   verified run checks the busy load's bytes too, into rows given fresh bytes first.
 
