@@ -55,6 +55,10 @@ TRANSPORT_MAX_FRAME = 2 * max(P.MAX_HEADER_BYTES, P.MAX_INDEX_BYTES)
 TRANSPORT_RCVHWM = 8
 # how long closing the socket at shutdown may wait for queued replies and acks to go out
 CLOSE_LINGER_MS = 1000
+# what a stopping daemon still answers: ``shutdown`` itself, and ``poll_acks`` (a query: an
+# engine waiting on its last acks gets them in the reply, which a channel's slot keeps, where
+# pushes unread when the socket closes are lost: docs/reliability.md, section 7)
+ANSWERED_WHILE_STOPPING = frozenset(("shutdown", "poll_acks"))
 _KEEP = 2 + P.MAX_INDEX_FRAMES  # identity, header, index frames
 _COPY_MAX = 64 << 10  # index frames up to this size are taken as bytes (cheaper than a Frame)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -388,7 +392,7 @@ class Server:
                 raise P.ProtocolError("bad_frame", refused)
             h, arrays = P.decode_request(body)
             cmd, rid = h["cmd"], h["id"]
-            if st.stopping and cmd != "shutdown":
+            if st.stopping and cmd not in ANSWERED_WHILE_STOPPING:
                 raise P.ProtocolError("shutting_down", "the daemon is stopping")
             fields, out = HANDLERS[cmd](st, c, h, arrays)
             reply = P.encode_reply(rid, fields, out)
@@ -515,7 +519,8 @@ class Server:
 
     # ------------------------------------------------------------------ shutdown
     def refuse_pending(self) -> None:
-        """Answer every request already waiting with ``shutting_down`` (state is stopping)."""
+        """Answer every request already waiting (state is stopping): ``shutting_down``, but
+        for ``ANSWERED_WHILE_STOPPING``."""
         self._channels()
         for _ in range(10_000):
             if not zmq.zmq_poll([(self.sock, _POLLIN)], 0):

@@ -202,8 +202,10 @@ class Completion:
                 try:
                     h, _ = self.call("poll_acks", {"ops": [op_id], "max": 1},
                                      timeout=max(0.1, deadline - now))
-                except CommandRefused:  # a stopping daemon pushes its last acks, then refuses
-                    a = self._acks.get(op_id)  # what waited (shutting_down): the ack came first
+                except CommandRefused:  # (a daemon before the fifty-seventh session pushed
+                    # its last acks at a stop, then refused the poll ``shutting_down``; a
+                    # stopping one answers it now): an ack read before the refusal still counts
+                    a = self._acks.get(op_id)
                     if a is not None:
                         return a
                     raise
