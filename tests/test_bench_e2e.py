@@ -113,6 +113,7 @@ def test_functional_run_on_cpu_verifies_every_loaded_byte():
     assert m["load_second_max_ms"] == max(runs["load_second"]) * 1e3  # the slowest run's
     assert m["busy_second_ms"] is None and m["busy_vs_solo"] is None  # GPU runs only
     assert m["engine_wait"] is None  # GPU runs only (the engine's probe steps)
+    assert m["idle_first_ms"] is None and runs["idle_first"] == []  # GPU runs only
     assert out["gpu_sharing"] == {"engine": "unknown", "daemon": "unknown"}  # no GPU at all
     # a heartbeat right after a load's reply: timed once per run, both mirrors
     assert len(out["sizes"]["2k"]["runs"]["cmd_during_load"]) == 2 and m["load_cmd_ms"] > 0
@@ -153,9 +154,12 @@ def test_summary_of_a_load_while_a_backup_streams():
     assert m["load_ratio"] == pytest.approx(0.2)
     assert m["busy_backup_end_ms"] == pytest.approx(13.0)
     assert m["busy_covered"] == pytest.approx(2 / 3)
+    assert m["idle_first_ms"] is None and m["idle_last_ms"] is None  # none taken
     out["busy_backup_end"] = []  # not measured (CPU): no figure, not a zero
+    out["idle_first"], out["idle_last"] = [0.003, 0.001, 0.002], [0.02, 0.01, 0.03]
     m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True)["summary"]
     assert m["busy_covered"] is None and m["busy_backup_end_ms"] is None
+    assert (m["idle_first_ms"], m["idle_last_ms"]) == (pytest.approx(2.0), pytest.approx(20.0))
 
 
 def test_the_busy_load_waits_for_its_backups_and_records_the_last_end(monkeypatch):
@@ -354,6 +358,9 @@ def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work(fence, 
         for kind in ("idle", "load", "backup"):
             assert w[kind]["steps"] >= 1
             assert 0 < w[kind]["p50_ms"] <= w[kind]["p99_ms"] <= w[kind]["max_ms"] < 5000
+        # a load after the daemon's busy-poll window, once per timed run
+        assert len(out[key]["2k"]["runs"]["idle_first"]) == 2
+        assert 0 < m["idle_first_ms"] <= m["idle_last_ms"]
 
 
 def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch):
@@ -653,10 +660,23 @@ def test_the_busy_backups_run_through_a_real_daemon_and_every_ack_is_awaited(dae
         assert out["busy_backup_end"] == [pytest.approx(
             max(s - t0 + acks[op.op_id].seconds for op, s in sent))]
         lay = build_layout(preset("dsv4-tiny"))
+
+        def landed() -> None:
+            for name, layers in pools.layers.items():
+                sp = lay.pools[name].index
+                for t in layers if sp in src else ():  # (request-slot pools: not loaded)
+                    assert torch.equal(t[src[sp]], t[dst[sp]]), name
+
+        landed()
+        # the idle load (its daemon side): after the quiet spell, the same load again
         for name, layers in pools.layers.items():
-            sp = lay.pools[name].index
-            for t in layers if sp in src else ():  # (request-slot pools: not loaded)
-                assert torch.equal(t[src[sp]], t[dst[sp]]), name
+            for t in layers if lay.pools[name].index in dst else ():
+                t[dst[lay.pools[name].index]] = 0
+        t0 = time.perf_counter()
+        e2e_measure.idle_load(out, c, items, None, False, 0.2)
+        assert time.perf_counter() - t0 >= 0.2
+        assert len(out["idle_first"]) == len(out["idle_last"]) == 1 and out["idle_last"][0] > 0
+        landed()
         for op, _ in sent + [(first, 0.0)]:
             c.free(op.rows)
         c.unregister()

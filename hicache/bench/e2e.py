@@ -54,7 +54,11 @@ SGLang's forward waits on its stream):
   (an H200, docs/perf.md, twentieth session). The start is recorded before the first backup
   is sent, on the idle stream, less the host time until the load's command (``busy_start``):
   a start recorded after it ran up to a slice late, a large share of a short load. The
-  verified run checks the busy load's bytes too, into rows given fresh bytes first.
+  verified run checks the busy load's bytes too, into rows given fresh bytes first;
+* (GPU) the same load once more in each run, sent after nothing was sent for the daemon's
+  busy-poll window and 20 ms (``idle_first_ms``, ``idle_last_ms``, columns ``idle 1st`` and
+  ``idle last``): the other loads are timed back to back, inside that window, where the
+  daemon's loop never sleeps; an engine's first load after a quiet spell wakes it.
 
 ``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
@@ -108,8 +112,9 @@ from hicache.bench.e2e_checkpoint import one_size_ckpt
 from hicache.bench.e2e_engine import KINDS, new_waits, probe_rounds
 from hicache.bench.fence import Fenced
 from hicache.kernels.sharing import gpu_sharing
-from hicache.bench.e2e_measure import (BUSY_BACKUPS, FIGURES, INPROC_CTAS, busy_start,
-                                       inproc_into, layer_compare, layers_checked_load,
+from hicache.bench.e2e_measure import (BUSY_BACKUPS, FIGURES, IDLE_MARGIN_S, INPROC_CTAS,
+                                       busy_start, idle_load, inproc_into, layer_compare,
+                                       layers_checked_load,
                                        load_into, load_while_busy, scramble, stream_backups,
                                        summarize, untouched)
 
@@ -362,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
                   # MPS or time slices: this process's (the engine's) and the daemon's
                   "gpu_sharing": {"engine": gpu_sharing(dev.index if cuda else None)[0],
                                   "daemon": c.stats().get("gpu_sharing")}}
+        # an idle load per timed run (GPU): sent once the daemon's loop sleeps again
+        idle_s = (result["daemon_spin_us"] or 0) * 1e-6 + IDLE_MARGIN_S if cuda else 0.0
         mirrors = parse_mirrors(args.mirror)
         for mirror in mirrors:
             key = "sizes" if mirror == "full" else "checkpoints"
@@ -377,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
                 measure(sender, pools, layout, n, 1, rng, local, limit, cuda, dev, probe=False,
                         order=args.device_order)
                 result[key][s] = measure(sender, pools, layout, n, args.runs, rng, local, limit,
-                                         cuda, dev, order=args.device_order)
+                                         cuda, dev, order=args.device_order, idle_s=idle_s)
                 # the daemon's handling times: extra solo runs (no load beside a backup, no
                 # probe) between two stats readings; none taken during the timed runs, where a
                 # stats call before a load slowed its first layer (H200, twenty-ninth session)
@@ -481,7 +488,7 @@ def _local(layout: Layout, rows: dict[str, int], pools: DevicePools, dev: torch.
 def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
              rng: np.random.Generator, local: Any, limit: dict[str, float], cuda: bool,
              dev: torch.device, probe: bool = True, busy: bool = True,
-             order: str = "random") -> dict[str, Any]:
+             order: str = "random", idle_s: float = 0.0) -> dict[str, Any]:
     spaces = ("page", "swa_page")
     nbytes = sum(p.page_bytes * p.num_layers * n for p in layout.pools.values()
                  if p.index in spaces)
@@ -541,6 +548,8 @@ def one_size(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                                     None) for m in names}, dev))
             check()
         verified = True
+        if cuda and idle_s:  # the same load once the daemon's loop slept
+            idle_load(out, c, items, stream, cuda, idle_s)
         if local is not None:
             inproc_into(out, local, layout, items, dev,
                         None if check is None else ({sp: (src[sp], host[sp]) for sp in host},
@@ -589,7 +598,8 @@ def _table(result: dict[str, Any]) -> None:
           f"{'load GB/s':>9} "
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'busy 2nd':>8} {'covered':>7} "
-          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7} {'host run':>8}")
+          f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7} {'host run':>8} "
+          f"{'idle 1st':>8} {'idle last':>9}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -603,14 +613,17 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['busy_second_ms']):>8} {f(m.get('busy_covered')):>7} "
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7} "
-                  f"{m.get('host_mean_run', 0):8.1f}")
+                  f"{m.get('host_mean_run', 0):8.1f} {f(m.get('idle_first_ms')):>8} "
+                  f"{f(m.get('idle_last_ms')):>9}")
     _engine_table(result)
     if any(r["summary"]["busy_second_ms"] is not None
            for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):
         print("busy 2nd: GPU events of the engine's stream, which run at the GPU's time-slice "
               "boundaries (~1 ms) while the daemon's kernels run: steps, not the command's "
               "time (docs/perf.md); covered: the share of busy runs whose backup was still "
-              "running when the load's last layer was ready")
+              "running when the load's last layer was ready; idle 1st / last: ms to the first "
+              "and last layer of a load sent once the daemon's loop slept past its busy-poll "
+              "window")
 
 
 def _engine_table(result: dict[str, Any]) -> None:

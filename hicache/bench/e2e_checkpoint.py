@@ -45,7 +45,7 @@ from hicache.kernels.tables import TokenFormat
 def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: int,
                   rng: np.random.Generator, local: Any, limit: dict[str, Any], cuda: bool,
                   dev: torch.device, probe: bool = True, busy: bool = True,
-                  order: str = "random") -> dict[str, Any]:
+                  order: str = "random", idle_s: float = 0.0) -> dict[str, Any]:
     resume = ResumeModel(layout)
     if resume.checkpoint_space != "swa_page":
         raise RuntimeError("the checkpoints mirror bench needs paged SWA")
@@ -106,6 +106,8 @@ def one_size_ckpt(c: Client, pools: DevicePools, layout: Layout, n: int, runs: i
                 pools, layout, _pairs(resume, src, dst, int(sp[0]), int(sp[1])), dev))
             check()
         verified = True
+        if cuda and idle_s:  # the same load once the daemon's loop slept
+            e2e.idle_load(out, c, load, stream, cuda, idle_s)
         if local is not None:
             e2e.inproc_into(out, local, layout, load, dev,
                             None if check is None else (items, again, check))

@@ -30,6 +30,8 @@ load by the kernels in-process, and the per-size summary.
   its send time. ``load_while_busy(out, c, items, stream, cuda, begun, backups)``: the same
   timed load while those backups stream; its second and last layer go to ``out``, then the
   end of the last backup (every ack awaited).
+* ``idle_load(out, c, items, stream, cuda, idle_s)``: the same timed load after ``idle_s``
+  with nothing sent (past the daemon's busy-poll window): its first and last layer.
 * ``summarize(out, n, nbytes, limit, cuda, verified, waits)``: medians of ``FIGURES`` (and
   the slowest run's second layer), GB/s, ratios to the limit, and (``waits``, GPU) the
   engine's probe steps per kind (``e2e_engine``: ``engine_wait``); empties ``REPLY`` and
@@ -56,7 +58,10 @@ INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the
 # legacy default stream takes no copy-engine batches: they would go through a fenced side stream)
 _INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
-           "busy_second", "busy_last", "busy_backup_end", "cmd_during_load")
+           "busy_second", "busy_last", "busy_backup_end", "cmd_during_load", "idle_first",
+           "idle_last")
+# an idle load waits this much past the daemon's busy-poll window: its loop sleeps in poll
+IDLE_MARGIN_S = 0.02
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
 REPLY: list[float] = []  # command -> reply of each solo timed GPU load (the daemon's issue time)
 now = time.perf_counter
@@ -101,6 +106,9 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         "busy_covered": (sum(b >= t for b, t in zip(out["busy_backup_end"], out["busy_last"]))
                          / len(out["busy_backup_end"])) if out["busy_backup_end"] else None,
         "load_cmd_ms": med["cmd_during_load"] * 1e3 if out["cmd_during_load"] else None,
+        # a load sent once the daemon's loop had slept past its busy-poll window (``idle_load``)
+        "idle_first_ms": med["idle_first"] * 1e3 if out["idle_first"] else None,
+        "idle_last_ms": med["idle_last"] * 1e3 if out["idle_last"] else None,
         "verified": verified,
         "engine_wait": {k: wait_stats(v) for k, v in waits.items()} if waits else None,
     }
@@ -125,6 +133,19 @@ def load_into(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
         check()
     if busy:
         out["cmd_during_load"].append(command_during_load(c, items))
+
+
+def idle_load(out: dict[str, list[float]], c: Client, items: dict[str, tuple], stream: Any,
+              cuda: bool, idle_s: float) -> None:
+    """``timed_load`` of ``items`` after ``idle_s`` with nothing sent (the daemon's busy-poll
+    window and ``IDLE_MARGIN_S``): what an engine's first load after a quiet spell sees, whose
+    request wakes a sleeping loop. Its first and last layer go to ``out``."""
+    if cuda:
+        stream.synchronize()
+    time.sleep(idle_s)
+    t = timed_load(c, items, stream, cuda)
+    out["idle_first"].append(t.first)
+    out["idle_last"].append(t.last)
 
 
 Pairs = dict[str, tuple[list[int], list[int], Optional[list[tuple[int, int]]]]]
