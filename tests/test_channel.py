@@ -955,7 +955,7 @@ def test_a_stopping_daemon_answers_poll_acks_with_the_acks_it_pushed() -> None:
             assert c.uses_channel
             rows = c.alloc({"page": 64, "swa_page": 64})
             ops = [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
-                   for _ in range(100)]
+                   for _ in range(30)]
             assert c.call("shutdown", {})[0]["stopping"] is True
             assert c.uses_channel
             h, _ = c.call("poll_acks", {"ops": [ops[-1].op_id], "max": 1}, timeout=30.0)
