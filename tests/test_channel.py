@@ -930,7 +930,7 @@ def test_a_refusal_read_from_the_slot_comes_after_the_acks_pushed_before_it() ->
             assert c.uses_channel
             rows = c.alloc({"page": 64, "swa_page": 64})
             ops = [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
-                   for _ in range(300)]  # ~3 s of copies queued
+                   for _ in range(100)]  # ~1 s of copies queued
             os.kill(d.pid, signal.SIGTERM)
             assert c.wait_ack(ops[-1], timeout=30.0).ok
             assert d.proc.wait(30) == 128 + signal.SIGTERM
