@@ -12,7 +12,7 @@ setup:
 # it) reads cached bytecode but never writes it, so each Python process compiled them again:
 # ~0.5 s of CPU per daemon start on a 2-core VM, and the suite starts ~300 daemons
 bytecode: setup
-	@$(PY) -m compileall -q -j 0 hicache controllers kernels host_pools tests scripts examples >/dev/null
+	@$(PY) -m compileall -q -j 0 hicache controllers kernels host_pools tests scripts examples
 
 demo: setup bytecode
 	$(PY) -m hicache.cli demo $(ARGS)
