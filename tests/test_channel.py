@@ -917,9 +917,9 @@ def test_a_refusal_read_from_the_slot_comes_after_the_acks_pushed_before_it() ->
     slot too. The slot's refusal overtook the pushes, and ``wait_ack`` raised for an op that
     had completed (client review). A refusal read from the slot is raised only after the
     socket was read up to its ZMQ copy; but pushes the engine had not read when the socket
-    closed are lost (docs/reliability.md, section 7: a full local run of the suite failed here so). Since
-    the fifty-seventh session a stopping daemon answers ``poll_acks`` (the next test): the ack
-    comes in the reply."""
+    closed are lost (docs/reliability.md, section 7: a full local run of the suite failed
+    here so). Since the fifty-seventh session a stopping daemon answers ``poll_acks`` (the
+    next test): the ack comes in the reply."""
     layout = build_layout(preset("dsv4-tiny"))
     with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
                        heartbeat_timeout=10.0, extra=("--spin-us", "2000")) as d, \
