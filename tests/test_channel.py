@@ -31,7 +31,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -920,22 +920,10 @@ def test_a_refusal_read_from_the_slot_comes_after_the_acks_pushed_before_it() ->
     closed are lost (docs/reliability.md, section 7: a full local run of the suite failed
     here so). Since the fifty-seventh session a stopping daemon answers ``poll_acks`` (the
     next test): the ack comes in the reply."""
-    layout = build_layout(preset("dsv4-tiny"))
-    with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
-                       heartbeat_timeout=10.0, extra=("--spin-us", "2000")) as d, \
-            DevicePools(layout, ROWS, device="cpu") as pools:
-        c = d.client(timeout=30.0)
-        try:
-            c.register(pools)
-            assert c.uses_channel
-            rows = c.alloc({"page": 64, "swa_page": 64})
-            ops = [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
-                   for _ in range(100)]  # ~1 s of copies queued
-            os.kill(d.pid, signal.SIGTERM)
-            assert c.wait_ack(ops[-1], timeout=30.0).ok
-            assert d.proc.wait(30) == 128 + signal.SIGTERM
-        finally:
-            c.close()
+    with _copies_queued(100) as (d, c, ops):  # ~1 s of copies
+        os.kill(d.pid, signal.SIGTERM)
+        assert c.wait_ack(ops[-1], timeout=30.0).ok
+        assert d.proc.wait(30) == 128 + signal.SIGTERM
 
 
 def test_a_stopping_daemon_answers_poll_acks_with_the_acks_it_pushed() -> None:
@@ -944,23 +932,30 @@ def test_a_stopping_daemon_answers_poll_acks_with_the_acks_it_pushed() -> None:
     reply, through the slot, carries the last op's ack, which a push may have lost (it was
     refused ``shutting_down`` before the fifty-seventh session, as every other command still
     is)."""
+    with _copies_queued(30, "--allow-shutdown") as (d, c, ops):
+        assert c.call("shutdown", {})[0]["stopping"] is True
+        assert c.uses_channel
+        h, _ = c.call("poll_acks", {"ops": [ops[-1].op_id], "max": 1}, timeout=30.0)
+        (ack,) = h["acks"]
+        assert (ack["op"], ack["status"], h["in_flight"]) == (ops[-1].op_id, "ok", 0)
+        assert d.proc.wait(30) == 0
+
+
+@contextlib.contextmanager
+def _copies_queued(n: int, *extra: str) -> Iterator[tuple[DaemonProcess, Any, list[Any]]]:
+    """A spinning CPU daemon (``extra``: more of its flags), a client registered through a
+    channel, and ``n`` backups of 64 pages per space sent (their ops); the client is closed
+    after."""
     layout = build_layout(preset("dsv4-tiny"))
     with DaemonProcess(device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
-                       heartbeat_timeout=10.0,
-                       extra=("--spin-us", "2000", "--allow-shutdown")) as d, \
+                       heartbeat_timeout=10.0, extra=("--spin-us", "2000", *extra)) as d, \
             DevicePools(layout, ROWS, device="cpu") as pools:
         c = d.client(timeout=30.0)
         try:
             c.register(pools)
             assert c.uses_channel
             rows = c.alloc({"page": 64, "swa_page": 64})
-            ops = [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
-                   for _ in range(30)]
-            assert c.call("shutdown", {})[0]["stopping"] is True
-            assert c.uses_channel
-            h, _ = c.call("poll_acks", {"ops": [ops[-1].op_id], "max": 1}, timeout=30.0)
-            (ack,) = h["acks"]
-            assert (ack["op"], ack["status"], h["in_flight"]) == (ops[-1].op_id, "ok", 0)
-            assert d.proc.wait(30) == 0
+            yield d, c, [c.backup({s: (list(range(64)), rows[s]) for s in ("page", "swa_page")})
+                         for _ in range(n)]
         finally:
             c.close()
