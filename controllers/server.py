@@ -1,30 +1,32 @@
 """The daemon's ZMQ loop: ROUTER socket in, handler table, replies and pushed acks out.
 
-One thread owns the socket. Each turn: handle the requests waiting (decode -> handler ->
-reply, up to ``BATCH``), deliver the acks of operations the engine completed (the engine wakes
-the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of the heartbeat
-timeout when that is shorter) reap clients silent for longer than the heartbeat timeout, up
-to the last time the loop had read every request that waited (``catch_up``: a loop that stood
-still reaps nobody for it), bind an ipc socket file removed meanwhile again (while the
-daemon holds the socket's lock), and refresh the gauges. Local clients may also send through a
-shared-memory channel (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
+One thread owns the socket. Each turn: take the requests waiting off it (up to ``BATCH``), then
+handle them (decode -> handler -> reply), deliver the acks of operations the engine completed
+(the engine wakes the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of
+the heartbeat timeout when that is shorter) reap clients silent for longer than the heartbeat
+timeout, up to the last time the loop had read every request that waited (``catch_up``: a loop
+that stood still reaps nobody for it; each pass scans the channels before it reaps), bind an
+ipc socket file removed meanwhile again (while the daemon holds the socket's lock), and refresh
+the gauges. Local clients may also send through a shared-memory channel
+(``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
 sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
 socket one, its reply written to the channel's slot and sent over the socket too. While the
-engine is idle the loop waits on the socket (and that wake-up socket) alone. With
-``spin_us`` > 0 it busy-polls that long after the last request before blocking again: CPU
-traded for the wake-up latency of the next request (worth it on a dedicated core, a loss on an
-oversubscribed one), except while the scheduler's issuer thread issues a load's later layers:
-then the loop blocks on the socket and the wake-up pipe, so the GIL stays with the issuer until
-a request or a completion comes. Under CURVE each client key has a name (its file in the
-clients directory) and a client is bound to the key that first spoke for it
-(``Registry.touch``). Nothing per command is logged (the hot path stays lean); failures are
-counted in metrics, and internal errors are logged with their traceback.
+engine is idle the loop waits on the socket (and that wake-up socket) alone. With ``spin_us`` >
+0 it busy-polls that long after the last request before blocking again: CPU traded for the
+wake-up latency of the next request (worth it on a dedicated core, a loss on an oversubscribed
+one), except while the scheduler's issuer thread issues a load's later layers: then the loop
+blocks on the socket and the wake-up pipe, so the GIL stays with the issuer until a request or
+a completion comes. Under CURVE each client key has a name (its file in the clients directory)
+and a client is bound to the key that first spoke for it (``Registry.touch``). Nothing per
+command is logged (the hot path stays lean); failures are counted in metrics, and internal
+errors are logged with their traceback.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -150,6 +152,8 @@ class Server:
         self.sock = router_socket(self.ctx)
         self.auth: Any = None
         self.user: str | None = None  # CURVE: name of the key that sent the current message
+        # requests taken off the socket and not handled yet: (frames, refusal, CURVE key name)
+        self._taken: deque[tuple[list[Any], str | None, str | None]] = deque()
         if curve is not None:  # CURVE server; the ZAP handler admits listed client keys only
             public, secret, clients = curve
             state.curve_keys = {name: key.decode() for key, name in key_names(clients).items()}
@@ -251,12 +255,12 @@ class Server:
                 got = bool(zmq_poll(items, 0))
                 if got:
                     self._request()
+                else:  # (a channel's request waiting then is read before the next reap)
+                    catch.empty(now)
                 if chans and self._channels():
                     got = True
                 if got:
                     last = time.perf_counter()
-                else:
-                    catch.empty(now)
                 if not st.idle():
                     st.collect()
                 self.send_acks()
@@ -264,13 +268,13 @@ class Server:
             wake = self._wake_sock()
             if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
                 ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)], 100)
-                if not ready:
+                if sock not in [r[0] for r in ready]:
                     catch.empty(now)
-                elif self._woken(ready, wake):
+                if ready and self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
             events = dict(self.poller.poll(100))
-            if sock not in events and (wake is None or wake.fd not in events):
+            if sock not in events:
                 catch.empty(now)
             if events and self._woken(events, wake):
                 last = time.perf_counter()
@@ -327,35 +331,48 @@ class Server:
         return True
 
     def _request(self) -> None:
-        """Handle the requests waiting now, at most ``BATCH``: after each, the socket's
-        ``EVENTS`` says whether another one is queued (no poll, no ``zmq.Again`` raised), and
-        the channels are scanned (a busy socket does not hold their requests back). When the
-        socket is found empty, every request that waited was read (``catch``)."""
-        recv, handle, events, st = self._recv, self._handle, self.sock.get, self.state
-        chans, clock, catch = st.registry.channels, time.monotonic, self.catch
-        clients = st.registry.clients
-        for _ in range(BATCH):
-            try:
-                frames, err = recv()
-            except zmq.Again:
-                return
-            catch.read()
+        """Take the requests waiting now off the socket, at most ``BATCH`` (the socket's
+        ``EVENTS`` says whether another one is queued: no poll, no ``zmq.Again`` raised), then
+        handle them in order, the channels scanned after each (a busy socket does not hold
+        their requests back). When the socket was found empty, every request that waited then
+        was read, and is handled when this returns (``catch``): taken first, a request a long
+        command holds back is read before the next one can come (one client sending long
+        commands back to back never kept the loop from catching up). Requests taken when a
+        handler starts the stop are left in ``taken`` for ``refuse_pending``."""
+        handle, events, st, taken = self._handle, self.sock.get, self.state, self._taken
+        chans, clients, catch = st.registry.channels, st.registry.clients, self.catch
+        empty_at = None
+        if not taken:
+            recv, clock = self._recv, time.monotonic
+            while len(taken) < BATCH:
+                t = clock()
+                if not events(_EVENTS) & _POLLIN:
+                    empty_at = t
+                    break
+                try:
+                    taken.append(recv())
+                except zmq.Again:  # (not after POLLIN; as a poll that woke for nothing)
+                    empty_at = t
+                    break
+                catch.read()
+        while taken:
+            frames, err, user = taken.popleft()
+            if user is not None:  # (what the socket said of this message's sender)
+                self.user = user
             if chans and (c := clients.get(frames[0])) is not None and c.channel is not None:
                 # a request its channel still holds is older (a client writes its slot only
                 # while no reply is due, and goes over ZMQ after a call through it timed out):
                 # it runs first, so one client's commands run in the order it sent them
-                user = self.user  # (what the socket said of this message's sender)
+                user = self.user
                 self._channel(c)
                 self.user = user
             handle(frames, err)
             if chans:  # a turn for each channel between two socket requests, as ZMQ's fair
                 self._channels()  # queueing gives each of its peers
-            seen = clock()
             if st.stopping:
                 return
-            if not events(_EVENTS) & _POLLIN:
-                catch.empty(seen)
-                return
+        if empty_at is not None:
+            catch.empty(empty_at)
 
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
         """One message to ``ident``: its frames, NOBLOCK (False: peer gone or its queue full;
@@ -370,11 +387,8 @@ class Server:
             return False
         return True
 
-    def _recv(self) -> tuple[list[bytes], str | None]:
-        frames, refused, user = recv_request(self.sock, self.auth is not None)
-        if user is not None:
-            self.user = user
-        return frames, refused
+    def _recv(self) -> tuple[list[bytes], str | None, str | None]:
+        return recv_request(self.sock, self.auth is not None)
 
     def _handle(self, frames: list[Any], refused: str | None = None,
                 chan: tuple[Any, int] | None = None) -> None:
@@ -458,10 +472,16 @@ class Server:
             st.metrics.inc("acks_dropped")
 
     def _housekeeping(self, now: float) -> None:
-        """Reap the clients silent past the heartbeat timeout up to the last time the loop had
-        read every request waiting (``catch``), check the socket file is still ours, take the
-        channels' requests a wake-up missed, refresh gauges."""
+        """Take the channels' requests a wake-up missed, reap the clients silent past the
+        heartbeat timeout up to the last time the loop had found its socket empty (``catch``),
+        check the socket file is still ours, refresh gauges. The channels are scanned before
+        the reap, so a channel request that waited when the socket was found empty was read
+        (one per channel: a client writes its slot only while no reply is due) and its client
+        is not silent; the loop marks its catch-ups by the socket alone."""
         st = self.state
+        if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
+            st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
+            self._channels()
         self.catch.tick(now)
         for c in st.registry.silent(self.catch.at, st.heartbeat_timeout):
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
@@ -469,9 +489,6 @@ class Server:
                 st.metrics.inc("clients_reaped")
         if self.ipc_path is not None:
             self._check_socket_file()
-        if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
-            st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
-            self._channels()
         st.refresh_gauges()
 
     def _check_socket_file(self) -> None:
@@ -523,7 +540,7 @@ class Server:
         for ``ANSWERED_WHILE_STOPPING``."""
         self._channels()
         for _ in range(10_000):
-            if not zmq.zmq_poll([(self.sock, _POLLIN)], 0):
+            if not self._taken and not zmq.zmq_poll([(self.sock, _POLLIN)], 0):
                 return
             self._request()
 

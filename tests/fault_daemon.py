@@ -7,6 +7,10 @@
   the server thread first, as a put of gigabytes does on a slow host.
 * ``slow_l3_reads=SECONDS``: every Mooncake read (``batch_get_*``, ``batch_is_exist``) sleeps
   that long on its L3 worker first, as against a slow or hung storage node.
+* ``slot_after_scan``: the housekeeping pass's scan of the channels finds nothing, so a request
+  written to a slot without a wake-up is still unread when that pass reaps its client (a
+  request written between the scan and the reap: a window of microseconds, widened to the
+  whole pass).
 * ``reap_on_sigusr1``: after a SIGUSR1 the daemon's next silence check finds every client
   silent (once), so the real reap runs at a moment the test picks, under a long heartbeat
   timeout (a short one reaps a test's own client when a loaded machine pauses it).
@@ -73,6 +77,19 @@ def _install(fault: str) -> None:
             return call(self, fn, *a, **k)
 
         l3_store.MooncakeL3._call = slow_call
+    elif name == "slot_after_scan":
+        from hicache.controllers import server
+
+        house = server.Server._housekeeping
+
+        def blind(self: Any, now: float) -> None:
+            self._channels = lambda: False  # (an instance attribute hides the method)
+            try:
+                house(self, now)
+            finally:
+                del self._channels
+
+        server.Server._housekeeping = blind
     elif name == "reap_on_sigusr1":
         import signal
 

@@ -535,53 +535,81 @@ def test_unregister_and_reap_drop_the_channel_on_both_sides(spinning) -> None:
         c.close()
 
 
-def test_a_request_the_daemon_dropped_unread_with_the_channel_goes_again_over_zmq(
-        spinning, monkeypatch) -> None:
-    """The daemon reaps a client whose request waits unread in its channel: the client was
-    silent almost up to the heartbeat timeout, then put a request in the slot without a
-    wake-up, so the sleeping daemon first looks at the slot in the housekeeping pass that reaps
-    the client (which closes the channel) before it scans. The closed channel says the
-    request was left unread, and the client sends it again over ZMQ at once, where the daemon
-    answers it, instead of waiting out its timeout. (When the reaping pass comes before the
-    request is written, the request goes over ZMQ from the start; when a pass comes late and
-    reads it first, it is answered as usual: tried again, at most 6 times.)"""
+def _silent_then_unrung(c: Any, pools: Any, monkeypatch: Any, registered: bool) -> Any:
+    """Register ``c`` unless ``registered``, stay silent almost up to the heartbeat timeout (2 s),
+    then put a heartbeat in the channel's slot without a wake-up: the sleeping daemon first
+    looks at the slot in a housekeeping pass. Passes come every 0.5 s on the 0.1 s poll ticks
+    that follow the client's last request: the one that reaps comes 2.1-2.5 s after the
+    request, the one before 1.6-2.0 s; the heartbeat goes in between. Returns (its reply,
+    seconds it took, requests sent before it)."""
+    if not registered:
+        c.register(pools)
+    end = c._chan
+    assert end is not None
+    monkeypatch.setattr(end, "ring", lambda: None)  # the daemon sleeps through it
+    silent_from = time.monotonic()
+    time.sleep(2.05 - (time.monotonic() - silent_from))
+    sent = c.sent
+    t = time.perf_counter()
+    h = c.heartbeat(timeout=8)
+    return h, time.perf_counter() - t, sent
+
+
+def test_a_request_waiting_in_the_slot_is_read_before_the_reap(spinning, monkeypatch) -> None:
+    """A client silent almost up to the heartbeat timeout whose request then waits in its slot
+    unread (no wake-up) is not reaped: the housekeeping pass scans the channels before it
+    reaps, so the request is answered and its client has spoken (the reap used to come first,
+    closing the channel under the request)."""
     d, pools = spinning
     c = d.client(reply_spin_us=0)
     try:
-        registered = False
-        for _ in range(6):
-            if not registered:
-                c.register(pools)
-            end = c._chan
-            assert end is not None
-            monkeypatch.setattr(end, "ring", lambda: None)  # the daemon sleeps through it
-            # housekeeping passes come every 0.5 s on the 0.1 s poll ticks that follow the
-            # client's last request, and count silence up to the start of the last poll that
-            # found nothing: the one that reaps comes 2.1-2.5 s after the request, the one
-            # before 1.6-2.0 s: the request goes in between, unread until the reap
-            silent_from = time.monotonic()
-            time.sleep(2.05 - (time.monotonic() - silent_from))
-            sent = c.sent
-            t = time.perf_counter()
-            h = c.heartbeat(timeout=8)
-            took = time.perf_counter() - t
-            # the reaping pass comes within 0.5 s, the ZMQ copy at once: well before the 8 s
-            # timeout (a loaded machine's late tick leaves the margin to spare)
-            assert took < 6.0, took
-            registered = h["registered"]
-            if registered:  # a pass before the reap read it (a loaded machine's late tick)
-                continue
-            assert h["reaped"] and not c.uses_channel
-            if c.sent == sent + 2:  # once in the slot, once over ZMQ
-                break
-            assert c.sent == sent + 1  # the channel was closed before it was written
-        else:
-            raise AssertionError("the reap came before the request every time")
-        c.register(pools)  # as after any reap: registered again, with a new channel
-        assert c.uses_channel and c.heartbeat()["registered"]
+        for i in range(2):
+            h, took, sent = _silent_then_unrung(c, pools, monkeypatch, i > 0)
+            assert h["registered"] and not h.get("reaped"), h
+            assert c.uses_channel and c.sent == sent + 1  # once, in the slot
+            assert took < 3.0, took  # read by the next pass (0.5 s; a loaded machine's late tick)
         c.unregister()
     finally:
         c.close()
+
+
+def test_a_request_the_daemon_dropped_unread_with_the_channel_goes_again_over_zmq(
+        monkeypatch) -> None:
+    """The daemon reaps a client whose request waits unread in its channel (written between
+    the housekeeping pass's scan of the channels and its reap: ``slot_after_scan`` widens that
+    window to the whole pass). The closed channel says the request was left unread, and the
+    client sends it again over ZMQ at once, where the daemon answers it, instead of waiting
+    out its timeout. (When the reaping pass comes before the request is written, the request
+    goes over ZMQ from the start; when a pass comes late and reads it first, it is answered as
+    usual: tried again, at most 6 times.)"""
+    from fault_daemon import faulty
+
+    layout = build_layout(preset("dsv4-tiny"))
+    with faulty("slot_after_scan", device="cpu", preset="dsv4-tiny", device_rows=DEV_ROWS,
+                heartbeat_timeout=2.0, extra=("--spin-us", "2000")) as d, \
+            DevicePools(layout, ROWS, device="cpu") as pools:
+        c = d.client(reply_spin_us=0)
+        try:
+            registered = False
+            for _ in range(6):
+                h, took, sent = _silent_then_unrung(c, pools, monkeypatch, registered)
+                # the reaping pass comes within 0.5 s, the ZMQ copy at once: well before the
+                # 8 s timeout (a loaded machine's late tick leaves the margin to spare)
+                assert took < 6.0, took
+                registered = h["registered"]
+                if registered:  # a pass before the reap read it (a loaded machine's late tick)
+                    continue
+                assert h["reaped"] and not c.uses_channel
+                if c.sent == sent + 2:  # once in the slot, once over ZMQ
+                    break
+                assert c.sent == sent + 1  # the channel was closed before it was written
+            else:
+                raise AssertionError("the reap came before the request every time")
+            c.register(pools)  # as after any reap: registered again, with a new channel
+            assert c.uses_channel and c.heartbeat()["registered"]
+            c.unregister()
+        finally:
+            c.close()
 
 
 def test_the_taken_word_says_which_request_a_closed_channel_left_unread(handout) -> None:

@@ -70,13 +70,15 @@ def test_clients_whose_requests_waited_through_a_stopped_loop_are_not_reaped(
         assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
 
 
-def _slow_puts(delay: float, keys: int) -> Any:
+def _slow_puts(delay: float, keys: int, spin: bool = False) -> Any:
     """A CPU daemon whose key-store copies each hold the loop ``delay`` s first (a put of
-    gigabytes on a slow host: the copy itself is too fast here to hold it that long)."""
+    gigabytes on a slow host: the copy itself is too fast here to hold it that long);
+    ``spin``: it busy-polls 2 ms after a request (and so offers channels)."""
     from fault_daemon import faulty
     return faulty(f"slow_kv_copy={delay}", preset="dsv4-tiny",
                   device_rows=f"page=4,swa_page={keys},req_slot=4", host=("--host-ratio", "1.25"),
-                  heartbeat_timeout=0.5, metrics_port=0, extra=TINY)
+                  heartbeat_timeout=0.5, metrics_port=0,
+                  extra=TINY + (("--spin-us", "2000") if spin else ()))
 
 
 def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client() -> None:
@@ -98,27 +100,58 @@ def test_a_command_that_held_the_loop_past_the_timeout_does_not_reap_its_client(
             pool.close()
 
 
-def test_a_gone_client_is_reaped_while_another_keeps_the_loop_busy() -> None:
-    """Long puts back to back: the loop stands still most of the time, but it reads everything
-    that waits between two of them, and a client that went silent is reaped all the same (the
-    diff review of the first version, which skipped the reap after every long turn: never)."""
+@pytest.mark.parametrize("channel", [False, True], ids=["socket", "channel"])
+def test_a_gone_client_is_reaped_while_others_keep_the_loop_busy(channel: bool) -> None:
+    """Long puts back to back from two clients: the loop stands still most of the time, and
+    one client's put always waits while the other's runs, yet a client that went silent is
+    reaped meanwhile, not once the puts stop (CI, 2026-12-07: with one busy client whose next
+    put won the race to the socket, the loop never found it empty and reaped nobody; the diff
+    review of the first version, which skipped the reap after every long turn: never).
+
+    * Over the socket, the loop takes what waits off it before handling any of it: the
+      socket is found empty before each long put runs, as neither client can send again
+      before its reply.
+    * Through channels (one request each), the reap scans them first: a socket found empty
+      is a catch-up whatever the channels held."""
     keys = 4
-    with _slow_puts(0.3, keys) as d:  # each put a long turn (over ``server.STALL_S``)
+    with _slow_puts(0.3, keys, spin=channel) as d:  # each put a long turn (> ``STALL_S``)
         with d.client() as c:
             sw = Layout.from_dict(c.heartbeat(full=True)["layout"]).pools["swa_kv"]
         gone = d.client(name="gone")
         row = gone.alloc({"page": 1})["page"]
-        pool = EnginePool(sw.num_layers, keys, sw.page_bytes, page_first=True, seed=5)
+        pools = [EnginePool(sw.num_layers, keys, sw.page_bytes, page_first=True, seed=5 + i)
+                 for i in range(2)]
+        errors: list[BaseException] = []
+        puts = [0, 0]
+        stop = threading.Event()
+
+        def busy(i: int) -> None:
+            try:
+                with d.client(name=f"busy{i}") as b:
+                    assert b.channel() == channel and b.uses_channel == channel
+                    pools[i].attach(b, "swa", "swa_kv", ns=NS)
+                    while not stop.is_set():  # new keys each time (a stored one is not copied)
+                        puts[i] += 1
+                        b.kv_put("swa", [f"b{i}-{puts[i]}-{k}" for k in range(keys)],
+                                 list(range(keys)), timeout=60)
+            except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+                errors.append(e)
+
+        threads = [threading.Thread(target=busy, args=(i,)) for i in range(2)]
         try:
-            with d.client(name="busy") as busy:
-                pool.attach(busy, "swa", "swa_kv", ns=NS)
-                end, n = time.monotonic() + 2.0, 0  # 4 heartbeat timeouts
-                while time.monotonic() < end:  # new keys each time (a stored one is not copied)
-                    n += 1
-                    busy.kv_put("swa", [f"k{n}-{i}" for i in range(keys)], list(range(keys)),
-                                timeout=60)
-                with pytest.raises(CommandRefused, match="silent for"):  # reaped meanwhile
-                    gone.free({"page": row})
+            for t in threads:
+                t.start()
+            time.sleep(2.0)  # 4 heartbeat timeouts of long puts
+            assert not errors, errors[0]
+            assert min(puts) >= 2, puts  # both keep the loop busy, and still do
+            with pytest.raises(CommandRefused, match="silent for"):  # reaped meanwhile
+                gone.free({"page": row})
+            assert all(t.is_alive() for t in threads)  # (the puts ran all along)
         finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
             gone.close()
-            pool.close()
+            for p in pools:
+                p.close()
+        assert not errors, errors[0]

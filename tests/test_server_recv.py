@@ -74,7 +74,7 @@ def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
         d.connect(srv.endpoint)
         d.send_multipart([b"hello"])
         _wait(srv.sock)
-        frames, refused = srv._recv()
+        frames, refused, _ = srv._recv()
         body = np.arange(8 << 20, dtype=np.int32).tobytes()
         assert srv._send(frames[0], [b"last", body])
         srv.close()
