@@ -43,6 +43,9 @@ from .state import DaemonState
 log = logging.getLogger("hicache.server")
 HOUSEKEEPING_S = 0.5
 BATCH = 32  # requests handled per wake-up before completions and housekeeping get a turn
+# bytes of requests taken off the socket before any is handled: past this no more are taken
+# (held in the daemon beside what libzmq queues, RCVHWM per peer)
+TAKE_BYTES = P.MAX_MESSAGE_BYTES
 # a command that held the loop longer than this (a long inline copy) counts its client's
 # silence from its reply, not from its arrival (the client could send nothing meanwhile)
 STALL_S = 0.25
@@ -331,29 +334,33 @@ class Server:
         return True
 
     def _request(self) -> None:
-        """Take the requests waiting now off the socket, at most ``BATCH`` (the socket's
-        ``EVENTS`` says whether another one is queued: no poll, no ``zmq.Again`` raised), then
-        handle them in order, the channels scanned after each (a busy socket does not hold
-        their requests back). When the socket was found empty, every request that waited then
-        was read, and is handled when this returns (``catch``): taken first, a request a long
-        command holds back is read before the next one can come (one client sending long
-        commands back to back never kept the loop from catching up). Requests taken when a
-        handler starts the stop are left in ``taken`` for ``refuse_pending``."""
+        """Take the requests waiting now off the socket, at most ``BATCH`` and no more once
+        they hold ``TAKE_BYTES`` (the socket's ``EVENTS`` says whether another one is queued:
+        no poll, no ``zmq.Again`` raised), then handle them in order, the channels scanned
+        after each (a busy socket does not hold their requests back). When the socket was found
+        empty, every request that waited then was read, and is handled when this returns
+        (``catch``): taken first, a request a long command holds back is read before the next
+        one can come (an engine's client, which sends again only after its reply, sending long
+        commands back to back never keeps the loop from catching up; a peer that pipelines
+        falls back to ``CatchUp``'s read count). Requests taken when a handler starts the stop
+        are left in ``taken`` for ``refuse_pending``."""
         handle, events, st, taken = self._handle, self.sock.get, self.state, self._taken
         chans, clients, catch = st.registry.channels, st.registry.clients, self.catch
         empty_at = None
         if not taken:
-            recv, clock = self._recv, time.monotonic
-            while len(taken) < BATCH:
+            recv, clock, size = self._recv, time.monotonic, 0
+            while len(taken) < BATCH and size <= TAKE_BYTES:
                 t = clock()
                 if not events(_EVENTS) & _POLLIN:
                     empty_at = t
                     break
                 try:
-                    taken.append(recv())
+                    m = recv()
                 except zmq.Again:  # (not after POLLIN; as a poll that woke for nothing)
                     empty_at = t
                     break
+                taken.append(m)
+                size += sum(map(len, m[0]))
                 catch.read()
         while taken:
             frames, err, user = taken.popleft()
@@ -473,7 +480,8 @@ class Server:
 
     def _housekeeping(self, now: float) -> None:
         """Take the channels' requests a wake-up missed, reap the clients silent past the
-        heartbeat timeout up to the last time the loop had found its socket empty (``catch``),
+        heartbeat timeout up to the last time the loop had found its socket empty, or its read
+        count says it read what waited at a mark (``catch``),
         check the socket file is still ours, refresh gauges. The channels are scanned before
         the reap, so a channel request that waited when the socket was found empty was read
         (one per channel: a client writes its slot only while no reply is due) and its client

@@ -3,6 +3,7 @@ place), caps on frame count and message size applied while receiving; no daemon 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import zmq
@@ -84,3 +85,65 @@ def test_replies_queued_when_the_server_closes_still_reach_their_peer(tmp_path):
     finally:
         d.close(0)
         ctx.term()
+
+
+def _server_with_peer(tmp_path: Any) -> tuple[Any, zmq.Socket]:
+    """A ``Server`` over a stub state (no channels, no stop) and a DEALER peer connected to it
+    in process (``inproc``: a message sent is in the server's socket when ``send`` returns);
+    its handler records each request's first frame and how many taken were still unhandled."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.server import Server
+
+    srv = Server(SimpleNamespace(heartbeat_timeout=10.0, wake_socket=None, stopping=False,
+                                 registry=SimpleNamespace(channels=[], clients={},
+                                                          max_clients=64),
+                                 close_handout=lambda: None),
+                 f"inproc://take-{tmp_path.name}")
+    d = srv.ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(srv.address)
+    srv.handled = []
+    srv._handle = lambda frames, err: srv.handled.append(
+        (bytes(frames[1]), len(srv._taken)))
+    return srv, d
+
+
+def test_the_loop_takes_what_waits_before_it_handles_any_and_then_catches_up(tmp_path):
+    """Three small requests waiting: all three are taken before the first is handled, and the
+    moment the socket was found empty (before any was handled) is the catch-up."""
+    srv, d = _server_with_peer(tmp_path)
+    try:
+        for i in range(3):
+            d.send_multipart([b"h%d" % i, b"x" * 100])
+        before = time.monotonic()
+        srv._request()
+        assert srv.handled == [(b"h0", 2), (b"h1", 1), (b"h2", 0)]
+        assert before <= srv.catch.at <= time.monotonic() and srv.catch.reads == 3
+    finally:
+        d.close(0)
+        srv.close()
+
+
+def test_the_loop_takes_no_more_once_what_it_took_holds_take_bytes(tmp_path):
+    """Three 40 MiB requests waiting (each under one message's 64 MiB cap): the second takes
+    what was taken past ``TAKE_BYTES``, so two are handled and the third stays in the socket;
+    the socket was never found empty, so there is no catch-up."""
+    from hicache.controllers.server import TAKE_BYTES
+
+    part = b"\1" * (10 << 20)  # index frames are capped at 16 MiB each
+    assert 40 << 20 <= TAKE_BYTES < 80 << 20
+    srv, d = _server_with_peer(tmp_path)
+    try:
+        at = srv.catch.at
+        for i in range(3):
+            d.send_multipart([b"h%d" % i, part, part, part, part])
+        srv._request()
+        assert srv.handled == [(b"h0", 1), (b"h1", 0)]
+        assert srv.catch.at == at and srv.catch.reads == 2
+        assert zmq.zmq_poll([(srv.sock, zmq.POLLIN)], 0)  # the third still waits
+        srv._request()
+        assert srv.handled[2:] == [(b"h2", 0)] and srv.catch.at > at
+    finally:
+        d.close(0)
+        srv.close()
