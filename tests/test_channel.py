@@ -572,7 +572,9 @@ def test_a_request_waiting_in_the_slot_is_read_before_the_reap(spinning, monkeyp
             registered = h["registered"]
             if not registered:  # reaped: only before its request was written, never with it
                 assert h["reaped"] and c.sent == sent + 1, \
-                    f"reaped with its request unread in the slot (sent {c.sent - sent} times)"
+                    f"reaped with its request unread in the slot (sent {c.sent - sent} times; " \
+                    f"correct code does so only for a request written in the microseconds " \
+                    f"between the pass's scan and its reap)"
                 continue
             assert c.uses_channel and c.sent == sent + 1  # once, in the slot
             assert took < 3.0, took  # read by the next pass (0.5 s; a loaded machine's late tick)
