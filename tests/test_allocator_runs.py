@@ -240,10 +240,12 @@ def test_ownership_checks_do_not_scale_with_the_requests_a_client_holds():
     for r in range(3000):
         a.alloc(16, ("c1", f"req{r}"))
     rows = a.rows_of("c1")[:256].numpy()
-    t = time.perf_counter()
-    for _ in range(200):
-        assert a.foreign_rows("c1", rows).size == 0
-    per = (time.perf_counter() - t) / 200
+    per = float("inf")
+    for _ in range(5):  # the best of 5 windows: a loaded machine descheduling one is no signal
+        t = time.perf_counter()
+        for _ in range(200):
+            assert a.foreign_rows("c1", rows).size == 0
+        per = min(per, (time.perf_counter() - t) / 200)
     assert per < 150e-6, f"{per * 1e6:.0f} us per check of 256 rows"
 
 

@@ -214,7 +214,8 @@ def test_silent_connections_hold_no_other_back_and_are_closed_after_the_token_wa
     time.sleep(0.1)
     t = time.monotonic()
     g = F.fetch_fd(handout.path, 9, "test memory")
-    assert time.monotonic() - t < 0.3  # served beside them, not after them
+    # served beside them, not after them (after them: at least the 1 s token wait)
+    assert time.monotonic() - t < 0.9
     for c in silent:
         c.settimeout(3.0)
         assert c.recv(1) == b""  # closed on after the token wait

@@ -320,7 +320,7 @@ def test_a_kv_fetch_is_a_miss_at_its_deadline_while_the_master_hangs(l3_daemon: 
             t0 = time.monotonic()
             assert c.kv_get("c4_kv", ["k1"], [3], l3_wait=15) == [False]
             assert c.kv_exists("c4_kv", ["unknown"], l3_wait=15) == [False]  # a query too
-            assert time.monotonic() - t0 < 0.5
+            assert time.monotonic() - t0 < 2.0  # (at once; waiting out l3_wait is 15 s)
             l3 = c.stats()["kv_store"]["l3"]
             assert (l3["fetching"], l3["querying"]) == (0, 0), l3
             assert _used(c) == used + 1  # the hung call's row only
@@ -371,7 +371,7 @@ def test_a_key_store_call_held_by_a_hung_storage_node_stalls_its_worker_not_a_st
         t = time.monotonic()
         h, _ = c.call("kv_clear", {"namespace": "stl", "deadline_ms": 5000})
         second = c.wait_ack(int(h["op"]), timeout=10, check=False)
-        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        assert time.monotonic() - t < 2.0, time.monotonic() - t  # (a wait is 5 s)
         assert not second.ok and second.error["message"].startswith(
             "kv_clear: a storage node of the L3 store holds the key store's calls"), second
         _, code, took = stop_taking_acks(d, c, [])

@@ -641,6 +641,8 @@ def test_a_stall_holds_neither_the_other_workers_nor_calls_only_the_master_answe
                 l3.submit(j)
             assert l3.cancel(reaped, "cancelled")  # (still queued: its client was reaped)
             assert _until(lambda: "read" in l3.stalled(), 15), l3.stalled()
+            # (the stall is published under the lock, its queued jobs answered after it)
+            assert _until(lambda: behind in l3.completed, 2.0)
             assert reaped.misses == {"cancelled": 1} and behind.misses == {"stalled": 1}
             assert m.value("l3_errors", "stalled") == 1  # (``cancelled`` is no error)
             assert not l3.hung()  # the meta worker's job is healthy: a stop waits for it

@@ -583,7 +583,7 @@ def test_a_wrong_metadata_url_never_stalls_the_daemon(l3_daemon, store):
     with d.client(name="early", timeout=5) as c:
         worst = _worst_heartbeat(c, 4.0)
         l3 = c.stats()["l3"]
-    assert worst < 0.5, worst
+    assert worst < 1.0, worst  # (the bugs it guards took 2-30 s)
     assert l3["state"] == "offline" and not l3["online"], l3
     assert f"the metadata URL {wrong} answers 404" in l3["why"], l3  # stats says why
     log = d.output()
@@ -605,7 +605,7 @@ def test_a_hung_master_at_start_never_stalls_the_daemon(l3_daemon, worker, store
         with d.client(name="early", timeout=5) as c:
             worst = _worst_heartbeat(c, 4.0)
             l3 = c.stats()["l3"]
-        assert worst < 0.5, worst
+        assert worst < 1.0, worst  # (the bugs it guards took 2-30 s)
         assert l3["state"] == "offline" and "does not answer in time" in l3["why"], l3
         assert "does not answer in time" in d.output(), d.output()[-2000:]
     finally:
@@ -939,14 +939,14 @@ def test_a_hung_master_is_found_out_in_seconds_and_answered_at_once(l3_daemon, w
         assert not l3["online"] and "answered no probe" in l3["why"], l3
         print(f"offline {took:.2f} s after the hung call began")
         assert took < HUNG_CALL_S + LIVENESS_S + PROBE_WAIT_S + 1.5, took
-        assert worst < 0.5, worst
+        assert worst < 1.0, worst  # (the bugs it guards took 2-30 s)
         assert metric(c, "hicache_l3_online") == 0
         assert metric(c, "hicache_l3_transitions_total", to="offline") == down + 1
         t1 = time.monotonic()  # offline: answered now, not at the deadline nor behind the call
         assert c.l3_query(["hm-0"], timeout=60, deadline_ms=5000) == 0
         assert c.l3_present(["hm-0", "hm-1"], timeout=60, mirror="full", ckpt=False,
                             deadline_ms=5000) == [0, 0]
-        assert time.monotonic() - t1 < 0.5, time.monotonic() - t1
+        assert time.monotonic() - t1 < 2.0, time.monotonic() - t1
         assert metric(c, "hicache_l3_errors_total", kind="offline") == offline + 3
         assert metric(c, "hicache_l3_deadline_misses_total", op="query") == 0
     finally:
@@ -992,7 +992,7 @@ def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daem
         assert ack.l3 == {"hits": 0, "misses": {"deadline": 1}}, ack.l3
         t = time.monotonic()
         assert c.l3_query(["hn-0", "hn-1"], timeout=60, deadline_ms=5000) == 2  # the master's
-        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        assert time.monotonic() - t < 2.0, time.monotonic() - t
         while not c.stats()["l3"]["stalled"] and time.monotonic() - t0 < 20:
             time.sleep(0.05)
         took = time.monotonic() - t0
@@ -1004,7 +1004,7 @@ def test_a_hung_storage_node_stalls_its_reads_not_the_lookups_nor_a_stop(l3_daem
         t = time.monotonic()
         ack = c.l3_prefetch(["hn-1"], one[1], deadline_ms=5000, timeout=60)
         assert ack.l3 == {"hits": 0, "misses": {"stalled": 1}}, ack.l3  # at once
-        assert time.monotonic() - t < 0.5, time.monotonic() - t
+        assert time.monotonic() - t < 2.0, time.monotonic() - t
         assert metric(c, "hicache_l3_errors_total", kind="stalled") == stalled + 1
     finally:
         os.kill(store.member.pid, signal.SIGCONT)

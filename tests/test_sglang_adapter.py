@@ -166,7 +166,9 @@ def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_fact
     from hicache.engine.device_pools import DevicePools
     from hicache.engine.sglang.link import DaemonLink
 
-    d = daemon_factory(heartbeat_timeout=0.6, metrics=False)
+    # 1.2 s: the heartbeat thread beats every 0.4 s, leaving a loaded machine ~0.7 s of slack
+    # (0.6 s left ~0.35 s)
+    d = daemon_factory(heartbeat_timeout=1.2, metrics=False)
     layout = build_layout(preset("dsv4-flash"))
     with DevicePools(layout, {"page": 8, "swa_page": 4, "req_slot": 4}) as pools:
         client = Client(d.address, timeout=5.0, name="sglang-idle")
@@ -174,7 +176,7 @@ def test_the_link_keeps_an_idle_worker_alive_and_frees_what_it_holds(daemon_fact
         link = DaemonLink(client, SimpleNamespace(layout=layout), h["host_rows"], None)
         rows = link.alloc("page", 3)
         assert rows is not None and link.free_rows("page") == link.capacity("page") - 3
-        time.sleep(1.8)  # three heartbeat timeouts with no call from SGLang
+        time.sleep(3.6)  # three heartbeat timeouts with no call from SGLang
         assert link.beats.error is None
         with d.client(name="watch") as w:
             assert w.stats()["workers"] == 1, "the idle worker was reaped"

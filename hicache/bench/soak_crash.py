@@ -134,6 +134,7 @@ def crash_clients(runner: Any, n: int, *, heartbeat_timeout: float, seed: int = 
             # UNMAP_WAIT_S later is one the daemon kept
             unmap_by = time.monotonic() + UNMAP_WAIT_S
             while path and runner.maps_path(f"/memfd:{path} ") and time.monotonic() < unmap_by:
+                vic.client.maybe_heartbeat()  # (the wait may outlast the heartbeat timeout)
                 time.sleep(0.05)
             if path and runner.maps_path(f"/memfd:{path} "):
                 still_mapped += 1

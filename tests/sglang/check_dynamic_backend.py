@@ -195,7 +195,7 @@ def test_an_idle_engine_stays_attached(tmp_path: Path) -> None:
     heartbeat thread keeps it attached: after three timeouts of silence the next calls need no
     re-attach and find the pages; ``close`` stops the thread."""
     d = start_daemon(tmp_path, device=DEVICE, preset="dsv4-tiny", device_rows=F.DEVICE_ROWS,
-                     metrics=False, heartbeat_timeout=0.6,
+                     metrics=False, heartbeat_timeout=1.2,  # (0.6 s: ~0.35 s of slack)
                      extra=("--no-mtp", "--c128-state", "offline"))
     try:
         keys = _keys(3, 11)
@@ -204,7 +204,7 @@ def test_an_idle_engine_stays_attached(tmp_path: Path) -> None:
             reattached = []
             real = backend._reattach
             backend._reattach = lambda: (reattached.append(1), real())[1]
-            time.sleep(1.8)  # three heartbeat timeouts without a call
+            time.sleep(3.6)  # three heartbeat timeouts without a call
             assert backend.beats.error is None and backend.beats.thread.is_alive()
             for name in KV_DERIVED + SWA_INDEXED:  # the pages come back into zeroed pools
                 for t in pools[name].kv_buffer:
