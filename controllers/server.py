@@ -481,11 +481,11 @@ class Server:
     def _housekeeping(self, now: float) -> None:
         """Take the channels' requests a wake-up missed, reap the clients silent past the
         heartbeat timeout up to the last time the loop had found its socket empty, or its read
-        count says it read what waited at a mark (``catch``),
-        check the socket file is still ours, refresh gauges. The channels are scanned before
-        the reap, so a channel request that waited when the socket was found empty was read
-        (one per channel: a client writes its slot only while no reply is due) and its client
-        is not silent; the loop marks its catch-ups by the socket alone."""
+        count says it read what waited at a mark (``catch``), check the socket file is still
+        ours, refresh gauges. The channels are scanned before the reap, so a channel request
+        that waited when the socket was found empty was read (one per channel: a client writes
+        its slot only while no reply is due) and its client is not silent; the loop marks its
+        catch-ups by the socket alone."""
         st = self.state
         if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
             st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
