@@ -440,7 +440,11 @@ class Server:
         took = st.watch.step(cmd, mark)
         st.metrics.command(cmd, code is None, took, code)
         if took > STALL_S and c is not None:  # it could send nothing while it waited
-            c.last_seen = time.monotonic()
+            c.last_seen = t = time.monotonic()
+            # what waited meanwhile: none on the socket is a catch-up (what this loop took off
+            # it, and the channels, are read before the next reap: ``_housekeeping``)
+            if not self.sock.get(_EVENTS) & _POLLIN:
+                self.catch.empty(t)
         if st.post:
             st.after_reply()
         if st.outbox or st.notices:
@@ -487,11 +491,15 @@ class Server:
         its slot only while no reply is due) and its client is not silent; the loop marks its
         catch-ups by the socket alone."""
         st = self.state
+        scan_from = time.monotonic()
         if st.wake_socket is not None:  # wake-ups sent while the loop busy-polled: drained, so
             st.wake_socket.drain()  # their requests are taken here (the next sleep would miss them)
             self._channels()
         self.catch.tick(now)
-        for c in st.registry.silent(self.catch.at, st.heartbeat_timeout):
+        # a catch-up noted during the scan (a long command's end) may follow a channel request
+        # the scan had passed: silence counts up to the scan's start at most, when every
+        # channel request waiting was read by it and every socket one by the catch-up
+        for c in st.registry.silent(min(self.catch.at, scan_from), st.heartbeat_timeout):
             if st.reap(c, f"silent for {now - c.last_seen:.1f} s, over the heartbeat timeout "
                           f"of {st.heartbeat_timeout:g} s"):
                 st.metrics.inc("clients_reaped")
