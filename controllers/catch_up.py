@@ -6,10 +6,10 @@ Contract (single-threaded: the server thread only):
 * ``CatchUp(now, bound)``: ``at`` starts at ``now``; ``bound`` is how many reads of the socket
   surely take every message that waited at some moment (``server.read_bound``: the socket
   holds at most ``RCVHWM`` messages per peer and reads its peers round-robin).
-* ``empty(t)``: the loop found its socket empty at ``t`` and handled every request it had
-  taken off it before: ``at = t``. (A channel holds at most one request, and the server
-  scans every channel before each reap: a channel request that waited at ``t`` was read by
-  then, so channels do not hold a catch-up back.)
+* ``empty(t)``: the loop found its socket empty at ``t``, and every request it had taken off
+  it before is handled before the next reap: ``at = t``. (A channel holds at most one
+  request, and the server scans every channel before each reap: a channel request that
+  waited at ``t`` was read by then, so channels do not hold a catch-up back.)
 * ``read()``: one request was read from the socket.
 * ``tick(now)`` (each housekeeping pass): a loop that never finds its socket empty (its
   clients keep it saturated) still catches up: once ``bound`` reads followed a mark, what

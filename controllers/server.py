@@ -441,8 +441,8 @@ class Server:
         st.metrics.command(cmd, code is None, took, code)
         if took > STALL_S and c is not None:  # it could send nothing while it waited
             c.last_seen = t = time.monotonic()
-            # what waited meanwhile: none on the socket is a catch-up (what this loop took off
-            # it, and the channels, are read before the next reap: ``_housekeeping``)
+            # what waited meanwhile: none on the socket is a catch-up (what ``_request`` took off
+            # it is handled before it returns, the channels by ``_housekeeping`` before a reap)
             if not self.sock.get(_EVENTS) & _POLLIN:
                 self.catch.empty(t)
         if st.post:
