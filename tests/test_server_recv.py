@@ -147,3 +147,31 @@ def test_the_loop_takes_no_more_once_what_it_took_holds_take_bytes(tmp_path):
     finally:
         d.close(0)
         srv.close()
+
+
+def test_the_reap_counts_silence_up_to_the_scans_start_at_most(tmp_path):
+    """A catch-up noted during housekeeping's channel scan (a long command handled there ends
+    with one) may follow a channel request the scan had already passed: the reap measures
+    silence up to the scan's start, not up to that later catch-up."""
+    from types import SimpleNamespace
+
+    srv, d = _server_with_peer(tmp_path)
+    asked: list[float] = []
+    srv.state.wake_socket = SimpleNamespace(drain=lambda: None, close=lambda: None)
+    srv.state.registry.silent = lambda at, timeout: asked.append(at) or []
+    srv.state.refresh_gauges = lambda: None
+
+    def scan() -> bool:  # one long command in the scan, ending with a catch-up
+        time.sleep(0.05)
+        srv.catch.empty(time.monotonic())
+        return True
+
+    srv._channels = scan
+    try:
+        before = time.monotonic()
+        srv._housekeeping(before)
+        assert len(asked) == 1
+        assert before <= asked[0] <= srv.catch.at - 0.04, (before, asked, srv.catch.at)
+    finally:
+        d.close(0)
+        srv.close()
