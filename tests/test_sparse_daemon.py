@@ -437,8 +437,10 @@ def _hostile():
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fuzz_world(sparse_daemon):
+    # one test's: its two clients, silent once it ends, would be reaped (3 s timeout) by the
+    # time a module-scoped teardown ran after the module's later tests
     v, vp = _worker(sparse_daemon, "victim")
     sv = v
     rows = sv.sparse_admit("victim", 300, device_rows=[4, 5])  # 2 rows; 4 free

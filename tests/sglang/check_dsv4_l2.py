@@ -356,6 +356,8 @@ def test_a_heartbeat_error_of_any_type_is_a_warning_and_the_beats_go_on(
             raise ValueError("a reply this client cannot read")
 
         with caplog.at_level(logging.INFO, logger="hicache.sglang"):
+            with link.lock:  # the silence the broken beats make starts now, not up to a
+                link.client.heartbeat()  # beat interval earlier (3 s timeout: the slack)
             link.client.maybe_heartbeat = broken
             deadline = time.monotonic() + 10
             while len(calls) < 3 and time.monotonic() < deadline:
