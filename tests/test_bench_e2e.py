@@ -155,11 +155,14 @@ def test_summary_of_a_load_while_a_backup_streams():
     assert m["busy_backup_end_ms"] == pytest.approx(13.0)
     assert m["busy_covered"] == pytest.approx(2 / 3)
     assert m["idle_first_ms"] is None and m["idle_last_ms"] is None  # none taken
+    assert m["idle_reply_ms"] is None
     out["busy_backup_end"] = []  # not measured (CPU): no figure, not a zero
     out["idle_first"], out["idle_last"] = [0.003, 0.001, 0.002], [0.02, 0.01, 0.03]
+    out["idle_reply"] = [0.0025, 0.0005, 0.0015]
     m = summarize(out, 8, 10 ** 8, {"h2d": 50.0, "d2h": 50.0}, True, True)["summary"]
     assert m["busy_covered"] is None and m["busy_backup_end_ms"] is None
     assert (m["idle_first_ms"], m["idle_last_ms"]) == (pytest.approx(2.0), pytest.approx(20.0))
+    assert m["idle_reply_ms"] == pytest.approx(1.5)
 
 
 def test_the_busy_load_waits_for_its_backups_and_records_the_last_end(monkeypatch):
@@ -361,6 +364,7 @@ def test_gpu_run_times_the_engines_steps_beside_each_kind_of_daemon_work(fence, 
         # a load after the daemon's busy-poll window, once per timed run
         assert len(out[key]["2k"]["runs"]["idle_first"]) == 2
         assert 0 < m["idle_first_ms"] <= m["idle_last_ms"]
+        assert len(out[key]["2k"]["runs"]["idle_reply"]) == 2 and 0 < m["idle_reply_ms"]
 
 
 def test_engine_steps_run_until_the_ack_and_a_missing_ack_times_out(monkeypatch):
@@ -676,6 +680,7 @@ def test_the_busy_backups_run_through_a_real_daemon_and_every_ack_is_awaited(dae
         e2e_measure.idle_load(out, c, items, None, False, 0.2)
         assert time.perf_counter() - t0 >= 0.2
         assert len(out["idle_first"]) == len(out["idle_last"]) == 1 and out["idle_last"][0] > 0
+        assert out["idle_reply"] == []  # CPU: a load's reply is not timed apart from its ack
         landed()
         for op, _ in sent + [(first, 0.0)]:
             c.free(op.rows)

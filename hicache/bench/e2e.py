@@ -56,9 +56,10 @@ SGLang's forward waits on its stream):
   a start recorded after it ran up to a slice late, a large share of a short load. The
   verified run checks the busy load's bytes too, into rows given fresh bytes first;
 * (GPU) the same load once more in each run, sent after nothing was sent for the daemon's
-  busy-poll window and 20 ms (``idle_first_ms``, ``idle_last_ms``, columns ``idle 1st`` and
-  ``idle last``): the other loads are timed back to back, inside that window, where the
-  daemon's loop never sleeps; an engine's first load after a quiet spell wakes it.
+  busy-poll window and 20 ms (``idle_first_ms``, ``idle_last_ms``, ``idle_reply_ms``: its
+  command -> reply; columns ``idle 1st``, ``idle last``, ``idle reply``): the other loads are
+  timed back to back, inside that window, where the daemon's loop never sleeps; an engine's
+  first load after a quiet spell wakes it.
 
 ``--mirror`` picks the host-tier layouts loaded from: ``full`` (every pool of every page: the
 JSON's ``sizes``) and ``checkpoints`` (compressed pages plus one checkpoint, what a resume
@@ -599,7 +600,7 @@ def _table(result: dict[str, Any]) -> None:
           f"{'ratio':>6} {'backup GB/s':>11} {'ratio':>6} {'vs inproc':>9} {'busy':>6} "
           f"{'busy 2nd':>8} {'covered':>7} "
           f"{'reply ms':>8} {'daemon ms':>9} {'issue ms':>8} {'cmd ms':>7} {'host run':>8} "
-          f"{'idle 1st':>8} {'idle last':>9}")
+          f"{'idle 1st':>8} {'idle last':>9} {'idle reply':>10}")
     f = (lambda x: "n/a" if x is None else f"{x:.3f}")
     for mirror, key in (("full", "sizes"), ("checkpoints", "checkpoints")):
         for s, r in result.get(key, {}).items():
@@ -614,16 +615,16 @@ def _table(result: dict[str, Any]) -> None:
                   f"{f(m['load_reply_ms']):>8} {f(m.get('load_handler_ms')):>9} "
                   f"{f(m.get('load_issue_ms')):>8} {f(m.get('load_cmd_ms')):>7} "
                   f"{m.get('host_mean_run', 0):8.1f} {f(m.get('idle_first_ms')):>8} "
-                  f"{f(m.get('idle_last_ms')):>9}")
+                  f"{f(m.get('idle_last_ms')):>9} {f(m.get('idle_reply_ms')):>10}")
     _engine_table(result)
     if any(r["summary"]["busy_second_ms"] is not None
            for key in ("sizes", "checkpoints") for r in result.get(key, {}).values()):
         print("busy 2nd: GPU events of the engine's stream, which run at the GPU's time-slice "
               "boundaries (~1 ms) while the daemon's kernels run: steps, not the command's "
               "time (docs/perf.md); covered: the share of busy runs whose backup was still "
-              "running when the load's last layer was ready; idle 1st / last: ms to the first "
-              "and last layer of a load sent once the daemon's loop slept past its busy-poll "
-              "window")
+              "running when the load's last layer was ready; idle 1st / last / reply: ms to the "
+              "first and last layer and to the reply of a load sent once the daemon's loop "
+              "slept past its busy-poll window")
 
 
 def _engine_table(result: dict[str, Any]) -> None:

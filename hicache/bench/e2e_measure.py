@@ -59,7 +59,7 @@ INPROC_CTAS = 4  # the daemon's default CTA budget; the in-process copy uses the
 _INPROC_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 FIGURES = ("backup_ack", "load_first", "load_second", "load_last", "load_ack", "inproc_last",
            "busy_second", "busy_last", "busy_backup_end", "cmd_during_load", "idle_first",
-           "idle_last")
+           "idle_last", "idle_reply")
 # an idle load waits this much past the daemon's busy-poll window: its loop sleeps in poll
 IDLE_MARGIN_S = 0.02
 ISSUE: list[float] = []  # host time of the in-process copy_by_layer call (plan + launches)
@@ -109,6 +109,9 @@ def summarize(out: dict[str, list[float]], n: int, nbytes: int, limit: dict[str,
         # a load sent once the daemon's loop had slept past its busy-poll window (``idle_load``)
         "idle_first_ms": med["idle_first"] * 1e3 if out["idle_first"] else None,
         "idle_last_ms": med["idle_last"] * 1e3 if out["idle_last"] else None,
+        # its command -> reply (layer 0 is issued before the reply): against ``load_reply_ms``,
+        # whether the quiet spell's extra time comes before the daemon's reply or after it
+        "idle_reply_ms": med["idle_reply"] * 1e3 if out["idle_reply"] else None,
         "verified": verified,
         "engine_wait": {k: wait_stats(v) for k, v in waits.items()} if waits else None,
     }
@@ -139,13 +142,16 @@ def idle_load(out: dict[str, list[float]], c: Client, items: dict[str, tuple], s
               cuda: bool, idle_s: float) -> None:
     """``timed_load`` of ``items`` after ``idle_s`` with nothing sent (the daemon's busy-poll
     window and ``IDLE_MARGIN_S``): what an engine's first load after a quiet spell sees, whose
-    request wakes a sleeping loop. Its first and last layer go to ``out``."""
+    request wakes a sleeping loop. Its first and last layer, and (GPU) its reply, go to
+    ``out``."""
     if cuda:
         stream.synchronize()
     time.sleep(idle_s)
     t = timed_load(c, items, stream, cuda)
     out["idle_first"].append(t.first)
     out["idle_last"].append(t.last)
+    if t.reply is not None:
+        out["idle_reply"].append(t.reply)
 
 
 Pairs = dict[str, tuple[list[int], list[int], Optional[list[tuple[int, int]]]]]
