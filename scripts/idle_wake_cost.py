@@ -127,4 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the daemon and the pools are closed on the way out
+        print("[idle-wake] interrupted", file=sys.stderr)
+        sys.exit(130)
