@@ -137,6 +137,138 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
     assert _grouped(a.link, transfers) is not None
 
 
+def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_layer() -> None:
+    """A GPU load that SGLang's ``start_loading`` submits (``defer``) leaves the scheduler
+    thread at once: its calls wait for nothing but, at the last, put the last layer's wait on
+    the stream (SGLang's completion event follows the copies). The forward's ``wait_until(t)``
+    (the layer counter the link's ``layer_waits`` wraps) then polls layer ``t`` on the host
+    before SGLang's own wait, once per layer, and at the stage's last layer waits for the
+    ack and checks it: a failed load raises there, before the forward's last layer."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from hicache.engine.acks import TransferFailed
+    from hicache.engine.sglang.host_pools import submission
+    from hicache.engine.sglang.layer_waits import LayerWaits
+
+    class GpuClient:
+        backup_events: list = []
+        stage_layers = [10, 11]  # (global layers of the stage: the counter counts from 0)
+
+        def __init__(self, fail: bool = False) -> None:
+            self.calls: list = []
+            self.fail = fail
+            self.n = 0
+
+        def load(self, items, wait_event=None):
+            self.n += 1
+            self.calls.append(("load", self.n))
+            return SimpleNamespace(op_id=self.n, event_set=0, ack=None)
+
+        def wait_layer(self, op, layer, on_stream=False):
+            self.calls.append(("layer", op.op_id, layer, on_stream))
+
+        def wait_ack(self, op, timeout=None, check=True):
+            self.calls.append(("ack", op.op_id))
+            if self.fail:
+                raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
+                                                     error={"message": "launch failed"}))
+
+    class Counter:  # SGLang's ``LayerDoneCounter``, as far as the adapter reads it
+        def __init__(self, log: list) -> None:
+            self.producer_index = self.consumer_index = -1
+            self.log = log
+
+        def wait_until(self, t: int) -> None:
+            self.log.append(("sglang", t))
+
+    def stack(c: GpuClient) -> tuple[Any, Any, Any, list]:
+        lock = threading.RLock()
+        link = SimpleNamespace(client=c, lock=lock, pool_global_layer=lambda p, l: 10 + l,
+                               submitting=threading.local(), layer_waits=LayerWaits(c, lock))
+        a, b = _stand_in_pool(c, "c4_kv", link=link), _stand_in_pool(c, "swa_kv", link=link)
+        ids = [(torch.arange(4, 8), torch.arange(8, 12)), (torch.arange(0, 4),
+                                                           torch.arange(12, 16))]
+        transfers = [SimpleNamespace(host_pool=p, host_indices=h, device_indices=d)
+                     for p, (h, d) in zip((a, b), ids)]
+        return link, a, b, [transfers, ids]
+
+    def submit(link: Any, a: Any, b: Any, tr: list, defer: bool = True) -> None:
+        transfers, (sa, sb) = tr
+        with submission(link, "loads", transfers, defer):
+            for layer in (0, 1):  # SGLang's loop: every pool per layer
+                a.load_to_device_per_layer(None, *sa, layer, "direct")
+                b.load_to_device_per_layer(None, *sb, layer, "direct")
+
+    c = GpuClient()
+    link, a, b, tr = stack(c)
+    counter = Counter(c.calls)
+    link.layer_waits.attach(counter)
+    with pytest.raises(RuntimeError, match="already waits"):
+        link.layer_waits.attach(counter)
+    counter.producer_index = 0  # (``start_loading`` advances it before it submits)
+    submit(link, a, b, tr)
+    assert c.calls == [("load", 1), ("layer", 1, 11, True)]  # no host wait on this thread
+    assert {i: op.op_id for i, op in link.layer_waits.pending().items()} == {0: 1}
+    counter.consumer_index = 0  # the batch's forward
+    c.calls.clear()
+    counter.wait_until(0)
+    counter.wait_until(0)  # (a second accessor of layer 0: not polled again)
+    counter.wait_until(1)
+    assert c.calls == [("layer", 1, 10, False), ("sglang", 0), ("sglang", 0),
+                       ("layer", 1, 11, False), ("ack", 1), ("sglang", 1)]
+    assert link.layer_waits.pending() == {}
+    c.calls.clear()
+    counter.wait_until(1)  # nothing kept under the consumer now: SGLang's wait alone
+    counter.consumer_index = -1
+    counter.wait_until(0)
+    assert c.calls == [("sglang", 1), ("sglang", 0)]
+
+    # a load its forward never waited for (a batch dropped) is finished when its producer
+    # index comes round again, before the next load is kept there
+    c.calls.clear()
+    counter.producer_index = 1
+    submit(link, a, b, tr)
+    counter.producer_index = 1
+    submit(link, a, b, tr)
+    assert c.calls == [("load", 2), ("layer", 2, 11, True), ("load", 3), ("ack", 2),
+                       ("layer", 3, 11, True)]
+    assert list(link.layer_waits.pending()) == [1]
+
+    # a failed load raises at the forward's last layer (SGLang's own wait never runs), and is
+    # no longer kept
+    c = GpuClient(fail=True)
+    link, a, b, tr = stack(c)
+    counter = Counter(c.calls)
+    link.layer_waits.attach(counter)
+    counter.producer_index = counter.consumer_index = 2
+    submit(link, a, b, tr)
+    counter.wait_until(0)
+    with pytest.raises(TransferFailed, match="launch failed"):
+        counter.wait_until(1)
+    assert c.calls[-2:] == [("layer", 1, 11, False), ("ack", 1)]
+    assert link.layer_waits.pending() == {}
+
+    # any other load waits in its calls, as before: one not ``start_loading``'s (no
+    # ``defer``: SGLang's retraction restore), or with no counter attached, or a CPU load
+    # (its ack came at submission)
+    for case in ("no defer", "no counter", "cpu"):
+        c = GpuClient()
+        link, a, b, tr = stack(c)
+        if case != "no counter":
+            link.layer_waits.attach(Counter(c.calls))
+            link.layer_waits.counter.producer_index = 0
+        if case == "cpu":
+            c.load = lambda items, wait_event=None: SimpleNamespace(op_id=1, event_set=None,
+                                                                    ack=None)
+            c.backup_events = []
+        submit(link, a, b, tr, defer=case != "no defer")
+        assert link.layer_waits.pending() == {}, case
+        assert ("ack", 1) in c.calls, case
+
+
 def _stand_in_pool(client: Any, ours: str, link: Any = None) -> Any:
     """A host pool of the adapter with two layers and 4-token pages on a stand-in link."""
     import threading

@@ -232,9 +232,10 @@ class Completion:
                           f"never come, and what it copied is unknown")
 
     def wait_layer(self, op: Op, layer: int, stream: Any = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, on_stream: bool = False) -> None:
         """Return once global ``layer`` of load ``op`` is copied (GPU, ``spin_us`` None), or put
-        a wait for it on ``stream`` (default: the current stream) after ``spin_us``. CPU mode (no
+        a wait for it on ``stream`` (default: the current stream) after ``spin_us`` (at once
+        with ``on_stream``: the host waits only for the layer's copy to be issued). CPU mode (no
         events): waits for the op's ack. The daemon answers a GPU load once layer 0's copy is
         enqueued; a later layer's wait first takes the daemon's "issued" notice (or the op's
         ack), so it never waits on an event the load has not recorded."""
@@ -259,7 +260,7 @@ class Completion:
         # The host polls the event (until it completes, or for ``spin_us`` when set) and only
         # then, if ever, the stream waits: an engine stream holding waits on the daemon's
         # events shares time slices with its copies (no MPS; docs/perf.md, fifty-sixth session).
-        spin = self.spin_us
+        spin = 0.0 if on_stream else self.spin_us
         if spin is None:
             limit = self.timeout if timeout is None else timeout
         else:

@@ -133,13 +133,29 @@ def _round_trip(kit: Kit, link: Any, cache: Any, alloc: Any, r2t: Any, seed: int
     return len(loaded_swa)
 
 
-def test_single_stage_round_trip(tmp_path: Path) -> None:
+def test_single_stage_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.engine.sglang import assembler_patch
+
+    submitted: list[tuple[str, bool]] = []  # (kind, defer) of each submission SGLang made
+    real = assembler_patch.submission
+
+    def recorded(link: Any, kind: str, transfers: Any, defer: bool = False) -> Any:
+        submitted.append((kind, defer))
+        return real(link, kind, transfers, defer)
+
+    monkeypatch.setattr(assembler_patch, "submission", recorded)
     d = _daemon(tmp_path, 1, 0)
     inst = None
     try:
         inst = hs.install("dsv4-tiny", address=d.address)
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
+        # the controller's layer counter (what SGLang's forward waits on) waits for the link's
+        # deferred GPU loads (``layer_waits``)
+        counter = cache.cache_controller.layer_done_counter
+        assert link.layer_waits.counter is counter
+        assert getattr(counter.wait_until, "__hicache__", False)
+        assert kv.layer_transfer_counter is counter
         assert sorted(link.stage.layers) == sorted(link.layout.pools)
         for e in cache.cache_controller.mem_pool_host.entries:  # no host bytes in SGLang
             assert e.host_pool.kv_buffer is None, e.name
@@ -154,6 +170,11 @@ def test_single_stage_round_trip(tmp_path: Path) -> None:
                     pool.backup_tokens_from_device_all_layer(torch.arange(3), torch.arange(3))
         assert sent == []
         assert _round_trip(Kit(), link, cache, alloc, r2t, seed=1) >= 1
+        # ``start_loading``'s load is the one the forward may wait for; the backups are not
+        # (on CPU its ack came with the reply: nothing is kept for the forward)
+        assert ("loads", True) in submitted and ("backups", True) not in submitted, submitted
+        assert link.layer_waits.pending() == {}
+        counter.wait_until(0)  # (the consumer index SGLang left: nothing kept, SGLang's wait)
         # SGLang's flush_cache resets the tree and clears its host pools: the tree forgot every
         # host node, so the daemon rows behind them go back (they used to stay allocated:
         # every flush shrank the host tier for good)

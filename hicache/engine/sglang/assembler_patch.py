@@ -103,7 +103,10 @@ def _one_command_per_submission(engine: Any, link: DaemonLink) -> None:
 
         def submit(transfers: Any, *args: Any, _original: Any = original, _kind: str = kind,
                    **kw: Any) -> Any:
-            with submission(link, _kind, transfers):
+            # ``start_loading``'s loads (those with per-layer events for the forward) are
+            # waited for by the forward (``layer_waits``); any other load, by its calls
+            defer = _kind == "loads" and kw.get("on_layer_done") is not None
+            with submission(link, _kind, transfers, defer):
                 return _original(transfers, *args, **kw)
 
         setattr(engine, method, functools.wraps(original)(submit))
@@ -155,6 +158,7 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                         bind_host_pools(link)
                     stack = original(*args, **kw)
                     _one_command_per_submission(stack[1].l2_transfer_engine, link)
+                    link.layer_waits.attach(stack[1].layer_done_counter)
                     # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
                     # the flag is at build time: SGLang turns the raise into a failed reply
                     stack[1].attach_storage_backend = _refuse_attach

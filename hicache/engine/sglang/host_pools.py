@@ -25,11 +25,18 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
   one daemon ``load`` for every layer; on a GPU it first records the link's load event on the
   current stream (SGLang's H2D stream, which waits on its load fence: pages freed under overlap
   scheduling may still be written by the previous forward) and the daemon's copy waits for it.
-  Each layer then waits for its own part (GPU: ``Client.wait_layer`` polls the daemon's
-  interprocess event for that layer from this thread, so the call returns once the layer is
-  copied; CPU: the op's ack, taken at the first call). At the last layer (of the submission's
-  last pool) a GPU load's ack is waited for and checked: a load that failed raises
-  ``TransferFailed`` there and is never counted as loaded.
+  A GPU load that ``start_loading`` submits (the submission's ``defer``) is kept by the link's
+  ``layer_waits`` under SGLang's producer index, and the calls return at once: SGLang's
+  forward waits for each layer where it reads it (the counter's ``wait_until``: the host polls
+  that layer's event; at the stage's last layer the load's ack is waited for and checked), so
+  the scheduler thread is free while the load runs and the forward's first layers overlap its
+  later ones. The last call puts a wait for the load's last layer on the current stream, so
+  SGLang's completion event follows the copies. Any other load (no counter, one command per
+  pool, CPU) waits in its calls: each layer for its own part (GPU: ``Client.wait_layer`` polls
+  the daemon's interprocess event for that layer from this thread, so the call returns once
+  the layer is copied; CPU: the op's ack, taken at the first call), and at the last layer (of
+  the submission's last pool) a GPU load's ack is waited for and checked: a load that failed
+  raises ``TransferFailed`` there and is never counted as loaded.
 * Every use of the daemon's ``Client`` holds the link's lock (its heartbeat thread shares it).
 * ``clear()`` (SGLang's ``flush_cache``) on the anchor and the SWA pool gives back every row
   of its space the link holds.
@@ -99,12 +106,14 @@ class _Group:
     daemon copies layer by layer across the pools, layer 0 of every pool first, instead of one
     whole pool after another) or one ``backup``."""
 
-    def __init__(self, transfers: list[Any]) -> None:
+    def __init__(self, transfers: list[Any], defer: bool = False) -> None:
         self.transfers = transfers
         self.keys = {(id(t.host_indices), id(t.device_indices)) for t in transfers}
         self.waiting = {id(t.host_pool) for t in transfers}  # pools short of their last layer
         self.op: Op | None = None
         self.copied: set[int] = set()  # global layers a wait found copied (the next skip it)
+        self.defer = defer  # a GPU load's layers may be waited for by the forward (layer_waits)
+        self.deferred = False  # they are: the calls do not wait
 
     def items(self, to_device: bool) -> dict[str, tuple]:
         """Every pool's items; the pools of one index space share SGLang's index tensors, so
@@ -123,7 +132,7 @@ class _Group:
         return out
 
 
-def _grouped(link: DaemonLink, transfers: Any) -> _Group | None:
+def _grouped(link: DaemonLink, transfers: Any, defer: bool = False) -> _Group | None:
     """The group of ``transfers``, or None when they cannot go as one command (a pool that is
     not this link's, one pool twice, an MTP draft transfer, or a device pool whose ids SGLang
     translates before the calls, ``host_transfer_translate``: the calls would then carry ids
@@ -139,15 +148,18 @@ def _grouped(link: DaemonLink, transfers: Any) -> _Group | None:
             getattr(getattr(t, "device_pool", None), "host_transfer_translate", None) is not None
             for p, t in zip(pools, live)):
         return None
-    return _Group(live)
+    return _Group(live, defer)
 
 
 @contextlib.contextmanager
-def submission(link: DaemonLink, kind: str, transfers: Any) -> Iterator[None]:
+def submission(link: DaemonLink, kind: str, transfers: Any, defer: bool = False
+               ) -> Iterator[None]:
     """While SGLang submits ``transfers`` (``kind``: ``loads`` or ``backups``) from this
     thread, the host pools' calls for them go to the daemon as one command. Installed around
-    SGLang's ``L2TransferEngine.submit_*`` by the assembler patch."""
-    group = _grouped(link, transfers)
+    SGLang's ``L2TransferEngine.submit_*`` by the assembler patch. ``defer``: a load whose
+    layers the forward waits for through the link's layer counter (``start_loading``'s, which
+    passes ``on_layer_done``): on a GPU its calls do not wait (``layer_waits``)."""
+    group = _grouped(link, transfers, defer)
     prev = getattr(link.submitting, kind, None)
     setattr(link.submitting, kind, group)
     try:
@@ -251,10 +263,16 @@ class _DaemonPoolMixin:
             with self.link.lock:
                 if group.op is None:  # the submission's first call: every pool in one load
                     group.op = self._submit_load(group.items(to_device=True))
+                    group.deferred = (group.defer and group.op.event_set is not None
+                                      and self.link.layer_waits.begin(group.op))
                 op = group.op
                 if layer_id == self.layer_num - 1:
                     group.waiting.discard(id(self))
                 last = not group.waiting
+                if group.deferred:  # the forward waits for each layer (``layer_waits``); the
+                    if last:  # completion event SGLang records next follows the last copy
+                        c.wait_layer(op, layer, on_stream=True)
+                    return
                 if layer in group.copied and not last:  # another pool's call saw it copied
                     return
         else:

@@ -28,7 +28,9 @@ runs, and asks once more before it says ``OutOfStep``. ``free_all(space)`` gives
 (SGLang's ``flush_cache`` clears its host pools); ``capacity(space)`` is the daemon's host row
 count.
 ``pool_global_layer(pool, local)`` turns a pool-local layer id into the global layer the
-daemon's per-layer events are indexed by.
+daemon's per-layer events are indexed by. ``layer_waits`` keeps the GPU loads whose layers
+SGLang's forward waits for (``layer_waits.LayerWaits``; the assembler patch attaches the
+controller's layer counter).
 
 Liveness: SGLang calls the host pools only when it moves or allocates KV, so an idle server
 would be reaped by the daemon (its host rows freed under SGLang's tree). The link's
@@ -65,6 +67,7 @@ from hicache.core.layout import Layout
 from hicache.core.sealed_memfd import new_sealed_mapping
 from hicache.engine.client import Client, CommandRefused
 from hicache.engine.heartbeats import Heartbeats
+from hicache.engine.sglang.layer_waits import LayerWaits
 from hicache.engine.sglang.stage_map import StageBuffers, map_stage
 
 log = logging.getLogger("hicache.sglang")
@@ -136,6 +139,7 @@ class DaemonLink:
         self.layout: Layout = stage.layout
         self.host_rows = dict(host_rows)
         self.lock = threading.RLock()
+        self.layer_waits = LayerWaits(client, self.lock)  # GPU loads the forward waits for
         self._held: dict[str, set[int]] = {s: set() for s in self.host_rows}
         self._held_lock = threading.Lock()  # ``_held`` alone (``free_rows`` takes no ``lock``)
         self._deferred = False  # a free the daemon deferred may still be pending
