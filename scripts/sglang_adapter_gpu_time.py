@@ -14,6 +14,16 @@ each call returns once its layer is copied). For each size, ``--pages`` pages of
   submitted at the pool's first layer: the adapter before the fifty-first session);
 * ``one_op``: the same rows as one daemon ``load`` of every pool sent by the client itself
   (per-layer events, host-polled as the adapter polls): the adapter's floor;
+* ``deferred``: the loop as SGLang's ``start_loading`` submits it (the adapter's calls do not
+  wait: the link's ``layer_waits``), then the forward's ``wait_until`` for every stage layer
+  in order (a ``LayerCounter`` stand-in): ms to layer 0 and to the last layer (its ack
+  checked), and ``held_ms``, how long the submission held the calling thread (SGLang's
+  scheduler thread; the other modes hold it to their last layer);
+* ``with_forward``: the load and then a stand-in forward (``--forward-us`` of GPU work per stage
+  layer, ``torch.cuda._sleep``) on the calling thread's stream, ms until that forward is done:
+  ``blocking`` (the adapter's calls wait, then the forward is launched) against ``deferred``
+  (each layer's work launched once ``wait_until`` returns for it): what overlapping the load
+  with the forward gives an engine;
 * ``limit``: a contiguous pinned host-to-device copy of the same bytes, best of 5, same run.
 
 Every loaded byte is compared with its source once per size. Prints one JSON object; progress
@@ -40,8 +50,8 @@ from hicache.engine.client import Client  # noqa: E402
 from hicache.engine.daemon_process import DaemonProcess  # noqa: E402
 from hicache.engine.sglang.link import DaemonLink  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS  # noqa: E402
-from sglang_gpu_shapes import (Pool, backup_all, load_layer_by_layer,  # noqa: E402
-                               sglang_stage, tokens)
+from sglang_gpu_shapes import (LayerCounter, Pool, backup_all,  # noqa: E402
+                               load_layer_by_layer, sglang_stage, tokens)
 
 DEV = torch.device("cuda:0")
 LAYOUT = build_layout(preset("dsv4-flash"), swa_mode="paged", c128_state="offline", mtp=False)
@@ -100,11 +110,28 @@ def _timed(fn: Any) -> tuple[float, float]:
     return (marks[0] - t0) * 1e3, (end - t0) * 1e3
 
 
+def _cycles_per_us() -> float:
+    """GPU clock cycles per microsecond (``torch.cuda._sleep`` counts cycles), timed here."""
+    torch.cuda._sleep(1_000_000)  # (warm-up)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(50_000_000)
+    b.record()
+    b.synchronize()
+    return 50_000_000 / (a.elapsed_time(b) * 1e3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", default="8,32,128", help="pages per load (default 8,32,128)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per size (default 5)")
+    ap.add_argument("--forward-us", type=float, default=200.0,
+                    help="the stand-in forward's GPU time per stage layer (default 200)")
     a = ap.parse_args()
+    if not a.forward_us > 0:
+        print(f"sglang_adapter_gpu_time: --forward-us must be > 0, got {a.forward_us}",
+              file=sys.stderr)
+        return 2
     sizes = [int(x) for x in a.pages.split(",")]
     if not torch.cuda.is_available():
         print("sglang_adapter_gpu_time: needs a CUDA GPU", file=sys.stderr)
@@ -126,6 +153,9 @@ def main() -> int:
         first_g = min(g for p in pools.values() for g in LAYOUT.pools[p.ours].layers)
         in_first = sum(first_g in LAYOUT.pools[n].layers for n in pools)
         load = torch.cuda.Stream(DEV)
+        counter = LayerCounter()
+        link.layer_waits.attach(counter)
+        cycles = int(a.forward_us * _cycles_per_us())
         gen = torch.Generator().manual_seed(1)
         out: dict[str, Any] = {"device": torch.cuda.get_device_name(DEV), "runs": a.runs,
                                "sizes": []}
@@ -160,21 +190,64 @@ def main() -> int:
                         mark()
                 c.wait_ack(op, check=True)  # (TransferFailed if it failed)
 
+            held: list[float] = []
+
+            def submit_deferred() -> None:
+                counter.update_producer()  # (``start_loading``, before it submits)
+                t0 = time.perf_counter()
+                load_layer_by_layer(pools, ids, load, defer=True)
+                held.append((time.perf_counter() - t0) * 1e3)
+                counter.consumer_index = counter.producer_index  # the batch's forward
+
+            def deferred(mark: Any) -> None:
+                submit_deferred()
+                for t in range(len(c.stage_layers)):
+                    counter.wait_until(t)
+                    if t == 0:
+                        mark()
+
+            def with_forward(defer: bool) -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if defer:
+                    submit_deferred()
+                else:
+                    load_layer_by_layer(pools, ids, load)
+                for t in range(len(c.stage_layers)):
+                    if defer:
+                        counter.wait_until(t)
+                    torch.cuda._sleep(cycles)  # layer t's attention and the rest
+                torch.cuda.current_stream().synchronize()
+                return (time.perf_counter() - t0) * 1e3
+
             res: dict[str, Any] = {"pages": n, "bytes": nbytes}
-            for name, fn in (("adapter", adapter), ("per_pool", per_pool), ("one_op", one_op)):
+            for name, fn in (("adapter", adapter), ("per_pool", per_pool), ("one_op", one_op),
+                             ("deferred", deferred)):
                 _zero(stage.layers, pools, dst)
+                held.clear()
                 runs = [_timed(fn) for _ in range(a.runs + 1)][1:]  # (one warm-up)
                 _verify(stage.layers, pools, src, dst, f"{name}, {n} pages")
                 last = statistics.median(r[1] for r in runs)
                 res[name] = {"first_layer_ms": round(statistics.median(r[0] for r in runs), 3),
                              "last_layer_ms": round(last, 3),
                              "GBps": round(nbytes / last / 1e6, 2)}
+                if held:
+                    res[name]["held_ms"] = round(statistics.median(held[1:]), 3)
+            fwd: dict[str, Any] = {"forward_ms": round(
+                a.forward_us * len(c.stage_layers) / 1e3, 3)}
+            for name, defer in (("blocking", False), ("deferred", True)):
+                _zero(stage.layers, pools, dst)
+                runs = [with_forward(defer) for _ in range(a.runs + 1)][1:]
+                _verify(stage.layers, pools, src, dst, f"{name} with a forward, {n} pages")
+                fwd[f"{name}_ms"] = round(statistics.median(runs), 3)
+            res["with_forward"] = fwd
             res["verified"] = True
             res["limit_GBps"] = round(_limit(nbytes), 2)
-            for name in ("adapter", "per_pool", "one_op"):
+            for name in ("adapter", "per_pool", "one_op", "deferred"):
                 res[name]["ratio"] = round(res[name]["GBps"] / res["limit_GBps"], 3)
             _say(f"{n} pages ({nbytes / 1e6:.0f} MB): adapter {res['adapter']}, per pool "
-                 f"{res['per_pool']}, one op {res['one_op']}, limit {res['limit_GBps']} GB/s")
+                 f"{res['per_pool']}, one op {res['one_op']}, deferred {res['deferred']}, "
+                 f"with a forward {fwd}, limit {res['limit_GBps']} GB/s")
             out["sizes"].append(res)
             for s, r in host.items():
                 link.free(s, r)

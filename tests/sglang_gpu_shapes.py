@@ -16,6 +16,11 @@ so the adapter's GPU path is driven with stand-ins of what SGLang 0.5.23 hands i
   ``stream``; ``after_layer(pool, local_layer)`` runs after each call), inside the adapter's
   ``submission`` as the assembler patch installs it around them (``grouped=False``: without
   it, each pool sends its own command).
+  ``defer=True``: the load as SGLang's ``start_loading`` submits it (the forward waits for its
+  layers through the link's ``layer_waits``).
+* ``LayerCounter``: SGLang's ``LayerDoneCounter`` as far as the adapter reads it (producer and
+  consumer index, ``wait_until``; SGLang's own wait, a stream wait on events the adapter's
+  calls record at once, is left out).
 * ``commands_sent(link, cmd)``: the pools of every ``load`` / ``backup`` a link's client sends
   meanwhile (also used by ``tests/sglang/check_dsv4_l2.py`` with SGLang's own classes).
 
@@ -83,10 +88,26 @@ def _transfers(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.
     return [Transfer(p, *ids[p.space]) for p in pools.values()]
 
 
+class LayerCounter:
+    """See the module docstring."""
+
+    def __init__(self, counters: int = 3) -> None:
+        self.counters = counters
+        self.producer_index = self.consumer_index = -1
+
+    def update_producer(self) -> int:
+        """What ``start_loading`` does before it submits a load."""
+        self.producer_index = (self.producer_index + 1) % self.counters
+        return self.producer_index
+
+    def wait_until(self, threshold: int) -> None:
+        pass
+
+
 def _submitting(pools: dict[str, Pool], kind: str, transfers: list[Transfer],
-                grouped: bool) -> Any:
+                grouped: bool, defer: bool = False) -> Any:
     link = next(iter(pools.values())).link
-    return submission(link, kind, transfers) if grouped else contextlib.nullcontext()
+    return submission(link, kind, transfers, defer) if grouped else contextlib.nullcontext()
 
 
 def backup_all(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -102,7 +123,7 @@ def backup_all(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.
 
 def load_layer_by_layer(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tensor, torch.Tensor]],
                         stream: Any, after_layer: Callable[[str, int], None] | None = None,
-                        grouped: bool = True) -> int:
+                        grouped: bool = True, defer: bool = False) -> int:
     """See the module docstring; ``ids``: (host, device) token ids per index space;
     ``grouped``: inside the adapter's ``submission`` (as installed). Returns how many calls it
     made."""
@@ -111,7 +132,7 @@ def load_layer_by_layer(pools: dict[str, Pool], ids: dict[str, tuple[torch.Tenso
     calls = 0
     local = [{g: i for i, g in enumerate(layout.pools[t.host_pool.ours].layers)}
              for t in transfers]  # (SGLang's layer mappers)
-    with _submitting(pools, "loads", transfers, grouped), torch.cuda.stream(stream):
+    with _submitting(pools, "loads", transfers, grouped, defer), torch.cuda.stream(stream):
         for g in sorted({g for p in pools.values() for g in layout.pools[p.ours].layers}):
             for t, to_local in zip(transfers, local):
                 li = to_local.get(g)

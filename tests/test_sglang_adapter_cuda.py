@@ -19,12 +19,18 @@ HiCache controller calls it:
 * one daemon ``backup`` / ``load`` of every pool per SGLang submission (the adapter's
   ``submission``, as the assembler patch installs it), one per pool outside a submission;
 * every loaded byte equals what was backed up, and no device row outside the load's
-  destination changed; ``close`` unregisters the worker.
+  destination changed; ``close`` unregisters the worker;
+* a load as ``start_loading`` submits it (``defer``): the submission returns while the load
+  fence still holds (the scheduler thread waits for no copy); the forward's ``wait_until(t)``
+  returns only once stage layer ``t`` is copied in every pool (read at once from another
+  stream), the ack checked at the last; SGLang's completion event, recorded after the
+  submission behind the adapter's wait for the last layer, completes.
 
 Skipped without CUDA.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -39,7 +45,7 @@ from hicache.core.layout import build_layout, preset  # noqa: E402
 from hicache.engine.client import Client  # noqa: E402
 from hicache.engine.sglang.link import DaemonLink  # noqa: E402
 from hicache.engine.sglang.stage_map import SGLANG_POOLS, StageBuffers  # noqa: E402
-from sglang_gpu_shapes import (Pool, backup_all, commands_sent,  # noqa: E402
+from sglang_gpu_shapes import (LayerCounter, Pool, backup_all, commands_sent,  # noqa: E402
                                load_layer_by_layer, sglang_stage, tokens)
 
 DEV = torch.device("cuda:0")
@@ -203,6 +209,57 @@ def test_sglangs_streams_backup_and_load_layer_by_layer_through_the_adapter(adap
     for s, rows in host.items():
         link.free(s, rows)
     assert all(link.free_rows(s) == link.capacity(s) for s in host)
+
+
+def test_a_load_the_forward_waits_for_leaves_the_scheduler_thread_at_once(adapter) -> None:
+    d, link, stage = adapter
+    c = link.client
+    pools = {ours: Pool(link, sgl) for sgl, ours in SGLANG_POOLS.items()}
+    src = {"page": [1, 3, 5, 11], "swa_page": [0, 2, 4, 8]}
+    dst = {"page": [0, 2, 9, 10], "swa_page": [1, 3, 6, 7]}
+    host = {s: link.alloc(s, 4) for s in src}
+    fwd, load, reader = (torch.cuda.Stream(DEV) for _ in range(3))
+    dst_dev = {s: torch.tensor(r, device=DEV) for s, r in dst.items()}
+    load_fill_kernel(DEV)  # (see the test above: a first launch would end the sleep early)
+    backup_all(pools, {s: (_tok(host[s]), _tok(src[s])) for s in src})
+    torch.cuda.synchronize()
+    want = {name: _rows_of(stage, name, src[p.space]) for name, p in pools.items()}
+    counter = LayerCounter()
+    link.layer_waits.attach(counter)
+    for rnd in range(2):  # (the second round reuses the link's events and the counter)
+        for name, p in pools.items():  # destinations cleared, so a layer not loaded shows
+            for t in stage.layers[name]:
+                t.index_fill_(0, dst_dev[p.space], 0)
+        with torch.cuda.stream(fwd):  # the previous forward, still writing: the load fence
+            torch.cuda._sleep(SLEEP)
+        load.wait_stream(fwd)
+        counter.update_producer()
+        with commands_sent(link, "load") as loads:
+            load_layer_by_layer(pools, {s: (_tok(host[s]), _tok(dst[s])) for s in dst}, load,
+                                defer=True)
+        finish = torch.cuda.Event()
+        finish.record(load)  # SGLang's completion event of the submission
+        assert not fwd.query(), "the submission waited for the load's copies"
+        assert loads == [sorted(pools)]
+        assert list(link.layer_waits.pending()) == [counter.producer_index]
+        counter.consumer_index = counter.producer_index  # the batch's forward
+        for t, g in enumerate(c.stage_layers):
+            counter.wait_until(t)
+            with torch.cuda.stream(reader):
+                got = {name: stage.layers[name][LAYOUT.pools[name].layers.index(g)]
+                       .index_select(0, dst_dev[p.space])
+                       for name, p in pools.items() if g in LAYOUT.pools[name].layers}
+            reader.synchronize()
+            for name, rows in got.items():
+                li = LAYOUT.pools[name].layers.index(g)
+                assert torch.equal(rows, want[name][li]), (rnd, name, g)
+        assert link.layer_waits.pending() == {}  # its ack taken and checked at the last layer
+        deadline = time.monotonic() + 10
+        while not finish.query():
+            assert time.monotonic() < deadline, "SGLang's completion event never completed"
+            time.sleep(0.001)
+    for s, rows in host.items():
+        link.free(s, rows)
 
 
 def test_close_unregisters_the_gpu_worker(adapter) -> None:
