@@ -365,6 +365,7 @@ OTHER_ENV: dict[str, str] = {
     "HICACHE_SGLANG_PP_SIZE": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_SOCKET": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SGLANG_TIMEOUT": "the SGLang adapter (hicache.engine.sglang.plugin)",
+    "HICACHE_SGLANG_FORWARD_WAITS": "the SGLang adapter (hicache.engine.sglang.plugin)",
     "HICACHE_SHIM_EXECUTED": "hicache serve's own execution under the bind shim "
                              "(hicache.core.bind_shim.daemon_exec_env)",
     "HICACHE_BIND_ADDR": "the Mooncake bind() shim (hicache.core.bind_shim: loopback_env, and "

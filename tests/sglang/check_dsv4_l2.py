@@ -147,7 +147,7 @@ def test_single_stage_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     d = _daemon(tmp_path, 1, 0)
     inst = None
     try:
-        inst = hs.install("dsv4-tiny", address=d.address)
+        inst = hs.install("dsv4-tiny", address=d.address, forward_waits=True)
         cache, alloc, r2t, kv = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
         link = inst.links[0]
         # the controller's layer counter (what SGLang's forward waits on) waits for the link's
@@ -203,6 +203,10 @@ def test_pp_stages_round_trip(tmp_path: Path) -> None:
             cache, alloc, r2t, kv = F.build_dsv4_cache(s, e, DEVICE)
             link = inst.links[r]
             assert (link.layout.stage.start, link.layout.stage.end) == (s, e)
+            # without ``forward_waits`` (the default) SGLang's layer counter is its own
+            assert link.layer_waits.counter is None
+            assert not getattr(cache.cache_controller.layer_done_counter.wait_until,
+                               "__hicache__", False)
             fam = link.layout.stage.families
             assert fam["c4"] == tuple(g for g in range(s, e) if F.RATIOS[g] == 4)
             assert _round_trip(Kit(), link, cache, alloc, r2t, seed=2 + r) >= 1
@@ -457,9 +461,16 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
                          "deepseek_v4_c4_indexer_state": "DaemonStateHostPool"}
         assert len(inst.links) == 1
         assert all(link.client.timeout == 5.0 for link in inst.links)
+        assert inst.links[0].layer_waits.counter is None  # (HICACHE_SGLANG_FORWARD_WAITS 0)
     finally:
         if inst is not None:
             inst.uninstall()
+    # HICACHE_SGLANG_FORWARD_WAITS: 0 or 1, anything else refused in one line
+    monkeypatch.setenv(plugin.ENV_FORWARD_WAITS, "yes")
+    with pytest.raises(plugin.PluginFailed, match="HICACHE_SGLANG_FORWARD_WAITS must be 0 or 1"):
+        plugin.load()
+    assert A.build_deepseek_v4_hicache_stack is original
+    monkeypatch.setenv(plugin.ENV_FORWARD_WAITS, "1")
     # HICACHE_SGLANG_TIMEOUT: the daemon calls' (and the copies' host waits') timeout
     monkeypatch.setenv(plugin.ENV_TIMEOUT, "abc")
     with pytest.raises(plugin.PluginFailed, match="HICACHE_SGLANG_TIMEOUT must be seconds"):
@@ -472,8 +483,9 @@ def test_plugin_installs_from_the_environment(tmp_path: Path, monkeypatch: pytes
     inst = None
     try:
         inst = plugin.load()
-        F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)
+        cache = F.build_dsv4_cache(0, len(F.RATIOS), DEVICE)[0]
         assert [link.client.timeout for link in inst.links] == [42.0]
+        assert inst.links[0].layer_waits.counter is cache.cache_controller.layer_done_counter
     finally:
         if inst is not None:
             inst.uninstall()

@@ -15,7 +15,10 @@ the wrapper:
    ``host_pools.bind_host_pools``;
 4. wraps the built controller's ``L2TransferEngine.submit_device_to_host`` /
    ``submit_host_to_device`` in ``host_pools.submission``, so that one submission's transfers
-   reach the daemon as one ``backup`` / ``load`` of every pool.
+   reach the daemon as one ``backup`` / ``load`` of every pool;
+5. with ``forward_waits``, attaches the controller's layer counter to the link's
+   ``layer_waits``: SGLang's forward, not its scheduler thread, waits for the layers of the
+   GPU loads ``start_loading`` submits.
 
 A storage backend is refused, at build time (``--hicache-storage-backend``) and at SGLang's
 runtime attach (the built controller's ``attach_storage_backend`` raises; SGLang answers the
@@ -114,8 +117,10 @@ def _one_command_per_submission(engine: Any, link: DaemonLink) -> None:
 
 def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | None = None,
             pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
-            timeout: float = 5.0) -> Installation:
-    """Patch SGLang's DSV4 HiCache assembler (see the module docstring)."""
+            timeout: float = 5.0, forward_waits: bool = False) -> Installation:
+    """Patch SGLang's DSV4 HiCache assembler (see the module docstring). ``forward_waits``:
+    SGLang's forward waits for a GPU load's layers, not its scheduler thread
+    (``layer_waits``; off by default, docs/sglang.md says what it trades)."""
     check_sglang_version()
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
 
@@ -158,7 +163,8 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
                         bind_host_pools(link)
                     stack = original(*args, **kw)
                     _one_command_per_submission(stack[1].l2_transfer_engine, link)
-                    link.layer_waits.attach(stack[1].layer_done_counter)
+                    if forward_waits:
+                        link.layer_waits.attach(stack[1].layer_done_counter)
                     # SGLang's runtime attach (``/attach_hicache_storage_backend``) is refused as
                     # the flag is at build time: SGLang turns the raise into a failed reply
                     stack[1].attach_storage_backend = _refuse_attach

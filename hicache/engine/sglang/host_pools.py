@@ -25,14 +25,14 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
   one daemon ``load`` for every layer; on a GPU it first records the link's load event on the
   current stream (SGLang's H2D stream, which waits on its load fence: pages freed under overlap
   scheduling may still be written by the previous forward) and the daemon's copy waits for it.
-  A GPU load that ``start_loading`` submits (the submission's ``defer``) is kept by the link's
-  ``layer_waits`` under SGLang's producer index, and the calls return at once: SGLang's
-  forward waits for each layer where it reads it (the counter's ``wait_until``: the host polls
-  that layer's event; at the stage's last layer the load's ack is waited for and checked), so
-  the scheduler thread is free while the load runs and the forward's first layers overlap its
-  later ones. The last call puts a wait for the load's last layer on the current stream, so
-  SGLang's completion event follows the copies. Any other load (no counter, one command per
-  pool, CPU) waits in its calls: each layer for its own part (GPU: ``Client.wait_layer`` polls
+  With ``forward_waits`` (the link's ``layer_waits`` attached), a GPU load that
+  ``start_loading`` submits (the submission's ``defer``) is kept under SGLang's producer index
+  and the calls do not wait for copies: SGLang's forward waits for each layer where it reads
+  it (the counter's ``wait_until``: the host polls that layer's event; at the stage's last
+  layer the load's ack is waited for and checked), so the forward's first layers overlap the
+  load's later ones. The last call puts a wait for the load's last layer on the current
+  stream (once the daemon has issued it), so SGLang's completion event follows the copies.
+  Any other load (nothing attached, one command per pool, CPU) waits in its calls: each layer for its own part (GPU: ``Client.wait_layer`` polls
   the daemon's interprocess event for that layer from this thread, so the call returns once
   the layer is copied; CPU: the op's ack, taken at the first call), and at the last layer (of
   the submission's last pool) a GPU load's ack is waited for and checked: a load that failed

@@ -8,7 +8,8 @@ with the batch's producer index as the counter's consumer. ``LayerWaits`` holds 
 load under its producer index:
 
 * ``attach(counter)`` wraps ``wait_until`` of that one counter instance (the assembler patch
-  attaches the controller's counter; a second attach is refused).
+  attaches the controller's counter when installed with ``forward_waits``, off by default; a
+  second attach is refused). Nothing attached: every load waits in its calls, as before.
 * ``begin(op)``: the submission's first call, once the daemon took the load: ``op`` is kept
   under the counter's current producer index. False (nothing kept: the caller waits for every
   layer itself, as before) with no counter attached or no producer index. An op still kept
@@ -25,8 +26,16 @@ load under its producer index:
 
 The adapter's submission puts one stream wait, for the load's last layer, on SGLang's H2D
 stream (``host_pools``): the completion event SGLang records there after the calls (what its
-radix cache and device allocator read to know the load is over) completes only once the
-daemon's copies did.
+radix cache and device allocator read to know the load is over; its allocator orders page
+moves and frees after it) completes only once the daemon's copies did. That wait needs the
+layer's event recorded, so the scheduler thread still waits for the daemon to *issue* the
+last layer (not to copy it): on an H100 the submission held the thread 2.8 / 6.3 / 9.6 ms of
+loads whose last layer took 3.3 / 7.8 / 23.5 ms (8 / 32 / 128 DSV4-Flash pages), and behind a
+load fence the issue did not end before the fence did (docs/sglang.md).
+
+What it trades (hence off by default): a load whose batch never reaches the forward's last
+layer has its ack checked only when its producer index comes round again, so a failed load of
+such a batch is found that much later, where the blocking path raised in ``start_loading``.
 """
 from __future__ import annotations
 

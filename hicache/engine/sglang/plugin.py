@@ -9,7 +9,9 @@ launching process would not reach them); hicache registers ``load`` under the
 * ``HICACHE_SGLANG_PP_SIZE`` (default 1): SGLang's ``--pp-size``;
 * ``HICACHE_SGLANG_SOCKET`` (optional): the daemon address; ``{pp_rank}`` and ``{gpu}`` are
   replaced by the worker's PP rank and CUDA device index. Default: the daemon's default socket
-  for the worker's device (``hicache serve --device cuda:N`` without ``--socket``).
+  for the worker's device (``hicache serve --device cuda:N`` without ``--socket``);
+* ``HICACHE_SGLANG_FORWARD_WAITS`` (``0`` or ``1``, default ``0``): ``install``'s
+  ``forward_waits``.
 
 Without ``HICACHE_SGLANG_MODEL`` the plugin installs nothing and logs that it is idle; with it,
 any error (bad model, other SGLang version, a bad setting) stops the scheduler with one line:
@@ -29,6 +31,7 @@ from hicache.core.layout import load_model
 log = logging.getLogger("hicache.sglang")
 ENV_MODEL, ENV_PP, ENV_SOCKET = "HICACHE_SGLANG_MODEL", "HICACHE_SGLANG_PP_SIZE", "HICACHE_SGLANG_SOCKET"
 ENV_TIMEOUT = "HICACHE_SGLANG_TIMEOUT"  # seconds a daemon call, and a copy's host wait, may take
+ENV_FORWARD_WAITS = "HICACHE_SGLANG_FORWARD_WAITS"
 
 
 def _gpu() -> int | None:
@@ -80,8 +83,11 @@ def _install(model: str) -> Any:
         raise ValueError(f"{ENV_TIMEOUT} must be seconds, got {raw!r}") from None
     if not 0.1 <= timeout <= 3600:
         raise ValueError(f"{ENV_TIMEOUT} must be 0.1..3600 seconds, got {raw!r}")
+    waits = os.environ.get(ENV_FORWARD_WAITS, "0")
+    if waits not in ("0", "1"):
+        raise ValueError(f"{ENV_FORWARD_WAITS} must be 0 or 1, got {waits!r}")
     inst = install(spec, address=lambda rank: address_for(rank, template, _gpu()),
-                   pp_size=pp_size, timeout=timeout)
+                   pp_size=pp_size, timeout=timeout, forward_waits=waits == "1")
     log.info("hicache SGLang adapter installed: model %s, pp size %d; it takes effect when "
              "SGLang builds a DeepSeek-V4 HiCache stack (--enable-hierarchical-cache)",
              spec.name, pp_size)
