@@ -32,11 +32,12 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
   layer the load's ack is waited for and checked), so the forward's first layers overlap the
   load's later ones. The last call puts a wait for the load's last layer on the current
   stream (once the daemon has issued it), so SGLang's completion event follows the copies.
-  Any other load (nothing attached, one command per pool, CPU) waits in its calls: each layer for its own part (GPU: ``Client.wait_layer`` polls
-  the daemon's interprocess event for that layer from this thread, so the call returns once
-  the layer is copied; CPU: the op's ack, taken at the first call), and at the last layer (of
-  the submission's last pool) a GPU load's ack is waited for and checked: a load that failed
-  raises ``TransferFailed`` there and is never counted as loaded.
+  Any other load (nothing attached, one command per pool, CPU) waits in its calls: each layer
+  for its own part (GPU: ``Client.wait_layer`` polls the daemon's interprocess event for that
+  layer from this thread, so the call returns once the layer is copied; CPU: the op's ack,
+  taken at the first call), and at the last layer (of the submission's last pool) a GPU
+  load's ack is waited for and checked: a load that failed raises ``TransferFailed`` there and
+  is never counted as loaded.
 * Every use of the daemon's ``Client`` holds the link's lock (its heartbeat thread shares it).
 * ``clear()`` (SGLang's ``flush_cache``) on the anchor and the SWA pool gives back every row
   of its space the link holds.

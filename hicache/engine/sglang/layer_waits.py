@@ -29,9 +29,10 @@ stream (``host_pools``): the completion event SGLang records there after the cal
 radix cache and device allocator read to know the load is over; its allocator orders page
 moves and frees after it) completes only once the daemon's copies did. That wait needs the
 layer's event recorded, so the scheduler thread still waits for the daemon to *issue* the
-last layer (not to copy it): on an H100 the submission held the thread 2.8 / 6.3 / 9.6 ms of
-loads whose last layer took 3.3 / 7.8 / 23.5 ms (8 / 32 / 128 DSV4-Flash pages), and behind a
-load fence the issue did not end before the fence did (docs/sglang.md).
+last layer (not to copy it): on H100s the submission held the thread 2.8-3.3 / 6.3-6.7 /
+9.6-14.2 ms of loads whose last layer took 3.3-3.5 / 7.8-8.2 / 23.5-24.9 ms (8 / 32 / 128
+DSV4-Flash pages), and behind a load fence the issue did not end before the fence did
+(docs/sglang.md).
 
 What it trades (hence off by default): a load whose batch never reaches the forward's last
 layer has its ack checked only when its producer index comes round again, so a failed load of
