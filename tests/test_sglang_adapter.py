@@ -139,15 +139,12 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
 
 def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_layer() -> None:
     """A GPU load that SGLang's ``start_loading`` submits (``defer``) leaves the scheduler
-    thread at once: its calls wait for nothing but, at the last, put the load's gate on the
-    stream (SGLang's completion event, recorded next, waits for it). The forward's
-    ``wait_until(t)`` (the layer counter the link's ``layer_waits`` wraps) then polls layer
-    ``t`` on the host before SGLang's own wait, once per layer, and at the stage's last layer
-    waits for the ack, checks it and opens the gate: a failed load raises there, before the
-    forward's last layer, its gate left closed. A load whose forward never waits has its gate
-    opened by the gate thread once its ack came and says it succeeded."""
+    thread at once: its calls wait for nothing but, at the last, put the last layer's wait on
+    the stream (SGLang's completion event follows the copies). The forward's ``wait_until(t)``
+    (the layer counter the link's ``layer_waits`` wraps) then polls layer ``t`` on the host
+    before SGLang's own wait, once per layer, and at the stage's last layer waits for the
+    ack and checks it: a failed load raises there, before the forward's last layer."""
     import threading
-    import time
     from types import SimpleNamespace
 
     import torch
@@ -164,39 +161,20 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
             self.calls: list = []
             self.fail = fail
             self.n = 0
-            self.arrived: set[int] = set()  # ops whose ack came (``ack_if_in`` sees them)
 
         def load(self, items, wait_event=None):
             self.n += 1
             self.calls.append(("load", self.n))
             return SimpleNamespace(op_id=self.n, event_set=0, ack=None)
 
-        def wait_layer(self, op, layer):
-            self.calls.append(("layer", op.op_id, layer))
-
-        def _ack(self, op):
-            return SimpleNamespace(op=op.op_id, ok=not self.fail, kind="load",
-                                   error={"message": "launch failed"})
+        def wait_layer(self, op, layer, on_stream=False):
+            self.calls.append(("layer", op.op_id, layer, on_stream))
 
         def wait_ack(self, op, timeout=None, check=True):
             self.calls.append(("ack", op.op_id))
             if self.fail:
-                raise TransferFailed(self._ack(op))
-
-        def ack_if_in(self, op):
-            return self._ack(op) if op.op_id in self.arrived else None
-
-    class Gate:  # ``core.stream_gate.StreamGate``'s calls (the CUDA test runs the real one)
-        def __init__(self, log: list) -> None:
-            self.log, self.n = log, 0
-
-        def close(self, stream=None):
-            self.n += 1
-            self.log.append(("close", self.n))
-            return self.n
-
-        def open(self, seq):
-            self.log.append(("open", seq))
+                raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
+                                                     error={"message": "launch failed"}))
 
     class Counter:  # SGLang's ``LayerDoneCounter``, as far as the adapter reads it
         def __init__(self, log: list) -> None:
@@ -208,9 +186,8 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
 
     def stack(c: GpuClient) -> tuple[Any, Any, Any, list]:
         lock = threading.RLock()
-        waits = LayerWaits(c, lock, make_gate=lambda: Gate(c.calls))
         link = SimpleNamespace(client=c, lock=lock, pool_global_layer=lambda p, l: 10 + l,
-                               submitting=threading.local(), layer_waits=waits)
+                               submitting=threading.local(), layer_waits=LayerWaits(c, lock))
         a, b = _stand_in_pool(c, "c4_kv", link=link), _stand_in_pool(c, "swa_kv", link=link)
         ids = [(torch.arange(4, 8), torch.arange(8, 12)), (torch.arange(0, 4),
                                                            torch.arange(12, 16))]
@@ -225,12 +202,6 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
                 a.load_to_device_per_layer(None, *sa, layer, "direct")
                 b.load_to_device_per_layer(None, *sb, layer, "direct")
 
-    def settled(waits: Any, closed: int) -> None:
-        deadline = time.monotonic() + 10
-        while waits.closed_gates() != closed:
-            assert time.monotonic() < deadline, waits.closed_gates()
-            time.sleep(0.001)
-
     c = GpuClient()
     link, a, b, tr = stack(c)
     counter = Counter(c.calls)
@@ -239,41 +210,35 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
         link.layer_waits.attach(counter)
     counter.producer_index = 0  # (``start_loading`` advances it before it submits)
     submit(link, a, b, tr)
-    assert c.calls == [("load", 1), ("close", 1)]  # no wait on this thread
+    assert c.calls == [("load", 1), ("layer", 1, 11, True)]  # no host wait on this thread
     assert {i: op.op_id for i, op in link.layer_waits.pending().items()} == {0: 1}
     counter.consumer_index = 0  # the batch's forward
     c.calls.clear()
     counter.wait_until(0)
     counter.wait_until(0)  # (a second accessor of layer 0: not polled again)
     counter.wait_until(1)
-    assert c.calls == [("layer", 1, 10), ("sglang", 0), ("sglang", 0),
-                       ("layer", 1, 11), ("ack", 1), ("open", 1), ("sglang", 1)]
-    assert link.layer_waits.pending() == {} and link.layer_waits.closed_gates() == 0
+    assert c.calls == [("layer", 1, 10, False), ("sglang", 0), ("sglang", 0),
+                       ("layer", 1, 11, False), ("ack", 1), ("sglang", 1)]
+    assert link.layer_waits.pending() == {}
     c.calls.clear()
     counter.wait_until(1)  # nothing kept under the consumer now: SGLang's wait alone
     counter.consumer_index = -1
     counter.wait_until(0)
     assert c.calls == [("sglang", 1), ("sglang", 0)]
 
-    # a load whose forward never waits (a batch dropped, or SGLang's test kit synchronizing
-    # the completion event): the gate thread opens its gate once its ack came, and it is
-    # finished (ack taken and checked) when its producer index comes round again
+    # a load its forward never waited for (a batch dropped) is finished when its producer
+    # index comes round again, before the next load is kept there
     c.calls.clear()
     counter.producer_index = 1
     submit(link, a, b, tr)
-    assert link.layer_waits.closed_gates() == 1
-    time.sleep(0.02)
-    assert ("open", 2) not in c.calls  # no ack yet: the gate stays closed
-    c.arrived.add(2)
-    settled(link.layer_waits, 0)
-    assert c.calls == [("load", 2), ("close", 2), ("open", 2)]
-    submit(link, a, b, tr)  # (producer index 1 again)
-    assert c.calls[3:] == [("load", 3), ("ack", 2), ("close", 3)]
-    assert {i: op.op_id for i, op in link.layer_waits.pending().items()} == {1: 3}
-    link.layer_waits.stop()
+    counter.producer_index = 1
+    submit(link, a, b, tr)
+    assert c.calls == [("load", 2), ("layer", 2, 11, True), ("load", 3), ("ack", 2),
+                       ("layer", 3, 11, True)]
+    assert list(link.layer_waits.pending()) == [1]
 
-    # a failed load raises at the forward's last layer (SGLang's own wait never runs), is no
-    # longer kept, and its gate stays closed; the gate thread leaves a failed ack alone too
+    # a failed load raises at the forward's last layer (SGLang's own wait never runs), and is
+    # no longer kept
     c = GpuClient(fail=True)
     link, a, b, tr = stack(c)
     counter = Counter(c.calls)
@@ -283,14 +248,8 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
     counter.wait_until(0)
     with pytest.raises(TransferFailed, match="launch failed"):
         counter.wait_until(1)
-    assert c.calls[-2:] == [("layer", 1, 11), ("ack", 1)]
-    assert link.layer_waits.pending() == {} and link.layer_waits.closed_gates() == 0
-    counter.producer_index = 0
-    submit(link, a, b, tr)
-    c.arrived.add(2)
-    settled(link.layer_waits, 0)
-    assert ("open", 2) not in c.calls and ("open", 1) not in c.calls
-    link.layer_waits.stop()
+    assert c.calls[-2:] == [("layer", 1, 11, False), ("ack", 1)]
+    assert link.layer_waits.pending() == {}
 
     # any other load waits in its calls, as before: one not ``start_loading``'s (no
     # ``defer``: SGLang's retraction restore), or with no counter attached, or a CPU load
@@ -307,7 +266,7 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
             c.backup_events = []
         submit(link, a, b, tr, defer=case != "no defer")
         assert link.layer_waits.pending() == {}, case
-        assert ("ack", 1) in c.calls and not any(x[0] == "close" for x in c.calls), case
+        assert ("ack", 1) in c.calls, case
 
 
 def _stand_in_pool(client: Any, ours: str, link: Any = None) -> Any:

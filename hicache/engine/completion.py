@@ -1,8 +1,7 @@
 """Completion of operations on the engine side, as ``Client`` methods (``Completion`` is a mixin
 of ``hicache.engine.client.Client``): pushed messages kept (acks, GPU loads' "issued"
-notices), ``poll_acks``, ``drain``, ``ack_if_in(op)`` (no wait), ``wait_ack(op)`` and, on GPU,
-``wait_layer(op, layer, stream)``: the wait for one layer of a load. Every wait is bounded by a
-timeout.
+notices), ``poll_acks``, ``drain``, ``wait_ack(op)`` and, on GPU, ``wait_layer(op, layer,
+stream)``: the wait for one layer of a load. Every wait is bounded by a timeout.
 
 ``wait_layer``: the daemon answers a GPU load once layer 0's copy is enqueued (``op.issued``
 layers' events are recorded), so a later layer's wait first takes a daemon's "issued" notice
@@ -165,12 +164,6 @@ class Completion:
                 n += 1
             self._pushed(got[0])
 
-    def ack_if_in(self, op: Op) -> Ack | None:
-        """``op``'s ack if it has come (pushes that arrived are read first, no wait), else None;
-        it stays the caller's to take (``wait_ack``). None too once ``wait_ack`` took it."""
-        self.drain()
-        return op.ack if op.ack is not None else self._acks.get(op.op_id)
-
     def wait_ack(self, op: Op | int, timeout: float | None = None, check: bool = True) -> Ack:
         """Block until ``op`` completed; its ``Ack`` (``TransferFailed`` if it failed and
         ``check``). ``AckTimeout`` if the daemon answers but the op is not done in time;
@@ -239,9 +232,10 @@ class Completion:
                           f"never come, and what it copied is unknown")
 
     def wait_layer(self, op: Op, layer: int, stream: Any = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, on_stream: bool = False) -> None:
         """Return once global ``layer`` of load ``op`` is copied (GPU, ``spin_us`` None), or put
-        a wait for it on ``stream`` (default: the current stream) after ``spin_us``. CPU mode (no
+        a wait for it on ``stream`` (default: the current stream) after ``spin_us`` (at once
+        with ``on_stream``: the host waits only for the layer's copy to be issued). CPU mode (no
         events): waits for the op's ack. The daemon answers a GPU load once layer 0's copy is
         enqueued; a later layer's wait first takes the daemon's "issued" notice (or the op's
         ack), so it never waits on an event the load has not recorded."""
@@ -266,7 +260,7 @@ class Completion:
         # The host polls the event (until it completes, or for ``spin_us`` when set) and only
         # then, if ever, the stream waits: an engine stream holding waits on the daemon's
         # events shares time slices with its copies (no MPS; docs/perf.md, fifty-sixth session).
-        spin = self.spin_us
+        spin = 0.0 if on_stream else self.spin_us
         if spin is None:
             limit = self.timeout if timeout is None else timeout
         else:

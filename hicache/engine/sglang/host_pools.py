@@ -30,9 +30,8 @@ builds the DSV4 HiCache stack. They allocate no host memory. What SGLang's contr
   and the calls do not wait for copies: SGLang's forward waits for each layer where it reads
   it (the counter's ``wait_until``: the host polls that layer's event; at the stage's last
   layer the load's ack is waited for and checked), so the forward's first layers overlap the
-  load's later ones. The last call puts the load's gate on the current stream (a wait on a
-  word the engine stores once the load's ack says it succeeded), so SGLang's completion event
-  follows the copies and the thread waits for nothing.
+  load's later ones. The last call puts a wait for the load's last layer on the current
+  stream (once the daemon has issued it), so SGLang's completion event follows the copies.
   Any other load (nothing attached, one command per pool, CPU) waits in its calls: each layer
   for its own part (GPU: ``Client.wait_layer`` polls the daemon's interprocess event for that
   layer from this thread, so the call returns once the layer is copied; CPU: the op's ack,
@@ -272,8 +271,8 @@ class _DaemonPoolMixin:
                     group.waiting.discard(id(self))
                 last = not group.waiting
                 if group.deferred:  # the forward waits for each layer (``layer_waits``); the
-                    if last:  # completion event SGLang records next waits for the load's gate
-                        self.link.layer_waits.gate(op)  # (on the current stream)
+                    if last:  # completion event SGLang records next follows the last copy
+                        c.wait_layer(op, layer, on_stream=True)
                     return
                 if layer in group.copied and not last:  # another pool's call saw it copied
                     return

@@ -302,7 +302,6 @@ class DaemonLink:
                 return
             self.closed = True
         self.beats.stop()  # a heartbeat in flight ends within BEAT_S
-        self.layer_waits.stop()
         try:
             with self.lock:
                 self.client.unregister(timeout=min(self.client.timeout, UNREGISTER_S))
