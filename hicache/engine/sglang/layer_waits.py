@@ -31,8 +31,8 @@ moves and frees after it) completes only once the daemon's copies did. That wait
 layer's event recorded, so the scheduler thread still waits for the daemon to *issue* the
 last layer (not to copy it): on H100s the submission held the thread 2.8-3.3 / 6.3-6.7 /
 9.6-14.2 ms of loads whose last layer took 3.3-3.5 / 7.8-8.2 / 23.5-24.9 ms (8 / 32 / 128
-DSV4-Flash pages), and behind a load fence the issue did not end before the fence did
-(docs/sglang.md).
+DSV4-Flash pages). Behind a load fence it returns while the fence holds, once the daemon's
+load kernels are warm (a kernel's first launch waits for the GPU to go idle; docs/sglang.md).
 
 What it trades (hence off by default): a load whose batch never reaches the forward's last
 layer has its ack checked only when its producer index comes round again, so a failed load of
