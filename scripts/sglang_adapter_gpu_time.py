@@ -17,8 +17,8 @@ each call returns once its layer is copied). For each size, ``--pages`` pages of
 * ``deferred``: the loop as SGLang's ``start_loading`` submits it (the adapter's calls do not
   wait: the link's ``layer_waits``), then the forward's ``wait_until`` for every stage layer
   in order (a ``LayerCounter`` stand-in): ms to layer 0 and to the last layer (its ack
-  checked), and ``held_ms``, how long the submission held the calling thread (SGLang's
-  scheduler thread; the other modes hold it to their last layer);
+  checked), and ``submit_ms``, how long the submission took, after which the forward can start
+  launching (the blocking adapter's submission lasts to its last layer);
 * ``with_forward``: the load and then a stand-in forward (``--forward-us`` of GPU work per stage
   layer, ``torch.cuda._sleep``) on the calling thread's stream, ms until that forward is done:
   ``blocking`` (the adapter's calls wait, then the forward is launched) against ``deferred``
@@ -190,13 +190,13 @@ def main() -> int:
                         mark()
                 c.wait_ack(op, check=True)  # (TransferFailed if it failed)
 
-            held: list[float] = []
+            submitted: list[float] = []
 
             def submit_deferred() -> None:
                 counter.update_producer()  # (``start_loading``, before it submits)
                 t0 = time.perf_counter()
                 load_layer_by_layer(pools, ids, load, defer=True)
-                held.append((time.perf_counter() - t0) * 1e3)
+                submitted.append((time.perf_counter() - t0) * 1e3)
                 counter.consumer_index = counter.producer_index  # the batch's forward
 
             def deferred(mark: Any) -> None:
@@ -224,15 +224,15 @@ def main() -> int:
             for name, fn in (("adapter", adapter), ("per_pool", per_pool), ("one_op", one_op),
                              ("deferred", deferred)):
                 _zero(stage.layers, pools, dst)
-                held.clear()
+                submitted.clear()
                 runs = [_timed(fn) for _ in range(a.runs + 1)][1:]  # (one warm-up)
                 _verify(stage.layers, pools, src, dst, f"{name}, {n} pages")
                 last = statistics.median(r[1] for r in runs)
                 res[name] = {"first_layer_ms": round(statistics.median(r[0] for r in runs), 3),
                              "last_layer_ms": round(last, 3),
                              "GBps": round(nbytes / last / 1e6, 2)}
-                if held:
-                    res[name]["held_ms"] = round(statistics.median(held[1:]), 3)
+                if submitted:
+                    res[name]["submit_ms"] = round(statistics.median(submitted[1:]), 3)
             fwd: dict[str, Any] = {"forward_ms": round(
                 a.forward_us * len(c.stage_layers) / 1e3, 3)}
             for name, defer in (("blocking", False), ("deferred", True)):

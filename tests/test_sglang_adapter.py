@@ -138,18 +138,20 @@ def test_a_gpu_loads_last_layer_waits_for_its_ack_and_a_failure_raises() -> None
 
 
 def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_layer() -> None:
-    """A GPU load that SGLang's ``start_loading`` submits (``defer``) leaves the scheduler
-    thread at once: its calls wait for nothing but, at the last, put the last layer's wait on
-    the stream (SGLang's completion event follows the copies). The forward's ``wait_until(t)``
-    (the layer counter the link's ``layer_waits`` wraps) then polls layer ``t`` on the host
-    before SGLang's own wait, once per layer, and at the stage's last layer waits for the
-    ack and checks it: a failed load raises there, before the forward's last layer."""
+    """With ``forward_waits``, a GPU load that SGLang's ``start_loading`` submits (``defer``)
+    is not waited for in the submission: its calls wait for nothing but, at the last, put the
+    last layer's wait on the stream (SGLang's completion event follows the copies). The
+    forward's ``wait_until(t)`` (the layer counter the link's ``layer_waits`` wraps) then polls
+    layer ``t`` on the host before SGLang's own wait, once per layer, and at the stage's last
+    layer waits for the ack and checks it: a failed load raises there, before the forward's
+    last layer. A load no forward waited for is finished before the next load its producer
+    index takes is sent; a timeout leaves a load kept; ``detach`` restores SGLang's wait."""
     import threading
     from types import SimpleNamespace
 
     import torch
 
-    from hicache.engine.acks import TransferFailed
+    from hicache.engine.acks import AckTimeout, TransferFailed
     from hicache.engine.sglang.host_pools import submission
     from hicache.engine.sglang.layer_waits import LayerWaits
 
@@ -158,19 +160,22 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
         stage_layers = [10, 11]  # (global layers of the stage: the counter counts from 0)
 
         def __init__(self, fail: bool = False) -> None:
-            self.calls: list = []
+            self.calls: list[tuple] = []
             self.fail = fail
             self.n = 0
+            self.stall: int | None = None  # a layer whose wait times out
 
-        def load(self, items, wait_event=None):
+        def load(self, items: Any, wait_event: Any = None) -> Any:
             self.n += 1
             self.calls.append(("load", self.n))
             return SimpleNamespace(op_id=self.n, event_set=0, ack=None)
 
-        def wait_layer(self, op, layer, on_stream=False):
+        def wait_layer(self, op: Any, layer: int, on_stream: bool = False) -> None:
             self.calls.append(("layer", op.op_id, layer, on_stream))
+            if layer == self.stall:
+                raise AckTimeout(f"op {op.op_id}: layer {layer} not copied in time")
 
-        def wait_ack(self, op, timeout=None, check=True):
+        def wait_ack(self, op: Any, timeout: Any = None, check: bool = True) -> None:
             self.calls.append(("ack", op.op_id))
             if self.fail:
                 raise TransferFailed(SimpleNamespace(op=op.op_id, ok=False, kind="load",
@@ -202,16 +207,19 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
                 a.load_to_device_per_layer(None, *sa, layer, "direct")
                 b.load_to_device_per_layer(None, *sb, layer, "direct")
 
+    def kept(link: Any) -> dict[int, int]:
+        return {i: op.op_id for i, op in link.layer_waits.pending().items()}
+
     c = GpuClient()
     link, a, b, tr = stack(c)
     counter = Counter(c.calls)
     link.layer_waits.attach(counter)
-    with pytest.raises(RuntimeError, match="already waits"):
-        link.layer_waits.attach(counter)
+    with pytest.raises(RuntimeError, match="already waited for through a layer counter"):
+        link.layer_waits.attach(Counter(c.calls))
     counter.producer_index = 0  # (``start_loading`` advances it before it submits)
     submit(link, a, b, tr)
-    assert c.calls == [("load", 1), ("layer", 1, 11, True)]  # no host wait on this thread
-    assert {i: op.op_id for i, op in link.layer_waits.pending().items()} == {0: 1}
+    assert c.calls == [("load", 1), ("layer", 1, 11, True)]  # no host wait for a copy
+    assert kept(link) == {0: 1}
     counter.consumer_index = 0  # the batch's forward
     c.calls.clear()
     counter.wait_until(0)
@@ -219,26 +227,35 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
     counter.wait_until(1)
     assert c.calls == [("layer", 1, 10, False), ("sglang", 0), ("sglang", 0),
                        ("layer", 1, 11, False), ("ack", 1), ("sglang", 1)]
-    assert link.layer_waits.pending() == {}
+    assert kept(link) == {}
     c.calls.clear()
     counter.wait_until(1)  # nothing kept under the consumer now: SGLang's wait alone
     counter.consumer_index = -1
     counter.wait_until(0)
     assert c.calls == [("sglang", 1), ("sglang", 0)]
 
-    # a load its forward never waited for (a batch dropped) is finished when its producer
-    # index comes round again, before the next load is kept there
+    # a load no forward waited for (a batch dropped) is finished, its ack taken and checked,
+    # before the next load its producer index takes is sent
     c.calls.clear()
     counter.producer_index = 1
     submit(link, a, b, tr)
-    counter.producer_index = 1
-    submit(link, a, b, tr)
-    assert c.calls == [("load", 2), ("layer", 2, 11, True), ("load", 3), ("ack", 2),
+    submit(link, a, b, tr)  # (producer index 1 again)
+    assert c.calls == [("load", 2), ("layer", 2, 11, True), ("ack", 2), ("load", 3),
                        ("layer", 3, 11, True)]
-    assert list(link.layer_waits.pending()) == [1]
+    assert kept(link) == {1: 3}
+    # a wait that times out leaves the load kept (its outcome is still to be checked)
+    c.stall, counter.consumer_index = 10, 1
+    with pytest.raises(AckTimeout):
+        counter.wait_until(0)
+    assert kept(link) == {1: 3}
+    link.layer_waits.detach()  # (the link's close): SGLang's own wait again, nothing kept
+    assert kept(link) == {} and not getattr(counter.wait_until, "__hicache__", False)
+    c.calls.clear()
+    counter.wait_until(0)
+    assert c.calls == [("sglang", 0)]
 
-    # a failed load raises at the forward's last layer (SGLang's own wait never runs), and is
-    # no longer kept
+    # a failed load raises at the forward's last layer (SGLang's own wait never runs) and is
+    # no longer kept; one no forward waited for raises before the next load is sent
     c = GpuClient(fail=True)
     link, a, b, tr = stack(c)
     counter = Counter(c.calls)
@@ -249,7 +266,13 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
     with pytest.raises(TransferFailed, match="launch failed"):
         counter.wait_until(1)
     assert c.calls[-2:] == [("layer", 1, 11, False), ("ack", 1)]
-    assert link.layer_waits.pending() == {}
+    assert kept(link) == {}
+    counter.consumer_index = -1
+    submit(link, a, b, tr)
+    with pytest.raises(TransferFailed, match="launch failed") as e:
+        submit(link, a, b, tr)
+    assert "producer index 2, which no forward waited for" in "".join(e.value.__notes__)
+    assert c.calls[-1] == ("ack", 2) and c.n == 2  # the next load was not sent
 
     # any other load waits in its calls, as before: one not ``start_loading``'s (no
     # ``defer``: SGLang's retraction restore), or with no counter attached, or a CPU load

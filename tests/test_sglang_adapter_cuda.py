@@ -24,7 +24,8 @@ HiCache controller calls it:
   load kernels are warm: the submission returns while the fence still holds; the forward's
   ``wait_until(t)`` returns only once stage layer ``t`` is copied in every pool (read at once
   from another stream), the ack checked at the last; SGLang's completion event, recorded
-  after the submission behind the adapter's wait for the last layer, completes.
+  after the submission behind the adapter's wait for the last layer, completes, and once it
+  has (before any forward wait, in one round) every layer is in.
 
 Skipped without CUDA.
 """
@@ -248,6 +249,18 @@ def test_a_load_the_forward_waits_for_is_copied_at_each_of_its_waits(adapter) ->
             assert not fwd.query(), f"round {rnd}: the submission waited out the load fence"
         assert loads == [sorted(pools)]
         assert list(link.layer_waits.pending()) == [counter.producer_index]
+        if rnd == 2:  # SGLang's completion event, before any forward wait: every layer is in
+            # once it completes (what SGLang's radix cache and allocator read it for)
+            finish.synchronize()
+            for g in c.stage_layers:
+                with torch.cuda.stream(reader):
+                    got = {name: stage.layers[name][LAYOUT.pools[name].layers.index(g)]
+                           .index_select(0, dst_dev[p.space])
+                           for name, p in pools.items() if g in LAYOUT.pools[name].layers}
+                reader.synchronize()
+                for name, rows in got.items():
+                    assert torch.equal(rows, want[name][LAYOUT.pools[name].layers.index(g)]), \
+                        ("completion event", name, g)
         counter.consumer_index = counter.producer_index  # the batch's forward
         for t, g in enumerate(c.stage_layers):
             counter.wait_until(t)

@@ -17,8 +17,9 @@ the wrapper:
    ``submit_host_to_device`` in ``host_pools.submission``, so that one submission's transfers
    reach the daemon as one ``backup`` / ``load`` of every pool;
 5. with ``forward_waits``, attaches the controller's layer counter to the link's
-   ``layer_waits``: SGLang's forward, not its scheduler thread, waits for the layers of the
-   GPU loads ``start_loading`` submits.
+   ``layer_waits``: SGLang's forward, not the submission, waits for the layers of the GPU
+   loads ``start_loading`` submits (refused on a PD decode server, whose restores no forward
+   waits for).
 
 A storage backend is refused, at build time (``--hicache-storage-backend``) and at SGLang's
 runtime attach (the built controller's ``attach_storage_backend`` raises; SGLang answers the
@@ -84,6 +85,19 @@ def _pp_rank(model: ModelSpec, bounds: Sequence[tuple[int, int]], start: int, en
     raise LayoutError(f"SGLang stage [{start}, {end}) is none of the hicache stages {list(bounds)}")
 
 
+def _pd_decode() -> bool:
+    """Whether this SGLang process is a PD decode server (``--disaggregation-mode decode``).
+    A process that published no serving config (SGLang's test kit builds caches without one)
+    runs no disaggregation."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        mode = get_disagg().disaggregation_mode
+    except ValueError:  # "config namespace 'disagg' not published"
+        return False
+    return mode == "decode"
+
+
 def _storage_refused(what: str, todo: str) -> ValueError:
     return ValueError(f"hicache's SGLang adapter keeps the host tier in its daemon: {what} "
                       f"cannot read its bytes; {todo} (the daemon's L3 is --l3 on hicache "
@@ -119,8 +133,8 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             pp_size: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
             timeout: float = 5.0, forward_waits: bool = False) -> Installation:
     """Patch SGLang's DSV4 HiCache assembler (see the module docstring). ``forward_waits``:
-    SGLang's forward waits for a GPU load's layers, not its scheduler thread
-    (``layer_waits``; off by default, docs/sglang.md says what it trades)."""
+    SGLang's forward waits for a GPU load's layers, not the submission (``layer_waits``; off
+    by default, docs/sglang.md says what it trades)."""
     check_sglang_version()
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as A
 
@@ -148,6 +162,11 @@ def install(model: ModelSpec | str, *, address: str | Callable[[int], str] | Non
             if drafts:
                 raise ValueError("hicache's SGLang adapter does not map MTP draft pools; "
                                  "launch without speculative decoding")
+            if forward_waits and _pd_decode():
+                raise ValueError("hicache's forward_waits does not apply to a PD decode server: "
+                                 "its local restores are read from the load's completion "
+                                 "event, with no forward wait to check the load's ack; launch "
+                                 "without HICACHE_SGLANG_FORWARD_WAITS")
             client = Client(addr, timeout=timeout, name=f"sglang-pp{rank}")
             try:
                 link = DaemonLink.connect(kvcache, layout, client)

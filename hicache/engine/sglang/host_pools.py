@@ -263,9 +263,12 @@ class _DaemonPoolMixin:
         if group is not None:
             with self.link.lock:
                 if group.op is None:  # the submission's first call: every pool in one load
+                    waits = self.link.layer_waits if group.defer else None
+                    if waits is not None:  # (a load its producer index still keeps first)
+                        waits.retire()
                     group.op = self._submit_load(group.items(to_device=True))
-                    group.deferred = (group.defer and group.op.event_set is not None
-                                      and self.link.layer_waits.begin(group.op))
+                    group.deferred = (waits is not None and group.op.event_set is not None
+                                      and waits.keep(group.op))
                 op = group.op
                 if layer_id == self.layer_num - 1:
                     group.waiting.discard(id(self))

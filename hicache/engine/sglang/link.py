@@ -302,6 +302,7 @@ class DaemonLink:
                 return
             self.closed = True
         self.beats.stop()  # a heartbeat in flight ends within BEAT_S
+        self.layer_waits.detach()  # (SGLang's counter waits on its own events again)
         try:
             with self.lock:
                 self.client.unregister(timeout=min(self.client.timeout, UNREGISTER_S))

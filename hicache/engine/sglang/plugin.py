@@ -11,7 +11,7 @@ launching process would not reach them); hicache registers ``load`` under the
   replaced by the worker's PP rank and CUDA device index. Default: the daemon's default socket
   for the worker's device (``hicache serve --device cuda:N`` without ``--socket``);
 * ``HICACHE_SGLANG_FORWARD_WAITS`` (``0`` or ``1``, default ``0``): ``install``'s
-  ``forward_waits``.
+  ``forward_waits`` (SGLang's forward waits for each layer of a load, not the submission).
 
 Without ``HICACHE_SGLANG_MODEL`` the plugin installs nothing and logs that it is idle; with it,
 any error (bad model, other SGLang version, a bad setting) stops the scheduler with one line:
