@@ -39,7 +39,7 @@ allocator, which orders page moves and frees after it, and the producer index's 
 per-layer events of earlier layers complete before their copies and are read only through
 ``wait_until``, which this wraps. The stream wait needs the last layer's event recorded, so
 the submission waits for the daemon to *issue* the last layer (not to copy it): on H100s
-2.8-3.3 / 6.3-6.7 / 9.6-14.2 ms of loads whose last layer took 3.3-3.5 / 7.8-8.2 /
+2.2-3.3 / 6.3-6.7 / 9.6-14.2 ms of loads whose last layer took 2.8-3.5 / 7.8-8.3 /
 23.5-24.9 ms (8 / 32 / 128 DSV4-Flash pages). Behind a load fence it returned while the fence
 held once the daemon's load kernel was warm (docs/sglang.md).
 
