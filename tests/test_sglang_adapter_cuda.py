@@ -227,6 +227,19 @@ def test_a_load_the_forward_waits_for_is_copied_at_each_of_its_waits(adapter) ->
     want = {name: _rows_of(stage, name, src[p.space]) for name, p in pools.items()}
     counter = LayerCounter()
     link.layer_waits.attach(counter)
+
+    def check_layer(g: int, what: Any) -> None:
+        """Global layer ``g`` of every pool that has it, read from another stream, is what
+        was backed up."""
+        with torch.cuda.stream(reader):
+            got = {name: stage.layers[name][LAYOUT.pools[name].layers.index(g)]
+                   .index_select(0, dst_dev[p.space])
+                   for name, p in pools.items() if g in LAYOUT.pools[name].layers}
+        reader.synchronize()
+        for name, rows in got.items():
+            assert torch.equal(rows, want[name][LAYOUT.pools[name].layers.index(g)]), \
+                (what, name, g)
+
     # round 0 has no fence: it warms the daemon's load kernels up (a kernel's first launch
     # waits for the GPU to go idle, which a fence would hold back); rounds 1 and 2 come behind
     # a forward still writing (the load fence), and their submissions return while it holds:
@@ -253,25 +266,11 @@ def test_a_load_the_forward_waits_for_is_copied_at_each_of_its_waits(adapter) ->
             # once it completes (what SGLang's radix cache and allocator read it for)
             finish.synchronize()
             for g in c.stage_layers:
-                with torch.cuda.stream(reader):
-                    got = {name: stage.layers[name][LAYOUT.pools[name].layers.index(g)]
-                           .index_select(0, dst_dev[p.space])
-                           for name, p in pools.items() if g in LAYOUT.pools[name].layers}
-                reader.synchronize()
-                for name, rows in got.items():
-                    assert torch.equal(rows, want[name][LAYOUT.pools[name].layers.index(g)]), \
-                        ("completion event", name, g)
+                check_layer(g, "completion event")
         counter.consumer_index = counter.producer_index  # the batch's forward
         for t, g in enumerate(c.stage_layers):
             counter.wait_until(t)
-            with torch.cuda.stream(reader):
-                got = {name: stage.layers[name][LAYOUT.pools[name].layers.index(g)]
-                       .index_select(0, dst_dev[p.space])
-                       for name, p in pools.items() if g in LAYOUT.pools[name].layers}
-            reader.synchronize()
-            for name, rows in got.items():
-                li = LAYOUT.pools[name].layers.index(g)
-                assert torch.equal(rows, want[name][li]), (rnd, name, g)
+            check_layer(g, f"round {rnd}, at its wait")
         assert link.layer_waits.pending() == {}  # its ack taken and checked at the last layer
         deadline = time.monotonic() + 10
         while not finish.query():
