@@ -248,6 +248,11 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
     with pytest.raises(AckTimeout):
         counter.wait_until(0)
     assert kept(link) == {1: 3}
+    c.wait_ack = lambda op, timeout=None, check=True: (_ for _ in ()).throw(
+        AckTimeout(f"op {op.op_id} did not complete"))
+    with pytest.raises(AckTimeout):  # retiring it times out too: still kept, nothing sent
+        submit(link, a, b, tr)
+    assert kept(link) == {1: 3} and c.n == 3
     link.layer_waits.detach()  # (the link's close): SGLang's own wait again, nothing kept
     assert kept(link) == {} and not getattr(counter.wait_until, "__hicache__", False)
     c.calls.clear()

@@ -17,7 +17,7 @@ scheduler thread too, so that thread still waits, in the forward's launch, layer
 * ``retire()``: before the submission's load is sent, an op still kept under the counter's
   current producer index (its forward never reached the last layer: a batch dropped after its
   load) is finished: its ack is waited for and checked (``TransferFailed``, a note naming the
-  index).
+  index; a timeout leaves it kept).
 * ``keep(op)``: once the daemon took the load, ``op`` is kept under that index. False (nothing
   kept: the caller waits for every layer itself, as before) with no counter attached or no
   producer index.
@@ -121,6 +121,9 @@ class LayerWaits:
             except TransferFailed as e:
                 e.add_note(f"hicache: the load kept under SGLang's producer index "
                            f"{counter.producer_index}, which no forward waited for")
+                raise
+            except BaseException:  # (a timeout: its outcome is still to be checked)
+                self._kept.setdefault(counter.producer_index, old)
                 raise
 
     def keep(self, op: Op) -> bool:
