@@ -216,6 +216,8 @@ def test_a_load_start_loading_submits_is_waited_for_by_the_forward_layer_by_laye
     link.layer_waits.attach(counter)
     with pytest.raises(RuntimeError, match="already waited for through a layer counter"):
         link.layer_waits.attach(Counter(c.calls))
+    with pytest.raises(RuntimeError, match="this layer counter already waits"):
+        LayerWaits(c, threading.RLock()).attach(counter)  # (another link, the same counter)
     counter.producer_index = 0  # (``start_loading`` advances it before it submits)
     submit(link, a, b, tr)
     assert c.calls == [("load", 1), ("layer", 1, 11, True)]  # no host wait for a copy
