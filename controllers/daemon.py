@@ -44,6 +44,7 @@ from .registry import Registry
 from .server import Server
 from .state import DaemonState
 from .scheduler import Scheduler
+from .warm_copies import warm_pools
 
 # at a stop past the drain timeout: how long cancelled CPU copies get to reach their next chunk
 STOP_CANCEL_WAIT_S = 5.0
@@ -295,6 +296,9 @@ class Daemon:
                                      load_event_sets=cfg.load_event_sets,
                                      shm_dirs=tuple(cfg.shm_dirs))
             self.state.wake = self._wake  # a reaped client's rows go back a slice per turn
+            if self.device.type == "cuda":  # before the socket: no first copy compiles
+                launches, secs = warm_pools(self.state)
+                log.info("copy kernels ready in %.2f s (%d launches)", secs, launches)
             sweep_left_behind(cfg.shm_dirs[0])  # what killed daemons left there
             self.state.address = self.address
             if cfg.sparse_rows:

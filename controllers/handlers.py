@@ -33,6 +33,7 @@ from .device_buffers import open_buffers, open_events
 from .ops import Ids
 from .registry import ClientState, Intake, RegisteredWorker, public_label
 from .state import DaemonState
+from .warm_copies import warm_pools
 
 log = logging.getLogger("hicache.daemon")
 MAX_POOL_FDS = 16  # descriptors one worker hands in for its pools (hicache's own workers: 1)
@@ -67,6 +68,7 @@ def heartbeat(st: DaemonState, c: ClientState, h: dict, arrays: Sequence) -> Rep
 
 REFUSALS_LOGGED = 20  # refused registers logged per REFUSALS_WINDOW_S (a flood is counted)
 REFUSALS_WINDOW_S = 60.0
+WARM_LOGGED_S = 0.05  # a register whose kernel warm-up took longer logs it (it compiled)
 _refusals = {"window": float("-inf"), "logged": 0, "skipped": 0}
 
 
@@ -135,6 +137,7 @@ def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:
                 evs, hs = make_ipc_events(len(st.stage_layers), st.device)
                 load_events.append(evs)
                 load_handles.append(hs)
+            _warm(st, c, tables)
     except TransferError as e:
         bufs.close()
         raise ProtocolError("bad_handle", str(e)[:300]) from None
@@ -149,6 +152,16 @@ def _register(st: DaemonState, c: ClientState, h: dict) -> Reply:
     return {"client": c.cid, "host_rows": st.host_rows, "device": str(st.device),
             "stage_layers": list(st.stage_layers), "load_events": load_handles,
             "heartbeat_timeout": st.heartbeat_timeout, "session": c.session}, []
+
+
+def _warm(st: DaemonState, c: ClientState, tables: dict[str, LayerTable]) -> None:
+    """The copy kernels' variants for this worker's pools, before its first copy: loaded at
+    start for dense pools (``warm_copies``), so this compiles only where its pools are aligned
+    otherwise (then logged, with the time it took)."""
+    launches, secs = warm_pools(st, tables)
+    (log.info if secs > WARM_LOGGED_S else log.debug)(
+        "client %s: copy kernels for its pools ready in %.3f s (%d launches)", c.cid, secs,
+        launches)
 
 
 def _log_registered(st: DaemonState, c: ClientState, dev_rows: dict[str, int]) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from hicache.host_pools.errors import PoolError, PoolExhausted
 from hicache.host_pools.group import HostPoolGroup
+from hicache.kernels.dispatch import kernel_variants
 from hicache.kernels.sharing import gpu_sharing
 from hicache.kernels.tables import LayerTable
 from hicache.core.layout import Layout, LayoutError, PoolSpec
@@ -623,6 +624,9 @@ class DaemonState:
                "merged_ops": self.scheduler.merged_ops, "spin_us": self.spin_us,
                "channels": len(self.registry.channels),
                "gpu_sharing": gpu_sharing(self.device.index if self.cuda else None)[0],
+               # compiled copy kernel variants (GPU): grows after start only where a copy
+               # compiled on first use (controllers/warm_copies.py)
+               "kernel_variants": kernel_variants() if self.cuda else None,
                "host": self.group.usage(),
                "pending_free": {s: self.tracker.pending_rows(s) for s in self.host_rows},
                "metrics": self.metrics.snapshot()}

@@ -16,6 +16,9 @@
 * ``copy_by_layer`` / ``issue_by_layer`` / ``layer_parts`` / ``warm_up`` (``by_layer``, re-exported
   here) — rows and tokens of many buffers, layer by layer, layer 0 first, copy-engine batches
   beside one segment launch per launch group; the daemon's loads.
+* ``warm_up_copies(pairs, device)`` — the row and token kernel variants that copies between
+  given tables take, compiled and loaded before the first copy needs them (the daemon, at
+  start and at ``register``).
 
 Buffers are ``LayerTable`` s (preferred: their pointer tables are cached) or lists of per-layer
 ``[rows, row_bytes]`` uint8 tensors. Index tensors are 1-D int64, on the CPU or on the kernel's
@@ -32,7 +35,7 @@ Each call returns the name of the path it used.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -51,7 +54,7 @@ from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import launch_tokens, tokens_config
 
 __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
-           "layer_groups", "warm_up", "LayerTable", "TokenFormat", "TransferError",
+           "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable", "TokenFormat", "TransferError",
            "DEFAULT_CTAS", "IMPLS"]
 IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
 # staged pays off when host runs are at least this many bytes long on average
@@ -302,10 +305,82 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     kdev = device if device is not None else torch.device("cpu")
     with on_stream(stream, device):
         s_tok, d_tok = _host_order(_to(src_tok, device), _to(dst_tok, device), src, dst)
-        launch_tokens(src.table(kdev), dst.table(kdev), s_tok, d_tok, fmt,
-                      num_layers=src.num_layers, src_stride=src.stride, dst_stride=dst.stride,
-                      align=min(src.align, dst.align), ctas=ctas,
-                      cfg=tokens_config(src.is_cuda, dst.is_cuda))
+        launch_token_copy(src, dst, s_tok, d_tok, fmt, kdev, ctas)
     return "tokens_" + path
+
+
+def launch_token_copy(src: LayerTable, dst: LayerTable, s_tok: torch.Tensor, d_tok: torch.Tensor,
+                      fmt: TokenFormat, kdev: torch.device, ctas: int) -> None:
+    """The token kernel for every layer of ``src``/``dst`` (token ids already on ``kdev``)."""
+    launch_tokens(src.table(kdev), dst.table(kdev), s_tok, d_tok, fmt,
+                  num_layers=src.num_layers, src_stride=src.stride, dst_stride=dst.stride,
+                  align=min(src.align, dst.align), ctas=ctas,
+                  cfg=tokens_config(src.is_cuda, dst.is_cuda))
+
+
+def kernel_variants() -> dict[str, int]:
+    """Variants held in Triton's in-memory caches (all devices) per copy kernel: ``rows``,
+    ``tokens``, ``segments``. After a warm-up this grows only where a copy compiled on its
+    first use (the daemon's ``stats``; 0 each under the interpreter, which compiles nothing)."""
+    from .rows import _rows_kernel
+    from .segments import SEG_KERNEL
+    from .tokens import _tokens_kernel
+
+    def held(fn: object) -> int:
+        return sum(len(v[0]) for v in getattr(fn, "device_caches", {}).values())
+    return {"rows": held(_rows_kernel), "tokens": held(_tokens_kernel),
+            "segments": held(SEG_KERNEL.fn)}
+
+
+class _Scratch:
+    """Stands in for a ``LayerTable`` in a warm-up launch: what a launch specializes on (row
+    size, stride, alignment, which side is the GPU's own memory) is the real table's; its one
+    layer is a scratch buffer on the GPU, so the launch touches no pool."""
+
+    def __init__(self, like: LayerTable, device: torch.device) -> None:
+        self.name, self.is_cuda, self.num_layers = like.name, like.is_cuda, 1
+        self.row_bytes, self.stride, self.align = like.row_bytes, like.stride, like.align
+        self.buf = torch.zeros(like.row_bytes, dtype=torch.uint8, device=device)
+        self._table = torch.tensor([self.buf.data_ptr()], dtype=torch.int64, device=device)
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        return self._table
+
+
+Pair = tuple[LayerTable, LayerTable, Optional[TokenFormat]]
+
+
+def warm_up_copies(pairs: Iterable[Pair], device: torch.device) -> int:
+    """Compile and load on ``device`` the kernel variants that copies between each ``(src, dst,
+    fmt)`` pair launch (the row kernel of ``copy_rows``, or the token kernel where its rows pad
+    badly; the token kernel of ``copy_tokens`` too when ``fmt`` is given), launching each once
+    on scratch buffers on a stream of its own: no pool byte is touched and no other stream is
+    waited for. A variant already loaded costs one launch. Returns the launches made.
+
+    Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
+    cache empty, 5-13 ms from its disk cache) on the thread that issues the copy, holding the
+    GIL, so a daemon's loop stood still that long (docs/perf.md, sixty-second session). The row
+    and token kernels take the copy's length at run time (``do_not_specialize``), so a pair
+    has one variant per kernel, whatever its copies' lengths."""
+    done: set[tuple] = set()
+    launches = 0
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        idx = torch.zeros(1, dtype=torch.int64, device=device)
+        for src, dst, fmt in pairs:
+            key = (src.row_bytes, src.stride, dst.stride, src.align, dst.align, src.is_cuda,
+                   dst.is_cuda, fmt)
+            if key in done:
+                continue
+            done.add(key)
+            s, d = _Scratch(src, device), _Scratch(dst, device)
+            launch_row_copy(s, d, idx, idx, device, DEFAULT_CTAS)  # type: ignore[arg-type]
+            launches += 1
+            if fmt is not None:
+                launch_token_copy(s, d, idx, idx, fmt, device,  # type: ignore[arg-type]
+                                  DEFAULT_CTAS)
+                launches += 1
+    stream.synchronize()
+    return launches
 
 

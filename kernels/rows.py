@@ -56,7 +56,7 @@ def _rows_step(it, src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stri
     tl.store(d_ptr[:, None] + cols[None, :], v, mask=m, cache_modifier=STORE_CM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "total_pieces", "src_stride", "dst_stride"])
 def _rows_kernel(src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride, dst_stride,
                  RB: tl.constexpr, PPR: tl.constexpr, CH: tl.constexpr, G: tl.constexpr,
                  ALIGN: tl.constexpr, LOAD_CM: tl.constexpr, STORE_CM: tl.constexpr,
@@ -92,7 +92,7 @@ def launch_rows(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_idx: torch.Ten
     ch = min(cfg.piece_bytes, triton.next_power_of_2(row_bytes))
     ppr = triton.cdiv(row_bytes, ch)
     total = num_layers * n * ppr
-    g = min(cfg.pieces, triton.next_power_of_2(total))
+    g = cfg.pieces  # not cut to a short copy's size: one variant per row shape (masked tail)
     persistent = runtime_loops()
     steps = triton.cdiv(total, g)
     grid = (max(1, min(int(ctas), steps)) if persistent else steps,)

@@ -1,0 +1,145 @@
+"""The copy kernels' warm-up on a GPU (``dispatch.warm_up_copies``, ``controllers/warm_copies``).
+
+* In process: after the warm-up for the DSV4-Flash pools' shapes (dense device pools, pinned
+  host pools), row and token copies of any length in both directions compile no variant
+  (``dispatch.kernel_variants`` unchanged), the warm-up itself changed no byte of the pools,
+  and every copy is byte-exact against the naive oracle.
+* Through a daemon: a fresh ``hicache serve`` reports its variants in ``stats``
+  (``kernel_variants``) right after ``register``; backups and loads of 1 to 33 pages, by row
+  and by token, leave that count unchanged (without the warm-up each new pool and direction
+  compiled on its first copy: 0.1-0.8 s with Triton's cache empty, the daemon's loop held).
+
+Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_kernels_ref import assert_same, expected_rows, expected_tokens, layers  # noqa: E402
+
+from hicache.core.layout import build_layout, preset  # noqa: E402
+from hicache.engine.device_pools import DevicePools  # noqa: E402
+from hicache.kernels import dispatch  # noqa: E402
+from hicache.kernels.tables import LayerTable, TokenFormat  # noqa: E402
+
+FLASH = build_layout(preset("dsv4-flash"))
+DEV = torch.device("cuda:0")
+ROWS = 40  # rows per test pool (token ids: ROWS * tokens_per_page)
+LENGTHS = (1, 2, 3, 5, 16, 17, 33)
+
+
+def _pools() -> list[tuple[str, list, list, TokenFormat | None]]:
+    """(name, device layers, pinned host layers, token format) of each DSV4-Flash pool shape,
+    two layers each (the layer count is a run-time argument)."""
+    out = []
+    for i, (name, spec) in enumerate(FLASH.pools.items()):
+        dev = layers(2, ROWS, spec.page_bytes, 10 + i, device=DEV)
+        host = layers(2, ROWS, spec.page_bytes, 50 + i, pin=True)
+        out.append((name, dev, host, TokenFormat.from_spec(spec) if spec.token_granular
+                    else None))
+    return out
+
+
+def _ids(n: int, units: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(units, generator=g)
+    return perm[:n].clone(), perm[n:2 * n].flip(0).clone()
+
+
+def test_no_copy_compiles_after_the_warm_up():
+    torch.cuda.set_device(DEV)
+    pools = _pools()
+    pairs = []
+    for _, dev, host, fmt in pools:
+        d, h = LayerTable(dev), LayerTable(host)
+        pairs += [(d, h, fmt), (h, d, fmt)]
+    before = {name: ([t.clone() for t in dev], [t.clone() for t in host])
+              for name, dev, host, _ in pools}
+    assert dispatch.warm_up_copies(pairs, DEV) >= len(pairs)
+    for name, dev, host, _ in pools:  # the warm-up ran on scratch buffers only
+        assert_same(dev, [t.cpu() for t in before[name][0]], f"{name} device after warm-up")
+        assert_same(host, before[name][1], f"{name} host after warm-up")
+    held = dispatch.kernel_variants()
+    assert held["rows"] > 0 and held["tokens"] > 0, held
+    for k, n in enumerate(LENGTHS):
+        for name, dev, host, fmt in pools:
+            for src, dst in ((dev, host), (host, dev)):
+                s, d = _ids(n, ROWS, k)
+                want = expected_rows(src, dst, s, d)
+                dispatch.copy_rows(src, dst, s, d)
+                torch.cuda.synchronize()
+                assert_same(dst, want, f"{name} rows n={n}")
+                if fmt is None:
+                    continue
+                s, d = _ids(n, ROWS * fmt.tokens_per_page, 100 + k)
+                want = expected_tokens(src, dst, s, d, fmt)
+                dispatch.copy_tokens(src, dst, s, d, fmt)
+                torch.cuda.synchronize()
+                assert_same(dst, want, f"{name} tokens n={n}")
+    assert dispatch.kernel_variants() == held, "a copy compiled a variant after the warm-up"
+
+
+def test_a_fresh_daemons_first_copies_compile_nothing(tmp_path):
+    from conftest import start_daemon
+
+    rows = {"page": 80, "swa_page": 80, "req_slot": 8}
+    d = start_daemon(tmp_path, device="cuda:0", metrics=False, ready_timeout=180,
+                     device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+                     host=("--host-ratio", "2"))
+    torch.cuda.set_device(DEV)
+    pools = DevicePools(FLASH, rows, device=DEV)
+    try:
+        g = torch.Generator(device=DEV).manual_seed(3)
+        for ts in pools.layers.values():
+            for t in ts:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEV,
+                                      generator=g))
+        c = d.client(timeout=120)
+        c.register(pools)
+        held = c.stats()["kernel_variants"]
+        assert held["rows"] > 0 and held["tokens"] > 0 and held["segments"] > 0, held
+        token_pools = [n for n, sp in FLASH.pools.items() if sp.index == "page"
+                       and sp.token_granular]
+        for k, n in enumerate(LENGTHS):
+            perm = torch.randperm(rows["page"], generator=torch.Generator().manual_seed(k))
+            src = {sp: perm[:n].tolist() for sp in ("page", "swa_page")}
+            dst = {sp: perm[n:2 * n].tolist() for sp in ("page", "swa_page")}
+            torch.cuda.synchronize()
+            op = c.backup_new(src)
+            assert c.wait_ack(op, timeout=120).ok
+            lop = c.load({sp: (op.rows[sp], dst[sp]) for sp in op.rows})
+            assert c.wait_ack(lop, timeout=120).ok
+            torch.cuda.synchronize()
+            for name, spec in FLASH.pools.items():
+                if spec.index not in src:
+                    continue
+                s = torch.tensor(src[spec.index], device=DEV)
+                t = torch.tensor(dst[spec.index], device=DEV)
+                for layer in pools.layers[name]:
+                    assert torch.equal(layer[s], layer[t]), f"{name}: {n} pages differ"
+            # one token of each token pool, out and back (the token kernel, both ways)
+            host = c.alloc({"page": 1})["page"][0]
+            hp, sp_, dp = int(op.rows["page"][0]), int(src["page"][0]), int(dst["page"][0])
+            tpp = {p: FLASH.pools[p].tokens_per_page for p in token_pools}
+            out = {p: ([sp_ * P + P - 1], [host * P], "token") for p, P in tpp.items()}
+            assert c.wait_ack(c.backup(out), timeout=120).ok
+            back = {p: ([hp * P], [dp * P + P - 1], "token") for p, P in tpp.items()}
+            assert c.wait_ack(c.load(back), timeout=120).ok
+            c.free({"page": [host]})
+            c.free(op.rows)
+        assert c.stats()["kernel_variants"] == held, \
+            "a copy compiled a kernel variant after register"
+        c.unregister()
+        c.close()
+    finally:
+        d.stop()
+        pools.close()
