@@ -278,9 +278,13 @@ class SegmentPlan:
     def to(self, device: torch.device) -> "SegmentPlan":
         """Upload once (one non-blocking copy on the current stream, ``uploads.upload``)."""
         if self.dev is None:
-            t = upload([self.desc.ravel(), self.src_off, self.dst_off], device)
+            # each of the three starts 16-byte aligned (desc rows are 8 words): Triton
+            # specializes the kernel on that, so an odd src_off count would make a variant
+            # the warm-up never compiled (docs/perf.md, sixty-second session)
             nd, ns = self.desc.size, self.src_off.size
-            self.dev = (t[:nd], t[nd:nd + ns], t[nd + ns:])
+            pad = [np.zeros(1, dtype=np.int64)] if ns % 2 else []
+            t = upload([self.desc.ravel(), self.src_off, *pad, self.dst_off], device)
+            self.dev = (t[:nd], t[nd:nd + ns], t[nd + ns + len(pad):])
         return self
 
     def align(self, lo: int, hi: int) -> int:

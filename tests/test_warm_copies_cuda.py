@@ -33,7 +33,7 @@ from hicache.kernels.tables import LayerTable, TokenFormat  # noqa: E402
 
 FLASH = build_layout(preset("dsv4-flash"))
 DEV = torch.device("cuda:0")
-ROWS = 40  # rows per test pool (token ids: ROWS * tokens_per_page)
+ROWS = 80  # rows per test pool (room for 2 x the longest copy) (token ids: ROWS * tokens_per_page)
 LENGTHS = (1, 2, 3, 5, 16, 17, 33)
 
 
