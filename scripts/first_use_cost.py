@@ -8,8 +8,9 @@ Per phase a fresh ``hicache serve`` daemon (DSV4-Flash, one stage) and one engin
 
 * ``cold``: ``TRITON_CACHE_DIR`` an empty folder: every kernel variant the daemon needs compiles;
 * ``warm``: the same folder again (a restarted daemon on a host that served before);
-* ``fenced``: the warm folder, each first use sent while the engine's stream runs a
-  ``--fence-ms`` sleep kernel (the daemon's copies do not wait for it: no ``wait_event``).
+* ``fenced``: the warm folder, each copy (first use and again) sent while the engine's stream
+  runs a ``--fence-ms`` sleep kernel (the daemon's copies do not wait for it: no
+  ``wait_event``; without MPS they share the GPU's time slices with it).
 
 Each size: a ``backup_new`` of ``n`` pages (page and SWA spaces) timed to its ack, then the load
 of those rows back to other device rows timed to its ack, then both again (``again``).
@@ -83,14 +84,14 @@ def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str,
             times: dict[str, list[float]] = {"backup": [], "load": []}
             for k in range(2):
                 torch.cuda.synchronize()
-                if name == "fenced" and k == 0:
-                    torch.cuda._sleep(_sleep_cycles(fence_ms))  # the engine's GPU busy
+                if name == "fenced":  # the engine's GPU busy, the first use and again
+                    torch.cuda._sleep(_sleep_cycles(fence_ms))
                 t0 = time.perf_counter()
                 op = c.backup_new(src)
                 c.wait_ack(op, timeout=120)
                 times["backup"].append(time.perf_counter() - t0)
                 items = {sp: (op.rows[sp], dst[sp]) for sp in op.rows}
-                if name == "fenced" and k == 0:
+                if name == "fenced":
                     torch.cuda._sleep(_sleep_cycles(fence_ms))
                 t0 = time.perf_counter()
                 lop = c.load(items)

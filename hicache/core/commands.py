@@ -86,7 +86,7 @@ _TABLE: tuple[Command, ...] = (
     Command("stats", {"check": ("bool", False)},
             ("device", "daemon", "clients", "workers", "in_flight", "merged_ops", "spin_us",
              "channels",
-             "gpu_sharing", "host", "pending_free", "metrics", "l3", "kv_store", "invariants"),
+             "gpu_sharing", "kernel_variants", "host", "pending_free", "metrics", "l3", "kv_store", "invariants"),
             False, "stats",
             "usage, metrics, invariant check"),
     Command("buffer_infos", {}, ("pools",), False, "buffer_infos",
