@@ -13,7 +13,8 @@ Per phase a fresh ``hicache serve`` daemon (DSV4-Flash, one stage) and one engin
   ``wait_event``; without MPS they share the GPU's time slices with it).
 
 Each size: a ``backup_new`` of ``n`` pages (page and SWA spaces) timed to its ack, then the load
-of those rows back to other device rows timed to its ack, then both again (``again``).
+of those rows back to other device rows timed to its ack, then both again (``again``);
+``backup_daemon`` is the backup's ack's own time (the daemon's, from submit to done).
 A second client heartbeats every 2 ms meanwhile: its slowest round trip per phase says whether
 a first use held the daemon's loop. Prints one line per size and phase, or one JSON object.
 """
@@ -81,15 +82,16 @@ def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str,
             perm = rng.permutation(rows["page"])
             src = {sp: perm[:n].tolist() for sp in SPACES}
             dst = {sp: perm[n:2 * n].tolist() for sp in SPACES}
-            times: dict[str, list[float]] = {"backup": [], "load": []}
+            times: dict[str, list[float]] = {"backup": [], "backup_daemon": [], "load": []}
             for k in range(2):
                 torch.cuda.synchronize()
                 if name == "fenced":  # the engine's GPU busy, the first use and again
                     torch.cuda._sleep(_sleep_cycles(fence_ms))
                 t0 = time.perf_counter()
                 op = c.backup_new(src)
-                c.wait_ack(op, timeout=120)
+                ack = c.wait_ack(op, timeout=120)
                 times["backup"].append(time.perf_counter() - t0)
+                times["backup_daemon"].append(ack.seconds)  # the daemon's op, submit to done
                 items = {sp: (op.rows[sp], dst[sp]) for sp in op.rows}
                 if name == "fenced":
                     torch.cuda._sleep(_sleep_cycles(fence_ms))
