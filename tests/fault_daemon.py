@@ -7,6 +7,9 @@
   the server thread first, as a put of gigabytes does on a slow host.
 * ``slow_l3_reads=SECONDS``: every Mooncake read (``batch_get_*``, ``batch_is_exist``) sleeps
   that long on its L3 worker first, as against a slow or hung storage node.
+* ``slow_cpu_copy=SECONDS``: every CPU copy (one pool's ids of an operation, on the copy
+  worker) sleeps that long first, so an operation queued behind it is surely still in flight
+  when the test's next command comes.
 * ``slot_after_scan``: the housekeeping pass's scan of the channels finds nothing, so a request
   written to a slot without a wake-up is still unread when that pass reaps its client (a
   request written between the scan and the reap: a window of microseconds, widened to the
@@ -77,6 +80,16 @@ def _install(fault: str) -> None:
             return call(self, fn, *a, **k)
 
         l3_store.MooncakeL3._call = slow_call
+    elif name == "slow_cpu_copy":
+        from hicache.controllers import scheduler
+
+        run, hold = scheduler.run_cpu_item, float(arg)
+
+        def slow_item(*a: Any, **k: Any) -> str:
+            time.sleep(hold)
+            return run(*a, **k)
+
+        scheduler.run_cpu_item = slow_item
     elif name == "slot_after_scan":
         from hicache.controllers import server
 

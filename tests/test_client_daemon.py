@@ -172,11 +172,13 @@ def test_swap_out_clear_swap_in(worker):
 
 
 def test_swap_in_release_frees_its_host_row_only_once_the_copy_read_it(daemon_factory):
-    """Every op goes to the copy worker (``inline_max_bytes`` 1) and a big backup queued first
-    keeps it busy, so the swap-in is still in flight when the next command comes: its host row
-    (``release=True``) must not be handed out again before the swap-in's ack; the swap-in's
-    bytes arrive."""
-    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False)
+    """Every op goes to the copy worker (``inline_max_bytes`` 1) and a backup queued first
+    keeps it busy (each of its pools' copies held 0.2 s by the ``slow_cpu_copy`` fault: on a
+    loaded machine the worker had once finished both before the next command came), so the
+    swap-in is still in flight when the next command comes: its host row (``release=True``)
+    must not be handed out again before the swap-in's ack; the swap-in's bytes arrive."""
+    d = daemon_factory(env={"HICACHE_INLINE_MAX_BYTES": "1"}, metrics=False,
+                       fault="slow_cpu_copy=0.2")
     state_pools = [p.name for p in FLASH.space_pools("req_slot")]
     with DevicePools(FLASH, ROWS) as pools, d.client() as c:
         fill(pools, 5)
