@@ -422,6 +422,8 @@ def test_stats_and_metrics_say_what_the_daemon_serves(daemon_factory):
         first = summary(s).splitlines()[0]
         assert first.startswith("device cpu: dsv4-flash stage 0/1 layers [0, ") and \
             f"pid {d.pid}, hicache " in first, first
+        # a CPU daemon launches no copy kernel: no count, no summary line
+        assert s["kernel_variants"] is None and "kernel variants" not in summary(s)
 
 
 def test_silent_client_is_reaped(daemon_factory):

@@ -6,7 +6,8 @@
   same vector count as a long one;
 * a segment plan's three device arrays each start 16-byte aligned whatever its offset count
   (Triton specializes the segment kernel on it: an odd count made a variant no warm-up had);
-* the daemon's warm-up refuses a CPU daemon, which launches no kernel, in one line.
+* the daemon's warm-up refuses a CPU daemon, which launches no kernel, in one line;
+* ``hicache stats``' summary shows a GPU daemon's variant counts.
 """
 from __future__ import annotations
 
@@ -62,3 +63,11 @@ def test_the_warm_up_refuses_a_cpu_daemon() -> None:
 
     with pytest.raises(ValueError, match="a cpu daemon launches no copy kernel"):
         warm_pools(SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_the_stats_summary_shows_a_gpu_daemons_variants() -> None:
+    from hicache.cli.stats import summary
+
+    s = {"device": "cuda:0", "kernel_variants": {"rows": 7, "tokens": 7, "segments": 3}}
+    assert "  copy kernel variants loaded: rows 7, tokens 7, segments 3" in \
+        summary(s).splitlines()
