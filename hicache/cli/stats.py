@@ -60,10 +60,10 @@ def summary(s: dict[str, Any]) -> str:
         if d else "(a daemon that does not say what it serves)"),
         f"  {s.get('clients')} clients, {s.get('workers')} workers, "
         f"{s.get('in_flight')} operations in flight, {s.get('channels')} channels"]
-    kv_ = s.get("kernel_variants")
-    if kv_:  # a GPU daemon: a count that grows after register means a copy compiled
+    variants = s.get("kernel_variants")
+    if variants:  # a GPU daemon: a count that grows after register means a copy compiled
         lines.append("  copy kernel variants loaded: "
-                     + ", ".join(f"{k} {n}" for k, n in kv_.items()))
+                     + ", ".join(f"{k} {n}" for k, n in variants.items()))
     for label, rows in s.get("worker_rows", {}).items():
         lines.append(f"  worker {label}: device rows "
                      + ", ".join(f"{k}={n}" for k, n in sorted(rows.items())))
