@@ -5,9 +5,9 @@
 (default: the socket ``hicache serve`` picks from the same sources: ``HICACHE_SOCKET``, else the
 default socket of ``--device``, itself defaulting to ``HICACHE_DEVICE`` or cpu, each over the
 ``socket`` / ``device`` of the settings file, ``--config-file`` or ``HICACHE_CONFIG_FILE``;
-``config.served_address``) for its ``stats``: a short summary (clients, operations in flight, a GPU daemon's loaded copy
-kernel variants, host rows per index space,
-rows waiting to be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
+``config.served_address``) for its ``stats``: a short summary (clients, operations in
+flight, a GPU daemon's loaded copy kernel variants, host rows per index space, rows waiting to
+be freed, L3 and key store), or with ``--json`` the whole reply. ``--check``
 adds the allocators' invariant check (O(rows)). The probe never registers and holds nothing,
 so the daemon forgets it as it answers: the clients it reports are the others.
 
