@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -39,6 +40,7 @@ from hicache.engine.daemon_process import DaemonProcess  # noqa: E402
 from hicache.engine.device_pools import DevicePools  # noqa: E402
 
 SPACES = ("page", "swa_page")
+PHASES = ("cold", "warm", "fenced")
 
 
 def _beats(d: DaemonProcess, stop: threading.Event, out: list[float]) -> None:
@@ -76,7 +78,6 @@ def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str,
         th = threading.Thread(target=_beats, args=(d, stop, beats), daemon=True)
         th.start()
         time.sleep(0.2)
-        stream = torch.cuda.current_stream()
         rng = np.random.default_rng(0)
         for n in pages:
             perm = rng.permutation(rows["page"])
@@ -109,7 +110,6 @@ def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str,
         res["heartbeat_p50_ms"] = round(1e3 * float(np.median(beats)), 3) if beats else None
         res["variants_at_end"] = c.stats().get("kernel_variants")
         res["triton_cache_entries"] = sum(1 for _ in Path(cache).iterdir())
-        del stream
         c.unregister()
         c.close()
     return res
@@ -123,31 +123,52 @@ def main() -> int:
     p.add_argument("--phases", default="cold,warm,fenced")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        print("first_use_cost.py: error: needs a CUDA GPU", file=sys.stderr)
+    phases = a.phases.split(",")
+    try:
+        pages = [int(x) for x in a.pages.split(",")]
+    except ValueError:
+        pages = []
+    why = ("needs a CUDA GPU" if not torch.cuda.is_available() else
+           f"--pages {a.pages!r}: give positive page counts, comma-separated"
+           if not pages or min(pages) < 1 else
+           f"--phases {a.phases!r}: each of {', '.join(PHASES)}"
+           if not set(phases) <= set(PHASES) else
+           f"--phases cold needs an empty cache folder; {a.triton_cache} holds files"
+           if "cold" in phases and a.triton_cache and any(Path(a.triton_cache).iterdir())
+           else None)
+    if why:
+        print(f"first_use_cost.py: error: {why}", file=sys.stderr)
         return 2
     torch.cuda.set_device(0)
     torch.cuda._sleep(1000)  # the sleep kernel's own first use, before any phase
     torch.cuda.synchronize()
-    pages = [int(x) for x in a.pages.split(",")]
     cache = a.triton_cache or tempfile.mkdtemp(prefix="hc-triton-")
     out = []
-    for name in a.phases.split(","):
-        r = phase(name, cache, pages, a.fence_ms)
-        out.append(r)
-        if not a.json:
-            print(f"[{name}] heartbeat p50 {r['heartbeat_p50_ms']} ms, max "
-                  f"{r['heartbeat_max_ms']} ms; triton cache entries {r['triton_cache_entries']}; "
-                  f"variants after register {r['variants_after_register']}, at the end "
-                  f"{r['variants_at_end']}",
-                  flush=True)
-            for n, v in r["sizes"].items():
-                print(f"[{name}] {n:>3} pages: " + ", ".join(f"{k} {x}" for k, x in v.items()),
-                      flush=True)
+    try:
+        for name in phases:
+            out.append(phase(name, cache, pages, a.fence_ms))
+            _print(out[-1], a.json)
+    finally:
+        if not a.triton_cache:  # ours: removed
+            shutil.rmtree(cache, ignore_errors=True)
     if a.json:
         print(json.dumps(out))
     return 0
 
 
+def _print(r: dict[str, Any], as_json: bool) -> None:
+    """One phase's lines (none with ``--json``: the whole report is printed at the end)."""
+    if as_json:
+        return
+    name = r["phase"]
+    print(f"[{name}] heartbeat p50 {r['heartbeat_p50_ms']} ms, max {r['heartbeat_max_ms']} ms; "
+          f"triton cache entries {r['triton_cache_entries']}; variants after register "
+          f"{r['variants_after_register']}, at the end {r['variants_at_end']}", flush=True)
+    for n, v in r["sizes"].items():
+        print(f"[{name}] {n:>3} pages: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+              flush=True)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
+
