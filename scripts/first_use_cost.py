@@ -171,4 +171,3 @@ def _print(r: dict[str, Any], as_json: bool) -> None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
