@@ -358,7 +358,7 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device) -> int:
     waited for. A variant already loaded costs one launch. Returns the launches made.
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
-    cache empty, 5-13 ms from its disk cache) on the thread that issues the copy, holding the
+    cache empty, 3-13 ms from its disk cache) on the thread that issues the copy, holding the
     GIL, so a daemon's loop stood still that long (docs/perf.md, sixty-second session). The row
     and token kernels take the copy's length at run time (``do_not_specialize``), so a pair
     has one variant per kernel, whatever its copies' lengths."""
