@@ -16,7 +16,6 @@ sixty-second session).
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Mapping
 
@@ -24,8 +23,6 @@ import torch
 
 from hicache.kernels.dispatch import Pair, warm_up_copies
 from hicache.kernels.tables import LayerTable, TokenFormat
-
-log = logging.getLogger("hicache.daemon")
 
 
 def _dense(name: str, row_bytes: int, device: torch.device) -> LayerTable:

@@ -46,12 +46,12 @@ from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups
 from .checks import _check_ctas, _check_pair, _dma_direction, _pinned
 from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
-from .rows import launch_rows, pads_badly, rows_config
-from .segments import SegmentPart, row_offsets
+from .rows import _rows_kernel, launch_rows, pads_badly, rows_config
+from .segments import SEG_KERNEL, SegmentPart, row_offsets
 from .staged import copy_rows_staged, plan_runs
 from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
-from .tokens import launch_tokens, tokens_config
+from .tokens import _tokens_kernel, launch_tokens, tokens_config
 
 __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
@@ -322,10 +322,6 @@ def kernel_variants() -> dict[str, int]:
     """Variants held in Triton's in-memory caches (all devices) per copy kernel: ``rows``,
     ``tokens``, ``segments``. After a warm-up this grows only where a copy compiled on its
     first use (the daemon's ``stats``; 0 each under the interpreter, which compiles nothing)."""
-    from .rows import _rows_kernel
-    from .segments import SEG_KERNEL
-    from .tokens import _tokens_kernel
-
     def held(fn: object) -> int:
         return sum(len(v[0]) for v in getattr(fn, "device_caches", {}).values())
     return {"rows": held(_rows_kernel), "tokens": held(_tokens_kernel),
