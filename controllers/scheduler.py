@@ -252,8 +252,11 @@ class Scheduler:
         self._issued: list[Operation] = []
         self._progress: list[tuple[Operation, int]] = []  # (load, layers issued) to report
         if self.cuda:
-            warm_up(device)  # the first load must not wait for Triton's compiler
             self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
+            # the first load must not wait for Triton's compiler, nor for its stream's first
+            # uses (its plan uploads' blocks): the segment kernel's variants, on that stream
+            with torch.cuda.stream(self.streams["load"]):
+                warm_up(device)
             self._last: dict[str, Operation | None] = {"backup": None, "load": None}
             self._start("issue", self._issuer)  # first: ``close`` stops it before the others
             for k in ("backup", "load"):

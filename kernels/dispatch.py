@@ -346,12 +346,16 @@ class _Scratch:
 Pair = tuple[LayerTable, LayerTable, Optional[TokenFormat]]
 
 
-def warm_up_copies(pairs: Iterable[Pair], device: torch.device) -> int:
+def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
+                   stream: Optional["torch.cuda.Stream"] = None) -> int:
     """Compile and load on ``device`` the kernel variants that copies between each ``(src, dst,
     fmt)`` pair launch (the row kernel of ``copy_rows``, or the token kernel where its rows pad
     badly; the token kernel of ``copy_tokens`` too when ``fmt`` is given), launching each once
-    on scratch buffers on a stream of its own: no pool byte is touched and no other stream is
-    waited for. A variant already loaded costs one launch. Returns the launches made.
+    on scratch buffers, on ``stream`` (default: a stream of its own, which waits for no other
+    stream), and waits for them there: no pool byte is touched. A stream the copies will run on
+    has its own first uses warmed too (its index upload: a pinned block and a device block of
+    the caching allocator, which keeps blocks per stream). A variant already loaded costs one
+    launch. Returns the launches made.
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
     cache empty, 3-13 ms from its disk cache) on the thread that issues the copy, holding the
@@ -360,7 +364,8 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device) -> int:
     has one variant per kernel, whatever its copies' lengths."""
     done: set[tuple] = set()
     launches = 0
-    stream = torch.cuda.Stream(device)
+    if stream is None:
+        stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         # as a copy's CPU ids go (pinned, then copied on the stream): that path's first use too
         idx = _to(torch.zeros(1, dtype=torch.int64), device)

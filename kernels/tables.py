@@ -5,12 +5,14 @@ memory, or pinned host memory the GPU can address). ``LayerTable`` wraps one suc
 that every layer has the same shape, row stride and device, and caches the int64 table of the
 layers' base addresses on each device a kernel runs on (built once, uploaded on a stream of its
 own and waited for, so any stream may use it at once; reused by every call).
+``upload_tables(tables, device)`` makes many such tables with one wait (the daemon, before its
+first copy needs them).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -131,20 +133,12 @@ class LayerTable:
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def table(self, device: torch.device) -> torch.Tensor:
-        """int64 tensor of the layers' base addresses, on ``device`` (cached)."""
+        """int64 tensor of the layers' base addresses, on ``device`` (cached; the first call
+        per device uploads it: ``upload_tables``)."""
         t = self._tables.get(device)
         if t is None:
-            t = torch.tensor(self.ptrs, dtype=torch.int64)
-            if device.type == "cuda":
-                # on a stream of its own, waited for here: the cached table is used on every
-                # stream (a backup's, a load's), so its upload must not sit queued behind one
-                # stream's work while another's kernel reads it (and through pinned memory: a
-                # pageable upload would wait for that stream to drain)
-                side = _upload_stream(device)
-                with torch.cuda.stream(side):
-                    t = t.pin_memory().to(device, non_blocking=True)
-                side.synchronize()
-            self._tables[device] = t
+            upload_tables([self], device)
+            t = self._tables[device]
         return t
 
     def contiguous_rows(self) -> bool:
@@ -157,6 +151,29 @@ class LayerTable:
 
 
 Buffer = Union[LayerTable, Sequence[torch.Tensor]]
+
+
+def upload_tables(tables: Iterable[LayerTable], device: torch.device) -> int:
+    """Each table's pointer table (``LayerTable.table``) on ``device``, made now where not cached
+    yet; returns how many were made. On a GPU every upload goes on one stream of its own, all
+    waited for once: the cached table is used on every stream (a backup's, a load's), so its
+    upload must not sit queued behind one stream's work while another's kernel reads it (and
+    through pinned memory: a pageable upload would wait for that stream to drain). That wait is
+    what a table's first use costs, more while another process keeps the GPU busy (each wait
+    then waits for this process's time slice): the daemon makes its tables at start and at
+    ``register`` (``controllers/warm_copies``), not at a copy."""
+    todo = [t for t in dict.fromkeys(tables) if device not in t._tables]
+    if not todo:
+        return 0
+    made = [torch.tensor(t.ptrs, dtype=torch.int64) for t in todo]
+    if device.type == "cuda":
+        side = _upload_stream(device)
+        with torch.cuda.stream(side):
+            made = [m.pin_memory().to(device, non_blocking=True) for m in made]
+        side.synchronize()
+    for t, m in zip(todo, made):
+        t._tables[device] = m
+    return len(todo)
 
 
 def as_table(buf: Buffer, name: str) -> LayerTable:

@@ -16,7 +16,8 @@ Each size: a ``backup_new`` of ``n`` pages (page and SWA spaces) timed to its ac
 of those rows back to other device rows timed to its ack, then both again (``again``);
 ``backup_daemon`` is the backup's ack's own time (the daemon's, from submit to done).
 A second client heartbeats every 2 ms meanwhile: its slowest round trip per phase says whether
-a first use held the daemon's loop. Prints one line per size and phase, or one JSON object.
+a first use held the daemon's loop. ``kernels_ready``: the daemon's own start-up line on its
+copy kernels' warm-up (seconds and launches). Prints one line per size and phase, or one JSON object.
 """
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def _sleep_cycles(ms: float) -> int:
     return int(ms * clock)  # clock_rate is in kHz: cycles per ms
 
 
+def _ready_line(d: DaemonProcess) -> str | None:
+    """The daemon's start-up line on its copy kernels' warm-up (``copy kernels ready in S s``):
+    what a start costs with this phase's Triton cache."""
+    text = d.log_path.read_text(errors="replace") if d.log_path is not None else ""
+    lines = [ln for ln in text.splitlines() if "copy kernels ready in" in ln]
+    return lines[-1].split("copy kernels ", 1)[1] if lines else None
+
+
 def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str, Any]:
     layout = build_layout(preset("dsv4-flash"), 1, 0)
     most = max(pages)
@@ -70,6 +79,7 @@ def phase(name: str, cache: str, pages: list[int], fence_ms: float) -> dict[str,
     with DaemonProcess(device="cuda:0", device_rows=flag, host=("--host-ratio", "2"),
                        ready_timeout=300, env={"TRITON_CACHE_DIR": cache}) as d, \
             DevicePools(layout, rows, device="cuda:0") as pools:
+        res["kernels_ready"] = _ready_line(d)
         c = d.client(timeout=120.0, channel=False)
         c.register(pools, events=1)
         res["variants_after_register"] = c.stats().get("kernel_variants")
@@ -163,7 +173,8 @@ def _print(r: dict[str, Any], as_json: bool) -> None:
     name = r["phase"]
     print(f"[{name}] heartbeat p50 {r['heartbeat_p50_ms']} ms, max {r['heartbeat_max_ms']} ms; "
           f"triton cache entries {r['triton_cache_entries']}; variants after register "
-          f"{r['variants_after_register']}, at the end {r['variants_at_end']}", flush=True)
+          f"{r['variants_after_register']}, at the end {r['variants_at_end']}; start-up: "
+          f"copy kernels {r['kernels_ready']}", flush=True)
     for n, v in r["sizes"].items():
         print(f"[{name}] {n:>3} pages: " + ", ".join(f"{k} {x}" for k, x in v.items()),
               flush=True)

@@ -10,6 +10,8 @@
 * ``slow_cpu_copy=SECONDS``: every CPU copy (one pool's ids of an operation, on the copy
   worker) sleeps that long first, so an operation queued behind it is surely still in flight
   when the test's next command comes.
+* ``warm_fails_at_register``: the copy kernels' warm-up for a registering worker's pools
+  raises (as a Triton compile error would); the start-up warm-up runs as usual.
 * ``slot_after_scan``: the housekeeping pass's scan of the channels finds nothing, so a request
   written to a slot without a wake-up is still unread when that pass reaps its client (a
   request written between the scan and the reap: a window of microseconds, widened to the
@@ -90,6 +92,13 @@ def _install(fault: str) -> None:
             return run(*a, **k)
 
         scheduler.run_cpu_item = slow_item
+    elif name == "warm_fails_at_register":
+        from hicache.controllers import handlers
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise RuntimeError("injected: the copy kernels failed to compile")
+
+        handlers.warm_pools = broken
     elif name == "slot_after_scan":
         from hicache.controllers import server
 

@@ -2,16 +2,17 @@
 ``tests/test_warm_copies_cuda.py``):
 
 * the row and token kernels take every length and stride at run time (Triton would otherwise
-  make a variant per length class: ``== 1``, ``% 16``, other), and a short copy launches the
-  same vector count as a long one;
+  make a variant per length class: ``== 1``, ``% 16``, other), and every copy length launches
+  the same compile-time arguments (the vector counts among them);
 * a segment plan's three device arrays each start 16-byte aligned whatever its offset count
   (Triton specializes the segment kernel on it: an odd count made a variant no warm-up had);
 * the daemon's warm-up refuses a CPU daemon, which launches no kernel, in one line;
-* ``hicache stats``' summary shows a GPU daemon's variant counts.
+* ``hicache stats``' summary shows a GPU daemon's variant counts;
+* ``upload_tables`` makes each missing pointer table once (the daemon makes its tables before a
+  copy needs them).
 """
 from __future__ import annotations
 
-import inspect
 import os
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ import torch
 
 from hicache.kernels import rows, tokens
 from hicache.kernels.segments import SegmentPart, SegmentPlan
-from hicache.kernels.tables import LayerTable
+from hicache.kernels.tables import LayerTable, TokenFormat, upload_tables
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the interpreter has no JIT specialization to check")
@@ -34,12 +35,42 @@ def test_the_row_and_token_kernels_take_lengths_at_run_time(kernel, lengths) -> 
     assert taken == set(lengths), taken
 
 
-def test_a_short_copy_launches_the_long_ones_vector_count() -> None:
-    """``G`` and ``T`` (constexprs) no longer follow a short copy's length: the source reads
-    them from the configs only."""
-    assert "cfg.pieces" in inspect.getsource(rows.launch_rows)
-    assert "next_power_of_2(total)" not in inspect.getsource(rows.launch_rows)
-    assert "next_power_of_2(total)" not in inspect.getsource(tokens.launch_tokens)
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` records the
+    keyword arguments (the compile-time ones: what picks a variant beside the specialized
+    run-time arguments) and launches nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid: tuple) -> "_Recorder":
+        return self
+
+    def __call__(self, *args: object, **kw: object) -> None:
+        self.launches.append(kw)
+
+
+@pytest.mark.parametrize("direction", [(True, False), (False, True)])
+def test_every_copy_length_launches_the_same_compile_time_arguments(monkeypatch,
+                                                                    direction) -> None:
+    """``G`` and ``T`` (the vector counts) and every other constexpr of a row or token launch
+    depend on the shape and direction only, not on how many rows or tokens a copy moves: a
+    short copy takes the variant a long one (and the warm-up's one-id launch) compiled."""
+    rec_rows, rec_tokens = _Recorder(), _Recorder()
+    monkeypatch.setattr(rows, "_rows_kernel", rec_rows)
+    monkeypatch.setattr(tokens, "_tokens_kernel", rec_tokens)
+    fmt = TokenFormat(64, 576, 8, 64 * 576, 64 * 584)
+    tab = torch.zeros(2, dtype=torch.int64)
+    for n in (1, 2, 3, 15, 16, 17, 33, 1000, 4096):
+        ids = torch.arange(n, dtype=torch.int64)
+        rows.launch_rows(tab, tab, ids, ids, num_layers=3, row_bytes=18432, src_stride=18432,
+                         dst_stride=18432, align=16, ctas=8, cfg=rows.rows_config(*direction))
+        tokens.launch_tokens(tab, tab, ids, ids, fmt, num_layers=3, src_stride=fmt.page_bytes,
+                             dst_stride=fmt.page_bytes, align=16, ctas=8,
+                             cfg=tokens.tokens_config(*direction))
+    for rec in (rec_rows, rec_tokens):
+        assert len(rec.launches) == 9
+        assert all(kw == rec.launches[0] for kw in rec.launches), rec.launches
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 8])
@@ -71,3 +102,16 @@ def test_the_stats_summary_shows_a_gpu_daemons_variants() -> None:
     s = {"device": "cuda:0", "kernel_variants": {"rows": 7, "tokens": 7, "segments": 3}}
     assert "  copy kernel variants loaded: rows 7, tokens 7, segments 3" in \
         summary(s).splitlines()
+
+
+def test_upload_tables_makes_each_missing_table_once() -> None:
+    """``upload_tables``: every table not made yet for the device, once (a table named twice
+    counts once); ``table()`` then returns the one made, holding the layers' addresses."""
+    a = LayerTable([torch.zeros(4, 8, dtype=torch.uint8) for _ in range(3)], "a")
+    b = LayerTable([torch.zeros(2, 16, dtype=torch.uint8)], "b")
+    cpu = torch.device("cpu")
+    assert upload_tables([a, b, a], cpu) == 2
+    made = a.table(cpu)
+    assert upload_tables([a, b], cpu) == 0
+    assert a.table(cpu) is made and made.tolist() == a.ptrs
+    assert b.table(cpu).tolist() == b.ptrs

@@ -8,6 +8,8 @@
   (``kernel_variants``) right after ``register``; backups and loads of 1 to 33 pages, by row
   and by token, leave that count unchanged (without the warm-up each new pool and direction
   compiled on its first copy: 0.1-0.8 s with Triton's cache empty, the daemon's loop held).
+* A warm-up that fails at ``register`` (``tests/fault_daemon.py``'s ``warm_fails_at_register``)
+  is refused as an internal error and registers nothing; the daemon serves on.
 
 Skipped without CUDA.
 """
@@ -143,3 +145,52 @@ def test_a_fresh_daemons_first_copies_compile_nothing(tmp_path):
     finally:
         d.stop()
         pools.close()
+
+
+def test_a_failed_warm_up_at_register_maps_nothing_and_the_daemon_serves_on(tmp_path):
+    """``register``'s warm-up raising (a compile error): one ``internal`` refusal naming it,
+    no worker registered, the daemon still serving, the traceback in its log; a later ``register`` of the same client gets the same refusal,
+    not ``already_registered``."""
+    from conftest import start_daemon
+
+    from hicache.engine.acks import CommandRefused
+
+    rows = {"page": 16, "swa_page": 16, "req_slot": 8}
+    d = start_daemon(tmp_path, device="cuda:0", metrics=False, ready_timeout=180,
+                     device_rows=",".join(f"{k}={v}" for k, v in rows.items()),
+                     fault="warm_fails_at_register")
+    torch.cuda.set_device(DEV)
+    pools = DevicePools(FLASH, rows, device=DEV)
+    try:
+        c = d.client(timeout=60)
+        for _ in range(2):
+            with pytest.raises(CommandRefused) as e:
+                c.register(pools)
+            assert e.value.code == "internal", e.value
+            assert "failed to compile" in str(e.value), e.value
+            st = c.stats()
+            assert st["workers"] == 0, st
+        with pytest.raises(CommandRefused) as e:  # no worker: a copy is refused, not run
+            c.backup_new({"page": [0]})
+        assert e.value.code != "internal", e.value
+        assert c.heartbeat() is not None
+        c.close()
+        log = d.log_path.read_text(errors="replace")
+        assert "injected: the copy kernels failed to compile" in log
+    finally:
+        d.stop()
+        pools.close()
+
+
+def test_upload_tables_makes_the_gpu_tables_with_one_wait():
+    """``upload_tables`` on the GPU: device and pinned host tables' pointer tables made on the
+    device, each holding its layers' addresses; ``table()`` then makes nothing."""
+    from hicache.kernels.tables import upload_tables
+
+    dev = LayerTable(layers(3, 4, 64, 1, device=DEV), "dev")
+    host = LayerTable(layers(2, 4, 64, 2, pin=True), "host")
+    assert upload_tables([dev, host, dev], DEV) == 2
+    assert upload_tables([dev, host], DEV) == 0
+    for t in (dev, host):
+        made = t.table(DEV)
+        assert made.device == DEV and made.cpu().tolist() == t.ptrs, t
