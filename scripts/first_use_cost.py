@@ -17,7 +17,8 @@ of those rows back to other device rows timed to its ack, then both again (``aga
 ``backup_daemon`` is the backup's ack's own time (the daemon's, from submit to done).
 A second client heartbeats every 2 ms meanwhile: its slowest round trip per phase says whether
 a first use held the daemon's loop. ``kernels_ready``: the daemon's own start-up line on its
-copy kernels' warm-up (seconds and launches). Prints one line per size and phase, or one JSON object.
+copy kernels' warm-up (seconds and launches). Prints one line per size and phase, or one JSON
+object.
 """
 from __future__ import annotations
 

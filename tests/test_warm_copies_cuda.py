@@ -147,10 +147,10 @@ def test_a_fresh_daemons_first_copies_compile_nothing(tmp_path):
         pools.close()
 
 
-def test_a_failed_warm_up_at_register_maps_nothing_and_the_daemon_serves_on(tmp_path):
+def test_a_failed_warm_up_at_register_registers_nothing_and_the_daemon_serves_on(tmp_path):
     """``register``'s warm-up raising (a compile error): one ``internal`` refusal naming it,
-    no worker registered, the daemon still serving, the traceback in its log; a later ``register`` of the same client gets the same refusal,
-    not ``already_registered``."""
+    no worker registered, the daemon still serving, the traceback in its log; a later
+    ``register`` of the same client gets the same refusal, not ``already_registered``."""
     from conftest import start_daemon
 
     from hicache.engine.acks import CommandRefused
