@@ -194,3 +194,29 @@ def test_upload_tables_makes_the_gpu_tables_with_one_wait():
     for t in (dev, host):
         made = t.table(DEV)
         assert made.device == DEV and made.cpu().tolist() == t.ptrs, t
+
+
+def test_warm_pools_makes_the_pointer_tables_a_copy_reads():
+    """``warm_pools`` at start makes every host pool's pointer table on the daemon's GPU (keyed
+    by the device with its index, though the daemon names it ``cuda``), and at ``register`` the
+    worker's pools' tables: a copy after it uploads no table (no wait for the GPU at a copy)."""
+    from types import SimpleNamespace
+
+    from hicache.controllers.warm_copies import warm_pools
+    from hicache.kernels.tables import upload_tables
+
+    torch.cuda.set_device(DEV)
+    pools = _pools()
+    host = {name: LayerTable(h, f"host:{name}") for name, _, h, _ in pools}
+    dev = {name: LayerTable(d, f"device:{name}") for name, d, _, _ in pools}
+    st = SimpleNamespace(device="cuda", layout=FLASH, host_tables=host, scheduler=SimpleNamespace(
+        streams={"backup": torch.cuda.Stream(DEV), "load": torch.cuda.Stream(DEV)}))
+    assert all(DEV not in t._tables for t in (*host.values(), *dev.values()))
+    launches, _ = warm_pools(st)
+    assert launches >= len(pools)
+    assert upload_tables(host.values(), DEV) == 0
+    assert all(DEV not in t._tables for t in dev.values())  # not the worker's yet
+    warm_pools(st, dev)
+    assert upload_tables([*host.values(), *dev.values()], DEV) == 0
+    for t in (*host.values(), *dev.values()):
+        assert t.table(DEV).cpu().tolist() == t.ptrs, t
