@@ -1,0 +1,123 @@
+"""What a backup's issue costs the thread that issues it (GPU): the host time of one backup of
+every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_rows`` /
+``copy_tokens`` as the daemon's ``issue_gpu`` calls them (token pools by token, whole pages).
+
+    PYTHONPATH=. python scripts/backup_issue_cost.py [--pages 1,8,32] [--reps 30] [--queued 24]
+
+* Per size: host time of the issue (the GPU idle before each), the first one (first uses) and
+  the median and slowest of the rest, in µs.
+* ``queued``: that many one-page backups issued back to back behind a 200 ms sleep on the same
+  stream, so their index uploads' staging buffers stay busy: host time per backup (median,
+  slowest) and in all, then how long the GPU took to finish after the last issue.
+
+Runs in process, without a daemon: it measures the copy path's issue alone, so two trees can be
+compared with ``PYTHONPATH`` (run it from this tree on another's ``hicache``). One JSON object
+per line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+try:
+    import hicache  # noqa: F401 - the tree PYTHONPATH names, when it names one
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from hicache.core.layout import build_layout, preset  # noqa: E402
+from hicache.kernels import dispatch  # noqa: E402
+from hicache.kernels.tables import LayerTable, TokenFormat  # noqa: E402
+
+Pool = tuple[str, LayerTable, LayerTable, "TokenFormat | None"]
+
+
+def _pools(rows: int, device: torch.device) -> list[Pool]:
+    out: list[Pool] = []
+    for name, spec in build_layout(preset("dsv4-flash")).pools.items():
+        n = len(spec.layers)
+        dev = LayerTable([torch.randint(0, 255, (rows, spec.page_bytes), dtype=torch.uint8,
+                                        device=device) for _ in range(n)], "device:" + name)
+        host = LayerTable([torch.zeros(rows, spec.page_bytes, dtype=torch.uint8).pin_memory()
+                           for _ in range(n)], "host:" + name)
+        out.append((name, dev, host, TokenFormat.from_spec(spec) if spec.token_granular
+                    else None))
+    return out
+
+
+def _ids(n: int, rows: int, fmt: TokenFormat | None, g: torch.Generator
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.randperm(rows, generator=g)
+    a, b = perm[:n], perm[n:2 * n]
+    if fmt is None:
+        return a.clone(), b.clone()
+    per = torch.arange(fmt.tokens_per_page)
+    return ((a[:, None] * fmt.tokens_per_page + per).flatten(),
+            (b[:, None] * fmt.tokens_per_page + per).flatten())
+
+
+def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream) -> float:
+    t0 = time.perf_counter()
+    for (_, dev, host, fmt), (a, b) in zip(pools, ids):
+        if fmt is None:
+            dispatch.copy_rows(dev, host, a, b, stream=stream)
+        else:
+            dispatch.copy_tokens(dev, host, a, b, fmt, stream=stream)
+    return time.perf_counter() - t0
+
+
+def _sleep_cycles(ms: float, device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(ms * getattr(props, "clock_rate", 1_980_000))  # kHz: cycles per ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pages", default="1,8,32", help="backup sizes in pages")
+    p.add_argument("--reps", type=int, default=30, help="backups per size")
+    p.add_argument("--queued", type=int, default=24, help="one-page backups behind a sleep")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("backup_issue_cost: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    pages = [int(x) for x in a.pages.split(",")]
+    rows = 2 * max(pages) + 8
+    pools = _pools(rows, device)
+    stream = torch.cuda.Stream(device)
+    g = torch.Generator().manual_seed(1)
+    for n in pages:
+        times = []
+        for _ in range(a.reps):
+            ids = [_ids(n, rows, fmt, g) for *_, fmt in pools]
+            torch.cuda.synchronize()
+            times.append(_issue(pools, ids, stream))
+        torch.cuda.synchronize()
+        rest = times[1:] or times
+        print(json.dumps({"pages": n, "first_us": round(times[0] * 1e6),
+                          "median_us": round(statistics.median(rest) * 1e6),
+                          "max_us": round(max(rest) * 1e6)}), flush=True)
+    if a.queued:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(_sleep_cycles(200, device))
+        times = [_issue(pools, [_ids(1, rows, fmt, g) for *_, fmt in pools], stream)
+                 for _ in range(a.queued)]
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(json.dumps({"queued": a.queued, "median_us": round(statistics.median(times) * 1e6),
+                          "max_us": round(max(times) * 1e6),
+                          "sum_ms": round(sum(times) * 1e3, 2),
+                          "gpu_after_ms": round((time.perf_counter() - t0) * 1e3, 1)}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
