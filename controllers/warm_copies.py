@@ -10,9 +10,7 @@ are aligned otherwise (then ``register`` compiles the difference). At start the 
 on the scheduler's own ``backup`` and ``load`` streams, so those streams' first uses are paid
 there too; at ``register`` on a private stream (other clients' copies may be running on the
 daemon's). Then the pointer tables the copies' kernels read are made (``upload_tables``): the
-host pools' at start, the worker's pools' at ``register``; and the calling thread's staging
-buffers for index uploads (``uploads.reserve``: two per pool, one backup of every pool and one
-more). Refused (``ValueError``) on a CPU
+host pools' at start, the worker's pools' at ``register``. Refused (``ValueError``) on a CPU
 daemon, which launches no kernel.
 
 Why: a copy's first use of a variant compiled it on the thread that issued the copy, holding
@@ -20,8 +18,8 @@ the GIL: on an H100 with Triton's cache empty the first backups of a fresh daemo
 s and its loop answered nothing meanwhile (``scripts/first_use_cost.py``; docs/perf.md,
 sixty-second session). And a copy's first use of a pool's pointer table made it and waited
 for the GPU: with the engine's GPU busy each such wait waited for the daemon's time slice, and
-a fresh daemon's first one-page backup took 29-34 ms against 5.4-5.5 ms then (H100, sixty-third
-session); likewise a staging buffer's first making (pinned memory and a driver event).
+a fresh daemon's first one-page backup took 29-34 ms against 5.4-5.5 ms now (H100, sixty-third
+session).
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ import torch
 
 from hicache.kernels.dispatch import Pair, warm_up_copies
 from hicache.kernels.tables import LayerTable, TokenFormat, upload_tables
-from hicache.kernels.uploads import reserve
 
 
 def _dense(name: str, row_bytes: int, device: torch.device) -> LayerTable:
@@ -65,7 +62,4 @@ def warm_pools(st: Any, tables: Mapping[str, LayerTable] | None = None) -> tuple
     # ``register``): made here, one wait for all, not at a copy that each waits for alone
     key = torch.empty(0, device=device).device  # (the tables' key: the device with its index)
     upload_tables([*st.host_tables.values(), *(tables or {}).values()], key)
-    # the staging buffers of this (the server's) thread's index uploads: a backup holds one per
-    # pool until its stream gets there, so two backups' worth, made here, not at a copy
-    reserve(2 * len(st.layout.pools), key)
     return launches, time.perf_counter() - t0

@@ -52,7 +52,6 @@ from .staged import copy_rows_staged, plan_runs
 from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import _tokens_kernel, launch_tokens, tokens_config
-from .uploads import upload
 
 __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
@@ -104,30 +103,16 @@ def _check_bounds(pairs: list[tuple[str, torch.Tensor, int]]) -> None:
 
 
 def _to(idx: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
-    """Indices on the kernel's device (``_to_both`` for one list)."""
-    return _to_both(idx, None, device)[0]
-
-
-def _to_both(a: torch.Tensor, b: Optional[torch.Tensor], device: Optional[torch.device]
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Index lists ``a`` and ``b`` (None: only ``a``) on the kernel's device, copied on the
-    current stream without blocking the host. The CPU ones go in one copy together
-    (``uploads.upload``: the calling thread's pinned staging buffer and a raw driver copy):
-    a pageable copy would first wait for the whole stream to drain, and PyTorch's route (a
-    pinned tensor from its cache per list, then ``to``) cost 0.2-0.27 ms of host time a list on
-    an H200 host, twice per pool of every backup (docs/perf.md, sixty-fourth session)."""
-    both = [a] if b is None else [a, b]
-    if device is None:
-        return a, b
-    for t in both:
-        if t.is_cuda and t.device != device:
-            raise TransferError(f"index tensor on {t.device}, kernel runs on {device}")
-    host = [t for t in both if not t.is_cuda]
-    if host:
-        out = upload([t.numpy() for t in host], device)
-        parts = iter(torch.split(out, [t.numel() for t in host]))
-        both = [t if t.is_cuda else next(parts) for t in both]
-    return both[0], (both[1] if b is not None else None)
+    """Indices on the kernel's device, copied on the current stream without blocking the
+    host: a copy from pageable memory would first wait for the whole stream to drain, so CPU
+    indices go through pinned memory (torch's pinned cache keeps it until the copy is done)."""
+    if device is None or idx.device == device:
+        return idx
+    if idx.is_cuda:
+        raise TransferError(f"index tensor on {idx.device}, kernel runs on {device}")
+    if not idx.is_pinned():
+        idx = idx.pin_memory()
+    return idx.to(device, non_blocking=True)
 
 
 def _resolve(impl: str, device: Optional[torch.device]) -> str:
@@ -208,7 +193,7 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
             else:
                 copy_rows_staged(src, dst, src_idx, _to(dst_idx, device), src_idx, runs, ctas=ctas)
         else:
-            s_idx, d_idx = _to_both(src_idx, dst_idx, device)
+            s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
             launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
     return "rows_" + path
 
@@ -319,7 +304,7 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
     with on_stream(stream, device):
-        s_tok, d_tok = _host_order(*_to_both(src_tok, dst_tok, device), src, dst)
+        s_tok, d_tok = _host_order(_to(src_tok, device), _to(dst_tok, device), src, dst)
         launch_token_copy(src, dst, s_tok, d_tok, fmt, kdev, ctas)
     return "tokens_" + path
 
@@ -368,9 +353,8 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     badly; the token kernel of ``copy_tokens`` too when ``fmt`` is given), launching each once
     on scratch buffers, on ``stream`` (default: a stream of its own, which waits for no other
     stream), and waits for them there: no pool byte is touched. A stream the copies will run on
-    has its own first uses warmed too (its index upload: the calling thread's pinned staging
-    buffer, ``uploads``, and a device block of the caching allocator, which keeps blocks per
-    stream). A variant already loaded costs one
+    has its own first uses warmed too (its index upload: a pinned block and a device block of
+    the caching allocator, which keeps blocks per stream). A variant already loaded costs one
     launch. Returns the launches made.
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
@@ -384,7 +368,7 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
         stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         # as a copy's CPU ids go (pinned, then copied on the stream): that path's first use too
-        idx, _ = _to_both(torch.zeros(1, dtype=torch.int64), None, device)
+        idx = _to(torch.zeros(1, dtype=torch.int64), device)
         for src, dst, fmt in pairs:
             key = (src.row_bytes, src.stride, dst.stride, src.align, dst.align, src.is_cuda,
                    dst.is_cuda, fmt)

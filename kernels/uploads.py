@@ -1,15 +1,13 @@
-"""Small host-to-device uploads (a plan's descriptor tables, a copy's index lists) at a few
-driver calls each.
+"""Small host-to-device uploads (a plan's descriptor tables) at a few driver calls each.
 
 Contract: ``upload(arrays, device)`` concatenates the int64 numpy ``arrays`` into one new int64
 tensor on ``device``, copied on the current stream without blocking the host. Off a GPU it
-returns the concatenation itself. ``reserve(count, device)`` makes the calling thread's staging
-buffers ahead of its first uploads.
+returns the concatenation itself.
 
 On a GPU the bytes go through pinned staging buffers owned by the calling thread: each buffer
 has a driver event recorded right after the copy that reads it, and a buffer is written again
 only once its event says that copy is done (otherwise the thread takes another one, or a new
-one; past ``MAX_BUFFERS`` (128) it waits for the copy of the buffer used longest ago). So a
+one; past ``MAX_BUFFERS`` (32) it waits for the copy of the buffer used longest ago). So a
 caller normally never waits, and no upload overwrites bytes a copy still reads: a buffer whose
 event could not be recorded after its copy was queued is never used again (it stays allocated,
 ``_ORPHANS``). The copy and the event are raw driver calls
@@ -37,11 +35,10 @@ from .tables import TransferError
 MIN_WORDS = 1 << 12  # a staging buffer's smallest size, in int64 words (32 KiB)
 # staging buffers per thread; past it an upload waits for the oldest copy. A buffer is busy from
 # its upload until the stream reaches that copy: with loads queued back to back, each load's
-# plans hold one until the loads before it are copied, and every backup holds one per pool it
-# copies (``dispatch``: its index lists) until its stream gets there. 128 lets that many uploads
-# wait in the streams (some 20 DSV4 backups) before a thread (the issuer; the server's) blocks.
-# A buffer is 32 KiB, or the next power of two of a bigger plan's words: 4 MiB at least.
-MAX_BUFFERS = 128
+# plans hold one until the loads before it are copied. 32 lets that many plans wait in the
+# stream before a thread (the issuer; the server's, when a load's layer 0 has segments)
+# blocks. A buffer is 32 KiB, or the next power of two of a bigger plan's words.
+MAX_BUFFERS = 32
 _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_SUCCESS, _CUDA_ERROR_NOT_READY = 0, 600
 
@@ -137,14 +134,6 @@ def _free_buffer(d: _Calls, n: int, device: int) -> _Buffer:
         _check(d.sync(old.event), "cuEventSynchronize")  # failed: the buffer stays, held
         del bufs[0]  # its copy is done: the buffer may go even if its event cannot be destroyed
         _check(d.destroy(old.event), "cuEventDestroy")
-    b = _new_buffer(d, n, device)
-    bufs.append(b)
-    return b
-
-
-def _new_buffer(d: _Calls, n: int, device: int) -> _Buffer:
-    """A new staging buffer of at least ``n`` words (``MIN_WORDS`` at least, else the next power
-    of two) and its event, on ``device`` (the current one)."""
     ev = ctypes.c_void_p()
     _check(d.create(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
     words = max(MIN_WORDS, 1 << max(0, n - 1).bit_length())
@@ -153,42 +142,20 @@ def _new_buffer(d: _Calls, n: int, device: int) -> _Buffer:
     except BaseException:
         d.destroy(ev)  # no buffer for it
         raise
-    return _Buffer(host, host.numpy(), host.data_ptr(), device, ev)
-
-
-def _index(device: torch.device) -> int:
-    """The GPU index of a ``cuda`` device (the current one where it names none)."""
-    return device.index if device.index is not None else torch._C._cuda_getDevice()
+    b = _Buffer(host, host.numpy(), host.data_ptr(), device, ev)
+    bufs.append(b)
+    return b
 
 
 def upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
     """See the module docstring."""
     if device.type != "cuda":
         return torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
-    idx = _index(device)
+    idx = device.index if device.index is not None else torch._C._cuda_getDevice()
     if torch._C._cuda_getDevice() != idx:  # the driver calls use the current context
         with torch.cuda.device(idx):
             return _upload(arrays, torch.device("cuda", idx))
     return _upload(arrays, torch.device("cuda", idx))
-
-
-def reserve(count: int, device: torch.device) -> int:
-    """Make the calling thread hold at least ``count`` staging buffers on ``device`` (of
-    ``MIN_WORDS``; ``MAX_BUFFERS`` at most in all); returns how many it made. Making a buffer
-    pins memory and creates a driver event: the daemon pays that at start and at ``register``
-    (``controllers/warm_copies``), not at its first copies, which find the buffers they used
-    still busy (a backup holds one per pool until its stream gets there)."""
-    if device.type != "cuda":
-        raise ValueError(f"reserve: staging buffers are for a GPU, not {device}")
-    idx = _index(device)
-    bufs = _STAGING.buffers
-    made = 0
-    with torch.cuda.device(idx):
-        d = _driver()
-        while sum(b.device == idx for b in bufs) < count and len(bufs) < MAX_BUFFERS:
-            bufs.append(_new_buffer(d, MIN_WORDS, idx))
-            made += 1
-    return made
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:

@@ -334,37 +334,3 @@ def test_a_failed_issue_on_the_default_stream_still_fences_the_side_stream(monke
         after.record()
     assert not after.query(), "the default stream did not wait for the side stream"
     after.synchronize()
-
-
-def test_a_copys_cpu_index_lists_go_up_in_one_upload(monkeypatch):
-    """A row copy and a token copy with both index lists on the CPU upload them in one
-    ``uploads.upload`` (one staging buffer, one driver copy), byte-exact; a list already on the
-    GPU is used as it is, and one on the CPU beside it goes up alone."""
-    from hicache.kernels import dispatch
-    from hicache.kernels.tables import TokenFormat
-
-    calls: list[int] = []
-    real = dispatch.upload
-
-    def counting(arrays, device):
-        calls.append(len(arrays))
-        return real(arrays, device)
-
-    monkeypatch.setattr(dispatch, "upload", counting)
-    src = layers(3, 16, 1_728, 1, device="cuda")
-    dst = layers(3, 16, 1_728, 2, pin=True)
-    si, di = torch.tensor([3, 0, 9]), torch.tensor([7, 15, 2])
-    want = expected_rows(src, dst, si, di)
-    assert dispatch.copy_rows(src, dst, si, di, impl="zero_copy") == "rows_zero_copy"
-    torch.cuda.synchronize()
-    assert calls == [2]
-    assert_same(dst, want, "rows")
-    fmt = TokenFormat.mla(2, value_bytes=576, scale_bytes=8)
-    hs = layers(2, 8, fmt.page_bytes, 3, pin=True)
-    dd = layers(2, 8, fmt.page_bytes, 4, device="cuda")
-    st, dt = torch.tensor([1, 4, 15]), torch.tensor([0, 9, 6])
-    want = expected_tokens(hs, dd, st, dt, fmt)
-    assert dispatch.copy_tokens(hs, dd, st, dt.cuda(), fmt) == "tokens_zero_copy"
-    torch.cuda.synchronize()
-    assert calls == [2, 1]
-    assert_same(dd, want, "tokens")

@@ -106,34 +106,6 @@ def test_a_thread_that_ends_before_its_copy_ran_does_not_give_its_buffer_away() 
     del junk
 
 
-def test_reserve_is_refused_off_a_gpu() -> None:
-    with pytest.raises(ValueError, match="staging buffers are for a GPU, not cpu"):
-        uploads.reserve(2, torch.device("cpu"))
-
-
-@cuda
-@pytest.mark.cuda
-def test_reserve_makes_the_threads_buffers_up_to_a_count_and_uploads_use_them() -> None:
-    dev = torch.device("cuda", torch.cuda.current_device())
-
-    def body() -> None:
-        held = uploads._STAGING.buffers
-        assert uploads.reserve(5, torch.device("cuda")) == 5  # (the current GPU)
-        assert uploads.reserve(5, dev) == 0 and uploads.reserve(7, dev) == 2
-        assert len(held) == 7 and all(b.device == dev.index and b.view.size == uploads.MIN_WORDS
-                                      for b in held)
-        before = list(held)
-        arr = np.arange(100, dtype=np.int64)
-        t = upload([arr], dev)
-        assert held[-1] is before[0] and sorted(map(id, held)) == sorted(map(id, before))
-        assert uploads.reserve(uploads.MAX_BUFFERS + 10, dev) == uploads.MAX_BUFFERS - 7
-        assert len(held) == uploads.MAX_BUFFERS
-        assert torch.equal(t.cpu(), torch.from_numpy(arr))
-        torch.cuda.synchronize(dev)
-
-    _in_fresh_thread(body)
-
-
 class _Driver:
     """A driver whose calls return the CUresults given (``fail``: call name -> code; the rest
     succeed) and that records the calls made, by name, in ``calls`` (and the events they
