@@ -260,7 +260,8 @@ class Scheduler:
         self._issued: list[Operation] = []
         self._progress: list[tuple[Operation, int]] = []  # (load, layers issued) to report
         if self.cuda:
-            self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
+            # (fence: the engine's events a deferred backup waits for, snapshotted: _snapshot)
+            self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load", "fence")}
             # the first load must not wait for Triton's compiler, nor for its stream's first
             # uses (its plan uploads' blocks): the segment kernel's variants, on that stream
             with torch.cuda.stream(self.streams["load"]):
@@ -320,6 +321,8 @@ class Scheduler:
             self._queues["cpu"].put(op)
             return
         if self._defers(op):  # its copies go out from the backup issuer thread
+            if op.wait_event is not None:  # the engine's event as recorded now (see _snapshot)
+                op.wait_event = self._snapshot(op.wait_event)
             self._last[op.stream] = op  # a later op that must wait for it waits for its issue
             with self._issue_cv:
                 self._issuing["backup"] += 1
@@ -327,6 +330,18 @@ class Scheduler:
             return
         if self._launched(op) and op.rest is None:
             self._queues[op.stream].put(op)
+
+    def _snapshot(self, event: Any) -> Any:
+        """A daemon event that completes when the engine's ``event`` as recorded now does: a
+        wait enqueued later (the backup issuer's) would wait for whatever the engine recorded
+        into that event meanwhile, maybe work that itself waits for this daemon's copies. The
+        fence stream waits for it and records the new event (two driver calls, no host wait)."""
+        fence = self.streams["fence"]
+        fence.wait_event(event)
+        with on_stream(fence):
+            mine = torch.cuda.Event()
+            mine.record(fence)
+        return mine
 
     def _defers(self, op: Operation) -> bool:
         """GPU: ``op`` goes to the backup issuer thread: a backup-stream op of at least

@@ -17,7 +17,10 @@ A load's kernels get the busy CTA budget only while a backup is in flight.
 A large backup (``DEFER_BACKUP_BYTES``, lowered here) is issued by the backup issuer thread:
 ``submit`` returns before its copies are issued, a smaller backup sent meanwhile goes there
 too, behind it, a load with no dependency launches and completes meanwhile, and a load that
-reads the large backup's host rows waits for its issue; every byte checked.
+reads the large backup's host rows waits for its issue; every byte checked. Its engine event
+counts as recorded when the command came: a record into the same event afterwards (behind a
+long sleep on the engine's stream) does not hold it, nor do the engine's writes after it reach
+the host rows.
 
 Skipped without CUDA.
 """
@@ -371,3 +374,43 @@ def test_a_large_backup_is_issued_off_the_server_thread_in_command_order(monkeyp
         untouched = [r for r in range(ROWS) if r not in (8, 9, 10)]
         assert torch.equal(got[untouched], was[untouched])
         assert torch.equal(host.layers[li], h)
+
+
+def test_a_deferred_backup_waits_for_the_engine_event_as_recorded_at_its_command(monkeypatch):
+    import hicache.controllers.scheduler as sched_mod
+    eng, woke, host, dev, back, _ = _engine_and_tables()
+    monkeypatch.setattr(sched_mod, "DEFER_BACKUP_BYTES", 1)
+    gate = threading.Event()
+    real = sched_mod.issue_gpu
+
+    def gated(op, stream, ctas, device):
+        gate.wait(30)
+        return real(op, stream, ctas, device)
+
+    monkeypatch.setattr(sched_mod, "issue_gpu", gated)
+    engine = torch.cuda.Stream(DEV)
+    clock = getattr(torch.cuda.get_device_properties(DEV), "clock_rate", 1_980_000)  # kHz
+    ev = torch.cuda.Event(interprocess=True)
+    with torch.cuda.stream(engine):  # the engine writes the KV, then records the backup's event
+        torch.cuda._sleep(int(0.2e3 * clock))
+        for t in dev.layers:
+            t[0].fill_(7)
+        ev.record(engine)
+    b = _op(1, "backup", dev, back, [0], [0], [0])
+    b.wait_event = ev
+    eng.submit(b)  # deferred (held at the gate)
+    with torch.cuda.stream(engine):  # later engine work records the same event again
+        torch.cuda._sleep(int(1.5e3 * clock))
+        for t in dev.layers:
+            t[0].fill_(9)
+        ev.record(engine)
+    t_gate = time.perf_counter()
+    gate.set()
+    _, done = _collect(eng, woke, 1)
+    took = time.perf_counter() - t_gate
+    assert done == [b] and b.ok
+    assert took < 1.0, f"the backup waited {took:.2f} s: for the later record"
+    for t in back.layers:
+        assert bool((t[0] == 7).all()) and not t[1:].any()
+    engine.synchronize()
+    assert eng.close()
