@@ -322,7 +322,13 @@ class Scheduler:
             return
         if self._defers(op):  # its copies go out from the backup issuer thread
             if op.wait_event is not None:  # the engine's event as recorded now (see _snapshot)
-                op.wait_event = self._snapshot(op.wait_event)
+                try:
+                    op.wait_event = self._snapshot(op.wait_event)
+                except Exception as e:  # noqa: BLE001 - nothing queued: failed on its ack
+                    op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+                    op.t_start = op.t_end = time.perf_counter()
+                    self._finish([op])
+                    return
             self._last[op.stream] = op  # a later op that must wait for it waits for its issue
             with self._issue_cv:
                 self._issuing["backup"] += 1

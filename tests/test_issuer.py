@@ -299,3 +299,22 @@ def test_a_failed_deferred_backup_is_finished_with_its_failure_and_releases_wait
         assert s._last["backup"] is b  # (recorded at the handoff; the issuer sets nothing)
     else:  # no event: finished here, after its stream
         assert _drain_q(s._queues["backup"]) == [] and s.take_completed() == [b] and woke
+
+
+def test_a_deferred_backup_whose_engine_event_cannot_be_snapshotted_fails_at_once(monkeypatch):
+    """The snapshot of the engine's event failed (a CUDA error): nothing was queued, so the
+    backup is finished failed at once, never handed to the backup issuer."""
+    import hicache.controllers.scheduler as sched_mod
+    s, _, woke = _shell()
+
+    def broken(event: object) -> object:
+        raise RuntimeError("invalid resource handle")
+
+    monkeypatch.setattr(s, "_snapshot", broken)
+    b = _op(1, sched_mod.DEFER_BACKUP_BYTES)
+    b.wait_event = object()
+    s._pending = 1
+    s.submit(b)
+    assert s.take_completed() == [b] and woke and not s.issuing()
+    assert not b.ok and b.error == "launch failed: RuntimeError: invalid resource handle"
+    assert s._queues["issue-backup"].empty() and s._last["backup"] is None
