@@ -40,11 +40,13 @@ were cancelled. The op still completes through ``take_completed``, so its rows a
 after the worker stopped writing them. GPU copies are not cancelled (the DMA is enqueued).
 
 GPU mode: every operation's first copies are enqueued from the server thread before its reply;
-a load's later layers go out from the issuer thread. Stream order stays command order: before
-the server thread enqueues anything on the load stream, or an op that must wait for a load whose
-layers are still being issued (its completion event does not exist yet), it waits until the
-issuer has no load left (``_wait_issues``); a backup with no such dependency goes out at once on
-its own stream. Backups and
+a load's later layers go out from the issuer thread, and a backup or swap-out of
+``DEFER_BACKUP_BYTES`` or more (with any backup-stream op sent while one is held) goes whole to
+the backup issuer thread, so the server answers it and the next commands at once. Stream order
+stays command order: before the server thread enqueues anything on the load stream, or an op
+that must wait for an op whose copies are still being issued (its completion event does not
+exist yet), it waits until the issuer threads concerned hold nothing (``_wait_issues``); a
+backup with no such dependency goes out at once on its own stream. Backups and
 swap-outs run on the backup stream, which first waits on the engine's interprocess event named
 by the command; loads, swap-ins and clears run on the load stream. One completion thread per
 stream waits on each operation's completion event, in stream order. The GPU path does not merge.
@@ -87,6 +89,12 @@ CHUNK_BYTES = 32 << 20  # a larger CPU copy goes this many bytes (all layers) at
 # later); a 128k load's issue takes 26-40 ms
 PROGRESS_BYTES = 256 << 20
 PROGRESS_S = 0.5e-3
+# a backup or swap-out of at least DEFER_BACKUP_BYTES is issued by the backup issuer thread, not
+# the server thread: a big backup's copies are one copy-engine copy per scattered device row,
+# and issuing a 128k-token full-mirror backup of DSV4-Flash (5.65 GB) took the server thread
+# 66 ms, 32k 7.5 ms, 2k 1.4 ms (H100 host, sixty-fourth session), the loop serving nobody
+# meanwhile. Below it the handoff (a thread wake-up) would cost about what the issue does.
+DEFER_BACKUP_BYTES = 256 << 20
 # SM budget of the daemon's kernels (the copy engines take no SMs): CTAS, and BUSY_LOAD_CTAS for
 # a load or swap-in issued while a backup or swap-out is in flight. An SM kernel's H2D copy
 # reads host memory over PCIe, so its rate is bound by the reads it has in flight, and a copy
@@ -248,17 +256,19 @@ class Scheduler:
         # GPU loads handed to the issuer and not yet fully issued, and those whose issue ended
         # (the server takes them with ``take_issued``); both under ``_issue_cv``
         self._issue_cv = threading.Condition()
-        self._issuing = 0
+        self._issuing = {"load": 0, "backup": 0}  # ops each issuer thread holds
         self._issued: list[Operation] = []
         self._progress: list[tuple[Operation, int]] = []  # (load, layers issued) to report
         if self.cuda:
-            self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load")}
+            # (fence: the engine's events a deferred backup waits for, snapshotted: _snapshot)
+            self.streams = {k: torch.cuda.Stream(device) for k in ("backup", "load", "fence")}
             # the first load must not wait for Triton's compiler, nor for its stream's first
             # uses (its plan uploads' blocks): the segment kernel's variants, on that stream
             with torch.cuda.stream(self.streams["load"]):
                 warm_up(device)
             self._last: dict[str, Operation | None] = {"backup": None, "load": None}
-            self._start("issue", self._issuer)  # first: ``close`` stops it before the others
+            self._start("issue", self._issuer)  # first: ``close`` stops them before the others
+            self._start("issue-backup", self._backup_issuer)
             for k in ("backup", "load"):
                 self._start(k, self._gpu_completer)
         else:
@@ -310,19 +320,58 @@ class Scheduler:
         if not self.cuda:
             self._queues["cpu"].put(op)
             return
+        if self._defers(op):  # its copies go out from the backup issuer thread
+            if op.wait_event is not None:  # the engine's event as recorded now (see _snapshot)
+                try:
+                    op.wait_event = self._snapshot(op.wait_event)
+                except Exception as e:  # noqa: BLE001 - nothing queued: failed on its ack
+                    op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
+                    op.t_start = op.t_end = time.perf_counter()
+                    self._finish([op])
+                    return
+            self._last[op.stream] = op  # a later op that must wait for it waits for its issue
+            with self._issue_cv:
+                self._issuing["backup"] += 1
+            self._queues["issue-backup"].put(op)
+            return
+        if self._launched(op) and op.rest is None:
+            self._queues[op.stream].put(op)
+
+    def _snapshot(self, event: Any) -> Any:
+        """A daemon event that completes when the engine's ``event`` as recorded now does: a
+        wait enqueued later (the backup issuer's) would wait for whatever the engine recorded
+        into that event meanwhile, maybe work that itself waits for this daemon's copies. The
+        fence stream waits for it and records the new event (two driver calls, no host wait)."""
+        fence = self.streams["fence"]
+        fence.wait_event(event)
+        with on_stream(fence):
+            mine = torch.cuda.Event()
+            mine.record(fence)
+        return mine
+
+    def _defers(self, op: Operation) -> bool:
+        """GPU: ``op`` goes to the backup issuer thread: a backup-stream op of at least
+        ``DEFER_BACKUP_BYTES``, or any backup-stream op while that thread holds one (so the
+        stream's order stays command order)."""
+        return op.stream == "backup" and op.layer_events is None and (
+            op.nbytes >= DEFER_BACKUP_BYTES or self._issuing["backup"] > 0)
+
+    def _launched(self, op: Operation, track: bool = True) -> bool:
+        """``_launch_gpu(op, track)``; a launch that fails is reported on its ack. True when
+        its completion thread is to take it (its completion event recorded, or its later
+        layers left to the issuer); False when it was finished here (its stream waited for)."""
         try:
-            self._launch_gpu(op)
+            self._launch_gpu(op, track)
         except Exception as e:  # noqa: BLE001 - reported on its ack
             op.ok, op.error, op.rest = False, f"launch failed: {type(e).__name__}: {e}", None
             op.t_start = op.t_start or time.perf_counter()
-            if not self._fence_failed(op):
+            if not self._fence_failed(op, track):
                 op.t_end = time.perf_counter()
                 self._finish([op])
-                return
-        if op.rest is None:
-            self._queues[op.stream].put(op)
+                return False
+        return True
 
-    def _fence_failed(self, op: Operation) -> bool:
+    def _fence_failed(self, op: Operation, track: bool = True) -> bool:
         """A launch that failed part-way may have queued copies already (an earlier item,
         layer 0): ``op`` completes after what its stream holds, as every op does, so its rows
         are never freed or reused under a copy. True when its completion event is recorded
@@ -334,7 +383,8 @@ class Scheduler:
                 done = torch.cuda.Event()
                 done.record(stream)
             op.done_event = done
-            self._last[op.stream] = op
+            if track:
+                self._last[op.stream] = op
             return True
         except Exception:  # noqa: BLE001 - no event: wait for the stream instead
             self._drain(op)
@@ -356,12 +406,13 @@ class Scheduler:
         completion thread; the server reads the next commands meanwhile."""
         self._last[op.stream] = op  # a later op that must wait for it waits for its issue too
         with self._issue_cv:
-            self._issuing += 1
+            self._issuing["load"] += 1
         self._queues["issue"].put(op)
 
     def issuing(self) -> bool:
-        """A load's later layers are being issued (the issuer thread holds work)."""
-        return self._issuing > 0
+        """A load's later layers or a large backup are being issued (an issuer thread holds
+        work)."""
+        return self._issuing["load"] > 0 or self._issuing["backup"] > 0
 
     def take_issued(self) -> tuple[list[tuple[Operation, int]], list[Operation]]:
         """Server thread: since the last call, (load, layers issued) for each deferred load whose
@@ -376,12 +427,14 @@ class Scheduler:
             self._progress, self._issued = [], []
         return got
 
-    def _wait_issues(self) -> None:
-        """Server thread: block until the issuer has issued every load handed to it."""
-        if not self._issuing:
+    def _wait_issues(self, *streams: str) -> None:
+        """Block until the issuer threads of ``streams`` (default: both) have issued every op
+        handed to them."""
+        streams = streams or ("load", "backup")
+        if not any(self._issuing[k] for k in streams):
             return
         with self._issue_cv:
-            while self._issuing:
+            while any(self._issuing[k] for k in streams):
                 self._issue_cv.wait()
 
     def _issuer(self, q: queue.SimpleQueue) -> None:
@@ -423,7 +476,7 @@ class Scheduler:
                 op.issue_cpu_s = time.thread_time() - c0
                 with self._issue_cv:
                     self._issued.append(op)
-                    self._issuing -= 1
+                    self._issuing["load"] -= 1
                     self._issue_cv.notify_all()
                 self._queues[op.stream].put(op)
                 self._wake()
@@ -468,10 +521,10 @@ class Scheduler:
         if self.cuda:
             self._last = {"backup": None, "load": None}
         deadline = time.monotonic() + timeout
-        for name, q in self._queues.items():  # the issuer (first) ends before the completers
-            q.put(None)
-            if name == "issue":
-                self._threads[0].join(max(0.0, deadline - time.monotonic()))
+        for k, (name, q) in enumerate(self._queues.items()):  # the issuers (first) end before
+            q.put(None)  # the completers
+            if name.startswith("issue"):
+                self._threads[k].join(max(0.0, deadline - time.monotonic()))
         for th in self._threads:
             th.join(max(0.0, deadline - time.monotonic()))
         return not any(th.is_alive() for th in self._threads)
@@ -573,12 +626,13 @@ class Scheduler:
             self._run_cpu(run)
 
     # ------------------------------------------------------------------ GPU mode
-    def _launch_gpu(self, op: Operation) -> None:
+    def _launch_gpu(self, op: Operation, track: bool = True) -> None:
         """Enqueue ``op`` on its stream. A load with per-layer events issues its first launch
-        group (layer 0) only and keeps the rest in ``op.rest`` for the issuer (``defer_issue``)."""
+        group (layer 0) only and keeps the rest in ``op.rest`` for the issuer (``defer_issue``).
+        ``track``: the caller is the server thread, which records ``op`` as its stream's last
+        (the backup issuer's ops were recorded when they were handed to it)."""
         stream = self.streams[op.stream]
-        if op.stream == "load" or any(o.done_event is None for o in op.after):
-            self._wait_issues()  # stream order is command order; dependencies have events
+        self._wait_for_deps(op)
         op.t_start = time.perf_counter()
         # the waits name their stream: no switch of the current stream for them (a load's
         # layers enter their stream themselves)
@@ -595,12 +649,43 @@ class Scheduler:
                 op.path = issue_gpu(op, stream, self.ctas, self.device)
                 op.done_event = torch.cuda.Event()
                 op.done_event.record(stream)
-            self._last[op.stream] = op
+            if track:
+                self._last[op.stream] = op
             return
         busy = self._last["backup"] is not None  # a backup not yet completed and collected
         rest = issue_layers(op, stream, self.busy_load_ctas if busy else self.ctas, self.device)
         op.issued = next(rest)  # plan, upload, layer 0's launch and event
         op.path, op.rest = "by_layer", rest
+
+    def _wait_for_deps(self, op: Operation) -> None:
+        """Before ``op`` is enqueued: stream order is command order (a load-stream op waits for
+        the loads the issuer holds), and every op ``op`` waits for has its completion event (one
+        that has none yet is still held by an issuer thread: wait for that thread). A
+        backup-stream op waits for loads only: the backup issuer, which may be the caller,
+        issues its own ops in order."""
+        deps = any(o.done_event is None for o in op.after)
+        if op.stream == "load":
+            self._wait_issues("load", *(("backup",) if deps else ()))
+        elif deps:
+            self._wait_issues("load")
+
+    def _backup_issuer(self, q: queue.SimpleQueue) -> None:
+        """The backup issuer thread: the backup-stream ops ``_defers`` hands it, each issued
+        whole (its waits, its copies, its completion event) in command order, then handed to
+        its completion thread before it counts as issued (so the server's next op on the stream
+        comes after it there too)."""
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            try:
+                if self._launched(op, track=False):
+                    self._queues[op.stream].put(op)
+            finally:
+                with self._issue_cv:
+                    self._issuing["backup"] -= 1
+                    self._issue_cv.notify_all()
+            op = None  # hold no op while idle (see _cpu_worker)
 
     def _gpu_completer(self, q: queue.SimpleQueue) -> None:
         last = 0.0  # when the previous op of this stream completed

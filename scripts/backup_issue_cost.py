@@ -9,6 +9,8 @@ every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_
 * ``queued``: that many one-page backups issued back to back behind a 200 ms sleep on the same
   stream, so their index uploads' staging buffers stay busy: host time per backup (median,
   slowest) and in all, then how long the GPU took to finish after the last issue.
+* ``--profile 1,512``: per size, ``cProfile`` over 10 backups of it (after the timed ones), the
+  15 functions of most own time: calls and own µs per backup (where an issue's host time goes).
 
 Runs in process, without a daemon: it measures the copy path's issue alone, so two trees can be
 compared with ``PYTHONPATH`` (run it from this tree on another's ``hicache``). One JSON object
@@ -17,7 +19,9 @@ per line on stdout.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -71,6 +75,26 @@ def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream) -> float:
     return time.perf_counter() - t0
 
 
+def _profile(pools: list[Pool], n: int, rows: int, g: torch.Generator,
+             stream: torch.cuda.Stream, reps: int = 10, top: int = 15) -> None:
+    """Print where the host time of ``reps`` backups of ``n`` pages goes: one JSON line per
+    function of the ``top`` by own time, per backup."""
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        ids = [_ids(n, rows, fmt, g) for *_, fmt in pools]
+        torch.cuda.synchronize()
+        prof.enable()
+        _issue(pools, ids, stream)
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows_out = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows_out:
+        print(json.dumps({"profile_pages": n, "fn": f"{Path(file).name}:{line}:{fn}",
+                          "calls": round(nc / reps, 1), "own_us": round(tt / reps * 1e6),
+                          "cum_us": round(ct / reps * 1e6)}), flush=True)
+
+
 def _sleep_cycles(ms: float, device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     return int(ms * getattr(props, "clock_rate", 1_980_000))  # kHz: cycles per ms
@@ -81,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", default="1,8,32", help="backup sizes in pages")
     p.add_argument("--reps", type=int, default=30, help="backups per size")
     p.add_argument("--queued", type=int, default=24, help="one-page backups behind a sleep")
+    p.add_argument("--profile", default="", help="sizes in pages to profile (cProfile)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("backup_issue_cost: needs a CUDA GPU", file=sys.stderr)
@@ -88,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     pages = [int(x) for x in a.pages.split(",")]
-    rows = 2 * max(pages) + 8
+    profiled = [int(x) for x in a.profile.split(",") if x]
+    rows = 2 * max(pages + profiled) + 8
     pools = _pools(rows, device)
     stream = torch.cuda.Stream(device)
     g = torch.Generator().manual_seed(1)
@@ -116,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                           "sum_ms": round(sum(times) * 1e3, 2),
                           "gpu_after_ms": round((time.perf_counter() - t0) * 1e3, 1)}),
               flush=True)
+    for n in profiled:
+        _profile(pools, n, rows, g, stream)
     return 0
 
 

@@ -1,9 +1,12 @@
-"""The scheduler's issuer thread on its failure paths, on CPU (no GPU needed).
+"""The scheduler's issuer threads on their failure paths and orders, on CPU (no GPU needed).
 
-A ``Scheduler`` shell holds only what the issuer and the completion thread touch; ``torch.cuda``'s
-``Event`` is replaced by a stand-in. Whatever fails, the issuer lists the load as issued,
-releases a server waiting in ``_wait_issues`` and hands the op to its completion thread, which
-completes it with its failure on the ack.
+A ``Scheduler`` shell holds only what the issuers and the completion threads touch;
+``torch.cuda``'s ``Event`` is replaced by a stand-in. Whatever fails, the issuer lists the load
+as issued, releases a server waiting in ``_wait_issues`` and hands the op to its completion
+thread, which completes it with its failure on the ack. The backup issuer takes large backups
+(``DEFER_BACKUP_BYTES``) and every backup-stream op sent while it holds one, issues them in
+command order, hands each to the backup stream's completion thread before it counts as issued,
+and never holds back a load that does not depend on them.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class _Event:
 def _shell() -> tuple[Scheduler, queue.SimpleQueue, list[int]]:
     s = object.__new__(Scheduler)
     s._issue_cv = threading.Condition()
-    s._issuing = 0
+    s._issuing = {"load": 0, "backup": 0}
     s._issued = []
     s._progress = []
     s._done, s._done_lock, s._pending = [], threading.Lock(), 0
@@ -40,7 +43,9 @@ def _shell() -> tuple[Scheduler, queue.SimpleQueue, list[int]]:
     s.streams = {"load": None, "backup": None}  # on_stream(None) does nothing
     s._last = {"load": None, "backup": None}
     issue_q: queue.SimpleQueue = queue.SimpleQueue()
-    s._queues = {"issue": issue_q, "load": queue.SimpleQueue(), "backup": queue.SimpleQueue()}
+    s._queues = {"issue": issue_q, "issue-backup": queue.SimpleQueue(),
+                 "load": queue.SimpleQueue(), "backup": queue.SimpleQueue()}
+    s.cuda, s._closed = True, False
     return s, issue_q, woke
 
 
@@ -182,3 +187,134 @@ def test_state_queues_progress_then_the_end_and_skips_loads_of_gone_clients():
     st.scheduler.take_issued = lambda: ([], [a])
     assert st.collect() == 0
     assert st.notices == [(client, 1, None, True)]
+
+
+def _op(op_id: int, nbytes: int, kind: str = "backup") -> Operation:
+    return Operation(op_id, "c", kind, nbytes=nbytes)
+
+
+def test_large_backups_and_those_behind_them_go_to_the_backup_issuer_in_order(monkeypatch):
+    """A backup of ``DEFER_BACKUP_BYTES`` goes to the backup issuer (the server answers at once);
+    a small one sent while the issuer holds it goes there too, behind it; a load is launched
+    by the server meanwhile, waiting for no backup issue; once the issuer is done, a small
+    backup goes out from the server again. The stream's completion thread gets them in
+    command order."""
+    import hicache.controllers.scheduler as sched_mod
+    s, _, _ = _shell()
+    launched: list[tuple[int, str]] = []
+
+    def launch(op: Operation, track: bool = True) -> None:
+        s._wait_for_deps(op)
+        launched.append((op.op_id, threading.current_thread().name))
+        op.done_event = _Event()
+
+    monkeypatch.setattr(s, "_launch_gpu", launch)
+    big = sched_mod.DEFER_BACKUP_BYTES
+    b1, b2, ld, b3 = _op(1, big), _op(2, 10, "swap_out"), _op(3, 10, "load"), _op(4, 10)
+    assert not s._defers(_op(9, big - 1)) and not s._defers(_op(9, big, "load"))
+    s.submit(b1)
+    s.submit(b2)
+    assert s._issuing["backup"] == 2 and s._last["backup"] is b2 and launched == []
+    s.submit(ld)  # a load with no dependency: not held by the backup issue
+    assert launched == [(3, "MainThread")] and s.issuing()
+    q = s._queues["issue-backup"]
+    q.put(None)
+    th = threading.Thread(target=s._backup_issuer, args=(q,), name="backup-issuer")
+    th.start()
+    th.join(10)
+    assert launched[1:] == [(1, "backup-issuer"), (2, "backup-issuer")]
+    assert s._issuing["backup"] == 0 and not s.issuing()
+    assert not s._defers(b3)
+    s.submit(b3)  # the issuer holds nothing: the server launches it
+    assert launched[-1] == (4, "MainThread")
+    assert [o.op_id for o in _drain_q(s._queues["backup"])] == [1, 2, 4]
+    assert [o.op_id for o in _drain_q(s._queues["load"])] == [3]
+
+
+def _drain_q(q: queue.SimpleQueue) -> list[Operation]:
+    got = []
+    while not q.empty():
+        got.append(q.get())
+    return got
+
+
+def test_a_load_that_depends_on_a_backup_being_issued_waits_for_its_issue(monkeypatch):
+    """A load whose ``after`` names a backup the backup issuer has not issued yet (no
+    completion event) waits until that issue is done, then launches."""
+    import hicache.controllers.scheduler as sched_mod
+    s, _, _ = _shell()
+    order: list[int] = []
+
+    def launch(op: Operation, track: bool = True) -> None:
+        s._wait_for_deps(op)
+        order.append(op.op_id)
+        op.done_event = _Event()
+
+    monkeypatch.setattr(s, "_launch_gpu", launch)
+    b = _op(1, sched_mod.DEFER_BACKUP_BYTES)
+    s.submit(b)
+    ld = _op(2, 10, "load")
+    ld.after = [b]
+    loader = threading.Thread(target=s.submit, args=(ld,), daemon=True)
+    loader.start()
+    loader.join(0.3)
+    assert loader.is_alive() and order == []  # held: its dependency has no event yet
+    q = s._queues["issue-backup"]
+    q.put(None)
+    s._backup_issuer(q)
+    loader.join(10)
+    assert not loader.is_alive() and order == [1, 2]
+
+
+@pytest.mark.parametrize("case", ["launch", "event"])
+def test_a_failed_deferred_backup_is_finished_with_its_failure_and_releases_waiters(
+        case, monkeypatch):
+    """A backup the backup issuer fails to launch: its ack says so; with its completion event
+    recorded it goes to its completion thread, without one its stream is waited for and it is
+    finished there; either way the issue count drops (a waiting server goes on)."""
+    import hicache.controllers.scheduler as sched_mod
+
+    class Failing(_Event):
+        def record(self, stream: object = None) -> None:
+            raise RuntimeError("no event")
+
+    monkeypatch.setattr(torch.cuda, "Event", Failing if case == "event" else _Event)
+    s, _, woke = _shell()
+    s._drain = lambda op: setattr(op, "done_event", None)  # (no stream to wait for here)
+
+    def launch(op: Operation, track: bool = True) -> None:
+        raise RuntimeError("launch refused")
+
+    monkeypatch.setattr(s, "_launch_gpu", launch)
+    b = _op(1, sched_mod.DEFER_BACKUP_BYTES)
+    s._pending = 1
+    s.submit(b)
+    q = s._queues["issue-backup"]
+    q.put(None)
+    s._backup_issuer(q)
+    s._wait_issues()  # returns: nothing held
+    assert not b.ok and "launch failed: RuntimeError: launch refused" in b.error
+    if case == "launch":  # its event recorded after what it queued: the completion thread's
+        assert b.done_event.recorded and _drain_q(s._queues["backup"]) == [b]
+        assert s._last["backup"] is b  # (recorded at the handoff; the issuer sets nothing)
+    else:  # no event: finished here, after its stream
+        assert _drain_q(s._queues["backup"]) == [] and s.take_completed() == [b] and woke
+
+
+def test_a_deferred_backup_whose_engine_event_cannot_be_snapshotted_fails_at_once(monkeypatch):
+    """The snapshot of the engine's event failed (a CUDA error): nothing was queued, so the
+    backup is finished failed at once, never handed to the backup issuer."""
+    import hicache.controllers.scheduler as sched_mod
+    s, _, woke = _shell()
+
+    def broken(event: object) -> object:
+        raise RuntimeError("invalid resource handle")
+
+    monkeypatch.setattr(s, "_snapshot", broken)
+    b = _op(1, sched_mod.DEFER_BACKUP_BYTES)
+    b.wait_event = object()
+    s._pending = 1
+    s.submit(b)
+    assert s.take_completed() == [b] and woke and not s.issuing()
+    assert not b.ok and b.error == "launch failed: RuntimeError: invalid resource handle"
+    assert s._queues["issue-backup"].empty() and s._last["backup"] is None

@@ -14,6 +14,14 @@ An in-process ``Scheduler`` on cuda:0 gets a per-layer load whose later layers a
 
 A load's kernels get the busy CTA budget only while a backup is in flight.
 
+A large backup (``DEFER_BACKUP_BYTES``, lowered here) is issued by the backup issuer thread:
+``submit`` returns before its copies are issued, a smaller backup sent meanwhile goes there
+too, behind it, a load with no dependency launches and completes meanwhile, and a load that
+reads the large backup's host rows waits for its issue; every byte checked. Its engine event
+counts as recorded when the command came: a record into the same event afterwards (behind a
+long sleep on the engine's stream) does not hold it, nor do the engine's writes after it reach
+the host rows.
+
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -300,4 +308,109 @@ def test_a_load_whose_completion_event_fails_completes_after_its_copies(monkeypa
     assert done == [a] and not a.ok and "completion event (test)" in a.error
     for li in range(len(LAYERS)):  # every layer had landed when it completed
         assert torch.equal(dev.layers[li][8:12].cpu(), host.layers[li][0:4])
+    assert eng.close()
+
+
+def test_a_large_backup_is_issued_off_the_server_thread_in_command_order(monkeypatch):
+    import hicache.controllers.scheduler as sched_mod
+    eng, woke, host, dev, back, dev_before = _engine_and_tables()
+    host_before = [t.clone() for t in host.layers]
+    monkeypatch.setattr(sched_mod, "DEFER_BACKUP_BYTES", 2 * ROW * len(LAYERS))
+    gate = threading.Event()
+    threads: dict[int, str] = {}
+    real = sched_mod.issue_gpu
+
+    def gated(op, stream, ctas, device):
+        threads[op.op_id] = threading.current_thread().name
+        if op.op_id == 1:
+            gate.wait(30)
+        return real(op, stream, ctas, device)
+
+    monkeypatch.setattr(sched_mod, "issue_gpu", gated)
+    b1 = _op(1, "backup", dev, back, [0, 1, 2], [0, 1, 2], [0, 1, 2])  # large: deferred
+    t0 = time.perf_counter()
+    eng.submit(b1)
+    assert time.perf_counter() - t0 < 0.05 and b1.done_event is None and eng.issuing()
+    b2 = _op(2, "backup", dev, back, [3], [3], [3])  # small, behind b1: deferred too
+    eng.submit(b2)
+    assert b2.done_event is None
+    ld = _op(3, "load", host, dev, [5, 6], [8, 9], [5, 6])  # no dependency: goes out now
+    eng.submit(ld)
+    assert ld.issued == 1
+    eng.defer_issue(ld)
+    ld_done = False
+    deadline = time.monotonic() + 10
+    while not ld_done and time.monotonic() < deadline:
+        woke.wait(0.2)
+        woke.clear()
+        eng.take_issued()
+        ld_done = any(op is ld for op in eng.take_completed())
+    assert ld_done and b1.done_event is None  # the load completed while b1 was held
+    l2 = _op(4, "load", back, dev, [0], [10], [0])  # reads b1's host row 0: waits for b1
+    l2.after.append(b1)
+    started: list[float] = []
+
+    def server():
+        eng.submit(l2)
+        started.append(time.perf_counter())
+        eng.defer_issue(l2)
+
+    th = threading.Thread(target=server)
+    th.start()
+    time.sleep(0.3)
+    assert started == [] and l2.t_start == 0.0
+    t_gate = time.perf_counter()
+    gate.set()
+    th.join(30)
+    assert started and l2.t_start >= t_gate
+    _, done = _collect(eng, woke, 3)
+    assert eng.close()
+    assert sorted(op.op_id for op in done) == [1, 2, 4] and all(op.ok for op in done)
+    assert threads == {1: "hicache-issue-backup", 2: "hicache-issue-backup"}  # (loads: by layer)
+    for li in range(len(LAYERS)):
+        got, was, h = dev.layers[li].cpu(), dev_before[li], host_before[li]
+        assert torch.equal(back.layers[li][0:4], was[0:4]) and not back.layers[li][4:].any()
+        assert torch.equal(got[8:10], h[5:7]) and torch.equal(got[10], was[0])
+        untouched = [r for r in range(ROWS) if r not in (8, 9, 10)]
+        assert torch.equal(got[untouched], was[untouched])
+        assert torch.equal(host.layers[li], h)
+
+
+def test_a_deferred_backup_waits_for_the_engine_event_as_recorded_at_its_command(monkeypatch):
+    import hicache.controllers.scheduler as sched_mod
+    eng, woke, host, dev, back, _ = _engine_and_tables()
+    monkeypatch.setattr(sched_mod, "DEFER_BACKUP_BYTES", 1)
+    gate = threading.Event()
+    real = sched_mod.issue_gpu
+
+    def gated(op, stream, ctas, device):
+        gate.wait(30)
+        return real(op, stream, ctas, device)
+
+    monkeypatch.setattr(sched_mod, "issue_gpu", gated)
+    engine = torch.cuda.Stream(DEV)
+    clock = getattr(torch.cuda.get_device_properties(DEV), "clock_rate", 1_980_000)  # kHz
+    ev = torch.cuda.Event(interprocess=True)
+    with torch.cuda.stream(engine):  # the engine writes the KV, then records the backup's event
+        torch.cuda._sleep(int(0.2e3 * clock))
+        for t in dev.layers:
+            t[0].fill_(7)
+        ev.record(engine)
+    b = _op(1, "backup", dev, back, [0], [0], [0])
+    b.wait_event = ev
+    eng.submit(b)  # deferred (held at the gate)
+    with torch.cuda.stream(engine):  # later engine work records the same event again
+        torch.cuda._sleep(int(1.5e3 * clock))
+        for t in dev.layers:
+            t[0].fill_(9)
+        ev.record(engine)
+    t_gate = time.perf_counter()
+    gate.set()
+    _, done = _collect(eng, woke, 1)
+    took = time.perf_counter() - t_gate
+    assert done == [b] and b.ok
+    assert took < 1.0, f"the backup waited {took:.2f} s: for the later record"
+    for t in back.layers:
+        assert bool((t[0] == 7).all()) and not t[1:].any()
+    engine.synchronize()
     assert eng.close()
