@@ -46,12 +46,12 @@ from .by_layer import (DEFAULT_CTAS, copy_by_layer, issue_by_layer, layer_groups
 from .checks import _check_ctas, _check_pair, _dma_direction, _pinned
 from .copy_engine import DmaPlan
 from .reference import copy_rows_ref, copy_tokens_ref
-from .rows import _rows_kernel, launch_rows, pads_badly, rows_config
+from .rows import ROWS_KERNEL, launch_rows, pads_badly, rows_config
 from .segments import SEG_KERNEL, SegmentPart, row_offsets
 from .staged import copy_rows_staged, plan_runs
 from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
-from .tokens import _tokens_kernel, launch_tokens, tokens_config
+from .tokens import TOKENS_KERNEL, launch_tokens, tokens_config
 
 __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
@@ -324,7 +324,7 @@ def kernel_variants() -> dict[str, int]:
     first use (the daemon's ``stats``; 0 each under the interpreter, which compiles nothing)."""
     def held(fn: object) -> int:
         return sum(len(v[0]) for v in getattr(fn, "device_caches", {}).values())
-    return {"rows": held(_rows_kernel), "tokens": held(_tokens_kernel),
+    return {"rows": held(ROWS_KERNEL.fn), "tokens": held(TOKENS_KERNEL.fn),
             "segments": held(SEG_KERNEL.fn)}
 
 

@@ -2,24 +2,36 @@
 specialization, launched directly.
 
 A ``kernel[grid](...)`` call binds the arguments, computes Triton's specialization key and looks
-it up before it launches: 40-60 µs of host time per launch on the H200 machine, where a load
-issues seven launches and the copy of layer 0 waits for the first. ``CachedKernel`` keeps the
-``CompiledKernel`` that call returns and launches it through ``compiled[grid](*args)`` (the
-grid padded to three dimensions: the compiled runner reads all three).
+it up before it launches: 40-60 µs of host time per launch on the H100 / H200 machines, where a
+load issues seven launches (the copy of layer 0 waits for the first) and a backup of DSV4-Flash
+seven more. ``CachedKernel`` keeps the ``CompiledKernel`` that call returns and launches it
+through ``compiled[grid](*args)`` (the grid padded to three dimensions: the compiled runner
+reads all three).
 
-Contract: ``CachedKernel(fn)``; ``launch(grid, key, args, options, cached)`` runs ``fn`` on the
+Contract: ``CachedKernel(fn)``; ``launch(grid, args, options, cached)`` runs ``fn`` on the
 current stream with ``args`` (every kernel parameter by name, constexprs included: tensors or
-scalars) and ``options`` (``num_warps``...). ``key`` must hold everything Triton specializes on
-that can change between calls: the constexpr values and the 16-byte alignment of each pointer
-argument (int arguments the kernel marks ``do_not_specialize`` need nothing). The first call per
-key, every call with ``cached`` False (CPU interpreter), and every call on a Triton that
-reorders launcher arguments (``metadata.runtime_argument_order``) go through the JIT.
+scalars) and ``options`` (``num_warps``...). The kept kernel is looked up under ``key(args,
+options)``: what Triton specializes on, worked out as Triton does it: each constexpr's value;
+each tensor's dtype and whether its address is 16-byte aligned; each int's width (i32, i64,
+u64), and for an int the kernel does not mark ``do_not_specialize`` whether it is 1 and whether
+16 divides it; the options. The first call per key, every call with ``cached`` False (CPU
+interpreter), and every call on a Triton that reorders launcher arguments
+(``metadata.runtime_argument_order``) go through the JIT.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 import torch
+
+_CONST, _PLAIN, _SPEC = 0, 1, 2  # how an argument enters the key (see ``key``)
+
+
+def _width(v: int) -> str:
+    """The integer type Triton gives a run-time int argument."""
+    if -(1 << 31) <= v < (1 << 31):
+        return "i32"
+    return "u64" if (1 << 63) <= v < (1 << 64) else "i64"
 
 
 class CachedKernel:
@@ -28,11 +40,34 @@ class CachedKernel:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.names: list[str] = list(fn.arg_names)
+        params = {p.name: p for p in getattr(fn, "params", ())}
+        self._kinds = [_CONST if getattr(params.get(n), "is_constexpr", False) else
+                       _PLAIN if getattr(params.get(n), "do_not_specialize", False) else _SPEC
+                       for n in self.names]
         self._compiled: dict[tuple, Any] = {}
         self.jit_launches = 0  # launches that went through the JIT (tests count them)
 
-    def launch(self, grid: tuple[int, ...], key: tuple, args: Mapping[str, Any],
+    def key(self, args: Mapping[str, Any], options: Mapping[str, Any]) -> tuple:
+        """What picks the compiled kernel for ``args`` and ``options`` (module docstring)."""
+        parts: list[Any] = []
+        for n, kind in zip(self.names, self._kinds):
+            a = args[n]
+            if kind == _CONST:
+                parts.append(a)
+            elif isinstance(a, torch.Tensor):
+                parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif isinstance(a, bool) or not isinstance(a, int):
+                parts.append(type(a).__name__ if isinstance(a, float) else a)
+            elif kind == _PLAIN:
+                parts.append(_width(a))
+            else:
+                parts.append((_width(a), a == 1, a % 16 == 0))
+        parts.append(tuple(sorted(options.items())))
+        return tuple(parts)
+
+    def launch(self, grid: tuple[int, ...], args: Mapping[str, Any],
                options: Mapping[str, Any], cached: bool) -> None:
+        key = self.key(args, options) if cached else None
         ck = self._compiled.get(key) if cached else None
         if ck is not None:
             ck[tuple(grid) + (1,) * (3 - len(grid))](*[a.data_ptr() if isinstance(a, torch.Tensor) else a

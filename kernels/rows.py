@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .grid import runtime_loops
+from .launch_cache import CachedKernel
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ def _rows_kernel(src_tab, dst_tab, src_idx, dst_idx, n, total_pieces, src_stride
                    dst_stride, RB, PPR, CH, G, ALIGN, LOAD_CM, STORE_CM)
 
 
+ROWS_KERNEL = CachedKernel(_rows_kernel)  # launched without the JIT's per-call work
+
+
 def pads_badly(row_bytes: int, cfg: RowsConfig = RowsConfig()) -> bool:
     """A small row that pads badly to a power of two (584 -> 1024): the token kernel moves it
     better, as a power-of-two head plus a short tail (512 + 72)."""
@@ -96,9 +100,11 @@ def launch_rows(src_tab: torch.Tensor, dst_tab: torch.Tensor, src_idx: torch.Ten
     persistent = runtime_loops()
     steps = triton.cdiv(total, g)
     grid = (max(1, min(int(ctas), steps)) if persistent else steps,)
-    _rows_kernel[grid](src_tab, dst_tab, src_idx, dst_idx, n, total, src_stride, dst_stride,
-                       RB=row_bytes, PPR=ppr, CH=ch, G=g, ALIGN=min(align, ch), LOAD_CM=cfg.load_cache,
-                       STORE_CM=cfg.store_cache, PERSISTENT=persistent, num_warps=cfg.num_warps)
+    args = {"src_tab": src_tab, "dst_tab": dst_tab, "src_idx": src_idx, "dst_idx": dst_idx,
+            "n": n, "total_pieces": total, "src_stride": src_stride, "dst_stride": dst_stride,
+            "RB": row_bytes, "PPR": ppr, "CH": ch, "G": g, "ALIGN": min(align, ch),
+            "LOAD_CM": cfg.load_cache, "STORE_CM": cfg.store_cache, "PERSISTENT": persistent}
+    ROWS_KERNEL.launch(grid, args, {"num_warps": cfg.num_warps}, src_tab.is_cuda)
 
 
 # Launch shapes per direction (src on GPU, dst on GPU), chosen by `hicache bench transfer

@@ -373,6 +373,4 @@ def launch_segments(plan: SegmentPlan, lo: int, hi: int, ctas: int) -> None:
         grid, persistent = (hi - lo, triton.cdiv(most, G)), False
     args = {"desc": desc, "soff": soff, "doff": doff, "seg_lo": lo, "seg_hi": hi, "WORD": word,
             "VEC": vec, "G": G, "PERSISTENT": persistent}
-    key = (word, vec, G, persistent, desc.data_ptr() % 16 == 0, soff.data_ptr() % 16 == 0,
-           doff.data_ptr() % 16 == 0)
-    SEG_KERNEL.launch(grid, key, args, {"num_warps": NUM_WARPS}, desc.is_cuda)
+    SEG_KERNEL.launch(grid, args, {"num_warps": NUM_WARPS}, desc.is_cuda)

@@ -153,27 +153,33 @@ def test_staged_chunks_and_runs_across_chunk_boundaries():
 
 def test_caller_stream_is_used():
     from hicache.kernels import dispatch
+    from hicache.kernels.tables import LayerTable, upload_tables
 
     src, dst = _bufs("cuda", 2, 64, 37_440, 1), _bufs("cpu", 2, 64, 37_440, 2)
     before = [t.clone() for t in dst]
-    si, di = torch.randperm(64)[:40], torch.arange(10, 50)
+    si, di = torch.randperm(64)[:40].cuda(), torch.arange(10, 50)
     s = torch.cuda.Stream()
     for impl in ("zero_copy", "staged"):  # compile and allocate staging first
-        dispatch.copy_rows(src, [t.clone().pin_memory() for t in dst], si.cuda(), di, ctas=4,
+        dispatch.copy_rows(src, [t.clone().pin_memory() for t in dst], si, di, ctas=4,
                            impl=impl, stream=s)
+    # everything but the copies' own issue happens before the sleep: a device or pinned
+    # allocation, or a pointer table's upload, after it could wait for the device (a freed
+    # block, a full cache) and so let the sleep end before the check below
+    src_t, dst_t = LayerTable(src, "src"), LayerTable(dst, "dst")
+    upload_tables([src_t, dst_t], si.device)
     s.synchronize()
     gate = torch.cuda.Event()
     with torch.cuda.stream(s):
         torch.cuda._sleep(1_000_000_000)  # keep the caller's stream busy (~0.5 s)
         gate.record(s)
     for impl in ("zero_copy", "staged"):
-        dispatch.copy_rows(src, dst, si.cuda(), di, ctas=4, impl=impl, stream=s)
+        dispatch.copy_rows(src_t, dst_t, si, di, ctas=4, impl=impl, stream=s)
     # nothing ran ahead of the sleeping stream; afterwards every byte is in place
     assert not gate.query()
     assert_same(dst, before, "copied before the caller's stream got there")
     s.synchronize()
     assert gate.query()
-    assert_same(dst, expected_rows(src, before, si, di))
+    assert_same(dst, expected_rows(src, before, si.cpu(), di))
 
 
 def test_dsv4_sized_rows_and_tokens_against_reference():

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hicache.kernels import rows, tokens
+from hicache.kernels.launch_cache import CachedKernel
 from hicache.kernels.segments import SegmentPart, SegmentPlan
 from hicache.kernels.tables import LayerTable, TokenFormat, upload_tables
 
@@ -36,29 +37,26 @@ def test_the_row_and_token_kernels_take_lengths_at_run_time(kernel, lengths) -> 
 
 
 class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` records the
-    keyword arguments (the compile-time ones: what picks a variant beside the specialized
-    run-time arguments) and launches nothing."""
+    """Stands in for a kernel's ``CachedKernel``: each launch records the key that picks its
+    compiled kernel (every constexpr, the options, and what Triton specializes the run-time
+    arguments on) and launches nothing."""
 
-    def __init__(self) -> None:
-        self.launches: list[dict] = []
+    def __init__(self, real: CachedKernel) -> None:
+        self.real, self.keys = real, []
 
-    def __getitem__(self, grid: tuple) -> "_Recorder":
-        return self
-
-    def __call__(self, *args: object, **kw: object) -> None:
-        self.launches.append(kw)
+    def launch(self, grid: tuple, args: dict, options: dict, cached: bool) -> None:
+        self.keys.append(self.real.key(args, options))
 
 
 @pytest.mark.parametrize("direction", [(True, False), (False, True)])
-def test_every_copy_length_launches_the_same_compile_time_arguments(monkeypatch,
-                                                                    direction) -> None:
+def test_every_copy_length_launches_the_same_compiled_kernel(monkeypatch, direction) -> None:
     """``G`` and ``T`` (the vector counts) and every other constexpr of a row or token launch
-    depend on the shape and direction only, not on how many rows or tokens a copy moves: a
-    short copy takes the variant a long one (and the warm-up's one-id launch) compiled."""
-    rec_rows, rec_tokens = _Recorder(), _Recorder()
-    monkeypatch.setattr(rows, "_rows_kernel", rec_rows)
-    monkeypatch.setattr(tokens, "_tokens_kernel", rec_tokens)
+    depend on the shape and direction only, not on how many rows or tokens a copy moves, and no
+    length changes what Triton specializes on: a short copy takes the kernel a long one (and
+    the warm-up's one-id launch) compiled."""
+    rec_rows, rec_tokens = _Recorder(rows.ROWS_KERNEL), _Recorder(tokens.TOKENS_KERNEL)
+    monkeypatch.setattr(rows, "ROWS_KERNEL", rec_rows)
+    monkeypatch.setattr(tokens, "TOKENS_KERNEL", rec_tokens)
     fmt = TokenFormat(64, 576, 8, 64 * 576, 64 * 584)
     tab = torch.zeros(2, dtype=torch.int64)
     for n in (1, 2, 3, 15, 16, 17, 33, 1000, 4096):
@@ -69,8 +67,8 @@ def test_every_copy_length_launches_the_same_compile_time_arguments(monkeypatch,
                              dst_stride=fmt.page_bytes, align=16, ctas=8,
                              cfg=tokens.tokens_config(*direction))
     for rec in (rec_rows, rec_tokens):
-        assert len(rec.launches) == 9
-        assert all(kw == rec.launches[0] for kw in rec.launches), rec.launches
+        assert len(rec.keys) == 9
+        assert all(k == rec.keys[0] for k in rec.keys), rec.keys
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 8])
