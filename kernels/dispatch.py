@@ -52,7 +52,6 @@ from .staged import copy_rows_staged, plan_runs
 from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import TOKENS_KERNEL, launch_tokens, tokens_config
-from .uploads import upload
 
 __all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
@@ -103,39 +102,17 @@ def _check_bounds(pairs: list[tuple[str, torch.Tensor, int]]) -> None:
             raise TransferError(f"{name}: index {bad} out of range [0, {limit})")
 
 
-def _to(device: Optional[torch.device], *idx: torch.Tensor) -> list[torch.Tensor]:
-    """Each index tensor on the kernel's device, copied on the current stream without blocking
-    the host. The CPU ones go in one ``uploads.upload`` (pinned staging, one driver copy), each
-    starting 16-byte aligned (an odd-length one is followed by one word of padding), as a
-    fresh tensor's are: alignment is part of a kernel variant (``launch_cache``). Torch's route
-    (``pin_memory`` then ``to``) cost 15-250 µs of host time per tensor (docs/perf.md,
-    sixty-sixth session)."""
-    if device is None:
-        return list(idx)
-    arrays: list[np.ndarray] = []
-    for i in idx:
-        if i.is_cuda:
-            if i.device != device:
-                raise TransferError(f"index tensor on {i.device}, kernel runs on {device}")
-            continue
-        arrays.append(i.numpy())
-        if i.numel() % 2:
-            arrays.append(_PAD)
-    flat = upload(arrays, device) if arrays else None
-    out: list[torch.Tensor] = []
-    at = 0
-    for i in idx:
-        if i.is_cuda:
-            out.append(i)
-            continue
-        assert flat is not None
-        n = i.numel()
-        out.append(flat[at:at + n])
-        at += n + n % 2
-    return out
-
-
-_PAD = np.zeros(1, dtype=np.int64)
+def _to(idx: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """Indices on the kernel's device, copied on the current stream without blocking the
+    host: a copy from pageable memory would first wait for the whole stream to drain, so CPU
+    indices go through pinned memory (torch's pinned cache keeps it until the copy is done)."""
+    if device is None or idx.device == device:
+        return idx
+    if idx.is_cuda:
+        raise TransferError(f"index tensor on {idx.device}, kernel runs on {device}")
+    if not idx.is_pinned():
+        idx = idx.pin_memory()
+    return idx.to(device, non_blocking=True)
 
 
 def _resolve(impl: str, device: Optional[torch.device]) -> str:
@@ -212,13 +189,11 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
         if path == "staged":
             # only the device side's indices go to the GPU; the host side's plan the DMAs
             if src.is_cuda:
-                copy_rows_staged(src, dst, _to(device, src_idx)[0], dst_idx, dst_idx, runs,
-                                 ctas=ctas)
+                copy_rows_staged(src, dst, _to(src_idx, device), dst_idx, dst_idx, runs, ctas=ctas)
             else:
-                copy_rows_staged(src, dst, src_idx, _to(device, dst_idx)[0], src_idx, runs,
-                                 ctas=ctas)
+                copy_rows_staged(src, dst, src_idx, _to(dst_idx, device), src_idx, runs, ctas=ctas)
         else:
-            s_idx, d_idx = _to(device, src_idx, dst_idx)
+            s_idx, d_idx = _to(src_idx, device), _to(dst_idx, device)
             launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
     return "rows_" + path
 
@@ -329,7 +304,7 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
     with on_stream(stream, device):
-        s_tok, d_tok = _host_order(*_to(device, src_tok, dst_tok), src, dst)
+        s_tok, d_tok = _host_order(_to(src_tok, device), _to(dst_tok, device), src, dst)
         launch_token_copy(src, dst, s_tok, d_tok, fmt, kdev, ctas)
     return "tokens_" + path
 
@@ -378,8 +353,8 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     badly; the token kernel of ``copy_tokens`` too when ``fmt`` is given), launching each once
     on scratch buffers, on ``stream`` (default: a stream of its own, which waits for no other
     stream), and waits for them there: no pool byte is touched. A stream the copies will run on
-    has its own first uses warmed too (its index upload, ``_to``: a device block of the
-    caching allocator, which keeps blocks per stream, and this thread's pinned staging). A variant already loaded costs one
+    has its own first uses warmed too (its index upload: a pinned block and a device block of
+    the caching allocator, which keeps blocks per stream). A variant already loaded costs one
     launch. Returns the launches made.
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
@@ -392,8 +367,8 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     if stream is None:
         stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        # as a copy's CPU ids go (``_to``: an upload on the stream): that path's first use too
-        idx = _to(device, torch.zeros(1, dtype=torch.int64))[0]
+        # as a copy's CPU ids go (pinned, then copied on the stream): that path's first use too
+        idx = _to(torch.zeros(1, dtype=torch.int64), device)
         for src, dst, fmt in pairs:
             key = (src.row_bytes, src.stride, dst.stride, src.align, dst.align, src.is_cuda,
                    dst.is_cuda, fmt)

@@ -340,30 +340,3 @@ def test_a_failed_issue_on_the_default_stream_still_fences_the_side_stream(monke
         after.record()
     assert not after.query(), "the default stream did not wait for the side stream"
     after.synchronize()
-
-
-def test_index_upload_keeps_values_order_and_16_byte_alignment():
-    """``dispatch._to``: the CPU index tensors of one call go in one upload on the current
-    stream; each comes back with its values, 16-byte aligned whatever the lengths before it
-    (alignment picks a kernel variant); a GPU one passes through as it is."""
-    from hicache.kernels import dispatch
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    a = torch.arange(5, dtype=torch.int64) * 7
-    b = torch.arange(3, dtype=torch.int64) + 100
-    g = torch.tensor([9, 8], dtype=torch.int64, device=dev)
-    c = torch.tensor([-1], dtype=torch.int64)
-    e = torch.empty(0, dtype=torch.int64)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        torch.cuda._sleep(50_000_000)  # the upload queues behind it: the host does not wait
-        out = dispatch._to(dev, a, g, b, e, c)
-    assert out[1] is g
-    s.synchronize()
-    for x, y in zip((a, b, e, c), (out[0], out[2], out[3], out[4])):
-        assert y.is_cuda and y.dtype == torch.int64 and y.data_ptr() % 16 == 0
-        assert torch.equal(y.cpu(), x)
-    assert dispatch._to(None, a, b) == [a, b]
-    other = torch.device("cpu")
-    with pytest.raises(dispatch.TransferError, match="index tensor on cuda"):
-        dispatch._to(other, g)
