@@ -249,7 +249,7 @@ class Scheduler:
         self._done_lock = threading.Lock()
         self._pending = 0  # submitted, not yet taken back (server thread only)
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[str, threading.Thread] = {}  # by the name of its queue
         self._queues: dict[str, queue.SimpleQueue] = {}
         self.merged_ops = 0
         self._cancelled: set[int] = set()  # op ids (server thread adds and drops; worker reads)
@@ -281,7 +281,7 @@ class Scheduler:
         th = threading.Thread(target=self._on_device, args=(target, q), name=f"hicache-{name}",
                               daemon=True)
         th.start()
-        self._threads.append(th)
+        self._threads[name] = th
 
     def _on_device(self, target: Callable[[queue.SimpleQueue], None],
                    q: queue.SimpleQueue) -> None:
@@ -325,9 +325,7 @@ class Scheduler:
                 try:
                     op.wait_event = self._snapshot(op.wait_event)
                 except Exception as e:  # noqa: BLE001 - nothing queued: failed on its ack
-                    op.ok, op.error = False, f"launch failed: {type(e).__name__}: {e}"
-                    op.t_start = op.t_end = time.perf_counter()
-                    self._finish([op])
+                    self._fail(op, e, fence=False)
                     return
             self._last[op.stream] = op  # a later op that must wait for it waits for its issue
             with self._issue_cv:
@@ -363,13 +361,20 @@ class Scheduler:
         try:
             self._launch_gpu(op, track)
         except Exception as e:  # noqa: BLE001 - reported on its ack
-            op.ok, op.error, op.rest = False, f"launch failed: {type(e).__name__}: {e}", None
-            op.t_start = op.t_start or time.perf_counter()
-            if not self._fence_failed(op, track):
-                op.t_end = time.perf_counter()
-                self._finish([op])
-                return False
+            return self._fail(op, e, track)
         return True
+
+    def _fail(self, op: Operation, e: Exception, track: bool = True, fence: bool = True) -> bool:
+        """``op`` failed at its launch (``e``; reported on its ack). With ``fence`` it may have
+        queued copies already, so it completes behind them (``_fence_failed``). True when its
+        completion thread is to finish it; False when it was finished here."""
+        op.ok, op.error, op.rest = False, f"launch failed: {type(e).__name__}: {e}", None
+        op.t_start = op.t_start or time.perf_counter()
+        if fence and self._fence_failed(op, track):
+            return True
+        op.t_end = time.perf_counter()
+        self._finish([op])
+        return False
 
     def _fence_failed(self, op: Operation, track: bool = True) -> bool:
         """A launch that failed part-way may have queued copies already (an earlier item,
@@ -521,13 +526,13 @@ class Scheduler:
         if self.cuda:
             self._last = {"backup": None, "load": None}
         deadline = time.monotonic() + timeout
-        for k, (name, q) in enumerate(self._queues.items()):  # the issuers (first) end before
-            q.put(None)  # the completers
+        for name, q in self._queues.items():  # the issuers (started first) end before the
+            q.put(None)  # completers, which finish what they issued
             if name.startswith("issue"):
-                self._threads[k].join(max(0.0, deadline - time.monotonic()))
-        for th in self._threads:
+                self._threads[name].join(max(0.0, deadline - time.monotonic()))
+        for th in self._threads.values():
             th.join(max(0.0, deadline - time.monotonic()))
-        return not any(th.is_alive() for th in self._threads)
+        return not any(th.is_alive() for th in self._threads.values())
 
     # ------------------------------------------------------------------ completion
     def _finish(self, ops: list[Operation]) -> None:

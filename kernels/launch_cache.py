@@ -44,25 +44,26 @@ class CachedKernel:
         self._kinds = [_CONST if getattr(params.get(n), "is_constexpr", False) else
                        _PLAIN if getattr(params.get(n), "do_not_specialize", False) else _SPEC
                        for n in self.names]
+        self._plan = list(zip(self.names, self._kinds))
         self._compiled: dict[tuple, Any] = {}
         self.jit_launches = 0  # launches that went through the JIT (tests count them)
 
     def key(self, args: Mapping[str, Any], options: Mapping[str, Any]) -> tuple:
-        """What picks the compiled kernel for ``args`` and ``options`` (module docstring)."""
+        """What picks the compiled kernel for ``args`` and ``options`` (module docstring). An
+        int subclass other than bool enters by value (a finer key than Triton's: never wrong)."""
         parts: list[Any] = []
-        for n, kind in zip(self.names, self._kinds):
+        add = parts.append
+        for n, kind in self._plan:
             a = args[n]
             if kind == _CONST:
-                parts.append(a)
+                add(a)
+            elif type(a) is int:
+                add(_width(a) if kind == _PLAIN else (_width(a), a == 1, a % 16 == 0))
             elif isinstance(a, torch.Tensor):
-                parts.append((a.dtype, a.data_ptr() % 16 == 0))
-            elif isinstance(a, bool) or not isinstance(a, int):
-                parts.append(type(a).__name__ if isinstance(a, float) else a)
-            elif kind == _PLAIN:
-                parts.append(_width(a))
+                add((a.dtype, a.data_ptr() % 16 == 0))
             else:
-                parts.append((_width(a), a == 1, a % 16 == 0))
-        parts.append(tuple(sorted(options.items())))
+                add(type(a).__name__ if isinstance(a, float) else a)
+        add(tuple(sorted(options.items())))
         return tuple(parts)
 
     def launch(self, grid: tuple[int, ...], args: Mapping[str, Any],

@@ -3,9 +3,14 @@ every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_
 ``copy_tokens`` as the daemon's ``issue_gpu`` calls them (token pools by token, whole pages).
 
     PYTHONPATH=. python scripts/backup_issue_cost.py [--pages 1,8,32] [--reps 30] [--queued 24]
+        [--path rows|by_layer]
 
 * Per size: host time of the issue (the GPU idle before each), the first one (first uses) and
-  the median and slowest of the rest, in µs.
+  the median and slowest of the rest, in µs; ``done_us``: the median time from the issue's
+  start to the GPU's end of the copies, and ``gbps``, the bytes over it.
+* ``--path by_layer``: the same copies issued as a load's are (``dispatch.issue_by_layer``, all
+  pools in one plan: layer 0, then the other layers as one launch group), to weigh that path
+  for backups against ``copy_rows`` / ``copy_tokens`` pool by pool (``rows``, the default).
 * ``queued``: that many one-page backups issued back to back behind a 200 ms sleep on the same
   stream, so their index uploads' staging buffers stay busy: host time per backup (median,
   slowest) and in all, then how long the GPU took to finish after the last issue.
@@ -38,7 +43,7 @@ from hicache.core.layout import build_layout, preset  # noqa: E402
 from hicache.kernels import dispatch  # noqa: E402
 from hicache.kernels.tables import LayerTable, TokenFormat  # noqa: E402
 
-Pool = tuple[str, LayerTable, LayerTable, "TokenFormat | None"]
+Pool = tuple[str, LayerTable, LayerTable, "TokenFormat | None", list[int]]
 
 
 def _pools(rows: int, device: torch.device) -> list[Pool]:
@@ -50,7 +55,7 @@ def _pools(rows: int, device: torch.device) -> list[Pool]:
         host = LayerTable([torch.zeros(rows, spec.page_bytes, dtype=torch.uint8).pin_memory()
                            for _ in range(n)], "host:" + name)
         out.append((name, dev, host, TokenFormat.from_spec(spec) if spec.token_granular
-                    else None))
+                    else None, list(spec.layers)))
     return out
 
 
@@ -65,9 +70,18 @@ def _ids(n: int, rows: int, fmt: TokenFormat | None, g: torch.Generator
             (b[:, None] * fmt.tokens_per_page + per).flatten())
 
 
-def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream) -> float:
+def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream, path: str = "rows") -> float:
     t0 = time.perf_counter()
-    for (_, dev, host, fmt), (a, b) in zip(pools, ids):
+    if path == "by_layer":
+        memo: dict = {}
+        parts = [p for (_, dev, host, fmt, layers), (a, b) in zip(pools, ids)
+                 for p in dispatch.layer_parts(dev, host, a.numpy(), b.numpy(), fmt, layers, memo)]
+        order = sorted({g for *_, layers in pools for g in layers})
+        for _ in dispatch.issue_by_layer(parts, order, device=stream.device, stream=stream,
+                                         fine=False):
+            pass
+        return time.perf_counter() - t0
+    for (_, dev, host, fmt, _layers), (a, b) in zip(pools, ids):
         if fmt is None:
             dispatch.copy_rows(dev, host, a, b, stream=stream)
         else:
@@ -76,15 +90,15 @@ def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream) -> float:
 
 
 def _profile(pools: list[Pool], n: int, rows: int, g: torch.Generator,
-             stream: torch.cuda.Stream, reps: int = 10, top: int = 15) -> None:
+             stream: torch.cuda.Stream, path: str, reps: int = 10, top: int = 15) -> None:
     """Print where the host time of ``reps`` backups of ``n`` pages goes: one JSON line per
     function of the ``top`` by own time, per backup."""
     prof = cProfile.Profile()
     for _ in range(reps):
-        ids = [_ids(n, rows, fmt, g) for *_, fmt in pools]
+        ids = [_ids(n, rows, fmt, g) for _n, _d, _h, fmt, _l in pools]
         torch.cuda.synchronize()
         prof.enable()
-        _issue(pools, ids, stream)
+        _issue(pools, ids, stream, path)
         prof.disable()
     torch.cuda.synchronize()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
@@ -106,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30, help="backups per size")
     p.add_argument("--queued", type=int, default=24, help="one-page backups behind a sleep")
     p.add_argument("--profile", default="", help="sizes in pages to profile (cProfile)")
+    p.add_argument("--path", choices=("rows", "by_layer"), default="rows",
+                   help="issue pool by pool (as the daemon's backups) or as a load's plan")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("backup_issue_cost: needs a CUDA GPU", file=sys.stderr)
@@ -119,22 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     stream = torch.cuda.Stream(device)
     g = torch.Generator().manual_seed(1)
     for n in pages:
-        times = []
+        times, done = [], []
         for _ in range(a.reps):
-            ids = [_ids(n, rows, fmt, g) for *_, fmt in pools]
+            ids = [_ids(n, rows, fmt, g) for _n, _d, _h, fmt, _l in pools]
             torch.cuda.synchronize()
-            times.append(_issue(pools, ids, stream))
-        torch.cuda.synchronize()
-        rest = times[1:] or times
-        print(json.dumps({"pages": n, "first_us": round(times[0] * 1e6),
+            t0 = time.perf_counter()
+            times.append(_issue(pools, ids, stream, a.path))
+            stream.synchronize()
+            done.append(time.perf_counter() - t0)
+        rest, done_rest = times[1:] or times, done[1:] or done
+        nbytes = n * sum(dev.row_bytes * dev.num_layers for _, dev, *_ in pools)
+        print(json.dumps({"pages": n, "path": a.path, "first_us": round(times[0] * 1e6),
                           "median_us": round(statistics.median(rest) * 1e6),
-                          "max_us": round(max(rest) * 1e6)}), flush=True)
+                          "max_us": round(max(rest) * 1e6),
+                          "done_us": round(statistics.median(done_rest) * 1e6),
+                          "gbps": round(nbytes / statistics.median(done_rest) / 1e9, 2)}),
+              flush=True)
     if a.queued:
         torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             torch.cuda._sleep(_sleep_cycles(200, device))
-        times = [_issue(pools, [_ids(1, rows, fmt, g) for *_, fmt in pools], stream)
-                 for _ in range(a.queued)]
+        times = [_issue(pools, [_ids(1, rows, fmt, g) for _n, _d, _h, fmt, _l in pools], stream,
+                        a.path) for _ in range(a.queued)]
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         print(json.dumps({"queued": a.queued, "median_us": round(statistics.median(times) * 1e6),
@@ -143,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                           "gpu_after_ms": round((time.perf_counter() - t0) * 1e3, 1)}),
               flush=True)
     for n in profiled:
-        _profile(pools, n, rows, g, stream)
+        _profile(pools, n, rows, g, stream, a.path)
     return 0
 
 
