@@ -30,6 +30,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -281,6 +282,30 @@ def _clients(d, pools, *kws):
             c.close()
 
 
+@contextlib.contextmanager
+def _beating(c: Any) -> Iterator[None]:
+    """``c`` heartbeats from a thread while the block runs (``maybe_heartbeat`` every 0.1 s:
+    it sends after a third of the timeout without a request); the block must not use ``c``."""
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def beat() -> None:
+        try:
+            while not stop.wait(0.1):
+                c.maybe_heartbeat()
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            failed.append(e)
+
+    th = threading.Thread(target=beat, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join(10)
+    assert not failed, failed[0]
+
+
 def _fill(pools, seed: int) -> None:
     g = np.random.default_rng(seed)
     for layers in pools.layers.values():
@@ -297,27 +322,27 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
         assert not b.uses_channel
         sent = {}
         for c in (a, b):
-            # the other client idles meanwhile: it heartbeats as an idle engine does (a loaded
-            # machine can stretch this client's steps past the daemon's 2 s timeout)
-            other = b if c is a else a
-            n0 = c.sent
-            host = c.alloc({"page": 8, "swa_page": 8})
-            dev = {s: list(range(8, 16)) for s in host}
-            c.wait_ack(c.backup({s: (dev[s], host[s]) for s in host}), timeout=10)
-            back = {s: list(range(40, 48)) for s in host}
-            snap = {n: [t.clone() for t in ls] for n, ls in pools.layers.items()}
-            other.maybe_heartbeat()
-            c.wait_ack(c.load({s: (host[s], back[s]) for s in host}), timeout=10)
-            c.free(host)
-            sent[c] = c.sent - n0
-            other.maybe_heartbeat()
-            for name, layers in pools.layers.items():
-                moved = pools.layout.pools[name].index in host
-                for t, was in zip(layers, snap[name]):
-                    if moved:  # every loaded row equals its source row
-                        assert torch.equal(t[40:48], was[8:16]), name
-                        was[40:48] = t[40:48]
-                    assert torch.equal(t, was), name  # and nothing else changed
+            # the other client idles meanwhile: it heartbeats from a thread of its own, as an
+            # idle engine does (a loaded machine stretched this client's steps past the
+            # daemon's 2 s timeout, with beats between the steps: fifty-ninth and sixty-sixth
+            # sessions)
+            with _beating(b if c is a else a):
+                n0 = c.sent
+                host = c.alloc({"page": 8, "swa_page": 8})
+                dev = {s: list(range(8, 16)) for s in host}
+                c.wait_ack(c.backup({s: (dev[s], host[s]) for s in host}), timeout=10)
+                back = {s: list(range(40, 48)) for s in host}
+                snap = {n: [t.clone() for t in ls] for n, ls in pools.layers.items()}
+                c.wait_ack(c.load({s: (host[s], back[s]) for s in host}), timeout=10)
+                c.free(host)
+                sent[c] = c.sent - n0
+                for name, layers in pools.layers.items():
+                    moved = pools.layout.pools[name].index in host
+                    for t, was in zip(layers, snap[name]):
+                        if moved:  # every loaded row equals its source row
+                            assert torch.equal(t[40:48], was[8:16]), name
+                            was[40:48] = t[40:48]
+                        assert torch.equal(t, was), name  # and nothing else changed
         assert sent[a] == sent[b] == 4  # one request per call either way
         ha, hb = a.heartbeat(full=True), b.heartbeat(full=True)
         for k in ("layout", "host_rows", "stage_layers", "registered"):
