@@ -49,6 +49,7 @@ from hicache.core.shm_file import STALE_AFTER_S
 from hicache.engine.acks import CommandRefused, DaemonUnreachable
 from hicache.engine.daemon_process import DaemonProcess
 from hicache.engine.device_pools import DevicePools
+from hicache.engine.heartbeats import Heartbeats
 
 ROWS = {"page": 64, "swa_page": 64, "req_slot": 4}
 DEV_ROWS = ",".join(f"{k}={v}" for k, v in ROWS.items())
@@ -282,30 +283,6 @@ def _clients(d, pools, *kws):
             c.close()
 
 
-@contextlib.contextmanager
-def _beating(c: Any) -> Iterator[None]:
-    """``c`` heartbeats from a thread while the block runs (``maybe_heartbeat`` every 0.1 s:
-    it sends after a third of the timeout without a request); the block must not use ``c``."""
-    stop = threading.Event()
-    failed: list[BaseException] = []
-
-    def beat() -> None:
-        try:
-            while not stop.wait(0.1):
-                c.maybe_heartbeat()
-        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
-            failed.append(e)
-
-    th = threading.Thread(target=beat, daemon=True)
-    th.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        th.join(10)
-    assert not failed, failed[0]
-
-
 def _fill(pools, seed: int) -> None:
     g = np.random.default_rng(seed)
     for layers in pools.layers.values():
@@ -325,8 +302,9 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
             # the other client idles meanwhile: it heartbeats from a thread of its own, as an
             # idle engine does (a loaded machine stretched this client's steps past the
             # daemon's 2 s timeout, with beats between the steps: fifty-ninth and sixty-sixth
-            # sessions)
-            with _beating(b if c is a else a):
+            # sessions); the block does not use it
+            beats = Heartbeats(b if c is a else a, threading.Lock())
+            try:
                 n0 = c.sent
                 host = c.alloc({"page": 8, "swa_page": 8})
                 dev = {s: list(range(8, 16)) for s in host}
@@ -343,6 +321,8 @@ def test_commands_through_the_channel_match_zmq(spinning) -> None:
                             assert torch.equal(t[40:48], was[8:16]), name
                             was[40:48] = t[40:48]
                         assert torch.equal(t, was), name  # and nothing else changed
+            finally:
+                beats.stop()
         assert sent[a] == sent[b] == 4  # one request per call either way
         ha, hb = a.heartbeat(full=True), b.heartbeat(full=True)
         for k in ("layout", "host_rows", "stage_layers", "registered"):
