@@ -128,6 +128,7 @@ class ClientState:
     ident: bytes
     last_seen: float
     worker: RegisteredWorker | None = None
+    answered: float = 0.0  # when its last reply was handed to ZMQ (monotonic; ``stood_still``)
     acks: "OrderedDict[int, tuple[dict[str, Any], bool]]" = field(default_factory=OrderedDict)
     in_flight: int = 0  # operations of this client not yet completed
     l3_reads: int = 0  # of them: L3 queries and prefetches
@@ -206,6 +207,21 @@ class Registry:
 
     def silent(self, now: float, timeout: float) -> list[ClientState]:
         return [c for c in self.clients.values() if now - c.last_seen > timeout]
+
+    def stood_still(self, start: float, end: float, answered_since: float | None = None) -> int:
+        """The server's loop stood still from ``start`` to ``end``: that time no longer counts
+        toward the silence of the clients it may have kept from sending (each ``last_seen``
+        moves on by it, to ``end`` at most): every client (``answered_since`` None: the process
+        stopped or starved, its own replies held with it), or those answered at or after
+        ``answered_since`` (one long command: its client and those whose replies went out just
+        before it). A client silent on its own is still reaped, that much later. Returns how
+        many were credited."""
+        n = 0
+        for c in self.clients.values():
+            if answered_since is None or c.answered >= answered_since:
+                c.last_seen = max(c.last_seen, min(end, c.last_seen + (end - start)))
+                n += 1
+        return n
 
     def retire(self, c: ClientState) -> None:
         """Stop serving ``c`` now; ``remove`` it once its in-flight operations ended."""

@@ -47,8 +47,12 @@ BATCH = 32  # requests handled per wake-up before completions and housekeeping g
 # (held in the daemon beside what libzmq queues, RCVHWM per peer)
 TAKE_BYTES = P.MAX_MESSAGE_BYTES
 # a command that held the loop longer than this (a long inline copy) counts its client's
-# silence from its reply, not from its arrival (the client could send nothing meanwhile)
+# silence from its reply, not from its arrival (the client could send nothing meanwhile), and
+# so does a client answered just before it (its reply may have left the process only after);
+# a sleeping poll back this much past its timeout means the process stood still (stopped,
+# starved): that time counts toward no client's silence (``Registry.stood_still``)
 STALL_S = 0.25
+POLL_MS = 100  # a sleeping poll's timeout
 # ZMQ drops (and disconnects) a peer sending a frame above this; frames between the protocol's
 # caps and this limit get a protocol error reply instead (a visible refusal, not a hang).
 # libzmq's MAXMSGSIZE bounds each frame, not the multipart message (libzmq holds a message's
@@ -270,13 +274,18 @@ class Server:
                 continue
             wake = self._wake_sock()
             if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
-                ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)], 100)
+                asleep = time.monotonic()
+                ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)],
+                                 POLL_MS)
+                self._came_back(asleep)
                 if sock not in [r[0] for r in ready]:
                     catch.empty(now)
                 if ready and self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
-            events = dict(self.poller.poll(100))
+            asleep = time.monotonic()
+            events = dict(self.poller.poll(POLL_MS))
+            self._came_back(asleep)
             if sock not in events:
                 catch.empty(now)
             if events and self._woken(events, wake):
@@ -285,6 +294,18 @@ class Server:
                 self._drain_wake()
             st.collect()
             self.send_acks()
+
+    def _came_back(self, asleep: float) -> None:
+        """After a sleeping poll begun at ``asleep``: back more than ``STALL_S`` past its
+        timeout, the process stood still that long (stopped, or starved of CPU), with replies
+        it had sent maybe still in its own ZMQ queue: that time counts toward no client's
+        silence."""
+        back = time.monotonic()
+        late = back - asleep - POLL_MS / 1e3
+        if late > STALL_S:
+            n = self.state.registry.stood_still(back - late, back)
+            log.warning("the loop stood still %.1f s (the process stopped or starved): not "
+                        "counted toward the silence of %d client(s)", late, n)
 
     def _wake_sock(self) -> Any:
         """The channels' wake-up socket once the first channel made it (added to the poller)."""
@@ -439,8 +460,11 @@ class Server:
         self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
         took = st.watch.step(cmd, mark)
         st.metrics.command(cmd, code is None, took, code)
-        if took > STALL_S and c is not None:  # it could send nothing while it waited
-            c.last_seen = t = time.monotonic()
+        if c is not None:
+            c.answered = time.monotonic()
+        if took > STALL_S:  # its client could send nothing while it waited, nor could one
+            t = time.monotonic()  # answered just before (its reply may have left only now)
+            st.registry.stood_still(t - took, t, answered_since=t - took - STALL_S)
             # what waited meanwhile: none on the socket is a catch-up (what ``_request`` took off
             # it is handled before it returns, the channels by ``_housekeeping`` before a reap)
             if not self.sock.get(_EVENTS) & _POLLIN:

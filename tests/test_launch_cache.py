@@ -81,3 +81,49 @@ def test_uncached_every_launch_is_a_jit_launch() -> None:
     for _ in range(3):
         k.launch((4,), _args(), {}, cached=False)
     assert [e[0] for e in jit.log] == ["jit"] * 3 and k.specializations == 0
+
+
+def test_a_triton_that_reorders_launcher_arguments_stays_on_the_jit() -> None:
+    """A compiled kernel whose launcher takes its arguments in another order
+    (``metadata.runtime_argument_order``) is not kept: every launch goes through the JIT, which
+    knows that order."""
+    compiled = _Compiled([])
+    compiled.metadata = SimpleNamespace(runtime_argument_order=list(reversed(_Jit.arg_names)))
+
+    class _Reordering(_Jit):
+        def __getitem__(self, grid: tuple):
+            def run(**kw):
+                self.log.append(("jit", grid, kw))
+                return compiled
+            return run
+
+    r = _Reordering()
+    compiled.log = r.log
+    k = CachedKernel(r)
+    for _ in range(3):
+        k.launch((4,), _args(), {}, cached=True)
+    assert [e[0] for e in r.log] == ["jit"] * 3 and k.specializations == 0
+
+
+def test_a_compile_returned_as_a_future_is_kept_once_resolved() -> None:
+    """A Triton that compiles asynchronously returns a future from the JIT call: its result
+    is the kernel kept and launched directly after."""
+    class _Future:
+        def __init__(self, ck: _Compiled) -> None:
+            self.ck = ck
+
+        def result(self) -> _Compiled:
+            return self.ck
+
+    class _Async(_Jit):
+        def __getitem__(self, grid: tuple):
+            def run(**kw):
+                self.log.append(("jit", grid, kw))
+                return _Future(_Compiled(self.log))
+            return run
+
+    j = _Async()
+    k = CachedKernel(j)
+    for _ in range(2):
+        k.launch((4,), _args(), {}, cached=True)
+    assert [e[0] for e in j.log] == ["jit", "direct"] and k.specializations == 1
