@@ -355,7 +355,10 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     stream), and waits for them there: no pool byte is touched. A stream the copies will run on
     has its own first uses warmed too (its index upload: a pinned block and a device block of
     the caching allocator, which keeps blocks per stream). A variant already loaded costs one
-    launch. Returns the launches made.
+    launch. Where a pair copies tokens between the GPU and the host, the host-order sort of
+    long token copies (``_host_order``: a device argsort and two gathers) runs once too: its
+    first use loaded its kernels, 20-30 ms of host time (H100, sixty-sixth session). Returns
+    the kernel launches made (the sort not counted).
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
     cache empty, 3-13 ms from its disk cache) on the thread that issues the copy, holding the
@@ -364,6 +367,7 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     has one variant per kernel, whatever its copies' lengths."""
     done: set[tuple] = set()
     launches = 0
+    sorted_ = False
     if stream is None:
         stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -382,5 +386,9 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
                 launch_token_copy(s, d, idx, idx, fmt, device,  # type: ignore[arg-type]
                                   DEFAULT_CTAS)
                 launches += 1
+                if not sorted_ and src.is_cuda != dst.is_cuda:  # long token copies sort first
+                    many = torch.zeros(SORT_MIN_TOKENS, dtype=torch.int64, device=device)
+                    _host_order(many, many, s, d)  # type: ignore[arg-type]
+                    sorted_ = True
     stream.synchronize()
     return launches
