@@ -384,8 +384,10 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     if stream is None:
         stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        # as a copy's CPU ids go (pinned, then copied on the stream): that path's first use too
-        idx = _to(torch.zeros(1, dtype=torch.int64), device)
+        # as a copy's CPU ids go (one pinned block, copied on the stream): that path's first
+        # use too
+        idx, _ = _to_both(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                          device)
         for src, dst, fmt in pairs:
             key = (src.row_bytes, src.stride, dst.stride, src.align, dst.align, src.is_cuda,
                    dst.is_cuda, fmt)
