@@ -340,3 +340,33 @@ def test_a_failed_issue_on_the_default_stream_still_fences_the_side_stream(monke
         after.record()
     assert not after.query(), "the default stream did not wait for the side stream"
     after.synchronize()
+
+
+def test_both_index_lists_go_up_together_each_16_byte_aligned():
+    """``_to_both``: one pinned block and one copy for a copy's two CPU index lists; the second
+    starts 16 bytes aligned whatever the length (an odd length would otherwise give the
+    kernels' launches an alignment they were not compiled for: a compile on the loop)."""
+    from hicache.kernels import dispatch
+    from hicache.kernels.rows import ROWS_KERNEL
+    from hicache.kernels.tokens import TOKENS_KERNEL
+
+    dev = torch.device("cuda")
+    for n in (1, 2, 3, 1000, 1001):
+        a = torch.arange(n, dtype=torch.int64)
+        b = torch.arange(n, dtype=torch.int64) * 7 + 3
+        s, d = dispatch._to_both(a, b, dev)
+        torch.cuda.synchronize()
+        assert s.is_cuda and d.is_cuda and s.is_contiguous() and d.is_contiguous()
+        assert s.data_ptr() % 16 == 0 and d.data_ptr() % 16 == 0, n
+        assert torch.equal(s.cpu(), a) and torch.equal(d.cpu(), b)
+    src, dst = _bufs("cpu", 2, 8, 1_728, 1), _bufs("cuda", 2, 8, 1_728, 2)
+    src0 = [t.clone() for t in src]
+    before = [t.cpu().clone() for t in dst]
+    dispatch.copy_rows(src, dst, torch.tensor([0, 1]), torch.tensor([2, 3]))
+    jit = ROWS_KERNEL.jit_launches + TOKENS_KERNEL.jit_launches
+    si, di = torch.tensor([5, 6, 7]), torch.tensor([0, 4, 7])
+    before = expected_rows(src0, before, torch.tensor([0, 1]), torch.tensor([2, 3]))
+    assert dispatch.copy_rows(src, dst, si, di) == "rows_zero_copy"
+    torch.cuda.synchronize()
+    assert ROWS_KERNEL.jit_launches + TOKENS_KERNEL.jit_launches == jit
+    assert_same(dst, expected_rows(src0, before, si, di))

@@ -376,3 +376,15 @@ def test_cpu_copy_few_matches_the_oracle_on_both_paths(fmt_name, even):
             expected_rows(src, before, torch.tensor(si), torch.tensor(di)))
     assert_same(dst, want, f"{fmt_name} even={even}")
     assert_same(src, src0, "source changed")
+
+
+def test_whole_pages_are_told_from_token_ids():
+    """``dispatch._whole_pages``: CPU token ids that are whole pages in slot order give their
+    page ids (the token copy then moves rows); anything else gives None."""
+    from hicache.kernels.dispatch import _whole_pages
+
+    got = _whole_pages(torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), 4)
+    assert got is not None and got.dtype == torch.int64 and got.tolist() == [2, 0]
+    for bad in ([8, 9, 10], [9, 10, 11, 12], [8, 9, 11, 10], [8, 9, 10, 11, 4, 5, 6, 8],
+                [8, 8, 8, 8]):
+        assert _whole_pages(torch.tensor(bad), 4) is None, bad
