@@ -374,7 +374,8 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     the caching allocator, which keeps blocks per stream). A variant already loaded costs one
     launch. Where a pair copies tokens between the GPU and the host, the host-order sort of
     long token copies (``_host_order``: a device argsort and two gathers) runs once too: its
-    first use loaded its kernels, 20-30 ms of host time (H100, sixty-sixth session). Returns
+    first use loads its kernels, 55-88 ms of host time in a fresh process
+    (H100, sixty-seventh session; 0.7 ms once warmed). Returns
     the kernel launches made (the sort not counted).
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
