@@ -157,7 +157,8 @@ def test_demo_trace_two_instances_checkpoints():
     out = json.loads(r.out.strip().splitlines()[-1])
     assert out["mirror"] == "checkpoints" and out["l3"]["requests"] == 19
     assert out["routing"].startswith("by conversation") and out["conversations"] == 2
-    assert out["verified"] and out["mismatched_bytes"] == 0 and out["l3_errors"] == 0
+    assert out["verified"] and out["mismatched_bytes"] == 0, out
+    assert out["l3_errors"] == 0, (out["l3_error_kinds"], run.notes, r.err[-1500:])
     assert out["l3"]["cached_tokens"] > out["independent"]["cached_tokens"]
     assert out["restart_hit_tokens"] > 0 and out["l3_checkpoints"] >= 1
     assert out["l3_hit_tokens"] == out["cross_instance_hit_tokens"] + \

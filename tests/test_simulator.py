@@ -285,6 +285,35 @@ def test_l3_writes_whose_pushed_acks_were_lost_are_asked_for_then_given_up():
     assert c.polled[1:] == [H.POLL_MAX] * 4 + [H.L3_PUTS_MAX + 5 - 4 * H.POLL_MAX]
 
 
+def test_l3_errors_are_counted_by_the_daemons_reason():
+    """An L3 ack's misses other than a plain miss (and, for a prefetch, a read past its
+    deadline) count as errors, in all and by reason (``l3_error_kinds``): a slow store's
+    ``stalled`` / ``busy`` told from a failing one's ``transfer`` / ``corrupt``."""
+    from types import SimpleNamespace
+
+    from hicache.engine import hooks as H
+
+    class Acks:
+        def drain(self) -> int:
+            return 0
+
+        def wait_ack(self, op, timeout=None, check=True):
+            return SimpleNamespace(op=op.op_id, bytes=0, l3={
+                "written": 1, "misses": {"miss": 4, "stalled": 2, "transfer": 1}})
+
+        def l3_prefetch(self, keys, handles, **kw):
+            return SimpleNamespace(bytes=8, l3={"hits": 1, "misses": {
+                "miss": 3, "deadline": 5, "busy": 2, "stalled": 1, "corrupt": 0}})
+
+    h = H.ClientHooks(Acks(), ["page"], l3=True)
+    h._l3_puts = [SimpleNamespace(op_id=1), SimpleNamespace(op_id=3)]
+    assert h.l3_settle(1.0) == 0
+    assert h.l3_stats["errors"] == 6 and h.l3_error_kinds == {"stalled": 4, "transfer": 2}
+    assert h.l3_prefetch([(1, 2)], [[7]]) == 1
+    assert h.l3_stats["errors"] == 9
+    assert h.l3_error_kinds == {"stalled": 5, "transfer": 2, "busy": 2}
+
+
 def _one_session(turns: int) -> list[Request]:
     """One session, turn after turn: each resumes at the page the turn before ended on."""
     out, hist, key = [], [0, 1], 2

@@ -217,6 +217,9 @@ class ClientHooks:
         self.l3_stats = {"query_pages": 0, "prefetch_pages": 0, "put_pages": 0, "written": 0,
                          "skipped": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
                          "prefetch_ckpts": 0, "put_ckpts": 0, "unsettled": 0}
+        # the errors of ``l3_stats`` by the daemon's reason (``stalled``, ``busy``, ``transfer``
+        # ...; docs/l3.md): whether a run's L3 misses came from a slow store or a broken one
+        self.l3_error_kinds: dict[str, int] = {}
         self._l3_puts: list[Any] = []
         self._l3_next_poll = 0.0  # monotonic: the next time l3_settle may ask for lost acks
         self.l3_put_log: list[Any] | None = None  # a list: page keys handed to L3 are logged
@@ -430,9 +433,16 @@ class ClientHooks:
         n = int(ack.l3["hits"])
         self.l3_stats["prefetch_ckpts" if ckpt else "prefetch_pages"] += n
         self.l3_stats["bytes_read"] += int(ack.bytes)
-        self.l3_stats["errors"] += sum(v for k, v in ack.l3["misses"].items()
-                                       if k not in ("miss", "deadline"))
+        self._l3_errors(ack.l3["misses"], ("miss", "deadline"))
         return n
+
+    def _l3_errors(self, misses: dict[str, int], plain: tuple[str, ...]) -> None:
+        """Count an ack's L3 ``misses`` other than the ``plain`` reasons (a page L3 does not
+        hold, a read past its deadline) as errors, in all and by reason."""
+        for why, n in misses.items():
+            if why not in plain and n:
+                self.l3_stats["errors"] += int(n)
+                self.l3_error_kinds[why] = self.l3_error_kinds.get(why, 0) + int(n)
 
     def l3_ckpt_prefetch(self, keys: Sequence[Any], handles: Sequence[Any]) -> int:
         """Fill checkpoint ``handles`` with the checkpoints of ``keys`` from L3."""
@@ -481,7 +491,7 @@ class ClientHooks:
             st["written"] += int(a.l3.get("written", 0))
             st["skipped"] += int(a.l3.get("skipped", 0))
             st["bytes_written"] += int(a.bytes)
-            st["errors"] += sum(v for k, v in a.l3.get("misses", {}).items() if k != "miss")
+            self._l3_errors(a.l3.get("misses", {}), ("miss",))
         if len(keep) > L3_PUTS_MAX:  # acks the daemon no longer holds: stop waiting for them
             self.l3_stats["unsettled"] += len(keep) - L3_PUTS_MAX
             keep = keep[-L3_PUTS_MAX:]

@@ -21,7 +21,8 @@ In both runs worker A's daemon is killed (SIGKILL) halfway and started again, an
 with a fresh tree and fresh device pools: with L3 its prefixes come back from the store.
 Every page and checkpoint loaded, from the host tier or from L3, is verified byte for byte
 against the content it was written with. The JSON adds ``l3_hit_tokens``, ``l3_bytes_read`` /
-``l3_bytes_written``, ``l3_errors``, ``cross_instance_hit_tokens``, ``restart_hit_tokens``,
+``l3_bytes_written``, ``l3_errors`` (by reason in ``l3_error_kinds``),
+``cross_instance_hit_tokens``, ``restart_hit_tokens``,
 ``own_l3_hit_tokens`` (pages the instance itself wrote, evicted from its host tier since),
 ``l3_checkpoints`` (checkpoints L3 supplied) and the listeners found (all must be loopback).
 """
@@ -250,6 +251,11 @@ def _replay(reqs: list, route: list[int], cfg: Any, store: Any, label: str,
         raise
     parts = _each(insts, Instance.close)
     out: dict[str, Any] = {k: sum(p.get(k, 0) for p in parts) for k in SUM_KEYS}
+    kinds: dict[str, int] = {}
+    for p in parts:
+        for why, n in p.get("l3_error_kinds", {}).items():
+            kinds[why] = kinds.get(why, 0) + n
+    out["l3_error_kinds"] = dict(sorted(kinds.items()))
     out["cached_tokens"] = out["device_hit_tokens"] + out["host_hit_tokens"]
     out["verified"] = out["mismatched_bytes"] == 0 and all(p["verified"] for p in parts)
     out["seconds"] = round(time.monotonic() - t0, 1)
@@ -331,6 +337,7 @@ def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str,
            "independent": base, "l3": l3,
            "l3_hit_tokens": l3["l3_hit_tokens"], "l3_bytes_read": l3["l3_bytes_read"],
            "l3_bytes_written": l3["l3_bytes_written"], "l3_errors": l3["l3_errors"],
+           "l3_error_kinds": l3["l3_error_kinds"],
            "cross_instance_hit_tokens": l3["cross_instance_hit_tokens"],
            "restart_hit_tokens": l3["restart_hit_tokens"],
            "own_l3_hit_tokens": l3["own_l3_hit_tokens"], "l3_checkpoints": l3["l3_checkpoints"],
@@ -359,7 +366,9 @@ def run_l3(args: argparse.Namespace, reqs: list, cfg: Any, what: str,
             f"{pct(l3['miss_tokens']):>28}",
             f"  L3 checkpoints loaded {l3['l3_checkpoints']:,}; L3 bytes read "
             f"{l3['l3_bytes_read'] / 2**30:.2f} GiB, written "
-            f"{l3['l3_bytes_written'] / 2**30:.2f} GiB, errors {l3['l3_errors']}",
+            f"{l3['l3_bytes_written'] / 2**30:.2f} GiB, errors {l3['l3_errors']}"
+            + (f" ({', '.join(f'{k} {v}' for k, v in l3['l3_error_kinds'].items())})"
+               if l3["l3_error_kinds"] else ""),
             f"  verified: {out['verified']} ({checked / 2**30:.2f} GiB checked, "
             f"{out['mismatched_bytes']} bytes differ); listeners all on loopback: "
             f"{', '.join(l3['listeners'][:8])}",

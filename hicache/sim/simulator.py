@@ -448,7 +448,8 @@ class Worker(Replay):
             ls = h.l3_stats
             out.update(l3_hit_tokens=r.l3_hit_tokens, l3_bytes_read=ls["bytes_read"],
                        l3_bytes_written=ls["bytes_written"], l3_errors=ls["errors"],
-                       l3_pages_written=ls["written"], l3_pages_skipped=ls["skipped"])
+                       l3_pages_written=ls["written"], l3_pages_skipped=ls["skipped"],
+                       l3_error_kinds=dict(sorted(h.l3_error_kinds.items())))
         return out
 
     def close(self) -> None:
