@@ -205,6 +205,10 @@ class Server:
         # whatever time the loop took to read what waited after it stood still (``serve``)
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
+        # the loop's time awake since its last sleeping poll (or check): where it began, wall
+        # and thread CPU, and the wall time its commands took in it (``_off_cpu``)
+        self._awake = (time.monotonic(), time.thread_time())
+        self._held = 0.0
 
     def _bind(self, address: str) -> None:
         try:
@@ -246,10 +250,12 @@ class Server:
         # (``catch``), not up to now: after a stall (a long inline copy, the process
         # stopped) requests wait unread, and their senders are not silent
         catch = self.catch
+        self._awake, self._held = (time.monotonic(), time.thread_time()), 0.0  # (this thread's)
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
                 self._next_house = now + self.house_s
+                self._off_cpu()  # before the reap: a stop mid-step counts toward no silence
                 mark = st.watch.begin()
                 self._housekeeping(now)
                 st.watch.step("housekeeping", mark)
@@ -274,7 +280,7 @@ class Server:
                 continue
             wake = self._wake_sock()
             if st.idle():  # nothing can complete: wait on the socket (and the wake socket) alone
-                asleep = time.monotonic()
+                asleep = self._off_cpu()
                 ready = zmq_poll(items if wake is None else [items[0], (wake.fd, _POLLIN)],
                                  POLL_MS)
                 self._came_back(asleep)
@@ -283,7 +289,7 @@ class Server:
                 if ready and self._woken(ready, wake):
                     last = time.perf_counter()
                 continue
-            asleep = time.monotonic()
+            asleep = self._off_cpu()
             events = dict(self.poller.poll(POLL_MS))
             self._came_back(asleep)
             if sock not in events:
@@ -306,6 +312,25 @@ class Server:
             n = self.state.registry.stood_still(back - late, back)
             log.warning("the loop stood still %.1f s (the process stopped or starved): not "
                         "counted toward the silence of %d client(s)", late, n)
+        self._awake, self._held = (time.monotonic(), time.thread_time()), 0.0
+
+    def _off_cpu(self) -> float:
+        """The loop's time awake since its last sleeping poll or check, less its commands' wall
+        time and its thread's CPU time: past ``STALL_S`` the process stood still between two
+        steps or inside one that is not a command (stopped or starved while awake: a SIGSTOP
+        that lands outside the poll), and that time counts toward no client's silence, as a
+        stall in the poll does (``_came_back``; a command that held the loop credits its own
+        clients, ``_handle``). The CPU its commands took is subtracted too, so this
+        undercounts, never overcounts. Called before each sleeping poll and each housekeeping
+        pass (the reap); returns now."""
+        now, cpu = time.monotonic(), time.thread_time()
+        off = (now - self._awake[0]) - self._held - (cpu - self._awake[1])
+        self._awake, self._held = (now, cpu), 0.0
+        if off > STALL_S:
+            n = self.state.registry.stood_still(now - off, now)
+            log.warning("the loop stood still %.1f s between its polls (the process stopped "
+                        "or starved): not counted toward the silence of %d client(s)", off, n)
+        return now
 
     def _wake_sock(self) -> Any:
         """The channels' wake-up socket once the first channel made it (added to the poller)."""
@@ -459,6 +484,7 @@ class Server:
             chan[0].put_reply(chan[1], reply)
         self._send(ident, reply)  # False: client gone or its queue full; the state is not lost
         took = st.watch.step(cmd, mark)
+        self._held += took
         st.metrics.command(cmd, code is None, took, code)
         if c is not None:
             c.answered = time.monotonic()

@@ -16,6 +16,9 @@
   written to a slot without a wake-up is still unread when that pass reaps its client (a
   request written between the scan and the reap: a window of microseconds, widened to the
   whole pass).
+* ``hold_house_on_sigusr1=SECONDS``: after a SIGUSR1 the daemon's next housekeeping pass
+  sleeps that long first (once): the loop held off the CPU outside its poll and outside any
+  command, as when a SIGSTOP lands mid-step (a stop is not otherwise placed there at will).
 * ``reap_on_sigusr1``: after a SIGUSR1 the daemon's next silence check finds every client
   silent (once), so the real reap runs at a moment the test picks, under a long heartbeat
   timeout (a short one reaps a test's own client when a loaded machine pauses it).
@@ -112,6 +115,22 @@ def _install(fault: str) -> None:
                 del self._channels
 
         server.Server._housekeeping = blind
+    elif name == "hold_house_on_sigusr1":
+        import signal
+
+        from hicache.controllers import server
+
+        told: list[bool] = []
+        signal.signal(signal.SIGUSR1, lambda *_: told.append(True))
+        house = server.Server._housekeeping
+
+        def held(self: Any, now: float) -> None:
+            if told:
+                told.clear()
+                time.sleep(float(arg))
+            house(self, now)
+
+        server.Server._housekeeping = held
     elif name == "reap_on_sigusr1":
         import signal
 

@@ -12,7 +12,10 @@ reaped while another keeps the loop busy with long commands (the loop catches up
 them). Time the process itself stood still (a sleeping poll back far past its timeout) counts
 toward no client's silence, and a long command credits the clients answered just before it
 too: a reply still in the stopped process's ZMQ queue kept its client from sending (a loaded
-CI run reaped 10 of the 40 clients below before the fix, sixty-sixth session).
+CI run reaped 10 of the 40 clients below before the fix, sixty-sixth session). So does time it
+stood still awake, outside its poll and outside any command (``Server._off_cpu``: wall time
+less thread CPU time): a loaded CI run's SIGSTOP landed there once and the quiet client below
+was reaped, silent 3.6 s (sixty-eighth session).
 
 Live CPU daemons (dsv4-tiny); the loop is stopped with SIGSTOP, or held by real ``kv_put``s whose
 copies wait first (``fault_daemon``: the copies alone are too fast here).
@@ -130,6 +133,38 @@ def test_a_quiet_client_is_not_reaped_for_the_time_the_daemon_was_stopped(
         gone.close()
     with d.client() as probe:
         assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_a_stop_outside_the_poll_and_any_command_counts_toward_no_silence() -> None:
+    """The loop held 3 s off the CPU inside a housekeeping pass (``fault_daemon``'s
+    ``hold_house_on_sigusr1``: where a SIGSTOP that misses the poll lands), 2 s heartbeat
+    timeout: a client quiet since just before and for 0.7 s after is not reaped (before the
+    fix it was, at the next pass: only a stall inside the poll or a command was credited); a
+    client that stays quiet past the timeout after it still is."""
+    from fault_daemon import faulty
+
+    with faulty("hold_house_on_sigusr1=3", preset="dsv4-tiny",
+                device_rows="page=8,swa_page=4,req_slot=4", heartbeat_timeout=2.0,
+                metrics_port=0, extra=TINY) as d:
+        quiet, gone = d.client(name="quiet"), d.client(name="gone")
+        try:
+            rows = {n: c.alloc({"page": 1})["page"] for n, c in (("quiet", quiet),
+                                                                  ("gone", gone))}
+            os.kill(d.pid, signal.SIGUSR1)  # the next pass (every 0.5 s) holds the loop 3 s
+            time.sleep(3.5 + 0.7)  # quiet: through the hold and past the pass after it
+            quiet.free({"page": rows["quiet"]})  # not reaped (silent ~1.2 s, the hold not counted)
+            end = time.monotonic() + 3.5
+            while time.monotonic() < end:  # ``gone`` silent past the timeout after the hold
+                time.sleep(0.25)
+                quiet.heartbeat()
+            with pytest.raises(CommandRefused, match="silent for"):
+                gone.free({"page": rows["gone"]})
+        finally:
+            quiet.close()
+            gone.close()
+        with d.client() as probe:
+            assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
+        assert "between its polls" in d.output()
 
 
 def _slow_puts(delay: float, keys: int, spin: bool = False, timeout: float = 0.5) -> Any:
