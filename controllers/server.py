@@ -312,7 +312,7 @@ class Server:
             n = self.state.registry.stood_still(back - late, back)
             log.warning("the loop stood still %.1f s (the process stopped or starved): not "
                         "counted toward the silence of %d client(s)", late, n)
-        self._awake, self._held = (time.monotonic(), time.thread_time()), 0.0
+        self._awake, self._held = (back, time.thread_time()), 0.0  # (from the poll's return)
 
     def _off_cpu(self) -> float:
         """The loop's time awake since its last sleeping poll or check, less its commands' wall

@@ -26,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -103,27 +103,18 @@ def test_stood_still_takes_the_stall_out_of_silence_and_no_more() -> None:
     assert [x.ident for x in r.silent(24.0, 7.5)] == [b"a"]
 
 
-def test_a_quiet_client_is_not_reaped_for_the_time_the_daemon_was_stopped(
-        daemon_factory: Any) -> None:
-    """The daemon stopped 3 s while idle (2 s heartbeat timeout): a client quiet since just
-    before and for 0.7 s after is not reaped (about 0.9 s of silence, the stop not counted:
-    before the fix the housekeeping pass 0.5 s after the stop reaped it, silent 3.7 s by the
-    wall clock); a client that stays quiet past the timeout after it still is."""
-    d = daemon_factory(preset="dsv4-tiny", device_rows="page=8,swa_page=4,req_slot=4",
-                       heartbeat_timeout=2.0, metrics=False, extra=TINY)
+def _stand_still_then_check(d: Any, stand_still: Callable[[], None]) -> None:
+    """Two clients of ``d`` (2 s heartbeat timeout) each allocate a row; ``stand_still()``
+    keeps the daemon's loop still ~3 s and returns past the housekeeping pass after it. The
+    client quiet since just before is not reaped (its free is served); the other, quiet past
+    the timeout after it while the first beats, is; the invariants hold."""
     quiet, gone = d.client(name="quiet"), d.client(name="gone")
     try:
         rows = {n: c.alloc({"page": 1})["page"] for n, c in (("quiet", quiet), ("gone", gone))}
-        time.sleep(0.1)  # the loop asleep in its poll
-        os.kill(d.pid, signal.SIGSTOP)
-        try:
-            time.sleep(3.0)
-        finally:
-            os.kill(d.pid, signal.SIGCONT)
-        time.sleep(0.7)  # past the housekeeping pass 0.5 s after the one the stop made due
+        stand_still()
         quiet.free({"page": rows["quiet"]})  # not reaped
         end = time.monotonic() + 3.5
-        while time.monotonic() < end:  # ``gone`` silent past the timeout after the stop
+        while time.monotonic() < end:  # ``gone`` silent past the timeout after the stall
             time.sleep(0.25)
             quiet.heartbeat()
         with pytest.raises(CommandRefused, match="silent for"):
@@ -133,6 +124,27 @@ def test_a_quiet_client_is_not_reaped_for_the_time_the_daemon_was_stopped(
         gone.close()
     with d.client() as probe:
         assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
+
+
+def test_a_quiet_client_is_not_reaped_for_the_time_the_daemon_was_stopped(
+        daemon_factory: Any) -> None:
+    """The daemon stopped 3 s while idle (2 s heartbeat timeout): a client quiet since just
+    before and for 0.7 s after is not reaped (about 0.9 s of silence, the stop not counted:
+    before the fix the housekeeping pass 0.5 s after the stop reaped it, silent 3.7 s by the
+    wall clock); a client that stays quiet past the timeout after it still is."""
+    d = daemon_factory(preset="dsv4-tiny", device_rows="page=8,swa_page=4,req_slot=4",
+                       heartbeat_timeout=2.0, metrics=False, extra=TINY)
+
+    def stop() -> None:
+        time.sleep(0.1)  # the loop asleep in its poll
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.0)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        time.sleep(0.7)  # past the housekeeping pass 0.5 s after the one the stop made due
+
+    _stand_still_then_check(d, stop)
 
 
 def test_a_stop_outside_the_poll_and_any_command_counts_toward_no_silence() -> None:
@@ -146,24 +158,12 @@ def test_a_stop_outside_the_poll_and_any_command_counts_toward_no_silence() -> N
     with faulty("hold_house_on_sigusr1=3", preset="dsv4-tiny",
                 device_rows="page=8,swa_page=4,req_slot=4", heartbeat_timeout=2.0,
                 metrics_port=0, extra=TINY) as d:
-        quiet, gone = d.client(name="quiet"), d.client(name="gone")
-        try:
-            rows = {n: c.alloc({"page": 1})["page"] for n, c in (("quiet", quiet),
-                                                                  ("gone", gone))}
+
+        def hold() -> None:
             os.kill(d.pid, signal.SIGUSR1)  # the next pass (every 0.5 s) holds the loop 3 s
-            time.sleep(3.5 + 0.7)  # quiet: through the hold and past the pass after it
-            quiet.free({"page": rows["quiet"]})  # not reaped (silent ~1.2 s, the hold not counted)
-            end = time.monotonic() + 3.5
-            while time.monotonic() < end:  # ``gone`` silent past the timeout after the hold
-                time.sleep(0.25)
-                quiet.heartbeat()
-            with pytest.raises(CommandRefused, match="silent for"):
-                gone.free({"page": rows["gone"]})
-        finally:
-            quiet.close()
-            gone.close()
-        with d.client() as probe:
-            assert probe.call("stats", {"check": True})[0]["invariants"] == "ok"
+            time.sleep(3.5 + 0.7)  # through the hold and past the pass after it
+
+        _stand_still_then_check(d, hold)
         assert "between its polls" in d.output()
 
 
