@@ -5,9 +5,10 @@ handle them (decode -> handler -> reply), deliver the acks of operations the eng
 (the engine wakes the loop through a pipe), and at most every ``HOUSEKEEPING_S`` (a quarter of
 the heartbeat timeout when that is shorter) reap clients silent for longer than the heartbeat
 timeout, up to the last time the loop had read every request that waited (``catch_up``: a loop
-that stood still reaps nobody for it; each pass scans the channels before it reaps), bind an
-ipc socket file removed meanwhile again (while the daemon holds the socket's lock), and refresh
-the gauges. Local clients may also send through a shared-memory channel
+that stood still reaps nobody for it; nor does time the process stood still, seen in a poll
+back late, ``_came_back``, or awake, ``_off_cpu``; each pass scans the channels before it
+reaps), bind an ipc socket file removed meanwhile again (while the daemon holds the socket's
+lock), and refresh the gauges. Local clients may also send through a shared-memory channel
 (``hicache.core.channel``): the loop scans the channels wherever it polls the socket, and a
 sleeping loop also wakes on their wake-up socket; a channel request is handled exactly like a
 socket one, its reply written to the channel's slot and sent over the socket too. While the
