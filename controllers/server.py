@@ -208,7 +208,7 @@ class Server:
         self.spin_s = spin_us / 1e6
         # the loop's time awake since its last sleeping poll (or check): where it began, wall
         # and thread CPU, and the wall time its commands took in it (``_off_cpu``)
-        self._awake = (time.monotonic(), time.thread_time())
+        self._awake = (0.0, 0.0)  # (set by ``serve``, on its own thread's CPU clock)
         self._held = 0.0
 
     def _bind(self, address: str) -> None:
@@ -256,7 +256,11 @@ class Server:
             now = time.monotonic()
             if now >= self._next_house:
                 self._next_house = now + self.house_s
-                self._off_cpu()  # before the reap: a stop mid-step counts toward no silence
+                # before the reap. A stall past STALL_S outlasts any busy-poll window (100 ms
+                # at most), so a sleeping poll, checked before it, follows it; this check
+                # covers a stop that lands just before a spin turn notes its traffic (the loop
+                # may then spin on, with no sleeping poll). Untested: no fault places it there
+                self._off_cpu()
                 mark = st.watch.begin()
                 self._housekeeping(now)
                 st.watch.step("housekeeping", mark)
@@ -308,12 +312,16 @@ class Server:
         it had sent maybe still in its own ZMQ queue: that time counts toward no client's
         silence."""
         back = time.monotonic()
-        late = back - asleep - POLL_MS / 1e3
-        if late > STALL_S:
-            n = self.state.registry.stood_still(back - late, back)
-            log.warning("the loop stood still %.1f s (the process stopped or starved): not "
-                        "counted toward the silence of %d client(s)", late, n)
+        self._stood_still(back - asleep - POLL_MS / 1e3, back, "in its poll")
         self._awake, self._held = (back, time.thread_time()), 0.0  # (from the poll's return)
+
+    def _stood_still(self, secs: float, end: float, where: str) -> None:
+        """Past ``STALL_S``, the ``secs`` up to ``end`` count toward no client's silence
+        (``Registry.stood_still``), with one warning."""
+        if secs > STALL_S:
+            n = self.state.registry.stood_still(end - secs, end)
+            log.warning("the loop stood still %.1f s %s (the process stopped or starved): not "
+                        "counted toward the silence of %d client(s)", secs, where, n)
 
     def _off_cpu(self) -> float:
         """The loop's time awake since its last sleeping poll or check, less its commands' wall
@@ -327,10 +335,7 @@ class Server:
         now, cpu = time.monotonic(), time.thread_time()
         off = (now - self._awake[0]) - self._held - (cpu - self._awake[1])
         self._awake, self._held = (now, cpu), 0.0
-        if off > STALL_S:
-            n = self.state.registry.stood_still(now - off, now)
-            log.warning("the loop stood still %.1f s between its polls (the process stopped "
-                        "or starved): not counted toward the silence of %d client(s)", off, n)
+        self._stood_still(off, now, "between its polls")
         return now
 
     def _wake_sock(self) -> Any:
