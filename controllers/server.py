@@ -207,8 +207,8 @@ class Server:
         self.house_s = min(HOUSEKEEPING_S, state.heartbeat_timeout / 4)
         self.spin_s = spin_us / 1e6
         # the loop's time awake since its last sleeping poll (or check): where it began, wall
-        # and thread CPU, and the wall time its commands took in it (``_off_cpu``)
-        self._awake = (0.0, 0.0)  # (set by ``serve``, on its own thread's CPU clock)
+        # and process CPU, and the wall time its commands took in it (``_off_cpu``)
+        self._awake = (0.0, 0.0)  # (set by ``serve``)
         self._held = 0.0
 
     def _bind(self, address: str) -> None:
@@ -251,7 +251,7 @@ class Server:
         # (``catch``), not up to now: after a stall (a long inline copy, the process
         # stopped) requests wait unread, and their senders are not silent
         catch = self.catch
-        self._awake, self._held = (time.monotonic(), time.thread_time()), 0.0  # (this thread's)
+        self._awake, self._held = (time.monotonic(), time.process_time()), 0.0
         while not self._stop and not st.stopping:
             now = time.monotonic()
             if now >= self._next_house:
@@ -307,13 +307,16 @@ class Server:
             self.send_acks()
 
     def _came_back(self, asleep: float) -> None:
-        """After a sleeping poll begun at ``asleep``: back more than ``STALL_S`` past its
-        timeout, the process stood still that long (stopped, or starved of CPU), with replies
-        it had sent maybe still in its own ZMQ queue: that time counts toward no client's
-        silence."""
-        back = time.monotonic()
-        self._stood_still(back - asleep - POLL_MS / 1e3, back, "in its poll")
-        self._awake, self._held = (back, time.thread_time()), 0.0  # (from the poll's return)
+        """After a sleeping poll begun at ``asleep`` (``_off_cpu`` just before it): back more
+        than ``STALL_S`` past its timeout, less the CPU the process's threads took meanwhile,
+        the process stood still that long (stopped, or starved of CPU), with replies it had
+        sent maybe still in its own ZMQ queue: that time counts toward no client's silence. A
+        poll back late because another thread of the daemon held the GIL is no stop: that
+        thread's CPU time covers it (requests that waited meanwhile are read as a catch-up)."""
+        back, cpu = time.monotonic(), time.process_time()
+        self._stood_still(back - asleep - POLL_MS / 1e3 - (cpu - self._awake[1]), back,
+                          "in its poll")
+        self._awake, self._held = (back, cpu), 0.0  # (from the poll's return)
 
     def _stood_still(self, secs: float, end: float, where: str) -> None:
         """Past ``STALL_S``, the ``secs`` up to ``end`` count toward no client's silence
@@ -325,14 +328,17 @@ class Server:
 
     def _off_cpu(self) -> float:
         """The loop's time awake since its last sleeping poll or check, less its commands' wall
-        time and its thread's CPU time: past ``STALL_S`` the process stood still between two
-        steps or inside one that is not a command (stopped or starved while awake: a SIGSTOP
-        that lands outside the poll), and that time counts toward no client's silence, as a
-        stall in the poll does (``_came_back``; a command that held the loop credits its own
-        clients, ``_handle``). The CPU its commands took is subtracted too, so this
+        time and the CPU time of the process's threads: past ``STALL_S`` the process stood
+        still between two steps or inside one that is not a command (stopped or starved while
+        awake: a SIGSTOP that lands outside the poll), and that time counts toward no client's
+        silence, as a stall in the poll does (``_came_back``; a command that held the loop
+        credits its own clients, ``_handle``). The process's CPU, not the loop thread's: while
+        another thread holds the GIL (the load issuer) the loop waits off the CPU but the
+        process runs, and that is no stop. Time when no thread ran is at least the wall time
+        less the process's CPU time, and the CPU its commands took is subtracted twice, so this
         undercounts, never overcounts. Called before each sleeping poll and each housekeeping
         pass (the reap); returns now."""
-        now, cpu = time.monotonic(), time.thread_time()
+        now, cpu = time.monotonic(), time.process_time()
         off = (now - self._awake[0]) - self._held - (cpu - self._awake[1])
         self._awake, self._held = (now, cpu), 0.0
         self._stood_still(off, now, "between its polls")

@@ -19,6 +19,11 @@
 * ``hold_house_on_sigusr1=SECONDS``: after a SIGUSR1 the daemon's next housekeeping pass
   sleeps that long first (once): the loop held off the CPU outside its poll and outside any
   command, as when a SIGSTOP lands mid-step (a stop is not otherwise placed there at will).
+* ``hold_gil_on_sigusr1=SECONDS``: a SIGUSR1 starts a thread that holds the GIL about that
+  long in one C call (a ``sum`` over a ``range`` sized from a timed sample), as the load
+  issuer can hold it from the loop: the process runs while the loop waits off the CPU. The
+  thread writes ``fault: holding the GIL`` to stderr (the daemon's log) as it starts the
+  call, and ``fault: held the GIL <s> s`` after it.
 * ``reap_on_sigusr1``: after a SIGUSR1 the daemon's next silence check finds every client
   silent (once), so the real reap runs at a moment the test picks, under a long heartbeat
   timeout (a short one reaps a test's own client when a loaded machine pauses it).
@@ -131,6 +136,25 @@ def _install(fault: str) -> None:
             house(self, now)
 
         server.Server._housekeeping = held
+    elif name == "hold_gil_on_sigusr1":
+        import signal
+        import threading
+
+        def hold() -> None:
+            sample, took = 1 << 22, []
+            for _ in range(3):  # the quickest of three samples (a slower one was descheduled)
+                t0 = time.perf_counter()
+                sum(range(sample))
+                took.append(time.perf_counter() - t0)
+            n = int(float(arg) / max(min(took), 1e-6) * sample)
+            print("fault: holding the GIL", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            sum(range(n))  # one C call: the GIL is not given up inside it
+            print(f"fault: held the GIL {time.perf_counter() - t0:.2f} s", file=sys.stderr,
+                  flush=True)
+
+        signal.signal(signal.SIGUSR1,
+                      lambda *_: threading.Thread(target=hold, daemon=True).start())
     elif name == "reap_on_sigusr1":
         import signal
 
