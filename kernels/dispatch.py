@@ -133,15 +133,15 @@ def _to_both(a: torch.Tensor, b: torch.Tensor, device: Optional[torch.device]
 
 
 def _to_all(lists: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """CPU int64 index lists on ``device`` through one pinned block and one copy on the current
-    stream. Each list starts 16 bytes aligned, as a list of its own does (a launch specializes
-    on its ids' alignment)."""
+    """CPU int64 index lists on ``device`` through one block (pinned for a GPU) and one copy on
+    the current stream. Each list starts 16 bytes aligned, as a list of its own does (a launch
+    specializes on its ids' alignment)."""
     starts, m = [], 0
     for t in lists:
         starts.append(m)
         n = t.numel()
         m += n + (n & 1)
-    block = torch.empty(max(m, 2), dtype=torch.int64, pin_memory=True)
+    block = torch.empty(max(m, 2), dtype=torch.int64, pin_memory=device.type == "cuda")
     v = block.numpy()
     for t, at in zip(lists, starts):
         v[at:at + t.numel()] = t.numpy()
