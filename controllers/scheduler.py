@@ -69,7 +69,8 @@ import numpy as np
 
 from hicache.core.id_sets import has_duplicates
 from hicache.kernels.cpu_copy import clear_slots, copy_few
-from hicache.kernels.dispatch import copy_rows, copy_tokens, issue_by_layer, layer_parts, warm_up
+from hicache.kernels.dispatch import (KernelBatch, copy_rows, copy_tokens, issue_by_layer,
+                                      layer_parts, warm_up)
 from hicache.kernels.streams import on_stream
 
 from .background import cpu_copy_thread
@@ -144,15 +145,18 @@ def run_clear(spec: ClearSpec) -> None:
 def issue_gpu(op: Operation, stream: Any, ctas: int, device: torch.device) -> str:
     """Enqueue the copies of ``op`` (no per-layer events) on ``stream`` (the caller made it
     current), pool by pool (``dispatch`` picks the path: copy-engine batches for many big rows,
-    else the kernels)."""
+    else the kernels); the kernel copies' ids go up in one block (``KernelBatch``), then the
+    pool-state clear, if any."""
     paths: set[str] = set()
+    batch = KernelBatch()
     for it in op.items:
         if it.fmt is None:
             paths.add(copy_rows(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
-                                ctas=ctas, stream=stream))
+                                ctas=ctas, stream=stream, batch=batch))
         else:
             paths.add(copy_tokens(it.src, it.dst, it.src_ids.torch(), it.dst_ids.torch(),
-                                  it.fmt, ctas=ctas, stream=stream))
+                                  it.fmt, ctas=ctas, stream=stream, batch=batch))
+    batch.flush()
     if op.clear is not None:
         run_clear(op.clear)
         paths.add("clear")

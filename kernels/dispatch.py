@@ -13,6 +13,9 @@
   a request that is whole pages (CPU token ids ``k*P .. k*P+P-1`` in order on both sides) goes
   to ``copy_rows`` instead when the format has no padding (``fmt.covers_row``): a token copy
   moves values and scales only, never the padding bytes of a row.
+* ``KernelBatch`` — given to ``copy_rows`` / ``copy_tokens`` (``batch=``), their kernel copies
+  wait in it and ``flush()`` uploads all their CPU ids in one pinned block and one copy, then
+  launches them (the daemon's backups: one upload for all pools, not one per pool).
 * ``copy_by_layer`` / ``issue_by_layer`` / ``layer_parts`` / ``warm_up`` (``by_layer``, re-exported
   here) — rows and tokens of many buffers, layer by layer, layer 0 first, copy-engine batches
   beside one segment launch per launch group; the daemon's loads.
@@ -35,7 +38,7 @@ Each call returns the name of the path it used.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -53,7 +56,7 @@ from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import TOKENS_KERNEL, launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "copy_by_layer", "issue_by_layer", "layer_parts",
+__all__ = ["copy_rows", "copy_tokens", "KernelBatch", "copy_by_layer", "issue_by_layer", "layer_parts",
            "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
            "TokenFormat", "TransferError", "DEFAULT_CTAS", "IMPLS"]
 IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
@@ -61,6 +64,9 @@ IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
 STAGED_MIN_RUN_BYTES = 2 << 20
 # token copies between device and host at least this long are issued in host-address order
 SORT_MIN_TOKENS = 1024
+# devices whose host-order sort ``warm_up_copies`` has run in this process (its kernels load
+# once per device and process: a second warm-up would only sort again)
+_SORT_WARMED: set[torch.device] = set()
 
 
 def _check_index(name: str, idx: object, n: Optional[int]) -> torch.Tensor:
@@ -119,18 +125,92 @@ def _to_both(a: torch.Tensor, b: torch.Tensor, device: Optional[torch.device]
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two CPU index lists of one length on the kernel's device through one pinned block and one
     copy on the current stream (``_to`` twice is twice its host calls: a pinned block, a fill
-    and a copy each). The second list starts 16 bytes aligned, as a list of its own does (a
-    launch specializes on its ids' alignment). Others go as ``_to`` takes them."""
+    and a copy each). Others go as ``_to`` takes them."""
     if device is None or a.is_cuda or b.is_cuda or a.numel() != b.numel():
         return _to(a, device), _to(b, device)
-    n = a.numel()
-    m = n + (n & 1)
-    both = torch.empty(2 * m, dtype=torch.int64, pin_memory=True)
-    v = both.numpy()
-    v[:n] = a.numpy()
-    v[m:m + n] = b.numpy()
-    d = both.to(device, non_blocking=True)
-    return d[:n], d[m:m + n]
+    d = _to_all([a, b], device)
+    return d[0], d[1]
+
+
+def _to_all(lists: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU int64 index lists on ``device`` through one block (pinned for a GPU) and one copy on
+    the current stream. Each list starts 16 bytes aligned, as a list of its own does (a launch
+    specializes on its ids' alignment)."""
+    starts, m = [], 0
+    for t in lists:
+        starts.append(m)
+        n = t.numel()
+        m += n + (n & 1)
+    block = torch.empty(max(m, 2), dtype=torch.int64, pin_memory=device.type == "cuda")
+    v = block.numpy()
+    for t, at in zip(lists, starts):
+        v[at:at + t.numel()] = t.numpy()
+    d = block.to(device, non_blocking=True)
+    return [d[at:at + t.numel()] for t, at in zip(lists, starts)]
+
+
+Launch = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class KernelBatch:
+    """Kernel copies whose CPU ids reach the GPU in one pinned block and one copy, where each
+    copy alone makes its own (``_to_both``: about 22 µs of host time each on an H100, seven a
+    DSV4-Flash backup; docs/perf.md, sixty-seventh session).
+
+    ``copy_rows`` / ``copy_tokens`` given ``batch=`` check their request and pick its path at
+    once, as without it; the copy-engine, staged and reference paths run at once too, and only
+    a kernel copy with both id lists on the CPU is queued here. ``flush()`` uploads the queued
+    ids and launches the queued copies, in the order they came, on the one stream and device
+    they share (a copy for another stream or device is refused with ``TransferError``), and
+    returns how many it launched. Nothing is launched before ``flush``, so a caller flushes
+    before anything that must follow the copies on the stream; a batch is flushed once."""
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[Launch, torch.Tensor, torch.Tensor]] = []
+        self._where: Optional[tuple[object, torch.device]] = None
+        self.flushed = False
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, stream: Optional["torch.cuda.Stream"],
+            device: torch.device, launch: Launch) -> None:
+        """Queue ``launch(a_on_device, b_on_device)``: CPU ids ``a`` and ``b``, for ``device``
+        on ``stream`` (None: the stream current at ``flush``)."""
+        if self.flushed:
+            raise TransferError("this KernelBatch was flushed already: a batch is flushed once")
+        where = (stream, device)
+        if self._where is None:
+            self._where = where
+        elif self._where != where:
+            raise TransferError(f"one KernelBatch runs on one stream of one device: this copy is "
+                                f"for {device} on {stream}, the batch's for "
+                                f"{self._where[1]} on {self._where[0]}")
+        self._queued.append((launch, a, b))
+
+    def flush(self) -> int:
+        """Upload the queued ids (one block, one copy) and launch the queued copies."""
+        if self.flushed:
+            raise TransferError("this KernelBatch was flushed already: a batch is flushed once")
+        self.flushed = True
+        if self._where is None:
+            return 0
+        stream, device = self._where
+        with on_stream(stream, device):
+            ids = _to_all([t for _, a, b in self._queued for t in (a, b)], device)
+            for k, (launch, _, _) in enumerate(self._queued):
+                launch(ids[2 * k], ids[2 * k + 1])
+        return len(self._queued)
+
+
+def _kernel_copy(a: torch.Tensor, b: torch.Tensor, device: Optional[torch.device],
+                 stream: Optional["torch.cuda.Stream"], batch: Optional[KernelBatch],
+                 launch: Launch) -> None:
+    """``launch`` the kernel copy of CPU or device ids ``a`` -> ``b`` (``device`` None: the
+    interpreter on the CPU): queued in ``batch`` when there is one, the kernel runs on a GPU
+    and both lists are on the CPU, else now on ``stream``, its ids uploaded alone."""
+    if batch is not None and device is not None and not a.is_cuda and not b.is_cuda:
+        batch.add(a, b, stream, device, launch)
+        return
+    with on_stream(stream, device):
+        launch(*_to_both(a, b, device))
 
 
 def _resolve(impl: str, device: Optional[torch.device]) -> str:
@@ -169,8 +249,10 @@ def _staged_required(src: LayerTable, dst: LayerTable, host_idx: torch.Tensor) -
 
 def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Tensor, *,
               ctas: int = DEFAULT_CTAS, impl: str = "auto",
-              stream: Optional["torch.cuda.Stream"] = None) -> str:
-    """dst[l][dst_idx[i]] = src[l][src_idx[i]] for every layer l; returns the path used."""
+              stream: Optional["torch.cuda.Stream"] = None,
+              batch: Optional[KernelBatch] = None) -> str:
+    """dst[l][dst_idx[i]] = src[l][src_idx[i]] for every layer l; returns the path used. With
+    ``batch``, a kernel copy is queued there (``KernelBatch``)."""
     src, dst = as_table(src, "source"), as_table(dst, "destination")
     _check_pair(src, dst)
     src_idx = _check_index("src_idx", src_idx, None)
@@ -203,16 +285,16 @@ def copy_rows(src: Buffer, dst: Buffer, src_idx: torch.Tensor, dst_idx: torch.Te
             copy_rows_ref(src.layers, dst.layers, src_idx, dst_idx)
         return "rows_" + path
     kdev = device if device is not None else torch.device("cpu")
-    with on_stream(stream, device):
-        if path == "staged":
+    if path == "staged":
+        with on_stream(stream, device):
             # only the device side's indices go to the GPU; the host side's plan the DMAs
             if src.is_cuda:
                 copy_rows_staged(src, dst, _to(src_idx, device), dst_idx, dst_idx, runs, ctas=ctas)
             else:
                 copy_rows_staged(src, dst, src_idx, _to(dst_idx, device), src_idx, runs, ctas=ctas)
-        else:
-            s_idx, d_idx = _to_both(src_idx, dst_idx, device)
-            launch_row_copy(src, dst, s_idx, d_idx, kdev, ctas)
+    else:
+        _kernel_copy(src_idx, dst_idx, device, stream, batch,
+                     lambda s, d: launch_row_copy(src, dst, s, d, kdev, ctas))
     return "rows_" + path
 
 
@@ -291,8 +373,10 @@ def _host_order(s_tok: torch.Tensor, d_tok: torch.Tensor, src: LayerTable,
 
 def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.Tensor,
                 fmt: TokenFormat, *, ctas: int = DEFAULT_CTAS, impl: str = "auto",
-                stream: Optional["torch.cuda.Stream"] = None) -> str:
-    """Copy token ``src_tok[i]`` (value and scale) to token ``dst_tok[i]`` in every layer."""
+                stream: Optional["torch.cuda.Stream"] = None,
+                batch: Optional[KernelBatch] = None) -> str:
+    """Copy token ``src_tok[i]`` (value and scale) to token ``dst_tok[i]`` in every layer. With
+    ``batch``, a kernel copy is queued there (``KernelBatch``)."""
     if not isinstance(fmt, TokenFormat):
         raise TransferError(f"fmt: expected a TokenFormat, got {type(fmt).__name__}")
     src, dst = as_table(src, "source"), as_table(dst, "destination")
@@ -314,15 +398,15 @@ def copy_tokens(src: Buffer, dst: Buffer, src_tok: torch.Tensor, dst_tok: torch.
     if impl == "auto" and fmt.covers_row:
         sp, dp = _whole_pages(src_tok, P), _whole_pages(dst_tok, P)
         if sp is not None and dp is not None:
-            return copy_rows(src, dst, sp, dp, ctas=ctas, impl=impl, stream=stream)
+            return copy_rows(src, dst, sp, dp, ctas=ctas, impl=impl, stream=stream,
+                             batch=batch)
     if path == "reference":  # on ``stream`` too, after the caller's waits there
         with on_stream(stream):
             copy_tokens_ref(src.layers, dst.layers, src_tok, dst_tok, fmt)
         return "tokens_" + path
     kdev = device if device is not None else torch.device("cpu")
-    with on_stream(stream, device):
-        s_tok, d_tok = _host_order(*_to_both(src_tok, dst_tok, device), src, dst)
-        launch_token_copy(src, dst, s_tok, d_tok, fmt, kdev, ctas)
+    _kernel_copy(src_tok, dst_tok, device, stream, batch, lambda s, d: launch_token_copy(
+        src, dst, *_host_order(s, d, src, dst), fmt, kdev, ctas))
     return "tokens_" + path
 
 
@@ -373,10 +457,11 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     has its own first uses warmed too (its index upload: a pinned block and a device block of
     the caching allocator, which keeps blocks per stream). A variant already loaded costs one
     launch. Where a pair copies tokens between the GPU and the host, the host-order sort of
-    long token copies (``_host_order``: a device argsort and two gathers) runs once too: its
-    first use loads its kernels, 55-88 ms of host time in a fresh process
-    (H100, sixty-seventh session; 0.7 ms once warmed). Returns
-    the kernel launches made (the sort not counted).
+    long token copies (``_host_order``: a device argsort and two gathers) runs too, once per
+    device and process (``_SORT_WARMED``; the daemon warms twice at start and twice at each
+    ``register``): its first use loads its kernels, 55-88 ms of host time in a fresh process
+    (H100, sixty-seventh session; 0.7 ms once warmed). Returns the kernel launches made (the
+    sort not counted).
 
     Without it a copy's first use of a variant compiles it (0.1-0.8 s on an H100 with Triton's
     cache empty, 3-13 ms from its disk cache) on the thread that issues the copy, holding the
@@ -385,7 +470,6 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
     has one variant per kernel, whatever its copies' lengths."""
     done: set[tuple] = set()
     launches = 0
-    sorted_ = False
     if stream is None:
         stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -393,6 +477,7 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
         # use too
         idx, _ = _to_both(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                           device)
+        here = torch.device("cuda", torch.cuda.current_device())  # ``cuda`` named with its index
         for src, dst, fmt in pairs:
             key = (src.row_bytes, src.stride, dst.stride, src.align, dst.align, src.is_cuda,
                    dst.is_cuda, fmt)
@@ -406,9 +491,9 @@ def warm_up_copies(pairs: Iterable[Pair], device: torch.device,
                 launch_token_copy(s, d, idx, idx, fmt, device,  # type: ignore[arg-type]
                                   DEFAULT_CTAS)
                 launches += 1
-                if not sorted_ and src.is_cuda != dst.is_cuda:  # long token copies sort first
+                if here not in _SORT_WARMED and src.is_cuda != dst.is_cuda:
                     many = torch.zeros(SORT_MIN_TOKENS, dtype=torch.int64, device=device)
-                    _host_order(many, many, s, d)  # type: ignore[arg-type]
-                    sorted_ = True
+                    _host_order(many, many, s, d)  # type: ignore[arg-type]  # long copies sort
+                    _SORT_WARMED.add(here)
     stream.synchronize()
     return launches

@@ -7,7 +7,8 @@ every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_
 
 * Per size: host time of the issue (the GPU idle before each), the first one (first uses) and
   the median and slowest of the rest, in µs; ``done_us``: the median time from the issue's
-  start to the GPU's end of the copies, and ``gbps``, the bytes over it.
+  start to the GPU's end of the copies, and ``gbps``, the bytes moved over it (a token pool's
+  tokens' values and scales, not its rows' padding).
 * ``--path by_layer``: the same copies issued as a load's are (``dispatch.issue_by_layer``, all
   pools in one plan: layer 0, then the other layers as one launch group), to weigh that path
   for backups against ``copy_rows`` / ``copy_tokens`` pool by pool (``rows``, the default).
@@ -68,6 +69,12 @@ def _ids(n: int, rows: int, fmt: TokenFormat | None, g: torch.Generator
     per = torch.arange(fmt.tokens_per_page)
     return ((a[:, None] * fmt.tokens_per_page + per).flatten(),
             (b[:, None] * fmt.tokens_per_page + per).flatten())
+
+
+def _page_bytes(dev: LayerTable, fmt: TokenFormat | None) -> int:
+    """Bytes one page of a pool moves: its row, or for a token pool its tokens' values and
+    scales (a token copy moves no padding)."""
+    return dev.row_bytes if fmt is None else fmt.tokens_per_page * fmt.token_bytes
 
 
 def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream, path: str = "rows") -> float:
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             stream.synchronize()
             done.append(time.perf_counter() - t0)
         rest, done_rest = times[1:] or times, done[1:] or done
-        nbytes = n * sum(dev.row_bytes * dev.num_layers for _, dev, *_ in pools)
+        nbytes = n * sum(_page_bytes(dev, fmt) * dev.num_layers for _, dev, _h, fmt, _l in pools)
         print(json.dumps({"pages": n, "path": a.path, "first_us": round(times[0] * 1e6),
                           "median_us": round(statistics.median(rest) * 1e6),
                           "max_us": round(max(rest) * 1e6),

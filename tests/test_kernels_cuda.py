@@ -370,3 +370,77 @@ def test_both_index_lists_go_up_together_each_16_byte_aligned():
     torch.cuda.synchronize()
     assert ROWS_KERNEL.jit_launches + TOKENS_KERNEL.jit_launches == jit
     assert_same(dst, expected_rows(src0, before, si, di))
+
+
+def test_a_kernel_batch_uploads_once_and_copies_every_byte(monkeypatch):
+    """``KernelBatch``: the kernel copies of a batch (rows of several sizes, tokens short and
+    long enough to be sorted into host order, both directions) launch only at ``flush``, after
+    one upload of all their ids; a copy-engine copy given the batch runs at once; every byte is
+    the oracle's. A second flush and a copy for another stream are refused, the batch's queue
+    unchanged."""
+    from hicache.kernels import copy_engine, dispatch
+    from hicache.kernels.tables import TransferError
+
+    uploads: list[int] = []
+    real = dispatch._to_all
+
+    def counted(lists, device):
+        uploads.append(len(lists))
+        return real(lists, device)
+
+    monkeypatch.setattr(dispatch, "_to_all", counted)
+    side = torch.cuda.Stream()
+    g = torch.Generator().manual_seed(7)
+    jobs = []  # (src, dst, src ids, dst ids, fmt or None, expected, what)
+    for k, (where, rb, n) in enumerate((("d2h", 1_728, 1), ("h2d", 584, 3), ("d2h", 6_144, 5),
+                                        ("h2d", 16_384, 2))):
+        src = _bufs(DIRS[where][0], 2, 12, rb, 10 + k)
+        dst = _bufs(DIRS[where][1], 2, 12, rb, 20 + k)
+        perm = torch.randperm(12, generator=g)
+        si, di = perm[:n].clone(), perm[n:2 * n].clone()
+        jobs.append((src, dst, si, di, None, expected_rows(src, dst, si, di), f"rows {rb} {where}"))
+    for k, (name, where, n) in enumerate((("c4_mla_64", "d2h", 7),
+                                          ("indexer_fp8_64", "h2d", 1_100))):
+        fmt = FORMATS[name]
+        units = 40 * fmt.tokens_per_page
+        src = _bufs(DIRS[where][0], 2, 40, fmt.page_bytes, 30 + k)
+        dst = _bufs(DIRS[where][1], 2, 40, fmt.page_bytes, 40 + k)
+        perm = torch.randperm(units, generator=g)
+        si, di = perm[:n].clone(), perm[n:2 * n].clone()
+        jobs.append((src, dst, si, di, fmt, expected_tokens(src, dst, si, di, fmt),
+                     f"tokens {name} {where}"))
+    torch.cuda.synchronize()
+    batch = dispatch.KernelBatch()
+    for src, dst, si, di, fmt, _, _ in jobs:
+        if fmt is None:
+            assert dispatch.copy_rows(src, dst, si, di, stream=side, batch=batch) == \
+                "rows_zero_copy"
+        else:
+            assert dispatch.copy_tokens(src, dst, si, di, fmt, stream=side, batch=batch) == \
+                "tokens_zero_copy"
+    big = copy_engine.enabled()
+    if big:  # the copy engines take their rows at once, batch or not
+        src = _bufs("cuda", 2, 40, 37_440, 50)
+        dst = _bufs("cpu", 2, 40, 37_440, 51)
+        si, di = torch.arange(copy_engine.MIN_ROWS), torch.arange(copy_engine.MIN_ROWS) + 20
+        want_dma = expected_rows(src, dst, si, di)
+        assert dispatch.copy_rows(src, dst, si, di, stream=side, batch=batch) == "rows_dma"
+        side.synchronize()
+        assert_same(dst, want_dma, "dma in a batch")
+    torch.cuda.synchronize()
+    assert uploads == [], "a batched copy uploaded its ids before the flush"
+    src, dst, si, di, fmt, _, what = jobs[0]
+    assert_same(dst, [t.cpu() for t in _bufs(DIRS["d2h"][1], 2, 12, 1_728, 20)],
+                f"{what} before the flush")
+    with pytest.raises(TransferError, match="one stream of one device"):
+        dispatch.copy_rows(src, dst, si, di, stream=torch.cuda.Stream(), batch=batch)
+    assert batch.flush() == len(jobs)
+    side.synchronize()
+    assert uploads == [2 * len(jobs)], uploads
+    for src, dst, si, di, fmt, want, what in jobs:
+        assert_same(dst, want, what)
+    with pytest.raises(TransferError, match="flushed already"):
+        batch.flush()
+    with pytest.raises(TransferError, match="flushed already"):
+        dispatch.copy_rows(*jobs[0][:4], stream=side, batch=batch)
+    assert dispatch.KernelBatch().flush() == 0

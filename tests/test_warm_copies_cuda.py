@@ -263,3 +263,27 @@ def test_the_warm_up_takes_the_host_order_sorts_first_use():
     print(f"first host-order sort: cold {cold * 1e3:.2f} ms, after the warm-up "
           f"{warm * 1e3:.2f} ms")
     assert warm < cold / 4, (cold, warm)
+
+
+def test_the_host_order_sort_is_warmed_once_per_device(monkeypatch):
+    """``warm_up_copies`` sorts once per device and process, whether the device is named with
+    its index or not (the daemon warms twice at start and twice at each ``register``), and
+    warms every kernel variant again each time."""
+    sorts: list[int] = []
+    real = dispatch._host_order
+
+    def counted(s, d, src, dst):
+        sorts.append(s.numel())
+        return real(s, d, src, dst)
+
+    monkeypatch.setattr(dispatch, "_host_order", counted)
+    monkeypatch.setattr(dispatch, "_SORT_WARMED", set())
+    torch.cuda.set_device(DEV)
+    fmt = TokenFormat(4, 512, 8, 2048, 2080)
+    d = LayerTable([torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEV)])
+    h = LayerTable([torch.zeros(2, fmt.page_bytes, dtype=torch.uint8).pin_memory()])
+    launches = [dispatch.warm_up_copies([(d, h, fmt), (h, d, fmt)], dev)
+                for dev in (torch.device("cuda"), DEV, torch.device("cuda"))]
+    assert sorts == [dispatch.SORT_MIN_TOKENS], sorts
+    assert dispatch._SORT_WARMED == {DEV}, dispatch._SORT_WARMED
+    assert launches == [4, 4, 4], launches
