@@ -3,20 +3,26 @@ every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_
 ``copy_tokens`` as the daemon's ``issue_gpu`` calls them (token pools by token, whole pages).
 
     PYTHONPATH=. python scripts/backup_issue_cost.py [--pages 1,8,32] [--reps 30] [--queued 24]
-        [--path rows|by_layer]
+        [--path rows|batch|by_layer[,...]]
 
 * Per size: host time of the issue (the GPU idle before each), the first one (first uses) and
   the median and slowest of the rest, in µs; ``done_us``: the median time from the issue's
   start to the GPU's end of the copies, and ``gbps``, the bytes moved over it (a token pool's
   tokens' values and scales, not its rows' padding).
-* ``--path by_layer``: the same copies issued as a load's are (``dispatch.issue_by_layer``, all
-  pools in one plan: layer 0, then the other layers as one launch group), to weigh that path
-  for backups against ``copy_rows`` / ``copy_tokens`` pool by pool (``rows``, the default).
-* ``queued``: that many one-page backups issued back to back behind a 200 ms sleep on the same
-  stream, so their index uploads' staging buffers stay busy: host time per backup (median,
-  slowest) and in all, then how long the GPU took to finish after the last issue.
-* ``--profile 1,512``: per size, ``cProfile`` over 10 backups of it (after the timed ones), the
-  15 functions of most own time: calls and own µs per backup (where an issue's host time goes).
+* ``--path``: ``batch`` (the default) issues pool by pool into one ``dispatch.KernelBatch`` (one
+  id upload for the kernel copies: what the daemon's ``issue_gpu`` does); ``rows`` pool by pool,
+  each copy uploading its own ids (the daemon before the sixty-ninth session); ``by_layer`` the
+  same copies issued as a load's are (``dispatch.issue_by_layer``, all pools in one plan: layer
+  0, then the other layers as one launch group). Several, comma-separated, alternate backup by
+  backup in one process (the order turned each time), one line per size and path: an A/B that
+  the host's drift from run to run (up to 1.7x here) does not blur.
+* ``queued`` (the first ``--path``): that many one-page backups issued back to back behind a
+  200 ms sleep on the same stream, so their index uploads' staging buffers stay busy: host time
+  per backup (median, slowest) and in all, then how long the GPU took to finish after the last
+  issue.
+* ``--profile 1,512`` (the first ``--path``): per size, ``cProfile`` over 10 backups of it
+  (after the timed ones), the 15 functions of most own time: calls and own µs per backup
+  (where an issue's host time goes).
 
 Runs in process, without a daemon: it measures the copy path's issue alone, so two trees can be
 compared with ``PYTHONPATH`` (run it from this tree on another's ``hicache``). One JSON object
@@ -77,7 +83,10 @@ def _page_bytes(dev: LayerTable, fmt: TokenFormat | None) -> int:
     return dev.row_bytes if fmt is None else fmt.tokens_per_page * fmt.token_bytes
 
 
-def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream, path: str = "rows") -> float:
+PATHS = ("rows", "batch", "by_layer")
+
+
+def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream, path: str = "batch") -> float:
     t0 = time.perf_counter()
     if path == "by_layer":
         memo: dict = {}
@@ -88,11 +97,14 @@ def _issue(pools: list[Pool], ids: list, stream: torch.cuda.Stream, path: str = 
                                          fine=False):
             pass
         return time.perf_counter() - t0
+    batch = dispatch.KernelBatch() if path == "batch" else None
     for (_, dev, host, fmt, _layers), (a, b) in zip(pools, ids):
         if fmt is None:
-            dispatch.copy_rows(dev, host, a, b, stream=stream)
+            dispatch.copy_rows(dev, host, a, b, stream=stream, batch=batch)
         else:
-            dispatch.copy_tokens(dev, host, a, b, fmt, stream=stream)
+            dispatch.copy_tokens(dev, host, a, b, fmt, stream=stream, batch=batch)
+    if batch is not None:
+        batch.flush()
     return time.perf_counter() - t0
 
 
@@ -127,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30, help="backups per size")
     p.add_argument("--queued", type=int, default=24, help="one-page backups behind a sleep")
     p.add_argument("--profile", default="", help="sizes in pages to profile (cProfile)")
-    p.add_argument("--path", choices=("rows", "by_layer"), default="rows",
-                   help="issue pool by pool (as the daemon's backups) or as a load's plan")
+    p.add_argument("--path", default="batch",
+                   help="rows, batch or by_layer, or several comma-separated (alternated)")
     a = p.parse_args(argv)
+    paths = a.path.split(",")
+    for path in paths:
+        if path not in PATHS:
+            p.error(f"--path: {path!r} is not one of {', '.join(PATHS)}")
     if not torch.cuda.is_available():
         print("backup_issue_cost: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -142,28 +158,31 @@ def main(argv: list[str] | None = None) -> int:
     stream = torch.cuda.Stream(device)
     g = torch.Generator().manual_seed(1)
     for n in pages:
-        times, done = [], []
-        for _ in range(a.reps):
-            ids = [_ids(n, rows, fmt, g) for _n, _d, _h, fmt, _l in pools]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            times.append(_issue(pools, ids, stream, a.path))
-            stream.synchronize()
-            done.append(time.perf_counter() - t0)
-        rest, done_rest = times[1:] or times, done[1:] or done
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        done: dict[str, list[float]] = {path: [] for path in paths}
+        for rep in range(a.reps):
+            for path in (paths if rep % 2 == 0 else paths[::-1]):
+                ids = [_ids(n, rows, fmt, g) for _n, _d, _h, fmt, _l in pools]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                times[path].append(_issue(pools, ids, stream, path))
+                stream.synchronize()
+                done[path].append(time.perf_counter() - t0)
         nbytes = n * sum(_page_bytes(dev, fmt) * dev.num_layers for _, dev, _h, fmt, _l in pools)
-        print(json.dumps({"pages": n, "path": a.path, "first_us": round(times[0] * 1e6),
-                          "median_us": round(statistics.median(rest) * 1e6),
-                          "max_us": round(max(rest) * 1e6),
-                          "done_us": round(statistics.median(done_rest) * 1e6),
-                          "gbps": round(nbytes / statistics.median(done_rest) / 1e9, 2)}),
-              flush=True)
+        for path in paths:
+            rest, done_rest = times[path][1:] or times[path], done[path][1:] or done[path]
+            print(json.dumps({"pages": n, "path": path, "first_us": round(times[path][0] * 1e6),
+                              "median_us": round(statistics.median(rest) * 1e6),
+                              "max_us": round(max(rest) * 1e6),
+                              "done_us": round(statistics.median(done_rest) * 1e6),
+                              "gbps": round(nbytes / statistics.median(done_rest) / 1e9, 2)}),
+                  flush=True)
     if a.queued:
         torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             torch.cuda._sleep(_sleep_cycles(200, device))
         times = [_issue(pools, [_ids(1, rows, fmt, g) for _n, _d, _h, fmt, _l in pools], stream,
-                        a.path) for _ in range(a.queued)]
+                        paths[0]) for _ in range(a.queued)]
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         print(json.dumps({"queued": a.queued, "median_us": round(statistics.median(times) * 1e6),
@@ -172,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                           "gpu_after_ms": round((time.perf_counter() - t0) * 1e3, 1)}),
               flush=True)
     for n in profiled:
-        _profile(pools, n, rows, g, stream, a.path)
+        _profile(pools, n, rows, g, stream, paths[0])
     return 0
 
 
