@@ -56,9 +56,9 @@ from .streams import on_stream
 from .tables import Buffer, LayerTable, TokenFormat, TransferError, as_table
 from .tokens import TOKENS_KERNEL, launch_tokens, tokens_config
 
-__all__ = ["copy_rows", "copy_tokens", "KernelBatch", "copy_by_layer", "issue_by_layer", "layer_parts",
-           "layer_groups", "warm_up", "warm_up_copies", "kernel_variants", "LayerTable",
-           "TokenFormat", "TransferError", "DEFAULT_CTAS", "IMPLS"]
+__all__ = ["copy_rows", "copy_tokens", "KernelBatch", "copy_by_layer", "issue_by_layer",
+           "layer_parts", "layer_groups", "warm_up", "warm_up_copies", "kernel_variants",
+           "LayerTable", "TokenFormat", "TransferError", "DEFAULT_CTAS", "IMPLS"]
 IMPLS = ("auto", "zero_copy", "triton", "staged", "dma", "reference")
 # staged pays off when host runs are at least this many bytes long on average
 STAGED_MIN_RUN_BYTES = 2 << 20

@@ -123,40 +123,53 @@ def _run_case(name: str) -> None:
     elif name == "kernel_batch":
         # a KernelBatch as a GPU daemon's backup fills it, the kernel's device made the CPU
         # (on a GPU the block is pinned and the copy asynchronous: tests/test_kernels_cuda.py)
-        from hicache.kernels.tables import TransferError
-
-        dispatch._kernel_device = lambda *_: torch.device("cpu")
-        jobs, batch = [], dispatch.KernelBatch()
-        for k, (rb, n) in enumerate(((1_728, 3), (584, 1), (100, 4))):
-            src, dst = layers(2, 9, rb, 20 + k), layers(2, 9, rb, 30 + k)
-            si, di = torch.randperm(9)[:n], torch.randperm(9)[:n]
-            jobs.append((dst, expected_rows(src, dst, si, di), f"rows {rb}"))
-            assert dispatch.copy_rows(src, dst, si, di, batch=batch) == "rows_zero_copy"
-        for k, (fname, n) in enumerate((("c4_mla_64", 5), ("indexer_fp8_64", 2))):
-            fmt = FORMATS[fname]
-            src, dst = layers(2, 3, fmt.page_bytes, 40 + k), layers(2, 3, fmt.page_bytes, 50 + k)
-            si = torch.randperm(3 * fmt.tokens_per_page)[:n]
-            di = torch.randperm(3 * fmt.tokens_per_page)[:n]
-            jobs.append((dst, expected_tokens(src, dst, si, di, fmt), f"tokens {fname}"))
-            assert dispatch.copy_tokens(src, dst, si, di, fmt, batch=batch) == "tokens_zero_copy"
-        fresh = [layers(2, 9, 1_728, 30), layers(2, 9, 584, 31)]
-        for (dst, _, what), want in zip(jobs, fresh):
-            assert_same(dst, want, f"{what}: written before the flush")
+        real, dispatch._kernel_device = dispatch._kernel_device, lambda *_: torch.device("cpu")
         try:
-            batch.add(si, di, "another stream", torch.device("cpu"), lambda s, d: None)
-            raise AssertionError("a copy for another stream joined the batch")
-        except TransferError as e:
-            assert "one stream of one device" in str(e), e
-        assert batch.flush() == len(jobs)
-        for dst, want, what in jobs:
-            assert_same(dst, want, what)
-        try:
-            batch.flush()
-            raise AssertionError("a second flush ran")
-        except TransferError as e:
-            assert "flushed already" in str(e), e
+            _kernel_batch()
+        finally:
+            dispatch._kernel_device = real
     else:
         raise KeyError(name)
+
+
+def _kernel_batch() -> None:
+    """Rows of three sizes and tokens of two formats queued in one ``KernelBatch``: nothing
+    written before ``flush``, a copy for another stream refused, every byte the oracle's after
+    it, a second flush refused."""
+    import torch
+
+    from hicache.kernels import dispatch
+    from hicache.kernels.tables import TransferError
+    from test_kernels_ref import FORMATS, assert_same, expected_rows, expected_tokens, layers
+
+    jobs, batch = [], dispatch.KernelBatch()
+    for k, (rb, n) in enumerate(((1_728, 3), (584, 1), (100, 4))):
+        src, dst = layers(2, 9, rb, 20 + k), layers(2, 9, rb, 30 + k)
+        si, di = torch.randperm(9)[:n], torch.randperm(9)[:n]
+        jobs.append((dst, expected_rows(src, dst, si, di), f"rows {rb}"))
+        assert dispatch.copy_rows(src, dst, si, di, batch=batch) == "rows_zero_copy"
+    for k, (fname, n) in enumerate((("c4_mla_64", 5), ("indexer_fp8_64", 2))):
+        fmt = FORMATS[fname]
+        src, dst = layers(2, 3, fmt.page_bytes, 40 + k), layers(2, 3, fmt.page_bytes, 50 + k)
+        si = torch.randperm(3 * fmt.tokens_per_page)[:n]
+        di = torch.randperm(3 * fmt.tokens_per_page)[:n]
+        jobs.append((dst, expected_tokens(src, dst, si, di, fmt), f"tokens {fname}"))
+        assert dispatch.copy_tokens(src, dst, si, di, fmt, batch=batch) == "tokens_zero_copy"
+    for (dst, _, what), want in zip(jobs, [layers(2, 9, 1_728, 30), layers(2, 9, 584, 31)]):
+        assert_same(dst, want, f"{what}: written before the flush")
+    try:
+        batch.add(si, di, "another stream", torch.device("cpu"), lambda s, d: None)
+        raise AssertionError("a copy for another stream joined the batch")
+    except TransferError as e:
+        assert "one stream of one device" in str(e), e
+    assert batch.flush() == len(jobs)
+    for dst, want, what in jobs:
+        assert_same(dst, want, what)
+    try:
+        batch.flush()
+        raise AssertionError("a second flush ran")
+    except TransferError as e:
+        assert "flushed already" in str(e), e
 
 
 @pytest.fixture(scope="module")
