@@ -2,7 +2,9 @@
 # One batch of GPU checks for the lent H200 machine (or any CUDA box): the CUDA tests of every
 # layer, then the engine-visible bench (bench e2e). Results land in ${OUT:-gpu_out}/.
 # Expects pyzmq either installed or as a wheel in .whl/ (the GPU machine has no package index).
-# STEPS (default "tests e2e") may add: transfer pin hisparse soak. "soak" is the full GPU soak
+# STEPS (default "tests e2e") may add: issue transfer pin hisparse soak. "issue" is a backup's
+# issue cost with and without one id upload per backup, alternated in one process
+# (scripts/backup_issue_cost.py --path rows,batch). "soak" is the full GPU soak
 # (8 clients x 50000 operations, --mix all): 418 s at 956 ops/s on an H200 (2026-12-01), so it runs
 # alone, in a call of its own, as STEPS=soak.
 set -uo pipefail
@@ -22,6 +24,9 @@ for step in ${STEPS:-tests e2e}; do
              ${TEST_ARGS:-} 2>&1 | tail -40 > "$OUT/gpu_tests.log"; tail -3 "$OUT/gpu_tests.log" ;;
     e2e) timeout ${E2E_TIMEOUT:-300} python3 -m hicache.cli bench e2e ${E2E_ARGS:-} \
            > "$OUT/e2e.txt" 2> "$OUT/e2e.log"; cat "$OUT/e2e.txt"; tail -3 "$OUT/e2e.log" ;;
+    issue) timeout ${ISSUE_TIMEOUT:-180} python3 scripts/backup_issue_cost.py --path rows,batch \
+             --pages 1,8,32 --reps 40 --queued 0 > "$OUT/issue.jsonl" 2> "$OUT/issue.log"
+           cat "$OUT/issue.jsonl"; tail -3 "$OUT/issue.log" ;;
     transfer) timeout ${BENCH_TIMEOUT:-200} python3 -m hicache.cli bench transfer --json \
                 ${TRANSFER_ARGS:-} > "$OUT/transfer.json" 2> "$OUT/transfer.log" ;;
     pin) timeout 120 python3 -m hicache.cli bench pin --size 16GiB --json > "$OUT/pin.json" \
