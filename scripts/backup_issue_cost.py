@@ -5,7 +5,8 @@ every DSV4-Flash pool, device rows to pinned host rows, through ``dispatch.copy_
     PYTHONPATH=. python scripts/backup_issue_cost.py [--pages 1,8,32] [--reps 30] [--queued 24]
         [--path rows|batch|by_layer[,...]]
 
-* Per size: host time of the issue (the GPU idle before each), the first one (first uses) and
+* Per size: host time of the issue (the GPU idle before each), the first one (first uses; with
+  several ``--path`` values only the first path's first issue is cold) and
   the median and slowest of the rest, in µs; ``done_us``: the median time from the issue's
   start to the GPU's end of the copies, and ``gbps``, the bytes moved over it (a token pool's
   tokens' values and scales, not its rows' padding).

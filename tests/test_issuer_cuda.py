@@ -257,11 +257,13 @@ def test_a_load_issued_while_a_backup_is_in_flight_gets_the_busy_cta_budget(monk
 def test_a_launch_that_fails_part_way_completes_after_what_it_queued(monkeypatch):
     """A backup's second item fails to launch after its first item's copy is queued (behind a
     long kernel on the backup stream): the op is acked failed only once that copy is done, so
-    its rows are never freed or reused under it."""
-    from hicache.controllers import scheduler
+    its rows are never freed or reused under it. (Both items' kernel copies launch at the
+    backup's ``KernelBatch.flush``, so the failure is the second launch's, not the second
+    ``copy_rows`` call's: that would now fail before anything was queued.)"""
+    from hicache.kernels import dispatch
 
     eng, woke, host, dev, back, dev_before = _engine_and_tables()
-    real, calls = scheduler.copy_rows, []
+    real, calls = dispatch.launch_row_copy, []
 
     def fail_second(*a, **k):
         calls.append(1)
@@ -269,7 +271,7 @@ def test_a_launch_that_fails_part_way_completes_after_what_it_queued(monkeypatch
             raise RuntimeError("second item (test)")
         return real(*a, **k)
 
-    monkeypatch.setattr(scheduler, "copy_rows", fail_second)
+    monkeypatch.setattr(dispatch, "launch_row_copy", fail_second)
     with torch.cuda.stream(eng.streams["backup"]):
         torch.cuda._sleep(int(1e9))  # the first item's copy waits behind ~0.5 s of kernel
     n = 2 * ROW * len(LAYERS)
