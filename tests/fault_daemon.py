@@ -19,11 +19,12 @@
 * ``hold_house_on_sigusr1=SECONDS``: after a SIGUSR1 the daemon's next housekeeping pass
   sleeps that long first (once): the loop held off the CPU outside its poll and outside any
   command, as when a SIGSTOP lands mid-step (a stop is not otherwise placed there at will).
-* ``hold_gil_on_sigusr1=SECONDS``: a SIGUSR1 starts a thread that holds the GIL about that
-  long in one C call (a ``sum`` over a ``range`` sized from a timed sample), as the load
-  issuer can hold it from the loop: the process runs while the loop waits off the CPU. The
-  thread writes ``fault: holding the GIL`` to stderr (the daemon's log) as it starts the
-  call, and ``fault: held the GIL <s> s`` after it.
+* ``hold_gil_on_sigusr1=SECONDS``: a SIGUSR1 starts a thread that holds the GIL for about that
+  much of its own CPU time in one C call (a ``sum`` over a ``range`` sized from a timed
+  sample), as the load issuer can hold it from the loop: the process runs while the loop waits
+  off the CPU. The thread writes ``fault: holding the GIL`` to stderr (the daemon's log) as it
+  starts the call, and ``fault: held the GIL <wall> s, <cpu> s on the CPU`` after it (on a busy
+  machine the wall time is longer: the thread waited for a CPU part of it).
 * ``reap_on_sigusr1``: after a SIGUSR1 the daemon's next silence check finds every client
   silent (once), so the real reap runs at a moment the test picks, under a long heartbeat
   timeout (a short one reaps a test's own client when a loaded machine pauses it).
@@ -141,17 +142,15 @@ def _install(fault: str) -> None:
         import threading
 
         def hold() -> None:
-            sample, took = 1 << 22, []
-            for _ in range(3):  # the quickest of three samples (a slower one was descheduled)
-                t0 = time.perf_counter()
-                sum(range(sample))
-                took.append(time.perf_counter() - t0)
-            n = int(float(arg) / max(min(took), 1e-6) * sample)
+            sample = 1 << 22
+            c0 = time.thread_time()
+            sum(range(sample))
+            n = int(float(arg) / max(time.thread_time() - c0, 1e-6) * sample)
             print("fault: holding the GIL", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             sum(range(n))  # one C call: the GIL is not given up inside it
-            print(f"fault: held the GIL {time.perf_counter() - t0:.2f} s", file=sys.stderr,
-                  flush=True)
+            print(f"fault: held the GIL {time.perf_counter() - t0:.2f} s, "
+                  f"{time.thread_time() - c0:.2f} s on the CPU", file=sys.stderr, flush=True)
 
         signal.signal(signal.SIGUSR1,
                       lambda *_: threading.Thread(target=hold, daemon=True).start())
