@@ -388,3 +388,24 @@ def test_whole_pages_are_told_from_token_ids():
     for bad in ([8, 9, 10], [9, 10, 11, 12], [8, 9, 11, 10], [8, 9, 10, 11, 4, 5, 6, 8],
                 [8, 8, 8, 8]):
         assert _whole_pages(torch.tensor(bad), 4) is None, bad
+
+
+def test_a_kernel_batch_takes_no_copy_that_runs_on_the_cpu():
+    """``KernelBatch`` queues only kernel copies for a GPU: given to ``copy_rows`` /
+    ``copy_tokens`` on the CPU path (the reference copy), the copy runs at once, byte for byte,
+    and the flush launches nothing."""
+    from hicache.kernels.dispatch import KernelBatch, copy_rows, copy_tokens
+
+    batch = KernelBatch()
+    src, dst = layers(2, 6, 1_728, 1), layers(2, 6, 1_728, 2)
+    si, di = torch.tensor([4, 0]), torch.tensor([1, 5])
+    want = expected_rows(src, dst, si, di)
+    assert copy_rows(src, dst, si, di, batch=batch) == "rows_reference"
+    assert_same(dst, want, "rows")
+    fmt = FORMATS["c4_mla_64"]
+    src, dst = layers(2, 2, fmt.page_bytes, 3), layers(2, 2, fmt.page_bytes, 4)
+    si, di = torch.tensor([3, 70]), torch.tensor([65, 1])
+    want = expected_tokens(src, dst, si, di, fmt)
+    assert copy_tokens(src, dst, si, di, fmt, batch=batch) == "tokens_reference"
+    assert_same(dst, want, "tokens")
+    assert batch.flush() == 0
